@@ -1,0 +1,5 @@
+import sys
+
+from kvslim.cli import main
+
+sys.exit(main())

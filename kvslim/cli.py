@@ -1,0 +1,37 @@
+"""``kvslim`` command: one thin sub-command per tool over the same library."""
+from __future__ import annotations
+
+import importlib
+import sys
+
+# sub-command -> (module under kvslim.tools, one-line help)
+COMMANDS = {
+    "quant": ("quant", "measure KV formats on random vectors: bits, error, speed"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: kvslim COMMAND [options]", "", "commands:"]
+    lines += [f"  {name:<8} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "Run 'kvslim COMMAND -h' for the options of one command."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    if argv[0] not in COMMANDS:
+        print(f"kvslim: unknown command {argv[0]!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(f"kvslim.tools.{COMMANDS[argv[0]][0]}")
+    try:
+        return module.main(argv[1:]) or 0
+    except ValueError as err:  # users' mistakes surface as ValueError with a clear message
+        print(f"kvslim {argv[0]}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""The KV format record and the input checks every codec shares.
+
+A format is data (one row of the preset table in ``kvslim.formats``) plus two
+functions, ``encode`` and ``decode``. Sizes are derived from the row, never
+stored twice, so the cache allocator, the planner and ``--help`` agree.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+FP16_MAX = 65504.0
+
+
+@dataclass(frozen=True)
+class FormatSpec:
+    """One row of the preset table.
+
+    Attributes:
+        name: the name users type (``-ctk q8_0``).
+        family: ``float``, ``ggml``, ``turbo`` (MSE TurboQuant) or ``turbo_prod``.
+        block_size: values per block; for turbo formats the largest group, a
+            smaller head dimension forms a single smaller group.
+        code_bits: payload bits per value inside a block.
+        block_header_bytes: bytes of scales/norms per block.
+        summary: one line for ``--help`` and the README.
+        experimental: shown as such in listings.
+    """
+
+    name: str
+    family: str
+    block_size: int
+    code_bits: int
+    block_header_bytes: int
+    summary: str
+    experimental: bool = False
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one full block (header plus packed codes)."""
+        return self.block_header_bytes + self.block_size * self.code_bits // 8
+
+    @property
+    def nominal_bits_per_value(self) -> float:
+        """Bits per value for a full block (head_dim a multiple of block_size)."""
+        return 8.0 * self.block_bytes / self.block_size
+
+
+class KVFormat:
+    """A named KV format: sizes from its spec, coding from its subclass.
+
+    Subclasses implement ``_layout``, ``_encode`` and ``_decode``; this class
+    does the argument checking so every codec refuses bad input the same way.
+    """
+
+    def __init__(self, spec: FormatSpec):
+        self.spec = spec
+
+    # ----- sizes (derived) -------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def blocks(self, head_dim: int) -> tuple[int, int]:
+        """(blocks per row, values per block) for a row of ``head_dim`` values."""
+        self.check_head_dim(head_dim)
+        return self._layout(head_dim)
+
+    def row_bytes(self, head_dim: int) -> int:
+        """Bytes that one vector of ``head_dim`` values occupies when encoded."""
+        n_blocks, block = self.blocks(head_dim)
+        return n_blocks * (self.spec.block_header_bytes + block * self.spec.code_bits // 8)
+
+    def bits_per_value(self, head_dim: int) -> float:
+        """Stored bits per value, headers included."""
+        return 8.0 * self.row_bytes(head_dim) / head_dim
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """Raise ValueError if this format cannot store rows of ``head_dim``."""
+        if not isinstance(head_dim, (int, np.integer)) or isinstance(head_dim, bool) or head_dim <= 0:
+            raise ValueError(f"{self.name}: head_dim must be a positive integer, got {head_dim!r}")
+        self._check_head_dim(int(head_dim))
+
+    # ----- coding ------------------------------------------------------------
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Encode float vectors.
+
+        Args:
+            x: float tensor ``(..., head_dim)`` on any device.
+        Returns:
+            ``torch.uint8`` tensor ``(..., row_bytes(head_dim))`` on the same device.
+        """
+        x = check_float_input(x, self.name)
+        self.check_head_dim(x.shape[-1])
+        limit = self._max_abs()
+        if limit is not None:
+            big = x.abs().amax().item()
+            if big > limit:
+                raise ValueError(f"{self.name}: a value of magnitude {big:.6g} exceeds what the "
+                                 f"format's fp16 fields can represent (about {limit:.6g})")
+        return self._encode(x)
+
+    def decode(self, packed: torch.Tensor, head_dim: int) -> torch.Tensor:
+        """Decode packed rows back to float32 ``(..., head_dim)``."""
+        self.check_head_dim(head_dim)
+        packed = check_packed_input(packed, self.row_bytes(head_dim), self.name, head_dim)
+        return self._decode(packed, head_dim)
+
+    # ----- what subclasses provide ---------------------------------------------
+    def _layout(self, head_dim: int) -> tuple[int, int]:
+        return head_dim // self.spec.block_size, self.spec.block_size
+
+    def _check_head_dim(self, head_dim: int) -> None:
+        if head_dim % self.spec.block_size:
+            raise ValueError(f"{self.name}: head_dim {head_dim} is not a multiple of the "
+                             f"block size {self.spec.block_size}")
+
+    def _max_abs(self) -> float | None:
+        """Largest input magnitude the format stores without overflow (None: no limit)."""
+        return None
+
+    def _encode(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _decode(self, packed: torch.Tensor, head_dim: int) -> torch.Tensor:  # pragma: no cover
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"KVFormat({self.name!r}, {self.spec.nominal_bits_per_value:g} bits/value)"
+
+
+def check_float_input(x, name: str) -> torch.Tensor:
+    """Validate an encode input; numpy arrays are accepted and converted."""
+    if isinstance(x, np.ndarray):
+        x = torch.from_numpy(x)
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise ValueError(f"{name}: expected a floating-point tensor, got dtype {x.dtype}")
+    if x.dim() == 0:
+        raise ValueError(f"{name}: expected a tensor of shape (..., head_dim), got a scalar")
+    if x.numel() == 0:
+        raise ValueError(f"{name}: cannot encode an empty tensor of shape {tuple(x.shape)}")
+    if not bool(torch.isfinite(x).all()):
+        n_bad = int((~torch.isfinite(x)).sum())
+        raise ValueError(f"{name}: input holds {n_bad} NaN or infinite value(s); refusing to encode")
+    return x
+
+
+def check_packed_input(packed, row_bytes: int, name: str, head_dim: int) -> torch.Tensor:
+    """Validate a decode input: uint8, last dimension equal to the row size."""
+    if isinstance(packed, np.ndarray):
+        packed = torch.from_numpy(packed)
+    if not isinstance(packed, torch.Tensor):
+        raise ValueError(f"{name}: expected packed bytes as a torch.Tensor, got {type(packed).__name__}")
+    if packed.dtype != torch.uint8:
+        raise ValueError(f"{name}: packed data must be torch.uint8, got {packed.dtype}")
+    if packed.dim() == 0 or packed.shape[-1] != row_bytes:
+        got = "a scalar" if packed.dim() == 0 else f"{packed.shape[-1]} bytes per row"
+        raise ValueError(f"{name}: head_dim {head_dim} needs {row_bytes} bytes per row, got {got}")
+    return packed
+
+
+def fp16_bytes(v: torch.Tensor) -> torch.Tensor:
+    """fp32 (...,) -> (..., 2) uint8, little-endian IEEE half (round to nearest even)."""
+    return v.to(torch.float16).contiguous().view(torch.uint8).reshape(*v.shape, 2)
+
+
+def fp16_from_bytes(b: torch.Tensor) -> torch.Tensor:
+    """(..., 2) uint8 -> (...,) float32."""
+    return b.contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def is_power_of_two(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+__all__ = ["FormatSpec", "KVFormat", "FP16_MAX", "fp16_bytes", "fp16_from_bytes",
+           "check_float_input", "check_packed_input", "is_power_of_two", "ceil_div"]

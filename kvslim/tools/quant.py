@@ -1,0 +1,52 @@
+"""``kvslim quant``: every KV format measured on the same random vectors."""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from .. import formats
+from ..formats.stats import measure
+from .common import markdown_table, to_csv, to_json, to_jsonl
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvslim quant", description=__doc__,
+                                epilog="types: " + ", ".join(formats.names()))
+    p.add_argument("-t", "--type", default=",".join(formats.names()),
+                   help="comma list of KV types to measure (default: all)")
+    p.add_argument("--n", type=int, default=20000, help="number of random N(0,1) vectors")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--queries", type=int, default=256, help="random query vectors for inner products")
+    p.add_argument("-r", "--repetitions", type=int, default=3, help="timing repetitions (best is kept)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-o", "--output", choices=["md", "json", "jsonl", "csv"], default="md")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    if args.n < 1 or args.queries < 1 or args.repetitions < 1:
+        raise ValueError("--n, --queries and -r must be at least 1")
+    fmts = formats.parse_list(args.type)
+    gen = torch.Generator().manual_seed(args.seed)
+    x = torch.randn(args.n, args.head_dim, generator=gen)
+    q = torch.randn(args.queries, args.head_dim, generator=gen)
+    records = [measure(f, x, q, args.repetitions).as_dict() for f in fmts]
+    if args.output == "json":
+        print(to_json(records))
+    elif args.output == "jsonl":
+        print(to_jsonl(records))
+    elif args.output == "csv":
+        print(to_csv(records))
+    else:
+        print(render(records, args.n))
+    return 0
+
+
+def render(records: list[dict], n: int) -> str:
+    headers = ["type", "bits/value", "nmse", "ip rel err", "ip bias", "encode vec/s", "decode vec/s"]
+    rows = [[r["type"], f"{r['bits_per_value']:.3f}", f"{r['nmse']:.6f}", f"{r['ip_rel_err']:.5f}",
+             f"{r['ip_bias']:+.5f}", f"{r['encode_vps']:,.0f}", f"{r['decode_vps']:,.0f}"] for r in records]
+    head = f"head_dim {records[0]['head_dim']}, {n} vectors drawn N(0,1); nmse = ||x - x_hat||^2 / ||x||^2\n\n"
+    return head + markdown_table(headers, rows, ["l"] + ["r"] * 6)
