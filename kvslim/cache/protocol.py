@@ -1,0 +1,41 @@
+"""The cache protocol every layer cache implements.
+
+A model's ``make_cache()`` returns one object per layer; the engine only uses
+these methods, so attention layers (``KVCache``) and linear-attention layers
+(``RecurrentStateCache``) are interchangeable from its point of view.
+"""
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class LayerCache(Protocol):
+    """Per-layer storage for several sequences (slots)."""
+
+    kind: str        # "kv" or "recurrent": what the file format and the planner see
+    n_slots: int
+
+    def offset(self, slot: int) -> int:
+        """Tokens this slot has absorbed so far."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes actually allocated now, all slots."""
+
+    def trim(self, slot: int, n_tokens: int) -> None:
+        """Keep the first ``n_tokens`` of ``slot`` (refused where the layer cannot rewind)."""
+
+    def clear(self, slot: int) -> None:
+        """Forget ``slot`` and release its memory."""
+
+    def state(self, slot: int) -> dict[str, torch.Tensor]:
+        """Exact contents of one slot as named tensors (for saving)."""
+
+    def load_state(self, slot: int, tensors: dict[str, torch.Tensor], n_tokens: int) -> None:
+        """Replace one slot's contents with what ``state`` returned."""
+
+    def describe(self) -> dict:
+        """Formats and shapes, for checking a saved file against this cache."""

@@ -1,0 +1,75 @@
+"""Per-layer byte accounting: what one layer's cache costs, from the formats table.
+
+The allocator (``KVCache``, ``RecurrentStateCache``) sizes its buffers from
+these specs and the planner sums them, so there is one formula, here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import formats
+from ..formats.base import ceil_div
+
+STATE_DTYPE_BYTES = 4  # DeltaNet conv and recurrent state are kept in fp32
+
+
+@dataclass(frozen=True)
+class KVLayerSpec:
+    """An attention layer's KV cache: K and V formats chosen independently."""
+
+    n_kv_heads: int
+    head_dim: int
+    type_k: str = "f16"
+    type_v: str = "f16"
+
+    def __post_init__(self):
+        if self.n_kv_heads < 1 or self.head_dim < 1:
+            raise ValueError(f"n_kv_heads and head_dim must be positive, got {self.n_kv_heads}, {self.head_dim}")
+        formats.get(self.type_k).check_head_dim(self.head_dim)
+        formats.get(self.type_v).check_head_dim(self.head_dim)
+
+    @property
+    def k_row_bytes(self) -> int:
+        return formats.get(self.type_k).row_bytes(self.head_dim)
+
+    @property
+    def v_row_bytes(self) -> int:
+        return formats.get(self.type_v).row_bytes(self.head_dim)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K plus V bytes for one token of one sequence, all KV heads."""
+        return self.n_kv_heads * (self.k_row_bytes + self.v_row_bytes)
+
+    def bytes_for(self, n_tokens: int, page_size: int = 1) -> int:
+        """Allocated bytes for ``n_tokens`` of one sequence stored in pages of ``page_size``."""
+        return ceil_div(n_tokens, page_size) * page_size * self.bytes_per_token
+
+
+@dataclass(frozen=True)
+class StateLayerSpec:
+    """A linear-attention (Gated DeltaNet) layer's fixed-size state per sequence.
+
+    conv state: the last ``conv_kernel - 1`` inputs of the depthwise conv, (conv_dim, kernel - 1);
+    recurrent state: one (k_head_dim, v_head_dim) matrix per value head.
+    """
+
+    conv_dim: int
+    conv_kernel: int
+    n_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+
+    @property
+    def conv_shape(self) -> tuple[int, int]:
+        return (self.conv_dim, self.conv_kernel - 1)
+
+    @property
+    def recurrent_shape(self) -> tuple[int, int, int]:
+        return (self.n_v_heads, self.k_head_dim, self.v_head_dim)
+
+    @property
+    def bytes_per_slot(self) -> int:
+        conv = self.conv_dim * (self.conv_kernel - 1)
+        rec = self.n_v_heads * self.k_head_dim * self.v_head_dim
+        return (conv + rec) * STATE_DTYPE_BYTES
