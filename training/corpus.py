@@ -99,6 +99,7 @@ class Package:
     licence: str
 
     def manifest_entry(self) -> dict:
+        """What the manifest records about this package."""
         return {
             "name": self.name,
             "version": self.version,
@@ -277,6 +278,7 @@ def normalise(text: str) -> str:
 
 
 def non_ascii_share(text: str) -> float:
+    """Share of characters outside ASCII (a cheap not-English signal)."""
     return sum(1 for ch in text if ord(ch) > 127) / max(1, len(text))
 
 
@@ -392,6 +394,7 @@ _RST_TABLE_BORDER = re.compile(r"^\s*(?:\+[-=+]+\+|[=\-]{2,}(?:\s+[=\-]{2,})+)\s
 
 
 def _indent_of(line: str) -> int:
+    """Number of leading spaces (tabs are expanded before parsing)."""
     return len(line) - len(line.lstrip(" "))
 
 
@@ -416,12 +419,14 @@ def _block_end(lines: list[str], start: int, indent: int) -> int:
 
 
 def _dedent(lines: list[str]) -> list[str]:
+    """Remove the indentation common to all non-blank lines."""
     widths = [_indent_of(line) for line in lines if line.strip()]
     cut = min(widths, default=0)
     return [line[cut:] for line in lines]
 
 
 def _reindent(items: list[tuple[str, bool]], indent: int) -> list[tuple[str, bool]]:
+    """Shift rendered items back to the indentation of their directive."""
     pad = " " * indent
     return [(pad + line if line else line, literal) for line, literal in items]
 
@@ -588,41 +593,40 @@ def rst_blocks(lines: list[str]) -> list[tuple[str, bool]]:
         if explicit:
             end = _block_end(lines, i + 1, indent)
             items += _reindent(_render_explicit(explicit.group(2) or "", lines[i + 1:end]), indent)
-            i = end
-            continue
-        if _RST_GRID_BORDER.match(line):
+        elif _RST_GRID_BORDER.match(line):
             end = i
             while end < len(lines) and lines[end].lstrip().startswith(("+", "|")):
                 end += 1
-            items += [(row, False) for row in _grid_table_rows(lines[i:end])]
-            items.append(("", False))
-            i = end
-            continue
-        if stripped.startswith(">>>") and (i == 0 or not lines[i - 1].strip()):
+            items += [(row, False) for row in _grid_table_rows(lines[i:end])] + [("", False)]
+        elif stripped.startswith(">>>") and (i == 0 or not lines[i - 1].strip()):
             end = i  # doctest block: runs to the next blank line
             while end < len(lines) and lines[end].strip():
                 end += 1
             items += [(text, True) for text in lines[i:end]]
-            i = end
-            continue
-        if stripped.endswith("::"):
-            intro = _literal_intro(stripped)
-            if intro:
-                items.append((line[:len(line) - len(stripped)] + intro, False))
-            j = i + 1
-            while j < len(lines) and not lines[j].strip():
-                j += 1
-            if j < len(lines) and _indent_of(lines[j]) > _text_indent(line):
-                end = _block_end(lines, j, _text_indent(line))
-                items.append(("", False))
-                items += [(text, True) for text in lines[j:end]]
-                i = end
-            else:
-                i += 1
-            continue
-        items.append((line, False))
-        i += 1
+        elif stripped.endswith("::"):
+            block, end = _literal_block(lines, i)
+            items += block
+        else:
+            items.append((line, False))
+            end = i + 1
+        i = end
     return items
+
+
+def _literal_block(lines: list[str], i: int) -> tuple[list[tuple[str, bool]], int]:
+    """Render the paragraph line ending in '::' at lines[i] and the indented
+    literal block after it; return the items and the index after them."""
+    line = lines[i]
+    stripped = line.strip()
+    intro = _literal_intro(stripped)
+    items = [(line[:len(line) - len(stripped)] + intro, False)] if intro else []
+    j = i + 1
+    while j < len(lines) and not lines[j].strip():
+        j += 1
+    if j < len(lines) and _indent_of(lines[j]) > _text_indent(line):
+        end = _block_end(lines, j, _text_indent(line))
+        return items + [("", False)] + [(text, True) for text in lines[j:end]], end
+    return items, i + 1  # "::" with no indented block after it
 
 
 _RST_INLINE = re.compile(
@@ -688,6 +692,18 @@ def rst_inline(text: str) -> str:
     return "".join(out)
 
 
+def _unindent_titles(items: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
+    """Section titles may be indented under an overline; unindent the lines
+    right above and below each adornment."""
+    items = list(items)
+    for k, (line, literal) in enumerate(items):
+        if not literal and _RST_ADORNMENT.match(line):
+            for near in (k - 1, k + 1):
+                if 0 <= near < len(items) and not items[near][1]:
+                    items[near] = (items[near][0].lstrip(), False)
+    return items
+
+
 def rst_to_text(source: str) -> str:
     """Convert reStructuredText to readable plain text.
 
@@ -705,15 +721,7 @@ def rst_to_text(source: str) -> str:
             out.extend(rst_inline("\n".join(paragraph)).split("\n"))
             paragraph.clear()
 
-    items = rst_blocks(lines)
-    for k, (line, literal) in enumerate(items):
-        if not literal and _RST_ADORNMENT.match(line):
-            # Section titles may be indented under an overline; unindent
-            # the lines right above and below the adornment.
-            for near in (k - 1, k + 1):
-                if 0 <= near < len(items) and not items[near][1]:
-                    items[near] = (items[near][0].lstrip(), False)
-    for line, literal in items:
+    for line, literal in _unindent_titles(rst_blocks(lines)):
         if literal:
             flush()
             out.append(line)
@@ -810,6 +818,8 @@ class HTMLText(html.parser.HTMLParser):
 
 def html_to_text(markup: str, skip_classes: set[str] = frozenset(),
                  skip_ids: set[str] = frozenset()) -> str:
+    """Readable text of an HTML page, without elements of the given
+    classes or ids (navigation, tables of contents, index anchors)."""
     parser = HTMLText(set(skip_classes), set(skip_ids))
     parser.feed(markup)
     parser.close()
@@ -850,6 +860,8 @@ def parse_r(data: bytes | Path):
 
 
 def convert_r(parsed):
+    """Parsed R data to Python: vectors to numpy arrays, lists to dicts,
+    data frames to dicts of columns."""
     rdata = _rdata()
     classes = {**rdata.conversion.DEFAULT_CLASS_MAP,
                "data.frame": _columns, "tbl_df": _columns, "tbl": _columns}
@@ -933,6 +945,7 @@ def split_chapters(slug: str, lines: list[str]) -> list[Document]:
 
 
 def extract_austen(pkgs: list[Package]) -> list[Document]:
+    """Chapters of the six novels in janeaustenr's lazy-load data."""
     stems = list(pkgs[0].root.glob("usr/lib/R/site-library/janeaustenr/data/Rdata.rdx"))
     if not stems:
         raise SourceUnavailable("janeaustenr data (data/Rdata.rdx) not found in package")
@@ -949,6 +962,8 @@ CLASSICS_EXCLUDE = {"Pride and Prejudice"}
 
 
 def extract_classics(pkgs: list[Package]) -> list[Document]:
+    """Chapters of the novels in tidytext's books.rda (a line-per-row table
+    with text and title columns)."""
     found = list(pkgs[0].root.glob("usr/lib/R/site-library/tidytext/**/books.rda"))
     if not found:
         raise SourceUnavailable("tidytext package ships no books.rda")
@@ -1029,6 +1044,7 @@ PYTHON_DOCS_SKIP = {"contents", "copyright", "license"}
 
 
 def extract_python_docs(pkgs: list[Package]) -> list[Document]:
+    """One document per reStructuredText source of the HTML docs."""
     sources = sorted(pkgs[0].root.glob("usr/share/doc/python3*/html/_sources"))
     if not sources:
         raise SourceUnavailable("no html/_sources directory in the Python docs package")
@@ -1042,6 +1058,7 @@ def extract_python_docs(pkgs: list[Package]) -> list[Document]:
 
 
 def extract_kernel_docs(pkgs: list[Package]) -> list[Document]:
+    """One document per Documentation/**/*.rst.gz, translations excluded."""
     roots = sorted(pkgs[0].root.glob("usr/share/doc/linux-doc-*/Documentation"))
     if not roots:
         raise SourceUnavailable("no Documentation directory in the linux-doc package")
@@ -1060,6 +1077,7 @@ HANDBOOK_SKIP_IDS = {"banner", "title"}
 
 
 def extract_handbook(pkgs: list[Package]) -> list[Document]:
+    """One document per English HTML page (chapter intro or section)."""
     pages = sorted(pkgs[0].root.glob("usr/share/doc/debian-handbook/html/en-US/*.html"))
     if not pages:
         raise SourceUnavailable("no English (en-US) HTML in debian-handbook")
@@ -1078,6 +1096,7 @@ PERL_SKIP = {"perltoc", "perluniprops", "perlgpl", "perlartistic"}
 
 
 def extract_perl_docs(pkgs: list[Package]) -> list[Document]:
+    """One document per core .pod file, rendered by pod2text."""
     if not shutil.which("pod2text"):
         raise SourceUnavailable("pod2text not found (it ships with perl)")
     pods = sorted(pkgs[0].root.glob("usr/share/perl/*/pod/*.pod"))
@@ -1102,6 +1121,7 @@ _OVERSTRIKE = re.compile(r".\x08")  # "_\bX" underline / "X\bX" bold
 
 
 def read_fortune_file(path: Path) -> list[str]:
+    """The fortunes of one strfile source file ('%' lines separate them)."""
     raw = path.read_bytes()
     try:
         text = raw.decode("utf-8")
@@ -1203,10 +1223,12 @@ SOURCES_BY_NAME = {source.name: source for source in SOURCES}
 
 
 def outputs(data_dir: Path, name: str) -> tuple[Path, Path]:
+    """The train and held-out file of a source."""
     return data_dir / f"{name}.train.txt", data_dir / f"{name}.heldout.txt"
 
 
 def load_manifest(data_dir: Path) -> dict:
+    """The manifest of earlier runs, so that --only keeps other sources."""
     path = data_dir / "manifest.json"
     if path.exists():
         return json.loads(path.read_text(encoding="utf-8"))
@@ -1265,6 +1287,7 @@ def build_source(source: Source, cache: Path, data_dir: Path) -> dict:
 
 
 def human(n: int) -> str:
+    """Byte count for people: '3.91 MB', '106 KB'."""
     return f"{n / 1e6:.2f} MB" if n >= 1e6 else f"{n / 1e3:.0f} KB"
 
 
@@ -1304,6 +1327,7 @@ def write_sources_md(manifest: dict, path: Path) -> None:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Command line; unknown --only names are an error, not a silent no-op."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", action="append", metavar="NAME",
                         help="build only this source (repeatable); see --list")
@@ -1320,7 +1344,43 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def run_source(source: Source, args: argparse.Namespace, manifest: dict) -> str:
+    """Build one source unless already built; record the outcome in the
+    manifest.  Returns 'skipped', 'built', 'unavailable' or 'crashed'."""
+    train_path, heldout_path = outputs(args.data_dir, source.name)
+    done = train_path.exists() and heldout_path.exists() and source.name in manifest["sources"]
+    if done and not args.force:
+        log(f"{source.name}: outputs exist, skipping (use --force to rebuild)")
+        return "skipped"
+    log(f"{source.name}: building ({source.description})")
+    try:
+        entry = build_source(source, args.cache_dir, args.data_dir)
+    except SourceUnavailable as exc:
+        log(f"{source.name}: SKIPPED: {exc}")
+        manifest["failed"][source.name] = str(exc)
+        return "unavailable"
+    except Exception as exc:  # a bug in one extractor must not stop the rest
+        traceback.print_exc()
+        log(f"{source.name}: FAILED: {exc!r}")
+        manifest["failed"][source.name] = f"internal error: {exc!r}"
+        return "crashed"
+    manifest["sources"][source.name] = entry
+    manifest["failed"].pop(source.name, None)
+    # Save after each source so an interrupted run keeps its progress.
+    save_manifest(args.data_dir, manifest)
+    log(f"{source.name}: train {human(entry['train']['bytes'])} "
+        f"({entry['train']['documents']} docs), held out "
+        f"{human(entry['heldout']['bytes'])} ({entry['heldout']['documents']} docs), "
+        f"dropped {entry['dropped']}, {entry['seconds']} s")
+    return "built"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Build the selected sources, then rewrite manifest.json and SOURCES.md.
+
+    Exit status 1 only if an extractor crashed; unavailable packages are
+    logged and recorded but are not an error.
+    """
     args = parse_args(argv)
     if args.list:
         for source in SOURCES:
@@ -1332,34 +1392,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     manifest.setdefault("sources", {})
     manifest.setdefault("failed", {})
     selected = [SOURCES_BY_NAME[n] for n in args.only] if args.only else SOURCES
-    started, crashed = time.monotonic(), False
-    for source in selected:
-        train_path, heldout_path = outputs(args.data_dir, source.name)
-        done = train_path.exists() and heldout_path.exists() and source.name in manifest["sources"]
-        if done and not args.force:
-            log(f"{source.name}: outputs exist, skipping (use --force to rebuild)")
-            continue
-        log(f"{source.name}: building ({source.description})")
-        try:
-            entry = build_source(source, args.cache_dir, args.data_dir)
-        except SourceUnavailable as exc:
-            log(f"{source.name}: SKIPPED: {exc}")
-            manifest["failed"][source.name] = str(exc)
-            continue
-        except Exception as exc:  # keep going; report at the end
-            traceback.print_exc()
-            log(f"{source.name}: FAILED: {exc!r}")
-            manifest["failed"][source.name] = f"internal error: {exc!r}"
-            crashed = True
-            continue
-        manifest["sources"][source.name] = entry
-        manifest["failed"].pop(source.name, None)
-        # Save after each source so an interrupted run keeps its progress.
-        save_manifest(args.data_dir, manifest)
-        log(f"{source.name}: train {human(entry['train']['bytes'])} "
-            f"({entry['train']['documents']} docs), held out "
-            f"{human(entry['heldout']['bytes'])} ({entry['heldout']['documents']} docs), "
-            f"dropped {entry['dropped']}, {entry['seconds']} s")
+    started = time.monotonic()
+    results = [run_source(source, args, manifest) for source in selected]
     manifest["sources"] = {s.name: manifest["sources"][s.name]
                            for s in SOURCES if s.name in manifest["sources"]}
     save_manifest(args.data_dir, manifest)
@@ -1368,7 +1402,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log(f"done in {time.monotonic() - started:.0f} s: {human(totals['bytes'])} in "
         f"{totals['documents']} documents across {len(manifest['sources'])} sources"
         + (f"; not built: {', '.join(manifest['failed'])}" if manifest["failed"] else ""))
-    return 1 if crashed else 0
+    return 1 if "crashed" in results else 0
 
 
 if __name__ == "__main__":

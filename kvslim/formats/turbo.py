@@ -23,12 +23,14 @@ import math
 import torch
 
 from .base import FP16_MAX, KVFormat, ceil_div, fp16_bytes, fp16_from_bytes
-from .bitpack import pack_bits, packed_bytes, unpack_bits
+from .bitpack import byte_table, pack_bits, packed_bytes, unpack_bits
 from .codebook import lloyd_max
 from .rotation import gaussian_matrix, rotation_matrix
 
 DEFAULT_SEED = 0x5EED
 MAX_GROUP = 128
+_BYTE_TABLES: dict[tuple[int, int, str], torch.Tensor] = {}
+_CODEBOOKS: dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 class TurboFormat(KVFormat):
@@ -62,10 +64,13 @@ class TurboFormat(KVFormat):
 
     # ----- pieces the attention path reuses -----------------------------------------
     def codebook(self, group: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(centroids, boundaries) as float32 tensors on ``device``."""
-        cb = lloyd_max(group, self.mse_bits)
-        return (torch.tensor(cb.centroids, dtype=torch.float32, device=device),
-                torch.tensor(cb.boundaries, dtype=torch.float32, device=device))
+        """(centroids, boundaries) as float32 tensors on ``device`` (cached per device)."""
+        key = (group, self.mse_bits, str(device))
+        if key not in _CODEBOOKS:
+            cb = lloyd_max(group, self.mse_bits)
+            _CODEBOOKS[key] = (torch.tensor(cb.centroids, dtype=torch.float32, device=device),
+                               torch.tensor(cb.boundaries, dtype=torch.float32, device=device))
+        return _CODEBOOKS[key]
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """Rotate (..., head_dim) group by group into the coded domain."""
@@ -111,13 +116,25 @@ class TurboFormat(KVFormat):
         scale = fp16_from_bytes(row[..., :2])
         off = 4 if self.qjl else 2
         code_len = packed_bytes(g, self.mse_bits)
-        y = centroids[unpack_bits(row[..., off:off + code_len], self.mse_bits, g)]
+        y = self._lookup(row[..., off:off + code_len], centroids, g)
         if self.qjl:
             signs = unpack_bits(row[..., off + code_len:], 1, g).float() * 2 - 1
             rnorm = fp16_from_bytes(row[..., 2:4])
             gain = rnorm * (math.sqrt(math.pi / 2) / g)
             y = y + gain.unsqueeze(-1) * (signs @ gaussian_matrix(g, self.seed, packed.device))
         return (y * scale.unsqueeze(-1)).reshape(*packed.shape[:-1], head_dim)
+
+    def _lookup(self, code_bytes: torch.Tensor, centroids: torch.Tensor, g: int) -> torch.Tensor:
+        """Centroid values (N, G, g) of packed codes (N, G, g*bits/8)."""
+        bits = self.mse_bits
+        if 8 % bits:
+            return centroids[unpack_bits(code_bytes, bits, g)]
+        key = (g, bits, str(code_bytes.device))
+        table = _BYTE_TABLES.get(key)
+        if table is None:
+            table = _BYTE_TABLES[key] = byte_table(centroids, bits)
+        vals = torch.nn.functional.embedding(code_bytes.int(), table)        # (N, G, bytes, 8/bits)
+        return vals.reshape(*code_bytes.shape[:-1], g)
 
     def _decode(self, packed: torch.Tensor, head_dim: int) -> torch.Tensor:
         return self.unrotate(self.decode_rotated(packed, head_dim))
