@@ -135,3 +135,12 @@ def test_cuda_matches_cpu(name):
     mismatch = (a != b).any(-1).float().mean().item()
     assert mismatch < 0.001
     assert torch.allclose(fmt.decode(a, 128), fmt.decode(a.cuda(), 128).cpu(), atol=1e-5)
+
+
+def test_decoded_tensor_never_aliases_the_stored_bytes():
+    for name in ("f32", "f16", "q8_0", "turbo4"):
+        fmt = formats.get(name)
+        packed = fmt.encode(torch.randn(2, 128))
+        before = packed.clone()
+        fmt.decode(packed, 128).add_(1.0)
+        assert torch.equal(packed, before)

@@ -30,4 +30,5 @@ class FloatFormat(KVFormat):
         return y.view(torch.uint8).reshape(*x.shape[:-1], -1)
 
     def _decode(self, packed: torch.Tensor, head_dim: int) -> torch.Tensor:
-        return packed.contiguous().view(self.dtype).float()
+        # copy=True: for f32 a plain view would alias the stored bytes.
+        return packed.contiguous().view(self.dtype).to(torch.float32, copy=True)
