@@ -39,16 +39,17 @@ def attend(cache: KVCache, slot: int, q: torch.Tensor, scale: float | None = Non
     n_kv, rows, dim = qf.shape
     chunk = chunk_tokens or _chunk_for(rows * n_kv)
     rot_k, rot_v = isinstance(cache.fmt_k, TurboFormat), isinstance(cache.fmt_v, TurboFormat)
+    first_q = cache.offset(slot) - q.shape[0]
     q_k = cache.fmt_k.rotate(qf) if rot_k else qf
     acc = _OnlineSoftmax(n_kv, rows, dim, qf.device)
     for start, kb, vb in cache.packed_chunks(slot, chunk):
         k = (cache.fmt_k.decode_rotated(kb, dim) if rot_k else cache.fmt_k.decode(kb, dim))
         v = (cache.fmt_v.decode_rotated(vb, dim) if rot_v else cache.fmt_v.decode(vb, dim))
-        acc.update(_masked_scores(q_k, k, start, q_pos), v.transpose(0, 1))
+        acc.update(_masked_scores(q_k, k, start, q_pos, first_q), v.transpose(0, 1))
     start, wk, wv = cache.window(slot)
     if wk.shape[0]:
         v = wv.float()
-        acc.update(_masked_scores(qf, wk.float(), start, q_pos),
+        acc.update(_masked_scores(qf, wk.float(), start, q_pos, first_q),
                    (cache.fmt_v.rotate(v) if rot_v else v).transpose(0, 1))
     out = acc.result()
     return _finish(cache.fmt_v.unrotate(out) if rot_v else out, shape)
@@ -99,10 +100,11 @@ def _chunk_for(score_rows: int) -> int:
     return max(MIN_CHUNK, min(MAX_CHUNK, SCORE_BUDGET_BYTES // (4 * max(score_rows, 1))))
 
 
-def _masked_scores(q: torch.Tensor, k: torch.Tensor, start: int, q_pos: torch.Tensor) -> torch.Tensor:
-    """Scores (H_kv, rows, n) of queries against keys (n, H_kv, D) starting at ``start``."""
+def _masked_scores(q: torch.Tensor, k: torch.Tensor, start: int, q_pos: torch.Tensor, first_q: int) -> torch.Tensor:
+    """Scores (H_kv, rows, n) of queries against keys (n, H_kv, D) starting at ``start``;
+    ``first_q`` is the earliest query position, known on the host (no device sync)."""
     scores = q @ k.permute(1, 2, 0)
-    if start + k.shape[0] - 1 > int(q_pos.min()):                    # some keys lie in a query's future
+    if start + k.shape[0] - 1 > first_q:                              # some keys lie in a query's future
         k_pos = torch.arange(start, start + k.shape[0], device=q.device)
         scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
     return scores
