@@ -37,10 +37,14 @@ class FormatSpec:
     summary: str
     experimental: bool = False
 
+    def bytes_for_block(self, values: int) -> int:
+        """Bytes of a block of ``values`` values (header plus packed codes)."""
+        return self.block_header_bytes + values * self.code_bits // 8
+
     @property
     def block_bytes(self) -> int:
-        """Bytes of one full block (header plus packed codes)."""
-        return self.block_header_bytes + self.block_size * self.code_bits // 8
+        """Bytes of one full block."""
+        return self.bytes_for_block(self.block_size)
 
     @property
     def nominal_bits_per_value(self) -> float:
@@ -71,7 +75,7 @@ class KVFormat:
     def row_bytes(self, head_dim: int) -> int:
         """Bytes that one vector of ``head_dim`` values occupies when encoded."""
         n_blocks, block = self.blocks(head_dim)
-        return n_blocks * (self.spec.block_header_bytes + block * self.spec.code_bits // 8)
+        return n_blocks * self.spec.bytes_for_block(block)
 
     def bits_per_value(self, head_dim: int) -> float:
         """Stored bits per value, headers included."""
@@ -163,6 +167,18 @@ def check_packed_input(packed, row_bytes: int, name: str, head_dim: int) -> torc
     return packed
 
 
+_DEVICE_CACHE: dict[tuple, torch.Tensor] = {}
+
+
+def cached_on(device, key: tuple, build):
+    """``build()`` moved to ``device``, built once per (key, device): rotations,
+    codebooks and lookup tables are constants that every call would otherwise rebuild."""
+    full = (*key, str(device))
+    if full not in _DEVICE_CACHE:
+        _DEVICE_CACHE[full] = build().to(device)
+    return _DEVICE_CACHE[full]
+
+
 def fp16_bytes(v: torch.Tensor) -> torch.Tensor:
     """fp32 (...,) -> (..., 2) uint8, little-endian IEEE half (round to nearest even)."""
     return v.to(torch.float16).contiguous().view(torch.uint8).reshape(*v.shape, 2)
@@ -182,4 +198,4 @@ def ceil_div(a: int, b: int) -> int:
 
 
 __all__ = ["FormatSpec", "KVFormat", "FP16_MAX", "fp16_bytes", "fp16_from_bytes",
-           "check_float_input", "check_packed_input", "is_power_of_two", "ceil_div"]
+           "check_float_input", "check_packed_input", "is_power_of_two", "ceil_div", "cached_on"]

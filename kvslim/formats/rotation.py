@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from .base import is_power_of_two
+from .base import cached_on, is_power_of_two
 
 
 def hadamard(n: int) -> torch.Tensor:
@@ -24,8 +24,7 @@ def hadamard(n: int) -> torch.Tensor:
 
 
 def _generator(seed: int, n: int, salt: int) -> torch.Generator:
-    g = torch.Generator().manual_seed((seed * 1_000_003 + n * 7919 + salt) % (1 << 62))
-    return g
+    return torch.Generator().manual_seed((seed * 1_000_003 + n * 7919 + salt) % (1 << 62))
 
 
 @functools.lru_cache(maxsize=None)
@@ -42,15 +41,9 @@ def _rotation_cpu(n: int, seed: int) -> torch.Tensor:
     return r.float().contiguous()
 
 
-_DEVICE_CACHE: dict[tuple[int, int, str], torch.Tensor] = {}
-
-
 def rotation_matrix(n: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Orthogonal (n, n) float32 matrix R; a vector x rotates as ``x @ R.T``."""
-    key = (n, seed, str(device))
-    if key not in _DEVICE_CACHE:
-        _DEVICE_CACHE[key] = _rotation_cpu(n, seed).to(device)
-    return _DEVICE_CACHE[key]
+    return cached_on(device, ("rotation", n, seed), lambda: _rotation_cpu(n, seed))
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,7 +53,4 @@ def _gaussian_cpu(n: int, seed: int) -> torch.Tensor:
 
 def gaussian_matrix(n: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Seeded (n, n) matrix of N(0, 1) entries: the QJL sketch of the product variant."""
-    key = (-n, seed, str(device))
-    if key not in _DEVICE_CACHE:
-        _DEVICE_CACHE[key] = _gaussian_cpu(n, seed).to(device)
-    return _DEVICE_CACHE[key]
+    return cached_on(device, ("qjl", n, seed), lambda: _gaussian_cpu(n, seed))

@@ -22,15 +22,13 @@ import math
 
 import torch
 
-from .base import FP16_MAX, KVFormat, ceil_div, fp16_bytes, fp16_from_bytes
+from .base import FP16_MAX, KVFormat, cached_on, ceil_div, fp16_bytes, fp16_from_bytes
 from .bitpack import byte_table, pack_bits, packed_bytes, unpack_bits
 from .codebook import lloyd_max
 from .rotation import gaussian_matrix, rotation_matrix
 
 DEFAULT_SEED = 0x5EED
 MAX_GROUP = 128
-_BYTE_TABLES: dict[tuple[int, int, str], torch.Tensor] = {}
-_CODEBOOKS: dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 class TurboFormat(KVFormat):
@@ -65,12 +63,9 @@ class TurboFormat(KVFormat):
     # ----- pieces the attention path reuses -----------------------------------------
     def codebook(self, group: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(centroids, boundaries) as float32 tensors on ``device`` (cached per device)."""
-        key = (group, self.mse_bits, str(device))
-        if key not in _CODEBOOKS:
-            cb = lloyd_max(group, self.mse_bits)
-            _CODEBOOKS[key] = (torch.tensor(cb.centroids, dtype=torch.float32, device=device),
-                               torch.tensor(cb.boundaries, dtype=torch.float32, device=device))
-        return _CODEBOOKS[key]
+        cb = lloyd_max(group, self.mse_bits)
+        return (cached_on(device, ("centroids", group, self.mse_bits), lambda: torch.tensor(cb.centroids).float()),
+                cached_on(device, ("boundaries", group, self.mse_bits), lambda: torch.tensor(cb.boundaries).float()))
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """Rotate (..., head_dim) group by group into the coded domain."""
@@ -129,10 +124,7 @@ class TurboFormat(KVFormat):
         bits = self.mse_bits
         if 8 % bits:
             return centroids[unpack_bits(code_bytes, bits, g)]
-        key = (g, bits, str(code_bytes.device))
-        table = _BYTE_TABLES.get(key)
-        if table is None:
-            table = _BYTE_TABLES[key] = byte_table(centroids, bits)
+        table = cached_on(code_bytes.device, ("byte_table", g, bits), lambda: byte_table(centroids, bits))
         vals = torch.nn.functional.embedding(code_bytes.int(), table)        # (N, G, bytes, 8/bits)
         return vals.reshape(*code_bytes.shape[:-1], g)
 
