@@ -1,0 +1,64 @@
+"""The decoder-only skeleton every model file fills in, and its cache protocol.
+
+A model file supplies a config dataclass (``from_dict``, ``cache_layout``) and
+its decoder layers; this module holds what they all share: embedding, final
+norm, LM head (tied or not), RoPE tables and ``make_cache``, which builds one
+cache per layer exactly as the config's layout declares (the engine never
+guesses which layer needs what).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..cache import KVCache, KVLayerSpec, RecurrentStateCache, StateLayerSpec
+from .batch import Batch
+from .layers import RMSNorm, Rope
+
+
+class CausalLM(nn.Module):
+    """embed_tokens -> layers -> norm -> lm_head, over a flattened :class:`Batch`."""
+
+    def __init__(self, config, layers: list[nn.Module], rope: Rope, zero_centered_norm: bool):
+        super().__init__()
+        self.config = config
+        self.model = nn.Module()                                    # keeps HF's "model." prefix
+        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.model.layers = nn.ModuleList(layers)
+        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered_norm)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
+                                                                          bias=False)
+        self.rope = rope
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @torch.inference_mode()
+    def forward(self, batch: Batch, caches: list, all_logits: bool = False) -> torch.Tensor:
+        """Run the batch through every layer, appending to ``caches``.
+
+        Returns float32 logits: one row per segment (its last token), or one per
+        token with ``all_logits``.
+        """
+        x = self.model.embed_tokens(batch.tokens)
+        rope = self.rope.tables(batch.positions, x.dtype)
+        for layer, cache in zip(self.model.layers, caches):
+            x = layer(x, batch, cache, rope)
+        if not all_logits:
+            x = x[batch.last_rows]
+        return torch.nn.functional.linear(self.model.norm(x), self.output_weight).float()
+
+    def make_cache(self, ctx: int, n_slots: int = 1, type_k: str = "f16", type_v: str = "f16",
+                   device: torch.device | str | None = None, **kv_options) -> list:
+        """One cache per layer, from the config's declared layout."""
+        device = device or self.model.embed_tokens.weight.device
+        caches = []
+        for spec in self.config.cache_layout(type_k, type_v):
+            if isinstance(spec, KVLayerSpec):
+                caches.append(KVCache(spec, ctx, n_slots, device=device, **kv_options))
+            elif isinstance(spec, StateLayerSpec):
+                caches.append(RecurrentStateCache(spec, n_slots, device=device))
+            else:
+                raise TypeError(f"unknown layer cache spec {spec!r}")
+        return caches

@@ -1,0 +1,58 @@
+"""What one forward pass processes: several sequences' new tokens, flattened.
+
+Like vLLM's flattened batches: the tokens of all sequences are concatenated
+into one (N,) tensor so every linear layer runs once over all of them; the
+segments tell the token mixers (attention, DeltaNet) which rows belong to which
+cache slot. A decode step is a batch of one-token segments; a prefill chunk is
+one long segment; both can be mixed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Segment:
+    slot: int        # cache slot (sequence) the rows belong to
+    begin: int       # first row in the flattened batch
+    end: int         # one past the last row
+    start_pos: int   # absolute position of the first row in its sequence
+
+    @property
+    def length(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor       # (N,) token ids
+    positions: torch.Tensor    # (N,) absolute positions
+    segments: list[Segment]
+
+    @classmethod
+    def build(cls, parts: list[tuple[int, list[int] | torch.Tensor, int]], device="cpu") -> "Batch":
+        """``parts``: (slot, token ids, start position) per sequence; slots must differ."""
+        slots = [slot for slot, _, _ in parts]
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"a batch may hold each slot once, got slots {slots}")
+        tokens, positions, segments, row = [], [], [], 0
+        for slot, ids, start in parts:
+            ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
+            if ids.numel() == 0:
+                raise ValueError(f"slot {slot}: empty token list")
+            segments.append(Segment(slot, row, row + ids.numel(), start))
+            tokens.append(ids)
+            positions.append(torch.arange(start, start + ids.numel()))
+            row += ids.numel()
+        return cls(torch.cat(tokens).to(device), torch.cat(positions).to(device), segments)
+
+    @property
+    def last_rows(self) -> list[int]:
+        """Row of each segment's last token (where the next token is predicted)."""
+        return [seg.end - 1 for seg in self.segments]
+
+    @property
+    def is_decode(self) -> bool:
+        return all(seg.length == 1 for seg in self.segments)

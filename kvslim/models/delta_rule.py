@@ -1,0 +1,89 @@
+"""Gated delta rule: the recurrence of Gated DeltaNet layers, in two forms.
+
+Per value head, with state S (dk, dv), decay g <= 0 (log space), rate beta:
+    S <- S * exp(g_t)
+    S <- S + k_t (x) beta_t * (v_t - S^T k_t)
+    o_t = S^T q_t
+``recurrent_gated_delta_rule`` runs that loop token by token: it is the
+reference and the decode path (one token per sequence). ``chunk_gated_delta_rule``
+is the prefill path: within a chunk of C tokens the updates are condensed with
+the WY/UT transform (one triangular solve) so the work is matmuls, and only the
+chunks are sequential. Both take q and k already L2-normalised, repeated to
+the value heads, and return float32.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 64
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, state):
+    """q, k (B, T, H, dk); v (B, T, H, dv); g, beta (B, T, H); state (B, H, dk, dv).
+    Returns o (B, T, H, dv) and the final state, both float32."""
+    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    q = q * q.shape[-1] ** -0.5
+    s = state.float().clone()
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    for t in range(q.shape[1]):
+        s = s * g[:, t].exp()[..., None, None]
+        kv_mem = torch.einsum("bhkv,bhk->bhv", s, k[:, t])
+        delta = (v[:, t] - kv_mem) * beta[:, t, :, None]
+        s = s + k[:, t, :, :, None] * delta[:, :, None, :]
+        out[:, t] = torch.einsum("bhkv,bhk->bhv", s, q[:, t])
+    return out, s
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
+    """Same contract as ``recurrent_gated_delta_rule``; O(T) sequential steps become O(T / chunk)."""
+    b, t, h, dk = k.shape
+    dv = v.shape[-1]
+    pad = (-t) % chunk
+    # (B, H, n, C, D) float32, padded with zeros (g = 0 and beta = 0 leave the state unchanged)
+    q, k, v = (F.pad(x.float().transpose(1, 2), (0, 0, 0, pad)).reshape(b, h, -1, chunk, x.shape[-1])
+               for x in (q, k, v))
+    g, beta = (F.pad(x.float().transpose(1, 2), (0, pad)).reshape(b, h, -1, chunk) for x in (g, beta))
+    q = q * dk ** -0.5
+    cum = g.cumsum(-1)                                              # log decay from chunk start to each t
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # (.., C, C)
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    # UT transform: (I + strictly_lower(diag(beta) K K^T * decay)) W = [V*beta | K*beta*exp(cum)]
+    system = ((k_beta @ k.transpose(-1, -2)) * decay).tril(-1) + torch.eye(chunk, device=q.device)
+    rhs = torch.cat([v_beta, k_beta * cum.exp()[..., None]], dim=-1)
+    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    u, w = solved[..., :dv], solved[..., dv:]
+    intra = (q @ k.transpose(-1, -2)) * decay                       # within-chunk scores, causal
+    q_dec = q * cum.exp()[..., None]                                # query reads the state decayed to t
+    k_dec = k * (cum[..., -1:] - cum).exp()[..., None]              # key's write decayed to chunk end
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+    s = state.float().clone()
+    out = torch.empty_like(u)
+    for i in range(q.shape[2]):
+        v_new = u[:, :, i] - w[:, :, i] @ s                         # what the old state does not predict
+        out[:, :, i] = q_dec[:, :, i] @ s + intra[:, :, i] @ v_new
+        s = s * chunk_decay[:, :, i] + k_dec[:, :, i].transpose(-1, -2) @ v_new
+    out = out.reshape(b, h, -1, dv)[:, :, :t].transpose(1, 2)
+    return out, s
+
+
+def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor):
+    """Depthwise causal conv over one sequence, continuing from ``conv_state``.
+
+    x (T, C); conv_state (C, K-1) holding the previous K-1 inputs (oldest first);
+    weight (C, K). Returns silu(conv) (T, C) float32 and the new state (C, K-1).
+    """
+    full = torch.cat([conv_state.float(), x.float().t()], dim=1)     # (C, K-1+T)
+    out = F.conv1d(full[None], weight.float()[:, None, :], groups=full.shape[0])[0]  # (C, T)
+    return F.silu(out.t()), full[:, -conv_state.shape[1]:]
+
+
+def causal_conv_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor):
+    """One token for B sequences: x (B, C); conv_state (B, C, K-1). Returns (B, C), new state."""
+    full = torch.cat([conv_state.float(), x.float()[..., None]], dim=-1)   # (B, C, K)
+    return F.silu((full * weight.float()).sum(-1)), full[..., 1:]

@@ -1,0 +1,233 @@
+"""Blocks shared by the model files: norms, RoPE, MLPs, mixture of experts and
+the attention block that reads and writes the compressed KV cache.
+
+Parameter names mirror Hugging Face's (``q_proj``, ``gate_up_proj``, ...) so a
+checkpoint's state dict loads without a renaming table.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache.attention import attend
+from .batch import Batch
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32. ``zero_centered``: the weight is stored as ``w - 1``
+    (Qwen3.5 / Qwen3-Next: multiply by ``1 + w``), else plain ``w`` (Llama, Qwen3)."""
+
+    def __init__(self, dim: int, eps: float, zero_centered: bool = False):
+        super().__init__()
+        self.eps, self.zero_centered = eps, zero_centered
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.zero_centered:
+            return (y * (1.0 + self.weight.float())).type_as(x)
+        return self.weight * y.type_as(x)
+
+
+class RMSNormGated(nn.Module):
+    """DeltaNet output norm: plain weight, then gated by ``silu(z)``."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
+        return (self.weight * y * F.silu(z.float())).type_as(x)
+
+
+# ----- rotary position embedding ------------------------------------------------
+class Rope:
+    """Rotary tables for the first ``rot_dim`` dims of each head (partial RoPE),
+    half-split convention (``rotate_half``), as in Hugging Face's Llama and Qwen."""
+
+    def __init__(self, head_dim: int, theta: float, partial_factor: float = 1.0, scaling: dict | None = None):
+        self.rot_dim = int(head_dim * partial_factor)
+        if self.rot_dim % 2:
+            raise ValueError(f"rotary dimension {self.rot_dim} must be even")
+        steps = torch.arange(0, self.rot_dim, 2, dtype=torch.float, device="cpu")   # not meta, even inside a meta build
+        inv_freq = 1.0 / (theta ** (steps / self.rot_dim))
+        self.inv_freq = _scaled_inv_freq(inv_freq, scaling or {})
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape (N, rot_dim) for absolute ``positions`` (N,)."""
+        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _scaled_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    raise ValueError(f"rope_type {kind!r} is not supported; supported: default, linear, llama3")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    """Llama 3.1: long wavelengths slowed by ``factor``, short ones kept, a smooth ramp between."""
+    factor, low, high = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old_ctx = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    ramp = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+    return torch.where(medium, ramp, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (N, H, D); cos/sin (N, rot_dim) applied to the first rot_dim dims."""
+    rot = cos.shape[-1]
+    xr, xp = x[..., :rot], x[..., rot:]
+    half = rot // 2
+    rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
+    out = xr * cos[:, None, :] + rotated * sin[:, None, :]
+    return torch.cat([out, xp], dim=-1) if xp.shape[-1] else out
+
+
+# ----- feed-forward -------------------------------------------------------------
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Softmax router over experts, top-k (optionally renormalised)."""
+
+    def __init__(self, hidden: int, n_experts: int, top_k: int, renormalize: bool):
+        super().__init__()
+        self.top_k, self.renormalize = top_k, renormalize
+        self.weight = nn.Parameter(torch.zeros(n_experts, hidden))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = torch.softmax(F.linear(x, self.weight), dim=-1, dtype=torch.float)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights.to(x.dtype), experts
+
+
+class Experts(nn.Module):
+    """All experts' weights fused: gate_up_proj (E, 2I, H), down_proj (E, H, I).
+    Only the experts a token routes to are multiplied."""
+
+    def __init__(self, n_experts: int, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.zeros(n_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.zeros(n_experts, hidden, intermediate))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in torch.unique(experts).tolist():
+            rows, which = torch.where(experts == e)
+            gate, up = F.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e])
+            out.index_add_(0, rows, (y * weights[rows, which, None]).to(out.dtype))
+        return out
+
+
+class SparseMoE(nn.Module):
+    """Routed experts plus one shared expert scaled by sigmoid(shared_expert_gate(x))."""
+
+    def __init__(self, hidden: int, n_experts: int, top_k: int, intermediate: int, shared_intermediate: int,
+                 renormalize: bool = True):
+        super().__init__()
+        self.gate = Router(hidden, n_experts, top_k, renormalize)
+        self.experts = Experts(n_experts, hidden, intermediate)
+        self.shared_expert = MLP(hidden, shared_intermediate)
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.gate(x)
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.experts(x, weights, experts) + shared
+
+
+# ----- attention over the KV cache ----------------------------------------------
+class Attention(nn.Module):
+    """GQA attention whose K/V go through the layer's KV cache (any K/V formats).
+
+    ``gated``: Qwen3.5/Qwen3-Next output gate: q_proj emits query and gate
+    interleaved per head, output multiplied by sigmoid(gate) before o_proj.
+    ``qk_norm``: per-head RMSNorm on q and k before RoPE (None, "plain", "zero_centered").
+    """
+
+    def __init__(self, hidden: int, n_heads: int, n_kv_heads: int, head_dim: int, eps: float, *,
+                 qkv_bias: bool = False, o_bias: bool = False, gated: bool = False, qk_norm: str | None = None):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim, self.gated = n_heads, n_kv_heads, head_dim, gated
+        self.q_proj = nn.Linear(hidden, n_heads * head_dim * (2 if gated else 1), bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, n_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, n_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(n_heads * head_dim, hidden, bias=o_bias)
+        if qk_norm:
+            self.q_norm = RMSNorm(head_dim, eps, zero_centered=qk_norm == "zero_centered")
+            self.k_norm = RMSNorm(head_dim, eps, zero_centered=qk_norm == "zero_centered")
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, batch: Batch, cache, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.n_heads, -1)                   # (N, H, D) or (N, H, 2D) if gated
+        gate = None
+        if self.gated:
+            q, gate = q[..., :self.head_dim], q[..., self.head_dim:]
+        k = self.k_proj(x).view(n, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        out = torch.empty(n, self.n_heads, self.head_dim, dtype=x.dtype, device=x.device)
+        for seg in batch.segments:
+            rows = slice(seg.begin, seg.end)
+            cache.append(seg.slot, k[rows], v[rows])                  # quantized here: attention reads the codes
+            out[rows] = attend(cache, seg.slot, q[rows]).to(x.dtype)
+        out = out.reshape(n, -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate.reshape(n, -1))
+        return self.o_proj(out)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: token mixer (attention or DeltaNet), then MLP or MoE.
+    ``mixer_name`` keeps Hugging Face's attribute name (self_attn / linear_attn)."""
+
+    def __init__(self, mixer_name: str, mixer: nn.Module, mlp: nn.Module, hidden: int, eps: float,
+                 zero_centered: bool):
+        super().__init__()
+        self.mixer_name = mixer_name
+        setattr(self, mixer_name, mixer)
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden, eps, zero_centered)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, zero_centered)
+
+    def forward(self, x: torch.Tensor, batch: Batch, cache, rope) -> torch.Tensor:
+        mixer = getattr(self, self.mixer_name)
+        if self.mixer_name == "self_attn":
+            x = x + mixer(self.input_layernorm(x), batch, cache, rope)
+        else:
+            x = x + mixer(self.input_layernorm(x), batch, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))

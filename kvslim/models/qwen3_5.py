@@ -1,0 +1,222 @@
+"""Qwen3.5 / Qwen3.6 (``qwen3_5``, ``qwen3_5_moe`` and their ``*_text`` configs).
+
+Hybrid decoder: Gated DeltaNet layers (fixed-size recurrent state) and gated
+attention layers (KV cache) in a 3:1 pattern; dense SwiGLU or sparse MoE with
+a shared expert. The oracle is transformers' ``modeling_qwen3_5.py``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache import KVLayerSpec, StateLayerSpec
+from .base import CausalLM
+from .batch import Batch
+from .delta_rule import (causal_conv, causal_conv_step, chunk_gated_delta_rule, l2norm,
+                         recurrent_gated_delta_rule)
+from .layers import MLP, Attention, DecoderLayer, RMSNormGated, Rope, SparseMoE
+
+MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+
+
+@dataclass
+class HybridConfig:
+    """Text config of the hybrid Qwen models (also used by ``qwen3_next``)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    layer_types: list[str]
+    intermediate_size: int = 0
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10_000_000.0
+    partial_rotary_factor: float = 0.25
+    rope_scaling: dict = field(default_factory=dict)
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 262_144
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+    eos_token_id: int | list[int] | None = None
+    bos_token_id: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "HybridConfig":
+        """From a Hugging Face config.json dict (a ``text_config`` inside is taken if present);
+        unknown keys are ignored."""
+        d = text_config(d)
+        d.update(rope_fields(d))
+        if not d.get("layer_types"):
+            every = d.get("full_attention_interval", 4)
+            d["layer_types"] = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
+                                for i in range(d["num_hidden_layers"])]
+        d.setdefault("head_dim", d["hidden_size"] // d["num_attention_heads"])
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names and v is not None})
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def uses_moe(self, layer: int) -> bool:
+        return (self.is_moe and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    def cache_layout(self, type_k: str = "f16", type_v: str = "f16") -> list[KVLayerSpec | StateLayerSpec]:
+        """Per layer: a KV cache for attention layers, a fixed-size state for DeltaNet layers."""
+        kv = KVLayerSpec(self.num_key_value_heads, self.head_dim, type_k, type_v)
+        key_dim = self.linear_num_key_heads * self.linear_key_head_dim
+        state = StateLayerSpec(conv_dim=2 * key_dim + self.linear_num_value_heads * self.linear_value_head_dim,
+                               conv_kernel=self.linear_conv_kernel_dim, n_v_heads=self.linear_num_value_heads,
+                               k_head_dim=self.linear_key_head_dim, v_head_dim=self.linear_value_head_dim)
+        return [kv if t == "full_attention" else state for t in self.layer_types]
+
+
+def text_config(d: dict) -> dict:
+    """The language model's part of a (possibly multimodal) config, as a fresh dict."""
+    inner = d.get("text_config")
+    out = dict(inner) if isinstance(inner, dict) else dict(d)
+    for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id"):
+        if key not in out and key in d:
+            out[key] = d[key]
+    out.setdefault("model_type", d.get("model_type", ""))
+    return out
+
+
+def rope_fields(d: dict) -> dict:
+    """rope_theta / partial_rotary_factor / rope_scaling from either the transformers 5
+    ``rope_parameters`` dict or the older top-level keys."""
+    params = dict(d.get("rope_parameters") or {})
+    old = d.get("rope_scaling") or {}
+    out = {"rope_theta": params.get("rope_theta", d.get("rope_theta")),
+           "partial_rotary_factor": params.get("partial_rotary_factor", d.get("partial_rotary_factor"))}
+    scaling = {k: v for k, v in {**old, **params}.items()
+               if k not in ("rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved")}
+    if scaling.get("rope_type", scaling.get("type", "default")) != "default":
+        out["rope_scaling"] = scaling
+    return {k: v for k, v in out.items() if v is not None}
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear-attention token mixer with a fixed-size state per sequence."""
+
+    def __init__(self, c: HybridConfig):
+        super().__init__()
+        self.n_k, self.n_v = c.linear_num_key_heads, c.linear_num_value_heads
+        self.dk, self.dv = c.linear_key_head_dim, c.linear_value_head_dim
+        self.key_dim, self.value_dim = self.n_k * self.dk, self.n_v * self.dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, c.linear_conv_kernel_dim, groups=self.conv_dim,
+                                bias=False)                         # used for its weight (C, 1, K) only
+        self.dt_bias = nn.Parameter(torch.ones(self.n_v))
+        self.A_log = nn.Parameter(torch.zeros(self.n_v))
+        self.norm = RMSNormGated(self.dv, c.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, c.hidden_size, bias=False)
+        self._make_projections(c)
+
+    def _make_projections(self, c: HybridConfig) -> None:
+        self.in_proj_qkv = nn.Linear(c.hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(c.hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(c.hidden_size, self.n_v, bias=False)
+        self.in_proj_a = nn.Linear(c.hidden_size, self.n_v, bias=False)
+
+    def project(self, x: torch.Tensor):
+        """x (N, hidden) -> qkv (N, conv_dim) in [Q | K | V] order, z (N, Hv, dv), b and a (N, Hv)."""
+        z = self.in_proj_z(x).view(x.shape[0], self.n_v, self.dv)
+        return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+
+    def forward(self, x: torch.Tensor, batch: Batch, cache) -> torch.Tensor:
+        n = x.shape[0]
+        qkv, z, b, a = self.project(x)
+        beta = torch.sigmoid(b.float())
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        out = torch.empty(n, self.n_v, self.dv, dtype=torch.float32, device=x.device)
+        if batch.is_decode:
+            self._decode(qkv, g, beta, batch, cache, out)
+        else:
+            for seg in batch.segments:
+                self._prefill(qkv, g, beta, seg, cache, out)
+        return self.out_proj(self.norm(out.to(x.dtype), z).reshape(n, -1))
+
+    def _split_heads(self, mixed: torch.Tensor):
+        """Convolved (T, conv_dim) -> q, k (T, Hv, dk) normalised and repeated to value heads, v (T, Hv, dv)."""
+        t = mixed.shape[0]
+        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        rep = self.n_v // self.n_k                                  # value head h reads key head h // rep
+        q = l2norm(q.reshape(t, self.n_k, self.dk)).repeat_interleave(rep, dim=1)
+        k = l2norm(k.reshape(t, self.n_k, self.dk)).repeat_interleave(rep, dim=1)
+        return q, k, v.reshape(t, self.n_v, self.dv)
+
+    def _prefill(self, qkv, g, beta, seg, cache, out) -> None:
+        rows = slice(seg.begin, seg.end)
+        mixed, cache.conv[seg.slot] = causal_conv(qkv[rows], cache.conv[seg.slot], self.conv1d.weight[:, 0])
+        q, k, v = self._split_heads(mixed)
+        o, state = chunk_gated_delta_rule(q[None], k[None], v[None], g[None, rows], beta[None, rows],
+                                          cache.recurrent[seg.slot][None])
+        out[rows], cache.recurrent[seg.slot] = o[0], state[0]
+        cache.advance(seg.slot, seg.length)
+
+    def _decode(self, qkv, g, beta, batch, cache, out) -> None:
+        """One token for each segment, all sequences in one step (gather states, scatter back)."""
+        slots = torch.tensor([seg.slot for seg in batch.segments], device=qkv.device)
+        rows = batch.last_rows
+        mixed, cache.conv[slots] = causal_conv_step(qkv[rows], cache.conv[slots], self.conv1d.weight[:, 0])
+        q, k, v = self._split_heads(mixed)
+        o, state = recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None], g[rows, None],
+                                              beta[rows, None], cache.recurrent[slots])
+        out[rows], cache.recurrent[slots] = o[:, 0], state
+        for seg in batch.segments:
+            cache.advance(seg.slot, 1)
+
+
+def feed_forward(c: HybridConfig, layer: int) -> nn.Module:
+    if c.uses_moe(layer):
+        return SparseMoE(c.hidden_size, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
+                         c.shared_expert_intermediate_size, renormalize=c.norm_topk_prob)
+    return MLP(c.hidden_size, c.intermediate_size)
+
+
+def gated_attention(c: HybridConfig) -> Attention:
+    return Attention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps,
+                     qkv_bias=c.attention_bias, o_bias=c.attention_bias, gated=True, qk_norm="zero_centered")
+
+
+def build_layers(c: HybridConfig, delta_net: type[GatedDeltaNet]) -> list[DecoderLayer]:
+    layers = []
+    for i, kind in enumerate(c.layer_types):
+        if kind == "full_attention":
+            name, mixer = "self_attn", gated_attention(c)
+        elif kind == "linear_attention":
+            name, mixer = "linear_attn", delta_net(c)
+        else:
+            raise ValueError(f"layer {i}: unknown layer type {kind!r}; expected full_attention or linear_attention")
+        layers.append(DecoderLayer(name, mixer, feed_forward(c, i), c.hidden_size, c.rms_norm_eps,
+                                   zero_centered=True))
+    return layers
+
+
+class Qwen35ForCausalLM(CausalLM):
+    def __init__(self, config: HybridConfig):
+        rope = Rope(config.head_dim, config.rope_theta, config.partial_rotary_factor, config.rope_scaling)
+        super().__init__(config, build_layers(config, GatedDeltaNet), rope, zero_centered_norm=True)
+
+
+Config = HybridConfig
+Model = Qwen35ForCausalLM
