@@ -1,0 +1,52 @@
+"""Shared fixtures: tiny random models built and saved by transformers itself."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+TINY = dict(vocab_size=160, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=32, intermediate_size=96)
+LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+              linear_conv_kernel_dim=4)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+TINY_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "llama", "qwen3")
+
+
+def tiny_hf_model(kind: str, seed: int = 0):
+    """A transformers model of architecture ``kind`` with every parameter randomised
+    (norm weights, A_log, dt_bias too, so every convention shows in the logits)."""
+    tf = pytest.importorskip("transformers")
+    configs = {
+        "qwen3_5": lambda: (tf.Qwen3_5TextConfig(**TINY, **LINEAR), tf.Qwen3_5ForCausalLM),
+        "qwen3_5_moe": lambda: (tf.Qwen3_5MoeTextConfig(**TINY, **LINEAR, **MOE), tf.Qwen3_5MoeForCausalLM),
+        "qwen3_next": lambda: (tf.Qwen3NextConfig(**TINY, **LINEAR, **MOE), tf.Qwen3NextForCausalLM),
+        "llama": lambda: (tf.LlamaConfig(**TINY, rope_theta=50_000.0), tf.LlamaForCausalLM),
+        "qwen3": lambda: (tf.Qwen3Config(**TINY), tf.Qwen3ForCausalLM),
+    }
+    config, cls = configs[kind]()
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.uniform_(-1.0, 1.0)
+            elif "norm" in name or name.endswith("dt_bias"):
+                p.add_(torch.randn_like(p) * 0.3)                  # around its own init (0 or 1)
+            else:
+                p.normal_(0.0, 0.08)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory):
+    """``tiny_folder(kind)`` -> (path of a saved tiny HF model, the transformers model)."""
+    made = {}
+
+    def make(kind: str):
+        if kind not in made:
+            model = tiny_hf_model(kind)
+            path = tmp_path_factory.mktemp(kind)
+            model.save_pretrained(path)
+            made[kind] = (path, model)
+        return made[kind]
+    return make

@@ -1,0 +1,143 @@
+"""kvslim's model files against transformers' own implementations (the oracle).
+
+Tiny random models for every supported architecture are built and saved by
+transformers; kvslim loads the folder and must give the same logits over a
+prefill and 32 cached decode steps (f32 KV cache, so the cache adds no error).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvslim.loading.hf import read_config, read_state_dict
+from kvslim.loading.weights import instantiate
+from kvslim.models import Batch, config_from_dict
+from kvslim.models.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+
+from .conftest import TINY_TYPES
+
+TOL = 1e-4
+
+
+def load_tiny(folder):
+    return instantiate(config_from_dict(read_config(folder)), read_state_dict(folder), torch.float32)
+
+
+def hf_stepwise(model, prompt: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """transformers' logits for the prompt, then one cached step per token of ``steps``."""
+    with torch.no_grad():
+        out = model(prompt[None], use_cache=True)
+        rows, past = [out.logits[0]], out.past_key_values
+        for tok in steps:
+            out = model(tok.view(1, 1), past_key_values=past, use_cache=True)
+            rows.append(out.logits[0])
+            past = out.past_key_values
+    return torch.cat(rows)
+
+
+def kvslim_stepwise(model, prompt, steps, type_k="f32", type_v="f32", slot=0, caches=None) -> torch.Tensor:
+    caches = caches or model.make_cache(256, 1, type_k, type_v)
+    rows = [model(Batch.build([(slot, prompt, 0)]), caches, all_logits=True)]
+    for i, tok in enumerate(steps):
+        rows.append(model(Batch.build([(slot, [int(tok)], len(prompt) + i)]), caches, all_logits=True))
+    return torch.cat(rows)
+
+
+def random_tokens(n: int, seed: int, vocab: int = 160) -> torch.Tensor:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("kind", TINY_TYPES)
+def test_prefill_and_32_decode_steps_match_transformers(tiny_folder, kind):
+    folder, hf = tiny_folder(kind)
+    model = load_tiny(folder)
+    prompt, steps = random_tokens(70, 1), random_tokens(32, 2)   # 70: two DeltaNet chunks, one partial
+    want = hf_stepwise(hf, prompt, steps)
+    got = kvslim_stepwise(model, prompt, steps)
+    assert got.shape == want.shape
+    assert (got - want).abs().max().item() <= TOL
+    assert want.std() > 0.1                                        # logits carry signal, not all zeros
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next", "qwen3"])
+def test_chunked_prefill_equals_one_shot(tiny_folder, kind):
+    model = load_tiny(tiny_folder(kind)[0])
+    prompt = random_tokens(90, 3)
+    one = model(Batch.build([(0, prompt, 0)]), model.make_cache(128, 1, "f32", "f32"), all_logits=True)
+    caches = model.make_cache(128, 1, "f32", "f32")
+    parts = [model(Batch.build([(0, prompt[s:s + 13], s)]), caches, all_logits=True) for s in range(0, 90, 13)]
+    assert (torch.cat(parts) - one).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5_moe", "llama"])
+def test_batch_of_different_lengths_equals_each_alone(tiny_folder, kind):
+    model = load_tiny(tiny_folder(kind)[0])
+    prompts = [random_tokens(n, 10 + n) for n in (5, 17, 30)]
+    steps = [random_tokens(6, 20 + i) for i in range(3)]
+    alone = [kvslim_stepwise(model, p, s) for p, s in zip(prompts, steps)]
+    caches = model.make_cache(128, 3, "f32", "f32")
+    rows = [[] for _ in prompts]
+    out = model(Batch.build([(i, p, 0) for i, p in enumerate(prompts)]), caches, all_logits=True)
+    begin = 0
+    for i, p in enumerate(prompts):
+        rows[i].append(out[begin:begin + len(p)])
+        begin += len(p)
+    for t in range(6):                                             # all three decode in one forward
+        batch = Batch.build([(i, [int(steps[i][t])], len(prompts[i]) + t) for i in range(3)])
+        out = model(batch, caches)
+        for i in range(3):
+            rows[i].append(out[i:i + 1])
+    for i in range(3):
+        assert (torch.cat(rows[i]) - alone[i]).abs().max().item() <= TOL
+
+
+def test_sequence_in_another_slot_is_unaffected(tiny_folder):
+    model = load_tiny(tiny_folder("qwen3_5")[0])
+    prompt, steps = random_tokens(20, 5), random_tokens(4, 6)
+    caches = model.make_cache(64, 2, "f32", "f32")
+    model(Batch.build([(0, random_tokens(33, 7), 0)]), caches)     # slot 0 busy with something else
+    got = kvslim_stepwise(model, prompt, steps, slot=1, caches=caches)
+    assert (got - kvslim_stepwise(model, prompt, steps)).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("t", [1, 5, 64, 100])
+def test_chunked_delta_rule_matches_recurrent_reference(t):
+    g = torch.Generator().manual_seed(t)
+    b, h, dk, dv = 2, 3, 16, 8
+    q = torch.nn.functional.normalize(torch.randn(b, t, h, dk, generator=g), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(b, t, h, dk, generator=g), dim=-1)
+    v = torch.randn(b, t, h, dv, generator=g)
+    decay = -torch.rand(b, t, h, generator=g) * 2
+    beta = torch.rand(b, t, h, generator=g)
+    state = torch.randn(b, h, dk, dv, generator=g)
+    o_ref, s_ref = recurrent_gated_delta_rule(q, k, v, decay, beta, state)
+    o, s = chunk_gated_delta_rule(q, k, v, decay, beta, state, chunk=16)
+    assert (o - o_ref).abs().max() < 1e-4 and (s - s_ref).abs().max() < 1e-4
+
+
+def test_quantized_kv_stays_close_and_turbo_uses_its_bytes(tiny_folder):
+    model = load_tiny(tiny_folder("qwen3_5")[0])
+    prompt = random_tokens(200, 8)
+    ref = torch.log_softmax(kvslim_stepwise(model, prompt, []), -1)
+    q8 = torch.log_softmax(kvslim_stepwise(model, prompt, [], "q8_0", "q8_0"), -1)
+    kld = (ref.exp() * (ref - q8)).sum(-1)
+    assert kld.max().item() < 1e-3
+    caches = model.make_cache(512, 1, "f16", "turbo3")
+    model(Batch.build([(0, prompt, 0)]), caches)
+    kv = [c for c in caches if c.kind == "kv"]
+    # one attention layer: 2 KV heads, head_dim 32 -> f16 K 64 B, turbo3 V (32 values, one block) 14 B per head
+    assert kv[0].nbytes == 256 * 2 * (64 + kv[0].spec.v_row_bytes)   # one 256-token page
+    assert kv[0].spec.v_row_bytes == 14
+
+
+def test_unknown_model_type_is_refused():
+    with pytest.raises(ValueError, match="model_type 'gpt_bigcode' is not supported"):
+        config_from_dict({"model_type": "gpt_bigcode"})
+
+
+def test_missing_weight_is_named(tiny_folder):
+    folder, _ = tiny_folder("llama")
+    sd = read_state_dict(folder)
+    sd.pop("model.layers.1.mlp.up_proj.weight")
+    with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight"):
+        instantiate(config_from_dict(read_config(folder)), sd)
