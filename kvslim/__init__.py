@@ -2,3 +2,4 @@
 __version__ = "0.1.0"
 
 from . import formats  # noqa: E402,F401
+from .engine import LLM, load  # noqa: E402,F401

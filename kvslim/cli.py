@@ -7,6 +7,7 @@ import sys
 # sub-command -> (module under kvslim.tools, one-line help)
 COMMANDS = {
     "quant": ("quant", "measure KV formats on random vectors: bits, error, speed"),
+    "run": ("run", "complete a prompt; print timings and KV/state memory"),
 }
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-TINY = dict(vocab_size=160, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+TINY = dict(vocab_size=320, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             head_dim=32, intermediate_size=96)
 LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
               linear_conv_kernel_dim=4)
@@ -37,6 +37,32 @@ def tiny_hf_model(kind: str, seed: int = 0):
     return model
 
 
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def write_tiny_tokenizer(folder, vocab_size: int) -> None:
+    """A byte-level BPE trained on real text (standard-library docstrings), saved as HF files."""
+    import json
+    import os
+    import re as re_module
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    text = [m.__doc__ for m in (os, json, re_module, pytest, torch) if m.__doc__]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>",
+                                                                          "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(text, trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>", "bos_token": None,
+         "tokenizer_class": "PreTrainedTokenizerFast"}))
+
+
 @pytest.fixture(scope="session")
 def tiny_folder(tmp_path_factory):
     """``tiny_folder(kind)`` -> (path of a saved tiny HF model, the transformers model)."""
@@ -47,6 +73,7 @@ def tiny_folder(tmp_path_factory):
             model = tiny_hf_model(kind)
             path = tmp_path_factory.mktemp(kind)
             model.save_pretrained(path)
+            write_tiny_tokenizer(path, model.config.vocab_size)
             made[kind] = (path, model)
         return made[kind]
     return make

@@ -43,7 +43,7 @@ def kvslim_stepwise(model, prompt, steps, type_k="f32", type_v="f32", slot=0, ca
     return torch.cat(rows)
 
 
-def random_tokens(n: int, seed: int, vocab: int = 160) -> torch.Tensor:
+def random_tokens(n: int, seed: int, vocab: int = 320) -> torch.Tensor:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
 
 

@@ -66,6 +66,12 @@ class KVCache:
         windows = sum(1 for w in self._win if w is not None)
         return pages + windows * 2 * self.f16_window * self.n_kv_heads * self.head_dim * 2
 
+    def slot_nbytes(self, slot: int) -> int:
+        """Bytes allocated for one slot: its pages plus its f16 window buffer."""
+        self._check_slot(slot)
+        window = 2 * self.f16_window * self.n_kv_heads * self.head_dim * 2 if self._win[slot] is not None else 0
+        return len(self._pages_k[slot]) * self.page_size * self.spec.bytes_per_token + window
+
     def describe(self) -> dict:
         return {"kind": self.kind, **asdict(self.spec), "page_size": self.page_size,
                 "f16_window": self.f16_window, "ctx": self.ctx}

@@ -25,6 +25,9 @@ class LayerCache(Protocol):
     def nbytes(self) -> int:
         """Bytes actually allocated now, all slots."""
 
+    def slot_nbytes(self, slot: int) -> int:
+        """Bytes allocated now for one slot."""
+
     def trim(self, slot: int, n_tokens: int) -> None:
         """Keep the first ``n_tokens`` of ``slot`` (refused where the layer cannot rewind)."""
 

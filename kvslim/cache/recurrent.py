@@ -39,6 +39,10 @@ class RecurrentStateCache:
     def nbytes(self) -> int:
         return self.conv.numel() * self.conv.element_size() + self.recurrent.numel() * self.recurrent.element_size()
 
+    def slot_nbytes(self, slot: int) -> int:
+        self._check_slot(slot)
+        return self.spec.bytes_per_slot
+
     def describe(self) -> dict:
         return {"kind": self.kind, **asdict(self.spec)}
 

@@ -1,0 +1,79 @@
+"""Load a model and its tokenizer from a Hugging Face folder or a GGUF file."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..models import config_from_dict
+from ..tokenizer import Tokenizer
+from .hf import read_config, read_state_dict
+from .weights import instantiate
+
+BUNDLED = Path(__file__).resolve().parent.parent / "data" / "tiny-qwen35"
+DTYPES = {"f32": torch.float32, "float32": torch.float32, "f16": torch.float16, "float16": torch.float16,
+          "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+
+def default_model() -> Path:
+    """The small model that ships inside the package (used when no -m is given)."""
+    if not (BUNDLED / "config.json").is_file():
+        raise ValueError(f"the bundled model is missing from {BUNDLED}; pass -m PATH")
+    return BUNDLED
+
+
+def parse_dtype(dtype) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def load_model(path: str | Path | None = None, dtype=None, device: str = "cpu"):
+    """Returns (model, tokenizer, eos token ids from the model's configs)."""
+    path = Path(path) if path is not None else default_model()
+    dtype = parse_dtype(dtype)
+    if path.is_dir():
+        return _load_folder(path, dtype, device)
+    if path.is_file() and _is_gguf(path):
+        return _load_gguf(path, dtype, device)
+    if not path.exists():
+        raise ValueError(f"{path}: no such file or folder")
+    raise ValueError(f"{path}: neither a Hugging Face model folder nor a GGUF file")
+
+
+def _load_folder(path: Path, dtype, device):
+    hf_config = read_config(path)
+    config = config_from_dict(hf_config)
+    model = instantiate(config, read_state_dict(path), dtype, device)
+    eos = [config.eos_token_id]
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        eos.append(json.loads(gen.read_text()).get("eos_token_id"))
+    return model, Tokenizer.from_folder(path), _flatten_ids(eos)
+
+
+def _load_gguf(path: Path, dtype, device):
+    from ..gguf.reader import read_model
+
+    hf_config, state_dict, backend, tok_config = read_model(path)
+    config = config_from_dict(hf_config)
+    model = instantiate(config, state_dict, dtype, device)
+    return model, Tokenizer(backend, tok_config), _flatten_ids([config.eos_token_id])
+
+
+def _is_gguf(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def _flatten_ids(values) -> set[int]:
+    out = set()
+    for v in values:
+        if isinstance(v, list):
+            out |= {int(i) for i in v}
+        elif v is not None:
+            out.add(int(v))
+    return out

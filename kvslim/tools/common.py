@@ -36,3 +36,11 @@ def to_csv(records: list[dict]) -> str:
     writer.writeheader()
     writer.writerows(records)
     return buf.getvalue().rstrip("\n")
+
+
+def human_bytes(n: int | float) -> str:
+    """Binary units as llama.cpp prints them (MiB, GiB)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024

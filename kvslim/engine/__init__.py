@@ -1,0 +1,7 @@
+"""Prefill, decode, sampling and scheduling over the model and its caches."""
+from .engine import ContextLengthExceeded, Engine, Sequence
+from .llm import LLM, Chunk, Completion, load
+from .sampling import Sampler, SamplingParams
+
+__all__ = ["Engine", "Sequence", "ContextLengthExceeded", "LLM", "Chunk", "Completion", "load", "Sampler",
+           "SamplingParams"]

@@ -1,0 +1,155 @@
+"""Engine, sampling, streaming and the public API on a tiny model saved by transformers."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import kvslim
+from kvslim.cli import main as cli_main
+from kvslim.engine import ContextLengthExceeded, Sampler, SamplingParams
+from kvslim.engine.sampling import truncation_mask
+from kvslim.engine.text import TextStream
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_folder):
+    return kvslim.load(tiny_folder("qwen3_5")[0], ctx=256, cache_type_k="f32", cache_type_v="f32",
+                       n_parallel=3, n_ubatch=16, dtype="f32")
+
+
+# ----- sampling -------------------------------------------------------------------
+def test_greedy_and_top_k_1_pick_the_argmax():
+    logits = torch.randn(100, generator=torch.Generator().manual_seed(0))
+    assert Sampler(SamplingParams(temperature=0))(logits) == int(logits.argmax())
+    assert Sampler(SamplingParams(temperature=1.0, top_k=1, seed=1))(logits) == int(logits.argmax())
+
+
+def test_truncation_keeps_the_nucleus_and_min_p():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    keep = truncation_mask(logits, SamplingParams(top_k=0, top_p=0.8, min_p=0.0))
+    assert keep.tolist() == [True, True, False, False]               # 0.5 + 0.3 reaches 0.8
+    keep = truncation_mask(logits, SamplingParams(top_k=0, top_p=1.0, min_p=0.25))
+    assert keep.tolist() == [True, True, True, False]                 # 0.05 < 0.25 * 0.5
+
+
+def test_same_seed_same_tokens_and_distribution_matches_frequencies():
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7)
+    a, b = Sampler(params), Sampler(params)
+    draws = [a(logits) for _ in range(4000)]
+    assert draws[:50] == [b(logits) for _ in range(50)]
+    freq = torch.bincount(torch.tensor(draws), minlength=4).float() / len(draws)
+    assert torch.allclose(freq, torch.softmax(logits, -1), atol=0.03)
+
+
+def test_repetition_penalty_lowers_seen_tokens():
+    logits = torch.tensor([3.0, 2.9, -1.0])
+    params = SamplingParams(temperature=0, repeat_penalty=1.5)
+    assert Sampler(params)(logits, history=[0]) == 1                  # 3.0 / 1.5 < 2.9
+
+
+def test_bad_sampling_values_are_refused():
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+
+
+# ----- text ---------------------------------------------------------------------
+class _CharTokenizer:
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+
+def test_stop_string_cuts_text_and_holds_back_a_possible_start():
+    s = TextStream(_CharTokenizer(), ["END"])
+    for ch in "abcE":
+        assert not s.push(ord(ch))
+    assert s.new_text() == "abc"                                       # "E" may start "END"
+    assert not s.push(ord("x"))
+    assert s.new_text() == "Ex"
+    for ch in "yEN":
+        s.push(ord(ch))
+    assert s.push(ord("D")) and s.text == "abcExy"
+
+
+# ----- generation -----------------------------------------------------------------
+def test_greedy_generation_equals_argmax_of_prefill_logits(llm):
+    prompt = llm.tokenize("The module provides")
+    out = llm.generate(prompt, max_tokens=12, temperature=0)
+    ids = list(prompt)
+    for _ in range(len(out.token_ids)):                               # teacher-forced re-scoring
+        ids.append(int(llm.logits(ids)[-1].argmax()))
+    assert out.token_ids == ids[len(prompt):]
+    assert out.finish_reason in ("length", "stop") and out.prompt_tokens == len(prompt)
+
+
+def test_stream_pieces_add_up_to_the_completion(llm):
+    chunks = list(llm.generate("Regular expression", max_tokens=20, temperature=0.9, seed=3, stream=True))
+    final = chunks[-1].completion
+    assert "".join(c.text for c in chunks) == final.text
+    assert final.timings["predicted_n"] == len(final.token_ids)
+    again = llm.generate("Regular expression", max_tokens=20, temperature=0.9, seed=3)
+    assert again.token_ids == final.token_ids                          # same seed, same tokens
+
+
+def test_batched_generation_equals_each_alone(llm):
+    prompts = ["a", "The json module", "Return the value of the"]
+    together = llm.generate_batch(prompts, max_tokens=10, temperature=0)
+    for p, t in zip(prompts, together):
+        assert llm.generate(p, max_tokens=10, temperature=0).token_ids == t.token_ids
+    assert len(llm.engine.free_slots) == 3                             # every slot released
+
+
+def test_stopping_early_frees_the_slot(llm):
+    stream = llm.generate("abc", max_tokens=50, stream=True, seed=1)
+    next(stream)
+    stream.close()
+    assert len(llm.engine.free_slots) == 3
+
+
+def test_cache_type_changes_logits_and_memory(tiny_folder):
+    folder = tiny_folder("qwen3_5")[0]
+    ids = list(range(3, 203))
+    exact = kvslim.load(folder, ctx=256, cache_type_k="f32", cache_type_v="f32", dtype="f32")
+    q4 = kvslim.load(folder, ctx=256, cache_type_k="q4_0", cache_type_v="turbo3", dtype="f32")
+    diff = (exact.logits(ids) - q4.logits(ids)).abs().max().item()
+    assert 1e-4 < diff < 1.0                                           # changed, but not destroyed
+    done = q4.generate(ids, max_tokens=4, temperature=0)
+    kv = [c for c in q4.engine.caches if c.kind == "kv"]
+    assert done.kv_bytes == len(kv) * 256 * kv[0].spec.bytes_per_token  # one page of q4_0 K + turbo3 V
+    assert done.state_bytes == sum(c.spec.bytes_per_slot for c in q4.engine.caches if c.kind == "recurrent")
+
+
+def test_user_mistakes_get_clear_errors(llm):
+    with pytest.raises(ContextLengthExceeded, match="300 tokens"):
+        llm.generate([5] * 300, max_tokens=4)
+    with pytest.raises(ValueError, match="out of range"):
+        llm.logits([1, 10_000])
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.generate("x", max_tokens=0)
+    with pytest.raises(ValueError, match="unknown sampling option"):
+        llm.generate("x", tempurature=1.0)
+    assert len(llm.engine.free_slots) == 3
+
+
+def test_chat_template_renders(llm):
+    text = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_run_command_prints_json(tiny_folder, capsys):
+    folder = tiny_folder("qwen3_5")[0]
+    code = cli_main(["run", "-m", str(folder), "-p", "Hello", "-n", "5", "-c", "64", "-ctk", "q8_0",
+                     "-ctv", "turbo4", "--temp", "0", "--dtype", "f32", "-o", "json"])
+    record = json.loads(capsys.readouterr().out)
+    assert code == 0 and record["completion_tokens"] <= 5
+    assert {"text", "prompt_tps", "gen_tps", "kv_bytes", "state_bytes"} <= set(record)
+    assert record["kv_bytes"] > 0 and record["state_bytes"] > 0
+
+
+def test_run_command_bad_input_is_one_line(tiny_folder, capsys):
+    assert cli_main(["run", "-m", str(tiny_folder("llama")[0]), "-p", "x", "-ctk", "q3_0"]) == 2
+    assert "unknown KV cache type 'q3_0'" in capsys.readouterr().err
