@@ -141,3 +141,30 @@ def test_missing_weight_is_named(tiny_folder):
     sd.pop("model.layers.1.mlp.up_proj.weight")
     with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight"):
         instantiate(config_from_dict(read_config(folder)), sd)
+
+
+def test_multimodal_checkpoint_loads_its_language_model_fused_or_per_expert(tmp_path):
+    """Qwen3.5/3.6 ship as ...ForConditionalGeneration with fused experts; transformers'
+    re-saves store experts one by one. Both load, and match the text-only forward."""
+    tf = pytest.importorskip("transformers")
+    from safetensors.torch import save_file
+
+    from .conftest import LINEAR, MOE, TINY, randomize
+
+    vision = tf.Qwen3_5VisionConfig(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                    out_hidden_size=TINY["hidden_size"], patch_size=4, temporal_patch_size=1,
+                                    spatial_merge_size=1)
+    hf = tf.Qwen3_5MoeForConditionalGeneration(
+        tf.Qwen3_5MoeConfig(text_config=dict(**TINY, **LINEAR, **MOE), vision_config=vision.to_dict())).eval()
+    randomize(hf)
+    per_expert, fused = tmp_path / "per_expert", tmp_path / "fused"
+    hf.save_pretrained(per_expert)
+    fused.mkdir()
+    (fused / "config.json").write_text((per_expert / "config.json").read_text())
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, str(fused / "model.safetensors"))
+    ids = random_tokens(40, 9)
+    with torch.no_grad():
+        want = hf(input_ids=ids[None]).logits[0]
+    for folder in (per_expert, fused):
+        got = kvslim_stepwise(load_tiny(folder), ids, [])
+        assert (got - want).abs().max().item() <= TOL
