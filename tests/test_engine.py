@@ -153,3 +153,34 @@ def test_run_command_prints_json(tiny_folder, capsys):
 def test_run_command_bad_input_is_one_line(tiny_folder, capsys):
     assert cli_main(["run", "-m", str(tiny_folder("llama")[0]), "-p", "x", "-ctk", "q3_0"]) == 2
     assert "unknown KV cache type 'q3_0'" in capsys.readouterr().err
+
+
+# ----- prefix reuse -----------------------------------------------------------------
+def _greedy(engine, prompt, n=8):
+    seq = engine.submit(prompt, n, SamplingParams(temperature=0))
+    engine.run([seq])
+    engine.release(seq)
+    return seq
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "llama"])
+def test_prefix_reuse_gives_the_same_tokens_as_a_fresh_start(tiny_folder, kind):
+    from kvslim.engine import Engine
+    from kvslim.loading import load_model
+
+    model, tok, _ = load_model(tiny_folder(kind)[0], "f32")
+    fresh = Engine(model, tok, 256, 2, "f32", "f32", n_ubatch=16)
+    reuse = Engine(model, tok, 256, 2, "f32", "f32", n_ubatch=16, prefix_cache=True, checkpoint_interval=16)
+    turn1 = list(range(10, 60))
+    first = _greedy(reuse, turn1)
+    assert first.generated == _greedy(fresh, turn1).generated
+    turn2 = turn1 + first.generated + list(range(70, 90))             # the conversation goes on
+    second = _greedy(reuse, turn2)
+    # everything the first turn put in the cache (its last sampled token was never fed back)
+    assert second.cached_tokens == first.n_cached == len(turn1) + len(first.generated) - 1
+    assert second.generated == _greedy(fresh, turn2).generated
+    edited = turn1[:37] + [7, 7, 7] + turn1[40:]                        # diverges inside the first prompt
+    third = _greedy(reuse, edited)
+    expected_reuse = 37 if kind == "llama" else 32                      # KV trims anywhere; state: checkpoint at 32
+    assert third.cached_tokens == expected_reuse
+    assert third.generated == _greedy(fresh, edited).generated

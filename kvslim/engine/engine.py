@@ -16,6 +16,7 @@ import torch
 from ..models import Batch
 from ..models.base import CausalLM
 from ..tokenizer import Tokenizer
+from .prefix import PrefixCache
 from .sampling import Sampler, SamplingParams
 from .text import TextStream
 
@@ -42,6 +43,7 @@ class Sequence:
     finish_reason: str | None = None
     prompt_s: float = 0.0
     gen_s: float = 0.0
+    cached_tokens: int = 0                                 # prompt tokens reused from the slot's cache
     kv_bytes: int = 0                                      # this sequence's cache bytes when it finished
     state_bytes: int = 0
 
@@ -67,11 +69,16 @@ class Sequence:
 
 
 class Engine:
-    """Owns the caches and the slots; ``submit`` then ``step`` until sequences are done."""
+    """Owns the caches and the slots; ``submit`` then ``step`` until sequences are done.
+
+    With ``prefix_cache`` a released slot keeps its contents, and a new prompt
+    goes to the slot sharing its longest reusable prefix (see ``prefix.py``).
+    """
 
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, ctx: int, n_parallel: int = 1,
                  type_k: str = "f16", type_v: str = "f16", n_ubatch: int = 512, eog_ids: set[int] = frozenset(),
-                 **kv_options):
+                 prefix_cache: bool = False, max_checkpoints: int = 8, checkpoint_bytes: int = 256 << 20,
+                 checkpoint_interval: int = 4096, **kv_options):
         if ctx < 1 or n_parallel < 1 or n_ubatch < 1:
             raise ValueError(f"ctx, n_parallel and n_ubatch must be >= 1 (got {ctx}, {n_parallel}, {n_ubatch})")
         self.model, self.tokenizer = model, tokenizer
@@ -80,6 +87,8 @@ class Engine:
         self.caches = model.make_cache(ctx, n_parallel, type_k, type_v, **kv_options)
         self.eog_ids = set(eog_ids)
         self.free_slots = list(range(n_parallel))
+        self.prefix = PrefixCache(self.caches, n_parallel, max_checkpoints, checkpoint_bytes) if prefix_cache else None
+        self.checkpoint_interval = checkpoint_interval
         self.running: list[Sequence] = []
         self._next_id = 0
 
@@ -105,12 +114,21 @@ class Engine:
         if not self.free_slots:
             raise RuntimeError("no free slot: all n_parallel sequences are busy")
         seq = Sequence(self._next_id, list(prompt), max_tokens, Sampler(sampling),
-                       TextStream(self.tokenizer, stop or []), slot=self.free_slots.pop(0), tokens=list(prompt))
+                       TextStream(self.tokenizer, stop or []), tokens=list(prompt))
         self._next_id += 1
-        for cache in self.caches:
-            cache.clear(seq.slot)
+        self._assign_slot(seq)
         self.running.append(seq)
         return seq
+
+    def _assign_slot(self, seq: Sequence) -> None:
+        if self.prefix is None:
+            seq.slot = self.free_slots.pop(0)
+            for cache in self.caches:
+                cache.clear(seq.slot)
+            return
+        seq.slot, _ = self.prefix.pick(self.free_slots, seq.prompt)
+        self.free_slots.remove(seq.slot)
+        seq.n_cached = seq.cached_tokens = self.prefix.restore(seq.slot, seq.prompt)
 
     def release(self, seq: Sequence) -> None:
         """Free the sequence's slot (its cache contents are dropped)."""
@@ -120,8 +138,11 @@ class Engine:
             seq.finish_reason = "cancelled"
             self._record_memory(seq)
         if seq.slot >= 0 and seq.slot not in self.free_slots:
-            for cache in self.caches:
-                cache.clear(seq.slot)
+            if self.prefix is not None:                             # keep the contents for the next request
+                self.prefix.record(seq.slot, seq.tokens[:seq.n_cached], checkpoint=False)
+            else:
+                for cache in self.caches:
+                    cache.clear(seq.slot)
             self.free_slots.append(seq.slot)
 
     def step(self) -> list[Sequence]:
@@ -142,6 +163,8 @@ class Engine:
                 seq.prompt_s += elapsed
             else:
                 seq.gen_s += elapsed
+            if self.prefix is not None and seq.n_cached <= len(seq.prompt):
+                self._checkpoint_prompt(seq)
             if not seq.pending:                                     # everything read: predict
                 self._accept(seq, seq.sampler(logits[row], seq.tokens))
                 advanced.append(seq)
@@ -171,6 +194,14 @@ class Engine:
         if seq.done:
             seq.text.finish()
             self._record_memory(seq)
+            if self.prefix is not None:                             # end of a reply: a message boundary
+                self.prefix.record(seq.slot, seq.tokens[:seq.n_cached], checkpoint=True)
+
+    def _checkpoint_prompt(self, seq: Sequence) -> None:
+        """At the end of the prompt (a message boundary) and every checkpoint_interval tokens."""
+        last = max((cp.n_tokens for cp in self.prefix.slots[seq.slot].checkpoints), default=0)
+        if seq.n_cached == len(seq.prompt) or seq.n_cached - last >= self.checkpoint_interval:
+            self.prefix.record(seq.slot, seq.tokens[:seq.n_cached], checkpoint=True)
 
     def _record_memory(self, seq: Sequence) -> None:
         seq.kv_bytes = sum(c.slot_nbytes(seq.slot) for c in self.caches if c.kind == "kv")
@@ -181,11 +212,16 @@ class Engine:
         while not all(s.done for s in seqs):
             self.step()
 
+    def clear_slot(self, slot: int) -> None:
+        for cache in self.caches:
+            cache.clear(slot)
+        if self.prefix is not None:
+            self.prefix.forget(slot)
+
     # ----- scoring ----------------------------------------------------------------
     def prefill_logits(self, token_ids: list[int], slot: int) -> torch.Tensor:
         """Logits at every position of a fresh prefill of ``token_ids`` in ``slot``, in chunks of n_ubatch."""
-        for cache in self.caches:
-            cache.clear(slot)
+        self.clear_slot(slot)
         rows = []
         for start in range(0, len(token_ids), self.n_ubatch):
             chunk = token_ids[start:start + self.n_ubatch]

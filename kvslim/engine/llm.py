@@ -80,8 +80,7 @@ class LLM:
         try:
             return self.engine.prefill_logits(ids, slot)
         finally:
-            for cache in self.engine.caches:
-                cache.clear(slot)
+            self.engine.clear_slot(slot)
             self.engine.free_slots.append(slot)
 
     # ----- generation -----------------------------------------------------------
