@@ -7,7 +7,9 @@ import sys
 # sub-command -> (module under kvslim.tools, one-line help)
 COMMANDS = {
     "quant": ("quant", "measure KV formats on random vectors: bits, error, speed"),
+    "plan": ("plan", "will a model, context and K/V cache fit on a machine? (before anything loads)"),
     "run": ("run", "complete a prompt; print timings and KV/state memory"),
+    "serve": ("serve", "OpenAI-compatible server: parallel slots, streaming, prefix reuse"),
 }
 
 

@@ -155,14 +155,13 @@ class Engine:
                             device=self.model.output_weight.device)
         logits = self.model(batch, self.caches)
         elapsed = time.perf_counter() - t0
-        has_prefill = any(len(chunk) > 1 or len(seq.generated) == 0 for seq, chunk in plan)
         advanced = []
         for row, (seq, chunk) in enumerate(plan):
-            seq.n_cached += len(chunk)
-            if has_prefill:
+            if seq.n_cached < len(seq.prompt):                      # this step read (part of) its prompt
                 seq.prompt_s += elapsed
             else:
                 seq.gen_s += elapsed
+            seq.n_cached += len(chunk)
             if self.prefix is not None and seq.n_cached <= len(seq.prompt):
                 self._checkpoint_prompt(seq)
             if not seq.pending:                                     # everything read: predict
