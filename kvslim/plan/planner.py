@@ -1,0 +1,803 @@
+"""Will this context fit? Memory and decode-speed estimates, computed before anything loads.
+
+Memory on one GPU = weights + KV cache + recurrent state + compute workspace:
+
+- weights: a GGUF-style tensor list derived from the config, each tensor sized in
+  the type llama-quantize gives it for the chosen mix (``catalog.WEIGHT_QUANTS``),
+  or a GGUF file's real tensor bytes;
+- KV cache and recurrent state: the sum of the model's own per-layer cache specs
+  (``KVLayerSpec.bytes_for``, ``StateLayerSpec.bytes_per_slot``), the same
+  accounting the cache allocator sizes its buffers with;
+- compute: an estimate of llama.cpp's compute buffer (see ``compute_bytes``).
+
+``-c`` is the total context, shared by the ``-np`` slots as llama-server shares
+it: each slot holds up to ``c // np`` tokens, in whole pages of ``page_size``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import json
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from .. import formats, models
+from ..cache import KVLayerSpec, StateLayerSpec
+from ..cache.kv import DEFAULT_PAGE_SIZE
+from ..models.qwen3_5 import text_config
+from . import catalog
+
+DEFAULT_UBATCH = 512            # llama.cpp's -ub default: tokens per compute pass
+DEFAULT_WEIGHT_QUANT = "q4_k_m"
+MIN_USEFUL_CTX = 4096           # llama.cpp's default context: a suggestion should leave at least this per slot
+ACTIVATION_BUFFERS = 4          # f32 activations alive at once in a layer (input, residual, two projections)
+
+
+# ----- models ---------------------------------------------------------------------------------
+
+@dataclass
+class Qwen3MoeConfig:
+    """``qwen3_moe`` (Qwen3-30B-A3B, all attention layers, routed experts), enough to plan it:
+    kvslim cannot run it, so ``kvslim.models`` has no file for it."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    intermediate_size: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 40_960
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Qwen3MoeConfig":
+        """From a config.json dict; unknown keys are ignored."""
+        d = text_config(d)
+        d.setdefault("num_key_value_heads", d.get("num_attention_heads"))
+        if d.get("head_dim") is None:
+            d["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names and v is not None})
+
+    def uses_moe(self, layer: int) -> bool:
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+    def cache_layout(self, type_k: str = "f16", type_v: str = "f16") -> list[KVLayerSpec]:
+        return [KVLayerSpec(self.num_key_value_heads, self.head_dim, type_k, type_v)] * self.num_hidden_layers
+
+
+PLANNER_CONFIGS = {"qwen3_moe": Qwen3MoeConfig}
+
+
+def config_from_dict(d: dict):
+    """A config with ``cache_layout`` for any model type kvslim runs or plans."""
+    kind = models.model_type_of(d)
+    supported = sorted({*models.ARCHITECTURES, *PLANNER_CONFIGS})
+    if kind not in supported:
+        raise ValueError(f"model_type {kind!r} is not supported; supported: {', '.join(supported)}")
+    if kind not in PLANNER_CONFIGS:
+        return models.config_from_dict(d)
+    try:
+        return PLANNER_CONFIGS[kind].from_dict(d)
+    except KeyError as missing:
+        raise ValueError(f"config is missing the field {missing}") from None
+
+
+@dataclass(eq=False)  # compared and hashed by identity, so per-model results can be cached
+class Model:
+    """A model to plan: its config and where it came from."""
+
+    name: str
+    config: object
+    source: str                  # "catalog", "hf" (a folder with config.json) or "gguf"
+    hf_id: str | None = None     # what vLLM would serve
+    gguf_path: str | None = None
+    gguf_bytes: int | None = None
+
+    @functools.cached_property
+    def tensors(self) -> list["WeightTensor"]:
+        return weight_tensors(self.config)
+
+
+def load_model(spec: str) -> Model:
+    """A catalog name, a Hugging Face folder (config.json only) or a GGUF file (metadata only)."""
+    path = Path(spec).expanduser()
+    if path.is_dir() or path.name == "config.json":
+        return _from_hf_folder(path if path.is_dir() else path.parent)
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise ValueError(f"no such GGUF file: {spec}")
+        return _from_gguf(path)
+    entry = catalog.model(spec)
+    return Model(spec.strip().lower(), config_from_dict(entry.config), "catalog", hf_id=entry.hf_id)
+
+
+def _from_hf_folder(folder: Path) -> Model:
+    file = folder / "config.json"
+    if not file.is_file():
+        raise ValueError(f"{folder} holds no config.json")
+    try:
+        d = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{file} is not valid JSON: {err}") from None
+    return Model(folder.name, config_from_dict(d), "hf", hf_id=str(folder))
+
+
+def _from_gguf(path: Path) -> Model:
+    try:
+        from ..gguf import reader  # metadata and tensor sizes only; the weights are never read
+    except ImportError:
+        raise ValueError("GGUF input needs kvslim.gguf.reader, which this installation lacks") from None
+    config = config_from_dict(reader.read_config(str(path)))
+    return Model(path.stem, config, "gguf", gguf_path=str(path), gguf_bytes=int(reader.tensor_bytes(str(path))))
+
+
+# ----- weights: the tensor list and llama.cpp's type choice -------------------------------------
+
+@dataclass(frozen=True)
+class WeightTensor:
+    """One weight as a GGUF file would store it."""
+
+    name: str                 # llama.cpp's name without ".weight", e.g. "blk.3.ffn_down_exps"
+    layer: int                # -1 outside the blocks
+    rows: int                 # output features
+    cols: int                 # input features: the row quantized in blocks
+    experts: int = 1          # routed experts stacked in one tensor
+    quantizable: bool = True  # vectors, routers and conv kernels stay f32
+    sharded: bool = True      # split across tensor-parallel GPUs (else replicated)
+
+    @property
+    def params(self) -> int:
+        return self.experts * self.rows * self.cols
+
+    @property
+    def role(self) -> str:
+        """llama.cpp's category for type choice: attn_v, ffn_down, attn_output, output, token_embd."""
+        base = self.name.split(".")[-1]
+        if base in ("attn_v", "attn_qkv"):
+            return "attn_v"
+        return "ffn_down" if base.startswith("ffn_down") else base
+
+
+def _matrix(name: str, layer: int, rows: int, cols: int, experts: int = 1) -> WeightTensor:
+    return WeightTensor(name, layer, rows, cols, experts)
+
+
+def _vector(name: str, layer: int, n: int) -> WeightTensor:
+    return WeightTensor(name, layer, 1, n, quantizable=False, sharded=False)
+
+
+def _is_hybrid(c) -> bool:
+    return hasattr(c, "layer_types")
+
+
+def _layer_types(c) -> list[str]:
+    return list(c.layer_types) if _is_hybrid(c) else ["full_attention"] * c.num_hidden_layers
+
+
+def _uses_moe(c, layer: int) -> bool:
+    return getattr(c, "num_experts", 0) > 0 and c.uses_moe(layer)
+
+
+def _attention(c, i: int) -> list[WeightTensor]:
+    p, h = f"blk.{i}.", c.hidden_size
+    q_width, kv_width = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    gate = 2 if _is_hybrid(c) else 1                # gated attention projects a gate beside each query
+    out = [_matrix(p + "attn_q", i, gate * q_width, h), _matrix(p + "attn_k", i, kv_width, h),
+           _matrix(p + "attn_v", i, kv_width, h), _matrix(p + "attn_output", i, h, q_width)]
+    if c.model_type not in ("llama", "mistral", "qwen2"):   # per-head q/k RMSNorm
+        out += [_vector(p + "attn_q_norm", i, c.head_dim), _vector(p + "attn_k_norm", i, c.head_dim)]
+    if c.model_type == "qwen2" or c.attention_bias:
+        out += [_vector(p + "attn_q.bias", i, q_width), _vector(p + "attn_k.bias", i, kv_width),
+                _vector(p + "attn_v.bias", i, kv_width)]
+    return out
+
+
+def _delta_net(c, i: int) -> list[WeightTensor]:
+    p, h, n_v = f"blk.{i}.", c.hidden_size, c.linear_num_value_heads
+    key_dim, value_dim = c.linear_num_key_heads * c.linear_key_head_dim, n_v * c.linear_value_head_dim
+    conv_dim = 2 * key_dim + value_dim
+    if c.model_type == "qwen3_next":                # q, k, v, z and b, a fused per key head
+        proj = [_matrix(p + "ssm_in", i, conv_dim + value_dim, h), _matrix(p + "ssm_ba", i, 2 * n_v, h)]
+    else:
+        proj = [_matrix(p + "attn_qkv", i, conv_dim, h), _matrix(p + "attn_gate", i, value_dim, h),
+                _matrix(p + "ssm_beta", i, n_v, h), _matrix(p + "ssm_alpha", i, n_v, h)]
+    conv = WeightTensor(p + "ssm_conv1d", i, conv_dim, c.linear_conv_kernel_dim, quantizable=False)
+    return proj + [conv, _vector(p + "ssm_dt", i, n_v), _vector(p + "ssm_a", i, n_v),
+                   _vector(p + "ssm_norm", i, c.linear_value_head_dim), _matrix(p + "ssm_out", i, h, value_dim)]
+
+
+def _feed_forward(c, i: int) -> list[WeightTensor]:
+    p, h = f"blk.{i}.", c.hidden_size
+    if not _uses_moe(c, i):
+        f = c.intermediate_size
+        return [_matrix(p + "ffn_gate", i, f, h), _matrix(p + "ffn_up", i, f, h), _matrix(p + "ffn_down", i, h, f)]
+    e, f = c.num_experts, c.moe_intermediate_size
+    out = [WeightTensor(p + "ffn_gate_inp", i, e, h, quantizable=False, sharded=False),
+           _matrix(p + "ffn_gate_exps", i, f, h, e), _matrix(p + "ffn_up_exps", i, f, h, e),
+           _matrix(p + "ffn_down_exps", i, h, f, e)]
+    s = getattr(c, "shared_expert_intermediate_size", 0)
+    if s:
+        out += [_matrix(p + "ffn_gate_shexp", i, s, h), _matrix(p + "ffn_up_shexp", i, s, h),
+                _matrix(p + "ffn_down_shexp", i, h, s), _vector(p + "ffn_gate_inp_shexp", i, h)]  # (h, 1): 1-D to ggml
+    return out
+
+
+def weight_tensors(c) -> list[WeightTensor]:
+    """Every weight of the text decoder, in llama.cpp's layer order (vision towers and
+    MTP heads are not counted: llama-server loads neither with the decoder)."""
+    h = c.hidden_size
+    out = [_matrix("token_embd", -1, c.vocab_size, h)]
+    for i, kind in enumerate(_layer_types(c)):
+        out.append(_vector(f"blk.{i}.attn_norm", i, h))
+        out += _attention(c, i) if kind == "full_attention" else _delta_net(c, i)
+        out.append(_vector(f"blk.{i}.post_attention_norm", i, h))
+        out += _feed_forward(c, i)
+    out.append(_vector("output_norm", -1, h))
+    if not c.tie_word_embeddings:
+        out.append(_matrix("output", -1, c.vocab_size, h))
+    return out
+
+
+def parameter_counts(c) -> tuple[int, int]:
+    """(total, active per token) parameters; active counts top-k of the routed experts and,
+    by the usual convention, the embeddings."""
+    tensors = weight_tensors(c)
+    active = sum(t.params if t.role == "token_embd" else _read_share(c, t, t.params) for t in tensors)
+    return sum(t.params for t in tensors), active
+
+
+# llama.cpp's layer rules: which layers get more bits (llama_tensor_get_type's use_more_bits).
+LAYER_RULES = {
+    "all": lambda i, n: True,
+    "more_bits": lambda i, n: i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2,
+    "first_two": lambda i, n: i < 2,
+    "first_sixteenth": lambda i, n: i < n // 16,
+}
+
+
+def _fit_type(kind: str, cols: int) -> str:
+    """llama-quantize's fallback for rows that are not a whole number of blocks."""
+    if cols % catalog.WEIGHT_TYPES[kind][0]:
+        kind = catalog.WEIGHT_FALLBACK.get(kind, "f16")
+    return kind if cols % catalog.WEIGHT_TYPES[kind][0] == 0 else "f16"
+
+
+def tensor_types(tensors: list[WeightTensor], mix: catalog.WeightMix) -> list[str]:
+    """The ggml type llama-quantize gives each tensor for ``mix``."""
+    attn_v = {t.name: k for k, t in enumerate(t for t in tensors if t.role == "attn_v")}
+    n_layers = 1 + max(t.layer for t in tensors)
+    tied = not any(t.role == "output" for t in tensors)  # a tied embedding is quantized as the output
+    out = []
+    for t in tensors:
+        if not t.quantizable:
+            out.append("f32")
+        elif t.role == "output" or (tied and t.role == "token_embd"):
+            out.append(_fit_type(mix.output, t.cols))
+        else:
+            i, n = (attn_v[t.name], len(attn_v)) if t.role == "attn_v" else (t.layer, n_layers)
+            rule = (typ for role, when, typ in mix.rules if role == t.role and LAYER_RULES[when](i, n))
+            out.append(_fit_type(next(rule, mix.base), t.cols))
+    return out
+
+
+def tensor_bytes(t: WeightTensor, kind: str) -> int:
+    """Bytes of ``t`` stored as ggml type ``kind``."""
+    block, block_bytes = catalog.WEIGHT_TYPES[kind]
+    return t.experts * t.rows * (t.cols // block) * block_bytes
+
+
+@dataclass(frozen=True)
+class Weights:
+    """Weight bytes: the whole model, one GPU's share, and what one decode step reads on it."""
+
+    total: int
+    per_gpu: int
+    read_per_token: int
+
+
+def _read_share(c, t: WeightTensor, size: int) -> int:
+    """Of ``size`` bytes of ``t``, what one decoded token reads: the top-k routed experts,
+    one embedding row, everything else."""
+    if t.role == "token_embd":
+        return size // t.rows
+    return size * c.num_experts_per_tok // t.experts if t.experts > 1 else size
+
+
+def weight_quant_names(model: Model) -> list[str]:
+    return list(catalog.WEIGHT_QUANTS) + (["gguf"] if model.gguf_bytes else [])
+
+
+def check_weight_quant(model: Model, name: str) -> str:
+    """``name`` normalised; raises ValueError listing the valid names."""
+    key = name.strip().lower()
+    if key not in weight_quant_names(model):
+        raise ValueError(f"unknown weight quantization {name!r}; valid: {', '.join(weight_quant_names(model))}"
+                         + ("" if model.gguf_bytes else " (gguf: only with a GGUF file)"))
+    return key
+
+
+@functools.lru_cache(maxsize=256)
+def weights(model: Model, quant: str, tp: int = 1) -> Weights:
+    """Weight bytes for a mix name from ``catalog.WEIGHT_QUANTS``, or "gguf": the file's real
+    tensor bytes, spread over the tensors in proportion to their parameters (its per-tensor
+    types are not read) to split them across GPUs and to find what a token reads."""
+    tensors = model.tensors
+    if quant == "gguf":
+        n_params = sum(t.params for t in tensors)
+        sizes = [t.params * model.gguf_bytes // n_params for t in tensors]
+        total = model.gguf_bytes
+    else:
+        sizes = [tensor_bytes(t, k) for t, k in zip(tensors, tensor_types(tensors, catalog.WEIGHT_QUANTS[quant]))]
+        total = sum(sizes)
+    sharded = sum(s for t, s in zip(tensors, sizes) if t.sharded)
+    reads = [(t.sharded, _read_share(model.config, t, s)) for t, s in zip(tensors, sizes)]
+    read = sum(r // tp if split else r for split, r in reads)
+    return Weights(total, total - sharded * (tp - 1) // tp, read)
+
+
+# ----- caches, compute, totals -------------------------------------------------------------------
+
+def check_tp(c, tp: int) -> None:
+    """Raise ValueError unless attention (and DeltaNet) heads split evenly over ``tp`` GPUs,
+    as vLLM requires; KV heads fewer than ``tp`` are replicated."""
+    if tp < 1:
+        raise ValueError(f"--tp must be at least 1, got {tp}")
+    heads = [("attention heads", c.num_attention_heads)]
+    if _is_hybrid(c):
+        heads += [("DeltaNet key heads", c.linear_num_key_heads), ("DeltaNet value heads", c.linear_num_value_heads)]
+    for what, n in heads:
+        if n % tp:
+            raise ValueError(f"--tp {tp} does not divide the {n} {what}")
+    kv = c.num_key_value_heads
+    if kv % tp and tp % kv:
+        raise ValueError(f"--tp {tp} neither divides nor is a multiple of the {kv} KV heads")
+
+
+def cache_layout(c, type_k: str, type_v: str, tp: int = 1) -> list[KVLayerSpec | StateLayerSpec]:
+    """The model's per-layer cache specs, narrowed to one GPU's heads under tensor parallelism."""
+    layout = c.cache_layout(type_k, type_v)
+    if tp == 1:
+        return layout
+    out = []
+    for spec in layout:
+        if isinstance(spec, KVLayerSpec):
+            out.append(dataclasses.replace(spec, n_kv_heads=max(1, spec.n_kv_heads // tp)))
+        else:
+            out.append(dataclasses.replace(spec, conv_dim=spec.conv_dim // tp, n_v_heads=spec.n_v_heads // tp))
+    return out
+
+
+def kv_bytes(c, ctx_per_slot: int, n_slots: int, type_k: str, type_v: str,
+             page_size: int = DEFAULT_PAGE_SIZE, tp: int = 1) -> int:
+    """KV cache bytes: every attention layer's ``bytes_for`` the slot's context, times the slots."""
+    specs = [s for s in cache_layout(c, type_k, type_v, tp) if isinstance(s, KVLayerSpec)]
+    return n_slots * sum(s.bytes_for(ctx_per_slot, page_size) for s in specs)
+
+
+def state_bytes(c, n_slots: int, tp: int = 1) -> int:
+    """Recurrent state bytes: every DeltaNet layer's ``bytes_per_slot``, times the slots."""
+    specs = [s for s in cache_layout(c, "f16", "f16", tp) if isinstance(s, StateLayerSpec)]
+    return n_slots * sum(s.bytes_per_slot for s in specs)
+
+
+def _widest_activation(c) -> int:
+    widths = [c.hidden_size, c.num_attention_heads * c.head_dim * (2 if _is_hybrid(c) else 1),
+              getattr(c, "intermediate_size", 0)]
+    if getattr(c, "num_experts", 0):
+        widths += [c.num_experts_per_tok * c.moe_intermediate_size,
+                   getattr(c, "shared_expert_intermediate_size", 0)]
+    if _is_hybrid(c):
+        widths.append(2 * c.linear_num_key_heads * c.linear_key_head_dim
+                      + 2 * c.linear_num_value_heads * c.linear_value_head_dim)
+    return max(widths)
+
+
+def compute_bytes(c, ctx: int, n_ubatch: int = DEFAULT_UBATCH) -> int:
+    """An estimate of llama.cpp's compute buffer, with flash attention: the f16 attention mask
+    (ctx x ubatch x 2 B), f32 logits for a whole ubatch (its reserve pass lets every token
+    output: ubatch x vocab x 4 B) and ``ACTIVATION_BUFFERS`` f32 activations of the widest
+    projection (ubatch x width x 4 B each). Not split under tensor parallelism (conservative)."""
+    return n_ubatch * (2 * ctx + 4 * c.vocab_size + 4 * ACTIVATION_BUFFERS * _widest_activation(c))
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the user asks for (llama-server's flags)."""
+
+    ctx: int                          # -c: total context, shared by the slots
+    n_slots: int = 1                  # -np
+    type_k: str = "f16"               # -ctk
+    type_v: str = "f16"               # -ctv
+    weight_quant: str = DEFAULT_WEIGHT_QUANT
+    tp: int = 1
+    depth: int | None = None          # tokens in the cache when decoding; None: a full slot
+    n_ubatch: int = DEFAULT_UBATCH    # -ub
+    page_size: int = DEFAULT_PAGE_SIZE
+
+    @property
+    def ctx_per_slot(self) -> int:
+        return self.ctx // self.n_slots
+
+    @property
+    def decode_depth(self) -> int:
+        return self.ctx_per_slot if self.depth is None else self.depth
+
+    def check(self, model: Model) -> None:
+        """Raise ValueError on numbers or names that make no sense for ``model``."""
+        if self.n_slots < 1:
+            raise ValueError(f"-np must be at least 1, got {self.n_slots}")
+        if self.ctx < self.n_slots:
+            raise ValueError(f"-c {self.ctx} leaves no context for each of the {self.n_slots} slots")
+        if self.n_ubatch < 1 or self.page_size < 1:
+            raise ValueError("-ub and the page size must be at least 1")
+        if not 0 <= self.decode_depth <= self.ctx_per_slot:
+            raise ValueError(f"--depth {self.depth} must be between 0 and the slot context {self.ctx_per_slot}")
+        check_weight_quant(model, self.weight_quant)
+        check_tp(model.config, self.tp)
+        model.config.cache_layout(self.type_k, self.type_v)  # unknown types or head_dim mismatches raise here
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where the model must fit: usable bytes per GPU and bandwidth (None: unknown)."""
+
+    name: str
+    memory: int
+    bandwidth: float | None = None  # bytes per second
+    vendor: str | None = None
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "memory": self.memory, "bandwidth_gbs": self.bandwidth and self.bandwidth / 1e9,
+                "vendor": self.vendor}
+
+
+def gpu_target(name: str) -> Target:
+    """A target from the hardware catalog."""
+    hw = catalog.hardware(name)
+    return Target(hw.label, hw.usable_bytes, hw.bandwidth_gbs * 1e9, hw.vendor)
+
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "kib": 1 << 10, "mib": 1 << 20,
+          "gib": 1 << 30, "tib": 1 << 40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def parse_memory(text: str) -> int:
+    """'24GiB', '24 GB' (10^9), '24G' (binary, as llama.cpp and docker read it), '512MiB' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m and m.group(2).lower()
+    if not m or unit not in _UNITS:
+        raise ValueError(f"cannot read memory size {text!r}; write it like 24GiB, 24GB, 24G or 16384MiB")
+    size = int(float(m.group(1)) * _UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"memory size must be positive, got {text!r}")
+    return size
+
+
+def memory_target(text: str, bandwidth_gbs: float | None = None) -> Target:
+    """A target of ``--mem`` bytes (all of it usable) and optional ``--bw`` GB/s."""
+    if bandwidth_gbs is not None and bandwidth_gbs <= 0:
+        raise ValueError(f"--bw must be positive GB/s, got {bandwidth_gbs}")
+    return Target(f"{text.strip()} of memory", parse_memory(text), bandwidth_gbs and bandwidth_gbs * 1e9)
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Bytes on one GPU."""
+
+    weights: int
+    kv: int
+    state: int
+    compute: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.state + self.compute
+
+
+def breakdown(model: Model, req: Request) -> Breakdown:
+    """Weights, KV cache, recurrent state and compute workspace for ``req``, per GPU."""
+    c = model.config
+    return Breakdown(weights(model, req.weight_quant, req.tp).per_gpu,
+                     kv_bytes(c, req.ctx_per_slot, req.n_slots, req.type_k, req.type_v, req.page_size, req.tp),
+                     state_bytes(c, req.n_slots, req.tp), compute_bytes(c, req.ctx, req.n_ubatch))
+
+
+def fits(model: Model, req: Request, target: Target) -> bool:
+    return breakdown(model, req).total <= target.memory
+
+
+def decode_ceiling(model: Model, req: Request, target: Target) -> float | None:
+    """Tokens/s one sequence cannot beat at ``req.decode_depth``: bandwidth over the bytes a step
+    reads on one GPU (active weights, the KV of that many tokens, and the DeltaNet state read
+    and written back). Ignores compute and, under tensor parallelism, communication."""
+    if not target.bandwidth:
+        return None
+    c = model.config
+    read = (weights(model, req.weight_quant, req.tp).read_per_token
+            + kv_bytes(c, req.decode_depth, 1, req.type_k, req.type_v, 1, req.tp) + 2 * state_bytes(c, 1, req.tp))
+    return target.bandwidth / read
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One row of the answer."""
+
+    request: Request
+    memory: Breakdown
+    target_memory: int
+    decode_tps: float | None
+
+    @property
+    def headroom(self) -> int:
+        return self.target_memory - self.memory.total
+
+    @property
+    def fits(self) -> bool:
+        return self.headroom >= 0
+
+    def as_dict(self) -> dict:
+        r, m = self.request, self.memory
+        return {"ctx": r.ctx, "ctx_per_slot": r.ctx_per_slot, "n_slots": r.n_slots, "type_k": r.type_k,
+                "type_v": r.type_v, "weight_quant": r.weight_quant, "tp": r.tp, "weights": m.weights, "kv": m.kv,
+                "state": m.state, "compute": m.compute, "total": m.total, "memory": self.target_memory,
+                "headroom": self.headroom, "fits": self.fits, "depth": r.decode_depth,
+                "decode_tps": None if self.decode_tps is None else round(self.decode_tps, 1)}
+
+
+def plan(model: Model, req: Request, target: Target) -> Plan:
+    """The memory breakdown, fit and decode ceiling of ``req`` on ``target``."""
+    req.check(model)
+    return Plan(req, breakdown(model, req), target.memory, decode_ceiling(model, req, target))
+
+
+# ----- searches and suggestions ----------------------------------------------------------------
+
+def max_context_per_slot(c) -> int:
+    return int(getattr(c, "max_position_embeddings", 0) or 262_144)
+
+
+def _context_cap(c, page_size: int) -> int:
+    """The longest slot the search tries: the trained context in whole pages (one page at least)."""
+    return max(1, max_context_per_slot(c) // page_size) * page_size
+
+
+def largest_context(model: Model, req: Request, target: Target) -> int:
+    """The largest -c that fits with ``req``'s other settings: whole pages per slot, at most the
+    model's trained context per slot; 0 if not even one page per slot fits."""
+    step = req.n_slots * req.page_size
+    pages = _context_cap(model.config, req.page_size) // req.page_size
+
+    def ok(p: int) -> bool:
+        return fits(model, dataclasses.replace(req, ctx=p * step, depth=None), target)
+
+    if not ok(1):
+        return 0
+    lo, hi = 1, pages                     # ok(lo) holds; find the last p with ok(p)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
+    return lo * step
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    """One change that makes a request fit."""
+
+    change: str   # "kv_types", "slots", "context", "weights", "tp" or "weights_and_context"
+    flags: str    # the flags to use instead
+    total: int    # bytes per GPU with the change
+
+    def as_dict(self) -> dict:
+        return {"change": self.change, "flags": self.flags, "total": self.total}
+
+
+def _bits(type_name: str, head_dim: int) -> float:
+    return formats.get(type_name).bits_per_value(head_dim)
+
+
+def kv_candidates() -> list[str]:
+    """KV types a suggestion may pick: every non-experimental format narrower than f32."""
+    return [n for n in formats.names() if n != "f32" and not formats.get(n).spec.experimental]
+
+
+def _try(model: Model, req: Request, target: Target, change: str, flags: str) -> Suggestion | None:
+    total = breakdown(model, req).total
+    return Suggestion(change, flags, total) if total <= target.memory else None
+
+
+def _smaller_kv(model: Model, req: Request, target: Target) -> Suggestion | None:
+    """The K/V pair that fits with the most bits on its weaker side (then on K): neither side
+    wider than asked, fewer bytes in all."""
+    c, found = model.config, []
+    bits_k, bits_v = _bits(req.type_k, c.head_dim), _bits(req.type_v, c.head_dim)
+    now = kv_bytes(c, 1, 1, req.type_k, req.type_v, 1)
+    for k, v in itertools.product(kv_candidates(), repeat=2):
+        try:
+            bk, bv = _bits(k, c.head_dim), _bits(v, c.head_dim)
+        except ValueError:                           # the head_dim does not suit this format
+            continue
+        if bk <= bits_k and bv <= bits_v and kv_bytes(c, 1, 1, k, v, 1) < now:
+            found.append(((min(bk, bv), bk, bv), k, v))
+    for _, k, v in sorted(found, reverse=True):
+        hit = _try(model, dataclasses.replace(req, type_k=k, type_v=v), target, "kv_types", f"-ctk {k} -ctv {v}")
+        if hit:
+            return hit
+    return None
+
+
+def _fewer_slots(model: Model, req: Request, target: Target) -> Suggestion | None:
+    """The most slots, fewer than asked, that fit with each slot's context kept."""
+    for n in range(req.n_slots - 1, 0, -1):
+        smaller = dataclasses.replace(req, n_slots=n, ctx=req.ctx_per_slot * n)
+        hit = _try(model, smaller, target, "slots", f"-np {n} -c {smaller.ctx}")
+        if hit:
+            return hit
+    return None
+
+
+def _smaller_context(model: Model, req: Request, target: Target) -> Suggestion | None:
+    ctx = largest_context(model, req, target)
+    return _try(model, dataclasses.replace(req, ctx=ctx, depth=None), target, "context", f"-c {ctx}") if ctx else None
+
+
+def _smaller_weights(model: Model, req: Request, target: Target) -> Suggestion | None:
+    """The widest weight quantization, smaller than the request's, that fits."""
+    now = weights(model, req.weight_quant, req.tp).per_gpu
+    for name in catalog.WEIGHT_QUANTS:
+        if weights(model, name, req.tp).per_gpu < now:
+            hit = _try(model, dataclasses.replace(req, weight_quant=name), target, "weights", f"-wq {name}")
+            if hit:
+                return hit
+    return None
+
+
+def _more_gpus(model: Model, req: Request, target: Target) -> Suggestion | None:
+    """The fewest NVIDIA GPUs of the same kind (2, 4 or 8) that fit it with tensor parallelism."""
+    if target.vendor != "nvidia":
+        return None
+    for n in (2, 4, 8):
+        try:
+            check_tp(model.config, n)
+        except ValueError:
+            continue
+        hit = _try(model, dataclasses.replace(req, tp=n), target, "tp", f"--tp {n}") if n > req.tp else None
+        if hit:
+            return hit
+    return None
+
+
+def _smaller_weights_and_context(model: Model, req: Request, target: Target) -> Suggestion | None:
+    """The widest smaller weight quantization that fits a useful context (llama.cpp's default
+    4096 per slot, or the request's if shorter), with the longest such context."""
+    now, useful = weights(model, req.weight_quant, req.tp).per_gpu, min(req.ctx, MIN_USEFUL_CTX * req.n_slots)
+    for name in catalog.WEIGHT_QUANTS:
+        smaller = dataclasses.replace(req, weight_quant=name, depth=None)
+        if weights(model, name, req.tp).per_gpu < now and largest_context(model, smaller, target) >= useful:
+            ctx = largest_context(model, smaller, target)
+            return _try(model, dataclasses.replace(smaller, ctx=ctx), target, "weights_and_context",
+                        f"-wq {name} -c {ctx}")
+    return None
+
+
+def suggestions(model: Model, req: Request, target: Target) -> list[Suggestion]:
+    """For a request that does not fit: each single change that makes it fit, or else a smaller
+    weight quantization together with a shorter context."""
+    if fits(model, req, target):
+        return []
+    tries = (_smaller_kv, _fewer_slots, _smaller_context, _smaller_weights, _more_gpus)
+    found = [s for s in (f(model, req, target) for f in tries) if s]
+    return found or [s for s in [_smaller_weights_and_context(model, req, target)] if s]
+
+
+# ----- launch lines for other engines ------------------------------------------------------------
+
+def vllm_kv_dtype(type_k: str, type_v: str, head_dim: int) -> tuple[str, list[str]]:
+    """vLLM's --kv-cache-dtype for a K/V pair, and what differs from the plan."""
+    notes, picks = [], []
+    for t in (type_k, type_v):
+        pick = catalog.VLLM_KV_DTYPE.get(t)
+        if pick is None:
+            pick = "fp8" if _bits(t, head_dim) <= 8.5 else "auto"
+            notes.append(f"vLLM has no {t} cache; --kv-cache-dtype {pick} stands in for it")
+        elif t == "q8_0":
+            notes.append("vLLM's fp8 (8 bits/value, per-tensor scale) is the nearest to q8_0, not the same format")
+        picks.append(pick)
+    if picks[0] != picks[1]:
+        notes.append("vLLM takes one --kv-cache-dtype for K and V; the wider of the two is used")
+    return ("auto" if "auto" in picks else "fp8"), notes
+
+
+def _llama_server_type(t: str) -> tuple[str, str | None]:
+    if t in catalog.LLAMA_SERVER_KV:
+        return t, None
+    near = catalog.LLAMA_SERVER_NEAREST
+    return near, f"upstream llama-server has no {t} cache; {near} stands in for it and takes more memory"
+
+
+def _gguf_name(model: Model, quant: str) -> str:
+    if model.gguf_path:
+        return model.gguf_path
+    base = (model.hf_id or model.name).rstrip("/").split("/")[-1]
+    return f"{base}-{quant.upper()}.gguf"
+
+
+def launch_commands(model: Model, req: Request, target: Target | None = None) -> dict:
+    """Equivalent vLLM and llama-server command lines for ``req``, with notes on what differs."""
+    k, note_k = _llama_server_type(req.type_k)
+    v, note_v = _llama_server_type(req.type_v)
+    notes = [n for n in (note_k, note_v) if n]
+    server = (f"llama-server -m {_gguf_name(model, req.weight_quant)} -c {req.ctx} -np {req.n_slots} "
+              f"-ctk {k} -ctv {v} -fa on -ngl 99")
+    if req.tp > 1:
+        server += f" -sm layer -ts {','.join(['1'] * req.tp)}"
+        notes.append("llama.cpp splits by layers across GPUs (-sm layer), not by heads; its per-GPU figures "
+                     "differ from the tensor-parallel split above")
+    dtype, vllm_notes = vllm_kv_dtype(req.type_k, req.type_v, model.config.head_dim)
+    source = model.hf_id or model.gguf_path or model.name
+    vllm = (f"vllm serve {source} --tensor-parallel-size {req.tp} --max-model-len {req.ctx_per_slot} "
+            f"--max-num-seqs {req.n_slots} --kv-cache-dtype {dtype}")
+    bf16 = weights(model, "bf16", req.tp).per_gpu
+    notes += vllm_notes + [f"vLLM loads the checkpoint's own weights (bf16: {bf16 / catalog.GIB:.1f} GiB per GPU), "
+                           f"not the {req.weight_quant} mix, and fills the rest of --gpu-memory-utilization "
+                           f"with KV blocks"]
+    if model.source == "gguf":
+        notes.append("vLLM reads GGUF experimentally and needs --tokenizer set to the original repository")
+    if target is not None and target.vendor == "apple":
+        notes.append("vLLM does not run on Apple GPUs; use llama-server (Metal)")
+    return {"vllm": vllm, "llama_server": server, "notes": notes}
+
+
+# ----- the whole answer --------------------------------------------------------------------------
+
+def model_summary(model: Model) -> dict:
+    """Sizes that describe the model, all derived from its config."""
+    c = model.config
+    total, active = parameter_counts(c)
+    layout = c.cache_layout("f16", "f16")
+    n_kv = sum(isinstance(s, KVLayerSpec) for s in layout)
+    return {"name": model.name, "source": model.source, "model_type": c.model_type, "hf_id": model.hf_id,
+            "gguf": model.gguf_path, "params": total, "active_params": active, "layers": len(layout),
+            "attention_layers": n_kv, "state_layers": len(layout) - n_kv,
+            "kv_bytes_per_token_f16": kv_bytes(c, 1, 1, "f16", "f16", 1), "state_bytes_per_slot": state_bytes(c, 1),
+            "max_context": max_context_per_slot(c)}
+
+
+def _largest_row(model: Model, req: Request, target: Target) -> dict:
+    ctx = largest_context(model, req, target)
+    at = dataclasses.replace(req, ctx=max(ctx, req.n_slots), depth=None)
+    kv = kv_bytes(model.config, at.ctx_per_slot, at.n_slots, req.type_k, req.type_v, req.page_size, req.tp)
+    return {"type_k": req.type_k, "type_v": req.type_v, "weight_quant": req.weight_quant, "n_slots": req.n_slots,
+            "kv_bytes_per_token": kv_bytes(model.config, 1, 1, req.type_k, req.type_v, 1, req.tp),
+            "ctx": ctx, "ctx_per_slot": ctx // req.n_slots, "kv": kv if ctx else 0,
+            "capped": ctx // req.n_slots >= _context_cap(model.config, req.page_size)}
+
+
+def _recommended(plans: list[Plan]) -> Plan | None:
+    """The fitting row with the longest context, then the least compressed K/V, then the widest weights."""
+    ok = [p for p in plans if p.fits]
+    return max(ok, key=lambda p: (p.request.ctx, p.memory.kv, p.memory.weights), default=None)
+
+
+def report(model: Model, target: Target, requests: list[Request]) -> dict:
+    """Everything ``kvslim plan`` prints: rows, largest contexts per K/V pair, suggestions for rows
+    that do not fit, and launch lines for the recommended row. JSON-ready."""
+    plans = [plan(model, r, target) for r in requests]
+    rows = [{**p.as_dict(), "suggestions": [s.as_dict() for s in suggestions(model, p.request, target)]}
+            for p in plans]
+    pairs = {(r.type_k, r.type_v, r.weight_quant, r.n_slots, r.tp): r for r in requests}
+    best = _recommended(plans)
+    return {"model": model_summary(model), "target": target.as_dict(), "rows": rows,
+            "largest_context": [_largest_row(model, r, target) for r in pairs.values()],
+            "recommended": best and best.as_dict(),
+            "launch": launch_commands(model, best.request if best else requests[0], target)}

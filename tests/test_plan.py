@@ -1,0 +1,349 @@
+"""The memory planner: the published KV/state figures exactly, the allocator's own bytes,
+weight sizes near real GGUF files, searches consistent with totals, and a CLI that
+refuses bad input with a clear message."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from kvslim import cli, formats, models
+from kvslim.cache import KVCache
+from kvslim.plan import catalog, planner
+
+MIB, GIB = 1 << 20, 1 << 30
+TINY = dict(vocab_size=160, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=64, intermediate_size=96)
+LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+              linear_conv_kernel_dim=4)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+
+
+def config(name: str):
+    return planner.load_model(name).config
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    code = cli.main(["plan", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# ----- the published figures (shared/FACTS.md, issue 6) --------------------------------------------
+
+@pytest.mark.parametrize("name", ["qwen3.6-35b-a3b", "qwen3.5-35b-a3b"])
+def test_35b_a3b_kv_and_state(name):
+    c = config(name)
+    assert planner.kv_bytes(c, 1, 1, "f16", "f16", 1) == 20_480
+    assert planner.kv_bytes(c, 32_768, 1, "f16", "f16") == 671_088_640 == 640 * MIB
+    assert planner.kv_bytes(c, 4096, 1, "f16", "f16") == 80 * MIB
+    assert planner.state_bytes(c, 1) == 62.8125 * MIB
+    assert planner.state_bytes(c, 4) == 251.25 * MIB
+    # the conv state is in: 30 DeltaNet layers x 3 columns of conv_dim (2 x 2048 + 4096) in f32
+    recurrent_only = 30 * 32 * 128 * 128 * 4
+    assert planner.state_bytes(c, 1) - recurrent_only == 30 * 3 * 8192 * 4
+
+
+def test_issue_figures_with_four_slots():
+    """-c 32768 -np 4: the context is shared (8192 per slot) as llama-server shares it."""
+    model = planner.load_model("qwen3.5-35b-a3b")
+    mem = planner.breakdown(model, planner.Request(32_768, 4))
+    assert mem.kv == 671_088_640
+    assert mem.state == 251.25 * MIB
+
+
+@pytest.mark.parametrize("name", ["qwen3.6-27b", "qwen3.5-27b"])
+def test_27b_kv_and_state(name):
+    c = config(name)
+    assert planner.kv_bytes(c, 1, 1, "f16", "f16", 1) == 65_536
+    assert round(planner.state_bytes(c, 1) / MIB, 1) == 149.6
+
+
+def test_llama_8b_is_all_kv():
+    c = config("llama-3.1-8b")
+    assert planner.kv_bytes(c, 1, 1, "f16", "f16", 1) == 128 * 1024
+    assert planner.state_bytes(c, 4) == 0
+
+
+@pytest.mark.parametrize("type_k,type_v,expected", [
+    ("q8_0", "q8_0", 10_880), ("turbo4", "turbo4", 5_280), ("turbo3", "turbo3", 4_000), ("q8_0", "turbo3", 7_440),
+    ("turbo2", "turbo2", 2_720),
+])
+def test_compressed_kv_sizes_come_from_the_format_table(type_k, type_v, expected):
+    c = config("qwen3.6-35b-a3b")                           # 10 attention layers x 2 KV heads x head_dim 256
+    rows = formats.get(type_k).row_bytes(256) + formats.get(type_v).row_bytes(256)
+    assert planner.kv_bytes(c, 1, 1, type_k, type_v, 1) == 10 * 2 * rows == expected
+
+
+def test_the_48_gb_claim_is_refuted():
+    """A guide claims 35B-A3B needs 1.5 GB of q8_0 KV at 8K and 48 GB at 262K (dense arithmetic)."""
+    c = config("qwen3.6-35b-a3b")
+    assert planner.kv_bytes(c, 262_144, 1, "f16", "f16") == 5 * GIB
+    assert 48e9 / planner.kv_bytes(c, 262_144, 1, "f16", "f16") > 8
+    assert planner.kv_bytes(c, 8192, 1, "q8_0", "q8_0") == 85 * MIB
+
+
+# ----- one source of truth: the allocator's own bytes --------------------------------------------
+
+@pytest.mark.parametrize("model_type,extra", [("qwen3_5_text", LINEAR), ("qwen3_5_moe_text", {**LINEAR, **MOE}),
+                                              ("llama", {})])
+@pytest.mark.parametrize("type_k,type_v", [("f16", "f16"), ("q8_0", "turbo3")])
+def test_planned_bytes_equal_what_the_cache_allocates(model_type, extra, type_k, type_v):
+    d = dict(model_type=model_type, **TINY, **extra)
+    model = planner.Model("tiny", planner.config_from_dict(d), "hf")
+    req = planner.Request(ctx=600, n_slots=2, type_k=type_k, type_v=type_v)     # 300 per slot: 2 pages each
+    caches = models.build(model.config).make_cache(req.ctx_per_slot, req.n_slots, type_k, type_v)
+    gen = torch.Generator().manual_seed(0)
+    for cache in caches:
+        if isinstance(cache, KVCache):
+            for slot in range(req.n_slots):
+                k, v = (torch.randn(req.ctx_per_slot, 2, 64, generator=gen) for _ in range(2))
+                cache.append(slot, k, v)
+    mem = planner.breakdown(model, req)
+    assert mem.kv == sum(c.nbytes for c in caches if isinstance(c, KVCache))
+    assert mem.state == sum(c.nbytes for c in caches if not isinstance(c, KVCache))
+
+
+@pytest.mark.parametrize("model_type,extra", [("qwen3_5_text", LINEAR), ("qwen3_5_moe_text", {**LINEAR, **MOE}),
+                                              ("qwen3_next", {**LINEAR, **MOE}), ("llama", {}), ("qwen3", {}),
+                                              ("qwen2", {})])
+def test_parameter_count_equals_kvslims_own_modules(model_type, extra):
+    c = planner.config_from_dict(dict(model_type=model_type, **TINY, **extra))
+    assert planner.parameter_counts(c)[0] == sum(p.numel() for p in models.build(c).parameters())
+
+
+# ----- weights and parameters ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,total_b,active_b", [
+    ("qwen3.6-35b-a3b", 35, 3), ("qwen3.6-27b", 27, 27), ("qwen3.5-397b-a17b", 397, 17),
+    ("qwen3-next-80b-a3b", 80, 3), ("llama-3.1-8b", 8, 8), ("qwen3-32b", 32.8, 32.8), ("qwen3-30b-a3b", 30.5, 3.3),
+])
+def test_parameter_counts_match_the_names(name, total_b, active_b):
+    """Derived from the configs; within 3% of the published total (hybrid names also count a vision
+    tower and an MTP head the planner leaves out) and within 1B of the active count, embeddings included."""
+    total, active = planner.parameter_counts(config(name))
+    assert total / 1e9 == pytest.approx(total_b, rel=0.03)
+    assert abs(active / 1e9 - active_b) < 1.0
+
+
+@pytest.mark.parametrize("name,quant,low_gb,high_gb", [
+    ("qwen3.6-35b-a3b", "q4_k_m", 20.5, 21.5),   # FACTS: about 21 GB
+    ("qwen3.6-27b", "q4_k_m", 16.0, 17.0),       # FACTS: 16-17 GB
+    ("qwen3.6-35b-a3b", "q8_0", 36.5, 37.5),     # FACTS: about 37 GB
+    ("llama-3.1-8b", "q4_k_m", 4.85, 5.0),       # the common Q4_K_M file: 4.92 GB
+    ("llama-3.1-8b", "q8_0", 8.45, 8.6),         # 8.54 GB
+])
+def test_weight_sizes_near_real_files(name, quant, low_gb, high_gb):
+    size = planner.weights(planner.load_model(name), quant).total / 1e9
+    assert low_gb <= size <= high_gb
+
+
+def test_weight_mixes_shrink_in_order():
+    model = planner.load_model("qwen3.6-35b-a3b")
+    sizes = [planner.weights(model, q).total for q in catalog.WEIGHT_QUANTS if q != "bf16"]
+    assert sizes == sorted(sizes, reverse=True)
+
+
+def test_q4_k_m_gives_half_the_ffn_down_and_attn_v_six_bits():
+    """llama.cpp's use_more_bits picks 16 of 32 layers for attn_v and ffn_down in Llama-3.1-8B."""
+    tensors = planner.load_model("llama-3.1-8b").tensors
+    kinds = planner.tensor_types(tensors, catalog.WEIGHT_QUANTS["q4_k_m"])
+    by_role = {}
+    for t, k in zip(tensors, kinds):
+        by_role.setdefault(t.role, []).append(k)
+    assert by_role["attn_v"].count("q6_k") == 16 and by_role["ffn_down"].count("q6_k") == 16
+    assert by_role["output"] == ["q6_k"] and by_role["token_embd"] == ["q4_k"]
+    assert set(by_role["attn_norm"]) == {"f32"}
+
+
+# ----- totals, searches, suggestions ----------------------------------------------------------------
+
+def test_total_is_the_sum_and_fit_follows_it():
+    model, target = planner.load_model("qwen3.6-35b-a3b"), planner.gpu_target("rtx4090")
+    p = planner.plan(model, planner.Request(262_144, type_k="q8_0", type_v="turbo3"), target)
+    m = p.memory
+    assert m.total == m.weights + m.kv + m.state + m.compute
+    assert p.headroom == target.memory - m.total and p.fits == (p.headroom >= 0)
+
+
+@pytest.mark.parametrize("name,n_slots,types,target", [
+    ("qwen3.6-35b-a3b", 1, ("f16", "f16"), "rtx4090"), ("qwen3.6-27b", 4, ("q8_0", "turbo3"), "rtx4090"),
+    ("llama-3.1-8b", 2, ("f16", "f16"), "rtx4060ti-16gb"), ("qwen3-32b", 1, ("turbo4", "turbo3"), "rtx5090"),
+])
+def test_largest_context_is_consistent_with_the_totals(name, n_slots, types, target):
+    model, tgt = planner.load_model(name), planner.gpu_target(target)
+    req = planner.Request(4096 * n_slots, n_slots, *types)
+    ctx = planner.largest_context(model, req, tgt)
+    step = n_slots * req.page_size
+    assert ctx > 0 and ctx % step == 0
+    assert planner.breakdown(model, dataclasses.replace(req, ctx=ctx)).total <= tgt.memory
+    capped = ctx // n_slots >= planner.max_context_per_slot(model.config)
+    assert capped or planner.breakdown(model, dataclasses.replace(req, ctx=ctx + step)).total > tgt.memory
+
+
+def test_nothing_fits_when_the_weights_do_not():
+    model, target = planner.load_model("qwen3.5-397b-a17b"), planner.gpu_target("rtx4090")
+    req = planner.Request(4096)
+    assert planner.largest_context(model, req, target) == 0
+    assert not planner.plan(model, req, target).fits
+
+
+def test_suggestions_each_fit():
+    model, target = planner.load_model("qwen3.6-35b-a3b"), planner.gpu_target("rtx4090")
+    req = planner.Request(262_144, 2)
+    found = planner.suggestions(model, req, target)
+    assert {s.change for s in found} == {"kv_types", "slots", "context", "weights", "tp"}
+    assert all(s.total <= target.memory for s in found)
+    kv = next(s for s in found if s.change == "kv_types")
+    assert kv.flags == "-ctk q8_0 -ctv q8_0"               # the least compressed pair that fits
+    assert planner.suggestions(model, dataclasses.replace(req, ctx=4096), target) == []
+
+
+def test_small_machine_gets_a_combined_suggestion():
+    model, target = planner.load_model("qwen3.6-27b"), planner.gpu_target("m4pro-24gb")
+    req = planner.Request(131_072)
+    (only,) = planner.suggestions(model, req, target)
+    assert only.change == "weights_and_context" and only.total <= target.memory
+    quant, ctx = only.flags.split()[1], int(only.flags.split()[3])
+    assert ctx >= 4096 and planner.fits(model, dataclasses.replace(req, weight_quant=quant, ctx=ctx), target)
+    huge = planner.load_model("qwen3.5-397b-a17b")
+    assert planner.suggestions(huge, req, target) == []
+
+
+def test_decode_ceiling_is_bandwidth_over_bytes_read():
+    model, target = planner.load_model("llama-3.1-8b"), planner.gpu_target("rtx4090")
+    req = planner.Request(8192, depth=0)
+    read = planner.weights(model, "q4_k_m").read_per_token
+    assert planner.decode_ceiling(model, req, target) == pytest.approx(1008e9 / read)
+    deep = dataclasses.replace(req, depth=8192)
+    assert planner.decode_ceiling(model, deep, target) == pytest.approx(1008e9 / (read + 8192 * 128 * 1024))
+    moe = planner.load_model("qwen3.6-35b-a3b")
+    assert planner.weights(moe, "q4_k_m").read_per_token < planner.weights(moe, "q4_k_m").total / 8
+
+
+def test_tensor_parallel_splits_heads_and_replicates_too_few_kv_heads():
+    model = planner.load_model("qwen3.6-35b-a3b")
+    one, two, four = (planner.breakdown(model, planner.Request(32_768, tp=n)) for n in (1, 2, 4))
+    assert two.kv == one.kv // 2 and four.kv == two.kv          # 2 KV heads: the 4 GPUs hold one each
+    assert two.state == one.state // 2 and four.state == one.state // 4
+    assert one.weights / 4 < four.weights < one.weights / 4 * 1.02     # norms and f32 routers replicated
+    launch = planner.launch_commands(model, planner.Request(32_768, 2, "q8_0", "turbo3", tp=4))
+    assert "--tensor-parallel-size 4" in launch["vllm"] and "--max-model-len 16384" in launch["vllm"]
+    assert "--kv-cache-dtype fp8" in launch["vllm"]
+    assert "-ctk q8_0 -ctv q4_0" in launch["llama_server"] and "-c 32768 -np 2" in launch["llama_server"]
+    assert any("no turbo3" in n for n in launch["notes"])
+
+
+# ----- inputs: HF folder, GGUF ----------------------------------------------------------------------
+
+def test_hf_folder_reads_config_json_only(tmp_path):
+    nested = {"model_type": "qwen3_5_moe", "text_config": catalog.MODELS["qwen3.6-35b-a3b"].config}
+    (tmp_path / "config.json").write_text(json.dumps(nested))
+    model = planner.load_model(str(tmp_path))
+    assert model.source == "hf" and planner.kv_bytes(model.config, 32_768, 1, "f16", "f16") == 640 * MIB
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="'gpt2' is not supported; supported: .*qwen3_moe"):
+        planner.load_model(str(tmp_path))
+
+
+def tiny_llama_gguf(path) -> None:
+    """A small llama GGUF written with the gguf package: metadata and a few tensors."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key, value in {"block_count": 2, "embedding_length": 64, "feed_forward_length": 96, "context_length": 4096,
+                       "attention.head_count": 4, "attention.head_count_kv": 2}.items():
+        w.add_uint32(f"llama.{key}", value)
+    w.add_float32("llama.rope.freq_base", 10_000.0)
+    w.add_tensor("token_embd.weight", np.zeros((160, 64), dtype=np.float16))
+    w.add_tensor("blk.0.attn_v.weight", np.zeros((32, 64), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_gguf_weights_are_the_files_tensor_bytes(tmp_path):
+    reader = pytest.importorskip("kvslim.gguf.reader")
+    path = tmp_path / "tiny.gguf"
+    tiny_llama_gguf(path)
+    model = planner.load_model(str(path))
+    assert model.source == "gguf" and model.gguf_bytes == reader.tensor_bytes(path) == 160 * 64 * 2 + 32 * 64 * 4
+    mem = planner.breakdown(model, planner.Request(1024, weight_quant="gguf"))
+    assert mem.weights == model.gguf_bytes
+    assert mem.kv == 2 * 1024 * 2 * 2 * 16 * 2                 # 2 layers x 1024 tokens x K+V x 2 heads x 16 x f16
+
+
+@pytest.mark.parametrize("model_type,extra", [("qwen3_5_moe_text", {**LINEAR, **MOE}),
+                                              ("qwen3_next", {**LINEAR, **MOE}), ("qwen3_5_text", LINEAR),
+                                              ("llama", {})])
+@pytest.mark.parametrize("quant", ["q8_0", "f16"])
+def test_weight_estimate_equals_a_written_gguf(tmp_path, model_type, extra, quant):
+    """kvslim's GGUF writer follows llama.cpp's converter (f32 vectors, routers and conv kernels):
+    the planner's estimate for the same type must be the file's tensor bytes exactly."""
+    writer = pytest.importorskip("kvslim.gguf.writer")
+    save_file = pytest.importorskip("safetensors.torch").save_file
+    d = dict(model_type=model_type, **TINY, **extra)
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    state = models.build(planner.config_from_dict(d)).state_dict()
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "model.safetensors"))
+    vocab = {f"t{i}": i for i in range(TINY["vocab_size"])}
+    (tmp_path / "tokenizer.json").write_text(json.dumps({
+        "model": {"type": "BPE", "vocab": vocab, "merges": []}, "added_tokens": [],
+        "pre_tokenizer": {"type": "ByteLevel", "use_regex": True}}))
+    path = writer.write_gguf(tmp_path, tmp_path / "model.gguf", quant)
+    assert planner.weights(planner.load_model(str(tmp_path)), quant).total == planner.load_model(str(path)).gguf_bytes
+
+
+# ----- the CLI ----------------------------------------------------------------------------------------
+
+def test_cli_sweep_markdown_and_json(capsys):
+    args = ["-m", "qwen3.6-35b-a3b", "-c", "4k,32k,128k,256k", "-ctk", "f16,q8_0,turbo4", "-ctv", "f16,turbo3",
+            "--gpu", "rtx4090"]
+    code, out, _ = run_cli(capsys, *args)
+    assert code == 0 and out.count("| q4_k_m |") == 4 * 6 + 6 and "Largest context that fits" in out
+    assert "| 262144 (model max) |" in out and "llama-server -m Qwen3.6-35B-A3B-Q4_K_M.gguf" in out
+    code, out, _ = run_cli(capsys, *args, "-o", "json")
+    result = json.loads(out)
+    assert code == 0 and json.loads(json.dumps(result)) == result
+    assert len(result["rows"]) == 24 and len(result["largest_context"]) == 6
+    row = next(r for r in result["rows"] if r["ctx"] == 262_144 and r["type_k"] == r["type_v"] == "f16")
+    assert row["kv"] == 5 * GIB and not row["fits"] and row["suggestions"]
+    assert result["model"]["kv_bytes_per_token_f16"] == 20_480
+
+
+def test_cli_mem_target_and_tp(capsys):
+    code, out, _ = run_cli(capsys, "-m", "qwen3-32b", "-c", "32768", "--mem", "48GiB", "--bw", "1000", "-o", "json")
+    assert code == 0 and json.loads(out)["target"]["memory"] == 48 * GIB
+    code, out, _ = run_cli(capsys, "-m", "llama-3.1-8b", "-c", "0", "-np", "2", "--gpu", "rtx3090", "-o", "json")
+    assert code == 0 and json.loads(out)["rows"][0]["ctx_per_slot"] == 131_072 // 2     # -c 0: the trained context
+    code, out, _ = run_cli(capsys, "-m", "qwen3.5-397b-a17b", "-c", "262144", "--gpu", "h200", "--tp", "4")
+    assert code == 0 and "tensor parallel over 4" in out and "--tensor-parallel-size 4" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["-m", "gpt-5", "--gpu", "rtx4090"], "unknown model 'gpt-5'; built-in models: qwen3.6-27b, "),
+    (["-m", "qwen3-32b", "--gpu", "rtx9090"], "unknown GPU 'rtx9090'; valid names: rtx3090, rtx4090"),
+    (["-m", "qwen3-32b", "--gpu", "rtx4090", "-ctk", "q3"], "unknown KV cache type 'q3'; valid types: f32, f16"),
+    (["-m", "qwen3-32b", "--gpu", "rtx4090", "-c", "-4096"], "-c must be 0 or more"),
+    (["-m", "qwen3-32b", "--gpu", "rtx4090", "-c", "lots"], "-c: 'lots' is not a whole number"),
+    (["-m", "qwen3-32b", "--gpu", "rtx4090", "-np", "0"], "-np must be at least 1"),
+    (["-m", "qwen3-32b", "--mem", "lots"], "cannot read memory size 'lots'"),
+    (["-m", "qwen3-32b", "--mem", "0GiB"], "memory size must be positive"),
+    (["-m", "qwen3-32b", "--gpu", "rtx4090", "-wq", "q2_xs"], "unknown weight quantization 'q2_xs'; valid: f16"),
+    (["-m", "qwen3.6-35b-a3b", "--gpu", "h100", "--tp", "3"], "--tp 3 does not divide the 16 attention heads"),
+    (["-m", "qwen3-32b", "--gpu", "rtx4090", "-c", "4096", "-d", "5000"], "--depth 5000 must be between 0"),
+    (["-m", "/nonexistent/model.gguf", "--gpu", "rtx4090"], "no such GGUF file"),
+])
+def test_cli_refuses_bad_input_clearly(capsys, argv, message):
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2 and err.startswith("kvslim plan: error: ") and message in err
+    assert "Traceback" not in err
+
+
+def test_parse_memory_units():
+    assert planner.parse_memory("24GiB") == planner.parse_memory("24 G") == 24 * GIB
+    assert planner.parse_memory("24GB") == 24 * 10**9
+    assert planner.parse_memory("16384MiB") == 16 * GIB
