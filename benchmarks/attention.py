@@ -13,7 +13,6 @@ a plain implementation would keep.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import statistics
 import sys
@@ -24,31 +23,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvslim.cache import KVCache, KVLayerSpec, attend  # noqa: E402
+from kvslim.bench.memory import PeakRSS  # noqa: E402
 from kvslim.tools.common import markdown_table  # noqa: E402
 
 DEFAULT_PAIRS = "f16/f16,q8_0/q8_0,q4_0/q4_0,turbo4/turbo4,turbo3/turbo3,q8_0/turbo4,q8_0/turbo3"
 
 
-def rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return -1
-
-
 def peak_extra_mib(fn) -> float:
     """Peak resident memory above the starting point while ``fn`` runs (Linux only)."""
-    try:
-        # Hand freed heap pages back first, or the call would reuse them unseen.
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")                                   # resets VmHWM to the current RSS
-    except OSError:  # not Linux, or no procfs
-        return float("nan")
-    before = rss_kib("VmRSS")
-    fn()
-    return (rss_kib("VmHWM") - before) / 1024
+    with PeakRSS() as peak:
+        fn()
+    return peak.extra_bytes / 2**20 if peak.extra_bytes >= 0 else float("nan")
 
 
 def build(pairs, depth, n_kv, head_dim, gen):

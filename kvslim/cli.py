@@ -9,6 +9,7 @@ COMMANDS = {
     "quant": ("quant", "measure KV formats on random vectors: bits, error, speed"),
     "plan": ("plan", "will a model, context and K/V cache fit on a machine? (before anything loads)"),
     "run": ("run", "complete a prompt; print timings and KV/state memory"),
+    "bench": ("bench", "llama-bench-style pp/tg speed at depth, swept over K/V types"),
     "serve": ("serve", "OpenAI-compatible server: parallel slots, streaming, prefix reuse"),
 }
 

@@ -1,0 +1,68 @@
+"""llama-bench's output: the markdown table, csv/json/jsonl records, and a plot."""
+from __future__ import annotations
+
+import torch
+
+from ..tools.common import human_bytes, markdown_table
+
+
+def model_facts(model, threads: int) -> dict:
+    params = sum(p.numel() for p in model.parameters())
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    return {"model_type": f"{model.config.model_type} {params / 1e6:.1f}M {dtype}", "model_size": size,
+            "model_n_params": params, "backend": "CPU" if next(model.parameters()).device.type == "cpu"
+            else "CUDA", "n_threads": threads}
+
+
+def record(facts: dict, test, case: dict, result: dict) -> dict:
+    return {**facts, "n_prompt": test.n_tokens if test.kind == "pp" else 0,
+            "n_gen": test.n_tokens if test.kind == "tg" else 0, "n_depth": test.n_depth,
+            "n_parallel": case["n_parallel"], "type_k": case["type_k"], "type_v": case["type_v"],
+            "n_ubatch": case["n_ubatch"], "test": test.label, **result}
+
+
+def markdown(records: list[dict]) -> str:
+    """llama-bench's table; type_k/type_v columns only when some run is not f16, np when > 1."""
+    show_types = any(r["type_k"] != "f16" or r["type_v"] != "f16" for r in records)
+    show_np = any(r["n_parallel"] > 1 for r in records)
+    headers = ["model", "size", "params", "backend", "threads"] + (["type_k", "type_v"] if show_types else []) \
+        + (["np"] if show_np else []) + ["test", "t/s", "KV", "peak RSS"]
+    rows = []
+    for r in records:
+        row = [r["model_type"], human_bytes(r["model_size"]), f"{r['model_n_params'] / 1e6:.2f} M", r["backend"],
+               r["n_threads"]]
+        row += [r["type_k"], r["type_v"]] if show_types else []
+        row += [r["n_parallel"]] if show_np else []
+        row += [r["test"], f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f}", human_bytes(r["kv_bytes"]),
+                human_bytes(r["peak_rss_bytes"]) if r["peak_rss_bytes"] >= 0 else "n/a"]
+        rows.append(row)
+    align = ["l"] * (len(headers) - 3) + ["r", "r", "r"]
+    return markdown_table(headers, rows, align)
+
+
+def plot(records: list[dict], path: str) -> None:
+    """tokens/s against depth, one line per K/V pair, pp and tg side by side."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, kind in zip(axes, ("pp", "tg")):
+        runs = [r for r in records if (r["n_prompt"] if kind == "pp" else r["n_gen"])]
+        for pair in dict.fromkeys((r["type_k"], r["type_v"]) for r in runs):
+            pts = sorted((r["n_depth"], r["avg_ts"], r["stddev_ts"]) for r in runs if (r["type_k"], r["type_v"]) == pair)
+            d, ts, sd = zip(*pts)
+            ax.errorbar(d, ts, yerr=sd, marker="o", capsize=3, label=f"{pair[0]}/{pair[1]}")
+        label = runs[0]["test"].split(" ")[0] if runs else kind
+        ax.set(title=f"{label} by depth", xlabel="depth (tokens)", ylabel="tokens/s")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(records[0]["model_type"] if records else "")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def threads() -> int:
+    return torch.get_num_threads()

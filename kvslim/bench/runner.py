@@ -1,0 +1,116 @@
+"""llama-bench's measurements on kvslim: pp (prefill) and tg (decode) at a depth.
+
+For each K/V pair the cache is filled once per depth with real prefill of
+random tokens (depths ascending, each fill extends the previous one), a
+snapshot is taken, and every repetition starts from that snapshot: attention
+KV is trimmed back and the DeltaNet state restored, so repetitions and tests
+at the same depth never refill. One warm-up run precedes the timed ones.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..models import Batch
+from ..models.base import CausalLM
+from .memory import PeakRSS
+
+
+@dataclass(frozen=True)
+class Test:
+    kind: str          # "pp" or "tg"
+    n_tokens: int
+    n_depth: int
+
+    @property
+    def label(self) -> str:
+        name = f"{self.kind}{self.n_tokens}"
+        return f"{name} @ d{self.n_depth}" if self.n_depth else name
+
+
+class FilledCache:
+    """A cache for ``n_parallel`` slots, grown to a depth and restorable to it."""
+
+    def __init__(self, model: CausalLM, ctx: int, n_parallel: int, type_k: str, type_v: str, n_ubatch: int,
+                 seed: int = 0):
+        self.model, self.n_parallel, self.n_ubatch = model, n_parallel, n_ubatch
+        self.caches = model.make_cache(ctx, n_parallel, type_k, type_v)
+        self.depth, self.snapshot = 0, None
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def random_tokens(self, n: int) -> list[int]:
+        return torch.randint(0, self.model.config.vocab_size, (n,), generator=self.gen).tolist()
+
+    def grow_to(self, depth: int, progress=None) -> None:
+        """Prefill every slot from the current depth to ``depth`` (untimed)."""
+        self.restore()
+        for slot in range(self.n_parallel):
+            tokens = self.random_tokens(depth - self.depth)
+            for start in range(0, len(tokens), self.n_ubatch):
+                chunk = tokens[start:start + self.n_ubatch]
+                self.model(Batch.build([(slot, chunk, self.depth + start)]), self.caches)
+                if progress is not None:
+                    progress.update(len(chunk))
+        self.depth = depth
+        self.snapshot = [[c.state(s) for s in range(self.n_parallel)] if c.kind == "recurrent" else None
+                         for c in self.caches]
+
+    def restore(self) -> None:
+        """Back to exactly ``depth`` tokens per slot."""
+        for i, cache in enumerate(self.caches):
+            for slot in range(self.n_parallel):
+                if cache.kind == "recurrent":
+                    if self.snapshot is None:
+                        cache.clear(slot)
+                    else:
+                        cache.load_state(slot, self.snapshot[i][slot], self.depth)
+                else:
+                    cache.trim(slot, self.depth)
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(c.nbytes for c in self.caches if c.kind == "kv")
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(c.nbytes for c in self.caches if c.kind == "recurrent")
+
+
+def time_pp(fc: FilledCache, n: int) -> float:
+    """Seconds to prefill ``n`` tokens into slot 0 (chunks of n_ubatch)."""
+    tokens = fc.random_tokens(n)
+    t0 = time.perf_counter()
+    for start in range(0, n, fc.n_ubatch):
+        fc.model(Batch.build([(0, tokens[start:start + fc.n_ubatch], fc.depth + start)]), fc.caches)
+    return time.perf_counter() - t0
+
+
+def time_tg(fc: FilledCache, n: int) -> float:
+    """Seconds to decode ``n`` tokens in every slot, all slots in one forward per step."""
+    tokens = [fc.random_tokens(n) for _ in range(fc.n_parallel)]
+    t0 = time.perf_counter()
+    for step in range(n):
+        fc.model(Batch.build([(s, [tokens[s][step]], fc.depth + step) for s in range(fc.n_parallel)]), fc.caches)
+    return time.perf_counter() - t0
+
+
+def measure(fc: FilledCache, test: Test, repetitions: int) -> dict:
+    """One warm-up, then ``repetitions`` timed runs from the same snapshot; tokens/s per run."""
+    run = time_pp if test.kind == "pp" else time_tg
+    tokens = test.n_tokens * (fc.n_parallel if test.kind == "tg" else 1)
+    samples = []
+    peak = PeakRSS()
+    for rep in range(repetitions + 1):
+        fc.restore()
+        with peak:
+            seconds = run(fc, test.n_tokens)
+        if rep:                                                       # rep 0 is the warm-up
+            samples.append(tokens / seconds)
+    kv_bytes, state_bytes = fc.kv_bytes, fc.state_bytes                # at depth + the test's tokens
+    fc.restore()
+    return {"samples_ts": samples, "avg_ts": statistics.mean(samples),
+            "stddev_ts": statistics.stdev(samples) if len(samples) > 1 else 0.0,
+            "peak_rss_bytes": peak.peak_bytes, "kv_bytes": kv_bytes, "state_bytes": state_bytes}

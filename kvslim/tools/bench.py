@@ -1,0 +1,127 @@
+"""``kvslim bench``: llama-bench's pp/tg measurements, swept over depth and K/V types."""
+from __future__ import annotations
+
+import argparse
+import itertools
+import re
+import sys
+
+import torch
+
+from .. import formats
+from ..bench import FilledCache, Test, measure
+from ..bench.report import markdown, model_facts, plot, record
+from ..loading import load_model
+from .common import to_csv, to_json, to_jsonl
+
+
+RANGE = re.compile(r"^(\d+)-(\d+)(?:([+*])(\d+))?$")
+
+
+def int_list(text: str) -> list[int]:
+    """llama-bench's number lists: ``1,2,4``, ranges ``0-16384+4096`` and ``512-4096*2``."""
+    out = []
+    for part in (p.strip() for p in text.split(",")):
+        m = RANGE.match(part)
+        if m:
+            n, last, op, step = int(m[1]), int(m[2]), m[3] or "+", int(m[4] or 1)
+            if step < 1 or (op == "*" and (step < 2 or n < 1)):
+                raise ValueError(f"range {part!r} never advances")
+            while n <= last:
+                out.append(n)
+                n = n + step if op == "+" else n * step
+        elif re.fullmatch(r"-?\d+", part):
+            out.append(int(part))
+        else:
+            raise ValueError(f"cannot read {part!r} as a number or a range like 0-16384+4096")
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvslim bench", description=__doc__)
+    p.add_argument("-m", "--model", default=None, help="HF folder or .gguf (default: the bundled model)")
+    p.add_argument("-p", "--n-prompt", default="512", help="prompt tokens for pp tests (list; 0 skips pp)")
+    p.add_argument("-n", "--n-gen", default="128", help="generated tokens for tg tests (list; 0 skips tg)")
+    p.add_argument("-d", "--n-depth", default="0", help="depths to fill first (list or range)")
+    p.add_argument("-r", "--repetitions", type=int, default=5, help="timed runs after one warm-up")
+    p.add_argument("-ctk", "--cache-type-k", default="f16", help="K types (comma list): " + ", ".join(formats.names()))
+    p.add_argument("-ctv", "--cache-type-v", default="f16", help="V types (comma list)")
+    p.add_argument("--pairs", default=None, help="explicit K/V pairs instead of every combination, e.g. f16/f16,q8_0/turbo4")
+    p.add_argument("-np", "--n-parallel", default="1", help="sequences decoded together in tg (list)")
+    p.add_argument("-ub", "--ubatch-size", type=int, default=512)
+    p.add_argument("-t", "--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--dtype", default=None, help="weights dtype: f32, bf16, f16 (default: as stored)")
+    p.add_argument("-o", "--output", choices=["md", "csv", "json", "jsonl"], default="md")
+    p.add_argument("--plot", default=None, help="write tokens/s against depth to this PNG")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def kv_pairs(args) -> list[tuple[str, str]]:
+    if args.pairs:
+        pairs = []
+        for item in args.pairs.split(","):
+            k, _, v = item.partition("/")
+            pairs.append((formats.get(k.strip()).name, formats.get((v or k).strip()).name))
+        return pairs
+    ks = [f.name for f in formats.parse_list(args.cache_type_k)]
+    vs = [f.name for f in formats.parse_list(args.cache_type_v)]
+    return list(itertools.product(ks, vs))
+
+
+def tests_for(args) -> list[Test]:
+    depths = sorted(set(int_list(args.n_depth)))
+    pp = [n for n in int_list(args.n_prompt) if n > 0]
+    tg = [n for n in int_list(args.n_gen) if n > 0]
+    if any(d < 0 for d in depths) or not (pp or tg):
+        raise ValueError("depths must be >= 0 and at least one of -p / -n must be positive")
+    return [Test(kind, n, d) for d in depths for kind, ns in (("pp", pp), ("tg", tg)) for n in ns]
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    if args.repetitions < 1 or args.ubatch_size < 1:
+        raise ValueError("-r and -ub must be at least 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    pairs, tests, nps = kv_pairs(args), tests_for(args), int_list(args.n_parallel)
+    if any(n < 1 for n in nps):
+        raise ValueError("-np must be at least 1")
+    model, _, _ = load_model(args.model, args.dtype)
+    facts = model_facts(model, torch.get_num_threads())
+    records = run_all(model, facts, pairs, tests, nps, args)
+    emit(records, args)
+    return 0
+
+
+def run_all(model, facts, pairs, tests, nps, args) -> list[dict]:
+    from tqdm import tqdm
+
+    ctx = max(t.n_depth for t in tests) + max(t.n_tokens for t in tests) + 1
+    bar = tqdm(total=max(t.n_depth for t in tests) * len(pairs) * sum(nps), desc="filling depth", unit="tok", disable=args.no_progress,
+               file=sys.stderr)
+    records = []
+    for (type_k, type_v), n_par in itertools.product(pairs, nps):
+        fc = FilledCache(model, ctx, n_par, type_k, type_v, args.ubatch_size)
+        case = {"type_k": type_k, "type_v": type_v, "n_parallel": n_par, "n_ubatch": args.ubatch_size}
+        for test in tests:
+            if test.kind == "pp" and n_par > 1:
+                continue                                             # -np applies to decode
+            if test.n_depth != fc.depth:
+                fc.grow_to(test.n_depth, bar)
+            records.append(record(facts, test, case, measure(fc, test, args.repetitions)))
+    bar.close()
+    return records
+
+
+def emit(records: list[dict], args) -> None:
+    if args.plot:
+        plot(records, args.plot)
+    if args.output == "md":
+        print(markdown(records))
+    elif args.output == "json":
+        print(to_json(records))
+    elif args.output == "jsonl":
+        print(to_jsonl(records))
+    else:
+        print(to_csv([{k: v for k, v in r.items() if k != "samples_ts"} for r in records]))

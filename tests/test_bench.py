@@ -1,0 +1,47 @@
+"""``kvslim bench`` smoke test: it runs, its JSON parses, and its labels are llama-bench's."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvslim.bench import FilledCache
+from kvslim.bench.runner import time_tg
+from kvslim.bench.report import markdown
+from kvslim.cli import main as cli_main
+from kvslim.loading import load_model
+from kvslim.tools.bench import int_list
+
+
+def test_number_lists_and_ranges_read_like_llama_bench():
+    assert int_list("0,4096,16384") == [0, 4096, 16384]
+    assert int_list("0-8192+4096") == [0, 4096, 8192]
+    assert int_list("512-4096*2") == [512, 1024, 2048, 4096]
+    with pytest.raises(ValueError, match="never advances"):
+        int_list("1-10*1")
+
+
+def test_bench_json_and_markdown(tiny_folder, capsys, tmp_path):
+    folder = tiny_folder("qwen3_5")[0]
+    code = cli_main(["bench", "-m", str(folder), "-p", "32", "-n", "4", "-d", "0,64", "-r", "1", "-ctk", "q8_0",
+                     "-ctv", "turbo4", "--dtype", "f32", "-o", "json", "--no-progress",
+                     "--plot", str(tmp_path / "b.png")])
+    records = json.loads(capsys.readouterr().out)
+    assert code == 0 and [r["test"] for r in records] == ["pp32", "tg4", "pp32 @ d64", "tg4 @ d64"]
+    assert all(r["avg_ts"] > 0 and r["type_k"] == "q8_0" and r["type_v"] == "turbo4" for r in records)
+    assert records[2]["kv_bytes"] > 0 and (tmp_path / "b.png").stat().st_size > 1000
+    table = markdown(records)
+    assert "| type_k | type_v | test" in table and " ± " in table
+
+
+def test_repetitions_start_from_the_same_filled_state(tiny_folder):
+    model, _, _ = load_model(tiny_folder("qwen3_5")[0], "f32")
+    fc = FilledCache(model, 256, 1, "f16", "f16", 16)
+    fc.grow_to(40)
+    snap = [c.state(0) for c in fc.caches]
+    time_tg(fc, 5)
+    assert all(c.offset(0) == 45 for c in fc.caches)
+    fc.restore()
+    for cache, before in zip(fc.caches, snap):
+        after = cache.state(0)
+        assert cache.offset(0) == 40 and all((after[k] == before[k]).all() for k in before)
