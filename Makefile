@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml requirements/cpu.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/kvslim quant --n 20000
+	$(BIN)/kvslim demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
