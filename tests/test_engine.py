@@ -184,3 +184,16 @@ def test_prefix_reuse_gives_the_same_tokens_as_a_fresh_start(tiny_folder, kind):
     expected_reuse = 37 if kind == "llama" else 32                      # KV trims anywhere; state: checkpoint at 32
     assert third.cached_tokens == expected_reuse
     assert third.generated == _greedy(fresh, edited).generated
+
+
+def test_kvslim_load_reads_gguf_like_the_folder(tiny_folder, tmp_path):
+    from kvslim.gguf.writer import write_gguf
+
+    folder = tiny_folder("qwen3_5")[0]
+    write_gguf(folder, tmp_path / "m.gguf", "f32")
+    a = kvslim.load(folder, ctx=128, cache_type_k="f32", cache_type_v="f32", dtype="f32")
+    b = kvslim.load(tmp_path / "m.gguf", ctx=128, cache_type_k="f32", cache_type_v="f32", dtype="f32")
+    ids = a.tokenize("The json module <|im_end|> héllo")
+    assert b.tokenize("The json module <|im_end|> héllo") == ids
+    assert (a.logits(ids) - b.logits(ids)).abs().max().item() <= 1e-4
+    assert a.generate("abc", 8, temperature=0).token_ids == b.generate("abc", 8, temperature=0).token_ids
