@@ -13,6 +13,7 @@ import torch
 
 from kvslim import cli, formats, models
 from kvslim.cache import KVCache
+from kvslim.plan import weight_bytes as plan_weights
 from kvslim.plan import catalog, planner
 
 MIB, GIB = 1 << 20, 1 << 30
@@ -113,7 +114,7 @@ def test_planned_bytes_equal_what_the_cache_allocates(model_type, extra, type_k,
                                               ("qwen2", {})])
 def test_parameter_count_equals_kvslims_own_modules(model_type, extra):
     c = planner.config_from_dict(dict(model_type=model_type, **TINY, **extra))
-    assert planner.parameter_counts(c)[0] == sum(p.numel() for p in models.build(c).parameters())
+    assert plan_weights.parameter_counts(c)[0] == sum(p.numel() for p in models.build(c).parameters())
 
 
 # ----- weights and parameters ---------------------------------------------------------------------
@@ -125,7 +126,7 @@ def test_parameter_count_equals_kvslims_own_modules(model_type, extra):
 def test_parameter_counts_match_the_names(name, total_b, active_b):
     """Derived from the configs; within 3% of the published total (hybrid names also count a vision
     tower and an MTP head the planner leaves out) and within 1B of the active count, embeddings included."""
-    total, active = planner.parameter_counts(config(name))
+    total, active = plan_weights.parameter_counts(config(name))
     assert total / 1e9 == pytest.approx(total_b, rel=0.03)
     assert abs(active / 1e9 - active_b) < 1.0
 
@@ -138,20 +139,20 @@ def test_parameter_counts_match_the_names(name, total_b, active_b):
     ("llama-3.1-8b", "q8_0", 8.45, 8.6),         # 8.54 GB
 ])
 def test_weight_sizes_near_real_files(name, quant, low_gb, high_gb):
-    size = planner.weights(planner.load_model(name), quant).total / 1e9
+    size = plan_weights.weights(planner.load_model(name), quant).total / 1e9
     assert low_gb <= size <= high_gb
 
 
 def test_weight_mixes_shrink_in_order():
     model = planner.load_model("qwen3.6-35b-a3b")
-    sizes = [planner.weights(model, q).total for q in catalog.WEIGHT_QUANTS if q != "bf16"]
+    sizes = [plan_weights.weights(model, q).total for q in catalog.WEIGHT_QUANTS if q != "bf16"]
     assert sizes == sorted(sizes, reverse=True)
 
 
 def test_q4_k_m_gives_half_the_ffn_down_and_attn_v_six_bits():
     """llama.cpp's use_more_bits picks 16 of 32 layers for attn_v and ffn_down in Llama-3.1-8B."""
     tensors = planner.load_model("llama-3.1-8b").tensors
-    kinds = planner.tensor_types(tensors, catalog.WEIGHT_QUANTS["q4_k_m"])
+    kinds = plan_weights.tensor_types(tensors, catalog.WEIGHT_QUANTS["q4_k_m"])
     by_role = {}
     for t, k in zip(tensors, kinds):
         by_role.setdefault(t.role, []).append(k)
@@ -217,12 +218,12 @@ def test_small_machine_gets_a_combined_suggestion():
 def test_decode_ceiling_is_bandwidth_over_bytes_read():
     model, target = planner.load_model("llama-3.1-8b"), planner.gpu_target("rtx4090")
     req = planner.Request(8192, depth=0)
-    read = planner.weights(model, "q4_k_m").read_per_token
+    read = plan_weights.weights(model, "q4_k_m").read_per_token
     assert planner.decode_ceiling(model, req, target) == pytest.approx(1008e9 / read)
     deep = dataclasses.replace(req, depth=8192)
     assert planner.decode_ceiling(model, deep, target) == pytest.approx(1008e9 / (read + 8192 * 128 * 1024))
     moe = planner.load_model("qwen3.6-35b-a3b")
-    assert planner.weights(moe, "q4_k_m").read_per_token < planner.weights(moe, "q4_k_m").total / 8
+    assert plan_weights.weights(moe, "q4_k_m").read_per_token < plan_weights.weights(moe, "q4_k_m").total / 8
 
 
 def test_tensor_parallel_splits_heads_and_replicates_too_few_kv_heads():
@@ -294,7 +295,7 @@ def test_weight_estimate_equals_a_written_gguf(tmp_path, model_type, extra, quan
         "model": {"type": "BPE", "vocab": vocab, "merges": []}, "added_tokens": [],
         "pre_tokenizer": {"type": "ByteLevel", "use_regex": True}}))
     path = writer.write_gguf(tmp_path, tmp_path / "model.gguf", quant)
-    assert planner.weights(planner.load_model(str(tmp_path)), quant).total == planner.load_model(str(path)).gguf_bytes
+    assert plan_weights.weights(planner.load_model(str(tmp_path)), quant).total == planner.load_model(str(path)).gguf_bytes
 
 
 # ----- the CLI ----------------------------------------------------------------------------------------
