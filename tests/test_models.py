@@ -12,7 +12,7 @@ import torch
 from kvslim.loading.hf import read_config, read_state_dict
 from kvslim.loading.weights import instantiate
 from kvslim.models import Batch, config_from_dict
-from kvslim.models.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from kvslim.models.delta_rule import chunk_gated_delta_rule, gated_delta_step, recurrent_gated_delta_rule
 
 from .conftest import TINY_TYPES
 
@@ -113,6 +113,10 @@ def test_chunked_delta_rule_matches_recurrent_reference(t):
     o_ref, s_ref = recurrent_gated_delta_rule(q, k, v, decay, beta, state)
     o, s = chunk_gated_delta_rule(q, k, v, decay, beta, state, chunk=16)
     assert (o - o_ref).abs().max() < 1e-4 and (s - s_ref).abs().max() < 1e-4
+    s_step = state.clone()                                          # the in-place decode step, token by token
+    o_step = torch.stack([gated_delta_step(q[:, i], k[:, i], v[:, i], decay[:, i], beta[:, i], s_step)
+                          for i in range(t)], dim=1)
+    assert (o_step - o_ref).abs().max() < 1e-4 and (s_step - s_ref).abs().max() < 1e-4
 
 
 def test_quantized_kv_stays_close_and_turbo_uses_its_bytes(tiny_folder):

@@ -6,7 +6,7 @@ Per value head, with state S (dk, dv), decay g <= 0 (log space), rate beta:
     o_t = S^T q_t
 ``recurrent_gated_delta_rule`` runs that loop token by token: it is the
 reference and the decode path (one token per sequence). ``chunk_gated_delta_rule``
-is the prefill path: within a chunk of C tokens the updates are condensed with
+is the prefill path (and ``gated_delta_step`` the in-place decode step): within a chunk of C tokens the updates are condensed with
 the WY/UT transform (one triangular solve) so the work is matmuls, and only the
 chunks are sequential. Both take q and k already L2-normalised, repeated to
 the value heads, and return float32.
@@ -37,6 +37,19 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state):
         s = s + k[:, t, :, :, None] * delta[:, :, None, :]
         out[:, t] = torch.einsum("bhkv,bhk->bhv", s, q[:, t])
     return out, s
+
+
+def gated_delta_step(q, k, v, g, beta, state):
+    """Decode: one token per sequence, ``state`` (B, H, dk, dv) float32 updated in place.
+    q, k (B, H, dk); v (B, H, dv); g, beta (B, H). Returns o (B, H, dv) float32."""
+    b, h, dk, dv = state.shape
+    q, k, v = q.float() * dk ** -0.5, k.float(), v.float()
+    state.mul_(g.float().exp()[..., None, None])
+    flat = state.view(b * h, dk, dv)
+    kv_mem = torch.bmm(k.reshape(b * h, 1, dk), flat)                 # S^T k: what the state predicts for k
+    delta = (v.reshape(b * h, 1, dv) - kv_mem) * beta.float().reshape(b * h, 1, 1)
+    flat.baddbmm_(k.reshape(b * h, dk, 1), delta)                      # S += k (x) beta (v - S^T k)
+    return torch.bmm(q.reshape(b * h, 1, dk), flat).view(b, h, dv)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):

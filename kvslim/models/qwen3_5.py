@@ -15,8 +15,7 @@ from torch import nn
 from ..cache import KVLayerSpec, StateLayerSpec
 from .base import CausalLM
 from .batch import Batch
-from .delta_rule import (causal_conv, causal_conv_step, chunk_gated_delta_rule, l2norm,
-                         recurrent_gated_delta_rule)
+from .delta_rule import causal_conv, causal_conv_step, chunk_gated_delta_rule, gated_delta_step, l2norm
 from .layers import MLP, Attention, DecoderLayer, RMSNormGated, Rope, SparseMoE
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
@@ -174,16 +173,19 @@ class GatedDeltaNet(nn.Module):
         cache.advance(seg.slot, seg.length)
 
     def _decode(self, qkv, g, beta, batch, cache, out) -> None:
-        """One token for each segment, all sequences in one step (gather states, scatter back)."""
-        slots = torch.tensor([seg.slot for seg in batch.segments], device=qkv.device)
-        rows = batch.last_rows
-        mixed, cache.conv[slots] = causal_conv_step(qkv[rows], cache.conv[slots], self.conv1d.weight[:, 0])
+        """One token for each segment, all sequences in one step. Consecutive slots are
+        updated in place through a view; others are gathered and scattered back."""
+        slots = [seg.slot for seg in batch.segments]
+        run = slots == list(range(slots[0], slots[0] + len(slots)))
+        idx = slice(slots[0], slots[0] + len(slots)) if run else torch.tensor(slots, device=qkv.device)
+        mixed, cache.conv[idx] = causal_conv_step(qkv, cache.conv[idx], self.conv1d.weight[:, 0])
         q, k, v = self._split_heads(mixed)
-        o, state = recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None], g[rows, None],
-                                              beta[rows, None], cache.recurrent[slots])
-        out[rows], cache.recurrent[slots] = o[:, 0], state
-        for seg in batch.segments:
-            cache.advance(seg.slot, 1)
+        state = cache.recurrent[idx]                                # a view when ``run``
+        out[:] = gated_delta_step(q, k, v, g, beta, state)
+        if not run:
+            cache.recurrent[idx] = state
+        for slot in slots:
+            cache.advance(slot, 1)
 
 
 def feed_forward(c: HybridConfig, layer: int) -> nn.Module:
