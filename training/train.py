@@ -1,0 +1,582 @@
+#!/usr/bin/env python3
+"""Train kvslim's bundled tiny Qwen3.5-style model on the CPU.
+
+The model is a ``transformers`` ``Qwen3_5ForCausalLM`` (model_type
+``qwen3_5_text``): Gated DeltaNet ("linear_attention") and gated attention
+("full_attention") layers 3:1, like the real Qwen3.5/3.6 targets, only tiny.
+
+Data: the offline English corpus of ``training/corpus.py`` (tokenized once and
+cached under ``training/tokens/``), documents separated by ``<|endoftext|>``,
+mixed with synthetic needle-retrieval samples from ``kvslim/eval/needle.py``
+whose answer tokens get a larger loss weight.  Every batch is a pure function
+of ``(seed, step)``, so a checkpoint only needs the step to resume the data
+stream exactly; checkpoints also keep model, optimizer and RNG states.
+
+Usage (see kvslim/data/tiny-qwen35/README.md for the run that made the model)::
+
+    .venv/bin/python training/tokenizer.py
+    .venv/bin/python training/train.py --bench                 # throughput table
+    .venv/bin/python training/train.py --name tiny-qwen35      # full run + export
+    .venv/bin/python training/train.py --name tiny-qwen35 --resume
+    .venv/bin/python training/train.py --name tiny-qwen35 --export-only
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+TRAINING_DIR = Path(__file__).resolve().parent
+REPO_ROOT = TRAINING_DIR.parent
+sys.path.insert(0, str(TRAINING_DIR))
+sys.path.insert(0, str(REPO_ROOT))
+
+import corpus  # noqa: E402
+from kvslim.eval import needle  # noqa: E402
+
+TOKENS_DIR = TRAINING_DIR / "tokens"
+RUNS_DIR = TRAINING_DIR / "runs"
+EXPORT_DIR = REPO_ROOT / "kvslim" / "data" / "tiny-qwen35"
+TOKENIZER_PATH = TRAINING_DIR / "tokenizer.json"
+EOS_ID, IM_START_ID, IM_END_ID = 0, 1, 2
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+# ---------------------------------------------------------------------------
+# configuration
+# ---------------------------------------------------------------------------
+
+
+def parse_phases(text: str) -> list[tuple[int, float]]:
+    """'1024:0.5,2048:0.25,4096:0.25' -> [(1024, 0.6), ...] (fractions of steps)."""
+    phases = []
+    for part in text.split(","):
+        length, frac = part.split(":")
+        phases.append((int(length), float(frac)))
+    total = sum(f for _, f in phases)
+    return [(n, f / total) for n, f in phases]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Train the bundled tiny Qwen3.5-style model.")
+    p.add_argument("--name", default="tiny-qwen35", help="run name (training/runs/<name>/)")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--threads", type=int, default=2)
+    # model
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=8, help="multiple of 4 (3 DeltaNet + 1 attention)")
+    p.add_argument("--intermediate", type=int, default=768)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--lin-k-heads", type=int, default=2)
+    p.add_argument("--lin-v-heads", type=int, default=4)
+    p.add_argument("--lin-head-dim", type=int, default=64)
+    p.add_argument("--rope-theta", type=float, default=10000.0)
+    # optimisation
+    p.add_argument("--steps", type=int, default=650)
+    p.add_argument("--tokens-per-step", type=int, default=8192)
+    p.add_argument("--phases", default="1024:0.5,2048:0.25,4096:0.25",
+                   help="sequence-length curriculum as len:fraction-of-steps")
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--min-lr-ratio", type=float, default=0.1)
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True,
+                   help="bf16 autocast for matmuls (master weights stay fp32)")
+    # data mixture
+    p.add_argument("--needle-frac", type=float, default=0.35,
+                   help="share of sequences that are synthetic retrieval samples")
+    p.add_argument("--answer-weight", type=float, default=10.0,
+                   help="loss weight of needle answer tokens (others: 1)")
+    p.add_argument("--source-power", type=float, default=0.5,
+                   help="source sampling weight = (train tokens)^power")
+    # bookkeeping
+    p.add_argument("--eval-every", type=int, default=100, help="held-out loss every N steps")
+    p.add_argument("--ckpt-minutes", type=float, default=10.0)
+    p.add_argument("--resume", action="store_true", help="continue from runs/<name>/ckpt/last.pt")
+    p.add_argument("--init-from", type=Path, default=None,
+                   help="start from the weights (not optimizer/step) of a checkpoint; "
+                        "for a continued run with a different mixture")
+    p.add_argument("--stop-at", type=int, default=0,
+                   help="stop after this step with a checkpoint and no export (to replay a "
+                        "run that was resumed with changed options; see the model card)")
+    p.add_argument("--export-only", action="store_true")
+    p.add_argument("--export-dir", type=Path, default=EXPORT_DIR)
+    p.add_argument("--no-export", action="store_true")
+    p.add_argument("--bench", action="store_true",
+                   help="measure training tokens/s (fp32 vs bf16, several lengths) and exit")
+    p.add_argument("--bench-lengths", default="1024,2048,4096")
+    return p
+
+
+def model_config(args):
+    from transformers import Qwen3_5TextConfig
+
+    if args.layers % 4:
+        raise SystemExit("--layers must be a multiple of 4")
+    layer_types = (["linear_attention"] * 3 + ["full_attention"]) * (args.layers // 4)
+    return Qwen3_5TextConfig(
+        vocab_size=8192,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        layer_types=layer_types,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        linear_num_key_heads=args.lin_k_heads,
+        linear_num_value_heads=args.lin_v_heads,
+        linear_key_head_dim=args.lin_head_dim,
+        linear_value_head_dim=args.lin_head_dim,
+        linear_conv_kernel_dim=4,
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
+        rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta,
+                         "partial_rotary_factor": 0.25},
+        initializer_range=0.02,
+        attention_dropout=0.0,
+        bos_token_id=EOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=EOS_ID,
+        use_cache=True,
+    )
+
+
+def build_model(args):
+    from transformers import Qwen3_5ForCausalLM
+
+    config = model_config(args)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(args.seed)
+    model = Qwen3_5ForCausalLM(config)
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
+def count_params(model) -> int:
+    """Unique parameters (the tied embedding counted once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+# ---------------------------------------------------------------------------
+# data
+# ---------------------------------------------------------------------------
+
+
+def load_tokenizer():
+    from tokenizers import Tokenizer
+
+    if not TOKENIZER_PATH.exists():
+        raise SystemExit("training/tokenizer.json missing: run .venv/bin/python training/tokenizer.py")
+    return Tokenizer.from_file(str(TOKENIZER_PATH))
+
+
+def tokenizer_digest() -> str:
+    return hashlib.sha256(TOKENIZER_PATH.read_bytes()).hexdigest()[:16]
+
+
+def ensure_corpus() -> list[str]:
+    """Names of the corpus sources (running corpus.py if files are missing)."""
+    data = corpus.DEFAULT_DATA_DIR
+    if not list(data.glob("*.train.txt")):
+        import subprocess
+        subprocess.run([sys.executable, str(TRAINING_DIR / "corpus.py")], check=True)
+    return sorted(p.name[: -len(".train.txt")] for p in data.glob("*.train.txt"))
+
+
+def token_cache(source: str, split: str, tok) -> np.ndarray:
+    """Token ids of one source/split, each document followed by <|endoftext|>.
+
+    Cached as training/tokens/<source>.<split>.<tokenizer digest>.npy.
+    """
+    TOKENS_DIR.mkdir(parents=True, exist_ok=True)
+    path = TOKENS_DIR / f"{source}.{split}.{tokenizer_digest()}.npy"
+    if path.exists():
+        return np.load(path)
+    docs = corpus.read_documents(corpus.DEFAULT_DATA_DIR / f"{source}.{split}.txt")
+    pieces = []
+    for enc in tok.encode_batch(docs):
+        pieces.append(np.asarray(enc.ids + [EOS_ID], dtype=np.uint16))
+    arr = np.concatenate(pieces)
+    tmp = path.with_suffix(".tmp.npy")
+    np.save(tmp, arr)
+    tmp.replace(path)
+    return arr
+
+
+class DataMixture:
+    """Deterministic batches: batch(step) depends only on (seed, step, shape)."""
+
+    def __init__(self, args, tok):
+        self.args = args
+        self.tok = tok
+        self.sources = ensure_corpus()
+        self.train = {s: token_cache(s, "train", tok) for s in self.sources}
+        self.heldout = {s: token_cache(s, "heldout", tok) for s in self.sources}
+        self.docs = {s: corpus.read_documents(corpus.DEFAULT_DATA_DIR / f"{s}.train.txt")
+                     for s in self.sources}
+        sizes = np.array([len(self.train[s]) for s in self.sources], dtype=np.float64)
+        weights = sizes ** args.source_power
+        self.weights = (weights / weights.sum()).tolist()
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tok.encode(text).ids)
+
+    def _window(self, rng: random.Random, length: int) -> tuple[str, np.ndarray]:
+        source = rng.choices(self.sources, weights=self.weights)[0]
+        stream = self.train[source]
+        start = rng.randrange(0, len(stream) - length)
+        return source, stream[start:start + length].astype(np.int64)
+
+    def _needle_row(self, rng: random.Random, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """length+1 tokens ending with a retrieval sample, and their loss weights."""
+        source = rng.choices(self.sources, weights=self.weights)[0]
+        kind = needle.sample_kind(rng)
+        target = int(length * rng.uniform(0.2, 1.0))
+        sample = needle.build_sample(self.docs[source], rng, rng.random(), kind=kind,
+                                     target_tokens=target - 1, count_tokens=self.count_tokens)
+        prompt = self.tok.encode(sample.prompt).ids
+        answer = self.tok.encode(sample.answer).ids
+        ids = prompt + answer + [EOS_ID]
+        weights = [1.0] * len(prompt) + [self.args.answer_weight] * len(answer) + [1.0]
+        ids, weights = ids[-(length + 1):], weights[-(length + 1):]
+        missing = length + 1 - len(ids)
+        if missing > 0:
+            _, prefix = self._window(rng, missing)
+            prefix[-1] = EOS_ID
+            ids = prefix.tolist() + ids
+            weights = [1.0] * missing + weights
+        return np.asarray(ids, dtype=np.int64), np.asarray(weights, dtype=np.float32)
+
+    def batch(self, step: int, seq_len: int, batch_size: int):
+        """(inputs, targets, target weights, answer mask) for one step."""
+        rows, wts = [], []
+        for row in range(batch_size):
+            rng = random.Random(f"{self.args.seed}:{step}:{row}")
+            if rng.random() < self.args.needle_frac:
+                ids, w = self._needle_row(rng, seq_len)
+            else:
+                _, ids = self._window(rng, seq_len + 1)
+                w = np.ones(seq_len + 1, dtype=np.float32)
+            rows.append(ids)
+            wts.append(w)
+        ids = torch.from_numpy(np.stack(rows))
+        w = torch.from_numpy(np.stack(wts))[:, 1:]
+        return ids[:, :-1].contiguous(), ids[:, 1:].contiguous(), w.contiguous(), w > 1.0
+
+    def heldout_windows(self, length: int = 1024, per_source: int = 2):
+        """Fixed held-out windows (same every evaluation) per source."""
+        out = {}
+        for s in self.sources:
+            stream = self.heldout[s]
+            n = min(per_source, max(1, (len(stream) - 1) // length))
+            starts = np.linspace(0, len(stream) - length - 1, n).astype(np.int64)
+            out[s] = torch.from_numpy(np.stack([stream[i:i + length + 1].astype(np.int64)
+                                                for i in starts]))
+        return out
+
+
+# ---------------------------------------------------------------------------
+# training
+# ---------------------------------------------------------------------------
+
+
+def phase_at(step: int, args) -> int:
+    phases = parse_phases(args.phases)
+    edge = 0.0
+    for length, frac in phases:
+        edge += frac * args.steps
+        if step < round(edge):
+            return length
+    return phases[-1][0]
+
+
+def lr_at(step: int, args) -> float:
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
+    cosine = 0.5 * (1 + math.cos(math.pi * progress))
+    return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * cosine)
+
+
+def autocast(args):
+    if args.bf16:
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
+
+
+def forward_loss(model, args, inputs, targets, weights):
+    with autocast(args):
+        hidden = model.model(input_ids=inputs).last_hidden_state
+        logits = model.lm_head(hidden)
+    ce = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1),
+                         reduction="none").view(targets.shape)
+    loss = (ce * weights).sum() / weights.sum()
+    return loss, ce, logits
+
+
+@torch.no_grad()
+def heldout_loss(model, args, windows) -> dict:
+    model.eval()
+    out = {}
+    for source, ids in windows.items():
+        with autocast(args):
+            logits = model(input_ids=ids[:, :-1]).logits
+        out[source] = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                      ids[:, 1:].reshape(-1)).item()
+    out["mean"] = sum(out.values()) / len(out)
+    model.train()
+    return out
+
+
+def make_optimizer(model, args):
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (decay if p.dim() >= 2 and "embed" not in name else no_decay).append(p)
+    return torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def save_checkpoint(path: Path, model, opt, step: int, tokens: int, elapsed: float, args):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "step": step,              # next step to run; the data stream is a function of it
+        "tokens": tokens,
+        "elapsed": elapsed,
+        "args": vars(args),
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                "numpy": np.random.get_state()},
+    }
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    tmp.replace(path)
+
+
+def train(args) -> None:
+    from tqdm import tqdm
+
+    run_dir = RUNS_DIR / args.name
+    ckpt_path = run_dir / "ckpt" / "last.pt"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tok = load_tokenizer()
+    data = DataMixture(args, tok)
+    model = build_model(args)
+    model.train()
+    opt = make_optimizer(model, args)
+    step, tokens, elapsed = 0, 0, 0.0
+    if args.resume:
+        state = torch.load(ckpt_path, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        step, tokens, elapsed = state["step"], state["tokens"], state["elapsed"]
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        np.random.set_state(state["rng"]["numpy"])
+        print(f"[train] resumed at step {step} ({tokens} tokens, {elapsed / 60:.1f} min)", flush=True)
+        # Drop log records of steps after the checkpoint: they are run again.
+        log_path = run_dir / "log.jsonl"
+        if log_path.exists():
+            kept = [line for line in log_path.read_text().splitlines()
+                    if json.loads(line).get("step", 0) <= step or "event" in json.loads(line)]
+            log_path.write_text("".join(line + "\n" for line in kept))
+    elif args.init_from is not None:
+        state = torch.load(args.init_from, weights_only=False)
+        model.load_state_dict(state["model"])
+        print(f"[train] weights from {args.init_from} (step {state['step']})", flush=True)
+    else:
+        (run_dir / "log.jsonl").unlink(missing_ok=True)
+    n_params = count_params(model)
+    meta = {"event": "start", "step": step, "params": n_params, "cmdline": " ".join(sys.argv[1:]),
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "tokenizer_sha256": tokenizer_digest(), "sources": data.sources,
+            "source_weights": data.weights, "torch": torch.__version__,
+            "train_tokens": {s: int(len(a)) for s, a in data.train.items()}}
+    log = open(run_dir / "log.jsonl", "a", encoding="utf-8")
+    log.write(json.dumps(meta) + "\n")
+    log.flush()
+    print(f"[train] {n_params / 1e6:.2f}M parameters, {args.steps} steps, phases {args.phases}",
+          flush=True)
+    windows = data.heldout_windows()
+    last_ckpt = time.time()
+    t_start = time.time() - elapsed
+    bar = tqdm(total=args.steps, initial=step, dynamic_ncols=True, mininterval=5)
+    stop = min(args.steps, args.stop_at) if args.stop_at else args.steps
+    while step < stop:
+        seq_len = phase_at(step, args)
+        batch_size = max(1, args.tokens_per_step // seq_len)
+        inputs, targets, weights, answer = data.batch(step, seq_len, batch_size)
+        lr = lr_at(step, args)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        t0 = time.time()
+        loss, ce, logits = forward_loss(model, args, inputs, targets, weights)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip).item()
+        opt.step()
+        dt = time.time() - t0
+        step += 1
+        tokens += inputs.numel()
+        record = {"step": step, "seq_len": seq_len, "loss": loss.item(),
+                  "lm_loss": ce[~answer].mean().item(), "lr": lr, "grad_norm": grad_norm,
+                  "tokens": tokens, "step_s": round(dt, 3),
+                  "elapsed_s": round(time.time() - t_start, 1)}
+        if answer.any():
+            pred = logits.argmax(-1)
+            record["answer_loss"] = ce[answer].mean().item()
+            record["answer_acc"] = (pred[answer] == targets[answer]).float().mean().item()
+        if step % args.eval_every == 0 or step == args.steps:
+            record["heldout"] = heldout_loss(model, args, windows)
+        log.write(json.dumps(record) + "\n")
+        log.flush()
+        bar.update(1)
+        bar.set_postfix(loss=f"{record['loss']:.3f}", L=seq_len, tok_s=f"{inputs.numel() / dt:.0f}")
+        if time.time() - last_ckpt > args.ckpt_minutes * 60 or step in (args.steps, stop):
+            save_checkpoint(ckpt_path, model, opt, step, tokens, time.time() - t_start, args)
+            last_ckpt = time.time()
+    bar.close()
+    if step < args.steps:
+        print(f"[train] stopped at step {step} (--stop-at)", flush=True)
+        log.close()
+        return
+    log.write(json.dumps({"event": "end", "step": step, "tokens": tokens,
+                          "elapsed_s": round(time.time() - t_start, 1)}) + "\n")
+    log.close()
+    if not args.no_export:
+        export(args, model)
+
+
+# ---------------------------------------------------------------------------
+# export
+# ---------------------------------------------------------------------------
+
+
+def export(args, model=None) -> Path:
+    """Write the Hugging Face folder (bf16 safetensors + tokenizer + configs)."""
+    from transformers import GenerationConfig
+
+    out = args.export_dir
+    if model is None:
+        state = torch.load(RUNS_DIR / args.name / "ckpt" / "last.pt", weights_only=False)
+        saved = argparse.Namespace(**state["args"])
+        model = build_model(saved)
+        model.load_state_dict(state["model"])
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in ("model.safetensors", "config.json", "generation_config.json",
+                  "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                  "chat_template.jinja"):
+        (out / stale).unlink(missing_ok=True)
+    model = model.to(torch.bfloat16).eval()
+    model.config.dtype = torch.bfloat16
+    model.config.use_cache = True
+    model.generation_config = GenerationConfig(
+        bos_token_id=EOS_ID, eos_token_id=[IM_END_ID, EOS_ID], pad_token_id=EOS_ID,
+        do_sample=False, max_new_tokens=64)
+    model.save_pretrained(out, safe_serialization=True)
+    shutil.copyfile(TOKENIZER_PATH, out / "tokenizer.json")
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 32768,
+        "extra_special_tokens": ["<|im_start|>", "<|im_end|>"],
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    (out / "chat_template.jinja").unlink(missing_ok=True)
+    for path in out.iterdir():
+        if path.is_file():
+            path.chmod(0o644)  # save_pretrained leaves the weights owner-only
+    size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+    print(f"[export] {out} ({size / 1e6:.1f} MB)", flush=True)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# throughput benchmark
+# ---------------------------------------------------------------------------
+
+
+def bench(args) -> None:
+    tok = load_tokenizer()
+    data = DataMixture(args, tok)
+    model = build_model(args)
+    model.train()
+    opt = make_optimizer(model, args)
+    print(f"[bench] hidden {args.hidden} layers {args.layers} inter {args.intermediate}: "
+          f"{count_params(model) / 1e6:.2f}M params, {args.tokens_per_step} tokens/step", flush=True)
+    for bf16 in (False, True):
+        args.bf16 = bf16
+        for seq_len in (int(x) for x in args.bench_lengths.split(",")):
+            bs = max(1, args.tokens_per_step // seq_len)
+            times = []
+            for i in range(3):
+                inputs, targets, weights, _ = data.batch(i, seq_len, bs)
+                t0 = time.time()
+                loss, _, _ = forward_loss(model, args, inputs, targets, weights)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                times.append(time.time() - t0)
+                if sum(times) > 25:
+                    break
+            best = min(times[1:]) if len(times) > 1 else times[0]
+            print(f"[bench] {'bf16' if bf16 else 'fp32'} L={seq_len} bs={bs}: "
+                  f"{inputs.numel() / best:.0f} tok/s ({best:.2f} s/step)", flush=True)
+
+
+# glibc returns large freed buffers to the kernel at once, so every step
+# page-faults its activations back in (and fresh pages are slow on the VMs this
+# was trained on): keep freed memory in the process instead.  Timing only;
+# results are the same without it.
+MALLOC_TUNABLES = "glibc.malloc.mmap_threshold=67108864:glibc.malloc.trim_threshold=4294967296"
+
+
+def main(argv=None) -> int:
+    if argv is None and "GLIBC_TUNABLES" not in os.environ and sys.platform.startswith("linux"):
+        os.environ["GLIBC_TUNABLES"] = MALLOC_TUNABLES
+        os.execv(sys.executable, [sys.executable, *sys.argv])
+    args = build_parser().parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.bench:
+        bench(args)
+    elif args.export_only:
+        export(args)
+    else:
+        train(args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
