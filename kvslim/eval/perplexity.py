@@ -1,0 +1,460 @@
+"""Perplexity and KL divergence against a reference cache, as llama-perplexity measures them.
+
+The text is cut into chunks of ``n_ctx`` tokens; each chunk is a fresh prefill
+(its first token replaced by BOS when the tokenizer adds one) and only the
+second half is scored: logits at rows ``n_ctx/2 .. n_ctx-2`` predict tokens
+``n_ctx/2+1 .. n_ctx-1``, so every scored token has at least half a chunk of
+context. Statistics and the printed blocks follow ``tools/perplexity`` of
+llama.cpp line for line.
+
+Sweeps without a file (``compare_exact``) hold one chunk of the reference's
+log-probabilities in memory and compare over the whole vocabulary.
+Reference ("base") log-probabilities saved to a file are compact: per scored token the
+``top_k`` most likely ids with their log-probs (fp32), the log-prob of the actual
+next token and the argmax. KL(base || Q) sums the top-k terms exactly and lumps
+the rest of the vocabulary into one "tail" bucket, which is a lower bound on the
+full sum and exact when ``top_k`` covers the vocabulary (``top_k=0``). On the
+bundled 10M-parameter model, whose distributions are broad (a quarter of the mass
+lies outside the top 128), the top-128 bound reads 12-16% below the exact mean
+KLD; large models are far more peaked. At ``top_k=128`` a file holds
+1,036 bytes per token, against 2 x vocab bytes for llama.cpp's uint16 dump
+(16 KiB at vocab 8192, 485 KiB at 248,320).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+
+from ..engine.llm import LLM
+from ..models import Batch
+
+MIN_CTX = 16              # smallest chunk: 7 scored tokens per chunk at least
+DEFAULT_TOP_K = 128
+FILE_KIND = "kvslim-kld-base"
+FILE_VERSION = "1"
+
+Progress = Callable[[int], None]   # called with the number of tokens just processed
+
+
+# ----- models and chunks -------------------------------------------------------------
+def with_cache_types(llm: LLM, type_k: str, type_v: str) -> LLM:
+    """Another LLM over the same weights (no reload) with its own caches of the given types."""
+    return LLM(llm.model, llm.tokenizer, set(llm.engine.eog_ids), llm.ctx, type_k, type_v, 1,
+               llm.engine.n_ubatch, path=llm.path)
+
+
+def chunk_ids(ids: list[int], n_ctx: int, n_chunks: int | None = None, bos: int | None = None) -> list[list[int]]:
+    """Consecutive chunks of ``n_ctx`` tokens (the remainder is dropped), first token -> ``bos`` if given."""
+    if n_ctx < MIN_CTX:
+        raise ValueError(f"-c {n_ctx} is too small: chunks need at least {MIN_CTX} tokens")
+    if len(ids) < n_ctx:
+        raise ValueError(f"the text has {len(ids)} tokens, fewer than one chunk of -c {n_ctx}; "
+                         f"use a longer text or a smaller -c")
+    count = len(ids) // n_ctx if n_chunks is None or n_chunks <= 0 else min(n_chunks, len(ids) // n_ctx)
+    chunks = [list(ids[i * n_ctx:(i + 1) * n_ctx]) for i in range(count)]
+    if bos is not None:
+        for chunk in chunks:
+            chunk[0] = bos
+    return chunks
+
+
+def bos_id(llm: LLM) -> int | None:
+    """The BOS id when the tokenizer adds one (llama.cpp puts BOS at the start of every chunk)."""
+    tok = llm.tokenizer
+    return tok.token_id(tok.bos_token) if tok.add_bos and tok.bos_token else None
+
+
+def iter_logits(llm: LLM, ids: list[int], first: int = 0,
+                progress: Progress | None = None) -> Iterator[tuple[int, torch.Tensor]]:
+    """Fresh prefill of ``ids`` in ubatches; yields ``(row, logits)`` for rows >= ``first``,
+    logits float32 ``(n, vocab)`` starting at ``row``. Memory is bounded by one ubatch."""
+    engine = llm.engine
+    if len(ids) > engine.ctx:
+        raise ValueError(f"{len(ids)} tokens do not fit the context of {engine.ctx}")
+    if not engine.free_slots:
+        raise RuntimeError("no free slot to score with: all sequences are busy")
+    slot = engine.free_slots.pop(0)
+    device = engine.model.output_weight.device
+    try:
+        for cache in engine.caches:
+            cache.clear(slot)
+        for start in range(0, len(ids), engine.n_ubatch):
+            part = ids[start:start + engine.n_ubatch]
+            logits = engine.model(Batch.build([(slot, part, start)], device=device), engine.caches, all_logits=True)
+            if progress:
+                progress(len(part))
+            if start + len(part) > first:
+                skip = max(0, first - start)
+                yield start + skip, logits[skip:].float().cpu()
+    finally:
+        for cache in engine.caches:
+            cache.clear(slot)
+        engine.free_slots.append(slot)
+
+
+def scored_rows(ids: list[int], first: int, start: int, logits: torch.Tensor):
+    """The rows of ``logits`` (starting at ``start``) that have a next token, and those tokens."""
+    n = min(logits.shape[0], len(ids) - 1 - start)
+    return logits[:n], torch.tensor(ids[start + 1:start + 1 + n], dtype=torch.long)
+
+
+# ----- llama-perplexity's statistics -------------------------------------------------
+def mean_and_uncertainty(values: np.ndarray) -> tuple[float, float]:
+    """Mean and its standard error, llama.cpp style (0 below 11 values)."""
+    count = len(values)
+    if count < 1:
+        return 0.0, 0.0
+    mean = float(values.sum() / count)
+    var = float((values * values).sum() / count) - mean * mean
+    return mean, math.sqrt(var / (count - 1)) if var > 0 and count > 10 else 0.0
+
+
+def covariance_of_means(a: np.ndarray, b: np.ndarray) -> float:
+    count = len(a)
+    if count < 10:
+        return 0.0
+    return (float((a * b).sum() / count) - float(a.sum() / count) * float(b.sum() / count)) / (count - 1)
+
+
+def percentile(sorted_values: np.ndarray, fraction: float) -> float:
+    """Linear interpolation between order statistics, as perplexity.cpp does."""
+    if fraction <= 0:
+        return float(sorted_values[0])
+    if fraction >= 1:
+        return float(sorted_values[-1])
+    p = fraction * (len(sorted_values) - 1)
+    i = int(p)
+    p -= i
+    return float((1 - p) * sorted_values[i] + p * sorted_values[min(i + 1, len(sorted_values) - 1)])
+
+
+def median(sorted_values: np.ndarray) -> float:
+    n = len(sorted_values)
+    return float(0.5 * (sorted_values[n // 2] + sorted_values[n // 2 - 1]) if n % 2 == 0 else sorted_values[n // 2])
+
+
+# ----- perplexity --------------------------------------------------------------------
+@dataclass
+class PerplexityResult:
+    nll: np.ndarray            # (N,) float64 negative log-likelihood of every scored token
+    n_ctx: int
+    n_chunks: int
+    type_k: str = "f16"
+    type_v: str = "f16"
+
+    @property
+    def ppl(self) -> float:
+        return math.exp(self.nll.mean())
+
+    @property
+    def uncertainty(self) -> float:
+        """Standard error of the perplexity (llama.cpp's ``+/-``)."""
+        n = len(self.nll)
+        var = (self.nll ** 2).mean() - self.nll.mean() ** 2
+        return math.sqrt(var / (n - 1)) * self.ppl if var > 0 and n > 1 else 0.0
+
+    def final_line(self) -> str:
+        return f"Final estimate: PPL = {self.ppl:.4f} +/- {self.uncertainty:.5f}"
+
+    def as_dict(self) -> dict:
+        return {"type_k": self.type_k, "type_v": self.type_v, "n_ctx": self.n_ctx, "chunks": self.n_chunks,
+                "tokens": int(len(self.nll)), "ppl": self.ppl, "ppl_unc": self.uncertainty}
+
+
+def perplexity(llm: LLM, chunks: list[list[int]], progress: Progress | None = None) -> PerplexityResult:
+    """Perplexity of the second half of every chunk under ``llm``'s cache types."""
+    n_ctx = len(chunks[0])
+    first = n_ctx // 2
+    nll = []
+    for ids in chunks:
+        for start, logits in iter_logits(llm, ids, first, progress):
+            rows, targets = scored_rows(ids, first, start, logits)
+            logp = torch.log_softmax(rows, -1)
+            nll.append(-logp.gather(1, targets[:, None])[:, 0].double())
+    return PerplexityResult(torch.cat(nll).numpy(), n_ctx, len(chunks), llm.engine.type_k, llm.engine.type_v)
+
+
+# ----- reference log-probabilities ------------------------------------------------------
+@dataclass
+class Reference:
+    """The reference cache's log-probabilities on the scored rows of every chunk."""
+
+    tokens: np.ndarray         # (n_chunks, n_ctx) int32, as evaluated (BOS substituted)
+    first: int                 # first scored row of each chunk
+    n_vocab: int
+    top_ids: np.ndarray        # (N, K) int32, most likely first
+    top_logp: np.ndarray       # (N, K) float32
+    next_logp: np.ndarray      # (N,) float32: log-prob of the actual next token
+    argmax: np.ndarray         # (N,) int32
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def n_ctx(self) -> int:
+        return int(self.tokens.shape[1])
+
+    @property
+    def chunks(self) -> list[list[int]]:
+        return [row.tolist() for row in self.tokens]
+
+    @property
+    def top_k(self) -> int:
+        return int(self.top_ids.shape[1])
+
+    @property
+    def rows_per_chunk(self) -> int:
+        return self.n_ctx - 1 - self.first
+
+    def positions(self) -> np.ndarray:
+        """Row (depth in the chunk) of every scored token."""
+        return np.tile(np.arange(self.first, self.n_ctx - 1), self.tokens.shape[0])
+
+    def save(self, path: str | Path) -> None:
+        from safetensors import SafetensorError
+        from safetensors.numpy import save_file
+
+        meta = {"format": FILE_KIND, "version": FILE_VERSION, "n_vocab": str(self.n_vocab),
+                "first": str(self.first), **{k: str(v) for k, v in self.meta.items()}}
+        tensors = {"tokens": self.tokens, "top_ids": self.top_ids, "top_logp": self.top_logp,
+                   "next_logp": self.next_logp, "argmax": self.argmax}
+        try:
+            save_file(tensors, str(path), metadata=meta)
+        except (OSError, SafetensorError) as err:
+            raise ValueError(f"cannot write KL-divergence base {path}: {err}") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Reference":
+        from safetensors import SafetensorError, safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"cannot read KL-divergence base {path}: no such file")
+        try:
+            with safe_open(str(path), "np") as f:
+                meta = dict(f.metadata() or {})
+                arrays = {k: f.get_tensor(k) for k in f.keys()}
+        except (SafetensorError, OSError, ValueError) as err:
+            raise ValueError(f"{path} does not look like a KL-divergence base file ({err})") from None
+        if meta.get("format") != FILE_KIND or {"tokens", "top_ids", "top_logp", "next_logp", "argmax"} - set(arrays):
+            raise ValueError(f"{path} does not look like a KL-divergence base file written by kvslim eval kld")
+        extra = {k: v for k, v in meta.items() if k not in ("format", "version", "n_vocab", "first")}
+        return cls(arrays["tokens"], int(meta["first"]), int(meta["n_vocab"]), arrays["top_ids"],
+                   arrays["top_logp"], arrays["next_logp"], arrays["argmax"], extra)
+
+
+def reference(llm: LLM, chunks: list[list[int]], first: int | None = None, top_k: int = DEFAULT_TOP_K,
+              progress: Progress | None = None) -> Reference:
+    """Log-probabilities of ``llm`` (the reference cache types) on every scored row.
+
+    Args:
+        first: first scored row per chunk (default ``n_ctx // 2``; 0 scores every row).
+        top_k: log-probs kept per token; <= 0 or >= vocab keeps the whole vocabulary (exact KLD).
+    """
+    n_ctx = len(chunks[0])
+    first = n_ctx // 2 if first is None else first
+    vocab = llm.model.config.vocab_size
+    k = vocab if top_k <= 0 else min(top_k, vocab)
+    ids_out, logp_out, next_out, arg_out = [], [], [], []
+    for ids in chunks:
+        for start, logits in iter_logits(llm, ids, first, progress):
+            rows, targets = scored_rows(ids, first, start, logits)
+            logp = torch.log_softmax(rows, -1)
+            top = torch.topk(logp, k, dim=-1)
+            ids_out.append(top.indices.int())
+            logp_out.append(top.values)
+            next_out.append(logp.gather(1, targets[:, None])[:, 0])
+            arg_out.append(rows.argmax(-1).int())
+    meta = {"n_ctx": n_ctx, "type_k": llm.engine.type_k, "type_v": llm.engine.type_v,
+            "model": str(llm.path) if llm.path else "bundled"}
+    return Reference(np.asarray(chunks, dtype=np.int32), first, vocab, torch.cat(ids_out).numpy(),
+                     torch.cat(logp_out).numpy(), torch.cat(next_out).numpy(), torch.cat(arg_out).numpy(), meta)
+
+
+# ----- comparison -----------------------------------------------------------------------
+@dataclass
+class Comparison:
+    """Per scored token: Q's and the base's NLL, KL(base || Q), p_Q - p_base of the next token, same argmax."""
+
+    nll: np.ndarray
+    nll_base: np.ndarray
+    kld: np.ndarray
+    p_diff: np.ndarray
+    same_top: np.ndarray       # bool
+    positions: np.ndarray      # row in the chunk
+    tail_mass: np.ndarray      # base probability outside the stored top-k
+    type_k: str = "f16"
+    type_v: str = "f16"
+
+
+def kl_top_k(top_logp: torch.Tensor, logq_top: torch.Tensor, exact: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """KL(P || Q) from P's top-k log-probs and Q's log-probs at the same ids, (n, K) each.
+
+    Everything outside the top-k is one bucket on both sides (skipped when ``exact``).
+    Returns (kld, tail mass of P), float64 (n,).
+    """
+    lp, lq = top_logp.double(), logq_top.double()
+    p = lp.exp()
+    kld = (p * (lp - lq)).sum(-1)
+    tail_p = (1.0 - p.sum(-1)).clamp_min(0.0)
+    if exact:
+        return kld, tail_p
+    tail_q = (1.0 - lq.exp().sum(-1)).clamp_min(1e-300)
+    bucket = torch.where(tail_p > 0, tail_p * (tail_p.clamp_min(1e-300).log() - tail_q.log()), torch.zeros_like(tail_p))
+    return kld + bucket, tail_p
+
+
+class _Tokens:
+    """Collects the per-token figures of one cache pair against a reference."""
+
+    def __init__(self):
+        self.parts = {k: [] for k in ("nll", "nll_base", "kld", "same", "tail")}
+
+    def add(self, logq: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, nll_base: torch.Tensor,
+            argmax_base: torch.Tensor, kld: torch.Tensor, tail: torch.Tensor) -> None:
+        self.parts["nll"].append(-logq.gather(1, targets[:, None])[:, 0].double())
+        self.parts["nll_base"].append(nll_base.double())
+        self.parts["kld"].append(kld)
+        self.parts["same"].append(logits.argmax(-1) == argmax_base.long())
+        self.parts["tail"].append(tail)
+
+    def result(self, positions: np.ndarray, llm: LLM) -> Comparison:
+        nll, nll_base, kld, same, tail = (torch.cat(self.parts[k]).numpy()
+                                          for k in ("nll", "nll_base", "kld", "same", "tail"))
+        return Comparison(nll, nll_base, kld, np.exp(-nll) - np.exp(-nll_base), same, positions, tail,
+                          llm.engine.type_k, llm.engine.type_v)
+
+
+def compare(llm: LLM, ref: Reference, progress: Progress | None = None) -> Comparison:
+    """Score the reference's chunks under ``llm``'s cache types against the stored log-probs."""
+    if llm.model.config.vocab_size != ref.n_vocab:
+        raise ValueError(f"inconsistent vocabulary: the base has {ref.n_vocab} tokens, the model "
+                         f"{llm.model.config.vocab_size}")
+    exact = ref.top_k >= ref.n_vocab
+    top_ids, top_logp = torch.from_numpy(ref.top_ids).long(), torch.from_numpy(ref.top_logp)
+    next_logp, argmax = torch.from_numpy(ref.next_logp), torch.from_numpy(ref.argmax)
+    out, at = _Tokens(), 0
+    for ids in ref.chunks:
+        for start, logits in iter_logits(llm, ids, ref.first, progress):
+            rows, targets = scored_rows(ids, ref.first, start, logits)
+            sl = slice(at, at + rows.shape[0])
+            logq = torch.log_softmax(rows, -1)
+            kld, tail = kl_top_k(top_logp[sl], logq.gather(1, top_ids[sl]), exact)
+            out.add(logq, rows, targets, -next_logp[sl], argmax[sl], kld, tail)
+            at += rows.shape[0]
+    return out.result(ref.positions(), llm)
+
+
+def compare_exact(ref: LLM, llms: list[LLM], chunks: list[list[int]], first: int | None = None,
+                  progress: Progress | None = None) -> list[Comparison]:
+    """KL(ref || Q) over the whole vocabulary for every model in ``llms``, chunk by chunk.
+
+    The reference's log-probs of one chunk are held in memory (scored rows x vocab,
+    fp32) while each model scores that chunk, so nothing is truncated and nothing
+    is written; the reference prefills every chunk once.
+    """
+    n_ctx = len(chunks[0])
+    first = n_ctx // 2 if first is None else first
+    outs = [_Tokens() for _ in llms]
+    for ids in chunks:
+        parts = [(torch.log_softmax(rows, -1), rows.argmax(-1), targets)
+                 for rows, targets in (scored_rows(ids, first, start, logits)
+                                       for start, logits in iter_logits(ref, ids, first, progress))]
+        logp = torch.cat([p[0] for p in parts])                          # (rows, vocab)
+        argmax, targets = torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts])
+        nll_base = -logp.gather(1, targets[:, None])[:, 0]
+        for llm, out in zip(llms, outs):
+            at = 0
+            for start, logits in iter_logits(llm, ids, first, progress):
+                rows, tgt = scored_rows(ids, first, start, logits)
+                sl = slice(at, at + rows.shape[0])
+                logq, lp = torch.log_softmax(rows, -1), logp[sl]
+                lp64 = lp.double()
+                kld = (lp64.exp() * (lp64 - logq.double())).sum(-1)
+                out.add(logq, rows, tgt, nll_base[sl], argmax[sl], kld, torch.zeros_like(kld))
+                at += rows.shape[0]
+    positions = np.tile(np.arange(first, n_ctx - 1), len(chunks))
+    return [out.result(positions, llm) for llm, out in zip(llms, outs)]
+
+
+# ----- llama-perplexity's summary ---------------------------------------------------------
+KLD_PERCENTILES = (("99.9%", 0.999), ("99.0%", 0.990), ("95.0%", 0.950), ("90.0%", 0.900))
+KLD_LOW_PERCENTILES = (("10.0%", 0.100), (" 5.0%", 0.050), (" 1.0%", 0.010), (" 0.1%", 0.001))
+DP_PERCENTILES = KLD_PERCENTILES + (("75.0%", 0.750),)
+DP_LOW_PERCENTILES = (("25.0%", 0.250),) + KLD_LOW_PERCENTILES
+
+
+def kld_statistics(c: Comparison) -> dict:
+    """Every figure of llama-perplexity's three summary blocks (fractions, not percent)."""
+    log_ppl, log_ppl_unc = mean_and_uncertainty(c.nll)
+    log_base, log_base_unc = mean_and_uncertainty(c.nll_base)
+    cov = covariance_of_means(c.nll, c.nll_base)
+    ppl, ppl_base = math.exp(log_ppl), math.exp(log_base)
+    ratio_unc = math.sqrt(max(0.0, log_ppl_unc ** 2 + log_base_unc ** 2 - 2 * cov))
+    denom = log_ppl_unc * log_base_unc
+    kld_sorted, dp_sorted = np.sort(c.kld), np.sort(c.p_diff)
+    kld_mean, kld_unc = mean_and_uncertainty(c.kld)
+    dp_mean, dp_unc = mean_and_uncertainty(c.p_diff)
+    mse, mse_unc = mean_and_uncertainty(c.p_diff ** 2)
+    rms = math.sqrt(mse)
+    same = float(c.same_top.mean())
+    n = len(c.kld)
+    s = {"type_k": c.type_k, "type_v": c.type_v, "tokens": n,
+         "ppl": ppl, "ppl_unc": ppl * log_ppl_unc, "ppl_base": ppl_base, "ppl_base_unc": ppl_base * log_base_unc,
+         "cor_ln_ppl": cov / denom if denom > 0 else float("nan"),
+         "ln_ppl_ratio": log_ppl - log_base, "ln_ppl_ratio_unc": ratio_unc,
+         "ppl_ratio": math.exp(log_ppl - log_base), "ppl_ratio_unc": math.exp(log_ppl - log_base) * ratio_unc,
+         "ppl_diff": ppl - ppl_base,
+         "ppl_diff_unc": math.sqrt(max(0.0, (ppl * log_ppl_unc) ** 2 + (ppl_base * log_base_unc) ** 2
+                                       - 2 * ppl * ppl_base * cov)),
+         "kld_mean": kld_mean, "kld_unc": kld_unc, "kld_max": float(kld_sorted[-1]),
+         "kld_median": median(kld_sorted), "kld_min": float(kld_sorted[0]),
+         "dp_mean": dp_mean, "dp_unc": dp_unc, "dp_max": float(dp_sorted[-1]), "dp_median": median(dp_sorted),
+         "dp_min": float(dp_sorted[0]), "dp_rms": rms, "dp_rms_unc": 0.5 / rms * mse_unc if rms > 0 else 0.0,
+         "same_top": same, "same_top_unc": math.sqrt(same * (1 - same) / (n - 1)) if n > 1 else 0.0,
+         "tail_mass_mean": float(c.tail_mass.mean())}
+    for label, f in KLD_PERCENTILES + KLD_LOW_PERCENTILES:
+        s[f"kld_p{label.strip()[:-1]}"] = percentile(kld_sorted, f)
+    for label, f in DP_PERCENTILES + DP_LOW_PERCENTILES:
+        s[f"dp_p{label.strip()[:-1]}"] = percentile(dp_sorted, f)
+    return s
+
+
+def format_kld_block(s: dict) -> str:
+    """The three blocks llama-perplexity prints at the end of a KL-divergence run, byte for byte."""
+    pct = lambda label: label.strip()[:-1]  # noqa: E731  "99.9%" -> "99.9"
+    lines = ["====== Perplexity statistics ======",
+             f"Mean PPL(Q)                   : {s['ppl']:10.6f} ± {s['ppl_unc']:10.6f}",
+             f"Mean PPL(base)                : {s['ppl_base']:10.6f} ± {s['ppl_base_unc']:10.6f}",
+             f"Cor(ln(PPL(Q)), ln(PPL(base))): {100.0 * s['cor_ln_ppl']:6.2f}%",
+             f"Mean ln(PPL(Q)/PPL(base))     : {s['ln_ppl_ratio']:10.6f} ± {s['ln_ppl_ratio_unc']:10.6f}",
+             f"Mean PPL(Q)/PPL(base)         : {s['ppl_ratio']:10.6f} ± {s['ppl_ratio_unc']:10.6f}",
+             f"Mean PPL(Q)-PPL(base)         : {s['ppl_diff']:10.6f} ± {s['ppl_diff_unc']:10.6f}",
+             "",
+             "====== KL divergence statistics ======",
+             f"Mean    KLD: {s['kld_mean']:10.6f} ± {s['kld_unc']:10.6f}",
+             f"Maximum KLD: {s['kld_max']:10.6f}"]
+    lines += [f"{label}   KLD: {s['kld_p' + pct(label)]:10.6f}" for label, _ in KLD_PERCENTILES]
+    lines += [f"Median  KLD: {s['kld_median']:10.6f}"]
+    lines += [f"{label}   KLD: {s['kld_p' + pct(label)]:10.6f}" for label, _ in KLD_LOW_PERCENTILES]
+    lines += [f"Minimum KLD: {s['kld_min']:10.6f}",
+              "",
+              "====== Token probability statistics ======",
+              f"Mean    Δp: {100 * s['dp_mean']:6.3f} ± {100 * s['dp_unc']:5.3f} %",
+              f"Maximum Δp: {100 * s['dp_max']:6.3f}%"]
+    lines += [f"{label}   Δp: {100 * s['dp_p' + pct(label)]:6.3f}%" for label, _ in DP_PERCENTILES]
+    lines += [f"Median  Δp: {100 * s['dp_median']:6.3f}%"]
+    lines += [f"{label}   Δp: {100 * s['dp_p' + pct(label)]:6.3f}%" for label, _ in DP_LOW_PERCENTILES]
+    lines += [f"Minimum Δp: {100 * s['dp_min']:6.3f}%",
+              f"RMS Δp    : {100 * s['dp_rms']:6.3f} ± {100 * s['dp_rms_unc']:5.3f} %",
+              f"Same top p: {100 * s['same_top']:6.3f} ± {100 * s['same_top_unc']:5.3f} %"]
+    return "\n".join(lines)
+
+
+__all__ = ["MIN_CTX", "DEFAULT_TOP_K", "PerplexityResult", "Reference", "Comparison", "with_cache_types",
+           "chunk_ids", "bos_id", "iter_logits", "perplexity", "reference", "compare", "compare_exact",
+           "kld_statistics",
+           "format_kld_block", "kl_top_k"]

@@ -1,0 +1,412 @@
+"""``kvslim eval``: quality of every K/V cache pair: perplexity, KL divergence, depth, needles, sampling, attention.
+
+    kvslim eval ppl       -f TEXT -c 4096 -ctk f16,q8_0,turbo4
+    kvslim eval kld       -f TEXT --kl-divergence-base base.kld --save-base     # f16 reference, once
+    kvslim eval kld       --kl-divergence-base base.kld -ctk q8_0 -ctv turbo4  # llama-perplexity's blocks
+    kvslim eval kld       -f TEXT --pairs f16,q8_0,q4_0,turbo4,q8_0/turbo3    # sweep, exact, no file
+    kvslim eval depth     -f TEXT -c 16384 --pairs q8_0,turbo4 --png depth.png
+    kvslim eval niah      -c 4096 --pairs f16,turbo3 --png niah.png
+    kvslim eval sampling  -f TEXT --pairs q8_0,turbo4 --temp 0.8
+    kvslim eval attention --pairs q8_0,q4_0,turbo4,turbo3
+
+-ctk/-ctv take comma lists and sweep every pair; --pairs lists pairs explicitly
+(``K/V``, or one name for both). Without -f the text is the training corpus's
+held-out split (training/data/*.heldout.txt) when present.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import itertools
+import json
+import sys
+from pathlib import Path
+
+from .. import formats
+from .common import markdown_table
+from .run import add_model_args, add_sampling_args
+
+SUBCOMMANDS = ("ppl", "kld", "depth", "niah", "sampling", "attention")
+HELDOUT = Path(__file__).resolve().parents[2] / "training" / "data"
+DEFAULT_CTX = {"ppl": 4096, "kld": 4096, "depth": 16384, "niah": 4096, "sampling": 4096}
+
+
+# ----- arguments ---------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvslim eval", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    sub = p.add_subparsers(dest="what", metavar="{" + ",".join(SUBCOMMANDS) + "}", required=True)
+    helps = {"ppl": "perplexity over chunks of -c tokens (second half scored)",
+             "kld": "KL divergence vs a reference cache, llama-perplexity's blocks",
+             "depth": "KL divergence and top-1 agreement by depth band",
+             "niah": "needle retrieval over context lengths x depths, table + heatmap",
+             "sampling": "drift of the truncated sampling distribution",
+             "attention": "attention fidelity on all-MiniLM-L6-v2's real K/V"}
+    extra = {"ppl": None, "kld": _args_kld, "depth": _args_depth, "niah": _args_niah, "sampling": _args_sampling,
+             "attention": _args_attention}
+    for name in SUBCOMMANDS:
+        s = sub.add_parser(name, help=helps[name], description=helps[name])
+        add_common_args(s)
+        if extra[name]:
+            extra[name](s)
+    return p
+
+
+def add_common_args(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    p.set_defaults(ctx_size=None, cache_type_k=None, cache_type_v=None)
+    p.add_argument("--pairs", default=None, help="explicit K/V pairs, e.g. f16,q4_0,q8_0/turbo4 (overrides -ctk/-ctv)")
+    p.add_argument("-f", "--file", action="append", default=[], help="text file (repeatable); default: held-out corpus")
+    p.add_argument("--chunks", type=int, default=0, help="use at most this many chunks (0: all)")
+    p.add_argument("-o", "--output", choices=["md", "json"], default="md")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def _args_kld(p):
+    p.add_argument("--kl-divergence-base", metavar="FILE", default=None,
+                   help="reference log-probs: written with --save-base, else read and compared against")
+    p.add_argument("--save-base", action="store_true", help="compute the reference (--base-ctk/--base-ctv) and save it")
+    _base_args(p)
+    p.add_argument("--kld-top-k", type=int, default=128,
+                   help="with --save-base: log-probs stored per token (0: whole vocabulary, exact); the rest is "
+                        "one tail bucket. Sweeps without a file compare over the whole vocabulary")
+
+
+def _base_args(p):
+    p.add_argument("--base-ctk", default="f16", help="reference K cache type (default f16)")
+    p.add_argument("--base-ctv", default="f16", help="reference V cache type (default f16)")
+
+
+def _args_depth(p):
+    _base_args(p)
+    p.add_argument("--bands", default="0,1024,4096,16384", help="depth band edges in tokens")
+    p.add_argument("--png", default=None, help="save the KLD / top-1 curve by depth to this PNG")
+
+
+def _args_niah(p):
+    p.add_argument("--lengths", default=None, help="context lengths (default: powers of two up to -c)")
+    p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths in [0, 1]")
+    p.add_argument("-n", "--samples", type=int, default=5, help="samples per cell")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--png", default="niah.png", help="heatmap PNG path ('' to skip)")
+
+
+def _args_sampling(p):
+    _base_args(p)
+    add_sampling_args(p)
+
+
+def _args_attention(p):
+    p.add_argument("--sentences", type=int, default=64, help="number of sentences to encode")
+
+
+# ----- inputs ------------------------------------------------------------------------
+def parse_pairs(text: str) -> list[tuple[str, str]]:
+    """``"q4_0,q8_0/turbo4"`` -> [("q4_0", "q4_0"), ("q8_0", "turbo4")], names checked."""
+    pairs = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        k, _, v = item.partition("/")
+        pairs.append((formats.get(k.strip()).name, formats.get((v or k).strip()).name))
+    return pairs
+
+
+def resolve_pairs(args, default: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The K/V pairs to evaluate: --pairs, else every -ctk x -ctv combination, else ``default``."""
+    if args.pairs:
+        pairs = parse_pairs(args.pairs)
+    elif args.cache_type_k is None and args.cache_type_v is None:
+        pairs = default
+    else:
+        ks = [formats.get(x).name for x in (args.cache_type_k or "f16").split(",") if x.strip()]
+        vs = [formats.get(x).name for x in (args.cache_type_v or "f16").split(",") if x.strip()]
+        pairs = list(itertools.product(ks, vs))
+    if not pairs:
+        raise ValueError("no K/V pairs given")
+    return pairs
+
+
+def base_pair(args) -> tuple[str, str]:
+    return parse_pairs(f"{args.base_ctk}/{args.base_ctv}")[0]
+
+
+def read_documents(files: list[str]) -> list[str]:
+    """Documents of the given files ('\\f'-separated as the corpus writes them), or of the held-out split."""
+    paths = [Path(f) for f in files] or sorted(HELDOUT.glob("*.heldout.txt"))
+    if not paths:
+        raise ValueError("no text: give a file with -f (the held-out corpus in training/data is missing)")
+    docs = []
+    for path in paths:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise ValueError(f"cannot read text file {path}: {getattr(err, 'strerror', None) or err}") from None
+        docs += [d for d in (part.strip("\n") for part in text.split("\f\n")) if d]
+    if not docs:
+        raise ValueError(f"the text file(s) {', '.join(map(str, paths))} are empty")
+    return docs
+
+
+def load_llm(args, ctx: int):
+    from ..engine import load
+
+    extra = {name: getattr(args, name) for name in ("weights", "allow_dequant") if getattr(args, name, None)}
+    return load(args.model, ctx=ctx, n_ubatch=args.ubatch_size, dtype=args.dtype, **extra)
+
+
+def text_chunks(args, llm, n_ctx: int) -> list[list[int]]:
+    from ..eval.perplexity import bos_id, chunk_ids
+
+    ids = llm.tokenize("\n\n".join(read_documents(args.file)), add_special=False)
+    return chunk_ids(ids, n_ctx, args.chunks, bos_id(llm))
+
+
+def progress_bar(args, total: int, desc: str, unit: str = "tok"):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, leave=False, file=sys.stderr,
+                disable=args.no_progress or None, dynamic_ncols=True)
+
+
+def ctx_of(args) -> int:
+    from ..eval.perplexity import MIN_CTX
+
+    ctx = args.ctx_size if args.ctx_size is not None else DEFAULT_CTX[args.what]
+    if ctx < MIN_CTX:
+        raise ValueError(f"-c {ctx} is too small: chunks need at least {MIN_CTX} tokens")
+    return ctx
+
+
+def head_dim_of(llm) -> int:
+    return next(c.head_dim for c in llm.engine.caches if c.kind == "kv")
+
+
+def bits(pair, head_dim: int) -> str:
+    return f"{(formats.get(pair[0]).bits_per_value(head_dim) + formats.get(pair[1]).bits_per_value(head_dim)) / 2:.2f}"
+
+
+def emit(args, records, markdown: str) -> None:
+    print(json.dumps(records, indent=2) if args.output == "json" else markdown)
+
+
+# ----- subcommands -------------------------------------------------------------------------
+def run_ppl(args) -> int:
+    from ..eval.perplexity import perplexity, with_cache_types
+
+    n_ctx = ctx_of(args)
+    pairs = resolve_pairs(args, [("f16", "f16")])
+    llm = load_llm(args, n_ctx)
+    chunks = text_chunks(args, llm, n_ctx)
+    results, lines = [], []
+    for pair in pairs:
+        with progress_bar(args, len(chunks) * n_ctx, f"ppl {pair[0]}/{pair[1]}") as bar:
+            r = perplexity(with_cache_types(llm, *pair), chunks, bar.update)
+        results.append(r)
+        lines.append(f"{pair[0]}/{pair[1]}: {r.final_line()}")
+    hd = head_dim_of(llm)
+    table = markdown_table(["type_k", "type_v", "bits/value", "chunks", "tokens", "PPL", "±"],
+                           [[r.type_k, r.type_v, bits((r.type_k, r.type_v), hd), r.n_chunks, len(r.nll),
+                             f"{r.ppl:.4f}", f"{r.uncertainty:.5f}"] for r in results], ["l", "l"] + ["r"] * 5)
+    emit(args, [r.as_dict() for r in results], "\n".join(lines) + f"\n\nn_ctx {n_ctx}\n\n" + table)
+    return 0
+
+
+def run_kld(args) -> int:
+    from ..eval import perplexity as P
+
+    if args.save_base and not args.kl_divergence_base:
+        raise ValueError("--save-base needs --kl-divergence-base FILE")
+    if args.save_base and not Path(args.kl_divergence_base).resolve().parent.is_dir():
+        raise ValueError(f"cannot write {args.kl_divergence_base}: its folder does not exist")
+    base = base_pair(args)
+    pairs = resolve_pairs(args, [("f16", "f16")])
+    if args.kl_divergence_base and not args.save_base:
+        ref = P.Reference.load(args.kl_divergence_base)
+        if args.ctx_size is not None and args.ctx_size != ref.n_ctx:
+            raise ValueError(f"{args.kl_divergence_base} was computed with -c {ref.n_ctx}, not -c {args.ctx_size}")
+        llm = load_llm(args, ref.n_ctx)
+        if args.chunks:
+            ref = _first_chunks(ref, args.chunks)
+        comparisons = []
+        for pair in pairs:
+            with progress_bar(args, ref.tokens.size, f"kld {pair[0]}/{pair[1]}") as bar:
+                comparisons.append(P.compare(P.with_cache_types(llm, *pair), ref, bar.update))
+        meta = {"base_type_k": ref.meta.get("type_k"), "base_type_v": ref.meta.get("type_v"), "n_ctx": ref.n_ctx,
+                "chunks": len(ref.tokens), "top_k": ref.top_k}
+    else:
+        n_ctx = ctx_of(args)
+        llm = load_llm(args, n_ctx)
+        chunks = text_chunks(args, llm, n_ctx)
+        if args.save_base:
+            with progress_bar(args, len(chunks) * n_ctx, f"base {base[0]}/{base[1]}") as bar:
+                ref = P.reference(P.with_cache_types(llm, *base), chunks, top_k=args.kld_top_k, progress=bar.update)
+            ref.save(args.kl_divergence_base)
+            ppl = P.PerplexityResult(-ref.next_logp.astype("float64"), ref.n_ctx, len(chunks), *base)
+            emit(args, [{**ppl.as_dict(), "base_file": args.kl_divergence_base, "top_k": ref.top_k}],
+                 f"{ppl.final_line()}\nsaved {base[0]}/{base[1]} log-probs of {len(ref.next_logp)} tokens "
+                 f"(top {ref.top_k}) to {args.kl_divergence_base}")
+            return 0
+        with progress_bar(args, len(chunks) * n_ctx * (1 + len(pairs)), "kld") as bar:
+            comparisons = P.compare_exact(P.with_cache_types(llm, *base), [P.with_cache_types(llm, *pair)
+                                                                            for pair in pairs], chunks,
+                                          progress=bar.update)
+        meta = {"base_type_k": base[0], "base_type_v": base[1], "n_ctx": n_ctx, "chunks": len(chunks), "top_k": 0}
+    stats = [{**P.kld_statistics(c), **meta} for c in comparisons]
+    emit(args, stats, render_kld(stats, head_dim_of(llm)))
+    return 0
+
+
+def _first_chunks(ref, n: int):
+    from ..eval.perplexity import Reference
+
+    keep = min(n, len(ref.tokens)) * ref.rows_per_chunk
+    return Reference(ref.tokens[:n], ref.first, ref.n_vocab, ref.top_ids[:keep], ref.top_logp[:keep],
+                     ref.next_logp[:keep], ref.argmax[:keep], ref.meta)
+
+
+def render_kld(stats: list[dict], head_dim: int) -> str:
+    from ..eval.perplexity import format_kld_block
+
+    if len(stats) == 1:
+        return format_kld_block(stats[0])
+    parts = []
+    for s in stats:
+        parts += [f"### K {s['type_k']} / V {s['type_v']} vs {s['base_type_k']}/{s['base_type_v']} "
+                  f"({s['chunks']} chunks of {s['n_ctx']})", "", format_kld_block(s), ""]
+    rows = [[s["type_k"], s["type_v"], bits((s["type_k"], s["type_v"]), head_dim),
+             f"{s['ppl']:.4f} ± {s['ppl_unc']:.4f}", f"{100 * s['ln_ppl_ratio']:+.3f}%",
+             f"{s['kld_mean']:.6f}", f"{s['kld_p99.9']:.4f}", f"{100 * s['same_top']:.2f}%"] for s in stats]
+    parts.append(markdown_table(["type_k", "type_v", "bits/value", "PPL", "ln(PPL/base)", "mean KLD", "99.9% KLD",
+                                 "same top-1"], rows, ["l", "l"] + ["r"] * 6))
+    return "\n".join(parts)
+
+
+def run_depth(args) -> int:
+    from ..eval import depth as D
+    from ..eval import perplexity as P
+
+    n_ctx = ctx_of(args)
+    base = base_pair(args)
+    pairs = resolve_pairs(args, [("f16", "f16")])
+    edges = [int(x) for x in args.bands.split(",") if x.strip()]
+    llm = load_llm(args, n_ctx)
+    chunks = text_chunks(args, llm, n_ctx)
+    with progress_bar(args, len(chunks) * n_ctx * (1 + len(pairs)), "depth") as bar:
+        comparisons = P.compare_exact(P.with_cache_types(llm, *base), [P.with_cache_types(llm, *pair)
+                                                                        for pair in pairs], chunks, first=0,
+                                      progress=bar.update)
+    records, curves = [], []
+    for c in comparisons:
+        records += D.depth_profile(c, n_ctx, edges)
+        curves.append(D.depth_curve(c, n_ctx))
+    if args.png:
+        D.plot_depth(curves, args.png, f"KV cache quality by depth vs {base[0]}/{base[1]} "
+                                       f"({len(chunks)} windows of {n_ctx})")
+    rows = [[r["type_k"], r["type_v"], r["band"], r["tokens"], f"{r['kld_mean']:.6f} ± {r['kld_unc']:.6f}",
+             f"{r['kld_p99']:.5f}", f"{100 * r['same_top']:.2f}%", f"{r['ppl']:.3f}", f"{r['ppl_base']:.3f}"]
+            for r in records]
+    table = markdown_table(["type_k", "type_v", "depth", "tokens", "mean KLD", "99% KLD", "same top-1", "PPL",
+                            "PPL(base)"], rows, ["l", "l", "l"] + ["r"] * 6)
+    note = f"\n\nsaved {args.png}" if args.png else ""
+    emit(args, {"bands": records, "curves": curves, "n_ctx": n_ctx, "windows": len(chunks)},
+         f"depth profile vs {base[0]}/{base[1]}: {len(chunks)} windows of {n_ctx} tokens\n\n{table}{note}")
+    return 0
+
+
+def run_niah(args) -> int:
+    from ..eval import niah as N
+    from ..eval.perplexity import with_cache_types
+
+    n_ctx = ctx_of(args)
+    lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else N.default_lengths(n_ctx)
+    depths = [float(x) for x in args.depths.split(",") if x.strip()]
+    if args.samples < 1 or not lengths or not depths:
+        raise ValueError("niah needs at least one length, one depth and -n >= 1")
+    if max(lengths) > n_ctx:
+        raise ValueError(f"context length {max(lengths)} exceeds -c {n_ctx}")
+    pairs = resolve_pairs(args, [("f16", "f16")])
+    llm = load_llm(args, n_ctx + 8)
+    docs = read_documents(args.file)
+    samples = N.build_samples(docs, lambda t: len(llm.tokenize(t)), lengths, depths, args.samples, args.seed)
+    grids = []
+    for pair in pairs:
+        with progress_bar(args, len(samples) * args.samples, f"niah {pair[0]}/{pair[1]}", unit="sample") as bar:
+            grids.append(N.run_grid(with_cache_types(llm, *pair), samples, bar.update))
+    if args.png:
+        N.plot_heatmaps(grids, args.png)
+    parts = []
+    for g in grids:
+        parts += [f"### K {g['type_k']} / V {g['type_v']}: {100 * g['overall']:.1f}% "
+                  f"({g['samples_per_cell']} samples per cell)", "", N.render_table(g), ""]
+    if args.png:
+        parts.append(f"saved {args.png}")
+    emit(args, grids, "\n".join(parts).rstrip())
+    return 0
+
+
+def run_sampling(args) -> int:
+    from ..engine.sampling import SamplingParams
+    from ..eval.perplexity import with_cache_types
+    from ..eval.sampling import drift
+    from .run import sampling_kwargs
+
+    n_ctx = ctx_of(args)
+    params = SamplingParams(**sampling_kwargs(args))
+    seed = params.seed if params.seed is not None else 0
+    pairs = resolve_pairs(args, [("f16", "f16")])
+    base = base_pair(args)
+    llm = load_llm(args, n_ctx)
+    chunks = text_chunks(args, llm, n_ctx)
+    ref = with_cache_types(llm, *base)
+    records = []
+    for pair in pairs:
+        with progress_bar(args, len(chunks) * n_ctx, f"sampling {pair[0]}/{pair[1]}") as bar:
+            records.append(drift(ref, with_cache_types(llm, *pair), chunks, params, seed=seed,
+                                 progress=bar.update).summary())
+    rows = [[r["type_k"], r["type_v"], r["positions"], f"{r['tv_mean']:.5f} ± {r['tv_unc']:.5f}",
+             f"{r['tv_p99']:.4f}", f"{100 * r['sampled_differs']:.2f}% ± {100 * r['sampled_differs_unc']:.2f}",
+             f"{100 * r['argmax_differs']:.2f}%", f"{r['support_mean']:.1f}"] for r in records]
+    head = (f"sampling drift vs {base[0]}/{base[1]}: temp {params.temperature}, top-k {params.top_k}, "
+            f"top-p {params.top_p}, min-p {params.min_p}; {len(chunks)} chunks of {n_ctx}, second halves\n\n")
+    emit(args, records, head + markdown_table(
+        ["type_k", "type_v", "positions", "mean TV", "99% TV", "sampled token differs", "argmax differs",
+         "support"], rows, ["l", "l"] + ["r"] * 6))
+    return 0
+
+
+def run_attention(args) -> int:
+    from ..eval import minilm as M
+
+    pairs = resolve_pairs(args, [(n, n) for n in formats.names()])
+    model = M.MiniLM()
+    sentences = M.split_sentences("\n\n".join(attention_text(args)), args.sentences)
+    if not sentences:
+        raise ValueError("no usable sentences in the text (need prose with sentences of 6-60 words)")
+    with progress_bar(args, len(sentences) * len(pairs), "attention", unit="sent") as bar:
+        records = M.attention_fidelity(model, sentences, pairs, bar.update)
+    head_dim = model.config["hidden_size"] // model.n_heads
+    rows = [[r["type_k"], r["type_v"], bits((r["type_k"], r["type_v"]), head_dim), f"{r['attn_rel_err']:.5f}",
+             f"{r['attn_rel_err_max']:.5f}", f"{r['cos_mean']:.6f}", f"{r['cos_min']:.6f}"] for r in records]
+    head = (f"all-MiniLM-L6-v2 (6 layers, 12 heads x 32), {len(sentences)} sentences; attention error = "
+            f"||A - A_exact|| / ||A_exact|| per layer on exact inputs; cosine = final embedding vs exact\n\n")
+    emit(args, records, head + markdown_table(
+        ["type_k", "type_v", "bits/value", "attn rel err", "max", "cos mean", "cos min"], rows,
+        ["l", "l"] + ["r"] * 5))
+    return 0
+
+
+def attention_text(args) -> list[str]:
+    """-f files, else the held-out corpus, else docstrings that ship with Python."""
+    if args.file or sorted(HELDOUT.glob("*.heldout.txt")):
+        return read_documents(args.file)
+    modules = (importlib.import_module(name) for name in ("os", "json", "re", "random", "collections", "argparse"))
+    return [m.__doc__ for m in modules if m.__doc__]
+
+
+RUN = {"ppl": run_ppl, "kld": run_kld, "depth": run_depth, "niah": run_niah, "sampling": run_sampling,
+       "attention": run_attention}
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    return RUN[args.what](args)

