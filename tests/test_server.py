@@ -22,7 +22,7 @@ def free_port() -> int:
 
 
 def options(model, **over) -> dict:
-    base = {"model": str(model), "ctx": 512, "n_parallel": 4, "type_k": "q8_0", "type_v": "turbo4",
+    base = {"model": None if model is None else str(model), "ctx": 512, "n_parallel": 4, "type_k": "q8_0", "type_v": "turbo4",
             "n_ubatch": 64, "dtype": "f32", "api_key": None, "alias": "tiny", "max_queue": 64,
             "ctx_checkpoints": 8, "checkpoint_bytes": 64 << 20, "checkpoint_interval": 64, "verbose": False}
     return {**base, **over}
@@ -37,9 +37,9 @@ def wait_ready(base: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_folder):
+def server():
     port = free_port()
-    srv = start(options(tiny_folder("qwen3_5")[0]), "127.0.0.1", port)
+    srv = start(options(None), "127.0.0.1", port)                   # the bundled model
     base = f"http://127.0.0.1:{port}"
     wait_ready(base)
     yield base
