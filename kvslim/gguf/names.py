@@ -145,7 +145,7 @@ DEFAULT_REGEXES = (r"[\p{P}\$\+<=>\^~\|]+",
                    r"\p{N}+",
                    r"[0-9][0-9][0-9]")
 
-# pre name -> (regexes split in sequence, ignore_merges). "gpt2" is GPT-2's own
+# pre name -> (regexes split in sequence, ignore_merges). "gpt-2" is GPT-2's own
 # byte-level regex (tokenizers' ByteLevel(use_regex=True)), marked by None.
 # ignore_merges: llama-vocab.cpp sets it for the LLAMA3 pre-type only, as Llama 3's
 # tokenizer.json does.
@@ -155,6 +155,7 @@ PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...] | None, bool]] = {
     "llama-bpe": ((LLAMA3_REGEX,), True),
     "llama3": ((LLAMA3_REGEX,), True),
     "default": (DEFAULT_REGEXES, False),
+    "gpt-2": (None, False),              # llama.cpp's name (llama-vocab.cpp); "gpt2" is also read
     "gpt2": (None, False),
 }
 # What write_gguf names a tokenizer.json Split regex (first match wins).

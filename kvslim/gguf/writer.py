@@ -204,7 +204,7 @@ def pre_tokenizer_name(pre: dict | None) -> str:
                 return N.PRE_NAME_OF_REGEX[regex]
             raise ValueError(f"pre-tokenizer regex {regex!r} has no llama.cpp pre-type known here")
     if any(s.get("type") == "ByteLevel" and s.get("use_regex", True) for s in steps):
-        return "gpt2"
+        return "gpt-2"                                      # llama.cpp refuses "gpt2" as a pre-type
     raise ValueError(f"pre-tokenizer {pre!r} is not a byte-level BPE pre-tokenizer known here")
 
 
