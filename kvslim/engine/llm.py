@@ -163,7 +163,8 @@ class LLM:
 
 
 def load(path: str | Path | None = None, ctx: int = 4096, cache_type_k: str = "f16", cache_type_v: str = "f16",
-         n_parallel: int = 1, n_ubatch: int = 512, dtype=None, device: str = "cpu", **kv_options) -> LLM:
+         n_parallel: int = 1, n_ubatch: int = 512, dtype=None, device: str = "cpu", weights: str | None = None,
+         allow_dequant: bool = False, **kv_options) -> LLM:
     """Load a Hugging Face folder or GGUF file (default: the bundled model) into an :class:`LLM`.
 
     Args:
@@ -173,7 +174,9 @@ def load(path: str | Path | None = None, ctx: int = 4096, cache_type_k: str = "f
         n_parallel: sequences that can run at once (cache slots).
         n_ubatch: tokens per forward pass during prefill (llama.cpp's -ub).
         dtype: weights' dtype (default: as stored).
+        weights: quantize a Hugging Face folder's weight matrices at load ("q8_0", "q4_0", ...).
+        allow_dequant: expand GGUF tensors of types that cannot stay quantized instead of refusing.
     """
-    model, tokenizer, eos_ids = load_model(path, dtype, device)
+    model, tokenizer, eos_ids = load_model(path, dtype, device, weights, allow_dequant)
     return LLM(model, tokenizer, eos_ids, ctx, cache_type_k, cache_type_v, n_parallel, n_ubatch, path=path,
                **kv_options)

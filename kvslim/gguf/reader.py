@@ -4,7 +4,10 @@
 ``gguf.GGUFReader`` memory-maps the file, so no tensor data is read until
 ``read_model`` asks for it. ``read_model`` returns a state dict with kvslim's (=
 Hugging Face's) names and layouts: every convention ``names.py`` lists is undone.
-Quantized tensors are dequantized to float32 for now.
+Quantized tensors are dequantized to float32, or with ``keep_quantized`` stay ggml
+blocks (``kvslim.weights.QuantTensor``, memory-mapped from the file unless a layout
+convention had to copy them): the conventions on matrices are moves of whole rows
+(or whole blocks), so they are applied to the blocks without touching a value.
 """
 from __future__ import annotations
 
@@ -16,10 +19,12 @@ import gguf
 import numpy as np
 import torch
 
+from ..weights import QuantTensor, cat, from_ggml, supported_message
 from . import names as N
 
 BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 _T = gguf.GGMLQuantizationType
+_FLOAT = (_T.F32, _T.F16, _T.BF16)
 
 
 def open_gguf(path: str | Path) -> gguf.GGUFReader:
@@ -181,11 +186,16 @@ def file_type(path: str | Path) -> str | None:
 
 
 # ----- tensors ------------------------------------------------------------------
-def read_model(path: str | Path, dtype: torch.dtype | None = None):
+def read_model(path: str | Path, dtype: torch.dtype | None = None, keep_quantized: bool = False,
+               allow_dequant: bool = False):
     """(config dict, state dict with HF names and layouts, tokenizers.Tokenizer, tokenizer_config dict).
 
-    F32 / F16 / BF16 tensors keep their type (unless ``dtype`` is given); quantized ones
-    are dequantized to float32.
+    F32 / F16 / BF16 tensors keep their type (unless ``dtype`` is given, which casts them).
+    Quantized ones are dequantized to float32, unless ``keep_quantized``: then weight
+    matrices of a supported type (kvslim.weights.TABLE; in a quantized file its float
+    matrices too) stay QuantTensors, tensors llama.cpp keeps in float anyway (norms, conv,
+    routers) are read as float, and a tensor of an unsupported type is refused (ValueError
+    naming it and the supported types) unless ``allow_dequant`` lets it be dequantized.
     """
     reader = open_gguf(path)
     config = gguf_config(reader)
@@ -195,9 +205,15 @@ def read_model(path: str | Path, dtype: torch.dtype | None = None):
               if not ((m := BLOCK.match(t.name)) and int(m[1]) >= n_layer)}   # drop MTP blocks
     if "rope_freqs.weight" in stored:
         config["rope_parameters"].update(llama3_parameters(_load(stored.pop("rope_freqs.weight")), config))
-    state = hf_state_dict(arch, config, {name: _load(t) for name, t in stored.items()})
+    if keep_quantized and not allow_dequant:
+        _refuse_unsupported(stored.values())
+    quantized_file = any(t.tensor_type not in _FLOAT for t in stored.values())
+    loaded = {name: _load_blocks(path, t) if keep_quantized and _keeps_blocks(t, quantized_file) else _load(t)
+              for name, t in stored.items()}
+    state = hf_state_dict(arch, config, loaded)
     if dtype is not None:
-        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+        state = {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                 for k, v in state.items()}
     return (config, state, *read_tokenizer(reader))
 
 
@@ -213,6 +229,38 @@ def _load(t) -> torch.Tensor:
     except NotImplementedError:
         raise ValueError(f"tensor {t.name}: ggml type {t.tensor_type.name} cannot be dequantized") from None
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(shape)
+
+
+def _keeps_blocks(t, quantized_file: bool) -> bool:
+    """A matrix a layer multiplies by (or looks rows up in), of a supported block type; in a
+    quantized file its float matrices too (llama.cpp's F16 fallbacks for rows that are not
+    whole blocks), so every matrix stays as stored. What llama.cpp always stores as F32
+    (1-d tensors, norms, conv1d, routers) is read as float."""
+    wtype = from_ggml(t.tensor_type)
+    return (wtype is not None and (quantized_file or not wtype.is_float) and len(t.shape) >= 2
+            and t.name.endswith(".weight") and not t.name.endswith("_norm.weight")
+            and not t.name.endswith(N.F32_BY_NAME))
+
+
+def _load_blocks(path: str | Path, t) -> QuantTensor:
+    """One matrix as (..., rows, row_bytes) blocks, a private (copy-on-write) map of its bytes
+    in the file: nothing is read until a layer uses it, and dropping it unmaps it."""
+    wtype = from_ggml(t.tensor_type)
+    shape = tuple(int(n) for n in reversed(t.shape.tolist()))                  # (..., rows, cols)
+    raw = np.memmap(path, dtype=np.uint8, mode="c", offset=int(t.data_offset), shape=(int(t.n_bytes),))
+    data = torch.from_numpy(raw).view(*shape[:-1], wtype.row_bytes(shape[-1]))
+    return QuantTensor(data, wtype, shape[-1])
+
+
+def _refuse_unsupported(tensors) -> None:
+    """Quantized types weights cannot stay in are refused, never silently expanded."""
+    bad = [t for t in tensors if t.tensor_type not in _FLOAT and from_ggml(t.tensor_type) is None]
+    if bad:
+        names = ", ".join(f"{t.name} ({t.tensor_type.name})" for t in bad[:4])
+        more = f" and {len(bad) - 4} more" if len(bad) > 4 else ""
+        raise ValueError(f"GGUF tensor {names}{more}: type not supported for quantized weights; "
+                         f"{supported_message()}. Pass --allow-dequant (allow_dequant=True) to expand "
+                         "such tensors to float instead")
 
 
 def hf_state_dict(arch: str, config: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -239,13 +287,13 @@ def _unfuse(arch: str, c: dict, block: dict[str, torch.Tensor], attention: bool)
     a fused attention attn_qkv -> q/k/v, qwen3next's attn_qkv + attn_gate -> in_proj_qkvz."""
     block = dict(block)
     if all(n in block for n in N.EXPERTS_SPLIT):
-        block[N.EXPERTS_GATE_UP] = torch.cat([block.pop(n) for n in N.EXPERTS_SPLIT], dim=1)
+        block[N.EXPERTS_GATE_UP] = cat([block.pop(n) for n in N.EXPERTS_SPLIT], dim=1)
     elif N.EXPERTS_FUSED in block:
         block[N.EXPERTS_GATE_UP] = block.pop(N.EXPERTS_FUSED)       # already [gate | up] per expert
     if "attn_qkv.weight" in block and attention:
         q_rows = c["num_attention_heads"] * c["head_dim"] * (2 if arch in N.HYBRID else 1)
         kv_rows = c["num_key_value_heads"] * c["head_dim"]
-        q, k, v = torch.split(block.pop("attn_qkv.weight"), [q_rows, kv_rows, kv_rows])
+        q, k, v = block.pop("attn_qkv.weight").split([q_rows, kv_rows, kv_rows])
         block.update({"attn_q.weight": q, "attn_k.weight": k, "attn_v.weight": v})
     elif arch == "qwen3next" and "attn_qkv.weight" in block:
         block["ssm_in.weight"] = _join_qkvz(c, block.pop("attn_qkv.weight"), block.pop("attn_gate.weight"))
@@ -257,9 +305,9 @@ def _join_qkvz(c: dict, qkv: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     [q | k | v group | z group] rows (inverse of Qwen3NextModel's split)."""
     n_k, dk, dv = c["linear_num_key_heads"], c["linear_key_head_dim"], c["linear_value_head_dim"]
     rep, hidden = c["linear_num_value_heads"] // n_k, qkv.shape[1]
-    q, k, v = torch.split(qkv, [n_k * dk, n_k * dk, n_k * rep * dv])
+    q, k, v = qkv.split([n_k * dk, n_k * dk, n_k * rep * dv])
     parts = [x.reshape(n_k, -1, hidden) for x in (q, k, v, z)]
-    return torch.cat(parts, dim=1).reshape(-1, hidden)
+    return cat(parts, dim=1).reshape(-1, hidden)
 
 
 def hf_layer(arch: str, c: dict, block: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

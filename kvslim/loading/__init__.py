@@ -31,23 +31,45 @@ def parse_dtype(dtype) -> torch.dtype | None:
     return DTYPES[dtype]
 
 
-def load_model(path: str | Path | None = None, dtype=None, device: str = "cpu"):
-    """Returns (model, tokenizer, eos token ids from the model's configs)."""
+def load_model(path: str | Path | None = None, dtype=None, device: str = "cpu", weights: str | None = None,
+               allow_dequant: bool = False):
+    """Returns (model, tokenizer, eos token ids from the model's configs).
+
+    Args:
+        dtype: float weights' and activations' dtype (default: as stored).
+        weights: Hugging Face folders only: quantize the weight matrices at load time to this
+            ggml block type (``kvslim.weights.encodable_names()``: q8_0, q4_0, ...).
+            A GGUF's quantized tensors always stay in the file's block types.
+        allow_dequant: GGUF only: expand tensors of types kvslim cannot keep quantized to
+            float instead of refusing the file.
+    """
     path = Path(path) if path is not None else default_model()
     dtype = parse_dtype(dtype)
+    if weights is not None:
+        check_weights(weights)
     if path.is_dir():
-        return _load_folder(path, dtype, device)
+        return _load_folder(path, dtype, device, weights)
     if path.is_file() and _is_gguf(path):
-        return _load_gguf(path, dtype, device)
+        if weights is not None:
+            raise ValueError(f"{path}: --weights quantizes Hugging Face folders; a GGUF keeps its own types")
+        return _load_gguf(path, dtype, device, allow_dequant)
     if not path.exists():
         raise ValueError(f"{path}: no such file or folder")
     raise ValueError(f"{path}: neither a Hugging Face model folder nor a GGUF file")
 
 
-def _load_folder(path: Path, dtype, device):
+def check_weights(name: str) -> str:
+    """A ``--weights`` value, or a ValueError listing the valid ones."""
+    from ..weights import encodable_names
+    if name not in encodable_names():
+        raise ValueError(f"unknown --weights {name!r}; valid: {', '.join(encodable_names())}")
+    return name
+
+
+def _load_folder(path: Path, dtype, device, weights):
     hf_config = read_config(path)
     config = config_from_dict(hf_config)
-    model = instantiate(config, read_state_dict(path), dtype, device)
+    model = instantiate(config, read_state_dict(path), dtype, device, weights)
     eos = [config.eos_token_id]
     gen = path / "generation_config.json"
     if gen.is_file():
@@ -55,10 +77,10 @@ def _load_folder(path: Path, dtype, device):
     return model, Tokenizer.from_folder(path), _flatten_ids(eos)
 
 
-def _load_gguf(path: Path, dtype, device):
+def _load_gguf(path: Path, dtype, device, allow_dequant: bool):
     from ..gguf.reader import read_model
 
-    hf_config, state_dict, backend, tok_config = read_model(path)
+    hf_config, state_dict, backend, tok_config = read_model(path, keep_quantized=True, allow_dequant=allow_dequant)
     config = config_from_dict(hf_config)
     model = instantiate(config, state_dict, dtype, device)
     return model, Tokenizer(backend, tok_config), _flatten_ids([config.eos_token_id])

@@ -32,7 +32,16 @@ class CausalLM(nn.Module):
 
     @property
     def output_weight(self) -> torch.Tensor:
+        """The output head's weight (with quantized weights: its uint8 blocks; use ``logits``)."""
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final hidden states (N, hidden) -> logits (N, vocab) through lm_head or the tied
+        embeddings; a quantized embedding table (kvslim.weights) multiplies by its own blocks."""
+        if self.lm_head is not None:
+            return self.lm_head(h)
+        table = self.model.embed_tokens
+        return table.project(h) if hasattr(table, "project") else torch.nn.functional.linear(h, table.weight)
 
     @torch.inference_mode()
     def forward(self, batch: Batch, caches: list, all_logits: bool = False) -> torch.Tensor:
@@ -47,7 +56,7 @@ class CausalLM(nn.Module):
             x = layer(x, batch, cache, rope)
         if not all_logits:
             x = x[batch.last_rows]
-        return torch.nn.functional.linear(self.model.norm(x), self.output_weight).float()
+        return self.logits(self.model.norm(x)).float()
 
     def make_cache(self, ctx: int, n_slots: int = 1, type_k: str = "f16", type_v: str = "f16",
                    device: torch.device | str | None = None, **kv_options) -> list:

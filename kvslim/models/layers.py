@@ -132,7 +132,8 @@ class Router(nn.Module):
 
 class Experts(nn.Module):
     """All experts' weights fused: gate_up_proj (E, 2I, H), down_proj (E, H, I).
-    Only the experts a token routes to are multiplied."""
+    Only the experts a token routes to are multiplied (``expert``; the quantized
+    version, kvslim.weights.QuantExperts, overrides only that)."""
 
     def __init__(self, n_experts: int, hidden: int, intermediate: int):
         super().__init__()
@@ -143,10 +144,14 @@ class Experts(nn.Module):
         out = torch.zeros_like(x)
         for e in torch.unique(experts).tolist():
             rows, which = torch.where(experts == e)
-            gate, up = F.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e])
+            y = self.expert(e, x[rows])
             out.index_add_(0, rows, (y * weights[rows, which, None]).to(out.dtype))
         return out
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``e``'s SwiGLU on the tokens routed to it: (n, H) -> (n, H)."""
+        gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj[e])
 
 
 class SparseMoE(nn.Module):

@@ -43,7 +43,8 @@ class ServerState:
     def load(self) -> None:
         o = self.options
         try:
-            model, tokenizer, eos = load_model(o.get("model"), o.get("dtype"))
+            model, tokenizer, eos = load_model(o.get("model"), o.get("dtype"), weights=o.get("weights"),
+                                               allow_dequant=bool(o.get("allow_dequant")))
             self.engine = Engine(model, tokenizer, o["ctx"], o["n_parallel"], o["type_k"], o["type_v"],
                                  o["n_ubatch"], tokenizer.eog_ids(sorted(eos)), prefix_cache=True,
                                  max_checkpoints=o["ctx_checkpoints"], checkpoint_bytes=o["checkpoint_bytes"],

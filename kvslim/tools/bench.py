@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-ub", "--ubatch-size", type=int, default=512)
     p.add_argument("-t", "--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--dtype", default=None, help="weights dtype: f32, bf16, f16 (default: as stored)")
+    p.add_argument("--weights", default=None, help="quantize an HF folder's weights at load: q8_0, q4_0, ...")
     p.add_argument("-o", "--output", choices=["md", "csv", "json", "jsonl"], default="md")
     p.add_argument("--plot", default=None, help="write tokens/s against depth to this PNG")
     p.add_argument("--no-progress", action="store_true")
@@ -87,7 +88,7 @@ def main(argv: list[str]) -> int:
     pairs, tests, nps = kv_pairs(args), tests_for(args), int_list(args.n_parallel)
     if any(n < 1 for n in nps):
         raise ValueError("-np must be at least 1")
-    model, _, _ = load_model(args.model, args.dtype)
+    model, _, _ = load_model(args.model, args.dtype, weights=args.weights)
     facts = model_facts(model, torch.get_num_threads())
     records = run_all(model, facts, pairs, tests, nps, args)
     emit(records, args)

@@ -5,7 +5,9 @@ import argparse
 import sys
 
 from .. import formats
+from ..bench.memory import rss_kib
 from ..engine import load
+from ..weights import encodable_names, weight_bytes
 from .common import human_bytes, to_json
 
 
@@ -17,6 +19,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-ctv", "--cache-type-v", default="f16", help="V cache type (same choices)")
     p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="tokens per forward pass in prefill")
     p.add_argument("--dtype", default=None, help="weights dtype: f32, bf16, f16 (default: as stored)")
+    p.add_argument("--weights", default=None, choices=encodable_names(),
+                   help="quantize a Hugging Face folder's weight matrices at load (a GGUF keeps its own types)")
+    p.add_argument("--allow-dequant", action="store_true",
+                   help="expand GGUF tensors of types that cannot stay quantized instead of refusing the file")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -65,7 +71,7 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     prompt = read_prompt(args)
     llm = load(args.model, ctx=args.ctx_size, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
-               n_ubatch=args.ubatch_size, dtype=args.dtype)
+               n_ubatch=args.ubatch_size, dtype=args.dtype, weights=args.weights, allow_dequant=args.allow_dequant)
     if args.chat:
         prompt = llm.tokenize(llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]),
                               add_special=False)
@@ -76,10 +82,12 @@ def main(argv: list[str]) -> int:
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
         completion = chunk.completion or completion
+    rss = rss_kib()
+    memory = {"weights_bytes": weight_bytes(llm.model), "rss_bytes": rss * 1024 if rss >= 0 else -1}
     if args.output == "json":
-        print(to_json(result_record(completion, args)))
+        print(to_json({**result_record(completion, args), **memory}))
     else:
-        print("\n\n" + timing_line(completion, args))
+        print("\n\n" + timing_line(completion, args) + memory_line(memory))
     return 0
 
 
@@ -95,3 +103,9 @@ def timing_line(c, args) -> str:
     return (f"prompt {t['prompt_n']} tok {c.prompt_tps:.1f} tok/s | gen {t['predicted_n']} tok "
             f"{c.gen_tps:.1f} tok/s | KV {human_bytes(c.kv_bytes)} ({args.cache_type_k}/{args.cache_type_v}) | "
             f"state {human_bytes(c.state_bytes)} | {c.finish_reason}")
+
+
+def memory_line(m: dict) -> str:
+    """Weights as held (quantized blocks count as stored) and the process's resident memory
+    after generating (memory-mapped weights count once touched)."""
+    return f" | weights {human_bytes(m['weights_bytes'])} | RSS {human_bytes(m['rss_bytes'])}"

@@ -39,7 +39,8 @@ def options_from(args) -> dict:
             "type_v": args.cache_type_v, "n_ubatch": args.ubatch_size, "dtype": args.dtype,
             "api_key": args.api_key, "alias": args.alias, "max_queue": args.max_queue,
             "ctx_checkpoints": args.ctx_checkpoints, "checkpoint_bytes": int(args.checkpoint_mib * (1 << 20)),
-            "checkpoint_interval": args.checkpoint_interval, "verbose": args.verbose}
+            "checkpoint_interval": args.checkpoint_interval, "verbose": args.verbose,
+            "weights": args.weights, "allow_dequant": args.allow_dequant}
 
 
 def main(argv: list[str]) -> int:

@@ -1,0 +1,72 @@
+"""x @ W.T with W kept as ggml blocks.
+
+``quant_linear`` (the fast path) dequantizes a step of W's rows at a time with the torch
+decoders and multiplies it, so the extra memory is one step of float32 rows (plus the
+decoder's temporaries of that order) whatever the matrix size. ``reference_linear``
+expands the whole matrix with ``gguf.quants`` first: slow and memory-hungry, obviously
+right; the parity tests hold the two together.
+
+Why this path and this step (benchmarks/weights.py, one thread, CPU shared with another
+job; spreads of 10-30% between runs):
+- Keeping the dequantized matrix (dense f32) is the fastest (decode of a 100M-weight
+  model: 23 ms of matmuls per token against 42-68 ms) but holds 4 bytes per weight, the
+  memory this feature exists to save.
+- torch's packed int4 kernel maps Q4_0 exactly (scale d, zero 0) only with float32 or
+  float16 scales and activations, and there it is slower still (169 ms per decoded token,
+  and 2.6 s for 512 tokens through one 8192x256 matrix); it is fast only in bfloat16,
+  where the scales and activations round (relative error 4e-3).
+- Steps: glibc hands freed blocks of a few MiB back to the OS and the next step faults
+  them in again. Decoding the 100M-weight Q8_0 model at 4 MiB steps took 115,000 page
+  faults and 0.28 s per token (3.6 t/s); at 256 KiB steps, no faults and 17 t/s (1 MiB:
+  some faults, 18 t/s; 128 KiB: 12 t/s, per-step overhead). Prefill is alike at all
+  steps (~330 t/s), so the step is set for decode and stays out of glibc's way.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .tensor import QuantTensor
+
+STEP_BYTES = 256 << 10        # float32 bytes of dequantized rows per step
+
+
+def rows_per_step(w: QuantTensor) -> int:
+    return max(1, STEP_BYTES // (4 * w.cols))
+
+
+def quant_linear(x: torch.Tensor, w: QuantTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, W, bias) for a 2-d quantized W (out, in); x (..., in) float."""
+    flat = x.reshape(-1, x.shape[-1])
+    if w.input_index is not None:
+        flat = flat.index_select(1, w.input_index)                  # into the file's column order
+    rows = w.shape[0]
+    out = flat.new_empty(flat.shape[0], rows)
+    step = rows_per_step(w)
+    for start in range(0, rows, step):
+        block_rows = w.decode(w.data[start:start + step]).to(flat.dtype)    # (step, in)
+        torch.mm(flat, block_rows.T, out=out[:, start:start + step])
+    if bias is not None:
+        out += bias
+    return out.reshape(*x.shape[:-1], rows)
+
+
+def reference_linear(x: torch.Tensor, w: QuantTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The whole W through ``gguf.quants.dequantize``, then F.linear."""
+    return F.linear(x, w.reference_dequantize().to(x.dtype), bias)
+
+
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for a dense weight, ``quant_linear`` for a quantized one."""
+    if isinstance(w, QuantTensor):
+        return quant_linear(x, w, bias)
+    return F.linear(x, w, bias)
+
+
+def embedding_rows(ids: torch.Tensor, w: QuantTensor) -> torch.Tensor:
+    """Rows ``ids`` of a quantized (vocab, hidden) matrix: only those rows' blocks are decoded."""
+    rows = w.data.index_select(0, ids.reshape(-1))
+    values = w.decode(rows)
+    if w.input_index is not None:
+        values = values.index_select(-1, torch.argsort(w.input_index))
+    return values.reshape(*ids.shape, w.cols)

@@ -1,0 +1,105 @@
+"""Modules whose weights stay ggml blocks: drop-in for nn.Linear, nn.Embedding and Experts.
+
+The blocks are registered as uint8 parameters under the Hugging Face names
+(``q_proj.weight`` is (out, row_bytes) uint8), so state dicts, ``parameters()``
+byte counts and ``.device`` keep working; the block type rides along as plain
+attributes. Embeddings stay quantized whatever their size (no dense threshold):
+a lookup decodes only the rows of the tokens asked for, and a tied output head
+multiplies by the same blocks.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..models.layers import Experts
+from .matmul import embedding_rows, linear, quant_linear
+from .tensor import QuantTensor
+
+
+def _blocks(w: QuantTensor) -> nn.Parameter:
+    return nn.Parameter(w.data, requires_grad=False)
+
+
+class _QuantWeight(nn.Module):
+    """Holds ``weight`` (uint8 blocks) and rebuilds the QuantTensor view of it."""
+
+    def __init__(self, w: QuantTensor):
+        super().__init__()
+        self.weight = _blocks(w)
+        self.wtype, self.cols = w.wtype, w.cols
+        self.register_buffer("input_index", w.input_index, persistent=False)
+
+    @property
+    def quant(self) -> QuantTensor:
+        return QuantTensor(self.weight, self.wtype, self.cols, self.input_index)
+
+    def extra_repr(self) -> str:
+        return f"{self.wtype.name}, shape={tuple(self.quant.shape)}"
+
+
+class QuantLinear(_QuantWeight):
+    """nn.Linear over a quantized (out_features, in_features) weight."""
+
+    def __init__(self, w: QuantTensor, bias: torch.Tensor | None = None):
+        super().__init__(w)
+        self.out_features, self.in_features = w.shape
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return quant_linear(x, self.quant, self.bias)
+
+
+class QuantEmbedding(_QuantWeight):
+    """nn.Embedding over a quantized (vocab, hidden) table; ``dtype``: the model's activations."""
+
+    def __init__(self, w: QuantTensor, dtype: torch.dtype = torch.float32):
+        super().__init__(w)
+        self.num_embeddings, self.embedding_dim = w.shape
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return embedding_rows(ids, self.quant).to(self.dtype)
+
+    def project(self, h: torch.Tensor) -> torch.Tensor:
+        """h @ table.T: the tied output head's logits."""
+        return quant_linear(h, self.quant)
+
+
+class QuantExperts(Experts):
+    """Experts with either matrix quantized (E, rows, row_bytes blocks) or dense; per token,
+    only the routed experts' blocks are decoded (``QuantTensor[e]`` is a view)."""
+
+    def __init__(self, gate_up: QuantTensor | torch.Tensor, down: QuantTensor | torch.Tensor):
+        nn.Module.__init__(self)
+        self.gate_up_proj, self.gate_up_type = self._adopt(gate_up)
+        self.down_proj, self.down_type = self._adopt(down)
+
+    @staticmethod
+    def _adopt(w) -> tuple[nn.Parameter, tuple | None]:
+        """(parameter, (block type, columns) or None for a dense matrix)."""
+        if isinstance(w, QuantTensor):
+            if w.input_index is not None:
+                raise ValueError("expert weights with reordered columns are not supported quantized")
+            return _blocks(w), (w.wtype, w.cols)
+        return nn.Parameter(w, requires_grad=False), None
+
+    @staticmethod
+    def _matrix(param: nn.Parameter, kind: tuple | None, e: int):
+        return param[e] if kind is None else QuantTensor(param[e], *kind)
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = linear(x, self._matrix(self.gate_up_proj, self.gate_up_type, e)).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self._matrix(self.down_proj, self.down_type, e))
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and buffer, shared storage counted once (tied heads)."""
+    seen, total = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        key = (t.untyped_storage().data_ptr(), t.data_ptr())
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
