@@ -12,7 +12,7 @@ from .. import formats
 from ..bench import FilledCache, Test, measure
 from ..bench.report import markdown, model_facts, plot, record
 from ..loading import load_model
-from .common import to_csv, to_json, to_jsonl
+from .common import render_records
 
 
 RANGE = re.compile(r"^(\d+)-(\d+)(?:([+*])(\d+))?$")
@@ -118,11 +118,4 @@ def run_all(model, facts, pairs, tests, nps, args) -> list[dict]:
 def emit(records: list[dict], args) -> None:
     if args.plot:
         plot(records, args.plot)
-    if args.output == "md":
-        print(markdown(records))
-    elif args.output == "json":
-        print(to_json(records))
-    elif args.output == "jsonl":
-        print(to_jsonl(records))
-    else:
-        print(to_csv([{k: v for k, v in r.items() if k != "samples_ts"} for r in records]))
+    print(render_records(records, args.output, markdown))

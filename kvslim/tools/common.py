@@ -44,3 +44,15 @@ def human_bytes(n: int | float) -> str:
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
+
+
+def render_records(records: list[dict], output: str, markdown) -> str:
+    """One tool's records in the chosen output: ``markdown(records)`` for md, else json/jsonl/csv
+    (csv leaves out list-valued fields such as per-run samples)."""
+    if output == "json":
+        return to_json(records)
+    if output == "jsonl":
+        return to_jsonl(records)
+    if output == "csv":
+        return to_csv([{k: v for k, v in r.items() if not isinstance(v, list)} for r in records])
+    return markdown(records)

@@ -7,7 +7,7 @@ import torch
 
 from .. import formats
 from ..formats.stats import measure
-from .common import markdown_table, to_csv, to_json, to_jsonl
+from .common import markdown_table, render_records
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,14 +33,7 @@ def main(argv: list[str]) -> int:
     x = torch.randn(args.n, args.head_dim, generator=gen)
     q = torch.randn(args.queries, args.head_dim, generator=gen)
     records = [measure(f, x, q, args.repetitions).as_dict() for f in fmts]
-    if args.output == "json":
-        print(to_json(records))
-    elif args.output == "jsonl":
-        print(to_jsonl(records))
-    elif args.output == "csv":
-        print(to_csv(records))
-    else:
-        print(render(records, args.n))
+    print(render_records(records, args.output, lambda rs: render(rs, args.n)))
     return 0
 
 
