@@ -46,7 +46,9 @@ def instantiate(config, state_dict: dict, dtype: torch.dtype | None = None,
     left = sorted(set(result.missing_keys) - swapped)
     if left or result.unexpected_keys:
         raise ValueError(_mismatch("weights not loaded", left) + _mismatch("weights not used", result.unexpected_keys))
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    model.fuse_projections()
+    return model
 
 
 def _check_names_and_shapes(want: dict, state_dict: dict) -> None:

@@ -30,6 +30,12 @@ class CausalLM(nn.Module):
                                                                           bias=False)
         self.rope = rope
 
+    def fuse_projections(self) -> None:
+        """Compute projections that read the same input as one matmul each (see ``layers.Fused``)."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "fuse_projections"):
+                module.fuse_projections()
+
     @property
     def output_weight(self) -> torch.Tensor:
         """The output head's weight (with quantized weights: its uint8 blocks; use ``logits``)."""

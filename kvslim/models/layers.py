@@ -100,6 +100,40 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([out, xp], dim=-1) if xp.shape[-1] else out
 
 
+# ----- projections that read the same input ------------------------------------
+class Fused:
+    """Several ``nn.Linear`` on one input as a single matmul. Decode runs one token per
+    step, so per-call overhead, not FLOPs, dominates small layers: fewer, wider calls win.
+    The modules' weights become views of the fused tensor, so no memory is added and
+    state dicts are unchanged."""
+
+    def __init__(self, linears: list[nn.Linear]):
+        self.sizes = [m.out_features for m in linears]
+        self.weight = torch.cat([m.weight.detach() for m in linears])
+        has_bias = [m.bias is not None for m in linears]
+        self.bias = torch.cat([m.bias.detach() for m in linears]) if all(has_bias) else None
+        start = 0
+        for m, n in zip(linears, self.sizes):
+            m.weight = nn.Parameter(self.weight[start:start + n], requires_grad=False)
+            if self.bias is not None:
+                m.bias = nn.Parameter(self.bias[start:start + n], requires_grad=False)
+            start += n
+
+    @staticmethod
+    def possible(linears: list) -> bool:
+        """Plain dense linears of one dtype, all with or all without bias (quantized ones stay apart)."""
+        return all(type(m) is nn.Linear for m in linears) and len({m.weight.dtype for m in linears}) == 1 \
+            and len({m.bias is None for m in linears}) == 1
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.split(F.linear(x, self.weight, self.bias), self.sizes, dim=-1)
+
+
+def fuse(module: nn.Module, names: list[str]) -> Fused | None:
+    linears = [getattr(module, n) for n in names]
+    return Fused(linears) if Fused.possible(linears) else None
+
+
 # ----- feed-forward -------------------------------------------------------------
 class MLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
@@ -109,9 +143,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.fused = None
+
+    def fuse_projections(self) -> None:
+        self.fused = fuse(self, ["gate_proj", "up_proj"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.fused(x) if self.fused else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Router(nn.Module):
@@ -193,15 +232,20 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(head_dim, eps, zero_centered=qk_norm == "zero_centered")
         else:
             self.q_norm = self.k_norm = None
+        self.fused = None
+
+    def fuse_projections(self) -> None:
+        self.fused = fuse(self, ["q_proj", "k_proj", "v_proj"])
 
     def forward(self, x: torch.Tensor, batch: Batch, cache, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.n_heads, -1)                   # (N, H, D) or (N, H, 2D) if gated
+        q, k, v = self.fused(x) if self.fused else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q = q.view(n, self.n_heads, -1)                                 # (N, H, D) or (N, H, 2D) if gated
         gate = None
         if self.gated:
             q, gate = q[..., :self.head_dim], q[..., self.head_dim:]
-        k = self.k_proj(x).view(n, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.n_kv_heads, self.head_dim)
+        k = k.view(n, self.n_kv_heads, self.head_dim)
+        v = v.view(n, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)

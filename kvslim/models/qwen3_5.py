@@ -16,7 +16,7 @@ from ..cache import KVLayerSpec, StateLayerSpec
 from .base import CausalLM
 from .batch import Batch
 from .delta_rule import causal_conv, causal_conv_step, chunk_gated_delta_rule, gated_delta_step, l2norm
-from .layers import MLP, Attention, DecoderLayer, RMSNormGated, Rope, SparseMoE
+from .layers import MLP, Attention, DecoderLayer, RMSNormGated, Rope, SparseMoE, fuse
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 
@@ -135,11 +135,18 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_z = nn.Linear(c.hidden_size, self.value_dim, bias=False)
         self.in_proj_b = nn.Linear(c.hidden_size, self.n_v, bias=False)
         self.in_proj_a = nn.Linear(c.hidden_size, self.n_v, bias=False)
+        self.fused = None
+
+    def fuse_projections(self) -> None:
+        self.fused = fuse(self, ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"])
 
     def project(self, x: torch.Tensor):
         """x (N, hidden) -> qkv (N, conv_dim) in [Q | K | V] order, z (N, Hv, dv), b and a (N, Hv)."""
-        z = self.in_proj_z(x).view(x.shape[0], self.n_v, self.dv)
-        return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+        if self.fused:
+            qkv, z, b, a = self.fused(x)
+        else:
+            qkv, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+        return qkv, z.view(x.shape[0], self.n_v, self.dv), b, a
 
     def forward(self, x: torch.Tensor, batch: Batch, cache) -> torch.Tensor:
         n = x.shape[0]

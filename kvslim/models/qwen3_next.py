@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .base import CausalLM
-from .layers import Rope
+from .layers import Rope, fuse
 from .qwen3_5 import GatedDeltaNet, HybridConfig, build_layers
 
 MODEL_TYPES = ("qwen3_next",)
@@ -21,12 +21,17 @@ class FusedGatedDeltaNet(GatedDeltaNet):
     def _make_projections(self, c: HybridConfig) -> None:
         self.in_proj_qkvz = nn.Linear(c.hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
         self.in_proj_ba = nn.Linear(c.hidden_size, 2 * self.n_v, bias=False)
+        self.fused = None
+
+    def fuse_projections(self) -> None:
+        self.fused = fuse(self, ["in_proj_qkvz", "in_proj_ba"])
 
     def project(self, x: torch.Tensor):
         n, rep = x.shape[0], self.n_v // self.n_k
-        qkvz = self.in_proj_qkvz(x).view(n, self.n_k, 2 * self.dk + 2 * rep * self.dv)
+        qkvz, ba = self.fused(x) if self.fused else (self.in_proj_qkvz(x), self.in_proj_ba(x))
+        qkvz = qkvz.reshape(n, self.n_k, 2 * self.dk + 2 * rep * self.dv)
         q, k, v, z = torch.split(qkvz, [self.dk, self.dk, rep * self.dv, rep * self.dv], dim=-1)
-        b, a = torch.split(self.in_proj_ba(x).view(n, self.n_k, 2 * rep), [rep, rep], dim=-1)
+        b, a = torch.split(ba.reshape(n, self.n_k, 2 * rep), [rep, rep], dim=-1)
         qkv = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
         return qkv, z.reshape(n, self.n_v, self.dv), b.reshape(n, self.n_v), a.reshape(n, self.n_v)
 
