@@ -59,7 +59,7 @@ def load_model(args):
     if args.checkpoint is not None:
         import train
 
-        state = torch.load(args.checkpoint, weights_only=False)
+        state = torch.load(args.checkpoint, weights_only=False, map_location="cpu")
         saved = argparse.Namespace(**state["args"])
         model = train.build_model(saved)
         model.load_state_dict(state["model"])
@@ -72,7 +72,8 @@ def load_model(args):
                                                      attn_implementation="sdpa")
         tok = Tokenizer.from_file(str(Path(args.model) / "tokenizer.json"))
         source = f"{args.model}"
-    model = model.to(dtype).eval()
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    model = model.to(device=device, dtype=dtype).eval()
     return model, tok, source
 
 
@@ -142,7 +143,7 @@ def perplexity(model, tok, sources, args) -> dict:
             window = torch.from_numpy(ids[start:start + args.window])
             if len(window) < 2:
                 break
-            logits = model(input_ids=window[None]).logits[0, :-1].float()
+            logits = model(input_ids=window[None].to(model.device)).logits[0, :-1].float().cpu()
             targets = window[1:]
             nll += F.cross_entropy(logits, targets, reduction="sum").item()
             n_tok += len(targets)
@@ -191,7 +192,7 @@ def needle_grid(model, tok, docs, args) -> dict:
                 sample = needle.build_sample(docs, rng, depth, kind=needle.CANONICAL_KIND,
                                              target_tokens=length, count_tokens=count,
                                              canonical=True)
-                ids = torch.tensor([tok.encode(sample.prompt).ids])
+                ids = torch.tensor([tok.encode(sample.prompt).ids], device=model.device)
                 want = len(tok.encode(sample.answer).ids)
                 out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                                      max_new_tokens=want + 1, do_sample=False,
@@ -245,6 +246,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=None, help="output prefix instead of runs/<name>/eval")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="auto", help="auto (cuda if present), cpu or cuda")
     p.add_argument("--window", type=int, default=1024)
     p.add_argument("--max-tokens", type=int, default=0, help="cap held-out tokens per source (0: all)")
     p.add_argument("--lengths", default=DEFAULT_LENGTHS)

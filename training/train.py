@@ -47,6 +47,7 @@ sys.path.insert(0, str(REPO_ROOT))
 import corpus  # noqa: E402
 from kvslim.eval import needle  # noqa: E402
 
+T_PROCESS = time.time()
 TOKENS_DIR = TRAINING_DIR / "tokens"
 RUNS_DIR = TRAINING_DIR / "runs"
 EXPORT_DIR = REPO_ROOT / "kvslim" / "data" / "tiny-qwen35"
@@ -81,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default="tiny-qwen35", help="run name (training/runs/<name>/)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="auto", help="auto (cuda if present), cpu or cuda")
+    p.add_argument("--workers", type=int, default=-1,
+                   help="data-loading processes (-1: 0 on a CPU, 8 with a GPU)")
     # model
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=8, help="multiple of 4 (3 DeltaNet + 1 attention)")
@@ -93,7 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lin-head-dim", type=int, default=64)
     p.add_argument("--rope-theta", type=float, default=10000.0)
     # optimisation
-    p.add_argument("--steps", type=int, default=650)
+    p.add_argument("--steps", type=int, default=650,
+                   help="optimizer steps; 0 with --budget-minutes: as many as fit")
+    p.add_argument("--budget-minutes", type=float, default=0.0,
+                   help="with --steps 0: time a few steps per phase, then pick the step "
+                        "count that fits (logged, so --steps N replays the run)")
     p.add_argument("--tokens-per-step", type=int, default=8192)
     p.add_argument("--phases", default="1024:0.5,2048:0.25,4096:0.25",
                    help="sequence-length curriculum as len:fraction-of-steps")
@@ -118,9 +126,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init-from", type=Path, default=None,
                    help="start from the weights (not optimizer/step) of a checkpoint; "
                         "for a continued run with a different mixture")
+    p.add_argument("--max-minutes", type=float, default=0.0,
+                   help="hard wall-clock limit: stop early with a checkpoint (and --save-weights) "
+                        "when it is reached, e.g. on a machine lent for a fixed time")
     p.add_argument("--stop-at", type=int, default=0,
                    help="stop after this step with a checkpoint and no export (to replay a "
                         "run that was resumed with changed options; see the model card)")
+    p.add_argument("--save-weights", type=Path, default=None,
+                   help="also write the final fp32 weights here as safetensors shards of "
+                        "at most 15 MB (to carry them off a lent machine)")
     p.add_argument("--export-only", action="store_true")
     p.add_argument("--export-dir", type=Path, default=EXPORT_DIR)
     p.add_argument("--no-export", action="store_true")
@@ -236,8 +250,14 @@ class DataMixture:
         self.sources = ensure_corpus()
         self.train = {s: token_cache(s, "train", tok) for s in self.sources}
         self.heldout = {s: token_cache(s, "heldout", tok) for s in self.sources}
-        self.docs = {s: corpus.read_documents(corpus.DEFAULT_DATA_DIR / f"{s}.train.txt")
-                     for s in self.sources}
+        # Token ids after which a needle may start (sentence or line ends), and
+        # the id that stands in for <|endoftext|> inside filler: evaluation
+        # haystacks join documents with a blank line, never with EOS.
+        vocab = tok.get_vocab_size()
+        self.sentence_end = np.array([tok.decode([i]).endswith((".", "!", "?", "\n"))
+                                      for i in range(vocab)])
+        self.newline_end = np.array([tok.decode([i]).endswith("\n") for i in range(vocab)])
+        self.blank_line = tok.encode("\n\n").ids[0]
         sizes = np.array([len(self.train[s]) for s in self.sources], dtype=np.float64)
         weights = sizes ** args.source_power
         self.weights = (weights / weights.sum()).tolist()
@@ -251,17 +271,40 @@ class DataMixture:
         start = rng.randrange(0, len(stream) - length)
         return source, stream[start:start + length].astype(np.int64)
 
+    def _encode(self, text: str) -> list[int]:
+        return self.tok.encode(text).ids
+
     def _needle_row(self, rng: random.Random, length: int) -> tuple[np.ndarray, np.ndarray]:
-        """length+1 tokens ending with a retrieval sample, and their loss weights."""
-        source = rng.choices(self.sources, weights=self.weights)[0]
+        """length+1 tokens ending with a retrieval sample, and their loss weights.
+
+        Built in token space (filler is a window of the token stream, needles
+        go in after a sentence end), which is ~100x faster than building the
+        text and tokenizing it; the phrasings are those of kvslim.eval.needle,
+        whose text-level builder the evaluation uses.
+        """
         kind = needle.sample_kind(rng)
+        sentences, asked, question, answer = needle.make_needle(rng, kind)
+        question_ids = self._encode("\n\n" + question)
+        answer_ids = self._encode(answer)
         target = int(length * rng.uniform(0.2, 1.0))
-        sample = needle.build_sample(self.docs[source], rng, rng.random(), kind=kind,
-                                     target_tokens=target - 1, count_tokens=self.count_tokens)
-        prompt = self.tok.encode(sample.prompt).ids
-        answer = self.tok.encode(sample.answer).ids
-        ids = prompt + answer + [EOS_ID]
-        weights = [1.0] * len(prompt) + [self.args.answer_weight] * len(answer) + [1.0]
+        needle_len = sum(len(self._encode(" " + x)) for x in sentences)
+        filler_len = max(0, target - needle_len - len(question_ids) - len(answer_ids) - 1)
+        _, filler = self._window(rng, filler_len + 1)
+        filler = filler[1:]
+        filler[filler == EOS_ID] = self.blank_line
+        depths = [rng.random() for _ in sentences]
+        ends = np.flatnonzero(self.sentence_end[filler]) + 1
+        cuts = sorted((self._snap(ends, int(d * len(filler))), i) for i, d in enumerate(depths))
+        ids, cursor = [], 0
+        for cut, i in cuts:
+            ids.extend(filler[cursor:cut].tolist())
+            after_newline = cut == 0 or self.newline_end[filler[cut - 1]]
+            ids.extend(self._encode(sentences[i] if after_newline else " " + sentences[i]))
+            cursor = cut
+        ids.extend(filler[cursor:].tolist())
+        weights = [1.0] * (len(ids) + len(question_ids)) + [self.args.answer_weight] * len(answer_ids)
+        ids += question_ids + answer_ids + [EOS_ID]
+        weights.append(1.0)
         ids, weights = ids[-(length + 1):], weights[-(length + 1):]
         missing = length + 1 - len(ids)
         if missing > 0:
@@ -270,6 +313,12 @@ class DataMixture:
             ids = prefix.tolist() + ids
             weights = [1.0] * missing + weights
         return np.asarray(ids, dtype=np.int64), np.asarray(weights, dtype=np.float32)
+
+    @staticmethod
+    def _snap(ends: np.ndarray, position: int) -> int:
+        """The last sentence end at or before `position` (0 if none)."""
+        k = int(np.searchsorted(ends, position, side="right"))
+        return int(ends[k - 1]) if k else 0
 
     def batch(self, step: int, seq_len: int, batch_size: int):
         """(inputs, targets, target weights, answer mask) for one step."""
@@ -323,9 +372,8 @@ def lr_at(step: int, args) -> float:
 
 
 def autocast(args):
-    if args.bf16:
-        return torch.autocast("cpu", dtype=torch.bfloat16)
-    return torch.autocast("cpu", enabled=False)
+    device = getattr(args, "device_type", "cpu")
+    return torch.autocast(device, dtype=torch.bfloat16, enabled=bool(args.bf16))
 
 
 def forward_loss(model, args, inputs, targets, weights):
@@ -342,7 +390,9 @@ def forward_loss(model, args, inputs, targets, weights):
 def heldout_loss(model, args, windows) -> dict:
     model.eval()
     out = {}
+    device = next(model.parameters()).device
     for source, ids in windows.items():
+        ids = ids.to(device)
         with autocast(args):
             logits = model(input_ids=ids[:, :-1]).logits
         out[source] = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
@@ -350,6 +400,44 @@ def heldout_loss(model, args, windows) -> dict:
     out["mean"] = sum(out.values()) / len(out)
     model.train()
     return out
+
+
+def resolve_device(args) -> torch.device:
+    name = args.device
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is visible")
+    device = torch.device(name)
+    args.device_type = device.type
+    if args.workers < 0:
+        args.workers = 8 if device.type == "cuda" else 0
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    return device
+
+
+class StepBatches(torch.utils.data.Dataset):
+    """Batches of steps first..last-1, so that worker processes build them ahead."""
+
+    def __init__(self, data, args, first: int, last: int):
+        self.data, self.args, self.first, self.last = data, args, first, last
+
+    def __len__(self):
+        return self.last - self.first
+
+    def __getitem__(self, i):
+        step = self.first + i
+        seq_len = phase_at(step, self.args)
+        return self.data.batch(step, seq_len, max(1, self.args.tokens_per_step // seq_len))
+
+
+def batches(data, args, first: int, last: int):
+    loader = torch.utils.data.DataLoader(
+        StepBatches(data, args, first, last), batch_size=None, shuffle=False,
+        num_workers=args.workers, pin_memory=args.device_type == "cuda",
+        prefetch_factor=4 if args.workers else None, persistent_workers=False)
+    return iter(loader)
 
 
 def make_optimizer(model, args):
@@ -378,20 +466,95 @@ def save_checkpoint(path: Path, model, opt, step: int, tokens: int, elapsed: flo
     tmp.replace(path)
 
 
+def load_initial_weights(model, path: Path) -> str:
+    """Weights (not optimizer or step) from a checkpoint .pt, or from a folder
+    of safetensors files (an exported model, or --save-weights shards)."""
+    if path.is_dir():
+        from safetensors.torch import load_file
+
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise SystemExit(f"--init-from {path}: no .safetensors files there")
+        state = {}
+        for f in files:
+            state.update(load_file(f))
+        if "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]  # tied
+        model.load_state_dict({k: v.float() for k, v in state.items()})
+        return f"{path} ({len(files)} files)"
+    state = torch.load(path, weights_only=False, map_location="cpu")
+    model.load_state_dict(state["model"])
+    return f"{path} (step {state['step']})"
+
+
+def save_weight_shards(model, out: Path, limit: int = 15_000_000) -> None:
+    """fp32 weights as safetensors files of at most `limit` bytes each."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    shard, size, index = {}, 0, 0
+    state = {k: v.detach().float().cpu().contiguous() for k, v in model.state_dict().items()
+             if k != "lm_head.weight"}  # tied to the embedding
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * 4
+        if shard and size + nbytes > limit:
+            save_file(shard, str(out / f"weights-{index:02d}.safetensors"))
+            shard, size, index = {}, 0, index + 1
+        shard[name], size = tensor, size + nbytes
+    save_file(shard, str(out / f"weights-{index:02d}.safetensors"))
+
+
+def plan_steps(model, opt, data, args, device) -> int:
+    """Steps that fit --budget-minutes, from timed steps at every phase length.
+
+    The timed steps change the weights, so the caller rebuilds model and
+    optimizer afterwards: the run itself is the same as one with --steps N.
+    """
+    per_token = []
+    for length, frac in parse_phases(args.phases):
+        bs = max(1, args.tokens_per_step // length)
+        times = []
+        for i in range(4):
+            inputs, targets, weights, _ = (t.to(device) for t in data.batch(i, length, bs))
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.time()
+            loss, _, _ = forward_loss(model, args, inputs, targets, weights)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.time() - t0)
+        per_token.append((frac, min(times[1:])))
+        print(f"[train] timing L={length} bs={bs}: {min(times[1:]):.3f} s/step", flush=True)
+    seconds_per_step = sum(frac * t for frac, t in per_token) * 1.08  # evals, logging
+    steps = int(args.budget_minutes * 60 / seconds_per_step)
+    print(f"[train] {steps} steps fit {args.budget_minutes} min", flush=True)
+    return max(steps, args.warmup + 1)
+
+
 def train(args) -> None:
     from tqdm import tqdm
 
+    device = resolve_device(args)
     run_dir = RUNS_DIR / args.name
     ckpt_path = run_dir / "ckpt" / "last.pt"
     run_dir.mkdir(parents=True, exist_ok=True)
     tok = load_tokenizer()
     data = DataMixture(args, tok)
-    model = build_model(args)
+    if args.steps == 0:
+        if args.budget_minutes <= 0:
+            raise SystemExit("--steps 0 needs --budget-minutes")
+        model = build_model(args).to(device).train()
+        args.steps = plan_steps(model, make_optimizer(model, args), data, args, device)
+        del model
+    model = build_model(args).to(device)
     model.train()
     opt = make_optimizer(model, args)
     step, tokens, elapsed = 0, 0, 0.0
     if args.resume:
-        state = torch.load(ckpt_path, weights_only=False)
+        state = torch.load(ckpt_path, weights_only=False, map_location="cpu")
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         step, tokens, elapsed = state["step"], state["tokens"], state["elapsed"]
@@ -406,9 +569,8 @@ def train(args) -> None:
                     if json.loads(line).get("step", 0) <= step or "event" in json.loads(line)]
             log_path.write_text("".join(line + "\n" for line in kept))
     elif args.init_from is not None:
-        state = torch.load(args.init_from, weights_only=False)
-        model.load_state_dict(state["model"])
-        print(f"[train] weights from {args.init_from} (step {state['step']})", flush=True)
+        print(f"[train] weights from {load_initial_weights(model, args.init_from)}", flush=True)
+        (run_dir / "log.jsonl").unlink(missing_ok=True)
     else:
         (run_dir / "log.jsonl").unlink(missing_ok=True)
     n_params = count_params(model)
@@ -416,21 +578,21 @@ def train(args) -> None:
             "args": {k: str(v) for k, v in vars(args).items()},
             "tokenizer_sha256": tokenizer_digest(), "sources": data.sources,
             "source_weights": data.weights, "torch": torch.__version__,
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
             "train_tokens": {s: int(len(a)) for s, a in data.train.items()}}
     log = open(run_dir / "log.jsonl", "a", encoding="utf-8")
     log.write(json.dumps(meta) + "\n")
     log.flush()
-    print(f"[train] {n_params / 1e6:.2f}M parameters, {args.steps} steps, phases {args.phases}",
-          flush=True)
+    print(f"[train] {n_params / 1e6:.2f}M parameters, {args.steps} steps, phases {args.phases}, "
+          f"{meta['device']}", flush=True)
     windows = data.heldout_windows()
     last_ckpt = time.time()
     t_start = time.time() - elapsed
     bar = tqdm(total=args.steps, initial=step, dynamic_ncols=True, mininterval=5)
     stop = min(args.steps, args.stop_at) if args.stop_at else args.steps
-    while step < stop:
-        seq_len = phase_at(step, args)
-        batch_size = max(1, args.tokens_per_step // seq_len)
-        inputs, targets, weights, answer = data.batch(step, seq_len, batch_size)
+    for batch in batches(data, args, step, stop):
+        inputs, targets, weights, answer = (t.to(device, non_blocking=True) for t in batch)
+        seq_len = inputs.shape[1]
         lr = lr_at(step, args)
         for group in opt.param_groups:
             group["lr"] = lr
@@ -457,19 +619,26 @@ def train(args) -> None:
         log.flush()
         bar.update(1)
         bar.set_postfix(loss=f"{record['loss']:.3f}", L=seq_len, tok_s=f"{inputs.numel() / dt:.0f}")
-        if time.time() - last_ckpt > args.ckpt_minutes * 60 or step in (args.steps, stop):
+        out_of_time = args.max_minutes and time.time() - T_PROCESS > args.max_minutes * 60
+        if (time.time() - last_ckpt > args.ckpt_minutes * 60 or step in (args.steps, stop)
+                or out_of_time):
             save_checkpoint(ckpt_path, model, opt, step, tokens, time.time() - t_start, args)
             last_ckpt = time.time()
+        if out_of_time:
+            print(f"[train] --max-minutes reached at step {step}", flush=True)
+            break
     bar.close()
+    if args.save_weights is not None:
+        save_weight_shards(model, args.save_weights)
     if step < args.steps:
-        print(f"[train] stopped at step {step} (--stop-at)", flush=True)
+        print(f"[train] stopped at step {step} of {args.steps}", flush=True)
         log.close()
         return
     log.write(json.dumps({"event": "end", "step": step, "tokens": tokens,
                           "elapsed_s": round(time.time() - t_start, 1)}) + "\n")
     log.close()
     if not args.no_export:
-        export(args, model)
+        export(args, model.cpu())
 
 
 # ---------------------------------------------------------------------------
@@ -482,8 +651,12 @@ def export(args, model=None) -> Path:
     from transformers import GenerationConfig
 
     out = args.export_dir
+    if model is None and args.init_from is not None:
+        model = build_model(args)
+        print(f"[export] weights from {load_initial_weights(model, args.init_from)}", flush=True)
     if model is None:
-        state = torch.load(RUNS_DIR / args.name / "ckpt" / "last.pt", weights_only=False)
+        state = torch.load(RUNS_DIR / args.name / "ckpt" / "last.pt", weights_only=False,
+                           map_location="cpu")
         saved = argparse.Namespace(**state["args"])
         model = build_model(saved)
         model.load_state_dict(state["model"])
