@@ -263,7 +263,9 @@ def main(argv=None) -> int:
     import transformers
 
     model, tok, source = load_model(args)
-    sources = sorted(x.name[: -len(".train.txt")] for x in corpus.DEFAULT_DATA_DIR.glob("*.train.txt"))
+    import train
+
+    sources = train.ensure_corpus()
     report = {"model": source, "dtype": args.dtype, "torch": torch.__version__,
               "transformers": transformers.__version__, "window": args.window,
               "needle_kind": needle.CANONICAL_KIND, "needle_filler": "held-out documents, all sources",

@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share of sequences that are synthetic retrieval samples")
     p.add_argument("--answer-weight", type=float, default=10.0,
                    help="loss weight of needle answer tokens (others: 1)")
+    p.add_argument("--copy-frac", type=float, default=0.0,
+                   help="share of sequences of real text in which 1-4 spans are repeated "
+                        "later in the window (dense practice for the copy step of retrieval)")
     p.add_argument("--source-power", type=float, default=0.5,
                    help="source sampling weight = (train tokens)^power")
     # bookkeeping
@@ -213,12 +216,22 @@ def tokenizer_digest() -> str:
 
 
 def ensure_corpus() -> list[str]:
-    """Names of the corpus sources (running corpus.py if files are missing)."""
+    """Names of the corpus sources (running corpus.py if files are missing).
+
+    A copy of the corpus may travel without its training text (to a GPU
+    machine that cannot reach Debian, see gpu_train.sh): then the sources are
+    those whose cached training tokens are here.
+    """
     data = corpus.DEFAULT_DATA_DIR
-    if not list(data.glob("*.train.txt")):
+    names = sorted(p.name[: -len(".train.txt")] for p in data.glob("*.train.txt"))
+    if not names:
+        names = sorted(p.name.split(".")[0]
+                       for p in TOKENS_DIR.glob(f"*.train.{tokenizer_digest()}.npy"))
+    if not names:
         import subprocess
         subprocess.run([sys.executable, str(TRAINING_DIR / "corpus.py")], check=True)
-    return sorted(p.name[: -len(".train.txt")] for p in data.glob("*.train.txt"))
+        names = sorted(p.name[: -len(".train.txt")] for p in data.glob("*.train.txt"))
+    return names
 
 
 def token_cache(source: str, split: str, tok) -> np.ndarray:
@@ -314,6 +327,24 @@ class DataMixture:
             weights = [1.0] * missing + weights
         return np.asarray(ids, dtype=np.int64), np.asarray(weights, dtype=np.float32)
 
+    def _copy_row(self, rng: random.Random, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """A window of real text with 1-4 of its spans repeated further on.
+
+        Every token of a repeat after its first is predictable only by finding
+        the earlier copy and reading what followed it: the same look-up that a
+        needle question needs, but with hundreds of targets per row instead of
+        a handful of answer digits.
+        """
+        _, ids = self._window(rng, length + 1)
+        copied = np.zeros(length + 1, dtype=bool)
+        for _ in range(rng.randint(1, 4)):
+            span = rng.randint(8, max(8, min(128, length // 8)))
+            src = rng.randrange(0, length + 1 - 2 * span)
+            dst = rng.randrange(src + span, length + 2 - span)
+            ids[dst:dst + span] = ids[src:src + span].copy()
+            copied[dst + 1:dst + span] = True  # the first token of a repeat is a guess
+        return ids, copied
+
     @staticmethod
     def _snap(ends: np.ndarray, position: int) -> int:
         """The last sentence end at or before `position` (0 if none)."""
@@ -321,20 +352,28 @@ class DataMixture:
         return int(ends[k - 1]) if k else 0
 
     def batch(self, step: int, seq_len: int, batch_size: int):
-        """(inputs, targets, target weights, answer mask) for one step."""
-        rows, wts = [], []
+        """(inputs, targets, target weights, answer mask, copy mask) for one step."""
+        rows, wts, copies = [], [], []
         for row in range(batch_size):
             rng = random.Random(f"{self.args.seed}:{step}:{row}")
-            if rng.random() < self.args.needle_frac:
+            draw = rng.random()
+            copied = np.zeros(seq_len + 1, dtype=bool)
+            if draw < self.args.needle_frac:
                 ids, w = self._needle_row(rng, seq_len)
+            elif draw < self.args.needle_frac + getattr(self.args, "copy_frac", 0.0):
+                ids, copied = self._copy_row(rng, seq_len)
+                w = np.ones(seq_len + 1, dtype=np.float32)
             else:
                 _, ids = self._window(rng, seq_len + 1)
                 w = np.ones(seq_len + 1, dtype=np.float32)
             rows.append(ids)
             wts.append(w)
+            copies.append(copied)
         ids = torch.from_numpy(np.stack(rows))
         w = torch.from_numpy(np.stack(wts))[:, 1:]
-        return ids[:, :-1].contiguous(), ids[:, 1:].contiguous(), w.contiguous(), w > 1.0
+        copied = torch.from_numpy(np.stack(copies))[:, 1:]
+        return (ids[:, :-1].contiguous(), ids[:, 1:].contiguous(), w.contiguous(), w > 1.0,
+                copied.contiguous())
 
     def heldout_windows(self, length: int = 1024, per_source: int = 2):
         """Fixed held-out windows (same every evaluation) per source."""
@@ -515,7 +554,7 @@ def plan_steps(model, opt, data, args, device) -> int:
         bs = max(1, args.tokens_per_step // length)
         times = []
         for i in range(4):
-            inputs, targets, weights, _ = (t.to(device) for t in data.batch(i, length, bs))
+            inputs, targets, weights, _, _ = (t.to(device) for t in data.batch(i, length, bs))
             if device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.time()
@@ -591,7 +630,7 @@ def train(args) -> None:
     bar = tqdm(total=args.steps, initial=step, dynamic_ncols=True, mininterval=5)
     stop = min(args.steps, args.stop_at) if args.stop_at else args.steps
     for batch in batches(data, args, step, stop):
-        inputs, targets, weights, answer = (t.to(device, non_blocking=True) for t in batch)
+        inputs, targets, weights, answer, copied = (t.to(device, non_blocking=True) for t in batch)
         seq_len = inputs.shape[1]
         lr = lr_at(step, args)
         for group in opt.param_groups:
@@ -606,13 +645,17 @@ def train(args) -> None:
         step += 1
         tokens += inputs.numel()
         record = {"step": step, "seq_len": seq_len, "loss": loss.item(),
-                  "lm_loss": ce[~answer].mean().item(), "lr": lr, "grad_norm": grad_norm,
+                  "lm_loss": ce[~(answer | copied)].mean().item(), "lr": lr, "grad_norm": grad_norm,
                   "tokens": tokens, "step_s": round(dt, 3),
                   "elapsed_s": round(time.time() - t_start, 1)}
         if answer.any():
             pred = logits.argmax(-1)
             record["answer_loss"] = ce[answer].mean().item()
             record["answer_acc"] = (pred[answer] == targets[answer]).float().mean().item()
+        if copied.any():
+            pred = logits.argmax(-1)
+            record["copy_loss"] = ce[copied].mean().item()
+            record["copy_acc"] = (pred[copied] == targets[copied]).float().mean().item()
         if step % args.eval_every == 0 or step == args.steps:
             record["heldout"] = heldout_loss(model, args, windows)
         log.write(json.dumps(record) + "\n")
@@ -715,7 +758,7 @@ def bench(args) -> None:
             bs = max(1, args.tokens_per_step // seq_len)
             times = []
             for i in range(3):
-                inputs, targets, weights, _ = data.batch(i, seq_len, bs)
+                inputs, targets, weights, _, _ = data.batch(i, seq_len, bs)
                 t0 = time.time()
                 loss, _, _ = forward_loss(model, args, inputs, targets, weights)
                 opt.zero_grad(set_to_none=True)
