@@ -6,16 +6,14 @@ For each K/V pair and depth the cache is filled with real prefill, then ``-n``
 decode steps run under ``torch.profiler``.  Printed per case: wall ms/token,
 aten operator calls per token (nested calls counted), the share of wall time
 spent inside operators (the rest is Python and dispatch between them), and
-the operators that took the most self time.  This is the profile behind the decode ratios of
-``benchmarks/vs_llama_cpp.py``: on a small model a decode step is many short
+the operators that took the most self time.  This is the profile behind
+the decode ratios of ``benchmarks/vs_llama_cpp.py``: on a small model a decode step is many short
 operator calls, and a quantized cache adds its decode to every step.
 """
 from __future__ import annotations
 
 import argparse
 import sys
-import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -23,35 +21,24 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvslim.bench import FilledCache  # noqa: E402
+from kvslim.bench.runner import time_tg  # noqa: E402
 from kvslim.loading import default_model, load_model  # noqa: E402
-from kvslim.models import Batch  # noqa: E402
 from kvslim.tools.bench import int_list  # noqa: E402
-
-
-def decode_steps(fc: FilledCache, n: int) -> None:
-    tokens = fc.random_tokens(n)
-    for step in range(n):
-        fc.model(Batch.build([(0, [tokens[step]], fc.depth + step)]), fc.caches)
+from kvslim.tools.common import markdown_table  # noqa: E402
 
 
 def profile_case(fc: FilledCache, n: int, top: int) -> dict:
     fc.restore()
-    decode_steps(fc, 4)                                   # warm-up outside the profile
+    time_tg(fc, 4)                                        # warm-up outside the profile
     fc.restore()
-    t0 = time.perf_counter()
-    decode_steps(fc, n)
-    wall_plain = time.perf_counter() - t0
+    wall_plain = time_tg(fc, n)
     fc.restore()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        t0 = time.perf_counter()
-        decode_steps(fc, n)
-        wall_profiled = time.perf_counter() - t0
-    # Only top-level operators: an aten::linear's self time excludes its addmm,
-    # so summing self time over all events counts every microsecond once.
-    self_us, calls = defaultdict(float), defaultdict(int)
-    for ev in prof.key_averages():
-        self_us[ev.key] += ev.self_cpu_time_total
-        calls[ev.key] += ev.count
+        wall_profiled = time_tg(fc, n)
+    # Self time excludes nested calls (an aten::linear's excludes its addmm),
+    # so the sum over all operators counts every microsecond once.
+    self_us = {ev.key: ev.self_cpu_time_total for ev in prof.key_averages()}
+    calls = {ev.key: ev.count for ev in prof.key_averages()}
     op_us = sum(self_us.values())
     top_ops = sorted(self_us.items(), key=lambda kv: -kv[1])[:top]
     return {
@@ -91,15 +78,13 @@ def main(argv=None) -> int:
             print(f"## {pair} @ d{depth}: {r['ms_per_token']:.2f} ms/token, "
                   f"{r['calls_per_token']:.0f} aten calls/token (nested counted), "
                   f"{r['op_share']:.0%} of wall time inside operators\n")
-            print("| operator | self ms/token | calls/token |")
-            print("|---|--:|--:|")
-            for name, ms, n_calls in r["top"]:
-                print(f"| `{name}` | {ms:.3f} | {n_calls:.1f} |")
-            print()
-    print("| K/V | depth | ms/token | aten calls/token | inside operators |")
-    print("|---|--:|--:|--:|--:|")
-    for pair, depth, r in summary:
-        print(f"| {pair} | {depth} | {r['ms_per_token']:.2f} | {r['calls_per_token']:.0f} | {r['op_share']:.0%} |")
+            print(markdown_table(["operator", "self ms/token", "calls/token"],
+                                 [[f"`{name}`", f"{ms:.3f}", f"{n_calls:.1f}"] for name, ms, n_calls in r["top"]],
+                                 ["l", "r", "r"]) + "\n")
+    print(markdown_table(["K/V", "depth", "ms/token", "aten calls/token", "inside operators"],
+                         [[pair, depth, f"{r['ms_per_token']:.2f}", f"{r['calls_per_token']:.0f}",
+                           f"{r['op_share']:.0%}"] for pair, depth, r in summary],
+                         ["l", "r", "r", "r", "r"]))
     return 0
 
 

@@ -222,15 +222,15 @@ def ensure_corpus() -> list[str]:
     machine that cannot reach Debian, see gpu_train.sh): then the sources are
     those whose cached training tokens are here.
     """
-    data = corpus.DEFAULT_DATA_DIR
-    names = sorted(p.name[: -len(".train.txt")] for p in data.glob("*.train.txt"))
-    if not names:
-        names = sorted(p.name.split(".")[0]
-                       for p in TOKENS_DIR.glob(f"*.train.{tokenizer_digest()}.npy"))
+    def sources(folder: Path, suffix: str) -> list[str]:
+        return sorted(p.name[: -len(suffix)] for p in folder.glob("*" + suffix))
+
+    names = (sources(corpus.DEFAULT_DATA_DIR, ".train.txt")
+             or sources(TOKENS_DIR, f".train.{tokenizer_digest()}.npy"))
     if not names:
         import subprocess
         subprocess.run([sys.executable, str(TRAINING_DIR / "corpus.py")], check=True)
-        names = sorted(p.name[: -len(".train.txt")] for p in data.glob("*.train.txt"))
+        names = sources(corpus.DEFAULT_DATA_DIR, ".train.txt")
     return names
 
 
@@ -360,7 +360,7 @@ class DataMixture:
             copied = np.zeros(seq_len + 1, dtype=bool)
             if draw < self.args.needle_frac:
                 ids, w = self._needle_row(rng, seq_len)
-            elif draw < self.args.needle_frac + getattr(self.args, "copy_frac", 0.0):
+            elif draw < self.args.needle_frac + self.args.copy_frac:
                 ids, copied = self._copy_row(rng, seq_len)
                 w = np.ones(seq_len + 1, dtype=np.float32)
             else:
@@ -648,12 +648,11 @@ def train(args) -> None:
                   "lm_loss": ce[~(answer | copied)].mean().item(), "lr": lr, "grad_norm": grad_norm,
                   "tokens": tokens, "step_s": round(dt, 3),
                   "elapsed_s": round(time.time() - t_start, 1)}
+        pred = logits.argmax(-1)
         if answer.any():
-            pred = logits.argmax(-1)
             record["answer_loss"] = ce[answer].mean().item()
             record["answer_acc"] = (pred[answer] == targets[answer]).float().mean().item()
         if copied.any():
-            pred = logits.argmax(-1)
             record["copy_loss"] = ce[copied].mean().item()
             record["copy_acc"] = (pred[copied] == targets[copied]).float().mean().item()
         if step % args.eval_every == 0 or step == args.steps:
