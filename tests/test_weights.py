@@ -177,7 +177,11 @@ def test_gguf_stays_quantized(kind, out_type, exported):
     assert (W.QuantExperts in kinds) == (kind == "qwen3_5_moe")
     assert abs(W.weight_bytes(model) / tensor_bytes(path) - 1) < 0.10
     ids = list(range(3, 19))
-    assert close(logits_of(model, ids), logits_of(dequantized_model(path), ids), LOGIT_TOL)
+    dense = dequantized_model(path)
+    assert close(logits_of(model, ids), logits_of(dense, ids), LOGIT_TOL)
+    # llama-bench's params column: values, not uint8 block bytes
+    assert W.parameter_count(model) == W.parameter_count(dense)
+    assert W.weight_type_label(model) == out_type.upper()
     for layer in (m for m in model.modules() if isinstance(m, W.QuantLinear)):
         x = torch.randn(4, layer.in_features)
         assert close(layer(x), W.reference_linear(x, layer.quant, layer.bias), MATMUL_TOL)

@@ -4,12 +4,13 @@ from __future__ import annotations
 import torch
 
 from ..tools.common import human_bytes, markdown_table
+from ..weights import parameter_count, weight_bytes, weight_type_label
 
 
 def model_facts(model, threads: int) -> dict:
-    params = sum(p.numel() for p in model.parameters())
-    size = sum(p.numel() * p.element_size() for p in model.parameters())
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    """llama-bench's model columns: quantized matrices count as rows x columns
+    parameters (not as their uint8 bytes), and the type is the one holding most bytes."""
+    params, size, dtype = parameter_count(model), weight_bytes(model), weight_type_label(model)
     return {"model_type": f"{model.config.model_type} {params / 1e6:.1f}M {dtype}", "model_size": size,
             "model_n_params": params, "backend": "CPU" if next(model.parameters()).device.type == "cpu"
             else "CUDA", "n_threads": threads}

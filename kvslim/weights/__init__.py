@@ -6,10 +6,10 @@
     >>> quant_linear(x, qt)                   # == F.linear(x, qt.dequantize())
 """
 from .matmul import linear, quant_linear, reference_linear
-from .modules import QuantEmbedding, QuantExperts, QuantLinear, weight_bytes
+from .modules import QuantEmbedding, QuantExperts, QuantLinear, parameter_count, weight_bytes, weight_type_label
 from .tensor import QuantTensor, cat
 from .types import TABLE, WeightType, encodable_names, from_ggml, get, names, supported_message
 
 __all__ = ["TABLE", "WeightType", "QuantTensor", "QuantLinear", "QuantEmbedding", "QuantExperts", "cat",
-           "encodable_names", "from_ggml", "get", "linear", "names", "quant_linear", "reference_linear",
-           "supported_message", "weight_bytes"]
+           "encodable_names", "from_ggml", "get", "linear", "names", "parameter_count", "quant_linear",
+           "reference_linear", "supported_message", "weight_bytes", "weight_type_label"]

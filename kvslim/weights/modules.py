@@ -103,3 +103,40 @@ def weight_bytes(model: nn.Module) -> int:
             seen.add(key)
             total += t.numel() * t.element_size()
     return total
+
+
+def _stored(model: nn.Module):
+    """(parameter, values it stands for, type name) per stored tensor; quantized
+    blocks stand for rows x columns values, not for their byte count."""
+    kinds = {}
+    for module in model.modules():
+        if isinstance(module, _QuantWeight):
+            kinds[id(module.weight)] = (module.cols, module.wtype.name)
+        elif isinstance(module, QuantExperts):
+            for param, kind in ((module.gate_up_proj, module.gate_up_type), (module.down_proj, module.down_type)):
+                if kind is not None:
+                    kinds[id(param)] = (kind[1], kind[0].name)
+    seen = set()
+    for param in model.parameters():
+        key = (param.untyped_storage().data_ptr(), param.data_ptr())
+        if key in seen:
+            continue
+        seen.add(key)
+        if id(param) in kinds:
+            cols, name = kinds[id(param)]
+            yield param, param[..., 0].numel() * cols, name
+        else:
+            yield param, param.numel(), str(param.dtype).removeprefix("torch.")
+
+
+def parameter_count(model: nn.Module) -> int:
+    """Model parameters as values (a quantized matrix counts rows x columns), tied weights once."""
+    return sum(values for _, values, _ in _stored(model))
+
+
+def weight_type_label(model: nn.Module) -> str:
+    """The type that holds most of the weights' bytes (llama-bench's model type, e.g. Q4_K)."""
+    by_type: dict[str, int] = {}
+    for param, _, name in _stored(model):
+        by_type[name] = by_type.get(name, 0) + param.numel() * param.element_size()
+    return max(by_type, key=by_type.get).upper()
