@@ -298,3 +298,41 @@ def test_unsupported_architecture_is_refused(tmp_path):
         read_config(path)
     with pytest.raises(ValueError, match="architecture 'gpt2' is not supported"):
         read_model(path)
+
+
+def with_mtp_block(src, dst) -> int:
+    """A copy of the GGUF ``src`` with one multi-token-prediction block appended, as
+    Qwen3.5 files carry (block_count counts it, nextn_predict_layers says so); its bytes."""
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(dst), arch)
+    n_layer = 0
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        value = field.contents()
+        if name == f"{arch}.block_count":
+            n_layer = value
+            value += 1
+        sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, value, field.types[0], sub)
+    writer.add_uint32(f"{arch}.nextn_predict_layers", 1)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    mtp = np.ones((8, 16), dtype=np.float32)
+    writer.add_tensor(f"blk.{n_layer}.nextn.eh_proj.weight", mtp)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return mtp.nbytes
+
+
+def test_mtp_block_is_neither_loaded_nor_counted(exported, tmp_path):
+    _, path, _ = exported("qwen3_5", "f32")
+    mtp_path = tmp_path / "with-mtp.gguf"
+    mtp_bytes = with_mtp_block(path, mtp_path)
+    assert sum(int(t.n_bytes) for t in gguf.GGUFReader(str(mtp_path)).tensors) == tensor_bytes(path) + mtp_bytes
+    assert tensor_bytes(mtp_path) == tensor_bytes(path)            # the planner's weight bytes
+    assert read_config(mtp_path)["num_hidden_layers"] == read_config(path)["num_hidden_layers"]
+    assert torch.equal(gguf_logits(mtp_path), gguf_logits(path))
