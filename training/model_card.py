@@ -201,7 +201,10 @@ def card(name: str, export: Path, extra_runs: list[str], abandoned: list[str] = 
             f"{float(oa['needle_frac']):.0%} (answer weight {oa['answer_weight']}), repeated-span "
             f"share {float(oa['copy_frac']):.0%}, peak lr {oa['lr']}, "
             f"{'bf16 autocast' if oa['bf16'] == 'True' else 'fp32'}, seed {oa['seed']}; "
-            f"{o_steps[-1]['tokens']:,} tokens, {o_steps[-1]['elapsed_s'] / 60:.0f} min."
+            f"{o_steps[-1]['tokens']:,} tokens, {o_steps[-1]['elapsed_s'] / 60:.0f} min"
+            + "".join(f"; held-out loss {h['heldout']['mean']:.3f} at its step {h['step']}"
+                      for h in [s for s in o_steps if "heldout" in s][-1:])
+            + f" (log: `training/runs/{other}/log.jsonl`)."
             + (f"  Needle-answer accuracy in training (mean over 25 steps) first reached 90% at step "
                f"{learned} ({o_steps[learned - 1]['tokens']:,} tokens), at sequence length "
                f"{o_steps[learned - 1]['seq_len']}." if learned else ""))
@@ -317,6 +320,9 @@ def card(name: str, export: Path, extra_runs: list[str], abandoned: list[str] = 
         cmd = o_start.get('cmdline', '--name ' + other)
         if o_steps[-1]["step"] < int(o_start["args"]["steps"]):        # cut by --max-minutes
             cmd = re.sub(r" --max-minutes \S+", "", cmd) + f" --stop-at {o_steps[-1]['step']}"
+        if f"--init-from {export.relative_to(REPO_ROOT)}" in cmd:
+            lines.append(f"# --init-from: this folder's weights as committed before `{other}` "
+                         f"(git log -- {export.relative_to(REPO_ROOT)}/model.safetensors)")
         lines.append(f".venv/bin/python training/train.py {cmd}")
         if "--no-export" in cmd:
             lines.append(f".venv/bin/python training/train.py --name {other} --export-only   # this folder")
