@@ -195,6 +195,7 @@ def card(name: str, export: Path, extra_runs: list[str], abandoned: list[str] = 
     for other, o_start, o_steps in extra:
         oa = o_start["args"]
         learned = first_window_at(o_steps, "answer_acc", 0.9)
+        o_eval = [s for s in o_steps if "heldout" in s]
         lines.append(
             f"* Continued run `{other}`: {len(o_steps)} more steps of {oa['tokens_per_step']} tokens "
             f"from the final weights, phases `{oa['phases']}`, needle share "
@@ -202,8 +203,8 @@ def card(name: str, export: Path, extra_runs: list[str], abandoned: list[str] = 
             f"share {float(oa['copy_frac']):.0%}, peak lr {oa['lr']}, "
             f"{'bf16 autocast' if oa['bf16'] == 'True' else 'fp32'}, seed {oa['seed']}; "
             f"{o_steps[-1]['tokens']:,} tokens, {o_steps[-1]['elapsed_s'] / 60:.0f} min"
-            + "".join(f"; held-out loss {h['heldout']['mean']:.3f} at its step {h['step']}"
-                      for h in [s for s in o_steps if "heldout" in s][-1:])
+            + (f"; held-out loss {o_eval[-1]['heldout']['mean']:.3f} at its step {o_eval[-1]['step']}"
+               if o_eval else "")
             + f" (log: `training/runs/{other}/log.jsonl`)."
             + (f"  Needle-answer accuracy in training (mean over 25 steps) first reached 90% at step "
                f"{learned} ({o_steps[learned - 1]['tokens']:,} tokens), at sequence length "

@@ -120,8 +120,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--copy-frac", type=float, default=0.0,
                    help="share of sequences of real text in which 1-4 spans are repeated "
                         "later in the window (dense practice for the copy step of retrieval)")
-    p.add_argument("--induction-frac", type=float, default=0.0,
-                   help="share of rows that are a random-token block repeated (induction practice)")
     p.add_argument("--source-power", type=float, default=0.5,
                    help="source sampling weight = (train tokens)^power")
     # bookkeeping
@@ -268,7 +266,7 @@ class DataMixture:
         # Token ids after which a needle may start (sentence or line ends), and
         # the id that stands in for <|endoftext|> inside filler: evaluation
         # haystacks join documents with a blank line, never with EOS.
-        vocab = self.vocab = tok.get_vocab_size()
+        vocab = tok.get_vocab_size()
         self.sentence_end = np.array([tok.decode([i]).endswith((".", "!", "?", "\n"))
                                       for i in range(vocab)])
         self.newline_end = np.array([tok.decode([i]).endswith("\n") for i in range(vocab)])
@@ -347,22 +345,6 @@ class DataMixture:
             copied[dst + 1:dst + span] = True  # the first token of a repeat is a guess
         return ids, copied
 
-    def _induction_row(self, rng: random.Random, length: int) -> tuple[np.ndarray, np.ndarray]:
-        """A block of random tokens repeated until the row is full.
-
-        Random tokens carry no n-gram statistics, so after the first period the
-        only way to predict is to find the previous occurrence of the current
-        token and copy its successor (an induction head).  This gives the look-up
-        behind needle retrieval a dense, unambiguous gradient; natural-text
-        repeats (--copy-frac) are mostly predictable without it.
-        """
-        period = rng.randint(8, max(8, min(96, length // 3)))
-        block = np.array([rng.randrange(3, self.vocab) for _ in range(period)], dtype=np.int64)
-        ids = np.resize(block, length + 1)
-        copied = np.zeros(length + 1, dtype=bool)
-        copied[period + 1:] = True  # the first token of the second period needs no look-up
-        return ids, copied
-
     @staticmethod
     def _snap(ends: np.ndarray, position: int) -> int:
         """The last sentence end at or before `position` (0 if none)."""
@@ -381,10 +363,6 @@ class DataMixture:
             elif draw < self.args.needle_frac + self.args.copy_frac:
                 ids, copied = self._copy_row(rng, seq_len)
                 w = np.ones(seq_len + 1, dtype=np.float32)
-            elif draw < self.args.needle_frac + self.args.copy_frac + self.args.induction_frac:
-                ids, copied = self._induction_row(rng, seq_len)
-                # Only the look-up positions teach anything; the first period is noise.
-                w = copied.astype(np.float32)
             else:
                 _, ids = self._window(rng, seq_len + 1)
                 w = np.ones(seq_len + 1, dtype=np.float32)
@@ -667,7 +645,7 @@ def train(args) -> None:
         step += 1
         tokens += inputs.numel()
         record = {"step": step, "seq_len": seq_len, "loss": loss.item(),
-                  "lm_loss": ce[(weights > 0) & ~(answer | copied)].mean().item(), "lr": lr, "grad_norm": grad_norm,
+                  "lm_loss": ce[~(answer | copied)].mean().item(), "lr": lr, "grad_norm": grad_norm,
                   "tokens": tokens, "step_s": round(dt, 3),
                   "elapsed_s": round(time.time() - t_start, 1)}
         pred = logits.argmax(-1)

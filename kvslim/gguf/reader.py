@@ -164,16 +164,16 @@ def _moe_fields(key: _ArchKeys) -> dict:
 
 
 # ----- sizes for the planner ------------------------------------------------------
-def decoder_tensors(reader) -> list:
-    """The file's tensors without multi-token-prediction blocks (``blk.N`` with N past
-    the decoder's layers): neither kvslim nor llama-server loads them for decoding."""
-    n_layer = gguf_config(reader)["num_hidden_layers"]
+def decoder_tensors(reader, n_layer: int) -> list:
+    """The file's tensors without multi-token-prediction blocks (``blk.N`` with N at or past
+    ``n_layer``, the decoder's layers): neither kvslim nor llama-server loads them for decoding."""
     return [t for t in reader.tensors if not ((m := BLOCK.match(t.name)) and int(m[1]) >= n_layer)]
 
 
 def tensor_bytes(path: str | Path) -> int:
     """Bytes of the decoder's tensor data (what the weights occupy once loaded as stored)."""
-    return sum(int(t.n_bytes) for t in decoder_tensors(open_gguf(path)))
+    reader = open_gguf(path)
+    return sum(int(t.n_bytes) for t in decoder_tensors(reader, gguf_config(reader)["num_hidden_layers"]))
 
 
 def weight_types(path: str | Path) -> dict[str, dict[str, int]]:
@@ -207,7 +207,7 @@ def read_model(path: str | Path, dtype: torch.dtype | None = None, keep_quantize
     reader = open_gguf(path)
     config = gguf_config(reader)
     arch = architecture(reader)
-    stored = {t.name: t for t in decoder_tensors(reader)}
+    stored = {t.name: t for t in decoder_tensors(reader, config["num_hidden_layers"])}
     if "rope_freqs.weight" in stored:
         config["rope_parameters"].update(llama3_parameters(_load(stored.pop("rope_freqs.weight")), config))
     if keep_quantized and not allow_dequant:

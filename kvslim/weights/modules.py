@@ -94,19 +94,23 @@ class QuantExperts(Experts):
         return linear(F.silu(gate) * up, self._matrix(self.down_proj, self.down_type, e))
 
 
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes of every parameter and buffer, shared storage counted once (tied heads)."""
-    seen, total = set(), 0
-    for t in [*model.parameters(), *model.buffers()]:
+def _unique(tensors):
+    """Each stored tensor once: tied heads and shared views are one (storage, offset)."""
+    seen = set()
+    for t in tensors:
         key = (t.untyped_storage().data_ptr(), t.data_ptr())
         if key not in seen:
             seen.add(key)
-            total += t.numel() * t.element_size()
-    return total
+            yield t
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and buffer, shared storage counted once (tied heads)."""
+    return sum(t.numel() * t.element_size() for t in _unique([*model.parameters(), *model.buffers()]))
 
 
 def _stored(model: nn.Module):
-    """(parameter, values it stands for, type name) per stored tensor; quantized
+    """(parameter, values it stands for, type name) per stored parameter; quantized
     blocks stand for rows x columns values, not for their byte count."""
     kinds = {}
     for module in model.modules():
@@ -116,12 +120,7 @@ def _stored(model: nn.Module):
             for param, kind in ((module.gate_up_proj, module.gate_up_type), (module.down_proj, module.down_type)):
                 if kind is not None:
                     kinds[id(param)] = (kind[1], kind[0].name)
-    seen = set()
-    for param in model.parameters():
-        key = (param.untyped_storage().data_ptr(), param.data_ptr())
-        if key in seen:
-            continue
-        seen.add(key)
+    for param in _unique(model.parameters()):
         if id(param) in kinds:
             cols, name = kinds[id(param)]
             yield param, param[..., 0].numel() * cols, name
