@@ -112,6 +112,48 @@ class KVFormat:
         packed = check_packed_input(packed, self.row_bytes(head_dim), self.name, head_dim)
         return self._decode(packed, head_dim)
 
+    # ----- the cache's hot path: no checks, no host sync ---------------------------
+    def encode_unchecked(self, x: torch.Tensor) -> torch.Tensor:
+        """``encode`` without validation: the cache calls this on every append and
+        detects bad input with :meth:`overflow_flag` instead (no ``.item()``)."""
+        return self._encode(x)
+
+    def overflow_flag(self, x: torch.Tensor) -> torch.Tensor:
+        """A 0-dim bool tensor on x's device: True where ``x`` holds NaN/inf or values
+        past what the format stores. Computed on the device; nobody waits for it."""
+        bad = ~torch.isfinite(x).all()
+        limit = self._max_abs()
+        if limit is not None:
+            bad = bad | (x.abs().amax() > limit)
+        return bad
+
+    # ----- attention hooks ------------------------------------------------------------
+    # Attention works in a "code domain" that may differ from the model's by an
+    # orthogonal transform (a rotation): scores <R q, R k> = <q, k>, and a weighted sum of
+    # values rotated by R is unrotated once at the end. Kernels and the torch backend
+    # use only these hooks, never the format's family.
+    @property
+    def transformed(self) -> bool:
+        """True when the code domain differs from the model's (to_code_domain is not identity)."""
+        return False
+
+    def to_code_domain(self, x: torch.Tensor) -> torch.Tensor:
+        """Model domain -> code domain, (..., head_dim): applied to queries (K format) and to
+        unpacked values joining the sum (V format)."""
+        return x
+
+    def from_code_domain(self, y: torch.Tensor) -> torch.Tensor:
+        """Code domain -> model domain: applied once to the attention output (V format)."""
+        return y
+
+    def decode_code_domain(self, packed: torch.Tensor, head_dim: int) -> torch.Tensor:
+        """Unchecked decode of packed rows into the code domain, float32 (..., head_dim)."""
+        return self._decode(packed, head_dim)
+
+    def row_layout(self, head_dim: int) -> "RowLayout":
+        """Byte layout of one packed row (fields per block), for codecs and kernels."""
+        return RowLayout.of(self, head_dim)
+
     # ----- what subclasses provide ---------------------------------------------
     def _layout(self, head_dim: int) -> tuple[int, int]:
         return head_dim // self.spec.block_size, self.spec.block_size
@@ -125,6 +167,14 @@ class KVFormat:
         """Largest input magnitude the format stores without overflow (None: no limit)."""
         return None
 
+    def header_fields(self) -> tuple[tuple[str, int, int], ...]:
+        """(name, offset, width) of each header field of a block; the codes follow."""
+        if self.spec.block_header_bytes == 0:
+            return ()
+        if self.spec.block_header_bytes == 2:
+            return (("scale", 0, 2),)
+        return (("scale", 0, 2), ("min", 2, 2))
+
     def _encode(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
 
@@ -133,6 +183,39 @@ class KVFormat:
 
     def __repr__(self) -> str:
         return f"KVFormat({self.name!r}, {self.spec.nominal_bits_per_value:g} bits/value)"
+
+
+@dataclass(frozen=True)
+class RowField:
+    """One field of a block: ``name`` at byte ``offset`` within the block, ``width`` bytes."""
+
+    name: str
+    offset: int
+    width: int
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """A packed row: ``n_blocks`` blocks of ``block_values`` values, ``block_bytes`` each,
+    laid out back to back; each block is ``fields`` (header fields first, then codes)."""
+
+    n_blocks: int
+    block_values: int
+    block_bytes: int
+    fields: tuple[RowField, ...]
+
+    @property
+    def row_bytes(self) -> int:
+        return self.n_blocks * self.block_bytes
+
+    @classmethod
+    def of(cls, fmt: "KVFormat", head_dim: int) -> "RowLayout":
+        n_blocks, block = fmt.blocks(head_dim)
+        spec = fmt.spec
+        fields = tuple(RowField(name, off, width) for name, off, width in fmt.header_fields())
+        code_bytes = spec.bytes_for_block(block) - spec.block_header_bytes
+        fields += (RowField("codes", spec.block_header_bytes, code_bytes),)
+        return cls(n_blocks, block, spec.bytes_for_block(block), fields)
 
 
 def check_float_input(x, name: str) -> torch.Tensor:
@@ -197,5 +280,5 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-__all__ = ["FormatSpec", "KVFormat", "FP16_MAX", "fp16_bytes", "fp16_from_bytes",
+__all__ = ["FormatSpec", "KVFormat", "RowLayout", "RowField", "FP16_MAX", "fp16_bytes", "fp16_from_bytes",
            "check_float_input", "check_packed_input", "is_power_of_two", "ceil_div", "cached_on"]

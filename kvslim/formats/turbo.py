@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from .base import FP16_MAX, KVFormat, cached_on, ceil_div, fp16_bytes, fp16_from_bytes
+from .base import FP16_MAX, KVFormat, cached_on, ceil_div, check_float_input, fp16_bytes, fp16_from_bytes
 from .bitpack import byte_table, pack_bits, packed_bytes, unpack_bits
 from .codebook import lloyd_max
 from .rotation import gaussian_matrix, rotation_matrix
@@ -60,6 +60,29 @@ class TurboFormat(KVFormat):
     def _max_abs(self) -> float | None:
         return None  # the norm is checked instead, see _encode
 
+    def header_fields(self) -> tuple[tuple[str, int, int], ...]:
+        return (("scale", 0, 2), ("residual_norm", 2, 2)) if self.qjl else (("scale", 0, 2),)
+
+    def overflow_flag(self, x: torch.Tensor) -> torch.Tensor:
+        """Group norms past fp16's range (and NaN/inf) cannot be stored; computed on the device."""
+        n_groups, g = self.blocks(x.shape[-1])
+        norm = x.float().reshape(-1, n_groups, g).norm(dim=-1)
+        return ~torch.isfinite(norm).all() | (norm.amax() > FP16_MAX)
+
+    # ----- attention hooks: keys and values stay rotated ---------------------------------
+    @property
+    def transformed(self) -> bool:
+        return True
+
+    def to_code_domain(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rotate(x)
+
+    def from_code_domain(self, y: torch.Tensor) -> torch.Tensor:
+        return self.unrotate(y)
+
+    def decode_code_domain(self, packed: torch.Tensor, head_dim: int) -> torch.Tensor:
+        return self.decode_rotated(packed, head_dim)
+
     # ----- pieces the attention path reuses -----------------------------------------
     def codebook(self, group: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(centroids, boundaries) as float32 tensors on ``device`` (cached per device)."""
@@ -80,14 +103,22 @@ class TurboFormat(KVFormat):
         return (y.reshape(*y.shape[:-1], n_groups, g) @ r).reshape(y.shape)
 
     # ----- encode ---------------------------------------------------------------
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Checked encode; also refuses group norms past the fp16 scale's range."""
+        x = check_float_input(x, self.name)
+        self.check_head_dim(x.shape[-1])
+        n_groups, g = self.blocks(x.shape[-1])
+        big = float(x.float().reshape(-1, n_groups, g).norm(dim=-1).max())
+        if big > FP16_MAX:
+            raise ValueError(f"{self.name}: a group norm of {big:.6g} exceeds the fp16 "
+                             f"range of the stored scale ({FP16_MAX:g})")
+        return self._encode(x)
+
     def _encode(self, x: torch.Tensor) -> torch.Tensor:
         head_dim = x.shape[-1]
         n_groups, g = self.blocks(head_dim)
         xg = x.float().reshape(-1, n_groups, g)                          # (N, G, g)
         norm = xg.norm(dim=-1)                                           # (N, G)
-        if float(norm.max()) > FP16_MAX:
-            raise ValueError(f"{self.name}: a group norm of {float(norm.max()):.6g} exceeds the fp16 "
-                             f"range of the stored scale ({FP16_MAX:g})")
         unit = xg / norm.clamp_min(1e-30).unsqueeze(-1)
         y = unit @ rotation_matrix(g, self.seed, x.device).T             # rotated unit vectors
         centroids, boundaries = self.codebook(g, x.device)
