@@ -119,12 +119,14 @@ class KVFormat:
         return self._encode(x)
 
     def overflow_flag(self, x: torch.Tensor) -> torch.Tensor:
-        """A 0-dim bool tensor on x's device: True where ``x`` holds NaN/inf or values
-        past what the format stores. Computed on the device; nobody waits for it."""
-        bad = ~torch.isfinite(x).all()
+        """Per token row of ``x`` (T, ..., head_dim): a (T,) bool tensor on x's device, True
+        where the row holds NaN/inf or values past what the format stores. Computed on the
+        device; nobody waits for it (the engine reads the flags once per step)."""
+        flat = x.reshape(x.shape[0], -1)
+        bad = ~torch.isfinite(flat).all(dim=-1)
         limit = self._max_abs()
         if limit is not None:
-            bad = bad | (x.abs().amax() > limit)
+            bad = bad | (flat.abs().amax(dim=-1) > limit)
         return bad
 
     # ----- attention hooks ------------------------------------------------------------

@@ -64,10 +64,10 @@ class TurboFormat(KVFormat):
         return (("scale", 0, 2), ("residual_norm", 2, 2)) if self.qjl else (("scale", 0, 2),)
 
     def overflow_flag(self, x: torch.Tensor) -> torch.Tensor:
-        """Group norms past fp16's range (and NaN/inf) cannot be stored; computed on the device."""
+        """Per token row: group norms past fp16's range (or NaN/inf) cannot be stored."""
         n_groups, g = self.blocks(x.shape[-1])
-        norm = x.float().reshape(-1, n_groups, g).norm(dim=-1)
-        return ~torch.isfinite(norm).all() | (norm.amax() > FP16_MAX)
+        norm = x.float().reshape(x.shape[0], -1, g).norm(dim=-1)                 # (T, groups)
+        return ~torch.isfinite(norm).all(dim=-1) | (norm.amax(dim=-1) > FP16_MAX)
 
     # ----- attention hooks: keys and values stay rotated ---------------------------------
     @property
