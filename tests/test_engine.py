@@ -100,14 +100,14 @@ def test_batched_generation_equals_each_alone(llm):
     together = llm.generate_batch(prompts, max_tokens=10, temperature=0)
     for p, t in zip(prompts, together):
         assert llm.generate(p, max_tokens=10, temperature=0).token_ids == t.token_ids
-    assert len(llm.engine.free_slots) == 3                             # every slot released
+    assert llm.engine.n_free_slots == 3                             # every slot released
 
 
 def test_stopping_early_frees_the_slot(llm):
     stream = llm.generate("abc", max_tokens=50, stream=True, seed=1)
     next(stream)
     stream.close()
-    assert len(llm.engine.free_slots) == 3
+    assert llm.engine.n_free_slots == 3
 
 
 def test_cache_type_changes_logits_and_memory(tiny_folder):
@@ -118,9 +118,9 @@ def test_cache_type_changes_logits_and_memory(tiny_folder):
     diff = (exact.logits(ids) - q4.logits(ids)).abs().max().item()
     assert 1e-4 < diff < 1.0                                           # changed, but not destroyed
     done = q4.generate(ids, max_tokens=4, temperature=0)
-    kv = [c for c in q4.engine.caches if c.kind == "kv"]
+    kv = q4.engine.cache.kv_layers
     assert done.kv_bytes == len(kv) * 256 * kv[0].spec.bytes_per_token  # one page of q4_0 K + turbo3 V
-    assert done.state_bytes == sum(c.spec.bytes_per_slot for c in q4.engine.caches if c.kind == "recurrent")
+    assert done.state_bytes == sum(q4.engine.cache[i].spec.bytes_per_slot for i in q4.engine.cache.recurrent)
 
 
 def test_user_mistakes_get_clear_errors(llm):
@@ -132,7 +132,7 @@ def test_user_mistakes_get_clear_errors(llm):
         llm.generate("x", max_tokens=0)
     with pytest.raises(ValueError, match="unknown sampling option"):
         llm.generate("x", tempurature=1.0)
-    assert len(llm.engine.free_slots) == 3
+    assert llm.engine.n_free_slots == 3
 
 
 def test_chat_template_renders(llm):
@@ -165,12 +165,13 @@ def _greedy(engine, prompt, n=8):
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "llama"])
 def test_prefix_reuse_gives_the_same_tokens_as_a_fresh_start(tiny_folder, kind):
-    from kvslim.engine import Engine
+    from kvslim.engine import Engine, EngineConfig
     from kvslim.loading import load_model
 
     model, tok, _ = load_model(tiny_folder(kind)[0], "f32")
-    fresh = Engine(model, tok, 256, 2, "f32", "f32", n_ubatch=16)
-    reuse = Engine(model, tok, 256, 2, "f32", "f32", n_ubatch=16, prefix_cache=True, checkpoint_interval=16)
+    fresh = Engine(model, tok, EngineConfig.build(256, 2, "f32", "f32", n_ubatch=16))
+    reuse = Engine(model, tok, EngineConfig.build(256, 2, "f32", "f32", n_ubatch=16, prefix_cache=True,
+                                                  checkpoint_interval=16))
     turn1 = list(range(10, 60))
     first = _greedy(reuse, turn1)
     assert first.generated == _greedy(fresh, turn1).generated

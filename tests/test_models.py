@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvslim.cache import KVCache
 from kvslim.loading.hf import read_config, read_state_dict
 from kvslim.loading.weights import instantiate
 from kvslim.models import Batch, config_from_dict
@@ -128,7 +129,7 @@ def test_quantized_kv_stays_close_and_turbo_uses_its_bytes(tiny_folder):
     assert kld.max().item() < 1e-3
     caches = model.make_cache(512, 1, "f16", "turbo3")
     model(Batch.build([(0, prompt, 0)]), caches)
-    kv = [c for c in caches if c.kind == "kv"]
+    kv = [c for c in caches if isinstance(c, KVCache)]
     # one attention layer: 2 KV heads, head_dim 32 -> f16 K 64 B, turbo3 V (32 values, one block) 14 B per head
     assert kv[0].nbytes == 256 * 2 * (64 + kv[0].spec.v_row_bytes)   # one 256-token page
     assert kv[0].spec.v_row_bytes == 14

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cache import CacheConfig
 from ..models import Batch
 from ..models.base import CausalLM
 from .memory import PeakRSS
@@ -35,14 +36,20 @@ class FilledCache:
     """A cache for ``n_parallel`` slots, grown to a depth and restorable to it."""
 
     def __init__(self, model: CausalLM, ctx: int, n_parallel: int, type_k: str, type_v: str, n_ubatch: int,
-                 seed: int = 0):
+                 seed: int = 0, cache_config: CacheConfig | None = None):
         self.model, self.n_parallel, self.n_ubatch = model, n_parallel, n_ubatch
-        self.caches = model.make_cache(ctx, n_parallel, type_k, type_v)
-        self.depth, self.snapshot = 0, None
+        config = cache_config or CacheConfig(ctx, n_parallel, type_k, type_v,
+                                             device=model.model.embed_tokens.weight.device)
+        self.caches = model.make_cache(config)
+        self.device = config.device
+        self.depth, self.checkpoints = 0, None
         self.gen = torch.Generator().manual_seed(seed)
 
     def random_tokens(self, n: int) -> list[int]:
         return torch.randint(0, self.model.config.vocab_size, (n,), generator=self.gen).tolist()
+
+    def batch(self, parts) -> Batch:
+        return Batch.build(parts, device=self.device)
 
     def grow_to(self, depth: int, progress=None) -> None:
         """Prefill every slot from the current depth to ``depth`` (untimed)."""
@@ -51,32 +58,24 @@ class FilledCache:
             tokens = self.random_tokens(depth - self.depth)
             for start in range(0, len(tokens), self.n_ubatch):
                 chunk = tokens[start:start + self.n_ubatch]
-                self.model(Batch.build([(slot, chunk, self.depth + start)]), self.caches)
+                self.model(self.batch([(slot, chunk, self.depth + start)]), self.caches)
                 if progress is not None:
                     progress.update(len(chunk))
         self.depth = depth
-        self.snapshot = [[c.state(s) for s in range(self.n_parallel)] if c.kind == "recurrent" else None
-                         for c in self.caches]
+        self.checkpoints = [self.caches.checkpoint(s) for s in range(self.n_parallel)]
 
     def restore(self) -> None:
-        """Back to exactly ``depth`` tokens per slot."""
-        for i, cache in enumerate(self.caches):
-            for slot in range(self.n_parallel):
-                if cache.kind == "recurrent":
-                    if self.snapshot is None:
-                        cache.clear(slot)
-                    else:
-                        cache.load_state(slot, self.snapshot[i][slot], self.depth)
-                else:
-                    cache.trim(slot, self.depth)
+        """Back to exactly ``depth`` tokens per slot (the engine's own rewind)."""
+        for slot in range(self.n_parallel):
+            self.caches.rewind(slot, self.depth, self.checkpoints[slot] if self.checkpoints else None)
 
     @property
     def kv_bytes(self) -> int:
-        return sum(c.nbytes for c in self.caches if c.kind == "kv")
+        return self.caches.kv_bytes
 
     @property
     def state_bytes(self) -> int:
-        return sum(c.nbytes for c in self.caches if c.kind == "recurrent")
+        return self.caches.state_bytes
 
 
 def time_pp(fc: FilledCache, n: int) -> float:
@@ -84,7 +83,7 @@ def time_pp(fc: FilledCache, n: int) -> float:
     tokens = fc.random_tokens(n)
     t0 = time.perf_counter()
     for start in range(0, n, fc.n_ubatch):
-        fc.model(Batch.build([(0, tokens[start:start + fc.n_ubatch], fc.depth + start)]), fc.caches)
+        fc.model(fc.batch([(0, tokens[start:start + fc.n_ubatch], fc.depth + start)]), fc.caches)
     return time.perf_counter() - t0
 
 
@@ -93,7 +92,7 @@ def time_tg(fc: FilledCache, n: int) -> float:
     tokens = [fc.random_tokens(n) for _ in range(fc.n_parallel)]
     t0 = time.perf_counter()
     for step in range(n):
-        fc.model(Batch.build([(s, [tokens[s][step]], fc.depth + step) for s in range(fc.n_parallel)]), fc.caches)
+        fc.model(fc.batch([(s, [tokens[s][step]], fc.depth + step) for s in range(fc.n_parallel)]), fc.caches)
     return time.perf_counter() - t0
 
 

@@ -1,28 +1,27 @@
-"""The one attention dispatcher every model calls, and its reference.
+"""Attention over the paged KV pool (the torch backend's math) and its reference.
 
-``attend`` reads the packed history chunk by chunk and merges the chunks with
-an online softmax, so extra memory is bounded by the chunk, not the depth:
-  - TurboQuant K: the query is rotated once and scored against codebook values
-    in the rotated domain (keys are never un-rotated);
-  - TurboQuant V: probabilities are applied to rotated values and one inverse
-    rotation is applied to the output;
-  - ggml and float K/V: each chunk is decoded, used and dropped.
-``attend_reference`` decodes the whole history, then does plain softmax
-attention: same signature, used by the parity tests.
+``attend_pages`` reads a group of sequences' pages block by block through the
+block table and merges the blocks with an online softmax, so extra memory is
+bounded by one block whatever the depth, and nothing is concatenated:
+  - the K format's code domain: the query is moved there once
+    (``to_code_domain``; TurboQuant rotates it) and scored against rows decoded
+    in that domain (``decode_code_domain``; keys are never un-rotated);
+  - the V format's code domain: probabilities weight values decoded in their
+    code domain, and one ``from_code_domain`` maps the output back.
+``attend_batch`` serves a whole flat batch: all decode rows of all sequences in
+one vectorised group, each prefill chunk as a group of its own.
+``attend_reference`` decodes the whole history with the public, checked
+decoders and does plain softmax attention: the parity tests' oracle.
 """
 from __future__ import annotations
 
-
 import torch
 
-from ..formats.turbo import TurboFormat
-from .kv import KVCache
-
-SCORE_BUDGET_BYTES = 32 << 20   # fp32 scores held at once by one chunk
-MIN_CHUNK, MAX_CHUNK = 256, 4096
+BLOCK_BUDGET_BYTES = 32 << 20   # float32 bytes one block may hold (decoded K and V, scores)
+MAX_BLOCK_TOKENS = 4096
 
 
-def attend(cache: KVCache, slot: int, q: torch.Tensor, scale: float | None = None,
+def attend(cache, slot: int, q: torch.Tensor, scale: float | None = None,
            chunk_tokens: int | None = None) -> torch.Tensor:
     """Causal attention of the newest ``Tq`` positions of ``slot`` over its cache.
 
@@ -31,97 +30,155 @@ def attend(cache: KVCache, slot: int, q: torch.Tensor, scale: float | None = Non
         slot: sequence id.
         q: queries ``(Tq, n_heads, head_dim)``; n_heads a multiple of n_kv_heads (GQA).
         scale: softmax scale, default ``head_dim ** -0.5``.
-        chunk_tokens: history tokens per chunk (default: from a fixed score budget).
+        chunk_tokens: history tokens per block (default: from a fixed memory budget).
     Returns:
         float32 ``(Tq, n_heads, head_dim)``.
     """
-    qf, q_pos, shape = _prepare(cache, slot, q, scale)
-    n_kv, rows, dim = qf.shape
-    chunk = chunk_tokens or _chunk_for(rows * n_kv)
-    rot_k, rot_v = isinstance(cache.fmt_k, TurboFormat), isinstance(cache.fmt_v, TurboFormat)
-    first_q = cache.offset(slot) - q.shape[0]
-    q_k = cache.fmt_k.rotate(qf) if rot_k else qf
-    acc = _OnlineSoftmax(n_kv, rows, dim, qf.device)
-    for start, kb, vb in cache.packed_chunks(slot, chunk):
-        k = (cache.fmt_k.decode_rotated(kb, dim) if rot_k else cache.fmt_k.decode(kb, dim))
-        v = (cache.fmt_v.decode_rotated(vb, dim) if rot_v else cache.fmt_v.decode(vb, dim))
-        acc.update(_masked_scores(q_k, k, start, q_pos, first_q), v.transpose(0, 1))
-    start, wk, wv = cache.window(slot)
-    if wk.shape[0]:
-        v = wv.float()
-        acc.update(_masked_scores(qf, wk.float(), start, q_pos, first_q),
-                   (cache.fmt_v.rotate(v) if rot_v else v).transpose(0, 1))
-    out = acc.result()
-    return _finish(cache.fmt_v.unrotate(out) if rot_v else out, shape)
+    n_q = _check_query(cache, slot, q)
+    first = cache.offset(slot) - n_q
+    return _attend_segment(cache, slot, q, first, scale, chunk_tokens)
 
 
-def attend_reference(cache: KVCache, slot: int, q: torch.Tensor, scale: float | None = None,
-                     chunk_tokens: int | None = None) -> torch.Tensor:
-    """Decode everything to float32, then plain causal softmax attention."""
-    qf, q_pos, shape = _prepare(cache, slot, q, scale)
-    dim = qf.shape[-1]
-    ks, vs = [], []
-    for _, kb, vb in cache.packed_chunks(slot, cache.ctx):
-        ks.append(cache.fmt_k.decode(kb, dim))
-        vs.append(cache.fmt_v.decode(vb, dim))
-    _, wk, wv = cache.window(slot)
-    k = torch.cat(ks + [wk.float()]).transpose(0, 1)              # (H_kv, T, D)
-    v = torch.cat(vs + [wv.float()]).transpose(0, 1)
-    scores = qf @ k.transpose(1, 2)                               # (H_kv, G*Tq, T)
-    future = torch.arange(k.shape[1], device=qf.device)[None, :] > q_pos[:, None]
-    probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
-    return _finish(probs @ v, shape)
+def attend_batch(cache, batch, q: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Attention for every row of a flat batch whose K/V are already stored.
+
+    q ``(N, n_heads, D)`` -> float32 ``(N, n_heads, D)``. Single-token segments
+    (decode) form one group read together; longer segments (prefill chunks) go alone.
+    """
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    decode = [seg for seg in batch.segments if seg.length == 1]
+    if decode:
+        rows = None if len(decode) == len(batch.segments) else \
+            torch.tensor([seg.begin for seg in decode], device=q.device)
+        q_dec = q if rows is None else q[rows]
+        o = _attend_decode(cache, [seg.slot for seg in decode], [seg.start_pos for seg in decode], q_dec, scale)
+        if rows is None:
+            out = o
+        else:
+            out[rows] = o
+    for seg in batch.segments:
+        if seg.length > 1:
+            out[seg.begin:seg.end] = _attend_segment(cache, seg.slot, q[seg.begin:seg.end], seg.start_pos, scale)
+    return out
 
 
-def _prepare(cache: KVCache, slot: int, q: torch.Tensor, scale: float | None):
-    """Queries as (H_kv, G*Tq, D) float32 pre-scaled, their absolute positions (G*Tq,), and the output shape."""
-    if q.dim() != 3 or q.shape[-1] != cache.head_dim or q.shape[1] % cache.n_kv_heads:
-        raise ValueError(f"q must be (Tq, n_heads, {cache.head_dim}) with n_heads a multiple of "
-                         f"n_kv_heads={cache.n_kv_heads}; got {tuple(q.shape)}")
+def _attend_decode(cache, slots: list[int], positions: list[int], q: torch.Tensor, scale) -> torch.Tensor:
+    """One query token per sequence: q (S, H, D) -> (S, H, D)."""
+    n_seq, n_heads, dim = q.shape
+    qg = _group(cache, q.unsqueeze(1), scale)                           # (S, Hkv, G, D)
+    q_pos = torch.tensor(positions, device=q.device)[:, None].expand(n_seq, qg.shape[2])
+    out = attend_pages(cache, slots, qg, q_pos, min(positions))
+    return out.reshape(n_seq, n_heads, dim)
+
+
+def _attend_segment(cache, slot: int, q: torch.Tensor, first: int, scale, chunk_tokens=None) -> torch.Tensor:
+    """Tq consecutive queries of one sequence from position ``first``: (Tq, H, D) -> (Tq, H, D)."""
     n_q, n_heads, dim = q.shape
-    n = cache.offset(slot)
-    if n_q > n:
-        raise ValueError(f"slot {slot}: {n_q} queries but only {n} cached positions; append K/V first")
     group = n_heads // cache.n_kv_heads
-    scale = dim ** -0.5 if scale is None else scale
-    qf = (q.float() * scale).reshape(n_q, cache.n_kv_heads, group, dim).permute(1, 2, 0, 3)
-    q_pos = torch.arange(n - n_q, n, device=q.device).repeat(group)      # row g*Tq + t -> position of t
-    return qf.reshape(cache.n_kv_heads, group * n_q, dim), q_pos, (n_q, n_heads, dim, group)
-
-
-def _finish(out: torch.Tensor, shape) -> torch.Tensor:
-    n_q, n_heads, dim, group = shape
-    out = out.reshape(-1, group, n_q, dim).permute(2, 0, 1, 3)          # (Tq, H_kv, G, D)
+    qg = _group(cache, q.unsqueeze(0), scale)                           # (1, Hkv, G*Tq... see _group)
+    q_pos = torch.arange(first, first + n_q, device=q.device).repeat(group)[None]    # row g*Tq + t
+    out = attend_pages(cache, [slot], qg, q_pos, first, chunk_tokens)   # (1, Hkv, G*Tq, D)
+    out = out.reshape(cache.n_kv_heads, group, n_q, dim).permute(2, 0, 1, 3)
     return out.reshape(n_q, n_heads, dim)
 
 
-def _chunk_for(score_rows: int) -> int:
-    """History tokens per chunk so that fp32 scores stay within SCORE_BUDGET_BYTES."""
-    return max(MIN_CHUNK, min(MAX_CHUNK, SCORE_BUDGET_BYTES // (4 * max(score_rows, 1))))
+def _group(cache, q: torch.Tensor, scale) -> torch.Tensor:
+    """(S, Tq, H, D) -> pre-scaled float32 (S, Hkv, G*Tq, D), row g*Tq + t: the query heads
+    that share one KV head read its rows together (GQA)."""
+    n_seq, n_q, n_heads, dim = q.shape
+    scale = dim ** -0.5 if scale is None else scale
+    qf = (q.float() * scale).reshape(n_seq, n_q, cache.n_kv_heads, n_heads // cache.n_kv_heads, dim)
+    return qf.permute(0, 2, 3, 1, 4).reshape(n_seq, cache.n_kv_heads, -1, dim)
 
 
-def _masked_scores(q: torch.Tensor, k: torch.Tensor, start: int, q_pos: torch.Tensor, first_q: int) -> torch.Tensor:
-    """Scores (H_kv, rows, n) of queries against keys (n, H_kv, D) starting at ``start``;
-    ``first_q`` is the earliest query position, known on the host (no device sync)."""
-    scores = q @ k.permute(1, 2, 0)
-    if start + k.shape[0] - 1 > first_q:                              # some keys lie in a query's future
-        k_pos = torch.arange(start, start + k.shape[0], device=q.device)
-        scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
-    return scores
+def attend_pages(cache, slots: list[int], q: torch.Tensor, q_pos: torch.Tensor, first_q: int,
+                 block_tokens: int | None = None) -> torch.Tensor:
+    """The core: queries of S sequences over their pages and f16 windows.
+
+    Args:
+        slots: the S sequences' slots.
+        q: (S, Hkv, R, D) float32, scaled, in the model domain.
+        q_pos: (S, R) absolute position of each query row (the causal limit).
+        first_q: the smallest query position (known on the host: decides where masks are needed).
+    Returns:
+        (S, Hkv, R, D) float32 in the model domain.
+    """
+    n_seq, n_kv, n_rows, dim = q.shape
+    packed = [cache.n_packed(s) for s in slots]
+    slot_ids = torch.tensor(slots, device=q.device)
+    acc = _OnlineSoftmax(n_seq, n_kv, n_rows, dim, q.device)
+    q_code = cache.fmt_k.to_code_domain(q)                             # rotate once
+    pages_per_block = _pages_per_block(cache, n_seq, n_rows, block_tokens)
+    table = cache.block_table[slot_ids]                                 # (S, pages per slot)
+    lengths = torch.tensor(packed, device=q.device)
+    for first_page in range(0, -(-max(packed) // cache.page_size), pages_per_block):
+        pages = table[:, first_page:first_page + pages_per_block]
+        start = first_page * cache.page_size
+        k, v = _decode_block(cache, pages)                              # (S, T, Hkv, D) each
+        scores = q_code @ k.permute(0, 2, 3, 1)                         # (S, Hkv, R, T)
+        end = start + k.shape[1]
+        if end > min(packed) or end - 1 > first_q:                      # some keys past an end or in a future
+            scores = _mask(scores, start, lengths, q_pos)
+        acc.update(scores, v.transpose(1, 2))
+    if cache.f16_window:
+        _window_block(cache, slots, slot_ids, packed, q, q_pos, acc)
+    return cache.fmt_v.from_code_domain(acc.result())
+
+
+def _decode_block(cache, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed rows of a block of pages (S, P) -> decoded K and V (S, P*page_size, Hkv, D), code domain."""
+    n_seq, n_pages = pages.shape
+    idx = pages.reshape(-1).long()
+    dim = cache.head_dim
+    kb = cache.k_pool.index_select(0, idx).reshape(n_seq, n_pages * cache.page_size, cache.n_kv_heads, -1)
+    vb = cache.v_pool.index_select(0, idx).reshape(n_seq, n_pages * cache.page_size, cache.n_kv_heads, -1)
+    return cache.fmt_k.decode_code_domain(kb, dim), cache.fmt_v.decode_code_domain(vb, dim)
+
+
+def _mask(scores: torch.Tensor, start: int, lengths: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+    """-inf where a key lies past its sequence's packed end or after the query's position."""
+    k_pos = torch.arange(start, start + scores.shape[-1], device=scores.device)
+    invalid = (k_pos[None, None, :] >= lengths[:, None, None]) | (k_pos[None, None, :] > q_pos[:, :, None])
+    return scores.masked_fill(invalid[:, None], float("-inf"))        # (S, 1, R, T) over heads
+
+
+def _window_block(cache, slots, slot_ids, packed, q, q_pos, acc) -> None:
+    """The f16 windows: keys scored in the model domain, values moved into V's code domain."""
+    win = [cache.window_len(s) for s in slots]
+    if not max(win):
+        return
+    n = max(win)
+    wk = cache.win_k[slot_ids, :n].float()                              # (S, n, Hkv, D)
+    wv = cache.fmt_v.to_code_domain(cache.win_v[slot_ids, :n].float())
+    scores = q @ wk.permute(0, 2, 3, 1)                                 # (S, Hkv, R, n)
+    base = torch.tensor(packed, device=q.device)
+    j = torch.arange(n, device=q.device)
+    k_pos = base[:, None] + j[None, :]                                  # (S, n)
+    invalid = (j[None, :] >= torch.tensor(win, device=q.device)[:, None])[:, None, :] | \
+        (k_pos[:, None, :] > q_pos[:, :, None])                         # (S, R, n)
+    acc.update(scores.masked_fill(invalid[:, None], float("-inf")), wv.transpose(1, 2))
+
+
+def _pages_per_block(cache, n_seq: int, n_rows: int, block_tokens: int | None) -> int:
+    """Pages read at once so that decoded K, V and scores stay within BLOCK_BUDGET_BYTES."""
+    if block_tokens is None:
+        per_token = 4 * n_seq * cache.n_kv_heads * (2 * cache.head_dim + n_rows)
+        block_tokens = min(MAX_BLOCK_TOKENS, BLOCK_BUDGET_BYTES // per_token)
+    return max(1, block_tokens // cache.page_size)
 
 
 class _OnlineSoftmax:
-    """Running max, denominator and weighted sum over chunks (flash-decoding merge)."""
+    """Running max, denominator and weighted sum over blocks (flash-decoding merge)."""
 
-    def __init__(self, n_kv: int, rows: int, dim: int, device):
-        self.m = torch.full((n_kv, rows, 1), float("-inf"), device=device)
-        self.l = torch.zeros(n_kv, rows, 1, device=device)
-        self.acc = torch.zeros(n_kv, rows, dim, device=device)
+    def __init__(self, n_seq: int, n_kv: int, rows: int, dim: int, device):
+        self.m = torch.full((n_seq, n_kv, rows, 1), float("-inf"), device=device)
+        self.l = torch.zeros(n_seq, n_kv, rows, 1, device=device)
+        self.acc = torch.zeros(n_seq, n_kv, rows, dim, device=device)
 
     def update(self, scores: torch.Tensor, v: torch.Tensor) -> None:
-        """scores (H_kv, rows, n); v (H_kv, n, D)."""
+        """scores (S, Hkv, R, n); v (S, Hkv, n, D)."""
         m_new = torch.maximum(self.m, scores.amax(-1, keepdim=True))
-        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # fully masked rows
+        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)   # fully masked rows
         p = torch.exp(scores - m_safe)
         corr = torch.exp(self.m - m_safe)
         self.l = self.l * corr + p.sum(-1, keepdim=True)
@@ -132,4 +189,34 @@ class _OnlineSoftmax:
         return self.acc / self.l
 
 
-__all__ = ["attend", "attend_reference"]
+# ----- the reference ----------------------------------------------------------------
+def attend_reference(cache, slot: int, q: torch.Tensor, scale: float | None = None,
+                     chunk_tokens: int | None = None) -> torch.Tensor:
+    """Decode everything to float32 with the public decoders, then plain causal softmax attention."""
+    n_q = _check_query(cache, slot, q)
+    n_heads, dim = q.shape[1:]
+    group = n_heads // cache.n_kv_heads
+    kb, vb = cache.rows(slot)
+    _, wk, wv = cache.window(slot)
+    k = torch.cat([cache.fmt_k.decode(kb, dim), wk.float()]).transpose(0, 1)     # (Hkv, T, D)
+    v = torch.cat([cache.fmt_v.decode(vb, dim), wv.float()]).transpose(0, 1)
+    qf = _group(cache, q.unsqueeze(0), scale)[0]                                 # (Hkv, G*Tq, D)
+    n = cache.offset(slot)
+    q_pos = torch.arange(n - n_q, n, device=q.device).repeat(group)
+    future = torch.arange(k.shape[1], device=q.device)[None, :] > q_pos[:, None]
+    probs = torch.softmax((qf @ k.transpose(1, 2)).masked_fill(future, float("-inf")), dim=-1)
+    out = (probs @ v).reshape(cache.n_kv_heads, group, n_q, dim).permute(2, 0, 1, 3)
+    return out.reshape(n_q, n_heads, dim)
+
+
+def _check_query(cache, slot: int, q: torch.Tensor) -> int:
+    if q.dim() != 3 or q.shape[-1] != cache.head_dim or q.shape[1] % cache.n_kv_heads:
+        raise ValueError(f"q must be (Tq, n_heads, {cache.head_dim}) with n_heads a multiple of "
+                         f"n_kv_heads={cache.n_kv_heads}; got {tuple(q.shape)}")
+    n = cache.offset(slot)
+    if q.shape[0] > n:
+        raise ValueError(f"slot {slot}: {q.shape[0]} queries but only {n} cached positions; append K/V first")
+    return q.shape[0]
+
+
+__all__ = ["attend", "attend_batch", "attend_pages", "attend_reference"]

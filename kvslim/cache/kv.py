@@ -1,14 +1,22 @@
-"""The attention layer's KV cache: packed K and V rows in fixed-size pages.
+"""The attention layer's KV cache: one preallocated pool of packed pages.
 
-Each slot (sequence) owns a list of pages; a page holds ``page_size`` tokens of
-all KV heads as packed bytes, ``(page_size, n_kv_heads, row_bytes)`` uint8, for
-K and V separately (their formats are independent). Pages are allocated as the
-slot grows, up to the context size, and released on trim/clear: nothing is ever
-reallocated or copied as the history grows.
+K and V each live in one uint8 tensor of fixed-size pages,
+``(n_pages + 1, page_size, n_kv_heads, row_bytes)``, allocated once on the
+model's device (enough pages for every slot's whole context; on the CPU the OS
+commits them only when written). A slot's pages are listed in its row of the
+block table, an int32 tensor on the same device that kernels read; a host
+mirror of the same lists decides allocation, so appending never waits on the
+device. The last page is the null page, all zeros: every unused block-table
+entry points to it, so a kernel reading a whole block never meets another
+slot's rows or uninitialised bytes.
 
-Optionally the most recent ``f16_window`` tokens stay in f16 before they are
-packed; a token leaves the window exactly once, into a page, and is never
-re-packed.
+Optionally the most recent ``f16_window`` tokens of each slot stay in f16
+before they are packed; a token leaves the window exactly once, into a page,
+and is never re-packed.
+
+The public ``append`` validates its input (one host sync); the model's hot
+path, ``forward``, encodes unchecked and raises a per-slot overflow flag on the
+device that the engine reads once per step.
 """
 from __future__ import annotations
 
@@ -17,7 +25,7 @@ from dataclasses import asdict
 import torch
 
 from .. import formats
-from ..formats.base import ceil_div
+from ..formats.base import ceil_div, check_float_input
 from .spec import KVLayerSpec
 
 DEFAULT_PAGE_SIZE = 256
@@ -26,21 +34,39 @@ DEFAULT_PAGE_SIZE = 256
 class KVCache:
     """K/V storage for one attention layer and ``n_slots`` sequences."""
 
-    kind = "kv"
-
     def __init__(self, spec: KVLayerSpec, ctx: int, n_slots: int = 1, page_size: int = DEFAULT_PAGE_SIZE,
-                 f16_window: int = 0, device: torch.device | str = "cpu"):
+                 f16_window: int = 0, device: torch.device | str = "cpu", backend=None):
         if ctx < 1 or n_slots < 1 or page_size < 1 or f16_window < 0:
             raise ValueError(f"KVCache needs ctx >= 1, n_slots >= 1, page_size >= 1 and f16_window >= 0; "
                              f"got ctx={ctx}, n_slots={n_slots}, page_size={page_size}, f16_window={f16_window}")
         self.spec, self.ctx, self.n_slots = spec, ctx, n_slots
         self.page_size, self.f16_window, self.device = page_size, f16_window, torch.device(device)
         self.fmt_k, self.fmt_v = formats.get(spec.type_k), formats.get(spec.type_v)
-        self._pages_k: list[list[torch.Tensor]] = [[] for _ in range(n_slots)]
-        self._pages_v: list[list[torch.Tensor]] = [[] for _ in range(n_slots)]
-        self._packed = [0] * n_slots                                 # tokens stored in pages
-        self._win: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_slots
+        self.pages_per_slot = ceil_div(ctx, page_size)
+        self.n_pages = n_slots * self.pages_per_slot
+        self.null_page = self.n_pages
+        self.k_pool = self._pool(spec.k_row_bytes)
+        self.v_pool = self._pool(spec.v_row_bytes)
+        self.block_table = torch.full((n_slots, self.pages_per_slot), self.null_page, dtype=torch.int32,
+                                      device=self.device)
+        self._pages: list[list[int]] = [[] for _ in range(n_slots)]     # host mirror of block_table
+        self._free = list(range(self.n_pages - 1, -1, -1))               # pop() hands out low ids first
+        self._packed = [0] * n_slots                                     # tokens stored in pages
         self._win_len = [0] * n_slots
+        self.win_k = self.win_v = None
+        if f16_window:
+            shape = (n_slots, f16_window, spec.n_kv_heads, spec.head_dim)
+            self.win_k = torch.zeros(shape, dtype=torch.float16, device=self.device)
+            self.win_v = torch.zeros(shape, dtype=torch.float16, device=self.device)
+        self.overflow = torch.zeros(n_slots, dtype=torch.uint8, device=self.device)
+        from .backends import get_backend                                # backends import this module
+        self.backend = get_backend(backend)
+
+    def _pool(self, row_bytes: int) -> torch.Tensor:
+        pool = torch.empty(self.n_pages + 1, self.page_size, self.n_kv_heads, row_bytes, dtype=torch.uint8,
+                           device=self.device)
+        pool[self.null_page].zero_()
+        return pool
 
     # ----- sizes --------------------------------------------------------------
     @property
@@ -59,83 +85,149 @@ class KVCache:
         """Tokens of ``slot`` held in pages (the rest, if any, are in the f16 window)."""
         return self._packed[slot]
 
+    def window_len(self, slot: int) -> int:
+        return self._win_len[slot]
+
+    @property
+    def page_bytes(self) -> int:
+        return self.page_size * self.spec.bytes_per_token
+
+    @property
+    def window_bytes(self) -> int:
+        """One slot's f16 window, K and V."""
+        return 2 * self.f16_window * self.n_kv_heads * self.head_dim * 2
+
     @property
     def nbytes(self) -> int:
-        """Bytes allocated now: whole pages plus f16 window buffers."""
-        pages = sum(len(p) for p in self._pages_k) * self.page_size * self.spec.bytes_per_token
-        windows = sum(1 for w in self._win if w is not None)
-        return pages + windows * 2 * self.f16_window * self.n_kv_heads * self.head_dim * 2
+        """Bytes in use now: pages held by slots plus the windows of slots holding tokens."""
+        return sum(self.slot_nbytes(s) for s in range(self.n_slots))
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes the pool reserves for every slot's whole context (plus the null page)."""
+        return (self.n_pages + 1) * self.page_bytes + self.n_slots * self.window_bytes
 
     def slot_nbytes(self, slot: int) -> int:
-        """Bytes allocated for one slot: its pages plus its f16 window buffer."""
+        """Bytes in use for one slot: its pages plus its f16 window if it holds tokens."""
         self._check_slot(slot)
-        window = 2 * self.f16_window * self.n_kv_heads * self.head_dim * 2 if self._win[slot] is not None else 0
-        return len(self._pages_k[slot]) * self.page_size * self.spec.bytes_per_token + window
+        window = self.window_bytes if self.offset(slot) else 0
+        return len(self._pages[slot]) * self.page_bytes + window
 
     def describe(self) -> dict:
-        return {"kind": self.kind, **asdict(self.spec), "page_size": self.page_size,
+        return {"cache": type(self).__name__, **asdict(self.spec), "page_size": self.page_size,
                 "f16_window": self.f16_window, "ctx": self.ctx}
 
-    # ----- writing ------------------------------------------------------------
+    # ----- writing: public, checked ----------------------------------------------
     def append(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Append ``T`` tokens: k and v are ``(T, n_kv_heads, head_dim)``."""
+        """Append ``T`` tokens: k and v are ``(T, n_kv_heads, head_dim)``. Checked: bad values
+        (NaN, inf, past the formats' range) are refused and nothing is written."""
         self._check_slot(slot)
         self._check_kv(k, v)
-        n_new = k.shape[0]
-        if self.offset(slot) + n_new > self.ctx:
-            raise ValueError(f"slot {slot}: appending {n_new} tokens to {self.offset(slot)} cached would exceed "
-                             f"the context size {self.ctx}")
+        self._check_room(slot, k.shape[0])
+        for name, fmt, t in (("k", self.fmt_k, k), ("v", self.fmt_v, v)):
+            check_float_input(t, fmt.name)                              # dtype, NaN/inf: one host sync
+            bad = fmt.overflow_flag(t)
+            if bool(bad.any()):
+                raise ValueError(f"{fmt.name}: {name} holds NaN, infinite or out-of-range values in "
+                                 f"{int(bad.sum())} of {t.shape[0]} token(s); refusing to store them")
+        self.store(slot, k, v)
+
+    # ----- writing: the hot path (no host sync) ------------------------------------
+    def forward(self, batch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store the batch's new K/V and attend for every row: the model's one call per layer.
+        q (N, n_heads, D), k/v (N, n_kv_heads, D) -> float32 (N, n_heads, D)."""
+        return self.backend.forward(self, batch, q, k, v)
+
+    def store(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append ``T`` tokens to one slot, unchecked (flags overflow on the device)."""
+        self._check_room(slot, k.shape[0])
+        self._flag(k, v, slot)
         if self.f16_window == 0:
             self._pack(slot, k, v)
             return
-        wk, wv = self._window(slot)
         n_win = self._win_len[slot]
+        wk, wv = self.win_k[slot], self.win_v[slot]
         all_k = torch.cat([wk[:n_win], k.to(wk.dtype)])
         all_v = torch.cat([wv[:n_win], v.to(wv.dtype)])
-        n_out = max(0, all_k.shape[0] - self.f16_window)           # oldest tokens leave the window
+        n_out = max(0, all_k.shape[0] - self.f16_window)               # oldest tokens leave the window
         if n_out:
             self._pack(slot, all_k[:n_out], all_v[:n_out])
         keep = all_k.shape[0] - n_out
         wk[:keep], wv[:keep] = all_k[n_out:], all_v[n_out:]
         self._win_len[slot] = keep
 
-    def _window(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._win[slot] is None:
-            shape = (self.f16_window, self.n_kv_heads, self.head_dim)
-            self._win[slot] = (torch.zeros(shape, dtype=torch.float16, device=self.device),
-                               torch.zeros(shape, dtype=torch.float16, device=self.device))
-        return self._win[slot]
+    def store_batch(self, batch, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append every segment's rows: one encode and one scatter for the whole batch."""
+        for seg in batch.segments:
+            if seg.start_pos != self.offset(seg.slot):
+                raise ValueError(f"slot {seg.slot}: the batch writes position {seg.start_pos} but the cache "
+                                 f"holds {self.offset(seg.slot)} tokens")
+        if self.f16_window:
+            for seg in batch.segments:
+                self.store(seg.slot, k[seg.begin:seg.end], v[seg.begin:seg.end])
+            return
+        for seg in batch.segments:
+            self._check_room(seg.slot, seg.length)
+            self._reserve(seg.slot, seg.start_pos + seg.length)
+        self._flag(k, v, batch.slot_ids)
+        index = self._flat_index(batch.slot_ids, batch.positions)
+        self._scatter(index, k, v)
+        for seg in batch.segments:
+            self._packed[seg.slot] += seg.length
+
+    def _flag(self, k, v, slots) -> None:
+        bad = (self.fmt_k.overflow_flag(k) | self.fmt_v.overflow_flag(v)).to(torch.uint8)
+        if isinstance(slots, int):
+            self.overflow[slots] |= bad.amax()
+        else:
+            self.overflow.scatter_reduce_(0, slots, bad, reduce="amax")
 
     def _pack(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        start = self._packed[slot]
-        self._write_rows(self._pages_k[slot], start, self.fmt_k.encode(k), self.spec.k_row_bytes)
-        self._write_rows(self._pages_v[slot], start, self.fmt_v.encode(v), self.spec.v_row_bytes)
-        self._packed[slot] = start + k.shape[0]
+        start, n = self._packed[slot], k.shape[0]
+        self._reserve(slot, start + n)
+        positions = torch.arange(start, start + n, device=self.device)
+        self._scatter(self._flat_index(torch.full_like(positions, slot), positions), k, v)
+        self._packed[slot] = start + n
 
-    def _write_rows(self, pages: list[torch.Tensor], start: int, rows: torch.Tensor, row_bytes: int) -> None:
-        """Copy packed rows (T, H, row_bytes) into pages from token ``start``, allocating pages as needed."""
-        pos, done = start, 0
-        while done < rows.shape[0]:
-            page, at = divmod(pos, self.page_size)
-            if page == len(pages):
-                pages.append(torch.empty(self.page_size, self.n_kv_heads, row_bytes, dtype=torch.uint8,
-                                         device=self.device))
-            n = min(self.page_size - at, rows.shape[0] - done)
-            pages[page][at:at + n] = rows[done:done + n]
-            pos, done = pos + n, done + n
+    def _scatter(self, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Encode rows and write them at flat row ``index`` (page * page_size + offset)."""
+        h = self.n_kv_heads
+        self.k_pool.view(-1, h, self.spec.k_row_bytes).index_copy_(0, index, self.fmt_k.encode_unchecked(k))
+        self.v_pool.view(-1, h, self.spec.v_row_bytes).index_copy_(0, index, self.fmt_v.encode_unchecked(v))
+
+    def _flat_index(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Flat pool rows of (slot, position) pairs, read from the block table on the device."""
+        pages = self.block_table[slots, positions // self.page_size].long()
+        return pages * self.page_size + positions % self.page_size
+
+    def _reserve(self, slot: int, n_tokens: int) -> None:
+        """Give ``slot`` pages for its first ``n_tokens`` packed tokens (host bookkeeping;
+        new pages are zeroed so a reader past the end sees zeros, not stale bytes)."""
+        pages = self._pages[slot]
+        while len(pages) * self.page_size < n_tokens:
+            page = self._free.pop()
+            self.k_pool[page].zero_()
+            self.v_pool[page].zero_()
+            self.block_table[slot, len(pages)] = page
+            pages.append(page)
 
     # ----- reading ------------------------------------------------------------
-    def packed_chunks(self, slot: int, chunk_tokens: int):
-        """Yield ``(start, k_bytes, v_bytes)`` over the packed history, at most
-        ``chunk_tokens`` (rounded to whole pages) at a time; each is (n, H, row_bytes)."""
+    def rows(self, slot: int, start: int = 0, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Packed K and V rows ``(n, H, row_bytes)`` of tokens [start, start + n) of the pages."""
         self._check_slot(slot)
-        pages_per_chunk = max(1, chunk_tokens // self.page_size)
-        n_total = self._packed[slot]
-        for first in range(0, ceil_div(n_total, self.page_size), pages_per_chunk):
-            start = first * self.page_size
-            n = min(pages_per_chunk * self.page_size, n_total - start)
-            yield start, self._rows(self._pages_k[slot][first:first + pages_per_chunk], n, self.spec.k_row_bytes), \
-                self._rows(self._pages_v[slot][first:first + pages_per_chunk], n, self.spec.v_row_bytes)
+        n = self._packed[slot] - start if n is None else n
+        positions = torch.arange(start, start + n, device=self.device)
+        index = self._flat_index(torch.full_like(positions, slot), positions)
+        h = self.n_kv_heads
+        return (self.k_pool.view(-1, h, self.spec.k_row_bytes).index_select(0, index),
+                self.v_pool.view(-1, h, self.spec.v_row_bytes).index_select(0, index))
+
+    def packed_chunks(self, slot: int, chunk_tokens: int):
+        """Yield ``(start, k_bytes, v_bytes)`` over the packed history, at most ``chunk_tokens``
+        (rounded to whole pages) at a time; each is (n, H, row_bytes)."""
+        step = max(1, chunk_tokens // self.page_size) * self.page_size
+        for start in range(0, self._packed[slot], step):
+            yield (start, *self.rows(slot, start, min(step, self._packed[slot] - start)))
 
     def window(self, slot: int) -> tuple[int, torch.Tensor, torch.Tensor]:
         """``(start, k, v)`` of the f16 window: the newest tokens, not yet packed."""
@@ -143,12 +235,18 @@ class KVCache:
         if n == 0:
             empty = torch.zeros(0, self.n_kv_heads, self.head_dim, dtype=torch.float16, device=self.device)
             return self._packed[slot], empty, empty
-        wk, wv = self._win[slot]
-        return self._packed[slot], wk[:n], wv[:n]
+        return self._packed[slot], self.win_k[slot, :n], self.win_v[slot, :n]
+
+    # ----- overflow -------------------------------------------------------------
+    def take_overflow(self) -> torch.Tensor:
+        """The per-slot overflow flags (n_slots,) uint8 as they stand, then cleared."""
+        flags = self.overflow.clone()
+        self.overflow.zero_()
+        return flags
 
     # ----- trimming, state ----------------------------------------------------
     def trim(self, slot: int, n_tokens: int) -> None:
-        """Keep the first ``n_tokens`` of ``slot``; whole pages past the end are released."""
+        """Keep the first ``n_tokens`` of ``slot``; whole pages past the end go back to the pool."""
         self._check_slot(slot)
         if not 0 <= n_tokens <= self.offset(slot):
             raise ValueError(f"slot {slot}: cannot trim to {n_tokens} tokens, it holds {self.offset(slot)}")
@@ -156,50 +254,68 @@ class KVCache:
             self._win_len[slot] = n_tokens - self._packed[slot]
             return
         self._packed[slot], self._win_len[slot] = n_tokens, 0
-        keep = ceil_div(n_tokens, self.page_size)
-        del self._pages_k[slot][keep:], self._pages_v[slot][keep:]
-        if n_tokens == 0:
-            self._win[slot] = None
+        self._release(slot, ceil_div(n_tokens, self.page_size))
+
+    def _release(self, slot: int, keep: int) -> None:
+        pages = self._pages[slot]
+        if len(pages) > keep:
+            self.block_table[slot, keep:len(pages)] = self.null_page
+            self._free.extend(reversed(pages[keep:]))
+            del pages[keep:]
 
     def clear(self, slot: int) -> None:
         self.trim(slot, 0)
+        self.overflow[slot] = 0
 
     def state(self, slot: int) -> dict[str, torch.Tensor]:
         """Packed rows and window of one slot, exact bytes (for saving)."""
-        n = self._packed[slot]
-        start, wk, wv = self.window(slot)
-        return {"k": self._rows(self._pages_k[slot], n, self.spec.k_row_bytes).cpu(),
-                "v": self._rows(self._pages_v[slot], n, self.spec.v_row_bytes).cpu(),
-                "win_k": wk.cpu().clone(), "win_v": wv.cpu().clone()}
+        k, v = self.rows(slot)
+        _, wk, wv = self.window(slot)
+        return {"k": k.cpu(), "v": v.cpu(), "win_k": wk.cpu().clone(), "win_v": wv.cpu().clone()}
 
-    def load_state(self, slot: int, tensors: dict[str, torch.Tensor], n_tokens: int) -> None:
-        self.clear(slot)
+    def check_state(self, slot: int, tensors: dict[str, torch.Tensor], n_tokens: int) -> None:
+        """Raise ValueError unless ``load_state`` would accept these tensors (nothing changes)."""
+        self._check_slot(slot)
+        missing = {"k", "v", "win_k", "win_v"} - set(tensors)
+        if missing:
+            raise ValueError(f"slot {slot}: saved state lacks {sorted(missing)}")
         k, v, wk, wv = (tensors[name] for name in ("k", "v", "win_k", "win_v"))
+        rows = {"k": (self.n_kv_heads, self.spec.k_row_bytes), "v": (self.n_kv_heads, self.spec.v_row_bytes)}
+        for name, t in (("k", k), ("v", v)):
+            if t.dim() != 3 or tuple(t.shape[1:]) != rows[name] or t.dtype != torch.uint8:
+                raise ValueError(f"slot {slot}: saved {name} rows have shape {tuple(t.shape)}, this cache "
+                                 f"stores (T, {rows[name][0]}, {rows[name][1]}) uint8")
+        if k.shape[0] != v.shape[0] or wk.shape != wv.shape or wk.shape[0] > self.f16_window:
+            raise ValueError(f"slot {slot}: saved K/V rows or windows disagree in length")
         if k.shape[0] + wk.shape[0] != n_tokens or n_tokens > self.ctx:
             raise ValueError(f"slot {slot}: saved state holds {k.shape[0] + wk.shape[0]} tokens, "
                              f"expected {n_tokens} within ctx {self.ctx}")
-        self._write_rows(self._pages_k[slot], 0, k.to(self.device), self.spec.k_row_bytes)
-        self._write_rows(self._pages_v[slot], 0, v.to(self.device), self.spec.v_row_bytes)
-        self._packed[slot] = k.shape[0]
-        if wk.shape[0]:
-            bk, bv = self._window(slot)
-            bk[:wk.shape[0]], bv[:wk.shape[0]] = wk.to(self.device), wv.to(self.device)
-        self._win_len[slot] = wk.shape[0]
 
-    def _rows(self, pages: list[torch.Tensor], n: int, row_bytes: int) -> torch.Tensor:
-        """The first ``n`` token rows across ``pages`` as one (n, H, row_bytes) tensor."""
-        if n == 0:
-            return torch.zeros(0, self.n_kv_heads, row_bytes, dtype=torch.uint8, device=self.device)
-        if len(pages) == 1:
-            return pages[0][:n]
-        # Concatenating flat views is ~10x faster than torch.cat on 3-d uint8 tensors.
-        flat = torch.cat([page.view(-1) for page in pages])
-        return flat.view(-1, self.n_kv_heads, row_bytes)[:n]
+    def load_state(self, slot: int, tensors: dict[str, torch.Tensor], n_tokens: int) -> None:
+        self.check_state(slot, tensors, n_tokens)
+        self.clear(slot)
+        k, v, wk, wv = (tensors[name] for name in ("k", "v", "win_k", "win_v"))
+        n = k.shape[0]
+        self._reserve(slot, n)
+        positions = torch.arange(n, device=self.device)
+        index = self._flat_index(torch.full_like(positions, slot), positions)
+        h = self.n_kv_heads
+        self.k_pool.view(-1, h, self.spec.k_row_bytes).index_copy_(0, index, k.to(self.device))
+        self.v_pool.view(-1, h, self.spec.v_row_bytes).index_copy_(0, index, v.to(self.device))
+        self._packed[slot] = n
+        if wk.shape[0]:
+            self.win_k[slot, :wk.shape[0]], self.win_v[slot, :wk.shape[0]] = wk.to(self.device), wv.to(self.device)
+        self._win_len[slot] = wk.shape[0]
 
     # ----- checks -------------------------------------------------------------
     def _check_slot(self, slot: int) -> None:
         if not isinstance(slot, int) or not 0 <= slot < self.n_slots:
             raise ValueError(f"slot {slot!r} does not exist; this cache has slots 0..{self.n_slots - 1}")
+
+    def _check_room(self, slot: int, n_new: int) -> None:
+        if self.offset(slot) + n_new > self.ctx:
+            raise ValueError(f"slot {slot}: appending {n_new} tokens to {self.offset(slot)} cached would exceed "
+                             f"the context size {self.ctx}")
 
     def _check_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
         want = (self.n_kv_heads, self.head_dim)
@@ -209,4 +325,3 @@ class KVCache:
                 raise ValueError(f"{name} must have shape (T, n_kv_heads={want[0]}, head_dim={want[1]}), got {got}")
         if k.shape[0] != v.shape[0]:
             raise ValueError(f"k holds {k.shape[0]} tokens but v holds {v.shape[0]}")
-

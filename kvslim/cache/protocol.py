@@ -1,8 +1,9 @@
 """The cache protocol every layer cache implements.
 
-A model's ``make_cache()`` returns one object per layer; the engine only uses
-these methods, so attention layers (``KVCache``) and linear-attention layers
-(``RecurrentStateCache``) are interchangeable from its point of view.
+A model's ``make_cache()`` returns a ``ModelCache`` holding one object per
+layer; these methods are what it uses on each, so attention layers (``KVCache``)
+and linear-attention layers (``RecurrentStateCache``) are interchangeable from
+its point of view. Which kind a layer is, is its type, never a string.
 """
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ import torch
 class LayerCache(Protocol):
     """Per-layer storage for several sequences (slots)."""
 
-    kind: str        # "kv" or "recurrent": what the file format and the planner see
     n_slots: int
 
     def offset(self, slot: int) -> int:
@@ -36,6 +36,9 @@ class LayerCache(Protocol):
 
     def state(self, slot: int) -> dict[str, torch.Tensor]:
         """Exact contents of one slot as named tensors (for saving)."""
+
+    def check_state(self, slot: int, tensors: dict[str, torch.Tensor], n_tokens: int) -> None:
+        """Raise ValueError unless ``load_state`` would accept these tensors; changes nothing."""
 
     def load_state(self, slot: int, tensors: dict[str, torch.Tensor], n_tokens: int) -> None:
         """Replace one slot's contents with what ``state`` returned."""

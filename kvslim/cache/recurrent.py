@@ -20,8 +20,6 @@ from .spec import StateLayerSpec
 class RecurrentStateCache:
     """Conv and recurrent state for one DeltaNet layer and ``n_slots`` sequences."""
 
-    kind = "recurrent"
-
     def __init__(self, spec: StateLayerSpec, n_slots: int = 1, device: torch.device | str = "cpu"):
         if n_slots < 1:
             raise ValueError(f"n_slots must be at least 1, got {n_slots}")
@@ -44,7 +42,7 @@ class RecurrentStateCache:
         return self.spec.bytes_per_slot
 
     def describe(self) -> dict:
-        return {"kind": self.kind, **asdict(self.spec)}
+        return {"cache": type(self).__name__, **asdict(self.spec)}
 
     def advance(self, slot: int, n_tokens: int) -> None:
         """Record that the layer absorbed ``n_tokens`` more tokens into ``slot``'s state."""
@@ -70,14 +68,22 @@ class RecurrentStateCache:
         self._check_slot(slot)
         return {"conv": self.conv[slot].cpu().clone(), "recurrent": self.recurrent[slot].cpu().clone()}
 
-    def load_state(self, slot: int, tensors: dict[str, torch.Tensor], n_tokens: int) -> None:
+    def check_state(self, slot: int, tensors: dict[str, torch.Tensor], n_tokens: int) -> None:
+        """Raise ValueError unless ``load_state`` would accept these tensors (nothing changes)."""
         self._check_slot(slot)
         for name, dst in (("conv", self.conv), ("recurrent", self.recurrent)):
-            src = tensors[name]
-            if tuple(src.shape) != tuple(dst.shape[1:]):
-                raise ValueError(f"slot {slot}: saved {name} state has shape {tuple(src.shape)}, "
+            src = tensors.get(name)
+            if src is None or tuple(src.shape) != tuple(dst.shape[1:]):
+                got = "nothing" if src is None else f"shape {tuple(src.shape)}"
+                raise ValueError(f"slot {slot}: saved {name} state has {got}, "
                                  f"this layer needs {tuple(dst.shape[1:])}")
-            dst[slot].copy_(src)
+        if n_tokens < 0:
+            raise ValueError(f"slot {slot}: saved state length {n_tokens} is negative")
+
+    def load_state(self, slot: int, tensors: dict[str, torch.Tensor], n_tokens: int) -> None:
+        self.check_state(slot, tensors, n_tokens)
+        self.conv[slot].copy_(tensors["conv"])
+        self.recurrent[slot].copy_(tensors["recurrent"])
         self._len[slot] = n_tokens
 
     def _check_slot(self, slot: int) -> None:

@@ -9,13 +9,16 @@ a new token sampled. New sequences may join between any two steps.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 
 from ..models import Batch
 from ..models.base import CausalLM
 from ..tokenizer import Tokenizer
+from .config import EngineConfig
 from .prefix import PrefixCache
 from .sampling import Sampler, SamplingParams
 from .text import TextStream
@@ -46,6 +49,7 @@ class Sequence:
     cached_tokens: int = 0                                 # prompt tokens reused from the slot's cache
     kv_bytes: int = 0                                      # this sequence's cache bytes when it finished
     state_bytes: int = 0
+    error: str | None = None                               # why it ended, when finish_reason is "error"
 
     @property
     def generated(self) -> list[int]:
@@ -69,37 +73,112 @@ class Sequence:
 
 
 class Engine:
-    """Owns the caches and the slots; ``submit`` then ``step`` until sequences are done.
+    """Owns the model's cache and the slots; ``submit`` then ``step`` until sequences are done.
 
     With ``prefix_cache`` a released slot keeps its contents, and a new prompt
     goes to the slot sharing its longest reusable prefix (see ``prefix.py``).
+    Everything outside ``engine/`` uses the public methods below, never the fields.
     """
 
-    def __init__(self, model: CausalLM, tokenizer: Tokenizer, ctx: int, n_parallel: int = 1,
-                 type_k: str = "f16", type_v: str = "f16", n_ubatch: int = 512, eog_ids: set[int] = frozenset(),
-                 prefix_cache: bool = False, max_checkpoints: int = 8, checkpoint_bytes: int = 256 << 20,
-                 checkpoint_interval: int = 4096, **kv_options):
-        if ctx < 1 or n_parallel < 1 or n_ubatch < 1:
-            raise ValueError(f"ctx, n_parallel and n_ubatch must be >= 1 (got {ctx}, {n_parallel}, {n_ubatch})")
-        self.model, self.tokenizer = model, tokenizer
-        self.ctx, self.n_parallel, self.n_ubatch = ctx, n_parallel, n_ubatch
-        self.type_k, self.type_v = type_k, type_v
-        self.caches = model.make_cache(ctx, n_parallel, type_k, type_v, **kv_options)
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig,
+                 eog_ids: set[int] = frozenset()):
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.cache = model.make_cache(config.cache)
         self.eog_ids = set(eog_ids)
-        self.free_slots = list(range(n_parallel))
-        self.prefix = PrefixCache(self.caches, n_parallel, max_checkpoints, checkpoint_bytes) if prefix_cache else None
-        self.checkpoint_interval = checkpoint_interval
+        self._free = list(range(config.n_parallel))
+        self.prefix = PrefixCache(self.cache, config.max_checkpoints, config.checkpoint_bytes) \
+            if config.prefix_cache else None
         self.running: list[Sequence] = []
         self._next_id = 0
 
-    # ----- memory ---------------------------------------------------------------
+    # ----- what the tools and the server read ------------------------------------
+    @property
+    def ctx(self) -> int:
+        return self.config.ctx
+
+    @property
+    def n_parallel(self) -> int:
+        return self.config.n_parallel
+
+    @property
+    def n_ubatch(self) -> int:
+        return self.config.n_ubatch
+
+    @property
+    def type_k(self) -> str:
+        return self.config.cache.type_k.name
+
+    @property
+    def type_v(self) -> str:
+        return self.config.cache.type_v.name
+
+    @property
+    def device(self) -> torch.device:
+        return self.config.device
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
     @property
     def kv_bytes(self) -> int:
-        return sum(c.nbytes for c in self.caches if c.kind == "kv")
+        return self.cache.kv_bytes
 
     @property
     def state_bytes(self) -> int:
-        return sum(c.nbytes for c in self.caches if c.kind == "recurrent")
+        return self.cache.state_bytes
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        return self.prefix.nbytes if self.prefix is not None else 0
+
+    @property
+    def n_free_slots(self) -> int:
+        return len(self._free)
+
+    def cached_tokens(self, slot: int | None = None) -> int:
+        """Tokens held in the cache by ``slot`` (None: all slots)."""
+        slots = range(self.n_parallel) if slot is None else [slot]
+        return sum(self.cache.offset(s) for s in slots)
+
+    def slot_info(self, slot: int) -> dict:
+        """What ``/slots`` shows of one slot."""
+        return {"n_cached_tokens": self.cache.offset(slot), "kv_bytes": self.cache.slot_kv_bytes(slot),
+                "checkpoints": self.prefix.checkpoint_lengths(slot) if self.prefix is not None else [],
+                "is_free": slot in self._free}
+
+    def with_cache_types(self, type_k, type_v) -> "Engine":
+        """A new engine over the same weights with other K/V formats (its own, empty cache)."""
+        return Engine(self.model, self.tokenizer, self.config.with_cache_types(type_k, type_v), self.eog_ids)
+
+    # ----- slots -----------------------------------------------------------------
+    def acquire_slot(self) -> int:
+        """Take a free slot, emptied (raises RuntimeError when every slot is busy)."""
+        if not self._free:
+            raise RuntimeError("no free slot: all n_parallel sequences are busy")
+        slot = self._free.pop(0)
+        self.clear_slot(slot)
+        return slot
+
+    def release_slot(self, slot: int) -> None:
+        """Give back a slot taken with ``acquire_slot`` (its contents are dropped)."""
+        self.clear_slot(slot)
+        if slot not in self._free:
+            self._free.append(slot)
+
+    @contextmanager
+    def borrowed_slot(self) -> Iterator[int]:
+        """``with engine.borrowed_slot() as slot:`` an empty slot, emptied and freed afterwards."""
+        slot = self.acquire_slot()
+        try:
+            yield slot
+        finally:
+            self.release_slot(slot)
+
+    def clear_slot(self, slot: int) -> None:
+        self.cache.clear(slot)
+        if self.prefix is not None:
+            self.prefix.forget(slot)
 
     # ----- sequences ------------------------------------------------------------
     def submit(self, prompt: list[int], max_tokens: int = 128, sampling: SamplingParams | None = None,
@@ -111,7 +190,7 @@ class Engine:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
         if len(prompt) >= self.ctx:
             raise ContextLengthExceeded(len(prompt), self.ctx)
-        if not self.free_slots:
+        if not self._free:
             raise RuntimeError("no free slot: all n_parallel sequences are busy")
         seq = Sequence(self._next_id, list(prompt), max_tokens, Sampler(sampling),
                        TextStream(self.tokenizer, stop or []), tokens=list(prompt))
@@ -122,28 +201,26 @@ class Engine:
 
     def _assign_slot(self, seq: Sequence) -> None:
         if self.prefix is None:
-            seq.slot = self.free_slots.pop(0)
-            for cache in self.caches:
-                cache.clear(seq.slot)
+            seq.slot = self._free.pop(0)
+            self.cache.clear(seq.slot)
             return
-        seq.slot, _ = self.prefix.pick(self.free_slots, seq.prompt)
-        self.free_slots.remove(seq.slot)
+        seq.slot, _ = self.prefix.pick(self._free, seq.prompt)
+        self._free.remove(seq.slot)
         seq.n_cached = seq.cached_tokens = self.prefix.restore(seq.slot, seq.prompt)
 
     def release(self, seq: Sequence) -> None:
-        """Free the sequence's slot (its cache contents are dropped)."""
+        """Free the sequence's slot (its cache contents are dropped unless prefix reuse keeps them)."""
         if seq in self.running:
             self.running.remove(seq)
         if seq.finish_reason is None:
             seq.finish_reason = "cancelled"
             self._record_memory(seq)
-        if seq.slot >= 0 and seq.slot not in self.free_slots:
-            if self.prefix is not None:                             # keep the contents for the next request
+        if seq.slot >= 0 and seq.slot not in self._free:
+            if self.prefix is not None and seq.finish_reason != "error":   # keep the contents for the next request
                 self.prefix.record(seq.slot, seq.tokens[:seq.n_cached], checkpoint=False)
             else:
-                for cache in self.caches:
-                    cache.clear(seq.slot)
-            self.free_slots.append(seq.slot)
+                self.clear_slot(seq.slot)
+            self._free.append(seq.slot)
 
     def step(self) -> list[Sequence]:
         """One forward pass over all running sequences; returns those that got a new token."""
@@ -151,23 +228,39 @@ class Engine:
         if not plan:
             return []
         t0 = time.perf_counter()
-        batch = Batch.build([(seq.slot, chunk, seq.n_cached) for seq, chunk in plan],
-                            device=self.model.output_weight.device)
-        logits = self.model(batch, self.caches)
+        batch = Batch.build([(seq.slot, chunk, seq.n_cached) for seq, chunk in plan], device=self.device)
+        logits = self.model(batch, self.cache)
+        bad = set(self.cache.take_overflow())                       # the one host read of the step
         elapsed = time.perf_counter() - t0
         advanced = []
         for row, (seq, chunk) in enumerate(plan):
-            if seq.n_cached < len(seq.prompt):                      # this step read (part of) its prompt
-                seq.prompt_s += elapsed
-            else:
-                seq.gen_s += elapsed
-            seq.n_cached += len(chunk)
-            if self.prefix is not None and seq.n_cached <= len(seq.prompt):
-                self._checkpoint_prompt(seq)
-            if not seq.pending:                                     # everything read: predict
-                self._accept(seq, seq.sampler(logits[row], seq.tokens))
+            self._account(seq, chunk, elapsed)
+            if seq.slot in bad:
+                self._fail(seq, "the model produced NaN or infinite keys/values for this sequence")
+            elif not seq.pending:                                   # everything read: predict
+                try:
+                    token = seq.sampler(logits[row], seq.tokens)
+                except (ValueError, RuntimeError, FloatingPointError) as err:
+                    self._fail(seq, f"sampling failed: {err}")      # this sequence only; the others go on
+                    continue
+                self._accept(seq, token)
                 advanced.append(seq)
         return advanced
+
+    def _account(self, seq: Sequence, chunk: list[int], elapsed: float) -> None:
+        if seq.n_cached < len(seq.prompt):                          # this step read (part of) its prompt
+            seq.prompt_s += elapsed
+        else:
+            seq.gen_s += elapsed
+        seq.n_cached += len(chunk)
+        if self.prefix is not None and seq.n_cached <= len(seq.prompt):
+            self._checkpoint_prompt(seq)
+
+    def _fail(self, seq: Sequence, message: str) -> None:
+        """End one sequence with an error; its slot is cleared when it is released."""
+        seq.finish_reason, seq.error = "error", message
+        seq.text.finish()
+        self._record_memory(seq)
 
     def _plan(self) -> list[tuple[Sequence, list[int]]]:
         """Decoding sequences first (one token each), then prompt chunks within the budget."""
@@ -198,32 +291,39 @@ class Engine:
 
     def _checkpoint_prompt(self, seq: Sequence) -> None:
         """At the end of the prompt (a message boundary) and every checkpoint_interval tokens."""
-        last = max((cp.n_tokens for cp in self.prefix.slots[seq.slot].checkpoints), default=0)
-        if seq.n_cached == len(seq.prompt) or seq.n_cached - last >= self.checkpoint_interval:
+        last = max(self.prefix.checkpoint_lengths(seq.slot), default=0)
+        if seq.n_cached == len(seq.prompt) or seq.n_cached - last >= self.config.checkpoint_interval:
             self.prefix.record(seq.slot, seq.tokens[:seq.n_cached], checkpoint=True)
 
     def _record_memory(self, seq: Sequence) -> None:
-        seq.kv_bytes = sum(c.slot_nbytes(seq.slot) for c in self.caches if c.kind == "kv")
-        seq.state_bytes = sum(c.slot_nbytes(seq.slot) for c in self.caches if c.kind == "recurrent")
+        seq.kv_bytes = self.cache.slot_kv_bytes(seq.slot)
+        seq.state_bytes = self.cache.slot_state_bytes(seq.slot)
 
     def run(self, seqs: list[Sequence]) -> None:
         """Step until all of ``seqs`` are done (others in flight advance too)."""
         while not all(s.done for s in seqs):
             self.step()
 
-    def clear_slot(self, slot: int) -> None:
-        for cache in self.caches:
-            cache.clear(slot)
-        if self.prefix is not None:
-            self.prefix.forget(slot)
-
     # ----- scoring ----------------------------------------------------------------
-    def prefill_logits(self, token_ids: list[int], slot: int) -> torch.Tensor:
-        """Logits at every position of a fresh prefill of ``token_ids`` in ``slot``, in chunks of n_ubatch."""
-        self.clear_slot(slot)
-        rows = []
-        for start in range(0, len(token_ids), self.n_ubatch):
-            chunk = token_ids[start:start + self.n_ubatch]
-            batch = Batch.build([(slot, chunk, start)], device=self.model.output_weight.device)
-            rows.append(self.model(batch, self.caches, all_logits=True))
-        return torch.cat(rows)
+    def iter_scores(self, token_ids: list[int], first: int = 0, progress=None) -> Iterator[tuple[int, torch.Tensor]]:
+        """Fresh prefill of ``token_ids`` in a borrowed slot, in ubatches; yields ``(row, logits)``
+        for rows >= ``first``: float32 (n, vocab) on the CPU starting at ``row``. Memory is bounded
+        by one ubatch; the slot is freed when the generator ends or is closed."""
+        if len(token_ids) > self.ctx:
+            raise ValueError(f"{len(token_ids)} tokens do not fit the context of {self.ctx}; raise -c")
+        with self.borrowed_slot() as slot:
+            for start in range(0, len(token_ids), self.n_ubatch):
+                part = token_ids[start:start + self.n_ubatch]
+                logits = self.model(Batch.build([(slot, part, start)], device=self.device), self.cache,
+                                    all_logits=True)
+                if self.cache.take_overflow():
+                    raise ValueError("the model produced NaN or infinite keys/values while scoring")
+                if progress:
+                    progress(len(part))
+                if start + len(part) > first:
+                    skip = max(0, first - start)
+                    yield start + skip, logits[skip:].float().cpu()
+
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits (T, vocab) float32 at every position of a fresh prefill of ``token_ids``."""
+        return torch.cat([logits for _, logits in self.iter_scores(token_ids)])

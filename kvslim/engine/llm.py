@@ -7,8 +7,8 @@ from typing import Iterator
 
 import torch
 
-from .. import formats
 from ..loading import load_model
+from .config import EngineConfig
 from .engine import Engine, Sequence
 from .sampling import SamplingParams
 
@@ -42,13 +42,19 @@ class Chunk:
 
 
 class LLM:
-    def __init__(self, model, tokenizer, eos_ids: set[int], ctx: int = 4096, cache_type_k: str = "f16",
-                 cache_type_v: str = "f16", n_parallel: int = 1, n_ubatch: int = 512, path: Path | None = None,
-                 **kv_options):
-        formats.get(cache_type_k), formats.get(cache_type_v)              # unknown names fail here, listed
-        self.model, self.tokenizer, self.path = model, tokenizer, path
-        self.engine = Engine(model, tokenizer, ctx, n_parallel, cache_type_k, cache_type_v, n_ubatch,
-                             tokenizer.eog_ids(sorted(eos_ids)), **kv_options)
+    """A loaded model, its tokenizer and an engine: what ``kvslim.load`` returns."""
+
+    def __init__(self, model, tokenizer, eos_ids: set[int], config: EngineConfig, path: Path | None = None):
+        self.model, self.tokenizer, self.path, self.config = model, tokenizer, path, config
+        self.engine = Engine(model, tokenizer, config, tokenizer.eog_ids(sorted(eos_ids)))
+
+    def with_cache_types(self, type_k, type_v) -> "LLM":
+        """The same weights with other K/V formats (a new, empty cache)."""
+        llm = LLM.__new__(LLM)
+        llm.model, llm.tokenizer, llm.path = self.model, self.tokenizer, self.path
+        llm.engine = self.engine.with_cache_types(type_k, type_v)
+        llm.config = llm.engine.config
+        return llm
 
     # ----- tokens ---------------------------------------------------------------
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
@@ -73,15 +79,7 @@ class LLM:
     def logits(self, token_ids: list[int]) -> torch.Tensor:
         """float32 logits (T, vocab) of a fresh prefill; attention reads K/V through the
         configured cache formats, so the cache types change these logits."""
-        ids = self._check_ids(token_ids)
-        if len(ids) > self.ctx:
-            raise ValueError(f"{len(ids)} tokens do not fit the context of {self.ctx}; raise ctx")
-        slot = self._borrow_slot()
-        try:
-            return self.engine.prefill_logits(ids, slot)
-        finally:
-            self.engine.clear_slot(slot)
-            self.engine.free_slots.append(slot)
+        return self.engine.score(self._check_ids(token_ids))
 
     # ----- generation -----------------------------------------------------------
     def generate(self, prompt: str | list[int], max_tokens: int = 128, *, stream: bool = False,
@@ -146,11 +144,6 @@ class LLM:
         return Completion(seq.text.text, seq.generated, seq.finish_reason, len(seq.prompt), seq.timings(),
                           seq.kv_bytes, seq.state_bytes)
 
-    def _borrow_slot(self) -> int:
-        if not self.engine.free_slots:
-            raise RuntimeError("no free slot to score with: all n_parallel sequences are busy")
-        return self.engine.free_slots.pop(0)
-
     def _check_ids(self, token_ids) -> list[int]:
         ids = [int(t) for t in (token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids)]
         if not ids:
@@ -163,8 +156,9 @@ class LLM:
 
 
 def load(path: str | Path | None = None, ctx: int = 4096, cache_type_k: str = "f16", cache_type_v: str = "f16",
-         n_parallel: int = 1, n_ubatch: int = 512, dtype=None, device: str = "cpu", weights: str | None = None,
-         allow_dequant: bool = False, **kv_options) -> LLM:
+         n_parallel: int = 1, n_ubatch: int = 512, dtype=None, device: str | torch.device | None = None,
+         weights: str | None = None, allow_dequant: bool = False, config: EngineConfig | None = None,
+         **cache_options) -> LLM:
     """Load a Hugging Face folder or GGUF file (default: the bundled model) into an :class:`LLM`.
 
     Args:
@@ -174,9 +168,14 @@ def load(path: str | Path | None = None, ctx: int = 4096, cache_type_k: str = "f
         n_parallel: sequences that can run at once (cache slots).
         n_ubatch: tokens per forward pass during prefill (llama.cpp's -ub).
         dtype: weights' dtype (default: as stored).
+        device: cpu, cuda, cuda:N or mps (default: cuda when available, else cpu).
         weights: quantize a Hugging Face folder's weight matrices at load ("q8_0", "q4_0", ...).
         allow_dequant: expand GGUF tensors of types that cannot stay quantized instead of refusing.
+        config: a ready :class:`EngineConfig` (then ctx ... n_ubatch, device and cache_options are ignored).
+        cache_options: ``page_size``, ``f16_window``, ``backend``, and the engine's prefix-cache options.
     """
-    model, tokenizer, eos_ids = load_model(path, dtype, device, weights, allow_dequant)
-    return LLM(model, tokenizer, eos_ids, ctx, cache_type_k, cache_type_v, n_parallel, n_ubatch, path=path,
-               **kv_options)
+    if config is None:
+        config = EngineConfig.build(ctx, n_parallel, cache_type_k, cache_type_v, device=device, n_ubatch=n_ubatch,
+                                    **cache_options)
+    model, tokenizer, eos_ids = load_model(path, dtype, config.device, weights, allow_dequant)
+    return LLM(model, tokenizer, eos_ids, config, path=path)

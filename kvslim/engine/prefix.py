@@ -13,17 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import torch
-
-
-@dataclass
-class Checkpoint:
-    n_tokens: int
-    states: dict[int, dict[str, torch.Tensor]]         # layer index -> recurrent layer state
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for s in self.states.values() for t in s.values())
+from ..cache import Checkpoint, ModelCache
 
 
 @dataclass
@@ -42,23 +32,25 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class PrefixCache:
-    """Per-slot token history and recurrent-state checkpoints."""
+    """Per-slot token history and recurrent-state checkpoints over one ``ModelCache``."""
 
-    def __init__(self, caches: list, n_slots: int, max_checkpoints: int = 8, max_bytes: int = 256 << 20):
-        self.caches = caches
-        self.recurrent = [i for i, c in enumerate(caches) if c.kind == "recurrent"]
-        self.slots = [SlotHistory() for _ in range(n_slots)]
+    def __init__(self, cache: ModelCache, max_checkpoints: int = 8, max_bytes: int = 256 << 20):
+        self.cache = cache
+        self.slots = [SlotHistory() for _ in range(cache.n_slots)]
         self.max_checkpoints, self.max_bytes = max_checkpoints, max_bytes
 
     @property
     def nbytes(self) -> int:
         return sum(cp.nbytes for h in self.slots for cp in h.checkpoints)
 
+    def checkpoint_lengths(self, slot: int) -> list[int]:
+        return [cp.n_tokens for cp in self.slots[slot].checkpoints]
+
     def reusable(self, slot: int, prompt: list[int]) -> int:
         """Tokens of ``prompt`` this slot can skip (at least one token is always left to read)."""
         h = self.slots[slot]
         limit = min(common_prefix(h.tokens, prompt), len(prompt) - 1)
-        if not self.recurrent or limit == len(h.tokens):
+        if not self.cache.recurrent or limit == len(h.tokens):
             return limit                                        # KV trims anywhere; live state fits exactly
         return max((cp.n_tokens for cp in h.checkpoints if cp.n_tokens <= limit), default=0)
 
@@ -71,17 +63,8 @@ class PrefixCache:
         """Bring ``slot`` back to the longest reusable prefix of ``prompt``; returns its length."""
         n = self.reusable(slot, prompt)
         h = self.slots[slot]
-        if n == 0:
-            for cache in self.caches:
-                cache.clear(slot)
-        else:
-            if self.recurrent and n != len(h.tokens):
-                cp = next(cp for cp in h.checkpoints if cp.n_tokens == n)
-                for i in self.recurrent:
-                    self.caches[i].load_state(slot, cp.states[i], n)
-            for cache in self.caches:
-                if cache.kind != "recurrent":
-                    cache.trim(slot, n)
+        checkpoint = next((cp for cp in h.checkpoints if cp.n_tokens == n), None)
+        self.cache.rewind(slot, n, checkpoint)
         h.tokens = h.tokens[:n]
         h.checkpoints = [cp for cp in h.checkpoints if cp.n_tokens <= n]
         h.last_used = time.monotonic()
@@ -91,10 +74,9 @@ class PrefixCache:
         """The slot now holds ``tokens``; optionally checkpoint its recurrent state here."""
         h = self.slots[slot]
         h.tokens, h.last_used = list(tokens), time.monotonic()
-        if not checkpoint or not self.recurrent or any(cp.n_tokens == len(tokens) for cp in h.checkpoints):
+        if not checkpoint or not self.cache.recurrent or any(cp.n_tokens == len(tokens) for cp in h.checkpoints):
             return
-        states = {i: self.caches[i].state(slot) for i in self.recurrent}
-        h.checkpoints.append(Checkpoint(len(tokens), states))
+        h.checkpoints.append(self.cache.checkpoint(slot))
         self._evict(slot)
 
     def forget(self, slot: int) -> None:

@@ -44,8 +44,7 @@ Progress = Callable[[int], None]   # called with the number of tokens just proce
 # ----- models and chunks -------------------------------------------------------------
 def with_cache_types(llm: LLM, type_k: str, type_v: str) -> LLM:
     """Another LLM over the same weights (no reload) with its own caches of the given types."""
-    return LLM(llm.model, llm.tokenizer, set(llm.engine.eog_ids), llm.ctx, type_k, type_v, 1,
-               llm.engine.n_ubatch, path=llm.path)
+    return llm.with_cache_types(type_k, type_v)
 
 
 def chunk_ids(ids: list[int], n_ctx: int, n_chunks: int | None = None, bos: int | None = None) -> list[list[int]]:
@@ -73,28 +72,7 @@ def iter_logits(llm: LLM, ids: list[int], first: int = 0,
                 progress: Progress | None = None) -> Iterator[tuple[int, torch.Tensor]]:
     """Fresh prefill of ``ids`` in ubatches; yields ``(row, logits)`` for rows >= ``first``,
     logits float32 ``(n, vocab)`` starting at ``row``. Memory is bounded by one ubatch."""
-    engine = llm.engine
-    if len(ids) > engine.ctx:
-        raise ValueError(f"{len(ids)} tokens do not fit the context of {engine.ctx}")
-    if not engine.free_slots:
-        raise RuntimeError("no free slot to score with: all sequences are busy")
-    slot = engine.free_slots.pop(0)
-    device = engine.model.output_weight.device
-    try:
-        for cache in engine.caches:
-            cache.clear(slot)
-        for start in range(0, len(ids), engine.n_ubatch):
-            part = ids[start:start + engine.n_ubatch]
-            logits = engine.model(Batch.build([(slot, part, start)], device=device), engine.caches, all_logits=True)
-            if progress:
-                progress(len(part))
-            if start + len(part) > first:
-                skip = max(0, first - start)
-                yield start + skip, logits[skip:].float().cpu()
-    finally:
-        for cache in engine.caches:
-            cache.clear(slot)
-        engine.free_slots.append(slot)
+    return llm.engine.iter_scores(ids, first, progress)
 
 
 def scored_rows(ids: list[int], first: int, start: int, logits: torch.Tensor):

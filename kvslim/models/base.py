@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..cache import KVCache, KVLayerSpec, RecurrentStateCache, StateLayerSpec
+from ..cache import CacheConfig, KVCache, KVLayerSpec, ModelCache, RecurrentStateCache, StateLayerSpec
 from .batch import Batch
 from .layers import RMSNorm, Rope
 
@@ -64,16 +64,23 @@ class CausalLM(nn.Module):
             x = x[batch.last_rows]
         return self.logits(self.model.norm(x)).float()
 
-    def make_cache(self, ctx: int, n_slots: int = 1, type_k: str = "f16", type_v: str = "f16",
-                   device: torch.device | str | None = None, **kv_options) -> list:
-        """One cache per layer, from the config's declared layout."""
-        device = device or self.model.embed_tokens.weight.device
-        caches = []
-        for spec in self.config.cache_layout(type_k, type_v):
+    def make_cache(self, ctx: int | CacheConfig, n_slots: int = 1, type_k: str = "f16", type_v: str = "f16",
+                   device: torch.device | str | None = None, **kv_options) -> ModelCache:
+        """One cache per layer, from the config's declared layout.
+
+        Args:
+            ctx: a ``CacheConfig``, or tokens per slot (the other arguments then build one).
+            kv_options: ``page_size``, ``f16_window``, ``backend`` when ``ctx`` is a number.
+        """
+        config = ctx if isinstance(ctx, CacheConfig) else CacheConfig(
+            ctx, n_slots, type_k, type_v, device=device or self.model.embed_tokens.weight.device, **kv_options)
+        layers = []
+        for spec in self.config.cache_layout(config.type_k.name, config.type_v.name):
             if isinstance(spec, KVLayerSpec):
-                caches.append(KVCache(spec, ctx, n_slots, device=device, **kv_options))
+                layers.append(KVCache(spec, config.ctx, config.n_slots, config.page_size, config.f16_window,
+                                      config.device, config.backend))
             elif isinstance(spec, StateLayerSpec):
-                caches.append(RecurrentStateCache(spec, n_slots, device=device))
+                layers.append(RecurrentStateCache(spec, config.n_slots, device=config.device))
             else:
                 raise TypeError(f"unknown layer cache spec {spec!r}")
-        return caches
+        return ModelCache(layers, config)

@@ -30,6 +30,7 @@ class Batch:
     tokens: torch.Tensor       # (N,) token ids
     positions: torch.Tensor    # (N,) absolute positions
     segments: list[Segment]
+    slot_ids: torch.Tensor     # (N,) the cache slot of each row
 
     @classmethod
     def build(cls, parts: list[tuple[int, list[int] | torch.Tensor, int]], device="cpu") -> "Batch":
@@ -46,7 +47,8 @@ class Batch:
             tokens.append(ids)
             positions.append(torch.arange(start, start + ids.numel()))
             row += ids.numel()
-        return cls(torch.cat(tokens).to(device), torch.cat(positions).to(device), segments)
+        slot_ids = torch.cat([torch.full((s.length,), s.slot, dtype=torch.long) for s in segments])
+        return cls(torch.cat(tokens).to(device), torch.cat(positions).to(device), segments, slot_ids.to(device))
 
     @property
     def last_rows(self) -> list[int]:

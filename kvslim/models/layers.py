@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache.attention import attend
 from .batch import Batch
 
 
@@ -249,12 +248,9 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = torch.empty(n, self.n_heads, self.head_dim, dtype=x.dtype, device=x.device)
-        for seg in batch.segments:
-            rows = slice(seg.begin, seg.end)
-            cache.append(seg.slot, k[rows], v[rows])                  # quantized here: attention reads the codes
-            out[rows] = attend(cache, seg.slot, q[rows]).to(x.dtype)
-        out = out.reshape(n, -1)
+        # One call for the whole batch: the cache's backend quantizes K/V into the pool and
+        # attends on the packed codes for every sequence at once.
+        out = cache.forward(batch, q, k, v).to(x.dtype).reshape(n, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate.reshape(n, -1))
         return self.o_proj(out)

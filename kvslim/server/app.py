@@ -43,12 +43,10 @@ class ServerState:
     def load(self) -> None:
         o = self.options
         try:
-            model, tokenizer, eos = load_model(o.get("model"), o.get("dtype"), weights=o.get("weights"),
-                                               allow_dequant=bool(o.get("allow_dequant")))
-            self.engine = Engine(model, tokenizer, o["ctx"], o["n_parallel"], o["type_k"], o["type_v"],
-                                 o["n_ubatch"], tokenizer.eog_ids(sorted(eos)), prefix_cache=True,
-                                 max_checkpoints=o["ctx_checkpoints"], checkpoint_bytes=o["checkpoint_bytes"],
-                                 checkpoint_interval=o["checkpoint_interval"])
+            config = o["engine_config"]
+            model, tokenizer, eos = load_model(o.get("model"), o.get("dtype"), config.device,
+                                               weights=o.get("weights"), allow_dequant=bool(o.get("allow_dequant")))
+            self.engine = Engine(model, tokenizer, config, tokenizer.eog_ids(sorted(eos)))
             self.scheduler = Scheduler(self.engine, o["max_queue"])
         except Exception as err:                                          # reported by /health
             self.load_error = f"{type(err).__name__}: {err}"
@@ -153,7 +151,7 @@ class Handler(BaseHTTPRequestHandler):
     def models(self):
         s = self.state
         meta = {"n_ctx": s.engine.ctx, "n_parallel": s.engine.n_parallel, "type_k": s.engine.type_k,
-                "type_v": s.engine.type_v, "n_vocab": s.engine.model.config.vocab_size}
+                "type_v": s.engine.type_v, "n_vocab": s.engine.vocab_size}
         self.send_json(200, {"object": "list", "data": [{"id": s.model_id, "object": "model",
                                                            "created": int(s.started), "owned_by": "kvslim",
                                                            "meta": meta}]})

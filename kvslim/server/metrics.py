@@ -8,7 +8,7 @@ def _metric(lines: list[str], name: str, kind: str, help_: str, value) -> None:
 
 def prometheus_text(engine, scheduler) -> str:
     s, load = scheduler.stats, scheduler.snapshot()
-    cached = sum(engine.caches[i].offset(slot) for i in _kv_layers(engine)[:1] for slot in range(engine.n_parallel))
+    cached = engine.cached_tokens()
     lines: list[str] = []
     _metric(lines, "prompt_tokens_total", "counter", "Prompt tokens processed (prefix-cache hits excluded).",
             s.prompt_tokens)
@@ -25,7 +25,7 @@ def prometheus_text(engine, scheduler) -> str:
     _metric(lines, "kv_cache_bytes", "gauge", "Bytes allocated by the KV cache.", engine.kv_bytes)
     _metric(lines, "recurrent_state_bytes", "gauge", "Bytes of DeltaNet state, all slots.", engine.state_bytes)
     _metric(lines, "checkpoint_bytes", "gauge", "Bytes of recurrent-state checkpoints kept for prefix reuse.",
-            engine.prefix.nbytes if engine.prefix else 0)
+            engine.checkpoint_bytes)
     _metric(lines, "requests_processing", "gauge", "Requests decoding now.", load["running"])
     _metric(lines, "requests_deferred", "gauge", "Requests waiting for a slot.", load["waiting"])
     _metric(lines, "requests_total", "counter", "Requests admitted.", s.requests)
@@ -38,18 +38,12 @@ def _rate(n: int, seconds: float) -> float:
     return round(n / seconds, 3) if seconds else 0.0
 
 
-def _kv_layers(engine) -> list[int]:
-    return [i for i, c in enumerate(engine.caches) if c.kind == "kv"] or \
-        [i for i, c in enumerate(engine.caches)]
-
-
 def slots_view(engine, scheduler) -> list[dict]:
     busy = {job.seq.slot: job for job in list(scheduler.active) if job.seq is not None}
     out = []
     for slot in range(engine.n_parallel):
-        history = engine.prefix.slots[slot] if engine.prefix else None
+        info = engine.slot_info(slot)
         out.append({"id": slot, "n_ctx": engine.ctx, "is_processing": slot in busy,
-                    "n_cached_tokens": engine.caches[_kv_layers(engine)[0]].offset(slot),
-                    "checkpoints": [cp.n_tokens for cp in history.checkpoints] if history else [],
-                    "kv_bytes": sum(c.slot_nbytes(slot) for c in engine.caches if c.kind == "kv")})
+                    "n_cached_tokens": info["n_cached_tokens"], "checkpoints": info["checkpoints"],
+                    "kv_bytes": info["kv_bytes"]})
     return out

@@ -48,7 +48,7 @@ class Scheduler:
     def submit(self, job: Job) -> Job:
         with self.lock:
             # the queue bound counts requests beyond those a free slot takes at once
-            if len(self.waiting) >= self.max_queue + len(self.engine.free_slots):
+            if len(self.waiting) >= self.max_queue + self.engine.n_free_slots:
                 raise QueueFull(f"{len(self.waiting)} requests already waiting")
             self.waiting.append(job)
             self.lock.notify()
@@ -75,7 +75,7 @@ class Scheduler:
 
     def _admit(self) -> None:
         """Move waiting jobs into free slots (called with the lock held)."""
-        while self.waiting and self.engine.free_slots:
+        while self.waiting and self.engine.n_free_slots:
             job = self.waiting.pop(0)
             if job.cancelled.is_set():
                 continue

@@ -151,7 +151,8 @@ def load_llm(args, ctx: int):
     from ..engine import load
 
     extra = {name: getattr(args, name) for name in ("weights", "allow_dequant") if getattr(args, name, None)}
-    return load(args.model, ctx=ctx, n_ubatch=args.ubatch_size, dtype=args.dtype, **extra)
+    return load(args.model, dtype=args.dtype, config=engine_config(args, ctx=ctx, type_k="f16", type_v="f16",
+                                                                  **extra))
 
 
 def text_chunks(args, llm, n_ctx: int) -> list[list[int]]:
@@ -178,7 +179,7 @@ def ctx_of(args) -> int:
 
 
 def head_dim_of(llm) -> int:
-    return next(c.head_dim for c in llm.engine.caches if c.kind == "kv")
+    return llm.model.config.head_dim
 
 
 def bits(pair, head_dim: int) -> str:

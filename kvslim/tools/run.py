@@ -9,6 +9,7 @@ from ..bench.memory import rss_kib
 from ..engine import load
 from ..weights import encodable_names, weight_bytes
 from .common import human_bytes, to_json
+from .engine_args import add_device_args, engine_config
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -23,6 +24,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="quantize a Hugging Face folder's weight matrices at load (a GGUF keeps its own types)")
     p.add_argument("--allow-dequant", action="store_true",
                    help="expand GGUF tensors of types that cannot stay quantized instead of refusing the file")
+    add_device_args(p)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -70,8 +72,8 @@ def read_prompt(args) -> str:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     prompt = read_prompt(args)
-    llm = load(args.model, ctx=args.ctx_size, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
-               n_ubatch=args.ubatch_size, dtype=args.dtype, weights=args.weights, allow_dequant=args.allow_dequant)
+    llm = load(args.model, dtype=args.dtype, weights=args.weights, allow_dequant=args.allow_dequant,
+               config=engine_config(args))
     if args.chat:
         prompt = llm.tokenize(llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]),
                               add_special=False)

@@ -5,6 +5,7 @@ import argparse
 import time
 
 from ..server import start
+from .engine_args import engine_config
 from .run import add_model_args
 
 
@@ -35,8 +36,10 @@ def options_from(args) -> dict:
     if args.ctx_size // args.parallel < 1:
         raise ValueError(f"-c {args.ctx_size} split over -np {args.parallel} slots leaves no context per slot")
     # -c is the total context, split evenly over the slots, as llama-server does
-    return {"model": args.model, "ctx": args.ctx_size // args.parallel, "n_parallel": args.parallel, "type_k": args.cache_type_k,
-            "type_v": args.cache_type_v, "n_ubatch": args.ubatch_size, "dtype": args.dtype,
+    config = engine_config(args, ctx=args.ctx_size // args.parallel, n_parallel=args.parallel, prefix_cache=True,
+                           max_checkpoints=args.ctx_checkpoints, checkpoint_bytes=int(args.checkpoint_mib * (1 << 20)),
+                           checkpoint_interval=args.checkpoint_interval)
+    return {"model": args.model, "engine_config": config, "dtype": args.dtype,
             "api_key": args.api_key, "alias": args.alias, "max_queue": args.max_queue,
             "ctx_checkpoints": args.ctx_checkpoints, "checkpoint_bytes": int(args.checkpoint_mib * (1 << 20)),
             "checkpoint_interval": args.checkpoint_interval, "verbose": args.verbose,

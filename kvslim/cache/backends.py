@@ -1,0 +1,76 @@
+"""Attention backends: who stores a layer's new K/V and attends, for a whole flat batch.
+
+The model makes one call per attention layer per step (``KVCache.forward``);
+the backend chosen at load does the work. ``torch`` is the portable one (any
+device torch runs on); ``reference`` stores row by row and attends with the
+plain reference, one sequence at a time: the oracle that parity tests and
+``--attn-backend reference`` compare against. Faster backends (Triton on GPUs,
+a CPU-optimised one) register here under their own names.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from .attention import attend_batch, attend_reference
+
+DEFAULT_BACKEND = "torch"
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(self, cache, batch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store k/v (N, Hkv, D) of every row, then attend: q (N, H, D) -> float32 (N, H, D)."""
+
+
+class TorchBackend:
+    """One encode and one scatter for the batch's K/V, block-wise attention over the pool."""
+
+    name = "torch"
+
+    def forward(self, cache, batch, q, k, v):
+        cache.store_batch(batch, k, v)
+        return attend_batch(cache, batch, q)
+
+
+class ReferenceBackend:
+    """Segment by segment: store, then decode the whole history and attend (slow, obviously right)."""
+
+    name = "reference"
+
+    def forward(self, cache, batch, q, k, v):
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        for seg in batch.segments:
+            rows = slice(seg.begin, seg.end)
+            cache.store(seg.slot, k[rows], v[rows])
+            out[rows] = attend_reference(cache, seg.slot, q[rows])
+        return out
+
+
+_BACKENDS: dict[str, AttentionBackend] = {}
+
+
+def register_backend(backend: AttentionBackend) -> None:
+    """Make ``backend`` selectable by its name (``--attn-backend NAME``)."""
+    _BACKENDS[backend.name] = backend
+
+
+def backend_names() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+def get_backend(name: str | AttentionBackend | None = None) -> AttentionBackend:
+    """The backend called ``name`` (default: torch); raises ValueError listing the valid names."""
+    if name is None:
+        return _BACKENDS[DEFAULT_BACKEND]
+    if not isinstance(name, str):
+        return name
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; valid: {', '.join(backend_names())}")
+    return _BACKENDS[name]
+
+
+register_backend(TorchBackend())
+register_backend(ReferenceBackend())

@@ -1,0 +1,51 @@
+"""The cache's typed configuration: parsed once at the edge (CLI, ``kvslim.load``, the
+server), then handed down unchanged to the model's ``make_cache``."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from .. import formats
+from ..formats import KVFormat
+from .kv import DEFAULT_PAGE_SIZE
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """How every layer's cache is built.
+
+    Attributes:
+        ctx: tokens per slot (sequence).
+        n_slots: sequences held at once (llama.cpp's -np).
+        type_k, type_v: K and V formats, chosen independently (already parsed).
+        page_size: tokens per page of the KV pool.
+        f16_window: newest tokens per slot kept in f16 before they are packed.
+        backend: attention backend name (``kvslim.cache.backends``).
+        device: where every cache tensor lives.
+    """
+
+    ctx: int
+    n_slots: int = 1
+    type_k: KVFormat = field(default_factory=lambda: formats.get("f16"))
+    type_v: KVFormat = field(default_factory=lambda: formats.get("f16"))
+    page_size: int = DEFAULT_PAGE_SIZE
+    f16_window: int = 0
+    backend: str = "torch"
+    device: torch.device = torch.device("cpu")
+
+    def __post_init__(self):
+        for name in ("type_k", "type_v"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                object.__setattr__(self, name, formats.get(value))
+        object.__setattr__(self, "device", torch.device(self.device))
+        if self.ctx < 1 or self.n_slots < 1 or self.page_size < 1 or self.f16_window < 0:
+            raise ValueError(f"cache needs ctx >= 1, n_slots >= 1, page_size >= 1 and f16_window >= 0; got "
+                             f"ctx={self.ctx}, n_slots={self.n_slots}, page_size={self.page_size}, "
+                             f"f16_window={self.f16_window}")
+        from .backends import get_backend
+        get_backend(self.backend)                                      # unknown names fail here, listed
+
+    def with_types(self, type_k: str | KVFormat, type_v: str | KVFormat) -> "CacheConfig":
+        return replace(self, type_k=type_k, type_v=type_v)

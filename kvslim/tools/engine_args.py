@@ -1,0 +1,26 @@
+"""The engine flags every tool shares (--device, --attn-backend) and the one place where
+parsed arguments become an :class:`EngineConfig`."""
+from __future__ import annotations
+
+import argparse
+
+from ..cache import backend_names
+from ..engine.config import EngineConfig
+
+
+def add_device_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default=None,
+                   help="cpu, cuda, cuda:N or mps (default: cuda when torch sees a GPU, else cpu)")
+    p.add_argument("--attn-backend", default="torch", choices=backend_names(),
+                   help="attention backend over the paged KV pool (reference: the slow oracle)")
+
+
+def engine_config(args, *, ctx: int | None = None, n_parallel: int = 1, type_k: str | None = None,
+                  type_v: str | None = None, **engine) -> EngineConfig:
+    """An EngineConfig from a tool's parsed flags; keywords override what the flags say."""
+    return EngineConfig.build(
+        ctx if ctx is not None else args.ctx_size, n_parallel,
+        type_k if type_k is not None else args.cache_type_k,
+        type_v if type_v is not None else args.cache_type_v,
+        device=getattr(args, "device", None), backend=getattr(args, "attn_backend", "torch"),
+        n_ubatch=args.ubatch_size, **engine)
