@@ -106,7 +106,8 @@ def attend_pages(cache, slots: list[int], q: torch.Tensor, q_pos: torch.Tensor, 
     n_seq, n_kv, n_rows, dim = q.shape
     packed = [cache.n_packed(s) for s in slots]
     slot_ids = torch.tensor(slots, device=q.device)
-    acc = _OnlineSoftmax(n_seq, n_kv, n_rows, dim, q.device)
+    q = q.transpose(0, 1)                                               # (Hkv, S, R, D): heads lead, as in the pool
+    acc = _OnlineSoftmax(n_kv, n_seq, n_rows, dim, q.device)
     q_code = cache.fmt_k.to_code_domain(q)                             # rotate once
     pages_per_block = _pages_per_block(cache, n_seq, n_rows, block_tokens)
     table = cache.block_table[slot_ids]                                 # (S, pages per slot)
@@ -114,32 +115,33 @@ def attend_pages(cache, slots: list[int], q: torch.Tensor, q_pos: torch.Tensor, 
     for first_page in range(0, -(-max(packed) // cache.page_size), pages_per_block):
         pages = table[:, first_page:first_page + pages_per_block]
         start = first_page * cache.page_size
-        k, v = _decode_block(cache, pages)                              # (S, T, Hkv, D) each
-        scores = q_code @ k.permute(0, 2, 3, 1)                         # (S, Hkv, R, T)
-        end = start + k.shape[1]
+        k, v = _decode_block(cache, pages)                              # (Hkv, S, T, D) each
+        scores = q_code @ k.transpose(-1, -2)                           # (Hkv, S, R, T)
+        end = start + k.shape[2]
         if end > min(packed) or end - 1 > first_q:                      # some keys past an end or in a future
             scores = _mask(scores, start, lengths, q_pos)
-        acc.update(scores, v.transpose(1, 2))
+        acc.update(scores, v)
     if cache.f16_window:
         _window_block(cache, slots, slot_ids, packed, q, q_pos, acc)
-    return cache.fmt_v.from_code_domain(acc.result())
+    return cache.fmt_v.from_code_domain(acc.result()).transpose(0, 1)
 
 
 def _decode_block(cache, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed rows of a block of pages (S, P) -> decoded K and V (S, P*page_size, Hkv, D), code domain."""
+    """Packed rows of a block of pages (S, P) -> decoded K and V (Hkv, S, P*page_size, D), code domain.
+    One gather of packed bytes per pool; every head's rows come out contiguous."""
     n_seq, n_pages = pages.shape
     idx = pages.reshape(-1).long()
-    dim = cache.head_dim
-    kb = cache.k_pool.index_select(0, idx).reshape(n_seq, n_pages * cache.page_size, cache.n_kv_heads, -1)
-    vb = cache.v_pool.index_select(0, idx).reshape(n_seq, n_pages * cache.page_size, cache.n_kv_heads, -1)
-    return cache.fmt_k.decode_code_domain(kb, dim), cache.fmt_v.decode_code_domain(vb, dim)
+    shape = (cache.n_kv_heads, n_seq, n_pages * cache.page_size, -1)
+    kb = cache.k_pool.index_select(1, idx).reshape(shape)
+    vb = cache.v_pool.index_select(1, idx).reshape(shape)
+    return cache.fmt_k.decode_code_domain(kb, cache.head_dim), cache.fmt_v.decode_code_domain(vb, cache.head_dim)
 
 
 def _mask(scores: torch.Tensor, start: int, lengths: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
     """-inf where a key lies past its sequence's packed end or after the query's position."""
     k_pos = torch.arange(start, start + scores.shape[-1], device=scores.device)
     invalid = (k_pos[None, None, :] >= lengths[:, None, None]) | (k_pos[None, None, :] > q_pos[:, :, None])
-    return scores.masked_fill(invalid[:, None], float("-inf"))        # (S, 1, R, T) over heads
+    return scores.masked_fill(invalid, float("-inf"))                  # (S, R, T) broadcast over heads
 
 
 def _window_block(cache, slots, slot_ids, packed, q, q_pos, acc) -> None:
@@ -148,15 +150,15 @@ def _window_block(cache, slots, slot_ids, packed, q, q_pos, acc) -> None:
     if not max(win):
         return
     n = max(win)
-    wk = cache.win_k[slot_ids, :n].float()                              # (S, n, Hkv, D)
-    wv = cache.fmt_v.to_code_domain(cache.win_v[slot_ids, :n].float())
-    scores = q @ wk.permute(0, 2, 3, 1)                                 # (S, Hkv, R, n)
+    wk = cache.win_k[slot_ids, :n].float().permute(2, 0, 1, 3)          # (Hkv, S, n, D)
+    wv = cache.fmt_v.to_code_domain(cache.win_v[slot_ids, :n].float().permute(2, 0, 1, 3))
+    scores = q @ wk.transpose(-1, -2)                                   # (Hkv, S, R, n)
     base = torch.tensor(packed, device=q.device)
     j = torch.arange(n, device=q.device)
     k_pos = base[:, None] + j[None, :]                                  # (S, n)
     invalid = (j[None, :] >= torch.tensor(win, device=q.device)[:, None])[:, None, :] | \
         (k_pos[:, None, :] > q_pos[:, :, None])                         # (S, R, n)
-    acc.update(scores.masked_fill(invalid[:, None], float("-inf")), wv.transpose(1, 2))
+    acc.update(scores.masked_fill(invalid, float("-inf")), wv)
 
 
 def _pages_per_block(cache, n_seq: int, n_rows: int, block_tokens: int | None) -> int:
@@ -170,13 +172,13 @@ def _pages_per_block(cache, n_seq: int, n_rows: int, block_tokens: int | None) -
 class _OnlineSoftmax:
     """Running max, denominator and weighted sum over blocks (flash-decoding merge)."""
 
-    def __init__(self, n_seq: int, n_kv: int, rows: int, dim: int, device):
-        self.m = torch.full((n_seq, n_kv, rows, 1), float("-inf"), device=device)
-        self.l = torch.zeros(n_seq, n_kv, rows, 1, device=device)
-        self.acc = torch.zeros(n_seq, n_kv, rows, dim, device=device)
+    def __init__(self, n_kv: int, n_seq: int, rows: int, dim: int, device):
+        self.m = torch.full((n_kv, n_seq, rows, 1), float("-inf"), device=device)
+        self.l = torch.zeros(n_kv, n_seq, rows, 1, device=device)
+        self.acc = torch.zeros(n_kv, n_seq, rows, dim, device=device)
 
     def update(self, scores: torch.Tensor, v: torch.Tensor) -> None:
-        """scores (S, Hkv, R, n); v (S, Hkv, n, D)."""
+        """scores (Hkv, S, R, n); v (Hkv, S, n, D)."""
         m_new = torch.maximum(self.m, scores.amax(-1, keepdim=True))
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)   # fully masked rows
         p = torch.exp(scores - m_safe)

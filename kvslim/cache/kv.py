@@ -1,14 +1,15 @@
 """The attention layer's KV cache: one preallocated pool of packed pages.
 
 K and V each live in one uint8 tensor of fixed-size pages,
-``(n_pages + 1, page_size, n_kv_heads, row_bytes)``, allocated once on the
+``(n_kv_heads, n_pages + 1, page_size, row_bytes)``, allocated once on the
 model's device (enough pages for every slot's whole context; on the CPU the OS
 commits them only when written). A slot's pages are listed in its row of the
 block table, an int32 tensor on the same device that kernels read; a host
 mirror of the same lists decides allocation, so appending never waits on the
 device. The last page is the null page, all zeros: every unused block-table
 entry points to it, so a kernel reading a whole block never meets another
-slot's rows or uninitialised bytes.
+slot's rows or uninitialised bytes. Heads come first: gathering a block of
+pages then yields each head's rows contiguous, ready for one batched matmul.
 
 Optionally the most recent ``f16_window`` tokens of each slot stay in f16
 before they are packed; a token leaves the window exactly once, into a page,
@@ -63,10 +64,14 @@ class KVCache:
         self.backend = get_backend(backend)
 
     def _pool(self, row_bytes: int) -> torch.Tensor:
-        pool = torch.empty(self.n_pages + 1, self.page_size, self.n_kv_heads, row_bytes, dtype=torch.uint8,
+        pool = torch.empty(self.n_kv_heads, self.n_pages + 1, self.page_size, row_bytes, dtype=torch.uint8,
                            device=self.device)
-        pool[self.null_page].zero_()
+        pool[:, self.null_page].zero_()
         return pool
+
+    def _rows_view(self, pool: torch.Tensor) -> torch.Tensor:
+        """The pool as (n_kv_heads, pool rows, row_bytes): flat row = page * page_size + offset."""
+        return pool.view(self.n_kv_heads, -1, pool.shape[-1])
 
     # ----- sizes --------------------------------------------------------------
     @property
@@ -191,9 +196,8 @@ class KVCache:
 
     def _scatter(self, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Encode rows and write them at flat row ``index`` (page * page_size + offset)."""
-        h = self.n_kv_heads
-        self.k_pool.view(-1, h, self.spec.k_row_bytes).index_copy_(0, index, self.fmt_k.encode_unchecked(k))
-        self.v_pool.view(-1, h, self.spec.v_row_bytes).index_copy_(0, index, self.fmt_v.encode_unchecked(v))
+        self._rows_view(self.k_pool).index_copy_(1, index, self.fmt_k.encode_unchecked(k).transpose(0, 1))
+        self._rows_view(self.v_pool).index_copy_(1, index, self.fmt_v.encode_unchecked(v).transpose(0, 1))
 
     def _flat_index(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flat pool rows of (slot, position) pairs, read from the block table on the device."""
@@ -206,8 +210,8 @@ class KVCache:
         pages = self._pages[slot]
         while len(pages) * self.page_size < n_tokens:
             page = self._free.pop()
-            self.k_pool[page].zero_()
-            self.v_pool[page].zero_()
+            self.k_pool[:, page].zero_()
+            self.v_pool[:, page].zero_()
             self.block_table[slot, len(pages)] = page
             pages.append(page)
 
@@ -218,9 +222,8 @@ class KVCache:
         n = self._packed[slot] - start if n is None else n
         positions = torch.arange(start, start + n, device=self.device)
         index = self._flat_index(torch.full_like(positions, slot), positions)
-        h = self.n_kv_heads
-        return (self.k_pool.view(-1, h, self.spec.k_row_bytes).index_select(0, index),
-                self.v_pool.view(-1, h, self.spec.v_row_bytes).index_select(0, index))
+        return (self._rows_view(self.k_pool).index_select(1, index).transpose(0, 1),
+                self._rows_view(self.v_pool).index_select(1, index).transpose(0, 1))
 
     def packed_chunks(self, slot: int, chunk_tokens: int):
         """Yield ``(start, k_bytes, v_bytes)`` over the packed history, at most ``chunk_tokens``
@@ -271,7 +274,8 @@ class KVCache:
         """Packed rows and window of one slot, exact bytes (for saving)."""
         k, v = self.rows(slot)
         _, wk, wv = self.window(slot)
-        return {"k": k.cpu(), "v": v.cpu(), "win_k": wk.cpu().clone(), "win_v": wv.cpu().clone()}
+        return {"k": k.contiguous().cpu(), "v": v.contiguous().cpu(), "win_k": wk.cpu().clone(),
+                "win_v": wv.cpu().clone()}
 
     def check_state(self, slot: int, tensors: dict[str, torch.Tensor], n_tokens: int) -> None:
         """Raise ValueError unless ``load_state`` would accept these tensors (nothing changes)."""
@@ -299,9 +303,8 @@ class KVCache:
         self._reserve(slot, n)
         positions = torch.arange(n, device=self.device)
         index = self._flat_index(torch.full_like(positions, slot), positions)
-        h = self.n_kv_heads
-        self.k_pool.view(-1, h, self.spec.k_row_bytes).index_copy_(0, index, k.to(self.device))
-        self.v_pool.view(-1, h, self.spec.v_row_bytes).index_copy_(0, index, v.to(self.device))
+        self._rows_view(self.k_pool).index_copy_(1, index, k.to(self.device).transpose(0, 1))
+        self._rows_view(self.v_pool).index_copy_(1, index, v.to(self.device).transpose(0, 1))
         self._packed[slot] = n
         if wk.shape[0]:
             self.win_k[slot, :wk.shape[0]], self.win_v[slot, :wk.shape[0]] = wk.to(self.device), wv.to(self.device)

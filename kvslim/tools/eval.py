@@ -24,6 +24,7 @@ from pathlib import Path
 
 from .. import formats
 from .common import markdown_table
+from .engine_args import engine_config
 from .run import add_model_args, add_sampling_args
 
 SUBCOMMANDS = ("ppl", "kld", "depth", "niah", "sampling", "attention")
@@ -151,8 +152,8 @@ def load_llm(args, ctx: int):
     from ..engine import load
 
     extra = {name: getattr(args, name) for name in ("weights", "allow_dequant") if getattr(args, name, None)}
-    return load(args.model, dtype=args.dtype, config=engine_config(args, ctx=ctx, type_k="f16", type_v="f16",
-                                                                  **extra))
+    return load(args.model, dtype=args.dtype, config=engine_config(args, ctx=ctx, type_k="f16", type_v="f16"),
+                **extra)
 
 
 def text_chunks(args, llm, n_ctx: int) -> list[list[int]]:
