@@ -9,6 +9,7 @@ import time
 import httpx
 import pytest
 
+from kvslim.engine import EngineConfig
 from kvslim.server import start
 from kvslim.server.tools import ToolStreamFilter, parse_tool_calls
 
@@ -22,9 +23,12 @@ def free_port() -> int:
 
 
 def options(model, **over) -> dict:
-    base = {"model": None if model is None else str(model), "ctx": 512, "n_parallel": 4, "type_k": "q8_0", "type_v": "turbo4",
-            "n_ubatch": 64, "dtype": "f32", "api_key": None, "alias": "tiny", "max_queue": 64,
-            "ctx_checkpoints": 8, "checkpoint_bytes": 64 << 20, "checkpoint_interval": 64, "verbose": False}
+    engine = {"ctx": 512, "n_parallel": 4, "type_k": "q8_0", "type_v": "turbo4", "n_ubatch": 64,
+              "max_checkpoints": 8, "checkpoint_bytes": 64 << 20, "checkpoint_interval": 64}
+    engine.update({k: over.pop(k) for k in list(over) if k in engine})
+    base = {"model": None if model is None else str(model), "dtype": "f32", "api_key": None, "alias": "tiny",
+            "max_queue": 64, "verbose": False,
+            "engine_config": EngineConfig.build(device="cpu", prefix_cache=True, **engine)}
     return {**base, **over}
 
 
