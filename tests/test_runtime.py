@@ -1,0 +1,155 @@
+"""The runtime core: ModelCache (rewind, snapshots, checksummed files, all-or-nothing loads),
+per-sequence isolation in the engine, the typed config, --device, and CUDA end to end where
+a GPU exists."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvslim
+from kvslim.cache import CacheConfig, KVCache, ModelCache, RecurrentStateCache
+from kvslim.cli import main as cli_main
+from kvslim.engine import Engine, EngineConfig, SamplingParams, resolve_device
+from kvslim.loading import load_model
+from kvslim.models import Batch
+
+
+@pytest.fixture(scope="module")
+def hybrid(tiny_folder):
+    model, tok, eos = load_model(tiny_folder("qwen3_5")[0], "f32")
+    return model, tok, eos
+
+
+def fill(model, cache: ModelCache, slot: int, ids: list[int], start: int = 0) -> torch.Tensor:
+    return model(Batch.build([(slot, ids, start)]), cache, all_logits=True)
+
+
+def test_make_cache_follows_the_declared_layout(hybrid):
+    model, _, _ = hybrid
+    cache = model.make_cache(CacheConfig(64, 2, "q8_0", "turbo3", page_size=16))
+    kinds = [type(c) for c in cache]
+    assert kinds == [KVCache if t == "full_attention" else RecurrentStateCache for t in model.config.layer_types]
+    assert cache.kv_bytes == 0 and cache.reserved_kv_bytes == len(cache.kv_layers) * (2 * 4 + 1) * 16 * \
+        cache.kv_layers[0].spec.bytes_per_token
+
+
+def test_rewind_restores_a_checkpoint_and_continues_identically(hybrid):
+    model, _, _ = hybrid
+    ids = list(range(5, 45))
+    cache = model.make_cache(CacheConfig(64, 1, "q8_0", "q8_0", page_size=8))
+    fill(model, cache, 0, ids[:20])
+    cp = cache.checkpoint(0)
+    fill(model, cache, 0, ids[20:33], 20)
+    with pytest.raises(ValueError, match="cannot rewind from 33 to 10 tokens with a checkpoint at 20"):
+        cache.rewind(0, 10, cp)
+    cache.rewind(0, 20, cp)
+    again = fill(model, cache, 0, ids[20:], 20)
+    fresh = model.make_cache(CacheConfig(64, 1, "q8_0", "q8_0", page_size=8))
+    want = fill(model, fresh, 0, ids)[20:]
+    torch.testing.assert_close(again, want, atol=1e-5, rtol=1e-5)
+
+
+def test_saved_cache_files_are_checksummed(hybrid, tmp_path):
+    model, _, _ = hybrid
+    cache = model.make_cache(CacheConfig(64, 2, "q4_0", "turbo4", page_size=8))
+    fill(model, cache, 0, list(range(3, 30)))
+    path = tmp_path / "c.safetensors"
+    cache.save(path)
+    data = bytearray(path.read_bytes())
+    data[-40] ^= 0x10                                                 # one bit of tensor data
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(bytes(data))
+    other = model.make_cache(CacheConfig(64, 2, "q4_0", "turbo4", page_size=8))
+    fill(model, other, 0, list(range(50, 60)))
+    before = other.state(0)
+    with pytest.raises(ValueError, match="corrupted"):
+        other.load(bad)
+    assert other.offset(0) == 10 and all(torch.equal(a[k], b[k]) for a, b in zip(before, other.state(0)) for k in a)
+    other.load(path)
+    assert other.offset(0) == 27
+
+
+def test_a_load_that_fails_part_way_leaves_the_slot_as_it_was(hybrid, tmp_path):
+    model, _, _ = hybrid
+    cache = model.make_cache(CacheConfig(64, 1, "f16", "f16", page_size=8))
+    fill(model, cache, 0, list(range(3, 20)))
+    states, lengths = cache.state(0), [c.offset(0) for c in cache]
+    target = model.make_cache(CacheConfig(64, 1, "f16", "f16", page_size=8))
+    fill(model, target, 0, list(range(70, 75)))
+    kept = target.state(0)
+    last = cache.recurrent[-1]
+
+    def broken(slot, tensors, n):                                      # the last recurrent layer fails mid-way
+        raise RuntimeError("disk went away")
+
+    target[last].load_state, original = broken, target[last].load_state
+    with pytest.raises(RuntimeError, match="disk went away"):
+        target.load_state(0, states, lengths)
+    target[last].load_state = original
+    assert target.offset(0) == 5
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(kept, target.state(0)) for k in a)
+
+
+def test_one_failing_sequence_leaves_the_others_identical(hybrid):
+    model, tok, eos = hybrid
+    config = EngineConfig.build(128, 3, "q8_0", "turbo4", device="cpu", n_ubatch=16)
+    prompts = [list(range(10, 30)), list(range(40, 52)), list(range(60, 85))]
+    alone = Engine(model, tok, config, eos)
+    expected = []
+    for i in (0, 2):
+        seq = alone.submit(prompts[i], 8, SamplingParams(temperature=0))
+        alone.run([seq])
+        alone.release(seq)
+        expected.append(seq.generated)
+    engine = Engine(model, tok, config, eos)
+    seqs = [engine.submit(p, 8, SamplingParams(temperature=0)) for p in prompts]
+
+    def explode(logits, history):
+        raise ValueError("temperature overflowed")
+
+    seqs[1].sampler = explode
+    engine.run(seqs)
+    assert seqs[1].finish_reason == "error" and "temperature overflowed" in seqs[1].error
+    assert [seqs[0].generated, seqs[2].generated] == expected
+    for s in seqs:
+        engine.release(s)
+    assert engine.n_free_slots == 3 and engine.cached_tokens() == 0
+
+
+def test_public_engine_api(hybrid):
+    model, tok, eos = hybrid
+    engine = Engine(model, tok, EngineConfig.build(64, 2, "f32", "f32", device="cpu", n_ubatch=8), eos)
+    ids = list(range(3, 40))
+    with engine.borrowed_slot() as slot:
+        assert engine.n_free_slots == 1 and engine.slot_info(slot)["n_cached_tokens"] == 0
+    logits = engine.score(ids)
+    assert logits.shape == (len(ids), model.config.vocab_size) and engine.n_free_slots == 2
+    other = engine.with_cache_types("q4_0", "turbo3")
+    assert other.model is engine.model and other.type_k == "q4_0"
+    assert 1e-4 < (other.score(ids) - logits).abs().max() < 1.0
+
+
+def test_device_choice_is_checked(capsys):
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device(None).type in ("cpu", "cuda", "mps")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="sees no CUDA GPU"):
+            resolve_device("cuda")
+        assert cli_main(["run", "-p", "hi", "-n", "2", "--device", "cuda"]) == 2
+        assert "sees no CUDA GPU" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="unknown device 'gpu9'"):
+        resolve_device("gpu9")
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        EngineConfig.build(64, backend="fast")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("type_k,type_v", [("f16", "f16"), ("q8_0", "turbo4"), ("turbo3", "q4_0")])
+def test_cuda_matches_cpu_end_to_end(type_k, type_v):
+    ids = list(range(3, 300))
+    cpu = kvslim.load(ctx=512, cache_type_k=type_k, cache_type_v=type_v, dtype="f32", device="cpu")
+    gpu = kvslim.load(ctx=512, cache_type_k=type_k, cache_type_v=type_v, dtype="f32", device="cuda")
+    assert gpu.engine.cache.kv_layers[0].k_pool.device.type == "cuda"
+    torch.testing.assert_close(gpu.logits(ids), cpu.logits(ids), atol=2e-3, rtol=1e-3)
+    prompt = "Once upon a time"
+    assert gpu.generate(prompt, 16, temperature=0).token_ids == cpu.generate(prompt, 16, temperature=0).token_ids
