@@ -115,26 +115,29 @@ def attend_pages(cache, slots: list[int], q: torch.Tensor, q_pos: torch.Tensor, 
     for first_page in range(0, -(-max(packed) // cache.page_size), pages_per_block):
         pages = table[:, first_page:first_page + pages_per_block]
         start = first_page * cache.page_size
-        k, v = _decode_block(cache, pages)                              # (Hkv, S, T, D) each
+        (k, k_scale), (v, v_scale) = _decode_block(cache, pages)       # (Hkv, S, T, D), (Hkv, S, T) or None
         scores = q_code @ k.transpose(-1, -2)                           # (Hkv, S, R, T)
+        if k_scale is not None:
+            scores = scores * k_scale.unsqueeze(-2)
         end = start + k.shape[2]
         if end > min(packed) or end - 1 > first_q:                      # some keys past an end or in a future
             scores = _mask(scores, start, lengths, q_pos)
-        acc.update(scores, v)
+        acc.update(scores, v, v_scale)
     if cache.f16_window:
         _window_block(cache, slots, slot_ids, packed, q, q_pos, acc)
     return cache.fmt_v.from_code_domain(acc.result()).transpose(0, 1)
 
 
-def _decode_block(cache, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed rows of a block of pages (S, P) -> decoded K and V (Hkv, S, P*page_size, D), code domain.
-    One gather of packed bytes per pool; every head's rows come out contiguous."""
+def _decode_block(cache, pages: torch.Tensor):
+    """Packed rows of a block of pages (S, P) -> K and V as (values (Hkv, S, P*page_size, D), row
+    scale or None), code domain. One gather of packed bytes per pool; each head's rows contiguous."""
     n_seq, n_pages = pages.shape
     idx = pages.reshape(-1).long()
     shape = (cache.n_kv_heads, n_seq, n_pages * cache.page_size, -1)
     kb = cache.k_pool.index_select(1, idx).reshape(shape)
     vb = cache.v_pool.index_select(1, idx).reshape(shape)
-    return cache.fmt_k.decode_code_domain(kb, cache.head_dim), cache.fmt_v.decode_code_domain(vb, cache.head_dim)
+    return (cache.fmt_k.decode_code_domain_scaled(kb, cache.head_dim),
+            cache.fmt_v.decode_code_domain_scaled(vb, cache.head_dim))
 
 
 def _mask(scores: torch.Tensor, start: int, lengths: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
@@ -177,14 +180,14 @@ class _OnlineSoftmax:
         self.l = torch.zeros(n_kv, n_seq, rows, 1, device=device)
         self.acc = torch.zeros(n_kv, n_seq, rows, dim, device=device)
 
-    def update(self, scores: torch.Tensor, v: torch.Tensor) -> None:
-        """scores (Hkv, S, R, n); v (Hkv, S, n, D)."""
+    def update(self, scores: torch.Tensor, v: torch.Tensor, v_scale: torch.Tensor | None = None) -> None:
+        """scores (Hkv, S, R, n); v (Hkv, S, n, D), each row times v_scale (Hkv, S, n) if given."""
         m_new = torch.maximum(self.m, scores.amax(-1, keepdim=True))
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)   # fully masked rows
         p = torch.exp(scores - m_safe)
         corr = torch.exp(self.m - m_safe)
         self.l = self.l * corr + p.sum(-1, keepdim=True)
-        self.acc = self.acc * corr + p @ v
+        self.acc = self.acc * corr + (p if v_scale is None else p * v_scale.unsqueeze(-2)) @ v
         self.m = m_new
 
     def result(self) -> torch.Tensor:

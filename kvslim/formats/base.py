@@ -152,6 +152,12 @@ class KVFormat:
         """Unchecked decode of packed rows into the code domain, float32 (..., head_dim)."""
         return self._decode(packed, head_dim)
 
+    def decode_code_domain_scaled(self, packed: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(values, row_scale): rows equal ``values * row_scale[..., None]``. A format with one
+        scale per row returns it apart, so attention multiplies T scores instead of T x D
+        values (keys: scale the scores; values: scale the probabilities). Default: no split."""
+        return self.decode_code_domain(packed, head_dim), None
+
     def row_layout(self, head_dim: int) -> "RowLayout":
         """Byte layout of one packed row (fields per block), for codecs and kernels."""
         return RowLayout.of(self, head_dim)

@@ -83,6 +83,15 @@ class TurboFormat(KVFormat):
     def decode_code_domain(self, packed: torch.Tensor, head_dim: int) -> torch.Tensor:
         return self.decode_rotated(packed, head_dim)
 
+    def decode_code_domain_scaled(self, packed: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        n_groups, g = self.blocks(head_dim)
+        if n_groups != 1 or self.qjl:                                   # one scale per row only
+            return self.decode_rotated(packed, head_dim), None
+        centroids, _ = self.codebook(g, packed.device)
+        scale = fp16_from_bytes(packed[..., :2])                         # (...,)
+        values = self._lookup(packed[..., 2:], centroids, g)             # (..., g) unit-norm codebook values
+        return values, scale
+
     # ----- pieces the attention path reuses -----------------------------------------
     def codebook(self, group: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(centroids, boundaries) as float32 tensors on ``device`` (cached per device)."""
