@@ -11,8 +11,11 @@ import torch
 from .. import formats
 from ..bench import FilledCache, Test, measure
 from ..bench.report import markdown, model_facts, plot, record
+from ..cache import CacheConfig
+from ..engine.config import resolve_device
 from ..loading import load_model
 from .common import render_records
+from .engine_args import add_device_args
 
 
 RANGE = re.compile(r"^(\d+)-(\d+)(?:([+*])(\d+))?$")
@@ -55,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", choices=["md", "csv", "json", "jsonl"], default="md")
     p.add_argument("--plot", default=None, help="write tokens/s against depth to this PNG")
     p.add_argument("--no-progress", action="store_true")
+    add_device_args(p)
     return p
 
 
@@ -88,7 +92,8 @@ def main(argv: list[str]) -> int:
     pairs, tests, nps = kv_pairs(args), tests_for(args), int_list(args.n_parallel)
     if any(n < 1 for n in nps):
         raise ValueError("-np must be at least 1")
-    model, _, _ = load_model(args.model, args.dtype, weights=args.weights)
+    device = resolve_device(args.device)
+    model, _, _ = load_model(args.model, args.dtype, device, weights=args.weights)
     facts = model_facts(model, torch.get_num_threads())
     records = run_all(model, facts, pairs, tests, nps, args)
     emit(records, args)
@@ -103,7 +108,9 @@ def run_all(model, facts, pairs, tests, nps, args) -> list[dict]:
                file=sys.stderr)
     records = []
     for (type_k, type_v), n_par in itertools.product(pairs, nps):
-        fc = FilledCache(model, ctx, n_par, type_k, type_v, args.ubatch_size)
+        cache = CacheConfig(ctx, n_par, type_k, type_v, backend=args.attn_backend,
+                            device=model.model.embed_tokens.weight.device)
+        fc = FilledCache(model, ctx, n_par, type_k, type_v, args.ubatch_size, cache_config=cache)
         case = {"type_k": type_k, "type_v": type_v, "n_parallel": n_par, "n_ubatch": args.ubatch_size}
         for test in tests:
             if test.kind == "pp" and n_par > 1:

@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--n-predict", type=int, default=40, help="tokens of the opening generation")
     p.add_argument("--depth", type=float, default=0.5, help="where the pass key sits (0 = start, 1 = end)")
     p.add_argument("-s", "--seed", type=int, default=1)
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: cuda when available)")
     return p
 
 
@@ -36,7 +37,8 @@ def main(argv: list[str]) -> int:
     if args.ctx_size < 256:
         raise ValueError("-c must be at least 256 tokens for the retrieval prompt")
     pairs = [("f16", "f16"), (args.cache_type_k, args.cache_type_v)]
-    llms = [load(args.model, ctx=args.ctx_size + 64, cache_type_k=k, cache_type_v=v) for k, v in pairs]
+    first = load(args.model, ctx=args.ctx_size + 64, device=args.device)          # f16/f16; one copy of the weights
+    llms = [first, first.with_cache_types(*pairs[1])]
     opening = llms[0].generate(OPENING, args.n_predict, temperature=0.7, top_p=0.9, seed=args.seed)
     print(f"{OPENING}{opening.text}\n")
     sample = build_sample(heldout_documents(), random.Random(args.seed), args.depth,
