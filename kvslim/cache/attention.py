@@ -112,8 +112,9 @@ def attend_pages(cache, slots: list[int], q: torch.Tensor, q_pos: torch.Tensor, 
     pages_per_block = _pages_per_block(cache, n_seq, n_rows, block_tokens)
     table = cache.block_table[slot_ids]                                 # (S, pages per slot)
     lengths = torch.tensor(packed, device=q.device)
-    for first_page in range(0, -(-max(packed) // cache.page_size), pages_per_block):
-        pages = table[:, first_page:first_page + pages_per_block]
+    n_pages = -(-max(packed) // cache.page_size)                        # pages the longest sequence uses
+    for first_page in range(0, n_pages, pages_per_block):
+        pages = table[:, first_page:min(first_page + pages_per_block, n_pages)]
         start = first_page * cache.page_size
         (k, k_scale), (v, v_scale) = _decode_block(cache, pages)       # (Hkv, S, T, D), (Hkv, S, T) or None
         scores = q_code @ k.transpose(-1, -2)                           # (Hkv, S, R, T)
@@ -123,6 +124,7 @@ def attend_pages(cache, slots: list[int], q: torch.Tensor, q_pos: torch.Tensor, 
         if end > min(packed) or end - 1 > first_q:                      # some keys past an end or in a future
             scores = _mask(scores, start, lengths, q_pos)
         acc.update(scores, v, v_scale)
+        del k, v, scores, k_scale, v_scale                              # before the next block: one block alive
     if cache.f16_window:
         _window_block(cache, slots, slot_ids, packed, q, q_pos, acc)
     return cache.fmt_v.from_code_domain(acc.result()).transpose(0, 1)
