@@ -27,8 +27,7 @@ from pathlib import Path
 
 from .. import formats
 from ..data import HELDOUT_FILES
-from .common import markdown_table
-from .run import add_model_args, add_sampling_args
+from .common import add_model_args, add_sampling_args, markdown_table
 
 SUBCOMMANDS = ("ppl", "kld", "depth", "niah", "sampling", "attention")
 DEFAULT_CTX = {"ppl": 4096, "kld": 4096, "depth": 16384, "niah": 4096, "sampling": 4096}
@@ -380,7 +379,7 @@ def run_sampling(args) -> int:
     from ..engine.sampling import SamplingParams
     from ..eval.perplexity import with_cache_types
     from ..eval.sampling import drift
-    from .run import sampling_kwargs
+    from .common import sampling_kwargs
 
     n_ctx = ctx_of(args)
     params = SamplingParams(**sampling_kwargs(args))

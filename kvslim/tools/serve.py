@@ -5,7 +5,7 @@ import argparse
 import time
 
 from ..server import start
-from .run import add_model_args
+from .common import add_model_args, warn_context
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,6 +47,7 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     from .. import formats
     formats.get(args.cache_type_k), formats.get(args.cache_type_v)     # refuse bad names before binding
+    warn_context(args.model, args.ctx_size // max(args.parallel, 1))
     try:
         server = start(options_from(args), args.host, args.port)
     except OSError as err:
