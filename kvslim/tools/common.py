@@ -10,21 +10,33 @@ import sys
 
 
 # ----- flags several tools take -------------------------------------------------------------
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """The model/cache options every tool shares, with llama.cpp's names."""
-    from .. import formats
+def add_load_args(p: argparse.ArgumentParser, dtype: str | None = None) -> None:
+    """How the model is loaded (every tool that loads one): -m, --dtype, --weights, --allow-dequant."""
     from ..weights import encodable_names
 
     p.add_argument("-m", "--model", default=None, help="HF folder or .gguf file (default: the bundled model)")
-    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size per sequence (tokens)")
-    p.add_argument("-ctk", "--cache-type-k", default="f16", help="K cache type: " + ", ".join(formats.names()))
-    p.add_argument("-ctv", "--cache-type-v", default="f16", help="V cache type (same choices)")
-    p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="tokens per forward pass in prefill")
-    p.add_argument("--dtype", default=None, help="weights dtype: f32, bf16, f16 (default: as stored)")
+    p.add_argument("--dtype", default=dtype,
+                   help=f"weights dtype: f32, bf16, f16 (default: {dtype or 'as stored'})")
     p.add_argument("--weights", default=None, choices=encodable_names(),
                    help="quantize a Hugging Face folder's weight matrices at load (a GGUF keeps its own types)")
     p.add_argument("--allow-dequant", action="store_true",
                    help="expand GGUF tensors of types that cannot stay quantized instead of refusing the file")
+
+
+def load_kwargs(args) -> dict:
+    """``kvslim.load`` keywords from the flags of ``add_load_args``."""
+    return dict(dtype=args.dtype, weights=args.weights, allow_dequant=args.allow_dequant)
+
+
+def add_model_args(p: argparse.ArgumentParser, dtype: str | None = None) -> None:
+    """The model/cache options of the tools that run one K/V pair (run, serve, eval), llama.cpp's names."""
+    from .. import formats
+
+    add_load_args(p, dtype)
+    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size per sequence (tokens)")
+    p.add_argument("-ctk", "--cache-type-k", default="f16", help="K cache type: " + ", ".join(formats.names()))
+    p.add_argument("-ctv", "--cache-type-v", default="f16", help="V cache type (same choices)")
+    p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="tokens per forward pass in prefill")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from .. import formats
 from ..data import HELDOUT_FILES
-from .common import add_model_args, add_sampling_args, markdown_table
+from .common import add_model_args, add_sampling_args, load_kwargs, markdown_table
 
 SUBCOMMANDS = ("ppl", "kld", "depth", "niah", "sampling", "attention")
 DEFAULT_CTX = {"ppl": 4096, "kld": 4096, "depth": 16384, "niah": 4096, "sampling": 4096}
@@ -56,9 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
-    add_model_args(p)
     # f32 compute by default: with bf16 weights' arithmetic a q8_0 cache's KLD reads 0.000088, in f32 0.000001
-    p.set_defaults(ctx_size=None, cache_type_k=None, cache_type_v=None, dtype="f32")
+    add_model_args(p, dtype="f32")
+    p.set_defaults(ctx_size=None, cache_type_k=None, cache_type_v=None)
     p.add_argument("--pairs", default=None, help="explicit K/V pairs, e.g. f16,q4_0,q8_0/turbo4 (overrides -ctk/-ctv)")
     p.add_argument("-f", "--file", action="append", default=[], help="text file (repeatable); default: the held-out text shipped in kvslim/data/text")
     p.add_argument("--chunks", type=int, default=0, help="use at most this many chunks (0: all)")
@@ -155,8 +155,7 @@ def read_documents(files: list[str]) -> list[str]:
 def load_llm(args, ctx: int):
     from ..engine import load
 
-    extra = {name: getattr(args, name) for name in ("weights", "allow_dequant") if getattr(args, name, None)}
-    return load(args.model, ctx=ctx, n_ubatch=args.ubatch_size, dtype=args.dtype, **extra)
+    return load(args.model, ctx=ctx, n_ubatch=args.ubatch_size, **load_kwargs(args))
 
 
 def text_chunks(args, llm, n_ctx: int) -> list[list[int]]:

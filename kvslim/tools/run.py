@@ -8,7 +8,8 @@ import time
 from ..bench.memory import rss_kib
 from ..engine import load
 from ..weights import weight_bytes
-from .common import add_model_args, add_sampling_args, human_bytes, sampling_kwargs, to_json, warn_context
+from .common import (add_model_args, add_sampling_args, human_bytes, load_kwargs, sampling_kwargs, to_json,
+                     warn_context)
 
 __all__ = ["add_model_args", "add_sampling_args", "sampling_kwargs", "build_parser", "main"]
 
@@ -57,7 +58,7 @@ def main(argv: list[str]) -> int:
     prompt = read_prompt(args)
     warn_context(args.model, args.ctx_size)
     llm = load(args.model, ctx=args.ctx_size, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
-               n_ubatch=args.ubatch_size, dtype=args.dtype, weights=args.weights, allow_dequant=args.allow_dequant)
+               n_ubatch=args.ubatch_size, **load_kwargs(args))
     if args.chat:
         prompt = llm.tokenize(llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]),
                               add_special=False)
