@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:  # users' mistakes surface as ValueError with a clear message
         print(f"kvslim {argv[0]}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback (tools that stream print their timings first)
+        print(f"\nkvslim {argv[0]}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

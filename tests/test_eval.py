@@ -173,15 +173,18 @@ def test_percentiles_and_median_follow_perplexity_cpp():
 def test_base_file_round_trips_and_json_matches_the_library(capsys, model_path, text_file, tmp_path, llm, chunks):
     base = tmp_path / "base.kld"
     common = ["-m", model_path, "--dtype", "f32", "-ub", 8, "-ctk", "q4_0", "-o", "json"]
+    # llama-perplexity's two runs: --kl-divergence-base FILE -f TEXT writes, adding --kl-divergence compares
     code, out, _ = run_cli(capsys, "kld", "-f", text_file, "-c", N_CTX, "--chunks", 3, "--kl-divergence-base", base,
-                           "--save-base", "--kld-top-k", 0, "-m", model_path, "--dtype", "f32", "-ub", 8)
+                           "--kld-top-k", 0, "-m", model_path, "--dtype", "f32", "-ub", 8)
     assert code == 0 and out.startswith("Final estimate: PPL = ") and base.is_file()
     ref = P.Reference.load(base)
     assert ref.tokens.tolist() == chunks and ref.top_k == ref.n_vocab == 320 and ref.meta["type_k"] == "f16"
     assert ref.top_ids.nbytes + ref.top_logp.nbytes == len(ref.next_logp) * 320 * 8     # ids + fp32 log-probs
 
-    code, out, _ = run_cli(capsys, "kld", "--kl-divergence-base", base, *common)
+    code, out, _ = run_cli(capsys, "kld", "--kl-divergence-base", base, "--kl-divergence", *common)
     from_file = json.loads(out)
+    code, out, _ = run_cli(capsys, "kld", "--kl-divergence-base", base, *common)     # kvslim's shorter form
+    assert code == 0 and json.loads(out) == from_file
     assert code == 0 and len(from_file) == 1 and from_file[0]["type_k"] == "q4_0" and from_file[0]["type_v"] == "f16"
     code, out, _ = run_cli(capsys, "kld", "-f", text_file, "-c", N_CTX, "--chunks", 3, *common)
     in_memory = json.loads(out)[0]
@@ -314,7 +317,10 @@ def test_attention_cli_table(capsys, minilm, text_file):
     (["ppl", "-f", "/nonexistent/text.txt"], "cannot read text file /nonexistent/text.txt"),
     (["ppl", "-ctk", "q9_9"], "unknown KV cache type 'q9_9'; valid types: f32, f16"),
     (["ppl", "-c", "4"], "-c 4 is too small"),
-    (["kld", "--kl-divergence-base", "/nonexistent/base.kld"], "no such file"),
+    (["kld", "--kl-divergence-base", "/nonexistent/base.kld", "--kl-divergence"],
+     "no such file /nonexistent/base.kld: write the KL-divergence base first with 'kvslim eval kld"),
+    (["kld", "--kl-divergence-base", "/nonexistent/base.kld"], "cannot write /nonexistent/base.kld"),
+    (["kld", "--kl-divergence", "--save-base", "--kl-divergence-base", "b.kld"], "give one"),
     (["kld", "--save-base"], "--save-base needs --kl-divergence-base"),
     (["kld", "--save-base", "--kl-divergence-base", "/nonexistent/base.kld"], "its folder does not exist"),
     (["niah", "-c", "64", "--lengths", "128"], "context length 128 exceeds -c 64"),

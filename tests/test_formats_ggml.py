@@ -49,20 +49,29 @@ def blocks():
     return np.concatenate([random_blocks(N_RANDOM_BLOCKS, 0), edge_blocks()])
 
 
+def oracle_quantize(blocks: np.ndarray, name: str) -> np.ndarray:
+    """gguf.quants' bytes. The edge blocks (scales that overflow fp16, infinities) make its numpy
+    divide and cast overflow on purpose, as the C reference does; the warnings say nothing here."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return quants.quantize(blocks, T[name.upper()])
+
+
 @pytest.mark.parametrize("name", ORACLE_TYPES)
 def test_bytes_identical_to_gguf_quants(name, blocks):
     fmt = formats.get(name)
     ours = fmt.encode(torch.from_numpy(blocks)).numpy()
-    ref = quants.quantize(blocks, T[name.upper()])
+    ref = oracle_quantize(blocks, name)
     mismatched = np.flatnonzero((ours != ref).any(-1))
     assert mismatched.size == 0, f"{name}: {mismatched.size} blocks differ, first {mismatched[:5]}"
 
 
 @pytest.mark.parametrize("name", ORACLE_TYPES)
 def test_decode_identical_to_gguf_quants(name, blocks):
-    ref_bytes = quants.quantize(blocks, T[name.upper()])
+    ref_bytes = oracle_quantize(blocks, name)
     ours = formats.get(name).decode(torch.from_numpy(ref_bytes), 32).numpy()
-    np.testing.assert_array_equal(ours, quants.dequantize(ref_bytes, T[name.upper()]))
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = quants.dequantize(ref_bytes, T[name.upper()])
+    np.testing.assert_array_equal(ours, want)
 
 
 def test_multi_block_rows_are_blocks_in_order():

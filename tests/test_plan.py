@@ -11,10 +11,12 @@ import numpy as np
 import pytest
 import torch
 
+import kvslim
 from kvslim import cli, formats, models
 from kvslim.cache import KVCache
 from kvslim.plan import weight_bytes as plan_weights
 from kvslim.plan import catalog, planner
+from kvslim.tools import plan as plan_tool
 
 MIB, GIB = 1 << 20, 1 << 30
 TINY = dict(vocab_size=160, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -333,7 +335,7 @@ def test_cli_mem_target_and_tp(capsys):
     (["-m", "qwen3-32b", "--gpu", "rtx4090", "-np", "0"], "-np must be at least 1"),
     (["-m", "qwen3-32b", "--mem", "lots"], "cannot read memory size 'lots'"),
     (["-m", "qwen3-32b", "--mem", "0GiB"], "memory size must be positive"),
-    (["-m", "qwen3-32b", "--gpu", "rtx4090", "-wq", "q2_xs"], "unknown weight quantization 'q2_xs'; valid: f16"),
+    (["-m", "qwen3-32b", "--gpu", "rtx4090", "-wq", "q2_xs"], "unknown weight quantization 'q2_xs'; valid: f32, f16"),
     (["-m", "qwen3.6-35b-a3b", "--gpu", "h100", "--tp", "3"], "--tp 3 does not divide the 16 attention heads"),
     (["-m", "qwen3-32b", "--gpu", "rtx4090", "-c", "4096", "-d", "5000"], "--depth 5000 must be between 0"),
     (["-m", "/nonexistent/model.gguf", "--gpu", "rtx4090"], "no such GGUF file"),
@@ -348,3 +350,48 @@ def test_parse_memory_units():
     assert planner.parse_memory("24GiB") == planner.parse_memory("24 G") == 24 * GIB
     assert planner.parse_memory("24GB") == 24 * 10**9
     assert planner.parse_memory("16384MiB") == 16 * GIB
+
+
+# ----- a newcomer's plan (issue 20): ids, 1M, this machine, stored dtype, the context limit ---------------------
+def test_catalog_models_answer_to_their_hugging_face_ids(capsys):
+    for spec in ("Qwen/Qwen3.6-35B-A3B", "qwen/qwen3.6-35b-a3b", "Qwen3.6-35B-A3B"):
+        code, out, _ = run_cli(capsys, "-m", spec, "--gpu", "rtx4090", "-o", "json")
+        assert code == 0 and json.loads(out)["model"]["name"] == "qwen3.6-35b-a3b"
+
+
+def test_m_suffix_counts_in_binary_millions_like_k():
+    assert plan_tool.parse_counts("128k,1M,2m", "-c") == [131_072, 1_048_576, 2_097_152]
+
+
+def test_without_gpu_or_mem_plans_for_this_machine(capsys):
+    code, out, _ = run_cli(capsys, "-o", "json")
+    target = json.loads(out)["target"]
+    local = planner.local_target()
+    assert code == 0 and target["name"] == local.name and target["name"].startswith("this ")
+    assert abs(target["memory"] - local.memory) < (1 << 30)      # MemAvailable moves while the test runs
+
+
+def test_a_folder_is_planned_with_the_weights_run_loads(capsys):
+    code, out, _ = run_cli(capsys, "--mem", "1GiB", "-o", "json")     # no -m: the bundled model, stored bf16
+    result = json.loads(out)
+    llm = kvslim.load(ctx=64)
+    loaded = sum(t.numel() * t.element_size() for t in llm.model.state_dict().values())
+    row = result["rows"][0]
+    assert code == 0 and row["weight_quant"] == "bf16" and result["model"]["stored_quant"] == "bf16"
+    assert abs(row["weights"] - loaded) / loaded < 0.01                # not q4_k_m's third of it
+
+
+def test_bundled_model_reports_its_limit_and_trained_context(capsys):
+    code, out, _ = run_cli(capsys, "--mem", "1GiB")
+    assert code == 0 and "context limit 32768 (max_position_embeddings), trained on sequences of at most 4096" in out
+
+
+def test_contexts_past_the_model_limit_are_flagged_and_never_launched(capsys):
+    code, out, _ = run_cli(capsys, "-m", "qwen3.6-27b", "-c", "1000000", "--gpu", "h200", "-o", "json")
+    result = json.loads(out)
+    assert code == 0 and result["rows"][0]["past_limit"] and result["rows"][0]["fits"]
+    assert "-c 262144 " in result["launch"]["llama_server"] and "--max-model-len 262144 " in result["launch"]["vllm"]
+    assert "past the model's limit of 262144" in result["launch"]["notes"][0]
+    code, out, _ = run_cli(capsys, "-m", "qwen3.6-27b", "-c", "1000000", "--gpu", "h200")
+    commands = [line for line in out.split("Launch lines")[1].splitlines() if line.startswith("  llama-server")]
+    assert "yes (past limit)" in out and len(commands) == 1 and " -c 262144 " in commands[0]

@@ -126,13 +126,20 @@ def hardware(name: str) -> Hardware:
     return found
 
 
+def find_model(name: str) -> tuple[str, CatalogModel]:
+    """The built-in model called ``name``, by catalog name or Hugging Face id ('Qwen/Qwen3.6-35B-A3B',
+    'Qwen3.6-35B-A3B'), any case, with its catalog name; raises ValueError listing the valid names."""
+    key = name.strip().lower()
+    for short, entry in MODELS.items():
+        if key in (short, entry.hf_id.lower(), entry.hf_id.lower().split("/")[-1]):
+            return short, entry
+    raise ValueError(f"unknown model {name!r}; built-in models: {', '.join(MODELS)} (or their Hugging Face ids, "
+                     f"a Hugging Face folder with config.json, or a .gguf file)")
+
+
 def model(name: str) -> CatalogModel:
-    """The built-in model called ``name``; raises ValueError listing the valid names."""
-    found = MODELS.get(name.strip().lower())
-    if found is None:
-        raise ValueError(f"unknown model {name!r}; built-in models: {', '.join(MODELS)} "
-                         f"(or give a Hugging Face folder with config.json, or a .gguf file)")
-    return found
+    """The built-in model called ``name`` (see ``find_model``)."""
+    return find_model(name)[1]
 
 
 # ----- weight types and llama.cpp's quantization mixes ------------------------------------
@@ -166,6 +173,7 @@ class WeightMix:
 # The rules for 8-expert models (Mixtral) and imatrix-dependent tweaks are not modelled.
 _MORE_BITS_Q6 = (("attn_v", "more_bits", "q6_k"), ("ffn_down", "more_bits", "q6_k"))
 WEIGHT_QUANTS: dict[str, WeightMix] = {
+    "f32": WeightMix("f32", "f32"),
     "f16": WeightMix("f16", "f16"),
     "bf16": WeightMix("bf16", "bf16"),
     "q8_0": WeightMix("q8_0", "q8_0"),

@@ -19,7 +19,9 @@ import dataclasses
 import functools
 import itertools
 import json
+import os
 import re
+import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -104,6 +106,8 @@ class Model:
     hf_id: str | None = None     # what vLLM would serve
     gguf_path: str | None = None
     gguf_bytes: int | None = None
+    stored_quant: str | None = None       # a folder's weights as stored (what `kvslim run` loads)
+    trained_context: int | None = None    # when shorter than the config's limit and known (the bundled model)
 
     @functools.cached_property
     def tensors(self) -> list["WeightTensor"]:
@@ -119,8 +123,12 @@ def load_model(spec: str) -> Model:
         if not path.is_file():
             raise ValueError(f"no such GGUF file: {spec}")
         return _from_gguf(path)
-    entry = catalog.model(spec)
-    return Model(spec.strip().lower(), config_from_dict(entry.config), "catalog", hf_id=entry.hf_id)
+    name, entry = catalog.find_model(spec)
+    return Model(name, config_from_dict(entry.config), "catalog", hf_id=entry.hf_id)
+
+
+# config.json's dtype (transformers 5) or torch_dtype (4.x) -> the weight mix of the same bytes
+STORED_DTYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 
 
 def _from_hf_folder(folder: Path) -> Model:
@@ -131,7 +139,13 @@ def _from_hf_folder(folder: Path) -> Model:
         d = json.loads(file.read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"{file} is not valid JSON: {err}") from None
-    return Model(folder.name, config_from_dict(d), "hf", hf_id=str(folder))
+    from ..data import BUNDLED_TRAINED_CONTEXT
+    from ..loading import BUNDLED
+
+    stored = STORED_DTYPES.get(str(d.get("dtype") or d.get("torch_dtype") or "").removeprefix("torch."))
+    trained = BUNDLED_TRAINED_CONTEXT if folder.resolve() == BUNDLED.resolve() else None
+    return Model(folder.name, config_from_dict(d), "hf", hf_id=str(folder), stored_quant=stored,
+                 trained_context=trained)
 
 
 def _from_gguf(path: Path) -> Model:
@@ -288,6 +302,32 @@ def memory_target(text: str, bandwidth_gbs: float | None = None) -> Target:
     return Target(f"{text.strip()} of memory", parse_memory(text), bandwidth_gbs and bandwidth_gbs * 1e9)
 
 
+def local_target() -> Target:
+    """This machine: the first CUDA GPU's memory less the runtime reserve, else an Apple Mac's
+    GPU share of its memory, else the RAM the OS reports available now (llama.cpp's CPU backend).
+    Bandwidth is unknown (give --gpu or --bw for decode ceilings)."""
+    import torch
+
+    if torch.cuda.is_available():
+        name, total = torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory
+        return Target(f"this machine's {name}", total - catalog.NVIDIA_RESERVE, None, "nvidia")
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if sys.platform == "darwin":
+        share = catalog.APPLE_GPU_SHARE_LARGE if physical >= catalog.APPLE_LARGE_FROM else catalog.APPLE_GPU_SHARE_SMALL
+        return Target("this Mac's GPU share of memory", int(physical * share), None, "apple")
+    return Target("this machine's available RAM (CPU)", _available_ram() or physical, None, "cpu")
+
+
+def _available_ram() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), in bytes."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields_ = dict(line.split(":", 1) for line in f if ":" in line)
+        return int(fields_["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
 @dataclass(frozen=True)
 class Breakdown:
     """Bytes on one GPU."""
@@ -334,6 +374,12 @@ class Plan:
     memory: Breakdown
     target_memory: int
     decode_tps: float | None
+    context_limit: int | None = None
+
+    @property
+    def past_limit(self) -> bool:
+        """More tokens per slot than the model's positions allow: memory may fit, the model does not."""
+        return self.context_limit is not None and self.request.ctx_per_slot > self.context_limit
 
     @property
     def headroom(self) -> int:
@@ -348,20 +394,26 @@ class Plan:
         return {"ctx": r.ctx, "ctx_per_slot": r.ctx_per_slot, "n_slots": r.n_slots, "type_k": r.type_k,
                 "type_v": r.type_v, "weight_quant": r.weight_quant, "tp": r.tp, "weights": m.weights, "kv": m.kv,
                 "state": m.state, "compute": m.compute, "total": m.total, "memory": self.target_memory,
-                "headroom": self.headroom, "fits": self.fits, "depth": r.decode_depth,
+                "headroom": self.headroom, "fits": self.fits, "past_limit": self.past_limit, "depth": r.decode_depth,
                 "decode_tps": None if self.decode_tps is None else round(self.decode_tps, 1)}
 
 
 def plan(model: Model, req: Request, target: Target) -> Plan:
     """The memory breakdown, fit and decode ceiling of ``req`` on ``target``."""
     req.check(model)
-    return Plan(req, breakdown(model, req), target.memory, decode_ceiling(model, req, target))
+    return Plan(req, breakdown(model, req), target.memory, decode_ceiling(model, req, target),
+                context_limit(model.config))
 
 
 # ----- searches and suggestions ----------------------------------------------------------------
 
+def context_limit(c) -> int | None:
+    """The positions the model's config allows (max_position_embeddings); None when it does not say."""
+    return int(getattr(c, "max_position_embeddings", 0) or 0) or None
+
+
 def max_context_per_slot(c) -> int:
-    return int(getattr(c, "max_position_embeddings", 0) or 262_144)
+    return context_limit(c) or 262_144
 
 
 def _context_cap(c, page_size: int) -> int:
@@ -567,7 +619,8 @@ def model_summary(model: Model) -> dict:
             "gguf": model.gguf_path, "params": total, "active_params": active, "layers": len(layout),
             "attention_layers": n_kv, "state_layers": len(layout) - n_kv,
             "kv_bytes_per_token_f16": kv_bytes(c, 1, 1, "f16", "f16", 1), "state_bytes_per_slot": state_bytes(c, 1),
-            "max_context": max_context_per_slot(c)}
+            "max_context": max_context_per_slot(c), "trained_context": model.trained_context,
+            "stored_quant": model.stored_quant}
 
 
 def _largest_row(model: Model, req: Request, target: Target) -> dict:
@@ -581,9 +634,20 @@ def _largest_row(model: Model, req: Request, target: Target) -> dict:
 
 
 def _recommended(plans: list[Plan]) -> Plan | None:
-    """The fitting row with the longest context, then the least compressed K/V, then the widest weights."""
-    ok = [p for p in plans if p.fits]
+    """The fitting row within the model's context limit with the longest context, then the least
+    compressed K/V, then the widest weights (rows past the limit only when no other row fits)."""
+    ok = [p for p in plans if p.fits and not p.past_limit] or [p for p in plans if p.fits]
     return max(ok, key=lambda p: (p.request.ctx, p.memory.kv, p.memory.weights), default=None)
+
+
+def _within_limit(model: Model, req: Request) -> tuple[Request, list[str]]:
+    """``req`` with each slot cut to the model's context limit for the launch lines, and a note saying so."""
+    limit = context_limit(model.config)
+    if limit is None or req.ctx_per_slot <= limit:
+        return req, []
+    cut = dataclasses.replace(req, ctx=limit * req.n_slots, depth=None)
+    return cut, [f"-c {req.ctx} gives each slot {req.ctx_per_slot} tokens, past the model's limit of {limit} "
+                 f"(max_position_embeddings): vLLM refuses it and llama-server warns; the lines use -c {cut.ctx}"]
 
 
 def report(model: Model, target: Target, requests: list[Request]) -> dict:
@@ -594,7 +658,9 @@ def report(model: Model, target: Target, requests: list[Request]) -> dict:
             for p in plans]
     pairs = {(r.type_k, r.type_v, r.weight_quant, r.n_slots, r.tp): r for r in requests}
     best = _recommended(plans)
+    launch_req, cut_notes = _within_limit(model, best.request if best else requests[0])
+    launch = launch_commands(model, launch_req, target)
     return {"model": model_summary(model), "target": target.as_dict(), "rows": rows,
             "largest_context": [_largest_row(model, r, target) for r in pairs.values()],
             "recommended": best and best.as_dict(),
-            "launch": launch_commands(model, best.request if best else requests[0], target)}
+            "launch": {**launch, "notes": cut_notes + launch["notes"]}}

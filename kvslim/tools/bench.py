@@ -14,8 +14,7 @@ from ..bench.report import markdown, model_facts, plot, record
 from ..cache import CacheConfig
 from ..engine.config import resolve_device
 from ..loading import load_model
-from .common import render_records
-from .engine_args import add_device_args
+from .common import add_load_args, load_kwargs, render_records
 
 
 RANGE = re.compile(r"^(\d+)-(\d+)(?:([+*])(\d+))?$")
@@ -42,7 +41,7 @@ def int_list(text: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvslim bench", description=__doc__)
-    p.add_argument("-m", "--model", default=None, help="HF folder or .gguf (default: the bundled model)")
+    add_load_args(p)
     p.add_argument("-p", "--n-prompt", default="512", help="prompt tokens for pp tests (list; 0 skips pp)")
     p.add_argument("-n", "--n-gen", default="128", help="generated tokens for tg tests (list; 0 skips tg)")
     p.add_argument("-d", "--n-depth", default="0", help="depths to fill first (list or range)")
@@ -53,12 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-np", "--n-parallel", default="1", help="sequences decoded together in tg (list)")
     p.add_argument("-ub", "--ubatch-size", type=int, default=512)
     p.add_argument("-t", "--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--dtype", default=None, help="weights dtype: f32, bf16, f16 (default: as stored)")
-    p.add_argument("--weights", default=None, help="quantize an HF folder's weights at load: q8_0, q4_0, ...")
     p.add_argument("-o", "--output", choices=["md", "csv", "json", "jsonl"], default="md")
     p.add_argument("--plot", default=None, help="write tokens/s against depth to this PNG")
     p.add_argument("--no-progress", action="store_true")
-    add_device_args(p)
     return p
 
 
@@ -92,8 +88,7 @@ def main(argv: list[str]) -> int:
     pairs, tests, nps = kv_pairs(args), tests_for(args), int_list(args.n_parallel)
     if any(n < 1 for n in nps):
         raise ValueError("-np must be at least 1")
-    device = resolve_device(args.device)
-    model, _, _ = load_model(args.model, args.dtype, device, weights=args.weights)
+    model, _, _ = load_model(args.model, device=resolve_device(args.device), **load_kwargs(args))
     facts = model_facts(model, torch.get_num_threads())
     records = run_all(model, facts, pairs, tests, nps, args)
     emit(records, args)

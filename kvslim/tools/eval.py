@@ -1,34 +1,36 @@
 """``kvslim eval``: quality of every K/V cache pair: perplexity, KL divergence, depth, needles, sampling, attention.
 
     kvslim eval ppl       -f TEXT -c 4096 -ctk f16,q8_0,turbo4
-    kvslim eval kld       -f TEXT --kl-divergence-base base.kld --save-base     # f16 reference, once
-    kvslim eval kld       --kl-divergence-base base.kld -ctk q8_0 -ctv turbo4  # llama-perplexity's blocks
-    kvslim eval kld       -f TEXT --pairs f16,q8_0,q4_0,turbo4,q8_0/turbo3    # sweep, exact, no file
-    kvslim eval depth     -f TEXT -c 16384 --pairs q8_0,turbo4 --png depth.png
+    kvslim eval kld       --kl-divergence-base base.kld                         # write the f16 reference, once
+    kvslim eval kld       --kl-divergence-base base.kld --kl-divergence -ctk q8_0 -ctv turbo4  # compare
+    kvslim eval kld       --pairs f16,q8_0,q4_0,turbo4,q8_0/turbo3            # sweep, exact, no file
+    kvslim eval depth     -c 16384 --pairs q8_0,turbo4 --png depth.png
     kvslim eval niah      -c 4096 --pairs f16,turbo3 --png niah.png
-    kvslim eval sampling  -f TEXT --pairs q8_0,turbo4 --temp 0.8
+    kvslim eval sampling  --pairs q8_0,turbo4 --temp 0.8
     kvslim eval attention --pairs q8_0,q4_0,turbo4,turbo3
 
 -ctk/-ctv take comma lists and sweep every pair; --pairs lists pairs explicitly
-(``K/V``, or one name for both). Without -f the text is the training corpus's
-held-out split (training/data/*.heldout.txt) when present.
+(``K/V``, or one name for both). Without -f the text is the held-out text that
+ships with kvslim (kvslim/data/text: Austen, Wells/Verne/Dickens, KJV chapters
+the bundled model never saw). The KL-divergence flags are llama-perplexity's:
+--kl-divergence-base FILE alone writes the reference, with --kl-divergence it
+compares. Compute is f32 unless --dtype says otherwise: bf16 arithmetic alone
+moves the logits more than a q8_0 cache does.
 """
 from __future__ import annotations
 
 import argparse
-import importlib
 import itertools
 import json
 import sys
 from pathlib import Path
 
 from .. import formats
-from .common import markdown_table
+from ..data import HELDOUT_FILES
+from .common import add_model_args, add_sampling_args, load_kwargs, markdown_table
 from .engine_args import engine_config
-from .run import add_model_args, add_sampling_args
 
 SUBCOMMANDS = ("ppl", "kld", "depth", "niah", "sampling", "attention")
-HELDOUT = Path(__file__).resolve().parents[2] / "training" / "data"
 DEFAULT_CTX = {"ppl": 4096, "kld": 4096, "depth": 16384, "niah": 4096, "sampling": 4096}
 
 
@@ -55,22 +57,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
-    add_model_args(p)
+    # f32 compute by default: with bf16 weights' arithmetic a q8_0 cache's KLD reads 0.000088, in f32 0.000001
+    add_model_args(p, dtype="f32")
     p.set_defaults(ctx_size=None, cache_type_k=None, cache_type_v=None)
     p.add_argument("--pairs", default=None, help="explicit K/V pairs, e.g. f16,q4_0,q8_0/turbo4 (overrides -ctk/-ctv)")
-    p.add_argument("-f", "--file", action="append", default=[], help="text file (repeatable); default: held-out corpus")
+    p.add_argument("-f", "--file", action="append", default=[], help="text file (repeatable); default: the held-out text shipped in kvslim/data/text")
     p.add_argument("--chunks", type=int, default=0, help="use at most this many chunks (0: all)")
     p.add_argument("-o", "--output", choices=["md", "json"], default="md")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
 def _args_kld(p):
+    # llama-perplexity's flags: the base file alone writes it; with --kl-divergence it is read and compared
     p.add_argument("--kl-divergence-base", metavar="FILE", default=None,
-                   help="reference log-probs: written with --save-base, else read and compared against")
-    p.add_argument("--save-base", action="store_true", help="compute the reference (--base-ctk/--base-ctv) and save it")
+                   help="reference log-probs (cache types --base-ctk/--base-ctv): written, unless --kl-divergence "
+                        "or -ctk/-ctv/--pairs ask to compare against it")
+    p.add_argument("--kl-divergence", action="store_true",
+                   help="compare -ctk/-ctv (default f16) against the --kl-divergence-base FILE written earlier")
+    p.add_argument("--save-base", action="store_true", help=argparse.SUPPRESS)   # kvslim's earlier name for writing
     _base_args(p)
     p.add_argument("--kld-top-k", type=int, default=128,
-                   help="with --save-base: log-probs stored per token (0: whole vocabulary, exact); the rest is "
+                   help="when writing a base: log-probs stored per token (0: whole vocabulary, exact); the rest is "
                         "one tail bucket. Sweeps without a file compare over the whole vocabulary")
 
 
@@ -133,9 +140,7 @@ def base_pair(args) -> tuple[str, str]:
 
 def read_documents(files: list[str]) -> list[str]:
     """Documents of the given files ('\\f'-separated as the corpus writes them), or of the held-out split."""
-    paths = [Path(f) for f in files] or sorted(HELDOUT.glob("*.heldout.txt"))
-    if not paths:
-        raise ValueError("no text: give a file with -f (the held-out corpus in training/data is missing)")
+    paths = [Path(f) for f in files] or list(HELDOUT_FILES)
     docs = []
     for path in paths:
         try:
@@ -151,9 +156,7 @@ def read_documents(files: list[str]) -> list[str]:
 def load_llm(args, ctx: int):
     from ..engine import load
 
-    extra = {name: getattr(args, name) for name in ("weights", "allow_dequant") if getattr(args, name, None)}
-    return load(args.model, dtype=args.dtype, config=engine_config(args, ctx=ctx, type_k="f16", type_v="f16"),
-                **extra)
+    return load(args.model, **load_kwargs(args), config=engine_config(args, ctx=ctx, type_k="f16", type_v="f16"))
 
 
 def text_chunks(args, llm, n_ctx: int) -> list[list[int]]:
@@ -180,7 +183,7 @@ def ctx_of(args) -> int:
 
 
 def head_dim_of(llm) -> int:
-    return llm.model.config.head_dim
+    return next(c.head_dim for c in llm.engine.caches if c.kind == "kv")
 
 
 def bits(pair, head_dim: int) -> str:
@@ -213,16 +216,36 @@ def run_ppl(args) -> int:
     return 0
 
 
+def kld_mode(args) -> str:
+    """'write' a base file, 'compare' against one, or 'sweep' (no file: base and pairs side by side).
+
+    As llama-perplexity: the base file alone writes it, with --kl-divergence it is read. Cache types to
+    compare (-ctk/-ctv/--pairs) with a base file also mean reading it, as kvslim always took them."""
+    base = args.kl_divergence_base
+    if args.kl_divergence and args.save_base:
+        raise ValueError("--kl-divergence compares against the base file; --save-base writes it: give one")
+    if not base:
+        if args.save_base:
+            raise ValueError("--save-base needs --kl-divergence-base FILE")
+        return "sweep"
+    compare = args.kl_divergence or (not args.save_base and (args.pairs or args.cache_type_k or args.cache_type_v))
+    if compare:
+        if not Path(base).is_file():
+            raise ValueError(f"no such file {base}: write the KL-divergence base first with "
+                             f"'kvslim eval kld --kl-divergence-base {base}' (add -f TEXT and -c N as needed)")
+        return "compare"
+    if not Path(base).resolve().parent.is_dir():
+        raise ValueError(f"cannot write {base}: its folder does not exist")
+    return "write"
+
+
 def run_kld(args) -> int:
     from ..eval import perplexity as P
 
-    if args.save_base and not args.kl_divergence_base:
-        raise ValueError("--save-base needs --kl-divergence-base FILE")
-    if args.save_base and not Path(args.kl_divergence_base).resolve().parent.is_dir():
-        raise ValueError(f"cannot write {args.kl_divergence_base}: its folder does not exist")
+    mode = kld_mode(args)
     base = base_pair(args)
     pairs = resolve_pairs(args, [("f16", "f16")])
-    if args.kl_divergence_base and not args.save_base:
+    if mode == "compare":
         ref = P.Reference.load(args.kl_divergence_base)
         if args.ctx_size is not None and args.ctx_size != ref.n_ctx:
             raise ValueError(f"{args.kl_divergence_base} was computed with -c {ref.n_ctx}, not -c {args.ctx_size}")
@@ -239,15 +262,8 @@ def run_kld(args) -> int:
         n_ctx = ctx_of(args)
         llm = load_llm(args, n_ctx)
         chunks = text_chunks(args, llm, n_ctx)
-        if args.save_base:
-            with progress_bar(args, len(chunks) * n_ctx, f"base {base[0]}/{base[1]}") as bar:
-                ref = P.reference(P.with_cache_types(llm, *base), chunks, top_k=args.kld_top_k, progress=bar.update)
-            ref.save(args.kl_divergence_base)
-            ppl = P.PerplexityResult(-ref.next_logp.astype("float64"), ref.n_ctx, len(chunks), *base)
-            emit(args, [{**ppl.as_dict(), "base_file": args.kl_divergence_base, "top_k": ref.top_k}],
-                 f"{ppl.final_line()}\nsaved {base[0]}/{base[1]} log-probs of {len(ref.next_logp)} tokens "
-                 f"(top {ref.top_k}) to {args.kl_divergence_base}")
-            return 0
+        if mode == "write":
+            return write_base(args, P, llm, chunks, base)
         with progress_bar(args, len(chunks) * n_ctx * (1 + len(pairs)), "kld") as bar:
             comparisons = P.compare_exact(P.with_cache_types(llm, *base), [P.with_cache_types(llm, *pair)
                                                                             for pair in pairs], chunks,
@@ -255,6 +271,19 @@ def run_kld(args) -> int:
         meta = {"base_type_k": base[0], "base_type_v": base[1], "n_ctx": n_ctx, "chunks": len(chunks), "top_k": 0}
     stats = [{**P.kld_statistics(c), **meta} for c in comparisons]
     emit(args, stats, render_kld(stats, head_dim_of(llm)))
+    return 0
+
+
+def write_base(args, P, llm, chunks, base) -> int:
+    """Compute the reference log-probs with the base cache types and save them (llama-perplexity's first run)."""
+    n_ctx = len(chunks[0])
+    with progress_bar(args, len(chunks) * n_ctx, f"base {base[0]}/{base[1]}") as bar:
+        ref = P.reference(P.with_cache_types(llm, *base), chunks, top_k=args.kld_top_k, progress=bar.update)
+    ref.save(args.kl_divergence_base)
+    ppl = P.PerplexityResult(-ref.next_logp.astype("float64"), ref.n_ctx, len(chunks), *base)
+    emit(args, [{**ppl.as_dict(), "base_file": args.kl_divergence_base, "top_k": ref.top_k}],
+         f"{ppl.final_line()}\nsaved {base[0]}/{base[1]} log-probs of {len(ref.next_logp)} tokens "
+         f"(top {ref.top_k}) to {args.kl_divergence_base}")
     return 0
 
 
@@ -350,7 +379,7 @@ def run_sampling(args) -> int:
     from ..engine.sampling import SamplingParams
     from ..eval.perplexity import with_cache_types
     from ..eval.sampling import drift
-    from .run import sampling_kwargs
+    from .common import sampling_kwargs
 
     n_ctx = ctx_of(args)
     params = SamplingParams(**sampling_kwargs(args))
@@ -398,11 +427,8 @@ def run_attention(args) -> int:
 
 
 def attention_text(args) -> list[str]:
-    """-f files, else the held-out corpus, else docstrings that ship with Python."""
-    if args.file or sorted(HELDOUT.glob("*.heldout.txt")):
-        return read_documents(args.file)
-    modules = (importlib.import_module(name) for name in ("os", "json", "re", "random", "collections", "argparse"))
-    return [m.__doc__ for m in modules if m.__doc__]
+    """-f files, else the shipped held-out text."""
+    return read_documents(args.file)
 
 
 RUN = {"ppl": run_ppl, "kld": run_kld, "depth": run_depth, "niah": run_niah, "sampling": run_sampling,

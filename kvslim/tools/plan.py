@@ -7,7 +7,9 @@ import json
 
 from .. import formats
 from ..plan import catalog, planner
+from ..loading import BUNDLED
 from .common import human_bytes as size, markdown_table
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -15,18 +17,21 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=f"models: {', '.join(catalog.MODELS)}\ngpus: {', '.join(catalog.HARDWARE)}\n"
                f"cache types: {', '.join(formats.names())}\nweight quantizations: {', '.join(catalog.WEIGHT_QUANTS)}",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-m", "--model", required=True, help="catalog name, Hugging Face folder (config.json) or .gguf file")
+    p.add_argument("-m", "--model", default=None,
+                   help="catalog name or its Hugging Face id, a Hugging Face folder (config.json) or a .gguf file "
+                        "(default: the bundled model)")
     p.add_argument("-c", "--ctx-size", default="4096",
-                   help="comma list of total contexts, shared by the -np slots (32k = 32768; 0 = trained context)")
+                   help="comma list of total contexts, shared by the -np slots (32k = 32768, 1M = 1048576; "
+                        "0 = the model's limit)")
     p.add_argument("-np", "--parallel", default="1", help="comma list of slot counts")
     p.add_argument("-ctk", "--cache-type-k", default="f16", help="comma list of K cache types")
     p.add_argument("-ctv", "--cache-type-v", default="f16", help="comma list of V cache types")
     p.add_argument("-wq", "--weight-quant", default=None,
-                   help=f"comma list of weight quantizations (default: a GGUF's own size, else "
-                        f"{planner.DEFAULT_WEIGHT_QUANT})")
-    where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--gpu", help="a machine from the hardware catalog")
-    where.add_argument("--mem", help="memory available to the model, e.g. 24GiB")
+                   help=f"comma list of weight quantizations (default: a GGUF's own size, a folder's stored "
+                        f"dtype, else {planner.DEFAULT_WEIGHT_QUANT})")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--gpu", help="a machine from the hardware catalog (default: this machine)")
+    where.add_argument("--mem", help="memory available to the model, e.g. 24GiB (default: this machine's)")
     p.add_argument("--bw", type=float, default=None, help="memory bandwidth in GB/s (with --mem)")
     p.add_argument("-d", "--depth", type=int, default=None,
                    help="cached tokens for the decode ceiling (default: a full slot)")
@@ -39,13 +44,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    model = planner.load_model(args.model)
-    target = planner.gpu_target(args.gpu) if args.gpu else planner.memory_target(args.mem, args.bw)
-    if args.gpu and args.bw is not None:
+    model = planner.load_model(args.model or str(BUNDLED))
+    target = pick_target(args)
+    if args.bw is not None:
         target = planner.Target(target.name, target.memory, _positive_bw(args.bw), target.vendor)
     result = planner.report(model, target, requests(args, model))
     print(json.dumps(result, indent=2) if args.output == "json" else render(result))
     return 0
+
+
+def pick_target(args) -> planner.Target:
+    """--gpu from the catalog, --mem, else this machine."""
+    if args.gpu:
+        return planner.gpu_target(args.gpu)
+    return planner.memory_target(args.mem) if args.mem else planner.local_target()
 
 
 def _positive_bw(gbs: float) -> float:
@@ -55,10 +67,10 @@ def _positive_bw(gbs: float) -> float:
 
 
 def parse_counts(text: str, flag: str, allow_zero: bool = False) -> list[int]:
-    """'4096,32k' -> [4096, 32768]; refuses negative, malformed and (unless allowed) zero values."""
+    """'4096,32k,1M' -> [4096, 32768, 1048576]; refuses negative, malformed and (unless allowed) zero values."""
     out = []
     for part in (p.strip().lower() for p in text.split(",") if p.strip()):
-        scale = 1024 if part.endswith("k") else 1
+        scale = {"k": 1 << 10, "m": 1 << 20}.get(part[-1:], 1)
         digits = part[:-1] if scale > 1 else part
         if not digits.lstrip("-").isdigit():
             raise ValueError(f"{flag}: {part!r} is not a whole number")
@@ -82,7 +94,7 @@ def requests(args, model: planner.Model) -> list[planner.Request]:
     """Every combination of the comma lists, as planner requests."""
     trained = planner.max_context_per_slot(model.config)
     contexts = [c or trained for c in parse_counts(args.ctx_size, "-c", allow_zero=True)]
-    quants = args.weight_quant or ("gguf" if model.gguf_bytes else planner.DEFAULT_WEIGHT_QUANT)
+    quants = args.weight_quant or ("gguf" if model.gguf_bytes else model.stored_quant or planner.DEFAULT_WEIGHT_QUANT)
     quants = [planner.check_weight_quant(model, q) for q in quants.split(",") if q.strip()]
     combos = itertools.product(quants, parse_counts(args.parallel, "-np"), contexts,
                                parse_types(args.cache_type_k, "-ctk"), parse_types(args.cache_type_v, "-ctv"))
@@ -95,6 +107,9 @@ def requests(args, model: planner.Model) -> list[planner.Request]:
 def render(result: dict) -> str:
     """The markdown answer: model and target, the rows, largest contexts, fixes, launch lines."""
     parts = [_header(result), _rows_table(result["rows"]), _largest_table(result["largest_context"])]
+    past = [r for r in result["rows"] if r["past_limit"]]
+    if past:
+        parts.insert(2, _past_limit(past, result["model"]))
     fixes = [_fixes(r) for r in result["rows"] if not r["fits"]]
     if fixes:
         parts.append("Does not fit:\n" + "\n".join(fixes))
@@ -106,7 +121,7 @@ def _header(result: dict) -> str:
     m, t, tp = result["model"], result["target"], result["rows"][0]["tp"]
     source = m["hf_id"] or m["gguf"] or m["source"]
     lines = [f"{m['name']} ({source}, {m['model_type']}): {m['params'] / 1e9:.2f}B parameters, "
-             f"{m['active_params'] / 1e9:.2f}B active per token; trained context {m['max_context']}",
+             f"{m['active_params'] / 1e9:.2f}B active per token; {_context_words(m)}",
              f"{m['layers']} layers: {m['attention_layers']} attention (KV {m['kv_bytes_per_token_f16'] / 1024:g} KiB "
              f"per token at f16)" + (f", {m['state_layers']} DeltaNet (state {size(m['state_bytes_per_slot'])} "
                                      f"per slot)" if m["state_layers"] else "")]
@@ -114,6 +129,17 @@ def _header(result: dict) -> str:
     per_gpu = f" per GPU, tensor parallel over {tp}" if tp > 1 else ""
     lines.append(f"target: {t['name']}, {size(t['memory'])} usable{per_gpu}{bw}")
     return "\n".join(lines)
+
+
+def _context_words(m: dict) -> str:
+    words = f"context limit {m['max_context']} (max_position_embeddings)"
+    return words + (f", trained on sequences of at most {m['trained_context']}" if m["trained_context"] else "")
+
+
+def _past_limit(rows: list[dict], m: dict) -> str:
+    lines = [f"- -c {r['ctx']} -np {r['n_slots']}: {r['ctx_per_slot']} tokens per slot, past the model's limit of "
+             f"{m['max_context']}; memory is not what stops it" for r in rows]
+    return "Past the model's context limit (the 'fits' column counts memory only):\n" + "\n".join(lines)
 
 
 def _decode(row: dict) -> str:
@@ -125,7 +151,7 @@ def _rows_table(rows: list[dict]) -> str:
                "decode t/s @ depth"]
     body = [[r["ctx"], r["n_slots"], r["type_k"], r["type_v"], r["weight_quant"], size(r["weights"]), size(r["kv"]),
              size(r["state"]), size(r["compute"]), size(r["total"]), size(r["headroom"]),
-             "yes" if r["fits"] else "NO", _decode(r)] for r in rows]
+             ("yes" if r["fits"] else "NO") + (" (past limit)" if r["past_limit"] else ""), _decode(r)] for r in rows]
     return markdown_table(headers, body, ["r", "r", "l", "l", "l"] + ["r"] * 6 + ["l", "r"])
 
 
@@ -148,7 +174,8 @@ def _fixes(row: dict) -> str:
 def _launch(result: dict) -> str:
     best, launch = result["recommended"], result["launch"]
     title = (f"Launch lines (longest fitting row: -c {best['ctx']} -np {best['n_slots']} -ctk {best['type_k']} "
-             f"-ctv {best['type_v']} -wq {best['weight_quant']}):" if best else
+             f"-ctv {best['type_v']} -wq {best['weight_quant']}"
+             f"{', cut to the model limit' if best['past_limit'] else ''}):" if best else
              "Launch lines (nothing fits; shown for the first row):")
     lines = [title, f"  {launch['llama_server']}", f"  {launch['vllm']}"]
     return "\n".join(lines + [f"  note: {n}" for n in launch["notes"]])

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 
@@ -21,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-r", "--repetitions", type=int, default=3, help="timing repetitions (best is kept)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-o", "--output", choices=["md", "json", "jsonl", "csv"], default="md")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
 
 
@@ -32,9 +34,21 @@ def main(argv: list[str]) -> int:
     gen = torch.Generator().manual_seed(args.seed)
     x = torch.randn(args.n, args.head_dim, generator=gen)
     q = torch.randn(args.queries, args.head_dim, generator=gen)
-    records = [measure(f, x, q, args.repetitions).as_dict() for f in fmts]
+    records = []
+    with progress(fmts, args) as bar:          # all formats at the defaults take a minute or two
+        for f in fmts:
+            bar.set_postfix_str(f.name)
+            records.append(measure(f, x, q, args.repetitions).as_dict())
+            bar.update()
     print(render_records(records, args.output, lambda rs: render(rs, args.n)))
     return 0
+
+
+def progress(fmts, args):
+    from tqdm import tqdm
+
+    return tqdm(total=len(fmts), desc=f"quant {args.n} x {args.head_dim}", unit="type", file=sys.stderr,
+                leave=False, disable=args.no_progress or None, dynamic_ncols=True)
 
 
 def render(records: list[dict], n: int) -> str:

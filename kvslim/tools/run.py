@@ -3,43 +3,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
-from .. import formats
 from ..bench.memory import rss_kib
 from ..engine import load
-from ..weights import encodable_names, weight_bytes
-from .common import human_bytes, to_json
-from .engine_args import add_device_args, engine_config
+from ..weights import weight_bytes
+from .engine_args import engine_config
+from .common import (add_model_args, add_sampling_args, human_bytes, load_kwargs, sampling_kwargs, to_json,
+                     warn_context)
 
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """The model/cache options every tool shares, with llama.cpp's names."""
-    p.add_argument("-m", "--model", default=None, help="HF folder or .gguf file (default: the bundled model)")
-    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size per sequence (tokens)")
-    p.add_argument("-ctk", "--cache-type-k", default="f16", help="K cache type: " + ", ".join(formats.names()))
-    p.add_argument("-ctv", "--cache-type-v", default="f16", help="V cache type (same choices)")
-    p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="tokens per forward pass in prefill")
-    p.add_argument("--dtype", default=None, help="weights dtype: f32, bf16, f16 (default: as stored)")
-    p.add_argument("--weights", default=None, choices=encodable_names(),
-                   help="quantize a Hugging Face folder's weight matrices at load (a GGUF keeps its own types)")
-    p.add_argument("--allow-dequant", action="store_true",
-                   help="expand GGUF tensors of types that cannot stay quantized instead of refusing the file")
-    add_device_args(p)
-
-
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--temp", type=float, default=0.8, help="temperature (0: greedy)")
-    p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--min-p", type=float, default=0.05)
-    p.add_argument("--repeat-penalty", type=float, default=1.0)
-    p.add_argument("--repeat-last-n", type=int, default=64)
-    p.add_argument("-s", "--seed", type=int, default=None)
-
-
-def sampling_kwargs(args) -> dict:
-    return dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n, seed=args.seed)
+__all__ = ["add_model_args", "add_sampling_args", "sampling_kwargs", "build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(p)
     p.add_argument("-p", "--prompt", default=None, help="prompt text")
     p.add_argument("-f", "--file", default=None, help="read the prompt from a file")
-    p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate")
+    p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (-1: until the context is full)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("-o", "--output", choices=["text", "json"], default="text")
@@ -64,26 +37,37 @@ def read_prompt(args) -> str:
                 return f.read()
         except OSError as err:
             raise ValueError(f"cannot read prompt file: {err}") from None
+        except UnicodeDecodeError as err:
+            raise ValueError(f"prompt file {args.file} is not UTF-8 text: byte {err.start} "
+                             f"(0x{err.object[err.start]:02x}) {err.reason}") from None
     if args.prompt is None:
         raise ValueError("no prompt: use -p TEXT or -f FILE")
     return args.prompt
 
 
+def check_args(args) -> None:
+    """Refuse numbers that make no sense, naming the flag."""
+    if args.n_predict == 0 or args.n_predict < -1:
+        raise ValueError(f"-n must be at least 1, or -1 to generate until the context is full; got {args.n_predict}")
+    if args.ctx_size < 2:
+        raise ValueError(f"-c must be at least 2 tokens, got {args.ctx_size}")
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    check_args(args)
     prompt = read_prompt(args)
-    llm = load(args.model, dtype=args.dtype, weights=args.weights, allow_dequant=args.allow_dequant,
-               config=engine_config(args))
+    warn_context(args.model, args.ctx_size)
+    llm = load(args.model, **load_kwargs(args), config=engine_config(args))
     if args.chat:
         prompt = llm.tokenize(llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]),
                               add_special=False)
-    chunks = llm.generate(prompt, args.n_predict, stream=True, stop=args.stop, **sampling_kwargs(args))
-    completion = None
-    for chunk in chunks:
-        if args.output == "text":
-            sys.stdout.write(chunk.text)
-            sys.stdout.flush()
-        completion = chunk.completion or completion
+    ids = prompt if isinstance(prompt, list) else llm.tokenize(prompt)
+    n_predict = args.n_predict if args.n_predict > 0 else max(1, args.ctx_size - len(ids))
+    completion = stream(llm, ids, n_predict, args)
+    if completion is None:
+        return 130                                              # Ctrl-C: what was made is printed, as llama.cpp does
+    note_context_full(completion, args)
     rss = rss_kib()
     memory = {"weights_bytes": weight_bytes(llm.model), "rss_bytes": rss * 1024 if rss >= 0 else -1}
     if args.output == "json":
@@ -91,6 +75,40 @@ def main(argv: list[str]) -> int:
     else:
         print("\n\n" + timing_line(completion, args) + memory_line(memory))
     return 0
+
+
+def stream(llm, ids: list[int], n_predict: int, args):
+    """Print the completion as it comes; the final Completion, or None after Ctrl-C (with timings so far)."""
+    chunks = llm.generate(ids, n_predict, stream=True, stop=args.stop, **sampling_kwargs(args))
+    completion, start, first, n_gen = None, time.perf_counter(), None, 0
+    try:
+        for chunk in chunks:
+            if args.output == "text":
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+            n_gen += len(chunk.token_ids)
+            first = first or (time.perf_counter() if n_gen else None)
+            completion = chunk.completion or completion
+    except KeyboardInterrupt:
+        chunks.close()                                          # frees the sequence's slot
+        print("\n\n" + interrupted_line(len(ids), n_gen, start, first), flush=True)
+        return None
+    return completion
+
+
+def interrupted_line(n_prompt: int, n_gen: int, start: float, first: float | None) -> str:
+    now = time.perf_counter()
+    prompt_s = (first or now) - start
+    gen = f"{(n_gen - 1) / (now - first):.1f} tok/s" if first and n_gen > 1 and now > first else "-"
+    return (f"interrupted: prompt {n_prompt} tok in {prompt_s:.2f} s | gen {n_gen} tok {gen} "
+            f"(wall clock; first token counted with the prompt)")
+
+
+def note_context_full(c, args) -> None:
+    """Say so when generation stopped because the context filled, not because -n was reached."""
+    if c.finish_reason == "length" and 0 < args.n_predict and len(c.token_ids) < args.n_predict:
+        print(f"\nnote: stopped after {len(c.token_ids)} of -n {args.n_predict} tokens: -c {args.ctx_size} is full "
+              f"({c.prompt_tokens} prompt + {len(c.token_ids)} generated tokens); raise -c for more", file=sys.stderr)
 
 
 def result_record(c, args) -> dict:

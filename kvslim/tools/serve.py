@@ -5,8 +5,8 @@ import argparse
 import time
 
 from ..server import start
+from .common import add_model_args, warn_context
 from .engine_args import engine_config
-from .run import add_model_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,9 +40,7 @@ def options_from(args) -> dict:
                            max_checkpoints=args.ctx_checkpoints, checkpoint_bytes=int(args.checkpoint_mib * (1 << 20)),
                            checkpoint_interval=args.checkpoint_interval)
     return {"model": args.model, "engine_config": config, "dtype": args.dtype,
-            "api_key": args.api_key, "alias": args.alias, "max_queue": args.max_queue,
-            "ctx_checkpoints": args.ctx_checkpoints, "checkpoint_bytes": int(args.checkpoint_mib * (1 << 20)),
-            "checkpoint_interval": args.checkpoint_interval, "verbose": args.verbose,
+            "api_key": args.api_key, "alias": args.alias, "max_queue": args.max_queue, "verbose": args.verbose,
             "weights": args.weights, "allow_dequant": args.allow_dequant}
 
 
@@ -50,6 +48,7 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     from .. import formats
     formats.get(args.cache_type_k), formats.get(args.cache_type_v)     # refuse bad names before binding
+    warn_context(args.model, args.ctx_size // max(args.parallel, 1))
     try:
         server = start(options_from(args), args.host, args.port)
     except OSError as err:

@@ -1,0 +1,109 @@
+"""What a newcomer hits first in the tools (issue 20): default text, context limits, flag names in
+errors, Ctrl-C, and a run that stops because its context filled."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvslim import cli
+from kvslim.data import DOC_SEPARATOR, HELDOUT_FILES
+from kvslim.tools import eval as eval_tool
+from kvslim.tools.common import context_warnings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# ----- eval's default text ships with the package ----------------------------------------------------
+def test_eval_reads_the_shipped_heldout_text_without_f():
+    docs = eval_tool.read_documents([])
+    shipped = [d for f in HELDOUT_FILES for d in f.read_text(encoding="utf-8").split(DOC_SEPARATOR) if d.strip()]
+    assert [f.name for f in HELDOUT_FILES] == ["austen-heldout.txt", "classics-heldout.txt", "bible-heldout.txt"]
+    assert len(docs) == len(shipped) == 12 and docs[0].startswith("CHAPTER XIII") and "Samuel" in docs[-1][:40]
+    assert sum(len(d) for d in docs) > 250_000                  # 17 chunks of 4,096 tokens, as the README's table
+
+
+def test_eval_defaults_to_f32_compute():
+    args = eval_tool.build_parser().parse_args(["kld"])
+    assert args.dtype == "f32" and eval_tool.build_parser().parse_args(["ppl", "--dtype", "bf16"]).dtype == "bf16"
+
+
+# ----- contexts past the model's limit -----------------------------------------------------------------
+def test_context_warnings_name_the_limit_and_the_trained_length():
+    assert context_warnings(None, 4096) == []
+    assert "trained on sequences of at most 4096" in context_warnings(None, 8192)[0]
+    assert "past the model's context limit of 32768" in context_warnings(None, 100_000)[0]
+    assert "past the model's context limit of 32768" in context_warnings(str(ROOT / "kvslim/data/tiny-qwen35"),
+                                                                         40_000)[0]
+    assert context_warnings("/nonexistent/model", 100_000) == []          # the loader reports a bad path
+
+
+def test_run_warns_past_the_limit_and_says_when_the_context_filled(capsys):
+    code, out, err = run_cli(capsys, "run", "-p", "hi", "-n", 2, "-c", 100_000, "--temp", 0)
+    assert code == 0 and err.startswith("warning: -c 100000 per sequence is past the model's context limit")
+    prompt = "It is a truth universally acknowledged, that a single man"
+    code, out, err = run_cli(capsys, "run", "-p", prompt, "-n", 40, "-c", 16, "--temp", 0, "-o", "json")
+    assert code == 0 and "note: stopped after" in err and "of -n 40 tokens: -c 16 is full" in err
+    code, out, err = run_cli(capsys, "run", "-p", "Once", "-n", -1, "-c", 8, "--temp", 0, "-o", "json")
+    record = json.loads(out)
+    assert code == 0 and record["prompt_tokens"] + record["completion_tokens"] == 8 and "note:" not in err  # -1: fill
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["-n", "0"], "-n must be at least 1, or -1 to generate until the context is full; got 0"),
+    (["-n", "-5"], "-n must be at least 1"),
+    (["-c", "1"], "-c must be at least 2 tokens"),
+])
+def test_run_names_its_flags(capsys, argv, message):
+    code, out, err = run_cli(capsys, "run", "-p", "hi", *argv)
+    assert code == 2 and err.startswith(f"kvslim run: error: {message}") and err.count("\n") == 1
+
+
+def test_a_prompt_file_that_is_not_utf8_is_named(capsys, tmp_path):
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("caf\u00e9 au lait".encode("latin-1"))
+    code, out, err = run_cli(capsys, "run", "-f", bad, "-n", 1)
+    assert code == 2 and err == f"kvslim run: error: prompt file {bad} is not UTF-8 text: byte 3 (0xe9) invalid continuation byte\n"
+
+
+# ----- Ctrl-C ---------------------------------------------------------------------------------------
+def interrupt_after(argv: list[str], wait_for: str, stream: str, times: int = 1) -> subprocess.CompletedProcess:
+    """Start ``python -m kvslim argv``, send SIGINT once ``wait_for`` showed ``times`` times on ``stream``,
+    collect the rest."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "kvslim", *argv], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    watched, seen = (proc.stdout if stream == "stdout" else proc.stderr), ""
+    while seen.count(wait_for) < times:
+        char = watched.read(1)
+        assert char, f"exited before {wait_for!r}: {seen}"
+        seen += char
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(argv, proc.returncode, seen + out if stream == "stdout" else out,
+                                       seen + err if stream == "stderr" else err)
+
+
+def test_ctrl_c_in_run_prints_timings_not_a_traceback():
+    done = interrupt_after(["run", "-p", "Once upon a time", "-n", "2000", "-c", "4096", "--temp", "0"], " ", "stdout",
+                           times=4)
+    assert done.returncode == 130 and "Traceback" not in done.stderr
+    assert re.search(r"\n\ninterrupted: prompt 4 tok in [0-9.]+ s \| gen [0-9]+ tok [0-9.]+ tok/s", done.stdout)
+
+
+def test_ctrl_c_in_demo_is_one_line():
+    done = interrupt_after(["demo", "-c", "256"], "[demo] generating", "stderr")
+    assert done.returncode == 130 and "Traceback" not in done.stderr
+    assert done.stderr.rstrip().endswith("kvslim demo: interrupted")
