@@ -183,7 +183,7 @@ def ctx_of(args) -> int:
 
 
 def head_dim_of(llm) -> int:
-    return next(c.head_dim for c in llm.engine.caches if c.kind == "kv")
+    return llm.model.config.head_dim
 
 
 def bits(pair, head_dim: int) -> str:
