@@ -404,8 +404,10 @@ def _bits(type_name: str, head_dim: int) -> float:
 
 
 def kv_candidates() -> list[str]:
-    """KV types a suggestion may pick: every non-experimental format narrower than f32."""
-    return [n for n in formats.names() if n != "f32" and not formats.get(n).spec.experimental]
+    """KV types a suggestion may pick: every non-experimental format narrower than f32
+    (the unrotated ``-norot`` rows take the same bytes as their rotated names and are left out)."""
+    return [n for n in formats.names() if n != "f32" and not formats.get(n).spec.experimental
+            and not n.endswith(formats.NOROT)]
 
 
 def _try(model: Model, req: Request, target: Target, change: str, flags: str) -> Suggestion | None:
