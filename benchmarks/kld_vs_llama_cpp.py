@@ -2,6 +2,7 @@
 
     python benchmarks/kld_vs_llama_cpp.py -f TEXT -c 4096 --chunks 8 \
         --kvslim q4_0,iq4_nl,nl4,q8_0/q4_0 --llama q4_0,iq4_nl,q8_0/q4_0 [--gguf FILE]
+    (engines in separate runs: --save A.npz / --save B.npz, then --load A.npz --load B.npz)
 
 Both engines read the same token ids (kvslim's tokenizer), cut as llama-perplexity
 cuts them: chunks of ``-c`` tokens, the first replaced by BOS, rows ``c/2 .. c-2``
@@ -107,7 +108,7 @@ def table(rows: list[dict], versus: str | None) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-f", "--file", required=True)
+    p.add_argument("-f", "--file", default=None, help="text to score (required unless only merging)")
     p.add_argument("-c", "--ctx", type=int, default=4096)
     p.add_argument("--chunks", type=int, default=8)
     p.add_argument("--kvslim", default="", help="kvslim K/V pairs, e.g. q4_0,nl4,q8_0/q4_0")
@@ -115,7 +116,14 @@ def main() -> None:
     p.add_argument("--gguf", default=None, help="f32 GGUF of the bundled model (default: export one)")
     p.add_argument("-t", "--threads", type=int, default=2)
     p.add_argument("--versus", default=None, help="paired reference row, e.g. llama:iq4_nl/iq4_nl")
+    p.add_argument("--save", default=None, help="also save per-position KLD and top-1 to this .npz")
+    p.add_argument("--load", action="append", default=[], help="add rows saved by an earlier --save run")
     args = p.parse_args()
+    if not args.kvslim and not args.llama:                      # only merge saved runs
+        print(table([r for path in args.load for r in load_rows(path)], args.versus))
+        return
+    if not args.file:
+        p.error("-f TEXT is required to run an engine")
     kv = KvslimRunner(args.ctx)
     bos = bos_id(kv.llm)
     chunks = chunk_ids(kv.llm.tokenize(Path(args.file).read_text(encoding="utf-8"), add_special=False),
@@ -126,7 +134,20 @@ def main() -> None:
     if args.llama:
         gguf = Path(args.gguf) if args.gguf else _export()
         rows += run("llama", LlamaRunner(gguf, args.ctx, args.threads), parse_pairs(args.llama), chunks, first)
+    if args.save:
+        np.savez(args.save, **{f"{r['engine']}:{'/'.join(r['pair'])}:{key}": r[key]
+                               for r in rows for key in ("kld", "same", "chunks")})
+    for path in args.load:
+        rows += load_rows(path)
     print(table(rows, args.versus))
+
+
+def load_rows(path: str) -> list[dict]:
+    """Rows saved by ``--save``, in their saved order."""
+    data = np.load(path)
+    names = list(dict.fromkeys(key.rsplit(":", 1)[0] for key in data.files))
+    return [{"engine": n.split(":")[0], "pair": tuple(n.split(":")[1].split("/")),
+             **{key: data[f"{n}:{key}"] for key in ("kld", "same", "chunks")}} for n in names]
 
 
 def _export() -> Path:
