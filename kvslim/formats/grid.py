@@ -113,9 +113,22 @@ class GridFormat(KVFormat):
         if 8 % bits == 0:     # one gather per byte (two codes) instead of unpack-then-gather
             table = cached_on(packed.device, ("nl_byte_table", bits), lambda: byte_table(grid, bits))
             g = torch.nn.functional.embedding(blocks[:, 2:].int(), table).reshape(-1, b)
+        elif bits == 3:       # 3 bytes = two 12-bit halves of 4 codes each, one gather per half
+            g = self._lookup12(blocks[:, 2:], grid).reshape(-1, b)
         else:
             g = grid[unpack_bits(blocks[:, 2:], bits, b)]
         return (g * d[:, None]).reshape(*packed.shape[:-1], head_dim)
+
+    @staticmethod
+    def _lookup12(code_bytes: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+        """(N, 3m) bytes of 3-bit codes -> (N, m, 8) grid values."""
+        table = cached_on(code_bytes.device, ("nl_table12",),
+                          lambda: grid[(torch.arange(4096)[:, None] >> torch.arange(0, 12, 3)) & 7])
+        w = code_bytes.reshape(code_bytes.shape[0], -1, 3).int()                   # (N, m, 3)
+        lo = w[..., 0] | ((w[..., 1] & 0xF) << 8)
+        hi = (w[..., 1] >> 4) | (w[..., 2] << 4)
+        emb = torch.nn.functional.embedding
+        return torch.cat([emb(lo, table), emb(hi, table)], dim=-1)
 
     # ----- coding -----------------------------------------------------------------------
     def encode(self, x: torch.Tensor) -> torch.Tensor:
