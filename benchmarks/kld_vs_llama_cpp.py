@@ -70,8 +70,9 @@ def parse_pairs(text: str) -> list[tuple[str, str]]:
     return out
 
 
-def run(engine: str, runner, pairs, chunks, first: int) -> list[dict]:
-    """One row per pair: per-position KLD and top-1 flags over all chunks."""
+def run(engine: str, runner, pairs, chunks, first: int, save=None) -> list[dict]:
+    """One row per pair: per-position KLD and top-1 flags over all chunks; ``save(rows)``
+    after each pair so that a long run leaves what it finished."""
     base = [None] * len(chunks)
     rows = []
     for pair in [("f16", "f16")] + pairs:
@@ -87,6 +88,8 @@ def run(engine: str, runner, pairs, chunks, first: int) -> list[dict]:
             rows.append({"engine": engine, "pair": pair, "kld": np.concatenate(klds),
                          "same": np.concatenate(same), "chunks": np.array(per_chunk)})
             print(f"  {engine} {'/'.join(pair)}: {time.time() - t:.0f} s", flush=True)
+            if save:
+                save(rows)
     return rows
 
 
@@ -111,6 +114,7 @@ def main() -> None:
     p.add_argument("-f", "--file", default=None, help="text to score (required unless only merging)")
     p.add_argument("-c", "--ctx", type=int, default=4096)
     p.add_argument("--chunks", type=int, default=8)
+    p.add_argument("--skip", type=int, default=0, help="leave out the first N chunks (to split a run)")
     p.add_argument("--kvslim", default="", help="kvslim K/V pairs, e.g. q4_0,nl4,q8_0/q4_0")
     p.add_argument("--llama", default="", help="llama.cpp K/V pairs (ggml names)")
     p.add_argument("--gguf", default=None, help="f32 GGUF of the bundled model (default: export one)")
@@ -120,26 +124,42 @@ def main() -> None:
     p.add_argument("--load", action="append", default=[], help="add rows saved by an earlier --save run")
     args = p.parse_args()
     if not args.kvslim and not args.llama:                      # only merge saved runs
-        print(table([r for path in args.load for r in load_rows(path)], args.versus))
+        print(table(merge([r for path in args.load for r in load_rows(path)]), args.versus))
         return
     if not args.file:
         p.error("-f TEXT is required to run an engine")
     kv = KvslimRunner(args.ctx)
     bos = bos_id(kv.llm)
     chunks = chunk_ids(kv.llm.tokenize(Path(args.file).read_text(encoding="utf-8"), add_special=False),
-                       args.ctx, args.chunks, bos)
+                       args.ctx, args.chunks + args.skip, bos)[args.skip:]
     first = args.ctx // 2
     print(f"{len(chunks)} chunks of {args.ctx}, {len(chunks) * (args.ctx - first - 1)} scored positions", flush=True)
-    rows = run("kvslim", kv, parse_pairs(args.kvslim), chunks, first) if args.kvslim else []
+    save = (lambda done: save_rows(args.save, done)) if args.save else None
+    rows = run("kvslim", kv, parse_pairs(args.kvslim), chunks, first, save) if args.kvslim else []
     if args.llama:
         gguf = Path(args.gguf) if args.gguf else _export()
-        rows += run("llama", LlamaRunner(gguf, args.ctx, args.threads), parse_pairs(args.llama), chunks, first)
-    if args.save:
-        np.savez(args.save, **{f"{r['engine']}:{'/'.join(r['pair'])}:{key}": r[key]
-                               for r in rows for key in ("kld", "same", "chunks")})
+        rows += run("llama", LlamaRunner(gguf, args.ctx, args.threads), parse_pairs(args.llama), chunks, first,
+                    (lambda done: save_rows(args.save, rows + done)) if args.save else None)
     for path in args.load:
         rows += load_rows(path)
-    print(table(rows, args.versus))
+    print(table(merge(rows), args.versus))
+
+
+def merge(rows: list[dict]) -> list[dict]:
+    """Rows of the same engine and pair (from runs over different chunks) joined, first seen first."""
+    out: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["engine"], tuple(r["pair"]))
+        if key in out:
+            out[key] = {**out[key], **{k: np.concatenate([out[key][k], r[k]]) for k in ("kld", "same", "chunks")}}
+        else:
+            out[key] = dict(r)
+    return list(out.values())
+
+
+def save_rows(path: str, rows: list[dict]) -> None:
+    np.savez(path, **{f"{r['engine']}:{'/'.join(r['pair'])}:{key}": r[key]
+                      for r in rows for key in ("kld", "same", "chunks")})
 
 
 def load_rows(path: str) -> list[dict]:
