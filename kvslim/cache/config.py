@@ -35,10 +35,10 @@ class CacheConfig:
     device: torch.device = torch.device("cpu")
 
     def __post_init__(self):
-        for name in ("type_k", "type_v"):
+        for name, role in (("type_k", "k"), ("type_v", "v")):
             value = getattr(self, name)
-            if isinstance(value, str):
-                object.__setattr__(self, name, formats.get(value))
+            if isinstance(value, str):                                  # V may rotate in other blocks than K
+                object.__setattr__(self, name, formats.get(value, role=role))
         object.__setattr__(self, "device", torch.device(self.device))
         if self.ctx < 1 or self.n_slots < 1 or self.page_size < 1 or self.f16_window < 0:
             raise ValueError(f"cache needs ctx >= 1, n_slots >= 1, page_size >= 1 and f16_window >= 0; got "

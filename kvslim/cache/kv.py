@@ -42,7 +42,7 @@ class KVCache:
                              f"got ctx={ctx}, n_slots={n_slots}, page_size={page_size}, f16_window={f16_window}")
         self.spec, self.ctx, self.n_slots = spec, ctx, n_slots
         self.page_size, self.f16_window, self.device = page_size, f16_window, torch.device(device)
-        self.fmt_k, self.fmt_v = formats.get(spec.type_k), formats.get(spec.type_v)
+        self.fmt_k, self.fmt_v = formats.get(spec.type_k, role="k"), formats.get(spec.type_v, role="v")
         self.pages_per_slot = ceil_div(ctx, page_size)
         self.n_pages = n_slots * self.pages_per_slot
         self.null_page = self.n_pages

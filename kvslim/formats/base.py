@@ -27,6 +27,9 @@ class FormatSpec:
         block_header_bytes: bytes of scales/norms per block.
         summary: one line for ``--help`` and the README.
         experimental: shown as such in listings.
+        rotated: ggml types only: Hadamard-rotated before quantizing, as llama.cpp
+            does by default since PR #21038 (the bytes are plain ggml blocks of the
+            rotated vector); the ``-norot`` rows store the vector as it is.
     """
 
     name: str
@@ -36,6 +39,7 @@ class FormatSpec:
     block_header_bytes: int
     summary: str
     experimental: bool = False
+    rotated: bool = False
 
     def bytes_for_block(self, values: int) -> int:
         """Bytes of a block of ``values`` values (header plus packed codes)."""

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import FP16_MAX, KVFormat, fp16_bytes, fp16_from_bytes
+from .base import FP16_MAX, KVFormat, check_float_input, fp16_bytes, fp16_from_bytes
+from .rotation import hadamard_blocks, llama_rot_size
 
 QK = 32  # values per ggml block
 
@@ -220,20 +221,76 @@ CODECS = {
 }
 
 
+NOROT = "-norot"   # name suffix of the unrotated rows
+
+
 class GgmlFormat(KVFormat):
-    """A ggml block type; bytes are llama.cpp's blocks in order along the row."""
+    """A ggml block type; bytes are llama.cpp's blocks in order along the row.
+
+    A rotated row (the default names, as in llama.cpp since PR #21038) holds the
+    blocks of the Hadamard-rotated vector; its code domain is the rotated one, so
+    attention rotates the query (K) or the output (V) once instead of every row.
+    ``role`` ("k" or "v") picks llama.cpp's block size of the rotation.
+    """
+
+    def __init__(self, spec, role: str = "k"):
+        super().__init__(spec)
+        if role not in ("k", "v"):
+            raise ValueError(f"{spec.name}: role must be 'k' or 'v', got {role!r}")
+        self.role = role
+
+    @property
+    def ggml_name(self) -> str:
+        """The ggml type the blocks are in (``q4_0`` for both ``q4_0`` and ``q4_0-norot``)."""
+        return self.name.removesuffix(NOROT)
+
+    def rot_size(self, head_dim: int) -> int:
+        """Hadamard block size used for rows of ``head_dim`` (0: not rotated)."""
+        return llama_rot_size(head_dim, self.role) if self.spec.rotated else 0
 
     def _max_abs(self) -> float | None:
         # The fp16 scale is roughly max/levels: past this it would overflow to inf.
-        return FP16_MAX * CODECS[self.name][2] * 0.999
+        return FP16_MAX * CODECS[self.ggml_name][2] * 0.999
+
+    # ----- attention hooks: the rotation, if any ---------------------------------------
+    @property
+    def transformed(self) -> bool:
+        return self.spec.rotated
+
+    def to_code_domain(self, x: torch.Tensor) -> torch.Tensor:
+        return hadamard_blocks(x, self.rot_size(x.shape[-1]))
+
+    def from_code_domain(self, y: torch.Tensor) -> torch.Tensor:
+        return hadamard_blocks(y, self.rot_size(y.shape[-1]))      # H / sqrt(n) is its own inverse
+
+    def decode_code_domain(self, packed: torch.Tensor, head_dim: int) -> torch.Tensor:
+        blocks = packed.reshape(-1, self.spec.block_bytes)
+        return CODECS[self.ggml_name][1](blocks).reshape(*packed.shape[:-1], head_dim)
+
+    # ----- coding -----------------------------------------------------------------------
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Checked encode; the fp16 range is checked on the rotated values that are stored."""
+        x = check_float_input(x, self.name)
+        self.check_head_dim(x.shape[-1])
+        y = self.to_code_domain(x.float())
+        big = y.abs().amax().item()
+        if big > self._max_abs():
+            raise ValueError(f"{self.name}: a value of magnitude {big:.6g} exceeds what the "
+                             f"format's fp16 fields can represent (about {self._max_abs():.6g})")
+        return self._encode_blocks(y)
+
+    def overflow_flag(self, x: torch.Tensor) -> torch.Tensor:
+        return super().overflow_flag(self.to_code_domain(x.float()))
 
     def _encode(self, x: torch.Tensor) -> torch.Tensor:
-        blocks = x.float().reshape(-1, QK)  # (N, 32)
-        encode = CODECS[self.name][0]
+        return self._encode_blocks(self.to_code_domain(x.float()))
+
+    def _encode_blocks(self, y: torch.Tensor) -> torch.Tensor:
+        blocks = y.float().reshape(-1, QK)  # (N, 32)
+        encode = CODECS[self.ggml_name][0]
         # Bounded chunks keep iq4_nl's (N, 16, 32) candidate tensors small.
         out = torch.cat([encode(part) for part in blocks.split(ENCODE_CHUNK)])
-        return out.reshape(*x.shape[:-1], -1)
+        return out.reshape(*y.shape[:-1], -1)
 
     def _decode(self, packed: torch.Tensor, head_dim: int) -> torch.Tensor:
-        blocks = packed.reshape(-1, self.spec.block_bytes)
-        return CODECS[self.name][1](blocks).reshape(*packed.shape[:-1], head_dim)
+        return self.from_code_domain(self.decode_code_domain(packed, head_dim))

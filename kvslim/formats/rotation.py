@@ -54,3 +54,34 @@ def _gaussian_cpu(n: int, seed: int) -> torch.Tensor:
 def gaussian_matrix(n: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Seeded (n, n) matrix of N(0, 1) entries: the QJL sketch of the product variant."""
     return cached_on(device, ("qjl", n, seed), lambda: _gaussian_cpu(n, seed))
+
+
+# ----- llama.cpp's attention rotation (upstream PR #21038) ---------------------------
+# Upstream rotates quantized K and V with a plain orthonormal Sylvester Walsh-Hadamard
+# matrix (no random signs), block-diagonally along the head: K (and the query) in
+# blocks of the largest power of two dividing head_dim, V in blocks of 64, and the
+# attention output goes back through V's matrix. Heads not a multiple of 64 stay
+# unrotated. H / sqrt(n) is symmetric and its own inverse, so one function serves both ways.
+LLAMA_ROT_MIN = 64
+
+
+def llama_rot_size(head_dim: int, role: str) -> int:
+    """Hadamard block size llama.cpp uses for a K or V head of ``head_dim`` (0: no rotation)."""
+    if head_dim % LLAMA_ROT_MIN:
+        return 0
+    if role == "v":
+        return LLAMA_ROT_MIN
+    return head_dim & -head_dim          # the largest power of two dividing head_dim
+
+
+def hadamard_matrix(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Orthonormal Sylvester Walsh-Hadamard matrix H / sqrt(n), float32; symmetric, H @ H = I."""
+    return cached_on(device, ("hadamard", n), lambda: (hadamard(n) / n ** 0.5).float())
+
+
+def hadamard_blocks(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Apply H / sqrt(n) to every run of ``n`` values along the last dimension (its own inverse)."""
+    if n == 0:
+        return x
+    h = hadamard_matrix(n, x.device)
+    return (x.float().reshape(*x.shape[:-1], x.shape[-1] // n, n) @ h).reshape(x.shape)

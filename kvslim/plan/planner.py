@@ -29,7 +29,7 @@ from .. import formats, models
 from ..cache import KVLayerSpec, StateLayerSpec
 from ..cache.kv import DEFAULT_PAGE_SIZE
 from ..models.qwen3_5 import text_config
-from . import catalog
+from . import catalog, quality
 from .weight_bytes import WeightTensor, _is_hybrid, check_weight_quant, parameter_counts, weight_tensors, weights
 
 DEFAULT_UBATCH = 512            # llama.cpp's -ub default: tokens per compute pass
@@ -456,8 +456,10 @@ def _bits(type_name: str, head_dim: int) -> float:
 
 
 def kv_candidates() -> list[str]:
-    """KV types a suggestion may pick: every non-experimental format narrower than f32."""
-    return [n for n in formats.names() if n != "f32" and not formats.get(n).spec.experimental]
+    """KV types a suggestion may pick: every non-experimental format narrower than f32
+    (the unrotated ``-norot`` rows take the same bytes as their rotated names and are left out)."""
+    return [n for n in formats.names() if n != "f32" and not formats.get(n).spec.experimental
+            and not n.endswith(formats.NOROT)]
 
 
 def _try(model: Model, req: Request, target: Target, change: str, flags: str) -> Suggestion | None:
@@ -466,19 +468,23 @@ def _try(model: Model, req: Request, target: Target, change: str, flags: str) ->
 
 
 def _smaller_kv(model: Model, req: Request, target: Target) -> Suggestion | None:
-    """The K/V pair that fits with the most bits on its weaker side (then on K): neither side
-    wider than asked, fewer bytes in all."""
-    c, found = model.config, []
+    """A K/V pair that fits, neither side wider than asked, fewer bytes in all: the measured
+    pair with the lowest KLD (``plan.quality``) if one fits, else the pair with the most
+    bits on its weaker side (then on K)."""
+    c = model.config
     bits_k, bits_v = _bits(req.type_k, c.head_dim), _bits(req.type_v, c.head_dim)
     now = kv_bytes(c, 1, 1, req.type_k, req.type_v, 1)
+    allowed = []
     for k, v in itertools.product(kv_candidates(), repeat=2):
         try:
             bk, bv = _bits(k, c.head_dim), _bits(v, c.head_dim)
         except ValueError:                           # the head_dim does not suit this format
             continue
         if bk <= bits_k and bv <= bits_v and kv_bytes(c, 1, 1, k, v, 1) < now:
-            found.append(((min(bk, bv), bk, bv), k, v))
-    for _, k, v in sorted(found, reverse=True):
+            allowed.append(((min(bk, bv), bk, bv), k, v))
+    measured = [(k, v) for k, v in quality.ranked() if any((k, v) == (a, b) for _, a, b in allowed)]
+    by_bits = [(k, v) for _, k, v in sorted(allowed, reverse=True)]
+    for k, v in measured + by_bits:
         hit = _try(model, dataclasses.replace(req, type_k=k, type_v=v), target, "kv_types", f"-ctk {k} -ctv {v}")
         if hit:
             return hit
@@ -570,6 +576,8 @@ def vllm_kv_dtype(type_k: str, type_v: str, head_dim: int) -> tuple[str, list[st
 def _llama_server_type(t: str) -> tuple[str, str | None]:
     if t in catalog.LLAMA_SERVER_KV:
         return t, None
+    if t.endswith(formats.NOROT) and t.removesuffix(formats.NOROT) in catalog.LLAMA_SERVER_KV:
+        return t.removesuffix(formats.NOROT), "unrotated ggml cache: run llama-server with LLAMA_ATTN_ROT_DISABLE=1"
     near = catalog.LLAMA_SERVER_NEAREST
     return near, f"upstream llama-server has no {t} cache; {near} stands in for it and takes more memory"
 

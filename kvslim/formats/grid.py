@@ -1,0 +1,164 @@
+"""Rotated block formats with a fitted non-uniform grid ("nl" family: nl4, nl3).
+
+Each row is first Hadamard-rotated exactly as llama.cpp rotates its quantized
+caches (``rotation.llama_rot_size``: K in blocks of the largest power of two
+dividing head_dim, V in blocks of 64), so the values are close to Gaussian. Then,
+per block of ``block_size`` values: an fp16 scale ``d`` and ``code_bits``-bit
+indices into a fixed grid; value = grid[code] * d. The grid was fitted offline to
+rotated data together with the encoder's scale search (``benchmarks/format_study.py``
+prints how), the way iq4_nl's grid suits its search, and the scale is chosen per
+block by trying ``SCALE_TRIES`` candidates and refitting each by least squares
+(iq4_nl's search on top of the rotation).
+
+Block bytes: [fp16 d][codes, dense little-endian bit packing (bitpack.py)].
+nl4: 64 values in 34 bytes = 4.25 bits/value; nl3: 32 values in 14 bytes = 3.5.
+"""
+from __future__ import annotations
+
+import torch
+
+from .base import FP16_MAX, KVFormat, cached_on, check_float_input, fp16_bytes, fp16_from_bytes
+from .bitpack import byte_table, pack_bits, packed_bytes, unpack_bits
+from .rotation import hadamard_blocks, llama_rot_size
+
+# Grids in units of the scale, fitted by benchmarks/format_study.py (alternating
+# nearest-code assignment, per-block scale search and centroid update on rotated
+# N(0,1) rows); symmetric, so that a zero-mean block stays zero-mean.
+GRIDS: dict[int, tuple[float, ...]] = {
+    4: (-1.000000, -0.764254, -0.596612, -0.460142, -0.342740, -0.237482, -0.139672, -0.046021,
+        0.046021, 0.139672, 0.237482, 0.342740, 0.460142, 0.596612, 0.764254, 1.000000),
+    3: (-1.000000, -0.607315, -0.335017, -0.107295, 0.107295, 0.335017, 0.607315, 1.000000),
+    2: (-1.000000, -0.290855, 0.290855, 1.000000),
+}
+SCALE_TRIES = 16                  # candidate scales per block
+SCALE_SPAN = (0.60, 1.10)         # candidates: d = amax / grid_max * f, f spread over this span
+ENCODE_CHUNK = 1 << 13            # blocks per step: bounds the (blocks, tries, block) tensors
+
+
+def grid_tensor(bits: int, device) -> torch.Tensor:
+    """The ``bits``-bit grid as a sorted float32 tensor on ``device``."""
+    return cached_on(device, ("nl_grid", bits), lambda: torch.tensor(GRIDS[bits], dtype=torch.float32))
+
+
+def nearest_code(v: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """Index of the nearest grid point for every value of ``v`` (grid sorted ascending)."""
+    mids = (grid[1:] + grid[:-1]) * 0.5
+    return torch.bucketize(v.contiguous(), mids)
+
+
+def search_scale(blocks: torch.Tensor, grid: torch.Tensor, tries: int = SCALE_TRIES,
+                 span: tuple[float, float] = SCALE_SPAN) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-block scale and codes minimising the squared error.
+
+    Args:
+        blocks: (N, B) float32 values.
+        grid: sorted grid (K,).
+    Returns:
+        (d (N,), codes (N, B)): each candidate scale's codes are refit by least squares,
+        the best candidate is kept, the codes are reassigned with it and refit once more.
+    """
+    amax = blocks.abs().amax(-1)                                               # (N,)
+    f = torch.linspace(span[0], span[1], tries, device=blocks.device)
+    d0 = (amax / grid.abs().max()).clamp_min(1e-30)
+    cand = d0[:, None] * f[None, :]                                            # (N, T)
+    g = grid[nearest_code(blocks[:, None, :] / cand[..., None], grid)]         # (N, T, B)
+    sum_xg = (g * blocks[:, None, :]).sum(-1)
+    sum_gg = (g * g).sum(-1).clamp_min(1e-30)
+    best = (sum_xg * sum_xg / sum_gg).argmax(-1, keepdim=True)                 # max explained energy
+    d = (sum_xg / sum_gg).gather(-1, best).squeeze(-1)
+    codes = nearest_code(blocks / d.clamp_min(1e-30)[:, None], grid)
+    g = grid[codes]
+    d = (g * blocks).sum(-1) / (g * g).sum(-1).clamp_min(1e-30)
+    live = amax > 0
+    return torch.where(live, d, torch.zeros_like(d)), codes
+
+
+class GridFormat(KVFormat):
+    """Rotated, per-block fp16 scale, fitted non-uniform grid; ``role`` picks llama.cpp's
+    rotation size for K or V."""
+
+    def __init__(self, spec, role: str = "k"):
+        super().__init__(spec)
+        if role not in ("k", "v"):
+            raise ValueError(f"{spec.name}: role must be 'k' or 'v', got {role!r}")
+        self.role = role
+
+    def rot_size(self, head_dim: int) -> int:
+        return llama_rot_size(head_dim, self.role)
+
+    def _check_head_dim(self, head_dim: int) -> None:
+        if head_dim % self.spec.block_size or head_dim % 64:
+            raise ValueError(f"{self.name}: head_dim {head_dim} must be a multiple of 64 (the rotation) "
+                             f"and of the block size {self.spec.block_size}")
+
+    def _max_abs(self) -> float | None:
+        return FP16_MAX * max(GRIDS[self.spec.code_bits]) * 0.9
+
+    # ----- attention hooks -----------------------------------------------------------
+    @property
+    def transformed(self) -> bool:
+        return True
+
+    def to_code_domain(self, x: torch.Tensor) -> torch.Tensor:
+        return hadamard_blocks(x, self.rot_size(x.shape[-1]))
+
+    def from_code_domain(self, y: torch.Tensor) -> torch.Tensor:
+        return hadamard_blocks(y, self.rot_size(y.shape[-1]))
+
+    def decode_code_domain(self, packed: torch.Tensor, head_dim: int) -> torch.Tensor:
+        b, bits = self.spec.block_size, self.spec.code_bits
+        blocks = packed.reshape(-1, self.spec.block_bytes)
+        d = fp16_from_bytes(blocks[:, :2])
+        grid = grid_tensor(bits, packed.device)
+        if 8 % bits == 0:     # one gather per byte (two codes) instead of unpack-then-gather
+            table = cached_on(packed.device, ("nl_byte_table", bits), lambda: byte_table(grid, bits))
+            g = torch.nn.functional.embedding(blocks[:, 2:].int(), table).reshape(-1, b)
+        elif bits == 3:       # 3 bytes = two 12-bit halves of 4 codes each, one gather per half
+            g = self._lookup12(blocks[:, 2:], grid).reshape(-1, b)
+        else:
+            g = grid[unpack_bits(blocks[:, 2:], bits, b)]
+        return (g * d[:, None]).reshape(*packed.shape[:-1], head_dim)
+
+    @staticmethod
+    def _lookup12(code_bytes: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+        """(N, 3m) bytes of 3-bit codes -> (N, m, 8) grid values."""
+        table = cached_on(code_bytes.device, ("nl_table12",),
+                          lambda: grid[(torch.arange(4096)[:, None] >> torch.arange(0, 12, 3)) & 7])
+        w = code_bytes.reshape(code_bytes.shape[0], -1, 3).int()                   # (N, m, 3)
+        lo = w[..., 0] | ((w[..., 1] & 0xF) << 8)
+        hi = (w[..., 1] >> 4) | (w[..., 2] << 4)
+        emb = torch.nn.functional.embedding
+        return torch.cat([emb(lo, table), emb(hi, table)], dim=-1)
+
+    # ----- coding -----------------------------------------------------------------------
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Checked encode; the fp16 scale's range is checked on the rotated values."""
+        x = check_float_input(x, self.name)
+        self.check_head_dim(x.shape[-1])
+        y = self.to_code_domain(x.float())
+        big = y.abs().amax().item()
+        if big > self._max_abs():
+            raise ValueError(f"{self.name}: a value of magnitude {big:.6g} exceeds what the "
+                             f"format's fp16 scale can represent (about {self._max_abs():.6g})")
+        return self._encode_rotated(y)
+
+    def overflow_flag(self, x: torch.Tensor) -> torch.Tensor:
+        return super().overflow_flag(self.to_code_domain(x.float()))
+
+    def _encode(self, x: torch.Tensor) -> torch.Tensor:
+        return self._encode_rotated(self.to_code_domain(x.float()))
+
+    def _encode_rotated(self, y: torch.Tensor) -> torch.Tensor:
+        bits = self.spec.code_bits
+        grid = grid_tensor(bits, y.device)
+        parts = []
+        for blocks in y.reshape(-1, self.spec.block_size).split(ENCODE_CHUNK):     # (N, B)
+            d, codes = search_scale(blocks, grid)
+            parts.append(torch.cat([fp16_bytes(d), pack_bits(codes, bits)], dim=-1))
+        return torch.cat(parts).reshape(*y.shape[:-1], -1)
+
+    def _decode(self, packed: torch.Tensor, head_dim: int) -> torch.Tensor:
+        return self.from_code_domain(self.decode_code_domain(packed, head_dim))
+
+
+__all__ = ["GridFormat", "GRIDS", "search_scale", "nearest_code", "packed_bytes"]
