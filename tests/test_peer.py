@@ -1,0 +1,133 @@
+"""llama.cpp (b11739) as the peer: the glibc shim that makes the prebuilt libraries load,
+and llama.cpp reading kvslim's GGUF exports of every supported architecture.
+
+The ELF and shim tests need only a C compiler; the peer tests are skipped when no
+llama.cpp binding is installed (``pip install 'kvslim[peer]'``).
+"""
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+from kvslim import peer
+from kvslim.engine import load
+
+from .test_gguf import KINDS, save_tokenizer, tiny_model
+
+needs_cc = pytest.mark.skipif(shutil.which("cc") is None or shutil.which("readelf") is None,
+                              reason="needs a C compiler and readelf")
+needs_peer = pytest.mark.skipif(not peer.available(), reason="no llama.cpp binding (pip install 'kvslim[peer]')")
+
+PROMPT = [5, 77, 140, 9, 250, 31, 200, 64]
+GREEDY = 16
+
+
+# ----- the shim and the ELF edit ----------------------------------------------------------
+@needs_cc
+def test_shim_forwards_the_c23_functions(tmp_path):
+    shim = ctypes.CDLL(str(peer.compile_shim(tmp_path / peer.SHIM_NAME)))
+    shim.__isoc23_strtol.restype = ctypes.c_long
+    shim.__isoc23_strtoull.restype = ctypes.c_ulonglong
+    assert shim.__isoc23_strtol(b"-0x1f", None, 16) == -31
+    assert shim.__isoc23_strtoull(b"18446744073709551615", None, 10) == 2**64 - 1
+    a, b = ctypes.c_int(), ctypes.c_float()
+    assert shim.__isoc23_sscanf(b"42 2.5", b"%d %f", ctypes.byref(a), ctypes.byref(b)) == 2
+    assert (a.value, b.value) == (42, 2.5)
+
+
+@needs_cc
+def test_shim_symbols_carry_the_glibc_2_38_version(tmp_path):
+    out = subprocess.run(["readelf", "--dyn-syms", "-W", str(peer.compile_shim(tmp_path / peer.SHIM_NAME))],
+                         capture_output=True, text=True).stdout
+    for name in peer.C23_SYMBOLS:
+        assert f"{name}@@GLIBC_2.38" in out
+
+
+@needs_cc
+def test_version_need_is_marked_weak(tmp_path):
+    """A library that needs strtol@GLIBC_2.2.5: only that Vernaux entry gains the WEAK flag."""
+    src = tmp_path / "uses.c"
+    src.write_text("#include <stdlib.h>\nlong f(const char *s) { return strtol(s, 0, 10); }\n")
+    lib = tmp_path / "libuses.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+    versions = lambda: subprocess.run(["readelf", "-V", "-W", str(lib)], capture_output=True, text=True).stdout
+    line = next(s for s in versions().splitlines() if "Name: GLIBC_2.2.5" in s)
+    assert "WEAK" not in line
+    assert peer.weaken_version_need(lib, "GLIBC_2.2.5") == 1
+    line = next(s for s in versions().splitlines() if "Name: GLIBC_2.2.5" in s)
+    assert "WEAK" in line
+    assert peer.weaken_version_need(lib, "GLIBC_9.99") == 0
+    ctypes.CDLL(str(lib))                                            # still a loadable library
+
+
+def test_weaken_refuses_a_non_elf_file(tmp_path):
+    path = tmp_path / "x.so"
+    path.write_bytes(b"not an elf file at all" * 4)
+    with pytest.raises(ValueError, match="not a little-endian ELF64"):
+        peer.weaken_version_need(path, "GLIBC_2.38")
+
+
+# ----- llama.cpp reads kvslim's exports ----------------------------------------------------
+@pytest.fixture(scope="module")
+def exported_f32(tmp_path_factory):
+    from kvslim.gguf import write_gguf
+
+    def get(kind: str):
+        folder = tmp_path_factory.mktemp(f"peer_{kind}")
+        tiny_model(kind).save_pretrained(folder)
+        save_tokenizer(folder, kind)
+        return write_gguf(folder, folder / "model-f32.gguf", "f32")
+    return get
+
+
+def kvslim_greedy(path, prompt: list[int], n: int) -> tuple[list[int], np.ndarray, set[int]]:
+    """kvslim's greedy tokens, its logits over the prompt and its end-of-generation ids
+    (f16 K/V, as the peer's)."""
+    llm = load(path, ctx=64, dtype="f32")
+    tokens = llm.generate(prompt, max_tokens=n, temperature=0).token_ids
+    return tokens, llm.logits(prompt).numpy(), llm.tokenizer.eog_ids()
+
+
+def peer_greedy(path, prompt: list[int], n: int) -> tuple[list[int], np.ndarray]:
+    with peer.open_peer(path, n_ctx=64, all_logits=True) as ctx:
+        first = ctx.eval(prompt)
+        return ctx.greedy(prompt, n), first
+
+
+@needs_peer
+@pytest.mark.parametrize("kind", KINDS)
+def test_llama_cpp_agrees_on_kvslim_exports(exported_f32, kind):
+    path = exported_f32(kind)
+    ours, our_logits, eog = kvslim_greedy(path, PROMPT, GREEDY)
+    theirs, their_logits = peer_greedy(path, PROMPT, GREEDY)
+    assert their_logits.shape == our_logits.shape
+    # llama.cpp rounds Q to f16 against f16 K and accumulates V in f16: ~1e-3 on logits of
+    # size ~1; a wrong layout convention shows as differences of order 0.1-1.
+    assert np.abs(their_logits - our_logits).max() < 5e-3
+    assert theirs[:len(ours)] == ours
+    if len(ours) < GREEDY:                                           # kvslim stopped at an end token
+        assert theirs[len(ours)] in eog
+
+
+@needs_peer
+def test_state_save_and_restore_repeat_the_logits(exported_f32):
+    with peer.open_peer(exported_f32("qwen3_5"), n_ctx=64) as ctx:
+        ctx.eval(PROMPT)
+        state = ctx.save_state()
+        a = ctx.eval([7, 8, 9])
+        ctx.load_state(state)
+        assert ctx.n_past == len(PROMPT)
+        assert np.array_equal(ctx.eval([7, 8, 9]), a)
+
+
+@needs_peer
+def test_bad_cache_type_and_missing_file_are_refused(exported_f32, tmp_path):
+    with pytest.raises(ValueError, match="no such GGUF"):
+        peer.open_peer(tmp_path / "missing.gguf")
+    with pytest.raises(ValueError, match="GGML_TYPE_Q3_X"):
+        peer.open_peer(exported_f32("llama"), type_k="q3_x")
