@@ -49,6 +49,28 @@ LLAMA31_ROPE = {"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0, "
 F32_TOL = 1e-4
 
 
+def mixed_text(repeat: int = 6) -> str:
+    """About 100 KB of prose, code, digits, whitespace runs and Unicode: Python's own
+    sources (code with English docstrings) and the cases that split tokenizers apart."""
+    import inspect
+    import json as json_module
+    import textwrap
+    special = ("The parts:\n\n1. first\n\n\n2. second\r\n\r\n  3.\tthird  \n"
+               "Pi is 3.14159265, 1,000,000 or 1e-9; call 555-0100 x42 at 09:30 on 2026-11-23.\n"
+               "    indented    runs\t\t\tof   whitespace   \n\n\n\n\n"
+               "naïve café, Ünïcödé, 日本語のテキスト, emoji 🙂🚀, Ελληνικά, русский, e\u0301, ١٢٣ ٤٥\n"
+               "don't they'll WE'RE I'M it's\n")
+    code = inspect.getsource(textwrap) + inspect.getsource(json_module.decoder)
+    return (special + code) * repeat
+
+
+@pytest.fixture(scope="module")
+def bundled_gguf(tmp_path_factory):
+    """The bundled model exported once (f16)."""
+    from kvslim.loading import default_model
+    return write_gguf(default_model(), tmp_path_factory.mktemp("bundled") / "bundled-f16.gguf", "f16")
+
+
 # ----- fixtures -----------------------------------------------------------------
 def tiny_model(kind: str, seed: int = 0):
     tiny = {**TINY, "vocab_size": VOCAB}
@@ -267,6 +289,44 @@ def test_tokenizer_round_trips(exported, kind):
     assert tok_config["eos_token"] == "<|im_end|>" and tok_config["pad_token"] == "<|endoftext|>"
     assert tok_config["add_bos_token"] == kind.startswith("llama")
     assert tok_config["bos_token"] == (BOS if kind.startswith("llama") else None)
+
+
+def test_pre_tokenizer_steps_pick_llama_cpp_s_pre_type():
+    from kvslim.gguf.writer import pre_tokenizer_name
+    from kvslim.loading import default_model
+    bundled = json.loads((default_model() / "tokenizer.json").read_text())["pre_tokenizer"]
+    assert pre_tokenizer_name(bundled) == "starcoder"                 # Digits(individual) + ByteLevel
+    assert pre_tokenizer_name({"type": "ByteLevel", "use_regex": True}) == "gpt-2"
+    split = {"type": "Split", "pattern": {"Regex": N.QWEN35_REGEX}, "behavior": "Isolated"}
+    assert pre_tokenizer_name({"type": "Sequence", "pretokenizers": [
+        split, {"type": "ByteLevel", "use_regex": False}]}) == "qwen35"
+    runs = {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": False},
+                                                   {"type": "ByteLevel", "use_regex": True}]}
+    with pytest.raises(ValueError, match="no llama.cpp pre-type known here"):
+        pre_tokenizer_name(runs)
+
+
+def test_bundled_tokenizer_survives_the_gguf(bundled_gguf):
+    """The bundled model's digit-splitting pre-tokenizer, written as "starcoder" and read
+    back, tokenizes a long mixed text exactly as the original tokenizer.json."""
+    from kvslim.gguf.reader import open_gguf, read_tokenizer
+    from kvslim.loading import default_model
+    from kvslim.tokenizer import Tokenizer
+    reader = open_gguf(bundled_gguf)
+    assert reader.get_field("tokenizer.ggml.pre").contents() == "starcoder"
+    text = mixed_text()
+    want = Tokenizer.from_folder(default_model()).encode(text, add_special=False)
+    assert read_tokenizer(reader)[0].encode(text, add_special_tokens=False).ids == want
+
+
+def test_gpt2_pre_tokenizer_files_still_read(tiny_folder, tmp_path):
+    """Files written before the "starcoder" export (plain ByteLevel -> "gpt-2") read as before."""
+    from tokenizers import Tokenizer
+    folder, _ = tiny_folder("llama")
+    path = write_gguf(folder, tmp_path / "gpt2-pre.gguf", "f16")
+    _, _, tokenizer, _ = read_model(path)
+    text = mixed_text(1)
+    assert tokenizer.encode(text).ids == Tokenizer.from_file(str(folder / "tokenizer.json")).encode(text).ids
 
 
 # ----- bad input ----------------------------------------------------------------

@@ -17,7 +17,7 @@ import torch
 from kvslim import peer
 from kvslim.engine import load
 
-from .test_gguf import KINDS, save_tokenizer, tiny_model
+from .test_gguf import KINDS, bundled_gguf, mixed_text, save_tokenizer, tiny_model  # noqa: F401 (fixture)
 
 needs_cc = pytest.mark.skipif(shutil.which("cc") is None or shutil.which("readelf") is None,
                               reason="needs a C compiler and readelf")
@@ -131,3 +131,29 @@ def test_bad_cache_type_and_missing_file_are_refused(exported_f32, tmp_path):
         peer.open_peer(tmp_path / "missing.gguf")
     with pytest.raises(ValueError, match="GGML_TYPE_Q3_X"):
         peer.open_peer(exported_f32("llama"), type_k="q3_x")
+
+
+# ----- tokenization -------------------------------------------------------------------------
+@needs_peer
+def test_llama_cpp_tokenizes_the_bundled_export_as_kvslim(bundled_gguf):
+    """Digits split one by one before GPT-2's regex ("starcoder"): e.g. "parts:\\n\\n1." keeps
+    its "\\n\\n" token, which llama.cpp split in two under the old "gpt-2" pre-type."""
+    from kvslim.loading import default_model
+    from kvslim.tokenizer import Tokenizer
+    text = mixed_text()
+    ours = Tokenizer.from_folder(default_model()).encode(text, add_special=False)
+    with peer.open_peer(bundled_gguf, n_ctx=64) as ctx:
+        theirs = ctx.tokenize(text, add_special=False, parse_special=False)
+    first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    assert (len(theirs), first) == (len(ours), len(ours)), f"first difference at token {first}"
+
+
+@needs_peer
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next", "llama"])       # the qwen35, qwen2, llama-bpe regexes
+def test_llama_cpp_tokenizes_tiny_exports_as_kvslim(exported_f32, kind):
+    from kvslim.tokenizer import Tokenizer
+    path = exported_f32(kind)
+    text = mixed_text(1)
+    with peer.open_peer(path, n_ctx=64) as ctx:
+        theirs = ctx.tokenize(text, add_special=False, parse_special=False)
+    assert theirs == Tokenizer.from_folder(path.parent).encode(text, add_special=False)

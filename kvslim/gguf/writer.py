@@ -195,17 +195,31 @@ def token_list(spec: dict, vocab_size: int) -> tuple[list[str], list[int]]:
 
 def pre_tokenizer_name(pre: dict | None) -> str:
     """tokenizer.ggml.pre for a tokenizer.json pre_tokenizer. The converter identifies it by
-    hashing sample encodings; we identify the regex itself, which is what llama.cpp uses."""
+    hashing sample encodings; we identify the steps themselves (regexes, digit splitting),
+    which is what llama.cpp's pre-types implement."""
+    steps = pre_tokenizer_steps(pre)
+    if steps in N.PRE_NAME_OF_STEPS:
+        return N.PRE_NAME_OF_STEPS[steps]
+    known = "; ".join(f"{name}: {list(s)}" for s, name in N.PRE_NAME_OF_STEPS.items())
+    raise ValueError(f"pre-tokenizer steps {list(steps)} have no llama.cpp pre-type known here (known: {known})")
+
+
+def pre_tokenizer_steps(pre: dict | None) -> tuple[tuple, ...]:
+    """The splitting steps of a pre_tokenizer, e.g. (("digits",), ("byte_level_regex",))."""
     steps = (pre or {}).get("pretokenizers", [pre] if pre else [])
+    out = []
     for step in steps:
-        if step.get("type") == "Split":
-            regex = step.get("pattern", {}).get("Regex")
-            if regex in N.PRE_NAME_OF_REGEX:
-                return N.PRE_NAME_OF_REGEX[regex]
-            raise ValueError(f"pre-tokenizer regex {regex!r} has no llama.cpp pre-type known here")
-    if any(s.get("type") == "ByteLevel" and s.get("use_regex", True) for s in steps):
-        return "gpt-2"                                      # llama.cpp refuses "gpt2" as a pre-type
-    raise ValueError(f"pre-tokenizer {pre!r} is not a byte-level BPE pre-tokenizer known here")
+        kind = step.get("type")
+        if kind == "ByteLevel":
+            if step.get("use_regex", True):
+                out.append(("byte_level_regex",))
+        elif kind == "Split":
+            out.append(("split", step.get("pattern", {}).get("Regex", step.get("pattern", {}).get("String"))))
+        elif kind == "Digits":
+            out.append(("digits",) if step.get("individual_digits") else ("digit_runs",))
+        else:
+            out.append((kind,))
+    return tuple(out)
 
 
 # ----- tensors ------------------------------------------------------------------
