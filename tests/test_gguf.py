@@ -20,6 +20,7 @@ import torch
 
 from kvslim.gguf import file_type, read_config, read_model, tensor_bytes, weight_types, write_gguf
 from kvslim.gguf import names as N
+from kvslim.gguf import writer
 from kvslim.loading.hf import read_config as read_hf_config
 from kvslim.loading.weights import instantiate
 from kvslim.models import Batch, config_from_dict
@@ -210,6 +211,53 @@ def test_q8_0_file_holds_the_quantized_tensors(exported):
     for name, t in q8.items():
         want = gguf.quants.quantize(np.asarray(f32[name].data), t.tensor_type)
         assert np.array_equal(np.asarray(t.data), want), name
+
+
+@pytest.mark.parametrize("out_type", ["q4_1", "q5_0", "q5_1", "iq4_nl"])
+def test_other_block_types_hold_the_quantized_tensors(exported, out_type):
+    """The newer --type values: gguf.quants' encoder (IQ4_NL, which it cannot encode: kvslim's,
+    checked by gguf.quants' decoder against the float tensor's error bound), same F32/F16 rules."""
+    f32 = {t.name: t for t in gguf.GGUFReader(str(exported("qwen3_5", "f32")[1])).tensors}
+    reader = gguf.GGUFReader(str(exported("qwen3_5", out_type)[1]))
+    assert reader.get_field("general.file_type").contents() == writer.FILE_TYPE[out_type]
+    quantized = {t.name: t for t in reader.tensors}
+    assert quantized["blk.0.attn_qkv.weight"].tensor_type == writer.QTYPE[out_type]
+    for name, t in quantized.items():
+        data, want = np.asarray(t.data), np.asarray(f32[name].data)
+        if t.tensor_type != gguf.GGMLQuantizationType.IQ4_NL:
+            assert np.array_equal(data, gguf.quants.quantize(want, t.tensor_type)), name
+            continue
+        got = gguf.quants.dequantize(data, t.tensor_type).reshape(want.shape)
+        scale = np.abs(want.reshape(-1, 32)).max(-1, keepdims=True)          # per 32-value block
+        assert (np.abs(got - want).reshape(-1, 32) <= scale / 8).all(), name  # grid steps are <= 1/4 of max
+
+
+def test_unknown_out_type_is_refused(tmp_path):
+    from kvslim.loading import default_model
+    with pytest.raises(ValueError, match="out_type 'q3_k' is not supported; choose from f32, f16"):
+        write_gguf(default_model(), tmp_path / "x.gguf", "q3_k")
+
+
+def test_convert_refuses_types_it_cannot_make(tmp_path, monkeypatch, capsys):
+    from kvslim import peer
+    from kvslim.cli import main
+    from kvslim.loading import default_model
+    assert main(["convert", str(default_model()), "-o", str(tmp_path / "x.gguf"), "--type", "q2_k"]) == 2
+    assert "--type 'q2_k' cannot be written; supported: f32, f16, bf16, q8_0" in capsys.readouterr().err
+    monkeypatch.setattr(peer, "binding", lambda: (_ for _ in ()).throw(peer.PeerUnavailable("none here")))
+    assert main(["convert", str(default_model()), "-o", str(tmp_path / "x.gguf"), "--type", "q4_k"]) == 2
+    assert "made by llama.cpp's quantizer, which is not available (none here)" in capsys.readouterr().err
+    assert main(["convert", str(tmp_path / "missing"), "--type", "f16"]) == 2
+    assert "not a Hugging Face model folder" in capsys.readouterr().err
+
+
+def test_convert_writes_a_file_kvslim_loads(exported, tmp_path, capsys):
+    from kvslim.cli import main
+    folder, _, model = exported("llama", "f32")
+    out = tmp_path / "llama-bf16.gguf"
+    assert main(["convert", str(folder), "-o", str(out), "--type", "bf16"]) == 0
+    assert f"wrote {out} (bf16," in capsys.readouterr().out
+    assert torch.allclose(gguf_logits(out), hf_logits(rounded(model, torch.bfloat16)), atol=2e-3)
 
 
 def test_q8_0_logits_stay_close(exported, capsys):

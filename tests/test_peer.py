@@ -157,3 +157,57 @@ def test_llama_cpp_tokenizes_tiny_exports_as_kvslim(exported_f32, kind):
     with peer.open_peer(path, n_ctx=64) as ctx:
         theirs = ctx.tokenize(text, add_special=False, parse_special=False)
     assert theirs == Tokenizer.from_folder(path.parent).encode(text, add_special=False)
+
+
+# ----- kvslim convert -----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    """Tiny models with their matrices (not embeddings) at a quarter of test_gguf's scale.
+
+    At full scale the random 4-layer models amplify any rounding: q8_0 weights alone move
+    their logits by ~0.3 (std 0.68), and llama.cpp also rounds activations to q8_0 in its
+    q8_0 dot products, so greedy tokens part at near-ties. At a quarter, kvslim and
+    llama.cpp differ by ~0.02 on q8_0 files, below the top-1 margins. (The layout
+    conventions are checked at full scale on f32 files above.)
+    """
+    made = {}
+
+    def get(kind: str):
+        if kind not in made:
+            model = tiny_model(kind)
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if p.dim() >= 2 and "embed_tokens" not in name and "lm_head" not in name:
+                        p.mul_(0.25)
+            made[kind] = tmp_path_factory.mktemp(f"convert_{kind}")
+            model.save_pretrained(made[kind])
+            save_tokenizer(made[kind], kind)
+        return made[kind]
+    return get
+
+
+@needs_peer
+@pytest.mark.parametrize("out_type", ["f16", "q8_0"])
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe", "qwen3_next", "llama"])
+def test_converted_files_give_the_same_greedy_tokens(hf_folder, tmp_path, kind, out_type):
+    from kvslim.cli import main
+    out = tmp_path / f"{kind}-{out_type}.gguf"
+    assert main(["convert", str(hf_folder(kind)), "-o", str(out), "--type", out_type]) == 0
+    ours, our_logits, eog = kvslim_greedy(out, PROMPT, GREEDY)
+    theirs, their_logits = peer_greedy(out, PROMPT, GREEDY)
+    assert np.abs(their_logits - our_logits).max() < {"f16": 5e-3, "q8_0": 0.05}[out_type]
+    assert theirs[:len(ours)] == ours
+    if len(ours) < GREEDY:
+        assert theirs[len(ours)] in eog
+
+
+@needs_peer
+def test_k_quants_come_from_llama_cpp_s_quantizer(hf_folder, tmp_path):
+    import gguf
+    from kvslim.cli import main
+    out = tmp_path / "q6_k.gguf"
+    assert main(["convert", str(hf_folder("llama")), "-o", str(out), "--type", "q6_k"]) == 0
+    reader = gguf.GGUFReader(str(out))
+    assert reader.get_field("general.file_type").contents() == gguf.LlamaFileType.MOSTLY_Q6_K
+    assert {t.tensor_type for t in reader.tensors} >= {gguf.GGMLQuantizationType.F32}
+    assert len(kvslim_greedy(out, PROMPT, 4)[0]) > 0                 # kvslim loads llama.cpp's file
