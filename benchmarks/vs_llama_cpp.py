@@ -14,6 +14,7 @@ compared at f16. llama.cpp comes through ``kvslim.peer``: llama-cpp-py-sync (the
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -108,6 +109,8 @@ def main() -> int:
     ap.add_argument("--greedy-tokens", type=int, default=32)
     args = ap.parse_args()
     peer = peer_module()
+    start = time.perf_counter()
+    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} (shared machines skew t/s)")
     torch.set_num_threads(args.threads)
     model_path = Path(args.model) if args.model else default_model()
     gguf = Path(tempfile.mkdtemp()) / f"{model_path.name}-{args.gguf_type}.gguf"
@@ -121,6 +124,8 @@ def main() -> int:
     rows = run_both(peer, gguf, model_path, args)
     print(markdown_table(["test", "type_k/v", "llama.cpp t/s", "kvslim t/s", "kvslim / llama.cpp"], rows,
                          ["l", "l", "r", "r", "r"]))
+    print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "
+          f"wall time {time.perf_counter() - start:.0f} s")
     return 0
 
 
