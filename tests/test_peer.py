@@ -27,6 +27,15 @@ PROMPT = [5, 77, 140, 9, 250, 31, 200, 64]
 GREEDY = 16
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: one thread each (torch's pool spins badly on a shared machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 # ----- the shim and the ELF edit ----------------------------------------------------------
 @needs_cc
 def test_shim_forwards_the_c23_functions(tmp_path):
@@ -94,7 +103,7 @@ def kvslim_greedy(path, prompt: list[int], n: int) -> tuple[list[int], np.ndarra
 
 
 def peer_greedy(path, prompt: list[int], n: int) -> tuple[list[int], np.ndarray]:
-    with peer.open_peer(path, n_ctx=64, all_logits=True) as ctx:
+    with peer.open_peer(path, n_ctx=64, n_threads=1, all_logits=True) as ctx:
         first = ctx.eval(prompt)
         return ctx.greedy(prompt, n), first
 
@@ -116,7 +125,7 @@ def test_llama_cpp_agrees_on_kvslim_exports(exported_f32, kind):
 
 @needs_peer
 def test_state_save_and_restore_repeat_the_logits(exported_f32):
-    with peer.open_peer(exported_f32("qwen3_5"), n_ctx=64) as ctx:
+    with peer.open_peer(exported_f32("qwen3_5"), n_ctx=64, n_threads=1) as ctx:
         ctx.eval(PROMPT)
         state = ctx.save_state()
         a = ctx.eval([7, 8, 9])
@@ -142,7 +151,7 @@ def test_llama_cpp_tokenizes_the_bundled_export_as_kvslim(bundled_gguf):
     from kvslim.tokenizer import Tokenizer
     text = mixed_text()
     ours = Tokenizer.from_folder(default_model()).encode(text, add_special=False)
-    with peer.open_peer(bundled_gguf, n_ctx=64) as ctx:
+    with peer.open_peer(bundled_gguf, n_ctx=64, n_threads=1) as ctx:
         theirs = ctx.tokenize(text, add_special=False, parse_special=False)
     first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
     assert (len(theirs), first) == (len(ours), len(ours)), f"first difference at token {first}"
@@ -154,7 +163,7 @@ def test_llama_cpp_tokenizes_tiny_exports_as_kvslim(exported_f32, kind):
     from kvslim.tokenizer import Tokenizer
     path = exported_f32(kind)
     text = mixed_text(1)
-    with peer.open_peer(path, n_ctx=64) as ctx:
+    with peer.open_peer(path, n_ctx=64, n_threads=1) as ctx:
         theirs = ctx.tokenize(text, add_special=False, parse_special=False)
     assert theirs == Tokenizer.from_folder(path.parent).encode(text, add_special=False)
 
