@@ -1,18 +1,20 @@
 """kvslim beside llama.cpp on the same model, machine, depths and cache types.
 
-    PYTHONPATH=/path/to/llama-cpp-python/site-packages \\
-        python benchmarks/vs_llama_cpp.py [-m MODEL] [-d 0,4096,16384] [-p 512] [-n 128] [-r 3]
+    pip install -e '.[peer]'
+    python benchmarks/vs_llama_cpp.py [-m MODEL] [-d 0,4096,16384] [-p 512] [-n 128] [-r 3]
 
 The model (default: the bundled one) is exported to GGUF with kvslim's own
 writer, then both engines run llama-bench's pp/tg tests at each depth with
 f16, q8_0 and q4_0 K/V. Each depth is filled once per engine and restored
 before every repetition (llama.cpp: llama_state_get/set; kvslim: the bench
 snapshot). Before timing, both engines' greedy tokens for a fixed prompt are
-compared at f16. Needs ``llama-cpp-python`` (optional; built from source).
+compared at f16. llama.cpp comes through ``kvslim.peer``: llama-cpp-py-sync (the
+``peer`` extra, b11739 prebuilt) or else llama-cpp-python.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -32,23 +34,17 @@ from kvslim.tools.common import markdown_table  # noqa: E402
 PROMPT = "It is a truth universally acknowledged, that a single man in possession of a good fortune"
 
 
-def llama_cpp_module():
+def peer_module():
+    from kvslim import peer
     try:
-        import llama_cpp
-    except ImportError:
-        sys.exit("llama-cpp-python is not importable: pip install llama-cpp-python (builds llama.cpp from source), "
-                 "or put its site-packages on PYTHONPATH")
-    return llama_cpp
+        print(f"peer: {peer.describe()}")
+    except peer.PeerUnavailable as err:
+        sys.exit(f"{err}\ninstall the peer with: pip install -e '.[peer]'")
+    return peer
 
 
-def ggml_type(llama_cpp, name: str) -> int:
-    return getattr(llama_cpp, f"GGML_TYPE_{name.upper()}")
-
-
-def open_llama(llama_cpp, path: Path, ctx: int, type_k: str, type_v: str, threads: int, ubatch: int):
-    return llama_cpp.Llama(model_path=str(path), n_ctx=ctx, n_batch=ubatch, n_ubatch=ubatch, n_threads=threads,
-                           n_threads_batch=threads, type_k=ggml_type(llama_cpp, type_k),
-                           type_v=ggml_type(llama_cpp, type_v), flash_attn=True, verbose=False, seed=0)
+def open_llama(peer, path: Path, ctx: int, type_k: str, type_v: str, threads: int, ubatch: int):
+    return peer.open_peer(path, n_ctx=ctx, type_k=type_k, type_v=type_v, n_threads=threads, n_batch=ubatch)
 
 
 class LlamaCppRun:
@@ -68,7 +64,7 @@ class LlamaCppRun:
 
     def restore(self) -> None:
         if self.state is None:
-            self.llm.reset()                          # the next eval clears every position from 0 on
+            self.llm.reset()
         else:
             self.llm.load_state(self.state)
 
@@ -89,18 +85,14 @@ class LlamaCppRun:
                 else 0.0}
 
 
-def greedy_check(llama_cpp, gguf: Path, model_path, n: int, threads: int) -> tuple[list[int], list[int]]:
+def greedy_check(peer, gguf: Path, model_path, n: int, threads: int) -> tuple[list[int], list[int]]:
     kv = load(model_path, ctx=512, cache_type_k="f16", cache_type_v="f16", dtype="f32")
     ours = kv.generate(PROMPT, max_tokens=n, temperature=0).token_ids
-    llm = open_llama(llama_cpp, gguf, 512, "f16", "f16", threads, 512)
-    prompt = llm.tokenize(PROMPT.encode(), add_bos=False, special=True)
-    if prompt != kv.tokenize(PROMPT):
-        print(f"note: tokenizers differ on the prompt: llama.cpp {prompt[:12]} kvslim {kv.tokenize(PROMPT)[:12]}")
-    theirs = []
-    for tok in llm.generate(kv.tokenize(PROMPT), temp=0.0, top_k=1):
-        if tok in kv.engine.eog_ids or len(theirs) == n:
-            break
-        theirs.append(tok)
+    with open_llama(peer, gguf, 512, "f16", "f16", threads, 512) as llm:
+        prompt = llm.tokenize(PROMPT, add_special=True)
+        if prompt != kv.tokenize(PROMPT):
+            print(f"note: tokenizers differ on the prompt: llama.cpp {prompt[:12]} kvslim {kv.tokenize(PROMPT)[:12]}")
+        theirs = llm.greedy(kv.tokenize(PROMPT), n, stop=kv.tokenizer.eog_ids())
     return ours, theirs
 
 
@@ -116,31 +108,35 @@ def main() -> int:
     ap.add_argument("--gguf-type", default="f16", help="weight type of the exported GGUF")
     ap.add_argument("--greedy-tokens", type=int, default=32)
     args = ap.parse_args()
-    llama_cpp = llama_cpp_module()
+    peer = peer_module()
+    start = time.perf_counter()
+    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} (shared machines skew t/s)")
     torch.set_num_threads(args.threads)
     model_path = Path(args.model) if args.model else default_model()
     gguf = Path(tempfile.mkdtemp()) / f"{model_path.name}-{args.gguf_type}.gguf"
     write_gguf(model_path, gguf, args.gguf_type)
     print(f"exported {gguf} ({gguf.stat().st_size / 2**20:.1f} MiB)")
-    ours, theirs = greedy_check(llama_cpp, gguf, model_path, args.greedy_tokens, args.threads)
+    ours, theirs = greedy_check(peer, gguf, model_path, args.greedy_tokens, args.threads)
     same = sum(a == b for a, b in zip(ours, theirs))
     print(f"greedy tokens at f16: kvslim {len(ours)}, llama.cpp {len(theirs)}, identical prefix "
           f"{next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))}, "
           f"same positions {same}")
-    rows = run_both(llama_cpp, gguf, model_path, args)
+    rows = run_both(peer, gguf, model_path, args)
     print(markdown_table(["test", "type_k/v", "llama.cpp t/s", "kvslim t/s", "kvslim / llama.cpp"], rows,
                          ["l", "l", "r", "r", "r"]))
+    print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "
+          f"wall time {time.perf_counter() - start:.0f} s")
     return 0
 
 
-def run_both(llama_cpp, gguf, model_path, args) -> list[list]:
+def run_both(peer, gguf, model_path, args) -> list[list]:
     depths = sorted(set(int_list(args.depths)))
     tests = [Test(k, n, d) for d in depths for k, n in (("pp", args.n_prompt), ("tg", args.n_gen))]
     ctx = max(depths) + max(args.n_prompt, args.n_gen) + 16
     model, _, _ = load_model(model_path, "f32")
     rows = []
     for t in args.types.split(","):
-        theirs = LlamaCppRun(open_llama(llama_cpp, gguf, ctx, t, t, args.threads, 512), model.config.vocab_size)
+        theirs = LlamaCppRun(open_llama(peer, gguf, ctx, t, t, args.threads, 512), model.config.vocab_size)
         ours = FilledCache(model, ctx, 1, t, t, 512)
         for test in tests:
             if theirs.depth != test.n_depth:

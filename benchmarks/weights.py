@@ -3,11 +3,12 @@ the same GGUF files, and the matmul-path comparison behind ``kvslim.weights.matm
 
     python benchmarks/weights.py [-m MODEL] [--types bf16,q8_0,q4_0,q4_k_m] [-p 512] [-n 128] [-r 3]
     python benchmarks/weights.py --matmul [-m MODEL]
-    PYTHONPATH=/path/to/llama-cpp-python/site-packages python benchmarks/weights.py   # adds llama.cpp
+    pip install -e '.[peer]'; python benchmarks/weights.py    # adds llama.cpp (kvslim.peer)
 
 The model (default: the bundled one) is exported with kvslim's writer (f32, bf16, q8_0,
-q4_0); q4_k_m is made from the f32 file by llama.cpp's own quantizer when llama_cpp is
-importable. Every (engine, type) runs in a fresh process so that its resident memory is
+q4_0); q4_k_m is made from the f32 file by llama.cpp's own quantizer when the peer
+(kvslim.peer: llama-cpp-py-sync or llama-cpp-python) is available. Every (engine, type)
+runs in a fresh process so that its resident memory is
 its own: RSS before loading, after loading, and after the pp and tg tests (memory-mapped
 weights count once touched), the peak, and the weights' bytes as held. Before timing,
 kvslim's greedy tokens at Q8_0 are compared with F16 (the issue asks for 32 equal).
@@ -93,16 +94,13 @@ from kvslim.weights import matmul  # noqa: E402
 
 PROMPT = "It is a truth universally acknowledged, that a single man in possession of a good fortune"
 WRITER_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
-LLAMA_FTYPES = {"q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M",
-                "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K"}
+LLAMA_FTYPES = ("q4_k_m", "q5_k_m", "q6_k")         # made by llama.cpp's quantizer
 
 
 def llama_cpp_or_none():
-    try:
-        import llama_cpp
-        return llama_cpp
-    except ImportError:
-        return None
+    """kvslim.peer when a llama.cpp binding loads, else None."""
+    from kvslim import peer
+    return peer if peer.available() else None
 
 
 # ----- files --------------------------------------------------------------------------
@@ -113,16 +111,11 @@ def make_gguf(folder: Path, out_dir: Path, kind: str) -> Path:
         return path
     if kind in WRITER_TYPES:
         return write_gguf(folder, path, kind)
-    import ctypes
-    llama_cpp = llama_cpp_or_none()
-    if llama_cpp is None or kind not in LLAMA_FTYPES:
-        raise SystemExit(f"{kind}: needs llama_cpp's quantizer (one of {', '.join(LLAMA_FTYPES)})")
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, LLAMA_FTYPES[kind])
-    src = make_gguf(folder, out_dir, "f32")
-    if llama_cpp.llama_model_quantize(str(src).encode(), str(path).encode(), ctypes.byref(params)) != 0:
-        raise SystemExit(f"llama.cpp could not quantize {src} to {kind}")
-    return path
+    peer = llama_cpp_or_none()
+    if peer is None or kind not in LLAMA_FTYPES:
+        raise SystemExit(f"{kind}: needs llama.cpp's quantizer (one of {', '.join(LLAMA_FTYPES)}; "
+                         "pip install -e '.[peer]')")
+    return peer.quantize(make_gguf(folder, out_dir, "f32"), path, kind)
 
 
 # ----- one engine on one file, in its own process ------------------------------------------
@@ -150,16 +143,14 @@ def child_kvslim(path: Path, args) -> dict:
 
 
 def child_llama(path: Path, args) -> dict:
-    """llama.cpp on the file. Timing feeds token ids, so the tokenizer only has to load: kvslim's
-    writer names a plain byte-level pre-tokenizer "gpt2", which llama.cpp calls "gpt-2"."""
+    """llama.cpp on the file (f16 K/V, flash attention), fed token ids."""
     from vs_llama_cpp import LlamaCppRun
-    llama_cpp = llama_cpp_or_none()
+    peer = llama_cpp_or_none()
+    peer.binding()                             # the libraries load before the baseline, as kvslim's imports do
     before = rss_bytes()
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=args.n_prompt + args.n_gen + 16, n_batch=512, n_ubatch=512,
-                          n_threads=args.threads, n_threads_batch=args.threads, flash_attn=True, verbose=False,
-                          kv_overrides={"tokenizer.ggml.pre": "gpt-2"})
+    llm = peer.open_peer(path, n_ctx=args.n_prompt + args.n_gen + 16, n_threads=args.threads, n_batch=512)
     loaded = rss_bytes()
-    run = LlamaCppRun(llm, llm.n_vocab())
+    run = LlamaCppRun(llm, llm.n_vocab)
     pp = run.measure(Test("pp", args.n_prompt, 0), args.repetitions)
     tg = run.measure(Test("tg", args.n_gen, 0), args.repetitions)
     record = {"rss_before": before, "rss_loaded": loaded, "rss_after": rss_bytes(),

@@ -13,6 +13,7 @@ COMMANDS = {
     "run": ("run", "complete a prompt; print timings and KV/state memory"),
     "bench": ("bench", "llama-bench-style pp/tg speed at depth, swept over K/V types"),
     "serve": ("serve", "OpenAI-compatible server: parallel slots, streaming, prefix reuse"),
+    "convert": ("convert", "Hugging Face folder -> GGUF (f16, bf16, q8_0, q4_0, ..., K-quants via llama.cpp)"),
 }
 
 

@@ -179,7 +179,7 @@ def test_base_file_round_trips_and_json_matches_the_library(capsys, model_path, 
     assert code == 0 and out.startswith("Final estimate: PPL = ") and base.is_file()
     ref = P.Reference.load(base)
     assert ref.tokens.tolist() == chunks and ref.top_k == ref.n_vocab == 320 and ref.meta["type_k"] == "f16"
-    assert ref.top_ids.nbytes + ref.top_logp.nbytes == len(ref.next_logp) * 320 * 8     # ids + fp32 log-probs
+    assert ref.whole_vocab and ref.codes.nbytes == len(ref.next_logp) * 320 * 2     # uint16 per vocab entry
 
     code, out, _ = run_cli(capsys, "kld", "--kl-divergence-base", base, "--kl-divergence", *common)
     from_file = json.loads(out)
@@ -191,18 +191,52 @@ def test_base_file_round_trips_and_json_matches_the_library(capsys, model_path, 
     direct = P.kld_statistics(P.compare_exact(P.with_cache_types(llm, "f16", "f16"),
                                               [P.with_cache_types(llm, "q4_0", "f16")], chunks)[0])
     for key in ("ppl", "ppl_base", "kld_mean", "kld_p99.9", "same_top", "dp_rms"):
-        assert from_file[0][key] == pytest.approx(in_memory[key], rel=1e-9, abs=1e-12)
+        # the file's uint16 log-probs move KLDs by ~1e-3 relative; the rest is stored exactly
+        assert from_file[0][key] == pytest.approx(in_memory[key], rel=1e-9 if "kld" not in key else 3e-3,
+                                                  abs=1e-12)
         assert in_memory[key] == pytest.approx(direct[key], rel=1e-9, abs=1e-12)
 
 
 def test_exact_comparison_equals_a_whole_vocabulary_file_and_bounds_top_k(llm, chunks):
+    """The default base (whole vocabulary, uint16) gives the full-vocabulary KLD: mean within
+    0.1% (the issue asks 1%); top-k is a lower bound, token by token."""
     q = P.with_cache_types(llm, "turbo3", "q4_0")
     exact = P.compare_exact(llm, [q], chunks)[0]
-    whole = P.compare(q, P.reference(llm, chunks, top_k=0))
+    whole = P.compare(q, P.reference(llm, chunks))
     top = P.compare(q, P.reference(llm, chunks, top_k=16))
-    assert np.allclose(exact.kld, whole.kld, rtol=1e-9, atol=1e-15)
+    assert whole.kld.mean() == pytest.approx(exact.kld.mean(), rel=1e-3)
+    assert np.abs(whole.kld - exact.kld).max() <= 0.05 * exact.kld.max()
     assert np.array_equal(exact.same_top, whole.same_top) and np.array_equal(exact.nll_base, whole.nll_base)
     assert np.all(top.kld <= exact.kld + 1e-12) and np.all(top.tail_mass > 0)
+    assert top.kld.mean() < 0.999 * exact.kld.mean()
+
+
+def test_uint16_log_probs_stay_within_half_a_step():
+    gen = torch.Generator().manual_seed(1)
+    logp = torch.log_softmax(torch.randn(64, 1000, generator=gen) * 4, -1)
+    codes, lo, step = P.encode_logp(logp)
+    assert codes.dtype == np.uint16 and codes.max() == 65535 and codes.min() == 0
+    raw = torch.from_numpy(lo).double()[:, None] + torch.from_numpy(step).double()[:, None] * torch.from_numpy(
+        codes.astype(np.int32)).double()
+    err = (raw - logp.double()).abs()
+    assert torch.all(err <= torch.from_numpy(step).double()[:, None] * 0.5 + 1e-5)
+    assert torch.allclose(P.decode_logp(codes, lo, step).exp().sum(-1), torch.ones(64, dtype=torch.float64))
+
+
+def test_top_k_base_says_it_is_a_lower_bound_and_version_1_files_still_read(llm, chunks, tmp_path):
+    from safetensors.numpy import save_file
+    ref = P.reference(llm, chunks, top_k=16)
+    assert ref.storage == "top-16 (KLD lower bound)" and not ref.whole_vocab
+    old = tmp_path / "v1.kld"                                  # the layout version 1 wrote: top-k only
+    save_file({"tokens": ref.tokens, "top_ids": ref.top_ids, "top_logp": ref.top_logp,
+               "next_logp": ref.next_logp, "argmax": ref.argmax},
+              str(old), metadata={"format": P.FILE_KIND, "version": "1", "n_vocab": "320",
+                                  "first": str(ref.first), "type_k": "f16"})
+    loaded = P.Reference.load(old)
+    assert loaded.top_k == 16 and loaded.meta["type_k"] == "f16"
+    q = P.with_cache_types(llm, "q4_0", "q4_0")
+    assert np.array_equal(P.compare(q, loaded).kld, P.compare(q, ref).kld)
+    assert P.Reference.load(old).first_chunks(1).top_ids.shape[0] == ref.rows_per_chunk
 
 
 def test_kld_sweep_prints_every_pair_and_a_summary_table(capsys, model_path, text_file):

@@ -20,6 +20,7 @@ import torch
 
 from kvslim.gguf import file_type, read_config, read_model, tensor_bytes, weight_types, write_gguf
 from kvslim.gguf import names as N
+from kvslim.gguf import writer
 from kvslim.loading.hf import read_config as read_hf_config
 from kvslim.loading.weights import instantiate
 from kvslim.models import Batch, config_from_dict
@@ -47,6 +48,28 @@ REGEX = {"qwen3_5": N.QWEN35_REGEX, "qwen3_5_moe": N.QWEN35_REGEX, "qwen3_next":
 LLAMA31_ROPE = {"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}   # all three bands occur
 F32_TOL = 1e-4
+
+
+def mixed_text(repeat: int = 6) -> str:
+    """About 100 KB of prose, code, digits, whitespace runs and Unicode: Python's own
+    sources (code with English docstrings) and the cases that split tokenizers apart."""
+    import inspect
+    import json as json_module
+    import textwrap
+    special = ("The parts:\n\n1. first\n\n\n2. second\r\n\r\n  3.\tthird  \n"
+               "Pi is 3.14159265, 1,000,000 or 1e-9; call 555-0100 x42 at 09:30 on 2026-11-23.\n"
+               "    indented    runs\t\t\tof   whitespace   \n\n\n\n\n"
+               "naïve café, Ünïcödé, 日本語のテキスト, emoji 🙂🚀, Ελληνικά, русский, e\u0301, ١٢٣ ٤٥\n"
+               "don't they'll WE'RE I'M it's\n")
+    code = inspect.getsource(textwrap) + inspect.getsource(json_module.decoder)
+    return (special + code) * repeat
+
+
+@pytest.fixture(scope="module")
+def bundled_gguf(tmp_path_factory):
+    """The bundled model exported once (f16)."""
+    from kvslim.loading import default_model
+    return write_gguf(default_model(), tmp_path_factory.mktemp("bundled") / "bundled-f16.gguf", "f16")
 
 
 # ----- fixtures -----------------------------------------------------------------
@@ -190,7 +213,54 @@ def test_q8_0_file_holds_the_quantized_tensors(exported):
         assert np.array_equal(np.asarray(t.data), want), name
 
 
-def test_q8_0_logits_stay_close(exported):
+@pytest.mark.parametrize("out_type", ["q4_1", "q5_0", "q5_1", "iq4_nl"])
+def test_other_block_types_hold_the_quantized_tensors(exported, out_type):
+    """The newer --type values: gguf.quants' encoder (IQ4_NL, which it cannot encode: kvslim's,
+    checked by gguf.quants' decoder against the float tensor's error bound), same F32/F16 rules."""
+    f32 = {t.name: t for t in gguf.GGUFReader(str(exported("qwen3_5", "f32")[1])).tensors}
+    reader = gguf.GGUFReader(str(exported("qwen3_5", out_type)[1]))
+    assert reader.get_field("general.file_type").contents() == writer.FILE_TYPE[out_type]
+    quantized = {t.name: t for t in reader.tensors}
+    assert quantized["blk.0.attn_qkv.weight"].tensor_type == writer.QTYPE[out_type]
+    for name, t in quantized.items():
+        data, want = np.asarray(t.data), np.asarray(f32[name].data)
+        if t.tensor_type != gguf.GGMLQuantizationType.IQ4_NL:
+            assert np.array_equal(data, gguf.quants.quantize(want, t.tensor_type)), name
+            continue
+        got = gguf.quants.dequantize(data, t.tensor_type).reshape(want.shape)
+        scale = np.abs(want.reshape(-1, 32)).max(-1, keepdims=True)          # per 32-value block
+        assert (np.abs(got - want).reshape(-1, 32) <= scale / 8).all(), name  # grid steps are <= 1/4 of max
+
+
+def test_unknown_out_type_is_refused(tmp_path):
+    from kvslim.loading import default_model
+    with pytest.raises(ValueError, match="out_type 'q3_k' is not supported; choose from f32, f16"):
+        write_gguf(default_model(), tmp_path / "x.gguf", "q3_k")
+
+
+def test_convert_refuses_types_it_cannot_make(tmp_path, monkeypatch, capsys):
+    from kvslim import peer
+    from kvslim.cli import main
+    from kvslim.loading import default_model
+    assert main(["convert", str(default_model()), "-o", str(tmp_path / "x.gguf"), "--type", "q2_k"]) == 2
+    assert "--type 'q2_k' cannot be written; supported: f32, f16, bf16, q8_0" in capsys.readouterr().err
+    monkeypatch.setattr(peer, "binding", lambda: (_ for _ in ()).throw(peer.PeerUnavailable("none here")))
+    assert main(["convert", str(default_model()), "-o", str(tmp_path / "x.gguf"), "--type", "q4_k"]) == 2
+    assert "made by llama.cpp's quantizer, which is not available (none here)" in capsys.readouterr().err
+    assert main(["convert", str(tmp_path / "missing"), "--type", "f16"]) == 2
+    assert "not a Hugging Face model folder" in capsys.readouterr().err
+
+
+def test_convert_writes_a_file_kvslim_loads(exported, tmp_path, capsys):
+    from kvslim.cli import main
+    folder, _, model = exported("llama", "f32")
+    out = tmp_path / "llama-bf16.gguf"
+    assert main(["convert", str(folder), "-o", str(out), "--type", "bf16"]) == 0
+    assert f"wrote {out} (bf16," in capsys.readouterr().out
+    assert torch.allclose(gguf_logits(out), hf_logits(rounded(model, torch.bfloat16)), atol=2e-3)
+
+
+def test_q8_0_logits_stay_close(exported, capsys):
     """q8_0's per-weight error (relative RMS ~0.5%) is ~35x f16's; this random tiny hybrid
     amplifies f16's to 0.3% relative RMS in the logits (the f16 test pins that down exactly),
     so q8_0 lands near 6%: bound 10%."""
@@ -265,6 +335,44 @@ def test_tokenizer_round_trips(exported, kind):
     assert tok_config["eos_token"] == "<|im_end|>" and tok_config["pad_token"] == "<|endoftext|>"
     assert tok_config["add_bos_token"] == kind.startswith("llama")
     assert tok_config["bos_token"] == (BOS if kind.startswith("llama") else None)
+
+
+def test_pre_tokenizer_steps_pick_llama_cpp_s_pre_type():
+    from kvslim.gguf.writer import pre_tokenizer_name
+    from kvslim.loading import default_model
+    bundled = json.loads((default_model() / "tokenizer.json").read_text())["pre_tokenizer"]
+    assert pre_tokenizer_name(bundled) == "starcoder"                 # Digits(individual) + ByteLevel
+    assert pre_tokenizer_name({"type": "ByteLevel", "use_regex": True}) == "gpt-2"
+    split = {"type": "Split", "pattern": {"Regex": N.QWEN35_REGEX}, "behavior": "Isolated"}
+    assert pre_tokenizer_name({"type": "Sequence", "pretokenizers": [
+        split, {"type": "ByteLevel", "use_regex": False}]}) == "qwen35"
+    runs = {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": False},
+                                                   {"type": "ByteLevel", "use_regex": True}]}
+    with pytest.raises(ValueError, match="no llama.cpp pre-type known here"):
+        pre_tokenizer_name(runs)
+
+
+def test_bundled_tokenizer_survives_the_gguf(bundled_gguf):
+    """The bundled model's digit-splitting pre-tokenizer, written as "starcoder" and read
+    back, tokenizes a long mixed text exactly as the original tokenizer.json."""
+    from kvslim.gguf.reader import open_gguf, read_tokenizer
+    from kvslim.loading import default_model
+    from kvslim.tokenizer import Tokenizer
+    reader = open_gguf(bundled_gguf)
+    assert reader.get_field("tokenizer.ggml.pre").contents() == "starcoder"
+    text = mixed_text()
+    want = Tokenizer.from_folder(default_model()).encode(text, add_special=False)
+    assert read_tokenizer(reader)[0].encode(text, add_special_tokens=False).ids == want
+
+
+def test_gpt2_pre_tokenizer_files_still_read(tiny_folder, tmp_path):
+    """Files written before the "starcoder" export (plain ByteLevel -> "gpt-2") read as before."""
+    from tokenizers import Tokenizer
+    folder, _ = tiny_folder("llama")
+    path = write_gguf(folder, tmp_path / "gpt2-pre.gguf", "f16")
+    _, _, tokenizer, _ = read_model(path)
+    text = mixed_text(1)
+    assert tokenizer.encode(text).ids == Tokenizer.from_file(str(folder / "tokenizer.json")).encode(text).ids
 
 
 # ----- bad input ----------------------------------------------------------------

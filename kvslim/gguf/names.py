@@ -139,11 +139,18 @@ QWEN35_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\
                 r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# GPT-2's byte-level regex (tokenizers' ByteLevel(use_regex=True)). llama.cpp spells it
+# without the final "|\s+"; its splitter keeps unmatched spans as pieces, which is the same.
+GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 # llama.cpp's LLAMA_VOCAB_PRE_TYPE_DEFAULT: four regexes applied one after the other.
 DEFAULT_REGEXES = (r"[\p{P}\$\+<=>\^~\|]+",
                    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
                    r"\p{N}+",
                    r"[0-9][0-9][0-9]")
+# LLAMA_VOCAB_PRE_TYPE_STARCODER (and refact, command-r, smollm, codeshell, exaone, minerva,
+# which share its regexes): every digit alone, then GPT-2's regex. This is tokenizers'
+# Sequence[Digits(individual_digits=True), ByteLevel(use_regex=True)], the bundled model's.
+STARCODER_REGEXES = (r"\p{N}", GPT2_REGEX)
 
 # pre name -> (regexes split in sequence, ignore_merges). "gpt-2" is GPT-2's own
 # byte-level regex (tokenizers' ByteLevel(use_regex=True)), marked by None.
@@ -157,9 +164,18 @@ PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...] | None, bool]] = {
     "default": (DEFAULT_REGEXES, False),
     "gpt-2": (None, False),              # llama.cpp's name (llama-vocab.cpp); "gpt2" is also read
     "gpt2": (None, False),
+    **{name: (STARCODER_REGEXES, False) for name in
+       ("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva")},
 }
-# What write_gguf names a tokenizer.json Split regex (first match wins).
-PRE_NAME_OF_REGEX = {QWEN35_REGEX: "qwen35", QWEN2_REGEX: "qwen2", LLAMA3_REGEX: "llama-bpe"}
+# What write_gguf names a tokenizer.json pre-tokenizer, by its steps (pre_tokenizer_steps in
+# writer.py; ByteLevel without a regex only maps bytes and is left out).
+PRE_NAME_OF_STEPS = {
+    (("split", QWEN35_REGEX),): "qwen35",
+    (("split", QWEN2_REGEX),): "qwen2",
+    (("split", LLAMA3_REGEX),): "llama-bpe",
+    (("byte_level_regex",),): "gpt-2",                       # llama.cpp refuses "gpt2" as a pre-type
+    (("digits",), ("byte_level_regex",)): "starcoder",
+}
 
 # ----- row permutations shared by both directions ---------------------------------
 def tiled_value_heads(n_k: int, n_v: int) -> np.ndarray:

@@ -25,20 +25,14 @@ from ..models import config_from_dict
 from ..models.qwen3_5 import text_config
 from . import names as N
 
-QTYPE = {
-    "f32": gguf.GGMLQuantizationType.F32,
-    "f16": gguf.GGMLQuantizationType.F16,
-    "bf16": gguf.GGMLQuantizationType.BF16,
-    "q8_0": gguf.GGMLQuantizationType.Q8_0,
-    "q4_0": gguf.GGMLQuantizationType.Q4_0,
-}
-FILE_TYPE = {
-    "f32": gguf.LlamaFileType.ALL_F32,
-    "f16": gguf.LlamaFileType.MOSTLY_F16,
-    "bf16": gguf.LlamaFileType.MOSTLY_BF16,
-    "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
-    "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
-}
+# Every type a matrix can be written in: gguf.quants encodes all but IQ4_NL, which uses
+# kvslim's own encoder (kvslim.formats.ggml, byte-identical to ggml's reference).
+_Q, _F = gguf.GGMLQuantizationType, gguf.LlamaFileType
+QTYPE = {"f32": _Q.F32, "f16": _Q.F16, "bf16": _Q.BF16, "q8_0": _Q.Q8_0, "q4_0": _Q.Q4_0, "q4_1": _Q.Q4_1,
+         "q5_0": _Q.Q5_0, "q5_1": _Q.Q5_1, "iq4_nl": _Q.IQ4_NL}
+FILE_TYPE = {"f32": _F.ALL_F32, "f16": _F.MOSTLY_F16, "bf16": _F.MOSTLY_BF16, "q8_0": _F.MOSTLY_Q8_0,
+             "q4_0": _F.MOSTLY_Q4_0, "q4_1": _F.MOSTLY_Q4_1, "q5_0": _F.MOSTLY_Q5_0, "q5_1": _F.MOSTLY_Q5_1,
+             "iq4_nl": _F.MOSTLY_IQ4_NL}
 LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # Qwen3.5 always uses interleaved MRoPE; llama.cpp's qwen35/qwen35moe loaders require the
 # sections key and the converter writes this default when the config has none
@@ -48,7 +42,9 @@ DEFAULT_MROPE_SECTIONS = [11, 11, 10, 0]
 
 def write_gguf(hf_folder: str | Path, out_path: str | Path, out_type: str = "f16") -> Path:
     """Write ``hf_folder`` (config.json, safetensors, tokenizer.json, tokenizer_config.json)
-    to ``out_path`` as a GGUF llama.cpp can load. ``out_type``: f32, f16, bf16, q8_0, q4_0."""
+    to ``out_path`` as a GGUF llama.cpp can load. ``out_type``: a key of ``QTYPE`` (f32, f16,
+    bf16, q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl); every matrix but those the converter keeps
+    F32 gets that type (llama-quantize --pure), rows not made of whole blocks F16."""
     if out_type not in QTYPE:
         raise ValueError(f"out_type {out_type!r} is not supported; choose from {', '.join(QTYPE)}")
     folder, out_path = Path(hf_folder), Path(out_path)
@@ -195,17 +191,31 @@ def token_list(spec: dict, vocab_size: int) -> tuple[list[str], list[int]]:
 
 def pre_tokenizer_name(pre: dict | None) -> str:
     """tokenizer.ggml.pre for a tokenizer.json pre_tokenizer. The converter identifies it by
-    hashing sample encodings; we identify the regex itself, which is what llama.cpp uses."""
+    hashing sample encodings; we identify the steps themselves (regexes, digit splitting),
+    which is what llama.cpp's pre-types implement."""
+    steps = pre_tokenizer_steps(pre)
+    if steps in N.PRE_NAME_OF_STEPS:
+        return N.PRE_NAME_OF_STEPS[steps]
+    known = "; ".join(f"{name}: {list(s)}" for s, name in N.PRE_NAME_OF_STEPS.items())
+    raise ValueError(f"pre-tokenizer steps {list(steps)} have no llama.cpp pre-type known here (known: {known})")
+
+
+def pre_tokenizer_steps(pre: dict | None) -> tuple[tuple, ...]:
+    """The splitting steps of a pre_tokenizer, e.g. (("digits",), ("byte_level_regex",))."""
     steps = (pre or {}).get("pretokenizers", [pre] if pre else [])
+    out = []
     for step in steps:
-        if step.get("type") == "Split":
-            regex = step.get("pattern", {}).get("Regex")
-            if regex in N.PRE_NAME_OF_REGEX:
-                return N.PRE_NAME_OF_REGEX[regex]
-            raise ValueError(f"pre-tokenizer regex {regex!r} has no llama.cpp pre-type known here")
-    if any(s.get("type") == "ByteLevel" and s.get("use_regex", True) for s in steps):
-        return "gpt-2"                                      # llama.cpp refuses "gpt2" as a pre-type
-    raise ValueError(f"pre-tokenizer {pre!r} is not a byte-level BPE pre-tokenizer known here")
+        kind = step.get("type")
+        if kind == "ByteLevel":
+            if step.get("use_regex", True):
+                out.append(("byte_level_regex",))
+        elif kind == "Split":
+            out.append(("split", step.get("pattern", {}).get("Regex", step.get("pattern", {}).get("String"))))
+        elif kind == "Digits":
+            out.append(("digits",) if step.get("individual_digits") else ("digit_runs",))
+        else:
+            out.append((kind,))
+    return tuple(out)
 
 
 # ----- tensors ------------------------------------------------------------------
@@ -301,8 +311,22 @@ def gguf_type(name: str, array: np.ndarray, out_type: str) -> gguf.GGMLQuantizat
 def _add_tensor(w: gguf.GGUFWriter, name: str, array: np.ndarray, out_type: str) -> None:
     qtype = gguf_type(name, array, out_type)
     try:
-        data = gguf.quants.quantize(array, qtype)
+        data = quantize(array, qtype)
     except gguf.QuantError:                                        # row length not a multiple of the block
         qtype = gguf.GGMLQuantizationType.F16
-        data = gguf.quants.quantize(array, qtype)
+        data = quantize(array, qtype)
     w.add_tensor(name, data, raw_dtype=qtype)
+
+
+def quantize(array: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
+    """ggml blocks of ``array`` (rows along the last axis), as uint8 (..., row_bytes)."""
+    if qtype != _Q.IQ4_NL:
+        return gguf.quants.quantize(array, qtype)
+    from ..weights import types as W
+    block = W.get("iq4_nl")
+    if array.shape[-1] % block.block_size:
+        raise gguf.QuantError(f"row of {array.shape[-1]} values is not whole IQ4_NL blocks")
+    values = torch.from_numpy(np.ascontiguousarray(array, np.float32)).reshape(-1, block.block_size)
+    # bounded chunks keep the scale search's (N, 16, 32) candidates in cache
+    blocks = torch.cat([block.encode(part) for part in values.split(4096)])
+    return blocks.numpy().reshape(*array.shape[:-1], -1)

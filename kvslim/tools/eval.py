@@ -76,9 +76,9 @@ def _args_kld(p):
                    help="compare -ctk/-ctv (default f16) against the --kl-divergence-base FILE written earlier")
     p.add_argument("--save-base", action="store_true", help=argparse.SUPPRESS)   # kvslim's earlier name for writing
     _base_args(p)
-    p.add_argument("--kld-top-k", type=int, default=128,
-                   help="when writing a base: log-probs stored per token (0: whole vocabulary, exact); the rest is "
-                        "one tail bucket. Sweeps without a file compare over the whole vocabulary")
+    p.add_argument("--kld-top-k", type=int, default=0,
+                   help="with --save-base: 0 (default) stores the whole vocabulary (uint16 log-probs, exact KLD); "
+                        "K > 0 keeps the top K plus one tail bucket, a lower bound on the KLD")
 
 
 def _base_args(p):
@@ -283,16 +283,12 @@ def write_base(args, P, llm, chunks, base) -> int:
     ppl = P.PerplexityResult(-ref.next_logp.astype("float64"), ref.n_ctx, len(chunks), *base)
     emit(args, [{**ppl.as_dict(), "base_file": args.kl_divergence_base, "top_k": ref.top_k}],
          f"{ppl.final_line()}\nsaved {base[0]}/{base[1]} log-probs of {len(ref.next_logp)} tokens "
-         f"(top {ref.top_k}) to {args.kl_divergence_base}")
+         f"({ref.storage}) to {args.kl_divergence_base}")
     return 0
 
 
 def _first_chunks(ref, n: int):
-    from ..eval.perplexity import Reference
-
-    keep = min(n, len(ref.tokens)) * ref.rows_per_chunk
-    return Reference(ref.tokens[:n], ref.first, ref.n_vocab, ref.top_ids[:keep], ref.top_logp[:keep],
-                     ref.next_logp[:keep], ref.argmax[:keep], ref.meta)
+    return ref.first_chunks(n)
 
 
 def render_kld(stats: list[dict], head_dim: int) -> str:

@@ -1,0 +1,68 @@
+"""``kvslim convert``: a Hugging Face folder to a GGUF file llama.cpp loads
+(convert_hf_to_gguf.py and llama-quantize in one step).
+
+f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1 and iq4_nl are written by kvslim's own
+GGUF writer (ggml's reference quantizers via the gguf package; iq4_nl via kvslim's
+encoder): every weight matrix gets the type, except the tensors llama.cpp's converter
+keeps in F32 (norms, biases, router, conv1d) and rows that are not whole blocks (F16).
+q4_k, q5_k and q6_k have no encoder in Python: they are made by llama.cpp's own
+quantizer (llama-quantize's Q4_K_M, Q5_K_M and Q6_K mixes) from an f32 export, which
+needs the peer (pip install 'kvslim[peer]').
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+from ..gguf import writer
+from .common import human_bytes
+
+# --type -> llama.cpp file type its quantizer makes (llama-quantize: "Q4_K" = Q4_K_M, "Q5_K" = Q5_K_M)
+LLAMA_QUANTIZE = {"q4_k": "q4_k_m", "q5_k": "q5_k_m", "q6_k": "q6_k"}
+TYPES = [*writer.QTYPE, *LLAMA_QUANTIZE]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvslim convert", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="Hugging Face folder (config.json, *.safetensors, tokenizer.json)")
+    p.add_argument("-o", "--outfile", default=None, help="output .gguf (default: ./<folder>-<type>.gguf)")
+    p.add_argument("--type", "--outtype", dest="type", default="f16", help=f"weight type: {', '.join(TYPES)}")
+    p.add_argument("-t", "--threads", type=int, default=2, help="threads for llama.cpp's quantizer (K-quants)")
+    return p
+
+
+def convert(folder: Path, out: Path, out_type: str, threads: int = 2) -> Path:
+    """Write ``folder`` as a GGUF of ``out_type``; returns ``out``."""
+    if out_type in writer.QTYPE:
+        return writer.write_gguf(folder, out, out_type)
+    if out_type not in LLAMA_QUANTIZE:
+        raise ValueError(f"--type {out_type!r} cannot be written; supported: {', '.join(TYPES)} "
+                         "(other llama.cpp types: convert to f16, then run llama-quantize)")
+    from .. import peer
+    try:
+        peer.binding()
+    except peer.PeerUnavailable as err:
+        raise ValueError(f"--type {out_type} is made by llama.cpp's quantizer, which is not available "
+                         f"({err}); install it with pip install 'kvslim[peer]'") from None
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        source = writer.write_gguf(folder, Path(tmp) / "f32.gguf", "f32")
+        return peer.quantize(source, out, LLAMA_QUANTIZE[out_type], threads)
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    folder = Path(args.model)
+    if not folder.is_dir():
+        raise ValueError(f"{folder}: not a Hugging Face model folder")
+    out_type = args.type.lower()
+    out = Path(args.outfile) if args.outfile else Path(f"{folder.resolve().name}-{out_type}.gguf")
+    if out.suffix != ".gguf":
+        raise ValueError(f"{out}: the output file should end in .gguf")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    convert(folder, out, out_type, args.threads)
+    print(f"wrote {out} ({out_type}, {human_bytes(out.stat().st_size)}) in {time.perf_counter() - start:.1f} s")
+    return 0
