@@ -80,8 +80,18 @@ def hadamard_matrix(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
 
 
 def hadamard_blocks(x: torch.Tensor, n: int) -> torch.Tensor:
-    """Apply H / sqrt(n) to every run of ``n`` values along the last dimension (its own inverse)."""
+    """Apply H / sqrt(n) to every run of ``n`` values along the last dimension (its own inverse).
+
+    A butterfly (log2 n rounds of sums and differences), not a matmul: each row's result
+    is then the same whatever else is in the batch (a matmul's blocking depends on the
+    batch size and rounds differently), so a token encodes to the same bytes alone or
+    inside a prefill chunk."""
     if n == 0:
         return x
-    h = hadamard_matrix(n, x.device)
-    return (x.float().reshape(*x.shape[:-1], x.shape[-1] // n, n) @ h).reshape(x.shape)
+    y = x.float().reshape(-1, n)
+    h = 1
+    while h < n:
+        pairs = y.view(-1, n // (2 * h), 2, h)                       # (rows, blocks, halves, h)
+        y = torch.stack((pairs[:, :, 0] + pairs[:, :, 1], pairs[:, :, 0] - pairs[:, :, 1]), dim=2)
+        h *= 2
+    return (y * n ** -0.5).reshape(x.shape)
