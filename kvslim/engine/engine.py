@@ -46,6 +46,7 @@ class Sequence:
     cached_tokens: int = 0                                 # prompt tokens reused from the slot's cache
     kv_bytes: int = 0                                      # this sequence's cache bytes when it finished
     state_bytes: int = 0
+    error: str | None = None                               # why sampling failed (finish_reason "error")
 
     @property
     def generated(self) -> list[int]:
@@ -165,7 +166,11 @@ class Engine:
             if self.prefix is not None and seq.n_cached <= len(seq.prompt):
                 self._checkpoint_prompt(seq)
             if not seq.pending:                                     # everything read: predict
-                self._accept(seq, seq.sampler(logits[row], seq.tokens))
+                try:
+                    self._accept(seq, seq.sampler(logits[row], seq.tokens))
+                except Exception as err:                            # this request's failure ends it alone
+                    seq.error, seq.finish_reason = f"{type(err).__name__}: {err}", "error"
+                    seq.text.finish()
                 advanced.append(seq)
         return advanced
 
