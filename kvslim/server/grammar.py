@@ -15,6 +15,9 @@ import torch
 
 from .openai_api import ApiError
 
+# no whitespace beyond the separators: a free choice of whitespace lets a model ramble in it forever
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
 
 class GrammarConstraint:
     """One sequence's grammar state (llguidance's ``LLMatcher``)."""
@@ -68,7 +71,7 @@ def json_grammar(schema: dict | None) -> str:
     """Any JSON object (``json_object``) or one matching ``schema``."""
     import llguidance
     try:
-        return llguidance.LLMatcher.grammar_from_json_schema(schema or {"type": "object"})
+        return llguidance.LLMatcher.grammar_from_json_schema(schema or {"type": "object"}, defaults=JSON_LAYOUT)
     except Exception as err:                                          # llguidance reports schema errors so
         raise ApiError(400, f"invalid JSON schema: {err}", param="response_format") from None
 
@@ -83,5 +86,5 @@ def tool_call_grammar(tools: list[dict], name: str | None = None) -> str:
         params = fn.get("parameters") or {"type": "object"}
         options.append({"type": "object", "properties": {"name": {"const": fn.get("name")}, "arguments": params},
                         "required": ["name", "arguments"], "additionalProperties": False})
-    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    schema = {**(options[0] if len(options) == 1 else {"anyOf": options}), "x-guidance": JSON_LAYOUT}
     return f'start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: %json {json.dumps(schema)}\n'
