@@ -83,15 +83,15 @@ def greedy(i: int, n: int = 24) -> dict:
 
 
 # ----- 1. one request's sampling cannot end the others ---------------------------------------
-@pytest.mark.parametrize("poison", [{"temperature": 1e-40}, {"repeat_penalty": 1e-300, "temperature": 0.8}])
-def test_poisoned_sampling_values_leave_other_streams_alone(server, poison):
-    alone = [stream_text(server, greedy(i))[0] for i in range(3)]
+def test_poisoned_sampling_values_leave_other_streams_alone(server):
+    alone = [stream_text(server, greedy(i, 12))[0] for i in range(3)]
+    poisons = [{"temperature": 1e-40}, {"repeat_penalty": 1e-300, "temperature": 0.8}]
     with cf.ThreadPoolExecutor(4) as pool:
-        streams = [pool.submit(stream_text, server, greedy(i)) for i in range(3)]
-        time.sleep(0.2)
-        bad = httpx.post(server + "/v1/completions", json={**greedy(9), **poison}, timeout=60)
+        streams = [pool.submit(stream_text, server, greedy(i, 12)) for i in range(3)]
+        time.sleep(0.1)
+        bad = [httpx.post(server + "/v1/completions", json={**greedy(9, 4), **p}, timeout=60) for p in poisons]
         together = [f.result() for f in streams]
-    assert bad.status_code in (200, 400), bad.text                   # greedy, or refused; never 500
+    assert [r.status_code for r in bad] == [200, 400], [r.text for r in bad]  # greedy, or refused; never 500
     for (text, lines), expected in zip(together, alone):
         assert lines[-1] == "[DONE]" and not any('"error"' in ln for ln in lines)
         assert text == expected
@@ -213,20 +213,25 @@ def test_slowloris_and_short_bodies_are_closed(server):
 
 def test_long_stream_outlives_the_read_timeout(server):
     t0 = time.monotonic()
-    text, lines = stream_text(server, {**greedy(3, 400), "temperature": 1.0, "seed": 5})
+    text, lines = stream_text(server, {**greedy(3, 200), "temperature": 1.0, "seed": 5})
     assert lines[-1] == "[DONE]" and not any('"error"' in ln for ln in lines)
     assert time.monotonic() - t0 > 1.0                                # longer than the read timeout
 
 
 # ----- malformed input: 400, never 500 ------------------------------------------------------------
-@pytest.mark.parametrize("raw", [
-    json.dumps({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}).encode(),
-    b"[" * 100_000 + b"]" * 100_000,
-    b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}',
-    b'{"model": "tiny", "messages": [{"role": "user", "content": "\xff\xfe"}]}',
-])
-def test_malformed_bodies_are_client_errors(server, raw):
-    r = httpx.post(server + "/v1/chat/completions", content=raw, headers={"Content-Type": "application/json"})
+MALFORMED = {
+    "text part not a string": json.dumps({"model": "tiny", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": 5}]}]}).encode(),
+    "100k-deep JSON": b"[" * 100_000 + b"]" * 100_000,
+    "lone surrogate": b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}',
+    "invalid UTF-8": b'{"model": "tiny", "messages": [{"role": "user", "content": "\xff\xfe"}]}',
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_malformed_bodies_are_client_errors(server, case):
+    r = httpx.post(server + "/v1/chat/completions", content=MALFORMED[case],
+                   headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["message"]
 
 
@@ -269,7 +274,7 @@ def test_metrics_parse_as_prometheus(server):
 
 # ----- chaos: disconnects and poison among concurrent streams --------------------------------------
 def test_disconnects_and_poison_leave_survivors_exact_and_slots_free(server):
-    alone = {i: stream_text(server, greedy(i, 16))[0] for i in range(8)}
+    alone = {i: stream_text(server, greedy(i, 8))[0] for i in range(6)}
 
     def leave_early(i):
         with httpx.stream("POST", server + "/v1/completions", json={**greedy(i, 400), "stream": True},
@@ -283,8 +288,8 @@ def test_disconnects_and_poison_leave_survivors_exact_and_slots_free(server):
         return httpx.post(server + "/v1/completions", content=bodies[i % 3], timeout=60).status_code
 
     with cf.ThreadPoolExecutor(16) as pool:
-        survivors = {i: pool.submit(stream_text, server, greedy(i, 16)) for i in range(8)}
-        gone = [pool.submit(leave_early, 100 + i) for i in range(4)]
+        survivors = {i: pool.submit(stream_text, server, greedy(i, 8)) for i in range(6)}
+        gone = [pool.submit(leave_early, 100 + i) for i in range(3)]
         codes = [pool.submit(poison, i).result() for i in range(3)]
         results = {i: f.result() for i, f in survivors.items()}
         [f.result() for f in gone]
@@ -316,10 +321,10 @@ def test_logprobs_chat_and_completions(server):
 
 def test_n_choices(server):
     client = openai.OpenAI(base_url=server + "/v1", api_key="-", max_retries=0)
-    out = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=6, n=3, temperature=0)
+    out = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4, n=3, temperature=0)
     assert [c.index for c in out.choices] == [0, 1, 2]
     assert len({c.message.content for c in out.choices}) == 1        # greedy: three equal answers
-    stream = client.completions.create(model="tiny", prompt="abc", max_tokens=5, n=2, temperature=1.0, seed=3,
+    stream = client.completions.create(model="tiny", prompt="abc", max_tokens=3, n=2, temperature=1.0, seed=3,
                                        stream=True)
     finished = {c.choices[0].index for c in stream if c.choices and c.choices[0].finish_reason}
     assert finished == {0, 1}
@@ -335,7 +340,7 @@ def test_json_schema_output_validates(server):
     jsonschema = pytest.importorskip("jsonschema")
     client = openai.OpenAI(base_url=server + "/v1", api_key="-", max_retries=0)
     fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}
-    for seed in range(4):
+    for seed in range(2):
         out = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=120, temperature=0.8,
                                              seed=seed, response_format=fmt)
         assert out.choices[0].finish_reason == "stop"

@@ -288,15 +288,14 @@ async def generate(request: Request, s: ServerState, req: api.GenerationRequest,
     if len(prompt) >= s.engine.ctx:
         raise context_error(s, len(prompt), "tokens", "messages" if kind == "chat" else "prompt")
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
-    grammar = await asyncio.to_thread(grammar_for, s, req)
+    constraints = await asyncio.to_thread(constraints_for, s, req)
     jobs = []
     for i in range(req.n):
         sampling = req.sampling if req.n == 1 or req.sampling.seed is None else \
             type(req.sampling)(**{**vars(req.sampling), "seed": req.sampling.seed + i})
-        constraint = s.grammars.constraint(grammar, "response_format") if grammar else None
         jobs.append(Job(prompt, req.max_tokens or s.engine.ctx - len(prompt), sampling, req.stop,
                         emit=lambda ev, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, ev)),
-                        constraint=constraint, index=i))
+                        constraint=constraints[i], index=i))
     try:
         s.scheduler.submit(jobs)
     except QueueFull as err:
@@ -306,15 +305,17 @@ async def generate(request: Request, s: ServerState, req: api.GenerationRequest,
     return await Responder(s, req, jobs, events, kind).respond(request)
 
 
-def grammar_for(s: ServerState, req: api.GenerationRequest) -> str | None:
-    """The grammar a request's output must follow: a forced tool call or a JSON response format."""
+def constraints_for(s: ServerState, req: api.GenerationRequest) -> list:
+    """One grammar constraint per choice (a forced tool call or a JSON response format), or None each."""
     from .grammar import json_grammar, tool_call_grammar
     if req.tools and req.tool_choice and req.tool_choice not in ("auto", "none"):
         name = req.tool_choice.removeprefix("function:") if req.tool_choice.startswith("function:") else None
-        return tool_call_grammar(req.tools, name)
-    if req.response_format:
-        return json_grammar(req.response_format.get("schema"))
-    return None
+        grammar, param = tool_call_grammar(req.tools, name), "tools"
+    elif req.response_format:
+        grammar, param = json_grammar(req.response_format.get("schema")), "response_format"
+    else:
+        return [None] * req.n
+    return [s.grammars.constraint(grammar, param) for _ in range(req.n)]
 
 
 # ----- the app ------------------------------------------------------------------------------

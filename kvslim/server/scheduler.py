@@ -27,8 +27,13 @@ class SequenceFailed(Exception):
     """Generation of one request failed (e.g. its sampling values overflowed); others are unaffected."""
 
 
+# ----- the engine's slots, as the server reads them (the one place to switch to the engine's public API) -----
+def n_free_slots(engine: Engine) -> int:
+    return len(engine.free_slots)
+
+
 def engine_status(engine: Engine) -> dict:
-    """Everything the server reads from the engine's slots, in one place (the engine's public view)."""
+    """What /metrics and /slots show of the engine's slots."""
     kv = [c for c in engine.caches if c.kind == "kv"] or list(engine.caches)
     prefix = engine.prefix
     return {"free_slots": list(engine.free_slots),
@@ -55,6 +60,7 @@ class Job:
     submitted: float = field(default_factory=time.monotonic)
     first_token_s: float | None = None
     logprobs_sent: int = 0
+    abort: str | None = None                             # why the server ended it (shutdown), if it did
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -78,7 +84,7 @@ class Scheduler:
             if self.closing:
                 raise ShuttingDown("the server is shutting down")
             # the queue bound counts requests beyond those a free slot takes at once
-            free = len(engine_status(self.engine)["free_slots"])
+            free = n_free_slots(self.engine)
             if len(self.waiting) + len(jobs) > self.max_queue + free:
                 raise QueueFull(f"{len(self.waiting)} requests already waiting")
             self.waiting.extend(jobs)
@@ -126,7 +132,7 @@ class Scheduler:
 
     def _admit(self) -> None:
         """Move waiting jobs into free slots (called with the lock held)."""
-        while self.waiting and engine_status(self.engine)["free_slots"]:
+        while self.waiting and n_free_slots(self.engine):
             job = self.waiting.pop(0)
             if job.cancelled.is_set():
                 continue
@@ -143,8 +149,7 @@ class Scheduler:
         with self.lock:
             gone = [j for j in self.active if j.cancelled.is_set()]
         for job in gone:
-            reason = getattr(job, "abort", None)
-            self._finish(job, ("error", ShuttingDown(reason)) if reason else None)
+            self._finish(job, ("error", ShuttingDown(job.abort)) if job.abort else None)
 
     def _step(self) -> None:
         try:
