@@ -18,15 +18,20 @@
    and the stream's inter-token gaps during it against its median.
 5. ``--json-schema N``: N chat requests at temperature 0.8 with a json_schema
    response_format; every output is validated against the schema.
+6. ``--sigterm``: ``kvslim serve`` as a process, SIGTERM while 4 streams run
+   and 2 more wait: what each client received, exit code and time to exit.
 """
 from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
 import json
+import os
 import random
+import signal
 import socket
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -179,6 +184,26 @@ def chaos(client, base: str, alone: list[str], args) -> None:
           f" ({errors} exceptions in all, {wall:.1f} s)")
 
 
+def upload_32mib(base: str) -> str:
+    """Send a 32 MiB JSON body as a client would (headers, then the body as fast as the socket takes it);
+    returns the status line of the answer, read as soon as it comes."""
+    host, port = base.removeprefix("http://").split(":")
+    body = b'{"model": "m", "prompt": "' + b"x" * (32 << 20) + b'"}'
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(body)}\r\n\r\n".encode())
+
+    def push():
+        try:
+            sock.sendall(body)
+        except OSError:                                            # the server closed after refusing: expected
+            pass
+    threading.Thread(target=push, daemon=True).start()
+    answer = sock.recv(4096).split(b"\r\n", 1)[0].decode()
+    sock.close()
+    return answer
+
+
 def oversize(client, base: str, args) -> None:
     gaps, stamps, done = [], [], threading.Event()
 
@@ -191,12 +216,8 @@ def oversize(client, base: str, args) -> None:
     threading.Thread(target=watch, daemon=True).start()
     while len(stamps) < args.gap_tokens // 3:
         time.sleep(0.01)
-    body = b'{"model": "m", "prompt": "' + b"x" * (32 << 20) + b'"}'
     t0 = time.perf_counter()
-    try:
-        status = httpx.post(base + "/v1/completions", content=body, timeout=60).status_code
-    except httpx.TransportError as err:
-        status = f"closed ({type(err).__name__})"
+    status = upload_32mib(base)
     t_refused, t_end = time.perf_counter() - t0, time.perf_counter()
     done.wait(600)
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
@@ -232,6 +253,50 @@ def json_schema_runs(client, args) -> None:
           f"{statistics.median(lengths)} tokens, {time.perf_counter() - t0:.1f} s)")
 
 
+def sse_outcome(base: str, i: int) -> str:
+    """'complete', 'error event + [DONE]', 'HTTP <status>' or what went wrong."""
+    body = {"model": "m", "messages": [{"role": "user", "content": f"Tell me about {TOPICS[i]}."}],
+            "max_tokens": 100_000, "temperature": 0, "stream": True}
+    try:
+        with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=300) as r:
+            if r.status_code != 200:
+                r.read()
+                return f"HTTP {r.status_code} {r.json()['error']['code']}"
+            lines = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+    except httpx.TransportError as err:
+        return f"transport error {type(err).__name__}"
+    if not lines or lines[-1] != "[DONE]":
+        return "cut without [DONE]"
+    return "error event + [DONE]" if any('"error"' in ln for ln in lines[:-1]) else "complete"
+
+
+def sigterm(args) -> None:
+    port, root = free_port(), Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "kvslim", "serve", "-c", str(args.ctx * 4), "-np", "4", "--port", str(port),
+           "-a", "m", "--grace", str(args.grace)] + (["-m", args.model] if args.model else [])
+    proc = subprocess.Popen(cmd, cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    while True:
+        try:
+            if httpx.get(base + "/health").status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    with cf.ThreadPoolExecutor(6) as pool:
+        outcomes = [pool.submit(sse_outcome, base, i) for i in range(6)]
+        while sum(s["is_processing"] for s in httpx.get(base + "/slots").json()) < 4:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        t0 = time.perf_counter()
+        proc.send_signal(signal.SIGTERM)
+        results = [f.result() for f in outcomes]
+    code = proc.wait(timeout=120)
+    print(f"sigterm: 4 streams running, 2 queued; exit code {code} {time.perf_counter() - t0:.2f} s after SIGTERM "
+          f"(--grace {args.grace:g}); clients: " + ", ".join(f"{r} x{results.count(r)}" for r in sorted(set(results))))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", default=None)
@@ -249,7 +314,12 @@ def main() -> int:
     ap.add_argument("--oversize", action="store_true")
     ap.add_argument("--gap-tokens", type=int, default=120, help="length of the stream watched by --oversize")
     ap.add_argument("--json-schema", type=int, default=0, metavar="N")
+    ap.add_argument("--sigterm", action="store_true", help="only the SIGTERM drain test (a separate process)")
+    ap.add_argument("--grace", type=float, default=2.0, help="--grace given to the server in --sigterm")
     args = ap.parse_args()
+    if args.sigterm:
+        sigterm(args)
+        return 0
     server, base, client = boot(args)
     try:
         alone = None if args.skip_load else load_test(client, args)

@@ -149,10 +149,14 @@ def serve(options: dict, host: str, port: int, on_listening=None) -> int:
     def failed():
         server.should_exit = True
     state.on_load_failed = failed
-    for sig in (signal.SIGTERM, signal.SIGINT):          # uvicorn re-raises the signal it caught after
-        signal.signal(sig, lambda *_: None)             # shutting down: make that a no-op, so we exit 0
-    threading.Thread(target=state.load, name="kvslim-load", daemon=True).start()
-    if on_listening is not None:
-        on_listening()
-    server.run(sockets=[sock])
+    # uvicorn re-raises the signal it caught once it has shut down: a no-op handler meanwhile lets us exit 0
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        threading.Thread(target=state.load, name="kvslim-load", daemon=True).start()
+        if on_listening is not None:
+            on_listening()
+        server.run(sockets=[sock])
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 1 if state.load_error else 0
