@@ -274,8 +274,8 @@ def sigterm(args) -> None:
     port, root = free_port(), Path(__file__).resolve().parents[1]
     cmd = [sys.executable, "-m", "kvslim", "serve", "-c", str(args.ctx * 4), "-np", "4", "--port", str(port),
            "-a", "m", "--grace", str(args.grace)] + (["-m", args.model] if args.model else [])
-    proc = subprocess.Popen(cmd, cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    log = open(os.environ.get("KVSLIM_SERVE_LOG", os.devnull), "w")
+    proc = subprocess.Popen(cmd, cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, stdout=log, stderr=log)
     base = f"http://127.0.0.1:{port}"
     while True:
         try:
@@ -292,8 +292,10 @@ def sigterm(args) -> None:
         t0 = time.perf_counter()
         proc.send_signal(signal.SIGTERM)
         results = [f.result() for f in outcomes]
+        t_clients = time.perf_counter() - t0
     code = proc.wait(timeout=120)
-    print(f"sigterm: 4 streams running, 2 queued; exit code {code} {time.perf_counter() - t0:.2f} s after SIGTERM "
+    print(f"sigterm: 4 streams running, 2 queued; every client answered {t_clients:.2f} s and exit code {code} "
+          f"{time.perf_counter() - t0:.2f} s after SIGTERM "
           f"(--grace {args.grace:g}); clients: " + ", ".join(f"{r} x{results.count(r)}" for r in sorted(set(results))))
 
 
