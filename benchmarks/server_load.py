@@ -184,11 +184,12 @@ def chaos(client, base: str, alone: list[str], args) -> None:
           f" ({errors} exceptions in all, {wall:.1f} s)")
 
 
-def upload_32mib(base: str) -> str:
+def upload_32mib(base: str) -> tuple[str, float]:
     """Send a 32 MiB JSON body as a client would (headers, then the body as fast as the socket takes it);
-    returns the status line of the answer, read as soon as it comes."""
+    returns the status line of the answer, read as soon as it comes, and the seconds from connecting to it."""
     host, port = base.removeprefix("http://").split(":")
     body = b'{"model": "m", "prompt": "' + b"x" * (32 << 20) + b'"}'
+    t0 = time.perf_counter()
     sock = socket.create_connection((host, int(port)))
     sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
                  f"Content-Length: {len(body)}\r\n\r\n".encode())
@@ -200,8 +201,9 @@ def upload_32mib(base: str) -> str:
             pass
     threading.Thread(target=push, daemon=True).start()
     answer = sock.recv(4096).split(b"\r\n", 1)[0].decode()
+    seconds = time.perf_counter() - t0
     sock.close()
-    return answer
+    return answer, seconds
 
 
 def oversize(client, base: str, args) -> None:
@@ -217,15 +219,20 @@ def oversize(client, base: str, args) -> None:
     while len(stamps) < args.gap_tokens // 3:
         time.sleep(0.01)
     t0 = time.perf_counter()
-    status = upload_32mib(base)
-    t_refused, t_end = time.perf_counter() - t0, time.perf_counter()
+    status, t_refused = upload_32mib(base)
+    t_end = time.perf_counter()
+    t_health = time.perf_counter()
+    httpx.get(base + "/health")
+    t_health = time.perf_counter() - t_health
     done.wait(600)
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
     before = [g for a, g in zip(stamps, gaps) if a < t0]
     during = [g for a, g, b in zip(stamps, gaps, stamps[1:]) if b >= t0 and a <= t_end + 0.05] or [0.0]
-    print(f"oversize: 32 MiB body answered {status} in {1000 * t_refused:.0f} ms; the running stream's "
-          f"inter-token gap: median {1000 * statistics.median(before):.1f} ms before, max {1000 * max(during):.1f} ms "
-          f"during the upload ({max(during) / statistics.median(before):.2f}x)")
+    print(f"oversize: 32 MiB body answered {status} in {1000 * t_refused:.0f} ms (a GET /health just after: "
+          f"{1000 * t_health:.0f} ms); the running stream's "
+          f"inter-token gap: median {1000 * statistics.median(before):.1f} ms (max {1000 * max(before):.1f} ms) "
+          f"before, max {1000 * max(during):.1f} ms during the upload ({max(during) / statistics.median(before):.2f}x "
+          f"the median)")
 
 
 SCHEMA = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 30},
