@@ -293,7 +293,8 @@ def sigterm(args) -> None:
         time.sleep(0.2)
     with cf.ThreadPoolExecutor(6) as pool:
         outcomes = [pool.submit(sse_outcome, base, i) for i in range(6)]
-        while sum(s["is_processing"] for s in httpx.get(base + "/slots").json()) < 4:
+        while not {"kvslim:requests_processing 4.0", "kvslim:requests_deferred 2.0"} <= \
+                set(httpx.get(base + "/metrics").text.splitlines()):
             time.sleep(0.05)
         time.sleep(0.5)
         t0 = time.perf_counter()

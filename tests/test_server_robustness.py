@@ -439,9 +439,9 @@ def test_sigterm_drains_and_exits_zero(tiny_folder):
         wait_ready(base)
         with cf.ThreadPoolExecutor(6) as pool:
             outcomes = [pool.submit(sse_outcome, base, i) for i in range(6)]   # 4 running, 2 queued
-            for _ in range(400):
-                slots = httpx.get(base + "/slots").json()
-                if sum(s["is_processing"] for s in slots) == 4:
+            for _ in range(600):                                      # 4 running and 2 queued, then SIGTERM
+                metrics = httpx.get(base + "/metrics").text
+                if "kvslim:requests_processing 4.0" in metrics and "kvslim:requests_deferred 2.0" in metrics:
                     break
                 time.sleep(0.05)
             t0 = time.monotonic()
