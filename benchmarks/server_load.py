@@ -1,21 +1,39 @@
-"""Load test and multi-turn prefix reuse for ``kvslim serve``, with the openai client.
+"""Load, robustness and multi-turn prefix reuse for ``kvslim serve``, with the openai client.
 
     python benchmarks/server_load.py [-m MODEL] [--clients 16] [--requests 200] [-np 4] [--turns 8]
+                                     [--chaos] [--oversize] [--json-schema 50]
 
 1. ``--requests`` greedy chat requests (distinct prompts) sent by ``--clients``
    concurrent streaming clients; every stream must finish without error and its
    text must equal the same request run alone (measured first, one at a time).
+   Prints throughput (generated tokens/s) and time to first token under load.
 2. A conversation of ``--turns`` turns: per turn, prompt tokens, cached tokens
-   (``usage.prompt_tokens_details.cached_tokens``) and time to first token. With
-   prefix reuse the time to first token should not grow with the conversation.
+   and time to first token. With prefix reuse the time to first token should
+   not grow with the conversation.
+3. ``--chaos``: the load test again with 30% of the clients leaving mid-stream
+   and one poisoned request in ten (overflowing sampling values, invalid UTF-8,
+   an oversize body); survivors must be exact, no slot may leak, and /metrics
+   must return to idle.
+4. ``--oversize``: a 32 MB body sent while a stream runs: time to the refusal,
+   and the stream's inter-token gaps during it against its median.
+5. ``--json-schema N``: N chat requests at temperature 0.8 with a json_schema
+   response_format; every output is validated against the schema.
+6. ``--sigterm``: ``kvslim serve`` as a process, SIGTERM while 4 streams run
+   and 2 more wait: what each client received, exit code and time to exit.
 """
 from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import json
+import os
+import random
+import signal
 import socket
 import statistics
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -41,40 +59,60 @@ def boot(args):
     opts = {"model": args.model, "ctx": args.ctx, "n_parallel": args.parallel, "type_k": args.ctk,
             "type_v": args.ctv, "n_ubatch": 512, "dtype": None, "api_key": None, "alias": "m",
             "max_queue": 4 * args.clients, "ctx_checkpoints": 8, "checkpoint_bytes": 256 << 20,
-            "checkpoint_interval": 4096, "verbose": False}
+            "checkpoint_interval": 4096, "verbose": False, "max_connections": 4 * args.clients + 64}
     server = start(opts, "127.0.0.1", port)
     base = f"http://127.0.0.1:{port}"
     while httpx.get(base + "/health").status_code != 200:
         time.sleep(0.1)
-    return server, openai.OpenAI(base_url=base + "/v1", api_key="-", max_retries=0, timeout=600)
+    return server, base, openai.OpenAI(base_url=base + "/v1", api_key="-", max_retries=0, timeout=600)
 
 
-def chat_stream(client, i: int, max_tokens: int) -> str:
+def chat_stream(client, i: int, max_tokens: int, leave_after: int | None = None) -> tuple[str, float, int]:
+    """Text, time to first token and completion tokens (chunks) of one greedy streamed chat request."""
     messages = [{"role": "user", "content": f"Write two sentences about {TOPICS[i % len(TOPICS)]} ({i})."}]
+    t0, ttft, text, n = time.perf_counter(), float("nan"), "", 0
     stream = client.chat.completions.create(model="m", messages=messages, max_tokens=max_tokens, temperature=0,
                                             stream=True)
-    return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    for chunk in stream:
+        piece = chunk.choices[0].delta.content if chunk.choices else None
+        if piece:
+            ttft = ttft if n else time.perf_counter() - t0
+            text, n = text + piece, n + 1
+            if leave_after is not None and n >= leave_after:
+                stream.close()                                     # the client goes away mid-stream
+                return text, ttft, n
+    return text, ttft, n
 
 
-def load_test(client, args) -> None:
+def run_all(pool_size: int, jobs: list) -> tuple[list, int, float]:
     t0 = time.perf_counter()
-    alone = [chat_stream(client, i, args.max_tokens) for i in range(args.requests)]
-    t_alone = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    with cf.ThreadPoolExecutor(args.clients) as pool:
-        futures = [pool.submit(chat_stream, client, i, args.max_tokens) for i in range(args.requests)]
-        together, errors = [], 0
+    with cf.ThreadPoolExecutor(pool_size) as pool:
+        futures = [pool.submit(*job) for job in jobs]
+        results, errors = [], 0
         for f in futures:
             try:
-                together.append(f.result())
+                results.append(f.result())
             except Exception as err:                               # counted and shown, never hidden
                 errors += 1
-                together.append(f"<error {err}>")
-    t_together = time.perf_counter() - t0
-    same = sum(a == b for a, b in zip(alone, together))
+                results.append(err)
+    return results, errors, time.perf_counter() - t0
+
+
+def load_test(client, args) -> list[str]:
+    t0 = time.perf_counter()
+    alone = [chat_stream(client, i, args.max_tokens)[0] for i in range(args.requests)]
+    t_alone = time.perf_counter() - t0
+    results, errors, wall = run_all(args.clients, [(chat_stream, client, i, args.max_tokens)
+                                                   for i in range(args.requests)])
+    ok = [r for r in results if isinstance(r, tuple)]
+    same = sum(isinstance(r, tuple) and r[0] == a for a, r in zip(alone, results))
+    tokens = sum(r[2] for r in ok)
+    ttfts = sorted(1000 * r[1] for r in ok if r[2])
     print(f"load test: {args.requests} requests, {args.clients} concurrent streaming clients, -np {args.parallel}: "
           f"{errors} errors, {same}/{args.requests} identical to one-at-a-time; wall {t_alone:.1f} s alone vs "
-          f"{t_together:.1f} s concurrent ({t_alone / t_together:.2f}x)")
+          f"{wall:.1f} s concurrent ({t_alone / wall:.2f}x); {tokens / wall:.1f} generated tokens/s; TTFT median "
+          f"{statistics.median(ttfts):.0f} ms, p90 {ttfts[int(0.9 * (len(ttfts) - 1))]:.0f} ms")
+    return alone
 
 
 def conversation(client, args) -> None:
@@ -103,6 +141,172 @@ def conversation(client, args) -> None:
           f"last {later[-1]:.0f} ms")
 
 
+# ----- robustness ---------------------------------------------------------------------------------
+def poison(base: str, i: int) -> int:
+    """One poisoned request; returns its HTTP status (never expected to be 500)."""
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True}
+    bodies = [json.dumps({**chat, "temperature": 1e-40}).encode(),
+              json.dumps({**chat, "repeat_penalty": 1e-300, "temperature": 0.9}).encode(),
+              b'{"model": "m", "messages": [{"role": "user", "content": "\xff\xfe"}]}',
+              b'{"model": "m", "prompt": "' + b"x" * (33 << 20) + b'"}']
+    try:
+        return httpx.post(base + "/v1/chat/completions", content=bodies[i % len(bodies)], timeout=120,
+                          headers={"Content-Type": "application/json"}).status_code
+    except httpx.TransportError:
+        return -1                                                  # the connection was closed on a refusal
+
+
+def chaos(client, base: str, alone: list[str], args) -> None:
+    rng, jobs, kinds = random.Random(0), [], []
+    for i in range(args.requests):
+        if i % 10 == 9:
+            jobs.append((poison, base, i // 10)), kinds.append("poison")
+        elif rng.random() < 0.3:
+            jobs.append((chat_stream, client, i, 400, rng.randint(1, 4))), kinds.append("leaves")
+        else:
+            jobs.append((chat_stream, client, i, args.max_tokens)), kinds.append("survivor")
+    results, errors, wall = run_all(32, jobs)
+    survivors = [(r, alone[i]) for i, (r, k) in enumerate(zip(results, kinds)) if k == "survivor"]
+    bad = sum(not isinstance(r, tuple) for r, _ in survivors)
+    exact = sum(isinstance(r, tuple) and r[0] == a for r, a in survivors)
+    codes = sorted(r for r, k in zip(results, kinds) if k == "poison")
+    for _ in range(200):
+        if not any(s["is_processing"] for s in httpx.get(base + "/slots").json()):
+            break
+        time.sleep(0.05)
+    leaked = sum(s["is_processing"] for s in httpx.get(base + "/slots").json())
+    metrics = {line.split()[0]: float(line.split()[1]) for line in httpx.get(base + "/metrics").text.splitlines()
+               if line.startswith("kvslim:requests_")}
+    print(f"chaos: {args.requests} requests from 32 concurrent clients, {kinds.count('leaves')} leave mid-stream, "
+          f"{kinds.count('poison')} poisoned (HTTP {codes}): {bad} survivor errors, {exact}/{len(survivors)} "
+          f"survivors identical to serial, {leaked} slots leaked, requests_processing "
+          f"{metrics.get('kvslim:requests_processing')}, requests_deferred {metrics.get('kvslim:requests_deferred')}"
+          f" ({errors} exceptions in all, {wall:.1f} s)")
+
+
+def upload_32mib(base: str) -> tuple[str, float]:
+    """Send a 32 MiB JSON body as a client would (headers, then the body as fast as the socket takes it);
+    returns the status line of the answer, read as soon as it comes, and the seconds from connecting to it."""
+    host, port = base.removeprefix("http://").split(":")
+    body = b'{"model": "m", "prompt": "' + b"x" * (32 << 20) + b'"}'
+    t0 = time.perf_counter()
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(body)}\r\n\r\n".encode())
+
+    def push():
+        try:
+            sock.sendall(body)
+        except OSError:                                            # the server closed after refusing: expected
+            pass
+    threading.Thread(target=push, daemon=True).start()
+    answer = sock.recv(4096).split(b"\r\n", 1)[0].decode()
+    seconds = time.perf_counter() - t0
+    sock.close()
+    return answer, seconds
+
+
+def oversize(client, base: str, args) -> None:
+    gaps, stamps, done = [], [], threading.Event()
+
+    def watch():
+        messages = [{"role": "user", "content": "Tell me a long story."}]
+        for chunk in client.chat.completions.create(model="m", messages=messages, max_tokens=args.gap_tokens,
+                                                    temperature=0, stream=True):
+            stamps.append(time.perf_counter())
+        done.set()
+    threading.Thread(target=watch, daemon=True).start()
+    while len(stamps) < args.gap_tokens // 3:
+        time.sleep(0.01)
+    t0 = time.perf_counter()
+    status, t_refused = upload_32mib(base)
+    t_end = time.perf_counter()
+    t_health = time.perf_counter()
+    httpx.get(base + "/health")
+    t_health = time.perf_counter() - t_health
+    done.wait(600)
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    before = [g for a, g in zip(stamps, gaps) if a < t0]
+    during = [g for a, g, b in zip(stamps, gaps, stamps[1:]) if b >= t0 and a <= t_end + 0.05] or [0.0]
+    print(f"oversize: 32 MiB body answered {status} in {1000 * t_refused:.0f} ms (a GET /health just after: "
+          f"{1000 * t_health:.0f} ms); the running stream's "
+          f"inter-token gap: median {1000 * statistics.median(before):.1f} ms (max {1000 * max(before):.1f} ms) "
+          f"before, max {1000 * max(during):.1f} ms during the upload ({max(during) / statistics.median(before):.2f}x "
+          f"the median)")
+
+
+SCHEMA = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 30},
+                                            "year": {"type": "integer", "minimum": 1000, "maximum": 2100},
+                                            "tags": {"type": "array", "items": {"type": "string", "maxLength": 10},
+                                                     "maxItems": 3},
+                                            "ok": {"type": "boolean"}},
+          "required": ["title", "year", "tags", "ok"], "additionalProperties": False}
+
+
+def json_schema_runs(client, args) -> None:
+    import jsonschema
+    fmt = {"type": "json_schema", "json_schema": {"name": "book", "schema": SCHEMA}}
+    valid, lengths, t0 = 0, [], time.perf_counter()
+    for seed in range(args.json_schema):
+        out = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Describe a book."}],
+                                             max_tokens=200, temperature=0.8, seed=seed, response_format=fmt)
+        try:
+            jsonschema.validate(json.loads(out.choices[0].message.content), SCHEMA)
+            valid += 1
+        except (ValueError, jsonschema.ValidationError) as err:
+            print(f"  seed {seed}: invalid ({out.choices[0].finish_reason}): {err}")
+        lengths.append(out.usage.completion_tokens)
+    print(f"json_schema: {valid}/{args.json_schema} outputs valid at temperature 0.8 (median "
+          f"{statistics.median(lengths)} tokens, {time.perf_counter() - t0:.1f} s)")
+
+
+def sse_outcome(base: str, i: int) -> str:
+    """'complete', 'error event + [DONE]', 'HTTP <status>' or what went wrong."""
+    body = {"model": "m", "messages": [{"role": "user", "content": f"Tell me about {TOPICS[i]}."}],
+            "max_tokens": 100_000, "temperature": 0, "stream": True}
+    try:
+        with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=300) as r:
+            if r.status_code != 200:
+                r.read()
+                return f"HTTP {r.status_code} {r.json()['error']['code']}"
+            lines = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+    except httpx.TransportError as err:
+        return f"transport error {type(err).__name__}"
+    if not lines or lines[-1] != "[DONE]":
+        return "cut without [DONE]"
+    return "error event + [DONE]" if any('"error"' in ln for ln in lines[:-1]) else "complete"
+
+
+def sigterm(args) -> None:
+    port, root = free_port(), Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "kvslim", "serve", "-c", str(args.ctx * 4), "-np", "4", "--port", str(port),
+           "-a", "m", "--grace", str(args.grace)] + (["-m", args.model] if args.model else [])
+    log = open(os.environ.get("KVSLIM_SERVE_LOG", os.devnull), "w")
+    proc = subprocess.Popen(cmd, cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, stdout=log, stderr=log)
+    base = f"http://127.0.0.1:{port}"
+    while True:
+        try:
+            if httpx.get(base + "/health").status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    with cf.ThreadPoolExecutor(6) as pool:
+        outcomes = [pool.submit(sse_outcome, base, i) for i in range(6)]
+        while not {"kvslim:requests_processing 4.0", "kvslim:requests_deferred 2.0"} <= \
+                set(httpx.get(base + "/metrics").text.splitlines()):
+            time.sleep(0.05)
+        time.sleep(0.5)
+        t0 = time.perf_counter()
+        proc.send_signal(signal.SIGTERM)
+        results = [f.result() for f in outcomes]
+        t_clients = time.perf_counter() - t0
+    code = proc.wait(timeout=120)
+    print(f"sigterm: 4 streams running, 2 queued; every client answered {t_clients:.2f} s and exit code {code} "
+          f"{time.perf_counter() - t0:.2f} s after SIGTERM "
+          f"(--grace {args.grace:g}); clients: " + ", ".join(f"{r} x{results.count(r)}" for r in sorted(set(results))))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", default=None)
@@ -115,12 +319,29 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--skip-load", action="store_true")
+    ap.add_argument("--skip-conversation", action="store_true")
+    ap.add_argument("--chaos", action="store_true")
+    ap.add_argument("--oversize", action="store_true")
+    ap.add_argument("--gap-tokens", type=int, default=120, help="length of the stream watched by --oversize")
+    ap.add_argument("--json-schema", type=int, default=0, metavar="N")
+    ap.add_argument("--sigterm", action="store_true", help="only the SIGTERM drain test (a separate process)")
+    ap.add_argument("--grace", type=float, default=2.0, help="--grace given to the server in --sigterm")
     args = ap.parse_args()
-    server, client = boot(args)
+    if args.sigterm:
+        sigterm(args)
+        return 0
+    server, base, client = boot(args)
     try:
-        if not args.skip_load:
-            load_test(client, args)
-        conversation(client, args)
+        alone = None if args.skip_load else load_test(client, args)
+        if not args.skip_conversation:
+            conversation(client, args)
+        if args.chaos:
+            chaos(client, base, alone or [chat_stream(client, i, args.max_tokens)[0] for i in range(args.requests)],
+                  args)
+        if args.oversize:
+            oversize(client, base, args)
+        if args.json_schema:
+            json_schema_runs(client, args)
     finally:
         server.shutdown()
     return 0

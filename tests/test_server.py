@@ -102,10 +102,9 @@ def test_second_turn_reuses_the_whole_first_turn(client):
     ({"model": "nope", "messages": CHAT}, 404, "model_not_found"),
     ({"model": "tiny", "messages": CHAT, "max_tokens": 0}, 400, "invalid_value"),
     ({"model": "tiny", "messages": CHAT, "temperature": "hot"}, 400, "invalid_type"),
-    ({"model": "tiny", "messages": CHAT, "extra_body": {"frobnicate": 1}}, 400, "unknown_parameter"),
     ({"model": "tiny", "messages": []}, 400, None),
     ({"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, 400, None),
-    ({"model": "tiny", "messages": CHAT, "n": 3}, 400, "unsupported_value"),
+    ({"model": "tiny", "messages": CHAT, "n": 0}, 400, "invalid_value"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "word " * 600}]}, 400, "context_length_exceeded"),
 ])
 def test_bad_requests_get_openai_errors(client, body, status, code):

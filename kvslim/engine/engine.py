@@ -239,11 +239,10 @@ class Engine:
                 self._fail(seq, "the model produced NaN or infinite keys/values for this sequence")
             elif not seq.pending:                                   # everything read: predict
                 try:
-                    token = seq.sampler(logits[row], seq.tokens)
-                except (ValueError, RuntimeError, FloatingPointError) as err:
-                    self._fail(seq, f"sampling failed: {err}")      # this sequence only; the others go on
+                    self._accept(seq, seq.sampler(logits[row], seq.tokens))
+                except Exception as err:                            # any failure ends this request alone
+                    self._fail(seq, f"sampling failed: {type(err).__name__}: {err}")
                     continue
-                self._accept(seq, token)
                 advanced.append(seq)
         return advanced
 

@@ -1,15 +1,23 @@
 """Token sampling with llama.cpp's chain and defaults:
-penalties -> top-k -> top-p -> min-p -> temperature -> draw.
+constraint mask -> penalties -> top-k -> top-p -> min-p -> temperature -> draw.
 
 ``Sampler.distribution`` returns the final truncated distribution, so the
 quality tools can compare what two caches would sample from, not only argmax.
 """
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 import torch
+
+# below this temperature, logits / T overflows float32 to inf and softmax gives NaN:
+# such a temperature means "greedy" (vLLM's _SAMPLING_EPS)
+MIN_TEMPERATURE = 1e-5
+# repeat_penalty divides positive logits: outside this range it overflows or erases them
+REPEAT_PENALTY_RANGE = (1e-3, 1e3)
 
 
 @dataclass
@@ -23,40 +31,82 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
+    logprobs: int | None = None       # None: off; k >= 0: the chosen token's logprob and the k most likely
 
     def __post_init__(self):
-        checks = [(self.temperature >= 0, "temperature must be >= 0"),
+        lo, hi = REPEAT_PENALTY_RANGE
+        numbers = (self.temperature, self.top_p, self.min_p, self.repeat_penalty, self.presence_penalty,
+                   self.frequency_penalty)
+        checks = [(all(math.isfinite(x) for x in numbers), "sampling values must be finite numbers"),
+                  (self.temperature >= 0, "temperature must be >= 0"),
                   (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
                   (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
-                  (self.repeat_penalty > 0, "repeat_penalty must be > 0"),
-                  (self.repeat_last_n >= 0, "repeat_last_n must be >= 0")]
+                  (lo <= self.repeat_penalty <= hi, f"repeat_penalty must be in [{lo:g}, {hi:g}]"),
+                  (abs(self.presence_penalty) <= hi and abs(self.frequency_penalty) <= hi,
+                   f"presence_penalty and frequency_penalty must be within +-{hi:g}"),
+                  (self.repeat_last_n >= 0, "repeat_last_n must be >= 0"),
+                  (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in 0..20")]
         for ok, message in checks:
             if not ok:
                 raise ValueError(f"{message} (got {asdict(self)})")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0
+        return self.temperature < MIN_TEMPERATURE
+
+
+class Constraint(Protocol):
+    """Restricts the next token (a grammar, a forced tool call): a per-sequence logits mask."""
+
+    def allowed(self, n_vocab: int) -> torch.Tensor:
+        """Bool (V,): tokens the constraint accepts next."""
+
+    def accept(self, token: int) -> None:
+        """Advance past the sampled token."""
 
 
 class Sampler:
-    """One sequence's sampler: its parameters and its own random stream."""
+    """One sequence's sampler: its parameters, its own random stream and an optional constraint.
 
-    def __init__(self, params: SamplingParams | None = None):
+    With ``params.logprobs`` set, ``logprobs`` collects ``(token, logprob, [(id, logprob), ...])`` for every
+    sampled token, from the model's distribution before penalties and truncation (as OpenAI reports them).
+    """
+
+    def __init__(self, params: SamplingParams | None = None, constraint: Constraint | None = None):
         self.params = params or SamplingParams()
+        self.constraint = constraint
         seed = self.params.seed if self.params.seed is not None else random.randrange(2 ** 63)
         self.generator = torch.Generator().manual_seed(seed)
+        self.logprobs: list[tuple[int, float, list[tuple[int, float]]]] = []
 
     def __call__(self, logits: torch.Tensor, history: list[int] = ()) -> int:
         if self.params.greedy:
-            return int(penalized(logits, history, self.params).argmax())
-        probs = self.distribution(logits, history)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+            token = int(penalized(self._masked(logits), history, self.params).argmax())
+        else:
+            probs = self.distribution(logits, history)
+            token = int(torch.multinomial(probs, 1, generator=self.generator))
+        if self.params.logprobs is not None:
+            self._record_logprobs(logits, token)
+        if self.constraint is not None:
+            self.constraint.accept(token)
+        return token
+
+    def _masked(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.constraint is None:
+            return logits
+        keep = self.constraint.allowed(logits.numel()).to(logits.device)
+        return logits.masked_fill(~keep, float("-inf"))
+
+    def _record_logprobs(self, logits: torch.Tensor, token: int) -> None:
+        lp = torch.log_softmax(logits.float(), -1)
+        top = torch.topk(lp, self.params.logprobs) if self.params.logprobs else None
+        pairs = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
+        self.logprobs.append((token, float(lp[token]), pairs))
 
     def distribution(self, logits: torch.Tensor, history: list[int] = ()) -> torch.Tensor:
-        """Probabilities (V,) after penalties, truncation and temperature (one-hot when greedy)."""
+        """Probabilities (V,) after the constraint, penalties, truncation and temperature (one-hot when greedy)."""
         p = self.params
-        x = penalized(logits.float().cpu(), history, p)
+        x = penalized(self._masked(logits.float().cpu()), history, p)
         if p.greedy:
             return torch.nn.functional.one_hot(x.argmax(), x.numel()).float()
         keep = truncation_mask(x, p)

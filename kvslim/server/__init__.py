@@ -1,4 +1,5 @@
 """OpenAI-compatible HTTP server over the engine (``kvslim serve``)."""
-from .app import KvslimServer, ServerState, start
+from .app import ServerState, build_app
+from .transport import Handle, serve, start
 
-__all__ = ["KvslimServer", "ServerState", "start"]
+__all__ = ["Handle", "ServerState", "build_app", "serve", "start"]

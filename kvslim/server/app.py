@@ -1,28 +1,33 @@
-"""The HTTP layer of ``kvslim serve``: routes, JSON, server-sent events, auth.
+"""The HTTP layer of ``kvslim serve``: routes, validation, server-sent events, auth.
 
-Standard library only (``ThreadingHTTPServer``): one thread per connection
-parses and validates, the scheduler thread runs the model. The model loads in
-the background while /health answers 503.
+A Starlette app served by uvicorn (see ``transport.py`` for limits, timeouts
+and shutdown). Handlers parse and check on the event loop, do heavy parsing
+and tokenizing in worker threads, and hand jobs to the scheduler thread that
+runs the model. The model loads in the background while /health answers 503.
 """
 from __future__ import annotations
 
+import asyncio
+import hmac
 import json
-import queue
-import select
-import socket
-import threading
+import logging
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from ..engine import ContextLengthExceeded, Engine
-from ..loading import load_model
-from . import openai_api as api
-from .metrics import prometheus_text, slots_view
-from .scheduler import Job, QueueFull, Scheduler
-from .tools import ToolStreamFilter, parse_tool_calls, template_messages
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
-MAX_BODY = 32 << 20
+from ..engine import ContextLengthExceeded, Engine
+from . import openai_api as api
+from .metrics import metrics_text, slots_view
+from .responder import Responder
+from .scheduler import Job, QueueFull, Scheduler, ShuttingDown
+
+log = logging.getLogger("kvslim.server")
+LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
 
 
 class ServerState:
@@ -31,9 +36,13 @@ class ServerState:
     def __init__(self, options: dict):
         self.options = options
         self.model_id = options.get("alias") or Path(options.get("model") or "tiny-qwen35").name.removesuffix(".gguf")
+        self.api_keys = list(options.get("api_keys") or ([options["api_key"]] if options.get("api_key") else []))
         self.engine: Engine | None = None
         self.scheduler: Scheduler | None = None
+        self.grammars = None
+        self.max_token_chars = 1 << 30
         self.load_error: str | None = None
+        self.on_load_failed = lambda: None
         self.started = time.time()
 
     @property
@@ -41,328 +50,318 @@ class ServerState:
         return self.scheduler is not None
 
     def load(self) -> None:
-        o = self.options
         try:
-            config = o["engine_config"]
-            model, tokenizer, eos = load_model(o.get("model"), o.get("dtype"), config.device,
-                                               weights=o.get("weights"), allow_dequant=bool(o.get("allow_dequant")))
-            self.engine = Engine(model, tokenizer, config, tokenizer.eog_ids(sorted(eos)))
-            self.scheduler = Scheduler(self.engine, o["max_queue"])
-        except Exception as err:                                          # reported by /health
+            self._load()
+        except Exception as err:                                          # reported by /health, then exit 1
             self.load_error = f"{type(err).__name__}: {err}"
+            log.error("model failed to load: %s", self.load_error)
+            self.on_load_failed()
+
+    def _load(self) -> None:
+        from ..loading import load_model
+        from .grammar import Grammars
+        o = self.options
+        config = o["engine_config"]                                      # built once by the tool (or the tests)
+        model, tokenizer, eos = load_model(o.get("model"), o.get("dtype"), config.device, weights=o.get("weights"),
+                                           allow_dequant=bool(o.get("allow_dequant")))
+        eog = tokenizer.eog_ids(sorted(eos))
+        engine = Engine(model, tokenizer, config, eog)
+        self.max_token_chars = longest_token(tokenizer)
+        eos_id = tokenizer.token_id(tokenizer.eos_token)
+        self.grammars = Grammars(tokenizer, model.config.vocab_size, eos_id if eos_id is not None else min(eog))
+        self.engine = engine
+        self.scheduler = Scheduler(engine, o["max_queue"])
 
 
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server_version = "kvslim"
-
-    # ----- plumbing --------------------------------------------------------------------
-    @property
-    def state(self) -> ServerState:
-        return self.server.state
-
-    def log_message(self, fmt, *args):                                   # quiet unless asked
-        if self.state.options.get("verbose"):
-            super().log_message(fmt, *args)
-
-    def send_json(self, status: int, obj) -> None:
-        data = json.dumps(obj).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def send_text(self, status: int, text: str, content_type: str = "text/plain; version=0.0.4") -> None:
-        data = text.encode()
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def read_json(self):
-        length = self.headers.get("Content-Length")
-        if length is None or not length.isdigit():
-            raise api.ApiError(411, "a Content-Length header is required")
-        if int(length) > MAX_BODY:
-            raise api.ApiError(413, f"request body over {MAX_BODY} bytes")
-        raw = self.rfile.read(int(length))
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise api.ApiError(400, f"malformed JSON body: {err}", code="invalid_json") from None
-
-    def client_gone(self) -> bool:
-        """True when the client closed its connection (readable with nothing to read)."""
-        try:
-            readable, _, _ = select.select([self.connection], [], [], 0)
-            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
-        except OSError:
-            return True
-
-    # ----- dispatch --------------------------------------------------------------------
-    def do_GET(self):
-        self.dispatch({"/health": self.health, "/v1/health": self.health, "/v1/models": self.models,
-                       "/models": self.models, "/metrics": self.metrics, "/slots": self.slots})
-
-    def do_POST(self):
-        self.dispatch({"/v1/chat/completions": self.chat, "/chat/completions": self.chat,
-                       "/v1/completions": self.completions, "/completions": self.completions,
-                       "/tokenize": self.tokenize, "/detokenize": self.detokenize,
-                       "/apply-template": self.apply_template})
-
-    def dispatch(self, routes: dict) -> None:
-        path = self.path.split("?", 1)[0]
-        try:
-            if path not in routes:
-                raise api.ApiError(404, f"no route {self.command} {path}", code="not_found")
-            if path not in ("/health", "/v1/health"):
-                self.check_key()
-                self.check_ready()
-            routes[path]()
-        except api.ApiError as err:
-            self.send_json(err.status, err.body())
-        except (BrokenPipeError, ConnectionResetError):
-            pass
-        except Exception as err:                                         # a bug: answer, stay up
-            self.send_json(500, api.ApiError(500, f"internal error: {type(err).__name__}: {err}",
-                                             "server_error").body())
-
-    def check_key(self) -> None:
-        key = self.state.options.get("api_key")
-        if key and self.headers.get("Authorization", "") != f"Bearer {key}":
-            raise api.ApiError(401, "Invalid API Key", "authentication_error", code="invalid_api_key")
-
-    def check_ready(self) -> None:
-        if not self.state.ready:
-            raise api.ApiError(503, "Loading model", "unavailable_error", code="model_loading")
-
-    # ----- simple endpoints ------------------------------------------------------------
-    def health(self):
-        s = self.state
-        if s.load_error:
-            self.send_json(500, api.ApiError(500, f"model failed to load: {s.load_error}", "server_error").body())
-        elif not s.ready:
-            self.send_json(503, {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}})
-        else:
-            self.send_json(200, {"status": "ok"})
-
-    def models(self):
-        s = self.state
-        meta = {"n_ctx": s.engine.ctx, "n_parallel": s.engine.n_parallel, "type_k": s.engine.type_k,
-                "type_v": s.engine.type_v, "n_vocab": s.engine.vocab_size}
-        self.send_json(200, {"object": "list", "data": [{"id": s.model_id, "object": "model",
-                                                           "created": int(s.started), "owned_by": "kvslim",
-                                                           "meta": meta}]})
-
-    def metrics(self):
-        self.send_text(200, prometheus_text(self.state.engine, self.state.scheduler))
-
-    def slots(self):
-        self.send_json(200, slots_view(self.state.engine, self.state.scheduler))
-
-    def tokenize(self):
-        body = self.read_json()
-        api.check_fields(body, {"content": str, "add_special": bool, "with_pieces": bool})
-        if "content" not in body:
-            raise api.ApiError(400, "'content' is required", param="content")
-        ids = self.state.engine.tokenizer.encode(body["content"], body.get("add_special", False))
-        self.send_json(200, {"tokens": ids})
-
-    def detokenize(self):
-        body = self.read_json()
-        api.check_fields(body, {"tokens": list})
-        tokens = body.get("tokens")
-        if tokens is None or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-            raise api.ApiError(400, "'tokens' must be a list of integers", param="tokens")
-        try:
-            self.send_json(200, {"content": self.state.engine.tokenizer.decode(tokens, skip_special=False)})
-        except ValueError as err:
-            raise api.ApiError(400, str(err), param="tokens") from None
-
-    def apply_template(self):
-        body = self.read_json()
-        req = api.parse_chat({"model": self.state.model_id, **body})
-        self.send_json(200, {"prompt": self.render(req)})
-
-    # ----- generation ------------------------------------------------------------------
-    def chat(self):
-        req = api.parse_chat(self.read_json())
-        self.check_model(req.model)
-        prompt = self.state.engine.tokenizer.encode(self.render(req), add_special=False)
-        self.generate(req, prompt, "chat")
-
-    def completions(self):
-        req = api.parse_completion(self.read_json())
-        self.check_model(req.model)
-        tok = self.state.engine.tokenizer
-        prompt = tok.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
-        if any(not 0 <= t < tok.vocab_size for t in prompt):
-            raise api.ApiError(400, f"prompt token ids must be in 0..{tok.vocab_size - 1}", param="prompt")
-        self.generate(req, prompt, "completion")
-
-    def render(self, req: api.GenerationRequest) -> str:
-        try:
-            return self.state.engine.tokenizer.apply_chat_template(template_messages(req.messages),
-                                                                   add_generation_prompt=True, tools=req.tools)
-        except Exception as err:                                         # template errors are the request's
-            raise api.ApiError(400, f"chat template failed: {err}", param="messages") from None
-
-    def check_model(self, name: str) -> None:
-        if name != self.state.model_id:
-            raise api.ApiError(404, f"The model '{name}' does not exist; this server serves "
-                                    f"'{self.state.model_id}'", code="model_not_found", param="model")
-
-    def generate(self, req: api.GenerationRequest, prompt: list[int], kind: str) -> None:
-        engine = self.state.engine
-        if len(prompt) >= engine.ctx:
-            raise api.ApiError(400, f"This model's maximum context length is {engine.ctx} tokens. However, your "
-                                    f"request has {len(prompt)} prompt tokens. Please reduce the length.",
-                               code="context_length_exceeded", param="messages" if kind == "chat" else "prompt")
-        job = Job(prompt, req.max_tokens or engine.ctx - len(prompt), req.sampling, req.stop)
-        try:
-            self.state.scheduler.submit(job)
-        except QueueFull as err:
-            raise api.ApiError(503, f"server busy: {err}; retry later", "unavailable_error",
-                               code="server_busy") from None
-        Responder(self, req, job, kind).run()
+def longest_token(tokenizer) -> int:
+    """An upper bound on the characters one token covers (its stored form is never shorter than its text)."""
+    return max((len(t) for t in tokenizer.backend.get_vocab(with_added_tokens=True)), default=1)
 
 
-class Responder:
-    """Turns a job's events into one JSON response or an SSE stream."""
-
-    def __init__(self, handler: Handler, req: api.GenerationRequest, job: Job, kind: str):
-        self.h, self.req, self.job, self.kind = handler, req, job, kind
-        self.rid = api.new_id("chatcmpl" if kind == "chat" else "cmpl")
-        self.model = handler.state.model_id
-        self.tools = ToolStreamFilter() if req.tools and kind == "chat" else None
-
-    def events(self):
-        """The job's events; cancels the job if the client goes away while waiting."""
-        while True:
-            try:
-                event = self.job.events.get(timeout=0.05)
-            except queue.Empty:
-                if self.h.client_gone():
-                    self.job.cancel()
-                    return
-                continue
-            if event[0] == "error":
-                raise _engine_error(event[1])
-            yield event
-            if event[0] == "done":
-                return
-
-    def run(self) -> None:
-        if self.req.stream:
-            self.stream()
-            return
-        text, seq = "", None
-        for kind, value in self.events():
-            if kind == "text":
-                text += value
-            else:
-                seq = value
-        if seq is not None:
-            self.h.send_json(200, self.final_body(text, seq))
-
-    def final_body(self, text: str, seq) -> dict:
-        finish = seq.finish_reason
-        if self.kind == "completion":
-            return api.completion_response(self.rid, self.model, text, finish, seq)
-        message = {"role": "assistant", "content": text}
-        if self.tools is not None:
-            content, calls = parse_tool_calls(text)
-            if calls:
-                message, finish = {"role": "assistant", "content": content or None, "tool_calls": calls}, \
-                    "tool_calls"
-        return api.chat_response(self.rid, self.model, message, finish, seq, seq.timings())
-
-    # ----- streaming ----------------------------------------------------------------------
-    def stream(self) -> None:
-        h = self.h
-        h.send_response(200)
-        h.send_header("Content-Type", "text/event-stream")
-        h.send_header("Cache-Control", "no-cache")
-        h.send_header("Connection", "close")
-        h.end_headers()
-        h.close_connection = True
-        try:
-            if self.kind == "chat":
-                self.send(api.chat_chunk(self.rid, self.model, {"role": "assistant", "content": ""}))
-            for kind, value in self.events():
-                if kind == "text":
-                    self.send_text(value)
-                else:
-                    self.send_end(value)
-            h.wfile.write(b"data: [DONE]\n\n")
-            h.wfile.flush()
-        except (BrokenPipeError, ConnectionResetError, OSError):
-            self.job.cancel()
-        except api.ApiError as err:
-            self.send(err.body())
-
-    def send(self, obj: dict) -> None:
-        self.h.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
-        self.h.wfile.flush()
-
-    def send_text(self, text: str) -> None:
-        if self.tools is not None:
-            text = self.tools.feed(text)
-        if not text:
-            return
-        if self.kind == "chat":
-            self.send(api.chat_chunk(self.rid, self.model, {"content": text}))
-        else:
-            self.send(api.completion_response(self.rid, self.model, text, None))
-
-    def send_end(self, seq) -> None:
-        finish = seq.finish_reason
-        if self.tools is not None:
-            rest, calls = self.tools.finish()
-            if rest and not calls:
-                self.send(api.chat_chunk(self.rid, self.model, {"content": rest}))
-            if calls:
-                deltas = [{"index": i, **c} for i, c in enumerate(calls)]
-                self.send(api.chat_chunk(self.rid, self.model, {"tool_calls": deltas}))
-                finish = "tool_calls"
-        if self.kind == "chat":
-            self.send(api.chat_chunk(self.rid, self.model, {}, finish))
-        else:
-            self.send(api.completion_response(self.rid, self.model, "", finish))
-        if self.req.include_usage:
-            obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-            self.send(api.usage_chunk(self.rid, self.model, obj, seq))
+# ----- plumbing ---------------------------------------------------------------------------
+def state_of(request: Request) -> ServerState:
+    return request.app.state.kvslim
 
 
-def _engine_error(err: Exception) -> api.ApiError:
-    if isinstance(err, ContextLengthExceeded):
-        return api.ApiError(400, str(err), code="context_length_exceeded")
-    if isinstance(err, ValueError):
-        return api.ApiError(400, str(err))
-    return api.ApiError(500, f"generation failed: {type(err).__name__}: {err}", "server_error")
+async def read_json(request: Request):
+    """The body as JSON: bounded in size and time, parsed in a worker thread."""
+    o = state_of(request).options
+    limit, timeout = o.get("max_body", 8 << 20), o.get("read_timeout", 30.0)
+    length = request.headers.get("content-length")
+    if length is not None and int(length) > limit:                    # refused before reading a byte
+        raise api.ApiError(413, f"request body of {length} bytes is over the limit of {limit} bytes "
+                                f"(--max-body-mib)", code="body_too_large")
+    raw = bytearray()
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in request.stream():
+                raw += chunk
+                if len(raw) > limit:
+                    raise api.ApiError(413, f"request body over the limit of {limit} bytes (--max-body-mib)",
+                                       code="body_too_large")
+    except TimeoutError:
+        raise api.ApiError(408, f"request body not received within {timeout:g} s", code="timeout") from None
+    return await asyncio.to_thread(parse_json, bytes(raw))
 
 
-class KvslimServer(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-
-    def __init__(self, address, state: ServerState):
-        super().__init__(address, Handler)
-        self.state = state
-
-    def shutdown(self) -> None:
-        super().shutdown()
-        self.server_close()
-        if self.state.scheduler is not None:
-            self.state.scheduler.shutdown()
+def parse_json(raw: bytes):
+    try:
+        body = json.loads(raw)
+        json.dumps(body, ensure_ascii=False).encode()                   # lone surrogates fail here, not later
+        return body
+    except (json.JSONDecodeError, UnicodeError) as err:
+        raise api.ApiError(400, f"malformed JSON body: {err}", code="invalid_json") from None
+    except RecursionError:
+        raise api.ApiError(400, "malformed JSON body: nested too deeply", code="invalid_json") from None
 
 
-def start(options: dict, host: str = "127.0.0.1", port: int = 8080) -> KvslimServer:
-    """Bind, start loading the model in the background, serve in a thread; returns the server."""
-    state = ServerState(options)
-    server = KvslimServer((host, port), state)
-    threading.Thread(target=state.load, name="kvslim-load", daemon=True).start()
-    threading.Thread(target=server.serve_forever, name="kvslim-http", daemon=True).start()
-    return server
+def check_key(request: Request) -> None:
+    keys = state_of(request).api_keys
+    if not keys:
+        return
+    auth = request.headers.get("authorization", "")
+    given = auth[7:] if auth.startswith("Bearer ") else request.headers.get("x-api-key", "")
+    if not any(hmac.compare_digest(given.encode(), k.encode()) for k in keys):
+        raise api.ApiError(401, "Invalid API Key", "authentication_error", code="invalid_api_key")
+
+
+def check_host(request: Request) -> None:
+    """Without a key, a loopback server answers only loopback Host names: a page that rebinds
+    its DNS name to 127.0.0.1 cannot drive it from a browser."""
+    s = state_of(request)
+    if s.api_keys or not s.options.get("loopback_only", False):
+        return
+    host = request.headers.get("host", "")
+    name = host[1:host.find("]")] if host.startswith("[") else host.rsplit(":", 1)[0]
+    if name.lower() not in LOOPBACK_NAMES | set(s.options.get("allowed_hosts") or []):
+        raise api.ApiError(403, f"Host {host[:100]!r} is not allowed (loopback server without --api-key; "
+                                f"--allowed-host adds names)", "permission_error", code="invalid_host")
+
+
+def check_ready(request: Request) -> ServerState:
+    s = state_of(request)
+    if s.load_error:
+        raise api.ApiError(500, f"model failed to load: {s.load_error}", "server_error")
+    if not s.ready:
+        raise api.ApiError(503, "Loading model", "unavailable_error", code="model_loading")
+    return s
+
+
+def guarded(public: bool = False):
+    """Host check, then auth and readiness (unless public) before the handler runs."""
+    def wrap(handler):
+        async def endpoint(request: Request):
+            check_host(request)
+            if not public:
+                check_key(request)
+                check_ready(request)
+            return await handler(request)
+        endpoint.__name__ = handler.__name__
+        return endpoint
+    return wrap
+
+
+# ----- simple endpoints -------------------------------------------------------------------
+@guarded(public=True)
+async def health(request: Request):
+    s = state_of(request)
+    if s.load_error:
+        raise api.ApiError(500, f"model failed to load: {s.load_error}", "server_error")
+    if not s.ready:
+        raise api.ApiError(503, "Loading model", "unavailable_error", code="model_loading")
+    return JSONResponse({"status": "ok"})
+
+
+@guarded()
+async def models(request: Request):
+    s = state_of(request)
+    e = s.engine
+    meta = {"n_ctx": e.ctx, "n_parallel": e.n_parallel, "type_k": e.type_k, "type_v": e.type_v,
+            "n_vocab": e.model.config.vocab_size}
+    return JSONResponse({"object": "list", "data": [{"id": s.model_id, "object": "model", "created": int(s.started),
+                                                     "owned_by": "kvslim", "meta": meta}]})
+
+
+@guarded()
+async def metrics(request: Request):
+    s = state_of(request)
+    return Response(metrics_text(s.engine, s.scheduler), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@guarded()
+async def slots(request: Request):
+    s = state_of(request)
+    return JSONResponse(slots_view(s.engine, s.scheduler))
+
+
+@guarded()
+async def tokenize(request: Request):
+    body = await read_json(request)
+    api.check_fields(body, {"content": str, "add_special": bool, "with_pieces": bool}, strict=True)
+    if "content" not in body:
+        raise api.ApiError(400, "'content' is required", param="content")
+    tok = state_of(request).engine.tokenizer
+    ids = await asyncio.to_thread(tok.encode, body["content"], body.get("add_special", False))
+    return JSONResponse({"tokens": ids})
+
+
+@guarded()
+async def detokenize(request: Request):
+    body = await read_json(request)
+    api.check_fields(body, {"tokens": list}, strict=True)
+    tokens = body.get("tokens")
+    if tokens is None or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise api.ApiError(400, "'tokens' must be a list of integers", param="tokens")
+    try:
+        return JSONResponse({"content": state_of(request).engine.tokenizer.decode(tokens, skip_special=False)})
+    except ValueError as err:
+        raise api.ApiError(400, str(err), param="tokens") from None
+
+
+@guarded()
+async def apply_template(request: Request):
+    body = await read_json(request)
+    s = state_of(request)
+    if not isinstance(body, dict):
+        raise api.ApiError(400, "the request body must be a JSON object")
+    req = api.parse_chat({"model": s.model_id, **body}, s.options.get("strict", False))
+    return JSONResponse({"prompt": await asyncio.to_thread(render, s, req)})
+
+
+# ----- generation --------------------------------------------------------------------------
+@guarded()
+async def chat(request: Request):
+    s = state_of(request)
+    req = api.parse_chat(await read_json(request), s.options.get("strict", False))
+    check_model(s, req.model)
+    text = await asyncio.to_thread(render, s, req)
+    check_chars(s, len(text), "messages")
+    prompt = await asyncio.to_thread(s.engine.tokenizer.encode, text, False)
+    return await generate(request, s, req, prompt, "chat")
+
+
+@guarded()
+async def completions(request: Request):
+    s = state_of(request)
+    req = api.parse_completion(await read_json(request), s.options.get("strict", False))
+    check_model(s, req.model)
+    tok = s.engine.tokenizer
+    if isinstance(req.prompt, str):
+        check_chars(s, len(req.prompt), "prompt")
+        prompt = await asyncio.to_thread(tok.encode, req.prompt)
+    else:
+        prompt = list(req.prompt)
+    if any(not 0 <= t < tok.vocab_size for t in prompt):
+        raise api.ApiError(400, f"prompt token ids must be in 0..{tok.vocab_size - 1}", param="prompt")
+    return await generate(request, s, req, prompt, "completion")
+
+
+def render(s: ServerState, req: api.GenerationRequest) -> str:
+    from .tools import template_messages
+    try:
+        return s.engine.tokenizer.apply_chat_template(template_messages(req.messages), add_generation_prompt=True,
+                                                      tools=req.tools)
+    except Exception as err:                                         # template errors are the request's
+        raise api.ApiError(400, f"chat template failed: {err}", param="messages") from None
+
+
+def check_model(s: ServerState, name: str) -> None:
+    if name != s.model_id:
+        raise api.ApiError(404, f"The model '{name}' does not exist; this server serves '{s.model_id}'",
+                           code="model_not_found", param="model")
+
+
+def context_error(s: ServerState, n: int, unit: str, param: str) -> api.ApiError:
+    return api.ApiError(400, f"This model's maximum context length is {s.engine.ctx} tokens. However, your "
+                             f"request has {n} prompt {unit}. Please reduce the length.",
+                        code="context_length_exceeded", param=param)
+
+
+def check_chars(s: ServerState, n_chars: int, param: str) -> None:
+    """Refuse a prompt that cannot fit on its length alone, before paying for tokenizing it."""
+    if n_chars > s.engine.ctx * s.max_token_chars:
+        raise context_error(s, n_chars, "characters", param)
+
+
+async def generate(request: Request, s: ServerState, req: api.GenerationRequest, prompt: list[int], kind: str):
+    if len(prompt) >= s.engine.ctx:
+        raise context_error(s, len(prompt), "tokens", "messages" if kind == "chat" else "prompt")
+    loop, events = asyncio.get_running_loop(), asyncio.Queue()
+    constraints = await asyncio.to_thread(constraints_for, s, req)
+    jobs = []
+    for i in range(req.n):
+        sampling = req.sampling if req.n == 1 or req.sampling.seed is None else \
+            type(req.sampling)(**{**vars(req.sampling), "seed": req.sampling.seed + i})
+        jobs.append(Job(prompt, req.max_tokens or s.engine.ctx - len(prompt), sampling, req.stop,
+                        emit=lambda ev, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, ev)),
+                        constraint=constraints[i], index=i))
+    try:
+        s.scheduler.submit(jobs)
+    except QueueFull as err:
+        raise api.ApiError(503, f"server busy: {err}; retry later", "unavailable_error", code="server_busy") from None
+    except ShuttingDown as err:
+        raise api.ApiError(503, str(err), "unavailable_error", code="shutting_down") from None
+    return await Responder(s, req, jobs, events, kind).respond(request)
+
+
+def constraints_for(s: ServerState, req: api.GenerationRequest) -> list:
+    """One grammar constraint per choice (a forced tool call or a JSON response format), or None each."""
+    from .grammar import json_grammar, tool_call_grammar
+    if req.tools and req.tool_choice and req.tool_choice not in ("auto", "none"):
+        name = req.tool_choice.removeprefix("function:") if req.tool_choice.startswith("function:") else None
+        grammar, param = tool_call_grammar(req.tools, name), "tools"
+    elif req.response_format:
+        grammar, param = json_grammar(req.response_format.get("schema")), "response_format"
+    else:
+        return [None] * req.n
+    return [s.grammars.constraint(grammar, param) for _ in range(req.n)]
+
+
+# ----- the app ------------------------------------------------------------------------------
+async def api_error(request: Request, err: api.ApiError):
+    return JSONResponse(err.body(), err.status, headers=close_if_unread(request, err.status))
+
+
+async def http_error(request: Request, err: HTTPException):
+    code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code)
+    message = f"no route {request.method} {request.url.path}" if err.status_code == 404 else str(err.detail)
+    body = api.ApiError(err.status_code, message, code=code).body()
+    return JSONResponse(body, err.status_code, headers={**(err.headers or {}),
+                                                        **close_if_unread(request, err.status_code)})
+
+
+async def server_error(request: Request, err: Exception):
+    log.exception("internal error on %s %s", request.method, request.url.path)
+    body = api.ApiError(500, f"internal error: {type(err).__name__}", "server_error").body()
+    return JSONResponse(body, 500, headers={"connection": "close"})
+
+
+def close_if_unread(request: Request, status: int) -> dict:
+    """A refused upload may still be arriving: close the connection after the answer (as nginx does for 413)
+    rather than read megabytes nobody wants; other early answers let the server discard the rest."""
+    return {"connection": "close"} if status in (408, 413) else {}
+
+
+ROUTES = [("/health", health, ["GET"]), ("/v1/health", health, ["GET"]), ("/v1/models", models, ["GET"]),
+          ("/models", models, ["GET"]), ("/metrics", metrics, ["GET"]), ("/slots", slots, ["GET"]),
+          ("/v1/chat/completions", chat, ["POST"]), ("/chat/completions", chat, ["POST"]),
+          ("/v1/completions", completions, ["POST"]), ("/completions", completions, ["POST"]),
+          ("/tokenize", tokenize, ["POST"]), ("/detokenize", detokenize, ["POST"]),
+          ("/apply-template", apply_template, ["POST"])]
+
+
+def options_route(path: str, methods: list[str]):
+    allow = ", ".join(methods + (["HEAD"] if "GET" in methods else []) + ["OPTIONS"])
+
+    async def answer(request: Request):
+        return Response(status_code=204, headers={"allow": allow})
+    return Route(path, answer, methods=["OPTIONS"])
+
+
+def build_app(state: ServerState) -> Starlette:
+    routes = [Route(path, fn, methods=methods) for path, fn, methods in ROUTES]
+    routes += [options_route(path, methods) for path, _, methods in ROUTES]
+    app = Starlette(routes=routes, exception_handlers={api.ApiError: api_error, HTTPException: http_error,
+                                                      Exception: server_error})
+    app.state.kvslim = state
+    return app

@@ -2,10 +2,12 @@
 
 Every user mistake becomes an :class:`ApiError` in OpenAI's error shape
 ``{"error": {"message", "type", "param", "code"}}``; nothing a client sends
-reaches the engine unchecked.
+reaches the engine unchecked. Unknown fields are ignored and logged once, as
+vLLM and llama-server do, unless the server runs with ``--strict``.
 """
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -31,18 +33,20 @@ COMMON_FIELDS = {
     "stream_options": (dict, type(None)), "stop": (str, list, type(None)), "seed": (int, type(None)),
     "presence_penalty": NUMBER + (type(None),), "frequency_penalty": NUMBER + (type(None),),
     "user": (str, type(None)), "logprobs": (bool, type(None)), "metadata": (dict, type(None)),
-    "store": (bool, type(None)), "service_tier": (str, type(None)),
+    "store": (bool, type(None)), "service_tier": (str, type(None)), "response_format": (dict, type(None)),
     # llama.cpp's extensions that clients written for llama-server send
     "top_k": (int, type(None)), "min_p": NUMBER + (type(None),), "repeat_penalty": NUMBER + (type(None),),
     "repeat_last_n": (int, type(None)), "n_predict": (int, type(None)), "cache_prompt": (bool, type(None)),
 }
+MAX_N = 16
 CHAT_FIELDS = {**COMMON_FIELDS, "messages": list, "max_completion_tokens": (int, type(None)),
                "tools": (list, type(None)), "tool_choice": (str, dict, type(None)),
-               "parallel_tool_calls": (bool, type(None)), "response_format": (dict, type(None)),
-               "top_logprobs": (int, type(None))}
-COMPLETION_FIELDS = {**COMMON_FIELDS, "prompt": (str, list), "echo": (bool, type(None)),
+               "parallel_tool_calls": (bool, type(None)), "top_logprobs": (int, type(None))}
+COMPLETION_FIELDS = {**COMMON_FIELDS, "prompt": (str, list), "echo": (bool, type(None)), "logprobs": (int, type(None)),
                      "suffix": (str, type(None)), "best_of": (int, type(None))}
 ROLES = ("system", "developer", "user", "assistant", "tool")
+log = logging.getLogger("kvslim.server")
+_logged_unknown: set[str] = set()
 
 
 @dataclass
@@ -57,15 +61,22 @@ class GenerationRequest:
     prompt: str | list[int] | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
+    n: int = 1
+    response_format: dict | None = None                          # {"type": "json_object" | "json_schema", ...}
 
 
-def check_fields(body, allowed: dict) -> None:
+def check_fields(body, allowed: dict, strict: bool = False) -> None:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     for name, value in body.items():
         if name not in allowed:
-            raise ApiError(400, f"Unrecognized request argument supplied: {name}", param=name,
-                           code="unknown_parameter")
+            if strict:
+                raise ApiError(400, f"Unrecognized request argument supplied: {name}", param=name,
+                               code="unknown_parameter")
+            if name not in _logged_unknown and len(_logged_unknown) < 256:   # once per name, bounded
+                _logged_unknown.add(name)
+                log.warning("ignoring unknown request field %r (--strict refuses it)", name[:64])
+            continue
         if not type_ok(value, allowed[name]):
             raise ApiError(400, f"'{name}' has the wrong type: got {type(value).__name__}", param=name,
                            code="invalid_type")
@@ -98,14 +109,13 @@ def parse_sampling(body: dict) -> SamplingParams:
         raise ApiError(400, str(err), code="invalid_value") from None
 
 
-def parse_common(body: dict, allowed: dict) -> GenerationRequest:
-    check_fields(body, allowed)
+def parse_common(body: dict, allowed: dict, strict: bool = False) -> GenerationRequest:
+    check_fields(body, allowed, strict)
     if "model" not in body:
         raise ApiError(400, "'model' is required", param="model", code="missing_required_parameter")
-    if body.get("n") not in (None, 1):
-        raise ApiError(400, "only n=1 is supported", param="n", code="unsupported_value")
-    if body.get("logprobs"):
-        raise ApiError(400, "logprobs are not supported", param="logprobs", code="unsupported_value")
+    n = 1 if body.get("n") is None else body["n"]
+    if not 1 <= n <= MAX_N:
+        raise ApiError(400, f"'n' must be in 1..{MAX_N}, got {n}", param="n", code="invalid_value")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens", body.get("n_predict")))
     if max_tokens is not None and max_tokens < 1:
         raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens",
@@ -115,26 +125,68 @@ def parse_common(body: dict, allowed: dict) -> GenerationRequest:
     if not all(isinstance(s, str) for s in stops) or len(stops) > 16:
         raise ApiError(400, "'stop' must be a string or a list of at most 16 strings", param="stop")
     options = body.get("stream_options") or {}
-    return GenerationRequest(body["model"], max_tokens, parse_sampling(body), stops, bool(body.get("stream")),
-                             bool(options.get("include_usage")))
+    req = GenerationRequest(body["model"], max_tokens, parse_sampling(body), stops, bool(body.get("stream")),
+                            bool(options.get("include_usage")), n=n)
+    req.response_format = parse_response_format(body.get("response_format"))
+    return req
 
 
-def parse_chat(body: dict) -> GenerationRequest:
-    req = parse_common(body, CHAT_FIELDS)
-    fmt = (body.get("response_format") or {}).get("type", "text")
-    if fmt != "text":
-        raise ApiError(400, f"response_format {fmt!r} is not supported (only 'text')", param="response_format",
-                       code="unsupported_value")
+def parse_response_format(fmt: dict | None) -> dict | None:
+    """None for plain text; else {"type": "json_object"} or {"type": "json_schema", "schema": {...}}."""
+    kind = (fmt or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise ApiError(400, "response_format json_schema needs {'json_schema': {'name', 'schema': {...}}}",
+                           param="response_format.json_schema")
+        return {"type": "json_schema", "schema": spec.get("schema", {})}
+    raise ApiError(400, f"response_format type {kind!r} is not one of text, json_object, json_schema",
+                   param="response_format.type", code="invalid_value")
+
+
+def set_logprobs(req: GenerationRequest, top: int | None, allowed: int, param: str) -> None:
+    if top is not None and not 0 <= top <= allowed:
+        raise ApiError(400, f"'{param}' must be in 0..{allowed}, got {top}", param=param, code="invalid_value")
+    req.sampling.logprobs = top
+
+
+def parse_chat(body: dict, strict: bool = False) -> GenerationRequest:
+    req = parse_common(body, CHAT_FIELDS, strict)
+    if body.get("top_logprobs") is not None and not body.get("logprobs"):
+        raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs", code="invalid_value")
+    if body.get("logprobs"):
+        set_logprobs(req, body.get("top_logprobs") or 0, 20, "top_logprobs")
     req.messages = [check_message(i, m) for i, m in enumerate(body["messages"])] if "messages" in body else []
     if not req.messages:
         raise ApiError(400, "'messages' must be a non-empty list", param="messages")
-    req.tools, req.tool_choice = body.get("tools"), body.get("tool_choice")
-    if req.tool_choice not in (None, "auto", "none"):
-        raise ApiError(400, "tool_choice must be 'auto' or 'none' (forcing a call is not supported yet)",
-                       param="tool_choice", code="unsupported_value")
+    req.tools, req.tool_choice = body.get("tools"), parse_tool_choice(body)
     if req.tool_choice == "none":
         req.tools = None
+    if isinstance(req.tool_choice, str) and req.tool_choice not in ("auto", "none") and req.response_format:
+        raise ApiError(400, "a forced tool call and response_format cannot be combined", param="tool_choice")
     return req
+
+
+def parse_tool_choice(body: dict) -> str | None:
+    """None, "auto", "none", "required", or the name of the one function the reply must call."""
+    choice, tools = body.get("tool_choice"), body.get("tools") or []
+    names = [t.get("function", {}).get("name") for t in tools if isinstance(t, dict)]
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if name not in names:
+            raise ApiError(400, f"tool_choice names function {name!r}, which is not in 'tools'",
+                           param="tool_choice", code="invalid_value")
+        return "function:" + name
+    if choice not in (None, "auto", "none", "required"):
+        raise ApiError(400, "tool_choice must be 'auto', 'none', 'required' or {'type': 'function', ...}",
+                       param="tool_choice", code="invalid_value")
+    if choice == "required" and not names:
+        raise ApiError(400, "tool_choice 'required' needs a non-empty 'tools' list", param="tool_choice")
+    return choice
 
 
 def check_message(i: int, m) -> dict:
@@ -143,9 +195,11 @@ def check_message(i: int, m) -> dict:
                        param=f"messages[{i}]")
     content = m.get("content")
     if isinstance(content, list):                                    # content parts: text only
-        if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-            raise ApiError(400, f"messages[{i}]: only text content parts are supported", param=f"messages[{i}]")
-        content = "".join(p.get("text", "") for p in content)
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise ApiError(400, f"messages[{i}]: content parts must be {{'type': 'text', 'text': <string>}}",
+                           param=f"messages[{i}].content")
+        content = "".join(p["text"] for p in content)
     if content is not None and not isinstance(content, str):
         raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts",
                        param=f"messages[{i}].content")
@@ -158,10 +212,12 @@ def check_message(i: int, m) -> dict:
     return out
 
 
-def parse_completion(body: dict) -> GenerationRequest:
-    req = parse_common(body, COMPLETION_FIELDS)
+def parse_completion(body: dict, strict: bool = False) -> GenerationRequest:
+    req = parse_common(body, COMPLETION_FIELDS, strict)
     if body.get("echo") or body.get("suffix") or body.get("best_of") not in (None, 1):
         raise ApiError(400, "echo, suffix and best_of are not supported", code="unsupported_value")
+    if body.get("logprobs") is not None:
+        set_logprobs(req, body["logprobs"], 5, "logprobs")
     prompt = body.get("prompt")
     if isinstance(prompt, list):
         if len(prompt) == 1 and isinstance(prompt[0], str):
@@ -182,31 +238,55 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(seq) -> dict:
-    n_prompt, n_gen = len(seq.prompt), len(seq.generated)
+def usage(seqs: list) -> dict:
+    """Prompt counted once (the choices share it), completions summed over the choices."""
+    n_prompt, n_gen = len(seqs[0].prompt), sum(len(s.generated) for s in seqs)
     return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen,
-            "prompt_tokens_details": {"cached_tokens": seq.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": seqs[0].cached_tokens}}
 
 
-def chat_response(rid: str, model: str, message: dict, finish_reason: str, seq, timings: dict) -> dict:
+def chat_response(rid: str, model: str, choices: list[dict], seqs: list) -> dict:
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}],
-            "usage": usage(seq), "timings": timings}
+            "choices": choices, "usage": usage(seqs), "timings": seqs[0].timings()}
 
 
-def chat_chunk(rid: str, model: str, delta: dict, finish_reason: str | None = None) -> dict:
+def chat_chunk(rid: str, model: str, delta: dict, finish_reason: str | None = None, index: int = 0,
+               logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
+            "choices": [{"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}]}
 
 
-def completion_response(rid: str, model: str, text: str, finish_reason: str | None, seq=None) -> dict:
+def completion_response(rid: str, model: str, choices: list[dict], seqs: list | None = None) -> dict:
     out = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-           "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}]}
-    if seq is not None:
-        out["usage"] = usage(seq)
+           "choices": choices}
+    if seqs:
+        out["usage"] = usage(seqs)
     return out
 
 
-def usage_chunk(rid: str, model: str, obj: str, seq) -> dict:
+def completion_choice(text: str, finish_reason: str | None, index: int = 0, logprobs: dict | None = None) -> dict:
+    return {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
+
+
+def usage_chunk(rid: str, model: str, obj: str, seqs: list) -> dict:
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [],
-            "usage": usage(seq)}
+            "usage": usage(seqs)}
+
+
+# ----- logprobs ----------------------------------------------------------------------------
+def chat_logprobs(entries: list, piece) -> dict:
+    """OpenAI chat shape: {"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}."""
+    def one(tok: int, lp: float) -> dict:
+        text = piece(tok)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8", "surrogatepass"))}
+    return {"content": [{**one(tok, lp), "top_logprobs": [one(t, v) for t, v in top]} for tok, lp, top in entries]}
+
+
+def completion_logprobs(entries: list, piece, offset: int = 0) -> dict:
+    """OpenAI legacy completions shape: parallel lists tokens / token_logprobs / top_logprobs / text_offset."""
+    tokens, offsets = [piece(tok) for tok, _, _ in entries], []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
+            "top_logprobs": [{piece(t): v for t, v in top} for _, _, top in entries], "text_offset": offsets}

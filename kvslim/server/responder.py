@@ -1,0 +1,180 @@
+"""Turns the events of a request's jobs (one per choice) into one JSON response or an SSE stream.
+
+Every stream ends with ``data: [DONE]``, after an error event when generation
+failed or the server is shutting down; a client that leaves cancels its jobs.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+
+from ..engine import ContextLengthExceeded
+from . import openai_api as api
+from .scheduler import SequenceFailed, ShuttingDown
+from .tools import ToolStreamFilter, parse_tool_calls
+
+
+def engine_error(err: Exception) -> api.ApiError:
+    if isinstance(err, ContextLengthExceeded):
+        return api.ApiError(400, str(err), code="context_length_exceeded")
+    if isinstance(err, ShuttingDown):
+        return api.ApiError(503, str(err) or "the server is shutting down", "unavailable_error",
+                            code="shutting_down")
+    if isinstance(err, SequenceFailed):
+        return api.ApiError(500, str(err), "server_error", code="generation_failed")
+    if isinstance(err, ValueError):
+        return api.ApiError(400, str(err))
+    return api.ApiError(500, f"generation failed: {type(err).__name__}: {err}", "server_error")
+
+
+class JobStream(StreamingResponse):
+    """A streaming response that cancels its jobs however it ends (finished, client gone, server stopping)."""
+
+    def __init__(self, content, jobs):
+        super().__init__(content, media_type="text/event-stream", headers={"cache-control": "no-cache"})
+        self.jobs = jobs
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for job in self.jobs:
+                job.cancel()
+
+
+class Choice:
+    """What one choice has produced so far."""
+
+    def __init__(self, index: int, with_tools: bool):
+        self.index, self.text, self.logprobs, self.seq = index, "", [], None
+        self.tools = ToolStreamFilter() if with_tools else None
+
+
+class Responder:
+    def __init__(self, state, req: api.GenerationRequest, jobs: list, events: asyncio.Queue, kind: str):
+        self.req, self.jobs, self.events, self.kind = req, jobs, events, kind
+        self.rid = api.new_id("chatcmpl" if kind == "chat" else "cmpl")
+        self.model = state.model_id
+        self.tokenizer = state.engine.tokenizer
+        with_tools = bool(req.tools) and kind == "chat"
+        self.choices = [Choice(j.index, with_tools) for j in jobs]
+
+    async def respond(self, request: Request):
+        if self.req.stream:
+            return JobStream(self.sse(), self.jobs)
+        watcher = asyncio.create_task(self._watch_disconnect(request))
+        try:
+            async for _ in self._events():
+                pass
+        except api.ApiError as err:
+            return JSONResponse(err.body(), err.status)
+        finally:
+            watcher.cancel()
+            self._cancel()
+        return JSONResponse(self.final_body())
+
+    async def _watch_disconnect(self, request: Request) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        self._cancel()
+
+    def _cancel(self) -> None:
+        for job in self.jobs:
+            job.cancel()
+
+    async def _events(self):
+        """(choice, kind, value) until every choice is done; an error raises ApiError (the rest cancelled)."""
+        pending = len(self.jobs)
+        while pending:
+            index, event = await self.events.get()
+            choice = self.choices[index]
+            if event[0] == "error":
+                self._cancel()
+                raise engine_error(event[1])
+            if event[0] == "text":
+                choice.text += event[1]
+                choice.logprobs += event[2]
+            else:
+                choice.seq = event[1]
+                pending -= 1
+            yield choice, event
+
+    # ----- one JSON body ----------------------------------------------------------------------
+    def final_body(self) -> dict:
+        seqs = [c.seq for c in self.choices]
+        if self.kind == "completion":
+            return api.completion_response(self.rid, self.model, [
+                api.completion_choice(c.text, c.seq.finish_reason, c.index, self._logprobs(c.logprobs))
+                for c in self.choices], seqs)
+        return api.chat_response(self.rid, self.model, [self._chat_choice(c) for c in self.choices], seqs)
+
+    def _chat_choice(self, c: Choice) -> dict:
+        message, finish = {"role": "assistant", "content": c.text}, c.seq.finish_reason
+        if c.tools is not None:
+            content, calls = parse_tool_calls(c.text)
+            if calls:
+                message, finish = {"role": "assistant", "content": content or None, "tool_calls": calls}, \
+                    "tool_calls"
+        return {"index": c.index, "message": message, "finish_reason": finish, "logprobs": self._logprobs(c.logprobs)}
+
+    def _logprobs(self, entries: list, offset: int = 0) -> dict | None:
+        if self.req.sampling.logprobs is None:
+            return None
+        piece = self._piece
+        if self.kind == "chat":
+            return api.chat_logprobs(entries, piece)
+        return api.completion_logprobs(entries, piece, offset)
+
+    def _piece(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special=False)
+
+    # ----- a stream ----------------------------------------------------------------------------
+    async def sse(self):
+        try:
+            if self.kind == "chat":
+                for c in self.choices:
+                    yield self._data(api.chat_chunk(self.rid, self.model, {"role": "assistant", "content": ""},
+                                                    index=c.index))
+            async for choice, event in self._events():
+                for chunk in (self._text_chunks(choice, event) if event[0] == "text" else self._end_chunks(choice)):
+                    yield self._data(chunk)
+            if self.req.include_usage:
+                obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+                yield self._data(api.usage_chunk(self.rid, self.model, obj, [c.seq for c in self.choices]))
+        except api.ApiError as err:
+            yield self._data(err.body())
+        yield b"data: [DONE]\n\n"
+
+    @staticmethod
+    def _data(obj: dict) -> bytes:
+        return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+    def _text_chunks(self, c: Choice, event) -> list[dict]:
+        text, entries = event[1], event[2]
+        if c.tools is not None:
+            text = c.tools.feed(text)
+        if not text and not entries:
+            return []
+        lp = self._logprobs(entries, len(c.text) - len(event[1]))
+        if self.kind == "chat":
+            return [api.chat_chunk(self.rid, self.model, {"content": text}, index=c.index, logprobs=lp)]
+        return [api.completion_response(self.rid, self.model, [api.completion_choice(text, None, c.index, lp)])]
+
+    def _end_chunks(self, c: Choice) -> list[dict]:
+        out, finish = [], c.seq.finish_reason
+        if c.tools is not None:
+            rest, calls = c.tools.finish()
+            if rest and not calls:
+                out.append(api.chat_chunk(self.rid, self.model, {"content": rest}, index=c.index))
+            if calls:
+                deltas = [{"index": i, **call} for i, call in enumerate(calls)]
+                out.append(api.chat_chunk(self.rid, self.model, {"tool_calls": deltas}, index=c.index))
+                finish = "tool_calls"
+        if self.kind == "chat":
+            out.append(api.chat_chunk(self.rid, self.model, {}, finish, index=c.index))
+        else:
+            out.append(api.completion_response(self.rid, self.model, [api.completion_choice("", finish, c.index)]))
+        return out
