@@ -142,7 +142,7 @@ def test_failing_sequence_ends_alone_and_survivors_match(tiny_folder):
     prompts = [tok.encode(f"Item {i}: the json module") for i in range(3)]
 
     def engine():
-        return Engine(model, tok, 256, 4, "q8_0", "turbo4", 64, set(), prefix_cache=True)
+        return Engine(model, tok, EngineConfig.build(256, 4, "q8_0", "turbo4", device="cpu", n_ubatch=64, prefix_cache=True))
     clean, _ = run_jobs(engine(), prompts, poison=False)
     e = engine()
     survivors, failed = run_jobs(e, prompts, poison=True)

@@ -223,7 +223,8 @@ class Engine:
             self._free.append(seq.slot)
 
     def step(self) -> list[Sequence]:
-        """One forward pass over all running sequences; returns those that got a new token."""
+        """One forward pass over all running sequences; returns those that got a new token or
+        ended with an error (``finish_reason == "error"``, ``error`` says why)."""
         plan = self._plan()
         if not plan:
             return []
@@ -232,17 +233,17 @@ class Engine:
         logits = self.model(batch, self.cache)
         bad = set(self.cache.take_overflow())                       # the one host read of the step
         elapsed = time.perf_counter() - t0
-        advanced = []
+        advanced = []                                               # got a token, or ended with an error
         for row, (seq, chunk) in enumerate(plan):
             self._account(seq, chunk, elapsed)
             if seq.slot in bad:
                 self._fail(seq, "the model produced NaN or infinite keys/values for this sequence")
+                advanced.append(seq)
             elif not seq.pending:                                   # everything read: predict
                 try:
                     self._accept(seq, seq.sampler(logits[row], seq.tokens))
                 except Exception as err:                            # any failure ends this request alone
                     self._fail(seq, f"sampling failed: {type(err).__name__}: {err}")
-                    continue
                 advanced.append(seq)
         return advanced
 
