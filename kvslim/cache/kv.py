@@ -146,10 +146,10 @@ class KVCache:
     def store(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append ``T`` tokens to one slot, unchecked (flags overflow on the device)."""
         self._check_room(slot, k.shape[0])
-        self._flag(k, v, slot)
         if self.f16_window == 0:
-            self._pack(slot, k, v)
+            self._pack(slot, k, v)                                      # flags as it encodes
             return
+        self._flag(k, v, slot)                                          # tokens may stay in the window
         n_win = self._win_len[slot]
         wk, wv = self.win_k[slot], self.win_v[slot]
         all_k = torch.cat([wk[:n_win], k.to(wk.dtype)])
@@ -174,14 +174,17 @@ class KVCache:
         for seg in batch.segments:
             self._check_room(seg.slot, seg.length)
             self._reserve(seg.slot, seg.start_pos + seg.length)
-        self._flag(k, v, batch.slot_ids)
         index = self._flat_index(batch.slot_ids, batch.positions)
-        self._scatter(index, k, v)
+        self._scatter(index, k, v, batch.slot_ids)
         for seg in batch.segments:
             self._packed[seg.slot] += seg.length
 
     def _flag(self, k, v, slots) -> None:
-        bad = (self.fmt_k.overflow_flag(k) | self.fmt_v.overflow_flag(v)).to(torch.uint8)
+        self._raise_flags(self.fmt_k.overflow_flag(k) | self.fmt_v.overflow_flag(v), slots)
+
+    def _raise_flags(self, bad: torch.Tensor, slots) -> None:
+        """OR per-row flags (T,) into the per-slot ones; ``slots`` is one slot or a (T,) tensor."""
+        bad = bad.to(torch.uint8)
         if isinstance(slots, int):
             self.overflow[slots] |= bad.amax()
         else:
@@ -191,13 +194,17 @@ class KVCache:
         start, n = self._packed[slot], k.shape[0]
         self._reserve(slot, start + n)
         positions = torch.arange(start, start + n, device=self.device)
-        self._scatter(self._flat_index(torch.full_like(positions, slot), positions), k, v)
+        self._scatter(self._flat_index(torch.full_like(positions, slot), positions), k, v, slot)
         self._packed[slot] = start + n
 
-    def _scatter(self, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Encode rows and write them at flat row ``index`` (page * page_size + offset)."""
-        self._rows_view(self.k_pool).index_copy_(1, index, self.fmt_k.encode_unchecked(k).transpose(0, 1))
-        self._rows_view(self.v_pool).index_copy_(1, index, self.fmt_v.encode_unchecked(v).transpose(0, 1))
+    def _scatter(self, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots) -> None:
+        """Encode rows, write them at flat row ``index`` (page * page_size + offset) and raise
+        the overflow flags of their ``slots``."""
+        k_codes, k_bad = self.fmt_k.encode_flagged(k)
+        v_codes, v_bad = self.fmt_v.encode_flagged(v)
+        self._rows_view(self.k_pool).index_copy_(1, index, k_codes.transpose(0, 1))
+        self._rows_view(self.v_pool).index_copy_(1, index, v_codes.transpose(0, 1))
+        self._raise_flags(k_bad | v_bad, slots)
 
     def _flat_index(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flat pool rows of (slot, position) pairs, read from the block table on the device."""

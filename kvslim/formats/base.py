@@ -103,8 +103,8 @@ class KVFormat:
         x = check_float_input(x, self.name)
         self.check_head_dim(x.shape[-1])
         limit = self._max_abs()
-        if limit is not None:
-            big = x.abs().amax().item()
+        if limit is not None:                                           # on the values the blocks store
+            big = self._stored(x).abs().amax().item()
             if big > limit:
                 raise ValueError(f"{self.name}: a value of magnitude {big:.6g} exceeds what the "
                                  f"format's fp16 fields can represent (about {limit:.6g})")
@@ -118,20 +118,35 @@ class KVFormat:
 
     # ----- the cache's hot path: no checks, no host sync ---------------------------
     def encode_unchecked(self, x: torch.Tensor) -> torch.Tensor:
-        """``encode`` without validation: the cache calls this on every append and
-        detects bad input with :meth:`overflow_flag` instead (no ``.item()``)."""
+        """``encode`` without validation (no ``.item()``)."""
         return self._encode(x)
+
+    def encode_flagged(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cache's hot path: unchecked codes of ``x`` (T, ..., head_dim) and its per-row
+        :meth:`overflow_flag`, sharing the work both need (a rotated format rotates once)."""
+        if not self.codes_code_domain:
+            return self._encode(x), self.overflow_flag(x)
+        y = self.to_code_domain(x.float())
+        return self._encode_code_domain(y), self._row_flags(y)
 
     def overflow_flag(self, x: torch.Tensor) -> torch.Tensor:
         """Per token row of ``x`` (T, ..., head_dim): a (T,) bool tensor on x's device, True
         where the row holds NaN/inf or values past what the format stores. Computed on the
         device; nobody waits for it (the engine reads the flags once per step)."""
-        flat = x.reshape(x.shape[0], -1)
+        return self._row_flags(self._stored(x))
+
+    def _row_flags(self, y: torch.Tensor) -> torch.Tensor:
+        flat = y.reshape(y.shape[0], -1)
         bad = ~torch.isfinite(flat).all(dim=-1)
         limit = self._max_abs()
         if limit is not None:
             bad = bad | (flat.abs().amax(dim=-1) > limit)
         return bad
+
+    def _stored(self, x: torch.Tensor) -> torch.Tensor:
+        """The values the blocks hold: ``x`` in the code domain for block codecs (a rotated
+        q4_0 quantizes the rotated row, so its range limit applies there)."""
+        return self.to_code_domain(x.float()) if self.codes_code_domain else x
 
     # ----- attention hooks ------------------------------------------------------------
     # Attention works in a "code domain" that may differ from the model's by an
@@ -187,7 +202,14 @@ class KVFormat:
             return (("scale", 0, 2),)
         return (("scale", 0, 2), ("min", 2, 2))
 
-    def _encode(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+    # Block codecs (ggml types, nl grids) set this and implement _encode_code_domain: they
+    # quantize the row as it stands in the code domain (after the rotation, if any).
+    codes_code_domain = False
+
+    def _encode(self, x: torch.Tensor) -> torch.Tensor:
+        return self._encode_code_domain(self.to_code_domain(x.float()))
+
+    def _encode_code_domain(self, y: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
 
     def _decode(self, packed: torch.Tensor, head_dim: int) -> torch.Tensor:  # pragma: no cover

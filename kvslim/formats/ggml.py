@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import FP16_MAX, KVFormat, check_float_input, fp16_bytes, fp16_from_bytes
+from .base import FP16_MAX, KVFormat, fp16_bytes, fp16_from_bytes
 from .rotation import hadamard_blocks, llama_rot_size
 
 QK = 32  # values per ggml block
@@ -268,24 +268,9 @@ class GgmlFormat(KVFormat):
         return CODECS[self.ggml_name][1](blocks).reshape(*packed.shape[:-1], head_dim)
 
     # ----- coding -----------------------------------------------------------------------
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """Checked encode; the fp16 range is checked on the rotated values that are stored."""
-        x = check_float_input(x, self.name)
-        self.check_head_dim(x.shape[-1])
-        y = self.to_code_domain(x.float())
-        big = y.abs().amax().item()
-        if big > self._max_abs():
-            raise ValueError(f"{self.name}: a value of magnitude {big:.6g} exceeds what the "
-                             f"format's fp16 fields can represent (about {self._max_abs():.6g})")
-        return self._encode_blocks(y)
+    codes_code_domain = True                  # blocks of the (rotated) row; the range check applies there
 
-    def overflow_flag(self, x: torch.Tensor) -> torch.Tensor:
-        return super().overflow_flag(self.to_code_domain(x.float()))
-
-    def _encode(self, x: torch.Tensor) -> torch.Tensor:
-        return self._encode_blocks(self.to_code_domain(x.float()))
-
-    def _encode_blocks(self, y: torch.Tensor) -> torch.Tensor:
+    def _encode_code_domain(self, y: torch.Tensor) -> torch.Tensor:
         blocks = y.float().reshape(-1, QK)  # (N, 32)
         encode = CODECS[self.ggml_name][0]
         # Bounded chunks keep iq4_nl's (N, 16, 32) candidate tensors small.

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import FP16_MAX, KVFormat, cached_on, check_float_input, fp16_bytes, fp16_from_bytes
+from .base import FP16_MAX, KVFormat, cached_on, fp16_bytes, fp16_from_bytes
 from .bitpack import byte_table, pack_bits, packed_bytes, unpack_bits
 from .rotation import hadamard_blocks, llama_rot_size
 
@@ -131,24 +131,9 @@ class GridFormat(KVFormat):
         return torch.cat([emb(lo, table), emb(hi, table)], dim=-1)
 
     # ----- coding -----------------------------------------------------------------------
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """Checked encode; the fp16 scale's range is checked on the rotated values."""
-        x = check_float_input(x, self.name)
-        self.check_head_dim(x.shape[-1])
-        y = self.to_code_domain(x.float())
-        big = y.abs().amax().item()
-        if big > self._max_abs():
-            raise ValueError(f"{self.name}: a value of magnitude {big:.6g} exceeds what the "
-                             f"format's fp16 scale can represent (about {self._max_abs():.6g})")
-        return self._encode_rotated(y)
+    codes_code_domain = True                  # blocks of the rotated row; the range check applies there
 
-    def overflow_flag(self, x: torch.Tensor) -> torch.Tensor:
-        return super().overflow_flag(self.to_code_domain(x.float()))
-
-    def _encode(self, x: torch.Tensor) -> torch.Tensor:
-        return self._encode_rotated(self.to_code_domain(x.float()))
-
-    def _encode_rotated(self, y: torch.Tensor) -> torch.Tensor:
+    def _encode_code_domain(self, y: torch.Tensor) -> torch.Tensor:
         bits = self.spec.code_bits
         grid = grid_tensor(bits, y.device)
         parts = []
