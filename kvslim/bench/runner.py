@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import CacheConfig
+from ..engine.decode_step import DecodeStep
 from ..models import Batch
 from ..models.base import CausalLM
 from .memory import PeakRSS
@@ -36,11 +37,12 @@ class FilledCache:
     """A cache for ``n_parallel`` slots, grown to a depth and restorable to it."""
 
     def __init__(self, model: CausalLM, ctx: int, n_parallel: int, type_k: str, type_v: str, n_ubatch: int,
-                 seed: int = 0, cache_config: CacheConfig | None = None):
+                 seed: int = 0, cache_config: CacheConfig | None = None, compile: bool = False):
         self.model, self.n_parallel, self.n_ubatch = model, n_parallel, n_ubatch
         config = cache_config or CacheConfig(ctx, n_parallel, type_k, type_v,
                                              device=model.model.embed_tokens.weight.device)
         self.caches = model.make_cache(config)
+        self.decode = DecodeStep(model, self.caches, compile=compile)   # the engine's decode path
         self.device = config.device
         self.depth, self.checkpoints = 0, None
         self.gen = torch.Generator().manual_seed(seed)
@@ -91,8 +93,9 @@ def time_tg(fc: FilledCache, n: int) -> float:
     """Seconds to decode ``n`` tokens in every slot, all slots in one forward per step."""
     tokens = [fc.random_tokens(n) for _ in range(fc.n_parallel)]
     t0 = time.perf_counter()
+    slots = list(range(fc.n_parallel))
     for step in range(n):
-        fc.model(fc.batch([(s, [tokens[s][step]], fc.depth + step) for s in range(fc.n_parallel)]), fc.caches)
+        fc.decode(slots, [tokens[s][step] for s in slots], [fc.depth + step] * fc.n_parallel)
     return time.perf_counter() - t0
 
 

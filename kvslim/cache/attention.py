@@ -45,6 +45,8 @@ def attend_batch(cache, batch, q: torch.Tensor, scale: float | None = None) -> t
     q ``(N, n_heads, D)`` -> float32 ``(N, n_heads, D)``. Single-token segments
     (decode) form one group read together; longer segments (prefill chunks) go alone.
     """
+    if batch.prepared:
+        return attend_decode_static(cache, batch, q, scale)
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     decode = [seg for seg in batch.segments if seg.length == 1]
     if decode:
@@ -69,6 +71,49 @@ def _attend_decode(cache, slots: list[int], positions: list[int], q: torch.Tenso
     q_pos = torch.tensor(positions, device=q.device)[:, None].expand(n_seq, qg.shape[2])
     out = attend_pages(cache, slots, qg, q_pos, min(positions))
     return out.reshape(n_seq, n_heads, dim)
+
+
+def attend_decode_static(cache, batch, q: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """A DecodeBatch's attention: one query per sequence over ``batch.n_pages`` pages of each.
+    No host reads outside one opaque op, shapes fixed by (B, n_pages): it traces into a
+    compiled step, where the op stays one call (``kvslim::paged_decode``) that reads the
+    packed pages block by block. q (B, H, D) -> float32 (B, H, D)."""
+    n_seq, n_heads, dim = q.shape
+    qg = _group(cache, q.unsqueeze(1), scale).transpose(0, 1).contiguous()     # (Hkv, B, G, D), scaled
+    table = cache.block_table.index_select(0, batch.slots)[:, :batch.n_pages]  # (B, P)
+    out = torch.ops.kvslim.paged_decode(qg, cache.k_pool, cache.v_pool, table, batch.positions,
+                                        cache.fmt_k.name, cache.fmt_v.name)     # (Hkv, B, G, D)
+    return out.transpose(0, 1).reshape(n_seq, n_heads, dim)
+
+
+@torch.library.custom_op("kvslim::paged_decode", mutates_args=())
+def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                 positions: torch.Tensor, type_k: str, type_v: str) -> torch.Tensor:
+    """q (Hkv, B, G, D) float32 scaled, model domain; pools (Hkv, pages, page_size, row bytes);
+    table (B, P) pages to read; a key is seen when its position <= the query's position.
+    Block-wise online softmax over the pages, as ``attend_pages``."""
+    from .. import formats                                           # formats import nothing from here
+    fmt_k, fmt_v = formats.get(type_k, role="k"), formats.get(type_v, role="v")
+    n_kv, n_seq, n_rows, dim = q.shape
+    page_size = k_pool.shape[2]
+    acc = _OnlineSoftmax(n_kv, n_seq, n_rows, dim, q.device)
+    q_code = fmt_k.to_code_domain(q)
+    q_pos = positions[:, None].expand(n_seq, n_rows)
+    per_block = max(1, min(MAX_BLOCK_TOKENS, BLOCK_BUDGET_BYTES // (4 * n_seq * n_kv * (2 * dim + n_rows)))
+                    // page_size)
+    for first in range(0, table.shape[1], per_block):
+        pages = table[:, first:first + per_block]
+        (k, k_scale), (v, v_scale) = _decode_pages(fmt_k, fmt_v, k_pool, v_pool, pages, dim)
+        scores = q_code @ k.transpose(-1, -2)
+        if k_scale is not None:
+            scores = scores * k_scale.unsqueeze(-2)
+        acc.update(_mask(scores, first * page_size, positions + 1, q_pos), v, v_scale)
+    return fmt_v.from_code_domain(acc.result())
+
+
+@paged_decode.register_fake
+def _(q, k_pool, v_pool, table, positions, type_k, type_v):
+    return torch.empty_like(q)
 
 
 def _attend_segment(cache, slot: int, q: torch.Tensor, first: int, scale, chunk_tokens=None) -> torch.Tensor:
@@ -131,15 +176,18 @@ def attend_pages(cache, slots: list[int], q: torch.Tensor, q_pos: torch.Tensor, 
 
 
 def _decode_block(cache, pages: torch.Tensor):
+    return _decode_pages(cache.fmt_k, cache.fmt_v, cache.k_pool, cache.v_pool, pages, cache.head_dim)
+
+
+def _decode_pages(fmt_k, fmt_v, k_pool: torch.Tensor, v_pool: torch.Tensor, pages: torch.Tensor, head_dim: int):
     """Packed rows of a block of pages (S, P) -> K and V as (values (Hkv, S, P*page_size, D), row
     scale or None), code domain. One gather of packed bytes per pool; each head's rows contiguous."""
     n_seq, n_pages = pages.shape
     idx = pages.reshape(-1).long()
-    shape = (cache.n_kv_heads, n_seq, n_pages * cache.page_size, -1)
-    kb = cache.k_pool.index_select(1, idx).reshape(shape)
-    vb = cache.v_pool.index_select(1, idx).reshape(shape)
-    return (cache.fmt_k.decode_code_domain_scaled(kb, cache.head_dim),
-            cache.fmt_v.decode_code_domain_scaled(vb, cache.head_dim))
+    shape = (k_pool.shape[0], n_seq, n_pages * k_pool.shape[2], -1)
+    kb = k_pool.index_select(1, idx).reshape(shape)
+    vb = v_pool.index_select(1, idx).reshape(shape)
+    return fmt_k.decode_code_domain_scaled(kb, head_dim), fmt_v.decode_code_domain_scaled(vb, head_dim)
 
 
 def _mask(scores: torch.Tensor, start: int, lengths: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
@@ -226,4 +274,4 @@ def _check_query(cache, slot: int, q: torch.Tensor) -> int:
     return q.shape[0]
 
 
-__all__ = ["attend", "attend_batch", "attend_pages", "attend_reference"]
+__all__ = ["attend", "attend_batch", "attend_decode_static", "attend_pages", "attend_reference"]

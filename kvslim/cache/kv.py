@@ -82,6 +82,9 @@ class KVCache:
     def head_dim(self) -> int:
         return self.spec.head_dim
 
+    def pages_for(self, n_tokens: int) -> int:
+        return ceil_div(n_tokens, self.page_size)
+
     def offset(self, slot: int) -> int:
         self._check_slot(slot)
         return self._packed[slot] + self._win_len[slot]
@@ -163,6 +166,9 @@ class KVCache:
 
     def store_batch(self, batch, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append every segment's rows: one encode and one scatter for the whole batch."""
+        if batch.prepared:                                              # a DecodeBatch: device work only
+            self._scatter(self._flat_index(batch.slots, batch.positions), k, v, batch.slots)
+            return
         for seg in batch.segments:
             if seg.start_pos != self.offset(seg.slot):
                 raise ValueError(f"slot {seg.slot}: the batch writes position {seg.start_pos} but the cache "
@@ -178,6 +184,26 @@ class KVCache:
         self._scatter(index, k, v, batch.slot_ids)
         for seg in batch.segments:
             self._packed[seg.slot] += seg.length
+
+    # ----- decode steps whose host work is done apart (the compiled path) -------------
+    @property
+    def static_decode(self) -> bool:
+        """Whether a DecodeBatch can write here (the f16 window's moves are host-driven)."""
+        return self.f16_window == 0
+
+    def prepare_decode(self, slots: list[int], positions: list[int]) -> None:
+        """Host half of a decode step, one token per slot: check, reserve pages."""
+        for slot, pos in zip(slots, positions):
+            if pos != self.offset(slot):
+                raise ValueError(f"slot {slot}: the step writes position {pos} but the cache holds "
+                                 f"{self.offset(slot)} tokens")
+            self._check_room(slot, 1)
+            self._reserve(slot, pos + 1)
+
+    def commit_decode(self, slots: list[int]) -> None:
+        """After the step's device work: each slot holds one more token."""
+        for slot in slots:
+            self._packed[slot] += 1
 
     def _flag(self, k, v, slots) -> None:
         self._raise_flags(self.fmt_k.overflow_flag(k) | self.fmt_v.overflow_flag(v), slots)
@@ -202,8 +228,12 @@ class KVCache:
         the overflow flags of their ``slots``."""
         k_codes, k_bad = self.fmt_k.encode_flagged(k)
         v_codes, v_bad = self.fmt_v.encode_flagged(v)
-        self._rows_view(self.k_pool).index_copy_(1, index, k_codes.transpose(0, 1))
-        self._rows_view(self.v_pool).index_copy_(1, index, v_codes.transpose(0, 1))
+        # Indexed assignment into the pool itself, not a copy into a reshaped view of it: a
+        # compiled step turns this into an in-place scatter (a view's index_copy_ into a copy
+        # of the whole pool and a copy back).
+        page, row = index // self.page_size, index % self.page_size
+        self.k_pool[:, page, row] = k_codes.transpose(0, 1)
+        self.v_pool[:, page, row] = v_codes.transpose(0, 1)
         self._raise_flags(k_bad | v_bad, slots)
 
     def _flat_index(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

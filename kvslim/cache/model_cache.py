@@ -73,6 +73,33 @@ class ModelCache:
     def slot_state_bytes(self, slot: int) -> int:
         return sum(self.layers[i].slot_nbytes(slot) for i in self.recurrent)
 
+    # ----- decode steps whose host work is done apart (the compiled path) ---------------
+    @property
+    def static_decode(self) -> bool:
+        """Whether every layer accepts a DecodeBatch (no layer needs host work mid-step)."""
+        return all(getattr(c, "static_decode", True) for c in self.layers)
+
+    def prepare_decode(self, slots: list[int], positions: list[int]) -> None:
+        """Before a DecodeBatch's forward: positions checked once, then every layer reserves
+        room (nothing changes when a check fails)."""
+        for slot, pos in zip(slots, positions):
+            if pos != self.offset(slot):
+                raise ValueError(f"slot {slot}: the step writes position {pos} but the cache holds "
+                                 f"{self.offset(slot)} tokens")
+        for layer in self.layers:
+            layer.prepare_decode(slots, positions)
+
+    def commit_decode(self, slots: list[int]) -> None:
+        """After it: every layer records one more token per slot."""
+        for layer in self.layers:
+            layer.commit_decode(slots)
+
+    def decode_pages(self, positions: list[int]) -> int:
+        """Pages attention must read per sequence for queries at ``positions`` (0 without KV layers)."""
+        if not self.kv_layers:
+            return 0
+        return self.kv_layers[0].pages_for(max(positions) + 1)
+
     # ----- slots ------------------------------------------------------------------
     def clear(self, slot: int) -> None:
         for layer in self.layers:

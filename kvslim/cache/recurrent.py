@@ -49,6 +49,16 @@ class RecurrentStateCache:
         self._check_slot(slot)
         self._len[slot] += n_tokens
 
+    def prepare_decode(self, slots: list[int], positions: list[int]) -> None:
+        for slot, pos in zip(slots, positions):
+            if pos != self.offset(slot):
+                raise ValueError(f"slot {slot}: the step feeds position {pos} but the state has absorbed "
+                                 f"{self.offset(slot)} tokens")
+
+    def commit_decode(self, slots: list[int]) -> None:
+        for slot in slots:
+            self._len[slot] += 1
+
     def trim(self, slot: int, n_tokens: int) -> None:
         self._check_slot(slot)
         if n_tokens == self._len[slot]:

@@ -49,6 +49,7 @@ class EngineConfig:
         n_ubatch: tokens per forward pass while reading prompts (llama.cpp's -ub).
         prefix_cache: keep released slots' contents for prompts that share a prefix.
         max_checkpoints, checkpoint_bytes, checkpoint_interval: DeltaNet checkpoints for prefix reuse.
+        compile: decode steps through ``torch.compile`` (see ``decode_step.py``); prefill stays eager.
     """
 
     cache: CacheConfig
@@ -57,6 +58,7 @@ class EngineConfig:
     max_checkpoints: int = 8
     checkpoint_bytes: int = 256 << 20
     checkpoint_interval: int = 4096
+    compile: bool = False
 
     def __post_init__(self):
         if self.n_ubatch < 1:

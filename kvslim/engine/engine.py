@@ -19,6 +19,7 @@ from ..models import Batch
 from ..models.base import CausalLM
 from ..tokenizer import Tokenizer
 from .config import EngineConfig
+from .decode_step import DecodeStep
 from .prefix import PrefixCache
 from .sampling import Sampler, SamplingParams
 from .text import TextStream
@@ -84,6 +85,7 @@ class Engine:
                  eog_ids: set[int] = frozenset()):
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.cache = model.make_cache(config.cache)
+        self.decode_step = DecodeStep(model, self.cache, compile=config.compile)
         self.eog_ids = set(eog_ids)
         self._free = list(range(config.n_parallel))
         self.prefix = PrefixCache(self.cache, config.max_checkpoints, config.checkpoint_bytes) \
@@ -229,8 +231,7 @@ class Engine:
         if not plan:
             return []
         t0 = time.perf_counter()
-        batch = Batch.build([(seq.slot, chunk, seq.n_cached) for seq, chunk in plan], device=self.device)
-        logits = self.model(batch, self.cache)
+        logits = self._forward(plan)
         bad = set(self.cache.take_overflow())                       # the one host read of the step
         elapsed = time.perf_counter() - t0
         advanced = []                                               # got a token, or ended with an error
@@ -246,6 +247,15 @@ class Engine:
                     self._fail(seq, f"sampling failed: {type(err).__name__}: {err}")
                 advanced.append(seq)
         return advanced
+
+    def _forward(self, plan: list[tuple[Sequence, list[int]]]) -> torch.Tensor:
+        """Logits of each plan entry's last token: a step where every sequence decodes goes
+        through the decode step (compiled with ``compile``), any other through one Batch."""
+        if self.decode_step.compiled and all(len(chunk) == 1 and len(seq.pending) == 1 for seq, chunk in plan):
+            return self.decode_step([seq.slot for seq, _ in plan], [chunk[0] for _, chunk in plan],
+                                    [seq.n_cached for seq, _ in plan])
+        batch = Batch.build([(seq.slot, chunk, seq.n_cached) for seq, chunk in plan], device=self.device)
+        return self.model(batch, self.cache)
 
     def _account(self, seq: Sequence, chunk: list[int], elapsed: float) -> None:
         if seq.n_cached < len(seq.prompt):                          # this step read (part of) its prompt

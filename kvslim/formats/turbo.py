@@ -95,9 +95,10 @@ class TurboFormat(KVFormat):
     # ----- pieces the attention path reuses -----------------------------------------
     def codebook(self, group: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(centroids, boundaries) as float32 tensors on ``device`` (cached per device)."""
-        cb = lloyd_max(group, self.mse_bits)
-        return (cached_on(device, ("centroids", group, self.mse_bits), lambda: torch.tensor(cb.centroids).float()),
-                cached_on(device, ("boundaries", group, self.mse_bits), lambda: torch.tensor(cb.boundaries).float()))
+        bits = self.mse_bits                                              # lloyd_max only on a cache miss
+        return (cached_on(device, ("centroids", group, bits), lambda: torch.tensor(lloyd_max(group, bits).centroids).float()),
+                cached_on(device, ("boundaries", group, bits),
+                          lambda: torch.tensor(lloyd_max(group, bits).boundaries).float()))
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """Rotate (..., head_dim) group by group into the coded domain."""

@@ -10,7 +10,7 @@ from types import ModuleType
 
 from . import llama, qwen3_5, qwen3_next
 from .base import CausalLM
-from .batch import Batch, Segment
+from .batch import Batch, DecodeBatch, Segment
 
 _FILES: tuple[ModuleType, ...] = (qwen3_5, qwen3_next, llama)
 ARCHITECTURES: dict[str, ModuleType] = {t: m for m in _FILES for t in m.MODEL_TYPES}
@@ -42,4 +42,4 @@ def build(config) -> CausalLM:
     return ARCHITECTURES[config.model_type].Model(config)
 
 
-__all__ = ["ARCHITECTURES", "Batch", "Segment", "CausalLM", "config_from_dict", "build", "architecture"]
+__all__ = ["ARCHITECTURES", "Batch", "DecodeBatch", "Segment", "CausalLM", "config_from_dict", "build", "architecture"]

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..cache import CacheConfig, KVCache, KVLayerSpec, ModelCache, RecurrentStateCache, StateLayerSpec
-from .batch import Batch
+from .batch import Batch, DecodeBatch
 from .layers import RMSNorm, Rope
 
 
@@ -50,17 +50,21 @@ class CausalLM(nn.Module):
         return table.project(h) if hasattr(table, "project") else torch.nn.functional.linear(h, table.weight)
 
     @torch.inference_mode()
-    def forward(self, batch: Batch, caches: list, all_logits: bool = False) -> torch.Tensor:
+    def forward(self, batch: Batch | DecodeBatch, caches: list, all_logits: bool = False) -> torch.Tensor:
         """Run the batch through every layer, appending to ``caches``.
 
         Returns float32 logits: one row per segment (its last token), or one per
         token with ``all_logits``.
         """
+        return self.run(batch, caches, all_logits)
+
+    def run(self, batch, caches: list, all_logits: bool = False) -> torch.Tensor:
+        """``forward`` without the inference-mode wrapper: what a compiled step traces."""
         x = self.model.embed_tokens(batch.tokens)
         rope = self.rope.tables(batch.positions, x.dtype)
         for layer, cache in zip(self.model.layers, caches):
             x = layer(x, batch, cache, rope)
-        if not all_logits:
+        if not all_logits and not batch.is_decode:                   # decode: every row is a last row
             x = x[batch.last_rows]
         return self.logits(self.model.norm(x)).float()
 

@@ -31,6 +31,8 @@ class Batch:
     positions: torch.Tensor    # (N,) absolute positions
     segments: list[Segment]
     slot_ids: torch.Tensor     # (N,) the cache slot of each row
+    # The layers do the caches' host work (checks, page allocation, lengths) themselves.
+    prepared = False
 
     @classmethod
     def build(cls, parts: list[tuple[int, list[int] | torch.Tensor, int]], device="cpu") -> "Batch":
@@ -58,3 +60,29 @@ class Batch:
     @property
     def is_decode(self) -> bool:
         return all(seg.length == 1 for seg in self.segments)
+
+    def slot_index(self) -> slice | torch.Tensor:
+        """A decode batch's slots as an index into per-slot state: a slice when they are
+        consecutive (state is then updated in place through a view), else the (N,) tensor."""
+        slots = [seg.slot for seg in self.segments]
+        if slots == list(range(slots[0], slots[0] + len(slots))):
+            return slice(slots[0], slots[0] + len(slots))
+        return self.slot_ids
+
+
+@dataclass
+class DecodeBatch:
+    """One new token for each of B sequences, as tensors only: the batch of a compiled
+    decode step. Its caches were prepared on the host beforehand (checks, pages reserved;
+    ``ModelCache.prepare_decode``) and are committed afterwards, so the forward pass does
+    no host work and can be traced as one graph."""
+
+    tokens: torch.Tensor       # (B,) token ids
+    positions: torch.Tensor    # (B,) the position each token is written at
+    slots: torch.Tensor        # (B,) cache slots, distinct
+    n_pages: int               # KV pages attention reads per sequence (covers the longest one)
+    prepared = True
+    is_decode = True
+
+    def slot_index(self) -> torch.Tensor:
+        return self.slots

@@ -180,19 +180,18 @@ class GatedDeltaNet(nn.Module):
         cache.advance(seg.slot, seg.length)
 
     def _decode(self, qkv, g, beta, batch, cache, out) -> None:
-        """One token for each segment, all sequences in one step. Consecutive slots are
-        updated in place through a view; others are gathered and scattered back."""
-        slots = [seg.slot for seg in batch.segments]
-        run = slots == list(range(slots[0], slots[0] + len(slots)))
-        idx = slice(slots[0], slots[0] + len(slots)) if run else torch.tensor(slots, device=qkv.device)
+        """One token for each sequence, all in one step. Consecutive slots are updated in
+        place through a view; others are gathered and scattered back."""
+        idx = batch.slot_index()
         mixed, cache.conv[idx] = causal_conv_step(qkv, cache.conv[idx], self.conv1d.weight[:, 0])
         q, k, v = self._split_heads(mixed)
-        state = cache.recurrent[idx]                                # a view when ``run``
+        state = cache.recurrent[idx]                                # a view when idx is a slice
         out[:] = gated_delta_step(q, k, v, g, beta, state)
-        if not run:
+        if not isinstance(idx, slice):
             cache.recurrent[idx] = state
-        for slot in slots:
-            cache.advance(slot, 1)
+        if not batch.prepared:                                      # else the caller commits lengths
+            for seg in batch.segments:
+                cache.advance(seg.slot, 1)
 
 
 def feed_forward(c: HybridConfig, layer: int) -> nn.Module:

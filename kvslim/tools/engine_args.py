@@ -1,4 +1,4 @@
-"""The engine flags every tool shares (--device, --attn-backend) and the one place where
+"""The engine flags every tool shares (--device, --attn-backend, --compile) and the one place where
 parsed arguments become an :class:`EngineConfig`."""
 from __future__ import annotations
 
@@ -13,6 +13,9 @@ def add_device_args(p: argparse.ArgumentParser) -> None:
                    help="cpu, cuda, cuda:N or mps (default: cuda when torch sees a GPU, else cpu)")
     p.add_argument("--attn-backend", default="torch", choices=backend_names(),
                    help="attention backend over the paged KV pool (reference: the slow oracle)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
+                   help="decode through torch.compile (the first steps compile, cached on disk under "
+                        "~/.cache/kvslim/inductor; default: eager)")
 
 
 def engine_config(args, *, ctx: int | None = None, n_parallel: int = 1, type_k: str | None = None,
@@ -23,4 +26,4 @@ def engine_config(args, *, ctx: int | None = None, n_parallel: int = 1, type_k: 
         type_k if type_k is not None else args.cache_type_k,
         type_v if type_v is not None else args.cache_type_v,
         device=getattr(args, "device", None), backend=getattr(args, "attn_backend", "torch"),
-        n_ubatch=args.ubatch_size, **engine)
+        n_ubatch=args.ubatch_size, compile=getattr(args, "compile", False), **engine)

@@ -1,0 +1,84 @@
+"""Decode steps: one new token for each of B sequences, eager or compiled.
+
+Eager (the reference, and ``--no-compile``): a flattened ``Batch`` through the
+model; every op is dispatched from Python, ~3,000 of them per step on the
+bundled model, so on a CPU a step costs its dispatch overhead, not its FLOPs.
+
+Compiled: the caches' host work (checks, page allocation, lengths) is done
+around the step, so the forward pass on a ``DecodeBatch`` is pure tensor code
+that ``torch.compile`` traces into one graph, and inductor turns into a few
+fused C++ loops (attention's row decoding fused into its reductions, norms and
+activations into their neighbours). Shapes are symbolic in the batch size and
+in the pages read, so a graph is compiled once per model (plus once for B=1
+and for one page, which torch specialises); inductor keeps the generated code
+in its on-disk cache, so a later process skips the C++ compilation.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from ..models import Batch, DecodeBatch
+
+# inductor's settings for the decode graph (its C++ wrapper measured no faster on the bundled
+# model and took longer to compile).
+COMPILE_OPTIONS: dict = {}
+
+
+def default_cache_dir() -> Path:
+    """Where inductor keeps compiled code between processes (``TORCHINDUCTOR_CACHE_DIR`` wins)."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "kvslim" / "inductor"
+
+
+def prime_formats(cache) -> None:
+    """Build the K/V formats' constants (codebooks, rotations, tables) eagerly, once: traced,
+    their construction (a Lloyd-Max iteration, say) would be unrolled into the graph."""
+    for layer in cache.kv_layers:
+        x = torch.zeros(1, layer.n_kv_heads, layer.head_dim, device=layer.device)
+        for fmt in (layer.fmt_k, layer.fmt_v):
+            codes, _ = fmt.encode_flagged(x)
+            fmt.decode_code_domain_scaled(codes, layer.head_dim)
+            fmt.from_code_domain(fmt.to_code_domain(x))
+
+
+class DecodeStep:
+    """``step(slots, tokens, positions)`` -> float32 logits (B, vocab), caches advanced by one."""
+
+    def __init__(self, model, cache, compile: bool = True, backend: str = "inductor"):
+        """``backend``: torch.compile's; tests use "aot_eager" (the same traced, functionalised
+        graph run by eager kernels: checks the tracing in seconds instead of minutes)."""
+        self.model, self.cache = model, cache
+        self.device = model.model.embed_tokens.weight.device
+        self.compiled = bool(compile) and cache.static_decode
+        self.compile_s = 0.0                       # seconds spent in calls that compiled a graph
+        if self.compiled:
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(default_cache_dir()))
+            prime_formats(cache)
+        options = COMPILE_OPTIONS if backend == "inductor" else None
+        self._fn = torch.compile(self._forward, backend=backend, dynamic=True, options=options) \
+            if self.compiled else None
+        self._shapes_seen: set[tuple[bool, bool]] = set()
+
+    def __call__(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
+        if not self.compiled:
+            return self.model(Batch.build([(s, [t], p) for s, t, p in zip(slots, tokens, positions)],
+                                          device=self.device), self.cache)
+        self.cache.prepare_decode(slots, positions)
+        n_pages = max(2, self.cache.decode_pages(positions))   # >= 2: one graph for every depth
+        args = [torch.tensor(x, dtype=torch.long, device=self.device) for x in (tokens, positions, slots)]
+        shape = (len(slots) == 1, n_pages == 2)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            logits = self._fn(*args, n_pages)
+        if shape not in self._shapes_seen:                      # first call of a shape: it compiled
+            self._shapes_seen.add(shape)
+            self.compile_s += time.perf_counter() - t0
+        self.cache.commit_decode(slots)
+        return logits
+
+    def _forward(self, tokens, positions, slots, n_pages: int) -> torch.Tensor:
+        return self.model.run(DecodeBatch(tokens, positions, slots, n_pages), self.cache)

@@ -1,0 +1,85 @@
+"""The decode step's two paths: a DecodeBatch (caches prepared on the host, one opaque paged
+attention op) against the flattened-Batch reference, eager for every K/V pair, and traced by
+torch.compile for greedy tokens (with the aot_eager backend: the traced, functionalised graph
+on eager kernels; inductor's C++ build of the same graph takes minutes on two busy cores and
+is exercised by ``benchmarks/compile_decode.py``)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvslim.engine import Engine, EngineConfig, SamplingParams
+from kvslim.engine.decode_step import DecodeStep
+from kvslim.loading import load_model
+from kvslim.models import Batch
+
+PAIRS = [("f16", "f16"), ("q8_0", "q8_0"), ("q4_0", "iq4_nl"), ("turbo4", "turbo3"), ("q8_0", "turbo4"),
+         ("turbo2", "q4_0")]
+
+
+@pytest.fixture(scope="module")
+def hybrid(tiny_folder):
+    model, tok, eos = load_model(tiny_folder("qwen3_5")[0], "f32")
+    return model, tok, eos
+
+
+def filled(model, type_k: str, type_v: str, prompts: list[list[int]]):
+    """A cache of small pages with each prompt prefilled in its own slot; last logits per slot."""
+    cache = model.make_cache(96, len(prompts), type_k, type_v, page_size=8)
+    with torch.inference_mode():
+        logits = [model(Batch.build([(s, ids, 0)]), cache) for s, ids in enumerate(prompts)]
+    return cache, torch.cat(logits)
+
+
+@pytest.mark.parametrize("type_k,type_v", PAIRS)
+def test_decode_batch_matches_the_flat_batch(hybrid, type_k, type_v):
+    model, _, _ = hybrid
+    prompts = [list(range(5, 22)), list(range(30, 39)), list(range(50, 75))]   # lengths cross page edges
+    ref_cache, logits = filled(model, type_k, type_v, prompts)
+    new_cache, _ = filled(model, type_k, type_v, prompts)
+    reference, prepared = DecodeStep(model, ref_cache, compile=False), DecodeStep(model, new_cache, compile=False)
+    slots, positions = [2, 0, 1], [len(prompts[s]) for s in (2, 0, 1)]          # not in slot order
+    tokens = [int(logits[s].argmax()) for s in slots]
+    for _ in range(12):
+        want = reference(slots, tokens, positions)
+        new_cache.prepare_decode(slots, positions)
+        with torch.inference_mode():
+            got = prepared._forward(*(torch.tensor(x) for x in (tokens, positions, slots)),
+                                    new_cache.decode_pages(positions))
+        new_cache.commit_decode(slots)
+        assert (got - want).abs().max() < 2e-4
+        tokens, positions = [int(t) for t in want.argmax(-1)], [p + 1 for p in positions]
+    assert [new_cache.offset(s) for s in range(3)] == [ref_cache.offset(s) for s in range(3)]
+    assert new_cache.kv_bytes == ref_cache.kv_bytes
+
+
+def test_prepare_refuses_a_wrong_position_and_changes_nothing(hybrid):
+    model, _, _ = hybrid
+    cache, _ = filled(model, "q8_0", "turbo4", [list(range(5, 12))])
+    with pytest.raises(ValueError, match="writes position 9 but the cache holds 7 tokens"):
+        cache.prepare_decode([0], [9])
+    assert cache.offset(0) == 7
+
+
+def greedy(model, tok, eos, compile: bool) -> tuple[list[list[int]], Engine]:
+    engine = Engine(model, tok, EngineConfig.build(256, 2, "q8_0", "turbo4", page_size=16, device="cpu",
+                                                   n_ubatch=32, compile=compile), eos)
+    if compile:   # the traced graph on eager kernels: inductor's C++ build takes minutes on 2 busy cores
+        engine.decode_step = DecodeStep(model, engine.cache, compile=True, backend="aot_eager")
+    seqs = [engine.submit(list(range(3, 48)), 40, SamplingParams(temperature=0))]   # B=1: one trace
+    engine.run(seqs)
+    return [s.generated for s in seqs], engine
+
+
+def test_compiled_greedy_tokens_equal_eager(hybrid):
+    model, tok, eos = hybrid
+    eager, _ = greedy(model, tok, eos, compile=False)
+    compiled, engine = greedy(model, tok, eos, compile=True)
+    assert engine.decode_step.compiled and engine.decode_step.compile_s > 0
+    assert compiled == eager and all(len(g) > 1 for g in eager)
+
+
+def test_the_f16_window_keeps_the_eager_path(hybrid):
+    model, _, _ = hybrid
+    cache = model.make_cache(64, 1, "turbo3", "turbo3", f16_window=8)
+    assert not DecodeStep(model, cache, compile=True).compiled
