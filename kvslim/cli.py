@@ -38,9 +38,30 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:  # users' mistakes surface as ValueError with a clear message
         print(f"kvslim {argv[0]}: error: {err}", file=sys.stderr)
         return 2
+    except NotImplementedError as err:  # an op the device's torch backend lacks (MPS): name it
+        message = missing_op_message(err)
+        if message is None:
+            raise
+        print(f"kvslim {argv[0]}: error: {message}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback (tools that stream print their timings first)
         print(f"\nkvslim {argv[0]}: interrupted", file=sys.stderr)
         return 130
+
+
+def missing_op_message(err: NotImplementedError) -> str | None:
+    """torch's "operator 'aten::x' is not currently implemented for the MPS device" as one line
+    that names the op and the two ways out; None for any other NotImplementedError."""
+    import re
+
+    text = str(err)
+    found = re.search(r"operator '([^']+)' is not currently implemented for the (\w+) device", text)
+    if found is None:
+        return None
+    op, device = found.groups()
+    import torch
+    return (f"torch {torch.__version__} has no {device} kernel for {op}, which kvslim's torch backend uses; "
+            f"run with PYTORCH_ENABLE_MPS_FALLBACK=1 to compute that op on the CPU, or use --device cpu")
 
 
 if __name__ == "__main__":

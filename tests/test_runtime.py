@@ -143,6 +143,24 @@ def test_device_choice_is_checked(capsys):
         EngineConfig.build(64, backend="fast")
 
 
+def test_an_op_missing_on_mps_is_named(capsys, monkeypatch):
+    # torch's own wording (aten/src/ATen/mps), raised where the tool runs: no Mac here to raise it for real
+    torch_says = ("The operator 'aten::_linalg_solve_ex.result' is not currently implemented for the MPS "
+                  "device. If you want this op to be considered for addition please comment on ...")
+
+    def raise_it(argv):
+        raise NotImplementedError(torch_says)
+
+    monkeypatch.setattr("kvslim.tools.run.main", raise_it)
+    assert cli_main(["run", "-p", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvslim run: error: torch ") and "no MPS kernel for aten::_linalg_solve_ex.result" in err
+    assert "PYTORCH_ENABLE_MPS_FALLBACK=1" in err and err.count("\n") == 1
+    monkeypatch.setattr("kvslim.tools.run.main", lambda argv: (_ for _ in ()).throw(NotImplementedError("other")))
+    with pytest.raises(NotImplementedError, match="other"):                 # not ours to rephrase
+        cli_main(["run", "-p", "hi"])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("type_k,type_v", [("f16", "f16"), ("q8_0", "turbo4"), ("turbo3", "q4_0")])
 def test_cuda_matches_cpu_end_to_end(type_k, type_v):
