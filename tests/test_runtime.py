@@ -171,3 +171,37 @@ def test_cuda_matches_cpu_end_to_end(type_k, type_v):
     torch.testing.assert_close(gpu.logits(ids), cpu.logits(ids), atol=2e-3, rtol=1e-3)
     prompt = "Once upon a time"
     assert gpu.generate(prompt, 16, temperature=0).token_ids == cpu.generate(prompt, 16, temperature=0).token_ids
+
+
+def test_sequences_sharing_a_prompt_read_it_once(hybrid):
+    model, tok, eos = hybrid
+    prompt = list(range(10, 60))
+    config = EngineConfig.build(128, 3, "q8_0", "turbo4", page_size=16, device="cpu", n_ubatch=16)
+    alone = Engine(model, tok, config, eos)
+    ref = alone.submit(prompt, 10, SamplingParams(temperature=0))
+    alone.run([ref])
+    engine = Engine(model, tok, config, eos)
+    seqs = [engine.submit(prompt, 10, SamplingParams(temperature=0)) for _ in range(3)]
+    prefill_steps = 0
+    while not all(s.done for s in seqs):
+        prefill_steps += any(len(s.pending) > 1 for s in seqs)
+        engine.step()
+    assert prefill_steps == 4                                           # 50 tokens in ubatches of 16, once
+    assert [s.generated for s in seqs] == [ref.generated] * 3
+    assert [s.cached_tokens for s in seqs] == [0, len(prompt), len(prompt)]
+    assert {engine.cache.offset(s.slot) for s in seqs} == {alone.cache.offset(ref.slot)}
+
+
+def test_a_follower_whose_leader_is_cancelled_reads_its_prompt_itself(hybrid):
+    model, tok, eos = hybrid
+    prompt = list(range(10, 60))
+    config = EngineConfig.build(128, 2, "f16", "f16", device="cpu", n_ubatch=16)
+    alone = Engine(model, tok, config, eos)
+    ref = alone.submit(prompt, 6, SamplingParams(temperature=0))
+    alone.run([ref])
+    engine = Engine(model, tok, config, eos)
+    leader, follower = (engine.submit(prompt, 6, SamplingParams(temperature=0)) for _ in range(2))
+    engine.step()
+    engine.release(leader)
+    engine.run([follower])
+    assert follower.generated == ref.generated and follower.cached_tokens == 0

@@ -307,6 +307,20 @@ class KVCache:
         self.trim(slot, 0)
         self.overflow[slot] = 0
 
+    def copy_slot(self, src: int, dst: int) -> None:
+        """``dst`` becomes a copy of ``src``: pages copied on the device, window and lengths too."""
+        self._check_slot(src)
+        self.clear(dst)
+        n = self._packed[src]
+        self._reserve(dst, n)
+        src_pages = torch.tensor(self._pages[src], device=self.device)
+        dst_pages = torch.tensor(self._pages[dst], device=self.device)
+        for pool in (self.k_pool, self.v_pool):
+            pool[:, dst_pages] = pool[:, src_pages]
+        self._packed[dst], self._win_len[dst] = n, self._win_len[src]
+        if self.f16_window:
+            self.win_k[dst], self.win_v[dst] = self.win_k[src], self.win_v[src]
+
     def state(self, slot: int) -> dict[str, torch.Tensor]:
         """Packed rows and window of one slot, exact bytes (for saving)."""
         k, v = self.rows(slot)

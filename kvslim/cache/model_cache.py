@@ -105,6 +105,13 @@ class ModelCache:
         for layer in self.layers:
             layer.clear(slot)
 
+    def copy_slot(self, src: int, dst: int) -> None:
+        """``dst`` holds exactly what ``src`` holds (sequences that share a prompt read it once)."""
+        if src == dst:
+            raise ValueError(f"copy_slot: source and destination are both slot {src}")
+        for layer in self.layers:
+            layer.copy_slot(src, dst)
+
     def checkpoint(self, slot: int) -> Checkpoint:
         """The recurrent state of ``slot`` at its current length (attention KV needs none)."""
         return Checkpoint(self.offset(slot), {i: self.layers[i].state(slot) for i in self.recurrent})

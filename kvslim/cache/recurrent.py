@@ -74,6 +74,12 @@ class RecurrentStateCache:
         self.recurrent[slot].zero_()
         self._len[slot] = 0
 
+    def copy_slot(self, src: int, dst: int) -> None:
+        self._check_slot(src)
+        self._check_slot(dst)
+        self.conv[dst], self.recurrent[dst] = self.conv[src], self.recurrent[src]
+        self._len[dst] = self._len[src]
+
     def state(self, slot: int) -> dict[str, torch.Tensor]:
         self._check_slot(slot)
         return {"conv": self.conv[slot].cpu().clone(), "recurrent": self.recurrent[slot].cpu().clone()}

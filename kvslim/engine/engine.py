@@ -51,6 +51,9 @@ class Sequence:
     kv_bytes: int = 0                                      # this sequence's cache bytes when it finished
     state_bytes: int = 0
     error: str | None = None                               # why it ended, when finish_reason is "error"
+    # A sequence submitted with the same prompt as one still reading it waits for that one and
+    # then takes a copy of its cache and its last logits: n choices read their prompt once.
+    leader: "Sequence | None" = field(default=None, repr=False)
 
     @property
     def generated(self) -> list[int]:
@@ -198,6 +201,8 @@ class Engine:
                        TextStream(self.tokenizer, stop or []), tokens=list(prompt))
         self._next_id += 1
         self._assign_slot(seq)
+        seq.leader = next((s for s in self.running if s.leader is None and not s.done and s.prompt == seq.prompt
+                           and s.n_cached < len(s.prompt)), None)
         self.running.append(seq)
         return seq
 
@@ -241,12 +246,29 @@ class Engine:
                 self._fail(seq, "the model produced NaN or infinite keys/values for this sequence")
                 advanced.append(seq)
             elif not seq.pending:                                   # everything read: predict
-                try:
-                    self._accept(seq, seq.sampler(logits[row], seq.tokens))
-                except Exception as err:                            # any failure ends this request alone
-                    self._fail(seq, f"sampling failed: {type(err).__name__}: {err}")
+                for follower in [s for s in self.running if s.leader is seq]:
+                    self._fork(seq, follower, logits[row])
+                    advanced.append(follower)
+                self._sample(seq, logits[row])
                 advanced.append(seq)
         return advanced
+
+    def _sample(self, seq: Sequence, logits: torch.Tensor) -> None:
+        try:
+            self._accept(seq, seq.sampler(logits, seq.tokens))
+        except Exception as err:                                    # any failure ends this request alone
+            self._fail(seq, f"sampling failed: {type(err).__name__}: {err}")
+
+    def _fork(self, leader: Sequence, seq: Sequence, logits: torch.Tensor) -> None:
+        """``seq`` (same prompt) takes a copy of the leader's cache and samples its own first
+        token from the leader's last logits: the distribution it would have computed itself."""
+        self.cache.copy_slot(leader.slot, seq.slot)
+        seq.leader = None
+        seq.n_cached = seq.cached_tokens = len(seq.prompt)
+        seq.prompt_s = leader.prompt_s
+        if self.prefix is not None:
+            self._checkpoint_prompt(seq)
+        self._sample(seq, logits)
 
     def _forward(self, plan: list[tuple[Sequence, list[int]]]) -> torch.Tensor:
         """Logits of each plan entry's last token: a step where every sequence decodes goes
@@ -275,7 +297,10 @@ class Engine:
     def _plan(self) -> list[tuple[Sequence, list[int]]]:
         """Decoding sequences first (one token each), then prompt chunks within the budget."""
         budget, plan = self.n_ubatch, []
-        active = [s for s in self.running if not s.done]
+        for seq in self.running:                                    # a leader that failed: read it alone
+            if seq.leader is not None and (seq.leader.done or seq.leader not in self.running):
+                seq.leader = None
+        active = [s for s in self.running if not s.done and s.leader is None]
         for seq in sorted(active, key=lambda s: len(s.pending) > 1):
             if budget == 0:
                 break
