@@ -106,6 +106,28 @@ def test_quant_linear_matches_reference(name, monkeypatch):
     assert torch.equal(w.dequantize(), w.reference_dequantize())
 
 
+@pytest.mark.parametrize("name", sorted(W.native.TYPE_CODES))
+def test_native_block_linear_matches_reference(name, monkeypatch):
+    import shutil
+    if shutil.which("cc") or shutil.which("gcc"):                        # CI has one: the kernel must build
+        assert W.native.available()
+    if not W.native.available():
+        pytest.skip("no C compiler: quant_linear keeps the torch path")
+    w = random_matrix(W.get(name), 67, 160, seed=5)                       # odd row count: uneven thread split
+    for rows, threads in ((1, 1), (3, 2), (8, 2)):
+        torch.set_num_threads(threads)
+        x = torch.randn(rows, 160)
+        x[0, :32] = 0.0                                                   # a block of zero activations
+        assert close(W.native.block_linear(x, w.data, name), W.reference_linear(x, w), MATMUL_TOL)
+    assert W.native.supports(name, torch.randn(8, 160)) and not W.native.supports(name, torch.randn(9, 160))
+    monkeypatch.setenv("KVSLIM_NATIVE", "0")
+    W.native._library.cache_clear()
+    try:
+        assert not W.native.supports(name, torch.randn(1, 160))           # the switch turns it off
+    finally:
+        W.native._library.cache_clear()
+
+
 def test_column_reorder_moves_blocks_or_gathers_inputs():
     w = random_matrix(W.get("q8_0"), 8, 128)
     dense = w.dequantize()

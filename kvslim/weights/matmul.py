@@ -1,7 +1,8 @@
 """x @ W.T with W kept as ggml blocks.
 
-``quant_linear`` (the fast path) dequantizes a step of W's rows at a time with the torch
-decoders and multiplies it, so the extra memory is one step of float32 rows (plus the
+``quant_linear`` (the fast path) hands a few activation rows (decode) of Q8_0 / Q4_0 to
+``native.block_linear``, which unpacks each block in registers; otherwise it dequantizes a
+step of W's rows at a time with the torch decoders and multiplies it, so the extra memory is one step of float32 rows (plus the
 decoder's temporaries of that order) whatever the matrix size. ``reference_linear``
 expands the whole matrix with ``gguf.quants`` first: slow and memory-hungry, obviously
 right; the parity tests hold the two together.
@@ -26,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import native
 from .tensor import QuantTensor
 
 STEP_BYTES = 256 << 10        # float32 bytes of dequantized rows per step
@@ -40,6 +42,9 @@ def quant_linear(x: torch.Tensor, w: QuantTensor, bias: torch.Tensor | None = No
     flat = x.reshape(-1, x.shape[-1])
     if w.input_index is not None:
         flat = flat.index_select(1, w.input_index)                  # into the file's column order
+    if w.data.dim() == 2 and native.supports(w.wtype.name, flat):  # decode: blocks unpacked in registers
+        out = native.block_linear(flat, w.data, w.wtype.name)
+        return (out if bias is None else out + bias).reshape(*x.shape[:-1], w.shape[0])
     rows = w.shape[0]
     out = flat.new_empty(flat.shape[0], rows)
     step = rows_per_step(w)
