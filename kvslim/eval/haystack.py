@@ -54,22 +54,34 @@ class TokenSpace:
         after_newline = cut == 0 or self.newline_end[filler[cut - 1]]
         return self.encode(sentence if after_newline else " " + sentence)
 
+    def pieces(self, filler: np.ndarray, cuts: Sequence[int], sentences: Sequence[str],
+               spaced: bool = False) -> list[list[int]]:
+        """Each sentence's tokens as inserted at its cut: bare after a newline, else with a leading
+        space. With ``spaced`` a sentence that follows another at the same cut gets its space too;
+        without it the two are glued ("...is 12345.One of"), as training's rows have always been."""
+        out, previous = [[] for _ in sentences], None
+        for cut, i in sorted((cut, i) for i, cut in enumerate(cuts)):
+            glued = spaced and cut == previous
+            out[i] = self.encode(" " + sentences[i]) if glued else self.needle_ids(filler, cut, sentences[i])
+            previous = cut
+        return out
+
     def insert(self, filler: np.ndarray, sentences: Sequence[str], depths: Sequence[float],
-               cuts: Sequence[int] | None = None) -> tuple[list[int], list[int]]:
+               cuts: Sequence[int] | None = None, spaced: bool = False) -> tuple[list[int], list[int]]:
         """``filler`` with each sentence spliced in at its depth (or at the given ``cuts``).
 
         Returns the token ids and the position of each sentence's first token in them.
-        Sentences at the same cut keep their given order.
+        Sentences at the same cut keep their given order (``spaced``: see :meth:`pieces`).
         """
         if cuts is None:
             ends = self.sentence_ends(filler)
             cuts = [snap(ends, int(d * len(filler))) for d in depths]
-        order = sorted((cut, i) for i, cut in enumerate(cuts))
+        pieces = self.pieces(filler, cuts, sentences, spaced)
         ids, starts, cursor = [], [0] * len(sentences), 0
-        for cut, i in order:
+        for cut, i in sorted((cut, i) for i, cut in enumerate(cuts)):
             ids.extend(filler[cursor:cut].tolist())
             starts[i] = len(ids)
-            ids.extend(self.needle_ids(filler, cut, sentences[i]))
+            ids.extend(pieces[i])
             cursor = cut
         ids.extend(filler[cursor:].tolist())
         return ids, starts

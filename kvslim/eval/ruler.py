@@ -80,8 +80,8 @@ class Query:
 
 
 def default_lengths(n_ctx: int) -> list[int]:
-    """``n_ctx`` and ``n_ctx / 4`` when that is at least 1K: the grid a 2-core run can afford."""
-    return sorted({n_ctx} | ({n_ctx // 4} if n_ctx // 4 >= 1024 else set()))
+    """Just ``n_ctx``: what a 2-core run can afford; ``--lengths`` sweeps (1K-64K and beyond)."""
+    return [n_ctx]
 
 
 def check_tasks(names: Sequence[str]) -> list[str]:
@@ -151,8 +151,8 @@ class RulerBuilder:
         if short < 1 or body > len(window):
             raise ValueError(f"a length of {body} tokens cannot hold the task's needles ({widest} tokens)")
         cuts = [self.space.cut_at(window[:short], d) for d in depths]
-        used = sum(len(self.space.needle_ids(window, c, s)) for c, s in zip(cuts, sentences))
-        return self.space.insert(window[:body - used], sentences, depths, cuts)
+        used = sum(map(len, self.space.pieces(window, cuts, sentences, spaced=True)))
+        return self.space.insert(window[:body - used], sentences, depths, cuts, spaced=True)
 
     def prompts(self, window, length: int, room: int, sentences, depths,
                 questions: Sequence[str]) -> tuple[list[list[int]], list[int]]:

@@ -107,7 +107,7 @@ def _args_ruler(p):
     from ..eval import ruler
 
     p.add_argument("--tasks", default="all", help="comma list of " + ", ".join(ruler.TASKS) + " (default all)")
-    p.add_argument("--lengths", default=None, help="context lengths (default: -c and -c/4 when >= 1024)")
+    p.add_argument("--lengths", default=None, help="context lengths, e.g. 1024,4096,16384,65536 (default: -c)")
     p.add_argument("--depths", default=",".join(f"{d:g}" for d in ruler.DEFAULT_DEPTHS),
                    help="needle depths in [0, 1] (vt and cwe spread over the whole text)")
     p.add_argument("-n", "--samples", type=int, default=1, help="samples per (task, length); each asks every depth")
