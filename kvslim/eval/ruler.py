@@ -212,13 +212,13 @@ class RulerBuilder:
         keys, value_key = words[:-1], words[-1]
         numbers = _numbers(rng, len(keys) + len(depths))
         values, numbers = numbers[len(keys):], numbers[:len(keys)]
-        sentences = [needle._MAGIC_NEEDLES[0].format(w=w, n=n) for w, n in zip(keys, numbers)]
+        sentences = [needle.MAGIC_NEEDLE.format(w=w, n=n) for w, n in zip(keys, numbers)]
         sentences += [MULTIVALUE_NEEDLE.format(w=value_key, n=n) for n in values]
         where = list(depths) + [rng.random() for _ in keys[len(depths):]] + list(depths)
         order = rng.sample(range(len(depths)), len(depths))
         listed = [keys[j] for j in order]
         listed = ", ".join(listed[:-1]) + " and " + listed[-1] if len(listed) > 1 else listed[0]
-        questions = [needle._MAGIC_QUESTIONS[0].format(w=k) for k in keys[:len(depths)]] + [
+        questions = [needle.MAGIC_QUESTION.format(w=k) for k in keys[:len(depths)]] + [
             f"What are all the special magic numbers for {value_key}? The special magic numbers for {value_key} are:",
             f"What are the special magic numbers for {listed}? The special magic numbers for {listed} are:"]
         room = self.answer_room(numbers[:len(depths)])
@@ -235,10 +235,10 @@ class RulerBuilder:
         count = max(len(depths) + 1, length // KV_SPACING)
         keys = rng.sample([f"{a}-{b}" for a in needle.WORDS for b in needle.WORDS if a != b], count)
         numbers = _numbers(rng, count)
-        sentences = [needle._MAGIC_NEEDLES[0].format(w=k, n=n) for k, n in zip(keys, numbers)]
+        sentences = [needle.MAGIC_NEEDLE.format(w=k, n=n) for k, n in zip(keys, numbers)]
         others = count - len(depths)
         where = list(depths) + [(j + 0.5) / others for j in range(others)]
-        questions = [needle._MAGIC_QUESTIONS[0].format(w=k) for k in keys[:len(depths)]]
+        questions = [needle.MAGIC_QUESTION.format(w=k) for k in keys[:len(depths)]]
         ids, starts = self.prompts(window, length, self.answer_room(numbers[:len(depths)]), sentences, where,
                                    questions)
         return [self._query("kv_retrieval", length, i, ids[j], [numbers[j]], [d], [starts[j]], True)
