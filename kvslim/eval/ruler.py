@@ -232,8 +232,9 @@ class RulerBuilder:
         return {"niah_multikey": multikey, "niah_multivalue": [multivalue], "niah_multiquery": [multiquery]}
 
     def kv_retrieval(self, rng, window, length, depths, i) -> list[Query]:
-        count = max(len(depths) + 1, length // KV_SPACING)
-        keys = rng.sample([f"{a}-{b}" for a in needle.WORDS for b in needle.WORDS if a != b], count)
+        pool = [f"{a}-{b}" for a in needle.WORDS for b in needle.WORDS if a != b]
+        count = min(len(pool), max(len(depths) + 1, length // KV_SPACING))   # 3,080 keys: sparser past ~300K
+        keys = rng.sample(pool, count)
         numbers = _numbers(rng, count)
         sentences = [needle.MAGIC_NEEDLE.format(w=k, n=n) for k, n in zip(keys, numbers)]
         others = count - len(depths)
