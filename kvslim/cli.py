@@ -7,7 +7,7 @@ import sys
 # sub-command -> (module under kvslim.tools, one-line help)
 COMMANDS = {
     "demo": ("demo", "the bundled model end to end: generation and f16 vs compressed KV side by side"),
-    "eval": ("eval", "quality per K/V pair: ppl, kld, depth, niah, sampling, attention"),
+    "eval": ("eval", "quality per K/V pair: ppl, kld, depth, niah, ruler, sampling, attention"),
     "quant": ("quant", "measure KV formats on random vectors: bits, error, speed"),
     "plan": ("plan", "will a model, context and K/V cache fit on a machine? (before anything loads)"),
     "run": ("run", "complete a prompt; print timings and KV/state memory"),

@@ -39,6 +39,7 @@ SMOKE = {
     "quant": {"--n": "256", "-r": "1", "-t": first(2), "--no-progress": None},
     "eval": {"-c": "32", "--chunks": "1", "--pairs": first(2), "-ctk": first(1), "--no-progress": None},
     "eval niah": {"-c": "128", "--lengths": "128", "--depths": "0.5", "-n": "1"},
+    "eval ruler": {"-c": "512", "--depths": "0.5", "-n": "1", "--tasks": "niah_single,vt"},
     "eval depth": {"--bands": "0,16"},
     "eval attention": {"--sentences": "2"},
     "serve": {"-np": "1", "-c": "4096"},

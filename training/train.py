@@ -45,7 +45,7 @@ sys.path.insert(0, str(TRAINING_DIR))
 sys.path.insert(0, str(REPO_ROOT))
 
 import corpus  # noqa: E402
-from kvslim.eval import needle  # noqa: E402
+from kvslim.eval import haystack  # noqa: E402
 
 T_PROCESS = time.time()
 TOKENS_DIR = TRAINING_DIR / "tokens"
@@ -257,20 +257,18 @@ def token_cache(source: str, split: str, tok) -> np.ndarray:
 class DataMixture:
     """Deterministic batches: batch(step) depends only on (seed, step, shape)."""
 
-    def __init__(self, args, tok):
+    def __init__(self, args, tok, streams: dict[str, np.ndarray] | None = None):
+        """``streams`` (source -> train tokens) replaces the corpus' token caches (tests)."""
         self.args = args
         self.tok = tok
-        self.sources = ensure_corpus()
-        self.train = {s: token_cache(s, "train", tok) for s in self.sources}
-        self.heldout = {s: token_cache(s, "heldout", tok) for s in self.sources}
-        # Token ids after which a needle may start (sentence or line ends), and
-        # the id that stands in for <|endoftext|> inside filler: evaluation
-        # haystacks join documents with a blank line, never with EOS.
-        vocab = tok.get_vocab_size()
-        self.sentence_end = np.array([tok.decode([i]).endswith((".", "!", "?", "\n"))
-                                      for i in range(vocab)])
-        self.newline_end = np.array([tok.decode([i]).endswith("\n") for i in range(vocab)])
-        self.blank_line = tok.encode("\n\n").ids[0]
+        if streams is None:
+            self.sources = ensure_corpus()
+            self.train = {s: token_cache(s, "train", tok) for s in self.sources}
+            self.heldout = {s: token_cache(s, "heldout", tok) for s in self.sources}
+        else:
+            self.sources, self.train, self.heldout = sorted(streams), dict(streams), dict(streams)
+        # Needles are spliced into token windows by kvslim.eval.haystack, as kvslim eval ruler builds them.
+        self.space = haystack.TokenSpace(self._encode, tok.decode, tok.get_vocab_size())
         sizes = np.array([len(self.train[s]) for s in self.sources], dtype=np.float64)
         weights = sizes ** args.source_power
         self.weights = (weights / weights.sum()).tolist()
@@ -290,42 +288,11 @@ class DataMixture:
     def _needle_row(self, rng: random.Random, length: int) -> tuple[np.ndarray, np.ndarray]:
         """length+1 tokens ending with a retrieval sample, and their loss weights.
 
-        Built in token space (filler is a window of the token stream, needles
-        go in after a sentence end), which is ~100x faster than building the
-        text and tokenizing it; the phrasings are those of kvslim.eval.needle,
-        whose text-level builder the evaluation uses.
+        Built in token space by kvslim.eval.haystack (filler is a window of the token
+        stream, needles go in after a sentence end), with the phrasings of kvslim.eval.needle.
         """
-        kind = needle.sample_kind(rng)
-        sentences, asked, question, answer = needle.make_needle(rng, kind)
-        question_ids = self._encode("\n\n" + question)
-        answer_ids = self._encode(answer)
-        target = int(length * rng.uniform(0.2, 1.0))
-        needle_len = sum(len(self._encode(" " + x)) for x in sentences)
-        filler_len = max(0, target - needle_len - len(question_ids) - len(answer_ids) - 1)
-        _, filler = self._window(rng, filler_len + 1)
-        filler = filler[1:]
-        filler[filler == EOS_ID] = self.blank_line
-        depths = [rng.random() for _ in sentences]
-        ends = np.flatnonzero(self.sentence_end[filler]) + 1
-        cuts = sorted((self._snap(ends, int(d * len(filler))), i) for i, d in enumerate(depths))
-        ids, cursor = [], 0
-        for cut, i in cuts:
-            ids.extend(filler[cursor:cut].tolist())
-            after_newline = cut == 0 or self.newline_end[filler[cut - 1]]
-            ids.extend(self._encode(sentences[i] if after_newline else " " + sentences[i]))
-            cursor = cut
-        ids.extend(filler[cursor:].tolist())
-        weights = [1.0] * (len(ids) + len(question_ids)) + [self.args.answer_weight] * len(answer_ids)
-        ids += question_ids + answer_ids + [EOS_ID]
-        weights.append(1.0)
-        ids, weights = ids[-(length + 1):], weights[-(length + 1):]
-        missing = length + 1 - len(ids)
-        if missing > 0:
-            _, prefix = self._window(rng, missing)
-            prefix[-1] = EOS_ID
-            ids = prefix.tolist() + ids
-            weights = [1.0] * missing + weights
-        return np.asarray(ids, dtype=np.int64), np.asarray(weights, dtype=np.float32)
+        return haystack.needle_row(self.space, rng, length, lambda r, n: self._window(r, n)[1], EOS_ID,
+                                   self.args.answer_weight)
 
     def _copy_row(self, rng: random.Random, length: int) -> tuple[np.ndarray, np.ndarray]:
         """A window of real text with 1-4 of its spans repeated further on.
@@ -344,12 +311,6 @@ class DataMixture:
             ids[dst:dst + span] = ids[src:src + span].copy()
             copied[dst + 1:dst + span] = True  # the first token of a repeat is a guess
         return ids, copied
-
-    @staticmethod
-    def _snap(ends: np.ndarray, position: int) -> int:
-        """The last sentence end at or before `position` (0 if none)."""
-        k = int(np.searchsorted(ends, position, side="right"))
-        return int(ends[k - 1]) if k else 0
 
     def batch(self, step: int, seq_len: int, batch_size: int):
         """(inputs, targets, target weights, answer mask, copy mask) for one step."""

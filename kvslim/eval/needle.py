@@ -27,6 +27,8 @@ from typing import Callable, Sequence
 __all__ = [
     "CANONICAL_KIND",
     "KINDS",
+    "MAGIC_NEEDLE",
+    "MAGIC_QUESTION",
     "NeedleSample",
     "make_needle",
     "build_haystack",
@@ -70,6 +72,8 @@ _MAGIC_QUESTIONS = (
     "What is the special magic number for {w}? The special magic number for {w} is",
     "Which special magic number was mentioned for {w}? The special magic number for {w} is",
 )
+# canonical "special magic number" fact and question (kvslim eval ruler's multi-needle tasks)
+MAGIC_NEEDLE, MAGIC_QUESTION = _MAGIC_NEEDLES[0], _MAGIC_QUESTIONS[0]
 _CODE_NEEDLES = (
     "The secret code of the {w} is {n}.",
     "Attention: the {w} has the secret code {n}.",

@@ -6,6 +6,7 @@
     kvslim eval kld       --pairs f16,q8_0,q4_0,turbo4,q8_0/turbo3            # sweep, exact, no file
     kvslim eval depth     -c 16384 --pairs q8_0,turbo4 --png depth.png
     kvslim eval niah      -c 4096 --pairs f16,turbo3 --png niah.png
+    kvslim eval ruler     -c 16384 --pairs f16,q8_0/turbo4,turbo3 --png ruler.png
     kvslim eval sampling  --pairs q8_0,turbo4 --temp 0.8
     kvslim eval attention --pairs q8_0,q4_0,turbo4,turbo3
 
@@ -30,8 +31,8 @@ from ..data import HELDOUT_FILES
 from .common import add_model_args, add_sampling_args, load_kwargs, markdown_table
 from .engine_args import engine_config
 
-SUBCOMMANDS = ("ppl", "kld", "depth", "niah", "sampling", "attention")
-DEFAULT_CTX = {"ppl": 4096, "kld": 4096, "depth": 16384, "niah": 4096, "sampling": 4096}
+SUBCOMMANDS = ("ppl", "kld", "depth", "niah", "ruler", "sampling", "attention")
+DEFAULT_CTX = {"ppl": 4096, "kld": 4096, "depth": 16384, "niah": 4096, "ruler": 4096, "sampling": 4096}
 
 
 # ----- arguments ---------------------------------------------------------------------
@@ -44,9 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
              "kld": "KL divergence vs a reference cache, llama-perplexity's blocks",
              "depth": "KL divergence and top-1 agreement by depth band",
              "niah": "needle retrieval over context lengths x depths, table + heatmap",
+             "ruler": "RULER-style tasks (needles, kv retrieval, variable tracking, common words) x lengths x depths",
              "sampling": "drift of the truncated sampling distribution",
              "attention": "attention fidelity on all-MiniLM-L6-v2's real K/V"}
-    extra = {"ppl": None, "kld": _args_kld, "depth": _args_depth, "niah": _args_niah, "sampling": _args_sampling,
+    extra = {"ppl": None, "kld": _args_kld, "depth": _args_depth, "niah": _args_niah, "ruler": _args_ruler,
+             "sampling": _args_sampling,
              "attention": _args_attention}
     for name in SUBCOMMANDS:
         s = sub.add_parser(name, help=helps[name], description=helps[name])
@@ -98,6 +101,18 @@ def _args_niah(p):
     p.add_argument("-n", "--samples", type=int, default=5, help="samples per cell")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--png", default="niah.png", help="heatmap PNG path ('' to skip)")
+
+
+def _args_ruler(p):
+    from ..eval import ruler
+
+    p.add_argument("--tasks", default="all", help="comma list of " + ", ".join(ruler.TASKS) + " (default all)")
+    p.add_argument("--lengths", default=None, help="context lengths, e.g. 1024,4096,16384,65536 (default: -c)")
+    p.add_argument("--depths", default=",".join(f"{d:g}" for d in ruler.DEFAULT_DEPTHS),
+                   help="needle depths in [0, 1] (vt and cwe spread over the whole text)")
+    p.add_argument("-n", "--samples", type=int, default=1, help="samples per (task, length); each asks every depth")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--png", default="ruler.png", help="heatmaps PNG path, one per task and pair ('' to skip)")
 
 
 def _args_sampling(p):
@@ -153,10 +168,11 @@ def read_documents(files: list[str]) -> list[str]:
     return docs
 
 
-def load_llm(args, ctx: int):
+def load_llm(args, ctx: int, **engine):
     from ..engine import load
 
-    return load(args.model, **load_kwargs(args), config=engine_config(args, ctx=ctx, type_k="f16", type_v="f16"))
+    return load(args.model, **load_kwargs(args),
+                config=engine_config(args, ctx=ctx, type_k="f16", type_v="f16", **engine))
 
 
 def text_chunks(args, llm, n_ctx: int) -> list[list[int]]:
@@ -371,6 +387,56 @@ def run_niah(args) -> int:
     return 0
 
 
+def run_ruler(args) -> int:
+    import time
+
+    from ..eval import ruler as R
+    from ..eval.perplexity import with_cache_types
+
+    n_ctx = ctx_of(args)
+    lengths = [int(x) for x in args.lengths.split(",") if x.strip()] if args.lengths else R.default_lengths(n_ctx)
+    depths = [float(x) for x in args.depths.split(",") if x.strip()]
+    tasks = R.check_tasks([x.strip() for x in args.tasks.split(",") if x.strip()])
+    if args.samples < 1 or not lengths:
+        raise ValueError("ruler needs at least one length and -n >= 1")
+    if max(lengths) > n_ctx:
+        raise ValueError(f"context length {max(lengths)} exceeds -c {n_ctx}")
+    pairs = resolve_pairs(args, [("f16", "f16")])
+    # prefix reuse between consecutive prompts: a DeltaNet checkpoint every ubatch of every prompt
+    llm = load_llm(args, n_ctx + 8, prefix_cache=True, checkpoint_interval=args.ubatch_size,
+                   max_checkpoints=n_ctx // args.ubatch_size + 4, checkpoint_bytes=1 << 30)
+    queries = ruler_builder(args, llm).build(tasks, lengths, depths, args.samples, args.seed)
+    results = []
+    for pair in pairs:
+        t0 = time.perf_counter()
+        with progress_bar(args, len(queries), f"ruler {pair[0]}/{pair[1]}", unit="query") as bar:
+            records = R.run(with_cache_types(llm, *pair), queries, bar.update)
+        results.append({"type_k": pair[0], "type_v": pair[1], "seconds": time.perf_counter() - t0,
+                        "tasks": R.summary(records, depths), "queries": records})
+    if args.png:
+        R.plot_heatmaps(results, args.png)
+    head = (f"ruler: {len(queries)} queries per K/V pair; lengths {','.join(map(str, lengths))}; depths "
+            f"{','.join(f'{d:g}' for d in depths)}; {args.samples} sample(s) per task and length; greedy\n\n")
+    note = f"\n\nsaved {args.png}" if args.png else ""
+    meta = {"n_ctx": n_ctx, "lengths": lengths, "depths": depths, "samples": args.samples, "seed": args.seed}
+    emit(args, {**meta, "results": results}, head + R.render(results, depths) + note)
+    return 0
+
+
+def ruler_builder(args, llm):
+    """The task builder over the -f text (default: the shipped held-out text) in ``llm``'s tokens."""
+    from ..eval import ruler as R
+    from ..eval.haystack import TokenSpace
+    from ..eval.perplexity import bos_id
+
+    space = TokenSpace(lambda t: llm.tokenize(t, add_special=False), llm.detokenize, llm.tokenizer.vocab_size)
+    stream = []
+    for doc in read_documents(args.file):
+        stream += llm.tokenize(doc, add_special=False) + [space.blank_line]
+    bos = bos_id(llm)
+    return R.RulerBuilder(space, stream, llm.detokenize, [] if bos is None else [bos])
+
+
 def run_sampling(args) -> int:
     from ..engine.sampling import SamplingParams
     from ..eval.perplexity import with_cache_types
@@ -427,7 +493,8 @@ def attention_text(args) -> list[str]:
     return read_documents(args.file)
 
 
-RUN = {"ppl": run_ppl, "kld": run_kld, "depth": run_depth, "niah": run_niah, "sampling": run_sampling,
+RUN = {"ppl": run_ppl, "kld": run_kld, "depth": run_depth, "niah": run_niah, "ruler": run_ruler,
+       "sampling": run_sampling,
        "attention": run_attention}
 
 

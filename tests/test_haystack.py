@@ -1,0 +1,62 @@
+"""kvslim.eval.haystack: training's needle rows come from the library builder, unchanged."""
+from __future__ import annotations
+
+import hashlib
+import random
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+from kvslim.data import HELDOUT_FILES
+from kvslim.eval import haystack
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def mixture():
+    """training's DataMixture over the shipped held-out text instead of the corpus' token caches."""
+    sys.path.insert(0, str(ROOT / "training"))
+    try:
+        import train
+    finally:
+        sys.path.remove(str(ROOT / "training"))
+    tok = Tokenizer.from_file(str(ROOT / "training" / "tokenizer.json"))
+    streams = {}
+    for path in HELDOUT_FILES:
+        docs = [d for d in path.read_text(encoding="utf-8").split("\f\n") if d.strip()]
+        streams[path.stem] = np.concatenate([np.asarray(e.ids + [0], dtype=np.uint16)
+                                             for e in tok.encode_batch(docs)])
+    args = types.SimpleNamespace(answer_weight=10.0, needle_frac=0.35, copy_frac=0.0, seed=1234, source_power=0.5)
+    return train.DataMixture(args, tok, streams)
+
+
+def test_training_needle_rows_are_byte_identical_to_before_the_move(mixture):
+    # Digest of 40 rows of training's _needle_row taken before its body moved to kvslim.eval.haystack
+    # (same seeds, lengths and held-out streams): the training data must not change.
+    digest = hashlib.sha256()
+    for seed in range(40):
+        ids, weights = mixture._needle_row(random.Random(f"pin:{seed}"), [256, 1024, 4096][seed % 3])
+        assert len(ids) == [256, 1024, 4096][seed % 3] + 1 and ids.dtype == np.int64
+        digest.update(ids.tobytes())
+        digest.update(weights.tobytes())
+    assert digest.hexdigest() == "77f5bf167b68be2b226d00d00c6545bffd2aefd9af674f780719e30c74f263a3"
+
+
+def test_insert_puts_each_sentence_after_a_sentence_end_at_its_depth(mixture):
+    space, tok = mixture.space, mixture.tok
+    filler = mixture.train["austen-heldout"][:3000].astype(np.int64)
+    sentences = ["The pass key is 12345.", "The special magic number for apple is 777."]
+    ids, starts = space.insert(filler, sentences, [0.5, 0.0])
+    ends = space.sentence_ends(filler)
+    for sentence, start, depth in zip(sentences, starts, [0.5, 0.0]):
+        assert tok.decode(ids[start:start + len(space.encode(" " + sentence))]).strip() == sentence
+        cut = haystack.snap(ends, int(depth * len(filler)))
+        assert cut == 0 or filler[cut - 1] in np.flatnonzero(space.sentence_end)
+        assert abs(cut - depth * len(filler)) < 400      # held-out prose has a sentence end every few dozen tokens
+    assert len(ids) == len(filler) + sum(len(space.needle_ids(filler, space.cut_at(filler, d), s))
+                                         for s, d in zip(sentences, [0.5, 0.0]))
