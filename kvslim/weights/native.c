@@ -15,9 +15,10 @@
 
 #define QK 32
 
-static float f16_to_f32(uint16_t h) {
+/* A block's scale: the f16 at its start. */
+static float block_scale(const uint8_t *block) {
     _Float16 v;
-    memcpy(&v, &h, 2);
+    memcpy(&v, block, 2);
     return (float)v;
 }
 
@@ -33,9 +34,7 @@ static float dot_q8_0(const uint8_t *row, const float *x, int64_t n_blocks) {
     float acc[QK] = {0};
     for (int64_t b = 0; b < n_blocks; b++) {
         const uint8_t *block = row + b * 34;
-        uint16_t d16;
-        memcpy(&d16, block, 2);
-        const float d = f16_to_f32(d16);
+        const float d = block_scale(block);
         const int8_t *q = (const int8_t *)(block + 2);
         const float *xb = x + b * QK;
         #pragma omp simd
@@ -48,9 +47,7 @@ static float dot_q4_0(const uint8_t *row, const float *x, int64_t n_blocks) {
     float acc[QK] = {0};
     for (int64_t b = 0; b < n_blocks; b++) {
         const uint8_t *block = row + b * 18;
-        uint16_t d16;
-        memcpy(&d16, block, 2);
-        const float d = f16_to_f32(d16);
+        const float d = block_scale(block);
         const uint8_t *q = block + 2;
         const float *xb = x + b * QK;
         #pragma omp simd
