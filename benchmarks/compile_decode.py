@@ -2,9 +2,9 @@
 
 For each K/V pair and depth: one cache filled once, then tg runs alternating between the
 eager and the compiled decode step (each restores the same snapshot), medians reported.
-The compiled step's first-call cost is reported cold (an empty inductor cache directory)
-and warm (a second DecodeStep over the same graph in this process: inductor's on-disk
-cache hit, dynamo tracing still paid).
+The compiled step's first-token cost is measured in fresh processes: cold (an empty
+inductor cache directory) and warm (the same directory again: inductor's on-disk cache
+hit, dynamo tracing still paid).
 
     python benchmarks/compile_decode.py -d 0,4096 -n 32 -r 5 --pairs f16/f16,q8_0/q8_0,turbo4/turbo4
 """
@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
-import time
 
 import torch
 
@@ -25,13 +25,14 @@ from kvslim.engine.decode_step import DecodeStep
 from kvslim.loading import load_model
 
 
-def first_call_s(model, fc: FilledCache) -> float:
-    """Seconds a fresh compiled DecodeStep takes for its first token (compile included)."""
-    fc.restore()
-    step = DecodeStep(model, fc.caches, compile=True)
-    t0 = time.perf_counter()
-    step([0], [1], [fc.depth])
-    return time.perf_counter() - t0
+def first_token_s(type_k: str, type_v: str, threads: int) -> float:
+    """In a fresh process: seconds from building a compiled DecodeStep to its first token."""
+    code = ("import sys, time, torch; from kvslim.bench import FilledCache; from kvslim.loading import load_model;"
+            f"torch.set_num_threads({threads}); m, _, _ = load_model(None, 'f32');"
+            f"fc = FilledCache(m, 64, 1, '{type_k}', '{type_v}', 512, compile=True); fc.grow_to(8);"
+            "t0 = time.perf_counter(); fc.decode([0], [1], [8]); print(time.perf_counter() - t0)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(done.stdout.split()[-1])
 
 
 def compare(model, fc: FilledCache, n: int, reps: int) -> tuple[list[float], list[float]]:
@@ -68,8 +69,9 @@ def main() -> int:
         fc = FilledCache(model, max(depths) + args.n + 2, 1, type_k, type_v, 512, compile=True)
         for depth in depths:
             fc.grow_to(depth)
-            cold = first_call_s(model, fc) if depth == depths[0] else float("nan")
-            warm = first_call_s(model, fc) if depth == depths[0] else float("nan")
+            first = depth == depths[0]
+            cold = first_token_s(type_k, type_v, args.threads) if first else float("nan")   # empty cache dir
+            warm = first_token_s(type_k, type_v, args.threads) if first else float("nan")   # its files reused
             eager, compiled = compare(model, fc, args.n, args.repetitions)
             e, c = statistics.median(eager), statistics.median(compiled)
             print(f"| {pair} | {depth} | {e:.1f} | {c:.1f} | {c / e:.2f}x | {cold:.1f} | {warm:.1f} |", flush=True)
