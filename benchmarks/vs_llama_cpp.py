@@ -107,6 +107,7 @@ def main() -> int:
     ap.add_argument("--types", default="f16,q8_0,q4_0", help="K=V cache types to compare")
     ap.add_argument("--gguf-type", default="f16", help="weight type of the exported GGUF")
     ap.add_argument("--greedy-tokens", type=int, default=32)
+    ap.add_argument("--compile", action="store_true", help="kvslim decodes through torch.compile (--compile)")
     args = ap.parse_args()
     peer = peer_module()
     start = time.perf_counter()
@@ -137,7 +138,7 @@ def run_both(peer, gguf, model_path, args) -> list[list]:
     rows = []
     for t in args.types.split(","):
         theirs = LlamaCppRun(open_llama(peer, gguf, ctx, t, t, args.threads, 512), model.config.vocab_size)
-        ours = FilledCache(model, ctx, 1, t, t, 512)
+        ours = FilledCache(model, ctx, 1, t, t, 512, compile=args.compile)
         for test in tests:
             if theirs.depth != test.n_depth:
                 theirs.grow_to(test.n_depth)
