@@ -97,7 +97,7 @@ def test_the_48_gb_claim_is_refuted():
 @pytest.mark.parametrize("type_k,type_v", [("f16", "f16"), ("q8_0", "turbo3")])
 def test_planned_bytes_equal_what_the_cache_allocates(model_type, extra, type_k, type_v):
     d = dict(model_type=model_type, **TINY, **extra)
-    model = planner.Model("tiny", planner.config_from_dict(d), "hf")
+    model = planner.Model("tiny", models.config_from_dict(d), "hf")
     req = planner.Request(ctx=600, n_slots=2, type_k=type_k, type_v=type_v)     # 300 per slot: 2 pages each
     caches = models.build(model.config).make_cache(req.ctx_per_slot, req.n_slots, type_k, type_v)
     gen = torch.Generator().manual_seed(0)
@@ -115,7 +115,7 @@ def test_planned_bytes_equal_what_the_cache_allocates(model_type, extra, type_k,
                                               ("qwen3_next", {**LINEAR, **MOE}), ("llama", {}), ("qwen3", {}),
                                               ("qwen2", {})])
 def test_parameter_count_equals_kvslims_own_modules(model_type, extra):
-    c = planner.config_from_dict(dict(model_type=model_type, **TINY, **extra))
+    c = models.config_from_dict(dict(model_type=model_type, **TINY, **extra))
     assert plan_weights.parameter_counts(c)[0] == sum(p.numel() for p in models.build(c).parameters())
 
 
@@ -290,7 +290,7 @@ def test_weight_estimate_equals_a_written_gguf(tmp_path, model_type, extra, quan
     save_file = pytest.importorskip("safetensors.torch").save_file
     d = dict(model_type=model_type, **TINY, **extra)
     (tmp_path / "config.json").write_text(json.dumps(d))
-    state = models.build(planner.config_from_dict(d)).state_dict()
+    state = models.build(models.config_from_dict(d)).state_dict()
     save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "model.safetensors"))
     vocab = {f"t{i}": i for i in range(TINY["vocab_size"])}
     (tmp_path / "tokenizer.json").write_text(json.dumps({

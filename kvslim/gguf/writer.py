@@ -22,7 +22,7 @@ import torch
 
 from ..loading import hf
 from ..models import config_from_dict
-from ..models.qwen3_5 import text_config
+from ..models.config import text_config
 from . import names as N
 
 # Every type a matrix can be written in: gguf.quants encodes all but IQ4_NL, which uses

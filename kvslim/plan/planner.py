@@ -22,13 +22,13 @@ import json
 import os
 import re
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
 
-from .. import formats, models
+from .. import formats
+from ..models import config_from_dict
 from ..cache import KVLayerSpec, StateLayerSpec
 from ..cache.kv import DEFAULT_PAGE_SIZE
-from ..models.qwen3_5 import text_config
 from . import catalog, quality
 from .weight_bytes import WeightTensor, _is_hybrid, check_weight_quant, parameter_counts, weight_tensors, weights
 
@@ -39,62 +39,6 @@ ACTIVATION_BUFFERS = 4          # f32 activations alive at once in a layer (inpu
 
 
 # ----- models ---------------------------------------------------------------------------------
-
-@dataclass
-class Qwen3MoeConfig:
-    """``qwen3_moe`` (Qwen3-30B-A3B, all attention layers, routed experts), enough to plan it:
-    kvslim cannot run it, so ``kvslim.models`` has no file for it."""
-
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    num_experts: int
-    num_experts_per_tok: int
-    moe_intermediate_size: int
-    intermediate_size: int = 0
-    decoder_sparse_step: int = 1
-    mlp_only_layers: list[int] = field(default_factory=list)
-    attention_bias: bool = False
-    tie_word_embeddings: bool = False
-    max_position_embeddings: int = 40_960
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Qwen3MoeConfig":
-        """From a config.json dict; unknown keys are ignored."""
-        d = text_config(d)
-        d.setdefault("num_key_value_heads", d.get("num_attention_heads"))
-        if d.get("head_dim") is None:
-            d["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names and v is not None})
-
-    def uses_moe(self, layer: int) -> bool:
-        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
-
-    def cache_layout(self, type_k: str = "f16", type_v: str = "f16") -> list[KVLayerSpec]:
-        return [KVLayerSpec(self.num_key_value_heads, self.head_dim, type_k, type_v)] * self.num_hidden_layers
-
-
-PLANNER_CONFIGS = {"qwen3_moe": Qwen3MoeConfig}
-
-
-def config_from_dict(d: dict):
-    """A config with ``cache_layout`` for any model type kvslim runs or plans."""
-    kind = models.model_type_of(d)
-    supported = sorted({*models.ARCHITECTURES, *PLANNER_CONFIGS})
-    if kind not in supported:
-        raise ValueError(f"model_type {kind!r} is not supported; supported: {', '.join(supported)}")
-    if kind not in PLANNER_CONFIGS:
-        return models.config_from_dict(d)
-    try:
-        return PLANNER_CONFIGS[kind].from_dict(d)
-    except KeyError as missing:
-        raise ValueError(f"config is missing the field {missing}") from None
-
 
 @dataclass(eq=False)  # compared and hashed by identity, so per-model results can be cached
 class Model:
