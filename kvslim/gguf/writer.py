@@ -302,8 +302,7 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
 
 def gguf_type(name: str, array: np.ndarray, out_type: str) -> gguf.GGMLQuantizationType:
     """F32 where the converter forces it (names.F32_BY_NAME and the rules beside it)."""
-    if (array.ndim <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight")
-            or name.endswith(N.F32_BY_NAME)):
+    if N.stays_f32(name, array.ndim):
         return gguf.GGMLQuantizationType.F32
     return QTYPE[out_type]
 

@@ -13,6 +13,8 @@ import importlib
 import pkgutil
 from types import ModuleType
 
+import torch
+
 from .base import CausalLM
 from .batch import Batch, Segment
 from .config import PLAN_ONLY, DecoderConfig, model_type_of
@@ -59,5 +61,19 @@ def build(config: DecoderConfig) -> CausalLM:
     return ARCHITECTURES[config.model_type].Model(config)
 
 
+def build_on_meta(config: DecoderConfig) -> CausalLM:
+    """The model for ``config`` on the meta device: every parameter's name and shape, no memory."""
+    with torch.device("meta"):
+        return build(config)
+
+
+def parameter_shapes(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
+    """Hugging Face parameter name -> shape, in the order the model declares them: read off the
+    model built on the meta device, or for a plan-only config from its own description."""
+    if not config.runnable:
+        return config.parameter_shapes()
+    return {name: tuple(p.shape) for name, p in build_on_meta(config).named_parameters()}
+
+
 __all__ = ["ARCHITECTURES", "Batch", "Segment", "CausalLM", "DecoderConfig", "config_from_dict", "config_class",
-           "build", "architecture", "model_type_of"]
+           "build", "build_on_meta", "parameter_shapes", "architecture", "model_type_of"]

@@ -30,7 +30,7 @@ from ..models import config_from_dict
 from ..cache import KVLayerSpec, StateLayerSpec
 from ..cache.kv import DEFAULT_PAGE_SIZE
 from . import catalog, quality
-from .weight_bytes import WeightTensor, _is_hybrid, check_weight_quant, parameter_counts, weight_tensors, weights
+from .weight_bytes import WeightTensor, check_weight_quant, parameter_counts, weight_tensors, weights
 
 DEFAULT_UBATCH = 512            # llama.cpp's -ub default: tokens per compute pass
 DEFAULT_WEIGHT_QUANT = "q4_k_m"
@@ -103,13 +103,18 @@ def _from_gguf(path: Path) -> Model:
 
 # ----- caches, compute, totals -------------------------------------------------------------------
 
+def _has_state(c) -> bool:
+    """Whether some layer keeps a recurrent state (Gated DeltaNet) instead of a KV cache."""
+    return any(isinstance(s, StateLayerSpec) for s in c.cache_layout())
+
+
 def check_tp(c, tp: int) -> None:
     """Raise ValueError unless attention (and DeltaNet) heads split evenly over ``tp`` GPUs,
     as vLLM requires; KV heads fewer than ``tp`` are replicated."""
     if tp < 1:
         raise ValueError(f"--tp must be at least 1, got {tp}")
     heads = [("attention heads", c.num_attention_heads)]
-    if _is_hybrid(c):
+    if _has_state(c):
         heads += [("DeltaNet key heads", c.linear_num_key_heads), ("DeltaNet value heads", c.linear_num_value_heads)]
     for what, n in heads:
         if n % tp:
@@ -147,12 +152,12 @@ def state_bytes(c, n_slots: int, tp: int = 1) -> int:
 
 
 def _widest_activation(c) -> int:
-    widths = [c.hidden_size, c.num_attention_heads * c.head_dim * (2 if _is_hybrid(c) else 1),
+    widths = [c.hidden_size, c.num_attention_heads * c.head_dim * (2 if _has_state(c) else 1),
               getattr(c, "intermediate_size", 0)]
     if getattr(c, "num_experts", 0):
         widths += [c.num_experts_per_tok * c.moe_intermediate_size,
                    getattr(c, "shared_expert_intermediate_size", 0)]
-    if _is_hybrid(c):
+    if _has_state(c):
         widths.append(2 * c.linear_num_key_heads * c.linear_key_head_dim
                       + 2 * c.linear_num_value_heads * c.linear_value_head_dim)
     return max(widths)

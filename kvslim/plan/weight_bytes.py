@@ -7,6 +7,8 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .. import models
+from ..gguf import names
 from . import catalog
 
 if TYPE_CHECKING:
@@ -38,84 +40,23 @@ class WeightTensor:
         return "ffn_down" if base.startswith("ffn_down") else base
 
 
-def _matrix(name: str, layer: int, rows: int, cols: int, experts: int = 1) -> WeightTensor:
-    return WeightTensor(name, layer, rows, cols, experts)
-
-
-def _vector(name: str, layer: int, n: int) -> WeightTensor:
-    return WeightTensor(name, layer, 1, n, quantizable=False, sharded=False)
-
-
-def _is_hybrid(c) -> bool:
-    return hasattr(c, "layer_types")
-
-
-def _layer_types(c) -> list[str]:
-    return list(c.layer_types) if _is_hybrid(c) else ["full_attention"] * c.num_hidden_layers
-
-
-def _uses_moe(c, layer: int) -> bool:
-    return getattr(c, "num_experts", 0) > 0 and c.uses_moe(layer)
-
-
-def _attention(c, i: int) -> list[WeightTensor]:
-    p, h = f"blk.{i}.", c.hidden_size
-    q_width, kv_width = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    gate = 2 if _is_hybrid(c) else 1                # gated attention projects a gate beside each query
-    out = [_matrix(p + "attn_q", i, gate * q_width, h), _matrix(p + "attn_k", i, kv_width, h),
-           _matrix(p + "attn_v", i, kv_width, h), _matrix(p + "attn_output", i, h, q_width)]
-    if c.model_type not in ("llama", "mistral", "qwen2"):   # per-head q/k RMSNorm
-        out += [_vector(p + "attn_q_norm", i, c.head_dim), _vector(p + "attn_k_norm", i, c.head_dim)]
-    if c.model_type == "qwen2" or c.attention_bias:
-        out += [_vector(p + "attn_q.bias", i, q_width), _vector(p + "attn_k.bias", i, kv_width),
-                _vector(p + "attn_v.bias", i, kv_width)]
-    return out
-
-
-def _delta_net(c, i: int) -> list[WeightTensor]:
-    p, h, n_v = f"blk.{i}.", c.hidden_size, c.linear_num_value_heads
-    key_dim, value_dim = c.linear_num_key_heads * c.linear_key_head_dim, n_v * c.linear_value_head_dim
-    conv_dim = 2 * key_dim + value_dim
-    if c.model_type == "qwen3_next":                # q, k, v, z and b, a fused per key head
-        proj = [_matrix(p + "ssm_in", i, conv_dim + value_dim, h), _matrix(p + "ssm_ba", i, 2 * n_v, h)]
-    else:
-        proj = [_matrix(p + "attn_qkv", i, conv_dim, h), _matrix(p + "attn_gate", i, value_dim, h),
-                _matrix(p + "ssm_beta", i, n_v, h), _matrix(p + "ssm_alpha", i, n_v, h)]
-    conv = WeightTensor(p + "ssm_conv1d", i, conv_dim, c.linear_conv_kernel_dim, quantizable=False)
-    return proj + [conv, _vector(p + "ssm_dt", i, n_v), _vector(p + "ssm_a", i, n_v),
-                   _vector(p + "ssm_norm", i, c.linear_value_head_dim), _matrix(p + "ssm_out", i, h, value_dim)]
-
-
-def _feed_forward(c, i: int) -> list[WeightTensor]:
-    p, h = f"blk.{i}.", c.hidden_size
-    if not _uses_moe(c, i):
-        f = c.intermediate_size
-        return [_matrix(p + "ffn_gate", i, f, h), _matrix(p + "ffn_up", i, f, h), _matrix(p + "ffn_down", i, h, f)]
-    e, f = c.num_experts, c.moe_intermediate_size
-    out = [WeightTensor(p + "ffn_gate_inp", i, e, h, quantizable=False, sharded=False),
-           _matrix(p + "ffn_gate_exps", i, f, h, e), _matrix(p + "ffn_up_exps", i, f, h, e),
-           _matrix(p + "ffn_down_exps", i, h, f, e)]
-    s = getattr(c, "shared_expert_intermediate_size", 0)
-    if s:
-        out += [_matrix(p + "ffn_gate_shexp", i, s, h), _matrix(p + "ffn_up_shexp", i, s, h),
-                _matrix(p + "ffn_down_shexp", i, h, s), _vector(p + "ffn_gate_inp_shexp", i, h)]  # (h, 1): 1-D to ggml
-    return out
+def _weight_tensor(name: str, shape: tuple[int, ...]) -> WeightTensor:
+    """A GGUF tensor from its name and (experts, rows, cols) shape; 1-D tensors are one row."""
+    *experts, rows, cols = (1, *shape) if len(shape) == 1 else shape
+    layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
+    return WeightTensor(name.removesuffix(".weight"), layer, rows, cols, experts[0] if experts else 1,
+                        quantizable=not names.stays_f32(name, len(shape)),
+                        sharded=len(shape) > 1 and not name.endswith(names.ROUTERS))
 
 
 def weight_tensors(c) -> list[WeightTensor]:
-    """Every weight of the text decoder, in llama.cpp's layer order (vision towers and
-    MTP heads are not counted: llama-server loads neither with the decoder)."""
-    h = c.hidden_size
-    out = [_matrix("token_embd", -1, c.vocab_size, h)]
-    for i, kind in enumerate(_layer_types(c)):
-        out.append(_vector(f"blk.{i}.attn_norm", i, h))
-        out += _attention(c, i) if kind == "full_attention" else _delta_net(c, i)
-        out.append(_vector(f"blk.{i}.post_attention_norm", i, h))
-        out += _feed_forward(c, i)
-    out.append(_vector("output_norm", -1, h))
-    if not c.tie_word_embeddings:
-        out.append(_matrix("output", -1, c.vocab_size, h))
-    return out
+    """Every weight of the text decoder as a GGUF file names and shapes it, in the model's
+    layer order: the model's own parameters (built on the meta device) mapped through
+    ``gguf.names``. Vision towers and MTP heads are not counted: llama-server loads neither
+    with the decoder, and kvslim's models have none."""
+    arch = names.gguf_arch(c.model_type)
+    return [_weight_tensor(name, shape) for hf_name, hf_shape in models.parameter_shapes(c).items()
+            for name, shape in names.tensor_shapes(arch, hf_name, hf_shape)]
 
 
 def parameter_counts(c) -> tuple[int, int]:
