@@ -28,6 +28,7 @@ GGUF_ARCH = {
     "llama": "llama", "mistral": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "gemma": "gemma",
     "qwen3_moe": "qwen3moe",             # plan-only in kvslim: named for the planner's accounting
 }
 
@@ -39,6 +40,7 @@ HF_MODEL_TYPE = {
     "llama": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "gemma": "gemma",
 }
 
 HYBRID = frozenset({"qwen35", "qwen35moe", "qwen3next"})
@@ -48,7 +50,8 @@ MOE = frozenset({"qwen35moe", "qwen3next"})
 TILED_VALUE_HEADS = frozenset({"qwen35", "qwen35moe"})
 # RMSNorm weights stored as 1 + w: conversion/qwen.py Qwen3NextModel.modify_tensors
 # ("norm.weight" except "linear_attn.norm.weight"), inherited by both Qwen3.5 classes.
-ZERO_CENTRED_NORMS = HYBRID
+# Gemma's too, every "norm.weight" (the converter's GemmaModel.modify_tensors).
+ZERO_CENTRED_NORMS = HYBRID | {"gemma"}
 # q/k rows permuted from HF's rotate_half layout to interleaved pairs:
 # conversion/llama.py LlamaModel (undo_permute = True). Qwen2Model / Qwen3Model do not
 # permute, because llama.cpp runs those archs with NEOX-style (half-split) RoPE.
@@ -123,6 +126,7 @@ LAYER_TENSORS: dict[str, dict[str, str]] = {
     "llama": {**_ATTENTION, **_DENSE_MLP, **_post_norm("ffn_norm.weight")},
     "qwen2": {**_ATTENTION, **_DENSE_MLP, **_post_norm("ffn_norm.weight")},
     "qwen3": {**_ATTENTION, **_DENSE_MLP, **_post_norm("ffn_norm.weight")},
+    "gemma": {**_ATTENTION, **_DENSE_MLP, **_post_norm("ffn_norm.weight")},
     "qwen3moe": {**_ATTENTION, **_DENSE_MLP, **_MOE, **_post_norm("ffn_norm.weight")},
 }
 

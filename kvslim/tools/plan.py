@@ -8,7 +8,7 @@ import json
 from .. import formats
 from ..plan import catalog, planner
 from ..loading import BUNDLED
-from .common import human_bytes as size, markdown_table
+from ..tables import human_bytes as size, markdown_table
 
 
 def build_parser() -> argparse.ArgumentParser:
