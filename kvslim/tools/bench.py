@@ -17,7 +17,6 @@ from ..loading import load_model
 from ..tables import render_records
 from .common import add_load_args, load_kwargs
 
-
 RANGE = re.compile(r"^(\d+)-(\d+)(?:([+*])(\d+))?$")
 
 

@@ -60,13 +60,13 @@ def context_warnings(model: str | None, ctx_per_seq: int) -> list[str]:
     model the 4096 tokens it was trained on. Reads the config only; a bad path is left to the loader."""
     from ..data import BUNDLED_TRAINED_CONTEXT
     from ..loading import BUNDLED
-    from ..plan import planner
+    from .. import plan
 
     try:
-        config = planner.load_model(str(model or BUNDLED)).config
+        config = plan.resolve_model(str(model or BUNDLED)).config
     except (ValueError, OSError):
         return []
-    limit = planner.context_limit(config)
+    limit = plan.context_limit(config)
     if limit and ctx_per_seq > limit:
         return [f"-c {ctx_per_seq} per sequence is past the model's context limit of {limit} tokens "
                 f"(max_position_embeddings): positions beyond it were never trained"]
