@@ -17,6 +17,7 @@ from kvslim.cache import KVCache
 from kvslim.loading import convert_hf_to_gguf
 from kvslim.plan import catalog
 from kvslim.tools import plan as plan_tool
+from kvslim.weights import weight_bytes
 
 MIB, GIB = 1 << 20, 1 << 30
 TINY = dict(vocab_size=160, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -375,10 +376,29 @@ def test_a_folder_is_planned_with_the_weights_run_loads(capsys):
     code, out, _ = run_cli(capsys, "--mem", "1GiB", "-o", "json")     # no -m: the bundled model, stored bf16
     result = json.loads(out)
     llm = kvslim.load(ctx=64)
-    loaded = sum(t.numel() * t.element_size() for t in llm.model.state_dict().values())
     row = result["rows"][0]
     assert code == 0 and row["weight_quant"] == "bf16" and result["model"]["stored_quant"] == "bf16"
-    assert abs(row["weights"] - loaded) / loaded < 0.01                # not q4_k_m's third of it
+    assert row["weights"] == weight_bytes(llm.model)                   # what `kvslim run` reports holding
+
+
+@pytest.mark.parametrize("kind", ["gemma", "qwen3_5_moe"])
+def test_planner_bytes_equal_what_run_holds_for_a_folder(tmp_path, capsys, kind):
+    """A folder saved in bf16 (gemma: an architecture added without a change in plan/): the
+    planner's weights in the stored dtype are the bytes ``kvslim run`` reports holding, and its
+    KV and state bytes those the run allocated for its tokens."""
+    from .conftest import tiny_hf_model, write_tiny_tokenizer
+    hf = tiny_hf_model(kind).to(torch.bfloat16)
+    hf.save_pretrained(tmp_path)
+    write_tiny_tokenizer(tmp_path, hf.config.vocab_size)
+    code = cli.main(["run", "-m", str(tmp_path), "-p", "the " * 40, "-n", "4", "-c", "512", "-ctk", "q8_0",
+                     "-ctv", "turbo3", "--temp", "0", "-o", "json"])
+    record = json.loads(capsys.readouterr().out)
+    model = plan.resolve_model(str(tmp_path))
+    n_tokens = record["prompt_tokens"] + record["completion_tokens"]
+    assert code == 0 and model.stored_quant == "bf16"
+    assert record["weights_bytes"] == plan.weight_size(model, "bf16").total
+    assert record["kv_bytes"] == plan.kv_bytes(model.config, n_tokens, 1, "q8_0", "turbo3")
+    assert record["state_bytes"] == plan.state_bytes(model.config, 1)
 
 
 def test_bundled_model_reports_its_limit_and_trained_context(capsys):

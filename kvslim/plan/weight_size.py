@@ -76,12 +76,17 @@ def check_weight_quant(model: Model, name: str) -> str:
 def weight_size(model: Model, quant: str, tp: int = 1) -> WeightSize:
     """Weight bytes for a mix name from ``catalog.WEIGHT_QUANTS``, or "gguf": the file's real
     tensor bytes, spread over the tensors in proportion to their parameters (its per-tensor
-    types are not read) to split them across GPUs and to find what a token reads."""
+    types are not read) to split them across GPUs and to find what a token reads. A Hugging
+    Face folder planned in its stored dtype counts every tensor, vectors too, in that dtype:
+    the bytes ``kvslim run`` holds once it has loaded the folder as stored."""
     tensors = model.tensors
     if quant == "gguf":
         n_params = sum(t.params for t in tensors)
         sizes = [t.params * model.gguf_bytes // n_params for t in tensors]
         total = model.gguf_bytes
+    elif model.source == "hf" and quant == model.stored_quant:
+        sizes = [tensor_bytes(t, quant) for t in tensors]
+        total = sum(sizes)
     else:
         sizes = [tensor_bytes(t, k) for t, k in zip(tensors, tensor_types(tensors, catalog.WEIGHT_QUANTS[quant]))]
         total = sum(sizes)
