@@ -18,12 +18,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvslim.gguf import file_type, read_config, read_model, tensor_bytes, weight_types
-from kvslim.loading import convert_hf_to_gguf
+from kvslim.gguf import file_type, read_config, read_model, tensor_bytes, weight_types, writer
 from kvslim.gguf import names as N
-from kvslim.gguf import writer
+from kvslim.loading import convert_hf_to_gguf
 from kvslim.loading.hf import read_config as read_hf_config
-from kvslim.loading.weights import instantiate
+from kvslim.loading.instantiate import instantiate
 from kvslim.models import Batch, config_from_dict
 
 from .conftest import LINEAR, MOE, TINY

@@ -11,7 +11,7 @@ import torch
 
 from kvslim.cache import KVCache
 from kvslim.loading.hf import read_config, read_state_dict
-from kvslim.loading.weights import instantiate
+from kvslim.loading.instantiate import instantiate
 from kvslim.models import Batch, config_from_dict
 from kvslim.models.delta_rule import chunk_gated_delta_rule, gated_delta_step, recurrent_gated_delta_rule
 

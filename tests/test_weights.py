@@ -16,10 +16,9 @@ import torch
 import kvslim
 from kvslim import weights as W
 from kvslim.gguf import read_model, tensor_bytes
-from kvslim.loading import convert_hf_to_gguf
 from kvslim.gguf import writer as gguf_writer
-from kvslim.loading import load_model
-from kvslim.loading.weights import instantiate
+from kvslim.loading import convert_hf_to_gguf, load_model
+from kvslim.loading.instantiate import instantiate
 from kvslim.models import Batch, config_from_dict
 from kvslim.weights import matmul
 

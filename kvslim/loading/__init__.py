@@ -9,7 +9,7 @@ import torch
 from ..models import config_from_dict
 from ..tokenizer import Tokenizer
 from .hf import read_config, read_state_dict
-from .weights import instantiate
+from .instantiate import instantiate
 
 BUNDLED = Path(__file__).resolve().parent.parent / "data" / "tiny-qwen35"
 DTYPES = {"f32": torch.float32, "float32": torch.float32, "f16": torch.float16, "float16": torch.float16,
