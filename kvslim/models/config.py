@@ -119,7 +119,7 @@ class DecoderConfig:
 class LlamaConfig(DecoderConfig):
     """Dense GQA decoders: ``llama``, ``mistral``, ``qwen2`` and ``qwen3``."""
 
-    intermediate_size: int
+    intermediate_size: int = field()    # required here (field(): not the base's default)
     mlp_bias: bool = False
 
 
@@ -165,9 +165,9 @@ class Qwen3MoeConfig(DecoderConfig):
 
     runnable: ClassVar[bool] = False
 
-    num_experts: int
-    num_experts_per_tok: int
-    moe_intermediate_size: int
+    num_experts: int = field()
+    num_experts_per_tok: int = field()
+    moe_intermediate_size: int = field()
     max_position_embeddings: int = 40_960
 
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:

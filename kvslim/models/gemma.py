@@ -9,7 +9,7 @@ The oracle is transformers' ``modeling_gemma.py``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +24,7 @@ GELU_TANH = ("gelu_pytorch_tanh", "gelu")   # transformers reads the legacy "gel
 
 @dataclass(kw_only=True)
 class GemmaConfig(DecoderConfig):
-    intermediate_size: int
+    intermediate_size: int = field()    # required here (field(): not the base's default)
     head_dim: int = 256
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = True

@@ -12,7 +12,7 @@ from torch import nn
 
 from .base import CausalLM
 from .batch import Batch
-from .config import HybridConfig, rope_fields, text_config  # noqa: F401  (old import path)
+from .config import HybridConfig
 from .delta_rule import causal_conv, causal_conv_step, chunk_gated_delta_rule, gated_delta_step, l2norm
 from .layers import MLP, Attention, DecoderLayer, RMSNormGated, Rope, SparseMoE, fuse
 

@@ -75,15 +75,15 @@ def state_bytes(c, n_slots: int, tp: int = 1) -> int:
 
 
 def kv_bits(type_name: str, head_dim: int) -> float:
+    """Bits per value of K/V type ``type_name`` at ``head_dim`` (ValueError if they do not suit)."""
     return formats.get(type_name).bits_per_value(head_dim)
 
 
 def _widest_activation(c) -> int:
-    widths = [c.hidden_size, c.num_attention_heads * c.head_dim * (2 if has_state(c) else 1),
-              getattr(c, "intermediate_size", 0)]
-    if getattr(c, "num_experts", 0):
-        widths += [c.num_experts_per_tok * c.moe_intermediate_size,
-                   getattr(c, "shared_expert_intermediate_size", 0)]
+    """The widest projection output of a layer (the hybrids' gated attention doubles q_proj)."""
+    widths = [c.hidden_size, c.num_attention_heads * c.head_dim * (2 if has_state(c) else 1), c.intermediate_size]
+    if c.is_moe:
+        widths += [c.num_experts_per_tok * c.moe_intermediate_size, c.shared_expert_intermediate_size]
     if has_state(c):
         widths.append(2 * c.linear_num_key_heads * c.linear_key_head_dim
                       + 2 * c.linear_num_value_heads * c.linear_value_head_dim)
