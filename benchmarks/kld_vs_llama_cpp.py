@@ -171,8 +171,7 @@ def load_rows(path: str) -> list[dict]:
 
 
 def _export() -> Path:
-    from kvslim.loading import convert_hf_to_gguf
-    from kvslim.loading import default_model
+    from kvslim.loading import convert_hf_to_gguf, default_model
     out = Path(tempfile.mkdtemp()) / "bundled-f32.gguf"
     convert_hf_to_gguf(default_model(), out, "f32")
     return out

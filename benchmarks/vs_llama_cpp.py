@@ -26,10 +26,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvslim.bench import FilledCache, Test, measure  # noqa: E402
 from kvslim.engine import load  # noqa: E402
-from kvslim.loading import convert_hf_to_gguf  # noqa: E402
-from kvslim.loading import default_model, load_model  # noqa: E402
-from kvslim.tools.bench import int_list  # noqa: E402
+from kvslim.loading import convert_hf_to_gguf, default_model, load_model  # noqa: E402
 from kvslim.tables import markdown_table  # noqa: E402
+from kvslim.tools.bench import int_list  # noqa: E402
 
 PROMPT = "It is a truth universally acknowledged, that a single man in possession of a good fortune"
 

@@ -88,8 +88,7 @@ from kvslim import weights as W  # noqa: E402
 from kvslim.bench import FilledCache, Test, measure  # noqa: E402
 from kvslim.bench.memory import reset_peak, rss_kib  # noqa: E402
 from kvslim.gguf import tensor_bytes  # noqa: E402
-from kvslim.loading import convert_hf_to_gguf  # noqa: E402
-from kvslim.loading import default_model, load_model  # noqa: E402
+from kvslim.loading import convert_hf_to_gguf, default_model, load_model  # noqa: E402
 from kvslim.tables import human_bytes, markdown_table  # noqa: E402
 from kvslim.weights import matmul  # noqa: E402
 

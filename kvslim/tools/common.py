@@ -58,9 +58,9 @@ def context_warnings(model: str | None, ctx_per_seq: int) -> list[str]:
     """What llama.cpp warns about when a sequence's context passes what the model was made for:
     its position limit (config max_position_embeddings, GGUF context_length), and for the bundled
     model the 4096 tokens it was trained on. Reads the config only; a bad path is left to the loader."""
+    from .. import plan
     from ..data import BUNDLED_TRAINED_CONTEXT
     from ..loading import BUNDLED
-    from .. import plan
 
     try:
         config = plan.resolve_model(str(model or BUNDLED)).config
