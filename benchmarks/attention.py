@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvslim.cache import KVCache, KVLayerSpec, attend  # noqa: E402
 from kvslim.bench.memory import PeakRSS  # noqa: E402
-from kvslim.tools.common import markdown_table  # noqa: E402
+from kvslim.tables import markdown_table  # noqa: E402
 
 DEFAULT_PAIRS = "f16/f16,q8_0/q8_0,q4_0/q4_0,turbo4/turbo4,turbo3/turbo3,q8_0/turbo4,q8_0/turbo3"
 

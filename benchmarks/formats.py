@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvslim import formats  # noqa: E402
 from kvslim.formats.stats import inner_product_errors, measure  # noqa: E402
-from kvslim.tools.common import markdown_table  # noqa: E402
+from kvslim.tables import markdown_table  # noqa: E402
 
 
 def import_turboquant():

@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvslim.tokenizer import Tokenizer  # noqa: E402
-from kvslim.tools.common import markdown_table  # noqa: E402
+from kvslim.tables import markdown_table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = {"type": "object", "properties": {

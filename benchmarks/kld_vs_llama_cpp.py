@@ -171,10 +171,9 @@ def load_rows(path: str) -> list[dict]:
 
 
 def _export() -> Path:
-    from kvslim.gguf.writer import write_gguf
-    from kvslim.loading import default_model
+    from kvslim.loading import convert_hf_to_gguf, default_model
     out = Path(tempfile.mkdtemp()) / "bundled-f32.gguf"
-    write_gguf(default_model(), out, "f32")
+    convert_hf_to_gguf(default_model(), out, "f32")
     return out
 
 

@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvslim.bench import FilledCache  # noqa: E402
 from kvslim.bench.runner import time_tg  # noqa: E402
 from kvslim.loading import default_model, load_model  # noqa: E402
+from kvslim.tables import markdown_table  # noqa: E402
 from kvslim.tools.bench import int_list  # noqa: E402
-from kvslim.tools.common import markdown_table  # noqa: E402
 
 
 def profile_case(fc: FilledCache, n: int, top: int) -> dict:

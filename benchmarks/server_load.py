@@ -42,7 +42,7 @@ import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvslim.server import start  # noqa: E402
-from kvslim.tools.common import markdown_table  # noqa: E402
+from kvslim.tables import markdown_table  # noqa: E402
 
 TOPICS = ["the weather", "a letter", "the garden", "a journey", "music", "a dinner", "the sea", "a book",
           "the morning", "a visit", "the village", "an old house", "a dance", "the river", "a friend", "winter"]

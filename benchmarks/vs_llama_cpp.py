@@ -26,10 +26,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvslim.bench import FilledCache, Test, measure  # noqa: E402
 from kvslim.engine import load  # noqa: E402
-from kvslim.gguf.writer import write_gguf  # noqa: E402
-from kvslim.loading import default_model, load_model  # noqa: E402
+from kvslim.loading import convert_hf_to_gguf, default_model, load_model  # noqa: E402
+from kvslim.tables import markdown_table  # noqa: E402
 from kvslim.tools.bench import int_list  # noqa: E402
-from kvslim.tools.common import markdown_table  # noqa: E402
 
 PROMPT = "It is a truth universally acknowledged, that a single man in possession of a good fortune"
 
@@ -115,7 +114,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     model_path = Path(args.model) if args.model else default_model()
     gguf = Path(tempfile.mkdtemp()) / f"{model_path.name}-{args.gguf_type}.gguf"
-    write_gguf(model_path, gguf, args.gguf_type)
+    convert_hf_to_gguf(model_path, gguf, args.gguf_type)
     print(f"exported {gguf} ({gguf.stat().st_size / 2**20:.1f} MiB)")
     ours, theirs = greedy_check(peer, gguf, model_path, args.greedy_tokens, args.threads)
     same = sum(a == b for a, b in zip(ours, theirs))

@@ -87,9 +87,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kvslim import weights as W  # noqa: E402
 from kvslim.bench import FilledCache, Test, measure  # noqa: E402
 from kvslim.bench.memory import reset_peak, rss_kib  # noqa: E402
-from kvslim.gguf import tensor_bytes, write_gguf  # noqa: E402
-from kvslim.loading import default_model, load_model  # noqa: E402
-from kvslim.tools.common import human_bytes, markdown_table  # noqa: E402
+from kvslim.gguf import tensor_bytes  # noqa: E402
+from kvslim.loading import convert_hf_to_gguf, default_model, load_model  # noqa: E402
+from kvslim.tables import human_bytes, markdown_table  # noqa: E402
 from kvslim.weights import matmul  # noqa: E402
 
 PROMPT = "It is a truth universally acknowledged, that a single man in possession of a good fortune"
@@ -110,7 +110,7 @@ def make_gguf(folder: Path, out_dir: Path, kind: str) -> Path:
     if path.exists():
         return path
     if kind in WRITER_TYPES:
-        return write_gguf(folder, path, kind)
+        return convert_hf_to_gguf(folder, path, kind)
     peer = llama_cpp_or_none()
     if peer is None or kind not in LLAMA_FTYPES:
         raise SystemExit(f"{kind}: needs llama.cpp's quantizer (one of {', '.join(LLAMA_FTYPES)}; "

@@ -9,7 +9,7 @@ TINY = dict(vocab_size=320, hidden_size=64, num_hidden_layers=4, num_attention_h
 LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
               linear_conv_kernel_dim=4)
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
-TINY_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "llama", "qwen3", "qwen2", "llama31")
+TINY_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "llama", "qwen3", "qwen2", "llama31", "gemma")
 
 
 def tiny_hf_model(kind: str, seed: int = 0):
@@ -23,6 +23,7 @@ def tiny_hf_model(kind: str, seed: int = 0):
         "llama": lambda: (tf.LlamaConfig(**TINY, rope_theta=50_000.0), tf.LlamaForCausalLM),
         "qwen3": lambda: (tf.Qwen3Config(**TINY), tf.Qwen3ForCausalLM),
         "qwen2": lambda: (tf.Qwen2Config(**TINY), tf.Qwen2ForCausalLM),
+        "gemma": lambda: (tf.GemmaConfig(**TINY), tf.GemmaForCausalLM),
         # Llama 3.1 RoPE scaling, with a short original context so all three bands occur
         "llama31": lambda: (tf.LlamaConfig(**TINY, rope_parameters={
             "rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0, "low_freq_factor": 1.0,

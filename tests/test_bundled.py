@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import kvslim
+from kvslim import plan
 from kvslim.cli import main as cli_main
 from kvslim.loading import default_model
-from kvslim.plan import planner
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +54,8 @@ def test_planner_bytes_equal_what_run_reports(folder, capsys):
     assert cli_main(["run", "-p", prompt_words, "-n", "4", "-c", str(ctx), "-ctk", "q8_0", "-ctv", "turbo3",
                      "--temp", "0", "-o", "json"]) == 0
     record = json.loads(capsys.readouterr().out)
-    model = planner.load_model(str(folder))
+    model = plan.resolve_model(str(folder))
     n_tokens = record["prompt_tokens"] + record["completion_tokens"]
     # the engine allocates whole pages for the tokens it holds, as the planner counts them
-    assert record["kv_bytes"] == planner.kv_bytes(model.config, n_tokens, 1, "q8_0", "turbo3")
-    assert record["state_bytes"] == planner.state_bytes(model.config, 1)
+    assert record["kv_bytes"] == plan.kv_bytes(model.config, n_tokens, 1, "q8_0", "turbo3")
+    assert record["state_bytes"] == plan.state_bytes(model.config, 1)

@@ -188,10 +188,10 @@ def test_prefix_reuse_gives_the_same_tokens_as_a_fresh_start(tiny_folder, kind):
 
 
 def test_kvslim_load_reads_gguf_like_the_folder(tiny_folder, tmp_path):
-    from kvslim.gguf.writer import write_gguf
+    from kvslim.loading import convert_hf_to_gguf
 
     folder = tiny_folder("qwen3_5")[0]
-    write_gguf(folder, tmp_path / "m.gguf", "f32")
+    convert_hf_to_gguf(folder, tmp_path / "m.gguf", "f32")
     a = kvslim.load(folder, ctx=128, cache_type_k="f32", cache_type_v="f32", dtype="f32")
     b = kvslim.load(tmp_path / "m.gguf", ctx=128, cache_type_k="f32", cache_type_v="f32", dtype="f32")
     ids = a.tokenize("The json module <|im_end|> héllo")

@@ -3,7 +3,7 @@
 Tiny random models of every supported architecture, all parameters randomised
 (norms, A_log, dt_bias too, value heads > key heads) so that every llama.cpp
 convention shows in the logits, are saved by transformers with a small trained
-byte-level BPE tokenizer; ``write_gguf`` exports them, ``read_model`` brings them
+byte-level BPE tokenizer; ``convert_hf_to_gguf`` exports them, ``read_model`` brings them
 back into kvslim, and the logits, config and tokenizer must match the originals.
 """
 from __future__ import annotations
@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvslim.gguf import file_type, read_config, read_model, tensor_bytes, weight_types, write_gguf
+from kvslim.gguf import file_type, read_config, read_model, tensor_bytes, weight_types, writer
 from kvslim.gguf import names as N
-from kvslim.gguf import writer
+from kvslim.loading import convert_hf_to_gguf
 from kvslim.loading.hf import read_config as read_hf_config
-from kvslim.loading.weights import instantiate
+from kvslim.loading.instantiate import instantiate
 from kvslim.models import Batch, config_from_dict
 
 from .conftest import LINEAR, MOE, TINY
@@ -42,9 +42,10 @@ CORPUS = ["The quick brown fox jumps over the lazy dog. It's 2024, they'll say 1
 SAMPLES = ["Hello world", "  leading and   inner   spaces\t\ttabs\n\n\nnewlines  ", "digits 1234567 and 3.14159",
            "unicode: héllo wörld 日本語 🙂 e\u0301", "<|im_start|>user\nhi<|im_end|>\n<|im_end|>",
            "don't they'll WE'RE", "", "<|endoftext|>tail"]
-KINDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "llama", "llama31", "qwen3", "qwen2")
+KINDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "llama", "llama31", "qwen3", "qwen2", "gemma")
 REGEX = {"qwen3_5": N.QWEN35_REGEX, "qwen3_5_moe": N.QWEN35_REGEX, "qwen3_next": N.QWEN2_REGEX,
-         "qwen3": N.QWEN2_REGEX, "qwen2": N.QWEN2_REGEX, "llama": N.LLAMA3_REGEX, "llama31": N.LLAMA3_REGEX}
+         "qwen3": N.QWEN2_REGEX, "qwen2": N.QWEN2_REGEX, "llama": N.LLAMA3_REGEX, "llama31": N.LLAMA3_REGEX,
+         "gemma": N.QWEN2_REGEX}
 LLAMA31_ROPE = {"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}   # all three bands occur
 F32_TOL = 1e-4
@@ -69,7 +70,7 @@ def mixed_text(repeat: int = 6) -> str:
 def bundled_gguf(tmp_path_factory):
     """The bundled model exported once (f16)."""
     from kvslim.loading import default_model
-    return write_gguf(default_model(), tmp_path_factory.mktemp("bundled") / "bundled-f16.gguf", "f16")
+    return convert_hf_to_gguf(default_model(), tmp_path_factory.mktemp("bundled") / "bundled-f16.gguf", "f16")
 
 
 # ----- fixtures -----------------------------------------------------------------
@@ -85,6 +86,9 @@ def tiny_model(kind: str, seed: int = 0):
         "qwen3": lambda: (tf.Qwen3Config(**tiny), tf.Qwen3ForCausalLM),
         # q/k/v biases; head_dim = hidden / heads, the only shape llama.cpp's qwen2 loader accepts
         "qwen2": lambda: (tf.Qwen2Config(**{**tiny, "head_dim": 16}), tf.Qwen2ForCausalLM),
+        # tied head, 1 + w norms; no token ids, as the qwen tokenizer saved here has none of gemma's
+        "gemma": lambda: (tf.GemmaConfig(**tiny, bos_token_id=None, eos_token_id=None, pad_token_id=None),
+                          tf.GemmaForCausalLM),
     }
     config, cls = configs[kind]()
     torch.manual_seed(seed)
@@ -137,7 +141,7 @@ def exported(tmp_path_factory):
             save_tokenizer(folder, kind)
         folder, model = models[kind]
         if (kind, out_type) not in files:
-            files[kind, out_type] = write_gguf(folder, folder / f"model-{out_type}.gguf", out_type)
+            files[kind, out_type] = convert_hf_to_gguf(folder, folder / f"model-{out_type}.gguf", out_type)
         return folder, files[kind, out_type], model
     return get
 
@@ -235,7 +239,7 @@ def test_other_block_types_hold_the_quantized_tensors(exported, out_type):
 def test_unknown_out_type_is_refused(tmp_path):
     from kvslim.loading import default_model
     with pytest.raises(ValueError, match="out_type 'q3_k' is not supported; choose from f32, f16"):
-        write_gguf(default_model(), tmp_path / "x.gguf", "q3_k")
+        convert_hf_to_gguf(default_model(), tmp_path / "x.gguf", "q3_k")
 
 
 def test_convert_refuses_types_it_cannot_make(tmp_path, monkeypatch, capsys):
@@ -369,7 +373,7 @@ def test_gpt2_pre_tokenizer_files_still_read(tiny_folder, tmp_path):
     """Files written before the "starcoder" export (plain ByteLevel -> "gpt-2") read as before."""
     from tokenizers import Tokenizer
     folder, _ = tiny_folder("llama")
-    path = write_gguf(folder, tmp_path / "gpt2-pre.gguf", "f16")
+    path = convert_hf_to_gguf(folder, tmp_path / "gpt2-pre.gguf", "f16")
     _, _, tokenizer, _ = read_model(path)
     text = mixed_text(1)
     assert tokenizer.encode(text).ids == Tokenizer.from_file(str(folder / "tokenizer.json")).encode(text).ids
@@ -388,7 +392,7 @@ def test_not_a_gguf_file_is_refused(tmp_path):
 def test_unsupported_model_type_is_not_exported(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 8}))
     with pytest.raises(ValueError, match="model_type 'gpt2' cannot be exported"):
-        write_gguf(tmp_path, tmp_path / "out.gguf")
+        convert_hf_to_gguf(tmp_path, tmp_path / "out.gguf")
 
 
 def test_unsupported_architecture_is_refused(tmp_path):

@@ -11,8 +11,8 @@ import torch
 
 from kvslim.cache import KVCache
 from kvslim.loading.hf import read_config, read_state_dict
-from kvslim.loading.weights import instantiate
-from kvslim.models import Batch, config_from_dict
+from kvslim.loading.instantiate import instantiate
+from kvslim.models import Batch, build, config_from_dict
 from kvslim.models.delta_rule import chunk_gated_delta_rule, gated_delta_step, recurrent_gated_delta_rule
 
 from .conftest import TINY_TYPES
@@ -138,6 +138,19 @@ def test_quantized_kv_stays_close_and_turbo_uses_its_bytes(tiny_folder):
 def test_unknown_model_type_is_refused():
     with pytest.raises(ValueError, match="model_type 'gpt_bigcode' is not supported"):
         config_from_dict({"model_type": "gpt_bigcode"})
+
+
+def test_plan_only_and_incomplete_configs_are_refused_clearly():
+    d = {"model_type": "qwen3_moe", "vocab_size": 160, "hidden_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    config = config_from_dict(d)                                   # the planner reads it
+    assert not config.runnable and config.num_key_value_heads == 4 and config.head_dim == 16
+    with pytest.raises(ValueError, match="model_type 'qwen3_moe' can be planned but not run"):
+        build(config)
+    with pytest.raises(ValueError, match="config is missing the field 'num_experts'"):
+        config_from_dict({k: v for k, v in d.items() if k != "num_experts"})
+    with pytest.raises(ValueError, match="config is missing the field 'intermediate_size'"):
+        config_from_dict({**d, "model_type": "llama"})
 
 
 def test_missing_weight_is_named(tiny_folder):

@@ -84,13 +84,13 @@ def test_weaken_refuses_a_non_elf_file(tmp_path):
 # ----- llama.cpp reads kvslim's exports ----------------------------------------------------
 @pytest.fixture(scope="module")
 def exported_f32(tmp_path_factory):
-    from kvslim.gguf import write_gguf
+    from kvslim.loading import convert_hf_to_gguf
 
     def get(kind: str):
         folder = tmp_path_factory.mktemp(f"peer_{kind}")
         tiny_model(kind).save_pretrained(folder)
         save_tokenizer(folder, kind)
-        return write_gguf(folder, folder / "model-f32.gguf", "f32")
+        return convert_hf_to_gguf(folder, folder / "model-f32.gguf", "f32")
     return get
 
 

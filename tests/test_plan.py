@@ -12,11 +12,12 @@ import pytest
 import torch
 
 import kvslim
-from kvslim import cli, formats, models
+from kvslim import cli, formats, models, plan
 from kvslim.cache import KVCache
-from kvslim.plan import weight_bytes as plan_weights
-from kvslim.plan import catalog, planner
+from kvslim.loading import convert_hf_to_gguf
+from kvslim.plan import catalog
 from kvslim.tools import plan as plan_tool
+from kvslim.weights import weight_bytes
 
 MIB, GIB = 1 << 20, 1 << 30
 TINY = dict(vocab_size=160, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -27,7 +28,7 @@ MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, share
 
 
 def config(name: str):
-    return planner.load_model(name).config
+    return plan.resolve_model(name).config
 
 
 def run_cli(capsys, *argv) -> tuple[int, str, str]:
@@ -41,20 +42,20 @@ def run_cli(capsys, *argv) -> tuple[int, str, str]:
 @pytest.mark.parametrize("name", ["qwen3.6-35b-a3b", "qwen3.5-35b-a3b"])
 def test_35b_a3b_kv_and_state(name):
     c = config(name)
-    assert planner.kv_bytes(c, 1, 1, "f16", "f16", 1) == 20_480
-    assert planner.kv_bytes(c, 32_768, 1, "f16", "f16") == 671_088_640 == 640 * MIB
-    assert planner.kv_bytes(c, 4096, 1, "f16", "f16") == 80 * MIB
-    assert planner.state_bytes(c, 1) == 62.8125 * MIB
-    assert planner.state_bytes(c, 4) == 251.25 * MIB
+    assert plan.kv_bytes(c, 1, 1, "f16", "f16", 1) == 20_480
+    assert plan.kv_bytes(c, 32_768, 1, "f16", "f16") == 671_088_640 == 640 * MIB
+    assert plan.kv_bytes(c, 4096, 1, "f16", "f16") == 80 * MIB
+    assert plan.state_bytes(c, 1) == 62.8125 * MIB
+    assert plan.state_bytes(c, 4) == 251.25 * MIB
     # the conv state is in: 30 DeltaNet layers x 3 columns of conv_dim (2 x 2048 + 4096) in f32
     recurrent_only = 30 * 32 * 128 * 128 * 4
-    assert planner.state_bytes(c, 1) - recurrent_only == 30 * 3 * 8192 * 4
+    assert plan.state_bytes(c, 1) - recurrent_only == 30 * 3 * 8192 * 4
 
 
 def test_issue_figures_with_four_slots():
     """-c 32768 -np 4: the context is shared (8192 per slot) as llama-server shares it."""
-    model = planner.load_model("qwen3.5-35b-a3b")
-    mem = planner.breakdown(model, planner.Request(32_768, 4))
+    model = plan.resolve_model("qwen3.5-35b-a3b")
+    mem = plan.breakdown(model, plan.Request(32_768, 4))
     assert mem.kv == 671_088_640
     assert mem.state == 251.25 * MIB
 
@@ -62,14 +63,14 @@ def test_issue_figures_with_four_slots():
 @pytest.mark.parametrize("name", ["qwen3.6-27b", "qwen3.5-27b"])
 def test_27b_kv_and_state(name):
     c = config(name)
-    assert planner.kv_bytes(c, 1, 1, "f16", "f16", 1) == 65_536
-    assert round(planner.state_bytes(c, 1) / MIB, 1) == 149.6
+    assert plan.kv_bytes(c, 1, 1, "f16", "f16", 1) == 65_536
+    assert round(plan.state_bytes(c, 1) / MIB, 1) == 149.6
 
 
 def test_llama_8b_is_all_kv():
     c = config("llama-3.1-8b")
-    assert planner.kv_bytes(c, 1, 1, "f16", "f16", 1) == 128 * 1024
-    assert planner.state_bytes(c, 4) == 0
+    assert plan.kv_bytes(c, 1, 1, "f16", "f16", 1) == 128 * 1024
+    assert plan.state_bytes(c, 4) == 0
 
 
 @pytest.mark.parametrize("type_k,type_v,expected", [
@@ -79,15 +80,15 @@ def test_llama_8b_is_all_kv():
 def test_compressed_kv_sizes_come_from_the_format_table(type_k, type_v, expected):
     c = config("qwen3.6-35b-a3b")                           # 10 attention layers x 2 KV heads x head_dim 256
     rows = formats.get(type_k).row_bytes(256) + formats.get(type_v).row_bytes(256)
-    assert planner.kv_bytes(c, 1, 1, type_k, type_v, 1) == 10 * 2 * rows == expected
+    assert plan.kv_bytes(c, 1, 1, type_k, type_v, 1) == 10 * 2 * rows == expected
 
 
 def test_the_48_gb_claim_is_refuted():
     """A guide claims 35B-A3B needs 1.5 GB of q8_0 KV at 8K and 48 GB at 262K (dense arithmetic)."""
     c = config("qwen3.6-35b-a3b")
-    assert planner.kv_bytes(c, 262_144, 1, "f16", "f16") == 5 * GIB
-    assert 48e9 / planner.kv_bytes(c, 262_144, 1, "f16", "f16") > 8
-    assert planner.kv_bytes(c, 8192, 1, "q8_0", "q8_0") == 85 * MIB
+    assert plan.kv_bytes(c, 262_144, 1, "f16", "f16") == 5 * GIB
+    assert 48e9 / plan.kv_bytes(c, 262_144, 1, "f16", "f16") > 8
+    assert plan.kv_bytes(c, 8192, 1, "q8_0", "q8_0") == 85 * MIB
 
 
 # ----- one source of truth: the allocator's own bytes --------------------------------------------
@@ -97,8 +98,8 @@ def test_the_48_gb_claim_is_refuted():
 @pytest.mark.parametrize("type_k,type_v", [("f16", "f16"), ("q8_0", "turbo3")])
 def test_planned_bytes_equal_what_the_cache_allocates(model_type, extra, type_k, type_v):
     d = dict(model_type=model_type, **TINY, **extra)
-    model = planner.Model("tiny", planner.config_from_dict(d), "hf")
-    req = planner.Request(ctx=600, n_slots=2, type_k=type_k, type_v=type_v)     # 300 per slot: 2 pages each
+    model = plan.Model("tiny", models.config_from_dict(d), "hf")
+    req = plan.Request(ctx=600, n_slots=2, type_k=type_k, type_v=type_v)     # 300 per slot: 2 pages each
     caches = models.build(model.config).make_cache(req.ctx_per_slot, req.n_slots, type_k, type_v)
     gen = torch.Generator().manual_seed(0)
     for cache in caches:
@@ -106,7 +107,7 @@ def test_planned_bytes_equal_what_the_cache_allocates(model_type, extra, type_k,
             for slot in range(req.n_slots):
                 k, v = (torch.randn(req.ctx_per_slot, 2, 64, generator=gen) for _ in range(2))
                 cache.append(slot, k, v)
-    mem = planner.breakdown(model, req)
+    mem = plan.breakdown(model, req)
     assert mem.kv == sum(c.nbytes for c in caches if isinstance(c, KVCache))
     assert mem.state == sum(c.nbytes for c in caches if not isinstance(c, KVCache))
 
@@ -115,8 +116,8 @@ def test_planned_bytes_equal_what_the_cache_allocates(model_type, extra, type_k,
                                               ("qwen3_next", {**LINEAR, **MOE}), ("llama", {}), ("qwen3", {}),
                                               ("qwen2", {})])
 def test_parameter_count_equals_kvslims_own_modules(model_type, extra):
-    c = planner.config_from_dict(dict(model_type=model_type, **TINY, **extra))
-    assert plan_weights.parameter_counts(c)[0] == sum(p.numel() for p in models.build(c).parameters())
+    c = models.config_from_dict(dict(model_type=model_type, **TINY, **extra))
+    assert plan.parameter_counts(c)[0] == sum(p.numel() for p in models.build(c).parameters())
 
 
 # ----- weights and parameters ---------------------------------------------------------------------
@@ -128,7 +129,7 @@ def test_parameter_count_equals_kvslims_own_modules(model_type, extra):
 def test_parameter_counts_match_the_names(name, total_b, active_b):
     """Derived from the configs; within 3% of the published total (hybrid names also count a vision
     tower and an MTP head the planner leaves out) and within 1B of the active count, embeddings included."""
-    total, active = plan_weights.parameter_counts(config(name))
+    total, active = plan.parameter_counts(config(name))
     assert total / 1e9 == pytest.approx(total_b, rel=0.03)
     assert abs(active / 1e9 - active_b) < 1.0
 
@@ -141,20 +142,20 @@ def test_parameter_counts_match_the_names(name, total_b, active_b):
     ("llama-3.1-8b", "q8_0", 8.45, 8.6),         # 8.54 GB
 ])
 def test_weight_sizes_near_real_files(name, quant, low_gb, high_gb):
-    size = plan_weights.weights(planner.load_model(name), quant).total / 1e9
+    size = plan.weight_size(plan.resolve_model(name), quant).total / 1e9
     assert low_gb <= size <= high_gb
 
 
 def test_weight_mixes_shrink_in_order():
-    model = planner.load_model("qwen3.6-35b-a3b")
-    sizes = [plan_weights.weights(model, q).total for q in catalog.WEIGHT_QUANTS if q != "bf16"]
+    model = plan.resolve_model("qwen3.6-35b-a3b")
+    sizes = [plan.weight_size(model, q).total for q in catalog.WEIGHT_QUANTS if q != "bf16"]
     assert sizes == sorted(sizes, reverse=True)
 
 
 def test_q4_k_m_gives_half_the_ffn_down_and_attn_v_six_bits():
     """llama.cpp's use_more_bits picks 16 of 32 layers for attn_v and ffn_down in Llama-3.1-8B."""
-    tensors = planner.load_model("llama-3.1-8b").tensors
-    kinds = plan_weights.tensor_types(tensors, catalog.WEIGHT_QUANTS["q4_k_m"])
+    tensors = plan.resolve_model("llama-3.1-8b").tensors
+    kinds = plan.tensor_types(tensors, catalog.WEIGHT_QUANTS["q4_k_m"])
     by_role = {}
     for t, k in zip(tensors, kinds):
         by_role.setdefault(t.role, []).append(k)
@@ -166,8 +167,8 @@ def test_q4_k_m_gives_half_the_ffn_down_and_attn_v_six_bits():
 # ----- totals, searches, suggestions ----------------------------------------------------------------
 
 def test_total_is_the_sum_and_fit_follows_it():
-    model, target = planner.load_model("qwen3.6-35b-a3b"), planner.gpu_target("rtx4090")
-    p = planner.plan(model, planner.Request(262_144, type_k="q8_0", type_v="turbo3"), target)
+    model, target = plan.resolve_model("qwen3.6-35b-a3b"), plan.gpu_target("rtx4090")
+    p = plan.plan(model, plan.Request(262_144, type_k="q8_0", type_v="turbo3"), target)
     m = p.memory
     assert m.total == m.weights + m.kv + m.state + m.compute
     assert p.headroom == target.memory - m.total and p.fits == (p.headroom >= 0)
@@ -178,63 +179,63 @@ def test_total_is_the_sum_and_fit_follows_it():
     ("llama-3.1-8b", 2, ("f16", "f16"), "rtx4060ti-16gb"), ("qwen3-32b", 1, ("turbo4", "turbo3"), "rtx5090"),
 ])
 def test_largest_context_is_consistent_with_the_totals(name, n_slots, types, target):
-    model, tgt = planner.load_model(name), planner.gpu_target(target)
-    req = planner.Request(4096 * n_slots, n_slots, *types)
-    ctx = planner.largest_context(model, req, tgt)
+    model, tgt = plan.resolve_model(name), plan.gpu_target(target)
+    req = plan.Request(4096 * n_slots, n_slots, *types)
+    ctx = plan.largest_context(model, req, tgt)
     step = n_slots * req.page_size
     assert ctx > 0 and ctx % step == 0
-    assert planner.breakdown(model, dataclasses.replace(req, ctx=ctx)).total <= tgt.memory
-    capped = ctx // n_slots >= planner.max_context_per_slot(model.config)
-    assert capped or planner.breakdown(model, dataclasses.replace(req, ctx=ctx + step)).total > tgt.memory
+    assert plan.breakdown(model, dataclasses.replace(req, ctx=ctx)).total <= tgt.memory
+    capped = ctx // n_slots >= plan.max_context_per_slot(model.config)
+    assert capped or plan.breakdown(model, dataclasses.replace(req, ctx=ctx + step)).total > tgt.memory
 
 
 def test_nothing_fits_when_the_weights_do_not():
-    model, target = planner.load_model("qwen3.5-397b-a17b"), planner.gpu_target("rtx4090")
-    req = planner.Request(4096)
-    assert planner.largest_context(model, req, target) == 0
-    assert not planner.plan(model, req, target).fits
+    model, target = plan.resolve_model("qwen3.5-397b-a17b"), plan.gpu_target("rtx4090")
+    req = plan.Request(4096)
+    assert plan.largest_context(model, req, target) == 0
+    assert not plan.plan(model, req, target).fits
 
 
 def test_suggestions_each_fit():
-    model, target = planner.load_model("qwen3.6-35b-a3b"), planner.gpu_target("rtx4090")
-    req = planner.Request(262_144, 2)
-    found = planner.suggestions(model, req, target)
+    model, target = plan.resolve_model("qwen3.6-35b-a3b"), plan.gpu_target("rtx4090")
+    req = plan.Request(262_144, 2)
+    found = plan.suggestions(model, req, target)
     assert {s.change for s in found} == {"kv_types", "slots", "context", "weights", "tp"}
     assert all(s.total <= target.memory for s in found)
     kv = next(s for s in found if s.change == "kv_types")
     assert kv.flags == "-ctk q8_0 -ctv q8_0"               # the least compressed pair that fits
-    assert planner.suggestions(model, dataclasses.replace(req, ctx=4096), target) == []
+    assert plan.suggestions(model, dataclasses.replace(req, ctx=4096), target) == []
 
 
 def test_small_machine_gets_a_combined_suggestion():
-    model, target = planner.load_model("qwen3.6-27b"), planner.gpu_target("m4pro-24gb")
-    req = planner.Request(131_072)
-    (only,) = planner.suggestions(model, req, target)
+    model, target = plan.resolve_model("qwen3.6-27b"), plan.gpu_target("m4pro-24gb")
+    req = plan.Request(131_072)
+    (only,) = plan.suggestions(model, req, target)
     assert only.change == "weights_and_context" and only.total <= target.memory
     quant, ctx = only.flags.split()[1], int(only.flags.split()[3])
-    assert ctx >= 4096 and planner.fits(model, dataclasses.replace(req, weight_quant=quant, ctx=ctx), target)
-    huge = planner.load_model("qwen3.5-397b-a17b")
-    assert planner.suggestions(huge, req, target) == []
+    assert ctx >= 4096 and plan.fits(model, dataclasses.replace(req, weight_quant=quant, ctx=ctx), target)
+    huge = plan.resolve_model("qwen3.5-397b-a17b")
+    assert plan.suggestions(huge, req, target) == []
 
 
 def test_decode_ceiling_is_bandwidth_over_bytes_read():
-    model, target = planner.load_model("llama-3.1-8b"), planner.gpu_target("rtx4090")
-    req = planner.Request(8192, depth=0)
-    read = plan_weights.weights(model, "q4_k_m").read_per_token
-    assert planner.decode_ceiling(model, req, target) == pytest.approx(1008e9 / read)
+    model, target = plan.resolve_model("llama-3.1-8b"), plan.gpu_target("rtx4090")
+    req = plan.Request(8192, depth=0)
+    read = plan.weight_size(model, "q4_k_m").read_per_token
+    assert plan.decode_ceiling(model, req, target) == pytest.approx(1008e9 / read)
     deep = dataclasses.replace(req, depth=8192)
-    assert planner.decode_ceiling(model, deep, target) == pytest.approx(1008e9 / (read + 8192 * 128 * 1024))
-    moe = planner.load_model("qwen3.6-35b-a3b")
-    assert plan_weights.weights(moe, "q4_k_m").read_per_token < plan_weights.weights(moe, "q4_k_m").total / 8
+    assert plan.decode_ceiling(model, deep, target) == pytest.approx(1008e9 / (read + 8192 * 128 * 1024))
+    moe = plan.resolve_model("qwen3.6-35b-a3b")
+    assert plan.weight_size(moe, "q4_k_m").read_per_token < plan.weight_size(moe, "q4_k_m").total / 8
 
 
 def test_tensor_parallel_splits_heads_and_replicates_too_few_kv_heads():
-    model = planner.load_model("qwen3.6-35b-a3b")
-    one, two, four = (planner.breakdown(model, planner.Request(32_768, tp=n)) for n in (1, 2, 4))
+    model = plan.resolve_model("qwen3.6-35b-a3b")
+    one, two, four = (plan.breakdown(model, plan.Request(32_768, tp=n)) for n in (1, 2, 4))
     assert two.kv == one.kv // 2 and four.kv == two.kv          # 2 KV heads: the 4 GPUs hold one each
     assert two.state == one.state // 2 and four.state == one.state // 4
     assert one.weights / 4 < four.weights < one.weights / 4 * 1.02     # norms and f32 routers replicated
-    launch = planner.launch_commands(model, planner.Request(32_768, 2, "q8_0", "turbo3", tp=4))
+    launch = plan.launch_commands(model, plan.Request(32_768, 2, "q8_0", "turbo3", tp=4))
     assert "--tensor-parallel-size 4" in launch["vllm"] and "--max-model-len 16384" in launch["vllm"]
     assert "--kv-cache-dtype fp8" in launch["vllm"]
     assert "-ctk q8_0 -ctv q4_0" in launch["llama_server"] and "-c 32768 -np 2" in launch["llama_server"]
@@ -246,11 +247,11 @@ def test_tensor_parallel_splits_heads_and_replicates_too_few_kv_heads():
 def test_hf_folder_reads_config_json_only(tmp_path):
     nested = {"model_type": "qwen3_5_moe", "text_config": catalog.MODELS["qwen3.6-35b-a3b"].config}
     (tmp_path / "config.json").write_text(json.dumps(nested))
-    model = planner.load_model(str(tmp_path))
-    assert model.source == "hf" and planner.kv_bytes(model.config, 32_768, 1, "f16", "f16") == 640 * MIB
+    model = plan.resolve_model(str(tmp_path))
+    assert model.source == "hf" and plan.kv_bytes(model.config, 32_768, 1, "f16", "f16") == 640 * MIB
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ValueError, match="'gpt2' is not supported; supported: .*qwen3_moe"):
-        planner.load_model(str(tmp_path))
+        plan.resolve_model(str(tmp_path))
 
 
 def tiny_llama_gguf(path) -> None:
@@ -272,9 +273,9 @@ def test_gguf_weights_are_the_files_tensor_bytes(tmp_path):
     reader = pytest.importorskip("kvslim.gguf.reader")
     path = tmp_path / "tiny.gguf"
     tiny_llama_gguf(path)
-    model = planner.load_model(str(path))
+    model = plan.resolve_model(str(path))
     assert model.source == "gguf" and model.gguf_bytes == reader.tensor_bytes(path) == 160 * 64 * 2 + 32 * 64 * 4
-    mem = planner.breakdown(model, planner.Request(1024, weight_quant="gguf"))
+    mem = plan.breakdown(model, plan.Request(1024, weight_quant="gguf"))
     assert mem.weights == model.gguf_bytes
     assert mem.kv == 2 * 1024 * 2 * 2 * 16 * 2                 # 2 layers x 1024 tokens x K+V x 2 heads x 16 x f16
 
@@ -286,18 +287,18 @@ def test_gguf_weights_are_the_files_tensor_bytes(tmp_path):
 def test_weight_estimate_equals_a_written_gguf(tmp_path, model_type, extra, quant):
     """kvslim's GGUF writer follows llama.cpp's converter (f32 vectors, routers and conv kernels):
     the planner's estimate for the same type must be the file's tensor bytes exactly."""
-    writer = pytest.importorskip("kvslim.gguf.writer")
+    pytest.importorskip("kvslim.gguf.writer")
     save_file = pytest.importorskip("safetensors.torch").save_file
     d = dict(model_type=model_type, **TINY, **extra)
     (tmp_path / "config.json").write_text(json.dumps(d))
-    state = models.build(planner.config_from_dict(d)).state_dict()
+    state = models.build(models.config_from_dict(d)).state_dict()
     save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "model.safetensors"))
     vocab = {f"t{i}": i for i in range(TINY["vocab_size"])}
     (tmp_path / "tokenizer.json").write_text(json.dumps({
         "model": {"type": "BPE", "vocab": vocab, "merges": []}, "added_tokens": [],
         "pre_tokenizer": {"type": "ByteLevel", "use_regex": True}}))
-    path = writer.write_gguf(tmp_path, tmp_path / "model.gguf", quant)
-    assert plan_weights.weights(planner.load_model(str(tmp_path)), quant).total == planner.load_model(str(path)).gguf_bytes
+    path = convert_hf_to_gguf(tmp_path, tmp_path / "model.gguf", quant)
+    assert plan.weight_size(plan.resolve_model(str(tmp_path)), quant).total == plan.resolve_model(str(path)).gguf_bytes
 
 
 # ----- the CLI ----------------------------------------------------------------------------------------
@@ -347,9 +348,9 @@ def test_cli_refuses_bad_input_clearly(capsys, argv, message):
 
 
 def test_parse_memory_units():
-    assert planner.parse_memory("24GiB") == planner.parse_memory("24 G") == 24 * GIB
-    assert planner.parse_memory("24GB") == 24 * 10**9
-    assert planner.parse_memory("16384MiB") == 16 * GIB
+    assert plan.parse_memory("24GiB") == plan.parse_memory("24 G") == 24 * GIB
+    assert plan.parse_memory("24GB") == 24 * 10**9
+    assert plan.parse_memory("16384MiB") == 16 * GIB
 
 
 # ----- a newcomer's plan (issue 20): ids, 1M, this machine, stored dtype, the context limit ---------------------
@@ -366,7 +367,7 @@ def test_m_suffix_counts_in_binary_millions_like_k():
 def test_without_gpu_or_mem_plans_for_this_machine(capsys):
     code, out, _ = run_cli(capsys, "-o", "json")
     target = json.loads(out)["target"]
-    local = planner.local_target()
+    local = plan.local_target()
     assert code == 0 and target["name"] == local.name and target["name"].startswith("this ")
     assert abs(target["memory"] - local.memory) < (1 << 30)      # MemAvailable moves while the test runs
 
@@ -375,10 +376,29 @@ def test_a_folder_is_planned_with_the_weights_run_loads(capsys):
     code, out, _ = run_cli(capsys, "--mem", "1GiB", "-o", "json")     # no -m: the bundled model, stored bf16
     result = json.loads(out)
     llm = kvslim.load(ctx=64)
-    loaded = sum(t.numel() * t.element_size() for t in llm.model.state_dict().values())
     row = result["rows"][0]
     assert code == 0 and row["weight_quant"] == "bf16" and result["model"]["stored_quant"] == "bf16"
-    assert abs(row["weights"] - loaded) / loaded < 0.01                # not q4_k_m's third of it
+    assert row["weights"] == weight_bytes(llm.model)                   # what `kvslim run` reports holding
+
+
+@pytest.mark.parametrize("kind", ["gemma", "qwen3_5_moe"])
+def test_planner_bytes_equal_what_run_holds_for_a_folder(tmp_path, capsys, kind):
+    """A folder saved in bf16 (gemma: an architecture added without a change in plan/): the
+    planner's weights in the stored dtype are the bytes ``kvslim run`` reports holding, and its
+    KV and state bytes those the run allocated for its tokens."""
+    from .conftest import tiny_hf_model, write_tiny_tokenizer
+    hf = tiny_hf_model(kind).to(torch.bfloat16)
+    hf.save_pretrained(tmp_path)
+    write_tiny_tokenizer(tmp_path, hf.config.vocab_size)
+    code = cli.main(["run", "-m", str(tmp_path), "-p", "the " * 40, "-n", "4", "-c", "512", "-ctk", "q8_0",
+                     "-ctv", "turbo3", "--temp", "0", "-o", "json"])
+    record = json.loads(capsys.readouterr().out)
+    model = plan.resolve_model(str(tmp_path))
+    n_tokens = record["prompt_tokens"] + record["completion_tokens"]
+    assert code == 0 and model.stored_quant == "bf16"
+    assert record["weights_bytes"] == plan.weight_size(model, "bf16").total
+    assert record["kv_bytes"] == plan.kv_bytes(model.config, n_tokens, 1, "q8_0", "turbo3")
+    assert record["state_bytes"] == plan.state_bytes(model.config, 1)
 
 
 def test_bundled_model_reports_its_limit_and_trained_context(capsys):

@@ -99,10 +99,10 @@ def test_quick_start_targets_exist_and_the_demo_runs(capsys):
 @pytest.fixture(scope="module")
 def scratch(tmp_path_factory):
     """A folder with what the README's commands assume: model.gguf and prompt.txt."""
-    from kvslim.gguf.writer import write_gguf
+    from kvslim.loading import convert_hf_to_gguf
 
     folder = tmp_path_factory.mktemp("readme")
-    write_gguf(BUNDLED, folder / "model.gguf")
+    convert_hf_to_gguf(BUNDLED, folder / "model.gguf")
     (folder / "prompt.txt").write_text("It is a truth universally acknowledged, that", encoding="utf-8")
     return folder
 

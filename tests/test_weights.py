@@ -15,10 +15,10 @@ import torch
 
 import kvslim
 from kvslim import weights as W
-from kvslim.gguf import read_model, tensor_bytes, write_gguf
+from kvslim.gguf import read_model, tensor_bytes
 from kvslim.gguf import writer as gguf_writer
-from kvslim.loading import load_model
-from kvslim.loading.weights import instantiate
+from kvslim.loading import convert_hf_to_gguf, load_model
+from kvslim.loading.instantiate import instantiate
 from kvslim.models import Batch, config_from_dict
 from kvslim.weights import matmul
 
@@ -184,7 +184,7 @@ def exported(tiny_folder, tmp_path_factory):
         if (kind, out_type) not in made:
             folder, _ = tiny_folder(kind)
             path = tmp_path_factory.mktemp("gguf") / f"{kind}-{out_type}.gguf"
-            made[kind, out_type] = write_gguf(folder, path, out_type)
+            made[kind, out_type] = convert_hf_to_gguf(folder, path, out_type)
         return made[kind, out_type]
     return make
 
@@ -226,7 +226,7 @@ def test_tied_head_multiplies_by_embedding_blocks(tiny_folder, tmp_path):
     folder = shutil.copytree(tiny_folder("qwen3_5")[0], tmp_path / "tied")
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
-    path = write_gguf(folder, tmp_path / "tied.gguf", "q4_0")
+    path = convert_hf_to_gguf(folder, tmp_path / "tied.gguf", "q4_0")
     model, _, _ = load_model(path)
     assert model.lm_head is None and isinstance(model.model.embed_tokens, W.QuantEmbedding)
     x = torch.randn(4, model.config.hidden_size)
@@ -250,7 +250,7 @@ def test_greedy_q8_0_matches_f16(exported):
 @pytest.mark.skipif(not (kvslim.loading.BUNDLED / "config.json").is_file(), reason="bundled model not built yet")
 def test_bundled_greedy_q8_0_matches_f16(tmp_path):
     folder = kvslim.loading.BUNDLED
-    f16, q8 = (greedy_tokens(write_gguf(folder, tmp_path / f"{t}.gguf", t), 32) for t in ("f16", "q8_0"))
+    f16, q8 = (greedy_tokens(convert_hf_to_gguf(folder, tmp_path / f"{t}.gguf", t), 32) for t in ("f16", "q8_0"))
     assert len(f16) == 32 and f16 == q8
 
 
@@ -258,7 +258,7 @@ def test_unsupported_type_refused(tiny_folder, tmp_path, monkeypatch):
     folder, _ = tiny_folder("llama")
     monkeypatch.setitem(gguf_writer.QTYPE, "mxfp4", gguf.GGMLQuantizationType.MXFP4)
     monkeypatch.setitem(gguf_writer.FILE_TYPE, "mxfp4", gguf.LlamaFileType.MOSTLY_MXFP4_MOE)
-    path = write_gguf(folder, tmp_path / "mxfp4.gguf", "mxfp4")
+    path = convert_hf_to_gguf(folder, tmp_path / "mxfp4.gguf", "mxfp4")
     with pytest.raises(ValueError, match=r"blk\.0\..*\(MXFP4\).*supported quantized weight types: Q8_0.*allow-dequant"):
         load_model(path)
     model, _, _ = load_model(path, allow_dequant=True)

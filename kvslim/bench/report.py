@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..tools.common import human_bytes, markdown_table
+from ..tables import human_bytes, markdown_table
 from ..weights import parameter_count, weight_bytes, weight_type_label
 
 

@@ -91,7 +91,7 @@ def run_grid(llm: LLM, samples: dict, progress: Progress | None = None) -> dict:
 
 def render_table(grid: dict) -> str:
     """Markdown: one row per context length, one column per needle depth, cells = pass rate (%)."""
-    from ..tools.common import markdown_table
+    from ..tables import markdown_table
 
     headers = ["context"] + [f"depth {d:.2f}" for d in grid["depths"]] + ["all"]
     rows = [[str(length)] + [f"{100 * r:.0f}%" for r in row] + [f"{100 * sum(row) / len(row):.0f}%"]

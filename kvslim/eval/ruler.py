@@ -42,6 +42,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ..tables import markdown_table
 from . import needle
 from .haystack import TokenSpace
 
@@ -345,8 +346,6 @@ def _pct(x: float) -> str:
 
 def render(results: Sequence[dict], depths: Sequence[float]) -> str:
     """Markdown: a task x pair summary, then per pair a (task, length) x depth table."""
-    from ..tools.common import markdown_table
-
     tasks = [t for t in TASKS if any(t in r["tasks"] for r in results)]
     rows = [[f"{r['type_k']}/{r['type_v']}"] + [_pct(r["tasks"][t]["overall"]) for t in tasks]
             + [_pct(_mean([r["tasks"][t]["overall"] for t in tasks])), f"{r.get('seconds', 0):.1f}"] for r in results]

@@ -28,6 +28,8 @@ GGUF_ARCH = {
     "llama": "llama", "mistral": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "gemma": "gemma",
+    "qwen3_moe": "qwen3moe",             # plan-only in kvslim: named for the planner's accounting
 }
 
 # general.architecture -> the HF model_type read_config reports (text configs).
@@ -38,6 +40,7 @@ HF_MODEL_TYPE = {
     "llama": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "gemma": "gemma",
 }
 
 HYBRID = frozenset({"qwen35", "qwen35moe", "qwen3next"})
@@ -47,7 +50,8 @@ MOE = frozenset({"qwen35moe", "qwen3next"})
 TILED_VALUE_HEADS = frozenset({"qwen35", "qwen35moe"})
 # RMSNorm weights stored as 1 + w: conversion/qwen.py Qwen3NextModel.modify_tensors
 # ("norm.weight" except "linear_attn.norm.weight"), inherited by both Qwen3.5 classes.
-ZERO_CENTRED_NORMS = HYBRID
+# Gemma's too, every "norm.weight" (the converter's GemmaModel.modify_tensors).
+ZERO_CENTRED_NORMS = HYBRID | {"gemma"}
 # q/k rows permuted from HF's rotate_half layout to interleaved pairs:
 # conversion/llama.py LlamaModel (undo_permute = True). Qwen2Model / Qwen3Model do not
 # permute, because llama.cpp runs those archs with NEOX-style (half-split) RoPE.
@@ -122,6 +126,8 @@ LAYER_TENSORS: dict[str, dict[str, str]] = {
     "llama": {**_ATTENTION, **_DENSE_MLP, **_post_norm("ffn_norm.weight")},
     "qwen2": {**_ATTENTION, **_DENSE_MLP, **_post_norm("ffn_norm.weight")},
     "qwen3": {**_ATTENTION, **_DENSE_MLP, **_post_norm("ffn_norm.weight")},
+    "gemma": {**_ATTENTION, **_DENSE_MLP, **_post_norm("ffn_norm.weight")},
+    "qwen3moe": {**_ATTENTION, **_DENSE_MLP, **_MOE, **_post_norm("ffn_norm.weight")},
 }
 
 # Tensors the converter always writes as F32 whatever --outtype says
@@ -129,6 +135,43 @@ LAYER_TENSORS: dict[str, dict[str, str]] = {
 # names not ending in ".weight" (ssm_a, ssm_dt.bias, biases), and by type
 # FFN_GATE_INP (router), FFN_GATE_INP_SHEXP (shared-expert gate) and SSM_CONV1D.
 F32_BY_NAME = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight")
+
+
+def stays_f32(name: str, ndim: int) -> bool:
+    """Whether the converter writes GGUF tensor ``name`` as F32 whatever the output type."""
+    return ndim <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight") or name.endswith(F32_BY_NAME)
+
+
+# Routers: one small matrix every GPU keeps whole under tensor parallelism (vLLM's gates
+# are ReplicatedLinear), unlike the projections, which are split.
+ROUTERS = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
+
+
+def gguf_arch(model_type: str) -> str:
+    """general.architecture for a Hugging Face model_type; ValueError listing the known ones."""
+    if model_type not in GGUF_ARCH:
+        raise ValueError(f"model_type {model_type!r} has no GGUF architecture; known: {', '.join(sorted(GGUF_ARCH))}")
+    return GGUF_ARCH[model_type]
+
+
+def tensor_shapes(arch: str, hf_name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+    """The GGUF tensor(s) one Hugging Face parameter is stored as, with their shapes (rows
+    first, as the writer hands arrays to gguf), values untouched: the fused experts' gate_up
+    split in two, conv1d's (C, 1, K) squeezed. Qwen3-Next's fused in_proj_qkvz keeps one
+    tensor (ssm_in), the byte-identical layout of its first GGUF files."""
+    if hf_name in GLOBAL_TENSORS:
+        return [(GLOBAL_TENSORS[hf_name], tuple(shape))]
+    parts = hf_name.split(".", 3)
+    suffix = parts[3] if len(parts) == 4 and parts[:2] == ["model", "layers"] else None
+    if suffix not in LAYER_TENSORS[arch] and suffix != EXPERTS_GATE_UP:
+        raise ValueError(f"tensor {hf_name!r} has no GGUF name for arch {arch}")
+    block = f"blk.{parts[2]}."
+    if suffix == EXPERTS_GATE_UP:
+        e, rows, cols = shape
+        return [(block + name, (e, rows // 2, cols)) for name in EXPERTS_SPLIT]
+    if suffix.endswith("conv1d.weight"):
+        shape = (shape[0], shape[-1])
+    return [(block + LAYER_TENSORS[arch][suffix], tuple(shape))]
 
 # ----- tokenizer pre-tokenizers (tokenizer.ggml.pre) -------------------------------
 # The regexes are those of the original tokenizer.json files, which llama.cpp's

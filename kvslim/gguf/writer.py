@@ -1,4 +1,4 @@
-"""Export a Hugging Face folder to GGUF the way llama.cpp's converter would.
+"""Export a Hugging Face checkpoint to GGUF the way llama.cpp's converter would.
 
 The goal is a file llama.cpp itself loads and runs identically to the original:
 its tensor names, layouts and metadata keys (see ``names.py`` for where each
@@ -20,9 +20,8 @@ import gguf
 import numpy as np
 import torch
 
-from ..loading import hf
-from ..models import config_from_dict
-from ..models.qwen3_5 import text_config
+from ..models import config_class, config_from_dict
+from ..models.config import text_config
 from . import names as N
 
 # Every type a matrix can be written in: gguf.quants encodes all but IQ4_NL, which uses
@@ -40,32 +39,45 @@ LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 DEFAULT_MROPE_SECTIONS = [11, 11, 10, 0]
 
 
-def write_gguf(hf_folder: str | Path, out_path: str | Path, out_type: str = "f16") -> Path:
-    """Write ``hf_folder`` (config.json, safetensors, tokenizer.json, tokenizer_config.json)
-    to ``out_path`` as a GGUF llama.cpp can load. ``out_type``: a key of ``QTYPE`` (f32, f16,
-    bf16, q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl); every matrix but those the converter keeps
-    F32 gets that type (llama-quantize --pure), rows not made of whole blocks F16."""
-    if out_type not in QTYPE:
-        raise ValueError(f"out_type {out_type!r} is not supported; choose from {', '.join(QTYPE)}")
-    folder, out_path = Path(hf_folder), Path(out_path)
-    raw = hf.read_config(folder)
-    text = text_config(raw)
-    arch = N.GGUF_ARCH.get(text["model_type"])
-    if arch is None:
-        raise ValueError(f"{folder}: model_type {text['model_type']!r} cannot be exported to GGUF; "
-                         f"supported: {', '.join(sorted(N.GGUF_ARCH))}")
-    config = config_from_dict(raw)
-    _check_exportable(arch, config)
+def write_gguf(hf_config: dict, state_dict: dict[str, torch.Tensor], tokenizer_dir: str | Path,
+               out_path: str | Path, out_type: str = "f16") -> Path:
+    """Write a checkpoint to ``out_path`` as a GGUF llama.cpp can load.
+
+    Args:
+        hf_config: the Hugging Face config.json dict.
+        state_dict: the checkpoint's tensors, names normalised as ``kvslim.loading.hf`` reads them.
+        tokenizer_dir: the folder with tokenizer.json (and tokenizer_config.json for special tokens).
+        out_type: a key of ``QTYPE`` (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl); every
+            matrix but those the converter keeps F32 gets that type (llama-quantize --pure),
+            rows not made of whole blocks F16.
+    Returns: ``out_path``. ``kvslim.loading.convert_hf_to_gguf`` does this for a folder.
+    """
+    arch, config = check_export(hf_config, out_type)
     writer = gguf.GGUFWriter(str(out_path), arch)
-    _write_hparams(writer, arch, config, text, out_type)
-    _write_vocab(writer, folder, config.vocab_size)
-    for name, array in gguf_tensors(arch, config, hf.read_state_dict(folder)):
+    _write_hparams(writer, arch, config, text_config(hf_config), out_type)
+    _write_vocab(writer, Path(tokenizer_dir), config.vocab_size)
+    for name, array in gguf_tensors(arch, config, state_dict):
         _add_tensor(writer, name, array, out_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return out_path
+    return Path(out_path)
+
+
+def check_export(hf_config: dict, out_type: str):
+    """(GGUF architecture, config) of a checkpoint ``write_gguf`` can export to ``out_type``,
+    or a ValueError saying why not (checked before any tensor is read)."""
+    if out_type not in QTYPE:
+        raise ValueError(f"out_type {out_type!r} is not supported; choose from {', '.join(QTYPE)}")
+    model_type = text_config(hf_config)["model_type"]
+    config = config_from_dict(hf_config) if model_type in N.GGUF_ARCH else None
+    if config is None or not config.runnable:
+        exportable = sorted(t for t in N.GGUF_ARCH if config_class(t).runnable)
+        raise ValueError(f"model_type {model_type!r} cannot be exported to GGUF; supported: {', '.join(exportable)}")
+    arch = N.GGUF_ARCH[model_type]
+    _check_exportable(arch, config)
+    return arch, config
 
 
 def _check_exportable(arch: str, c) -> None:
@@ -302,8 +314,7 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
 
 def gguf_type(name: str, array: np.ndarray, out_type: str) -> gguf.GGMLQuantizationType:
     """F32 where the converter forces it (names.F32_BY_NAME and the rules beside it)."""
-    if (array.ndim <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight")
-            or name.endswith(N.F32_BY_NAME)):
+    if N.stays_f32(name, array.ndim):
         return gguf.GGMLQuantizationType.F32
     return QTYPE[out_type]
 

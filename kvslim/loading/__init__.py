@@ -9,7 +9,7 @@ import torch
 from ..models import config_from_dict
 from ..tokenizer import Tokenizer
 from .hf import read_config, read_state_dict
-from .weights import instantiate
+from .instantiate import instantiate
 
 BUNDLED = Path(__file__).resolve().parent.parent / "data" / "tiny-qwen35"
 DTYPES = {"f32": torch.float32, "float32": torch.float32, "f16": torch.float16, "float16": torch.float16,
@@ -56,6 +56,17 @@ def load_model(path: str | Path | None = None, dtype=None, device: str = "cpu", 
     if not path.exists():
         raise ValueError(f"{path}: no such file or folder")
     raise ValueError(f"{path}: neither a Hugging Face model folder nor a GGUF file")
+
+
+def convert_hf_to_gguf(folder: str | Path, out_path: str | Path, out_type: str = "f16") -> Path:
+    """Export a Hugging Face folder (config.json, safetensors, tokenizer.json) to ``out_path`` as
+    a GGUF llama.cpp can load, with matrices in ``out_type`` (see ``kvslim.gguf.writer.write_gguf``)."""
+    from ..gguf.writer import check_export, write_gguf
+
+    folder = Path(folder)
+    config = read_config(folder)
+    check_export(config, out_type)                  # before reading any weights
+    return write_gguf(config, read_state_dict(folder), folder, out_path, out_type)
 
 
 def check_weights(name: str) -> str:

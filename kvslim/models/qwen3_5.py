@@ -6,111 +6,17 @@ a shared expert. The oracle is transformers' ``modeling_qwen3_5.py``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache import KVLayerSpec, StateLayerSpec
 from .base import CausalLM
 from .batch import Batch
+from .config import HybridConfig
 from .delta_rule import causal_conv, causal_conv_step, chunk_gated_delta_rule, gated_delta_step, l2norm
 from .layers import MLP, Attention, DecoderLayer, RMSNormGated, Rope, SparseMoE, fuse
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
-
-
-@dataclass
-class HybridConfig:
-    """Text config of the hybrid Qwen models (also used by ``qwen3_next``)."""
-
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    layer_types: list[str]
-    intermediate_size: int = 0
-    linear_num_key_heads: int = 16
-    linear_num_value_heads: int = 32
-    linear_key_head_dim: int = 128
-    linear_value_head_dim: int = 128
-    linear_conv_kernel_dim: int = 4
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10_000_000.0
-    partial_rotary_factor: float = 0.25
-    rope_scaling: dict = field(default_factory=dict)
-    attention_bias: bool = False
-    tie_word_embeddings: bool = False
-    max_position_embeddings: int = 262_144
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    shared_expert_intermediate_size: int = 0
-    norm_topk_prob: bool = True
-    decoder_sparse_step: int = 1
-    mlp_only_layers: list[int] = field(default_factory=list)
-    eos_token_id: int | list[int] | None = None
-    bos_token_id: int | None = None
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "HybridConfig":
-        """From a Hugging Face config.json dict (a ``text_config`` inside is taken if present);
-        unknown keys are ignored."""
-        d = text_config(d)
-        d.update(rope_fields(d))
-        if not d.get("layer_types"):
-            every = d.get("full_attention_interval", 4)
-            d["layer_types"] = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
-                                for i in range(d["num_hidden_layers"])]
-        d.setdefault("head_dim", d["hidden_size"] // d["num_attention_heads"])
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names and v is not None})
-
-    @property
-    def is_moe(self) -> bool:
-        return self.num_experts > 0
-
-    def uses_moe(self, layer: int) -> bool:
-        return (self.is_moe and layer not in self.mlp_only_layers
-                and (layer + 1) % self.decoder_sparse_step == 0)
-
-    def cache_layout(self, type_k: str = "f16", type_v: str = "f16") -> list[KVLayerSpec | StateLayerSpec]:
-        """Per layer: a KV cache for attention layers, a fixed-size state for DeltaNet layers."""
-        kv = KVLayerSpec(self.num_key_value_heads, self.head_dim, type_k, type_v)
-        key_dim = self.linear_num_key_heads * self.linear_key_head_dim
-        state = StateLayerSpec(conv_dim=2 * key_dim + self.linear_num_value_heads * self.linear_value_head_dim,
-                               conv_kernel=self.linear_conv_kernel_dim, n_v_heads=self.linear_num_value_heads,
-                               k_head_dim=self.linear_key_head_dim, v_head_dim=self.linear_value_head_dim)
-        return [kv if t == "full_attention" else state for t in self.layer_types]
-
-
-def text_config(d: dict) -> dict:
-    """The language model's part of a (possibly multimodal) config, as a fresh dict."""
-    inner = d.get("text_config")
-    out = dict(inner) if isinstance(inner, dict) else dict(d)
-    for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id"):
-        if key not in out and key in d:
-            out[key] = d[key]
-    out.setdefault("model_type", d.get("model_type", ""))
-    return out
-
-
-def rope_fields(d: dict) -> dict:
-    """rope_theta / partial_rotary_factor / rope_scaling from either the transformers 5
-    ``rope_parameters`` dict or the older top-level keys."""
-    params = dict(d.get("rope_parameters") or {})
-    old = d.get("rope_scaling") or {}
-    out = {"rope_theta": params.get("rope_theta", d.get("rope_theta")),
-           "partial_rotary_factor": params.get("partial_rotary_factor", d.get("partial_rotary_factor"))}
-    scaling = {k: v for k, v in {**old, **params}.items()
-               if k not in ("rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved")}
-    if scaling.get("rope_type", scaling.get("type", "default")) != "default":
-        out["rope_scaling"] = scaling
-    return {k: v for k, v in out.items() if v is not None}
 
 
 class GatedDeltaNet(nn.Module):

@@ -2,7 +2,7 @@
 and how kvslim's cache types map onto vLLM's and llama-server's.
 
 Everything here is data. Sizes that follow from it (parameter counts, bytes
-per weight, KV bytes) are computed in ``planner.py``, never typed in.
+per weight, KV bytes) are computed in the planner (``fit.py``, ``weight_size.py``), never typed in.
 """
 from __future__ import annotations
 

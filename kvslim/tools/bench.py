@@ -14,8 +14,8 @@ from ..bench.report import markdown, model_facts, plot, record
 from ..cache import CacheConfig
 from ..engine.config import resolve_device
 from ..loading import load_model
-from .common import add_load_args, load_kwargs, render_records
-
+from ..tables import render_records
+from .common import add_load_args, load_kwargs
 
 RANGE = re.compile(r"^(\d+)-(\d+)(?:([+*])(\d+))?$")
 

@@ -1,11 +1,8 @@
-"""What the tools share: the model/cache/sampling flags (llama.cpp's names), context checks, and
-output helpers (markdown tables, JSON, CSV)."""
+"""What the tools share: the model/cache/sampling flags (llama.cpp's names) and context checks.
+The output helpers (markdown tables, JSON, CSV) live one layer down, in ``kvslim.tables``."""
 from __future__ import annotations
 
 import argparse
-import csv
-import io
-import json
 import sys
 
 
@@ -61,15 +58,15 @@ def context_warnings(model: str | None, ctx_per_seq: int) -> list[str]:
     """What llama.cpp warns about when a sequence's context passes what the model was made for:
     its position limit (config max_position_embeddings, GGUF context_length), and for the bundled
     model the 4096 tokens it was trained on. Reads the config only; a bad path is left to the loader."""
+    from .. import plan
     from ..data import BUNDLED_TRAINED_CONTEXT
     from ..loading import BUNDLED
-    from ..plan import planner
 
     try:
-        config = planner.load_model(str(model or BUNDLED)).config
+        config = plan.resolve_model(str(model or BUNDLED)).config
     except (ValueError, OSError):
         return []
-    limit = planner.context_limit(config)
+    limit = plan.context_limit(config)
     if limit and ctx_per_seq > limit:
         return [f"-c {ctx_per_seq} per sequence is past the model's context limit of {limit} tokens "
                 f"(max_position_embeddings): positions beyond it were never trained"]
@@ -83,58 +80,3 @@ def context_warnings(model: str | None, ctx_per_seq: int) -> list[str]:
 def warn_context(model: str | None, ctx_per_seq: int) -> None:
     for line in context_warnings(model, ctx_per_seq):
         print(f"warning: {line}", file=sys.stderr, flush=True)
-
-
-# ----- output ---------------------------------------------------------------------------------
-
-
-def markdown_table(headers: list[str], rows: list[list], align: list[str] | None = None) -> str:
-    """A GitHub markdown table like llama-bench prints; align items are 'l' or 'r'."""
-    cells = [[str(c) for c in row] for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
-    align = align or ["l"] * len(headers)
-
-    def fmt(row):
-        parts = [c.rjust(w) if a == "r" else c.ljust(w) for c, w, a in zip(row, widths, align)]
-        return "| " + " | ".join(parts) + " |"
-
-    rule = "|" + "|".join(("-" * (w + 1) + ":") if a == "r" else ("-" * (w + 2)) for w, a in zip(widths, align)) + "|"
-    return "\n".join([fmt(headers), rule] + [fmt(r) for r in cells])
-
-
-def to_json(records: list[dict]) -> str:
-    return json.dumps(records, indent=2)
-
-
-def to_jsonl(records: list[dict]) -> str:
-    return "\n".join(json.dumps(r) for r in records)
-
-
-def to_csv(records: list[dict]) -> str:
-    if not records:
-        return ""
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=list(records[0]))
-    writer.writeheader()
-    writer.writerows(records)
-    return buf.getvalue().rstrip("\n")
-
-
-def human_bytes(n: int | float) -> str:
-    """Binary units as llama.cpp prints them (MiB, GiB)."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-
-
-def render_records(records: list[dict], output: str, markdown) -> str:
-    """One tool's records in the chosen output: ``markdown(records)`` for md, else json/jsonl/csv
-    (csv leaves out list-valued fields such as per-run samples)."""
-    if output == "json":
-        return to_json(records)
-    if output == "jsonl":
-        return to_jsonl(records)
-    if output == "csv":
-        return to_csv([{k: v for k, v in r.items() if not isinstance(v, list)} for r in records])
-    return markdown(records)

@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 
 from ..gguf import writer
-from .common import human_bytes
+from ..loading import convert_hf_to_gguf
+from ..tables import human_bytes
 
 # --type -> llama.cpp file type its quantizer makes (llama-quantize: "Q4_K" = Q4_K_M, "Q5_K" = Q5_K_M)
 LLAMA_QUANTIZE = {"q4_k": "q4_k_m", "q5_k": "q5_k_m", "q6_k": "q6_k"}
@@ -37,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 def convert(folder: Path, out: Path, out_type: str, threads: int = 2) -> Path:
     """Write ``folder`` as a GGUF of ``out_type``; returns ``out``."""
     if out_type in writer.QTYPE:
-        return writer.write_gguf(folder, out, out_type)
+        return convert_hf_to_gguf(folder, out, out_type)
     if out_type not in LLAMA_QUANTIZE:
         raise ValueError(f"--type {out_type!r} cannot be written; supported: {', '.join(TYPES)} "
                          "(other llama.cpp types: convert to f16, then run llama-quantize)")
@@ -48,7 +49,7 @@ def convert(folder: Path, out: Path, out_type: str, threads: int = 2) -> Path:
         raise ValueError(f"--type {out_type} is made by llama.cpp's quantizer, which is not available "
                          f"({err}); install it with pip install 'kvslim[peer]'") from None
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        source = writer.write_gguf(folder, Path(tmp) / "f32.gguf", "f32")
+        source = convert_hf_to_gguf(folder, Path(tmp) / "f32.gguf", "f32")
         return peer.quantize(source, out, LLAMA_QUANTIZE[out_type], threads)
 
 

@@ -17,7 +17,8 @@ from .. import formats
 from ..data import heldout_documents
 from ..engine import load
 from ..eval.needle import build_sample
-from .common import add_load_args, human_bytes, load_kwargs, markdown_table
+from ..tables import human_bytes, markdown_table
+from .common import add_load_args, load_kwargs
 
 OPENING = "It is a truth universally acknowledged, that"
 ANSWER_TOKENS = 16      # enough decode steps for a steady gen tok/s; the answer is read from the start

@@ -28,7 +28,8 @@ from pathlib import Path
 
 from .. import formats
 from ..data import HELDOUT_FILES
-from .common import add_model_args, add_sampling_args, load_kwargs, markdown_table
+from ..tables import markdown_table
+from .common import add_model_args, add_sampling_args, load_kwargs
 from .engine_args import engine_config
 
 SUBCOMMANDS = ("ppl", "kld", "depth", "niah", "ruler", "sampling", "attention")

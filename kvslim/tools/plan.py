@@ -5,10 +5,11 @@ import argparse
 import itertools
 import json
 
-from .. import formats
-from ..plan import catalog, planner
+from .. import formats, plan
 from ..loading import BUNDLED
-from .common import human_bytes as size, markdown_table
+from ..plan import catalog
+from ..tables import human_bytes as size
+from ..tables import markdown_table
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-ctv", "--cache-type-v", default="f16", help="comma list of V cache types")
     p.add_argument("-wq", "--weight-quant", default=None,
                    help=f"comma list of weight quantizations (default: a GGUF's own size, a folder's stored "
-                        f"dtype, else {planner.DEFAULT_WEIGHT_QUANT})")
+                        f"dtype, else {plan.DEFAULT_WEIGHT_QUANT})")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--gpu", help="a machine from the hardware catalog (default: this machine)")
     where.add_argument("--mem", help="memory available to the model, e.g. 24GiB (default: this machine's)")
@@ -36,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-d", "--depth", type=int, default=None,
                    help="cached tokens for the decode ceiling (default: a full slot)")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel over N GPUs of --gpu")
-    p.add_argument("-ub", "--ubatch-size", type=int, default=planner.DEFAULT_UBATCH,
+    p.add_argument("-ub", "--ubatch-size", type=int, default=plan.DEFAULT_UBATCH,
                    help="tokens per compute pass (sizes the compute workspace)")
     p.add_argument("-o", "--output", choices=["md", "json"], default="md")
     return p
@@ -44,20 +45,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    model = planner.load_model(args.model or str(BUNDLED))
+    model = plan.resolve_model(args.model or str(BUNDLED))
     target = pick_target(args)
     if args.bw is not None:
-        target = planner.Target(target.name, target.memory, _positive_bw(args.bw), target.vendor)
-    result = planner.report(model, target, requests(args, model))
+        target = plan.Target(target.name, target.memory, _positive_bw(args.bw), target.vendor)
+    result = plan.report(model, target, requests(args, model))
     print(json.dumps(result, indent=2) if args.output == "json" else render(result))
     return 0
 
 
-def pick_target(args) -> planner.Target:
+def pick_target(args) -> plan.Target:
     """--gpu from the catalog, --mem, else this machine."""
     if args.gpu:
-        return planner.gpu_target(args.gpu)
-    return planner.memory_target(args.mem) if args.mem else planner.local_target()
+        return plan.gpu_target(args.gpu)
+    return plan.memory_target(args.mem) if args.mem else plan.local_target()
 
 
 def _positive_bw(gbs: float) -> float:
@@ -90,15 +91,15 @@ def parse_types(text: str, flag: str) -> list[str]:
     return names
 
 
-def requests(args, model: planner.Model) -> list[planner.Request]:
+def requests(args, model: plan.Model) -> list[plan.Request]:
     """Every combination of the comma lists, as planner requests."""
-    trained = planner.max_context_per_slot(model.config)
+    trained = plan.max_context_per_slot(model.config)
     contexts = [c or trained for c in parse_counts(args.ctx_size, "-c", allow_zero=True)]
-    quants = args.weight_quant or ("gguf" if model.gguf_bytes else model.stored_quant or planner.DEFAULT_WEIGHT_QUANT)
-    quants = [planner.check_weight_quant(model, q) for q in quants.split(",") if q.strip()]
+    quants = args.weight_quant or ("gguf" if model.gguf_bytes else model.stored_quant or plan.DEFAULT_WEIGHT_QUANT)
+    quants = [plan.check_weight_quant(model, q) for q in quants.split(",") if q.strip()]
     combos = itertools.product(quants, parse_counts(args.parallel, "-np"), contexts,
                                parse_types(args.cache_type_k, "-ctk"), parse_types(args.cache_type_v, "-ctv"))
-    return [planner.Request(ctx, n_slots, k, v, wq, args.tp, args.depth, args.ubatch_size)
+    return [plan.Request(ctx, n_slots, k, v, wq, args.tp, args.depth, args.ubatch_size)
             for wq, n_slots, ctx, k, v in combos]
 
 

@@ -8,7 +8,7 @@ import torch
 
 from .. import formats
 from ..formats.stats import measure
-from .common import markdown_table, render_records
+from ..tables import markdown_table, render_records
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,10 +7,10 @@ import time
 
 from ..bench.memory import rss_kib
 from ..engine import load
+from ..tables import human_bytes, to_json
 from ..weights import weight_bytes
+from .common import add_model_args, add_sampling_args, load_kwargs, sampling_kwargs, warn_context
 from .engine_args import engine_config
-from .common import (add_model_args, add_sampling_args, human_bytes, load_kwargs, sampling_kwargs, to_json,
-                     warn_context)
 
 __all__ = ["add_model_args", "add_sampling_args", "sampling_kwargs", "build_parser", "main"]
 

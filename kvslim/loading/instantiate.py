@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .. import weights as W
-from ..models import build
+from ..models import build_on_meta
 from ..models.base import CausalLM
 from ..models.layers import Experts
 
@@ -29,8 +29,7 @@ def instantiate(config, state_dict: dict, dtype: torch.dtype | None = None,
         weights: a block type name (``kvslim.weights.encodable_names()``) to quantize the
             dense matrices to now; None keeps them as they come.
     """
-    with torch.device("meta"):
-        model = build(config)
+    model = build_on_meta(config)
     want = {name: p.shape for name, p in model.named_parameters()}
     if config.tie_word_embeddings:
         state_dict.pop("lm_head.weight", None)
