@@ -9,9 +9,11 @@ around the step, so the forward pass on a ``DecodeBatch`` is pure tensor code
 that ``torch.compile`` traces into one graph, and inductor turns into a few
 fused C++ loops (attention's row decoding fused into its reductions, norms and
 activations into their neighbours). Shapes are symbolic in the batch size and
-in the pages read, so a graph is compiled once per model (plus once for B=1
-and for one page, which torch specialises); inductor keeps the generated code
-in its on-disk cache, so a later process skips the C++ compilation.
+in the pages read (at least two, so that one page is not a special case), so a
+model compiles twice: for one sequence (torch specialises size 1) and for any
+other batch size. ``Engine.warm_up`` does both before the first request;
+inductor keeps the generated code in its on-disk cache, so a later process
+skips the C++ compilation (dynamo's tracing is paid again).
 """
 from __future__ import annotations
 
@@ -63,7 +65,7 @@ class DecodeStep:
         options = COMPILE_OPTIONS if backend == "inductor" else None
         self._fn = torch.compile(self._forward, backend=backend, dynamic=True, options=options) \
             if self.compiled else None
-        self._shapes_seen: set[tuple[bool, bool]] = set()
+        self._shapes_seen: set[bool] = set()
 
     def __call__(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
         if not self.compiled:
@@ -72,7 +74,7 @@ class DecodeStep:
         self.cache.prepare_decode(slots, positions)
         n_pages = max(2, self.cache.decode_pages(positions))   # >= 2: one graph for every depth
         args = [torch.tensor(x, dtype=torch.long, device=self.device) for x in (tokens, positions, slots)]
-        shape = (len(slots) == 1, n_pages == 2)
+        shape = len(slots) == 1                                    # torch specialises size 1
         t0 = time.perf_counter()
         with torch.inference_mode():
             logits = self._fn(*args, n_pages)

@@ -339,6 +339,25 @@ class Engine:
         while not all(s.done for s in seqs):
             self.step()
 
+    def warm_up(self) -> float:
+        """Compile the decode step now (batch 1, and 2 when there are two slots) rather than in
+        the first requests' steps; seconds spent. Nothing to do without ``compile``."""
+        if not self.decode_step.compiled:
+            return 0.0
+        before = self.decode_step.compile_s
+        slots = [self.acquire_slot() for _ in range(min(2, len(self._free)))]
+        try:
+            for n in range(1, len(slots) + 1):
+                batch = Batch.build([(slot, [0], 0) for slot in slots[:n]], device=self.device)
+                self.model(batch, self.cache)                        # one token of prompt in each slot
+                self.decode_step(slots[:n], [0] * n, [1] * n)
+                for slot in slots[:n]:
+                    self.cache.clear(slot)
+        finally:
+            for slot in slots:
+                self.release_slot(slot)
+        return self.decode_step.compile_s - before
+
     # ----- scoring ----------------------------------------------------------------
     def iter_scores(self, token_ids: list[int], first: int = 0, progress=None) -> Iterator[tuple[int, torch.Tensor]]:
         """Fresh prefill of ``token_ids`` in a borrowed slot, in ubatches; yields ``(row, logits)``
