@@ -65,6 +65,8 @@ class ServerState:
         model, tokenizer, eos = load_model(o.get("model"), o.get("dtype"), config.device, weights=o.get("weights"),
                                            allow_dequant=bool(o.get("allow_dequant")))
         eog = tokenizer.eog_ids(sorted(eos))
+        if o.get("chat_template"):                                    # --chat-template-file
+            tokenizer.chat_template = o["chat_template"]
         engine = Engine(model, tokenizer, config, eog)
         self.max_token_chars = longest_token(tokenizer)
         eos_id = tokenizer.token_id(tokenizer.eos_token)
@@ -234,10 +236,18 @@ async def chat(request: Request):
     s = state_of(request)
     req = api.parse_chat(await read_json(request), s.options.get("strict", False))
     check_model(s, req.model)
+    prompt = await chat_prompt(s, req)
+    return await generate(request, s, req, prompt, "chat")
+
+
+async def chat_prompt(s: ServerState, req: api.GenerationRequest) -> list[int]:
+    """Render and tokenize a chat request (off the event loop); notes whether the reply starts inside <think>."""
+    from .parsing import thinking_opened
     text = await asyncio.to_thread(render, s, req)
     check_chars(s, len(text), "messages")
-    prompt = await asyncio.to_thread(s.engine.tokenizer.encode, text, False)
-    return await generate(request, s, req, prompt, "chat")
+    req.reasoning_format = req.reasoning_format or s.options.get("reasoning_format") or "auto"
+    req.thinking_open = thinking_opened(text)
+    return await asyncio.to_thread(s.engine.tokenizer.encode, text, False)
 
 
 @guarded()
@@ -258,9 +268,10 @@ async def completions(request: Request):
 
 def render(s: ServerState, req: api.GenerationRequest) -> str:
     from .tools import template_messages
+    kwargs = {**(s.options.get("chat_template_kwargs") or {}), **req.template_kwargs}
     try:
         return s.engine.tokenizer.apply_chat_template(template_messages(req.messages), add_generation_prompt=True,
-                                                      tools=req.tools)
+                                                      tools=req.tools, **kwargs)
     except Exception as err:                                         # template errors are the request's
         raise api.ApiError(400, f"chat template failed: {err}", param="messages") from None
 
@@ -306,12 +317,14 @@ async def generate(request: Request, s: ServerState, req: api.GenerationRequest,
 
 def constraints_for(s: ServerState, req: api.GenerationRequest) -> list:
     """One grammar constraint per choice (a forced tool call or a JSON response format), or None each."""
-    from .grammar import json_grammar, tool_call_grammar
+    from .grammar import CLOSE_THINKING, json_grammar, tool_call_grammar
+    prefix = CLOSE_THINKING if req.thinking_open else ""
     if req.tools and req.tool_choice and req.tool_choice not in ("auto", "none"):
         name = req.tool_choice.removeprefix("function:") if req.tool_choice.startswith("function:") else None
-        grammar, param = tool_call_grammar(req.tools, name), "tools"
+        xml = "<function=" in (s.engine.tokenizer.chat_template or "")          # Qwen3.5's call format
+        grammar, param = tool_call_grammar(req.tools, name, xml, prefix), "tools"
     elif req.response_format:
-        grammar, param = json_grammar(req.response_format.get("schema")), "response_format"
+        grammar, param = json_grammar(req.response_format.get("schema"), prefix), "response_format"
     else:
         return [None] * req.n
     return [s.grammars.constraint(grammar, param) for _ in range(req.n)]
