@@ -1,0 +1,175 @@
+"""Coding agents as clients: reasoning, streamed tool calls, Anthropic's Messages API, long sessions.
+
+A real ``kvslim serve`` on the bundled model with the Qwen3.5-format template
+(``kvslim/data/templates/qwen3_5.jinja``), driven by the official ``openai`` and
+``anthropic`` clients. The tiny model never writes a thinking block or a
+``<tool_call>`` on its own, so where a test needs one, the ``forced`` fixture
+makes the server constrain that request's reply to a scripted text (a literal
+llguidance grammar through the real sampler path: the model still runs every
+step and the server parses, streams and caches the tokens it produced).
+Everything else (plain answers, forced tool calls from ``tool_choice``,
+the long session's replies) is the model's own greedy output.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvslim.server import app as server_app
+from kvslim.server import start
+from tests.test_server import free_port, options, wait_ready
+
+openai = pytest.importorskip("openai")
+anthropic = pytest.importorskip("anthropic")
+TEMPLATE = Path(server_app.__file__).parents[1] / "data" / "templates" / "qwen3_5.jinja"
+TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a file",
+                                           "parameters": {"type": "object", "properties": {
+                                               "path": {"type": "string"}, "limit": {"type": "integer"}},
+                                               "required": ["path"]}}},
+         {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": {"type": "object", "properties": {
+                                               "city": {"type": "string"}}, "required": ["city"]}}}]
+THOUGHT = "A module?\nJSON."                              # short: the tiny model decodes slowly on a busy CPU
+ANSWER = "Use json."
+TWO_CALLS = ("Both.\n\n<tool_call>\n<function=read_file>\n<parameter=path>\n/etc\n</parameter>\n"
+             "<parameter=limit>\n20\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n"
+             "<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>")
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = free_port()
+    srv = start(options(None, ctx=2048, n_parallel=2, chat_template=TEMPLATE.read_text()), "127.0.0.1", port)
+    base = f"http://127.0.0.1:{port}"
+    wait_ready(base)
+    yield base
+    srv.shutdown()
+
+
+@pytest.fixture
+def forced(server, monkeypatch):
+    """``forced.append(text)``: the next chat request's reply is constrained to exactly ``text``."""
+    script: list[str] = []
+    real = server_app.constraints_for
+
+    def constraints(s, req):
+        if not script:
+            return real(s, req)
+        grammar = f"start: {json.dumps(script.pop(0))}\n"
+        return [s.grammars.constraint(grammar, "test script")]
+    monkeypatch.setattr(server_app, "constraints_for", constraints)
+    return script
+
+
+@pytest.fixture
+def oai(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+
+
+USER = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "Name a module."}]
+
+
+def prompt_of(server: str, body: dict) -> str:
+    return httpx.post(server + "/apply-template", json=body).json()["prompt"]
+
+
+# ----- reasoning ----------------------------------------------------------------------------------
+def test_openai_streamed_reasoning_then_answer(server, oai, forced):
+    forced.append(THOUGHT + "\n</think>\n\n" + ANSWER)
+    stream = oai.chat.completions.create(model="tiny", messages=USER, max_tokens=60, temperature=0, stream=True)
+    chunks = [c for c in stream if c.choices]
+    reasoning = [c.choices[0].delta.model_extra.get("reasoning_content") for c in chunks]
+    content = [c.choices[0].delta.content for c in chunks]
+    assert "".join(r for r in reasoning if r) == THOUGHT and "".join(c for c in content if c) == ANSWER
+    assert sum(1 for r in reasoning if r) > 1                             # deltas, as generated
+    first_answer = next(i for i, c in enumerate(content) if c)
+    assert all(not r for r in reasoning[first_answer:])                  # thinking first, then the answer
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    forced.append(THOUGHT + "\n</think>\n\n" + ANSWER)
+    whole = oai.chat.completions.create(model="tiny", messages=USER, max_tokens=60, temperature=0)
+    message = whole.choices[0].message
+    assert message.content == ANSWER and message.model_extra["reasoning_content"] == THOUGHT
+
+
+def test_reasoning_format_none_and_template_kwargs(server, oai, forced):
+    forced.append(THOUGHT + "\n</think>\n\n" + ANSWER)
+    raw = oai.chat.completions.create(model="tiny", messages=USER, max_tokens=60, temperature=0,
+                                      extra_body={"reasoning_format": "none"})
+    assert raw.choices[0].message.content == THOUGHT + "\n</think>\n\n" + ANSWER
+    assert "reasoning_content" not in (raw.choices[0].message.model_extra or {})
+    # enable_thinking=false reaches the template: the prompt closes an empty thinking block
+    assert prompt_of(server, {"messages": USER, "chat_template_kwargs": {"enable_thinking": False}}).endswith(
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    plain = oai.chat.completions.create(model="tiny", messages=USER, max_tokens=8, temperature=0,
+                                        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert plain.choices[0].message.content and "reasoning_content" not in plain.choices[0].message.model_extra
+    with pytest.raises(openai.BadRequestError):
+        oai.chat.completions.create(model="tiny", messages=USER, extra_body={"reasoning_format": "loud"})
+
+
+def test_thinking_sent_back_keeps_the_prefix_cache(server, oai, forced):
+    """The client returns reasoning_content; the template re-renders the turn token for token."""
+    forced.append(THOUGHT + "\n</think>\n\n" + ANSWER)
+    first = oai.chat.completions.create(model="tiny", messages=USER, max_tokens=60, temperature=0)
+    reply = first.choices[0].message
+    history = USER + [{"role": "assistant", "content": reply.content,
+                       "reasoning_content": reply.model_extra["reasoning_content"]},
+                      {"role": "user", "content": "Another?"}]
+    kwargs = {"preserve_thinking": True}
+    assert prompt_of(server, {"messages": history, "chat_template_kwargs": kwargs}).startswith(
+        prompt_of(server, {"messages": USER}) + THOUGHT + "\n</think>\n\n" + ANSWER)
+    second = oai.chat.completions.create(model="tiny", messages=history, max_tokens=4, temperature=0,
+                                         extra_body={"chat_template_kwargs": kwargs})
+    n_first = first.usage.prompt_tokens + first.usage.completion_tokens
+    assert second.usage.prompt_tokens_details.cached_tokens >= n_first - 2
+
+
+# ----- tool calls ----------------------------------------------------------------------------------
+def collect_calls(chunks) -> tuple[dict, int]:
+    """Tool calls put together from streamed deltas, and how many chunks carried arguments."""
+    calls, n_arg_chunks = {}, 0
+    for c in chunks:
+        for d in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+            call = calls.setdefault(d.index, {"id": d.id, "name": d.function.name, "arguments": ""})
+            call["arguments"] += d.function.arguments or ""
+            n_arg_chunks += bool(d.function.arguments)
+    return calls, n_arg_chunks
+
+
+def test_openai_streamed_parallel_tool_calls_round_trip(server, oai, forced):
+    forced.append("\n</think>\n\n" + TWO_CALLS)
+    stream = oai.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, max_tokens=120, temperature=0,
+                                         stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    calls, n_arg_chunks = collect_calls(chunks)
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
+        ("read_file", {"path": "/etc", "limit": 20}), ("get_weather", {"city": "Oslo"})]
+    assert n_arg_chunks > 4 and all(c["id"].startswith("call_") for c in calls.values())
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Both."
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    usage = chunks[-1].usage
+    # the client runs the tools and sends the calls and results back: the turn re-renders as generated
+    history = USER + [{"role": "assistant", "content": "Both.", "reasoning_content": "",
+                       "tool_calls": [{"id": c["id"], "type": "function",
+                                       "function": {"name": c["name"], "arguments": c["arguments"]}}
+                                      for c in calls.values()]},
+                      {"role": "tool", "tool_call_id": calls[0]["id"], "content": "127.0.0.1 localhost"},
+                      {"role": "tool", "tool_call_id": calls[1]["id"], "content": "light rain, 7 C"}]
+    prompt = prompt_of(server, {"messages": history, "tools": TOOLS})
+    assert prompt.startswith(prompt_of(server, {"messages": USER, "tools": TOOLS}) + "\n</think>\n\n" + TWO_CALLS)
+    answer = oai.chat.completions.create(model="tiny", messages=history, tools=TOOLS, max_tokens=6,
+                                         temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert answer.usage.prompt_tokens_details.cached_tokens >= usage.prompt_tokens + usage.completion_tokens - 2
+
+
+def test_forced_tool_call_uses_the_template_format(server, oai):
+    """tool_choice "required": the model's own greedy call, constrained to Qwen3.5's XML form."""
+    r = oai.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, tool_choice="required",
+                                    max_tokens=80, temperature=0)
+    call = r.choices[0].message.tool_calls[0]
+    args = json.loads(call.function.arguments)
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name in ("read_file", "get_weather")
+    assert isinstance(args.get("path", args.get("city")), str)
