@@ -266,6 +266,35 @@ async def completions(request: Request):
     return await generate(request, s, req, prompt, "completion")
 
 
+# ----- Anthropic's Messages API ---------------------------------------------------------------
+@guarded()
+async def messages(request: Request):
+    from .anthropic_api import MessagesResponder, parse_messages
+    s = state_of(request)
+    req = api_model(s, parse_messages(await read_json(request), s.options.get("strict", False)))
+    prompt = await chat_prompt(s, req)
+    return await generate(request, s, req, prompt, "chat", MessagesResponder)
+
+
+@guarded()
+async def count_tokens(request: Request):
+    from .anthropic_api import parse_messages
+    s = state_of(request)
+    req = api_model(s, parse_messages(await read_json(request), s.options.get("strict", False), counting=True))
+    return JSONResponse({"input_tokens": len(await chat_prompt(s, req))})
+
+
+def api_model(s: ServerState, req: api.GenerationRequest) -> api.GenerationRequest:
+    """Any model name is served: Anthropic clients send their own (Claude Code's background model too)."""
+    if req.model != s.model_id and req.model not in _logged_models and len(_logged_models) < 64:
+        _logged_models.add(req.model)
+        log.info("serving model %r for requests naming %r", s.model_id, req.model[:100])
+    return req
+
+
+_logged_models: set[str] = set()
+
+
 def render(s: ServerState, req: api.GenerationRequest) -> str:
     from .tools import template_messages
     kwargs = {**(s.options.get("chat_template_kwargs") or {}), **req.template_kwargs}
@@ -294,7 +323,8 @@ def check_chars(s: ServerState, n_chars: int, param: str) -> None:
         raise context_error(s, n_chars, "characters", param)
 
 
-async def generate(request: Request, s: ServerState, req: api.GenerationRequest, prompt: list[int], kind: str):
+async def generate(request: Request, s: ServerState, req: api.GenerationRequest, prompt: list[int], kind: str,
+                   responder=Responder):
     if len(prompt) >= s.engine.ctx:
         raise context_error(s, len(prompt), "tokens", "messages" if kind == "chat" else "prompt")
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
@@ -312,7 +342,7 @@ async def generate(request: Request, s: ServerState, req: api.GenerationRequest,
         raise api.ApiError(503, f"server busy: {err}; retry later", "unavailable_error", code="server_busy") from None
     except ShuttingDown as err:
         raise api.ApiError(503, str(err), "unavailable_error", code="shutting_down") from None
-    return await Responder(s, req, jobs, events, kind).respond(request)
+    return await responder(s, req, jobs, events, kind).respond(request)
 
 
 def constraints_for(s: ServerState, req: api.GenerationRequest) -> list:
@@ -331,21 +361,33 @@ def constraints_for(s: ServerState, req: api.GenerationRequest) -> list:
 
 
 # ----- the app ------------------------------------------------------------------------------
+def is_anthropic(request: Request) -> bool:
+    return request.url.path.startswith("/v1/messages")
+
+
+def error_json(request: Request, err: api.ApiError) -> dict:
+    """OpenAI's error shape, or Anthropic's on its routes."""
+    if is_anthropic(request):
+        from .anthropic_api import error_body
+        return error_body(err)
+    return err.body()
+
+
 async def api_error(request: Request, err: api.ApiError):
-    return JSONResponse(err.body(), err.status, headers=close_if_unread(request, err.status))
+    return JSONResponse(error_json(request, err), err.status, headers=close_if_unread(request, err.status))
 
 
 async def http_error(request: Request, err: HTTPException):
     code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code)
     message = f"no route {request.method} {request.url.path}" if err.status_code == 404 else str(err.detail)
-    body = api.ApiError(err.status_code, message, code=code).body()
+    body = error_json(request, api.ApiError(err.status_code, message, code=code))
     return JSONResponse(body, err.status_code, headers={**(err.headers or {}),
                                                         **close_if_unread(request, err.status_code)})
 
 
 async def server_error(request: Request, err: Exception):
     log.exception("internal error on %s %s", request.method, request.url.path)
-    body = api.ApiError(500, f"internal error: {type(err).__name__}", "server_error").body()
+    body = error_json(request, api.ApiError(500, f"internal error: {type(err).__name__}", "server_error"))
     return JSONResponse(body, 500, headers={"connection": "close"})
 
 
@@ -360,7 +402,8 @@ ROUTES = [("/health", health, ["GET"]), ("/v1/health", health, ["GET"]), ("/v1/m
           ("/v1/chat/completions", chat, ["POST"]), ("/chat/completions", chat, ["POST"]),
           ("/v1/completions", completions, ["POST"]), ("/completions", completions, ["POST"]),
           ("/tokenize", tokenize, ["POST"]), ("/detokenize", detokenize, ["POST"]),
-          ("/apply-template", apply_template, ["POST"])]
+          ("/apply-template", apply_template, ["POST"]), ("/v1/messages", messages, ["POST"]),
+          ("/v1/messages/count_tokens", count_tokens, ["POST"])]
 
 
 def options_route(path: str, methods: list[str]):

@@ -86,11 +86,14 @@ class Responder:
             async for _ in self._events():
                 pass
         except api.ApiError as err:
-            return JSONResponse(err.body(), err.status)
+            return JSONResponse(self.error_body(err), err.status)
         finally:
             watcher.cancel()
             self._cancel()
         return JSONResponse(self.final_body())
+
+    def error_body(self, err: api.ApiError) -> dict:
+        return err.body()
 
     async def _watch_disconnect(self, request: Request) -> None:
         while (await request.receive())["type"] != "http.disconnect":
