@@ -56,8 +56,6 @@ def parse_messages(body, strict: bool = False, counting: bool = False) -> api.Ge
     req.messages = system_messages(body.get("system")) + turn_messages(body["messages"])
     req.tools = convert_tools(body.get("tools"))
     req.tool_choice = convert_tool_choice(body.get("tool_choice"), req.tools)
-    if req.tool_choice == "none":
-        req.tools = None
     req.template_kwargs = thinking_kwargs(body.get("thinking"))
     return req
 

@@ -247,7 +247,23 @@ async def chat_prompt(s: ServerState, req: api.GenerationRequest) -> list[int]:
     check_chars(s, len(text), "messages")
     req.reasoning_format = req.reasoning_format or s.options.get("reasoning_format") or "auto"
     req.thinking_open = thinking_opened(text)
-    return await asyncio.to_thread(s.engine.tokenizer.encode, text, False)
+    return await asyncio.to_thread(encode_prompt, s.engine.tokenizer, text)
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """Token ids of a chat prompt, split the way the next turn's prompt will split them.
+
+    A prompt often ends in whitespace (``<think>\\n\\n</think>\\n\\n``); in the next turn's prompt
+    the reply follows it, and a GPT-2-style pre-tokenizer then splits that whitespace differently
+    ("\\n\\n" alone is one token, "\\n\\nX" is "\\n", "\\n", "X"), so the cached prompt would stop
+    matching one token before its end. Encoding the prompt with a letter after it and dropping the
+    letter's token gives the split the continuation (and the training text) has."""
+    if not text or not text[-1].isspace():
+        return tokenizer.encode(text, False)
+    ids = tokenizer.encode(text + "x", False)
+    if ids and tokenizer.decode(ids[:-1], skip_special=False) == text:
+        return ids[:-1]
+    return tokenizer.encode(text, False)                                 # the letter merged with a space
 
 
 @guarded()

@@ -171,8 +171,6 @@ def parse_chat(body: dict, strict: bool = False) -> GenerationRequest:
     req.tools, req.tool_choice = body.get("tools"), parse_tool_choice(body)
     req.template_kwargs = check_template_kwargs(body.get("chat_template_kwargs"))
     req.reasoning_format = check_reasoning_format(body.get("reasoning_format"))
-    if req.tool_choice == "none":
-        req.tools = None
     if isinstance(req.tool_choice, str) and req.tool_choice not in ("auto", "none") and req.response_format:
         raise ApiError(400, "a forced tool call and response_format cannot be combined", param="tool_choice")
     return req

@@ -63,9 +63,10 @@ class Choice:
 
 
 def reply_parser(req: api.GenerationRequest) -> OutputParser:
-    """How a chat reply is split: thinking unless --reasoning-format none, tool calls when tools were given."""
-    return OutputParser(reasoning=req.reasoning_format != "none", thinking_open=req.thinking_open,
-                        tools=req.tools if req.tools else None)
+    """How a chat reply is split: thinking unless --reasoning-format none, tool calls when tools were given
+    and not refused (with tool_choice "none" the tools stay in the prompt, so its cached prefix holds)."""
+    calls = req.tools if req.tools and req.tool_choice != "none" else None
+    return OutputParser(reasoning=req.reasoning_format != "none", thinking_open=req.thinking_open, tools=calls)
 
 
 class Responder:
