@@ -85,18 +85,23 @@ def progress(i: int, t: Turn) -> None:
           file=sys.stderr, flush=True)
 
 
-def is_text_turn(turn: int) -> bool:
-    return turn % TEXT_EVERY == TEXT_EVERY - 1
+def is_text_turn(turn: int, every: int = TEXT_EVERY) -> bool:
+    return turn % every == every - 1
+
+
+def normal_reply(text: str, calls: list[tuple[str, str]]) -> tuple:
+    """A reply as both APIs can be compared on: text and (name, canonical JSON arguments) per call."""
+    return text, tuple((name, json.dumps(json.loads(args or "{}"), sort_keys=True)) for name, args in calls)
 
 
 # ----- the OpenAI client ---------------------------------------------------------------------------
-def openai_session(base: str, turns: int, chars: int, max_text: int = 16) -> Session:
+def openai_session(base: str, turns: int, chars: int, max_text: int = 16, every: int = TEXT_EVERY) -> Session:
     import openai
     client = openai.OpenAI(base_url=base + "/v1", api_key="-", max_retries=0, timeout=1200)
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK}]
     tools, text, out = [{"type": "function", "function": TOOL}], corpus(), Session()
     for t in range(turns):
-        talk = is_text_turn(t)
+        talk = is_text_turn(t, every)
         turn, content, calls = openai_turn(client, messages, tools, "none" if talk else "required",
                                            max_text if talk else 48)
         progress(t, turn)
@@ -125,20 +130,20 @@ def openai_turn(client, messages, tools, choice: str, max_tokens: int):
             call["function"]["name"] += d.function.name or ""
             call["function"]["arguments"] += d.function.arguments or ""
     calls = list(calls.values())
-    reply = (content, tuple((c["function"]["name"], c["function"]["arguments"]) for c in calls))
+    reply = normal_reply(content, [(c["function"]["name"], c["function"]["arguments"]) for c in calls])
     return Turn(usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens, usage.completion_tokens,
                 ttft or float("nan"), reply), content, calls
 
 
 # ----- the Anthropic client --------------------------------------------------------------------------
-def anthropic_session(base: str, turns: int, chars: int, max_text: int = 16) -> Session:
+def anthropic_session(base: str, turns: int, chars: int, max_text: int = 16, every: int = TEXT_EVERY) -> Session:
     import anthropic
     client = anthropic.Anthropic(base_url=base, api_key="-", max_retries=0, timeout=1200)
     messages = [{"role": "user", "content": TASK}]
     tools = [{"name": TOOL["name"], "description": TOOL["description"], "input_schema": TOOL["parameters"]}]
     text, out = corpus(), Session()
     for t in range(turns):
-        talk = is_text_turn(t)
+        talk = is_text_turn(t, every)
         turn, message = anthropic_turn(client, messages, tools, {"type": "none" if talk else "any"},
                                        max_text if talk else 48)
         progress(t, turn)
@@ -162,7 +167,8 @@ def anthropic_turn(client, messages, tools, choice: dict, max_tokens: int):
                 ttft = time.perf_counter() - t0
         message = stream.get_final_message()
     u = message.usage
-    reply = tuple((b.type, b.text if b.type == "text" else json.dumps(b.input)) for b in message.content)
+    reply = normal_reply("".join(b.text for b in message.content if b.type == "text"),
+                         [(b.name, json.dumps(b.input)) for b in message.content if b.type == "tool_use"])
     return Turn(u.input_tokens + u.cache_read_input_tokens, u.cache_read_input_tokens, u.output_tokens,
                 ttft or float("nan"), reply), message
 

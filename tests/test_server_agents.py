@@ -13,6 +13,7 @@ the long session's replies) is the model's own greedy output.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import httpx
@@ -250,3 +251,41 @@ def test_anthropic_stop_sequence_forced_tool_and_errors(server, ant):
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("max_tokens")
     r = httpx.post(server + "/v1/messages", json={}, headers={"Host": "evil.example"})   # DNS rebinding check
     assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
+
+
+# ----- a long agent session, small -----------------------------------------------------------------
+def load_bench():
+    import importlib.util
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "agent_session.py"
+    spec = importlib.util.spec_from_file_location("agent_session", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module                                   # its dataclasses look themselves up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_agent_session_prefills_only_new_tokens_and_matches_a_cold_server():
+    """benchmarks/agent_session.py's scripted session, short: tool calls (the model's own, forced by
+    tool_choice), tool results of real text, a text answer and a new user turn. Every turn after the
+    first reads the whole previous prompt and reply from the cache; the Anthropic session, rendering the
+    same prompts, reads even its first turn from the OpenAI session's cache and answers the same; a
+    server without prefix reuse answers the same too."""
+    bench = load_bench()
+    turns, chars, every, kv = 4, 600, 3, ("q8_0", "turbo4")
+    handle, base = bench.serve(1536, *kv)
+    try:
+        warm = bench.openai_session(base, turns, chars, every=every)
+        other = bench.anthropic_session(base, turns, chars, every=every)
+    finally:
+        handle.shutdown()
+    handle, base = bench.serve(1536, *kv, prefix_cache=False)
+    try:
+        cold = bench.openai_session(base, turns, chars, every=every)
+    finally:
+        handle.shutdown()
+    assert warm.turns[-1].prompt > 700 and any(t.reply[1] for t in warm.turns) and warm.turns[2].reply[1] == ()
+    for s in (warm, other):
+        assert all(t.cached >= s.reusable(i) - 1 for i, t in enumerate(s.turns) if i > 0)
+    assert other.turns[0].cached >= other.turns[0].prompt - 64          # the OpenAI session's turn 1, cached
+    assert [t.reply for t in warm.turns] == [t.reply for t in other.turns] == [t.reply for t in cold.turns]
+    assert all(t.cached == 0 for t in cold.turns)
