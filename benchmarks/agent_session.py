@@ -126,7 +126,8 @@ def openai_turn(client, messages, tools, choice: str, max_tokens: int):
         ttft = ttft or time.perf_counter() - t0
         content += delta.content or ""
         for d in delta.tool_calls or []:
-            call = calls.setdefault(d.index, {"id": d.id, "type": "function", "function": {"name": "", "arguments": ""}})
+            call = calls.setdefault(d.index, {"id": d.id, "type": "function",
+                                              "function": {"name": "", "arguments": ""}})
             call["function"]["name"] += d.function.name or ""
             call["function"]["arguments"] += d.function.arguments or ""
     calls = list(calls.values())

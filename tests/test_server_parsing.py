@@ -99,3 +99,24 @@ def test_thinking_opened_by_the_prompt():
     assert thinking_opened("<|im_start|>assistant\n<think>\n")
     assert not thinking_opened("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert not thinking_opened("<|im_start|>assistant\n")
+
+
+def test_forced_call_grammars_accept_what_the_parser_reads():
+    """The XML grammar (Qwen3.5 templates) and the JSON one (Qwen3), after closing an open thinking block."""
+    llguidance = pytest.importorskip("llguidance")
+    from pathlib import Path
+
+    from kvslim.server.grammar import CLOSE_THINKING, tool_call_grammar
+    from kvslim.tokenizer import Tokenizer
+    tok = Tokenizer.from_folder(Path(__file__).resolve().parents[1] / "kvslim" / "data" / "tiny-qwen35")
+    lltok = llguidance.LLTokenizer(tok.backend.to_str(), n_vocab=tok.vocab_size, eos_token=0)
+    xml = CLOSE_THINKING + XML_TWO.split("\n\n", 1)[1].split("\n<tool_call>\n<function=get_weather>")[0]
+    cases = [(True, xml), (False, CLOSE_THINKING + '<tool_call>\n{"name": "get_weather", "arguments": '
+                                                   '{"city": "Oslo"}}\n</tool_call>')]
+    for is_xml, text in cases:
+        matcher = llguidance.LLMatcher(lltok, tool_call_grammar(TOOLS, None, is_xml, CLOSE_THINKING), log_level=0)
+        for token in tok.encode(text, False):
+            assert matcher.consume_token(token), (is_xml, tok.decode([token]))
+        assert matcher.is_accepting()
+        reply = parse_reply(text, thinking_open=True, tools=TOOLS)
+        assert reply.reasoning == "" and len(reply.calls) == 1 and json.loads(reply.calls[0]["arguments"])

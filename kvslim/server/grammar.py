@@ -100,7 +100,8 @@ def tool_call_grammar(tools: list[dict], name: str | None = None, xml: bool = Fa
         options.append({"type": "object", "properties": {"name": {"const": fn.get("name")}, "arguments": params},
                         "required": ["name", "arguments"], "additionalProperties": False})
     schema = {**(options[0] if len(options) == 1 else {"anyOf": options}), "x-guidance": JSON_LAYOUT}
-    return f'start: {json.dumps(prefix + "<tool_call>" + chr(10))} call "\\n</tool_call>"\ncall: %json {json.dumps(schema)}\n'
+    head = json.dumps(prefix + "<tool_call>\n")
+    return f'start: {head} call "\\n</tool_call>"\ncall: %json {json.dumps(schema)}\n'
 
 
 def xml_tool_call_grammar(tools: list[dict], name: str | None = None) -> str:
