@@ -55,6 +55,7 @@ class Turn:
     completion: int
     ttft: float
     reply: tuple = ()
+    prefill_ms: float = float("nan")                 # the server's prompt time (OpenAI stream's timings)
 
     @property
     def share(self) -> float:
@@ -81,8 +82,8 @@ def tool_result(turn: int, chars: int, text: str) -> str:
 
 
 def progress(i: int, t: Turn) -> None:
-    print(f"  turn {i + 1}: prompt {t.prompt}, cached {t.cached}, reply {t.completion}, TTFT {1000 * t.ttft:.0f} ms",
-          file=sys.stderr, flush=True)
+    print(f"  turn {i + 1}: prompt {t.prompt}, cached {t.cached}, reply {t.completion}, TTFT {1000 * t.ttft:.0f} ms, "
+          f"prefill {t.prefill_ms:.0f} ms", file=sys.stderr, flush=True)
 
 
 def is_text_turn(turn: int, every: int = TEXT_EVERY) -> bool:
@@ -114,12 +115,13 @@ def openai_session(base: str, turns: int, chars: int, max_text: int = 16, every:
 
 
 def openai_turn(client, messages, tools, choice: str, max_tokens: int):
-    t0, ttft, content, calls, usage = time.perf_counter(), None, "", {}, None
+    t0, ttft, content, calls, usage, timings = time.perf_counter(), None, "", {}, None, {}
     stream = client.chat.completions.create(model="m", messages=messages, tools=tools, tool_choice=choice,
                                             max_tokens=max_tokens, temperature=0, stream=True,
                                             stream_options={"include_usage": True})
     for chunk in stream:
         usage = chunk.usage or usage
+        timings = (chunk.model_extra or {}).get("timings") or timings
         delta = chunk.choices[0].delta if chunk.choices else None
         if delta is None or not (delta.content or delta.tool_calls):
             continue
@@ -133,7 +135,7 @@ def openai_turn(client, messages, tools, choice: str, max_tokens: int):
     calls = list(calls.values())
     reply = normal_reply(content, [(c["function"]["name"], c["function"]["arguments"]) for c in calls])
     return Turn(usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens, usage.completion_tokens,
-                ttft or float("nan"), reply), content, calls
+                ttft or float("nan"), reply, timings.get("prompt_ms", float("nan"))), content, calls
 
 
 # ----- the Anthropic client --------------------------------------------------------------------------
@@ -216,22 +218,29 @@ def run(api: str, turns: int, chars: int, ctx: int, type_k: str, type_v: str, pr
 
 # ----- report -------------------------------------------------------------------------------------
 def summary(s: Session) -> dict:
-    """Worst reuse after turn 1, TTFT of turn 2, the largest TTFT after it and its ratio."""
+    """Worst reuse after turn 1; TTFT and server prefill time of turn 2 against the later turns
+    (the largest and the median of the last five: one slow turn on a busy machine shows in the first)."""
     reuse = [min(1.0, t.cached / s.reusable(i)) for i, t in enumerate(s.turns) if i > 0]
-    ttfts = [t.ttft for t in s.turns[1:]]
-    return {"turns": len(s.turns), "final_prompt": s.turns[-1].prompt, "min_reuse": min(reuse),
-            "median_share": statistics.median(t.share for t in s.turns[1:]), "ttft_turn2": ttfts[0],
-            "ttft_max": max(ttfts[1:] or ttfts), "ttft_median": statistics.median(ttfts),
-            "ttft_ratio": max(ttfts[1:] or ttfts) / ttfts[0]}
+    out = {"turns": len(s.turns), "final_prompt": s.turns[-1].prompt, "min_reuse": round(min(reuse), 4),
+           "median_share": round(statistics.median(t.share for t in s.turns[1:]), 4)}
+    for name, values in (("ttft_ms", [1000 * t.ttft for t in s.turns[1:]]),
+                         ("prefill_ms", [t.prefill_ms for t in s.turns[1:]])):
+        if any(v != v for v in values):                          # no server timings (Anthropic's stream)
+            continue
+        late = statistics.median(values[-5:])
+        out.update({f"{name}_turn2": round(values[0]), f"{name}_max": round(max(values)),
+                    f"{name}_last5_median": round(late), f"{name}_last5_vs_turn2": round(late / values[0], 2)})
+    return out
 
 
 def table(s: Session) -> str:
     rows = []
     for i, t in enumerate(s.turns):
         reuse = "-" if i == 0 else f"{100 * min(1.0, t.cached / s.reusable(i)):.1f}%"
-        rows.append([i + 1, t.prompt, t.cached, f"{100 * t.share:.1f}%", reuse, t.completion, f"{1000 * t.ttft:.0f}"])
-    return markdown_table(["turn", "prompt", "cached", "cached/prompt", "cached/reusable", "reply", "TTFT ms"],
-                          rows)
+        rows.append([i + 1, t.prompt, t.cached, f"{100 * t.share:.1f}%", reuse, t.completion, f"{1000 * t.ttft:.0f}",
+                     f"{t.prefill_ms:.0f}"])
+    return markdown_table(["turn", "prompt", "cached", "cached/prompt", "cached/reusable", "reply", "TTFT ms",
+                           "prefill ms"], rows)
 
 
 def main(argv=None) -> int:

@@ -296,8 +296,9 @@ def completion_choice(text: str, finish_reason: str | None, index: int = 0, logp
 
 
 def usage_chunk(rid: str, model: str, obj: str, seqs: list) -> dict:
+    """The last chunk of a stream: usage, and llama-server's ``timings`` (prompt_ms: the prefill alone)."""
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [],
-            "usage": usage(seqs)}
+            "usage": usage(seqs), "timings": seqs[0].timings()}
 
 
 # ----- logprobs ----------------------------------------------------------------------------
