@@ -267,9 +267,8 @@ def load_bench():
 def test_agent_session_prefills_only_new_tokens_and_matches_a_cold_server():
     """benchmarks/agent_session.py's scripted session, short: tool calls (the model's own, forced by
     tool_choice), tool results of real text, a text answer and a new user turn. Every turn after the
-    first reads the whole previous prompt and reply from the cache; the Anthropic session, rendering the
-    same prompts, reads even its first turn from the OpenAI session's cache and answers the same; a
-    server without prefix reuse answers the same too."""
+    first reads the whole previous prompt and reply from the cache; the Anthropic session renders the
+    same prompts and answers the same; a server without prefix reuse answers the same too."""
     bench = load_bench()
     turns, chars, every, kv = 4, 600, 3, ("q8_0", "turbo4")
     handle, base = bench.serve(1536, *kv)
@@ -286,6 +285,5 @@ def test_agent_session_prefills_only_new_tokens_and_matches_a_cold_server():
     assert warm.turns[-1].prompt > 700 and any(t.reply[1] for t in warm.turns) and warm.turns[2].reply[1] == ()
     for s in (warm, other):
         assert all(t.cached >= s.reusable(i) - 1 for i, t in enumerate(s.turns) if i > 0)
-    assert other.turns[0].cached >= other.turns[0].prompt - 64          # the OpenAI session's turn 1, cached
     assert [t.reply for t in warm.turns] == [t.reply for t in other.turns] == [t.reply for t in cold.turns]
     assert all(t.cached == 0 for t in cold.turns)
