@@ -11,7 +11,7 @@ import pytest
 
 from kvslim.engine import EngineConfig
 from kvslim.server import start
-from kvslim.server.tools import ToolStreamFilter, parse_tool_calls
+from kvslim.server.parsing import parse_reply
 
 openai = pytest.importorskip("openai")
 
@@ -147,15 +147,10 @@ def test_tool_call_round_trip(server, client):
 
 def test_qwen_tool_call_text_becomes_tool_calls():
     text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
-    content, calls = parse_tool_calls(text)
-    assert content == "Let me check." and calls[0]["function"]["name"] == "get_weather"
-    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
-    assert parse_tool_calls("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
-    f = ToolStreamFilter()
-    shown = "".join(f.feed(piece) for piece in ["Let me ", "check.\n<tool", "_call>\n{\"name\": \"get_weather\"",
-                                                ", \"arguments\": {}}\n</tool_call>"])
-    rest, calls = f.finish()
-    assert shown == "Let me check.\n" and rest == "" and calls[0]["function"]["arguments"] == "{}"
+    reply = parse_reply(text, tools=[{"type": "function", "function": {"name": "get_weather"}}])
+    assert reply.content == "Let me check." and reply.calls[0]["name"] == "get_weather"
+    assert json.loads(reply.calls[0]["arguments"]) == {"city": "Oslo"}
+    assert parse_reply("<tool_call>not json</tool_call>", tools=[]).content == "<tool_call>not json</tool_call>"
 
 
 def test_concurrent_streams_equal_one_at_a_time(client):

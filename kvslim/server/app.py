@@ -65,6 +65,8 @@ class ServerState:
         model, tokenizer, eos = load_model(o.get("model"), o.get("dtype"), config.device, weights=o.get("weights"),
                                            allow_dequant=bool(o.get("allow_dequant")))
         eog = tokenizer.eog_ids(sorted(eos))
+        if o.get("chat_template"):                                    # --chat-template-file
+            tokenizer.chat_template = o["chat_template"]
         engine = Engine(model, tokenizer, config, eog)
         self.max_token_chars = longest_token(tokenizer)
         eos_id = tokenizer.token_id(tokenizer.eos_token)
@@ -234,10 +236,34 @@ async def chat(request: Request):
     s = state_of(request)
     req = api.parse_chat(await read_json(request), s.options.get("strict", False))
     check_model(s, req.model)
+    prompt = await chat_prompt(s, req)
+    return await generate(request, s, req, prompt, "chat")
+
+
+async def chat_prompt(s: ServerState, req: api.GenerationRequest) -> list[int]:
+    """Render and tokenize a chat request (off the event loop); notes whether the reply starts inside <think>."""
+    from .parsing import thinking_opened
     text = await asyncio.to_thread(render, s, req)
     check_chars(s, len(text), "messages")
-    prompt = await asyncio.to_thread(s.engine.tokenizer.encode, text, False)
-    return await generate(request, s, req, prompt, "chat")
+    req.reasoning_format = req.reasoning_format or s.options.get("reasoning_format") or "auto"
+    req.thinking_open = thinking_opened(text)
+    return await asyncio.to_thread(encode_prompt, s.engine.tokenizer, text)
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """Token ids of a chat prompt, split the way the next turn's prompt will split them.
+
+    A prompt often ends in whitespace (``<think>\\n\\n</think>\\n\\n``); in the next turn's prompt
+    the reply follows it, and a GPT-2-style pre-tokenizer then splits that whitespace differently
+    ("\\n\\n" alone is one token, "\\n\\nX" is "\\n", "\\n", "X"), so the cached prompt would stop
+    matching one token before its end. Encoding the prompt with a letter after it and dropping the
+    letter's token gives the split the continuation (and the training text) has."""
+    if not text or not text[-1].isspace():
+        return tokenizer.encode(text, False)
+    ids = tokenizer.encode(text + "x", False)
+    if ids and tokenizer.decode(ids[:-1], skip_special=False) == text:
+        return ids[:-1]
+    return tokenizer.encode(text, False)                                 # the letter merged with a space
 
 
 @guarded()
@@ -256,11 +282,41 @@ async def completions(request: Request):
     return await generate(request, s, req, prompt, "completion")
 
 
+# ----- Anthropic's Messages API ---------------------------------------------------------------
+@guarded()
+async def messages(request: Request):
+    from .anthropic_api import MessagesResponder, parse_messages
+    s = state_of(request)
+    req = api_model(s, parse_messages(await read_json(request), s.options.get("strict", False)))
+    prompt = await chat_prompt(s, req)
+    return await generate(request, s, req, prompt, "chat", MessagesResponder)
+
+
+@guarded()
+async def count_tokens(request: Request):
+    from .anthropic_api import parse_messages
+    s = state_of(request)
+    req = api_model(s, parse_messages(await read_json(request), s.options.get("strict", False), counting=True))
+    return JSONResponse({"input_tokens": len(await chat_prompt(s, req))})
+
+
+def api_model(s: ServerState, req: api.GenerationRequest) -> api.GenerationRequest:
+    """Any model name is served: Anthropic clients send their own (Claude Code's background model too)."""
+    if req.model != s.model_id and req.model not in _logged_models and len(_logged_models) < 64:
+        _logged_models.add(req.model)
+        log.info("serving model %r for requests naming %r", s.model_id, req.model[:100])
+    return req
+
+
+_logged_models: set[str] = set()
+
+
 def render(s: ServerState, req: api.GenerationRequest) -> str:
     from .tools import template_messages
+    kwargs = {**(s.options.get("chat_template_kwargs") or {}), **req.template_kwargs}
     try:
         return s.engine.tokenizer.apply_chat_template(template_messages(req.messages), add_generation_prompt=True,
-                                                      tools=req.tools)
+                                                      tools=req.tools, **kwargs)
     except Exception as err:                                         # template errors are the request's
         raise api.ApiError(400, f"chat template failed: {err}", param="messages") from None
 
@@ -283,7 +339,8 @@ def check_chars(s: ServerState, n_chars: int, param: str) -> None:
         raise context_error(s, n_chars, "characters", param)
 
 
-async def generate(request: Request, s: ServerState, req: api.GenerationRequest, prompt: list[int], kind: str):
+async def generate(request: Request, s: ServerState, req: api.GenerationRequest, prompt: list[int], kind: str,
+                   responder=Responder):
     if len(prompt) >= s.engine.ctx:
         raise context_error(s, len(prompt), "tokens", "messages" if kind == "chat" else "prompt")
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
@@ -301,38 +358,52 @@ async def generate(request: Request, s: ServerState, req: api.GenerationRequest,
         raise api.ApiError(503, f"server busy: {err}; retry later", "unavailable_error", code="server_busy") from None
     except ShuttingDown as err:
         raise api.ApiError(503, str(err), "unavailable_error", code="shutting_down") from None
-    return await Responder(s, req, jobs, events, kind).respond(request)
+    return await responder(s, req, jobs, events, kind).respond(request)
 
 
 def constraints_for(s: ServerState, req: api.GenerationRequest) -> list:
     """One grammar constraint per choice (a forced tool call or a JSON response format), or None each."""
-    from .grammar import json_grammar, tool_call_grammar
+    from .grammar import CLOSE_THINKING, json_grammar, tool_call_grammar
+    prefix = CLOSE_THINKING if req.thinking_open else ""
     if req.tools and req.tool_choice and req.tool_choice not in ("auto", "none"):
         name = req.tool_choice.removeprefix("function:") if req.tool_choice.startswith("function:") else None
-        grammar, param = tool_call_grammar(req.tools, name), "tools"
+        xml = "<function=" in (s.engine.tokenizer.chat_template or "")          # Qwen3.5's call format
+        grammar, param = tool_call_grammar(req.tools, name, xml, prefix), "tools"
     elif req.response_format:
-        grammar, param = json_grammar(req.response_format.get("schema")), "response_format"
+        grammar, param = json_grammar(req.response_format.get("schema"), prefix), "response_format"
     else:
         return [None] * req.n
     return [s.grammars.constraint(grammar, param) for _ in range(req.n)]
 
 
 # ----- the app ------------------------------------------------------------------------------
+def is_anthropic(request: Request) -> bool:
+    return request.url.path.startswith("/v1/messages")
+
+
+def error_json(request: Request, err: api.ApiError) -> dict:
+    """OpenAI's error shape, or Anthropic's on its routes."""
+    if is_anthropic(request):
+        from .anthropic_api import error_body
+        return error_body(err)
+    return err.body()
+
+
 async def api_error(request: Request, err: api.ApiError):
-    return JSONResponse(err.body(), err.status, headers=close_if_unread(request, err.status))
+    return JSONResponse(error_json(request, err), err.status, headers=close_if_unread(request, err.status))
 
 
 async def http_error(request: Request, err: HTTPException):
     code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code)
     message = f"no route {request.method} {request.url.path}" if err.status_code == 404 else str(err.detail)
-    body = api.ApiError(err.status_code, message, code=code).body()
+    body = error_json(request, api.ApiError(err.status_code, message, code=code))
     return JSONResponse(body, err.status_code, headers={**(err.headers or {}),
                                                         **close_if_unread(request, err.status_code)})
 
 
 async def server_error(request: Request, err: Exception):
     log.exception("internal error on %s %s", request.method, request.url.path)
-    body = api.ApiError(500, f"internal error: {type(err).__name__}", "server_error").body()
+    body = error_json(request, api.ApiError(500, f"internal error: {type(err).__name__}", "server_error"))
     return JSONResponse(body, 500, headers={"connection": "close"})
 
 
@@ -347,7 +418,8 @@ ROUTES = [("/health", health, ["GET"]), ("/v1/health", health, ["GET"]), ("/v1/m
           ("/v1/chat/completions", chat, ["POST"]), ("/chat/completions", chat, ["POST"]),
           ("/v1/completions", completions, ["POST"]), ("/completions", completions, ["POST"]),
           ("/tokenize", tokenize, ["POST"]), ("/detokenize", detokenize, ["POST"]),
-          ("/apply-template", apply_template, ["POST"])]
+          ("/apply-template", apply_template, ["POST"]), ("/v1/messages", messages, ["POST"]),
+          ("/v1/messages/count_tokens", count_tokens, ["POST"])]
 
 
 def options_route(path: str, methods: list[str]):

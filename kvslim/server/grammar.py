@@ -67,17 +67,30 @@ class Grammars:
         return GrammarConstraint(matcher, self.n_vocab)
 
 
-def json_grammar(schema: dict | None) -> str:
-    """Any JSON object (``json_object``) or one matching ``schema``."""
+def json_grammar(schema: dict | None, prefix: str = "") -> str:
+    """Any JSON object (``json_object``) or one matching ``schema``, after the literal ``prefix``."""
     import llguidance
+    schema = schema or {"type": "object"}
     try:
-        return llguidance.LLMatcher.grammar_from_json_schema(schema or {"type": "object"}, defaults=JSON_LAYOUT)
+        if not prefix:
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
+        llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)       # checks the schema
     except Exception as err:                                          # llguidance reports schema errors so
         raise ApiError(400, f"invalid JSON schema: {err}", param="response_format") from None
+    return f"start: {json.dumps(prefix)} value\nvalue: %json {json.dumps({**schema, 'x-guidance': JSON_LAYOUT})}\n"
 
 
-def tool_call_grammar(tools: list[dict], name: str | None = None) -> str:
-    """One Qwen/Hermes ``<tool_call>`` block calling ``name`` (or any of ``tools``) with valid arguments."""
+# when the prompt left a thinking block open, a forced reply first closes it (empty), as the template
+# re-renders a turn without reasoning, so the next turn's prompt still starts with these exact tokens
+CLOSE_THINKING = "\n</think>\n\n"
+
+
+def tool_call_grammar(tools: list[dict], name: str | None = None, xml: bool = False, prefix: str = "") -> str:
+    """One ``<tool_call>`` block calling ``name`` (or any of ``tools``) with valid arguments: Qwen3's JSON
+    object, or with ``xml`` Qwen3.5's ``<function=...>`` form (the one the chat template teaches)."""
+    if xml:
+        return xml_tool_call_grammar(tools, name).replace("start: ", f"start: {json.dumps(prefix)} " if prefix
+                                                           else "start: ", 1)
     options = []
     for tool in tools:
         fn = tool.get("function") or {}
@@ -87,4 +100,32 @@ def tool_call_grammar(tools: list[dict], name: str | None = None) -> str:
         options.append({"type": "object", "properties": {"name": {"const": fn.get("name")}, "arguments": params},
                         "required": ["name", "arguments"], "additionalProperties": False})
     schema = {**(options[0] if len(options) == 1 else {"anyOf": options}), "x-guidance": JSON_LAYOUT}
-    return f'start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: %json {json.dumps(schema)}\n'
+    head = json.dumps(prefix + "<tool_call>\n")
+    return f'start: {head} call "\\n</tool_call>"\ncall: %json {json.dumps(schema)}\n'
+
+
+def xml_tool_call_grammar(tools: list[dict], name: str | None = None) -> str:
+    """Lark for ``<tool_call>\\n<function=f>\\n<parameter=k>\\nvalue\\n</parameter>\\n...</function>\\n</tool_call>``:
+    required parameters in schema order, then optional ones each at most once in order; a string value
+    is raw text without ``<``, any other value JSON matching its schema."""
+    fns = [t.get("function") or {} for t in tools]
+    fns = [f for f in fns if name is None or f.get("name") == name]
+    rules = [f'start: "<tool_call>\\n<function=" ({" | ".join(f"f{i}" for i in range(len(fns)))}) '
+             f'"</function>\\n</tool_call>"']
+    for i, fn in enumerate(fns):
+        params = fn.get("parameters") or {}
+        required = set(params.get("required") or [])
+        parts = []
+        for j, (key, schema) in enumerate((params.get("properties") or {}).items()):
+            rules += xml_param_rules(f"p{i}_{j}", key, schema if isinstance(schema, dict) else {})
+            parts.append(f"p{i}_{j}" + ("" if key in required else "?"))
+        rules.append(f"f{i}: {json.dumps(fn.get('name', '') + '>' + chr(10))} {' '.join(parts)}")
+    return "\n".join(rules) + "\n"
+
+
+def xml_param_rules(rule: str, key: str, schema: dict) -> list[str]:
+    head = json.dumps(f"<parameter={key}>\n")
+    if schema.get("type") == "string":                                # raw text up to the closing tag
+        return [f"{rule}: {head} /[^<]*\\n<\\/parameter>\\n/"]
+    value = json.dumps({**schema, "x-guidance": JSON_LAYOUT})
+    return [f"{rule}: {head} {rule}_v \"\\n</parameter>\\n\"", f"{rule}_v: %json {value}"]

@@ -41,7 +41,9 @@ COMMON_FIELDS = {
 MAX_N = 16
 CHAT_FIELDS = {**COMMON_FIELDS, "messages": list, "max_completion_tokens": (int, type(None)),
                "tools": (list, type(None)), "tool_choice": (str, dict, type(None)),
-               "parallel_tool_calls": (bool, type(None)), "top_logprobs": (int, type(None))}
+               "parallel_tool_calls": (bool, type(None)), "top_logprobs": (int, type(None)),
+               # llama-server's: extra variables for the chat template, and how to return thinking
+               "chat_template_kwargs": (dict, type(None)), "reasoning_format": (str, type(None))}
 COMPLETION_FIELDS = {**COMMON_FIELDS, "prompt": (str, list), "echo": (bool, type(None)), "logprobs": (int, type(None)),
                      "suffix": (str, type(None)), "best_of": (int, type(None))}
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -63,6 +65,9 @@ class GenerationRequest:
     tool_choice: str | dict | None = None
     n: int = 1
     response_format: dict | None = None                          # {"type": "json_object" | "json_schema", ...}
+    template_kwargs: dict = field(default_factory=dict)          # chat_template_kwargs (enable_thinking, ...)
+    reasoning_format: str | None = None                          # None: the server's --reasoning-format
+    thinking_open: bool = False                                  # the rendered prompt ends inside <think>
 
 
 def check_fields(body, allowed: dict, strict: bool = False) -> None:
@@ -164,11 +169,30 @@ def parse_chat(body: dict, strict: bool = False) -> GenerationRequest:
     if not req.messages:
         raise ApiError(400, "'messages' must be a non-empty list", param="messages")
     req.tools, req.tool_choice = body.get("tools"), parse_tool_choice(body)
-    if req.tool_choice == "none":
-        req.tools = None
+    req.template_kwargs = check_template_kwargs(body.get("chat_template_kwargs"))
+    req.reasoning_format = check_reasoning_format(body.get("reasoning_format"))
     if isinstance(req.tool_choice, str) and req.tool_choice not in ("auto", "none") and req.response_format:
         raise ApiError(400, "a forced tool call and response_format cannot be combined", param="tool_choice")
     return req
+
+
+# names the server passes to the template itself; a request may not override them
+TEMPLATE_RESERVED = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
+
+
+def check_template_kwargs(kwargs: dict | None) -> dict:
+    bad = sorted(TEMPLATE_RESERVED & set(kwargs or {}))
+    if bad:
+        raise ApiError(400, f"chat_template_kwargs may not set {', '.join(bad)}", param="chat_template_kwargs")
+    return dict(kwargs or {})
+
+
+def check_reasoning_format(fmt: str | None) -> str | None:
+    from .parsing import REASONING_FORMATS
+    if fmt is not None and fmt not in REASONING_FORMATS:
+        raise ApiError(400, f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}, got {fmt!r}",
+                       param="reasoning_format", code="invalid_value")
+    return fmt
 
 
 def parse_tool_choice(body: dict) -> str | None:
@@ -209,6 +233,9 @@ def check_message(i: int, m) -> dict:
     for key in ("tool_calls", "tool_call_id", "name"):
         if key in m:
             out[key] = m[key]
+    reasoning = m.get("reasoning_content", m.get("reasoning"))        # thinking sent back, kept for the template
+    if isinstance(reasoning, str):
+        out["reasoning_content"] = reasoning
     return out
 
 
@@ -269,8 +296,9 @@ def completion_choice(text: str, finish_reason: str | None, index: int = 0, logp
 
 
 def usage_chunk(rid: str, model: str, obj: str, seqs: list) -> dict:
+    """The last chunk of a stream: usage, and llama-server's ``timings`` (prompt_ms: the prefill alone)."""
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [],
-            "usage": usage(seqs)}
+            "usage": usage(seqs), "timings": seqs[0].timings()}
 
 
 # ----- logprobs ----------------------------------------------------------------------------

@@ -14,7 +14,8 @@ from starlette.responses import JSONResponse, StreamingResponse
 from ..engine import ContextLengthExceeded
 from . import openai_api as api
 from .scheduler import SequenceFailed, ShuttingDown
-from .tools import ToolStreamFilter, parse_tool_calls
+from .parsing import Delta, OutputParser, ParsedReply
+from .tools import call_id, openai_call
 
 
 def engine_error(err: Exception) -> api.ApiError:
@@ -46,21 +47,37 @@ class JobStream(StreamingResponse):
 
 
 class Choice:
-    """What one choice has produced so far."""
+    """What one choice has produced so far; a chat choice parses its text into reasoning, content, calls."""
 
-    def __init__(self, index: int, with_tools: bool):
+    def __init__(self, index: int, parser: OutputParser | None):
         self.index, self.text, self.logprobs, self.seq = index, "", [], None
-        self.tools = ToolStreamFilter() if with_tools else None
+        self.parser, self.reply, self.call_ids = parser, ParsedReply(), []
+
+    def parse(self, text: str, done: bool, id_prefix: str) -> list[Delta]:
+        if self.parser is None:
+            return []
+        deltas = self.parser.feed(text) + (self.parser.finish() if done else [])
+        self.reply.add(deltas)
+        self.call_ids += [call_id(id_prefix) for d in deltas if d.kind == "tool_start"]
+        return deltas
+
+
+def reply_parser(req: api.GenerationRequest) -> OutputParser:
+    """How a chat reply is split: thinking unless --reasoning-format none, tool calls when tools were given
+    and not refused (with tool_choice "none" the tools stay in the prompt, so its cached prefix holds)."""
+    calls = req.tools if req.tools and req.tool_choice != "none" else None
+    return OutputParser(reasoning=req.reasoning_format != "none", thinking_open=req.thinking_open, tools=calls)
 
 
 class Responder:
+    id_prefix = "call"                                             # of tool call ids
+
     def __init__(self, state, req: api.GenerationRequest, jobs: list, events: asyncio.Queue, kind: str):
         self.req, self.jobs, self.events, self.kind = req, jobs, events, kind
         self.rid = api.new_id("chatcmpl" if kind == "chat" else "cmpl")
         self.model = state.model_id
         self.tokenizer = state.engine.tokenizer
-        with_tools = bool(req.tools) and kind == "chat"
-        self.choices = [Choice(j.index, with_tools) for j in jobs]
+        self.choices = [Choice(j.index, reply_parser(req) if kind == "chat" else None) for j in jobs]
 
     async def respond(self, request: Request):
         if self.req.stream:
@@ -70,11 +87,14 @@ class Responder:
             async for _ in self._events():
                 pass
         except api.ApiError as err:
-            return JSONResponse(err.body(), err.status)
+            return JSONResponse(self.error_body(err), err.status)
         finally:
             watcher.cancel()
             self._cancel()
         return JSONResponse(self.final_body())
+
+    def error_body(self, err: api.ApiError) -> dict:
+        return err.body()
 
     async def _watch_disconnect(self, request: Request) -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -86,7 +106,7 @@ class Responder:
             job.cancel()
 
     async def _events(self):
-        """(choice, kind, value) until every choice is done; an error raises ApiError (the rest cancelled)."""
+        """(choice, event, deltas) until every choice is done; an error raises ApiError (the rest cancelled)."""
         pending = len(self.jobs)
         while pending:
             index, event = await self.events.get()
@@ -97,10 +117,12 @@ class Responder:
             if event[0] == "text":
                 choice.text += event[1]
                 choice.logprobs += event[2]
+                deltas = choice.parse(event[1], False, self.id_prefix)
             else:
                 choice.seq = event[1]
                 pending -= 1
-            yield choice, event
+                deltas = choice.parse("", True, self.id_prefix)
+            yield choice, event, deltas
 
     # ----- one JSON body ----------------------------------------------------------------------
     def final_body(self) -> dict:
@@ -112,12 +134,14 @@ class Responder:
         return api.chat_response(self.rid, self.model, [self._chat_choice(c) for c in self.choices], seqs)
 
     def _chat_choice(self, c: Choice) -> dict:
-        message, finish = {"role": "assistant", "content": c.text}, c.seq.finish_reason
-        if c.tools is not None:
-            content, calls = parse_tool_calls(c.text)
-            if calls:
-                message, finish = {"role": "assistant", "content": content or None, "tool_calls": calls}, \
-                    "tool_calls"
+        r, finish = c.reply, c.seq.finish_reason
+        message = {"role": "assistant", "content": r.content}
+        if r.reasoning:
+            message["reasoning_content"] = r.reasoning
+        if r.calls:
+            message["content"] = r.content or None
+            message["tool_calls"] = [openai_call(call, cid) for call, cid in zip(r.calls, c.call_ids)]
+            finish = "tool_calls"
         return {"index": c.index, "message": message, "finish_reason": finish, "logprobs": self._logprobs(c.logprobs)}
 
     def _logprobs(self, entries: list, offset: int = 0) -> dict | None:
@@ -138,8 +162,11 @@ class Responder:
                 for c in self.choices:
                     yield self._data(api.chat_chunk(self.rid, self.model, {"role": "assistant", "content": ""},
                                                     index=c.index))
-            async for choice, event in self._events():
-                for chunk in (self._text_chunks(choice, event) if event[0] == "text" else self._end_chunks(choice)):
+            async for choice, event, deltas in self._events():
+                done = event[0] != "text"
+                chunks = self._delta_chunks(choice, deltas) + self._end_chunks(choice) if done else \
+                    self._text_chunks(choice, event, deltas)
+                for chunk in chunks:
                     yield self._data(chunk)
             if self.req.include_usage:
                 obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
@@ -152,29 +179,37 @@ class Responder:
     def _data(obj: dict) -> bytes:
         return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
-    def _text_chunks(self, c: Choice, event) -> list[dict]:
+    def _text_chunks(self, c: Choice, event, deltas: list[Delta]) -> list[dict]:
         text, entries = event[1], event[2]
-        if c.tools is not None:
-            text = c.tools.feed(text)
-        if not text and not entries:
-            return []
-        lp = self._logprobs(entries, len(c.text) - len(event[1]))
-        if self.kind == "chat":
-            return [api.chat_chunk(self.rid, self.model, {"content": text}, index=c.index, logprobs=lp)]
-        return [api.completion_response(self.rid, self.model, [api.completion_choice(text, None, c.index, lp)])]
+        lp = self._logprobs(entries, len(c.text) - len(text)) if entries else None
+        if self.kind == "completion":
+            return [api.completion_response(self.rid, self.model, [api.completion_choice(text, None, c.index, lp)])] \
+                if text or entries else []
+        chunks = self._delta_chunks(c, deltas)
+        if lp is not None:                                            # logprobs ride on the first chunk
+            if not chunks:
+                chunks = [api.chat_chunk(self.rid, self.model, {"content": ""}, index=c.index)]
+            chunks[0]["choices"][0]["logprobs"] = lp
+        return chunks
+
+    def _delta_chunks(self, c: Choice, deltas: list[Delta]) -> list[dict]:
+        """OpenAI chunks for parsed deltas: content, reasoning_content (llama-server's name), tool_calls."""
+        out = []
+        for d in deltas:
+            if d.kind == "content":
+                delta = {"content": d.text}
+            elif d.kind == "reasoning":
+                delta = {"reasoning_content": d.text}
+            elif d.kind == "tool_start":
+                delta = {"tool_calls": [{"index": d.index, "id": c.call_ids[d.index], "type": "function",
+                                         "function": {"name": d.name, "arguments": ""}}]}
+            else:
+                delta = {"tool_calls": [{"index": d.index, "function": {"arguments": d.text}}]}
+            out.append(api.chat_chunk(self.rid, self.model, delta, index=c.index))
+        return out
 
     def _end_chunks(self, c: Choice) -> list[dict]:
-        out, finish = [], c.seq.finish_reason
-        if c.tools is not None:
-            rest, calls = c.tools.finish()
-            if rest and not calls:
-                out.append(api.chat_chunk(self.rid, self.model, {"content": rest}, index=c.index))
-            if calls:
-                deltas = [{"index": i, **call} for i, call in enumerate(calls)]
-                out.append(api.chat_chunk(self.rid, self.model, {"tool_calls": deltas}, index=c.index))
-                finish = "tool_calls"
+        finish = "tool_calls" if c.reply.calls else c.seq.finish_reason
         if self.kind == "chat":
-            out.append(api.chat_chunk(self.rid, self.model, {}, finish, index=c.index))
-        else:
-            out.append(api.completion_response(self.rid, self.model, [api.completion_choice("", finish, c.index)]))
-        return out
+            return [api.chat_chunk(self.rid, self.model, {}, finish, index=c.index)]
+        return [api.completion_response(self.rid, self.model, [api.completion_choice("", finish, c.index)])]

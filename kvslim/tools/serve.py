@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from ..server import serve
@@ -34,6 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-connections", type=int, default=512, help="open connections before answering 503")
     p.add_argument("--grace", type=float, default=8,
                    help="on SIGTERM/SIGINT, seconds running requests may finish before they are ended")
+    p.add_argument("--chat-template-file", default=None, help="Jinja chat template to use instead of the model's")
+    p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                   help='extra template variables for every request, e.g. \'{"enable_thinking": false}\'')
+    p.add_argument("--reasoning-format", default="auto", choices=["auto", "none", "deepseek"],
+                   help="none: thinking stays in content; deepseek (= auto): <think> blocks go to "
+                        "reasoning_content (thinking blocks on /v1/messages)")
     p.add_argument("--strict", action="store_true", help="refuse unknown request fields instead of ignoring them")
     p.add_argument("-v", "--verbose", action="store_true", help="log every request")
     return p
@@ -78,7 +85,27 @@ def options_from(args) -> dict:
             "weights": args.weights, "allow_dequant": args.allow_dequant,
             "max_body": int(args.max_body_mib * (1 << 20)), "read_timeout": args.read_timeout,
             "max_connections": args.max_connections, "grace": args.grace, "strict": args.strict,
-            "allowed_hosts": [h.lower() for h in args.allowed_host]}
+            "allowed_hosts": [h.lower() for h in args.allowed_host], "reasoning_format": args.reasoning_format,
+            **template_options(args)}
+
+
+def template_options(args) -> dict:
+    """--chat-template-file and --chat-template-kwargs, read and checked before the server starts."""
+    out = {}
+    if args.chat_template_file:
+        try:
+            out["chat_template"] = Path(args.chat_template_file).read_text()
+        except OSError as err:
+            raise ValueError(f"--chat-template-file {args.chat_template_file}: {err.strerror}") from None
+    if args.chat_template_kwargs:
+        try:
+            kwargs = json.loads(args.chat_template_kwargs)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"--chat-template-kwargs is not valid JSON: {err}") from None
+        if not isinstance(kwargs, dict):
+            raise ValueError("--chat-template-kwargs must be a JSON object")
+        out["chat_template_kwargs"] = kwargs
+    return out
 
 
 def main(argv: list[str]) -> int:
