@@ -68,6 +68,7 @@ class ServerState:
         if o.get("chat_template"):                                    # --chat-template-file
             tokenizer.chat_template = o["chat_template"]
         engine = Engine(model, tokenizer, config, eog)
+        engine.warm_up()                                              # --compile: compiled before "ready"
         self.max_token_chars = longest_token(tokenizer)
         eos_id = tokenizer.token_id(tokenizer.eos_token)
         self.grammars = Grammars(tokenizer, model.config.vocab_size, eos_id if eos_id is not None else min(eog))
