@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from kvslim.engine import EngineConfig  # noqa: E402
 from kvslim.server import start  # noqa: E402
-from kvslim.tools.common import markdown_table  # noqa: E402
+from kvslim.tables import markdown_table  # noqa: E402
 
 TEMPLATE = ROOT / "kvslim" / "data" / "templates" / "qwen3_5.jinja"
 TEXTS = sorted((ROOT / "kvslim" / "data" / "text").glob("*.txt"))

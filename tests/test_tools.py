@@ -83,8 +83,11 @@ def interrupt_after(argv: list[str], wait_for: str, stream: str, times: int = 1)
     """Start ``python -m kvslim argv``, send SIGINT once ``wait_for`` showed ``times`` times on ``stream``,
     collect the rest."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    # SIGINT back to its default in the child: a suite started in the background (`make test &`)
+    # ignores SIGINT, children inherit that, and Python keeps an inherited SIG_IGN.
     proc = subprocess.Popen([sys.executable, "-m", "kvslim", *argv], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     watched, seen = (proc.stdout if stream == "stdout" else proc.stderr), ""
     while seen.count(wait_for) < times:
         char = watched.read(1)
