@@ -29,6 +29,12 @@ REASONING_FORMATS = ("auto", "none", "deepseek")
 JSON_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
 
 
+def tag_argument(head: str, opener: str) -> tuple[str, str] | None:
+    """``<function=NAME>rest`` (``opener`` up to the ``=``) -> (NAME, rest); None until ``>`` arrives."""
+    end = head.find(">")
+    return None if end < 0 else (head[len(opener):end].strip(), head[end + 1:])
+
+
 @dataclass
 class Delta:
     """One certain piece of output: ``kind`` is "reasoning", "content", "tool_start" (``name``)
@@ -105,12 +111,18 @@ class OutputParser:
         self.state = "content"
         return True
 
-    def _think(self, out) -> bool:
+    def _leading_space_done(self) -> bool:
+        """Drop the whitespace after a tag; False while nothing but whitespace has arrived."""
         if self.skip_space:
             self.buf = self.buf.lstrip()
             if not self.buf:
                 return False
             self.skip_space = False
+        return True
+
+    def _think(self, out) -> bool:
+        if not self._leading_space_done():
+            return False
         at = self.buf.find(THINK_CLOSE)
         if at >= 0:
             self._emit(out, "reasoning", self.buf[:at].rstrip())
@@ -120,11 +132,8 @@ class OutputParser:
         return False
 
     def _content(self, out) -> bool:
-        if self.skip_space:
-            self.buf = self.buf.lstrip()
-            if not self.buf:
-                return False
-            self.skip_space = False
+        if not self._leading_space_done():
+            return False
         if not self.with_tools:
             self._emit(out, "content", self.buf)
             self.buf = ""
@@ -157,11 +166,11 @@ class OutputParser:
             self.state, self.call = "json_head", {"format": "json"}
             return True
         if head.startswith(FUNCTION_OPEN):
-            end = head.find(">")
-            if end < 0:
+            tag = tag_argument(head, FUNCTION_OPEN)
+            if tag is None:
                 return False
-            self._start_call(out, head[len(FUNCTION_OPEN):end].strip())
-            self.buf, self.state = head[end + 1:], "xml_params"
+            self._start_call(out, tag[0])
+            self.buf, self.state = tag[1], "xml_params"
             self.call.update(format="xml", n_params=0)
             return True
         if not self.final and (not head or FUNCTION_OPEN.startswith(head)):
@@ -255,11 +264,11 @@ class OutputParser:
     def _xml_params(self, out) -> bool:
         head = self.buf.lstrip()
         if head.startswith(PARAM_OPEN):
-            end = head.find(">")
-            if end < 0:
+            tag = tag_argument(head, PARAM_OPEN)
+            if tag is None:
                 return False
-            self._open_param(out, head[len(PARAM_OPEN):end].strip())
-            self.buf, self.state = head[end + 1:], "xml_value"
+            self._open_param(out, tag[0])
+            self.buf, self.state = tag[1], "xml_value"
             return True
         if head.startswith(FUNCTION_CLOSE) or head.startswith(CALL_CLOSE) or (self.final and not head.strip()):
             self._args(out, "}" if self.call["n_params"] else "{}")
