@@ -95,19 +95,10 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ta
     from .. import formats                                           # formats import nothing from here
     fmt_k, fmt_v = formats.get(type_k, role="k"), formats.get(type_v, role="v")
     n_kv, n_seq, n_rows, dim = q.shape
-    page_size = k_pool.shape[2]
     acc = _OnlineSoftmax(n_kv, n_seq, n_rows, dim, q.device)
-    q_code = fmt_k.to_code_domain(q)
-    q_pos = positions[:, None].expand(n_seq, n_rows)
-    per_block = max(1, min(MAX_BLOCK_TOKENS, BLOCK_BUDGET_BYTES // (4 * n_seq * n_kv * (2 * dim + n_rows)))
-                    // page_size)
-    for first in range(0, table.shape[1], per_block):
-        pages = table[:, first:first + per_block]
-        (k, k_scale), (v, v_scale) = _decode_pages(fmt_k, fmt_v, k_pool, v_pool, pages, dim)
-        scores = q_code @ k.transpose(-1, -2)
-        if k_scale is not None:
-            scores = scores * k_scale.unsqueeze(-2)
-        acc.update(_mask(scores, first * page_size, positions + 1, q_pos), v, v_scale)
+    per_block = _pages_per_block(n_kv, dim, k_pool.shape[2], n_seq, n_rows)
+    _scan_pages(fmt_k, fmt_v, k_pool, v_pool, table, fmt_k.to_code_domain(q), positions[:, None].expand(n_seq, n_rows),
+                positions + 1, acc, per_block, dim)
     return fmt_v.from_code_domain(acc.result())
 
 
@@ -154,29 +145,35 @@ def attend_pages(cache, slots: list[int], q: torch.Tensor, q_pos: torch.Tensor, 
     q = q.transpose(0, 1)                                               # (Hkv, S, R, D): heads lead, as in the pool
     acc = _OnlineSoftmax(n_kv, n_seq, n_rows, dim, q.device)
     q_code = cache.fmt_k.to_code_domain(q)                             # rotate once
-    pages_per_block = _pages_per_block(cache, n_seq, n_rows, block_tokens)
-    table = cache.block_table[slot_ids]                                 # (S, pages per slot)
+    per_block = _pages_per_block(n_kv, dim, cache.page_size, n_seq, n_rows, block_tokens)
+    table = cache.block_table[slot_ids, :-(-max(packed) // cache.page_size)]   # pages the longest one uses
     lengths = torch.tensor(packed, device=q.device)
-    n_pages = -(-max(packed) // cache.page_size)                        # pages the longest sequence uses
-    for first_page in range(0, n_pages, pages_per_block):
-        pages = table[:, first_page:min(first_page + pages_per_block, n_pages)]
-        start = first_page * cache.page_size
-        (k, k_scale), (v, v_scale) = _decode_block(cache, pages)       # (Hkv, S, T, D), (Hkv, S, T) or None
-        scores = q_code @ k.transpose(-1, -2)                           # (Hkv, S, R, T)
-        if k_scale is not None:
-            scores = scores * k_scale.unsqueeze(-2)
-        end = start + k.shape[2]
-        if end > min(packed) or end - 1 > first_q:                      # some keys past an end or in a future
-            scores = _mask(scores, start, lengths, q_pos)
-        acc.update(scores, v, v_scale)
-        del k, v, scores, k_scale, v_scale                              # before the next block: one block alive
+    # a block that ends by every sequence's end and by the first query's position needs no mask
+    _scan_pages(cache.fmt_k, cache.fmt_v, cache.k_pool, cache.v_pool, table, q_code, q_pos, lengths, acc,
+                per_block, dim, unmasked_end=min(min(packed), first_q + 1))
     if cache.f16_window:
         _window_block(cache, slots, slot_ids, packed, q, q_pos, acc)
     return cache.fmt_v.from_code_domain(acc.result()).transpose(0, 1)
 
 
-def _decode_block(cache, pages: torch.Tensor):
-    return _decode_pages(cache.fmt_k, cache.fmt_v, cache.k_pool, cache.v_pool, pages, cache.head_dim)
+def _scan_pages(fmt_k, fmt_v, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor, q_code: torch.Tensor,
+                q_pos: torch.Tensor, lengths: torch.Tensor, acc: "_OnlineSoftmax", per_block: int, head_dim: int,
+                unmasked_end: int = 0) -> None:
+    """Fold the pages of ``table`` (S, P) into ``acc``, ``per_block`` pages at a time: scores in
+    K's code domain, row scales on scores and probabilities, a mask on every block that reaches
+    past ``unmasked_end`` (0: every block). Only one block's decoded rows are alive at once."""
+    page_size = k_pool.shape[2]
+    for first in range(0, table.shape[1], per_block):
+        start = first * page_size
+        pages = table[:, first:first + per_block]
+        (k, k_scale), (v, v_scale) = _decode_pages(fmt_k, fmt_v, k_pool, v_pool, pages, head_dim)
+        scores = q_code @ k.transpose(-1, -2)                           # (Hkv, S, R, T)
+        if k_scale is not None:
+            scores = scores * k_scale.unsqueeze(-2)
+        if start + k.shape[2] > unmasked_end:                           # keys past an end or in a future
+            scores = _mask(scores, start, lengths, q_pos)
+        acc.update(scores, v, v_scale)
+        del k, v, scores, k_scale, v_scale                              # before the next block: one block alive
 
 
 def _decode_pages(fmt_k, fmt_v, k_pool: torch.Tensor, v_pool: torch.Tensor, pages: torch.Tensor, head_dim: int):
@@ -214,12 +211,13 @@ def _window_block(cache, slots, slot_ids, packed, q, q_pos, acc) -> None:
     acc.update(scores.masked_fill(invalid, float("-inf")), wv)
 
 
-def _pages_per_block(cache, n_seq: int, n_rows: int, block_tokens: int | None) -> int:
+def _pages_per_block(n_kv: int, head_dim: int, page_size: int, n_seq: int, n_rows: int,
+                     block_tokens: int | None = None) -> int:
     """Pages read at once so that decoded K, V and scores stay within BLOCK_BUDGET_BYTES."""
     if block_tokens is None:
-        per_token = 4 * n_seq * cache.n_kv_heads * (2 * cache.head_dim + n_rows)
+        per_token = 4 * n_seq * n_kv * (2 * head_dim + n_rows)
         block_tokens = min(MAX_BLOCK_TOKENS, BLOCK_BUDGET_BYTES // per_token)
-    return max(1, block_tokens // cache.page_size)
+    return max(1, block_tokens // page_size)
 
 
 class _OnlineSoftmax:

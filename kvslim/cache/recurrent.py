@@ -50,10 +50,7 @@ class RecurrentStateCache:
         self._len[slot] += n_tokens
 
     def prepare_decode(self, slots: list[int], positions: list[int]) -> None:
-        for slot, pos in zip(slots, positions):
-            if pos != self.offset(slot):
-                raise ValueError(f"slot {slot}: the step feeds position {pos} but the state has absorbed "
-                                 f"{self.offset(slot)} tokens")
+        """Nothing to reserve: the state has a fixed size (positions are checked by ModelCache)."""
 
     def commit_decode(self, slots: list[int]) -> None:
         for slot in slots:
