@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from ..native import paged_attention as native
+
 BLOCK_BUDGET_BYTES = 32 << 20   # float32 bytes one block may hold (decoded K and V, scores)
 MAX_BLOCK_TOKENS = 4096
 
@@ -69,7 +71,7 @@ def _attend_decode(cache, slots: list[int], positions: list[int], q: torch.Tenso
     n_seq, n_heads, dim = q.shape
     qg = _group(cache, q.unsqueeze(1), scale)                           # (S, Hkv, G, D)
     q_pos = torch.tensor(positions, device=q.device)[:, None].expand(n_seq, qg.shape[2])
-    out = attend_pages(cache, slots, qg, q_pos, min(positions))
+    out = attend_pages(cache, slots, qg, q_pos, min(positions), one_position=True)
     return out.reshape(n_seq, n_heads, dim)
 
 
@@ -97,8 +99,7 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ta
     n_kv, n_seq, n_rows, dim = q.shape
     acc = _OnlineSoftmax(n_kv, n_seq, n_rows, dim, q.device)
     per_block = _pages_per_block(n_kv, dim, k_pool.shape[2], n_seq, n_rows)
-    _scan_pages(fmt_k, fmt_v, k_pool, v_pool, table, fmt_k.to_code_domain(q), positions[:, None].expand(n_seq, n_rows),
-                positions + 1, acc, per_block, dim)
+    _scan_decode(fmt_k, fmt_v, k_pool, v_pool, table, fmt_k.to_code_domain(q), positions + 1, acc, per_block, dim)
     return fmt_v.from_code_domain(acc.result())
 
 
@@ -128,7 +129,7 @@ def _group(cache, q: torch.Tensor, scale) -> torch.Tensor:
 
 
 def attend_pages(cache, slots: list[int], q: torch.Tensor, q_pos: torch.Tensor, first_q: int,
-                 block_tokens: int | None = None) -> torch.Tensor:
+                 block_tokens: int | None = None, one_position: bool = False) -> torch.Tensor:
     """The core: queries of S sequences over their pages and f16 windows.
 
     Args:
@@ -136,6 +137,8 @@ def attend_pages(cache, slots: list[int], q: torch.Tensor, q_pos: torch.Tensor, 
         q: (S, Hkv, R, D) float32, scaled, in the model domain.
         q_pos: (S, R) absolute position of each query row (the causal limit).
         first_q: the smallest query position (known on the host: decides where masks are needed).
+        one_position: every row of a sequence is at that sequence's newest position (decode),
+            so each sees all of its packed keys: the native kernel can serve it.
     Returns:
         (S, Hkv, R, D) float32 in the model domain.
     """
@@ -148,9 +151,11 @@ def attend_pages(cache, slots: list[int], q: torch.Tensor, q_pos: torch.Tensor, 
     per_block = _pages_per_block(n_kv, dim, cache.page_size, n_seq, n_rows, block_tokens)
     table = cache.block_table[slot_ids, :-(-max(packed) // cache.page_size)]   # pages the longest one uses
     lengths = torch.tensor(packed, device=q.device)
-    # a block that ends by every sequence's end and by the first query's position needs no mask
-    _scan_pages(cache.fmt_k, cache.fmt_v, cache.k_pool, cache.v_pool, table, q_code, q_pos, lengths, acc,
-                per_block, dim, unmasked_end=min(min(packed), first_q + 1))
+    if one_position:
+        _scan_decode(cache.fmt_k, cache.fmt_v, cache.k_pool, cache.v_pool, table, q_code, lengths, acc, per_block, dim)
+    else:   # a block that ends by every sequence's end and by the first query's position needs no mask
+        _scan_pages(cache.fmt_k, cache.fmt_v, cache.k_pool, cache.v_pool, table, q_code, q_pos, lengths, acc,
+                    per_block, dim, unmasked_end=min(min(packed), first_q + 1))
     if cache.f16_window:
         _window_block(cache, slots, slot_ids, packed, q, q_pos, acc)
     return cache.fmt_v.from_code_domain(acc.result()).transpose(0, 1)
@@ -174,6 +179,18 @@ def _scan_pages(fmt_k, fmt_v, k_pool: torch.Tensor, v_pool: torch.Tensor, table:
             scores = _mask(scores, start, lengths, q_pos)
         acc.update(scores, v, v_scale)
         del k, v, scores, k_scale, v_scale                              # before the next block: one block alive
+
+
+def _scan_decode(fmt_k, fmt_v, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                 q_code: torch.Tensor, n_keys: torch.Tensor, acc: "_OnlineSoftmax", per_block: int, head_dim: int) -> None:
+    """``_scan_pages`` for one query position per sequence (every row of sequence s sees its first
+    ``n_keys[s]`` keys): the C kernel where it knows both formats (one pass over the packed rows,
+    nothing decoded to memory), else the torch block loop, which is its reference."""
+    if native.supports(fmt_k, fmt_v, q_code):
+        acc.m, acc.l, acc.acc = native.decode_state(fmt_k, fmt_v, q_code, k_pool, v_pool, table, n_keys)
+        return
+    q_pos = (n_keys - 1)[:, None].expand(n_keys.shape[0], q_code.shape[2])
+    _scan_pages(fmt_k, fmt_v, k_pool, v_pool, table, q_code, q_pos, n_keys, acc, per_block, head_dim)
 
 
 def _decode_pages(fmt_k, fmt_v, k_pool: torch.Tensor, v_pool: torch.Tensor, pages: torch.Tensor, head_dim: int):

@@ -169,7 +169,8 @@ def load(path: str | Path | None = None, ctx: int = 4096, cache_type_k: str = "f
         n_ubatch: tokens per forward pass during prefill (llama.cpp's -ub).
         dtype: weights' dtype (default: as stored).
         device: cpu, cuda, cuda:N or mps (default: cuda when available, else cpu).
-        weights: quantize a Hugging Face folder's weight matrices at load ("q8_0", "q4_0", ...).
+        weights: keep a Hugging Face folder's weight matrices in this type: a block type quantized
+            at load ("q8_0", "q4_0", ...) or "f16"/"bf16" (half of f32's bytes, computed in ``dtype``).
         allow_dequant: expand GGUF tensors of types that cannot stay quantized instead of refusing.
         config: a ready :class:`EngineConfig` (then ctx ... n_ubatch, device and cache_options are ignored).
         cache_options: ``page_size``, ``f16_window``, ``backend``, and the engine's prefix-cache options.

@@ -5,7 +5,7 @@
     >>> QuantTensor.quantize(w, weights.get("q8_0"))   # dense -> blocks, as ggml's reference
     >>> quant_linear(x, qt)                   # == F.linear(x, qt.dequantize())
 """
-from . import native
+from ..native import block_linear as native
 from .matmul import linear, quant_linear, reference_linear
 from .modules import QuantEmbedding, QuantExperts, QuantLinear, parameter_count, weight_bytes, weight_type_label
 from .tensor import QuantTensor, cat

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import native
+from ..native import block_linear as native
 from .tensor import QuantTensor
 
 STEP_BYTES = 256 << 10        # float32 bytes of dequantized rows per step

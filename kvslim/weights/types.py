@@ -32,6 +32,7 @@ class WeightType:
     fields: tuple[tuple[str, int], ...]          # (name, bytes) in storage order
     decode_fields: Callable | None = None        # K-quants: decoder over named fields
     summary: str = ""
+    encode_values: Callable | None = None        # float types: a cast (the block types use ggml's codecs)
 
     @property
     def is_float(self) -> bool:
@@ -68,12 +69,14 @@ class WeightType:
 
     @property
     def can_encode(self) -> bool:
-        return self.name in ggml.CODECS
+        return self.name in ggml.CODECS or self.encode_values is not None
 
     def encode(self, values: torch.Tensor) -> torch.Tensor:
         """(N, block_size) float32 -> (N, block_bytes) uint8, as ggml's reference quantizer."""
         if not self.can_encode:
             raise ValueError(f"no encoder for {self.name}; encodable: {', '.join(encodable_names())}")
+        if self.encode_values is not None:
+            return self.encode_values(values)
         return ggml.CODECS[self.name][0](values.float())
 
 
@@ -84,7 +87,12 @@ def _legacy(name: str, ggml_type, fields, summary: str) -> WeightType:
 def _float(name: str, ggml_type, dtype: torch.dtype) -> WeightType:
     def decode(f: dict[str, torch.Tensor]) -> torch.Tensor:
         return f["v"].contiguous().view(dtype).float()
-    return WeightType(name, ggml_type, 1, (("v", dtype.itemsize),), decode, f"IEEE {name}, as stored")
+
+    def encode(values: torch.Tensor) -> torch.Tensor:     # (N, 1) -> (N, itemsize) bytes
+        return values.to(dtype).contiguous().view(torch.uint8).reshape(values.shape[0], dtype.itemsize)
+    # f16/bf16 can be chosen at load (--weights f16: half the bytes of f32 weights, computed in f32)
+    return WeightType(name, ggml_type, 1, (("v", dtype.itemsize),), decode, f"IEEE {name}, as stored",
+                      encode if dtype != torch.float32 else None)
 
 
 TABLE: tuple[WeightType, ...] = (

@@ -1,0 +1,54 @@
+"""The fused block GEMV of ``block_linear.c``: y = x @ W.T for W kept as ggml blocks.
+
+Decode multiplies one (or a few) activation rows by every weight matrix; dequantizing
+W's blocks in torch writes each block out as float32 and reads it back, which is most of
+a quantized decode step (``kvslim/weights/matmul.py``). The C kernel reads each block
+once and unpacks it in registers.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from . import build
+
+SOURCE = "block_linear.c"
+TYPE_CODES = {"q8_0": 8, "q4_0": 4, "f16": 16, "bf16": 17}   # the types block_linear.c implements
+QK = 32                                      # its rows are whole blocks of 32 values
+MAX_ROWS = 8                                 # more activation rows: torch's matmul over decoded steps wins
+
+
+def _library(portable: bool = False):
+    lib = build.library(SOURCE, portable)
+    if lib is not None and lib.kvslim_block_linear.argtypes is None:
+        lib.kvslim_block_linear.restype = ctypes.c_int
+        lib.kvslim_block_linear.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    return lib
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def supports(wtype_name: str, x: torch.Tensor) -> bool:
+    """Whether ``block_linear`` serves this weight type and activation (float32 CPU, few rows)."""
+    rows = x.numel() // x.shape[-1] if x.dim() else 0
+    return (wtype_name in TYPE_CODES and x.device.type == "cpu" and x.dtype == torch.float32
+            and 0 < rows <= MAX_ROWS and x.shape[-1] % QK == 0 and available())
+
+
+def block_linear(x: torch.Tensor, blocks: torch.Tensor, wtype_name: str, portable: bool = False) -> torch.Tensor:
+    """x (m, k) float32 @ W.T for W (n, row_bytes) uint8 blocks of ``wtype_name`` -> (m, n).
+    ``portable``: the build without AVX2 (tests)."""
+    x = x.contiguous()
+    blocks = blocks.contiguous()
+    m, k = x.shape
+    n = blocks.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    status = _library(portable).kvslim_block_linear(TYPE_CODES[wtype_name], x.data_ptr(), blocks.data_ptr(), y.data_ptr(),
+                                            m, n, k, torch.get_num_threads())
+    if status:
+        raise ValueError(f"native block_linear refused {wtype_name} with {k} input features")
+    return y

@@ -1,0 +1,72 @@
+"""Compile a C file of this package into a shared library once, and load it.
+
+ctypes rather than a torch extension: a plain C file builds in a second, where one that
+includes torch's headers takes a minute. The library is keyed by a hash of the source
+and the compiler, so an edit rebuilds it, and is written to a temporary name first, so
+concurrent first uses never load half a file.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+PORTABLE_FLAGS = ["-O2", "-fopenmp", "-shared", "-fPIC"]   # no AVX2 paths: what the tests hold to the same results
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "kvslim" / "native"
+
+
+def compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def enabled() -> bool:
+    return os.environ.get("KVSLIM_NATIVE", "1") != "0"
+
+
+@lru_cache(maxsize=None)
+def library(source_name: str, portable: bool = False) -> ctypes.CDLL | None:
+    """The loaded library built from ``source_name`` (a .c file beside this module), or None
+    (``KVSLIM_NATIVE=0``, no compiler, or a failed build). ``portable``: built without
+    ``-march=native``, so the plain C loops run instead of the AVX2 ones (for the tests)."""
+    cc = compiler()
+    if not enabled() or cc is None:
+        return None
+    flags = PORTABLE_FLAGS if portable else FLAGS
+    source = Path(__file__).with_name(source_name)
+    digest = hashlib.sha256(source.read_bytes() + cc.encode() + " ".join(flags).encode()).hexdigest()[:16]
+    target = cache_dir() / f"kvslim_{source.stem}_{digest}.so"
+    if not target.exists() and not _build(cc, flags, source, target):
+        return None
+    return ctypes.CDLL(str(target))
+
+
+def _build(cc: str, flags: list[str], source: Path, target: Path) -> bool:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
+        partial = Path(tmp.name)
+    done = subprocess.run([cc, *flags, str(source), "-o", str(partial)], capture_output=True, text=True)
+    if done.returncode != 0:
+        partial.unlink(missing_ok=True)
+        return False
+    partial.replace(target)
+    return True
+
+
+def available() -> bool:
+    """Whether the kernels can be built and loaded here."""
+    return library("block_linear.c") is not None
+
+
+def clear() -> None:
+    """Forget loaded libraries (tests flip ``KVSLIM_NATIVE``)."""
+    library.cache_clear()

@@ -1,0 +1,263 @@
+/* Decode attention over packed K/V pages: one query position per sequence.
+ *
+ * The torch path (kvslim/cache/attention.py) decodes a block of pages to float32 in
+ * memory, then scores it; at depth that is most of a decode step. Here each packed row
+ * is decoded into a buffer of head_dim floats that stays in L1, scored against the G
+ * query rows that share its KV head (GQA), and forgotten: the pool is read once, in its
+ * stored size, which is the point of a compressed cache.
+ *
+ * Work items are (KV head, sequence, span of keys); spans let one long sequence use
+ * every thread (flash-decoding's split), and their partial softmax states are merged at
+ * the end. Scores are taken tile by tile (TILE keys), so the online softmax rescales the
+ * accumulators once per tile, not once per key.
+ *
+ * Rows: a row is head_dim values in the format's code domain (the caller rotates the
+ * query in, and the output back out). Every block format is [f16 scale][codes] repeated:
+ *   CODEC_Q8     32 int8 per block, value = d * q                       (ggml q8_0)
+ *   CODEC_NIBBLE 32 codes in 16 bytes, byte j = code j | code j+16 << 4,
+ *                value = d * lut[code]                                  (ggml q4_0, iq4_nl)
+ *   CODEC_PACKED block_values codes of `bits` bits, packed little-endian 8 codes per
+ *                `bits` bytes, value = d * lut[code]                    (TurboQuant, nl grids)
+ * and the float rows CODEC_F32 / CODEC_F16 / CODEC_BF16.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { CODEC_F32 = 0, CODEC_F16 = 1, CODEC_BF16 = 2, CODEC_Q8 = 3, CODEC_NIBBLE = 4, CODEC_PACKED = 5 };
+#define TILE 32
+#define MAX_DIM 512
+#define MAX_ROWS 64
+
+typedef struct {
+    int32_t kind, bits, block_values, block_bytes;
+    const float *lut;            /* 16 floats: the 2^bits code values (NIBBLE, PACKED), zero-padded */
+} codec_t;
+
+static float f16_to_f32(const uint8_t *p) {
+    _Float16 v;
+    memcpy(&v, p, 2);
+    return (float)v;
+}
+
+#if defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+#define KVSLIM_AVX2 1
+
+/* lut[code & 15] for 8 codes (int32 lanes): two 8-entry permutes and a blend on bit 3. */
+static inline __m256 lut16(__m256i codes, __m256 lo, __m256 hi) {
+    __m256 a = _mm256_permutevar8x32_ps(lo, codes), b = _mm256_permutevar8x32_ps(hi, codes);
+    __m256i high = _mm256_slli_epi32(codes, 28);                 /* bit 3 -> sign bit, read by blendv */
+    return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(high));
+}
+
+static inline __m256i bytes8(const uint8_t *p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+#endif
+
+static void decode_floats(const codec_t *c, const uint8_t *row, int dim, float *out) {
+    int i = 0;
+    if (c->kind == CODEC_F32) {
+        memcpy(out, row, (size_t)dim * 4);
+        return;
+    }
+    if (c->kind == CODEC_F16) {
+#ifdef KVSLIM_AVX2
+        for (; i + 8 <= dim; i += 8)
+            _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * i))));
+#endif
+        for (; i < dim; i++) out[i] = f16_to_f32(row + 2 * i);
+    } else {                                            /* bf16: the high half of an f32 */
+        const uint16_t *h = (const uint16_t *)row;
+        uint32_t *o = (uint32_t *)out;
+        for (; i < dim; i++) o[i] = (uint32_t)h[i] << 16;
+    }
+}
+
+/* Codes of one block, any layout, one at a time: the portable path and the 2/3-bit one. */
+static void decode_block_scalar(const codec_t *c, const uint8_t *q, float d, float *out) {
+    const int n = c->block_values;
+    if (c->kind == CODEC_Q8) {
+        for (int i = 0; i < n; i++) out[i] = d * (float)(int8_t)q[i];
+    } else if (c->kind == CODEC_NIBBLE) {
+        for (int i = 0; i < n / 2; i++) {
+            out[i] = d * c->lut[q[i] & 0x0F];
+            out[i + n / 2] = d * c->lut[q[i] >> 4];
+        }
+    } else {                                            /* 8 codes per `bits` bytes */
+        const int bits = c->bits, mask = (1 << bits) - 1;
+        for (int w = 0; w < n / 8; w++) {
+            uint64_t word = 0;
+            for (int b = 0; b < bits; b++) word |= (uint64_t)q[w * bits + b] << (8 * b);
+            for (int j = 0; j < 8; j++) out[w * 8 + j] = d * c->lut[(word >> (bits * j)) & mask];
+        }
+    }
+}
+
+static void decode_block(const codec_t *c, const uint8_t *block, float *out) {
+    const float d = f16_to_f32(block);
+    const uint8_t *q = block + 2;
+    const int n = c->block_values;
+#ifdef KVSLIM_AVX2
+    const __m256 vd = _mm256_set1_ps(d), m4 = _mm256_castsi256_ps(_mm256_set1_epi32(0x0F));
+    if (c->kind == CODEC_Q8 && n % 8 == 0) {
+        for (int i = 0; i < n; i += 8)
+            _mm256_storeu_ps(out + i, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + i))))));
+        return;
+    }
+    if ((c->kind == CODEC_NIBBLE || (c->kind == CODEC_PACKED && c->bits == 4)) && n % 16 == 0) {
+        const __m256 lo = _mm256_loadu_ps(c->lut), hi = _mm256_loadu_ps(c->lut + 8);
+        for (int i = 0; i < n / 2; i += 8) {                  /* 8 bytes: 16 codes */
+            __m256i b = bytes8(q + i);
+            __m256i low = _mm256_castps_si256(_mm256_and_ps(_mm256_castsi256_ps(b), m4));
+            __m256 a = _mm256_mul_ps(vd, lut16(low, lo, hi));
+            __m256 h = _mm256_mul_ps(vd, lut16(_mm256_srli_epi32(b, 4), lo, hi));
+            if (c->kind == CODEC_NIBBLE) {                    /* byte j: codes j and j + n/2 */
+                _mm256_storeu_ps(out + i, a);
+                _mm256_storeu_ps(out + i + n / 2, h);
+            } else {                                          /* byte j: codes 2j and 2j + 1 */
+                __m256 x = _mm256_unpacklo_ps(a, h), y = _mm256_unpackhi_ps(a, h);
+                _mm256_storeu_ps(out + 2 * i, _mm256_permute2f128_ps(x, y, 0x20));
+                _mm256_storeu_ps(out + 2 * i + 8, _mm256_permute2f128_ps(x, y, 0x31));
+            }
+        }
+        return;
+    }
+    if (c->kind == CODEC_PACKED && c->bits <= 3 && n % 8 == 0) {   /* <= 8 code values: one permute */
+        const __m256 table = _mm256_loadu_ps(c->lut);
+        const int bits = c->bits;
+        const __m256i shifts = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(bits));
+        const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
+        for (int w = 0; w < n / 8; w++) {
+            int32_t word = 0;
+            for (int b = 0; b < bits; b++) word |= (int32_t)q[w * bits + b] << (8 * b);
+            __m256i codes = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), mask);
+            _mm256_storeu_ps(out + 8 * w, _mm256_mul_ps(vd, _mm256_permutevar8x32_ps(table, codes)));
+        }
+        return;
+    }
+#endif
+    decode_block_scalar(c, q, d, out);
+}
+
+static void decode_row(const codec_t *c, const uint8_t *row, int dim, float *out) {
+    if (c->kind <= CODEC_BF16) {
+        decode_floats(c, row, dim, out);
+        return;
+    }
+    for (int b = 0; b < dim / c->block_values; b++)
+        decode_block(c, row + (size_t)b * c->block_bytes, out + b * c->block_values);
+}
+
+static float dot(const float *a, const float *b, int dim) {
+    float s = 0.0f;
+    #pragma omp simd reduction(+ : s)
+    for (int i = 0; i < dim; i++) s += a[i] * b[i];
+    return s;
+}
+
+static void axpy(float *y, float a, const float *x, int dim) {
+    #pragma omp simd
+    for (int i = 0; i < dim; i++) y[i] += a * x[i];
+}
+
+typedef struct {
+    const uint8_t *k_pool, *v_pool;
+    int64_t pool_pages, page_size, k_row_bytes, v_row_bytes;
+    const int32_t *table;
+    int64_t table_stride;
+} pages_t;
+
+static const uint8_t *row_at(const pages_t *p, const uint8_t *pool, int64_t row_bytes, int64_t head, int64_t seq,
+                             int64_t t) {
+    int64_t page = p->table[seq * p->table_stride + t / p->page_size];
+    return pool + ((head * p->pool_pages + page) * p->page_size + t % p->page_size) * row_bytes;
+}
+
+/* Keys [t0, t1) of one (head, sequence) into the state m, l (n_rows) and acc (n_rows x dim). */
+static void attend_span(const pages_t *p, const codec_t *ck, const codec_t *cv, const float *q, int n_rows, int dim,
+                        int64_t head, int64_t seq, int64_t t0, int64_t t1, float *m, float *l, float *acc) {
+    float buf[MAX_DIM], scores[MAX_ROWS][TILE];
+    for (int64_t start = t0; start < t1; start += TILE) {
+        int n = (int)(t1 - start < TILE ? t1 - start : TILE);
+        for (int j = 0; j < n; j++) {
+            decode_row(ck, row_at(p, p->k_pool, p->k_row_bytes, head, seq, start + j), dim, buf);
+            for (int r = 0; r < n_rows; r++) scores[r][j] = dot(q + (size_t)r * dim, buf, dim);
+        }
+        for (int r = 0; r < n_rows; r++) {             /* scores -> weights, rescale the running sums */
+            float top = m[r];
+            for (int j = 0; j < n; j++) top = scores[r][j] > top ? scores[r][j] : top;
+            float corr = expf(m[r] - top);
+            l[r] *= corr;
+            for (int i = 0; i < dim; i++) acc[(size_t)r * dim + i] *= corr;
+            for (int j = 0; j < n; j++) {
+                scores[r][j] = expf(scores[r][j] - top);
+                l[r] += scores[r][j];
+            }
+            m[r] = top;
+        }
+        for (int j = 0; j < n; j++) {
+            decode_row(cv, row_at(p, p->v_pool, p->v_row_bytes, head, seq, start + j), dim, buf);
+            for (int r = 0; r < n_rows; r++) axpy(acc + (size_t)r * dim, scores[r][j], buf, dim);
+        }
+    }
+}
+
+/* Fold state (m2, l2, acc2) into (m, l, acc). */
+static void merge(float *m, float *l, float *acc, const float *m2, const float *l2, const float *acc2, int n_rows,
+                  int dim) {
+    for (int r = 0; r < n_rows; r++) {
+        if (l2[r] == 0.0f) continue;
+        float top = m[r] > m2[r] ? m[r] : m2[r];
+        float a = expf(m[r] - top), b = expf(m2[r] - top);
+        l[r] = l[r] * a + l2[r] * b;
+        for (int i = 0; i < dim; i++) acc[(size_t)r * dim + i] = acc[(size_t)r * dim + i] * a + acc2[(size_t)r * dim + i] * b;
+        m[r] = top;
+    }
+}
+
+/* q (n_kv, n_seq, n_rows, dim) float32, scaled, in K's code domain; keys [0, n_keys[s]) of
+ * sequence s are read through table (n_seq, table_stride) int32. Out: the softmax state per
+ * query row: m, l (n_kv, n_seq, n_rows) and acc (n_kv, n_seq, n_rows, dim), unnormalised,
+ * in V's code domain; a row with no keys gets m = -inf, l = 0, acc = 0.
+ * Returns 0, or 1 when a size is past this kernel's limits. */
+int kvslim_paged_decode(const codec_t *ck, const codec_t *cv, const float *q, const uint8_t *k_pool,
+                        const uint8_t *v_pool, int64_t pool_pages, int64_t page_size, int64_t k_row_bytes,
+                        int64_t v_row_bytes, const int32_t *table, int64_t table_stride, const int64_t *n_keys,
+                        int64_t n_kv, int64_t n_seq, int64_t n_rows, int64_t dim, int64_t span,
+                        float *m, float *l, float *acc, int n_threads) {
+    if (dim > MAX_DIM || n_rows > MAX_ROWS || span < 1) return 1;
+    const pages_t p = {k_pool, v_pool, pool_pages, page_size, k_row_bytes, v_row_bytes, table, table_stride};
+    int64_t longest = 0;
+    for (int64_t s = 0; s < n_seq; s++) longest = n_keys[s] > longest ? n_keys[s] : longest;
+    const int64_t n_spans = longest > 0 ? (longest + span - 1) / span : 1;
+    const int64_t n_items = n_kv * n_seq * n_spans, state = n_rows * (dim + 2);
+    float *part = malloc((size_t)(n_items * state) * sizeof(float));
+    if (!part) return 1;
+    #pragma omp parallel for num_threads(n_threads) schedule(dynamic, 1)
+    for (int64_t item = 0; item < n_items; item++) {
+        int64_t hs = item / n_spans, k = item % n_spans, head = hs / n_seq, seq = hs % n_seq;
+        float *pm = part + item * state, *pl = pm + n_rows, *pacc = pl + n_rows;
+        for (int r = 0; r < n_rows; r++) pm[r] = -INFINITY, pl[r] = 0.0f;
+        memset(pacc, 0, (size_t)(n_rows * dim) * sizeof(float));
+        int64_t t0 = k * span, t1 = (k + 1) * span < n_keys[seq] ? (k + 1) * span : n_keys[seq];
+        if (t0 < t1)
+            attend_span(&p, ck, cv, q + hs * n_rows * dim, (int)n_rows, (int)dim, head, seq, t0, t1, pm, pl, pacc);
+    }
+    for (int64_t hs = 0; hs < n_kv * n_seq; hs++) {     /* merge each (head, sequence)'s spans in order */
+        float *om = m + hs * n_rows, *ol = l + hs * n_rows, *oacc = acc + hs * n_rows * dim;
+        const float *first = part + hs * n_spans * state;
+        memcpy(om, first, (size_t)n_rows * sizeof(float));
+        memcpy(ol, first + n_rows, (size_t)n_rows * sizeof(float));
+        memcpy(oacc, first + 2 * n_rows, (size_t)(n_rows * dim) * sizeof(float));
+        for (int64_t k = 1; k < n_spans; k++) {
+            const float *s = first + k * state;
+            merge(om, ol, oacc, s, s + n_rows, s + 2 * n_rows, (int)n_rows, (int)dim);
+        }
+    }
+    free(part);
+    return 0;
+}

@@ -1,0 +1,114 @@
+"""Decode attention on packed pages in C (``paged_attention.c``), beside the torch path.
+
+``decode_state`` returns the online-softmax state (running max, denominator, unnormalised
+sum) of one query position per sequence over its packed pages, so the caller can fold in
+more keys (the f16 window) and normalise as the torch path does. Formats are described to
+the kernel by a codec: their rows are float, or blocks of [f16 scale][codes] whose values
+are scale * table[code]; a format without such a description (q4_1, q5_x, the QJL turbo
+variants) keeps the torch path.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+from functools import lru_cache
+
+import torch
+
+from . import build
+
+SOURCE = "paged_attention.c"
+F32, F16, BF16, Q8, NIBBLE, PACKED = range(6)      # the kernel's codec kinds
+TILE = 32                                          # keys per tile in the kernel
+MAX_DIM, MAX_ROWS = 512, 64
+MIN_SPAN = 256                                     # keys per work item at least: below, threads cost more than they save
+
+
+class Codec(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int32), ("bits", ctypes.c_int32), ("block_values", ctypes.c_int32),
+                ("block_bytes", ctypes.c_int32), ("lut", ctypes.c_void_p)]
+
+
+def _library(portable: bool = False):
+    lib = build.library(SOURCE, portable)
+    if lib is not None and lib.kvslim_paged_decode.argtypes is None:
+        fn = lib.kvslim_paged_decode
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.POINTER(Codec), ctypes.POINTER(Codec)] + [ctypes.c_void_p] * 3 + \
+            [ctypes.c_int64] * 4 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 5 + \
+            [ctypes.c_void_p] * 3 + [ctypes.c_int]
+    return lib
+
+
+def _block_codec(kind: int, bits: int, block_values: int, lut) -> tuple:
+    if lut is not None:                                     # the kernel loads 16 entries whatever the width
+        lut = torch.nn.functional.pad(torch.as_tensor(lut, dtype=torch.float32).flatten(), (0, 16 - len(lut)))
+    return kind, bits, block_values, 2 + block_values * bits // 8, lut
+
+
+@lru_cache(maxsize=None)
+def codec_fields(name: str, role: str, head_dim: int) -> tuple | None:
+    """(kind, bits, block_values, block_bytes, table) of a format, or None: the kernel has no
+    decoder for it. Reads each family's documented row layout (kvslim/formats)."""
+    from .. import formats                                  # native is below formats for the weights' kernels
+    fmt = formats.get(name, role=role)
+    family = fmt.spec.family
+    if family == "float":
+        return {"f32": (F32, 32, 1, 4, None), "f16": (F16, 16, 1, 2, None), "bf16": (BF16, 16, 1, 2, None)}[name]
+    if family == "ggml" and name == "q8_0":
+        return Q8, 8, 32, 34, None
+    if family == "ggml" and name in ("q4_0", "iq4_nl"):
+        from ..formats.ggml import IQ4NL_VALUES
+        return _block_codec(NIBBLE, 4, 32, range(-8, 8) if name == "q4_0" else IQ4NL_VALUES)
+    if family == "nl":
+        from ..formats.grid import grid_tensor
+        return _block_codec(PACKED, fmt.spec.code_bits, fmt.spec.block_size, grid_tensor(fmt.spec.code_bits, "cpu"))
+    if family == "turbo":                                   # MSE variant: per group [f16 scale][codes]
+        n_groups, group = fmt.blocks(head_dim)
+        return _block_codec(PACKED, fmt.mse_bits, group, fmt.codebook(group, torch.device("cpu"))[0])
+    return None
+
+
+def _codec(fmt, head_dim: int) -> tuple[Codec, torch.Tensor | None] | None:
+    fields = codec_fields(fmt.name, getattr(fmt, "role", "k"), head_dim)
+    if fields is None:
+        return None
+    kind, bits, block_values, block_bytes, lut = fields
+    return Codec(kind, bits, block_values, block_bytes, None if lut is None else lut.data_ptr()), lut
+
+
+def supports(fmt_k, fmt_v, q: torch.Tensor) -> bool:
+    """Whether the kernel serves these formats for q (Hkv, S, R, D) (float32, on the CPU)."""
+    dim, rows = q.shape[-1], q.shape[-2]
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and dim <= MAX_DIM and rows <= MAX_ROWS
+            and _codec(fmt_k, dim) is not None and _codec(fmt_v, dim) is not None and _library() is not None)
+
+
+def span_for(longest: int, items: int, threads: int) -> int:
+    """Keys per work item: enough items to keep every thread busy, none shorter than MIN_SPAN."""
+    splits = max(1, math.ceil(2 * threads / max(1, items)))
+    return max(MIN_SPAN, -(-math.ceil(longest / splits) // TILE) * TILE)
+
+
+def decode_state(fmt_k, fmt_v, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                 table: torch.Tensor, n_keys: torch.Tensor, portable: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q (Hkv, S, R, D) float32, scaled, in K's code domain; pools (Hkv, pages, page_size, row bytes)
+    uint8; table (S, P) int32 pages; n_keys (S,) keys each sequence sees (its first n_keys).
+    -> m, l (Hkv, S, R, 1) and acc (Hkv, S, R, D), acc in V's code domain, not normalised.
+    ``portable``: the build without AVX2 (tests)."""
+    n_kv, n_seq, n_rows, dim = q.shape
+    (ck, _), (cv, _) = _codec(fmt_k, dim), _codec(fmt_v, dim)
+    q, table = q.contiguous(), table.to(torch.int32).contiguous()
+    n_keys = n_keys.to(torch.int64).contiguous()
+    m = torch.empty(n_kv, n_seq, n_rows, 1)
+    l, acc = torch.empty_like(m), torch.empty(n_kv, n_seq, n_rows, dim)
+    threads = torch.get_num_threads()
+    span = span_for(int(n_keys.max()) if n_seq else 0, n_kv * n_seq, threads)
+    status = _library(portable).kvslim_paged_decode(
+        ctypes.byref(ck), ctypes.byref(cv), q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
+        k_pool.shape[1], k_pool.shape[2], k_pool.shape[3], v_pool.shape[3], table.data_ptr(), table.shape[1],
+        n_keys.data_ptr(), n_kv, n_seq, n_rows, dim, span, m.data_ptr(), l.data_ptr(), acc.data_ptr(), threads)
+    if status:
+        raise ValueError(f"native paged attention refused head_dim {dim} with {n_rows} query rows per head")
+    return m, l, acc                                        # (the tables live in codec_fields' cache)

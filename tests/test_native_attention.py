@@ -1,0 +1,92 @@
+"""The C decode-attention kernel against the torch block loop it replaces (its reference).
+
+Pools hold rows encoded by each format's own encoder, pages are handed out in a shuffled
+order, sequences have different lengths (a partial last page, one empty), and spans split
+long sequences across threads: the kernel's softmax state must match the torch path's.
+"""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from kvslim import formats
+from kvslim.cache import attention
+from kvslim.native import build
+from kvslim.native import paged_attention as native
+
+PAIRS = [("f16", "f16"), ("bf16", "f32"), ("q8_0", "q4_0"), ("iq4_nl", "q8_0"), ("turbo4", "turbo3"),
+         ("turbo2", "f16"), ("nl4", "nl3")]
+
+
+def _pool(fmt, rows: torch.Tensor) -> torch.Tensor:
+    """rows (Hkv, pages, page_size, D) float -> the packed pool, as the cache stores it."""
+    n_kv, pages, size, dim = rows.shape
+    return fmt.encode(rows.reshape(-1, dim)).reshape(n_kv, pages, size, -1).contiguous()
+
+
+def _case(name_k, name_v, dim, group, lengths, page_size=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    fmt_k, fmt_v = formats.get(name_k, role="k"), formats.get(name_v, role="v")
+    n_kv, n_seq = 2, len(lengths)
+    per_seq = max(1, -(-max(lengths) // page_size))
+    pages = n_seq * per_seq + 1
+    k_pool = _pool(fmt_k, torch.randn(n_kv, pages, page_size, dim, generator=gen))
+    v_pool = _pool(fmt_v, torch.randn(n_kv, pages, page_size, dim, generator=gen))
+    table = (torch.randperm(pages - 1, generator=gen)[:n_seq * per_seq] + 1).reshape(n_seq, per_seq).int()
+    q = fmt_k.to_code_domain(torch.randn(n_kv, n_seq, group, dim, generator=gen) * dim ** -0.5)
+    return fmt_k, fmt_v, q, k_pool, v_pool, table, torch.tensor(lengths)
+
+
+def _torch_state(fmt_k, fmt_v, q, k_pool, v_pool, table, n_keys):
+    acc = attention._OnlineSoftmax(*q.shape, q.device)
+    q_pos = (n_keys - 1)[:, None].expand(n_keys.shape[0], q.shape[2])
+    attention._scan_pages(fmt_k, fmt_v, k_pool, v_pool, table, q, q_pos, n_keys, acc, 3, q.shape[-1])
+    return acc
+
+
+def _need_kernel():
+    if shutil.which("cc") or shutil.which("gcc"):                     # CI has one: the kernel must build
+        assert build.library(native.SOURCE) is not None
+    else:
+        pytest.skip("no C compiler: attention keeps the torch path")
+
+
+@pytest.mark.parametrize("name_k,name_v", PAIRS)
+@pytest.mark.parametrize("dim,group", [(64, 1), (128, 4), (256, 2)])
+def test_kernel_state_matches_torch_block_loop(name_k, name_v, dim, group):
+    _need_kernel()
+    fmt_k, fmt_v, q, k_pool, v_pool, table, n_keys = _case(name_k, name_v, dim, group, [37, 300, 16, 0])
+    assert native.supports(fmt_k, fmt_v, q)
+    want = _torch_state(fmt_k, fmt_v, q, k_pool, v_pool, table, n_keys)
+    for threads, portable in ((1, False), (2, False), (2, True)):         # portable: the build without AVX2
+        torch.set_num_threads(threads)
+        m, l, acc = native.decode_state(fmt_k, fmt_v, q, k_pool, v_pool, table, n_keys, portable)
+        live = n_keys > 0
+        assert torch.allclose(m[:, live], want.m[:, live], atol=1e-5)
+        assert torch.allclose(acc[:, live] / l[:, live], want.result()[:, live], atol=2e-5, rtol=1e-4)
+        assert (l[:, ~live] == 0).all() and torch.isinf(m[:, ~live]).all() and (acc[:, ~live] == 0).all()
+
+
+def test_spans_split_one_long_sequence_exactly():
+    """A sequence far longer than a span is cut into several work items whose states merge."""
+    _need_kernel()
+    fmt_k, fmt_v, q, k_pool, v_pool, table, n_keys = _case("q8_0", "turbo4", 128, 2, [3000], page_size=32)
+    assert native.span_for(3000, 2, 8) < 3000                           # several spans per (head, sequence)
+    want = _torch_state(fmt_k, fmt_v, q, k_pool, v_pool, table, n_keys).result()
+    torch.set_num_threads(2)
+    m, l, acc = native.decode_state(fmt_k, fmt_v, q, k_pool, v_pool, table, n_keys)
+    assert torch.allclose(acc / l, want, atol=2e-5, rtol=1e-4)
+
+
+def test_formats_without_a_codec_keep_the_torch_path(monkeypatch):
+    q = torch.zeros(2, 1, 2, 128)
+    assert not native.supports(formats.get("q4_1"), formats.get("f16"), q)       # two fields per block
+    assert not native.supports(formats.get("turbo4p"), formats.get("f16"), q)    # QJL residual sketch
+    monkeypatch.setenv("KVSLIM_NATIVE", "0")
+    build.clear()
+    try:
+        assert not native.supports(formats.get("f16"), formats.get("f16"), q)    # the switch turns it off
+    finally:
+        build.clear()
