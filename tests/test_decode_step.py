@@ -85,3 +85,18 @@ def test_the_f16_window_keeps_the_eager_path(hybrid):
     model, _, _ = hybrid
     cache = model.make_cache(64, 1, "turbo3", "turbo3", f16_window=8)
     assert not DecodeStep(model, cache, compile=True).compiled
+
+
+def test_quantized_weights_trace_through_the_native_matmul(tiny_folder):
+    """Matrices kept as f16 rows go through the ``kvslim::block_linear`` op: traced without a
+    graph break at the ctypes call, with the eager path's greedy tokens."""
+    from kvslim.native import block_linear
+    if not block_linear.available():
+        pytest.skip("no C compiler: quant_linear keeps the torch path")
+    model, tok, eos = load_model(tiny_folder("qwen3_5")[0], "f32", weights="f16")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    eager, _, _ = greedy(model, tok, eos, compile=False)
+    compiled, _, _ = greedy(model, tok, eos, compile=True)
+    assert compiled == eager
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])

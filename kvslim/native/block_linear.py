@@ -28,6 +28,7 @@ def _library(portable: bool = False):
     return lib
 
 
+@torch._dynamo.assume_constant_result      # traced: decided once, not a graph break on ctypes
 def available() -> bool:
     return _library() is not None
 
@@ -37,6 +38,18 @@ def supports(wtype_name: str, x: torch.Tensor) -> bool:
     rows = x.numel() // x.shape[-1] if x.dim() else 0
     return (wtype_name in TYPE_CODES and x.device.type == "cpu" and x.dtype == torch.float32
             and 0 < rows <= MAX_ROWS and x.shape[-1] % QK == 0 and available())
+
+
+@torch.library.custom_op("kvslim::block_linear", mutates_args=())
+def block_linear_op(x: torch.Tensor, blocks: torch.Tensor, wtype_name: str) -> torch.Tensor:
+    """``block_linear`` as one opaque op, so that a compiled decode step calls the kernel
+    instead of breaking its graph at the ctypes call."""
+    return block_linear(x, blocks, wtype_name)
+
+
+@block_linear_op.register_fake
+def _(x, blocks, wtype_name):
+    return x.new_empty(x.shape[0], blocks.shape[0])
 
 
 def block_linear(x: torch.Tensor, blocks: torch.Tensor, wtype_name: str, portable: bool = False) -> torch.Tensor:

@@ -43,7 +43,7 @@ def quant_linear(x: torch.Tensor, w: QuantTensor, bias: torch.Tensor | None = No
     if w.input_index is not None:
         flat = flat.index_select(1, w.input_index)                  # into the file's column order
     if w.data.dim() == 2 and native.supports(w.wtype.name, flat):  # decode: blocks unpacked in registers
-        out = native.block_linear(flat, w.data, w.wtype.name)
+        out = torch.ops.kvslim.block_linear(flat, w.data, w.wtype.name)
         return (out if bias is None else out + bias).reshape(*x.shape[:-1], w.shape[0])
     rows = w.shape[0]
     out = flat.new_empty(flat.shape[0], rows)
