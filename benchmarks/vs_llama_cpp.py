@@ -84,8 +84,15 @@ class LlamaCppRun:
                 else 0.0}
 
 
-def greedy_check(peer, gguf: Path, model_path, n: int, threads: int) -> tuple[list[int], list[int]]:
-    kv = load(model_path, ctx=512, cache_type_k="f16", cache_type_v="f16", dtype="f32")
+def kvslim_weights(gguf_type: str) -> str | None:
+    """The type kvslim keeps the matrices in: the GGUF's, so both engines read the same bytes
+    per token (f32 compute either way); an f32 GGUF is kvslim's dense f32 model."""
+    return None if gguf_type == "f32" else gguf_type
+
+
+def greedy_check(peer, gguf: Path, model_path, n: int, threads: int, weights: str | None
+                 ) -> tuple[list[int], list[int]]:
+    kv = load(model_path, ctx=512, cache_type_k="f16", cache_type_v="f16", dtype="f32", weights=weights)
     ours = kv.generate(PROMPT, max_tokens=n, temperature=0).token_ids
     with open_llama(peer, gguf, 512, "f16", "f16", threads, 512) as llm:
         prompt = llm.tokenize(PROMPT, add_special=True)
@@ -104,7 +111,9 @@ def main() -> int:
     ap.add_argument("-r", "--repetitions", type=int, default=3)
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--types", default="f16,q8_0,q4_0", help="K=V cache types to compare")
-    ap.add_argument("--gguf-type", default="f16", help="weight type of the exported GGUF")
+    ap.add_argument("--gguf-type", default="f16",
+                    help="weight type of the exported GGUF; kvslim keeps its matrices in the same type "
+                         "(f16, bf16, q8_0, q4_0; f32: dense)")
     ap.add_argument("--greedy-tokens", type=int, default=32)
     ap.add_argument("--compile", action="store_true", help="kvslim decodes through torch.compile (--compile)")
     args = ap.parse_args()
@@ -116,7 +125,9 @@ def main() -> int:
     gguf = Path(tempfile.mkdtemp()) / f"{model_path.name}-{args.gguf_type}.gguf"
     convert_hf_to_gguf(model_path, gguf, args.gguf_type)
     print(f"exported {gguf} ({gguf.stat().st_size / 2**20:.1f} MiB)")
-    ours, theirs = greedy_check(peer, gguf, model_path, args.greedy_tokens, args.threads)
+    print(f"kvslim weights: {kvslim_weights(args.gguf_type) or 'f32 (dense)'}, f32 compute")
+    ours, theirs = greedy_check(peer, gguf, model_path, args.greedy_tokens, args.threads,
+                                kvslim_weights(args.gguf_type))
     same = sum(a == b for a, b in zip(ours, theirs))
     print(f"greedy tokens at f16: kvslim {len(ours)}, llama.cpp {len(theirs)}, identical prefix "
           f"{next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))}, "
@@ -133,7 +144,7 @@ def run_both(peer, gguf, model_path, args) -> list[list]:
     depths = sorted(set(int_list(args.depths)))
     tests = [Test(k, n, d) for d in depths for k, n in (("pp", args.n_prompt), ("tg", args.n_gen))]
     ctx = max(depths) + max(args.n_prompt, args.n_gen) + 16
-    model, _, _ = load_model(model_path, "f32")
+    model, _, _ = load_model(model_path, "f32", weights=kvslim_weights(args.gguf_type))
     rows = []
     for t in args.types.split(","):
         theirs = LlamaCppRun(open_llama(peer, gguf, ctx, t, t, args.threads, 512), model.config.vocab_size)

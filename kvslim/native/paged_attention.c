@@ -41,7 +41,7 @@ static float f16_to_f32(const uint8_t *p) {
     return (float)v;
 }
 
-#if defined(__AVX2__) && defined(__F16C__)
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #include <immintrin.h>
 #define KVSLIM_AVX2 1
 
@@ -153,9 +153,19 @@ static void decode_row(const codec_t *c, const uint8_t *row, int dim, float *out
 }
 
 static float dot(const float *a, const float *b, int dim) {
+    int i = 0;
     float s = 0.0f;
-    #pragma omp simd reduction(+ : s)
-    for (int i = 0; i < dim; i++) s += a[i] * b[i];
+#ifdef KVSLIM_AVX2
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (; i + 32 <= dim; i += 32)                       /* four chains: an add's latency is not the limit */
+        for (int j = 0; j < 4; j++)
+            acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8 * j), _mm256_loadu_ps(b + i + 8 * j), acc[j]);
+    __m256 t = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    s = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+#endif
+    for (; i < dim; i++) s += a[i] * b[i];
     return s;
 }
 
