@@ -49,22 +49,34 @@ def _block_codec(kind: int, bits: int, block_values: int, lut) -> tuple:
 @lru_cache(maxsize=None)
 def codec_fields(name: str, role: str, head_dim: int) -> tuple | None:
     """(kind, bits, block_values, block_bytes, table) of a format, or None: the kernel has no
-    decoder for it. Reads each family's documented row layout (kvslim/formats)."""
+    decoder for it. Reads each family's documented row layout (kvslim/formats), and refuses
+    a format whose row size is not what that layout gives (a new variant of a family)."""
     from .. import formats                                  # native is below formats for the weights' kernels
     fmt = formats.get(name, role=role)
-    family = fmt.spec.family
-    if family == "float":
-        return {"f32": (F32, 32, 1, 4, None), "f16": (F16, 16, 1, 2, None), "bf16": (BF16, 16, 1, 2, None)}[name]
-    if family == "ggml" and name == "q8_0":
+    fields = _family_fields(fmt, head_dim)
+    if fields is None or fields[0] in (F32, F16, BF16):
+        return fields
+    kind, bits, block_values, block_bytes, _ = fields
+    whole = head_dim % block_values == 0 and fmt.row_bytes(head_dim) == head_dim // block_values * block_bytes
+    return fields if whole else None
+
+
+def _family_fields(fmt, head_dim: int) -> tuple | None:
+    from ..formats.floats import FloatFormat
+    from ..formats.ggml import IQ4NL_VALUES, GgmlFormat
+    from ..formats.grid import GridFormat, grid_tensor
+    from ..formats.turbo import TurboFormat
+    kind = type(fmt)
+    if kind is FloatFormat:
+        return {"f32": (F32, 32, 1, 4, None), "f16": (F16, 16, 1, 2, None), "bf16": (BF16, 16, 1, 2, None)}[fmt.name]
+    if kind is GgmlFormat and fmt.name == "q8_0":
         return Q8, 8, 32, 34, None
-    if family == "ggml" and name in ("q4_0", "iq4_nl"):
-        from ..formats.ggml import IQ4NL_VALUES
-        return _block_codec(NIBBLE, 4, 32, range(-8, 8) if name == "q4_0" else IQ4NL_VALUES)
-    if family == "nl":
-        from ..formats.grid import grid_tensor
+    if kind is GgmlFormat and fmt.name in ("q4_0", "iq4_nl"):
+        return _block_codec(NIBBLE, 4, 32, range(-8, 8) if fmt.name == "q4_0" else IQ4NL_VALUES)
+    if kind is GridFormat:                                  # per block [f16 scale][codes]
         return _block_codec(PACKED, fmt.spec.code_bits, fmt.spec.block_size, grid_tensor(fmt.spec.code_bits, "cpu"))
-    if family == "turbo":                                   # MSE variant: per group [f16 scale][codes]
-        n_groups, group = fmt.blocks(head_dim)
+    if kind is TurboFormat and not fmt.qjl:                 # MSE variant: per group [f16 scale][codes]
+        _, group = fmt.blocks(head_dim)
         return _block_codec(PACKED, fmt.mse_bits, group, fmt.codebook(group, torch.device("cpu"))[0])
     return None
 
