@@ -116,19 +116,20 @@ def test_native_block_linear_matches_reference(name, monkeypatch):
         assert W.native.available()
     if not W.native.available():
         pytest.skip("no C compiler: quant_linear keeps the torch path")
-    w = random_matrix(W.get(name), 67, 160, seed=5)                       # odd row count: uneven thread split
+    cols = 512 if W.get(name).block_size > 32 else 160                   # whole super-blocks for the K types
+    w = random_matrix(W.get(name), 67, cols, seed=5)                      # odd row count: uneven thread split
     for rows, threads in ((1, 1), (3, 2), (8, 2)):
         torch.set_num_threads(threads)
-        x = torch.randn(rows, 160)
-        x[0, :32] = 0.0                                                   # a block of zero activations
+        x = torch.randn(rows, cols)
+        x[0, :32] = 0.0                                                   # a group of zero activations
         want = W.reference_linear(x, w)
         assert close(W.native.block_linear(x, w.data, name), want, MATMUL_TOL)
         assert close(W.native.block_linear(x, w.data, name, portable=True), want, MATMUL_TOL)   # no AVX2
-    assert W.native.supports(name, torch.randn(8, 160)) and not W.native.supports(name, torch.randn(9, 160))
+    assert W.native.supports(name, torch.randn(8, cols)) and not W.native.supports(name, torch.randn(9, cols))
     monkeypatch.setenv("KVSLIM_NATIVE", "0")
     native_build.clear()
     try:
-        assert not W.native.supports(name, torch.randn(1, 160))           # the switch turns it off
+        assert not W.native.supports(name, torch.randn(1, cols))          # the switch turns it off
     finally:
         native_build.clear()
 

@@ -2,128 +2,211 @@
  *
  * Each weight block is read once and unpacked in registers; no dequantized row is
  * written to memory. Rows of W are split across OpenMP threads. Built on first use by
- * kvslim/weights/native.py with the machine's C compiler (-O3 -march=native: the block
- * loops are written so that gcc/clang vectorise them); without a compiler kvslim uses
- * the pure-torch path, which the parity tests hold this one to.
+ * kvslim/native/build.py; without a compiler kvslim uses the pure-torch path, which the
+ * parity tests hold this one to (against gguf.quants).
  *
- * Block layouts (ggml): Q8_0 = f16 d, 32 x int8 q; value = d * q.
- *                       Q4_0 = f16 d, 16 bytes; byte j holds value j (low nibble) and
- *                              value j + 16 (high nibble); value = d * (nibble - 8).
- *                       F16 / BF16 = plain rows (treated as blocks of 32 without a scale).
- *
- * With AVX2 + F16C (explicit intrinsics below) a block is unpacked into four vectors of
- * 8 floats; each activation row multiplies them into a block sum that the scale then
- * folds into the row's accumulator: one multiply by d per block, not per value. Without
- * them, plain loops the compiler vectorises as it can.
+ * A row is walked in groups of 32 values. Every type's group is
+ *     value[l] = s0 * q[l] + o   (l < 16),   s1 * q[l] + o   (l >= 16)
+ * with small integer codes q, so a group's contribution to y is
+ *     s0 * (q[:16] . x[:16]) + s1 * (q[16:] . x[16:]) + o * sum(x)
+ * and the scales multiply sums, not values. Layouts (ggml, little-endian, f16 scales):
+ *   Q8_0   [d][32 x int8]                      s = d, q = int8
+ *   Q4_0   [d][16 B: byte j = q_j | q_j+16<<4]  s = d, q = nibble - 8
+ *   Q4_1   [d][m][16 B nibbles]                 s = d, o = m, q = nibble
+ *   Q5_0   [d][qh 4 B][16 B nibbles]            s = d, q = (nibble | bit j of qh << 4) - 16
+ *   Q5_1   [d][m][qh 4 B][16 B nibbles]         s = d, o = m, q = nibble | bit << 4
+ *   IQ4_NL [d][16 B nibbles]                    s = d, q = kvalues[nibble]
+ *   Q4_K   256-value super-block [d][dmin][12 B 6-bit scales and mins][128 B nibbles]:
+ *          group j: s = d * sc_j, o = -dmin * mn_j, q = nibble (low for even j, high for odd)
+ *   Q5_K   Q4_K plus [qh 32 B]: bit j of qh[l] is bit 4 of group j's value l
+ *   Q6_K   [ql 128 B][qh 64 B][16 x int8 scales][d]: q = (4 low bits | 2 high bits << 4) - 32,
+ *          one scale per 16 values (s0 and s1 differ)
+ *   F16 / BF16  plain rows (s = 1)
+ * With AVX2 + F16C + FMA the hot types (Q8_0, Q4_0, F16, BF16) unpack with intrinsics;
+ * the others decode a group's codes in C and share the vector dot products.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define QK 32
+#define MAX_M 8
 
-/* A block's scale: the f16 at its start. */
-static float block_scale(const uint8_t *block) {
+enum {
+    TYPE_Q4_0 = 4, TYPE_Q8_0 = 8, TYPE_F16 = 16, TYPE_BF16 = 17, TYPE_Q4_1 = 41, TYPE_IQ4_NL = 44,
+    TYPE_Q5_0 = 50, TYPE_Q5_1 = 51, TYPE_Q4_K = 104, TYPE_Q5_K = 105, TYPE_Q6_K = 106
+};
+
+static const int8_t IQ4NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+typedef struct {
+    float q[QK];        /* codes as floats */
+    float s0, s1, o;    /* scale of values 0-15, of 16-31, offset of all */
+} group_t;
+
+static float f16(const uint8_t *p) {
     _Float16 v;
-    memcpy(&v, block, 2);
+    memcpy(&v, p, 2);
     return (float)v;
 }
 
-/* Per-lane partial sums across blocks (acc[i] collects value i of every block), summed once
- * per row: the block loop then vectorises without a horizontal sum per block. */
-static float lanes_sum(const float *acc) {
-    float total = 0.0f;
-    for (int i = 0; i < QK; i++) total += acc[i];
-    return total;
-}
-
-static float dot_q8_0(const uint8_t *row, const float *x, int64_t n_blocks) {
-    float acc[QK] = {0};
-    for (int64_t b = 0; b < n_blocks; b++) {
-        const uint8_t *block = row + b * 34;
-        const float d = block_scale(block);
-        const int8_t *q = (const int8_t *)(block + 2);
-        const float *xb = x + b * QK;
-        #pragma omp simd
-        for (int i = 0; i < QK; i++) acc[i] += d * (float)q[i] * xb[i];
+/* Row bytes per group of 32 values (a super-block's share for the K types); 0: unknown type. */
+static int64_t group_bytes_x8(int type) {     /* times 8, so the K types' 144/8 etc. stay whole */
+    switch (type) {
+        case TYPE_Q4_0: case TYPE_IQ4_NL: return 8 * 18;
+        case TYPE_Q8_0: return 8 * 34;
+        case TYPE_F16: case TYPE_BF16: return 8 * 64;
+        case TYPE_Q4_1: return 8 * 20;
+        case TYPE_Q5_0: return 8 * 22;
+        case TYPE_Q5_1: return 8 * 24;
+        case TYPE_Q4_K: return 144;
+        case TYPE_Q5_K: return 176;
+        case TYPE_Q6_K: return 210;
+        default: return 0;
     }
-    return lanes_sum(acc);
 }
 
-static float dot_q4_0(const uint8_t *row, const float *x, int64_t n_blocks) {
-    float acc[QK] = {0};
-    for (int64_t b = 0; b < n_blocks; b++) {
-        const uint8_t *block = row + b * 18;
-        const float d = block_scale(block);
-        const uint8_t *q = block + 2;
-        const float *xb = x + b * QK;
-        #pragma omp simd
-        for (int i = 0; i < QK / 2; i++) {
-            acc[i] += d * (float)((int)(q[i] & 0x0F) - 8) * xb[i];
-            acc[i + QK / 2] += d * (float)((int)(q[i] >> 4) - 8) * xb[i + QK / 2];
-        }
+static int super_blocks(int type) {
+    return type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K;
+}
+
+static void nibbles(const uint8_t *qs, float *q, int offset) {
+    for (int l = 0; l < 16; l++) {
+        q[l] = (float)((qs[l] & 0x0F) + offset);
+        q[l + 16] = (float)((qs[l] >> 4) + offset);
     }
-    return lanes_sum(acc);
 }
 
-enum { TYPE_Q8_0 = 8, TYPE_Q4_0 = 4, TYPE_F16 = 16, TYPE_BF16 = 17 };
-#define MAX_M 8
-
-static int64_t block_bytes(int type) {
-    return type == TYPE_Q8_0 ? 34 : type == TYPE_Q4_0 ? 18 : type == TYPE_F16 || type == TYPE_BF16 ? 64 : 0;
-}
-
-static float dot_f16(const uint8_t *row, const float *x, int64_t k) {
-    float total = 0.0f;
-    #pragma omp simd reduction(+ : total)
-    for (int64_t i = 0; i < k; i++) total += (float)((const _Float16 *)row)[i] * x[i];
-    return total;
-}
-
-static float dot_bf16(const uint8_t *row, const float *x, int64_t k) {
-    float total = 0.0f;
-    for (int64_t i = 0; i < k; i++) {
-        uint32_t bits = (uint32_t)((const uint16_t *)row)[i] << 16;
-        float v;
-        memcpy(&v, &bits, 4);
-        total += v * x[i];
+static void nibbles_high_bit(const uint8_t *qh, const uint8_t *qs, float *q, int offset) {
+    uint32_t h;
+    memcpy(&h, qh, 4);
+    for (int l = 0; l < 16; l++) {
+        q[l] = (float)((int)((qs[l] & 0x0F) | ((h >> l) & 1) << 4) + offset);
+        q[l + 16] = (float)((int)((qs[l] >> 4) | ((h >> (l + 16)) & 1) << 4) + offset);
     }
-    return total;
+}
+
+/* Q4_K / Q5_K: the 6-bit scale and min of group j from the 12 packed bytes. */
+static void scale_min_k4(const uint8_t *sc, int j, int *scale, int *min) {
+    if (j < 4) {
+        *scale = sc[j] & 63;
+        *min = sc[j + 4] & 63;
+    } else {
+        *scale = (sc[j + 4] & 0x0F) | ((sc[j - 4] >> 6) << 4);
+        *min = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+    }
+}
+
+static void decode_k_group(int type, const uint8_t *sb, int j, group_t *g) {
+    if (type == TYPE_Q6_K) {                 /* halves of 128: ql 64 B, qh 32 B each */
+        const uint8_t *ql = sb + 64 * (j / 4) + 32 * (j % 2), *qh = sb + 128 + 32 * (j / 4);
+        const int low_shift = 4 * ((j / 2) % 2), high_shift = 2 * (j % 4);
+        const int8_t *scales = (const int8_t *)(sb + 192);
+        const float d = f16(sb + 208);
+        for (int l = 0; l < QK; l++)
+            g->q[l] = (float)((int)(((ql[l] >> low_shift) & 0x0F) | (((qh[l] >> high_shift) & 3) << 4)) - 32);
+        g->s0 = d * scales[2 * j];
+        g->s1 = d * scales[2 * j + 1];
+        g->o = 0.0f;
+        return;
+    }
+    const float d = f16(sb), dmin = f16(sb + 2);
+    const uint8_t *qs = sb + (type == TYPE_Q4_K ? 16 : 48) + 32 * (j / 2), *qh = sb + 16;
+    const int shift = 4 * (j % 2);
+    int scale, min;
+    scale_min_k4(sb + 4, j, &scale, &min);
+    for (int l = 0; l < QK; l++) {
+        int q = (qs[l] >> shift) & 0x0F;
+        if (type == TYPE_Q5_K) q |= ((qh[l] >> j) & 1) << 4;
+        g->q[l] = (float)q;
+    }
+    g->s0 = g->s1 = d * (float)scale;
+    g->o = -dmin * (float)min;
+}
+
+/* Group `index` of a row, for every type: the portable path and the reference of the fast one. */
+static void decode_group(int type, const uint8_t *row, int64_t index, group_t *g) {
+    if (super_blocks(type)) {
+        decode_k_group(type, row + (index / 8) * (group_bytes_x8(type)), (int)(index % 8), g);
+        return;
+    }
+    const uint8_t *b = row + index * (group_bytes_x8(type) / 8);
+    g->o = 0.0f;
+    g->s0 = g->s1 = type == TYPE_F16 || type == TYPE_BF16 ? 1.0f : f16(b);
+    switch (type) {
+        case TYPE_Q8_0: for (int l = 0; l < QK; l++) g->q[l] = (float)(int8_t)b[2 + l]; break;
+        case TYPE_Q4_0: nibbles(b + 2, g->q, -8); break;
+        case TYPE_Q4_1: nibbles(b + 4, g->q, 0); g->o = f16(b + 2); break;
+        case TYPE_Q5_0: nibbles_high_bit(b + 2, b + 6, g->q, -16); break;
+        case TYPE_Q5_1: nibbles_high_bit(b + 4, b + 8, g->q, 0); g->o = f16(b + 2); break;
+        case TYPE_IQ4_NL:
+            for (int l = 0; l < 16; l++) {
+                g->q[l] = IQ4NL_VALUES[b[2 + l] & 0x0F];
+                g->q[l + 16] = IQ4NL_VALUES[b[2 + l] >> 4];
+            }
+            break;
+        case TYPE_F16: for (int l = 0; l < QK; l++) g->q[l] = f16(b + 2 * l); break;
+        default:                                                     /* BF16: the high half of an f32 */
+            for (int l = 0; l < QK; l++) {
+                uint32_t bits = (uint32_t)(b[2 * l] | b[2 * l + 1] << 8) << 16;
+                memcpy(&g->q[l], &bits, 4);
+            }
+    }
+}
+
+__attribute__((unused)) static int has_offset(int type) {
+    return type == TYPE_Q4_1 || type == TYPE_Q5_1 || type == TYPE_Q4_K || type == TYPE_Q5_K;
 }
 
 __attribute__((unused)) static float dot_portable(int type, const uint8_t *row, const float *x, int64_t k) {
-    switch (type) {
-        case TYPE_Q8_0: return dot_q8_0(row, x, k / QK);
-        case TYPE_Q4_0: return dot_q4_0(row, x, k / QK);
-        case TYPE_F16: return dot_f16(row, x, k);
-        default: return dot_bf16(row, x, k);
+    float total = 0.0f;
+    group_t g;
+    for (int64_t index = 0; index < k / QK; index++) {
+        decode_group(type, row, index, &g);
+        const float *xg = x + index * QK;
+        float lo = 0.0f, hi = 0.0f, sum = 0.0f;
+        for (int l = 0; l < 16; l++) lo += g.q[l] * xg[l], hi += g.q[l + 16] * xg[l + 16];
+        for (int l = 0; l < QK; l++) sum += xg[l];
+        total += g.s0 * lo + g.s1 * hi + g.o * sum;
     }
+    return total;
 }
 
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #include <immintrin.h>
+#define KVSLIM_AVX2 1
 
-/* One block (32 values) into v[0..3], without its scale; returns the scale (1 for floats). */
-static inline float unpack_block(int type, const uint8_t *b, __m256 v[4]) {
+/* Codes of one group into v[0..3] (8 floats each) and its scales; intrinsics for the hot
+ * types, the C decoder for the rest. */
+static inline void unpack_group(int type, const uint8_t *row, int64_t index, __m256 v[4], float *s0, float *s1,
+                                float *o) {
+    const uint8_t *b = row + index * (group_bytes_x8(type) / 8);
+    *o = 0.0f;
     if (type == TYPE_Q8_0) {
         for (int j = 0; j < 4; j++)
             v[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * j))));
-        return block_scale(b);
-    }
-    if (type == TYPE_Q4_0) {
+        *s0 = *s1 = f16(b);
+    } else if (type == TYPE_Q4_0) {
         const __m256i m4 = _mm256_set1_epi32(0x0F), eight = _mm256_set1_epi32(8);
         for (int j = 0; j < 2; j++) {                   /* bytes 8j..8j+7: values 8j.. (low), 16+8j.. (high) */
             __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * j)));
             v[j] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(q, m4), eight));
             v[j + 2] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(q, 4), eight));
         }
-        return block_scale(b);
+        *s0 = *s1 = f16(b);
+    } else if (type == TYPE_F16 || type == TYPE_BF16) {
+        for (int j = 0; j < 4; j++) {
+            __m128i h = _mm_loadu_si128((const __m128i *)(b + 16 * j));
+            v[j] = type == TYPE_F16 ? _mm256_cvtph_ps(h)
+                                    : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        }
+        *s0 = *s1 = 1.0f;
+    } else {
+        group_t g;
+        decode_group(type, row, index, &g);
+        for (int j = 0; j < 4; j++) v[j] = _mm256_loadu_ps(g.q + 8 * j);
+        *s0 = g.s0, *s1 = g.s1, *o = g.o;
     }
-    for (int j = 0; j < 4; j++) {
-        __m128i h = _mm_loadu_si128((const __m128i *)(b + 16 * j));
-        v[j] = type == TYPE_F16 ? _mm256_cvtph_ps(h)
-                                : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    }
-    return 1.0f;
 }
 
 static inline float hsum(__m256 v) {
@@ -133,42 +216,55 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* y[i * n] = row . x[i] for the m activation rows. */
-static void row_times_rows(int type, const uint8_t *row, const float *x, int64_t m, int64_t k, float *y, int64_t n) {
+/* y[i * n] = row . x[i] for the m activation rows; xsum (m, k/32): each group's sum of x. */
+static void row_times_rows(int type, const uint8_t *row, const float *x, const float *xsum, int64_t m, int64_t k,
+                           float *y, int64_t n) {
     __m256 acc[MAX_M];
+    float offsets[MAX_M] = {0};
     for (int64_t i = 0; i < m; i++) acc[i] = _mm256_setzero_ps();
-    const int64_t bb = block_bytes(type);
-    for (int64_t b = 0; b < k / QK; b++) {
+    for (int64_t index = 0; index < k / QK; index++) {
         __m256 v[4];
-        const __m256 d = _mm256_set1_ps(unpack_block(type, row + b * bb, v));
+        float s0, s1, o;
+        unpack_group(type, row, index, v, &s0, &s1, &o);
+        const __m256 d0 = _mm256_set1_ps(s0), d1 = _mm256_set1_ps(s1);
         for (int64_t i = 0; i < m; i++) {
-            const float *xb = x + i * k + b * QK;
-            __m256 t = _mm256_mul_ps(v[0], _mm256_loadu_ps(xb));
-            t = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), t);
-            t = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xb + 16), t);
-            t = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), t);
-            acc[i] = _mm256_fmadd_ps(d, t, acc[i]);
+            const float *xg = x + i * k + index * QK;
+            __m256 lo = _mm256_mul_ps(v[0], _mm256_loadu_ps(xg));
+            lo = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xg + 8), lo);
+            __m256 hi = _mm256_mul_ps(v[2], _mm256_loadu_ps(xg + 16));
+            hi = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xg + 24), hi);
+            acc[i] = _mm256_fmadd_ps(d1, hi, _mm256_fmadd_ps(d0, lo, acc[i]));
+            if (xsum) offsets[i] += o * xsum[i * (k / QK) + index];
         }
     }
-    for (int64_t i = 0; i < m; i++) y[i * n] = hsum(acc[i]);
+    for (int64_t i = 0; i < m; i++) y[i * n] = hsum(acc[i]) + offsets[i];
 }
-#define KVSLIM_AVX2 1
 #endif
 
 /* x (m, k) float32 contiguous; w (n, row_bytes) rows of `type`; y (m, n) float32.
  * Returns 0, or 1 for a type it does not know, k not whole blocks, or m > MAX_M. */
 int kvslim_block_linear(int type, const float *x, const uint8_t *w, float *y, int64_t m, int64_t n, int64_t k,
                         int n_threads) {
-    if (!block_bytes(type) || k % QK || m > MAX_M) return 1;
-    const int64_t row_bytes = k / QK * block_bytes(type);
-    #pragma omp parallel for num_threads(n_threads) schedule(static)
-    for (int64_t r = 0; r < n; r++) {
-        const uint8_t *row = w + r * row_bytes;
+    const int64_t per_block = super_blocks(type) ? 256 : QK;
+    if (!group_bytes_x8(type) || k % per_block || m > MAX_M) return 1;
+    const int64_t row_bytes = k / QK * group_bytes_x8(type) / 8;
 #ifdef KVSLIM_AVX2
-        row_times_rows(type, row, x, m, k, y + r, n);
-#else
-        for (int64_t i = 0; i < m; i++) y[i * n + r] = dot_portable(type, row, x + i * k, k);
-#endif
+    float *xsum = NULL;
+    if (has_offset(type)) {
+        if (!(xsum = malloc((size_t)(m * (k / QK)) * sizeof(float)))) return 1;
+        for (int64_t i = 0; i < m * (k / QK); i++) {
+            float s = 0.0f;
+            for (int l = 0; l < QK; l++) s += x[i * QK + l];
+            xsum[i] = s;
+        }
     }
+    #pragma omp parallel for num_threads(n_threads) schedule(static)
+    for (int64_t r = 0; r < n; r++) row_times_rows(type, w + r * row_bytes, x, xsum, m, k, y + r, n);
+    free(xsum);
+#else
+    #pragma omp parallel for num_threads(n_threads) schedule(static)
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t i = 0; i < m; i++) y[i * n + r] = dot_portable(type, w + r * row_bytes, x + i * k, k);
+#endif
     return 0;
 }
