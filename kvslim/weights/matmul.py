@@ -1,7 +1,8 @@
 """x @ W.T with W kept as ggml blocks.
 
-``quant_linear`` (the fast path) hands a few activation rows (decode) of Q8_0 / Q4_0 to
-``native.block_linear``, which unpacks each block in registers; otherwise it dequantizes a
+``quant_linear`` (the fast path) hands a few activation rows (decode) to the C kernel
+``kvslim::block_linear`` (every type kvslim keeps packed, and f16/bf16 rows), which unpacks
+each block in registers; otherwise (more rows, or no compiler) it dequantizes a
 step of W's rows at a time with the torch decoders and multiplies it, so the extra memory is one step of float32 rows (plus the
 decoder's temporaries of that order) whatever the matrix size. ``reference_linear``
 expands the whole matrix with ``gguf.quants`` first: slow and memory-hungry, obviously
