@@ -5,6 +5,8 @@ on eager kernels; inductor's C++ build of the same graph takes minutes on two bu
 is exercised by ``benchmarks/compile_decode.py``)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -100,3 +102,18 @@ def test_quantized_weights_trace_through_the_native_matmul(tiny_folder):
     compiled, _, _ = greedy(model, tok, eos, compile=True)
     assert compiled == eager
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+
+
+def test_compiled_code_goes_to_kvslims_cache_unless_the_user_chose(monkeypatch, tmp_path):
+    """Importing torch's compiler pieces sets TORCHINDUCTOR_CACHE_DIR to inductor's default:
+    that value is replaced by kvslim's folder; a folder the user set is kept."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir as inductor_default
+
+    from kvslim.engine import decode_step
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", inductor_default())
+    decode_step.use_cache_dir()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "kvslim" / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    decode_step.use_cache_dir()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
