@@ -174,6 +174,37 @@ static void axpy(float *y, float a, const float *x, int dim) {
     for (int i = 0; i < dim; i++) y[i] += a * x[i];
 }
 
+#ifdef KVSLIM_AVX2
+/* e^x for x <= 0 within ~2 ulp: 2^k * p(r), r = x - k ln2 (ln2 in two parts), p of degree 6;
+ * x below -87 gives e^-87 (~1e-38) instead of 0, which no softmax sum can tell apart. */
+static inline __m256 exp_nonpositive(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+/* s[j] = e^(s[j] - top) for j < n (s has room for TILE values). */
+static void exp_shifted(float *s, int n, float top) {
+    int j = 0;
+#ifdef KVSLIM_AVX2
+    for (; j + 8 <= n; j += 8)
+        _mm256_storeu_ps(s + j, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(top))));
+#endif
+    for (; j < n; j++) s[j] = expf(s[j] - top);
+}
+
 typedef struct {
     const uint8_t *k_pool, *v_pool;
     int64_t pool_pages, page_size, k_row_bytes, v_row_bytes;
@@ -203,10 +234,8 @@ static void attend_span(const pages_t *p, const codec_t *ck, const codec_t *cv, 
             float corr = expf(m[r] - top);
             l[r] *= corr;
             for (int i = 0; i < dim; i++) acc[(size_t)r * dim + i] *= corr;
-            for (int j = 0; j < n; j++) {
-                scores[r][j] = expf(scores[r][j] - top);
-                l[r] += scores[r][j];
-            }
+            exp_shifted(scores[r], n, top);
+            for (int j = 0; j < n; j++) l[r] += scores[r][j];
             m[r] = top;
         }
         for (int j = 0; j < n; j++) {
