@@ -287,3 +287,22 @@ def test_agent_session_prefills_only_new_tokens_and_matches_a_cold_server():
         assert all(t.cached >= s.reusable(i) - 1 for i, t in enumerate(s.turns) if i > 0)
     assert [t.reply for t in warm.turns] == [t.reply for t in other.turns] == [t.reply for t in cold.turns]
     assert all(t.cached == 0 for t in cold.turns)
+
+
+def test_thirty_turn_session_reads_every_earlier_turn_from_the_cache():
+    """The 30-turn session of the agents' issue, with short tool results so that it fits the suite:
+    through both APIs, every turn after the first reads the whole previous prompt and reply from
+    the cache, and at the last turn the cache holds nearly all of the prompt."""
+    bench = load_bench()
+    turns, chars = 30, 40
+    handle, base = bench.serve(6144, "q8_0", "turbo4")
+    try:
+        sessions = [bench.openai_session(base, turns, chars, max_text=4),
+                    bench.anthropic_session(base, turns, chars, max_text=4)]
+    finally:
+        handle.shutdown()
+    for s in sessions:
+        assert len(s.turns) == turns
+        assert all(t.cached >= s.reusable(i) - 1 for i, t in enumerate(s.turns) if i > 0)
+        assert s.turns[-1].cached / s.turns[-1].prompt >= 0.95
+    assert [t.reply for t in sessions[0].turns] == [t.reply for t in sessions[1].turns]
