@@ -18,7 +18,9 @@
  *                value = d * lut[code]                                  (ggml q4_0, iq4_nl)
  *   CODEC_PACKED block_values codes of `bits` bits, packed little-endian 8 codes per
  *                `bits` bytes, value = d * lut[code]                    (TurboQuant, nl grids)
- * and the float rows CODEC_F32 / CODEC_F16 / CODEC_BF16.
+ * and the float rows CODEC_F32 / CODEC_F16 / CODEC_BF16. A PACKED block may carry two scale
+ * levels (the nls rows): [f16 d][sub_bits-bit rung per sub_values values][codes], and then
+ * value = (d * ladder[rung]) * lut[code].
  */
 #include <math.h>
 #include <stdint.h>
@@ -33,6 +35,9 @@ enum { CODEC_F32 = 0, CODEC_F16 = 1, CODEC_BF16 = 2, CODEC_Q8 = 3, CODEC_NIBBLE 
 typedef struct {
     int32_t kind, bits, block_values, block_bytes;
     const float *lut;            /* 16 floats: the 2^bits code values (NIBBLE, PACKED), zero-padded */
+    int32_t header_bytes;        /* the f16 scale, then (sub_values > 0) the sub-blocks' rung indices */
+    int32_t sub_values, sub_bits;
+    const float *ladder;         /* 2^sub_bits factors: sub-block i's scale is d * ladder[rung i] */
 } codec_t;
 
 static float f16_to_f32(const uint8_t *p) {
@@ -76,8 +81,14 @@ static void decode_floats(const codec_t *c, const uint8_t *row, int dim, float *
     }
 }
 
-/* Codes of one block, any layout, one at a time: the portable path and the 2/3-bit one. */
-static void decode_block_scalar(const codec_t *c, const uint8_t *q, float d, float *out) {
+/* The scale of value i of a block: d, or d times its sub-block's rung of the ladder. */
+static inline float scale_at(const codec_t *c, float d, uint64_t rungs, int i) {
+    if (!c->sub_values) return d;
+    return d * c->ladder[(rungs >> (c->sub_bits * (i / c->sub_values))) & ((1u << c->sub_bits) - 1)];
+}
+
+/* Codes of one block, any layout, one at a time: the portable path and the reference of the rest. */
+static void decode_block_scalar(const codec_t *c, const uint8_t *q, float d, uint64_t rungs, float *out) {
     const int n = c->block_values;
     if (c->kind == CODEC_Q8) {
         for (int i = 0; i < n; i++) out[i] = d * (float)(int8_t)q[i];
@@ -91,26 +102,32 @@ static void decode_block_scalar(const codec_t *c, const uint8_t *q, float d, flo
         for (int w = 0; w < n / 8; w++) {
             uint64_t word = 0;
             for (int b = 0; b < bits; b++) word |= (uint64_t)q[w * bits + b] << (8 * b);
-            for (int j = 0; j < 8; j++) out[w * 8 + j] = d * c->lut[(word >> (bits * j)) & mask];
+            for (int j = 0; j < 8; j++)
+                out[w * 8 + j] = scale_at(c, d, rungs, w * 8 + j) * c->lut[(word >> (bits * j)) & mask];
         }
     }
 }
 
 static void decode_block(const codec_t *c, const uint8_t *block, float *out) {
     const float d = f16_to_f32(block);
-    const uint8_t *q = block + 2;
+    const uint8_t *q = block + c->header_bytes;
     const int n = c->block_values;
+    uint64_t rungs = 0;
+    for (int b = 2; b < c->header_bytes; b++) rungs |= (uint64_t)block[b] << (8 * (b - 2));
 #ifdef KVSLIM_AVX2
-    const __m256 vd = _mm256_set1_ps(d), m4 = _mm256_castsi256_ps(_mm256_set1_epi32(0x0F));
+    const __m256 m4 = _mm256_castsi256_ps(_mm256_set1_epi32(0x0F));
+    __m256 vd = _mm256_set1_ps(d);
     if (c->kind == CODEC_Q8 && n % 8 == 0) {
         for (int i = 0; i < n; i += 8)
             _mm256_storeu_ps(out + i, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(
                 _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + i))))));
         return;
     }
-    if ((c->kind == CODEC_NIBBLE || (c->kind == CODEC_PACKED && c->bits == 4)) && n % 16 == 0) {
+    if ((c->kind == CODEC_NIBBLE || (c->kind == CODEC_PACKED && c->bits == 4)) && n % 16 == 0
+        && c->sub_values % 16 == 0) {
         const __m256 lo = _mm256_loadu_ps(c->lut), hi = _mm256_loadu_ps(c->lut + 8);
         for (int i = 0; i < n / 2; i += 8) {                  /* 8 bytes: 16 codes */
+            if (c->sub_values) vd = _mm256_set1_ps(scale_at(c, d, rungs, 2 * i));
             __m256i b = bytes8(q + i);
             __m256i low = _mm256_castps_si256(_mm256_and_ps(_mm256_castsi256_ps(b), m4));
             __m256 a = _mm256_mul_ps(vd, lut16(low, lo, hi));
@@ -126,7 +143,7 @@ static void decode_block(const codec_t *c, const uint8_t *block, float *out) {
         }
         return;
     }
-    if (c->kind == CODEC_PACKED && c->bits <= 3 && n % 8 == 0) {   /* <= 8 code values: one permute */
+    if (c->kind == CODEC_PACKED && c->bits <= 3 && n % 8 == 0 && c->sub_values % 8 == 0) {   /* one permute */
         const __m256 table = _mm256_loadu_ps(c->lut);
         const int bits = c->bits;
         const __m256i shifts = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(bits));
@@ -135,12 +152,13 @@ static void decode_block(const codec_t *c, const uint8_t *block, float *out) {
             int32_t word = 0;
             for (int b = 0; b < bits; b++) word |= (int32_t)q[w * bits + b] << (8 * b);
             __m256i codes = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), mask);
+            if (c->sub_values) vd = _mm256_set1_ps(scale_at(c, d, rungs, 8 * w));
             _mm256_storeu_ps(out + 8 * w, _mm256_mul_ps(vd, _mm256_permutevar8x32_ps(table, codes)));
         }
         return;
     }
 #endif
-    decode_block_scalar(c, q, d, out);
+    decode_block_scalar(c, q, d, rungs, out);
 }
 
 static void decode_row(const codec_t *c, const uint8_t *row, int dim, float *out) {

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -26,7 +27,27 @@ MIN_SPAN = 256                                     # keys per work item at least
 
 class Codec(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int32), ("bits", ctypes.c_int32), ("block_values", ctypes.c_int32),
-                ("block_bytes", ctypes.c_int32), ("lut", ctypes.c_void_p)]
+                ("block_bytes", ctypes.c_int32), ("lut", ctypes.c_void_p), ("header_bytes", ctypes.c_int32),
+                ("sub_values", ctypes.c_int32), ("sub_bits", ctypes.c_int32), ("ladder", ctypes.c_void_p)]
+
+
+@dataclass(frozen=True)
+class CodecFields:
+    """A row layout the kernel decodes: float rows, or blocks of [f16 scale][(rungs)][codes]."""
+    kind: int
+    bits: int
+    block_values: int
+    block_bytes: int
+    lut: torch.Tensor | None = None          # 16 floats, the code values zero-padded
+    header_bytes: int = 2                    # the f16 scale, then sub-block rungs when sub_values
+    sub_values: int = 0                      # values per sub-block with its own rung (0: none)
+    sub_bits: int = 0
+    ladder: torch.Tensor | None = None       # the rungs' factors, zero-padded to 16
+
+    def codec(self) -> Codec:
+        pointer = (lambda t: None if t is None else t.data_ptr())
+        return Codec(self.kind, self.bits, self.block_values, self.block_bytes, pointer(self.lut),
+                     self.header_bytes, self.sub_values, self.sub_bits, pointer(self.ladder))
 
 
 def _library(portable: bool = False):
@@ -40,53 +61,67 @@ def _library(portable: bool = False):
     return lib
 
 
-def _block_codec(kind: int, bits: int, block_values: int, lut) -> tuple:
-    if lut is not None:                                     # the kernel loads 16 entries whatever the width
-        lut = torch.nn.functional.pad(torch.as_tensor(lut, dtype=torch.float32).flatten(), (0, 16 - len(lut)))
-    return kind, bits, block_values, 2 + block_values * bits // 8, lut
+def _table16(values) -> torch.Tensor:
+    """Code values or rung factors as the 16 floats the kernel loads whatever the width."""
+    t = torch.as_tensor(values, dtype=torch.float32).flatten()
+    return torch.nn.functional.pad(t, (0, 16 - len(t)))
+
+
+def _block_codec(kind: int, bits: int, block_values: int, lut, **sub) -> CodecFields:
+    header = sub.pop("header_bytes", 2)
+    ladder = sub.pop("ladder", None)
+    return CodecFields(kind, bits, block_values, header + block_values * bits // 8, _table16(lut), header,
+                       ladder=None if ladder is None else _table16(ladder), **sub)
 
 
 @lru_cache(maxsize=None)
-def codec_fields(name: str, role: str, head_dim: int) -> tuple | None:
-    """(kind, bits, block_values, block_bytes, table) of a format, or None: the kernel has no
-    decoder for it. Reads each family's documented row layout (kvslim/formats), and refuses
-    a format whose row size is not what that layout gives (a new variant of a family)."""
+def codec_fields(name: str, role: str, head_dim: int) -> CodecFields | None:
+    """The row layout of a format for the kernel, or None: the kernel has no decoder for it.
+    Reads each family's documented row layout (kvslim/formats), and refuses a format whose
+    row size is not what that layout gives (a new variant of a family)."""
     from .. import formats                                  # native is below formats for the weights' kernels
     fmt = formats.get(name, role=role)
     fields = _family_fields(fmt, head_dim)
-    if fields is None or fields[0] in (F32, F16, BF16):
+    if fields is None or fields.kind in (F32, F16, BF16):
         return fields
-    kind, bits, block_values, block_bytes, _ = fields
-    whole = head_dim % block_values == 0 and fmt.row_bytes(head_dim) == head_dim // block_values * block_bytes
+    n = fields.block_values
+    whole = head_dim % n == 0 and fmt.row_bytes(head_dim) == head_dim // n * fields.block_bytes
     return fields if whole else None
 
 
-def _family_fields(fmt, head_dim: int) -> tuple | None:
+def _family_fields(fmt, head_dim: int) -> CodecFields | None:
+    from ..formats import grid
     from ..formats.floats import FloatFormat
     from ..formats.ggml import IQ4NL_VALUES, GgmlFormat
-    from ..formats.grid import GridFormat, grid_tensor
     from ..formats.turbo import TurboFormat
     kind = type(fmt)
     if kind is FloatFormat:
-        return {"f32": (F32, 32, 1, 4, None), "f16": (F16, 16, 1, 2, None), "bf16": (BF16, 16, 1, 2, None)}[fmt.name]
+        kind, bits = {"f32": (F32, 32), "f16": (F16, 16), "bf16": (BF16, 16)}[fmt.name]
+        return CodecFields(kind, bits, 1, bits // 8)
     if kind is GgmlFormat and fmt.name == "q8_0":
-        return Q8, 8, 32, 34, None
+        return CodecFields(Q8, 8, 32, 34)
     if kind is GgmlFormat and fmt.name in ("q4_0", "iq4_nl"):
         return _block_codec(NIBBLE, 4, 32, range(-8, 8) if fmt.name == "q4_0" else IQ4NL_VALUES)
-    if kind is GridFormat:                                  # per block [f16 scale][codes]
-        return _block_codec(PACKED, fmt.spec.code_bits, fmt.spec.block_size, grid_tensor(fmt.spec.code_bits, "cpu"))
+    if kind is grid.GridFormat:                             # per block [f16 scale][codes]
+        return _block_codec(PACKED, fmt.spec.code_bits, fmt.spec.block_size, grid.grid_tensor(fmt.spec.code_bits, "cpu"))
+    if kind is getattr(grid, "SubScaleGridFormat", None):   # [f16 d][2-bit rung per 16][codes]
+        return _block_codec(PACKED, fmt.spec.code_bits, fmt.spec.block_size, grid.grid_tensor(fmt.spec.code_bits, "cpu"),
+                            header_bytes=fmt.spec.block_header_bytes, sub_values=grid.SUB_BLOCK,
+                            sub_bits=grid.SUB_BITS, ladder=grid.SUB_LADDER)
     if kind is TurboFormat and not fmt.qjl:                 # MSE variant: per group [f16 scale][codes]
         _, group = fmt.blocks(head_dim)
         return _block_codec(PACKED, fmt.mse_bits, group, fmt.codebook(group, torch.device("cpu"))[0])
     return None
 
 
-def _codec(fmt, head_dim: int) -> tuple[Codec, torch.Tensor | None] | None:
-    fields = codec_fields(fmt.name, getattr(fmt, "role", "k"), head_dim)
-    if fields is None:
-        return None
-    kind, bits, block_values, block_bytes, lut = fields
-    return Codec(kind, bits, block_values, block_bytes, None if lut is None else lut.data_ptr()), lut
+@lru_cache(maxsize=None)
+def _cached_codec(name: str, role: str, head_dim: int) -> Codec | None:
+    fields = codec_fields(name, role, head_dim)              # keeps the tables the pointers point at
+    return None if fields is None else fields.codec()
+
+
+def _codec(fmt, head_dim: int) -> Codec | None:
+    return _cached_codec(fmt.name, getattr(fmt, "role", "k"), head_dim)
 
 
 def supports(fmt_k, fmt_v, q: torch.Tensor) -> bool:
@@ -110,7 +145,7 @@ def decode_state(fmt_k, fmt_v, q: torch.Tensor, k_pool: torch.Tensor, v_pool: to
     -> m, l (Hkv, S, R, 1) and acc (Hkv, S, R, D), acc in V's code domain, not normalised.
     ``portable``: the build without AVX2 (tests)."""
     n_kv, n_seq, n_rows, dim = q.shape
-    (ck, _), (cv, _) = _codec(fmt_k, dim), _codec(fmt_v, dim)
+    ck, cv = _codec(fmt_k, dim), _codec(fmt_v, dim)
     q, table = q.contiguous(), table.to(torch.int32).contiguous()
     n_keys = n_keys.to(torch.int64).contiguous()
     m = torch.empty(n_kv, n_seq, n_rows, 1)
