@@ -61,7 +61,8 @@ def grid_candidate(bits: int, block: int, role: str) -> GridFormat:
 def candidates(role: str) -> list[tuple[str, object]]:
     """(label, format) pairs: table formats, then nl grids at other block sizes."""
     out = [(n, formats.get(n, role=role)) for n in
-           ("q8_0", "q5_0", "q4_1", "iq4_nl", "q4_0", "iq4_nl-norot", "q4_0-norot", "turbo4", "turbo3", "turbo2")]
+           ("q8_0", "q5_0", "q4_1", "iq4_nl", "q4_0", "iq4_nl-norot", "q4_0-norot", "turbo4", "turbo3", "turbo2",
+            "nl4s", "nl3s")]
     for bits, block in ((4, 32), (4, 64), (4, 128), (3, 32), (3, 64), (2, 32)):
         if GRIDS.get(bits):
             out.append((f"nl{bits} b{block}", grid_candidate(bits, block, role)))
