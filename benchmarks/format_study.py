@@ -81,20 +81,20 @@ def model_rows(path: str, n_ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
     from kvslim.engine.llm import load
 
     seen_k, seen_v = [], []
-    append = KVCache.append
+    forward = KVCache.forward                   # the model's one call per attention layer
 
-    def spy(self, slot, k, v):
+    def spy(self, batch, q, k, v):
         seen_k.append(k.detach().float().reshape(-1, k.shape[-1]))
         seen_v.append(v.detach().float().reshape(-1, v.shape[-1]))
-        return append(self, slot, k, v)
+        return forward(self, batch, q, k, v)
 
     llm = load(None, ctx=n_ctx, cache_type_k="f32", cache_type_v="f32", dtype=torch.float32)
     ids = llm.tokenize(open(path, encoding="utf-8").read())[:n_ctx]
-    KVCache.append = spy
+    KVCache.forward = spy
     try:
         llm.logits(ids)
     finally:
-        KVCache.append = append
+        KVCache.forward = forward
     return torch.cat(seen_k), torch.cat(seen_v)
 
 
