@@ -61,7 +61,8 @@ def grid_candidate(bits: int, block: int, role: str) -> GridFormat:
 def candidates(role: str) -> list[tuple[str, object]]:
     """(label, format) pairs: table formats, then nl grids at other block sizes."""
     out = [(n, formats.get(n, role=role)) for n in
-           ("q8_0", "q5_0", "q4_1", "iq4_nl", "q4_0", "iq4_nl-norot", "q4_0-norot", "turbo4", "turbo3", "turbo2")]
+           ("q8_0", "q5_0", "q4_1", "iq4_nl", "q4_0", "iq4_nl-norot", "q4_0-norot", "turbo4", "turbo3", "turbo2",
+            "nl4s", "nl3s")]
     for bits, block in ((4, 32), (4, 64), (4, 128), (3, 32), (3, 64), (2, 32)):
         if GRIDS.get(bits):
             out.append((f"nl{bits} b{block}", grid_candidate(bits, block, role)))
@@ -80,20 +81,20 @@ def model_rows(path: str, n_ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
     from kvslim.engine.llm import load
 
     seen_k, seen_v = [], []
-    append = KVCache.append
+    forward = KVCache.forward                   # the model's one call per attention layer
 
-    def spy(self, slot, k, v):
+    def spy(self, batch, q, k, v):
         seen_k.append(k.detach().float().reshape(-1, k.shape[-1]))
         seen_v.append(v.detach().float().reshape(-1, v.shape[-1]))
-        return append(self, slot, k, v)
+        return forward(self, batch, q, k, v)
 
     llm = load(None, ctx=n_ctx, cache_type_k="f32", cache_type_v="f32", dtype=torch.float32)
     ids = llm.tokenize(open(path, encoding="utf-8").read())[:n_ctx]
-    KVCache.append = spy
+    KVCache.forward = spy
     try:
         llm.logits(ids)
     finally:
-        KVCache.append = append
+        KVCache.forward = forward
     return torch.cat(seen_k), torch.cat(seen_v)
 
 

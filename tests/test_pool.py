@@ -140,3 +140,10 @@ def test_attend_batch_without_the_cache_method():
     torch.testing.assert_close(out[:9], attend_reference(cache, 0, q[:9]), atol=3e-5, rtol=1e-4)
     with pytest.raises(ValueError, match="writes position 0 but the cache holds 9"):
         cache.store_batch(batch, k, v)
+
+
+@pytest.mark.parametrize("type_k,type_v", [("nl4s", "nl4s"), ("nl3s", "q8_0"), ("f16", "nl3s"), ("nl4", "nl3")])
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_nl_grids_in_mixed_batches(type_k, type_v, head_dim):
+    """The nl rows (block 128 for nls: no head_dim 64) through the same run, GQA group 4."""
+    test_mixed_batches_match_the_reference(type_k, type_v, head_dim, 4)

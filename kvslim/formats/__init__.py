@@ -12,7 +12,7 @@ import os
 from .base import FormatSpec, KVFormat
 from .floats import FloatFormat
 from .ggml import NOROT, GgmlFormat
-from .grid import GridFormat
+from .grid import GridFormat, SubScaleGridFormat
 from .turbo import TurboFormat
 
 # The one table. block_bytes and bits per value are derived from these columns.
@@ -37,6 +37,10 @@ TABLE: tuple[FormatSpec, ...] = (
     FormatSpec("turbo2", "turbo", 128, 2, 2, "TurboQuant: rotation + 2-bit Lloyd-Max codebook, fp16 norm"),
     FormatSpec("nl4", "nl", 64, 4, 2, "rotated as llama.cpp + fp16 scale per 64 + 4-bit fitted grid, scale search"),
     FormatSpec("nl3", "nl", 32, 3, 2, "rotated as llama.cpp + fp16 scale per 32 + 3-bit fitted grid, scale search"),
+    FormatSpec("nl4s", "nls", 128, 4, 4,
+               "rotated as llama.cpp + fp16 scale per 128, 2-bit sub-scale per 16 + 4-bit fitted grid"),
+    FormatSpec("nl3s", "nls", 128, 3, 4,
+               "rotated as llama.cpp + fp16 scale per 128, 2-bit sub-scale per 16 + 3-bit fitted grid"),
     FormatSpec("turbo4p", "turbo_prod", 128, 4, 4,
                "TurboQuant product: 3-bit MSE + 1-bit QJL residual (unbiased dot products)", True),
     FormatSpec("turbo3p", "turbo_prod", 128, 3, 4,
@@ -45,7 +49,7 @@ TABLE: tuple[FormatSpec, ...] = (
       for name, bits, header, text in _GGML),
 )
 _BY_NAME = {spec.name: spec for spec in TABLE}
-_CLASSES = {"float": FloatFormat, "ggml": GgmlFormat, "nl": GridFormat, "turbo": TurboFormat, "turbo_prod": TurboFormat}
+_CLASSES = {"float": FloatFormat, "ggml": GgmlFormat, "nl": GridFormat, "nls": SubScaleGridFormat, "turbo": TurboFormat, "turbo_prod": TurboFormat}
 
 
 def names() -> list[str]:
@@ -86,7 +90,7 @@ def _get(key: str, role: str) -> KVFormat:
     spec = _BY_NAME.get(key)
     if spec is None:
         raise ValueError(f"unknown KV cache type {key!r}; valid types: {', '.join(names())}")
-    if spec.family in ("ggml", "nl"):
+    if spec.family in ("ggml", "nl", "nls"):
         return _CLASSES[spec.family](spec, role)
     return _CLASSES[spec.family](spec)
 
