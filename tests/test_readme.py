@@ -13,6 +13,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import sysconfig
 import time
 import urllib.request
 from pathlib import Path
@@ -155,3 +156,29 @@ def wait_healthy(port: int, server: subprocess.Popen, timeout: float = 120) -> N
         except OSError:
             time.sleep(0.3)
     pytest.fail("kvslim serve did not become healthy")
+
+
+def test_snippets_run_from_the_folder_holding_the_clone(tmp_path):
+    """``cd .. && kvslim/.venv/bin/python -c "import kvslim; kvslim.load"`` imports the package.
+
+    From there the clone itself (a folder named kvslim, no ``__init__.py``) is on sys.path as
+    the working directory. setuptools' default editable install for a flat layout is an import
+    hook consulted after sys.path, so the clone won as an empty namespace package; the
+    ``package-dir`` in pyproject.toml makes the install a path entry, where a regular package
+    beats a namespace folder. A fresh venv gets a real editable install (no dependencies: it
+    sees this interpreter's packages through a path entry, whose .pth files are not run).
+    """
+    pytest.importorskip("setuptools", minversion="77", reason="the [test] extra installs setuptools>=77")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True)
+    python = venv / "bin" / "python"
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    Path(site, "outer.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    subprocess.run([sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps",
+                    "--no-build-isolation", "--no-index", "-e", ROOT], check=True, capture_output=True)
+    (tmp_path / "kvslim").symlink_to(ROOT)   # the clone, as seen from the folder holding it
+    probe = "import kvslim; print(kvslim.__file__, callable(kvslim.load))"
+    r = subprocess.run([python, "-c", probe], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [str(ROOT / "kvslim" / "__init__.py"), "True"]
