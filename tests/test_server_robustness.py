@@ -451,10 +451,14 @@ def test_sigterm_drains_and_exits_zero(tiny_folder):
             proc.send_signal(signal.SIGTERM)
             results = [f.result() for f in outcomes]
         answered = time.monotonic() - t0
-        code = proc.wait(timeout=60)                                  # (interpreter teardown adds seconds)
+        code = proc.wait(timeout=60)
+        exited = time.monotonic() - t0
     finally:
         proc.kill()
     assert code == 0, proc.stdout.read().decode()[-2000:]
     assert all(r in ("complete", "error", "refused") for r in results), results
     assert results.count("refused") + results.count("error") >= 2
-    assert answered < 60                                              # answered after the grace, not at a timeout
+    # --grace 1: every client answered by then, the process gone 0.5 s later (transport.py's
+    # stated margin), plus 0.5 s for a busy machine; it took 2.4-3.4 s when torch's teardown ran
+    assert answered < 1.5, f"clients answered {answered:.2f} s after SIGTERM"
+    assert exited < 2.0, f"exited {exited:.2f} s after SIGTERM with --grace 1"
