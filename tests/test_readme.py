@@ -19,6 +19,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvslim import cli
 from kvslim.loading import BUNDLED
@@ -34,7 +35,7 @@ def first(n: int):
 # tool (or "eval ppl" etc.) -> flag -> small value (None: a switch; a function: of the README's value),
 # set whether or not the README gives the flag
 SMOKE = {
-    "demo": {"-c": "256", "-n": "4", "-r": "1"},
+    "demo": {"-c": "256", "-n": "4", "-r": "1", "-t": "1"},     # -t 1: two threads crawl on a busy machine
     "run": {"-n": "4"},
     "bench": {"-p": "16", "-n": "4", "-d": "0,32", "-r": "1", "-ctk": first(1), "--no-progress": None},
     "quant": {"--n": "256", "-r": "1", "-t": first(2), "--no-progress": None},
@@ -91,7 +92,11 @@ def test_quick_start_targets_exist_and_the_demo_runs(capsys):
         assert recipe, f"Makefile has no target {target!r}"
     assert "kvslim demo" in re.search(r"^demo:.*\n((?:\t.*\n)+)", makefile, re.M)[1]
     assert "pytest" in re.search(r"^test:.*\n((?:\t.*\n)+)", makefile, re.M)[1]
-    code = cli.main(smoke(["demo"]))
+    threads = torch.get_num_threads()
+    try:
+        code = cli.main(smoke(["demo"]))
+    finally:
+        torch.set_num_threads(threads)                                # -t 1 is process-wide
     out, err = capsys.readouterr()
     assert code == 0 and out.startswith("It is a truth universally acknowledged") and "| q8_0/turbo4 |" in out
     assert "[demo] f16/f16 run 1/1: prompt" in err and "median of 1 run(s)" in out
