@@ -230,7 +230,7 @@ def oversize(client, base: str, args) -> None:
     t_health = time.perf_counter() - t_health
     done.wait(600)
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
-    before = [g for a, g in zip(stamps, gaps) if a < t0]
+    before = [g for g, b in zip(gaps, stamps[1:]) if b < t0]          # gaps that ended before the upload began
     during = [g for a, g, b in zip(stamps, gaps, stamps[1:]) if b >= t0 and a <= t_end + 0.05] or [0.0]
     print(f"oversize: 32 MiB body answered {status} in {1000 * t_refused:.0f} ms (a GET /health just after: "
           f"{1000 * t_health:.0f} ms); the running stream's "
