@@ -41,6 +41,7 @@ import httpx
 import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kvslim.engine import EngineConfig  # noqa: E402
 from kvslim.server import start  # noqa: E402
 from kvslim.tables import markdown_table  # noqa: E402
 
@@ -56,13 +57,16 @@ def free_port() -> int:
 
 def boot(args):
     port = free_port()
-    opts = {"model": args.model, "ctx": args.ctx, "n_parallel": args.parallel, "type_k": args.ctk,
-            "type_v": args.ctv, "n_ubatch": 512, "dtype": None, "api_key": None, "alias": "m",
-            "max_queue": 4 * args.clients, "ctx_checkpoints": 8, "checkpoint_bytes": 256 << 20,
-            "checkpoint_interval": 4096, "verbose": False, "max_connections": 4 * args.clients + 64}
+    config = EngineConfig.build(args.ctx, args.parallel, args.ctk, args.ctv, n_ubatch=512,
+                                prefix_cache=True, max_checkpoints=8, checkpoint_bytes=256 << 20,
+                                checkpoint_interval=4096)
+    opts = {"model": args.model, "engine_config": config, "dtype": None, "api_key": None, "alias": "m",
+            "max_queue": 4 * args.clients, "verbose": False, "max_connections": 4 * args.clients + 64}
     server = start(opts, "127.0.0.1", port)
     base = f"http://127.0.0.1:{port}"
     while httpx.get(base + "/health").status_code != 200:
+        if server.state.load_error:
+            raise SystemExit(f"the server could not load the model: {server.state.load_error}")
         time.sleep(0.1)
     return server, base, openai.OpenAI(base_url=base + "/v1", api_key="-", max_retries=0, timeout=600)
 
@@ -226,13 +230,13 @@ def oversize(client, base: str, args) -> None:
     t_health = time.perf_counter() - t_health
     done.wait(600)
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
-    before = [g for a, g in zip(stamps, gaps) if a < t0]
+    before = [g for g, b in zip(gaps, stamps[1:]) if b < t0]          # gaps that ended before the upload began
     during = [g for a, g, b in zip(stamps, gaps, stamps[1:]) if b >= t0 and a <= t_end + 0.05] or [0.0]
     print(f"oversize: 32 MiB body answered {status} in {1000 * t_refused:.0f} ms (a GET /health just after: "
           f"{1000 * t_health:.0f} ms); the running stream's "
           f"inter-token gap: median {1000 * statistics.median(before):.1f} ms (max {1000 * max(before):.1f} ms) "
           f"before, max {1000 * max(during):.1f} ms during the upload ({max(during) / statistics.median(before):.2f}x "
-          f"the median)")
+          f"the median; the largest gap before it was {max(before) / statistics.median(before):.2f}x)")
 
 
 SCHEMA = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 30},

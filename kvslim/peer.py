@@ -14,7 +14,9 @@ Two bindings are accepted, tried in this order:
   ``vsscanf``. The installed package is never modified. (The C23 variants differ from
   the classic ones only in accepting ``0b`` binary literals, which llama.cpp does not
   parse.) The cache folder is ``$KVSLIM_CACHE`` or ``~/.cache/kvslim``.
-- ``llama-cpp-python`` (``import llama_cpp``), which builds llama.cpp from source.
+- ``llama-cpp-python`` (``import llama_cpp``), which builds llama.cpp from source (PyPI
+  has no wheel; no extra installs it). ``tests/test_peer.py`` runs this fallback where it
+  is installed and is skipped, with that reason, elsewhere.
 
 ``open_peer(path, ...)`` returns a ``PeerContext`` with the same narrow interface on
 either binding: tokenize, evaluate tokens (logits of the last or of every position),

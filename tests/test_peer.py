@@ -220,3 +220,32 @@ def test_k_quants_come_from_llama_cpp_s_quantizer(hf_folder, tmp_path):
     assert reader.get_field("general.file_type").contents() == gguf.LlamaFileType.MOSTLY_Q6_K
     assert {t.tensor_type for t in reader.tensors} >= {gguf.GGMLQuantizationType.F32}
     assert len(kvslim_greedy(out, PROMPT, 4)[0]) > 0                 # kvslim loads llama.cpp's file
+
+
+# ----- the fallback binding: llama-cpp-python -------------------------------------------------
+@pytest.fixture
+def llama_cpp_python(monkeypatch):
+    """kvslim.peer with its llama-cpp-python binding in use, whatever else is installed.
+
+    PyPI has llama-cpp-python only as source (a ~25-minute build on two cores), so it is not in
+    any extra and this is skipped unless it was installed by hand; llama-cpp-py-sync is the peer
+    the suite runs."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (source-only on PyPI: "
+                                            "the fallback binding is exercised only where it was built)")
+    monkeypatch.setattr(peer, "_BINDING", peer._LlamaCppPython())
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "llama"])
+def test_llama_cpp_python_fallback_agrees_on_kvslim_exports(llama_cpp_python, exported_f32, kind):
+    assert "llama-cpp-python" in peer.describe()
+    path = exported_f32(kind)
+    ours, our_logits, eog = kvslim_greedy(path, PROMPT, GREEDY)
+    theirs, their_logits = peer_greedy(path, PROMPT, GREEDY)
+    assert np.abs(their_logits - our_logits).max() < 5e-3
+    assert theirs[:len(ours)] == ours
+    with peer.open_peer(path, n_ctx=64, n_threads=1) as ctx:
+        ctx.eval(PROMPT)
+        state = ctx.save_state()
+        a = ctx.eval([7, 8, 9])
+        ctx.load_state(state)
+        assert np.array_equal(ctx.eval([7, 8, 9]), a)

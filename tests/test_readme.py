@@ -13,11 +13,13 @@ import shlex
 import socket
 import subprocess
 import sys
+import sysconfig
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvslim import cli
 from kvslim.loading import BUNDLED
@@ -33,7 +35,7 @@ def first(n: int):
 # tool (or "eval ppl" etc.) -> flag -> small value (None: a switch; a function: of the README's value),
 # set whether or not the README gives the flag
 SMOKE = {
-    "demo": {"-c": "256", "-n": "4", "-r": "1"},
+    "demo": {"-c": "256", "-n": "4", "-r": "1", "-t": "1"},     # -t 1: two threads crawl on a busy machine
     "run": {"-n": "4"},
     "bench": {"-p": "16", "-n": "4", "-d": "0,32", "-r": "1", "-ctk": first(1), "--no-progress": None},
     "quant": {"--n": "256", "-r": "1", "-t": first(2), "--no-progress": None},
@@ -90,7 +92,11 @@ def test_quick_start_targets_exist_and_the_demo_runs(capsys):
         assert recipe, f"Makefile has no target {target!r}"
     assert "kvslim demo" in re.search(r"^demo:.*\n((?:\t.*\n)+)", makefile, re.M)[1]
     assert "pytest" in re.search(r"^test:.*\n((?:\t.*\n)+)", makefile, re.M)[1]
-    code = cli.main(smoke(["demo"]))
+    threads = torch.get_num_threads()
+    try:
+        code = cli.main(smoke(["demo"]))
+    finally:
+        torch.set_num_threads(threads)                                # -t 1 is process-wide
     out, err = capsys.readouterr()
     assert code == 0 and out.startswith("It is a truth universally acknowledged") and "| q8_0/turbo4 |" in out
     assert "[demo] f16/f16 run 1/1: prompt" in err and "median of 1 run(s)" in out
@@ -155,3 +161,29 @@ def wait_healthy(port: int, server: subprocess.Popen, timeout: float = 120) -> N
         except OSError:
             time.sleep(0.3)
     pytest.fail("kvslim serve did not become healthy")
+
+
+def test_snippets_run_from_the_folder_holding_the_clone(tmp_path):
+    """``cd .. && kvslim/.venv/bin/python -c "import kvslim; kvslim.load"`` imports the package.
+
+    From there the clone itself (a folder named kvslim, no ``__init__.py``) is on sys.path as
+    the working directory. setuptools' default editable install for a flat layout is an import
+    hook consulted after sys.path, so the clone won as an empty namespace package; the
+    ``package-dir`` in pyproject.toml makes the install a path entry, where a regular package
+    beats a namespace folder. A fresh venv gets a real editable install (no dependencies: it
+    sees this interpreter's packages through a path entry, whose .pth files are not run).
+    """
+    pytest.importorskip("setuptools", minversion="77", reason="the [test] extra installs setuptools>=77")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True)
+    python = venv / "bin" / "python"
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    Path(site, "outer.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    subprocess.run([sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps",
+                    "--no-build-isolation", "--no-index", "-e", ROOT], check=True, capture_output=True)
+    (tmp_path / "kvslim").symlink_to(ROOT)   # the clone, as seen from the folder holding it
+    probe = "import kvslim; print(kvslim.__file__, callable(kvslim.load))"
+    r = subprocess.run([python, "-c", probe], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [str(ROOT / "kvslim" / "__init__.py"), "True"]

@@ -101,18 +101,23 @@ class Scheduler:
             self.waiting.clear()
 
     def abort_active(self, reason: str) -> None:
-        """End every running job with an error (at the next step boundary)."""
+        """End every running job with an error now; their slots free at the next step boundary.
+
+        The error is sent at once, not by the engine thread: it may be inside a long step
+        (a prefill chunk, the first steps on a busy machine), and a client waits on it."""
         with self.lock:
             for job in self.active:
                 job.abort = reason
                 job.cancel()
+                job.emit(("error", ShuttingDown(reason)))
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the engine thread; waits up to ``timeout`` s for the step it is in (it is a daemon)."""
         self.close()
         with self.lock:
             self._stop = True
             self.lock.notify()
-        self.thread.join(timeout=5)
+        self.thread.join(timeout)
 
     # ----- the loop -----------------------------------------------------------------
     def _loop(self) -> None:
@@ -146,7 +151,7 @@ class Scheduler:
         with self.lock:
             gone = [j for j in self.active if j.cancelled.is_set()]
         for job in gone:
-            self._finish(job, ("error", ShuttingDown(job.abort)) if job.abort else None)
+            self._finish(job, quiet=job.abort is not None)        # an aborted job had its error already
 
     def _step(self) -> None:
         try:
@@ -178,12 +183,13 @@ class Scheduler:
         job.logprobs_sent += len(entries)
         return entries
 
-    def _finish(self, job: Job, event: tuple | None = None) -> None:
+    def _finish(self, job: Job, event: tuple | None = None, quiet: bool = False) -> None:
         self.engine.release(job.seq)
         with self.lock:
             self.active.remove(job)
         self.stats.on_finish(job.seq)
-        job.emit(event or ("done", job.seq))
+        if not quiet:
+            job.emit(event or ("done", job.seq))
 
     # ----- views -----------------------------------------------------------------------
     def snapshot(self) -> dict:
