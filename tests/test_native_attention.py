@@ -6,8 +6,6 @@ long sequences across threads: the kernel's softmax state must match the torch p
 """
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
@@ -48,7 +46,7 @@ def _torch_state(fmt_k, fmt_v, q, k_pool, v_pool, table, n_keys):
 
 
 def _need_kernel():
-    if shutil.which("cc") or shutil.which("gcc"):                     # CI has one: the kernel must build
+    if build.compiler():                                              # CI has one: the kernel must build
         assert build.library(native.SOURCE) is not None
     else:
         pytest.skip("no C compiler: attention keeps the torch path")
@@ -94,3 +92,15 @@ def test_formats_without_a_codec_keep_the_torch_path(monkeypatch):
         assert not native.supports(formats.get("f16"), formats.get("f16"), q)    # the switch turns it off
     finally:
         build.clear()
+
+
+def test_scan_decode_falls_back_to_the_block_loop_with_the_same_result(monkeypatch):
+    """Where the kernel cannot serve (no compiler, a format without a codec) attention's decode
+    scan runs the torch block loop; both give the same softmax state."""
+    _need_kernel()
+    fmt_k, fmt_v, q, k_pool, v_pool, table, n_keys = _case("turbo4", "q8_0", 128, 2, [300, 37])
+    kernel = attention._scan_decode(fmt_k, fmt_v, k_pool, v_pool, table, q, n_keys)
+    monkeypatch.setattr(attention.native, "supports", lambda *args: False)
+    loop = attention._scan_decode(fmt_k, fmt_v, k_pool, v_pool, table, q, n_keys, block_tokens=48)
+    assert torch.allclose(kernel.result(), loop.result(), atol=2e-5, rtol=1e-4)
+    assert torch.allclose(kernel.m, loop.m, atol=1e-5)

@@ -96,10 +96,7 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ta
     Block-wise online softmax over the pages, as ``attend_pages``."""
     from .. import formats                                           # formats import nothing from here
     fmt_k, fmt_v = formats.get(type_k, role="k"), formats.get(type_v, role="v")
-    n_kv, n_seq, n_rows, dim = q.shape
-    acc = _OnlineSoftmax(n_kv, n_seq, n_rows, dim, q.device)
-    per_block = _pages_per_block(n_kv, dim, k_pool.shape[2], n_seq, n_rows)
-    _scan_decode(fmt_k, fmt_v, k_pool, v_pool, table, fmt_k.to_code_domain(q), positions + 1, acc, per_block, dim)
+    acc = _scan_decode(fmt_k, fmt_v, k_pool, v_pool, table, fmt_k.to_code_domain(q), positions + 1)
     return fmt_v.from_code_domain(acc.result())
 
 
@@ -146,14 +143,14 @@ def attend_pages(cache, slots: list[int], q: torch.Tensor, q_pos: torch.Tensor, 
     packed = [cache.n_packed(s) for s in slots]
     slot_ids = torch.tensor(slots, device=q.device)
     q = q.transpose(0, 1)                                               # (Hkv, S, R, D): heads lead, as in the pool
-    acc = _OnlineSoftmax(n_kv, n_seq, n_rows, dim, q.device)
     q_code = cache.fmt_k.to_code_domain(q)                             # rotate once
-    per_block = _pages_per_block(n_kv, dim, cache.page_size, n_seq, n_rows, block_tokens)
     table = cache.block_table[slot_ids, :-(-max(packed) // cache.page_size)]   # pages the longest one uses
     lengths = torch.tensor(packed, device=q.device)
     if one_position:
-        _scan_decode(cache.fmt_k, cache.fmt_v, cache.k_pool, cache.v_pool, table, q_code, lengths, acc, per_block, dim)
+        acc = _scan_decode(cache.fmt_k, cache.fmt_v, cache.k_pool, cache.v_pool, table, q_code, lengths, block_tokens)
     else:   # a block that ends by every sequence's end and by the first query's position needs no mask
+        acc = _OnlineSoftmax(n_kv, n_seq, n_rows, dim, q.device)
+        per_block = _pages_per_block(n_kv, dim, cache.page_size, n_seq, n_rows, block_tokens)
         _scan_pages(cache.fmt_k, cache.fmt_v, cache.k_pool, cache.v_pool, table, q_code, q_pos, lengths, acc,
                     per_block, dim, unmasked_end=min(min(packed), first_q + 1))
     if cache.f16_window:
@@ -182,15 +179,18 @@ def _scan_pages(fmt_k, fmt_v, k_pool: torch.Tensor, v_pool: torch.Tensor, table:
 
 
 def _scan_decode(fmt_k, fmt_v, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-                 q_code: torch.Tensor, n_keys: torch.Tensor, acc: "_OnlineSoftmax", per_block: int, head_dim: int) -> None:
-    """``_scan_pages`` for one query position per sequence (every row of sequence s sees its first
-    ``n_keys[s]`` keys): the C kernel where it knows both formats (one pass over the packed rows,
-    nothing decoded to memory), else the torch block loop, which is its reference."""
+                 q_code: torch.Tensor, n_keys: torch.Tensor, block_tokens: int | None = None) -> "_OnlineSoftmax":
+    """The softmax state of one query position per sequence (every row of sequence s sees its first
+    ``n_keys[s]`` keys): from the C kernel where it knows both formats (one pass over the packed
+    rows, nothing decoded to memory), else from the torch block loop, which is its reference."""
     if native.supports(fmt_k, fmt_v, q_code):
-        acc.m, acc.l, acc.acc = native.decode_state(fmt_k, fmt_v, q_code, k_pool, v_pool, table, n_keys)
-        return
-    q_pos = (n_keys - 1)[:, None].expand(n_keys.shape[0], q_code.shape[2])
-    _scan_pages(fmt_k, fmt_v, k_pool, v_pool, table, q_code, q_pos, n_keys, acc, per_block, head_dim)
+        return _OnlineSoftmax.of(*native.decode_state(fmt_k, fmt_v, q_code, k_pool, v_pool, table, n_keys))
+    n_kv, n_seq, n_rows, dim = q_code.shape
+    acc = _OnlineSoftmax(n_kv, n_seq, n_rows, dim, q_code.device)
+    per_block = _pages_per_block(n_kv, dim, k_pool.shape[2], n_seq, n_rows, block_tokens)
+    q_pos = (n_keys - 1)[:, None].expand(n_seq, n_rows)
+    _scan_pages(fmt_k, fmt_v, k_pool, v_pool, table, q_code, q_pos, n_keys, acc, per_block, dim)
+    return acc
 
 
 def _decode_pages(fmt_k, fmt_v, k_pool: torch.Tensor, v_pool: torch.Tensor, pages: torch.Tensor, head_dim: int):
@@ -244,6 +244,13 @@ class _OnlineSoftmax:
         self.m = torch.full((n_kv, n_seq, rows, 1), float("-inf"), device=device)
         self.l = torch.zeros(n_kv, n_seq, rows, 1, device=device)
         self.acc = torch.zeros(n_kv, n_seq, rows, dim, device=device)
+
+    @classmethod
+    def of(cls, m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor) -> "_OnlineSoftmax":
+        """A state computed elsewhere (the native kernel), to fold more blocks into."""
+        state = cls.__new__(cls)
+        state.m, state.l, state.acc = m, l, acc
+        return state
 
     def update(self, scores: torch.Tensor, v: torch.Tensor, v_scale: torch.Tensor | None = None) -> None:
         """scores (Hkv, S, R, n); v (Hkv, S, n, D), each row times v_scale (Hkv, S, n) if given."""

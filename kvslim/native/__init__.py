@@ -8,6 +8,6 @@ the C files with the machine's compiler into ``~/.cache/kvslim/native/`` and ret
 without a compiler or with ``KVSLIM_NATIVE=0``, and callers then keep the torch path.
 """
 from . import block_linear, paged_attention
-from .build import available, cache_dir
+from .build import cache_dir
 
-__all__ = ["available", "block_linear", "cache_dir", "paged_attention"]
+__all__ = ["block_linear", "cache_dir", "paged_attention"]

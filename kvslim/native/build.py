@@ -62,11 +62,6 @@ def _build(cc: str, flags: list[str], source: Path, target: Path) -> bool:
     return True
 
 
-def available() -> bool:
-    """Whether the kernels can be built and loaded here."""
-    return library("block_linear.c") is not None
-
-
 def clear() -> None:
     """Forget loaded libraries (tests flip ``KVSLIM_NATIVE``)."""
     library.cache_clear()

@@ -104,7 +104,7 @@ def _family_fields(fmt, head_dim: int) -> CodecFields | None:
         return _block_codec(NIBBLE, 4, 32, range(-8, 8) if fmt.name == "q4_0" else IQ4NL_VALUES)
     if kind is grid.GridFormat:                             # per block [f16 scale][codes]
         return _block_codec(PACKED, fmt.spec.code_bits, fmt.spec.block_size, grid.grid_tensor(fmt.spec.code_bits, "cpu"))
-    if kind is getattr(grid, "SubScaleGridFormat", None):   # [f16 d][2-bit rung per 16][codes]
+    if kind is grid.SubScaleGridFormat:                     # [f16 d][2-bit rung per 16][codes]
         return _block_codec(PACKED, fmt.spec.code_bits, fmt.spec.block_size, grid.grid_tensor(fmt.spec.code_bits, "cpu"),
                             header_bytes=fmt.spec.block_header_bytes, sub_values=grid.SUB_BLOCK,
                             sub_bits=grid.SUB_BITS, ladder=grid.SUB_LADDER)
