@@ -26,6 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvslim.tables import markdown_table  # noqa: E402
+from vs_llama_cpp import kvslim_weights  # noqa: E402  (the same weight type rule as the speed side-by-side)
 
 STAGES = ("runtime", "model", "cache", "filled", "decoded")
 
@@ -106,7 +107,7 @@ def main() -> int:
     from kvslim.loading import convert_hf_to_gguf, default_model
     gguf = Path(tempfile.mkdtemp()) / f"model-{args.gguf_type}.gguf"
     convert_hf_to_gguf(default_model(), gguf, args.gguf_type)
-    weights = None if args.gguf_type == "f32" else args.gguf_type
+    weights = kvslim_weights(args.gguf_type)
     rows = []
     for kv in args.types.split(","):
         fields = dict(depth=args.depth, n=args.n, kv=kv)
