@@ -37,12 +37,13 @@ class FilledCache:
     """A cache for ``n_parallel`` slots, grown to a depth and restorable to it."""
 
     def __init__(self, model: CausalLM, ctx: int, n_parallel: int, type_k: str, type_v: str, n_ubatch: int,
-                 seed: int = 0, cache_config: CacheConfig | None = None, compile: bool = False):
+                 seed: int = 0, cache_config: CacheConfig | None = None, compile: bool = False,
+                 native: bool = True):
         self.model, self.n_parallel, self.n_ubatch = model, n_parallel, n_ubatch
         config = cache_config or CacheConfig(ctx, n_parallel, type_k, type_v,
                                              device=model.model.embed_tokens.weight.device)
         self.caches = model.make_cache(config)
-        self.decode = DecodeStep(model, self.caches, compile=compile)   # the engine's decode path
+        self.decode = DecodeStep(model, self.caches, compile=compile, native=native)   # the engine's decode path
         self.device = config.device
         self.depth, self.checkpoints = 0, None
         self.gen = torch.Generator().manual_seed(seed)

@@ -50,6 +50,8 @@ class EngineConfig:
         prefix_cache: keep released slots' contents for prompts that share a prefix.
         max_checkpoints, checkpoint_bytes, checkpoint_interval: DeltaNet checkpoints for prefix reuse.
         compile: decode steps through ``torch.compile`` (see ``decode_step.py``); prefill stays eager.
+        native: decode steps in C where the model, weights and K/V formats allow (``native_step.py``);
+            else the compiled or eager step.
     """
 
     cache: CacheConfig
@@ -59,6 +61,7 @@ class EngineConfig:
     checkpoint_bytes: int = 256 << 20
     checkpoint_interval: int = 4096
     compile: bool = False
+    native: bool = True
 
     def __post_init__(self):
         if self.n_ubatch < 1:

@@ -1,4 +1,8 @@
-"""Decode steps: one new token for each of B sequences, eager or compiled.
+"""Decode steps: one new token for each of B sequences, native, compiled or eager.
+
+Native (the default where it applies): the whole step in C, one call per token
+(``native_step.py``); models, weights or K/V formats it does not implement, and batches
+of more than 8 sequences, take one of the torch steps below.
 
 Eager (the reference, and ``--no-compile``): a flattened ``Batch`` through the
 model; every op is dispatched from Python, ~3,000 of them per step on the
@@ -24,6 +28,7 @@ from pathlib import Path
 import torch
 
 from ..models import Batch, DecodeBatch
+from .native_step import MAX_BATCH, NativeStep
 
 # The decode graph's settings. Guards on the model's modules are skipped: dynamo checks every
 # parameter's attributes before every call (~1 ms a step on the bundled model), and a loaded
@@ -68,11 +73,15 @@ def use_cache_dir() -> None:
 class DecodeStep:
     """``step(slots, tokens, positions)`` -> float32 logits (B, vocab), caches advanced by one."""
 
-    def __init__(self, model, cache, compile: bool = True, backend: str = "inductor"):
+    def __init__(self, model, cache, compile: bool = True, backend: str = "inductor", native: bool = True):
         """``backend``: torch.compile's; tests use "aot_eager" (the same traced, functionalised
-        graph run by eager kernels: checks the tracing in seconds instead of minutes)."""
+        graph run by eager kernels: checks the tracing in seconds instead of minutes).
+        ``native``: use the C step where it applies (``why_not_native`` says why it does not)."""
         self.model, self.cache = model, cache
         self.device = model.model.embed_tokens.weight.device
+        self.native, self.why_not_native = None, "turned off (--no-native)"
+        if native:
+            self.native, self.why_not_native = _native_step(model, cache)
         self.compiled = bool(compile) and cache.static_decode
         self.compile_s = 0.0                       # seconds spent in calls that compiled a graph
         if self.compiled:
@@ -83,7 +92,17 @@ class DecodeStep:
             if self.compiled else None
         self._shapes_seen: set[bool] = set()
 
+    @property
+    def static(self) -> bool:
+        """Whether steps run apart from the flattened-Batch forward (native or compiled)."""
+        return self.native is not None or self.compiled
+
     def __call__(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
+        if self.native is not None and len(slots) <= MAX_BATCH:
+            self.cache.prepare_decode(slots, positions)
+            logits = self.native(slots, tokens, positions)
+            self.cache.commit_decode(slots)
+            return logits
         if not self.compiled:
             return self.model(Batch.build([(s, [t], p) for s, t, p in zip(slots, tokens, positions)],
                                           device=self.device), self.cache)
@@ -102,3 +121,12 @@ class DecodeStep:
 
     def _forward(self, tokens, positions, slots, n_pages: int) -> torch.Tensor:
         return self.model.run(DecodeBatch(tokens, positions, slots, n_pages), self.cache)
+
+
+def _native_step(model, cache) -> tuple[NativeStep | None, str]:
+    """The C step for this model and cache, or (None, why not). Attention backends other than
+    torch (the reference, a GPU one) keep their own path: the C step is the torch backend's."""
+    names = {kv.backend.name for kv in cache.kv_layers}
+    if names - {"torch"}:
+        return None, f"attention backend {', '.join(sorted(names))}"
+    return NativeStep.build(model, cache)

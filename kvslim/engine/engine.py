@@ -88,7 +88,7 @@ class Engine:
                  eog_ids: set[int] = frozenset()):
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.cache = model.make_cache(config.cache)
-        self.decode_step = DecodeStep(model, self.cache, compile=config.compile)
+        self.decode_step = DecodeStep(model, self.cache, compile=config.compile, native=config.native)
         self.eog_ids = set(eog_ids)
         self._free = list(range(config.n_parallel))
         self.prefix = PrefixCache(self.cache, config.max_checkpoints, config.checkpoint_bytes) \
@@ -273,7 +273,7 @@ class Engine:
     def _forward(self, plan: list[tuple[Sequence, list[int]]]) -> torch.Tensor:
         """Logits of each plan entry's last token: a step where every sequence decodes goes
         through the decode step (compiled with ``compile``), any other through one Batch."""
-        if self.decode_step.compiled and all(len(chunk) == 1 and len(seq.pending) == 1 for seq, chunk in plan):
+        if self.decode_step.static and all(len(chunk) == 1 and len(seq.pending) == 1 for seq, chunk in plan):
             return self.decode_step([seq.slot for seq, _ in plan], [chunk[0] for _, chunk in plan],
                                     [seq.n_cached for seq, _ in plan])
         batch = Batch.build([(seq.slot, chunk, seq.n_cached) for seq, chunk in plan], device=self.device)

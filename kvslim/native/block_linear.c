@@ -21,7 +21,7 @@
  *   Q5_K   Q4_K plus [qh 32 B]: bit j of qh[l] is bit 4 of group j's value l
  *   Q6_K   [ql 128 B][qh 64 B][16 x int8 scales][d]: q = (4 low bits | 2 high bits << 4) - 32,
  *          one scale per 16 values (s0 and s1 differ)
- *   F16 / BF16  plain rows (s = 1)
+ *   F16 / BF16 / F32  plain rows (s = 1)
  * With AVX2 + F16C + FMA the hot types (Q8_0, Q4_0, F16, BF16) unpack with intrinsics;
  * the others decode a group's codes in C and share the vector dot products.
  */
@@ -33,7 +33,7 @@
 #define MAX_M 8
 
 enum {
-    TYPE_Q4_0 = 4, TYPE_Q8_0 = 8, TYPE_F16 = 16, TYPE_BF16 = 17, TYPE_Q4_1 = 41, TYPE_IQ4_NL = 44,
+    TYPE_Q4_0 = 4, TYPE_Q8_0 = 8, TYPE_F16 = 16, TYPE_BF16 = 17, TYPE_F32 = 32, TYPE_Q4_1 = 41, TYPE_IQ4_NL = 44,
     TYPE_Q5_0 = 50, TYPE_Q5_1 = 51, TYPE_Q4_K = 104, TYPE_Q5_K = 105, TYPE_Q6_K = 106
 };
 
@@ -56,6 +56,7 @@ static int64_t group_bytes_x8(int type) {     /* times 8, so the K types' 144/8 
         case TYPE_Q4_0: case TYPE_IQ4_NL: return 8 * 18;
         case TYPE_Q8_0: return 8 * 34;
         case TYPE_F16: case TYPE_BF16: return 8 * 64;
+        case TYPE_F32: return 8 * 128;
         case TYPE_Q4_1: return 8 * 20;
         case TYPE_Q5_0: return 8 * 22;
         case TYPE_Q5_1: return 8 * 24;
@@ -132,7 +133,7 @@ static void decode_group(int type, const uint8_t *row, int64_t index, group_t *g
     }
     const uint8_t *b = row + index * (group_bytes_x8(type) / 8);
     g->o = 0.0f;
-    g->s0 = g->s1 = type == TYPE_F16 || type == TYPE_BF16 ? 1.0f : f16(b);
+    g->s0 = g->s1 = type == TYPE_F16 || type == TYPE_BF16 || type == TYPE_F32 ? 1.0f : f16(b);
     switch (type) {
         case TYPE_Q8_0: for (int l = 0; l < QK; l++) g->q[l] = (float)(int8_t)b[2 + l]; break;
         case TYPE_Q4_0: nibbles(b + 2, g->q, -8); break;
@@ -146,6 +147,7 @@ static void decode_group(int type, const uint8_t *row, int64_t index, group_t *g
             }
             break;
         case TYPE_F16: for (int l = 0; l < QK; l++) g->q[l] = f16(b + 2 * l); break;
+        case TYPE_F32: memcpy(g->q, b, sizeof g->q); break;
         default:                                                     /* BF16: the high half of an f32 */
             for (int l = 0; l < QK; l++) {
                 uint32_t bits = (uint32_t)(b[2 * l] | b[2 * l + 1] << 8) << 16;
@@ -200,6 +202,9 @@ static inline void unpack_group(int type, const uint8_t *row, int64_t index, __m
             v[j] = type == TYPE_F16 ? _mm256_cvtph_ps(h)
                                     : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
         }
+        *s0 = *s1 = 1.0f;
+    } else if (type == TYPE_F32) {
+        for (int j = 0; j < 4; j++) v[j] = _mm256_loadu_ps((const float *)b + 8 * j);
         *s0 = *s1 = 1.0f;
     } else {
         group_t g;

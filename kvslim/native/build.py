@@ -2,7 +2,7 @@
 
 ctypes rather than a torch extension: a plain C file builds in a second, where one that
 includes torch's headers takes a minute. The library is keyed by a hash of the source
-and the compiler, so an edit rebuilds it, and is written to a temporary name first, so
+(and of the files it includes: every C file here) and the compiler, so an edit rebuilds it, and is written to a temporary name first, so
 concurrent first uses never load half a file.
 """
 from __future__ import annotations
@@ -43,7 +43,8 @@ def library(source_name: str, portable: bool = False) -> ctypes.CDLL | None:
         return None
     flags = PORTABLE_FLAGS if portable else FLAGS
     source = Path(__file__).with_name(source_name)
-    digest = hashlib.sha256(source.read_bytes() + cc.encode() + " ".join(flags).encode()).hexdigest()[:16]
+    text = b"".join(path.read_bytes() for path in [source, *sorted(source.parent.glob("*.c"))])  # includes too
+    digest = hashlib.sha256(text + cc.encode() + " ".join(flags).encode()).hexdigest()[:16]
     target = cache_dir() / f"kvslim_{source.stem}_{digest}.so"
     if not target.exists() and not _build(cc, flags, source, target):
         return None

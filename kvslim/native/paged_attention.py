@@ -98,10 +98,10 @@ def _family_fields(fmt, head_dim: int) -> CodecFields | None:
     if kind is FloatFormat:
         kind, bits = {"f32": (F32, 32), "f16": (F16, 16), "bf16": (BF16, 16)}[fmt.name]
         return CodecFields(kind, bits, 1, bits // 8)
-    if kind is GgmlFormat and fmt.name == "q8_0":
+    if kind is GgmlFormat and fmt.ggml_name == "q8_0":                # rotated or not: the same blocks
         return CodecFields(Q8, 8, 32, 34)
-    if kind is GgmlFormat and fmt.name in ("q4_0", "iq4_nl"):
-        return _block_codec(NIBBLE, 4, 32, range(-8, 8) if fmt.name == "q4_0" else IQ4NL_VALUES)
+    if kind is GgmlFormat and fmt.ggml_name in ("q4_0", "iq4_nl"):
+        return _block_codec(NIBBLE, 4, 32, range(-8, 8) if fmt.ggml_name == "q4_0" else IQ4NL_VALUES)
     if kind is grid.GridFormat:                             # per block [f16 scale][codes]
         return _block_codec(PACKED, fmt.spec.code_bits, fmt.spec.block_size, grid.grid_tensor(fmt.spec.code_bits, "cpu"))
     if kind is grid.SubScaleGridFormat:                     # [f16 d][2-bit rung per 16][codes]

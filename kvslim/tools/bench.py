@@ -106,7 +106,7 @@ def run_all(model, facts, pairs, tests, nps, args) -> list[dict]:
         cache = CacheConfig(ctx, n_par, type_k, type_v, backend=args.attn_backend,
                             device=model.model.embed_tokens.weight.device)
         fc = FilledCache(model, ctx, n_par, type_k, type_v, args.ubatch_size, cache_config=cache,
-                         compile=args.compile)
+                         compile=args.compile, native=getattr(args, "native", True))
         case = {"type_k": type_k, "type_v": type_v, "n_parallel": n_par, "n_ubatch": args.ubatch_size}
         for test in tests:
             if test.kind == "pp" and n_par > 1:

@@ -1,0 +1,280 @@
+"""The decode step in C (``kvslim/native/decode_step.c``): one call per token for the whole model.
+
+A compiled torch step of the bundled model still costs ~3 ms a token, two thirds of it the
+Python wrapper around ~260 kernel and custom-op calls; the arithmetic is ~1.2 ms. This module
+describes a loaded model and its caches to the C step once (pointers to the weights, the pools,
+the states, the formats' tables), so a token is then one ctypes call.
+
+``NativeStep.build(model, cache)`` returns None, with the reason in ``why_not``, for anything
+the C step does not implement: it then falls back to the compiled or eager step. Supported:
+Llama-style and Qwen3.5-style decoders (RMSNorm, SwiGLU, GQA attention with optional output
+gate, q/k norms and partial RoPE; Gated DeltaNet), float32 activations, every weight type of
+``block_linear.c`` plus f32, and K/V formats f32/f16/bf16, q8_0/q4_0 (rotated or not) and
+TurboQuant's MSE variants. The torch model is the reference (``tests/test_native_step.py``).
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import nn
+
+from ..cache.kv import KVCache
+from ..cache.recurrent import RecurrentStateCache
+from ..formats.base import FP16_MAX
+from ..models.base import CausalLM
+from ..models.layers import MLP, Attention, DecoderLayer, RMSNorm, Rope
+from ..native import block_linear, build
+from ..native import paged_attention as native_attention
+
+SOURCE = "decode_step.c"
+F32_TYPE = 32                      # block_linear.c's code for plain f32 rows
+MAX_BATCH = block_linear.MAX_ROWS
+MAX_DIM = native_attention.MAX_DIM
+ENC_FLOAT, ENC_Q8_0, ENC_Q4_0, ENC_TURBO = range(4)
+FLOAT_KINDS = {"f32": 0, "f16": 1, "bf16": 2}
+
+
+class Unsupported(Exception):
+    """What the C step does not implement (the message says what)."""
+
+
+P = ctypes.c_void_p
+I32, I64 = ctypes.c_int32, ctypes.c_int64
+
+
+class Mat(ctypes.Structure):
+    _fields_ = [("type", I32), ("rows", I64), ("cols", I64), ("data", P), ("bias", P)]
+
+
+class Enc(ctypes.Structure):
+    _fields_ = [("kind", I32), ("float_type", I32), ("rot", I32), ("bits", I32), ("hadamard", I32),
+                ("rot_m", P), ("boundaries", P), ("centroids", P), ("limit", ctypes.c_float)]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [("mixer", I32), ("in_norm", P), ("post_norm", P), ("gate", Mat), ("up", Mat), ("down", Mat),
+                ("q", Mat), ("k", Mat), ("v", Mat), ("o", Mat),
+                ("n_heads", I32), ("n_kv", I32), ("head_dim", I32), ("gated", I32), ("q_norm", P), ("k_norm", P),
+                ("k_pool", P), ("v_pool", P), ("overflow", P),
+                ("pool_pages", I64), ("page_size", I64), ("k_row_bytes", I64), ("v_row_bytes", I64),
+                ("table_stride", I64), ("table", P), ("ck", P), ("cv", P), ("ek", P), ("ev", P),
+                ("qkv", Mat), ("z", Mat), ("b", Mat), ("a", Mat), ("out", Mat),
+                ("n_k", I32), ("n_v", I32), ("dk", I32), ("dv", I32), ("conv_k", I32),
+                ("conv_w", P), ("dt_bias", P), ("a_log", P), ("gnorm", P), ("conv_state", P), ("rec_state", P)]
+
+
+class Model(ctypes.Structure):
+    _fields_ = [("n_layers", I32), ("hidden", I32), ("vocab", I32), ("rot_dim", I32), ("zero_centered", I32),
+                ("n_threads", I32), ("eps", ctypes.c_float), ("layers", P), ("embed", Mat), ("head", Mat),
+                ("final_norm", P), ("inv_freq", P)]
+
+
+def _library():
+    lib = build.library(SOURCE)
+    if lib is not None and lib.kvslim_decode_step.argtypes is None:
+        lib.kvslim_decode_step.restype = ctypes.c_int
+        lib.kvslim_decode_step.argtypes = [ctypes.POINTER(Model), I64, P, P, P, P]
+        lib.kvslim_encode_rows.restype = ctypes.c_int
+        lib.kvslim_encode_rows.argtypes = [ctypes.POINTER(Enc), P, I64, ctypes.c_int, I64, P, P]
+    return lib
+
+
+class _Keep:
+    """Tensors and structs the C side points at: alive as long as the step."""
+
+    def __init__(self):
+        self.items = []
+
+    def __call__(self, obj):
+        self.items.append(obj)
+        return obj
+
+    def ptr(self, t: torch.Tensor | None) -> int | None:
+        if t is None:
+            return None
+        if t.dtype.is_floating_point:
+            if t.dtype != torch.float32:
+                raise Unsupported(f"a {t.dtype} parameter (the native step computes in float32: --dtype f32)")
+        return self(t.detach().contiguous()).data_ptr()
+
+
+# ----- formats -------------------------------------------------------------------------------
+def encoder(fmt, head_dim: int, keep: _Keep) -> Enc:
+    """The C encoder of a K/V format, read from the format's own fields."""
+    from ..formats.floats import FloatFormat
+    from ..formats.ggml import GgmlFormat
+    from ..formats.rotation import rotation_matrix
+    from ..formats.turbo import TurboFormat
+    if head_dim > MAX_DIM:
+        raise Unsupported(f"head_dim {head_dim} (the native step's limit is {MAX_DIM})")
+    kind = type(fmt)
+    if kind is FloatFormat:
+        return Enc(ENC_FLOAT, FLOAT_KINDS[fmt.name], 0, 0, 0, None, None, None, FP16_MAX if fmt.name == "f16" else 0.0)
+    if kind is GgmlFormat and fmt.ggml_name in ("q8_0", "q4_0"):
+        enc = ENC_Q8_0 if fmt.ggml_name == "q8_0" else ENC_Q4_0
+        return Enc(enc, 0, fmt.rot_size(head_dim), 0, 1, None, None, None, fmt._max_abs())
+    if kind is TurboFormat and not fmt.qjl:
+        _, group = fmt.blocks(head_dim)
+        centroids, boundaries = fmt.codebook(group, torch.device("cpu"))
+        return Enc(ENC_TURBO, 0, group, fmt.mse_bits, 0, keep.ptr(rotation_matrix(group, fmt.seed)),
+                   keep.ptr(boundaries), keep.ptr(centroids), FP16_MAX)
+    raise Unsupported(f"K/V format {fmt.name} (no C encoder)")
+
+
+def encode_rows(fmt, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The C encoder on rows x (n, head_dim) float32 -> (codes (n, row_bytes), flags (n,) bool).
+    What the tests hold to the format's torch encoder."""
+    keep = _Keep()
+    n, dim = x.shape
+    enc = keep(encoder(fmt, dim, keep))
+    x = x.float().contiguous()
+    out = torch.empty(n, fmt.row_bytes(dim), dtype=torch.uint8)
+    flags = torch.empty(n, dtype=torch.uint8)
+    _library().kvslim_encode_rows(ctypes.byref(enc), x.data_ptr(), n, dim, out.shape[1], out.data_ptr(),
+                                  flags.data_ptr())
+    return out, flags.bool()
+
+
+# ----- weights -------------------------------------------------------------------------------
+def matrix(module, keep: _Keep, bias: torch.Tensor | None = None) -> Mat:
+    """A linear layer's (or an embedding table's) weight as the C step reads it."""
+    from ..weights.modules import _QuantWeight
+    if isinstance(module, _QuantWeight):
+        name = module.wtype.name
+        if name not in block_linear.TYPE_CODES or module.input_index is not None:
+            raise Unsupported(f"{name} weights{' with permuted columns' if module.input_index is not None else ''}")
+        rows = module.weight.shape[0]
+        data, code, cols = module.weight, block_linear.TYPE_CODES[name], module.cols
+    elif type(module) in (nn.Linear, nn.Embedding):
+        data, code = module.weight, F32_TYPE
+        rows, cols = data.shape
+    else:
+        raise Unsupported(f"a {type(module).__name__} matrix")
+    if cols % block_linear.QK:
+        raise Unsupported(f"{cols} input features (not whole blocks of {block_linear.QK})")
+    if bias is None:
+        bias = getattr(module, "bias", None)
+    return Mat(code, rows, cols, keep.ptr(data) if code == F32_TYPE else keep(data.contiguous()).data_ptr(),
+               keep.ptr(bias))
+
+
+def _norm(norm, keep: _Keep, want_zero_centered: bool, eps: float) -> int:
+    if type(norm) is not RMSNorm or norm.zero_centered != want_zero_centered or norm.eps != eps:
+        raise Unsupported("a norm other than the model's RMSNorm")
+    return keep.ptr(norm.weight)
+
+
+# ----- layers ----------------------------------------------------------------------------
+def _mlp(layer: Layer, mlp, keep: _Keep) -> None:
+    if type(mlp) is not MLP:
+        raise Unsupported(f"a {type(mlp).__name__} feed-forward")
+    layer.gate, layer.up, layer.down = (matrix(m, keep) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+
+
+def _attention(layer: Layer, attn, kv: KVCache, keep: _Keep, zc: bool, eps: float) -> None:
+    if type(attn) is not Attention or not isinstance(kv, KVCache):
+        raise Unsupported(f"a {type(attn).__name__} mixer")
+    if not kv.static_decode:
+        raise Unsupported("an f16 window (its tokens move on the host)")
+    layer.mixer = 0
+    layer.q, layer.k, layer.v, layer.o = (matrix(m, keep) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj))
+    layer.n_heads, layer.n_kv, layer.head_dim, layer.gated = attn.n_heads, attn.n_kv_heads, attn.head_dim, attn.gated
+    if attn.q_norm is not None:
+        layer.q_norm, layer.k_norm = _norm(attn.q_norm, keep, zc, eps), _norm(attn.k_norm, keep, zc, eps)
+    layer.k_pool, layer.v_pool, layer.overflow = kv.k_pool.data_ptr(), kv.v_pool.data_ptr(), kv.overflow.data_ptr()
+    layer.pool_pages, layer.page_size = kv.k_pool.shape[1], kv.page_size
+    layer.k_row_bytes, layer.v_row_bytes = kv.k_pool.shape[3], kv.v_pool.shape[3]
+    layer.table_stride, layer.table = kv.block_table.shape[1], kv.block_table.data_ptr()
+    codecs = [native_attention._codec(f, kv.head_dim) for f in (kv.fmt_k, kv.fmt_v)]
+    if None in codecs:
+        raise Unsupported(f"K/V formats {kv.fmt_k.name}/{kv.fmt_v.name} (no attention codec)")
+    layer.ck, layer.cv = (ctypes.addressof(c) for c in codecs)
+    ek, ev = keep(encoder(kv.fmt_k, kv.head_dim, keep)), keep(encoder(kv.fmt_v, kv.head_dim, keep))
+    layer.ek, layer.ev = ctypes.addressof(ek), ctypes.addressof(ev)
+
+
+def _delta_net(layer: Layer, net, state: RecurrentStateCache, keep: _Keep, eps: float) -> None:
+    from ..models.qwen3_5 import GatedDeltaNet
+    if type(net) is not GatedDeltaNet or not isinstance(state, RecurrentStateCache):
+        raise Unsupported(f"a {type(net).__name__} mixer")
+    if net.norm.eps != eps or max(net.dk, net.dv) > MAX_DIM:
+        raise Unsupported("a DeltaNet with another norm epsilon or heads past the native limits")
+    layer.mixer = 1
+    layer.qkv, layer.z, layer.b, layer.a, layer.out = (
+        matrix(m, keep) for m in (net.in_proj_qkv, net.in_proj_z, net.in_proj_b, net.in_proj_a, net.out_proj))
+    layer.n_k, layer.n_v, layer.dk, layer.dv = net.n_k, net.n_v, net.dk, net.dv
+    layer.conv_k = net.conv1d.weight.shape[-1]
+    layer.conv_w = keep.ptr(net.conv1d.weight[:, 0])
+    layer.dt_bias, layer.a_log, layer.gnorm = keep.ptr(net.dt_bias), keep.ptr(net.A_log), keep.ptr(net.norm.weight)
+    layer.conv_state, layer.rec_state = state.conv.data_ptr(), state.recurrent.data_ptr()
+
+
+def _layer(block, cache_layer, keep: _Keep, zc: bool, eps: float) -> Layer:
+    if type(block) is not DecoderLayer:
+        raise Unsupported(f"a {type(block).__name__} block")
+    layer = Layer()
+    layer.in_norm = _norm(block.input_layernorm, keep, zc, eps)
+    layer.post_norm = _norm(block.post_attention_layernorm, keep, zc, eps)
+    mixer = getattr(block, block.mixer_name)
+    if block.mixer_name == "self_attn":
+        _attention(layer, mixer, cache_layer, keep, zc, eps)
+    else:
+        _delta_net(layer, mixer, cache_layer, keep, eps)
+    _mlp(layer, block.mlp, keep)
+    return layer
+
+
+def describe(model, cache, keep: _Keep) -> Model:
+    """The C step's description of ``model`` over ``cache``; raises Unsupported."""
+    if type(model).run is not CausalLM.run or type(model).logits is not CausalLM.logits:
+        raise Unsupported(f"{type(model).__name__} (its forward differs from the shared decoder's)")
+    if not isinstance(model.rope, Rope):
+        raise Unsupported("a rotary embedding other than Rope")
+    final = model.model.norm
+    if type(final) is not RMSNorm:
+        raise Unsupported("a final norm other than RMSNorm")
+    zc, eps = final.zero_centered, final.eps
+    embed = model.model.embed_tokens
+    if embed.weight.device.type != "cpu":
+        raise Unsupported(f"a model on {embed.weight.device} (the native step runs on the CPU)")
+    layers = [_layer(b, c, keep, zc, eps) for b, c in zip(model.model.layers, cache)]
+    array = keep((Layer * len(layers))(*layers))
+    m = Model(len(layers), model.config.hidden_size, model.config.vocab_size, model.rope.rot_dim, int(zc),
+              torch.get_num_threads(), eps, ctypes.addressof(array), matrix(embed, keep, bias=None),
+              matrix(model.lm_head if model.lm_head is not None else embed, keep),
+              keep.ptr(final.weight), keep.ptr(model.rope.inv_freq.float()))
+    return m
+
+
+class NativeStep:
+    """``step(slots, tokens, positions)`` -> float32 logits (B, vocab), caches advanced by one,
+    through ``decode_step.c``. The caller does the caches' host work (prepare/commit)."""
+
+    def __init__(self, description: Model, keep: _Keep, lib):
+        self.description, self.keep, self.lib = description, keep, lib
+        self.vocab = description.vocab
+
+    @classmethod
+    def build(cls, model, cache) -> tuple["NativeStep | None", str]:
+        """(the step, "") or (None, why not)."""
+        lib = _library()
+        if lib is None:
+            return None, "no C compiler, or KVSLIM_NATIVE=0"
+        keep = _Keep()
+        try:
+            return cls(keep(describe(model, cache, keep)), keep, lib), ""
+        except Unsupported as why:
+            return None, str(why)
+
+    def __call__(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
+        if len(slots) > MAX_BATCH:
+            raise ValueError(f"the native step decodes at most {MAX_BATCH} sequences at once, got {len(slots)}")
+        args = torch.tensor([tokens, positions, slots], dtype=torch.int64)
+        logits = torch.empty(len(slots), self.vocab, dtype=torch.float32)
+        self.description.n_threads = torch.get_num_threads()
+        status = self.lib.kvslim_decode_step(ctypes.byref(self.description), len(slots), args[0].data_ptr(),
+                                             args[1].data_ptr(), args[2].data_ptr(), logits.data_ptr())
+        if status:
+            raise ValueError(f"the native step refused a batch of {len(slots)}")
+        return logits

@@ -1,0 +1,275 @@
+/* A whole decode step in C: one new token for each of B sequences, through every layer.
+ *
+ * Why: on a CPU a small model's decode step is dispatch, not arithmetic. Compiled by inductor,
+ * the bundled model's step still costs ~3 ms, of which the arithmetic is ~1.4 ms: the rest is
+ * the Python wrapper calling ~200 kernels and ~60 custom ops. Here the step is one call.
+ *
+ * What it runs is described by kvslim/engine/native_step.py, which reads the loaded torch modules
+ * and refuses anything this file does not implement (the torch model is the reference, and the
+ * parity tests hold this step's logits to it):
+ *   embedding -> per layer: x += mixer(rmsnorm(x)); x += swiglu(rmsnorm(x)) -> rmsnorm -> head
+ *   mixer: GQA attention (optional output gate, per-head q/k RMSNorm, partial RoPE, K/V encoded
+ *          into the paged pool, attention over the packed pages: paged_attention.c), or Gated
+ *          DeltaNet (causal conv state, gated delta rule state updated in place).
+ * Weights are block_linear.c's types (f32 rows included). Host work (page reservation, lengths)
+ * stays in Python around the call, as for the compiled step.
+ */
+#include "block_linear.c"
+#include "paged_attention.c"
+#include "kv_encode.c"
+
+typedef struct {            /* y = x @ W.T (+ bias) */
+    int32_t type;           /* block_linear's type code */
+    int64_t rows, cols;
+    const uint8_t *data;
+    const float *bias;      /* NULL: none */
+} mat_t;
+
+enum { MIXER_ATTENTION = 0, MIXER_DELTA_NET = 1 };
+
+typedef struct {
+    int32_t mixer;
+    const float *in_norm, *post_norm;
+    mat_t gate, up, down;                 /* SwiGLU */
+    /* attention */
+    mat_t q, k, v, o;
+    int32_t n_heads, n_kv, head_dim, gated;
+    const float *q_norm, *k_norm;         /* NULL: none */
+    uint8_t *k_pool, *v_pool, *overflow;
+    int64_t pool_pages, page_size, k_row_bytes, v_row_bytes, table_stride;
+    const int32_t *table;
+    const codec_t *ck, *cv;
+    const enc_t *ek, *ev;                 /* K's rotation is the query's way into its code domain */
+    /* gated delta net */
+    mat_t qkv, z, b, a, out;
+    int32_t n_k, n_v, dk, dv, conv_k;
+    const float *conv_w, *dt_bias, *a_log, *gnorm;
+    float *conv_state, *rec_state;        /* (slots, conv_dim, conv_k - 1), (slots, n_v, dk, dv) */
+} layer_t;
+
+typedef struct {
+    int32_t n_layers, hidden, vocab, rot_dim, zero_centered, n_threads;
+    float eps;
+    const layer_t *layers;
+    mat_t embed, head;                    /* the head may be the embedding (tied) */
+    const float *final_norm, *inv_freq;   /* inv_freq: rot_dim / 2 */
+} model_t;
+
+/* ----- small pieces ------------------------------------------------------------------- */
+static void linear(const mat_t *w, const float *x, int64_t m, float *y, int n_threads) {
+    kvslim_block_linear(w->type, x, w->data, y, m, w->rows, w->cols, n_threads);
+    if (w->bias)
+        for (int64_t i = 0; i < m; i++)
+            for (int64_t r = 0; r < w->rows; r++) y[i * w->rows + r] += w->bias[r];
+}
+
+static float mean_square_rsqrt(const float *x, int n, float eps) {
+    float ss = 0.0f;
+    for (int i = 0; i < n; i++) ss += x[i] * x[i];
+    return 1.0f / sqrtf(ss / (float)n + eps);
+}
+
+/* RMSNorm of n values: y = x * rsqrt(mean(x^2) + eps) * (w, or 1 + w when zero-centred). */
+static void rmsnorm(const float *x, const float *w, int n, float eps, int zero_centered, float *y) {
+    const float r = mean_square_rsqrt(x, n, eps);
+    for (int i = 0; i < n; i++) y[i] = x[i] * r * (zero_centered ? 1.0f + w[i] : w[i]);
+}
+
+static inline float silu(float v) { return v / (1.0f + expf(-v)); }
+static inline float sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
+static inline float softplus(float v) { return v > 20.0f ? v : log1pf(expf(v)); }   /* torch's threshold */
+
+/* Half-split RoPE on the first rot_dim values of a head (rotate_half convention). */
+static void rope(float *x, int rot_dim, const float *inv_freq, int64_t pos) {
+    const int half = rot_dim / 2;
+    for (int i = 0; i < half; i++) {
+        const float f = (float)pos * inv_freq[i], c = cosf(f), s = sinf(f);
+        const float a = x[i], b = x[i + half];
+        x[i] = a * c - b * s;
+        x[i + half] = b * c + a * s;
+    }
+}
+
+static void embed_row(const mat_t *e, int64_t token, float *out) {
+    const int64_t row_bytes = e->cols / QK * group_bytes_x8(e->type) / 8;
+    const uint8_t *row = e->data + token * row_bytes;
+    group_t g;
+    for (int64_t index = 0; index < e->cols / QK; index++) {
+        decode_group(e->type, row, index, &g);
+        for (int l = 0; l < QK; l++) out[index * QK + l] = (l < 16 ? g.s0 : g.s1) * g.q[l] + g.o;
+    }
+}
+
+/* ----- attention ---------------------------------------------------------------------------- */
+static void attention(const model_t *m, const layer_t *L, int64_t B, const int64_t *pos, const int64_t *slots,
+                      const float *h, float *out) {
+    const int H = L->n_heads, Hk = L->n_kv, D = L->head_dim, G = H / Hk, qw = L->gated ? 2 * D : D;
+    float *q = malloc(sizeof(float) * (size_t)(B * H * qw)), *k = malloc(sizeof(float) * (size_t)(B * Hk * D));
+    float *v = malloc(sizeof(float) * (size_t)(B * Hk * D)), *qg = malloc(sizeof(float) * (size_t)(Hk * B * G * D));
+    float *ml = malloc(sizeof(float) * (size_t)(2 * Hk * B * G)), *acc = malloc(sizeof(float) * (size_t)(Hk * B * G * D));
+    float *att = malloc(sizeof(float) * (size_t)(B * H * D));
+    int64_t *n_keys = malloc(sizeof(int64_t) * (size_t)B);
+    int32_t *table = malloc(sizeof(int32_t) * (size_t)(B * L->table_stride));
+    linear(&L->q, h, B, q, m->n_threads);
+    linear(&L->k, h, B, k, m->n_threads);
+    linear(&L->v, h, B, v, m->n_threads);
+    const float scale = 1.0f / sqrtf((float)D);
+    for (int64_t s = 0; s < B; s++) {
+        float *ks = k + s * Hk * D, *vs = v + s * Hk * D;
+        for (int j = 0; j < Hk; j++) {
+            if (L->k_norm) rmsnorm(ks + j * D, L->k_norm, D, m->eps, m->zero_centered, ks + j * D);
+            rope(ks + j * D, m->rot_dim, m->inv_freq, pos[s]);
+        }
+        const int64_t page = L->table[slots[s] * L->table_stride + pos[s] / L->page_size];
+        const int64_t at = page * L->page_size + pos[s] % L->page_size;
+        int bad = 0;
+        for (int j = 0; j < Hk; j++) {                     /* the token's K/V rows into the pool */
+            bad |= encode_row(L->ek, ks + j * D, D, L->k_pool + (j * (L->pool_pages * L->page_size) + at) * L->k_row_bytes);
+            bad |= encode_row(L->ev, vs + j * D, D, L->v_pool + (j * (L->pool_pages * L->page_size) + at) * L->v_row_bytes);
+        }
+        if (bad) L->overflow[slots[s]] = 1;
+        for (int hh = 0; hh < H; hh++) {                   /* the query: norm, RoPE, scale, K's code domain */
+            float *qh = q + (s * H + hh) * qw, tmp[MAX_DIM];
+            if (L->q_norm) rmsnorm(qh, L->q_norm, D, m->eps, m->zero_centered, qh);
+            rope(qh, m->rot_dim, m->inv_freq, pos[s]);
+            for (int i = 0; i < D; i++) tmp[i] = qh[i] * scale;
+            to_code_domain(L->ek, tmp, qg + (((int64_t)(hh / G) * B + s) * G + hh % G) * D, D);
+        }
+        n_keys[s] = pos[s] + 1;
+        memcpy(table + s * L->table_stride, L->table + slots[s] * L->table_stride, sizeof(int32_t) * (size_t)L->table_stride);
+    }
+    int64_t longest = 0;
+    for (int64_t s = 0; s < B; s++) longest = n_keys[s] > longest ? n_keys[s] : longest;
+    const int64_t items = Hk * B, splits = (2 * m->n_threads + items - 1) / items;
+    int64_t span = ((longest + splits - 1) / splits + TILE - 1) / TILE * TILE;
+    span = span < 256 ? 256 : span;                        /* paged_attention.py's span_for */
+    kvslim_paged_decode(L->ck, L->cv, qg, L->k_pool, L->v_pool, L->pool_pages, L->page_size, L->k_row_bytes,
+                        L->v_row_bytes, table, L->table_stride, n_keys, Hk, B, G, D, span, ml, ml + Hk * B * G, acc,
+                        m->n_threads);
+    for (int64_t s = 0; s < B; s++)
+        for (int hh = 0; hh < H; hh++) {                   /* normalise, back from V's code domain, gate */
+            const int64_t row = ((int64_t)(hh / G) * B + s) * G + hh % G;
+            float y[MAX_DIM], *o = att + (s * H + hh) * D;
+            const float inv_l = 1.0f / ml[Hk * B * G + row];
+            for (int i = 0; i < D; i++) y[i] = acc[row * D + i] * inv_l;
+            from_code_domain(L->ev, y, o, D);
+            if (L->gated)
+                for (int i = 0; i < D; i++) o[i] *= sigmoid(q[(s * H + hh) * qw + D + i]);
+        }
+    linear(&L->o, att, B, out, m->n_threads);
+    free(q), free(k), free(v), free(qg), free(ml), free(acc), free(att), free(n_keys), free(table);
+}
+
+/* ----- gated delta net ------------------------------------------------------------------- */
+static void l2normalize(float *x, int n) {
+    float ss = 0.0f;
+    for (int i = 0; i < n; i++) ss += x[i] * x[i];
+    const float r = 1.0f / sqrtf(ss + 1e-6f);
+    for (int i = 0; i < n; i++) x[i] *= r;
+}
+
+/* One value head's recurrence: S <- S * exp(g); S += k (x) beta (v - S^T k); o = S^T q. */
+static void delta_rule_head(float *S, const float *q, const float *k, const float *v, float g, float beta, int dk,
+                            int dv, float *o) {
+    const float decay = expf(g);
+    float kv_mem[MAX_DIM], delta[MAX_DIM];
+    for (int j = 0; j < dv; j++) kv_mem[j] = 0.0f;
+    for (int i = 0; i < dk; i++) {
+        float *row = S + (size_t)i * dv;
+        for (int j = 0; j < dv; j++) {
+            row[j] *= decay;
+            kv_mem[j] += row[j] * k[i];
+        }
+    }
+    for (int j = 0; j < dv; j++) delta[j] = (v[j] - kv_mem[j]) * beta, o[j] = 0.0f;
+    for (int i = 0; i < dk; i++) {
+        float *row = S + (size_t)i * dv;
+        for (int j = 0; j < dv; j++) {
+            row[j] += k[i] * delta[j];
+            o[j] += row[j] * q[i];
+        }
+    }
+}
+
+static void delta_net(const model_t *m, const layer_t *L, int64_t B, const int64_t *slots, const float *h,
+                      float *out) {
+    const int key_dim = L->n_k * L->dk, value_dim = L->n_v * L->dv, conv_dim = 2 * key_dim + value_dim;
+    const int K = L->conv_k, rep = L->n_v / L->n_k;
+    float *qkv = malloc(sizeof(float) * (size_t)(B * conv_dim)), *z = malloc(sizeof(float) * (size_t)(B * value_dim));
+    float *bb = malloc(sizeof(float) * (size_t)(B * L->n_v)), *aa = malloc(sizeof(float) * (size_t)(B * L->n_v));
+    float *o = malloc(sizeof(float) * (size_t)(B * value_dim));
+    linear(&L->qkv, h, B, qkv, m->n_threads);
+    linear(&L->z, h, B, z, m->n_threads);
+    linear(&L->b, h, B, bb, m->n_threads);
+    linear(&L->a, h, B, aa, m->n_threads);
+    for (int64_t s = 0; s < B; s++) {                      /* the causal conv, its state shifted by one */
+        float *x = qkv + s * conv_dim, *state = L->conv_state + slots[s] * conv_dim * (K - 1);
+        for (int c = 0; c < conv_dim; c++) {
+            float *st = state + c * (K - 1), acc = 0.0f;
+            for (int j = 0; j < K - 1; j++) acc += st[j] * L->conv_w[c * K + j];
+            acc += x[c] * L->conv_w[c * K + K - 1];
+            for (int j = 0; j + 1 < K - 1; j++) st[j] = st[j + 1];
+            st[K - 2] = x[c];
+            x[c] = silu(acc);
+        }
+        for (int j = 0; j < 2 * L->n_k; j++) l2normalize(x + j * L->dk, L->dk);   /* q heads, then k heads */
+    }
+    const float q_scale = 1.0f / sqrtf((float)L->dk);
+    #pragma omp parallel for num_threads(m->n_threads) schedule(static) if (B * L->n_v * L->dk * L->dv > 65536)
+    for (int64_t item = 0; item < B * L->n_v; item++) {
+        const int64_t s = item / L->n_v;
+        const int hv = (int)(item % L->n_v), hk = hv / rep;
+        const float *x = qkv + s * conv_dim;
+        float q[MAX_DIM];
+        for (int i = 0; i < L->dk; i++) q[i] = x[hk * L->dk + i] * q_scale;
+        const float beta = sigmoid(bb[s * L->n_v + hv]);
+        const float g = -expf(L->a_log[hv]) * softplus(aa[s * L->n_v + hv] + L->dt_bias[hv]);
+        float *S = L->rec_state + ((slots[s] * L->n_v) + hv) * (int64_t)L->dk * L->dv;
+        delta_rule_head(S, q, x + key_dim + hk * L->dk, x + 2 * key_dim + hv * L->dv, g, beta, L->dk, L->dv,
+                        o + s * value_dim + hv * L->dv);
+    }
+    for (int64_t s = 0; s < B; s++)                         /* gated RMSNorm per value head */
+        for (int hv = 0; hv < L->n_v; hv++) {
+            float *oh = o + s * value_dim + hv * L->dv;
+            const float *zh = z + s * value_dim + hv * L->dv;
+            const float r = mean_square_rsqrt(oh, L->dv, m->eps);
+            for (int i = 0; i < L->dv; i++) oh[i] = L->gnorm[i] * (oh[i] * r) * silu(zh[i]);
+        }
+    linear(&L->out, o, B, out, m->n_threads);
+    free(qkv), free(z), free(bb), free(aa), free(o);
+}
+
+/* ----- the step ---------------------------------------------------------------------------- */
+static void swiglu(const model_t *m, const layer_t *L, int64_t B, const float *h, float *out) {
+    const int64_t inter = L->gate.rows;
+    float *g = malloc(sizeof(float) * (size_t)(B * inter)), *u = malloc(sizeof(float) * (size_t)(B * inter));
+    linear(&L->gate, h, B, g, m->n_threads);
+    linear(&L->up, h, B, u, m->n_threads);
+    for (int64_t i = 0; i < B * inter; i++) g[i] = silu(g[i]) * u[i];
+    linear(&L->down, g, B, out, m->n_threads);
+    free(g), free(u);
+}
+
+/* tokens, positions, slots (B); logits (B, vocab). Returns 0, or 1 when a size is past the limits. */
+int kvslim_decode_step(const model_t *m, int64_t B, const int64_t *tokens, const int64_t *positions,
+                       const int64_t *slots, float *logits) {
+    if (B < 1 || B > MAX_M) return 1;
+    const int n = m->hidden;
+    float *x = malloc(sizeof(float) * (size_t)(B * n)), *h = malloc(sizeof(float) * (size_t)(B * n));
+    float *y = malloc(sizeof(float) * (size_t)(B * n));
+    for (int64_t s = 0; s < B; s++) embed_row(&m->embed, tokens[s], x + s * n);
+    for (int li = 0; li < m->n_layers; li++) {
+        const layer_t *L = m->layers + li;
+        for (int64_t s = 0; s < B; s++) rmsnorm(x + s * n, L->in_norm, n, m->eps, m->zero_centered, h + s * n);
+        if (L->mixer == MIXER_ATTENTION) attention(m, L, B, positions, slots, h, y);
+        else delta_net(m, L, B, slots, h, y);
+        for (int64_t i = 0; i < B * n; i++) x[i] += y[i];
+        for (int64_t s = 0; s < B; s++) rmsnorm(x + s * n, L->post_norm, n, m->eps, m->zero_centered, h + s * n);
+        swiglu(m, L, B, h, y);
+        for (int64_t i = 0; i < B * n; i++) x[i] += y[i];
+    }
+    for (int64_t s = 0; s < B; s++) rmsnorm(x + s * n, m->final_norm, n, m->eps, m->zero_centered, h + s * n);
+    linear(&m->head, h, B, logits, m->n_threads);
+    free(x), free(h), free(y);
+    return 0;
+}
