@@ -29,14 +29,14 @@ def first_token_s(type_k: str, type_v: str, threads: int) -> float:
     """In a fresh process: seconds from building a compiled DecodeStep to its first token."""
     code = ("import sys, time, torch; from kvslim.bench import FilledCache; from kvslim.loading import load_model;"
             f"torch.set_num_threads({threads}); m, _, _ = load_model(None, 'f32');"
-            f"fc = FilledCache(m, 64, 1, '{type_k}', '{type_v}', 512, compile=True); fc.grow_to(8);"
+            f"fc = FilledCache(m, 64, 1, '{type_k}', '{type_v}', 512, compile=True, native=False); fc.grow_to(8);"
             "t0 = time.perf_counter(); fc.decode([0], [1], [8]); print(time.perf_counter() - t0)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return float(done.stdout.split()[-1])
 
 
 def compare(model, fc: FilledCache, n: int, reps: int) -> tuple[list[float], list[float]]:
-    eager, compiled = DecodeStep(model, fc.caches, compile=False), fc.decode
+    eager, compiled = DecodeStep(model, fc.caches, compile=False, native=False), fc.decode
     rates = {"eager": [], "compiled": []}
     for rep in range(reps + 1):                                  # rep 0 warms both up
         for name, step in (("eager", eager), ("compiled", compiled)):
@@ -66,7 +66,7 @@ def main() -> int:
     print("|---|--:|--:|--:|--:|--:|--:|")
     for index, pair in enumerate(args.pairs.split(",")):
         type_k, type_v = pair.split("/")
-        fc = FilledCache(model, max(depths) + args.n + 2, 1, type_k, type_v, 512, compile=True)
+        fc = FilledCache(model, max(depths) + args.n + 2, 1, type_k, type_v, 512, compile=True, native=False)
         for depth in depths:
             fc.grow_to(depth)
             first = depth == depths[0] and index == 0                 # compile cost: the first pair only

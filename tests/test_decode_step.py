@@ -39,7 +39,8 @@ def test_decode_batch_matches_the_flat_batch(hybrid, type_k, type_v):
     prompts = [list(range(5, 22)), list(range(30, 39)), list(range(50, 75))]   # lengths cross page edges
     ref_cache, logits = filled(model, type_k, type_v, prompts)
     new_cache, _ = filled(model, type_k, type_v, prompts)
-    reference, prepared = DecodeStep(model, ref_cache, compile=False), DecodeStep(model, new_cache, compile=False)
+    reference = DecodeStep(model, ref_cache, compile=False, native=False)
+    prepared = DecodeStep(model, new_cache, compile=False, native=False)
     slots, positions = [2, 0, 1], [len(prompts[s]) for s in (2, 0, 1)]          # not in slot order
     tokens = [int(logits[s].argmax()) for s in slots]
     for _ in range(12):
@@ -65,9 +66,9 @@ def test_prepare_refuses_a_wrong_position_and_changes_nothing(hybrid):
 
 def greedy(model, tok, eos, compile: bool) -> tuple[list[list[int]], Engine, float]:
     engine = Engine(model, tok, EngineConfig.build(256, 2, "q8_0", "turbo4", page_size=16, device="cpu",
-                                                   n_ubatch=32, compile=compile), eos)
+                                                   n_ubatch=32, compile=compile, native=False), eos)
     if compile:   # the traced graph on eager kernels: inductor's C++ build takes minutes on 2 busy cores
-        engine.decode_step = DecodeStep(model, engine.cache, compile=True, backend="aot_eager")
+        engine.decode_step = DecodeStep(model, engine.cache, compile=True, backend="aot_eager", native=False)
     warm = engine.warm_up()                                          # traces batch 1 and 2 up front
     assert engine.n_free_slots == 2 and engine.cached_tokens() == 0
     seqs = [engine.submit(list(range(3, 3 + n)), 30, SamplingParams(temperature=0)) for n in (20, 45)]

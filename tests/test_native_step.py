@@ -1,0 +1,166 @@
+"""The decode step in C (``kvslim/native/decode_step.c``) against the torch model it describes.
+
+The eager torch step (``native=False``) is the reference: logits within float tolerance and
+the same greedy tokens, for every architecture the C step accepts and K/V pairs covering each
+encoder; its K/V encoders against the formats' own; the cases it must refuse, and the
+fallbacks that then run."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvslim import formats
+from kvslim.engine import Engine, EngineConfig, SamplingParams
+from kvslim.engine import native_step
+from kvslim.engine.decode_step import DecodeStep
+from kvslim.loading import load_model
+from kvslim.models import Batch
+
+pytestmark = pytest.mark.skipif(native_step._library() is None, reason="no C compiler: no native step")
+
+PAIRS = [("f16", "f16"), ("q8_0", "q4_0"), ("turbo4", "turbo3"), ("q4_0-norot", "bf16"), ("turbo2", "q8_0-norot"),
+         ("f32", "turbo4")]
+
+
+def filled(model, type_k, type_v, prompts, n_slots=None, **options):
+    cache = model.make_cache(128, n_slots or len(prompts), type_k, type_v, page_size=8, **options)
+    with torch.inference_mode():
+        logits = torch.cat([model(Batch.build([(s, ids, 0)]), cache) for s, ids in enumerate(prompts)])
+    return cache, logits
+
+
+def run_both(model, type_k, type_v, steps=10):
+    """The C step and the eager step from the same prefilled caches: worst logit gap, tokens equal."""
+    prompts = [list(range(5, 22)), list(range(30, 39)), list(range(50, 75))]     # lengths cross page edges
+    (ca, logits), (cb, _) = filled(model, type_k, type_v, prompts), filled(model, type_k, type_v, prompts)
+    native, eager = DecodeStep(model, ca, compile=False), DecodeStep(model, cb, compile=False, native=False)
+    assert native.native is not None, native.why_not_native
+    slots = [2, 0, 1]                                                             # not in slot order
+    positions, tokens = [len(prompts[s]) for s in slots], [int(logits[s].argmax()) for s in slots]
+    worst, same = 0.0, True
+    for _ in range(steps):
+        got, want = native(slots, tokens, positions), eager(slots, tokens, positions)
+        worst = max(worst, float((got - want).abs().max() / want.abs().max()))
+        same &= torch.equal(got.argmax(-1), want.argmax(-1))
+        tokens, positions = [int(t) for t in want.argmax(-1)], [p + 1 for p in positions]
+    assert [ca.offset(s) for s in range(3)] == [cb.offset(s) for s in range(3)]
+    return worst, same
+
+
+@pytest.fixture(scope="module")
+def hybrid(tiny_folder):
+    folder = tiny_folder("qwen3_5")[0]
+    return (*load_model(folder, "f32"), folder)
+
+
+@pytest.mark.parametrize("type_k,type_v", PAIRS)
+def test_hybrid_logits_match_the_eager_step(hybrid, type_k, type_v):
+    worst, same = run_both(hybrid[0], type_k, type_v)
+    assert worst < 1e-4 and same
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2", "llama31"])
+def test_dense_architectures_match_the_eager_step(tiny_folder, kind):
+    """Plain and q/k-normed attention, biases on q/k/v (qwen2), Llama 3.1's RoPE bands."""
+    model, _, _ = load_model(tiny_folder(kind)[0], "f32")
+    worst, same = run_both(model, "q8_0", "turbo4")
+    assert worst < 1e-4 and same
+
+
+@pytest.mark.parametrize("weights", ["f16", "q8_0", "q4_0", "q5_1", "iq4_nl"])
+def test_quantized_weights_match_the_eager_step(tiny_folder, weights):
+    model, _, _ = load_model(tiny_folder("qwen3_5")[0], "f32", weights=weights)
+    worst, same = run_both(model, "q4_0", "q8_0")
+    assert worst < 1e-4 and same
+
+
+@pytest.mark.parametrize("kind,why", [("qwen3_5_moe", "SparseMoE"), ("qwen3_next", "FusedGatedDeltaNet"),
+                                      ("gemma", "EmbeddingScaledLayer")])
+def test_what_it_does_not_implement_is_refused_with_the_reason(tiny_folder, kind, why):
+    model, _, _ = load_model(tiny_folder(kind)[0], "f32")
+    step = DecodeStep(model, model.make_cache(32, 1), compile=False)
+    assert step.native is None and why in step.why_not_native and not step.static
+
+
+def test_refusals_keep_the_torch_step(hybrid):
+    model = hybrid[0]
+    cases = {"attention backend reference": dict(backend="reference"), "f16 window": dict(f16_window=4)}
+    for why, options in cases.items():
+        step = DecodeStep(model, model.make_cache(32, 1, "q8_0", "q8_0", **options), compile=False)
+        assert step.native is None and why in step.why_not_native
+    step = DecodeStep(model, model.make_cache(32, 1, "iq4_nl", "q8_0"), compile=False)
+    assert step.native is None and "iq4_nl" in step.why_not_native
+    bf16, _, _ = load_model(hybrid[3], "bf16")
+    step = DecodeStep(bf16, bf16.make_cache(32, 1), compile=False)
+    assert step.native is None and "float32" in step.why_not_native
+
+
+def test_more_sequences_than_the_c_step_takes_go_through_the_eager_step(hybrid):
+    model = hybrid[0]
+    prompts = [list(range(3 + s, 9 + 2 * s)) for s in range(native_step.MAX_BATCH + 1)]
+    (ca, logits), (cb, _) = filled(model, "q8_0", "turbo4", prompts), filled(model, "q8_0", "turbo4", prompts)
+    native, eager = DecodeStep(model, ca, compile=False), DecodeStep(model, cb, compile=False, native=False)
+    slots = list(range(len(prompts)))
+    args = (slots, [int(t) for t in logits.argmax(-1)], [len(p) for p in prompts])
+    assert torch.equal(native(*args), eager(*args))                      # the same eager code ran
+
+
+@pytest.mark.parametrize("name", ["f32", "f16", "bf16", "q8_0", "q4_0", "q8_0-norot", "q4_0-norot"])
+def test_block_and_float_encoders_write_the_formats_bytes(name):
+    """The same bytes and overflow flags as the format's torch encoder (the rotation is the
+    same butterfly), including rows with NaN, inf and values past the fp16 scale's range."""
+    fmt = formats.get(name, role="k")
+    x = torch.randn(40, 128) * torch.logspace(-3, 2, 40)[:, None]
+    x[3, 7], x[5, 0], x[9, 100] = float("nan"), float("inf"), 1e9
+    codes, flags = native_step.encode_rows(fmt, x)
+    want_codes, want_flags = fmt.encode_flagged(x)
+    good = ~want_flags
+    assert torch.equal(flags, want_flags) and flags[3] and flags[5]
+    assert torch.equal(codes[good], want_codes[good])
+
+
+@pytest.mark.parametrize("name", ["turbo4", "turbo3", "turbo2"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_turbo_encoder_matches_the_formats(name, head_dim):
+    """The rotation is a matmul in torch and a loop here: a value on a codebook boundary may
+    round to the other side, so codes agree but for rare ties and decoded rows stay close."""
+    fmt = formats.get(name, role="k")
+    x = torch.randn(64, head_dim)
+    codes, flags = native_step.encode_rows(fmt, x)
+    want_codes, want_flags = fmt.encode_flagged(x)
+    assert torch.equal(flags, want_flags) and not flags.any()
+    got, want = fmt.decode(codes, head_dim), fmt.decode(want_codes, head_dim)
+    assert (got - want).abs().max() < 1e-2 * want.abs().max()
+    assert (codes != want_codes).float().mean() < 0.01
+
+
+def test_engine_decodes_natively_by_default_with_the_same_tokens(hybrid):
+    model, tok, eos, _ = hybrid
+
+    def greedy(native: bool):
+        config = EngineConfig.build(256, 2, "q8_0", "turbo4", page_size=16, n_ubatch=32, native=native)
+        engine = Engine(model, tok, config, eos)
+        seqs = [engine.submit(list(range(3, 3 + n)), 24, SamplingParams(temperature=0)) for n in (20, 45)]
+        engine.run(seqs)
+        return engine, [s.generated for s in seqs]
+
+    engine, native = greedy(True)
+    assert engine.decode_step.native is not None
+    assert native == greedy(False)[1] and all(len(g) > 1 for g in native)
+
+
+def test_overflowing_values_flag_the_sequence_as_the_torch_step_does(hybrid):
+    """Values past f16's range are flagged on the cache, so the engine ends that request alone
+    (the keys are RMS-normed in this model: scaling k_proj would change nothing)."""
+    model = hybrid[0]
+    attn = next(layer.self_attn for layer in model.model.layers if layer.mixer_name == "self_attn")
+    cache, logits = filled(model, "f16", "f16", [list(range(5, 12)), list(range(20, 30))])
+    step = DecodeStep(model, cache, compile=False)
+    weight = attn.v_proj.weight.detach()
+    saved = weight.clone()
+    try:
+        weight.mul_(1e8)
+        step([0], [int(logits[0].argmax())], [7])
+    finally:
+        weight.copy_(saved)
+    assert cache.take_overflow() == [0]
