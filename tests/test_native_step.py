@@ -90,9 +90,23 @@ def test_refusals_keep_the_torch_step(hybrid):
         assert step.native is None and why in step.why_not_native
     step = DecodeStep(model, model.make_cache(32, 1, "iq4_nl", "q8_0"), compile=False)
     assert step.native is None and "iq4_nl" in step.why_not_native
+
+
+def test_a_bf16_model_decodes_in_float32_on_its_bf16_matrices(hybrid):
+    """As llama.cpp does: the same logits as the eager step of f32 activations on bf16 matrices
+    (norm weights differ by their bf16 rounding only)."""
     bf16, _, _ = load_model(hybrid[3], "bf16")
-    step = DecodeStep(bf16, bf16.make_cache(32, 1), compile=False)
-    assert step.native is None and "float32" in step.why_not_native
+    f32_on_bf16, _, _ = load_model(hybrid[3], "f32", weights="bf16")
+    prompt = list(range(5, 30))
+    (ca, first), (cb, _) = filled(bf16, "q8_0", "q8_0", [prompt]), filled(f32_on_bf16, "q8_0", "q8_0", [prompt])
+    native = DecodeStep(bf16, ca, compile=False)
+    eager = DecodeStep(f32_on_bf16, cb, compile=False, native=False)
+    assert native.native is not None
+    token = int(first[0].argmax())
+    for pos in range(len(prompt), len(prompt) + 5):
+        got, want = native([0], [token], [pos]), eager([0], [token], [pos])
+        assert (got - want).abs().max() < 2e-2 * want.abs().max()
+        token = int(want.argmax())
 
 
 def test_more_sequences_than_the_c_step_takes_go_through_the_eager_step(hybrid):

@@ -8,8 +8,9 @@ the states, the formats' tables), so a token is then one ctypes call.
 ``NativeStep.build(model, cache)`` returns None, with the reason in ``why_not``, for anything
 the C step does not implement: it then falls back to the compiled or eager step. Supported:
 Llama-style and Qwen3.5-style decoders (RMSNorm, SwiGLU, GQA attention with optional output
-gate, q/k norms and partial RoPE; Gated DeltaNet), float32 activations, every weight type of
-``block_linear.c`` plus f32, and K/V formats f32/f16/bf16, q8_0/q4_0 (rotated or not) and
+gate, q/k norms and partial RoPE; Gated DeltaNet), every weight type of ``block_linear.c``
+and f32/f16/bf16 matrices (activations are float32 whatever the weights' dtype, as in
+llama.cpp: a bf16 model decodes as ``--dtype f32 --weights bf16`` would), and K/V formats f32/f16/bf16, q8_0/q4_0 (rotated or not) and
 TurboQuant's MSE variants. The torch model is the reference (``tests/test_native_step.py``).
 """
 from __future__ import annotations
@@ -28,7 +29,7 @@ from ..native import block_linear, build
 from ..native import paged_attention as native_attention
 
 SOURCE = "decode_step.c"
-F32_TYPE = 32                      # block_linear.c's code for plain f32 rows
+FLOAT_CODES = {torch.float32: 32, torch.float16: 16, torch.bfloat16: 17}   # block_linear.c's float rows
 MAX_BATCH = block_linear.MAX_ROWS
 MAX_DIM = native_attention.MAX_DIM
 ENC_FLOAT, ENC_Q8_0, ENC_Q4_0, ENC_TURBO = range(4)
@@ -91,12 +92,10 @@ class _Keep:
         return obj
 
     def ptr(self, t: torch.Tensor | None) -> int | None:
+        """A float32 copy's address (norms, biases, tables: small), or the tensor's own if it is one."""
         if t is None:
             return None
-        if t.dtype.is_floating_point:
-            if t.dtype != torch.float32:
-                raise Unsupported(f"a {t.dtype} parameter (the native step computes in float32: --dtype f32)")
-        return self(t.detach().contiguous()).data_ptr()
+        return self(t.detach().float().contiguous()).data_ptr()
 
 
 # ----- formats -------------------------------------------------------------------------------
@@ -146,8 +145,8 @@ def matrix(module, keep: _Keep, bias: torch.Tensor | None = None) -> Mat:
             raise Unsupported(f"{name} weights{' with permuted columns' if module.input_index is not None else ''}")
         rows = module.weight.shape[0]
         data, code, cols = module.weight, block_linear.TYPE_CODES[name], module.cols
-    elif type(module) in (nn.Linear, nn.Embedding):
-        data, code = module.weight, F32_TYPE
+    elif type(module) in (nn.Linear, nn.Embedding) and module.weight.dtype in FLOAT_CODES:
+        data, code = module.weight, FLOAT_CODES[module.weight.dtype]        # read as stored, no copy
         rows, cols = data.shape
     else:
         raise Unsupported(f"a {type(module).__name__} matrix")
@@ -155,8 +154,7 @@ def matrix(module, keep: _Keep, bias: torch.Tensor | None = None) -> Mat:
         raise Unsupported(f"{cols} input features (not whole blocks of {block_linear.QK})")
     if bias is None:
         bias = getattr(module, "bias", None)
-    return Mat(code, rows, cols, keep.ptr(data) if code == F32_TYPE else keep(data.contiguous()).data_ptr(),
-               keep.ptr(bias))
+    return Mat(code, rows, cols, keep(data.detach().contiguous()).data_ptr(), keep.ptr(bias))
 
 
 def _norm(norm, keep: _Keep, want_zero_centered: bool, eps: float) -> int:
