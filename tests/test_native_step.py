@@ -93,12 +93,13 @@ def test_refusals_keep_the_torch_step(hybrid):
 
 
 def test_a_bf16_model_decodes_in_float32_on_its_bf16_matrices(hybrid):
-    """As llama.cpp does: the same logits as the eager step of f32 activations on bf16 matrices
-    (norm weights differ by their bf16 rounding only)."""
+    """As llama.cpp does: the logits of the eager step of f32 activations on bf16 matrices, but
+    for the norm weights' bf16 rounding (the tiny model is saved in f32). Both caches are
+    prefilled by the f32 model: a bf16 prefill rounds every activation."""
     bf16, _, _ = load_model(hybrid[3], "bf16")
     f32_on_bf16, _, _ = load_model(hybrid[3], "f32", weights="bf16")
     prompt = list(range(5, 30))
-    (ca, first), (cb, _) = filled(bf16, "q8_0", "q8_0", [prompt]), filled(f32_on_bf16, "q8_0", "q8_0", [prompt])
+    (ca, first), (cb, _) = (filled(f32_on_bf16, "q8_0", "q8_0", [prompt]) for _ in range(2))
     native = DecodeStep(bf16, ca, compile=False)
     eager = DecodeStep(f32_on_bf16, cb, compile=False, native=False)
     assert native.native is not None
