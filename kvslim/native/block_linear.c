@@ -292,7 +292,66 @@ static inline __m256 group_fma(int type, const uint8_t *row, int64_t g, const fl
     return acc;
 }
 
-static inline int fast_one_row(int type) {
+/* Group g's 32 values as four vectors, unscaled, and its scale (1 for float rows). */
+static inline __attribute__((always_inline)) void group_values(int type, const uint8_t *row, int64_t g, __m256 v[4],
+                                                               __m256 *d) {
+    if (type == TYPE_Q8_0) {
+        const uint8_t *b = row + g * 34;
+        for (int j = 0; j < 4; j++)
+            v[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * j))));
+        *d = scale_of(b);
+    } else if (type == TYPE_Q4_0) {
+        const uint8_t *b = row + g * 18;
+        const __m256i m4 = _mm256_set1_epi32(0x0F), eight = _mm256_set1_epi32(8);
+        for (int j = 0; j < 2; j++) {
+            __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * j)));
+            v[j] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(q, m4), eight));
+            v[j + 2] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(q, 4), eight));
+        }
+        *d = scale_of(b);
+    } else {
+        for (int j = 0; j < 4; j++) {
+            if (type == TYPE_F32) {
+                v[j] = _mm256_loadu_ps((const float *)(row + g * 128) + 8 * j);
+            } else {
+                __m128i h = _mm_loadu_si128((const __m128i *)(row + g * 64 + 16 * j));
+                v[j] = type == TYPE_F16 ? _mm256_cvtph_ps(h)
+                                        : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+            }
+        }
+        *d = _mm256_set1_ps(1.0f);
+    }
+}
+
+/* Several activation rows (a decode step of several sequences): each group decoded once. */
+static inline __attribute__((always_inline)) void rows_times_typed(int type, const uint8_t *row, const float *x,
+                                                                   int64_t m, int64_t k, float *y, int64_t n) {
+    __m256 acc[MAX_M];
+    for (int64_t i = 0; i < m; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < k / QK; g++) {
+        __m256 v[4], d;
+        group_values(type, row, g, v, &d);
+        for (int64_t i = 0; i < m; i++) {
+            const float *xg = x + i * k + g * QK;
+            __m256 s = _mm256_mul_ps(v[0], _mm256_loadu_ps(xg));
+            for (int j = 1; j < 4; j++) s = _mm256_fmadd_ps(v[j], _mm256_loadu_ps(xg + 8 * j), s);
+            acc[i] = _mm256_fmadd_ps(d, s, acc[i]);
+        }
+    }
+    for (int64_t i = 0; i < m; i++) y[i * n] = hsum(acc[i]);
+}
+
+static void rows_times_fast(int type, const uint8_t *row, const float *x, int64_t m, int64_t k, float *y, int64_t n) {
+    switch (type) {
+        case TYPE_Q8_0: rows_times_typed(TYPE_Q8_0, row, x, m, k, y, n); break;
+        case TYPE_Q4_0: rows_times_typed(TYPE_Q4_0, row, x, m, k, y, n); break;
+        case TYPE_F16: rows_times_typed(TYPE_F16, row, x, m, k, y, n); break;
+        case TYPE_BF16: rows_times_typed(TYPE_BF16, row, x, m, k, y, n); break;
+        default: rows_times_typed(TYPE_F32, row, x, m, k, y, n);
+    }
+}
+
+static inline int fast_one_row(int type) {     /* the types written out below and above */
     return type == TYPE_Q8_0 || type == TYPE_Q4_0 || type == TYPE_F16 || type == TYPE_BF16 || type == TYPE_F32;
 }
 
@@ -341,6 +400,7 @@ int kvslim_block_linear(int type, const float *x, const uint8_t *w, float *y, in
     #pragma omp parallel for num_threads(n_threads) schedule(static)
     for (int64_t r = 0; r < n; r++) {
         if (m == 1 && fast_one_row(type)) y[r] = row_times_one(type, w + r * row_bytes, x, k);
+        else if (fast_one_row(type)) rows_times_fast(type, w + r * row_bytes, x, m, k, y + r, n);
         else row_times_rows(type, w + r * row_bytes, x, xsum, m, k, y + r, n);
     }
     free(xsum);
