@@ -1,7 +1,7 @@
 """Load, robustness and multi-turn prefix reuse for ``kvslim serve``, with the openai client.
 
     python benchmarks/server_load.py [-m MODEL] [--clients 16] [--requests 200] [-np 4] [--turns 8]
-                                     [--chaos] [--oversize] [--json-schema 50]
+                                     [--chaos] [--oversize] [--json-schema 50] [--server-process]
 
 1. ``--requests`` greedy chat requests (distinct prompts) sent by ``--clients``
    concurrent streaming clients; every stream must finish without error and its
@@ -20,6 +20,9 @@
    response_format; every output is validated against the schema.
 6. ``--sigterm``: ``kvslim serve`` as a process, SIGTERM while 4 streams run
    and 2 more wait: what each client received, exit code and time to exit.
+``--server-process`` runs the server of 1-5 in its own process too (by default it runs on
+threads in this one, where the clients' Python shares its GIL: the oversize upload's
+client thread then shows up in the server's token gaps).
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ import signal
 import socket
 import statistics
 import subprocess
+from types import SimpleNamespace
 import sys
 import threading
 import time
@@ -281,20 +285,28 @@ def sse_outcome(base: str, i: int) -> str:
     return "error event + [DONE]" if any('"error"' in ln for ln in lines[:-1]) else "complete"
 
 
-def sigterm(args) -> None:
+def spawn(flags: list[str], model: str | None) -> tuple[subprocess.Popen, str]:
+    """``kvslim serve`` in its own process (as a deployment runs it: no GIL shared with the
+    clients), once /health answers 200; its output goes to $KVSLIM_SERVE_LOG if set."""
     port, root = free_port(), Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "kvslim", "serve", "-c", str(args.ctx * 4), "-np", "4", "--port", str(port),
-           "-a", "m", "--grace", str(args.grace)] + (["-m", args.model] if args.model else [])
+    cmd = [sys.executable, "-m", "kvslim", "serve", "--port", str(port), "-a", "m", *flags] + \
+        (["-m", model] if model else [])
     log = open(os.environ.get("KVSLIM_SERVE_LOG", os.devnull), "w")
     proc = subprocess.Popen(cmd, cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, stdout=log, stderr=log)
     base = f"http://127.0.0.1:{port}"
     while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"kvslim serve exited with {proc.returncode} before it was ready")
         try:
             if httpx.get(base + "/health").status_code == 200:
-                break
+                return proc, base
         except httpx.TransportError:
             pass
         time.sleep(0.2)
+
+
+def sigterm(args) -> None:
+    proc, base = spawn(["-c", str(args.ctx * 4), "-np", "4", "--grace", str(args.grace)], args.model)
     with cf.ThreadPoolExecutor(6) as pool:
         outcomes = [pool.submit(sse_outcome, base, i) for i in range(6)]
         while not {"kvslim:requests_processing 4.0", "kvslim:requests_deferred 2.0"} <= \
@@ -326,6 +338,8 @@ def main() -> int:
     ap.add_argument("--skip-conversation", action="store_true")
     ap.add_argument("--chaos", action="store_true")
     ap.add_argument("--oversize", action="store_true")
+    ap.add_argument("--server-process", action="store_true",
+                    help="run kvslim serve in its own process (default: in this one, on threads)")
     ap.add_argument("--gap-tokens", type=int, default=120, help="length of the stream watched by --oversize")
     ap.add_argument("--json-schema", type=int, default=0, metavar="N")
     ap.add_argument("--sigterm", action="store_true", help="only the SIGTERM drain test (a separate process)")
@@ -334,7 +348,14 @@ def main() -> int:
     if args.sigterm:
         sigterm(args)
         return 0
-    server, base, client = boot(args)
+    if args.server_process:
+        proc, base = spawn(["-c", str(args.ctx * args.parallel), "-np", str(args.parallel), "-ctk", args.ctk,
+                            "-ctv", args.ctv, "--max-queue", str(4 * args.clients),
+                            "--max-connections", str(4 * args.clients + 64)], args.model)
+        server = SimpleNamespace(shutdown=lambda: (proc.terminate(), proc.wait(60)))
+        client = openai.OpenAI(base_url=base + "/v1", api_key="-", max_retries=0, timeout=600)
+    else:
+        server, base, client = boot(args)
     try:
         alone = None if args.skip_load else load_test(client, args)
         if not args.skip_conversation:

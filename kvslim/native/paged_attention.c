@@ -232,21 +232,108 @@ typedef struct {
     int64_t table_stride;
 } pages_t;
 
-static const uint8_t *row_at(const pages_t *p, const uint8_t *pool, int64_t row_bytes, int64_t head, int64_t seq,
-                             int64_t t) {
-    int64_t page = p->table[seq * p->table_stride + t / p->page_size];
-    return pool + ((head * p->pool_pages + page) * p->page_size + t % p->page_size) * row_bytes;
+/* The K and V rows of keys [start, start + n): one division per tile, not two per key (a
+ * 64-bit division costs more than decoding an f16 row). */
+static void tile_rows(const pages_t *p, int64_t head, int64_t seq, int64_t start, int n, const uint8_t **k_rows,
+                      const uint8_t **v_rows) {
+    int64_t index = start / p->page_size, offset = start % p->page_size;
+    for (int j = 0; j < n; j++) {
+        const int64_t row = (head * p->pool_pages + p->table[seq * p->table_stride + index]) * p->page_size + offset;
+        k_rows[j] = p->k_pool + row * p->k_row_bytes;
+        v_rows[j] = p->v_pool + row * p->v_row_bytes;
+        if (++offset == p->page_size) offset = 0, index++;
+    }
 }
 
 /* Keys [t0, t1) of one (head, sequence) into the state m, l (n_rows) and acc (n_rows x dim). */
+#ifdef KVSLIM_AVX2
+/* Eight vectors' horizontal sums as one vector, in order. */
+static inline __m256 hsum8(const __m256 s[8]) {
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(s[4], s[5]), _mm256_hadd_ps(s[6], s[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* scores[r][j] = q_r . keys[j] for the tile's decoded keys (n, dim): eight keys' sums reduced
+ * together, not one horizontal sum per key and row. */
+static void tile_scores(const float *q, int n_rows, int dim, const float *keys, int n, float scores[][TILE]) {
+    for (int r = 0; r < n_rows; r++) {
+        const float *qr = q + (size_t)r * dim;
+        int j = 0;
+        for (; j + 8 <= n; j += 8) {
+            __m256 s[8];                               /* eight independent chains, q read once */
+            const float *k = keys + (size_t)j * dim;
+            for (int jj = 0; jj < 8; jj++) s[jj] = _mm256_setzero_ps();
+            for (int i = 0; i < dim; i += 8) {
+                const __m256 qi = _mm256_loadu_ps(qr + i);
+                for (int jj = 0; jj < 8; jj++) s[jj] = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k + (size_t)jj * dim + i), s[jj]);
+            }
+            _mm256_storeu_ps(&scores[r][j], hsum8(s));
+        }
+        for (; j < n; j++) scores[r][j] = dot(qr, keys + (size_t)j * dim, dim);
+    }
+}
+
+/* acc_r += sum_j w[r][j] * values[j] with the sums held in registers across the tile: 32 of
+ * dim and two rows at a time (in memory, every key re-read and re-wrote acc: a load-FMA-store
+ * chain per vector per key, the kernel's largest cost). */
+static void tile_values(const float *values, int n, int dim, float w[][TILE], int n_rows, float *acc) {
+    for (int c = 0; c < dim; c += 32)
+        for (int r = 0; r < n_rows; r += 2) {
+            const int two = r + 1 < n_rows;
+            float *a = acc + (size_t)r * dim + c, *b = two ? a + dim : a;
+            __m256 a0 = _mm256_loadu_ps(a), a1 = _mm256_loadu_ps(a + 8), a2 = _mm256_loadu_ps(a + 16),
+                   a3 = _mm256_loadu_ps(a + 24);
+            __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8), b2 = _mm256_loadu_ps(b + 16),
+                   b3 = _mm256_loadu_ps(b + 24);
+            for (int j = 0; j < n; j++) {
+                const float *v = values + (size_t)j * dim + c;
+                const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8), v2 = _mm256_loadu_ps(v + 16),
+                             v3 = _mm256_loadu_ps(v + 24);
+                const __m256 wa = _mm256_set1_ps(w[r][j]), wb = _mm256_set1_ps(w[two ? r + 1 : r][j]);
+                a0 = _mm256_fmadd_ps(wa, v0, a0), a1 = _mm256_fmadd_ps(wa, v1, a1);
+                a2 = _mm256_fmadd_ps(wa, v2, a2), a3 = _mm256_fmadd_ps(wa, v3, a3);
+                b0 = _mm256_fmadd_ps(wb, v0, b0), b1 = _mm256_fmadd_ps(wb, v1, b1);
+                b2 = _mm256_fmadd_ps(wb, v2, b2), b3 = _mm256_fmadd_ps(wb, v3, b3);
+            }
+            _mm256_storeu_ps(a, a0), _mm256_storeu_ps(a + 8, a1), _mm256_storeu_ps(a + 16, a2);
+            _mm256_storeu_ps(a + 24, a3);
+            if (two) {
+                _mm256_storeu_ps(b, b0), _mm256_storeu_ps(b + 8, b1), _mm256_storeu_ps(b + 16, b2);
+                _mm256_storeu_ps(b + 24, b3);
+            }
+        }
+}
+#endif
+
+/* Keys [t0, t1) of one (head, sequence) into the state m, l (n_rows) and acc (n_rows x dim).
+ * A tile's K rows are decoded into `rows` (in L1), scored, then its V rows into the same
+ * buffer and summed; the portable build scores and sums one decoded row at a time. */
 static void attend_span(const pages_t *p, const codec_t *ck, const codec_t *cv, const float *q, int n_rows, int dim,
                         int64_t head, int64_t seq, int64_t t0, int64_t t1, float *m, float *l, float *acc) {
-    float buf[MAX_DIM], scores[MAX_ROWS][TILE];
+    float scores[MAX_ROWS][TILE];
+#ifdef KVSLIM_AVX2
+    const int tiled = dim % 32 == 0;
+    float *rows = tiled ? aligned_alloc(64, sizeof(float) * TILE * (size_t)dim) : NULL;
+#else
+    const int tiled = 0;
+    float *rows = NULL;
+#endif
+    float buf[MAX_DIM];
     for (int64_t start = t0; start < t1; start += TILE) {
         int n = (int)(t1 - start < TILE ? t1 - start : TILE);
-        for (int j = 0; j < n; j++) {
-            decode_row(ck, row_at(p, p->k_pool, p->k_row_bytes, head, seq, start + j), dim, buf);
-            for (int r = 0; r < n_rows; r++) scores[r][j] = dot(q + (size_t)r * dim, buf, dim);
+        const uint8_t *k_rows[TILE], *v_rows[TILE];
+        tile_rows(p, head, seq, start, n, k_rows, v_rows);
+        if (tiled) {
+#ifdef KVSLIM_AVX2
+            for (int j = 0; j < n; j++) decode_row(ck, k_rows[j], dim, rows + (size_t)j * dim);
+            tile_scores(q, n_rows, dim, rows, n, scores);
+#endif
+        } else {
+            for (int j = 0; j < n; j++) {
+                decode_row(ck, k_rows[j], dim, buf);
+                for (int r = 0; r < n_rows; r++) scores[r][j] = dot(q + (size_t)r * dim, buf, dim);
+            }
         }
         for (int r = 0; r < n_rows; r++) {             /* scores -> weights, rescale the running sums */
             float top = m[r];
@@ -258,11 +345,19 @@ static void attend_span(const pages_t *p, const codec_t *ck, const codec_t *cv, 
             for (int j = 0; j < n; j++) l[r] += scores[r][j];
             m[r] = top;
         }
-        for (int j = 0; j < n; j++) {
-            decode_row(cv, row_at(p, p->v_pool, p->v_row_bytes, head, seq, start + j), dim, buf);
-            for (int r = 0; r < n_rows; r++) axpy(acc + (size_t)r * dim, scores[r][j], buf, dim);
+        if (tiled) {
+#ifdef KVSLIM_AVX2
+            for (int j = 0; j < n; j++) decode_row(cv, v_rows[j], dim, rows + (size_t)j * dim);
+            tile_values(rows, n, dim, scores, n_rows, acc);
+#endif
+        } else {
+            for (int j = 0; j < n; j++) {
+                decode_row(cv, v_rows[j], dim, buf);
+                for (int r = 0; r < n_rows; r++) axpy(acc + (size_t)r * dim, scores[r][j], buf, dim);
+            }
         }
     }
+    free(rows);
 }
 
 /* Fold state (m2, l2, acc2) into (m, l, acc). */
