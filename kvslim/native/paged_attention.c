@@ -245,7 +245,6 @@ static void tile_rows(const pages_t *p, int64_t head, int64_t seq, int64_t start
     }
 }
 
-/* Keys [t0, t1) of one (head, sequence) into the state m, l (n_rows) and acc (n_rows x dim). */
 #ifdef KVSLIM_AVX2
 /* Eight vectors' horizontal sums as one vector, in order. */
 static inline __m256 hsum8(const __m256 s[8]) {
@@ -306,35 +305,57 @@ static void tile_values(const float *values, int n, int dim, float w[][TILE], in
 }
 #endif
 
-/* Keys [t0, t1) of one (head, sequence) into the state m, l (n_rows) and acc (n_rows x dim).
- * A tile's K rows are decoded into `rows` (in L1), scored, then its V rows into the same
- * buffer and summed; the portable build scores and sums one decoded row at a time. */
+/* scores[r][j] for the tile's keys: decoded into `rows` and scored together (AVX2), or one
+ * decoded row at a time in `rows` (the portable build; rows then holds one row). */
+static void score_tile(const codec_t *ck, const uint8_t *const *k_rows, int n, const float *q, int n_rows, int dim,
+                       float *rows, int tiled, float scores[][TILE]) {
+#ifdef KVSLIM_AVX2
+    if (tiled) {
+        for (int j = 0; j < n; j++) decode_row(ck, k_rows[j], dim, rows + (size_t)j * dim);
+        tile_scores(q, n_rows, dim, rows, n, scores);
+        return;
+    }
+#endif
+    (void)tiled;
+    for (int j = 0; j < n; j++) {
+        decode_row(ck, k_rows[j], dim, rows);
+        for (int r = 0; r < n_rows; r++) scores[r][j] = dot(q + (size_t)r * dim, rows, dim);
+    }
+}
+
+/* acc_r += sum_j w[r][j] * value_j over the tile, the same two ways. */
+static void sum_tile(const codec_t *cv, const uint8_t *const *v_rows, int n, float w[][TILE], int n_rows, int dim,
+                     float *rows, int tiled, float *acc) {
+#ifdef KVSLIM_AVX2
+    if (tiled) {
+        for (int j = 0; j < n; j++) decode_row(cv, v_rows[j], dim, rows + (size_t)j * dim);
+        tile_values(rows, n, dim, w, n_rows, acc);
+        return;
+    }
+#endif
+    (void)tiled;
+    for (int j = 0; j < n; j++) {
+        decode_row(cv, v_rows[j], dim, rows);
+        for (int r = 0; r < n_rows; r++) axpy(acc + (size_t)r * dim, w[r][j], rows, dim);
+    }
+}
+
+/* Keys [t0, t1) of one (head, sequence) into the state m, l (n_rows) and acc (n_rows x dim),
+ * TILE keys at a time: scores, the online-softmax rescale, then the weighted values. */
 static void attend_span(const pages_t *p, const codec_t *ck, const codec_t *cv, const float *q, int n_rows, int dim,
                         int64_t head, int64_t seq, int64_t t0, int64_t t1, float *m, float *l, float *acc) {
     float scores[MAX_ROWS][TILE];
 #ifdef KVSLIM_AVX2
     const int tiled = dim % 32 == 0;
-    float *rows = tiled ? aligned_alloc(64, sizeof(float) * TILE * (size_t)dim) : NULL;
 #else
     const int tiled = 0;
-    float *rows = NULL;
 #endif
-    float buf[MAX_DIM];
+    float *rows = aligned_alloc(64, sizeof(float) * (size_t)(tiled ? TILE * dim : MAX_DIM));
     for (int64_t start = t0; start < t1; start += TILE) {
         int n = (int)(t1 - start < TILE ? t1 - start : TILE);
         const uint8_t *k_rows[TILE], *v_rows[TILE];
         tile_rows(p, head, seq, start, n, k_rows, v_rows);
-        if (tiled) {
-#ifdef KVSLIM_AVX2
-            for (int j = 0; j < n; j++) decode_row(ck, k_rows[j], dim, rows + (size_t)j * dim);
-            tile_scores(q, n_rows, dim, rows, n, scores);
-#endif
-        } else {
-            for (int j = 0; j < n; j++) {
-                decode_row(ck, k_rows[j], dim, buf);
-                for (int r = 0; r < n_rows; r++) scores[r][j] = dot(q + (size_t)r * dim, buf, dim);
-            }
-        }
+        score_tile(ck, k_rows, n, q, n_rows, dim, rows, tiled, scores);
         for (int r = 0; r < n_rows; r++) {             /* scores -> weights, rescale the running sums */
             float top = m[r];
             for (int j = 0; j < n; j++) top = scores[r][j] > top ? scores[r][j] : top;
@@ -345,17 +366,7 @@ static void attend_span(const pages_t *p, const codec_t *ck, const codec_t *cv, 
             for (int j = 0; j < n; j++) l[r] += scores[r][j];
             m[r] = top;
         }
-        if (tiled) {
-#ifdef KVSLIM_AVX2
-            for (int j = 0; j < n; j++) decode_row(cv, v_rows[j], dim, rows + (size_t)j * dim);
-            tile_values(rows, n, dim, scores, n_rows, acc);
-#endif
-        } else {
-            for (int j = 0; j < n; j++) {
-                decode_row(cv, v_rows[j], dim, buf);
-                for (int r = 0; r < n_rows; r++) axpy(acc + (size_t)r * dim, scores[r][j], buf, dim);
-            }
-        }
+        sum_tile(cv, v_rows, n, scores, n_rows, dim, rows, tiled, acc);
     }
     free(rows);
 }
