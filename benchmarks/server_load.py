@@ -277,7 +277,7 @@ def json_schema_runs(client, args) -> None:
 def sse_outcome(base: str, i: int) -> str:
     """'complete', 'error event + [DONE]', 'HTTP <status>' or what went wrong."""
     body = {"model": "m", "messages": [{"role": "user", "content": f"Tell me about {TOPICS[i]}."}],
-            "max_tokens": 100_000, "temperature": 0, "stream": True}
+            "max_tokens": 100_000, "temperature": 0, "stream": True, "ignore_eos": True}
     try:
         with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=300) as r:
             if r.status_code != 200:

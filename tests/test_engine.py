@@ -103,6 +103,25 @@ def test_batched_generation_equals_each_alone(llm):
     assert llm.engine.n_free_slots == 3                             # every slot released
 
 
+def test_ignore_eos_runs_past_end_of_generation_to_max_tokens(llm):
+    """llama-server's ignore_eos: end-of-generation tokens are never sampled, so a greedy request
+    that stopped on one runs to max_tokens instead, its tokens identical up to that point."""
+    engine = llm.engine
+    for first in range(3, 60):                                         # a prompt whose greedy reply ends early
+        stopped = engine.submit([first, first + 1, first + 2], 200, SamplingParams(temperature=0))
+        engine.run([stopped])
+        engine.release(stopped)
+        if stopped.finish_reason == "stop":
+            break
+    assert stopped.finish_reason == "stop" and len(stopped.generated) < 200
+    go_on = engine.submit(stopped.prompt, 200, SamplingParams(temperature=0, ignore_eos=True))
+    engine.run([go_on])
+    engine.release(go_on)
+    assert go_on.finish_reason == "length" and len(go_on.generated) == 200
+    assert go_on.generated[:len(stopped.generated)] == stopped.generated
+    assert not set(go_on.generated) & engine.eog_ids
+
+
 def test_stopping_early_frees_the_slot(llm):
     stream = llm.generate("abc", max_tokens=50, stream=True, seed=1)
     next(stream)

@@ -430,7 +430,7 @@ def sse_outcome(base: str, i: int) -> str:
     """'complete', 'error' (an error event, then [DONE]) or 'refused' (an HTTP error answer)."""
     try:
         with httpx.stream("POST", base + "/v1/completions", timeout=120,
-                          json={**greedy(i, 100_000), "stream": True}) as r:
+                          json={**greedy(i, 100_000), "stream": True, "ignore_eos": True}) as r:
             if r.status_code != 200:
                 r.read()
                 return "refused" if r.json()["error"]["message"] else "bad"
@@ -452,8 +452,8 @@ def test_sigterm_drains_and_exits_zero(tiny_folder):
     try:
         wait_ready(base)
         with cf.ThreadPoolExecutor(6) as pool:
-            # 4 running, 2 queued; 16K tokens of context each, so the streams outlast the wait
-            # below at the native step's speed (a 1K context filled before it saw them)
+            # 4 running, 2 queued; EOS ignored and 16K tokens of context each, so the streams
+            # outlast the wait below at the native step's speed (they stopped at an EOS first)
             outcomes = [pool.submit(sse_outcome, base, i) for i in range(6)]
             for _ in range(600):                                      # 4 running and 2 queued, then SIGTERM
                 metrics = httpx.get(base + "/metrics").text

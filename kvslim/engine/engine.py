@@ -255,6 +255,8 @@ class Engine:
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> None:
         try:
+            if seq.sampler.params.ignore_eos and self.eog_ids:     # as llama-server: EOG logits to -inf
+                logits = logits.index_fill(0, torch.tensor(sorted(self.eog_ids)), float("-inf"))
             self._accept(seq, seq.sampler(logits, seq.tokens))
         except Exception as err:                                    # any failure ends this request alone
             self._fail(seq, f"sampling failed: {type(err).__name__}: {err}")

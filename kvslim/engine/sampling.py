@@ -32,6 +32,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     seed: int | None = None
     logprobs: int | None = None       # None: off; k >= 0: the chosen token's logprob and the k most likely
+    ignore_eos: bool = False          # llama-server's: end-of-generation tokens are never sampled
 
     def __post_init__(self):
         lo, hi = REPEAT_PENALTY_RANGE

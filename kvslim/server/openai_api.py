@@ -37,6 +37,7 @@ COMMON_FIELDS = {
     # llama.cpp's extensions that clients written for llama-server send
     "top_k": (int, type(None)), "min_p": NUMBER + (type(None),), "repeat_penalty": NUMBER + (type(None),),
     "repeat_last_n": (int, type(None)), "n_predict": (int, type(None)), "cache_prompt": (bool, type(None)),
+    "ignore_eos": (bool, type(None)),
 }
 MAX_N = 16
 CHAT_FIELDS = {**COMMON_FIELDS, "messages": list, "max_completion_tokens": (int, type(None)),
@@ -109,7 +110,8 @@ def parse_sampling(body: dict) -> SamplingParams:
                               min_p=get("min_p", 0.0), repeat_penalty=get("repeat_penalty", 1.0),
                               repeat_last_n=get("repeat_last_n", 64),
                               presence_penalty=get("presence_penalty", 0.0),
-                              frequency_penalty=get("frequency_penalty", 0.0), seed=body.get("seed"))
+                              frequency_penalty=get("frequency_penalty", 0.0), seed=body.get("seed"),
+                              ignore_eos=get("ignore_eos", False))
     except ValueError as err:
         raise ApiError(400, str(err), code="invalid_value") from None
 
