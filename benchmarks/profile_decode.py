@@ -7,8 +7,9 @@ decode steps run under ``torch.profiler``.  Printed per case: wall ms/token,
 aten operator calls per token (nested calls counted), the share of wall time
 spent inside operators (the rest is Python and dispatch between them), and
 the operators that took the most self time.  This is the profile behind
-the decode ratios of ``benchmarks/vs_llama_cpp.py``: on a small model a decode step is many short
-operator calls, and a quantized cache adds its decode to every step.
+the decode ratios of ``benchmarks/vs_llama_cpp.py`` before the native step: on a small model a
+torch decode step is many short operator calls, and a quantized cache adds its decode to every
+step. It profiles the torch step (``native=False``); the native step is one C call per token.
 """
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ def main(argv=None) -> int:
     summary = []
     for pair in args.pairs.split(","):
         type_k, type_v = pair.split("/")
-        fc = FilledCache(model, max(depths) + args.n_gen + 16, 1, type_k, type_v, 512)
+        fc = FilledCache(model, max(depths) + args.n_gen + 16, 1, type_k, type_v, 512, native=False)
         for depth in depths:
             fc.grow_to(depth)
             r = profile_case(fc, args.n_gen, args.top)
