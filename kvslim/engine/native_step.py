@@ -8,10 +8,11 @@ the states, the formats' tables), so a token is then one ctypes call.
 ``NativeStep.build(model, cache)`` returns None, with the reason in ``why_not``, for anything
 the C step does not implement: it then falls back to the compiled or eager step. Supported:
 Llama-style and Qwen3.5-style decoders (RMSNorm, SwiGLU, GQA attention with optional output
-gate, q/k norms and partial RoPE; Gated DeltaNet), every weight type of ``block_linear.c``
+gate, q/k norms and partial RoPE; Gated DeltaNet); every weight type of ``block_linear.c``
 and f32/f16/bf16 matrices (activations are float32 whatever the weights' dtype, as in
-llama.cpp: a bf16 model decodes as ``--dtype f32 --weights bf16`` would), and K/V formats f32/f16/bf16, q8_0/q4_0 (rotated or not) and
-TurboQuant's MSE variants. The torch model is the reference (``tests/test_native_step.py``).
+llama.cpp: a bf16 model decodes as ``--dtype f32 --weights bf16`` would); K/V formats
+f32/f16/bf16, q8_0/q4_0 (rotated or not), TurboQuant's MSE variants and the nl grids (nl4,
+nl3, nl4s, nl3s). The torch model is the reference (``tests/test_native_step.py``).
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ SOURCE = "decode_step.c"
 FLOAT_CODES = {torch.float32: 32, torch.float16: 16, torch.bfloat16: 17}   # block_linear.c's float rows
 MAX_BATCH = block_linear.MAX_ROWS
 MAX_DIM = native_attention.MAX_DIM
-ENC_FLOAT, ENC_Q8_0, ENC_Q4_0, ENC_TURBO = range(4)
+ENC_FLOAT, ENC_Q8_0, ENC_Q4_0, ENC_TURBO, ENC_GRID, ENC_GRID_SUB = range(6)
 FLOAT_KINDS = {"f32": 0, "f16": 1, "bf16": 2}
 
 
@@ -50,7 +51,8 @@ class Mat(ctypes.Structure):
 
 class Enc(ctypes.Structure):
     _fields_ = [("kind", I32), ("float_type", I32), ("rot", I32), ("bits", I32), ("hadamard", I32),
-                ("rot_m", P), ("boundaries", P), ("centroids", P), ("limit", ctypes.c_float)]
+                ("rot_m", P), ("boundaries", P), ("centroids", P), ("limit", ctypes.c_float),
+                ("block", I32), ("n_tries", I32), ("tries", P), ("ladder", P)]
 
 
 class Layer(ctypes.Structure):
@@ -101,6 +103,7 @@ class _Keep:
 # ----- formats -------------------------------------------------------------------------------
 def encoder(fmt, head_dim: int, keep: _Keep) -> Enc:
     """The C encoder of a K/V format, read from the format's own fields."""
+    from ..formats import grid
     from ..formats.floats import FloatFormat
     from ..formats.ggml import GgmlFormat
     from ..formats.rotation import rotation_matrix
@@ -118,7 +121,24 @@ def encoder(fmt, head_dim: int, keep: _Keep) -> Enc:
         centroids, boundaries = fmt.codebook(group, torch.device("cpu"))
         return Enc(ENC_TURBO, 0, group, fmt.mse_bits, 0, keep.ptr(rotation_matrix(group, fmt.seed)),
                    keep.ptr(boundaries), keep.ptr(centroids), FP16_MAX)
+    if kind in (grid.GridFormat, grid.SubScaleGridFormat):
+        return _grid_encoder(fmt, head_dim, keep)
     raise Unsupported(f"K/V format {fmt.name} (no C encoder)")
+
+
+def _grid_encoder(fmt, head_dim: int, keep: _Keep) -> Enc:
+    """The nl grids: the tables the torch encoder uses, as float32, so both search the same."""
+    from ..formats import grid
+    bits = fmt.spec.code_bits
+    table = grid.grid_tensor(bits, "cpu")
+    mids = (table[1:] + table[:-1]) * 0.5                       # nearest_code's boundaries
+    tries = torch.linspace(grid.SCALE_SPAN[0], grid.SCALE_SPAN[1], grid.SCALE_TRIES)
+    sub = type(fmt) is grid.SubScaleGridFormat
+    enc = Enc(ENC_GRID_SUB if sub else ENC_GRID, 0, fmt.rot_size(head_dim), bits, 1, None, keep.ptr(mids),
+              keep.ptr(table), fmt._max_abs())
+    enc.block, enc.n_tries, enc.tries = fmt.spec.block_size, grid.SCALE_TRIES, keep.ptr(tries)
+    enc.ladder = keep.ptr(grid.ladder_tensor("cpu")) if sub else None
+    return enc
 
 
 def encode_rows(fmt, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,6 +10,11 @@
  *   ENC_TURBO  TurboQuant's MSE variant: per group of `group` values, the norm, the unit vector
  *              rotated by R, each value's bucket among the Lloyd-Max boundaries, and
  *              [f16 norm / |centroids|][codes packed little-endian, `bits` each]
+ *   ENC_GRID   the nl grids (kvslim/formats/grid.py): after the Hadamard rotation, per block a
+ *              scale searched over `n_tries` candidates and refit by least squares,
+ *              [f16 d][codes packed]
+ *   ENC_GRID_SUB  the nls rows: per block of 128 one scale and per 16 values a 2-bit rung of
+ *              the ladder, chosen by squared error and refit twice, [f16 d][rungs][codes]
  * Each encoder also computes the token's overflow flag as the torch hot path does: NaN or inf,
  * or past what the fp16 fields can hold.
  */
@@ -19,7 +24,8 @@
 
 #define ENC_MAX_DIM 512
 
-enum { ENC_FLOAT = 0, ENC_Q8_0 = 1, ENC_Q4_0 = 2, ENC_TURBO = 3 };
+enum { ENC_FLOAT = 0, ENC_Q8_0 = 1, ENC_Q4_0 = 2, ENC_TURBO = 3, ENC_GRID = 4, ENC_GRID_SUB = 5 };
+#define GRID_SUB 16               /* nls: values per rung */
 enum { FLOAT_F32 = 0, FLOAT_F16 = 1, FLOAT_BF16 = 2 };
 
 typedef struct {
@@ -29,9 +35,13 @@ typedef struct {
     int32_t bits;            /* turbo: bits per code */
     int32_t hadamard;        /* the rotation is H / sqrt(rot) (butterfly), else rot_m */
     const float *rot_m;      /* (rot, rot) row-major R: a block y = R x */
-    const float *boundaries; /* turbo: 2^bits - 1 ascending */
-    const float *centroids;  /* turbo: 2^bits */
+    const float *boundaries; /* turbo: 2^bits - 1 ascending; grids: the midpoints of the grid */
+    const float *centroids;  /* turbo: 2^bits; grids: the grid, ascending */
     float limit;             /* flag values (ggml, f16) or group norms (turbo) past this; 0: none */
+    int32_t block;           /* grids: values per block */
+    int32_t n_tries;         /* grids: candidate scales */
+    const float *tries;      /* grids: their factors of amax / max|grid| */
+    const float *ladder;     /* nls: the 4 rung factors */
 } enc_t;
 
 static void store_f16(uint8_t *p, float v) {
@@ -156,6 +166,99 @@ static int encode_turbo(const enc_t *e, const float *x, int dim, uint8_t *out) {
     return bad;
 }
 
+/* ----- the nl grids -------------------------------------------------------------------- */
+static inline int nearest_code(const enc_t *e, float v) {   /* torch.bucketize(v, midpoints) */
+    int lo = 0, hi = (1 << e->bits) - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (e->boundaries[mid] < v) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+static inline float half_round(float v) {
+    return (float)(_Float16)v;
+}
+
+/* grid.search_scale for one block of n values: codes into `codes`, returns d. */
+static float grid_search(const enc_t *e, const float *x, int n, uint8_t *codes) {
+    const float *grid = e->centroids;
+    const float gmax = fmaxf(fabsf(grid[0]), fabsf(grid[(1 << e->bits) - 1]));
+    float amax = 0.0f;
+    for (int i = 0; i < n; i++) amax = fmaxf(amax, fabsf(x[i]));
+    const float d0 = fmaxf(amax / gmax, 1e-30f);
+    float best_score = -INFINITY, best_d = 0.0f;
+    for (int t = 0; t < e->n_tries; t++) {
+        const float cand = d0 * e->tries[t];
+        float sxg = 0.0f, sgg = 0.0f;
+        for (int i = 0; i < n; i++) {
+            const float g = grid[nearest_code(e, x[i] / cand)];
+            sxg += g * x[i], sgg += g * g;
+        }
+        sgg = fmaxf(sgg, 1e-30f);
+        if (sxg * sxg / sgg > best_score) best_score = sxg * sxg / sgg, best_d = sxg / sgg;
+    }
+    const float div = fmaxf(best_d, 1e-30f);
+    float sxg = 0.0f, sgg = 0.0f;
+    for (int i = 0; i < n; i++) {
+        codes[i] = (uint8_t)nearest_code(e, x[i] / div);
+        const float g = grid[codes[i]];
+        sxg += g * x[i], sgg += g * g;
+    }
+    return amax > 0.0f ? sxg / fmaxf(sgg, 1e-30f) : 0.0f;
+}
+
+/* grid.search_two_level for one block of e->block values (a multiple of GRID_SUB). */
+static float grid_two_level(const enc_t *e, const float *x, uint8_t *rungs, uint8_t *codes) {
+    const float *grid = e->centroids;
+    const int n_sub = e->block / GRID_SUB;
+    float d = 0.0f;
+    for (int s = 0; s < n_sub; s++) d = fmaxf(d, grid_search(e, x + s * GRID_SUB, GRID_SUB, codes + s * GRID_SUB));
+    d = half_round(d);
+    for (int round = 0; round < 2; round++) {
+        for (int s = 0; s < n_sub; s++) {                     /* each sub-block's best rung and codes */
+            const float *xs = x + s * GRID_SUB;
+            float best = INFINITY;
+            for (int r = 0; r < 4; r++) {
+                const float cand = fmaxf(d * e->ladder[r], 1e-30f);
+                uint8_t c[GRID_SUB];
+                float err = 0.0f;
+                for (int i = 0; i < GRID_SUB; i++) {
+                    c[i] = (uint8_t)nearest_code(e, xs[i] / cand);
+                    const float diff = xs[i] - grid[c[i]] * cand;
+                    err += diff * diff;
+                }
+                if (err < best) {
+                    best = err, rungs[s] = (uint8_t)r;
+                    memcpy(codes + s * GRID_SUB, c, GRID_SUB);
+                }
+            }
+        }
+        float sgx = 0.0f, sgg = 0.0f;                         /* refit d, rounded as stored */
+        for (int i = 0; i < e->block; i++) {
+            const float g = grid[codes[i]] * e->ladder[rungs[i / GRID_SUB]];
+            sgx += g * x[i], sgg += g * g;
+        }
+        d = half_round(sgx / fmaxf(sgg, 1e-30f));
+    }
+    return d;
+}
+
+static void encode_grid_blocks(const enc_t *e, const float *y, int dim, uint8_t *out) {
+    const int sub = e->kind == ENC_GRID_SUB, n_sub = e->block / GRID_SUB;
+    const int header = 2 + (sub ? n_sub * 2 / 8 : 0), block_bytes = header + e->block * e->bits / 8;
+    uint8_t codes[ENC_MAX_DIM] = {0}, rungs[ENC_MAX_DIM / GRID_SUB] = {0};   /* a NaN block keeps zeros */
+    for (int b = 0; b < dim / e->block; b++) {
+        uint8_t *o = out + b * block_bytes;
+        const float d = sub ? grid_two_level(e, y + b * e->block, rungs, codes)
+                            : grid_search(e, y + b * e->block, e->block, codes);
+        store_f16(o, d);
+        if (sub) pack_codes(rungs, n_sub, 2, o + 2);
+        pack_codes(codes, e->block, e->bits, o + header);
+    }
+}
+
 /* Encode one row x (dim) into out (the format's row bytes); returns the row's overflow flag. */
 static int encode_row(const enc_t *e, const float *x, int dim, uint8_t *out) {
     if (e->kind == ENC_TURBO) return encode_turbo(e, x, dim, out);
@@ -163,7 +266,9 @@ static int encode_row(const enc_t *e, const float *x, int dim, uint8_t *out) {
     to_code_domain(e, x, y, dim);
     int bad = 0;
     for (int i = 0; i < dim; i++) bad |= !isfinite(y[i]) || (e->limit > 0.0f && fabsf(y[i]) > e->limit);
-    if (e->kind == ENC_FLOAT) {
+    if (e->kind == ENC_GRID || e->kind == ENC_GRID_SUB) {
+        encode_grid_blocks(e, y, dim, out);
+    } else if (e->kind == ENC_FLOAT) {
         for (int i = 0; i < dim; i++) {
             if (e->float_type == FLOAT_F32) memcpy(out + 4 * i, &y[i], 4);
             else if (e->float_type == FLOAT_F16) store_f16(out + 2 * i, y[i]);
