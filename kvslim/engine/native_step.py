@@ -7,8 +7,9 @@ the states, the formats' tables), so a token is then one ctypes call.
 
 ``NativeStep.build(model, cache)`` returns None, with the reason in ``why_not``, for anything
 the C step does not implement: it then falls back to the compiled or eager step. Supported:
-Llama-style and Qwen3.5-style decoders (RMSNorm, SwiGLU, GQA attention with optional output
-gate, q/k norms and partial RoPE; Gated DeltaNet); every weight type of ``block_linear.c``
+Llama-style and Qwen3.5-style decoders (RMSNorm, SwiGLU or a sparse mixture of SwiGLU experts
+with a shared expert, GQA attention with optional output gate, q/k norms and partial RoPE;
+Gated DeltaNet); every weight type of ``block_linear.c``
 and f32/f16/bf16 matrices (activations are float32 whatever the weights' dtype, as in
 llama.cpp: a bf16 model decodes as ``--dtype f32 --weights bf16`` would); K/V formats
 f32/f16/bf16, q8_0/q4_0 (rotated or not), TurboQuant's MSE variants and the nl grids (nl4,
@@ -25,14 +26,16 @@ from ..cache.kv import KVCache
 from ..cache.recurrent import RecurrentStateCache
 from ..formats.base import FP16_MAX
 from ..models.base import CausalLM
-from ..models.layers import MLP, Attention, DecoderLayer, RMSNorm, Rope
+from ..models.layers import MLP, Attention, DecoderLayer, Experts, RMSNorm, Rope, SparseMoE
 from ..native import block_linear, build
+from ..weights.modules import QuantExperts
 from ..native import paged_attention as native_attention
 
 SOURCE = "decode_step.c"
 FLOAT_CODES = {torch.float32: 32, torch.float16: 16, torch.bfloat16: 17}   # block_linear.c's float rows
 MAX_BATCH = block_linear.MAX_ROWS
 MAX_DIM = native_attention.MAX_DIM
+MAX_EXPERTS, MAX_TOP_K = 512, 64     # decode_step.c's routing buffers
 ENC_FLOAT, ENC_Q8_0, ENC_Q4_0, ENC_TURBO, ENC_GRID, ENC_GRID_SUB = range(6)
 FLOAT_KINDS = {"f32": 0, "f16": 1, "bf16": 2}
 
@@ -64,7 +67,9 @@ class Layer(ctypes.Structure):
                 ("table_stride", I64), ("table", P), ("ck", P), ("cv", P), ("ek", P), ("ev", P),
                 ("qkv", Mat), ("z", Mat), ("b", Mat), ("a", Mat), ("out", Mat),
                 ("n_k", I32), ("n_v", I32), ("dk", I32), ("dv", I32), ("conv_k", I32),
-                ("conv_w", P), ("dt_bias", P), ("a_log", P), ("gnorm", P), ("conv_state", P), ("rec_state", P)]
+                ("conv_w", P), ("dt_bias", P), ("a_log", P), ("gnorm", P), ("conv_state", P), ("rec_state", P),
+                ("n_experts", I32), ("top_k", I32), ("renormalize", I32), ("router", Mat), ("shared_gate", Mat),
+                ("expert_gate_up", Mat), ("expert_down", Mat), ("gate_up_stride", I64), ("down_stride", I64)]
 
 
 class Model(ctypes.Structure):
@@ -185,9 +190,46 @@ def _norm(norm, keep: _Keep, want_zero_centered: bool, eps: float) -> int:
 
 # ----- layers ----------------------------------------------------------------------------
 def _mlp(layer: Layer, mlp, keep: _Keep) -> None:
+    if type(mlp) is SparseMoE:
+        _moe(layer, mlp, keep)
+        return
     if type(mlp) is not MLP:
         raise Unsupported(f"a {type(mlp).__name__} feed-forward")
     layer.gate, layer.up, layer.down = (matrix(m, keep) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+
+
+def _moe(layer: Layer, moe, keep: _Keep) -> None:
+    """Router, shared expert and its gate, and the experts' stacked matrices (expert 0's address
+    and the stride to the next: only the routed experts are read)."""
+    experts = moe.experts
+    if type(experts) not in (Experts, QuantExperts) or experts.gate_up_proj.shape[0] > MAX_EXPERTS \
+            or moe.gate.top_k > MAX_TOP_K:
+        raise Unsupported(f"a mixture of {type(experts).__name__} past the native limits")
+    _mlp(layer, moe.shared_expert, keep)
+    layer.n_experts, layer.top_k, layer.renormalize = experts.gate_up_proj.shape[0], moe.gate.top_k, moe.gate.renormalize
+    weight = moe.gate.weight
+    layer.router = Mat(FLOAT_CODES[weight.dtype], *weight.shape, keep(weight.detach().contiguous()).data_ptr(), None)
+    layer.shared_gate = matrix(moe.shared_expert_gate, keep)
+    kinds = (getattr(experts, "gate_up_type", None), getattr(experts, "down_type", None))
+    (layer.expert_gate_up, layer.gate_up_stride), (layer.expert_down, layer.down_stride) = (
+        _stacked(param, kind, keep) for param, kind in zip((experts.gate_up_proj, experts.down_proj), kinds))
+
+
+def _stacked(param: torch.Tensor, kind, keep: _Keep) -> tuple[Mat, int]:
+    """(E, rows, ...) expert matrices: dense (E, rows, cols) or blocks (E, rows, row_bytes)."""
+    data = keep(param.detach().contiguous())
+    if kind is None:
+        if data.dtype not in FLOAT_CODES:
+            raise Unsupported(f"{data.dtype} expert weights")
+        code, cols = FLOAT_CODES[data.dtype], data.shape[2]
+    else:
+        wtype, cols = kind
+        if wtype.name not in block_linear.TYPE_CODES:
+            raise Unsupported(f"{wtype.name} expert weights")
+        code = block_linear.TYPE_CODES[wtype.name]
+    if cols % block_linear.QK:
+        raise Unsupported(f"experts with {cols} input features (not whole blocks of {block_linear.QK})")
+    return Mat(code, data.shape[1], cols, data.data_ptr(), None), data[0].numel() * data.element_size()
 
 
 def _attention(layer: Layer, attn, kv: KVCache, keep: _Keep, zc: bool, eps: float) -> None:

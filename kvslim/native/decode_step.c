@@ -7,7 +7,8 @@
  * What it runs is described by kvslim/engine/native_step.py, which reads the loaded torch modules
  * and refuses anything this file does not implement (the torch model is the reference, and the
  * parity tests hold this step's logits to it):
- *   embedding -> per layer: x += mixer(rmsnorm(x)); x += swiglu(rmsnorm(x)) -> rmsnorm -> head
+ *   embedding -> per layer: x += mixer(rmsnorm(x)); x += ffn(rmsnorm(x)) -> rmsnorm -> head
+ *   ffn: SwiGLU, or a sparse mixture of SwiGLU experts with a shared expert (Qwen3.5-MoE)
  *   mixer: GQA attention (optional output gate, per-head q/k RMSNorm, partial RoPE, K/V encoded
  *          into the paged pool, attention over the packed pages: paged_attention.c), or Gated
  *          DeltaNet (causal conv state, gated delta rule state updated in place).
@@ -26,6 +27,8 @@ typedef struct {            /* y = x @ W.T (+ bias) */
 } mat_t;
 
 enum { MIXER_ATTENTION = 0, MIXER_DELTA_NET = 1 };
+#define MAX_EXPERTS 512
+#define MAX_TOP_K 64
 
 typedef struct {
     int32_t mixer;
@@ -45,6 +48,12 @@ typedef struct {
     int32_t n_k, n_v, dk, dv, conv_k;
     const float *conv_w, *dt_bias, *a_log, *gnorm;
     float *conv_state, *rec_state;        /* (slots, conv_dim, conv_k - 1), (slots, n_v, dk, dv) */
+    /* sparse MoE feed-forward (n_experts > 0) instead of gate/up/down: a softmax router's top_k
+     * experts, each a SwiGLU whose gate and up rows are one (2I, H) matrix, plus a shared
+     * expert (gate/up/down above) scaled by sigmoid(shared_gate . x) */
+    int32_t n_experts, top_k, renormalize;
+    mat_t router, shared_gate, expert_gate_up, expert_down;   /* the experts' data: expert 0 */
+    int64_t gate_up_stride, down_stride;                       /* bytes from one expert to the next */
 } layer_t;
 
 typedef struct {
@@ -250,6 +259,68 @@ static void swiglu(const model_t *m, const layer_t *L, int64_t B, const float *h
     free(g), free(u);
 }
 
+/* One token's routed experts: probabilities of the top_k (renormalised if asked), experts in
+ * ascending order (the order the torch reference adds them in). */
+static int route(const layer_t *L, const float *logits, int *experts, float *weights) {
+    float top = -INFINITY, sum = 0.0f, probs[MAX_EXPERTS];
+    const int E = L->n_experts;
+    for (int e = 0; e < E; e++) top = fmaxf(top, logits[e]);
+    for (int e = 0; e < E; e++) sum += probs[e] = expf(logits[e] - top);
+    int k = 0;
+    for (; k < L->top_k; k++) {                                 /* top-k by selection: k is small */
+        int best = -1;
+        for (int e = 0; e < E; e++) {
+            int taken = 0;
+            for (int j = 0; j < k; j++) taken |= experts[j] == e;
+            if (!taken && (best < 0 || probs[e] > probs[best])) best = e;
+        }
+        experts[k] = best, weights[k] = probs[best] / sum;
+    }
+    if (L->renormalize) {
+        float total = 0.0f;
+        for (int j = 0; j < k; j++) total += weights[j];
+        for (int j = 0; j < k; j++) weights[j] /= total;
+    }
+    for (int i = 1; i < k; i++)                                 /* ascending expert ids */
+        for (int j = i; j > 0 && experts[j] < experts[j - 1]; j--) {
+            int e = experts[j]; experts[j] = experts[j - 1]; experts[j - 1] = e;
+            float w = weights[j]; weights[j] = weights[j - 1]; weights[j - 1] = w;
+        }
+    return k;
+}
+
+static void moe(const model_t *m, const layer_t *L, int64_t B, const float *h, float *out) {
+    const int64_t n = m->hidden, inter = L->expert_gate_up.rows / 2;
+    float *logits = malloc(sizeof(float) * (size_t)(B * L->n_experts));
+    float *gu = malloc(sizeof(float) * (size_t)(2 * inter)), *y = malloc(sizeof(float) * (size_t)n);
+    float *acc = malloc(sizeof(float) * (size_t)n);
+    float gate_logit;
+    linear(&L->router, h, B, logits, m->n_threads);
+    swiglu(m, L, B, h, out);                                    /* the shared expert */
+    for (int64_t s = 0; s < B; s++) {
+        const float *x = h + s * n;
+        linear(&L->shared_gate, x, 1, &gate_logit, m->n_threads);
+        const float g = sigmoid(gate_logit);
+        int experts[MAX_TOP_K];
+        float weights[MAX_TOP_K];
+        const int k = route(L, logits + s * L->n_experts, experts, weights);
+        float *o = out + s * n;
+        for (int64_t i = 0; i < n; i++) o[i] *= g;
+        for (int64_t i = 0; i < n; i++) acc[i] = 0.0f;
+        for (int j = 0; j < k; j++) {
+            mat_t gate_up = L->expert_gate_up, down = L->expert_down;
+            gate_up.data += experts[j] * L->gate_up_stride;
+            down.data += experts[j] * L->down_stride;
+            linear(&gate_up, x, 1, gu, m->n_threads);
+            for (int64_t i = 0; i < inter; i++) gu[i] = silu(gu[i]) * gu[inter + i];
+            linear(&down, gu, 1, y, m->n_threads);
+            for (int64_t i = 0; i < n; i++) acc[i] += y[i] * weights[j];
+        }
+        for (int64_t i = 0; i < n; i++) o[i] = acc[i] + o[i];
+    }
+    free(logits), free(gu), free(y), free(acc);
+}
+
 /* tokens, positions, slots (B); logits (B, vocab). Returns 0, or 1 when a size is past the limits. */
 int kvslim_decode_step(const model_t *m, int64_t B, const int64_t *tokens, const int64_t *positions,
                        const int64_t *slots, float *logits) {
@@ -265,7 +336,8 @@ int kvslim_decode_step(const model_t *m, int64_t B, const int64_t *tokens, const
         else delta_net(m, L, B, slots, h, y);
         for (int64_t i = 0; i < B * n; i++) x[i] += y[i];
         for (int64_t s = 0; s < B; s++) rmsnorm(x + s * n, L->post_norm, n, m->eps, m->zero_centered, h + s * n);
-        swiglu(m, L, B, h, y);
+        if (L->n_experts) moe(m, L, B, h, y);
+        else swiglu(m, L, B, h, y);
         for (int64_t i = 0; i < B * n; i++) x[i] += y[i];
     }
     for (int64_t s = 0; s < B; s++) rmsnorm(x + s * n, m->final_norm, n, m->eps, m->zero_centered, h + s * n);
