@@ -74,35 +74,43 @@ def test_quantized_weights_match_the_eager_step(tiny_folder, weights):
     assert worst < 1e-4 and same
 
 
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64)
+
+
 @pytest.fixture(scope="module")
 def moe_folder(tmp_path_factory):
-    """A tiny Qwen3.5-MoE whose expert widths are whole blocks of 32 (conftest's shared expert
-    is 48 wide: refused below); 8 experts, top 2, a shared expert."""
+    """``moe_folder(kind)``: a tiny Qwen3.5-MoE or Qwen3-Next whose expert widths are whole
+    blocks of 32 (conftest's shared experts are 48 wide: refused below); 8 experts, top 2."""
     tf = pytest.importorskip("transformers")
     from tests.conftest import LINEAR, TINY, randomize, write_tiny_tokenizer
-    torch.manual_seed(0)
-    config = tf.Qwen3_5MoeTextConfig(**TINY, **LINEAR, num_experts=8, num_experts_per_tok=2,
-                                     moe_intermediate_size=32, shared_expert_intermediate_size=64)
-    folder = tmp_path_factory.mktemp("moe")
-    model = randomize(tf.Qwen3_5MoeForCausalLM(config).eval())
-    model.save_pretrained(folder)
-    write_tiny_tokenizer(folder, config.vocab_size)
-    return folder
+    classes = {"qwen3_5_moe": (tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM),
+               "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM)}
+
+    def make(kind):
+        config_class, model_class = classes[kind]
+        torch.manual_seed(0)
+        config = config_class(**TINY, **LINEAR, **MOE)
+        folder = tmp_path_factory.mktemp(kind)
+        randomize(model_class(config).eval()).save_pretrained(folder)
+        write_tiny_tokenizer(folder, config.vocab_size)
+        return folder
+    return make
 
 
-@pytest.mark.parametrize("weights", [None, "q8_0"])
-def test_a_mixture_of_experts_matches_the_eager_step(moe_folder, weights):
+@pytest.mark.parametrize("kind,weights", [("qwen3_5_moe", None), ("qwen3_5_moe", "q8_0"), ("qwen3_next", None)])
+def test_a_mixture_of_experts_matches_the_eager_step(moe_folder, kind, weights):
     """Router softmax and top-k, the routed experts' stacked matrices (dense or blocks), the
-    shared expert and its sigmoid gate, summed in the reference's order. K/V in the formats
+    shared expert and its sigmoid gate, summed in the reference's order; Qwen3-Next's DeltaNet
+    projections grouped per key head. K/V in the formats
     whose C encoders write the torch encoders' bytes: with turbo4 V one value rounded to the
     other side of a codebook boundary at step 7 (the rotation sums in another order) and the
     logits then differ by 9e-4 of their range."""
-    model, _, _ = load_model(moe_folder, "f32", weights=weights)
+    model, _, _ = load_model(moe_folder(kind), "f32", weights=weights)
     worst, same = run_both(model, "q8_0", "q4_0")
     assert worst < 1e-4 and same
 
 
-@pytest.mark.parametrize("kind,why", [("qwen3_5_moe", "48 input features"), ("qwen3_next", "FusedGatedDeltaNet"),
+@pytest.mark.parametrize("kind,why", [("qwen3_5_moe", "48 input features"), ("qwen3_next", "48 input features"),
                                       ("gemma", "EmbeddingScaledLayer")])
 def test_what_it_does_not_implement_is_refused_with_the_reason(tiny_folder, kind, why):
     model, _, _ = load_model(tiny_folder(kind)[0], "f32")

@@ -7,7 +7,7 @@ the states, the formats' tables), so a token is then one ctypes call.
 
 ``NativeStep.build(model, cache)`` returns None, with the reason in ``why_not``, for anything
 the C step does not implement: it then falls back to the compiled or eager step. Supported:
-Llama-style and Qwen3.5-style decoders (RMSNorm, SwiGLU or a sparse mixture of SwiGLU experts
+Llama-style, Qwen3.5-style and Qwen3-Next decoders (RMSNorm, SwiGLU or a sparse mixture of SwiGLU experts
 with a shared expert, GQA attention with optional output gate, q/k norms and partial RoPE;
 Gated DeltaNet); every weight type of ``block_linear.c``
 and f32/f16/bf16 matrices (activations are float32 whatever the weights' dtype, as in
@@ -65,7 +65,7 @@ class Layer(ctypes.Structure):
                 ("k_pool", P), ("v_pool", P), ("overflow", P),
                 ("pool_pages", I64), ("page_size", I64), ("k_row_bytes", I64), ("v_row_bytes", I64),
                 ("table_stride", I64), ("table", P), ("ck", P), ("cv", P), ("ek", P), ("ev", P),
-                ("qkv", Mat), ("z", Mat), ("b", Mat), ("a", Mat), ("out", Mat),
+                ("qkv", Mat), ("z", Mat), ("b", Mat), ("a", Mat), ("out", Mat), ("fused_qkvz", I32),
                 ("n_k", I32), ("n_v", I32), ("dk", I32), ("dv", I32), ("conv_k", I32),
                 ("conv_w", P), ("dt_bias", P), ("a_log", P), ("gnorm", P), ("conv_state", P), ("rec_state", P),
                 ("n_experts", I32), ("top_k", I32), ("renormalize", I32), ("router", Mat), ("shared_gate", Mat),
@@ -256,13 +256,18 @@ def _attention(layer: Layer, attn, kv: KVCache, keep: _Keep, zc: bool, eps: floa
 
 def _delta_net(layer: Layer, net, state: RecurrentStateCache, keep: _Keep, eps: float) -> None:
     from ..models.qwen3_5 import GatedDeltaNet
-    if type(net) is not GatedDeltaNet or not isinstance(state, RecurrentStateCache):
+    from ..models.qwen3_next import FusedGatedDeltaNet
+    if type(net) not in (GatedDeltaNet, FusedGatedDeltaNet) or not isinstance(state, RecurrentStateCache):
         raise Unsupported(f"a {type(net).__name__} mixer")
     if net.norm.eps != eps or max(net.dk, net.dv) > MAX_DIM:
         raise Unsupported("a DeltaNet with another norm epsilon or heads past the native limits")
     layer.mixer = 1
-    layer.qkv, layer.z, layer.b, layer.a, layer.out = (
-        matrix(m, keep) for m in (net.in_proj_qkv, net.in_proj_z, net.in_proj_b, net.in_proj_a, net.out_proj))
+    if type(net) is FusedGatedDeltaNet:                    # Qwen3-Next: grouped per key head
+        layer.fused_qkvz, layer.qkv, layer.b = 1, matrix(net.in_proj_qkvz, keep), matrix(net.in_proj_ba, keep)
+    else:
+        layer.qkv, layer.z, layer.b, layer.a = (
+            matrix(m, keep) for m in (net.in_proj_qkv, net.in_proj_z, net.in_proj_b, net.in_proj_a))
+    layer.out = matrix(net.out_proj, keep)
     layer.n_k, layer.n_v, layer.dk, layer.dv = net.n_k, net.n_v, net.dk, net.dv
     layer.conv_k = net.conv1d.weight.shape[-1]
     layer.conv_w = keep.ptr(net.conv1d.weight[:, 0])

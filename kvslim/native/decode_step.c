@@ -43,8 +43,10 @@ typedef struct {
     const int32_t *table;
     const codec_t *ck, *cv;
     const enc_t *ek, *ev;                 /* K's rotation is the query's way into its code domain */
-    /* gated delta net */
+    /* gated delta net: qkv, z, b, a; or (fused_qkvz, Qwen3-Next) qkvz in `qkv` and ba in `b`,
+     * grouped per key head: [q | k | its value heads' v | their z], [b | a] */
     mat_t qkv, z, b, a, out;
+    int32_t fused_qkvz;
     int32_t n_k, n_v, dk, dv, conv_k;
     const float *conv_w, *dt_bias, *a_log, *gnorm;
     float *conv_state, *rec_state;        /* (slots, conv_dim, conv_k - 1), (slots, n_v, dk, dv) */
@@ -200,6 +202,29 @@ static void delta_rule_head(float *S, const float *q, const float *k, const floa
     }
 }
 
+/* Qwen3-Next's projections, grouped per key head, into Qwen3.5's layout: qkv = [all q | all k |
+ * all v] (the conv's input), z and b, a per value head. */
+static void project_grouped(const model_t *m, const layer_t *L, int64_t B, const float *h, float *qkv, float *z,
+                            float *bb, float *aa) {
+    const int rep = L->n_v / L->n_k, key_dim = L->n_k * L->dk, value_dim = L->n_v * L->dv;
+    const int group = 2 * L->dk + 2 * rep * L->dv, conv_dim = 2 * key_dim + value_dim;
+    float *qkvz = malloc(sizeof(float) * (size_t)(B * L->n_k * group)), *ba = malloc(sizeof(float) * (size_t)(B * 2 * L->n_v));
+    linear(&L->qkv, h, B, qkvz, m->n_threads);
+    linear(&L->b, h, B, ba, m->n_threads);
+    for (int64_t s = 0; s < B; s++)
+        for (int kh = 0; kh < L->n_k; kh++) {
+            const float *g = qkvz + (s * L->n_k + kh) * group, *gba = ba + (s * L->n_k + kh) * 2 * rep;
+            float *row = qkv + s * conv_dim;
+            memcpy(row + kh * L->dk, g, sizeof(float) * (size_t)L->dk);
+            memcpy(row + key_dim + kh * L->dk, g + L->dk, sizeof(float) * (size_t)L->dk);
+            memcpy(row + 2 * key_dim + kh * rep * L->dv, g + 2 * L->dk, sizeof(float) * (size_t)(rep * L->dv));
+            memcpy(z + s * value_dim + kh * rep * L->dv, g + 2 * L->dk + rep * L->dv, sizeof(float) * (size_t)(rep * L->dv));
+            memcpy(bb + s * L->n_v + kh * rep, gba, sizeof(float) * (size_t)rep);
+            memcpy(aa + s * L->n_v + kh * rep, gba + rep, sizeof(float) * (size_t)rep);
+        }
+    free(qkvz), free(ba);
+}
+
 static void delta_net(const model_t *m, const layer_t *L, int64_t B, const int64_t *slots, const float *h,
                       float *out) {
     const int key_dim = L->n_k * L->dk, value_dim = L->n_v * L->dv, conv_dim = 2 * key_dim + value_dim;
@@ -207,10 +232,13 @@ static void delta_net(const model_t *m, const layer_t *L, int64_t B, const int64
     float *qkv = malloc(sizeof(float) * (size_t)(B * conv_dim)), *z = malloc(sizeof(float) * (size_t)(B * value_dim));
     float *bb = malloc(sizeof(float) * (size_t)(B * L->n_v)), *aa = malloc(sizeof(float) * (size_t)(B * L->n_v));
     float *o = malloc(sizeof(float) * (size_t)(B * value_dim));
-    linear(&L->qkv, h, B, qkv, m->n_threads);
-    linear(&L->z, h, B, z, m->n_threads);
-    linear(&L->b, h, B, bb, m->n_threads);
-    linear(&L->a, h, B, aa, m->n_threads);
+    if (L->fused_qkvz) project_grouped(m, L, B, h, qkv, z, bb, aa);
+    else {
+        linear(&L->qkv, h, B, qkv, m->n_threads);
+        linear(&L->z, h, B, z, m->n_threads);
+        linear(&L->b, h, B, bb, m->n_threads);
+        linear(&L->a, h, B, aa, m->n_threads);
+    }
     for (int64_t s = 0; s < B; s++) {                      /* the causal conv, its state shifted by one */
         float *x = qkv + s * conv_dim, *state = L->conv_state + slots[s] * conv_dim * (K - 1);
         for (int c = 0; c < conv_dim; c++) {
