@@ -51,6 +51,7 @@ class Sequence:
     kv_bytes: int = 0                                      # this sequence's cache bytes when it finished
     state_bytes: int = 0
     error: str | None = None                               # why it ended, when finish_reason is "error"
+    ignore_eos: bool = False                               # end-of-generation tokens are never sampled
     # A sequence submitted with the same prompt as one still reading it waits for that one and
     # then takes a copy of its cache and its last logits: n choices read their prompt once.
     leader: "Sequence | None" = field(default=None, repr=False)
@@ -198,7 +199,8 @@ class Engine:
         if not self._free:
             raise RuntimeError("no free slot: all n_parallel sequences are busy")
         seq = Sequence(self._next_id, list(prompt), max_tokens, Sampler(sampling),
-                       TextStream(self.tokenizer, stop or []), tokens=list(prompt))
+                       TextStream(self.tokenizer, stop or []), tokens=list(prompt),
+                       ignore_eos=bool(sampling and sampling.ignore_eos))
         self._next_id += 1
         self._assign_slot(seq)
         seq.leader = next((s for s in self.running if s.leader is None and not s.done and s.prompt == seq.prompt
@@ -255,7 +257,7 @@ class Engine:
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> None:
         try:
-            if seq.sampler.params.ignore_eos and self.eog_ids:     # as llama-server: EOG logits to -inf
+            if seq.ignore_eos and self.eog_ids:                     # as llama-server: EOG logits to -inf
                 logits = logits.index_fill(0, torch.tensor(sorted(self.eog_ids)), float("-inf"))
             self._accept(seq, seq.sampler(logits, seq.tokens))
         except Exception as err:                                    # any failure ends this request alone
