@@ -22,7 +22,10 @@
    and 2 more wait: what each client received, exit code and time to exit.
 ``--server-process`` runs the server of 1-5 in its own process too (by default it runs on
 threads in this one, where the clients' Python shares its GIL: the oversize upload's
-client thread then shows up in the server's token gaps).
+client thread then shows up in the server's token gaps). With it, ``--oversize`` uploads from
+a third process, and each run has a control: the same upload to a sink process that refuses
+it and does nothing else, so what the upload costs a 2-core machine is told apart from what
+it costs the server.
 """
 from __future__ import annotations
 
@@ -217,36 +220,99 @@ def upload_32mib(base: str, body: bytes) -> tuple[str, float]:
     return answer, seconds
 
 
-def oversize(client, base: str, args) -> None:
-    gaps, stamps, done = [], [], threading.Event()
-    # Built before the stream starts: copying 32 MiB holds this process's GIL for tens of ms,
-    # which the watching thread would record as the server's gap.
-    body = body_32mib()
+UPLOADER = """
+import socket, sys, threading, time
+host, port, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+body = b'{"model": "m", "prompt": "' + b"x" * size + b'"}'
+print("ready", flush=True)
+sys.stdin.readline()
+t0 = time.perf_counter()
+sock = socket.create_connection((host, port))
+sock.sendall(("POST /v1/completions HTTP/1.1\\r\\nHost: %s\\r\\nContent-Type: application/json\\r\\n"
+              "Content-Length: %d\\r\\n\\r\\n" % (host, len(body))).encode())
+def push():
+    try:
+        sock.sendall(body)
+    except OSError:
+        pass
+threading.Thread(target=push, daemon=True).start()
+answer = sock.recv(4096).split(b"\\r\\n", 1)[0].decode()
+print(answer, time.perf_counter() - t0, flush=True)
+"""
+
+
+SINK = """
+import socket
+s = socket.socket()
+s.bind(("127.0.0.1", 0))
+s.listen(8)
+print(s.getsockname()[1], flush=True)
+while True:
+    c, _ = s.accept()
+    c.recv(65536)
+    c.sendall(b"HTTP/1.1 413 Refused by the sink\\r\\nConnection: close\\r\\n\\r\\n")
+    c.close()
+"""
+
+
+def sink_process() -> tuple[subprocess.Popen, str]:
+    """A process that refuses every upload after its headers and does nothing else: the same
+    32 MiB sent there shows what the upload costs the machine, with no kvslim in the way."""
+    proc = subprocess.Popen([sys.executable, "-c", SINK], stdout=subprocess.PIPE, text=True)
+    return proc, f"http://127.0.0.1:{proc.stdout.readline().strip()}"
+
+
+class Uploader:
+    """A 32 MiB upload from its own process, started and its body built before the window
+    opens: nothing of it runs on the watching client's GIL, so the watched stream's gaps are
+    the server's and the machine's."""
+
+    def __init__(self, base: str):
+        host, port = base.removeprefix("http://").split(":")
+        self.proc = subprocess.Popen([sys.executable, "-c", UPLOADER, host, port, str(32 << 20)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout.readline().strip() == "ready"
+
+    def __call__(self) -> tuple[str, float]:
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        status, seconds = self.proc.stdout.readline().strip().rsplit(" ", 1)
+        self.proc.wait(60)
+        return status, float(seconds)
+
+
+def oversize(client, base: str, args, target: str | None = None) -> None:
+    """A 32 MiB body sent while another client streams: the refusal's time, and the stream's
+    inter-token gaps while the upload runs against the same stream's gaps before it.
+    ``target``: send the body there instead of to the server (the sink's control run)."""
+    stamps, done = [], threading.Event()
+    upload = Uploader(target or base) if args.server_process else (lambda: upload_32mib(base, body_32mib()))
 
     def watch():
         messages = [{"role": "user", "content": "Tell me a long story."}]
         for chunk in client.chat.completions.create(model="m", messages=messages, max_tokens=args.gap_tokens,
-                                                    temperature=0, stream=True):
+                                                    temperature=0, stream=True, extra_body={"ignore_eos": True}):
             stamps.append(time.perf_counter())
         done.set()
     threading.Thread(target=watch, daemon=True).start()
-    while len(stamps) < args.gap_tokens // 3:
+    while len(stamps) < args.gap_tokens // 2:
         time.sleep(0.01)
     t0 = time.perf_counter()
-    status, t_refused = upload_32mib(base, body)
+    status, t_refused = upload()
     t_end = time.perf_counter()
-    t_health = time.perf_counter()
-    httpx.get(base + "/health")
-    t_health = time.perf_counter() - t_health
     done.wait(600)
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
-    before = [g for g, b in zip(gaps, stamps[1:]) if b < t0]          # gaps that ended before the upload began
+    before = sorted(g for g, b in zip(gaps, stamps[1:]) if b < t0)     # gaps that ended before the upload began
     during = [g for a, g, b in zip(stamps, gaps, stamps[1:]) if b >= t0 and a <= t_end + 0.05] or [0.0]
-    print(f"oversize: 32 MiB body answered {status} in {1000 * t_refused:.0f} ms (a GET /health just after: "
-          f"{1000 * t_health:.0f} ms); the running stream's "
-          f"inter-token gap: median {1000 * statistics.median(before):.1f} ms (max {1000 * max(before):.1f} ms) "
-          f"before, max {1000 * max(during):.1f} ms during the upload ({max(during) / statistics.median(before):.2f}x "
-          f"the median; the largest gap before it was {max(before) / statistics.median(before):.2f}x)")
+    ordered = [g for g, b in zip(gaps, stamps[1:]) if b < t0]
+    control = ordered[-len(during):]                                  # as many gaps, just before the upload
+    median, p99 = statistics.median(before), before[int(0.99 * (len(before) - 1))]
+    print(f"oversize{' (control: to the sink)' if target else ''}: 32 MiB body answered {status} in {1000 * t_refused:.0f} ms; the running stream's "
+          f"inter-token gap before the upload: median {1000 * median:.2f} ms, p99 {1000 * p99:.2f} ms, "
+          f"max {1000 * before[-1]:.2f} ms ({len(before)} gaps); during it ({1000 * (t_end - t0):.0f} ms, "
+          f"{len(during)} gaps): median {1000 * statistics.median(during):.2f} ms "
+          f"({statistics.median(during) / median:.2f}x), max {1000 * max(during):.2f} ms against "
+          f"{1000 * max(control):.2f} ms over the {len(control)} gaps just before it")
 
 
 SCHEMA = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 30},
@@ -346,7 +412,9 @@ def main() -> int:
     ap.add_argument("--oversize", action="store_true")
     ap.add_argument("--server-process", action="store_true",
                     help="run kvslim serve in its own process (default: in this one, on threads)")
-    ap.add_argument("--gap-tokens", type=int, default=120, help="length of the stream watched by --oversize")
+    ap.add_argument("--oversize-runs", type=int, default=5,
+                    help="--oversize with --server-process: runs, each beside a control upload to a sink process")
+    ap.add_argument("--gap-tokens", type=int, default=400, help="length of the stream watched by --oversize")
     ap.add_argument("--json-schema", type=int, default=0, metavar="N")
     ap.add_argument("--sigterm", action="store_true", help="only the SIGTERM drain test (a separate process)")
     ap.add_argument("--grace", type=float, default=2.0, help="--grace given to the server in --sigterm")
@@ -369,7 +437,15 @@ def main() -> int:
         if args.chaos:
             chaos(client, base, alone or [chat_stream(client, i, args.max_tokens)[0] for i in range(args.requests)],
                   args)
-        if args.oversize:
+        if args.oversize and args.server_process:                     # each run beside a control run
+            sink, sink_base = sink_process()
+            try:
+                for _ in range(args.oversize_runs):
+                    oversize(client, base, args)
+                    oversize(client, base, args, target=sink_base)
+            finally:
+                sink.kill()
+        elif args.oversize:
             oversize(client, base, args)
         if args.json_schema:
             json_schema_runs(client, args)
