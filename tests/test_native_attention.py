@@ -62,13 +62,27 @@ def test_kernel_state_matches_torch_block_loop(name_k, name_v, dim, group):
     fmt_k, fmt_v, q, k_pool, v_pool, table, n_keys = _case(name_k, name_v, dim, group, [37, 300, 16, 0])
     assert native.supports(fmt_k, fmt_v, q)
     want = _torch_state(fmt_k, fmt_v, q, k_pool, v_pool, table, n_keys)
-    for threads, portable in ((1, False), (2, False), (2, True)):         # portable: the build without AVX2
+    for threads, variant in ((1, "native"), (2, "native"), (2, "avx2"), (2, "portable")):   # every path of the C
         torch.set_num_threads(threads)
-        m, l, acc = native.decode_state(fmt_k, fmt_v, q, k_pool, v_pool, table, n_keys, portable)
+        m, l, acc = native.decode_state(fmt_k, fmt_v, q, k_pool, v_pool, table, n_keys, variant)
         live = n_keys > 0
         assert torch.allclose(m[:, live], want.m[:, live], atol=1e-5)
         assert torch.allclose(acc[:, live] / l[:, live], want.result()[:, live], atol=2e-5, rtol=1e-4)
         assert (l[:, ~live] == 0).all() and torch.isinf(m[:, ~live]).all() and (acc[:, ~live] == 0).all()
+
+
+@pytest.mark.parametrize("name_k,name_v", [("turbo4", "nl4"), ("q8_0", "turbo2"), ("f16", "iq4_nl")])
+@pytest.mark.parametrize("group", [3, 5, 8])
+def test_query_rows_in_groups_of_four_two_and_one(name_k, name_v, group):
+    """The AVX-512 loops take a head's query rows 4, 2 or 1 at a time (a group of 5 is 4 + 1)
+    and keys 8 or 4 at a time (a short last group re-reads a key and drops its sums)."""
+    _need_kernel()
+    fmt_k, fmt_v, q, k_pool, v_pool, table, n_keys = _case(name_k, name_v, 128, group, [45, 7, 300])
+    want = _torch_state(fmt_k, fmt_v, q, k_pool, v_pool, table, n_keys)
+    for variant in ("native", "avx2"):
+        m, l, acc = native.decode_state(fmt_k, fmt_v, q, k_pool, v_pool, table, n_keys, variant)
+        assert torch.allclose(m, want.m, atol=1e-5)
+        assert torch.allclose(acc / l, want.result(), atol=2e-5, rtol=1e-4)
 
 
 def test_spans_split_one_long_sequence_exactly():

@@ -17,7 +17,11 @@ from functools import lru_cache
 from pathlib import Path
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
-PORTABLE_FLAGS = ["-O2", "-fopenmp", "-shared", "-fPIC"]   # no AVX2 paths: what the tests hold to the same results
+VARIANTS = {                  # the tests hold every build the machine can run to the same results
+    "native": FLAGS,
+    "avx2": FLAGS + ["-mno-avx512f"],                      # the AVX2 paths where the machine has AVX-512
+    "portable": ["-O2", "-fopenmp", "-shared", "-fPIC"],   # no AVX paths: the plain C loops
+}
 
 
 def cache_dir() -> Path:
@@ -34,14 +38,14 @@ def enabled() -> bool:
 
 
 @lru_cache(maxsize=None)
-def library(source_name: str, portable: bool = False) -> ctypes.CDLL | None:
+def library(source_name: str, variant: str = "native") -> ctypes.CDLL | None:
     """The loaded library built from ``source_name`` (a .c file beside this module), or None
-    (``KVSLIM_NATIVE=0``, no compiler, or a failed build). ``portable``: built without
-    ``-march=native``, so the plain C loops run instead of the AVX2 ones (for the tests)."""
+    (``KVSLIM_NATIVE=0``, no compiler, or a failed build). ``variant``: a key of VARIANTS;
+    the tests build "avx2" and "portable" too, so every path of the C files is checked."""
     cc = compiler()
     if not enabled() or cc is None:
         return None
-    flags = PORTABLE_FLAGS if portable else FLAGS
+    flags = VARIANTS[variant]
     source = Path(__file__).with_name(source_name)
     text = b"".join(path.read_bytes() for path in [source, *sorted(source.parent.glob("*.c"))])  # includes too
     digest = hashlib.sha256(text + cc.encode() + " ".join(flags).encode()).hexdigest()[:16]

@@ -305,6 +305,200 @@ static void tile_values(const float *values, int n, int dim, float w[][TILE], in
 }
 #endif
 
+#if defined(KVSLIM_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define KVSLIM_AVX512 1
+/* AVX-512: K and V rows decoded in registers and used at once, no row buffer. With 32
+ * registers the query rows and a tile's sums stay in registers, and a 16-entry table
+ * lookup is one permute (vpermps reads the low 4 bits of each index), so a packed code
+ * costs about what an f16 value does to convert, and the pool is read at its packed size.
+ * Only the whole-row layouts below; the two-level nls blocks keep the buffered path. */
+enum { DEC_F32, DEC_F16, DEC_BF16, DEC_Q8, DEC_NIBBLE, DEC_PACKED4, DEC_PACKED3, DEC_PACKED2, DEC_NONE };
+
+static int fused_kind(const codec_t *c) {
+    if (c->kind <= CODEC_BF16) return c->kind;                 /* DEC_F32, DEC_F16, DEC_BF16 */
+    if (c->sub_values || c->block_values % 32 || c->header_bytes != 2) return DEC_NONE;
+    if (c->kind == CODEC_Q8) return DEC_Q8;
+    if (c->kind == CODEC_NIBBLE) return c->block_values == 32 ? DEC_NIBBLE : DEC_NONE;
+    return c->bits == 4 ? DEC_PACKED4 : c->bits == 3 ? DEC_PACKED3 : c->bits == 2 ? DEC_PACKED2 : DEC_NONE;
+}
+
+/* PACKED4 rows come out of dec32 interleaved: byte j of a block holds codes 2j and 2j + 1, so
+ * the first vector gets values i, i+2, .., i+30 and the second i+1, .., i+31. Dot products do
+ * not care about order: the query is put in that order once, and V's sums are put back. */
+static void interleave32(const float *x, float *y, int dim, int back) {
+    for (int i = 0; i < dim; i += 32)
+        for (int j = 0; j < 16; j++) {
+            if (back) y[i + 2 * j] = x[i + j], y[i + 2 * j + 1] = x[i + 16 + j];
+            else y[i + j] = x[i + 2 * j], y[i + 16 + j] = x[i + 2 * j + 1];
+        }
+}
+
+/* Values [i, i + 32) of a row (i a multiple of 32) as two vectors, scaled. */
+static inline __attribute__((always_inline)) void dec32(const int kind, const codec_t *c, const __m512 lut,
+                                                        const uint8_t *row, int i, __m512 *a, __m512 *b) {
+    if (kind == DEC_F32) {
+        *a = _mm512_loadu_ps(row + 4 * i), *b = _mm512_loadu_ps(row + 4 * i + 64);
+        return;
+    }
+    if (kind == DEC_F16) {
+        *a = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + 2 * i)));
+        *b = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + 2 * i + 32)));
+        return;
+    }
+    if (kind == DEC_BF16) {
+        *a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + 2 * i))), 16));
+        *b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + 2 * i + 32))), 16));
+        return;
+    }
+    const int bv = c->block_values, at = i % bv;
+    const uint8_t *block = row + (size_t)(i / bv) * c->block_bytes, *q = block + 2;
+    const __m512 d = _mm512_set1_ps(f16_to_f32(block));
+    if (kind == DEC_Q8) {
+        *a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + at)))));
+        *b = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + at + 16)))));
+    } else if (kind == DEC_NIBBLE || kind == DEC_PACKED4) {      /* 16 bytes: low nibbles, then high */
+        const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + at / 2)));
+        *a = _mm512_mul_ps(d, _mm512_permutexvar_ps(x, lut));
+        *b = _mm512_mul_ps(d, _mm512_permutexvar_ps(_mm512_srli_epi32(x, 4), lut));
+    } else if (kind == DEC_PACKED3) {                            /* 12 bytes: four 24-bit words of 8 codes */
+        uint64_t lo;
+        uint32_t hi;
+        memcpy(&lo, q + at * 3 / 8, 8), memcpy(&hi, q + at * 3 / 8 + 8, 4);
+        const __m128i bytes = _mm_insert_epi32(_mm_cvtsi64_si128((long long)lo), (int)hi, 2);
+        const __m128i words = _mm_shuffle_epi8(bytes, _mm_setr_epi8(0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1));
+        const __m512i w = _mm512_castsi128_si512(words), mask = _mm512_set1_epi32(7);
+        const __m512i shifts = _mm512_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21, 0, 3, 6, 9, 12, 15, 18, 21);
+        const __m512i first = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+        const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(2));
+        *a = _mm512_mul_ps(d, _mm512_permutexvar_ps(_mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(first, w), shifts), mask), lut));
+        *b = _mm512_mul_ps(d, _mm512_permutexvar_ps(_mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(second, w), shifts), mask), lut));
+    } else {                                                     /* PACKED2: 8 bytes, two words of 16 codes */
+        uint32_t w[2];
+        memcpy(w, q + at / 4, 8);
+        const __m512i shifts = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        const __m512i mask = _mm512_set1_epi32(3);
+        *a = _mm512_mul_ps(d, _mm512_permutexvar_ps(_mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)w[0]), shifts), mask), lut));
+        *b = _mm512_mul_ps(d, _mm512_permutexvar_ps(_mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)w[1]), shifts), mask), lut));
+    }
+}
+
+static inline __m256 fold256(__m512 x) {
+    return _mm256_add_ps(_mm512_castps512_ps256(x), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+}
+
+/* scores[r][j] for R query rows (q, in K's lane order) and KEYS keys: each key decoded once
+ * for all R rows, KEYS x R sums in registers, reduced together at the end. */
+static inline __attribute__((always_inline)) void score_keys(const int kind, const int R, const int KEYS,
+        const codec_t *c, const __m512 lut, const uint8_t *const *k_rows, const float *q, int dim,
+        float scores[][TILE], int r0, int j0) {
+    __m512 s[4][8];
+    for (int r = 0; r < R; r++)
+        for (int k = 0; k < KEYS; k++) s[r][k] = _mm512_setzero_ps();
+    for (int i = 0; i < dim; i += 32) {
+        __m512 qa[4], qb[4];
+        for (int r = 0; r < R; r++)
+            qa[r] = _mm512_loadu_ps(q + (size_t)r * dim + i), qb[r] = _mm512_loadu_ps(q + (size_t)r * dim + i + 16);
+        for (int k = 0; k < KEYS; k++) {
+            __m512 a, b;
+            dec32(kind, c, lut, k_rows[k], i, &a, &b);
+            for (int r = 0; r < R; r++) s[r][k] = _mm512_fmadd_ps(qb[r], b, _mm512_fmadd_ps(qa[r], a, s[r][k]));
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        __m256 h[8];
+        for (int k = 0; k < KEYS; k++) h[k] = fold256(s[r][k]);
+        for (int k = KEYS; k < 8; k++) h[k] = _mm256_setzero_ps();
+        float out[8];
+        _mm256_storeu_ps(out, hsum8(h));
+        for (int k = 0; k < KEYS; k++) scores[r0 + r][j0 + k] = out[k];
+    }
+}
+
+/* The tile's scores, R rows at a time (4, 2 or 1), 8 keys at a time (4 with 4 rows); a short
+ * last group re-reads the tile's first key and drops those sums. */
+static inline __attribute__((always_inline)) void score_tile_fused(const int kind, const codec_t *c,
+        const uint8_t *const *k_rows, int n, const float *q, int n_rows, int dim, float scores[][TILE]) {
+    const __m512 lut = c->lut ? _mm512_loadu_ps(c->lut) : _mm512_setzero_ps();
+    for (int r0 = 0; r0 < n_rows;) {
+        const int R = n_rows - r0 >= 4 ? 4 : n_rows - r0 >= 2 ? 2 : 1, keys = R == 4 ? 4 : 8;
+        for (int j0 = 0; j0 < n; j0 += keys) {
+            const uint8_t *rows[8];
+            for (int k = 0; k < keys; k++) rows[k] = k_rows[j0 + k < n ? j0 + k : 0];
+            float part[4][TILE];
+            const float *qr = q + (size_t)r0 * dim;
+            if (R == 4) score_keys(kind, 4, 4, c, lut, rows, qr, dim, part, 0, 0);
+            else if (R == 2) score_keys(kind, 2, 8, c, lut, rows, qr, dim, part, 0, 0);
+            else score_keys(kind, 1, 8, c, lut, rows, qr, dim, part, 0, 0);
+            for (int r = 0; r < R; r++)
+                for (int k = 0; k < keys && j0 + k < n; k++) scores[r0 + r][j0 + k] = part[r][k];
+        }
+        r0 += R;
+    }
+}
+
+/* acc_r += sum_j w[r][j] * value_j for R rows and 64 values of dim [c0, c0 + 64): the sums stay
+ * in registers over the tile's keys, each V row decoded once per chunk for all R rows. */
+static inline __attribute__((always_inline)) void sum_chunk(const int kind, const int R, const codec_t *c,
+        const __m512 lut, const uint8_t *const *v_rows, int n, float w[][TILE], int r0, int dim, int c0, float *acc) {
+    __m512 s[4][4];
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < 4; v++) s[r][v] = _mm512_loadu_ps(acc + (size_t)(r0 + r) * dim + c0 + 16 * v);
+    for (int j = 0; j < n; j++) {
+        __m512 a0, b0, a1, b1;
+        dec32(kind, c, lut, v_rows[j], c0, &a0, &b0);
+        dec32(kind, c, lut, v_rows[j], c0 + 32, &a1, &b1);
+        for (int r = 0; r < R; r++) {
+            const __m512 wr = _mm512_set1_ps(w[r0 + r][j]);
+            s[r][0] = _mm512_fmadd_ps(wr, a0, s[r][0]), s[r][1] = _mm512_fmadd_ps(wr, b0, s[r][1]);
+            s[r][2] = _mm512_fmadd_ps(wr, a1, s[r][2]), s[r][3] = _mm512_fmadd_ps(wr, b1, s[r][3]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < 4; v++) _mm512_storeu_ps(acc + (size_t)(r0 + r) * dim + c0 + 16 * v, s[r][v]);
+}
+
+static inline __attribute__((always_inline)) void sum_tile_fused(const int kind, const codec_t *c,
+        const uint8_t *const *v_rows, int n, float w[][TILE], int n_rows, int dim, float *acc) {
+    const __m512 lut = c->lut ? _mm512_loadu_ps(c->lut) : _mm512_setzero_ps();
+    for (int r0 = 0; r0 < n_rows;) {
+        const int R = n_rows - r0 >= 4 ? 4 : n_rows - r0 >= 2 ? 2 : 1;
+        for (int c0 = 0; c0 < dim; c0 += 64) {
+            if (R == 4) sum_chunk(kind, 4, c, lut, v_rows, n, w, r0, dim, c0, acc);
+            else if (R == 2) sum_chunk(kind, 2, c, lut, v_rows, n, w, r0, dim, c0, acc);
+            else sum_chunk(kind, 1, c, lut, v_rows, n, w, r0, dim, c0, acc);
+        }
+        r0 += R;
+    }
+}
+
+/* One copy of each loop per row layout: the kind is a constant inside. */
+#define KVSLIM_BY_KIND(kind, call)                                                              \
+    switch (kind) {                                                                             \
+    case DEC_F32: call(DEC_F32); break;                                                         \
+    case DEC_F16: call(DEC_F16); break;                                                         \
+    case DEC_BF16: call(DEC_BF16); break;                                                       \
+    case DEC_Q8: call(DEC_Q8); break;                                                           \
+    case DEC_NIBBLE: call(DEC_NIBBLE); break;                                                   \
+    case DEC_PACKED4: call(DEC_PACKED4); break;                                                  \
+    case DEC_PACKED3: call(DEC_PACKED3); break;                                                 \
+    default: call(DEC_PACKED2); break;                                                          \
+    }
+
+static void score_fused(int kind, const codec_t *c, const uint8_t *const *k_rows, int n, const float *q,
+                        int n_rows, int dim, float scores[][TILE]) {
+#define SCORE(K) score_tile_fused(K, c, k_rows, n, q, n_rows, dim, scores)
+    KVSLIM_BY_KIND(kind, SCORE)
+#undef SCORE
+}
+
+static void sum_fused(int kind, const codec_t *c, const uint8_t *const *v_rows, int n, float w[][TILE],
+                      int n_rows, int dim, float *acc) {
+#define SUM(K) sum_tile_fused(K, c, v_rows, n, w, n_rows, dim, acc)
+    KVSLIM_BY_KIND(kind, SUM)
+#undef SUM
+}
+#endif
+
 /* scores[r][j] for the tile's keys: decoded into `rows` and scored together (AVX2), or one
  * decoded row at a time in `rows` (the portable build; rows then holds one row). */
 static void score_tile(const codec_t *ck, const uint8_t *const *k_rows, int n, const float *q, int n_rows, int dim,
@@ -351,10 +545,20 @@ static void attend_span(const pages_t *p, const codec_t *ck, const codec_t *cv, 
     const int tiled = 0;
 #endif
     float *rows = aligned_alloc(64, sizeof(float) * (size_t)(tiled ? TILE * dim : MAX_DIM));
+#ifdef KVSLIM_AVX512
+    const int fk = dim % 32 == 0 ? fused_kind(ck) : DEC_NONE, fv = dim % 64 == 0 ? fused_kind(cv) : DEC_NONE;
+    float *q_lanes = fk == DEC_PACKED4 ? malloc(sizeof(float) * (size_t)(n_rows * dim)) : NULL;
+    for (int r = 0; q_lanes && r < n_rows; r++) interleave32(q + (size_t)r * dim, q_lanes + (size_t)r * dim, dim, 0);
+    const float *qk = q_lanes ? q_lanes : q;
+#endif
     for (int64_t start = t0; start < t1; start += TILE) {
         int n = (int)(t1 - start < TILE ? t1 - start : TILE);
         const uint8_t *k_rows[TILE], *v_rows[TILE];
         tile_rows(p, head, seq, start, n, k_rows, v_rows);
+#ifdef KVSLIM_AVX512
+        if (fk != DEC_NONE) score_fused(fk, ck, k_rows, n, qk, n_rows, dim, scores);
+        else
+#endif
         score_tile(ck, k_rows, n, q, n_rows, dim, rows, tiled, scores);
         for (int r = 0; r < n_rows; r++) {             /* scores -> weights, rescale the running sums */
             float top = m[r];
@@ -366,8 +570,19 @@ static void attend_span(const pages_t *p, const codec_t *ck, const codec_t *cv, 
             for (int j = 0; j < n; j++) l[r] += scores[r][j];
             m[r] = top;
         }
+#ifdef KVSLIM_AVX512
+        if (fv != DEC_NONE) sum_fused(fv, cv, v_rows, n, scores, n_rows, dim, acc);
+        else
+#endif
         sum_tile(cv, v_rows, n, scores, n_rows, dim, rows, tiled, acc);
     }
+#ifdef KVSLIM_AVX512
+    for (int r = 0; fv == DEC_PACKED4 && r < n_rows; r++) {         /* V's sums back in dim order */
+        memcpy(rows, acc + (size_t)r * dim, sizeof(float) * (size_t)dim);
+        interleave32(rows, acc + (size_t)r * dim, dim, 1);
+    }
+    free(q_lanes);
+#endif
     free(rows);
 }
 

@@ -50,8 +50,8 @@ class CodecFields:
                      self.header_bytes, self.sub_values, self.sub_bits, pointer(self.ladder))
 
 
-def _library(portable: bool = False):
-    lib = build.library(SOURCE, portable)
+def _library(variant: str = "native"):
+    lib = build.library(SOURCE, variant)
     if lib is not None and lib.kvslim_paged_decode.argtypes is None:
         fn = lib.kvslim_paged_decode
         fn.restype = ctypes.c_int
@@ -138,12 +138,12 @@ def span_for(longest: int, items: int, threads: int) -> int:
 
 
 def decode_state(fmt_k, fmt_v, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                 table: torch.Tensor, n_keys: torch.Tensor, portable: bool = False
+                 table: torch.Tensor, n_keys: torch.Tensor, variant: str = "native"
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q (Hkv, S, R, D) float32, scaled, in K's code domain; pools (Hkv, pages, page_size, row bytes)
     uint8; table (S, P) int32 pages; n_keys (S,) keys each sequence sees (its first n_keys).
     -> m, l (Hkv, S, R, 1) and acc (Hkv, S, R, D), acc in V's code domain, not normalised.
-    ``portable``: the build without AVX2 (tests)."""
+    ``variant``: which build of the kernel (``build.VARIANTS``; the tests run each)."""
     n_kv, n_seq, n_rows, dim = q.shape
     ck, cv = _codec(fmt_k, dim), _codec(fmt_v, dim)
     q, table = q.contiguous(), table.to(torch.int32).contiguous()
@@ -152,7 +152,7 @@ def decode_state(fmt_k, fmt_v, q: torch.Tensor, k_pool: torch.Tensor, v_pool: to
     l, acc = torch.empty_like(m), torch.empty(n_kv, n_seq, n_rows, dim)
     threads = torch.get_num_threads()
     span = span_for(int(n_keys.max()) if n_seq else 0, n_kv * n_seq, threads)
-    status = _library(portable).kvslim_paged_decode(
+    status = _library(variant).kvslim_paged_decode(
         ctypes.byref(ck), ctypes.byref(cv), q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
         k_pool.shape[1], k_pool.shape[2], k_pool.shape[3], v_pool.shape[3], table.data_ptr(), table.shape[1],
         n_keys.data_ptr(), n_kv, n_seq, n_rows, dim, span, m.data_ptr(), l.data_ptr(), acc.data_ptr(), threads)
