@@ -311,12 +311,20 @@ static void tile_values(const float *values, int n, int dim, float w[][TILE], in
  * registers the query rows and a tile's sums stay in registers, and a 16-entry table
  * lookup is one permute (vpermps reads the low 4 bits of each index), so a packed code
  * costs about what an f16 value does to convert, and the pool is read at its packed size.
- * Only the whole-row layouts below; the two-level nls blocks keep the buffered path. */
-enum { DEC_F32, DEC_F16, DEC_BF16, DEC_Q8, DEC_NIBBLE, DEC_PACKED4, DEC_PACKED3, DEC_PACKED2, DEC_NONE };
+ * Every layout above (the nls blocks' rungs too, for 16-value sub-blocks). */
+enum { DEC_F32, DEC_F16, DEC_BF16, DEC_Q8, DEC_NIBBLE, DEC_PACKED4, DEC_PACKED3, DEC_PACKED2,
+       DEC_PACKED4S, DEC_PACKED3S, DEC_NONE };       /* ...S: two scale levels, a rung per 16 values */
 
 static int fused_kind(const codec_t *c) {
     if (c->kind <= CODEC_BF16) return c->kind;                 /* DEC_F32, DEC_F16, DEC_BF16 */
-    if (c->sub_values || c->block_values % 32 || c->header_bytes != 2) return DEC_NONE;
+    if (c->block_values % 32) return DEC_NONE;
+    if (c->sub_values) {
+        const int rung_bits = c->sub_bits * c->block_values / c->sub_values;
+        if (c->kind != CODEC_PACKED || c->sub_values != 16 || rung_bits > 64 || c->header_bytes != 2 + (rung_bits + 7) / 8)
+            return DEC_NONE;
+        return c->bits == 4 ? DEC_PACKED4S : c->bits == 3 ? DEC_PACKED3S : DEC_NONE;
+    }
+    if (c->header_bytes != 2) return DEC_NONE;
     if (c->kind == CODEC_Q8) return DEC_Q8;
     if (c->kind == CODEC_NIBBLE) return c->block_values == 32 ? DEC_NIBBLE : DEC_NONE;
     return c->bits == 4 ? DEC_PACKED4 : c->bits == 3 ? DEC_PACKED3 : c->bits == 2 ? DEC_PACKED2 : DEC_NONE;
@@ -351,16 +359,26 @@ static inline __attribute__((always_inline)) void dec32(const int kind, const co
         return;
     }
     const int bv = c->block_values, at = i % bv;
-    const uint8_t *block = row + (size_t)(i / bv) * c->block_bytes, *q = block + 2;
-    const __m512 d = _mm512_set1_ps(f16_to_f32(block));
+    const uint8_t *block = row + (size_t)(i / bv) * c->block_bytes, *q = block + c->header_bytes;
+    __m512 d = _mm512_set1_ps(f16_to_f32(block)), e = d;      /* the scales of *a and *b */
+    if (kind == DEC_PACKED4S || kind == DEC_PACKED3S) {          /* values i.. and i+16.. have their own rungs */
+        uint64_t rungs;                          /* 8 bytes: the rungs, then codes never shifted down to */
+        memcpy(&rungs, block + 2, 8);
+        const int mask = (1 << c->sub_bits) - 1, shift = c->sub_bits * (at / 16);
+        const float s0 = c->ladder[(rungs >> shift) & mask], s1 = c->ladder[(rungs >> (shift + c->sub_bits)) & mask];
+        if (kind == DEC_PACKED4S)                                /* interleaved: both vectors span both halves */
+            d = e = _mm512_mul_ps(d, _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(s0), _mm512_set1_ps(s1)));
+        else
+            d = _mm512_mul_ps(d, _mm512_set1_ps(s0)), e = _mm512_mul_ps(e, _mm512_set1_ps(s1));
+    }
     if (kind == DEC_Q8) {
         *a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + at)))));
         *b = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + at + 16)))));
-    } else if (kind == DEC_NIBBLE || kind == DEC_PACKED4) {      /* 16 bytes: low nibbles, then high */
+    } else if (kind == DEC_NIBBLE || kind == DEC_PACKED4 || kind == DEC_PACKED4S) {   /* 16 bytes: low nibbles, then high */
         const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + at / 2)));
         *a = _mm512_mul_ps(d, _mm512_permutexvar_ps(x, lut));
-        *b = _mm512_mul_ps(d, _mm512_permutexvar_ps(_mm512_srli_epi32(x, 4), lut));
-    } else if (kind == DEC_PACKED3) {                            /* 12 bytes: four 24-bit words of 8 codes */
+        *b = _mm512_mul_ps(e, _mm512_permutexvar_ps(_mm512_srli_epi32(x, 4), lut));
+    } else if (kind == DEC_PACKED3 || kind == DEC_PACKED3S) {    /* 12 bytes: four 24-bit words of 8 codes */
         uint64_t lo;
         uint32_t hi;
         memcpy(&lo, q + at * 3 / 8, 8), memcpy(&hi, q + at * 3 / 8 + 8, 4);
@@ -371,7 +389,7 @@ static inline __attribute__((always_inline)) void dec32(const int kind, const co
         const __m512i first = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
         const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(2));
         *a = _mm512_mul_ps(d, _mm512_permutexvar_ps(_mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(first, w), shifts), mask), lut));
-        *b = _mm512_mul_ps(d, _mm512_permutexvar_ps(_mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(second, w), shifts), mask), lut));
+        *b = _mm512_mul_ps(e, _mm512_permutexvar_ps(_mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(second, w), shifts), mask), lut));
     } else {                                                     /* PACKED2: 8 bytes, two words of 16 codes */
         uint32_t w[2];
         memcpy(w, q + at / 4, 8);
@@ -481,6 +499,8 @@ static inline __attribute__((always_inline)) void sum_tile_fused(const int kind,
     case DEC_NIBBLE: call(DEC_NIBBLE); break;                                                   \
     case DEC_PACKED4: call(DEC_PACKED4); break;                                                  \
     case DEC_PACKED3: call(DEC_PACKED3); break;                                                 \
+    case DEC_PACKED4S: call(DEC_PACKED4S); break;                                               \
+    case DEC_PACKED3S: call(DEC_PACKED3S); break;                                               \
     default: call(DEC_PACKED2); break;                                                          \
     }
 
@@ -547,7 +567,7 @@ static void attend_span(const pages_t *p, const codec_t *ck, const codec_t *cv, 
     float *rows = aligned_alloc(64, sizeof(float) * (size_t)(tiled ? TILE * dim : MAX_DIM));
 #ifdef KVSLIM_AVX512
     const int fk = dim % 32 == 0 ? fused_kind(ck) : DEC_NONE, fv = dim % 64 == 0 ? fused_kind(cv) : DEC_NONE;
-    float *q_lanes = fk == DEC_PACKED4 ? malloc(sizeof(float) * (size_t)(n_rows * dim)) : NULL;
+    float *q_lanes = fk == DEC_PACKED4 || fk == DEC_PACKED4S ? malloc(sizeof(float) * (size_t)(n_rows * dim)) : NULL;
     for (int r = 0; q_lanes && r < n_rows; r++) interleave32(q + (size_t)r * dim, q_lanes + (size_t)r * dim, dim, 0);
     const float *qk = q_lanes ? q_lanes : q;
 #endif
@@ -577,7 +597,7 @@ static void attend_span(const pages_t *p, const codec_t *ck, const codec_t *cv, 
         sum_tile(cv, v_rows, n, scores, n_rows, dim, rows, tiled, acc);
     }
 #ifdef KVSLIM_AVX512
-    for (int r = 0; fv == DEC_PACKED4 && r < n_rows; r++) {         /* V's sums back in dim order */
+    for (int r = 0; (fv == DEC_PACKED4 || fv == DEC_PACKED4S) && r < n_rows; r++) {         /* V's sums back in dim order */
         memcpy(rows, acc + (size_t)r * dim, sizeof(float) * (size_t)dim);
         interleave32(rows, acc + (size_t)r * dim, dim, 1);
     }
