@@ -89,11 +89,26 @@ def test_spans_split_one_long_sequence_exactly():
     """A sequence far longer than a span is cut into several work items whose states merge."""
     _need_kernel()
     fmt_k, fmt_v, q, k_pool, v_pool, table, n_keys = _case("q8_0", "turbo4", 128, 2, [3000], page_size=32)
-    assert native.span_for(3000, 2, 8) < 3000                           # several spans per (head, sequence)
+    assert 3000 > 2 * native.SPAN                                       # several spans per (head, sequence)
     want = _torch_state(fmt_k, fmt_v, q, k_pool, v_pool, table, n_keys).result()
     torch.set_num_threads(2)
     m, l, acc = native.decode_state(fmt_k, fmt_v, q, k_pool, v_pool, table, n_keys)
     assert torch.allclose(acc / l, want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name_k,name_v", [("f16", "f16"), ("q8_0", "turbo4"), ("nl4s", "nl3s")])
+def test_a_sequence_gets_the_same_bits_whatever_its_batch_and_threads(name_k, name_v):
+    """Spans are cut at fixed key counts, so one sequence's state does not depend on the other
+    sequences decoded with it or on the thread count: a server's greedy replies do not change
+    with what else is running."""
+    _need_kernel()
+    fmt_k, fmt_v, q, k_pool, v_pool, table, n_keys = _case(name_k, name_v, 128, 2, [1500, 37, 700, 5])
+    torch.set_num_threads(1)
+    alone = native.decode_state(fmt_k, fmt_v, q[:, :1].contiguous(), k_pool, v_pool, table[:1], n_keys[:1])
+    torch.set_num_threads(2)
+    together = native.decode_state(fmt_k, fmt_v, q, k_pool, v_pool, table, n_keys)
+    for a, b in zip(alone, together):
+        assert torch.equal(a[:, 0], b[:, 0])
 
 
 def test_formats_without_a_codec_keep_the_torch_path(monkeypatch):

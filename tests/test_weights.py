@@ -132,6 +132,23 @@ def test_native_block_linear_matches_reference(name, monkeypatch):
         native_build.clear()
 
 
+@pytest.mark.parametrize("name", sorted(W.native.TYPE_CODES))
+def test_native_block_linear_gives_a_row_the_same_bits_in_any_batch(name):
+    """A decode step of one sequence and one of eight run different loops (one activation
+    row, several): each row's sums are added in the same order in both, so a sequence's
+    logits do not depend on what else the step decodes."""
+    if not W.native.available():
+        pytest.skip("no C compiler: quant_linear keeps the torch path")
+    cols = 512 if W.get(name).block_size > 32 else 160
+    w = random_matrix(W.get(name), 33, cols, seed=6)
+    x = torch.randn(8, cols)
+    torch.set_num_threads(1)
+    alone = torch.cat([W.native.block_linear(x[i:i + 1].contiguous(), w.data, name) for i in range(8)])
+    torch.set_num_threads(2)
+    for rows in (2, 5, 8):
+        assert torch.equal(W.native.block_linear(x[:rows].contiguous(), w.data, name), alone[:rows])
+
+
 def test_column_reorder_moves_blocks_or_gathers_inputs():
     w = random_matrix(W.get("q8_0"), 8, 128)
     dense = w.dequantize()

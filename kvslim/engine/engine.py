@@ -275,11 +275,31 @@ class Engine:
         self._sample(seq, logits)
 
     def _forward(self, plan: list[tuple[Sequence, list[int]]]) -> torch.Tensor:
-        """Logits of each plan entry's last token: a step where every sequence decodes goes
-        through the decode step (compiled with ``compile``), any other through one Batch."""
-        if self.decode_step.static and all(len(chunk) == 1 and len(seq.pending) == 1 for seq, chunk in plan):
-            return self.decode_step([seq.slot for seq, _ in plan], [chunk[0] for _, chunk in plan],
-                                    [seq.n_cached for seq, _ in plan])
+        """Logits of each plan entry's last token. With a native or compiled decode step, the
+        decoding sequences always go through it, and prompt chunks through one Batch beside
+        it: a decoding sequence's token then comes from the same code whether or not another
+        request is reading its prompt (the two paths round differently, and a greedy reply
+        would otherwise depend on what else the server was doing). Without one, one Batch."""
+        if not self.decode_step.static:
+            return self._batch_forward(plan)
+        decoding = [row for row, (seq, chunk) in enumerate(plan) if self._decodes(seq, chunk)]
+        reading = [row for row in range(len(plan)) if row not in decoding]
+        parts = []
+        if decoding:
+            picked = [plan[row] for row in decoding]
+            parts.append(self.decode_step([seq.slot for seq, _ in picked], [chunk[0] for _, chunk in picked],
+                                          [seq.n_cached for seq, _ in picked]))
+        if reading:
+            parts.append(self._batch_forward([plan[row] for row in reading]))
+        logits = torch.cat(parts) if len(parts) > 1 else parts[0]
+        order = torch.tensor(decoding + reading).argsort()               # back to the plan's rows
+        return logits if not (decoding and reading) else logits[order]
+
+    @staticmethod
+    def _decodes(seq: Sequence, chunk: list[int]) -> bool:
+        return len(chunk) == 1 and len(seq.pending) == 1
+
+    def _batch_forward(self, plan: list[tuple[Sequence, list[int]]]) -> torch.Tensor:
         batch = Batch.build([(seq.slot, chunk, seq.n_cached) for seq, chunk in plan], device=self.device)
         return self.model(batch, self.cache)
 
@@ -299,16 +319,26 @@ class Engine:
         self._record_memory(seq)
 
     def _plan(self) -> list[tuple[Sequence, list[int]]]:
-        """Decoding sequences first (one token each), then prompt chunks within the budget."""
+        """Decoding sequences first (one token each), then prompt chunks within the budget.
+        With a native or compiled decode step, decoding rows run apart (``_forward``) and take
+        none of the budget, and a prompt is read in whole chunks of n_ubatch from where it
+        started: one that does not fit in what is left waits for the next step, so its
+        chunks, and the numbers they give, are those of the prompt read alone."""
         budget, plan = self.n_ubatch, []
         for seq in self.running:                                    # a leader that failed: read it alone
             if seq.leader is not None and (seq.leader.done or seq.leader not in self.running):
                 seq.leader = None
         active = [s for s in self.running if not s.done and s.leader is None]
+        apart = self.decode_step.static
         for seq in sorted(active, key=lambda s: len(s.pending) > 1):
+            if apart and len(seq.pending) == 1:
+                plan.append((seq, seq.pending))
+                continue
             if budget == 0:
                 break
             chunk = seq.pending[:budget]
+            if apart and len(chunk) < min(len(seq.pending), self.n_ubatch):
+                continue                                            # a whole chunk next step
             plan.append((seq, chunk))
             budget -= len(chunk)
         return plan

@@ -254,44 +254,6 @@ static inline __m256 scale_of(const uint8_t *b) {
     return _mm256_set1_ps(_cvtsh_ss(h));
 }
 
-/* Group g's contribution (scale times the sum of codes * x) added to acc. */
-static inline __m256 group_fma(int type, const uint8_t *row, int64_t g, const float *x, __m256 acc) {
-    const float *xg = x + g * QK;
-    if (type == TYPE_Q8_0) {
-        const uint8_t *b = row + g * 34;
-        __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2)))),
-                                 _mm256_loadu_ps(xg));
-        for (int j = 1; j < 4; j++)
-            s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * j)))),
-                                _mm256_loadu_ps(xg + 8 * j), s);
-        return _mm256_fmadd_ps(scale_of(b), s, acc);
-    }
-    if (type == TYPE_Q4_0) {                                         /* byte j: codes j and j + 16 */
-        const uint8_t *b = row + g * 18;
-        const __m256i m4 = _mm256_set1_epi32(0x0F), eight = _mm256_set1_epi32(8);
-        __m256 s = _mm256_setzero_ps();
-        for (int j = 0; j < 2; j++) {
-            __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * j)));
-            s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(q, m4), eight)),
-                                _mm256_loadu_ps(xg + 8 * j), s);
-            s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(q, 4), eight)),
-                                _mm256_loadu_ps(xg + 16 + 8 * j), s);
-        }
-        return _mm256_fmadd_ps(scale_of(b), s, acc);
-    }
-    for (int j = 0; j < 4; j++) {                                    /* float rows: no scale */
-        __m256 w;
-        if (type == TYPE_F32) {
-            w = _mm256_loadu_ps((const float *)(row + g * 128) + 8 * j);
-        } else {
-            __m128i h = _mm_loadu_si128((const __m128i *)(row + g * 64 + 16 * j));
-            w = type == TYPE_F16 ? _mm256_cvtph_ps(h) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-        }
-        acc = _mm256_fmadd_ps(w, _mm256_loadu_ps(xg + 8 * j), acc);
-    }
-    return acc;
-}
-
 /* Group g's 32 values as four vectors, unscaled, and its scale (1 for float rows). */
 static inline __attribute__((always_inline)) void group_values(int type, const uint8_t *row, int64_t g, __m256 v[4],
                                                                __m256 *d) {
@@ -323,22 +285,35 @@ static inline __attribute__((always_inline)) void group_values(int type, const u
     }
 }
 
+/* One row's share of a group added to acc: scale times (values . x), the scale 1 for float
+ * rows (a group's sum is its own chain, so groups overlap). The one-row and the several-rows
+ * loops both go through here, with even groups in one accumulator and odd ones in another, so
+ * a sequence's output is the same bits whatever else is in its decode step. */
+static inline __attribute__((always_inline)) __m256 group_into(const __m256 v[4], __m256 d, const float *xg,
+                                                               __m256 acc) {
+    __m256 s = _mm256_mul_ps(v[0], _mm256_loadu_ps(xg));
+    for (int j = 1; j < 4; j++) s = _mm256_fmadd_ps(v[j], _mm256_loadu_ps(xg + 8 * j), s);
+    return _mm256_fmadd_ps(d, s, acc);
+}
+
 /* Several activation rows (a decode step of several sequences): each group decoded once. */
 static inline __attribute__((always_inline)) void rows_times_typed(int type, const uint8_t *row, const float *x,
                                                                    int64_t m, int64_t k, float *y, int64_t n) {
-    __m256 acc[MAX_M];
-    for (int64_t i = 0; i < m; i++) acc[i] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < k / QK; g++) {
-        __m256 v[4], d;
+    __m256 even[MAX_M], odd[MAX_M], v[4], d;
+    for (int64_t i = 0; i < m; i++) even[i] = odd[i] = _mm256_setzero_ps();
+    const int64_t n_groups = k / QK;
+    int64_t g = 0;
+    for (; g + 1 < n_groups; g += 2) {
         group_values(type, row, g, v, &d);
-        for (int64_t i = 0; i < m; i++) {
-            const float *xg = x + i * k + g * QK;
-            __m256 s = _mm256_mul_ps(v[0], _mm256_loadu_ps(xg));
-            for (int j = 1; j < 4; j++) s = _mm256_fmadd_ps(v[j], _mm256_loadu_ps(xg + 8 * j), s);
-            acc[i] = _mm256_fmadd_ps(d, s, acc[i]);
-        }
+        for (int64_t i = 0; i < m; i++) even[i] = group_into(v, d, x + i * k + g * QK, even[i]);
+        group_values(type, row, g + 1, v, &d);
+        for (int64_t i = 0; i < m; i++) odd[i] = group_into(v, d, x + i * k + (g + 1) * QK, odd[i]);
     }
-    for (int64_t i = 0; i < m; i++) y[i * n] = hsum(acc[i]);
+    if (g < n_groups) {
+        group_values(type, row, g, v, &d);
+        for (int64_t i = 0; i < m; i++) even[i] = group_into(v, d, x + i * k + g * QK, even[i]);
+    }
+    for (int64_t i = 0; i < m; i++) y[i * n] = hsum(_mm256_add_ps(even[i], odd[i]));
 }
 
 static void rows_times_fast(int type, const uint8_t *row, const float *x, int64_t m, int64_t k, float *y, int64_t n) {
@@ -358,14 +333,19 @@ static inline int fast_one_row(int type) {     /* the types written out below an
 /* One type per call, so that the type checks leave the loop once inlined. */
 static inline __attribute__((always_inline)) float row_times_one_typed(int type, const uint8_t *row, const float *x,
                                                                        int64_t k) {
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), v[4], d;
     const int64_t n_groups = k / QK;
     int64_t g = 0;
     for (; g + 1 < n_groups; g += 2) {
-        acc0 = group_fma(type, row, g, x, acc0);
-        acc1 = group_fma(type, row, g + 1, x, acc1);
+        group_values(type, row, g, v, &d);
+        acc0 = group_into(v, d, x + g * QK, acc0);
+        group_values(type, row, g + 1, v, &d);
+        acc1 = group_into(v, d, x + (g + 1) * QK, acc1);
     }
-    if (g < n_groups) acc0 = group_fma(type, row, g, x, acc0);
+    if (g < n_groups) {
+        group_values(type, row, g, v, &d);
+        acc0 = group_into(v, d, x + g * QK, acc0);
+    }
     return hsum(_mm256_add_ps(acc0, acc1));
 }
 

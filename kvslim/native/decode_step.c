@@ -149,13 +149,8 @@ static void attention(const model_t *m, const layer_t *L, int64_t B, const int64
         n_keys[s] = pos[s] + 1;
         memcpy(table + s * L->table_stride, L->table + slots[s] * L->table_stride, sizeof(int32_t) * (size_t)L->table_stride);
     }
-    int64_t longest = 0;
-    for (int64_t s = 0; s < B; s++) longest = n_keys[s] > longest ? n_keys[s] : longest;
-    const int64_t items = Hk * B, splits = (2 * m->n_threads + items - 1) / items;
-    int64_t span = ((longest + splits - 1) / splits + TILE - 1) / TILE * TILE;
-    span = span < 256 ? 256 : span;                        /* paged_attention.py's span_for */
     kvslim_paged_decode(L->ck, L->cv, qg, L->k_pool, L->v_pool, L->pool_pages, L->page_size, L->k_row_bytes,
-                        L->v_row_bytes, table, L->table_stride, n_keys, Hk, B, G, D, span, ml, ml + Hk * B * G, acc,
+                        L->v_row_bytes, table, L->table_stride, n_keys, Hk, B, G, D, SPAN, ml, ml + Hk * B * G, acc,
                         m->n_threads);
     for (int64_t s = 0; s < B; s++)
         for (int hh = 0; hh < H; hh++) {                   /* normalise, back from V's code domain, gate */

@@ -10,7 +10,6 @@ variants) keeps the torch path.
 from __future__ import annotations
 
 import ctypes
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -22,7 +21,8 @@ SOURCE = "paged_attention.c"
 F32, F16, BF16, Q8, NIBBLE, PACKED = range(6)      # the kernel's codec kinds
 TILE = 32                                          # keys per tile in the kernel
 MAX_DIM, MAX_ROWS = 512, 64
-MIN_SPAN = 256                                     # keys per work item at least: below, threads cost more than they save
+SPAN = 512                                         # keys per work item (paged_attention.c's SPAN): fixed, so that
+                                                   # a sequence's result does not depend on its batch or the threads
 
 
 class Codec(ctypes.Structure):
@@ -131,12 +131,6 @@ def supports(fmt_k, fmt_v, q: torch.Tensor) -> bool:
             and _codec(fmt_k, dim) is not None and _codec(fmt_v, dim) is not None and _library() is not None)
 
 
-def span_for(longest: int, items: int, threads: int) -> int:
-    """Keys per work item: enough items to keep every thread busy, none shorter than MIN_SPAN."""
-    splits = max(1, math.ceil(2 * threads / max(1, items)))
-    return max(MIN_SPAN, -(-math.ceil(longest / splits) // TILE) * TILE)
-
-
 def decode_state(fmt_k, fmt_v, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                  table: torch.Tensor, n_keys: torch.Tensor, variant: str = "native"
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -151,11 +145,10 @@ def decode_state(fmt_k, fmt_v, q: torch.Tensor, k_pool: torch.Tensor, v_pool: to
     m = torch.empty(n_kv, n_seq, n_rows, 1)
     l, acc = torch.empty_like(m), torch.empty(n_kv, n_seq, n_rows, dim)
     threads = torch.get_num_threads()
-    span = span_for(int(n_keys.max()) if n_seq else 0, n_kv * n_seq, threads)
     status = _library(variant).kvslim_paged_decode(
         ctypes.byref(ck), ctypes.byref(cv), q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
         k_pool.shape[1], k_pool.shape[2], k_pool.shape[3], v_pool.shape[3], table.data_ptr(), table.shape[1],
-        n_keys.data_ptr(), n_kv, n_seq, n_rows, dim, span, m.data_ptr(), l.data_ptr(), acc.data_ptr(), threads)
+        n_keys.data_ptr(), n_kv, n_seq, n_rows, dim, SPAN, m.data_ptr(), l.data_ptr(), acc.data_ptr(), threads)
     if status:
         raise ValueError(f"native paged attention refused head_dim {dim} with {n_rows} query rows per head")
     return m, l, acc                                        # (the tables live in codec_fields' cache)
