@@ -116,6 +116,44 @@ def test_one_failing_sequence_leaves_the_others_identical(hybrid):
     assert engine.n_free_slots == 3 and engine.cached_tokens() == 0
 
 
+def test_a_reply_has_the_same_logits_whatever_else_the_engine_runs(hybrid):
+    """A sequence decodes while another reads its prompt in chunks, and the same two run alone:
+    every step's logits are the same bits. The decoding row takes the native step either
+    way, and the prompt is read in the same n_ubatch chunks as alone."""
+    model, tok, eos = hybrid
+    config = EngineConfig.build(128, 2, "q8_0", "turbo4", device="cpu", n_ubatch=16)
+
+    def recorder(seen):
+        def greedy(logits, history):
+            seen.append(logits.clone())
+            return int(logits.argmax())
+        return greedy
+
+    def submit(engine, prompt, seen):
+        seq = engine.submit(prompt, 10, SamplingParams(temperature=0))
+        seq.sampler = recorder(seen)
+        return seq
+
+    first, second = list(range(10, 30)), list(range(40, 80))
+    alone = [[], []]
+    engine = Engine(model, tok, config, eos)
+    assert engine.decode_step.native is not None, engine.decode_step.why_not_native
+    for prompt, seen in zip((first, second), alone):
+        seq = submit(engine, prompt, seen)
+        engine.run([seq])
+        engine.release(seq)
+    together = [[], []]
+    engine = Engine(model, tok, config, eos)
+    a = submit(engine, first, together[0])
+    while len(a.generated) < 2:
+        engine.step()
+    b = submit(engine, second, together[1])                        # read in 3 chunks while a decodes
+    engine.run([a, b])
+    for mine, ref in zip(together, alone):
+        assert len(mine) == len(ref) == 10
+        assert all(torch.equal(x, y) for x, y in zip(mine, ref))
+
+
 def test_public_engine_api(hybrid):
     model, tok, eos = hybrid
     engine = Engine(model, tok, EngineConfig.build(64, 2, "f32", "f32", device="cpu", n_ubatch=8), eos)
