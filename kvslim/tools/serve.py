@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a client has to send a request's headers and body (streams are not limited)")
     p.add_argument("--max-connections", type=int, default=512, help="open connections before answering 503")
     p.add_argument("--grace", type=float, default=8,
-                   help="on SIGTERM/SIGINT, seconds running requests may finish before they are ended")
+                   help="on SIGTERM/SIGINT, seconds until the process has exited: running requests may "
+                        "finish until shortly before (min(0.75, grace/2) s are kept for ending them)")
     p.add_argument("--chat-template-file", default=None, help="Jinja chat template to use instead of the model's")
     p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
                    help='extra template variables for every request, e.g. \'{"enable_thinking": false}\'')
