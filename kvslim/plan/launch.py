@@ -67,7 +67,7 @@ def launch_commands(model: Model, req: Request, target: Target | None = None) ->
         notes.append("vLLM reads GGUF experimentally and needs --tokenizer set to the original repository")
     if target is not None and target.vendor == "apple":
         notes.append("vLLM does not run on Apple GPUs; use llama-server (Metal)")
-    return {"vllm": vllm, "llama_server": server, "notes": notes}
+    return {"vllm": vllm, "llama_server": server, "notes": list(dict.fromkeys(notes))}   # K = V: said once
 
 
 def within_context_limit(model: Model, req: Request) -> tuple[Request, list[str]]:
