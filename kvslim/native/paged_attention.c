@@ -310,13 +310,20 @@ static void tile_values(const float *values, int n, int dim, float w[][TILE], in
 }
 #endif
 
-#if defined(KVSLIM_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#ifdef KVSLIM_AVX2
+/* K and V rows decoded in registers and used at once, no row buffer: the query rows' sums for
+ * a group of keys, and V's weighted sums over a tile, stay in registers, so the pool is read
+ * once at its packed size and nothing goes through memory in between. AVX-512 (32 registers,
+ * a 16-entry table lookup in one permute: vpermps reads the low 4 bits of each index) takes 32
+ * values a vector pair; AVX2 (16 registers, two permutes and a blend) 32 values in four
+ * vectors. Every layout above (the nls blocks' rungs too, for 16-value sub-blocks). */
+#define KVSLIM_FUSED 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define KVSLIM_AVX512 1
-/* AVX-512: K and V rows decoded in registers and used at once, no row buffer. With 32
- * registers the query rows and a tile's sums stay in registers, and a 16-entry table
- * lookup is one permute (vpermps reads the low 4 bits of each index), so a packed code
- * costs about what an f16 value does to convert, and the pool is read at its packed size.
- * Every layout above (the nls blocks' rungs too, for 16-value sub-blocks). */
+#define LANE_GROUP 32
+#else
+#define LANE_GROUP 16
+#endif
 enum { DEC_F32, DEC_F16, DEC_BF16, DEC_Q8, DEC_NIBBLE, DEC_PACKED4, DEC_PACKED3, DEC_PACKED2,
        DEC_PACKED4S, DEC_PACKED3S, DEC_NONE };       /* ...S: two scale levels, a rung per 16 values */
 
@@ -336,16 +343,19 @@ static int fused_kind(const codec_t *c) {
 }
 
 /* PACKED4 rows come out of dec32 interleaved: byte j of a block holds codes 2j and 2j + 1, so
- * the first vector gets values i, i+2, .., i+30 and the second i+1, .., i+31. Dot products do
- * not care about order: the query is put in that order once, and V's sums are put back. */
-static void interleave32(const float *x, float *y, int dim, int back) {
-    for (int i = 0; i < dim; i += 32)
-        for (int j = 0; j < 16; j++) {
-            if (back) y[i + 2 * j] = x[i + j], y[i + 2 * j + 1] = x[i + 16 + j];
-            else y[i + j] = x[i + 2 * j], y[i + 16 + j] = x[i + 2 * j + 1];
+ * within each LANE_GROUP values the first half of the lanes gets the even values and the second
+ * half the odd ones. Dot products do not care about order: the query is put in that order
+ * once, and V's sums are put back. */
+static void interleave(const float *x, float *y, int dim, int back) {
+    const int half = LANE_GROUP / 2;
+    for (int i = 0; i < dim; i += LANE_GROUP)
+        for (int j = 0; j < half; j++) {
+            if (back) y[i + 2 * j] = x[i + j], y[i + 2 * j + 1] = x[i + half + j];
+            else y[i + j] = x[i + 2 * j], y[i + half + j] = x[i + 2 * j + 1];
         }
 }
 
+#ifdef KVSLIM_AVX512
 /* Values [i, i + 32) of a row (i a multiple of 32) as two vectors, scaled. */
 static inline __attribute__((always_inline)) void dec32(const int kind, const codec_t *c, const __m512 lut,
                                                         const uint8_t *row, int i, __m512 *a, __m512 *b) {
@@ -494,6 +504,140 @@ static inline __attribute__((always_inline)) void sum_tile_fused(const int kind,
     }
 }
 
+#else
+/* AVX2: values [i, i + 32) as four vectors of 8 (PACKED4 interleaved per 16), scaled. */
+static inline __attribute__((always_inline)) void dec32(const int kind, const codec_t *c, const __m256 lo,
+                                                        const __m256 hi, const uint8_t *row, int i, __m256 v[4]) {
+    if (kind == DEC_F32) {
+        for (int j = 0; j < 4; j++) v[j] = _mm256_loadu_ps((const float *)row + i + 8 * j);
+        return;
+    }
+    if (kind == DEC_F16) {
+        for (int j = 0; j < 4; j++) v[j] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * (i + 8 * j))));
+        return;
+    }
+    if (kind == DEC_BF16) {
+        for (int j = 0; j < 4; j++)
+            v[j] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
+                _mm_loadu_si128((const __m128i *)(row + 2 * (i + 8 * j)))), 16));
+        return;
+    }
+    const int bv = c->block_values, at = i % bv;
+    const uint8_t *block = row + (size_t)(i / bv) * c->block_bytes, *q = block + c->header_bytes;
+    __m256 d = _mm256_set1_ps(f16_to_f32(block)), e = d;      /* the scales of values i.. and i+16.. */
+    if (kind == DEC_PACKED4S || kind == DEC_PACKED3S) {
+        uint64_t rungs;                          /* 8 bytes: the rungs, then codes never shifted down to */
+        memcpy(&rungs, block + 2, 8);
+        const int mask = (1 << c->sub_bits) - 1, shift = c->sub_bits * (at / 16);
+        e = _mm256_mul_ps(d, _mm256_set1_ps(c->ladder[(rungs >> (shift + c->sub_bits)) & mask]));
+        d = _mm256_mul_ps(d, _mm256_set1_ps(c->ladder[(rungs >> shift) & mask]));
+    }
+    const __m256i m4 = _mm256_set1_epi32(0x0F);
+    if (kind == DEC_Q8) {
+        for (int j = 0; j < 4; j++)
+            v[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + at + 8 * j)))));
+    } else if (kind == DEC_NIBBLE) {                             /* byte j: codes j and j + 16 */
+        const __m256i x0 = bytes8(q), x1 = bytes8(q + 8);
+        v[0] = _mm256_mul_ps(d, lut16(_mm256_and_si256(x0, m4), lo, hi));
+        v[1] = _mm256_mul_ps(d, lut16(_mm256_and_si256(x1, m4), lo, hi));
+        v[2] = _mm256_mul_ps(d, lut16(_mm256_srli_epi32(x0, 4), lo, hi));
+        v[3] = _mm256_mul_ps(d, lut16(_mm256_srli_epi32(x1, 4), lo, hi));
+    } else if (kind == DEC_PACKED4 || kind == DEC_PACKED4S) {    /* per 8 bytes: even codes, then odd */
+        const __m256i x0 = bytes8(q + at / 2), x1 = bytes8(q + at / 2 + 8);
+        v[0] = _mm256_mul_ps(d, lut16(_mm256_and_si256(x0, m4), lo, hi));
+        v[1] = _mm256_mul_ps(d, lut16(_mm256_srli_epi32(x0, 4), lo, hi));
+        v[2] = _mm256_mul_ps(e, lut16(_mm256_and_si256(x1, m4), lo, hi));
+        v[3] = _mm256_mul_ps(e, lut16(_mm256_srli_epi32(x1, 4), lo, hi));
+    } else {                                                     /* 3 or 2 bits: 8 codes per `bits` bytes */
+        const int bits = kind == DEC_PACKED2 ? 2 : 3;
+        const __m256i shifts = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(bits));
+        const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
+        const uint8_t *w = q + at * bits / 8;
+        for (int j = 0; j < 4; j++) {
+            const uint8_t *b = w + bits * j;
+            const int32_t word = b[0] | b[1] << 8 | (bits == 3 ? b[2] << 16 : 0);
+            const __m256i codes = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), mask);
+            v[j] = _mm256_mul_ps(j < 2 ? d : e, _mm256_permutevar8x32_ps(lo, codes));
+        }
+    }
+}
+
+/* scores for R query rows (q, in K's lane order) and KEYS keys, R x KEYS = 8 sums in
+ * registers; the query is read from L1 by the FMAs. */
+static inline __attribute__((always_inline)) void score_keys(const int kind, const int R, const int KEYS,
+        const codec_t *c, const __m256 lo, const __m256 hi, const uint8_t *const *k_rows, const float *q, int dim,
+        float out[8]) {
+    __m256 s[8];
+    for (int x = 0; x < 8; x++) s[x] = _mm256_setzero_ps();
+    for (int i = 0; i < dim; i += 32)
+        for (int k = 0; k < KEYS; k++) {
+            __m256 v[4];
+            dec32(kind, c, lo, hi, k_rows[k], i, v);
+            for (int r = 0; r < R; r++)
+                for (int j = 0; j < 4; j++)
+                    s[r * KEYS + k] = _mm256_fmadd_ps(v[j], _mm256_loadu_ps(q + (size_t)r * dim + i + 8 * j), s[r * KEYS + k]);
+        }
+    _mm256_storeu_ps(out, hsum8(s));
+}
+
+static inline __attribute__((always_inline)) void score_tile_fused(const int kind, const codec_t *c,
+        const uint8_t *const *k_rows, int n, const float *q, int n_rows, int dim, float scores[][TILE]) {
+    const __m256 lo = c->lut ? _mm256_loadu_ps(c->lut) : _mm256_setzero_ps();
+    const __m256 hi = c->lut ? _mm256_loadu_ps(c->lut + 8) : _mm256_setzero_ps();
+    for (int r0 = 0; r0 < n_rows;) {
+        const int R = n_rows - r0 >= 4 ? 4 : n_rows - r0 >= 2 ? 2 : 1, keys = 8 / R;
+        const float *qr = q + (size_t)r0 * dim;
+        for (int j0 = 0; j0 < n; j0 += keys) {
+            const uint8_t *rows[8];
+            float out[8];
+            for (int k = 0; k < keys; k++) rows[k] = k_rows[j0 + k < n ? j0 + k : 0];
+            if (R == 4) score_keys(kind, 4, 2, c, lo, hi, rows, qr, dim, out);
+            else if (R == 2) score_keys(kind, 2, 4, c, lo, hi, rows, qr, dim, out);
+            else score_keys(kind, 1, 8, c, lo, hi, rows, qr, dim, out);
+            for (int r = 0; r < R; r++)
+                for (int k = 0; k < keys && j0 + k < n; k++) scores[r0 + r][j0 + k] = out[r * keys + k];
+        }
+        r0 += R;
+    }
+}
+
+/* acc_r += sum_j w[r][j] * value_j for R rows over WIDTH values of dim from c0 (R x WIDTH = 64:
+ * eight sums in registers over the tile). */
+static inline __attribute__((always_inline)) void sum_chunk(const int kind, const int R, const codec_t *c,
+        const __m256 lo, const __m256 hi, const uint8_t *const *v_rows, int n, float w[][TILE], int r0, int dim,
+        int c0, float *acc) {
+    const int width = 64 / R;
+    __m256 s[8];
+    for (int r = 0; r < R; r++)
+        for (int x = 0; x < width / 8; x++) s[r * (width / 8) + x] = _mm256_loadu_ps(acc + (size_t)(r0 + r) * dim + c0 + 8 * x);
+    for (int j = 0; j < n; j++)
+        for (int h = 0; h < width; h += 32) {
+            __m256 v[4];
+            dec32(kind, c, lo, hi, v_rows[j], c0 + h, v);
+            for (int r = 0; r < R; r++) {
+                const __m256 wr = _mm256_set1_ps(w[r0 + r][j]);
+                for (int x = 0; x < 4; x++) s[r * (width / 8) + h / 8 + x] = _mm256_fmadd_ps(wr, v[x], s[r * (width / 8) + h / 8 + x]);
+            }
+        }
+    for (int r = 0; r < R; r++)
+        for (int x = 0; x < width / 8; x++) _mm256_storeu_ps(acc + (size_t)(r0 + r) * dim + c0 + 8 * x, s[r * (width / 8) + x]);
+}
+
+static inline __attribute__((always_inline)) void sum_tile_fused(const int kind, const codec_t *c,
+        const uint8_t *const *v_rows, int n, float w[][TILE], int n_rows, int dim, float *acc) {
+    const __m256 lo = c->lut ? _mm256_loadu_ps(c->lut) : _mm256_setzero_ps();
+    const __m256 hi = c->lut ? _mm256_loadu_ps(c->lut + 8) : _mm256_setzero_ps();
+    for (int r0 = 0; r0 < n_rows;) {
+        const int R = n_rows - r0 >= 2 ? 2 : 1;
+        for (int c0 = 0; c0 < dim; c0 += 64 / R) {
+            if (R == 2) sum_chunk(kind, 2, c, lo, hi, v_rows, n, w, r0, dim, c0, acc);
+            else sum_chunk(kind, 1, c, lo, hi, v_rows, n, w, r0, dim, c0, acc);
+        }
+        r0 += R;
+    }
+}
+#endif
+
 /* One copy of each loop per row layout: the kind is a constant inside. */
 #define KVSLIM_BY_KIND(kind, call)                                                              \
     switch (kind) {                                                                             \
@@ -570,17 +714,17 @@ static void attend_span(const pages_t *p, const codec_t *ck, const codec_t *cv, 
     const int tiled = 0;
 #endif
     float *rows = aligned_alloc(64, sizeof(float) * (size_t)(tiled ? TILE * dim : MAX_DIM));
-#ifdef KVSLIM_AVX512
+#ifdef KVSLIM_FUSED
     const int fk = dim % 32 == 0 ? fused_kind(ck) : DEC_NONE, fv = dim % 64 == 0 ? fused_kind(cv) : DEC_NONE;
     float *q_lanes = fk == DEC_PACKED4 || fk == DEC_PACKED4S ? malloc(sizeof(float) * (size_t)(n_rows * dim)) : NULL;
-    for (int r = 0; q_lanes && r < n_rows; r++) interleave32(q + (size_t)r * dim, q_lanes + (size_t)r * dim, dim, 0);
+    for (int r = 0; q_lanes && r < n_rows; r++) interleave(q + (size_t)r * dim, q_lanes + (size_t)r * dim, dim, 0);
     const float *qk = q_lanes ? q_lanes : q;
 #endif
     for (int64_t start = t0; start < t1; start += TILE) {
         int n = (int)(t1 - start < TILE ? t1 - start : TILE);
         const uint8_t *k_rows[TILE], *v_rows[TILE];
         tile_rows(p, head, seq, start, n, k_rows, v_rows);
-#ifdef KVSLIM_AVX512
+#ifdef KVSLIM_FUSED
         if (fk != DEC_NONE) score_fused(fk, ck, k_rows, n, qk, n_rows, dim, scores);
         else
 #endif
@@ -595,16 +739,16 @@ static void attend_span(const pages_t *p, const codec_t *ck, const codec_t *cv, 
             for (int j = 0; j < n; j++) l[r] += scores[r][j];
             m[r] = top;
         }
-#ifdef KVSLIM_AVX512
+#ifdef KVSLIM_FUSED
         if (fv != DEC_NONE) sum_fused(fv, cv, v_rows, n, scores, n_rows, dim, acc);
         else
 #endif
         sum_tile(cv, v_rows, n, scores, n_rows, dim, rows, tiled, acc);
     }
-#ifdef KVSLIM_AVX512
+#ifdef KVSLIM_FUSED
     for (int r = 0; (fv == DEC_PACKED4 || fv == DEC_PACKED4S) && r < n_rows; r++) {         /* V's sums back in dim order */
         memcpy(rows, acc + (size_t)r * dim, sizeof(float) * (size_t)dim);
-        interleave32(rows, acc + (size_t)r * dim, dim, 1);
+        interleave(rows, acc + (size_t)r * dim, dim, 1);
     }
     free(q_lanes);
 #endif
