@@ -1,0 +1,144 @@
+"""The Triton kernel of ``paged_decode`` (imported only when it runs: importing kvslim needs no triton).
+
+One program per (KV head, sequence, split of SPLIT_KEYS keys). It walks its keys BLOCK_N at a
+time through the block table, loads the packed K/V rows as bytes, decodes them in registers to
+float32 (the codec constexprs select the layout, as ``paged_attention.c``'s codec_t does), scores
+the G query rows that share the KV head against one read of each key (GQA), and keeps an online
+softmax. It writes its split's (m, l, acc); the launcher merges the splits.
+
+Triton decides at decoration time whether a kernel is interpreted (TRITON_INTERPRET=1, numpy on
+the CPU) or compiled; ``INTERPRETED`` records which this module's kernels are.
+"""
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# The codec kinds, as kvslim/native/paged_attention.py numbers them.
+F32, F16, BF16, Q8, NIBBLE, PACKED = range(6)
+
+
+@triton.jit
+def _f16_at(ptr, mask):
+    """Two little-endian bytes at ptr -> float32 (an f16 bit pattern)."""
+    lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
+    hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _float_values(row, d, mask, KIND: tl.constexpr):
+    """Float rows: value d of each row. row (N, 1) byte pointers, d (1, BLOCK_D)."""
+    if KIND == 1:                                                       # F16
+        x = _f16_at(row + 2 * d, mask)
+    elif KIND == 2:                                                     # BF16: the high half of an f32
+        lo = tl.load(row + 2 * d, mask=mask, other=0).to(tl.uint32)
+        hi = tl.load(row + 2 * d + 1, mask=mask, other=0).to(tl.uint32)
+        x = ((lo << 16) | (hi << 24)).to(tl.float32, bitcast=True)
+    else:                                                               # F32
+        p = row + 4 * d
+        w = tl.load(p, mask=mask, other=0).to(tl.uint32)
+        for b in tl.static_range(1, 4):
+            w = w | (tl.load(p + b, mask=mask, other=0).to(tl.uint32) << (8 * b))
+        x = w.to(tl.float32, bitcast=True)
+    return x
+
+
+@triton.jit
+def _block_code(q, j, mask, KIND: tl.constexpr, BITS: tl.constexpr, BLOCK_VALUES: tl.constexpr):
+    """The code of value j of a block whose codes start at q (byte pointers, one per value)."""
+    if KIND == 4:                                                       # NIBBLE: byte i = code i | code i+n/2 << 4
+        half: tl.constexpr = BLOCK_VALUES // 2
+        byte = tl.load(q + (j % half), mask=mask, other=0).to(tl.int32)
+        code = (byte >> (4 * (j // half))) & 0x0F
+    else:                                                               # PACKED: 8 codes per BITS bytes, little-endian
+        bit = BITS * (j % 8)
+        first = (j // 8) * BITS + bit // 8
+        last_of_word = (j // 8) * BITS + (BITS - 1)                     # a code may run into the next byte, never past its word
+        lo = tl.load(q + first, mask=mask, other=0).to(tl.int32)
+        hi = tl.load(q + tl.minimum(first + 1, last_of_word), mask=mask, other=0).to(tl.int32)
+        code = ((lo | (hi << 8)) >> (bit % 8)) & ((1 << BITS) - 1)
+    return code
+
+
+@triton.jit
+def _decode_tile(pool, row_off, valid, lut, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 KIND: tl.constexpr, BITS: tl.constexpr, BLOCK_VALUES: tl.constexpr,
+                 BLOCK_BYTES: tl.constexpr, HEADER_BYTES: tl.constexpr):
+    """Rows at byte offsets row_off (N,) of pool -> (N, BLOCK_D) float32 in the code domain;
+    zeros where a key is not valid or past HEAD_DIM (so a masked key adds 0 * 0, never NaN)."""
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = valid[:, None] & (d < HEAD_DIM)
+    row = pool + row_off[:, None]                                       # (N, 1) pointers
+    if KIND <= 2:
+        x = _float_values(row, d, mask, KIND)
+    else:                                                               # [f16 scale][codes] blocks
+        block = row + (d // BLOCK_VALUES) * BLOCK_BYTES
+        j = d % BLOCK_VALUES
+        scale = _f16_at(block, mask)
+        if KIND == 3:                                                   # Q8: int8 codes
+            code = tl.load(block + HEADER_BYTES + j, mask=mask, other=0).to(tl.int8, bitcast=True)
+            x = scale * code.to(tl.float32)
+        else:
+            code = _block_code(block + HEADER_BYTES, j, mask, KIND, BITS, BLOCK_VALUES)
+            x = scale * tl.load(lut + code, mask=mask, other=0.0)
+    return tl.where(mask, x, 0.0)
+
+
+@triton.jit
+def paged_decode_split(q_ptr, k_pool, v_pool, table_ptr, n_keys_ptr, k_lut, v_lut,
+                       m_out, l_out, acc_out,
+                       n_seq, n_rows, n_pages, page_size, k_row_bytes, v_row_bytes, table_width, n_splits,
+                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
+                       BLOCK_N: tl.constexpr, SPLIT_KEYS: tl.constexpr,
+                       K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_VALUES: tl.constexpr,
+                       K_BYTES: tl.constexpr, K_HEADER: tl.constexpr,
+                       V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_VALUES: tl.constexpr,
+                       V_BYTES: tl.constexpr, V_HEADER: tl.constexpr):
+    """One (KV head, sequence, split): its online-softmax state over keys
+    [split * SPLIT_KEYS, min(next split, n_keys[s])). q (Hkv, S, R, D) float32 in K's code
+    domain; outputs m, l (Hkv, S, n_splits, R) and acc (Hkv, S, n_splits, R, D)."""
+    h = tl.program_id(0)
+    s = tl.program_id(1)
+    split = tl.program_id(2)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    g_live = g < n_rows
+    d_live = d < HEAD_DIM
+    head_seq = h.to(tl.int64) * n_seq + s                               # (h, s) flat, int64: pools can pass 2^31 bytes
+    q = tl.load(q_ptr + (head_seq * n_rows + g[:, None]) * HEAD_DIM + d[None, :],
+                mask=g_live[:, None] & d_live[None, :], other=0.0)      # (BLOCK_G, BLOCK_D)
+
+    n_keys = tl.load(n_keys_ptr + s).to(tl.int32)
+    begin = split * SPLIT_KEYS
+    end = tl.minimum(begin + SPLIT_KEYS, n_keys)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for start in range(begin, end, BLOCK_N):
+        t = start + tl.arange(0, BLOCK_N)                               # key positions
+        valid = t < end
+        page = tl.load(table_ptr + s.to(tl.int64) * table_width + t // page_size, mask=valid, other=0)
+        slot = (h.to(tl.int64) * n_pages + page.to(tl.int64)) * page_size + t % page_size
+        k = _decode_tile(k_pool, slot * k_row_bytes, valid, k_lut, HEAD_DIM, BLOCK_D,
+                         K_KIND, K_BITS, K_VALUES, K_BYTES, K_HEADER)   # (BLOCK_N, BLOCK_D)
+        v = _decode_tile(v_pool, slot * v_row_bytes, valid, v_lut, HEAD_DIM, BLOCK_D,
+                         V_KIND, V_BITS, V_VALUES, V_BYTES, V_HEADER)
+        # fp32 products, as the torch reference: tf32 would cost ~1e-3 in the scores
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee")         # (BLOCK_G, BLOCK_N)
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))                 # finite: every tile has a valid key
+        p = tl.exp(scores - m_new[:, None])
+        corr = tl.exp(m_i - m_new)
+        l_i = l_i * corr + tl.sum(p, axis=1)
+        acc = acc * corr[:, None] + tl.dot(p, v, input_precision="ieee")
+        m_i = m_new
+
+    part = (head_seq * n_splits + split) * n_rows + g                  # (BLOCK_G,) rows of this split
+    tl.store(m_out + part, m_i, mask=g_live)
+    tl.store(l_out + part, l_i, mask=g_live)
+    tl.store(acc_out + part[:, None] * HEAD_DIM + d[None, :], acc, mask=g_live[:, None] & d_live[None, :])

@@ -1,0 +1,138 @@
+"""The Triton decode-attention kernel against the torch block loop (its reference), on the CPU.
+
+Triton's interpreter (TRITON_INTERPRET=1) runs the kernel with numpy on CPU tensors, so its
+indexing, unpacking and online softmax are checked without a GPU. Triton reads that switch
+when a kernel is decorated, and importing kvslim already imports triton (through torch), so the
+kernels run in one child process started with the switch set; the references run here. The cases mirror
+tests/test_native_attention.py: pools from each format's own encoder, shuffled pages,
+sequences of different lengths (a partial last page, one empty), several splits per sequence.
+What the interpreter cannot check (compilation, tf32 or layout choices of the GPU compiler,
+speed) waits for a CUDA run: see docs/gpu.md.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvslim import formats
+from kvslim.gpu import paged_decode as gpu
+
+from .test_native_attention import _case, _torch_state
+
+pytestmark = pytest.mark.skipif(not gpu.available(), reason="triton is not installed: no GPU kernel to check")
+ROOT = Path(__file__).resolve().parent.parent
+
+PAIRS = [("f16", "f16"), ("q8_0", "q8_0"), ("q8_0", "q4_0"), ("iq4_nl", "f16"), ("turbo4", "q8_0"),
+         ("f16", "turbo4"), ("turbo3", "iq4_nl"), ("bf16", "f32")]
+SHAPES = [(64, 1), (128, 4), (256, 8)]                 # (head_dim, GQA group): each pair meets two, each shape 5+ pairs
+LENGTHS = (37, 100, 16, 0)                             # a partial page, a whole page, an empty sequence
+# (K, V, head_dim, group, lengths, page_size, split_keys): split_keys None is the default SPLIT_KEYS
+CASES = [(k, v, dim, group, LENGTHS, 16, 64) for i, (k, v) in enumerate(PAIRS)
+         for dim, group in (SHAPES[i % 3], SHAPES[(i + 1) % 3])]
+LONG = ("q8_0", "turbo4", 64, 2, (1100, 5), 32, None)            # several default splits
+ODD_PAGES = ("iq4_nl", "q4_0", 64, 3, (50, 7), 12, 32)          # a page size that is not a power of two
+BATCH = ("f16", "q8_0", 64, 4, (150, 37, 70), 16, 64)
+REFUSED = [("q4_1", "f16"), ("turbo4p", "f16"), ("nl4s", "f16")]   # two fields a block, QJL sketch, rungs
+
+
+def _states_in_child(cases, path: Path) -> None:
+    """Run in a child whose TRITON_INTERPRET=1 came before triton's import (kvslim imports triton
+    through torch, so this process cannot switch its kernels to the interpreter)."""
+    out = {"kernels": [], "alone": None, "supports": []}
+    for case in cases:
+        args = _case(*case[:4], list(case[4]), page_size=case[5])
+        split = {} if case[6] is None else {"split_keys": case[6]}
+        out["kernels"].append((gpu.supports(*args[:3]), gpu.decode_state(*args, **split)))
+    fmt_k, fmt_v, q, k_pool, v_pool, table, n_keys = _case(*BATCH[:4], list(BATCH[4]), page_size=BATCH[5])
+    out["alone"] = gpu.decode_state(fmt_k, fmt_v, q[:, :1].contiguous(), k_pool, v_pool, table[:1], n_keys[:1], 64)
+    q = torch.zeros(2, 1, 2, 128)
+    out["supports"] = [gpu.supports(formats.get(k), formats.get(v), q) for k, v in REFUSED + [("f16", "f16")]]
+    out["supports"].append(gpu.supports(formats.get("f16"), formats.get("f16"), torch.zeros(2, 1, 65, 128)))
+    torch.save(out, path)
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    """Every case's kernel state, computed once by one interpreted child process."""
+    cases = CASES + [LONG, ODD_PAGES, BATCH]
+    path = tmp_path_factory.mktemp("triton") / "states.pt"
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    code = "import sys; from pathlib import Path; from tests.test_triton_attention import _states_in_child as run; " \
+           f"run({cases!r}, Path(sys.argv[1]))"
+    done = subprocess.run([sys.executable, "-c", code, str(path)], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
+    out = torch.load(path)
+    out["kernels"] = dict(zip(cases, out["kernels"]))
+    return out
+
+
+def _check(got, want, n_keys):
+    m, l, acc = got
+    live = n_keys > 0
+    assert torch.allclose(m[:, live], want.m[:, live], atol=1e-5)
+    assert torch.allclose(acc[:, live] / l[:, live], want.result()[:, live], atol=2e-5, rtol=1e-4)
+    assert (l[:, ~live] == 0).all() and torch.isinf(m[:, ~live]).all() and (acc[:, ~live] == 0).all()
+
+
+def _against_reference(interpreted, case):
+    served, got = interpreted["kernels"][case]
+    assert served
+    args = _case(*case[:4], list(case[4]), page_size=case[5])
+    _check(got, _torch_state(*args), args[-1])
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-d{c[2]}-g{c[3]}")
+def test_kernel_state_matches_torch_block_loop(interpreted, case):
+    """Splits of 64 keys: the 100-key sequence spans two splits, the others one or none."""
+    _against_reference(interpreted, case)
+
+
+def test_default_splits_cut_a_long_sequence(interpreted):
+    """A sequence longer than SPLIT_KEYS is cut into programs whose states merge."""
+    assert max(LONG[4]) > 2 * gpu.SPLIT_KEYS
+    _against_reference(interpreted, LONG)
+
+
+def test_a_page_size_that_is_not_a_power_of_two(interpreted):
+    """Keys find their page by t // page_size, whatever the page size."""
+    _against_reference(interpreted, ODD_PAGES)
+
+
+def test_a_sequence_gets_the_same_bits_whatever_its_batch(interpreted):
+    """Splits are cut at fixed key counts, so one sequence's state does not depend on the others."""
+    _against_reference(interpreted, BATCH)
+    for a, b in zip(interpreted["alone"], interpreted["kernels"][BATCH][1]):
+        assert torch.equal(a[:, 0], b[:, 0])
+
+
+def test_formats_without_a_decoder_are_refused(interpreted):
+    assert interpreted["supports"] == [False] * len(REFUSED) + [True, False]      # 65 rows: more than MAX_ROWS
+
+
+def test_cpu_tensors_without_the_interpreter_are_refused():
+    """This process's triton is not interpreted (it was imported before any test could ask)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the whole run is interpreted")
+    assert not gpu.supports(formats.get("f16"), formats.get("f16"), torch.zeros(2, 1, 2, 128))
+
+
+def test_merge_of_splits_matches_one_pass():
+    """The merge alone: two halves of a block folded separately equal the block folded at once."""
+    gen = torch.Generator().manual_seed(1)
+    scores, v = torch.randn(2, 3, 4, 40, generator=gen), torch.randn(2, 3, 40, 8, generator=gen)
+    scores[:, 1, :, 20:] = float("-inf")                                         # sequence 1: second half empty
+    parts = []
+    for half in (slice(0, 20), slice(20, 40)):
+        m = scores[..., half].amax(-1)
+        safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+        p = torch.exp(scores[..., half] - safe.unsqueeze(-1))
+        parts.append((m, p.sum(-1), p @ v[:, :, half]))
+    m, l, acc = gpu.merge_splits(*(torch.stack(x, 2) for x in zip(*parts)))
+    assert torch.allclose(acc / l, torch.softmax(scores, -1) @ v, atol=1e-6)
+    assert torch.equal(m, scores.amax(-1, keepdim=True))
