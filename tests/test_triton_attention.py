@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(not gpu.available(), reason="triton is not insta
 ROOT = Path(__file__).resolve().parent.parent
 
 PAIRS = [("f16", "f16"), ("q8_0", "q8_0"), ("q8_0", "q4_0"), ("iq4_nl", "f16"), ("turbo4", "q8_0"),
-         ("f16", "turbo4"), ("turbo3", "iq4_nl"), ("bf16", "f32")]
+         ("f16", "turbo4"), ("turbo3", "iq4_nl"), ("bf16", "f32"), ("nl4", "turbo2"), ("q4_0", "nl3")]
 SHAPES = [(64, 1), (128, 4), (256, 8)]                 # (head_dim, GQA group): each pair meets two, each shape 5+ pairs
 LENGTHS = (37, 100, 16, 0)                             # a partial page, a whole page, an empty sequence
 # (K, V, head_dim, group, lengths, page_size, split_keys): split_keys None is the default SPLIT_KEYS
@@ -136,3 +136,47 @@ def test_merge_of_splits_matches_one_pass():
     m, l, acc = gpu.merge_splits(*(torch.stack(x, 2) for x in zip(*parts)))
     assert torch.allclose(acc / l, torch.softmax(scores, -1) @ v, atol=1e-6)
     assert torch.equal(m, scores.amax(-1, keepdim=True))
+
+
+CUDA_CASES = CASES + [LONG, ODD_PAGES]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the compiled kernel waits for a GPU")
+@pytest.mark.parametrize("case", CUDA_CASES, ids=lambda c: f"{c[0]}-{c[1]}-d{c[2]}-g{c[3]}-p{c[5]}")
+def test_compiled_kernel_on_cuda_matches_torch_block_loop(case):
+    """The same cases, compiled for the GPU in this process; the reference stays on the CPU."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("this process's kernels are interpreted")
+    fmt_k, fmt_v, *tensors = _case(*case[:4], list(case[4]), page_size=case[5])
+    on_gpu = [t.cuda() for t in tensors]
+    assert gpu.supports(fmt_k, fmt_v, on_gpu[0])
+    split = {} if case[6] is None else {"split_keys": case[6]}
+    got = [x.cpu() for x in gpu.decode_state(fmt_k, fmt_v, *on_gpu, **split)]
+    _check(got, _torch_state(fmt_k, fmt_v, *tensors), tensors[-1])
+
+
+SM90 = [("q8_0", "turbo4", 256, 8), ("iq4_nl", "turbo3", 128, 4), ("f16", "bf16", 64, 1)]
+POINTERS = {"q_ptr": "*fp32", "k_pool": "*u8", "v_pool": "*u8", "table_ptr": "*i32", "n_keys_ptr": "*i32",
+            "k_lut": "*fp32", "v_lut": "*fp32", "m_out": "*fp32", "l_out": "*fp32", "acc_out": "*fp32"}
+
+
+@pytest.mark.parametrize("name_k,name_v,dim,group", SM90)
+def test_kernel_compiles_for_an_h100_without_one(name_k, name_v, dim, group):
+    """What the interpreter cannot say: the kernel lowers through Triton's compiler and ptxas
+    for sm_90 with the launcher's constexprs and warps (no GPU needed to compile)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("this process's kernels are interpreted")
+    import triton
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    except ImportError:
+        pytest.skip("this triton has no CUDA backend")
+    from kvslim.gpu import _paged_decode_kernel as kernel
+    config = gpu._launch_config(formats.get(name_k, role="k"), formats.get(name_v, role="v"), group, dim)
+    options = {"num_warps": config.pop("num_warps")}
+    fn = kernel.paged_decode_split
+    signature = {name: POINTERS.get(name, "constexpr" if name in config else "i32") for name in fn.arg_names}
+    compiled = triton.compile(triton.compiler.ASTSource(fn, signature, config), target=GPUTarget("cuda", 90, 32),
+                              options=options)
+    assert compiled.asm["cubin"]

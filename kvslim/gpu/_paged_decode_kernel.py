@@ -52,9 +52,8 @@ def _float_values(row, d, mask, KIND: tl.constexpr):
 def _block_code(q, j, mask, KIND: tl.constexpr, BITS: tl.constexpr, BLOCK_VALUES: tl.constexpr):
     """The code of value j of a block whose codes start at q (byte pointers, one per value)."""
     if KIND == 4:                                                       # NIBBLE: byte i = code i | code i+n/2 << 4
-        half: tl.constexpr = BLOCK_VALUES // 2
-        byte = tl.load(q + (j % half), mask=mask, other=0).to(tl.int32)
-        code = (byte >> (4 * (j // half))) & 0x0F
+        byte = tl.load(q + j % (BLOCK_VALUES // 2), mask=mask, other=0).to(tl.int32)
+        code = (byte >> (4 * (j // (BLOCK_VALUES // 2)))) & 0x0F
     else:                                                               # PACKED: 8 codes per BITS bytes, little-endian
         bit = BITS * (j % 8)
         first = (j // 8) * BITS + bit // 8

@@ -20,7 +20,7 @@ import torch
 from ..native.paged_attention import BF16, F16, F32, NIBBLE, PACKED, Q8, CodecFields, codec_fields
 
 SPLIT_KEYS = 512          # keys per program: fixed, so a sequence's bits do not depend on its batch (as the C SPAN)
-BLOCK_N = 32              # keys decoded and scored together
+BLOCK_N = 32              # keys decoded and scored together, at head_dim <= 64 (16 above: see _launch_config)
 MAX_ROWS = 64             # query rows per KV head one program holds
 MIN_DOT = 16              # tl.dot's smallest M, N and K: fewer query rows are padded with zeros
 KINDS = (F32, F16, BF16, Q8, NIBBLE, PACKED)
@@ -73,6 +73,17 @@ def _codec_args(fmt, head_dim: int, prefix: str) -> dict:
             f"{prefix}_BYTES": f.block_bytes, f"{prefix}_HEADER": f.header_bytes}
 
 
+def _launch_config(fmt_k, fmt_v, n_rows: int, head_dim: int, split_keys: int = SPLIT_KEYS) -> dict:
+    """The kernel's constexprs and warps for one call. Tiles of (keys x head_dim) decoded values
+    live in registers: ptxas for sm_90 spills kilobytes at head_dim 256 with 32 keys and 4 warps,
+    and little with 16 keys (and 8 warps at 256). A guess from spill counts, not timings."""
+    assert split_keys % BLOCK_N == 0, f"split_keys must be a multiple of {BLOCK_N}"
+    return dict(HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim), BLOCK_G=max(MIN_DOT, _pow2(n_rows)),
+                BLOCK_N=BLOCK_N if head_dim <= 64 else MIN_DOT, SPLIT_KEYS=split_keys,
+                **_codec_args(fmt_k, head_dim, "K"), **_codec_args(fmt_v, head_dim, "V"),
+                num_warps=8 if head_dim >= 256 else 4)
+
+
 def decode_state(fmt_k, fmt_v, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                  table: torch.Tensor, n_keys: torch.Tensor, split_keys: int = SPLIT_KEYS
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -81,22 +92,19 @@ def decode_state(fmt_k, fmt_v, q: torch.Tensor, k_pool: torch.Tensor, v_pool: to
     -> m, l (Hkv, S, R, 1) and acc (Hkv, S, R, D), acc in V's code domain, not normalised; a
     sequence without keys gets m = -inf, l = 0, acc = 0. ``split_keys``: keys per program (a
     multiple of BLOCK_N). The number of splits comes from the table's width: no host sync."""
-    assert split_keys % BLOCK_N == 0, f"split_keys must be a multiple of {BLOCK_N}"
     n_kv, n_seq, n_rows, dim = q.shape
+    config = _launch_config(fmt_k, fmt_v, n_rows, dim, split_keys)
     page_size = k_pool.shape[2]
     n_splits = max(1, -(-table.shape[1] * page_size // split_keys))
     q, table = q.contiguous(), table.to(torch.int32).contiguous()
     n_keys = n_keys.to(device=q.device, dtype=torch.int32).contiguous()
     m = torch.empty(n_kv, n_seq, n_splits, n_rows, device=q.device)
     l, acc = torch.empty_like(m), torch.empty(n_kv, n_seq, n_splits, n_rows, dim, device=q.device)
-    role_k, role_v = getattr(fmt_k, "role", "k"), getattr(fmt_v, "role", "k")
-    device = str(q.device)
+    luts = [_lut(f.name, getattr(f, "role", "k"), dim, str(q.device)) for f in (fmt_k, fmt_v)]
     _kernel().paged_decode_split[(n_kv, n_seq, n_splits)](
-        q, k_pool.contiguous(), v_pool.contiguous(), table, n_keys,
-        _lut(fmt_k.name, role_k, dim, device), _lut(fmt_v.name, role_v, dim, device), m, l, acc,
+        q, k_pool.contiguous(), v_pool.contiguous(), table, n_keys, *luts, m, l, acc,
         n_seq, n_rows, k_pool.shape[1], page_size, k_pool.shape[3], v_pool.shape[3], table.shape[1], n_splits,
-        HEAD_DIM=dim, BLOCK_D=_pow2(dim), BLOCK_G=max(MIN_DOT, _pow2(n_rows)), BLOCK_N=BLOCK_N,
-        SPLIT_KEYS=split_keys, **_codec_args(fmt_k, dim, "K"), **_codec_args(fmt_v, dim, "V"))
+        **config)
     return merge_splits(m, l, acc)
 
 
