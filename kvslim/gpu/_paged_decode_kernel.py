@@ -7,16 +7,14 @@ the G query rows that share the KV head against one read of each key (GQA), and 
 softmax. It writes its split's (m, l, acc); the launcher merges the splits.
 
 Triton decides at decoration time whether a kernel is interpreted (TRITON_INTERPRET=1, numpy on
-the CPU) or compiled; ``INTERPRETED`` records which this module's kernels are.
+the CPU) or compiled; ``INTERPRETED`` records which this module's kernels are, ``RUNNABLE``
+whether triton.language's own functions (decorated when triton was imported) agree.
 """
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from triton.runtime.jit import JITFunction
 
 # The codec kinds, as kvslim/native/paged_attention.py numbers them.
 F32, F16, BF16, Q8, NIBBLE, PACKED = range(6)
@@ -57,7 +55,7 @@ def _block_code(q, j, mask, KIND: tl.constexpr, BITS: tl.constexpr, BLOCK_VALUES
     else:                                                               # PACKED: 8 codes per BITS bytes, little-endian
         bit = BITS * (j % 8)
         first = (j // 8) * BITS + bit // 8
-        last_of_word = (j // 8) * BITS + (BITS - 1)                     # a code may run into the next byte, never past its word
+        last_of_word = (j // 8) * BITS + (BITS - 1)     # a code may run into the next byte, never past its word
         lo = tl.load(q + first, mask=mask, other=0).to(tl.int32)
         hi = tl.load(q + tl.minimum(first + 1, last_of_word), mask=mask, other=0).to(tl.int32)
         code = ((lo | (hi << 8)) >> (bit % 8)) & ((1 << BITS) - 1)
@@ -141,3 +139,7 @@ def paged_decode_split(q_ptr, k_pool, v_pool, table_ptr, n_keys_ptr, k_lut, v_lu
     tl.store(m_out + part, m_i, mask=g_live)
     tl.store(l_out + part, l_i, mask=g_live)
     tl.store(acc_out + part[:, None] * HEAD_DIM + d[None, :], acc, mask=g_live[:, None] & d_live[None, :])
+
+
+INTERPRETED = not isinstance(paged_decode_split, JITFunction)
+RUNNABLE = INTERPRETED == (not isinstance(tl.zeros, JITFunction))     # else tl.zeros & co. refuse to run

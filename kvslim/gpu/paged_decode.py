@@ -12,7 +12,6 @@ checks the two agree under Triton's interpreter (TRITON_INTERPRET=1, CPU tensors
 """
 from __future__ import annotations
 
-import importlib.util
 from functools import lru_cache
 
 import torch
@@ -26,9 +25,14 @@ MIN_DOT = 16              # tl.dot's smallest M, N and K: fewer query rows are p
 KINDS = (F32, F16, BF16, Q8, NIBBLE, PACKED)
 
 
+@lru_cache(maxsize=None)
 def available() -> bool:
-    """Whether triton can be imported (it is not a dependency of kvslim)."""
-    return importlib.util.find_spec("triton") is not None
+    """Whether triton imports (it is not a dependency of kvslim)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @lru_cache(maxsize=None)
@@ -47,8 +51,9 @@ def _fields(fmt, head_dim: int) -> CodecFields | None:
 
 def _device_ok(device: torch.device) -> bool:
     """The compiled kernel runs on CUDA tensors, the interpreted one on CPU tensors. Triton fixes
-    which one this process has when the kernel module is first imported (TRITON_INTERPRET)."""
-    return device.type == ("cpu" if _kernel().INTERPRETED else "cuda")
+    which one this process has at import (TRITON_INTERPRET): triton's own, then the kernel module's."""
+    kernel = _kernel()
+    return kernel.RUNNABLE and device.type == ("cpu" if kernel.INTERPRETED else "cuda")
 
 
 def supports(fmt_k, fmt_v, q: torch.Tensor) -> bool:
