@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import os
 
-from .base import FormatSpec, KVFormat
+from .base import FormatSpec, KernelRow, KVFormat
 from .floats import FloatFormat
 from .ggml import NOROT, GgmlFormat
 from .grid import GridFormat, SubScaleGridFormat

@@ -85,6 +85,11 @@ class KVFormat:
         """Stored bits per value, headers included."""
         return 8.0 * self.row_bytes(head_dim) / head_dim
 
+    def kernel_row(self, head_dim: int) -> "KernelRow | None":
+        """How a kernel reads this format's rows without its Python codec (the C and Triton
+        attention kernels read this, not the format's class), or None: no table form."""
+        return None
+
     def check_head_dim(self, head_dim: int) -> None:
         """Raise ValueError if this format cannot store rows of ``head_dim``."""
         if not isinstance(head_dim, (int, np.integer)) or isinstance(head_dim, bool) or head_dim <= 0:
@@ -250,6 +255,31 @@ class RowLayout:
         code_bytes = spec.bytes_for_block(block) - spec.block_header_bytes
         fields += (RowField("codes", spec.block_header_bytes, code_bytes),)
         return cls(n_blocks, block, spec.bytes_for_block(block), fields)
+
+
+@dataclass(frozen=True)
+class KernelRow:
+    """A row as the kernels decode it. ``kind`` "f32"/"f16"/"bf16": float values. Otherwise
+    blocks of ``block_values`` values, each [f16 scale][rungs][codes] with value = scale *
+    ladder[rung] * table[code]: "int8" (the code is the value), "nibble" (32-value blocks, byte
+    j = code j | code j+16 << 4), "packed" (``bits``-bit codes, 8 per ``bits`` bytes,
+    little-endian). Rungs (``sub_bits`` each, one per ``sub_values`` values) only where
+    ``sub_values``."""
+
+    kind: str
+    bits: int
+    block_values: int = 1
+    table: tuple[float, ...] = ()
+    header_bytes: int = 2
+    sub_values: int = 0
+    sub_bits: int = 0
+    ladder: tuple[float, ...] = ()
+
+    @property
+    def block_bytes(self) -> int:
+        if self.kind in ("f32", "f16", "bf16"):
+            return self.bits // 8
+        return self.header_bytes + self.block_values * self.bits // 8
 
 
 def check_float_input(x, name: str) -> torch.Tensor:

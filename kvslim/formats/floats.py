@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import FP16_MAX, KVFormat
+from .base import FP16_MAX, KernelRow, KVFormat
 
 _DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
@@ -20,6 +20,9 @@ class FloatFormat(KVFormat):
 
     def _layout(self, head_dim: int) -> tuple[int, int]:
         return head_dim, 1
+
+    def kernel_row(self, head_dim: int) -> KernelRow:
+        return KernelRow(self.name, 8 * self.dtype.itemsize)
 
     def _max_abs(self) -> float | None:
         # f16 overflows to inf past 65504: refuse rather than store inf silently.

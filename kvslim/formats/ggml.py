@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import FP16_MAX, KVFormat, fp16_bytes, fp16_from_bytes
+from .base import FP16_MAX, KernelRow, KVFormat, fp16_bytes, fp16_from_bytes
 from .rotation import hadamard_blocks, llama_rot_size
 
 QK = 32  # values per ggml block
@@ -251,6 +251,16 @@ class GgmlFormat(KVFormat):
     def _max_abs(self) -> float | None:
         # The fp16 scale is roughly max/levels: past this it would overflow to inf.
         return FP16_MAX * CODECS[self.ggml_name][2] * 0.999
+
+    def kernel_row(self, head_dim: int) -> KernelRow | None:
+        """q8_0, q4_0 and iq4_nl: one scale and the codes (rotated or not: the same blocks);
+        q4_1/q5_x carry a second field per block, which the kernels do not read."""
+        if self.ggml_name == "q8_0":
+            return KernelRow("int8", 8, 32)
+        if self.ggml_name in ("q4_0", "iq4_nl"):
+            table = tuple(range(-8, 8)) if self.ggml_name == "q4_0" else IQ4NL_VALUES
+            return KernelRow("nibble", 4, 32, tuple(float(v) for v in table))
+        return None
 
     # ----- attention hooks: the rotation, if any ---------------------------------------
     @property

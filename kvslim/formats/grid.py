@@ -22,9 +22,11 @@ bits/value (nl4's size, NMSE 0.0055 instead of 0.0069); nl3s: 52 bytes = 3.25.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from .base import FP16_MAX, KVFormat, cached_on, fp16_bytes, fp16_from_bytes
+from .base import FP16_MAX, KernelRow, KVFormat, cached_on, fp16_bytes, fp16_from_bytes
 from .bitpack import byte_table, pack_bits, packed_bytes, unpack_bits
 from .rotation import hadamard_blocks, llama_rot_size
 
@@ -96,6 +98,11 @@ class GridFormat(KVFormat):
 
     def rot_size(self, head_dim: int) -> int:
         return llama_rot_size(head_dim, self.role)
+
+    def kernel_row(self, head_dim: int) -> KernelRow:
+        """Per block [f16 scale][codes], value = scale * grid[code]."""
+        bits = self.spec.code_bits
+        return KernelRow("packed", bits, self.spec.block_size, tuple(grid_tensor(bits, "cpu").tolist()))
 
     def _check_head_dim(self, head_dim: int) -> None:
         if head_dim % self.spec.block_size or head_dim % 64:
@@ -208,6 +215,11 @@ class SubScaleGridFormat(GridFormat):
         if head_dim % self.spec.block_size:
             raise ValueError(f"{self.name}: head_dim {head_dim} must be a multiple of the block size "
                              f"{self.spec.block_size}")
+
+    def kernel_row(self, head_dim: int) -> KernelRow:
+        """Per block of 128 [f16 d][a 2-bit rung per 16 values][codes]: d * ladder[rung] * grid[code]."""
+        return dataclasses.replace(super().kernel_row(head_dim), header_bytes=self.spec.block_header_bytes,
+                                   sub_values=SUB_BLOCK, sub_bits=SUB_BITS, ladder=SUB_LADDER)
 
     def _max_abs(self) -> float | None:
         # The refit d can reach the block maximum over the lowest rung (1.1 / 0.6 of it).

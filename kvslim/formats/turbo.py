@@ -22,7 +22,8 @@ import math
 
 import torch
 
-from .base import FP16_MAX, KVFormat, cached_on, ceil_div, check_float_input, fp16_bytes, fp16_from_bytes
+from .base import (FP16_MAX, KernelRow, KVFormat, cached_on, ceil_div, check_float_input, fp16_bytes,
+                   fp16_from_bytes)
 from .bitpack import byte_table, pack_bits, packed_bytes, unpack_bits
 from .codebook import lloyd_max
 from .rotation import gaussian_matrix, rotation_matrix
@@ -49,6 +50,15 @@ class TurboFormat(KVFormat):
     def _layout(self, head_dim: int) -> tuple[int, int]:
         n_groups = ceil_div(head_dim, MAX_GROUP)
         return n_groups, head_dim // n_groups
+
+    def kernel_row(self, head_dim: int) -> KernelRow | None:
+        """The MSE variant: per group [f16 scale][codes], value = scale * centroid[code] (rotated
+        domain); the QJL variant's residual sketch has no table form."""
+        if self.qjl:
+            return None
+        _, group = self.blocks(head_dim)
+        centroids = self.codebook(group, torch.device("cpu"))[0]
+        return KernelRow("packed", self.mse_bits, group, tuple(centroids.tolist()))
 
     def _check_head_dim(self, head_dim: int) -> None:
         n_groups = ceil_div(head_dim, MAX_GROUP)

@@ -67,51 +67,27 @@ def _table16(values) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, 16 - len(t)))
 
 
-def _block_codec(kind: int, bits: int, block_values: int, lut, **sub) -> CodecFields:
-    header = sub.pop("header_bytes", 2)
-    ladder = sub.pop("ladder", None)
-    return CodecFields(kind, bits, block_values, header + block_values * bits // 8, _table16(lut), header,
-                       ladder=None if ladder is None else _table16(ladder), **sub)
+KINDS = {"f32": F32, "f16": F16, "bf16": BF16, "int8": Q8, "nibble": NIBBLE, "packed": PACKED}
 
 
 @lru_cache(maxsize=None)
 def codec_fields(name: str, role: str, head_dim: int) -> CodecFields | None:
     """The row layout of a format for the kernel, or None: the kernel has no decoder for it.
-    Reads each family's documented row layout (kvslim/formats), and refuses a format whose
-    row size is not what that layout gives (a new variant of a family)."""
+    Reads the format's declared ``kernel_row`` (kvslim/formats), and refuses one whose row size
+    is not what that declaration gives (a layout the declaration does not describe)."""
     from .. import formats                                  # native is below formats for the weights' kernels
     fmt = formats.get(name, role=role)
-    fields = _family_fields(fmt, head_dim)
-    if fields is None or fields.kind in (F32, F16, BF16):
+    row = fmt.kernel_row(head_dim)
+    if row is None:
+        return None
+    fields = CodecFields(KINDS[row.kind], row.bits, row.block_values, row.block_bytes,
+                         _table16(row.table) if row.table else None, row.header_bytes, row.sub_values,
+                         row.sub_bits, _table16(row.ladder) if row.ladder else None)
+    if fields.kind in (F32, F16, BF16):
         return fields
     n = fields.block_values
     whole = head_dim % n == 0 and fmt.row_bytes(head_dim) == head_dim // n * fields.block_bytes
     return fields if whole else None
-
-
-def _family_fields(fmt, head_dim: int) -> CodecFields | None:
-    from ..formats import grid
-    from ..formats.floats import FloatFormat
-    from ..formats.ggml import IQ4NL_VALUES, GgmlFormat
-    from ..formats.turbo import TurboFormat
-    kind = type(fmt)
-    if kind is FloatFormat:
-        kind, bits = {"f32": (F32, 32), "f16": (F16, 16), "bf16": (BF16, 16)}[fmt.name]
-        return CodecFields(kind, bits, 1, bits // 8)
-    if kind is GgmlFormat and fmt.ggml_name == "q8_0":                # rotated or not: the same blocks
-        return CodecFields(Q8, 8, 32, 34)
-    if kind is GgmlFormat and fmt.ggml_name in ("q4_0", "iq4_nl"):
-        return _block_codec(NIBBLE, 4, 32, range(-8, 8) if fmt.ggml_name == "q4_0" else IQ4NL_VALUES)
-    if kind is grid.GridFormat:                             # per block [f16 scale][codes]
-        return _block_codec(PACKED, fmt.spec.code_bits, fmt.spec.block_size, grid.grid_tensor(fmt.spec.code_bits, "cpu"))
-    if kind is grid.SubScaleGridFormat:                     # [f16 d][2-bit rung per 16][codes]
-        return _block_codec(PACKED, fmt.spec.code_bits, fmt.spec.block_size, grid.grid_tensor(fmt.spec.code_bits, "cpu"),
-                            header_bytes=fmt.spec.block_header_bytes, sub_values=grid.SUB_BLOCK,
-                            sub_bits=grid.SUB_BITS, ladder=grid.SUB_LADDER)
-    if kind is TurboFormat and not fmt.qjl:                 # MSE variant: per group [f16 scale][codes]
-        _, group = fmt.blocks(head_dim)
-        return _block_codec(PACKED, fmt.mse_bits, group, fmt.codebook(group, torch.device("cpu"))[0])
-    return None
 
 
 @lru_cache(maxsize=None)
