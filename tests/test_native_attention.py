@@ -133,6 +133,24 @@ def test_each_format_declares_the_row_the_kernels_read(head_dim):
     assert not {"q4_1", "q5_0", "turbo4p"} & set(declared)                 # second fields, QJL sketches
 
 
+def test_the_build_variant_can_be_chosen_for_the_whole_process(monkeypatch):
+    """KVSLIM_NATIVE_BUILD times the AVX2 or plain loops on a machine with AVX-512 (as a user
+    without it runs them); a name that is not a build is refused with the choices."""
+    _need_kernel()
+    monkeypatch.setenv("KVSLIM_NATIVE_BUILD", "avx2")
+    build.clear()
+    try:
+        chosen = build.library(native.SOURCE)._name
+        assert chosen == build.library(native.SOURCE, "avx2")._name != build.library(native.SOURCE, "native")._name
+        monkeypatch.setenv("KVSLIM_NATIVE_BUILD", "avx3")
+        build.clear()
+        with pytest.raises(ValueError, match="avx3.*native, avx2, portable"):
+            build.library(native.SOURCE)
+    finally:
+        monkeypatch.delenv("KVSLIM_NATIVE_BUILD")
+        build.clear()
+
+
 def test_formats_without_a_codec_keep_the_torch_path(monkeypatch):
     q = torch.zeros(2, 1, 2, 128)
     assert not native.supports(formats.get("q4_1"), formats.get("f16"), q)       # two fields per block

@@ -21,7 +21,7 @@ MAX_ROWS = 8                                 # more activation rows: torch's mat
 
 
 def _library(portable: bool = False):
-    lib = build.library(SOURCE, "portable" if portable else "native")
+    lib = build.library(SOURCE, "portable" if portable else None)
     if lib is not None and lib.kvslim_block_linear.argtypes is None:
         lib.kvslim_block_linear.restype = ctypes.c_int
         lib.kvslim_block_linear.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,

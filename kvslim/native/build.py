@@ -37,15 +37,25 @@ def enabled() -> bool:
     return os.environ.get("KVSLIM_NATIVE", "1") != "0"
 
 
+def default_variant() -> str:
+    """``KVSLIM_NATIVE_BUILD`` (a key of VARIANTS) or "native": the AVX2 or plain loops can be
+    timed on a machine that has AVX-512, as a user without it would run them."""
+    name = os.environ.get("KVSLIM_NATIVE_BUILD", "native")
+    if name not in VARIANTS:
+        raise ValueError(f"KVSLIM_NATIVE_BUILD={name!r}: expected one of {', '.join(VARIANTS)}")
+    return name
+
+
 @lru_cache(maxsize=None)
-def library(source_name: str, variant: str = "native") -> ctypes.CDLL | None:
+def library(source_name: str, variant: str | None = None) -> ctypes.CDLL | None:
     """The loaded library built from ``source_name`` (a .c file beside this module), or None
-    (``KVSLIM_NATIVE=0``, no compiler, or a failed build). ``variant``: a key of VARIANTS;
-    the tests build "avx2" and "portable" too, so every path of the C files is checked."""
+    (``KVSLIM_NATIVE=0``, no compiler, or a failed build). ``variant``: a key of VARIANTS
+    (default: ``default_variant()``); the tests build "avx2" and "portable" too, so every path
+    of the C files is checked."""
     cc = compiler()
     if not enabled() or cc is None:
         return None
-    flags = VARIANTS[variant]
+    flags = VARIANTS[variant or default_variant()]
     source = Path(__file__).with_name(source_name)
     text = b"".join(path.read_bytes() for path in [source, *sorted(source.parent.glob("*.c"))])  # includes too
     digest = hashlib.sha256(text + cc.encode() + " ".join(flags).encode()).hexdigest()[:16]

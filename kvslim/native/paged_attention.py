@@ -50,7 +50,7 @@ class CodecFields:
                      self.header_bytes, self.sub_values, self.sub_bits, pointer(self.ladder))
 
 
-def _library(variant: str = "native"):
+def _library(variant: str | None = None):
     lib = build.library(SOURCE, variant)
     if lib is not None and lib.kvslim_paged_decode.argtypes is None:
         fn = lib.kvslim_paged_decode
@@ -108,7 +108,7 @@ def supports(fmt_k, fmt_v, q: torch.Tensor) -> bool:
 
 
 def decode_state(fmt_k, fmt_v, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                 table: torch.Tensor, n_keys: torch.Tensor, variant: str = "native"
+                 table: torch.Tensor, n_keys: torch.Tensor, variant: str | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q (Hkv, S, R, D) float32, scaled, in K's code domain; pools (Hkv, pages, page_size, row bytes)
     uint8; table (S, P) int32 pages; n_keys (S,) keys each sequence sees (its first n_keys).
