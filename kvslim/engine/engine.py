@@ -282,22 +282,15 @@ class Engine:
         would otherwise depend on what else the server was doing). Without one, one Batch."""
         if not self.decode_step.static:
             return self._batch_forward(plan)
-        decoding = [row for row, (seq, chunk) in enumerate(plan) if self._decodes(seq, chunk)]
-        reading = [row for row in range(len(plan)) if row not in decoding]
+        n_decoding = sum(len(seq.pending) == 1 for seq, _ in plan)       # _plan puts them first
         parts = []
-        if decoding:
-            picked = [plan[row] for row in decoding]
-            parts.append(self.decode_step([seq.slot for seq, _ in picked], [chunk[0] for _, chunk in picked],
-                                          [seq.n_cached for seq, _ in picked]))
-        if reading:
-            parts.append(self._batch_forward([plan[row] for row in reading]))
-        logits = torch.cat(parts) if len(parts) > 1 else parts[0]
-        order = torch.tensor(decoding + reading).argsort()               # back to the plan's rows
-        return logits if not (decoding and reading) else logits[order]
-
-    @staticmethod
-    def _decodes(seq: Sequence, chunk: list[int]) -> bool:
-        return len(chunk) == 1 and len(seq.pending) == 1
+        if n_decoding:
+            parts.append(self.decode_step([seq.slot for seq, _ in plan[:n_decoding]],
+                                          [chunk[0] for _, chunk in plan[:n_decoding]],
+                                          [seq.n_cached for seq, _ in plan[:n_decoding]]))
+        if n_decoding < len(plan):
+            parts.append(self._batch_forward(plan[n_decoding:]))
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def _batch_forward(self, plan: list[tuple[Sequence, list[int]]]) -> torch.Tensor:
         batch = Batch.build([(seq.slot, chunk, seq.n_cached) for seq, chunk in plan], device=self.device)
@@ -319,8 +312,8 @@ class Engine:
         self._record_memory(seq)
 
     def _plan(self) -> list[tuple[Sequence, list[int]]]:
-        """Decoding sequences first (one token each), then prompt chunks within the budget.
-        With a native or compiled decode step, decoding rows run apart (``_forward``) and take
+        """Decoding sequences first (one token each; ``_forward`` relies on that order), then
+        prompt chunks within the budget. With a native or compiled decode step, decoding rows run apart (``_forward``) and take
         none of the budget, and a prompt is read in whole chunks of n_ubatch from where it
         started: one that does not fit in what is left waits for the next step, so its
         chunks, and the numbers they give, are those of the prompt read alone."""

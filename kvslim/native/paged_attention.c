@@ -116,10 +116,10 @@ static void decode_block_scalar(const codec_t *c, const uint8_t *q, float d, uin
 static inline __attribute__((always_inline)) void decode_block(const codec_t *c, const uint8_t *block, float *out) {
     const float d = f16_to_f32(block);
     const uint8_t *q = block + c->header_bytes;
-    const int n = c->block_values;
     uint64_t rungs = 0;
     for (int b = 2; b < c->header_bytes; b++) rungs |= (uint64_t)block[b] << (8 * (b - 2));
 #ifdef KVSLIM_AVX2
+    const int n = c->block_values;
     const __m256 m4 = _mm256_castsi256_ps(_mm256_set1_epi32(0x0F));
     __m256 vd = _mm256_set1_ps(d);
     if (c->kind == CODEC_Q8 && n % 8 == 0) {
@@ -705,27 +705,64 @@ static void sum_tile(const codec_t *cv, const uint8_t *const *v_rows, int n, flo
 
 /* Keys [t0, t1) of one (head, sequence) into the state m, l (n_rows) and acc (n_rows x dim),
  * TILE keys at a time: scores, the online-softmax rescale, then the weighted values. */
-static void attend_span(const pages_t *p, const codec_t *ck, const codec_t *cv, const float *q, int n_rows, int dim,
-                        int64_t head, int64_t seq, int64_t t0, int64_t t1, float *m, float *l, float *acc) {
+/* Which fused loop reads K (fk) and V (fv) rows, or DEC_NONE: the buffered loops. Decided once
+ * per call: the query is put in K's lane order and V's sums taken out of theirs once, not per span. */
+#ifndef KVSLIM_FUSED
+enum { DEC_NONE = -1 };
+#endif
+static int fused_for(const codec_t *c, int64_t dim, int64_t multiple) {
+#ifdef KVSLIM_FUSED
+    return dim % multiple == 0 ? fused_kind(c) : DEC_NONE;
+#else
+    (void)c, (void)dim, (void)multiple;
+    return DEC_NONE;
+#endif
+}
+
+/* Whether a fused kind reads its rows out of dim order (the interleaved 4-bit rows). */
+static int interleaved(int kind) {
+#ifdef KVSLIM_FUSED
+    return kind == DEC_PACKED4 || kind == DEC_PACKED4S;
+#else
+    (void)kind;
+    return 0;
+#endif
+}
+
+/* Rows (n, dim) into an interleaved kind's lane order (back = 0) or out of it (back = 1), in place. */
+static void to_lanes(int kind, float *x, int64_t n, int dim, int back) {
+#ifdef KVSLIM_FUSED
+    if (!interleaved(kind)) return;
+    float tmp[MAX_DIM];
+    for (int64_t r = 0; r < n; r++) {
+        memcpy(tmp, x + r * dim, sizeof(float) * (size_t)dim);
+        interleave(tmp, x + r * dim, dim, back);
+    }
+#else
+    (void)kind, (void)x, (void)n, (void)dim, (void)back;
+#endif
+}
+
+/* Keys [t0, t1) of one (head, sequence) into the state m, l (n_rows) and acc (n_rows x dim),
+ * TILE keys at a time: scores, the online-softmax rescale, then the weighted values. q and acc
+ * are in the lane orders of fk and fv. */
+static void attend_span(const pages_t *p, const codec_t *ck, const codec_t *cv, int fk, int fv, const float *q,
+                        int n_rows, int dim, int64_t head, int64_t seq, int64_t t0, int64_t t1, float *m, float *l,
+                        float *acc) {
     float scores[MAX_ROWS][TILE];
 #ifdef KVSLIM_AVX2
     const int tiled = dim % 32 == 0;
 #else
     const int tiled = 0;
 #endif
-    float *rows = aligned_alloc(64, sizeof(float) * (size_t)(tiled ? TILE * dim : MAX_DIM));
-#ifdef KVSLIM_FUSED
-    const int fk = dim % 32 == 0 ? fused_kind(ck) : DEC_NONE, fv = dim % 64 == 0 ? fused_kind(cv) : DEC_NONE;
-    float *q_lanes = fk == DEC_PACKED4 || fk == DEC_PACKED4S ? malloc(sizeof(float) * (size_t)(n_rows * dim)) : NULL;
-    for (int r = 0; q_lanes && r < n_rows; r++) interleave(q + (size_t)r * dim, q_lanes + (size_t)r * dim, dim, 0);
-    const float *qk = q_lanes ? q_lanes : q;
-#endif
+    float *rows = fk == DEC_NONE || fv == DEC_NONE      /* the buffered loops' decoded rows */
+                      ? aligned_alloc(64, sizeof(float) * (size_t)(tiled ? TILE * dim : MAX_DIM)) : NULL;
     for (int64_t start = t0; start < t1; start += TILE) {
         int n = (int)(t1 - start < TILE ? t1 - start : TILE);
         const uint8_t *k_rows[TILE], *v_rows[TILE];
         tile_rows(p, head, seq, start, n, k_rows, v_rows);
 #ifdef KVSLIM_FUSED
-        if (fk != DEC_NONE) score_fused(fk, ck, k_rows, n, qk, n_rows, dim, scores);
+        if (fk != DEC_NONE) score_fused(fk, ck, k_rows, n, q, n_rows, dim, scores);
         else
 #endif
         score_tile(ck, k_rows, n, q, n_rows, dim, rows, tiled, scores);
@@ -745,13 +782,6 @@ static void attend_span(const pages_t *p, const codec_t *ck, const codec_t *cv, 
 #endif
         sum_tile(cv, v_rows, n, scores, n_rows, dim, rows, tiled, acc);
     }
-#ifdef KVSLIM_FUSED
-    for (int r = 0; (fv == DEC_PACKED4 || fv == DEC_PACKED4S) && r < n_rows; r++) {         /* V's sums back in dim order */
-        memcpy(rows, acc + (size_t)r * dim, sizeof(float) * (size_t)dim);
-        interleave(rows, acc + (size_t)r * dim, dim, 1);
-    }
-    free(q_lanes);
-#endif
     free(rows);
 }
 
@@ -784,8 +814,12 @@ int kvslim_paged_decode(const codec_t *ck, const codec_t *cv, const float *q, co
     for (int64_t s = 0; s < n_seq; s++) longest = n_keys[s] > longest ? n_keys[s] : longest;
     const int64_t n_spans = longest > 0 ? (longest + span - 1) / span : 1;
     const int64_t n_items = n_kv * n_seq * n_spans, state = n_rows * (dim + 2);
-    float *part = malloc((size_t)(n_items * state) * sizeof(float));
-    if (!part) return 1;
+    const int fk = fused_for(ck, dim, 32), fv = fused_for(cv, dim, 64);
+    const size_t q_size = sizeof(float) * (size_t)(n_kv * n_seq * n_rows * dim);
+    float *part = malloc((size_t)(n_items * state) * sizeof(float)), *q_lanes = interleaved(fk) ? malloc(q_size) : NULL;
+    if (!part || (interleaved(fk) && !q_lanes)) return free(part), free(q_lanes), 1;
+    if (q_lanes) memcpy(q_lanes, q, q_size), to_lanes(fk, q_lanes, n_kv * n_seq * n_rows, (int)dim, 0);
+    const float *qk = q_lanes ? q_lanes : q;
     #pragma omp parallel for num_threads(n_threads) schedule(dynamic, 1)
     for (int64_t item = 0; item < n_items; item++) {
         int64_t hs = item / n_spans, k = item % n_spans, head = hs / n_seq, seq = hs % n_seq;
@@ -794,7 +828,8 @@ int kvslim_paged_decode(const codec_t *ck, const codec_t *cv, const float *q, co
         memset(pacc, 0, (size_t)(n_rows * dim) * sizeof(float));
         int64_t t0 = k * span, t1 = (k + 1) * span < n_keys[seq] ? (k + 1) * span : n_keys[seq];
         if (t0 < t1)
-            attend_span(&p, ck, cv, q + hs * n_rows * dim, (int)n_rows, (int)dim, head, seq, t0, t1, pm, pl, pacc);
+            attend_span(&p, ck, cv, fk, fv, qk + hs * n_rows * dim, (int)n_rows, (int)dim, head, seq, t0, t1,
+                        pm, pl, pacc);
     }
     for (int64_t hs = 0; hs < n_kv * n_seq; hs++) {     /* merge each (head, sequence)'s spans in order */
         float *om = m + hs * n_rows, *ol = l + hs * n_rows, *oacc = acc + hs * n_rows * dim;
@@ -807,6 +842,7 @@ int kvslim_paged_decode(const codec_t *ck, const codec_t *cv, const float *q, co
             merge(om, ol, oacc, s, s + n_rows, s + 2 * n_rows, (int)n_rows, (int)dim);
         }
     }
-    free(part);
+    to_lanes(fv, acc, n_kv * n_seq * n_rows, (int)dim, 1);            /* V's sums back in dim order */
+    free(part), free(q_lanes);
     return 0;
 }
