@@ -22,10 +22,10 @@
    and 2 more wait: what each client received, exit code and time to exit.
 ``--server-process`` runs the server of 1-5 in its own process too (by default it runs on
 threads in this one, where the clients' Python shares its GIL: the oversize upload's
-client thread then shows up in the server's token gaps). With it, ``--oversize`` uploads from
-a third process, and each run has a control: the same upload to a sink process that refuses
-it and does nothing else, so what the upload costs a 2-core machine is told apart from what
-it costs the server.
+client's threads then show up in the server's token gaps). ``--oversize`` uploads from a
+process of its own, and each run has a control: the same upload to a sink process that
+refuses it and does nothing else, so what the upload costs a 2-core machine is told apart
+from what it costs the server.
 """
 from __future__ import annotations
 
@@ -195,31 +195,6 @@ def chaos(client, base: str, alone: list[str], args) -> None:
           f" ({errors} exceptions in all, {wall:.1f} s)")
 
 
-def body_32mib() -> bytes:
-    return b'{"model": "m", "prompt": "' + b"x" * (32 << 20) + b'"}'
-
-
-def upload_32mib(base: str, body: bytes) -> tuple[str, float]:
-    """Send a 32 MiB JSON body as a client would (headers, then the body as fast as the socket takes it);
-    returns the status line of the answer, read as soon as it comes, and the seconds from connecting to it."""
-    host, port = base.removeprefix("http://").split(":")
-    t0 = time.perf_counter()
-    sock = socket.create_connection((host, int(port)))
-    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(body)}\r\n\r\n".encode())
-
-    def push():
-        try:
-            sock.sendall(body)
-        except OSError:                                            # the server closed after refusing: expected
-            pass
-    threading.Thread(target=push, daemon=True).start()
-    answer = sock.recv(4096).split(b"\r\n", 1)[0].decode()
-    seconds = time.perf_counter() - t0
-    sock.close()
-    return answer, seconds
-
-
 UPLOADER = """
 import socket, sys, threading, time
 host, port, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -286,7 +261,7 @@ def oversize(client, base: str, args, target: str | None = None) -> None:
     inter-token gaps while the upload runs against the same stream's gaps before it.
     ``target``: send the body there instead of to the server (the sink's control run)."""
     stamps, done = [], threading.Event()
-    upload = Uploader(target or base) if args.server_process else (lambda: upload_32mib(base, body_32mib()))
+    upload = Uploader(target or base)
 
     def watch():
         messages = [{"role": "user", "content": "Tell me a long story."}]
@@ -413,7 +388,7 @@ def main() -> int:
     ap.add_argument("--server-process", action="store_true",
                     help="run kvslim serve in its own process (default: in this one, on threads)")
     ap.add_argument("--oversize-runs", type=int, default=5,
-                    help="--oversize with --server-process: runs, each beside a control upload to a sink process")
+                    help="--oversize: runs, each beside a control upload to a sink process")
     ap.add_argument("--gap-tokens", type=int, default=400, help="length of the stream watched by --oversize")
     ap.add_argument("--json-schema", type=int, default=0, metavar="N")
     ap.add_argument("--sigterm", action="store_true", help="only the SIGTERM drain test (a separate process)")
@@ -437,7 +412,7 @@ def main() -> int:
         if args.chaos:
             chaos(client, base, alone or [chat_stream(client, i, args.max_tokens)[0] for i in range(args.requests)],
                   args)
-        if args.oversize and args.server_process:                     # each run beside a control run
+        if args.oversize:                                             # each run beside a control run
             sink, sink_base = sink_process()
             try:
                 for _ in range(args.oversize_runs):
@@ -445,8 +420,6 @@ def main() -> int:
                     oversize(client, base, args, target=sink_base)
             finally:
                 sink.kill()
-        elif args.oversize:
-            oversize(client, base, args)
         if args.json_schema:
             json_schema_runs(client, args)
     finally:

@@ -16,13 +16,12 @@ from functools import lru_cache
 
 import torch
 
-from ..native.paged_attention import BF16, F16, F32, NIBBLE, PACKED, Q8, CodecFields, codec_fields
+from ..native.paged_attention import CodecFields, codec_fields
 
 SPLIT_KEYS = 512          # keys per program: fixed, so a sequence's bits do not depend on its batch (as the C SPAN)
 BLOCK_N = 32              # keys decoded and scored together, at head_dim <= 64 (16 above: see _launch_config)
 MAX_ROWS = 64             # query rows per KV head one program holds
 MIN_DOT = 16              # tl.dot's smallest M, N and K: fewer query rows are padded with zeros
-KINDS = (F32, F16, BF16, Q8, NIBBLE, PACKED)
 
 
 @lru_cache(maxsize=None)
@@ -44,7 +43,7 @@ def _kernel():
 def _fields(fmt, head_dim: int) -> CodecFields | None:
     """The format's layout when this kernel decodes it: no sub-block rungs (the nl*s rows) yet."""
     fields = codec_fields(fmt.name, getattr(fmt, "role", "k"), head_dim)
-    if fields is None or fields.kind not in KINDS or fields.sub_values:
+    if fields is None or fields.sub_values:
         return None
     return fields
 
