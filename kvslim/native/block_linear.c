@@ -244,10 +244,10 @@ static void row_times_rows(int type, const uint8_t *row, const float *x, const f
     }
     for (int64_t i = 0; i < m; i++) y[i * n] = hsum(acc[i]) + offsets[i];
 }
-/* One activation row (a decode step of one sequence), the hot types written out: through
- * unpack_group's generic interface gcc kept each group's four vectors on the stack and
- * compared the f16 scales in software, ~17 cycles a group for q8_0 and q4_0 alike. Here the
- * scale is one F16C conversion and consecutive groups go to two accumulators. */
+/* The hot types written out (one activation row or several): through unpack_group's generic
+ * interface gcc kept each group's four vectors on the stack and compared the f16 scales in
+ * software, ~17 cycles a group for q8_0 and q4_0 alike. Here the scale is one F16C conversion
+ * and consecutive groups go to two accumulators. */
 static inline __m256 scale_of(const uint8_t *b) {
     uint16_t h;
     memcpy(&h, b, 2);
@@ -316,7 +316,9 @@ static inline __attribute__((always_inline)) void rows_times_typed(int type, con
     for (int64_t i = 0; i < m; i++) y[i * n] = hsum(_mm256_add_ps(even[i], odd[i]));
 }
 
-static void rows_times_fast(int type, const uint8_t *row, const float *x, int64_t m, int64_t k, float *y, int64_t n) {
+/* One type per call, so that the type checks leave the loop once inlined. */
+static inline __attribute__((always_inline)) void rows_times_fast(int type, const uint8_t *row, const float *x,
+                                                                  int64_t m, int64_t k, float *y, int64_t n) {
     switch (type) {
         case TYPE_Q8_0: rows_times_typed(TYPE_Q8_0, row, x, m, k, y, n); break;
         case TYPE_Q4_0: rows_times_typed(TYPE_Q4_0, row, x, m, k, y, n); break;
@@ -326,38 +328,10 @@ static void rows_times_fast(int type, const uint8_t *row, const float *x, int64_
     }
 }
 
-static inline int fast_one_row(int type) {     /* the types written out below and above */
+static inline int fast_types(int type) {     /* the types written out above */
     return type == TYPE_Q8_0 || type == TYPE_Q4_0 || type == TYPE_F16 || type == TYPE_BF16 || type == TYPE_F32;
 }
 
-/* One type per call, so that the type checks leave the loop once inlined. */
-static inline __attribute__((always_inline)) float row_times_one_typed(int type, const uint8_t *row, const float *x,
-                                                                       int64_t k) {
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), v[4], d;
-    const int64_t n_groups = k / QK;
-    int64_t g = 0;
-    for (; g + 1 < n_groups; g += 2) {
-        group_values(type, row, g, v, &d);
-        acc0 = group_into(v, d, x + g * QK, acc0);
-        group_values(type, row, g + 1, v, &d);
-        acc1 = group_into(v, d, x + (g + 1) * QK, acc1);
-    }
-    if (g < n_groups) {
-        group_values(type, row, g, v, &d);
-        acc0 = group_into(v, d, x + g * QK, acc0);
-    }
-    return hsum(_mm256_add_ps(acc0, acc1));
-}
-
-static float row_times_one(int type, const uint8_t *row, const float *x, int64_t k) {
-    switch (type) {
-        case TYPE_Q8_0: return row_times_one_typed(TYPE_Q8_0, row, x, k);
-        case TYPE_Q4_0: return row_times_one_typed(TYPE_Q4_0, row, x, k);
-        case TYPE_F16: return row_times_one_typed(TYPE_F16, row, x, k);
-        case TYPE_BF16: return row_times_one_typed(TYPE_BF16, row, x, k);
-        default: return row_times_one_typed(TYPE_F32, row, x, k);
-    }
-}
 #endif
 
 /* x (m, k) float32 contiguous; w (n, row_bytes) rows of `type`; y (m, n) float32.
@@ -379,8 +353,8 @@ int kvslim_block_linear(int type, const float *x, const uint8_t *w, float *y, in
     }
     #pragma omp parallel for num_threads(n_threads) schedule(static)
     for (int64_t r = 0; r < n; r++) {
-        if (m == 1 && fast_one_row(type)) y[r] = row_times_one(type, w + r * row_bytes, x, k);
-        else if (fast_one_row(type)) rows_times_fast(type, w + r * row_bytes, x, m, k, y + r, n);
+        if (m == 1 && fast_types(type)) rows_times_fast(type, w + r * row_bytes, x, 1, k, y + r, n);  /* m a constant */
+        else if (fast_types(type)) rows_times_fast(type, w + r * row_bytes, x, m, k, y + r, n);
         else row_times_rows(type, w + r * row_bytes, x, xsum, m, k, y + r, n);
     }
     free(xsum);
