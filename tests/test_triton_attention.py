@@ -12,8 +12,6 @@ speed) waits for a CUDA run: see docs/gpu.md.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,9 +21,9 @@ from kvslim import formats
 from kvslim.gpu import paged_decode as gpu
 
 from .test_native_attention import _case, _torch_state
+from .triton_harness import compile_for_sm90, compiled_process, run_interpreted
 
 pytestmark = pytest.mark.skipif(not gpu.available(), reason="triton is not installed: no GPU kernel to check")
-ROOT = Path(__file__).resolve().parent.parent
 
 PAIRS = [("f16", "f16"), ("q8_0", "q8_0"), ("q8_0", "q4_0"), ("iq4_nl", "f16"), ("turbo4", "q8_0"),
          ("f16", "turbo4"), ("turbo3", "iq4_nl"), ("bf16", "f32"), ("nl4", "turbo2"), ("q4_0", "nl3")]
@@ -60,14 +58,7 @@ def _states_in_child(cases, path: Path) -> None:
 def interpreted(tmp_path_factory):
     """Every case's kernel state, computed once by one interpreted child process."""
     cases = CASES + [LONG, ODD_PAGES, BATCH]
-    path = tmp_path_factory.mktemp("triton") / "states.pt"
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    code = "import sys; from pathlib import Path; from tests.test_triton_attention import _states_in_child as run; " \
-           f"run({cases!r}, Path(sys.argv[1]))"
-    done = subprocess.run([sys.executable, "-c", code, str(path)], cwd=ROOT, env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-4000:]
-    out = torch.load(path)
+    out = run_interpreted("tests.test_triton_attention", "_states_in_child", cases, tmp_path_factory.mktemp("triton"))
     out["kernels"] = dict(zip(cases, out["kernels"]))
     return out
 
@@ -145,8 +136,7 @@ CUDA_CASES = CASES + [LONG, ODD_PAGES]
 @pytest.mark.parametrize("case", CUDA_CASES, ids=lambda c: f"{c[0]}-{c[1]}-d{c[2]}-g{c[3]}-p{c[5]}")
 def test_compiled_kernel_on_cuda_matches_torch_block_loop(case):
     """The same cases, compiled for the GPU in this process; the reference stays on the CPU."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("this process's kernels are interpreted")
+    compiled_process()
     fmt_k, fmt_v, *tensors = _case(*case[:4], list(case[4]), page_size=case[5])
     on_gpu = [t.cuda() for t in tensors]
     assert gpu.supports(fmt_k, fmt_v, on_gpu[0])
@@ -164,19 +154,7 @@ POINTERS = {"q_ptr": "*fp32", "k_pool": "*u8", "v_pool": "*u8", "table_ptr": "*i
 def test_kernel_compiles_for_an_h100_without_one(name_k, name_v, dim, group):
     """What the interpreter cannot say: the kernel lowers through Triton's compiler and ptxas
     for sm_90 with the launcher's constexprs and warps (no GPU needed to compile)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("this process's kernels are interpreted")
-    import triton
-    try:
-        from triton.backends.compiler import GPUTarget
-        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
-    except ImportError:
-        pytest.skip("this triton has no CUDA backend")
     from kvslim.gpu import _paged_decode_kernel as kernel
     config = gpu._launch_config(formats.get(name_k, role="k"), formats.get(name_v, role="v"), group, dim)
-    options = {"num_warps": config.pop("num_warps")}
-    fn = kernel.paged_decode_split
-    signature = {name: POINTERS.get(name, "constexpr" if name in config else "i32") for name in fn.arg_names}
-    compiled = triton.compile(triton.compiler.ASTSource(fn, signature, config), target=GPUTarget("cuda", 90, 32),
-                              options=options)
-    assert compiled.asm["cubin"]
+    num_warps = config.pop("num_warps")
+    assert compile_for_sm90(kernel.paged_decode_split, POINTERS, config, num_warps).asm["cubin"]

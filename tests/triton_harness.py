@@ -1,0 +1,54 @@
+"""Shared machinery of the Triton kernel tests (tests/test_triton_*.py).
+
+Triton decides interpreted-or-compiled when a kernel is decorated, and importing kvslim
+already imports triton (through torch), so a test process cannot switch its own kernels to
+the interpreter: ``run_interpreted`` runs one function of a test module in a child process
+started with TRITON_INTERPRET=1 and returns what it saved. ``compile_for_sm90`` lowers a
+kernel through Triton's compiler and the ptxas in the triton wheel without a GPU, which
+catches what numpy accepts and the GPU compiler refuses.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_interpreted(module: str, function: str, args, tmp_dir: Path):
+    """``module.function(args, path)`` in an interpreted child; returns ``torch.load(path)``.
+    ``args`` must survive ``repr`` (plain tuples, lists, strings and numbers)."""
+    path = Path(tmp_dir) / f"{function}.pt"
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    code = f"import sys; from pathlib import Path; from {module} import {function} as run; " \
+           f"run({args!r}, Path(sys.argv[1]))"
+    done = subprocess.run([sys.executable, "-c", code, str(path)], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return torch.load(path)
+
+
+def compiled_process() -> None:
+    """Skip unless this process's kernels are compiled (not the interpreter)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("this process's kernels are interpreted")
+
+
+def compile_for_sm90(fn, pointers: dict[str, str], constexprs: dict, num_warps: int):
+    """Compile the @triton.jit ``fn`` for an H100 (sm_90) with these constexprs; arguments not
+    named in ``pointers`` or ``constexprs`` are i32. Returns the compiled kernel."""
+    compiled_process()
+    import triton
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    except ImportError:
+        pytest.skip("this triton has no CUDA backend")
+    signature = {name: pointers.get(name, "constexpr" if name in constexprs else "i32") for name in fn.arg_names}
+    return triton.compile(triton.compiler.ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps})
