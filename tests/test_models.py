@@ -101,6 +101,25 @@ def test_sequence_in_another_slot_is_unaffected(tiny_folder):
     assert (got - kvslim_stepwise(model, prompt, steps)).abs().max().item() <= TOL
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", TINY_TYPES)
+@pytest.mark.parametrize("type_k,type_v", [("f32", "f32"), ("q8_0", "turbo4")])
+def test_cuda_logits_match_cpu(tiny_folder, kind, type_k, type_v):
+    """Every architecture on the GPU (torch backend, the Triton kernels and fla-core where they
+    serve) against the same model on the CPU: a prefill and 8 cached decode steps."""
+    path, _ = tiny_folder(kind)
+    prompt, steps = random_tokens(40, 5), random_tokens(8, 6)
+    rows = {}
+    for device in ("cpu", "cuda"):
+        model = load_tiny(path).to(device)
+        caches = model.make_cache(256, 1, type_k, type_v, device=device)
+        got = [model(Batch.build([(0, prompt, 0)], device=device), caches, all_logits=True)]
+        for i, tok in enumerate(steps):
+            got.append(model(Batch.build([(0, [int(tok)], len(prompt) + i)], device=device), caches, all_logits=True))
+        rows[device] = torch.cat(got).cpu()
+    torch.testing.assert_close(rows["cuda"], rows["cpu"], atol=2e-3, rtol=1e-3)
+
+
 @pytest.mark.parametrize("t", [1, 5, 64, 100])
 def test_chunked_delta_rule_matches_recurrent_reference(t):
     g = torch.Generator().manual_seed(t)

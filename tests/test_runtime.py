@@ -211,6 +211,24 @@ def test_cuda_matches_cpu_end_to_end(type_k, type_v):
     assert gpu.generate(prompt, 16, temperature=0).token_ids == cpu.generate(prompt, 16, temperature=0).token_ids
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("type_k,type_v", [("f16", "f16"), ("q8_0", "turbo4")])
+def test_cuda_forward_makes_no_host_sync(type_k, type_v):
+    """A decode step's forward and a prompt chunk's, on a GPU, with torch's sync debugging set to
+    raise: no layer reads a value back to the host (the overflow flag is checked once per step,
+    by the engine, outside the forward)."""
+    llm = kvslim.load(ctx=512, n_parallel=2, cache_type_k=type_k, cache_type_v=type_v, dtype="f32", device="cuda")
+    model, cache = llm.engine.model, llm.engine.cache
+    model(Batch.build([(0, list(range(3, 40)), 0)], device="cuda"), cache)         # history to read
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        model(Batch.build([(0, [41], 37)], device="cuda"), cache)                      # decode token
+        model(Batch.build([(0, [42], 38), (1, list(range(5, 30)), 0)], device="cuda"), cache)   # mixed
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def test_sequences_sharing_a_prompt_read_it_once(hybrid):
     model, tok, eos = hybrid
     prompt = list(range(10, 60))

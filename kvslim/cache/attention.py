@@ -15,9 +15,15 @@ decoders and does plain softmax attention: the parity tests' oracle.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
+from ..gpu import paged_decode as gpu_decode
 from ..native import paged_attention as native
+
+# KVSLIM_TRITON=0 keeps the torch block loop on a GPU (parity and speed comparisons)
+TRITON = os.environ.get("KVSLIM_TRITON", "1") != "0"
 
 BLOCK_BUDGET_BYTES = 32 << 20   # float32 bytes one block may hold (decoded K and V, scores)
 MAX_BLOCK_TOKENS = 4096
@@ -181,8 +187,11 @@ def _scan_pages(fmt_k, fmt_v, k_pool: torch.Tensor, v_pool: torch.Tensor, table:
 def _scan_decode(fmt_k, fmt_v, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
                  q_code: torch.Tensor, n_keys: torch.Tensor, block_tokens: int | None = None) -> "_OnlineSoftmax":
     """The softmax state of one query position per sequence (every row of sequence s sees its first
-    ``n_keys[s]`` keys): from the C kernel where it knows both formats (one pass over the packed
-    rows, nothing decoded to memory), else from the torch block loop, which is its reference."""
+    ``n_keys[s]`` keys): from the Triton kernel on a GPU or the C kernel on the CPU where they know
+    both formats (one pass over the packed rows, nothing decoded to memory), else from the torch
+    block loop, which is their reference."""
+    if TRITON and gpu_decode.supports(fmt_k, fmt_v, q_code):
+        return _OnlineSoftmax.of(*gpu_decode.decode_state(fmt_k, fmt_v, q_code, k_pool, v_pool, table, n_keys))
     if native.supports(fmt_k, fmt_v, q_code):
         return _OnlineSoftmax.of(*native.decode_state(fmt_k, fmt_v, q_code, k_pool, v_pool, table, n_keys))
     n_kv, n_seq, n_rows, dim = q_code.shape

@@ -9,7 +9,9 @@ reference and the decode path (one token per sequence). ``chunk_gated_delta_rule
 is the prefill path (and ``gated_delta_step`` the in-place decode step): within a chunk of C tokens the updates are condensed with
 the WY/UT transform (one triangular solve) so the work is matmuls, and only the
 chunks are sequential. Both take q and k already L2-normalised, repeated to
-the value heads, and return float32.
+the value heads, and return float32. ``rule_for`` picks, per device, these
+torch forms or fla-core's kernels on a CUDA device (kvslim/gpu/delta_rule.py),
+which are held to these.
 """
 from __future__ import annotations
 
@@ -83,6 +85,14 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
         s = s * chunk_decay[:, :, i] + k_dec[:, :, i].transpose(-1, -2) @ v_new
     out = out.reshape(b, h, -1, dv)[:, :, :t].transpose(1, 2)
     return out, s
+
+
+def rule_for(device: torch.device):
+    """(chunk, step) for layers on ``device``: fla-core's kernels where they serve it, else the torch forms."""
+    from ..gpu import delta_rule as fla
+    if fla.serves(device):
+        return fla.chunk, fla.step
+    return chunk_gated_delta_rule, gated_delta_step
 
 
 def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor):

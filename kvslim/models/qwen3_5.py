@@ -13,7 +13,7 @@ from torch import nn
 from .base import CausalLM
 from .batch import Batch
 from .config import HybridConfig
-from .delta_rule import causal_conv, causal_conv_step, chunk_gated_delta_rule, gated_delta_step, l2norm
+from .delta_rule import causal_conv, causal_conv_step, l2norm, rule_for
 from .layers import MLP, Attention, DecoderLayer, RMSNormGated, Rope, SparseMoE, fuse
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
@@ -80,8 +80,8 @@ class GatedDeltaNet(nn.Module):
         rows = slice(seg.begin, seg.end)
         mixed, cache.conv[seg.slot] = causal_conv(qkv[rows], cache.conv[seg.slot], self.conv1d.weight[:, 0])
         q, k, v = self._split_heads(mixed)
-        o, state = chunk_gated_delta_rule(q[None], k[None], v[None], g[None, rows], beta[None, rows],
-                                          cache.recurrent[seg.slot][None])
+        chunk, _ = rule_for(q.device)
+        o, state = chunk(q[None], k[None], v[None], g[None, rows], beta[None, rows], cache.recurrent[seg.slot][None])
         out[rows], cache.recurrent[seg.slot] = o[0], state[0]
         cache.advance(seg.slot, seg.length)
 
@@ -92,7 +92,8 @@ class GatedDeltaNet(nn.Module):
         mixed, cache.conv[idx] = causal_conv_step(qkv, cache.conv[idx], self.conv1d.weight[:, 0])
         q, k, v = self._split_heads(mixed)
         state = cache.recurrent[idx]                                # a view when idx is a slice
-        out[:] = gated_delta_step(q, k, v, g, beta, state)
+        _, step = rule_for(q.device)
+        out[:] = step(q, k, v, g, beta, state)
         if not isinstance(idx, slice):
             cache.recurrent[idx] = state
         if not batch.prepared:                                      # else the caller commits lengths

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Everything kvslim checks and times on a lent GPU (the `device` tool), in few calls.
+#
+# GPU machines are lent rarely and for 30 minutes of device time a session, so the checks
+# that need one are gathered here, each phase well inside one call's 10-minute limit.
+#
+# 1. Here, once per checkout: the wheels the device image lacks (gguf, fla-core) into .whl/
+#    (listed in .git/info/exclude):
+#      bash benchmarks/gpu_session.sh prepare
+# 2. On the device, one call per phase, each writing its logs under $OUT:
+#      run(command="bash benchmarks/gpu_session.sh tests", carry=[".whl"])     # CUDA parity, ~3-5 min
+#      run(command="bash benchmarks/gpu_session.sh bench", carry=[".whl"])     # kernel and model timings
+#    `tests` runs every test that needs CUDA (they skip on CPU machines): the Triton kernels
+#    compiled (decode, prefill, append, quantized weights), fla-core's DeltaNet against the
+#    torch forms, formats and whole-model logits on CUDA vs CPU, and the no-host-sync forward.
+#    `bench` times the kernels beside the torch paths they replace and runs `kvslim bench`
+#    on the bundled model with --device cuda.
+# The image has torch 2.11 + CUDA 13 and Triton 3.6 (shared/FACTS.md section 6); kvslim runs
+# from the checkout (PYTHONPATH), nothing is pip-installed over the image's torch.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python3}
+WHEELS="gguf==0.19.0 fla-core==0.6.0"
+
+prepare() {
+    local exclude
+    exclude=$(git rev-parse --git-path info/exclude)
+    grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >> "$exclude"
+    mkdir -p .whl
+    # shellcheck disable=SC2086
+    .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl $WHEELS
+    ls -la .whl
+}
+
+setup() {
+    : "${OUT:?run this on the device machine, where OUT is set}"
+    if ls .whl/*.whl >/dev/null 2>&1; then
+        $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+            || return 1
+    fi
+    export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
+    $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
+    $PY -c "import fla; print('fla-core', fla.__version__)" 2>&1 | tail -1 | tee -a "$OUT/device.txt"
+}
+
+tests() {
+    setup || exit 1
+    # -k cuda picks the CUDA tests by name; the Triton and DeltaNet files run whole (their
+    # interpreter tests are CPU-side and skip on a CUDA machine's compiled triton as needed)
+    $PY -m pytest -p no:cacheprovider -o addopts="" -rs -q --timeout 300 \
+        tests/test_triton_attention.py tests/test_triton_prefill.py tests/test_triton_append.py \
+        tests/test_triton_weights.py tests/test_gpu_delta_rule.py \
+        tests/test_runtime.py tests/test_formats_api.py tests/test_models.py -k "cuda or fla or sm90 or h100" \
+        --junitxml="$OUT/tests.xml" 2>&1 | tee "$OUT/tests.log"
+}
+
+bench() {
+    setup || exit 1
+    {
+        $PY benchmarks/gpu_decode.py -d 4096,32768 -b 1,8
+        [ -f benchmarks/gpu_prefill.py ] && $PY benchmarks/gpu_prefill.py
+        [ -f benchmarks/gpu_weights.py ] && $PY benchmarks/gpu_weights.py
+    } 2>&1 | tee "$OUT/kernels.md"
+    for kv in f16/f16 q8_0/q8_0 q8_0/turbo4 turbo4/turbo4; do
+        $PY -m kvslim bench --device cuda -p 512 -n 128 -d 0,4096,16384 -r 3 \
+            -ctk "${kv%/*}" -ctv "${kv#*/}" 2>&1
+    done | tee "$OUT/bench.md"
+}
+
+case "${1:-}" in
+    prepare) prepare ;;
+    tests) tests ;;
+    bench) bench ;;
+    *) echo "usage: $0 prepare|tests|bench" >&2; exit 2 ;;
+esac

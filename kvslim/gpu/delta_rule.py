@@ -1,0 +1,53 @@
+"""Gated DeltaNet on CUDA through fla-core (flash-linear-attention's Triton kernels).
+
+The same contract as kvslim/models/delta_rule.py's torch forms, which stay the reference and
+the fallback: ``chunk(q, k, v, g, beta, state)`` for a prefill segment and ``step(...)`` for one
+decode token per sequence (state updated in place). fla-core is what transformers and vLLM run
+for these layers; it is imported only when a CUDA tensor asks (never in CI, never on the CPU:
+its kernels do not run under Triton's interpreter), and ``KVSLIM_FLA=0`` keeps the torch forms
+on a GPU too, for parity runs. fla-core 0.6.0's forward kernels work with Triton 3.6 (its
+Hopper check for Triton < 3.7.1 guards a backward kernel only, which inference never calls).
+"""
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import torch
+
+
+@lru_cache(maxsize=None)
+def _fla():
+    """fla's two gated-delta-rule entry points, or None when fla-core does not import."""
+    if os.environ.get("KVSLIM_FLA", "1") == "0":
+        return None
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    except Exception:            # not installed, or its import fails on this torch/triton: keep the torch forms
+        return None
+    return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+
+def serves(device: torch.device) -> bool:
+    """Whether fla-core's kernels run this device's DeltaNet layers."""
+    return device.type == "cuda" and _fla() is not None
+
+
+def chunk(q, k, v, g, beta, state):
+    """One segment's prefill: q, k (1, T, H, dk) normalised, repeated to the value heads; v (1, T, H, dv);
+    g, beta (1, T, H); state (1, H, dk, dv). Returns o (1, T, H, dv) and the final state, float32."""
+    fla_chunk, _ = _fla()
+    o, final = fla_chunk(q.float(), k.float(), v.float(), g.float(), beta.float(), scale=q.shape[-1] ** -0.5,
+                         initial_state=state.float(), output_final_state=True)
+    return o.float(), final.float()
+
+
+def step(q, k, v, g, beta, state):
+    """One token for B sequences: q, k (B, H, dk); v (B, H, dv); g, beta (B, H); state (B, H, dk, dv)
+    float32, updated in place (as the torch ``gated_delta_step``). Returns o (B, H, dv) float32."""
+    _, fla_step = _fla()
+    o, final = fla_step(q.float()[:, None], k.float()[:, None], v.float()[:, None], g=g.float()[:, None],
+                        beta=beta.float()[:, None], scale=q.shape[-1] ** -0.5, initial_state=state,
+                        output_final_state=True)
+    state.copy_(final)
+    return o[:, 0].float()
