@@ -25,7 +25,8 @@ WHEELS="gguf==0.19.0 fla-core==0.6.0"
 prepare() {
     local exclude
     exclude=$(git rev-parse --git-path info/exclude)
-    grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >> "$exclude"
+    mkdir -p "$(dirname "$exclude")" && touch "$exclude"
+    grep -qx '/.whl/' "$exclude" || echo '/.whl/' >> "$exclude"
     mkdir -p .whl
     # shellcheck disable=SC2086
     .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
