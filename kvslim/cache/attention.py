@@ -217,7 +217,7 @@ def _mask(scores: torch.Tensor, start: int, lengths: torch.Tensor, q_pos: torch.
     """-inf where a key lies past its sequence's packed end or after the query's position."""
     k_pos = torch.arange(start, start + scores.shape[-1], device=scores.device)
     invalid = (k_pos[None, None, :] >= lengths[:, None, None]) | (k_pos[None, None, :] > q_pos[:, :, None])
-    return scores.masked_fill(invalid, float("-inf"))                  # (S, R, T) broadcast over heads
+    return scores.masked_fill_(invalid, float("-inf"))                 # (S, R, T) broadcast over heads
 
 
 def _window_block(cache, slots, slot_ids, packed, q, q_pos, acc) -> None:
@@ -265,10 +265,12 @@ class _OnlineSoftmax:
         """scores (Hkv, S, R, n); v (Hkv, S, n, D), each row times v_scale (Hkv, S, n) if given."""
         m_new = torch.maximum(self.m, scores.amax(-1, keepdim=True))
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)   # fully masked rows
-        p = torch.exp(scores - m_safe)
+        p = scores.sub_(m_safe).exp_()                  # in place: the block's scores are not read again
         corr = torch.exp(self.m - m_safe)
         self.l = self.l * corr + p.sum(-1, keepdim=True)
-        self.acc = self.acc * corr + (p if v_scale is None else p * v_scale.unsqueeze(-2)) @ v
+        if v_scale is not None:
+            p.mul_(v_scale.unsqueeze(-2))
+        self.acc = torch.baddbmm(self.acc.mul_(corr).flatten(0, -3), p.flatten(0, -3), v.flatten(0, -3)).view(self.acc.shape)
         self.m = m_new
 
     def result(self) -> torch.Tensor:
