@@ -240,6 +240,8 @@ def test_tensor_parallel_splits_heads_and_replicates_too_few_kv_heads():
     assert "--kv-cache-dtype fp8" in launch["vllm"]
     assert "-ctk q8_0 -ctv q4_0" in launch["llama_server"] and "-c 32768 -np 2" in launch["llama_server"]
     assert any("no turbo3" in n for n in launch["notes"])
+    assert launch["kvslim"].endswith("-c 32768 -np 2 -ctk q8_0 -ctv turbo3")          # its own types, as planned
+    assert any("kvslim serve runs on one device" in n for n in launch["notes"])
     same = plan.launch_commands(model, plan.Request(32_768, 1, "nl4s", "nl4s"))
     assert "-ctk q4_0 -ctv q4_0" in same["llama_server"]
     assert sum("no nl4s" in n for n in same["notes"]) == 2                # llama-server's and vLLM's, once each

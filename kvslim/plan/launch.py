@@ -1,5 +1,5 @@
-"""Launch lines for other engines: the llama-server and vLLM commands equivalent to a plan,
-with notes on what differs."""
+"""Launch lines: kvslim's own ``kvslim serve`` for a plan, and the llama-server and vLLM
+commands equivalent to it, with notes on what differs."""
 from __future__ import annotations
 
 import dataclasses
@@ -45,7 +45,8 @@ def _gguf_name(model: Model, quant: str) -> str:
 
 
 def launch_commands(model: Model, req: Request, target: Target | None = None) -> dict:
-    """Equivalent vLLM and llama-server command lines for ``req``, with notes on what differs."""
+    """``kvslim serve`` and the equivalent llama-server and vLLM command lines for ``req``, with
+    notes on what differs. kvslim takes every cache type of the plan as it is."""
     k, note_k = _llama_server_type(req.type_k)
     v, note_v = _llama_server_type(req.type_v)
     notes = [n for n in (note_k, note_v) if n]
@@ -67,7 +68,12 @@ def launch_commands(model: Model, req: Request, target: Target | None = None) ->
         notes.append("vLLM reads GGUF experimentally and needs --tokenizer set to the original repository")
     if target is not None and target.vendor == "apple":
         notes.append("vLLM does not run on Apple GPUs; use llama-server (Metal)")
-    return {"vllm": vllm, "llama_server": server, "notes": list(dict.fromkeys(notes))}   # K = V: said once
+    if req.tp > 1:
+        notes.append("kvslim serve runs on one device: the kvslim line has no tensor-parallel split")
+    kvslim = (f"kvslim serve -m {_gguf_name(model, req.weight_quant)} -c {req.ctx} -np {req.n_slots} "
+              f"-ctk {req.type_k} -ctv {req.type_v}")
+    return {"kvslim": kvslim, "vllm": vllm, "llama_server": server,
+            "notes": list(dict.fromkeys(notes))}                                    # K = V: said once
 
 
 def within_context_limit(model: Model, req: Request) -> tuple[Request, list[str]]:

@@ -178,5 +178,5 @@ def _launch(result: dict) -> str:
              f"-ctv {best['type_v']} -wq {best['weight_quant']}"
              f"{', cut to the model limit' if best['past_limit'] else ''}):" if best else
              "Launch lines (nothing fits; shown for the first row):")
-    lines = [title, f"  {launch['llama_server']}", f"  {launch['vllm']}"]
+    lines = [title, f"  {launch['kvslim']}", f"  {launch['llama_server']}", f"  {launch['vllm']}"]
     return "\n".join(lines + [f"  note: {n}" for n in launch["notes"]])
