@@ -58,8 +58,12 @@ def _row(pair: str, depth: int, batch: int, runs: int) -> list:
     name_k, name_v = pair.split("/")
     args = _inputs(name_k, name_v, depth, batch)
     fmt_k, fmt_v, q, k_pool, v_pool, table, n_keys = args
-    # the C kernel never takes CUDA tensors: _scan_decode runs the torch block loop
-    torch_ms = _median_ms(lambda: attention._scan_decode(fmt_k, fmt_v, k_pool, v_pool, table, q, n_keys), runs)
+    # the C kernel never takes CUDA tensors, and with TRITON off _scan_decode runs the torch block loop
+    attention.TRITON = False
+    try:
+        torch_ms = _median_ms(lambda: attention._scan_decode(fmt_k, fmt_v, k_pool, v_pool, table, q, n_keys), runs)
+    finally:
+        attention.TRITON = True
     triton_ms = _median_ms(lambda: gpu.decode_state(*args), runs)
     read = batch * depth * N_KV * (k_pool.shape[3] + v_pool.shape[3])   # packed bytes of K and V
     return [pair, depth, batch, f"{torch_ms:.3f}", f"{triton_ms:.3f}", f"{read / triton_ms / 1e6:.0f}"]
