@@ -24,7 +24,6 @@ from torch import nn
 
 from ..cache.kv import KVCache
 from ..cache.recurrent import RecurrentStateCache
-from ..formats.base import FP16_MAX
 from ..models.base import CausalLM
 from ..models.layers import MLP, Attention, DecoderLayer, Experts, RMSNorm, Rope, SparseMoE
 from ..native import block_linear, build
@@ -106,44 +105,22 @@ class _Keep:
 
 
 # ----- formats -------------------------------------------------------------------------------
+ENC_KINDS = {"float": ENC_FLOAT, "q8_0": ENC_Q8_0, "q4_0": ENC_Q4_0, "turbo": ENC_TURBO, "grid": ENC_GRID,
+             "grid_sub": ENC_GRID_SUB}
+ENC_SUB_VALUES = 16                      # kv_encode.c's GRID_SUB: values per rung of the nls rows
+
+
 def encoder(fmt, head_dim: int, keep: _Keep) -> Enc:
-    """The C encoder of a K/V format, read from the format's own fields."""
-    from ..formats import grid
-    from ..formats.floats import FloatFormat
-    from ..formats.ggml import GgmlFormat
-    from ..formats.rotation import rotation_matrix
-    from ..formats.turbo import TurboFormat
+    """The C encoder of a K/V format: its declared ``kernel_encoder``, as kv_encode.c's enc_t."""
     if head_dim > MAX_DIM:
         raise Unsupported(f"head_dim {head_dim} (the native step's limit is {MAX_DIM})")
-    kind = type(fmt)
-    if kind is FloatFormat:
-        return Enc(ENC_FLOAT, FLOAT_KINDS[fmt.name], 0, 0, 0, None, None, None, FP16_MAX if fmt.name == "f16" else 0.0)
-    if kind is GgmlFormat and fmt.ggml_name in ("q8_0", "q4_0"):
-        enc = ENC_Q8_0 if fmt.ggml_name == "q8_0" else ENC_Q4_0
-        return Enc(enc, 0, fmt.rot_size(head_dim), 0, 1, None, None, None, fmt._max_abs())
-    if kind is TurboFormat and not fmt.qjl:
-        _, group = fmt.blocks(head_dim)
-        centroids, boundaries = fmt.codebook(group, torch.device("cpu"))
-        return Enc(ENC_TURBO, 0, group, fmt.mse_bits, 0, keep.ptr(rotation_matrix(group, fmt.seed)),
-                   keep.ptr(boundaries), keep.ptr(centroids), FP16_MAX)
-    if kind in (grid.GridFormat, grid.SubScaleGridFormat):
-        return _grid_encoder(fmt, head_dim, keep)
-    raise Unsupported(f"K/V format {fmt.name} (no C encoder)")
-
-
-def _grid_encoder(fmt, head_dim: int, keep: _Keep) -> Enc:
-    """The nl grids: the tables the torch encoder uses, as float32, so both search the same."""
-    from ..formats import grid
-    bits = fmt.spec.code_bits
-    table = grid.grid_tensor(bits, "cpu")
-    mids = (table[1:] + table[:-1]) * 0.5                       # nearest_code's boundaries
-    tries = torch.linspace(grid.SCALE_SPAN[0], grid.SCALE_SPAN[1], grid.SCALE_TRIES)
-    sub = type(fmt) is grid.SubScaleGridFormat
-    enc = Enc(ENC_GRID_SUB if sub else ENC_GRID, 0, fmt.rot_size(head_dim), bits, 1, None, keep.ptr(mids),
-              keep.ptr(table), fmt._max_abs())
-    enc.block, enc.n_tries, enc.tries = fmt.spec.block_size, grid.SCALE_TRIES, keep.ptr(tries)
-    enc.ladder = keep.ptr(grid.ladder_tensor("cpu")) if sub else None
-    return enc
+    spec = fmt.kernel_encoder(head_dim)
+    if spec is None or spec.kind not in ENC_KINDS or spec.sub_values not in (0, ENC_SUB_VALUES):
+        raise Unsupported(f"K/V format {fmt.name} (no C encoder)")
+    tries = spec.tries
+    return Enc(ENC_KINDS[spec.kind], FLOAT_KINDS.get(spec.float_type, 0), spec.rot, spec.bits, int(spec.hadamard),
+               keep.ptr(spec.rot_matrix), keep.ptr(spec.boundaries), keep.ptr(spec.centroids), spec.limit,
+               spec.block, 0 if tries is None else len(tries), keep.ptr(tries), keep.ptr(spec.ladder))
 
 
 def encode_rows(fmt, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

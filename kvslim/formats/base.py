@@ -90,6 +90,12 @@ class KVFormat:
         attention kernels read this, not the format's class), or None: no table form."""
         return None
 
+    def kernel_encoder(self, head_dim: int) -> "KernelEncoder | None":
+        """How a kernel writes this format's rows without its Python codec (the C decode step's
+        and the Triton append kernel's encoders read this, not the format's class), or None:
+        no kernel encoder (the torch ``encode`` is the only one)."""
+        return None
+
     def check_head_dim(self, head_dim: int) -> None:
         """Raise ValueError if this format cannot store rows of ``head_dim``."""
         if not isinstance(head_dim, (int, np.integer)) or isinstance(head_dim, bool) or head_dim <= 0:
@@ -236,7 +242,9 @@ class RowField:
 @dataclass(frozen=True)
 class RowLayout:
     """A packed row: ``n_blocks`` blocks of ``block_values`` values, ``block_bytes`` each,
-    laid out back to back; each block is ``fields`` (header fields first, then codes)."""
+    laid out back to back; each block is ``fields`` (header fields first, then codes).
+    (It overlaps ``KernelRow``, which the kernels read: the same block sizes, plus the codes'
+    meaning. This one names every header field, q4_1's min and the QJL norm included.)"""
 
     n_blocks: int
     block_values: int
@@ -280,6 +288,34 @@ class KernelRow:
         if self.kind in ("f32", "f16", "bf16"):
             return self.bits // 8
         return self.header_bytes + self.block_values * self.bits // 8
+
+
+@dataclass(frozen=True, eq=False)
+class KernelEncoder:
+    """A row as the kernels encode it: first into the code domain (blocks of ``rot`` values
+    through H / sqrt(rot) as a butterfly when ``hadamard``, else y = ``rot_matrix`` @ x), then by
+    ``kind``: "float" (the row cast to ``float_type`` f32/f16/bf16), "q8_0", "q4_0", "iq4_nl"
+    (ggml's reference quantizers, blocks of 32; iq4_nl's grid in ``centroids``), "turbo" (per
+    group of ``block`` values: the norm, the unit vector rotated, each value's bucket among
+    ``boundaries``, scale norm / |centroids[codes]|), "grid" (per ``block``: a scale searched over
+    ``tries`` x amax / max|grid|, refit by least squares, codes by ``boundaries`` = the grid's
+    midpoints) or "grid_sub" (the same with a ``ladder`` rung per ``sub_values``). A row overflows
+    where it holds NaN/inf or, when ``limit`` > 0, a code-domain value (turbo: a group norm)
+    past ``limit``. Tables are float32 CPU tensors, the ones the torch encoder searches."""
+
+    kind: str
+    block: int = 1
+    bits: int = 0
+    float_type: str = ""
+    rot: int = 0
+    hadamard: bool = False
+    rot_matrix: torch.Tensor | None = None
+    boundaries: torch.Tensor | None = None
+    centroids: torch.Tensor | None = None
+    tries: torch.Tensor | None = None
+    ladder: torch.Tensor | None = None
+    sub_values: int = 0
+    limit: float = 0.0
 
 
 def check_float_input(x, name: str) -> torch.Tensor:
@@ -344,5 +380,5 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-__all__ = ["FormatSpec", "KVFormat", "RowLayout", "RowField", "FP16_MAX", "fp16_bytes", "fp16_from_bytes",
+__all__ = ["FormatSpec", "KVFormat", "KernelRow", "KernelEncoder", "RowLayout", "RowField", "FP16_MAX", "fp16_bytes", "fp16_from_bytes",
            "check_float_input", "check_packed_input", "is_power_of_two", "ceil_div", "cached_on"]

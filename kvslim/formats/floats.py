@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import FP16_MAX, KernelRow, KVFormat
+from .base import FP16_MAX, KernelEncoder, KernelRow, KVFormat
 
 _DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
@@ -23,6 +23,9 @@ class FloatFormat(KVFormat):
 
     def kernel_row(self, head_dim: int) -> KernelRow:
         return KernelRow(self.name, 8 * self.dtype.itemsize)
+
+    def kernel_encoder(self, head_dim: int) -> KernelEncoder:
+        return KernelEncoder("float", float_type=self.name, limit=self._max_abs() or 0.0)
 
     def _max_abs(self) -> float | None:
         # f16 overflows to inf past 65504: refuse rather than store inf silently.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import FP16_MAX, KernelRow, KVFormat, fp16_bytes, fp16_from_bytes
+from .base import FP16_MAX, KernelEncoder, KernelRow, KVFormat, fp16_bytes, fp16_from_bytes
 from .rotation import hadamard_blocks, llama_rot_size
 
 QK = 32  # values per ggml block
@@ -261,6 +261,15 @@ class GgmlFormat(KVFormat):
             table = tuple(range(-8, 8)) if self.ggml_name == "q4_0" else IQ4NL_VALUES
             return KernelRow("nibble", 4, 32, tuple(float(v) for v in table))
         return None
+
+    def kernel_encoder(self, head_dim: int) -> KernelEncoder | None:
+        """q8_0, q4_0 and iq4_nl, after the Hadamard butterfly (rotated rows); q4_1/q5_x: none."""
+        if self.ggml_name not in ("q8_0", "q4_0", "iq4_nl"):
+            return None
+        grid = _iq4nl_grid("cpu") if self.ggml_name == "iq4_nl" else None
+        rot = self.rot_size(head_dim)
+        return KernelEncoder(self.ggml_name, QK, self.spec.code_bits, rot=rot, hadamard=rot > 0, centroids=grid,
+                             limit=self._max_abs())
 
     # ----- attention hooks: the rotation, if any ---------------------------------------
     @property

@@ -26,7 +26,7 @@ import dataclasses
 
 import torch
 
-from .base import FP16_MAX, KernelRow, KVFormat, cached_on, fp16_bytes, fp16_from_bytes
+from .base import FP16_MAX, KernelEncoder, KernelRow, KVFormat, cached_on, fp16_bytes, fp16_from_bytes
 from .bitpack import byte_table, pack_bits, packed_bytes, unpack_bits
 from .rotation import hadamard_blocks, llama_rot_size
 
@@ -103,6 +103,15 @@ class GridFormat(KVFormat):
         """Per block [f16 scale][codes], value = scale * grid[code]."""
         bits = self.spec.code_bits
         return KernelRow("packed", bits, self.spec.block_size, tuple(grid_tensor(bits, "cpu").tolist()))
+
+    def kernel_encoder(self, head_dim: int) -> KernelEncoder:
+        """The Hadamard butterfly, then search_scale's tables as float32: the grid, its midpoints
+        (nearest_code's boundaries) and the candidate factors."""
+        bits = self.spec.code_bits
+        grid = grid_tensor(bits, "cpu")
+        return KernelEncoder("grid", self.spec.block_size, bits, rot=self.rot_size(head_dim), hadamard=True,
+                             boundaries=(grid[1:] + grid[:-1]) * 0.5, centroids=grid,
+                             tries=torch.linspace(SCALE_SPAN[0], SCALE_SPAN[1], SCALE_TRIES), limit=self._max_abs())
 
     def _check_head_dim(self, head_dim: int) -> None:
         if head_dim % self.spec.block_size or head_dim % 64:
@@ -220,6 +229,11 @@ class SubScaleGridFormat(GridFormat):
         """Per block of 128 [f16 d][a 2-bit rung per 16 values][codes]: d * ladder[rung] * grid[code]."""
         return dataclasses.replace(super().kernel_row(head_dim), header_bytes=self.spec.block_header_bytes,
                                    sub_values=SUB_BLOCK, sub_bits=SUB_BITS, ladder=SUB_LADDER)
+
+    def kernel_encoder(self, head_dim: int) -> KernelEncoder:
+        """The grid's search per sub-block, then a rung of the ladder per 16 values (two rounds)."""
+        return dataclasses.replace(super().kernel_encoder(head_dim), kind="grid_sub", ladder=ladder_tensor("cpu"),
+                                   sub_values=SUB_BLOCK)
 
     def _max_abs(self) -> float | None:
         # The refit d can reach the block maximum over the lowest rung (1.1 / 0.6 of it).

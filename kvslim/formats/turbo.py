@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from .base import (FP16_MAX, KernelRow, KVFormat, cached_on, ceil_div, check_float_input, fp16_bytes,
+from .base import (FP16_MAX, KernelEncoder, KernelRow, KVFormat, cached_on, ceil_div, check_float_input, fp16_bytes,
                    fp16_from_bytes)
 from .bitpack import byte_table, pack_bits, packed_bytes, unpack_bits
 from .codebook import lloyd_max
@@ -59,6 +59,16 @@ class TurboFormat(KVFormat):
         _, group = self.blocks(head_dim)
         centroids = self.codebook(group, torch.device("cpu"))[0]
         return KernelRow("packed", self.mse_bits, group, tuple(centroids.tolist()))
+
+    def kernel_encoder(self, head_dim: int) -> KernelEncoder | None:
+        """The MSE variant, per group: its rotation matrix and codebook; the limit is on the
+        group norms (the fp16 scale). The QJL variant's sketch: none."""
+        if self.qjl:
+            return None
+        _, group = self.blocks(head_dim)
+        centroids, boundaries = self.codebook(group, torch.device("cpu"))
+        return KernelEncoder("turbo", group, self.mse_bits, rot=group, rot_matrix=rotation_matrix(group, self.seed),
+                             boundaries=boundaries, centroids=centroids, limit=FP16_MAX)
 
     def _check_head_dim(self, head_dim: int) -> None:
         n_groups = ceil_div(head_dim, MAX_GROUP)

@@ -1,8 +1,8 @@
 /* K/V rows into a format's packed row bytes, in C: the native decode step's quantize-on-append.
  *
  * The torch encoders in kvslim/formats are the reference; the parity tests hold these to them.
- * A format reaches this file as an encoder description (kvslim/engine/native_step.py builds it
- * from the format's own fields), so C never guesses a layout from a name:
+ * A format reaches this file as an encoder description (kvslim/engine/native_step.py translates
+ * the format's declared kernel_encoder, kvslim/formats/base.py), so C never guesses a layout:
  *   ENC_FLOAT  the row as f32, f16 or bf16 (round to nearest even)
  *   ENC_Q8_0 / ENC_Q4_0  ggml's blocks of 32 (llama.cpp's reference quantizers), of the row
  *              after an optional block rotation: llama.cpp's Walsh-Hadamard in blocks of `rot`,

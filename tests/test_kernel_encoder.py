@@ -1,0 +1,70 @@
+"""Each format's declared ``kernel_encoder``: what the C step (kvslim/native/kv_encode.c) and the
+Triton append kernel (kvslim/gpu/kv_append.py) read instead of the format's class.
+
+The parity tests of those encoders (tests/test_native_step.py, tests/test_triton_append.py)
+hold the bytes to the torch encoders; these check that a declaration describes its format:
+the same rotation as its code domain, the same blocks as the row it decodes, tables fit for
+the kernels (float32 on the CPU, ascending).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvslim import formats
+from kvslim.formats.rotation import hadamard_blocks
+
+NO_ENCODER = {"q4_1", "q5_0", "q5_1", "q4_1-norot", "q5_0-norot", "q5_1-norot", "turbo4p", "turbo3p"}
+
+
+def _declared(head_dim: int):
+    for name in formats.names():
+        for role in ("k", "v"):
+            fmt = formats.get(name, role=role)
+            try:
+                fmt.check_head_dim(head_dim)
+            except ValueError:
+                continue
+            yield fmt, fmt.kernel_encoder(head_dim)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_which_formats_declare_an_encoder(head_dim):
+    """Every format but the ones with a second field per block or a QJL sketch."""
+    names = {fmt.name for fmt, enc in _declared(head_dim) if enc is None}
+    assert names == NO_ENCODER
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_the_declared_rotation_is_the_formats_code_domain(head_dim):
+    """The butterfly or the matrix of the declaration takes a row where the format's own
+    to_code_domain does (turbo rotates group by group: y = R x)."""
+    x = torch.randn(3, head_dim, generator=torch.Generator().manual_seed(0))
+    for fmt, enc in _declared(head_dim):
+        if enc is None:
+            continue
+        if enc.rot_matrix is not None:
+            y = (x.reshape(3, -1, enc.rot) @ enc.rot_matrix.T).reshape(3, head_dim)
+            assert torch.allclose(y, fmt.to_code_domain(x), atol=1e-5), fmt.name
+        else:
+            assert enc.hadamard == (enc.rot > 0), fmt.name
+            assert torch.equal(hadamard_blocks(x, enc.rot), fmt.to_code_domain(x)), fmt.name
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_the_declared_blocks_and_tables_fit_the_row(head_dim):
+    """Blocks as the kernels decode them (kernel_row), codes within the declared bits, tables
+    float32 on the CPU with ascending values and one boundary between each pair."""
+    for fmt, enc in _declared(head_dim):
+        if enc is None:
+            continue
+        row = fmt.kernel_row(head_dim)
+        assert enc.block == row.block_values and enc.bits == (row.bits if enc.kind != "float" else 0), fmt.name
+        for table in (enc.rot_matrix, enc.boundaries, enc.centroids, enc.tries, enc.ladder):
+            assert table is None or (table.dtype == torch.float32 and table.device.type == "cpu")
+        if enc.centroids is not None:
+            assert len(enc.centroids) == 1 << enc.bits and bool((enc.centroids.diff() > 0).all())
+        if enc.boundaries is not None:
+            assert len(enc.boundaries) == len(enc.centroids) - 1
+            assert bool(((enc.boundaries > enc.centroids[:-1]) & (enc.boundaries < enc.centroids[1:])).all())
+        assert enc.limit >= 0
