@@ -2,9 +2,10 @@
 
 One program per (KV head, sequence, split of SPLIT_KEYS keys). It walks its keys BLOCK_N at a
 time through the block table, loads the packed K/V rows as bytes, decodes them in registers to
-float32 (the codec constexprs select the layout, as ``paged_attention.c``'s codec_t does), scores
-the G query rows that share the KV head against one read of each key (GQA), and keeps an online
-softmax. It writes its split's (m, l, acc); the launcher merges the splits.
+float32 (``_codecs.decode_tile``, shared with the prefill kernel: the codec constexprs select the
+layout, as ``paged_attention.c``'s codec_t does), scores the G query rows that share the KV head
+against one read of each key (GQA), and keeps an online softmax. It writes its split's
+(m, l, acc); the launcher merges the splits.
 
 Triton decides at decoration time whether a kernel is interpreted (TRITON_INTERPRET=1, numpy on
 the CPU) or compiled; ``INTERPRETED`` records which this module's kernels are, ``RUNNABLE``
@@ -16,74 +17,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-# The codec kinds, as kvslim/native/paged_attention.py numbers them.
-F32, F16, BF16, Q8, NIBBLE, PACKED = range(6)
-
-
-@triton.jit
-def _f16_at(ptr, mask):
-    """Two little-endian bytes at ptr -> float32 (an f16 bit pattern)."""
-    lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
-    hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
-    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _float_values(row, d, mask, KIND: tl.constexpr):
-    """Float rows: value d of each row. row (N, 1) byte pointers, d (1, BLOCK_D)."""
-    if KIND == 1:                                                       # F16
-        x = _f16_at(row + 2 * d, mask)
-    elif KIND == 2:                                                     # BF16: the high half of an f32
-        lo = tl.load(row + 2 * d, mask=mask, other=0).to(tl.uint32)
-        hi = tl.load(row + 2 * d + 1, mask=mask, other=0).to(tl.uint32)
-        x = ((lo << 16) | (hi << 24)).to(tl.float32, bitcast=True)
-    else:                                                               # F32
-        p = row + 4 * d
-        w = tl.load(p, mask=mask, other=0).to(tl.uint32)
-        for b in tl.static_range(1, 4):
-            w = w | (tl.load(p + b, mask=mask, other=0).to(tl.uint32) << (8 * b))
-        x = w.to(tl.float32, bitcast=True)
-    return x
-
-
-@triton.jit
-def _block_code(q, j, mask, KIND: tl.constexpr, BITS: tl.constexpr, BLOCK_VALUES: tl.constexpr):
-    """The code of value j of a block whose codes start at q (byte pointers, one per value)."""
-    if KIND == 4:                                                       # NIBBLE: byte i = code i | code i+n/2 << 4
-        byte = tl.load(q + j % (BLOCK_VALUES // 2), mask=mask, other=0).to(tl.int32)
-        code = (byte >> (4 * (j // (BLOCK_VALUES // 2)))) & 0x0F
-    else:                                                               # PACKED: 8 codes per BITS bytes, little-endian
-        bit = BITS * (j % 8)
-        first = (j // 8) * BITS + bit // 8
-        last_of_word = (j // 8) * BITS + (BITS - 1)     # a code may run into the next byte, never past its word
-        lo = tl.load(q + first, mask=mask, other=0).to(tl.int32)
-        hi = tl.load(q + tl.minimum(first + 1, last_of_word), mask=mask, other=0).to(tl.int32)
-        code = ((lo | (hi << 8)) >> (bit % 8)) & ((1 << BITS) - 1)
-    return code
-
-
-@triton.jit
-def _decode_tile(pool, row_off, valid, lut, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                 KIND: tl.constexpr, BITS: tl.constexpr, BLOCK_VALUES: tl.constexpr,
-                 BLOCK_BYTES: tl.constexpr, HEADER_BYTES: tl.constexpr):
-    """Rows at byte offsets row_off (N,) of pool -> (N, BLOCK_D) float32 in the code domain;
-    zeros where a key is not valid or past HEAD_DIM (so a masked key adds 0 * 0, never NaN)."""
-    d = tl.arange(0, BLOCK_D)[None, :]
-    mask = valid[:, None] & (d < HEAD_DIM)
-    row = pool + row_off[:, None]                                       # (N, 1) pointers
-    if KIND <= 2:
-        x = _float_values(row, d, mask, KIND)
-    else:                                                               # [f16 scale][codes] blocks
-        block = row + (d // BLOCK_VALUES) * BLOCK_BYTES
-        j = d % BLOCK_VALUES
-        scale = _f16_at(block, mask)
-        if KIND == 3:                                                   # Q8: int8 codes
-            code = tl.load(block + HEADER_BYTES + j, mask=mask, other=0).to(tl.int8, bitcast=True)
-            x = scale * code.to(tl.float32)
-        else:
-            code = _block_code(block + HEADER_BYTES, j, mask, KIND, BITS, BLOCK_VALUES)
-            x = scale * tl.load(lut + code, mask=mask, other=0.0)
-    return tl.where(mask, x, 0.0)
+from ._codecs import decode_tile
 
 
 @triton.jit
@@ -121,9 +55,9 @@ def paged_decode_split(q_ptr, k_pool, v_pool, table_ptr, n_keys_ptr, k_lut, v_lu
         valid = t < end
         page = tl.load(table_ptr + s.to(tl.int64) * table_width + t // page_size, mask=valid, other=0)
         slot = (h.to(tl.int64) * n_pages + page.to(tl.int64)) * page_size + t % page_size
-        k = _decode_tile(k_pool, slot * k_row_bytes, valid, k_lut, HEAD_DIM, BLOCK_D,
+        k = decode_tile(k_pool, slot * k_row_bytes, valid, k_lut, HEAD_DIM, BLOCK_D,
                          K_KIND, K_BITS, K_VALUES, K_BYTES, K_HEADER)   # (BLOCK_N, BLOCK_D)
-        v = _decode_tile(v_pool, slot * v_row_bytes, valid, v_lut, HEAD_DIM, BLOCK_D,
+        v = decode_tile(v_pool, slot * v_row_bytes, valid, v_lut, HEAD_DIM, BLOCK_D,
                          V_KIND, V_BITS, V_VALUES, V_BYTES, V_HEADER)
         # fp32 products, as the torch reference: tf32 would cost ~1e-3 in the scores
         scores = tl.dot(q, tl.trans(k), input_precision="ieee")         # (BLOCK_G, BLOCK_N)

@@ -1,0 +1,79 @@
+"""Packed-row decoding shared by the Triton attention kernels (decode and prefill).
+
+Each format's row layout reaches these functions as constexprs read from ``codec_fields``
+(``kvslim/native/paged_attention.py``, the C kernel's description of each format); nothing
+here restates a format. Imported only when a kernel runs: importing kvslim needs no triton.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# The codec kinds, as kvslim/native/paged_attention.py numbers them.
+F32, F16, BF16, Q8, NIBBLE, PACKED = range(6)
+
+
+@triton.jit
+def _f16_at(ptr, mask):
+    """Two little-endian bytes at ptr -> float32 (an f16 bit pattern)."""
+    lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
+    hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _float_values(row, d, mask, KIND: tl.constexpr):
+    """Float rows: value d of each row. row (N, 1) byte pointers, d (1, BLOCK_D)."""
+    if KIND == 1:                                                       # F16
+        x = _f16_at(row + 2 * d, mask)
+    elif KIND == 2:                                                     # BF16: the high half of an f32
+        lo = tl.load(row + 2 * d, mask=mask, other=0).to(tl.uint32)
+        hi = tl.load(row + 2 * d + 1, mask=mask, other=0).to(tl.uint32)
+        x = ((lo << 16) | (hi << 24)).to(tl.float32, bitcast=True)
+    else:                                                               # F32
+        p = row + 4 * d
+        w = tl.load(p, mask=mask, other=0).to(tl.uint32)
+        for b in tl.static_range(1, 4):
+            w = w | (tl.load(p + b, mask=mask, other=0).to(tl.uint32) << (8 * b))
+        x = w.to(tl.float32, bitcast=True)
+    return x
+
+
+@triton.jit
+def _block_code(q, j, mask, KIND: tl.constexpr, BITS: tl.constexpr, BLOCK_VALUES: tl.constexpr):
+    """The code of value j of a block whose codes start at q (byte pointers, one per value)."""
+    if KIND == 4:                                                       # NIBBLE: byte i = code i | code i+n/2 << 4
+        byte = tl.load(q + j % (BLOCK_VALUES // 2), mask=mask, other=0).to(tl.int32)
+        code = (byte >> (4 * (j // (BLOCK_VALUES // 2)))) & 0x0F
+    else:                                                               # PACKED: 8 codes per BITS bytes, little-endian
+        bit = BITS * (j % 8)
+        first = (j // 8) * BITS + bit // 8
+        last_of_word = (j // 8) * BITS + (BITS - 1)     # a code may run into the next byte, never past its word
+        lo = tl.load(q + first, mask=mask, other=0).to(tl.int32)
+        hi = tl.load(q + tl.minimum(first + 1, last_of_word), mask=mask, other=0).to(tl.int32)
+        code = ((lo | (hi << 8)) >> (bit % 8)) & ((1 << BITS) - 1)
+    return code
+
+
+@triton.jit
+def decode_tile(pool, row_off, valid, lut, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 KIND: tl.constexpr, BITS: tl.constexpr, BLOCK_VALUES: tl.constexpr,
+                 BLOCK_BYTES: tl.constexpr, HEADER_BYTES: tl.constexpr):
+    """Rows at byte offsets row_off (N,) of pool -> (N, BLOCK_D) float32 in the code domain;
+    zeros where a key is not valid or past HEAD_DIM (so a masked key adds 0 * 0, never NaN)."""
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = valid[:, None] & (d < HEAD_DIM)
+    row = pool + row_off[:, None]                                       # (N, 1) pointers
+    if KIND <= 2:
+        x = _float_values(row, d, mask, KIND)
+    else:                                                               # [f16 scale][codes] blocks
+        block = row + (d // BLOCK_VALUES) * BLOCK_BYTES
+        j = d % BLOCK_VALUES
+        scale = _f16_at(block, mask)
+        if KIND == 3:                                                   # Q8: int8 codes
+            code = tl.load(block + HEADER_BYTES + j, mask=mask, other=0).to(tl.int8, bitcast=True)
+            x = scale * code.to(tl.float32)
+        else:
+            code = _block_code(block + HEADER_BYTES, j, mask, KIND, BITS, BLOCK_VALUES)
+            x = scale * tl.load(lut + code, mask=mask, other=0.0)
+    return tl.where(mask, x, 0.0)

@@ -1,0 +1,92 @@
+"""The Triton kernel of ``paged_prefill`` (imported only when it runs: importing kvslim needs no triton).
+
+One program per (KV head, sequence, tile of BLOCK_M query rows, split of keys). It walks the
+keys its tile can see BLOCK_N at a time through the block table, decodes the packed K/V rows
+in registers (``_codecs.decode_tile``, as the decode kernel), scores the tile's rows against
+one read of each key, masks each row at its own causal limit, and keeps an online softmax.
+The rows of a tile may be any query positions (the GQA heads' rows g*T + t share a tile); the
+tile reads keys up to the largest of its positions, and each row masks the rest.
+
+Triton decides at decoration time whether a kernel is interpreted (TRITON_INTERPRET=1, numpy on
+the CPU) or compiled; ``INTERPRETED`` and ``RUNNABLE`` say which, as in the decode kernel.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+from ._codecs import decode_tile
+
+
+@triton.jit
+def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr, k_lut, v_lut,
+                       m_out, l_out, acc_out,
+                       n_seq, n_rows, n_pages, page_size, k_row_bytes, v_row_bytes, table_width,
+                       n_splits, split_keys,
+                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr,
+                       K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_VALUES: tl.constexpr,
+                       K_BYTES: tl.constexpr, K_HEADER: tl.constexpr,
+                       V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_VALUES: tl.constexpr,
+                       V_BYTES: tl.constexpr, V_HEADER: tl.constexpr):
+    """One (KV head, sequence, row tile, split): the online-softmax state of rows
+    [tile * BLOCK_M, next tile) over keys [split * split_keys, next split), where row r sees key
+    t < lengths[s] with t <= q_pos[s, r]. q (Hkv, S, R, D) float32 in K's code domain, q_pos
+    (S, R) int32; outputs m, l (Hkv, S, n_splits, R) and acc (Hkv, S, n_splits, R, D)."""
+    h = tl.program_id(0)
+    s = tl.program_id(1)
+    tile = tl.program_id(2) // n_splits
+    split = tl.program_id(2) % n_splits
+    r = tile * BLOCK_M + tl.arange(0, BLOCK_M)                          # query rows
+    d = tl.arange(0, BLOCK_D)
+    r_live = r < n_rows
+    d_live = d < HEAD_DIM
+    head_seq = h.to(tl.int64) * n_seq + s                               # (h, s) flat, int64: pools can pass 2^31 bytes
+    q = tl.load(q_ptr + (head_seq * n_rows + r[:, None]) * HEAD_DIM + d[None, :],
+                mask=r_live[:, None] & d_live[None, :], other=0.0)      # (BLOCK_M, BLOCK_D)
+    q_pos = tl.load(q_pos_ptr + s.to(tl.int64) * n_rows + r, mask=r_live, other=-1)   # padding rows see nothing
+
+    begin = split * split_keys
+    n_keys = tl.minimum(tl.load(lengths_ptr + s), tl.max(q_pos) + 1)   # causal: none past the tile's last row
+    end = tl.minimum(begin + split_keys, n_keys)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(begin, end, BLOCK_N):
+        t = start + tl.arange(0, BLOCK_N)                               # key positions
+        valid = t < end
+        page = tl.load(table_ptr + s.to(tl.int64) * table_width + t // page_size, mask=valid, other=0)
+        slot = (h.to(tl.int64) * n_pages + page.to(tl.int64)) * page_size + t % page_size
+        k = decode_tile(k_pool, slot * k_row_bytes, valid, k_lut, HEAD_DIM, BLOCK_D,
+                        K_KIND, K_BITS, K_VALUES, K_BYTES, K_HEADER)    # (BLOCK_N, BLOCK_D)
+        v = decode_tile(v_pool, slot * v_row_bytes, valid, v_lut, HEAD_DIM, BLOCK_D,
+                        V_KIND, V_BITS, V_VALUES, V_BYTES, V_HEADER)
+        # fp32 products, as the torch reference: tf32 would cost ~1e-3 in the scores
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee")         # (BLOCK_M, BLOCK_N)
+        seen = valid[None, :] & (t[None, :] <= q_pos[:, None])
+        scores = tl.where(seen, scores, float("-inf"))
+        m_i, l_i, acc = _fold(m_i, l_i, acc, scores, v)
+
+    part = (head_seq * n_splits + split) * n_rows + r                  # (BLOCK_M,) rows of this split
+    tl.store(m_out + part, m_i, mask=r_live)
+    tl.store(l_out + part, l_i, mask=r_live)
+    tl.store(acc_out + part[:, None] * HEAD_DIM + d[None, :], acc, mask=r_live[:, None] & d_live[None, :])
+
+
+@triton.jit
+def _fold(m_i, l_i, acc, scores, v):
+    """One block of masked scores (BLOCK_M, BLOCK_N) and values (BLOCK_N, BLOCK_D) into the state.
+    A row may have seen no key yet (its causal limit lies before this block): its max stays
+    -inf and it is shifted by 0 instead, so exp gives 0, never NaN (as ``_OnlineSoftmax``)."""
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(scores - m_safe[:, None])
+    corr = tl.exp(m_i - m_safe)
+    l_i = l_i * corr + tl.sum(p, axis=1)
+    acc = acc * corr[:, None] + tl.dot(p, v, input_precision="ieee")
+    return m_new, l_i, acc
+
+
+INTERPRETED = not isinstance(paged_prefill_tile, JITFunction)
+RUNNABLE = INTERPRETED == (not isinstance(tl.zeros, JITFunction))     # else tl.zeros & co. refuse to run

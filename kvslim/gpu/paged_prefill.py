@@ -1,0 +1,90 @@
+"""Prefill attention on packed pages in Triton: many query rows per sequence, each causal.
+
+``prefill_state`` returns the online-softmax state (running max, denominator, unnormalised sum
+in V's code domain) of R query rows per sequence over its packed pages, row r seeing the keys
+at positions <= q_pos[s, r] (and < lengths[s]): the state ``attention._scan_pages`` leaves in an
+``_OnlineSoftmax``, which is its reference (tests/test_triton_prefill.py, under Triton's
+interpreter). The row layouts and code tables are the decode kernel's (``codec_fields``, read
+through ``paged_decode``); the decoding itself is shared (``_codecs.decode_tile``).
+
+A program holds a tile of BLOCK_M rows and reads only the keys its rows can see. Long chunks
+get their parallelism from the tiles (a 512-token chunk at GQA 4 is 64 tiles per KV head);
+few rows (at most SPLIT_ROWS) over a deep history would leave most of the GPU idle, so those
+are also cut into splits of keys, as flash-decoding, and merged with ``merge_splits``.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from .paged_decode import _codec_args, _fields, _lut, _pow2, available, merge_splits
+
+SPLIT_KEYS = 512          # keys per program when rows are few: fixed, so a sequence's bits do not depend on its batch
+SPLIT_ROWS = 64           # at most this many rows are split over keys: the per-split states grow with the rows
+MIN_DOT = 16              # tl.dot's smallest M, N and K: fewer query rows are padded with zeros
+
+
+@lru_cache(maxsize=None)
+def _kernel():
+    from . import _paged_prefill_kernel                 # imports triton: only when a kernel runs
+    return _paged_prefill_kernel
+
+
+def _device_ok(device: torch.device) -> bool:
+    """Compiled kernels run on CUDA tensors, interpreted ones on CPU tensors (fixed at import)."""
+    kernel = _kernel()
+    return kernel.RUNNABLE and device.type == ("cpu" if kernel.INTERPRETED else "cuda")
+
+
+def supports(fmt_k, fmt_v, q: torch.Tensor) -> bool:
+    """Whether this kernel serves these formats for q (Hkv, S, R, D) float32: triton is
+    importable, q is on a CUDA device (or on the CPU under TRITON_INTERPRET=1), and both
+    formats have a layout it decodes. Any number of rows."""
+    dim = q.shape[-1]
+    return (q.dtype == torch.float32 and available() and _device_ok(q.device)
+            and _fields(fmt_k, dim) is not None and _fields(fmt_v, dim) is not None)
+
+
+def _launch_config(fmt_k, fmt_v, n_rows: int, head_dim: int) -> dict:
+    """The kernel's constexprs and warps for one call. The query tile and its sum (BLOCK_M x
+    head_dim floats each) live in registers beside one block of decoded K and V: ptxas for sm_90
+    spills nothing at (rows, warps) = (32, 4) at head_dim 64, (32, 8) at 128 and (16, 8) at 256
+    with q8_0 rows, and ~0.6-0.9 KB with 3-bit codes; 64 rows spill kilobytes. A guess from
+    spill counts, not timings; keys per block as the decode kernel."""
+    block_m = 16 if head_dim > 128 else 32
+    return dict(HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim), BLOCK_M=min(block_m, max(MIN_DOT, _pow2(n_rows))),
+                BLOCK_N=32 if head_dim <= 64 else MIN_DOT,
+                **_codec_args(fmt_k, head_dim, "K"), **_codec_args(fmt_v, head_dim, "V"),
+                num_warps=4 if head_dim <= 64 else 8)
+
+
+def prefill_state(fmt_k, fmt_v, q_code: torch.Tensor, q_pos: torch.Tensor, k_pool: torch.Tensor,
+                  v_pool: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor,
+                  split_keys: int = SPLIT_KEYS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q_code (Hkv, S, R, D) float32, scaled, in K's code domain; q_pos (S, R) each row's absolute
+    position (it sees keys at positions <= it); pools (Hkv, pages, page_size, row bytes) uint8;
+    table (S, P) int32 pages; lengths (S,) packed keys per sequence.
+    -> m, l (Hkv, S, R, 1) and acc (Hkv, S, R, D), acc in V's code domain, not normalised; a row
+    that sees no key gets m = -inf, l = 0, acc = 0. ``split_keys``: keys per program when R is at
+    most SPLIT_ROWS. The launch's sizes come from the shapes alone: no host sync."""
+    n_kv, n_seq, n_rows, dim = q_code.shape
+    config = _launch_config(fmt_k, fmt_v, n_rows, dim)
+    page_size = k_pool.shape[2]
+    n_tiles = -(-n_rows // config["BLOCK_M"])
+    keys = max(1, table.shape[1] * page_size)
+    split_keys = split_keys if n_rows <= SPLIT_ROWS else keys          # many rows: one split, the tiles are enough
+    n_splits = -(-keys // split_keys)
+    q_code, table = q_code.contiguous(), table.to(torch.int32).contiguous()
+    q_pos = q_pos.to(device=q_code.device, dtype=torch.int32).expand(n_seq, n_rows).contiguous()
+    lengths = lengths.to(device=q_code.device, dtype=torch.int32).contiguous()
+    m = torch.empty(n_kv, n_seq, n_splits, n_rows, device=q_code.device)
+    l, acc = torch.empty_like(m), torch.empty(n_kv, n_seq, n_splits, n_rows, dim, device=q_code.device)
+    luts = [_lut(f.name, getattr(f, "role", "k"), dim, str(q_code.device)) for f in (fmt_k, fmt_v)]
+    _kernel().paged_prefill_tile[(n_kv, n_seq, n_tiles * n_splits)](
+        q_code, q_pos, k_pool.contiguous(), v_pool.contiguous(), table, lengths, *luts, m, l, acc,
+        n_seq, n_rows, k_pool.shape[1], page_size, k_pool.shape[3], v_pool.shape[3], table.shape[1],
+        n_splits, split_keys, **config)
+    if n_splits == 1:                                                   # nothing to merge
+        return m[:, :, 0, :, None], l[:, :, 0, :, None], acc[:, :, 0]
+    return merge_splits(m, l, acc)
