@@ -1,0 +1,169 @@
+"""The Triton kernels of ``quant_matmul`` (imported only when one runs: importing kvslim needs no triton).
+
+W (N, K) stays its GGUF bytes: (N, row_bytes) uint8, one row of blocks per output feature, as
+the file stores it. ``_dequantize_tile`` turns a (rows x columns) tile of it into float32 in
+registers, each value addressing its own code, scale and min bytes (the layouts are those of
+``block_linear.c`` and ``gguf.quants``; TYPE is the ggml type id). Two kernels use it:
+
+- ``quant_gemv`` (decode, M <= 16 rows of x): one program per (BLOCK_N outputs, split of K);
+  products summed in float32 on the CUDA cores, no tensor cores (M is too small to fill them).
+- ``quant_gemm`` (prefill): one program per (BLOCK_M x BLOCK_N) tile of y; each BLOCK_K step
+  dequantizes W's tile, casts it and x's tile to DOT_DTYPE and accumulates ``tl.dot`` in float32.
+
+Triton decides at decoration time whether a kernel is interpreted (TRITON_INTERPRET=1) or
+compiled; ``INTERPRETED`` and ``RUNNABLE`` record it, as in ``_paged_decode_kernel``.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+# ggml type ids (gguf.GGMLQuantizationType), the kernels' TYPE
+Q4_0 = tl.constexpr(2)
+Q8_0 = tl.constexpr(8)
+Q4_K = tl.constexpr(12)
+Q5_K = tl.constexpr(13)
+Q6_K = tl.constexpr(14)
+
+# dot name -> (operand dtype, tl.dot input_precision); products accumulate in float32 in all four
+DOTS = {"ieee": (tl.float32, "ieee"), "tf32": (tl.float32, "tf32"),
+        "fp16": (tl.float16, "ieee"), "bf16": (tl.bfloat16, "ieee")}
+
+
+@triton.jit
+def _f16_at(ptr, mask):
+    """Two little-endian bytes at ptr -> float32 (an f16 bit pattern)."""
+    lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
+    hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _byte(ptr, mask):
+    return tl.load(ptr, mask=mask, other=0).to(tl.int32)
+
+
+@triton.jit
+def _int8(ptr, mask):
+    return tl.load(ptr, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _scale_min_k4(sb, g, mask):
+    """Q4_K/Q5_K: the 6-bit scale and min of sub-block g (0-7) from the 12 bytes S at sb + 4.
+    g < 4: S[g] & 63, S[g+4] & 63; else the low nibble or high nibble of S[g+4], with the top
+    2 bits from S[g-4] (scale) or S[g] (min). Three loads serve both cases."""
+    first = _byte(sb + 4 + g % 4, mask)              # S[g % 4]
+    second = _byte(sb + 8 + g % 4, mask)             # S[g % 4 + 4]
+    third = _byte(sb + 8 + g, mask)                  # S[g + 4] (== second for g < 4)
+    scale = tl.where(g < 4, first & 63, (third & 0x0F) | ((first >> 6) << 4))
+    min_ = tl.where(g < 4, second & 63, (third >> 4) | ((second >> 6) << 4))
+    return scale.to(tl.float32), min_.to(tl.float32)
+
+
+@triton.jit
+def _legacy_values(row, c, mask, TYPE: tl.constexpr):
+    """Q8_0 [d][32 int8] and Q4_0 [d][16 bytes: value j | value j+16 << 4]: d * q."""
+    j = c % 32
+    if TYPE == Q8_0:
+        block = row + (c // 32) * 34
+        q = _int8(block + 2 + j, mask)
+    else:
+        block = row + (c // 32) * 18
+        q = ((_byte(block + 2 + j % 16, mask) >> (4 * (j // 16))) & 0x0F) - 8
+    return _f16_at(block, mask) * q.to(tl.float32)
+
+
+@triton.jit
+def _q6_k_values(row, c, mask):
+    """[ql 128][qh 64][16 int8 scales][d], two halves of 128 values: in a half, value r takes
+    the low or high nibble of ql[r % 64] (r < 64 or not) and bits 2(r // 32) of qh[r % 32]."""
+    sb = row + (c // 256) * 210
+    i = c % 256
+    half, r = i // 128, i % 128
+    low = (_byte(sb + 64 * half + r % 64, mask) >> (4 * (r // 64))) & 0x0F
+    high = (_byte(sb + 128 + 32 * half + r % 32, mask) >> (2 * (r // 32))) & 0x03
+    scale = _f16_at(sb + 208, mask) * _int8(sb + 192 + i // 16, mask)      # one per 16 values
+    return scale * ((low | (high << 4)) - 32).to(tl.float32)
+
+
+@triton.jit
+def _k4_values(row, c, mask, TYPE: tl.constexpr):
+    """Q4_K [d][dmin][12 scales][128 qs] and Q5_K (plus [qh 32] before qs): sub-block g of 32
+    takes the low (even g) or high nibble of qs[32(g // 2) + l], Q5_K bit g of qh[l] on top;
+    value = (d * scale) * q - dmin * min, in gguf.quants' order."""
+    if TYPE == Q4_K:
+        sb = row + (c // 256) * 144
+        qs = sb + 16
+    else:
+        sb = row + (c // 256) * 176
+        qs = sb + 48
+    i = c % 256
+    g, l = i // 32, i % 32
+    q = (_byte(qs + 32 * (g // 2) + l, mask) >> (4 * (g % 2))) & 0x0F
+    if TYPE == Q5_K:
+        q = q | (((_byte(sb + 16 + l, mask) >> g) & 1) << 4)
+    scale, min_ = _scale_min_k4(sb, g, mask)
+    return (_f16_at(sb, mask) * scale) * q.to(tl.float32) - _f16_at(sb + 2, mask) * min_
+
+
+@triton.jit
+def _dequantize_tile(w_ptr, rows, cols, row_bytes, N, K, TYPE: tl.constexpr):
+    """rows (BN,) output features, cols (BK,) input features -> (BN, BK) float32 values of W;
+    0 outside (N, K), so padding adds 0 * 0, never NaN from stray bytes."""
+    mask = (rows < N)[:, None] & (cols < K)[None, :]
+    row = w_ptr + rows.to(tl.int64)[:, None] * row_bytes                # (BN, 1) byte pointers: W can pass 2 GiB
+    c = cols[None, :]
+    if TYPE == Q6_K:
+        v = _q6_k_values(row, c, mask)
+    elif TYPE == Q4_K or TYPE == Q5_K:
+        v = _k4_values(row, c, mask, TYPE)
+    else:
+        v = _legacy_values(row, c, mask, TYPE)
+    return tl.where(mask, v, 0.0)
+
+
+@triton.jit
+def quant_gemv(x_ptr, w_ptr, y_ptr, M, N, K, row_bytes, chunks_per_split,
+               TYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (tile of BLOCK_N outputs, split s): y[s, m, n] = x[m, K_s] . W[n, K_s] for its
+    chunks K_s of BLOCK_K columns. x (M, K) contiguous; y (splits, M, N) float32."""
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, BLOCK_M)
+    first = split * chunks_per_split
+    last = tl.minimum(first + chunks_per_split, tl.cdiv(K, BLOCK_K))
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for chunk in range(first, last):
+        cols = chunk * BLOCK_K + tl.arange(0, BLOCK_K)
+        w = _dequantize_tile(w_ptr, rows, cols, row_bytes, N, K, TYPE)                     # (BN, BK)
+        x = tl.load(x_ptr + m[:, None] * K + cols[None, :], mask=(m < M)[:, None] & (cols < K)[None, :],
+                    other=0.0).to(tl.float32)                                           # (BM, BK)
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)                           # (BM, BN)
+    out = y_ptr + (split * M + m[:, None]) * N + rows[None, :]
+    tl.store(out, acc, mask=(m < M)[:, None] & (rows < N)[None, :])
+
+
+@triton.jit
+def quant_gemm(x_ptr, w_ptr, y_ptr, M, N, K, row_bytes,
+               TYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (M tile, N tile): y = x @ W^T over all of K. M tiles vary fastest, so programs
+    running together share W's tile (its bytes read once from DRAM, then from L2)."""
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    x_row = x_ptr + m.to(tl.int64)[:, None] * K
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for start in range(0, K, BLOCK_K):
+        cols = start + tl.arange(0, BLOCK_K)
+        x = tl.load(x_row + cols[None, :], mask=(m < M)[:, None] & (cols < K)[None, :], other=0.0)
+        w = _dequantize_tile(w_ptr, rows, cols, row_bytes, N, K, TYPE)                     # (BN, BK)
+        acc = tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), acc, input_precision=PRECISION)
+    out = y_ptr + m.to(tl.int64)[:, None] * N + rows[None, :]
+    tl.store(out, acc, mask=(m < M)[:, None] & (rows < N)[None, :])
+
+
+INTERPRETED = not isinstance(quant_gemv, JITFunction)
+RUNNABLE = INTERPRETED == (not isinstance(tl.zeros, JITFunction))     # else tl.zeros & co. refuse to run

@@ -1,0 +1,160 @@
+"""y = x @ W^T in Triton with W kept as its GGUF blocks on the GPU: ``block_linear.c``'s job on a GPU.
+
+W is a ``kvslim.weights.QuantTensor``'s ``data``, (N, row_bytes) uint8 in the file's layout, copied to the
+device as is; no dequantized copy of it is ever stored. Two kernels (``_quant_matmul_kernel``):
+
+- ``gemv`` for decode (M <= MAX_GEMV_ROWS rows of x): W's bytes are read once and the values
+  dequantized in registers; float32 products on the CUDA cores. Split-K: when W has too few
+  tiles of BLOCK_N outputs to occupy the GPU, K is cut into splits that run as separate
+  programs, each writing a float32 partial; torch sums them (deterministic: no atomics, and the
+  split count depends only on the shapes).
+- ``gemm`` for prefill: W's tiles dequantized in registers and fed to ``tl.dot`` in DOT_DTYPE
+  (fp16, bf16 on tensor cores; tf32; or ieee float32 for exact checks), accumulated in float32.
+
+``linear`` picks one by M. The reference is ``kvslim.weights.reference_linear`` (the whole W
+through ``gguf.quants.dequantize``, then F.linear); tests/test_triton_weights.py holds the two
+together under Triton's interpreter (TRITON_INTERPRET=1, CPU tensors).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import gguf
+import torch
+
+from .paged_decode import available
+
+_T = gguf.GGMLQuantizationType
+SUPPORTED = (_T.Q8_0, _T.Q4_0, _T.Q4_K, _T.Q5_K, _T.Q6_K)
+MAX_GEMV_ROWS = 16            # more rows of x: the tensor-core GEMM
+GEMV_PROGRAMS = 264           # split K until a GEMV launches about this many programs (2 per H100 SM)
+GEMV_TILE = 2048              # BLOCK_N * BLOCK_K: W values one GEMV step dequantizes (in registers)
+GEMV_PRODUCTS = 4096          # BLOCK_M * BLOCK_N * BLOCK_K: the products one GEMV step holds
+
+
+@lru_cache(maxsize=None)
+def _kernel():
+    from . import _quant_matmul_kernel                  # imports triton: only when a kernel runs
+    return _quant_matmul_kernel
+
+
+def supports(ggml_type) -> bool:
+    """Whether these kernels decode this GGUF type (a gguf.GGMLQuantizationType)."""
+    return ggml_type in SUPPORTED
+
+
+def runs_on(x: torch.Tensor) -> bool:
+    """Whether a kernel can run on x's device here: CUDA when compiled, the CPU when interpreted
+    (Triton fixes which at import, from TRITON_INTERPRET)."""
+    if not available():
+        return False
+    kernel = _kernel()
+    return kernel.RUNNABLE and x.device.type == ("cpu" if kernel.INTERPRETED else "cuda")
+
+
+def gemv_config(n_rows: int) -> dict:
+    """Blocks and warps of the GEMV for M = n_rows: 256 columns (one K-quant super-block) per
+    step while few rows, then fewer outputs per program. Each value of W's tile holds its own
+    64-bit byte pointers: ptxas for sm_90 spilled kilobytes at 32 x 256 values (M = 1), none at
+    8 x 256 (96-118 registers; 48-80 from M = 4 on). Not timed on a GPU yet."""
+    block_m = _pow2(n_rows)
+    block_k = 256 if block_m <= 2 else 128
+    block_n = max(4, min(GEMV_TILE // block_k, GEMV_PRODUCTS // (block_m * block_k)))
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+
+
+def gemm_config(n_rows: int) -> dict:
+    """Blocks and warps of the GEMM: W's dequantized tile is reused by BLOCK_M rows of x, so
+    BLOCK_M is the larger side. ptxas for sm_90 spilled at 128 x 64 x 64 (8 warps) and none at
+    BLOCK_K = 32 (179-218 registers for the K-quants). Not timed on a GPU yet."""
+    block_m = min(128, max(16, _pow2(n_rows)))
+    return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=32, num_warps=8 if block_m >= 128 else 4)
+
+
+def split_count(n_cols: int, n_out: int, config: dict) -> int:
+    """Splits of K for a GEMV: enough programs for GEMV_PROGRAMS, at least one chunk per split."""
+    tiles = -(-n_out // config["BLOCK_N"])
+    chunks = -(-n_cols // config["BLOCK_K"])
+    return max(1, min(chunks, GEMV_PROGRAMS // tiles))
+
+
+def _check(x: torch.Tensor, blocks: torch.Tensor, ggml_type) -> None:
+    """A supported type, x (M, K) and blocks (N, row_bytes) whose rows are K values of that type."""
+    if not supports(ggml_type):
+        names = ", ".join(t.name for t in SUPPORTED)
+        raise ValueError(f"no Triton kernel for {getattr(ggml_type, 'name', ggml_type)}; supported: {names}")
+    block_size, block_bytes = gguf.GGML_QUANT_SIZES[ggml_type]
+    whole_rows = x.shape[-1] % block_size == 0 and blocks.shape[-1] == x.shape[-1] // block_size * block_bytes
+    if x.dim() != 2 or blocks.dim() != 2 or not whole_rows:
+        raise ValueError(f"x (M, K) and {ggml_type.name} rows of K values (N, row_bytes) expected, "
+                         f"got {tuple(x.shape)} and {tuple(blocks.shape)}")
+    if not runs_on(x) or blocks.device != x.device:
+        raise ValueError(f"x and blocks on one CUDA device expected (the CPU under TRITON_INTERPRET=1), "
+                         f"got {x.device} and {blocks.device}")
+
+
+def gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type, split_k: int | None = None) -> torch.Tensor:
+    """x (M, K) float, M <= MAX_GEMV_ROWS; blocks (N, row_bytes) uint8 of ``ggml_type`` ->
+    y (M, N) float32. ``split_k``: splits of K (default ``split_count``)."""
+    _check(x, blocks, ggml_type)
+    if x.shape[0] > MAX_GEMV_ROWS:
+        raise ValueError(f"the GEMV takes at most {MAX_GEMV_ROWS} rows of x, got {x.shape[0]}: use gemm")
+    (m, k), n = x.shape, blocks.shape[0]
+    config = gemv_config(m)
+    splits = split_k or split_count(k, n, config)
+    chunks = -(-k // config["BLOCK_K"])
+    per_split = -(-chunks // splits)
+    splits = -(-chunks // per_split)                     # no split left without a chunk
+    parts = torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
+    grid = (-(-n // config["BLOCK_N"]), splits)
+    _kernel().quant_gemv[grid](x.contiguous(), blocks.contiguous(), parts, m, n, k, blocks.shape[1], per_split,
+                               TYPE=int(ggml_type), **config)
+    return parts[0] if splits == 1 else parts.sum(0)
+
+
+def gemm(x: torch.Tensor, blocks: torch.Tensor, ggml_type, dot: str | None = None) -> torch.Tensor:
+    """x (M, K) float; blocks (N, row_bytes) uint8 of ``ggml_type`` -> y (M, N) float32.
+    ``dot``: tl.dot's operands, "fp16", "bf16", "tf32" or "ieee" (exact float32); default
+    ``default_dot(x.dtype)``."""
+    _check(x, blocks, ggml_type)
+    kernel = _kernel()
+    dot = dot or default_dot(x.dtype)
+    if dot not in kernel.DOTS:
+        raise ValueError(f"unknown dot {dot!r}; valid: {', '.join(kernel.DOTS)}")
+    (m, k), n = x.shape, blocks.shape[0]
+    config = gemm_config(m)
+    y = torch.empty(m, n, device=x.device, dtype=torch.float32)
+    dtype, precision = kernel.DOTS[dot]
+    grid = (-(-m // config["BLOCK_M"]), -(-n // config["BLOCK_N"]))
+    kernel.quant_gemm[grid](x.contiguous(), blocks.contiguous(), y, m, n, k, blocks.shape[1],
+                            TYPE=int(ggml_type), DOT_DTYPE=dtype, PRECISION=precision, **config)
+    return y
+
+
+def default_dot(dtype: torch.dtype) -> str:
+    """The GEMM's operands for activations of ``dtype``: their own half type, else tf32
+    (float32 activations keep their range; fp16 could overflow on them)."""
+    return {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, "tf32")
+
+
+def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, dot: str | None = None) -> torch.Tensor:
+    """F.linear(x, W, bias) for a 2-d ``kvslim.weights.QuantTensor`` W (out, in), its ``data`` on
+    x's device (not imported: kvslim.weights sits above the cache, which imports kvslim.gpu).
+    x (..., in) -> (..., out) in x's dtype; GEMV up to MAX_GEMV_ROWS rows, else the GEMM with
+    ``dot`` operands (``gemm``'s)."""
+    flat = x.reshape(-1, x.shape[-1])
+    if weight.input_index is not None:
+        flat = flat.index_select(1, weight.input_index)                 # into the file's column order
+    if weight.data.dim() != 2:
+        raise ValueError(f"a 2-d weight expected, got {weight}")
+    if flat.shape[0] <= MAX_GEMV_ROWS:
+        y = gemv(flat, weight.data, weight.wtype.ggml_type)
+    else:
+        y = gemm(flat, weight.data, weight.wtype.ggml_type, dot)
+    if bias is not None:
+        y = y + bias
+    return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()

@@ -1,0 +1,203 @@
+"""The Triton quantized GEMV/GEMM (kvslim/gpu/quant_matmul.py) against gguf.quants, on the CPU.
+
+Weights are GGUF blocks: Q8_0 and Q4_0 from ``gguf.quants.quantize``; the K-quants (which
+gguf.quants cannot quantize) random bytes with sane fp16 super-scales, so every code, 6-bit
+scale and min pattern occurs. The reference is ``gguf.quants.dequantize`` then a float64
+matmul. The kernels run under Triton's interpreter in one child process (tests/triton_harness.py);
+the references run here. What the interpreter cannot check (bf16 tl.dot, which it computes
+wrongly; compilation; tf32; speed) is left to the sm_90 compile tests and the CUDA test.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from kvslim import weights
+from kvslim.gpu import quant_matmul as gpu
+from kvslim.weights import QuantTensor
+
+from .triton_harness import compile_for_sm90, compiled_process, run_interpreted
+
+pytestmark = pytest.mark.skipif(not gpu.available(), reason="triton is not installed: no GPU kernel to check")
+
+TYPES = ["q8_0", "q4_0", "q4_k", "q5_k", "q6_k"]
+COLS = {"q8_0": 288, "q4_0": 288, "q4_k": 512, "q5_k": 512, "q6_k": 512}   # 288: not whole GEMV steps
+# ("gemv", type, M, N, K, split_k or None) and ("gemm", type, M, N, K, dot)
+GEMV = [("gemv", t, m, n, COLS[t], split) for t in TYPES
+        for m, n, split in ((1, 64, None), (5, 40, None), (16, 33, 1))]
+GEMM = [("gemm", t, m, n, COLS[t], dot) for t in TYPES for m, n, dot in ((33, 64, "ieee"), (40, 40, "fp16"))]
+GEMM += [("gemm", "q6_k", 130, 32, 256, "ieee")]                       # two M tiles of 128
+# ("linear", type, x's leading shape, N, K, bias?, reordered columns?)
+LINEAR = [("linear", "q4_k", (1, 1), 48, 256, False, False), ("linear", "q8_0", (2, 9), 32, 256, True, False),
+          ("linear", "q5_k", (3,), 32, 256, True, True)]
+# of sum |x||w|: float32 sums, then one rounding of x and one of w to the dot's type (tf32 truncates)
+TOLERANCE = {"ieee": 1e-5, "tf32": 4e-3, "fp16": 2e-3, "bf16": 1e-2}
+
+
+def _weight(name: str, n: int, k: int, seed: int) -> QuantTensor:
+    """An (n, k) matrix of ``name`` blocks."""
+    wtype = weights.get(name)
+    gen = np.random.default_rng(seed)
+    if name in ("q8_0", "q4_0"):
+        raw = gguf.quants.quantize(gen.standard_normal((n, k), dtype=np.float32), wtype.ggml_type)
+    else:                                            # random codes and 6-bit scales; fp16 scales set below
+        raw = gen.integers(0, 256, (n * k // wtype.block_size, wtype.block_bytes), dtype=np.uint8)
+        at = 0
+        for field, size in wtype.fields:
+            if field in ("d", "dmin"):
+                scale = gen.uniform(0.002, 0.02, raw.shape[0]).astype(np.float16)
+                raw[:, at:at + size] = scale.view(np.uint8).reshape(-1, 2)
+            at += size
+    return QuantTensor(torch.from_numpy(np.ascontiguousarray(raw).reshape(n, -1)), wtype, k)
+
+
+def _inputs(case, seed: int):
+    """The case's weight and x (float32, M rows) and, for ``linear``, bias and column order."""
+    kind, name, lead, n, k = case[:5]
+    w = _weight(name, n, k, seed)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(*(lead if kind == "linear" else (lead,)), k, generator=gen)
+    bias = torch.randn(n, generator=gen) if kind == "linear" and case[5] else None
+    if kind == "linear" and case[6]:
+        w = w.index_select(1, torch.randperm(k, generator=gen))      # columns no longer whole blocks
+    return w, x, bias
+
+
+def _run(case, x, w, bias):
+    if case[0] == "gemv":
+        return gpu.gemv(x, w.data, w.wtype.ggml_type, split_k=case[5])
+    if case[0] == "gemm":
+        return gpu.gemm(x, w.data, w.wtype.ggml_type, dot=case[5])
+    return gpu.linear(x, w, bias, dot="ieee")
+
+
+def _results_in_child(cases, path: Path) -> None:
+    """In the interpreted child: every case's output, and what ``runs_on`` says of CPU tensors."""
+    out = {"y": [], "runs_on_cpu": gpu.runs_on(torch.zeros(1))}
+    for i, case in enumerate(cases):
+        w, x, bias = _inputs(case, i)
+        out["y"].append(_run(case, x, w, bias))
+    torch.save(out, path)
+
+
+CASES = GEMV + GEMM + LINEAR
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    """Every case computed once by one interpreted child process."""
+    out = run_interpreted("tests.test_triton_weights", "_results_in_child", CASES, tmp_path_factory.mktemp("triton"))
+    out["y"] = dict(zip(CASES, out["y"]))
+    return out
+
+
+def _check(case, got: torch.Tensor, seed: int) -> None:
+    """got within TOLERANCE of sum |x||w| of the float64 product of gguf.quants' values."""
+    w, x, bias = _inputs(case, seed)
+    dense = torch.from_numpy(gguf.quants.dequantize(w.data.numpy(), w.wtype.ggml_type)).double()
+    if w.input_index is not None:
+        dense = dense.index_select(1, torch.argsort(w.input_index))
+    want = x.double() @ dense.T + (0 if bias is None else bias.double())
+    bound = x.double().abs() @ dense.abs().T
+    dot = case[5] if case[0] == "gemm" else "ieee"
+    assert got.shape == want.shape and got.dtype == x.dtype
+    assert ((got.double().cpu() - want).abs() <= TOLERANCE[dot] * bound + 1e-6).all()
+
+
+@pytest.mark.parametrize("case", GEMV, ids=lambda c: f"{c[1]}-m{c[2]}-n{c[3]}-k{c[4]}-split{c[5]}")
+def test_gemv_matches_gguf_dequantize(interpreted, case):
+    """M = 1, 5, 16; N not whole tiles; K split by default (several programs' partials summed) or not."""
+    _check(case, interpreted["y"][case], CASES.index(case))
+
+
+@pytest.mark.parametrize("case", GEMM, ids=lambda c: f"{c[1]}-m{c[2]}-n{c[3]}-{c[5]}")
+def test_gemm_matches_gguf_dequantize(interpreted, case):
+    """Exact float32 tl.dot (ieee) and fp16 operands; bf16 only on a GPU (the interpreter's is wrong)."""
+    _check(case, interpreted["y"][case], CASES.index(case))
+
+
+@pytest.mark.parametrize("case", LINEAR, ids=lambda c: f"{c[1]}-{'x'.join(map(str, c[2]))}")
+def test_linear_matches_reference_linear(interpreted, case):
+    """The wrapper: GEMV for a decode token, GEMM for 18 rows, a bias, a column order not in blocks."""
+    _check(case, interpreted["y"][case], CASES.index(case))
+
+
+def test_interpreted_kernels_run_on_cpu_tensors(interpreted):
+    assert interpreted["runs_on_cpu"]
+
+
+def test_cpu_tensors_without_the_interpreter_are_refused():
+    compiled_process()
+    assert not gpu.runs_on(torch.zeros(1))
+
+
+def test_supported_types():
+    T = gguf.GGMLQuantizationType
+    assert [gpu.supports(weights.get(t).ggml_type) for t in TYPES] == [True] * len(TYPES)
+    assert not any(gpu.supports(t) for t in (T.Q5_0, T.Q4_1, T.IQ4_NL, T.F16, T.Q2_K))
+
+
+def test_bad_calls_raise_before_any_kernel():
+    """Checked at the entry point: an unsupported type, rows that are not K values of the type,
+    tensors a kernel cannot run on here."""
+    w = _weight("q4_k", 8, 256, 0)
+    with pytest.raises(ValueError, match="supported: Q8_0"):
+        gpu.gemv(torch.zeros(1, 256), w.data, gguf.GGMLQuantizationType.Q5_0)
+    with pytest.raises(ValueError, match="rows of K values"):
+        gpu.gemv(torch.zeros(1, 512), w.data, w.wtype.ggml_type)
+    with pytest.raises(ValueError, match="rows of K values"):
+        gpu.gemm(torch.zeros(1, 100), w.data, w.wtype.ggml_type)
+    if not gpu.runs_on(torch.zeros(1)):
+        with pytest.raises(ValueError, match="one CUDA device"):
+            gpu.gemv(torch.zeros(1, 256), w.data, w.wtype.ggml_type)
+
+
+def test_split_count_fills_the_gpu_and_keeps_a_chunk_per_split():
+    config = gpu.gemv_config(1)
+    assert gpu.split_count(4096, 1024, config) == 2                  # 128 tiles of 8 outputs
+    assert gpu.split_count(512, 32, config) == 2                     # capped by K's 2 chunks
+    assert gpu.split_count(4096, 4096, config) == 1                  # 512 tiles
+
+
+CUDA_CASES = CASES + [("gemm", t, 40, 40, COLS[t], dot) for t in TYPES for dot in ("bf16", "tf32")]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the compiled kernels wait for a GPU")
+@pytest.mark.parametrize("case", CUDA_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_compiled_kernels_on_cuda_match_gguf_dequantize(case):
+    """The same cases compiled for the GPU in this process, plus bf16 and tf32 tl.dot."""
+    compiled_process()
+    w, x, bias = _inputs(case, CASES.index(case) if case in CASES else 0)
+    on_gpu = QuantTensor(w.data.cuda(), w.wtype, w.cols,
+                         None if w.input_index is None else w.input_index.cuda())
+    got = _run(case, x.cuda(), on_gpu, None if bias is None else bias.cuda())
+    _check(case, got, CASES.index(case) if case in CASES else 0)
+
+
+POINTERS = {"x_ptr": "*fp32", "w_ptr": "*u8", "y_ptr": "*fp32"}
+
+
+@pytest.mark.parametrize("name,rows", [("q8_0", 1), ("q4_k", 4), ("q6_k", 16)])
+def test_gemv_compiles_for_an_h100_without_one(name, rows):
+    """The interpreter cannot say whether ptxas takes it: lower it for sm_90 with the launcher's config."""
+    from kvslim.gpu import _quant_matmul_kernel as kernel
+    config = gpu.gemv_config(rows)
+    num_warps = config.pop("num_warps")
+    constexprs = dict(config, TYPE=int(weights.get(name).ggml_type))
+    assert compile_for_sm90(kernel.quant_gemv, POINTERS, constexprs, num_warps).asm["cubin"]
+
+
+@pytest.mark.parametrize("name,dot", [("q4_0", "fp16"), ("q5_k", "bf16"), ("q6_k", "bf16")])
+def test_gemm_compiles_for_an_h100_without_one(name, dot):
+    """The prefill GEMM's tensor-core tl.dot at M = 512, x in the dot's own half type."""
+    from kvslim.gpu import _quant_matmul_kernel as kernel
+    config = gpu.gemm_config(512)
+    num_warps = config.pop("num_warps")
+    dtype, precision = kernel.DOTS[dot]
+    constexprs = dict(config, TYPE=int(weights.get(name).ggml_type), DOT_DTYPE=dtype, PRECISION=precision)
+    pointers = dict(POINTERS, x_ptr="*" + dot)
+    assert compile_for_sm90(kernel.quant_gemm, pointers, constexprs, num_warps).asm["cubin"]
