@@ -20,6 +20,7 @@ import os
 import torch
 
 from ..gpu import paged_decode as gpu_decode
+from ..gpu import paged_prefill as gpu_prefill
 from ..native import paged_attention as native
 
 # KVSLIM_TRITON=0 keeps the torch block loop on a GPU (parity and speed comparisons)
@@ -154,6 +155,9 @@ def attend_pages(cache, slots: list[int], q: torch.Tensor, q_pos: torch.Tensor, 
     lengths = torch.tensor(packed, device=q.device)
     if one_position:
         acc = _scan_decode(cache.fmt_k, cache.fmt_v, cache.k_pool, cache.v_pool, table, q_code, lengths, block_tokens)
+    elif TRITON and gpu_prefill.supports(cache.fmt_k, cache.fmt_v, q_code):   # rows at their own positions
+        acc = _OnlineSoftmax.of(*gpu_prefill.prefill_state(cache.fmt_k, cache.fmt_v, q_code, q_pos, cache.k_pool,
+                                                           cache.v_pool, table, lengths))
     else:   # a block that ends by every sequence's end and by the first query's position needs no mask
         acc = _OnlineSoftmax(n_kv, n_seq, n_rows, dim, q.device)
         per_block = _pages_per_block(n_kv, dim, cache.page_size, n_seq, n_rows, block_tokens)

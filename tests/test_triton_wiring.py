@@ -1,0 +1,64 @@
+"""The Triton kernels as the model uses them: whole-model logits with attention served by them.
+
+Under Triton's interpreter (TRITON_INTERPRET=1) the kernels accept CPU tensors, so in such a
+child process ``attend_pages`` hands prompt chunks to ``gpu.paged_prefill`` and decode rows to
+``gpu.paged_decode`` (on a GPU they take CUDA tensors the same way). The bundled model's
+logits over a prompt and a few cached decode steps must match this process's, where the
+torch block loop and the C kernel serve attention. This checks the wiring (shapes, code
+domains, the f16 window folded after the kernel's state), not only the kernels.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvslim.gpu import paged_decode
+
+from .triton_harness import run_interpreted
+
+pytestmark = pytest.mark.skipif(not paged_decode.available(), reason="triton is not installed")
+PAIRS = [("q8_0", "turbo4", 0), ("f16", "iq4_nl", 8)]         # (K, V, f16 window)
+PROMPT, STEPS = list(range(5, 53)), [60, 61, 62]
+
+
+def logits(pairs):
+    """Prefill PROMPT in chunks of 20 (a chunk at depth), then one token per STEPS, per pair."""
+    from kvslim.loading import load_model
+    from kvslim.models import Batch
+    model, _, _ = load_model(None, torch.float32, torch.device("cpu"))
+    out = []
+    for type_k, type_v, window in pairs:
+        cache = model.make_cache(128, 1, type_k, type_v, f16_window=window)
+        rows = [model(Batch.build([(0, PROMPT[i:i + 20], i)]), cache, all_logits=True)
+                for i in range(0, len(PROMPT), 20)]
+        rows += [model(Batch.build([(0, [tok], len(PROMPT) + i)]), cache, all_logits=True)
+                 for i, tok in enumerate(STEPS)]
+        out.append(torch.cat(rows))
+    return out
+
+
+def logits_counted(pairs, path: Path) -> None:
+    """``logits`` in the interpreted child, counting the kernels' calls."""
+    from kvslim.gpu import paged_prefill
+    calls = {"prefill": 0, "decode": 0}
+
+    def counted(module, name, key):
+        inner = getattr(module, name)
+
+        def call(*args, **kw):
+            calls[key] += 1
+            return inner(*args, **kw)
+        setattr(module, name, call)
+    counted(paged_prefill, "prefill_state", "prefill")
+    counted(paged_decode, "decode_state", "decode")
+    torch.save({"logits": logits(pairs), "calls": calls}, path)
+
+
+def test_model_logits_with_triton_attention_match_the_torch_paths(tmp_path):
+    got = run_interpreted("tests.test_triton_wiring", "logits_counted", PAIRS, tmp_path)
+    # 2 attention layers: 3 prompt chunks and 3 decode steps per pair
+    assert got["calls"] == {"prefill": 2 * 3 * len(PAIRS), "decode": 2 * 3 * len(PAIRS)}
+    for (type_k, type_v, _), a, b in zip(PAIRS, got["logits"], logits(PAIRS)):
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4, msg=f"{type_k}/{type_v}")
