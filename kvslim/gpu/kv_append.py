@@ -1,0 +1,109 @@
+"""Quantize-on-append in Triton: new K or V rows straight into a paged pool, on the GPU.
+
+``append(fmt, x, pool, rows)`` does what ``KVCache._scatter`` does for one of K or V with
+``fmt.encode_flagged``, a reshape and an indexed write, in one kernel: each (token, KV head) row
+of x is encoded as the format's torch encoder does and written at its pool row, and the
+token's overflow flag (NaN/inf, or values past what the fp16 fields hold) comes back as a device
+tensor, nobody waiting for it. What to compute comes from the format's ``kernel_encoder``
+(kvslim/formats/base.py), the declaration ``kvslim/native/kv_encode.c`` reads too.
+
+Formats: f32/f16/bf16, q8_0, q4_0 and iq4_nl (rotated or not), turbo2/3/4, nl3/nl4; not the
+nls rows (their rung search), q4_1/q5_x or the QJL variants. The references are the formats'
+own ``encode``; tests/test_triton_append.py holds the two together under Triton's interpreter.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from .. import formats
+from .paged_decode import available
+
+KINDS = {"float": 0, "q8_0": 1, "q4_0": 2, "turbo": 3, "grid": 4, "iq4_nl": 5}      # _kv_append_kernel's
+FLOAT_TYPES = {"f32": 0, "f16": 1, "bf16": 2}
+INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+BLOCK_M = 16                  # (token, head) rows per program: tl.dot's smallest M for turbo's rotation
+MAX_DIM = 512
+FLT_MAX = torch.finfo(torch.float32).max
+
+
+@lru_cache(maxsize=None)
+def _kernel():
+    from . import _kv_append_kernel                     # imports triton: only when a kernel runs
+    return _kv_append_kernel
+
+
+def _device_ok(device: torch.device) -> bool:
+    """Compiled kernels run on CUDA tensors, interpreted ones (TRITON_INTERPRET=1) on CPU tensors."""
+    kernel = _kernel()
+    return kernel.RUNNABLE and device.type == ("cpu" if kernel.INTERPRETED else "cuda")
+
+
+def _encoder(fmt, head_dim: int):
+    """The format's declared encoder when this kernel implements it, else None."""
+    try:
+        fmt.check_head_dim(head_dim)
+    except ValueError:
+        return None
+    enc = fmt.kernel_encoder(head_dim)
+    return enc if enc is not None and enc.kind in KINDS and head_dim <= MAX_DIM else None
+
+
+def supports(fmt, x: torch.Tensor) -> bool:
+    """Whether this kernel encodes rows x (N, Hkv, D) into ``fmt``: triton is importable, x is
+    float32/f16/bf16 on a CUDA device (or on the CPU under TRITON_INTERPRET=1), and the format
+    declares an encoder this kernel implements."""
+    return (x.dim() == 3 and x.dtype in INPUT_DTYPES and available() and _encoder(fmt, x.shape[-1]) is not None
+            and _device_ok(x.device))
+
+
+@lru_cache(maxsize=None)
+def _tables(name: str, role: str, head_dim: int, device: str) -> tuple[torch.Tensor, ...]:
+    """The declaration's tables on the kernel's device (a one-float placeholder where it has none)."""
+    enc = formats.get(name, role=role).kernel_encoder(head_dim)
+    none = torch.zeros(1)
+    return tuple((none if t is None else t).float().contiguous().to(device)
+                 for t in (enc.rot_matrix, enc.boundaries, enc.centroids, enc.tries))
+
+
+def _launch_config(enc, head_dim: int) -> dict:
+    """The kernel's constexprs for one format and head_dim. Turbo groups may be any multiple of 8
+    (head_dim 96: one group of 96), so its blocks pad to a power of two; the Hadamard formats'
+    blocks are 32, 64 or 128 and tile the row padded to BLOCK_D."""
+    block_d = _pow2(head_dim)
+    group = enc.block if enc.kind != "float" else head_dim
+    block = _pow2(group)
+    n_blocks = head_dim // group
+    return dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=BLOCK_M, KIND=KINDS[enc.kind],
+                FLOAT_TYPE=FLOAT_TYPES.get(enc.float_type, 0), ROT=enc.rot if enc.hadamard else 0,
+                LOG2_ROT=enc.rot.bit_length() - 1 if enc.hadamard else 0, GROUP=group, N_BLOCKS=n_blocks,
+                NB=_pow2(n_blocks) if enc.kind == "turbo" else block_d // block, BLOCK=block, BITS=enc.bits,
+                BLOCK_BYTES=2 + group * enc.bits // 8, N_TRIES=0 if enc.tries is None else len(enc.tries),
+                num_warps=8 if enc.kind == "turbo" and block >= 128 else 4)
+
+
+def append(fmt, x: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Encode x (N, Hkv, D) float32/f16/bf16 into ``fmt`` and write token n's head h at
+    ``pool[h].view(-1, row_bytes)[rows[n]]``: pool (Hkv, pages, page_size, row_bytes) uint8,
+    written in place; rows (N,) flat pool rows, page * page_size + offset (what
+    ``KVCache._flat_index`` gives). Returns the (N,) bool overflow flags on x's device, as
+    ``fmt.encode_flagged`` gives them (a flagged token's bytes are not meant to be read)."""
+    n_tokens, n_kv, dim = x.shape
+    enc = _encoder(fmt, dim)
+    assert pool.is_contiguous() and pool.shape[0] == n_kv and pool.shape[3] == fmt.row_bytes(dim)
+    config = _launch_config(enc, dim)
+    x, rows = x.contiguous(), rows.to(device=x.device, dtype=torch.int64).contiguous()
+    flags = torch.empty(n_tokens, n_kv, dtype=torch.uint8, device=x.device)
+    tables = _tables(fmt.name, getattr(fmt, "role", "k"), dim, str(x.device))
+    limit = enc.limit if enc.limit > 0 else FLT_MAX                   # 0 declares no limit: only NaN/inf
+    rot_scale = float(torch.tensor(enc.rot ** -0.5 if enc.rot else 1.0, dtype=torch.float32))   # as torch's y * n ** -0.5
+    n_rows = n_tokens * n_kv
+    _kernel().kv_append_rows[(-(-n_rows // BLOCK_M),)](
+        x, pool, rows, flags, *tables, n_rows, n_kv, pool.shape[1] * pool.shape[2], pool.shape[3], limit, rot_scale,
+        enable_fp_fusion=False, **config)                              # x * id + 8.5 rounds twice, as in torch
+    return flags.any(dim=1)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()

@@ -1,0 +1,155 @@
+"""The Triton quantize-on-append kernel against each format's own torch encoder (its reference).
+
+Rows of several tokens and KV heads go to scattered pool rows (page * page_size + offset, as the
+cache's block table gives them); the kernel must write the bytes ``fmt.encode_flagged`` gives,
+leave every other pool row alone, and return the same per-token overflow flags (NaN, inf, values
+past the fp16 fields). A flagged token's bytes are not compared: nobody reads them (the engine
+stops the sequence).
+
+Exact formats (floats, q8_0, q4_0, rotated or not): the same arithmetic in the same order (the
+Hadamard as the same butterfly, correctly rounded divisions, no mul+add fusion), so the same bytes.
+Formats whose encoder sums over a block (iq4_nl's and the nl grids' scale searches, TurboQuant's
+norm and rotation) sum in another order than torch (a tree in the kernel, a tl.dot on a GPU): a
+near-tie may go the other way, so >= 99% of the bytes agree and the decoded rows have the same
+error (the bound tests/test_native_step.py sets for the C encoders). Under the interpreter they
+agreed exactly on these draws.
+
+Triton's interpreter (TRITON_INTERPRET=1) runs the kernel with numpy on CPU tensors in one child
+process (tests/triton_harness.py says why); what it cannot check (the GPU's rounding of ``/`` and
+fusion, compilation, speed) waits for a CUDA run, but compiling for sm_90 needs no GPU.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvslim import formats
+from kvslim.gpu import kv_append as gpu
+from kvslim.gpu import paged_decode
+
+from .triton_harness import compile_for_sm90, compiled_process, run_interpreted
+
+pytestmark = pytest.mark.skipif(not paged_decode.available(), reason="triton is not installed: no GPU kernel to check")
+
+F32, F16, BF16 = "float32", "float16", "bfloat16"
+# (format, role, head_dim, input dtype): K rotates in blocks of head_dim's largest power-of-two
+# divisor, V in 64s; 80, 96 and 192 pad the row (192: three blocks of nl4 or six of q8_0 in 256 lanes).
+EXACT = [("f32", "k", 128, F32), ("f16", "k", 80, F16), ("bf16", "v", 96, BF16), ("q8_0", "k", 128, F32),
+         ("q8_0", "v", 192, F32), ("q4_0", "k", 256, BF16), ("q4_0", "v", 64, F32), ("q8_0-norot", "k", 96, F16),
+         ("q4_0-norot", "v", 128, F32)]
+CLOSE = [("iq4_nl", "k", 128, F32), ("iq4_nl-norot", "v", 64, F32), ("turbo4", "k", 128, F32),
+         ("turbo3", "v", 256, F32), ("turbo2", "k", 96, F32), ("nl4", "k", 192, F32), ("nl4", "v", 128, F32),
+         ("nl3", "k", 64, F32)]
+N_KV, PAGE_SIZE = 2, 16
+REFUSED = [("q4_1", 128), ("turbo4p", 128), ("nl4s", 128), ("nl4", 96)]      # a min field, QJL, rungs, no rotation
+
+
+def _case(name, role, dim, dtype, n_tokens=32, seed=0):
+    """(fmt, x (N, Hkv, D), pool of random bytes, flat pool rows (N,)): magnitudes over five
+    decades, one NaN, one inf and one value past every fp16 scale."""
+    gen = torch.Generator().manual_seed(seed)
+    fmt = formats.get(name, role=role)
+    x = torch.randn(n_tokens, N_KV, dim, generator=gen) * torch.logspace(-3, 2, n_tokens)[:, None, None]
+    x[3, 1, 5], x[5, 0, dim - 1], x[7, 1, 2] = float("nan"), float("inf"), 1e9
+    pages = n_tokens // PAGE_SIZE + 3
+    pool = torch.randint(0, 256, (N_KV, pages, PAGE_SIZE, fmt.row_bytes(dim)), dtype=torch.uint8, generator=gen)
+    rows = torch.randperm(pages * PAGE_SIZE, generator=gen)[:n_tokens]
+    return fmt, x.to(getattr(torch, dtype)), pool, rows
+
+
+def _appended_in_child(cases, path: Path) -> None:
+    """In a TRITON_INTERPRET=1 child: every case's pool after the append, its flags, and supports()."""
+    out = {"cases": [], "supports": []}
+    for case in cases:
+        fmt, x, pool, rows = _case(*case)
+        served = gpu.supports(fmt, x)
+        out["cases"].append((served, gpu.append(fmt, x, pool, rows), pool))
+    out["supports"] = [gpu.supports(formats.get(name), torch.zeros(2, 1, dim)) for name, dim in REFUSED]
+    out["supports"] += [gpu.supports(formats.get("q8_0"), torch.zeros(2, 1, 128, dtype=torch.float64)),
+                        gpu.supports(formats.get("q8_0"), torch.zeros(2, 128)),
+                        gpu.supports(formats.get("q8_0"), torch.zeros(2, 1, 128))]
+    torch.save(out, path)
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    """Every case appended once, by one interpreted child process."""
+    cases = EXACT + CLOSE
+    out = run_interpreted("tests.test_triton_append", "_appended_in_child", cases, tmp_path_factory.mktemp("append"))
+    return dict(zip(cases, out["cases"])), out["supports"]
+
+
+def _check(case, flags, pool, exact: bool):
+    fmt, x, before, rows = _case(*case)
+    dim = x.shape[-1]
+    want, want_flags = fmt.encode_flagged(x)
+    assert torch.equal(flags.cpu(), want_flags) and want_flags[[3, 5]].all()
+    flat, flat_before = pool.cpu().view(N_KV, -1, pool.shape[-1]), before.view(N_KV, -1, before.shape[-1])
+    untouched = torch.ones(flat.shape[1], dtype=torch.bool)
+    untouched[rows] = False
+    assert torch.equal(flat[:, untouched], flat_before[:, untouched])           # nothing written elsewhere
+    good = ~want_flags
+    got, want = flat[:, rows].transpose(0, 1)[good], want[good]                 # (tokens, Hkv, row_bytes)
+    if exact:
+        assert torch.equal(got, want)
+        return
+    assert (got == want).float().mean() > 0.99
+    err = lambda codes: float(((fmt.decode(codes.contiguous(), dim) - x[good].float()) ** 2).mean())   # noqa: E731
+    assert err(got) == pytest.approx(err(want), rel=1e-3)
+
+
+@pytest.mark.parametrize("case", EXACT, ids=lambda c: f"{c[0]}-{c[1]}-d{c[2]}-{c[3]}")
+def test_block_and_float_formats_get_the_encoders_bytes(interpreted, case):
+    served, flags, pool = interpreted[0][case]
+    assert served
+    _check(case, flags, pool, exact=True)
+
+
+@pytest.mark.parametrize("case", CLOSE, ids=lambda c: f"{c[0]}-{c[1]}-d{c[2]}")
+def test_searched_and_rotated_formats_get_the_encoders_bytes_but_for_near_ties(interpreted, case):
+    served, flags, pool = interpreted[0][case]
+    assert served
+    _check(case, flags, pool, exact=False)
+
+
+def test_formats_without_a_kernel_encoder_are_refused(interpreted):
+    """q4_1, the QJL and nls rows, a head_dim the format cannot store, float64 or unbatched rows."""
+    assert interpreted[1] == [False] * len(REFUSED) + [False, False, True]
+
+
+def test_cpu_tensors_without_the_interpreter_are_refused():
+    """This process's triton is not interpreted (it was imported before any test could ask)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the whole run is interpreted")
+    assert not gpu.supports(formats.get("q8_0"), torch.zeros(2, 1, 128))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the compiled kernel waits for a GPU")
+@pytest.mark.parametrize("case", EXACT + CLOSE, ids=lambda c: f"{c[0]}-{c[1]}-d{c[2]}-{c[3]}")
+def test_compiled_kernel_on_cuda_gets_the_encoders_bytes(case):
+    """The same cases compiled for the GPU in this process; the reference stays on the CPU. This is
+    where an approximate division or a fused multiply-add would show in the exact formats."""
+    compiled_process()
+    fmt, x, pool, rows = _case(*case)
+    pool = pool.cuda()
+    assert gpu.supports(fmt, x.cuda())
+    flags = gpu.append(fmt, x.cuda(), pool, rows.cuda())
+    _check(case, flags, pool, exact=case in EXACT)
+
+
+SM90 = [("q4_0", 128), ("turbo4", 256), ("nl4", 128)]
+POINTERS = {"x_ptr": "*fp32", "pool": "*u8", "rows_ptr": "*i64", "flags_ptr": "*u8", "rot_m": "*fp32",
+            "bounds": "*fp32", "cents": "*fp32", "tries": "*fp32", "limit": "fp32", "rot_scale": "fp32"}
+
+
+@pytest.mark.parametrize("name,dim", SM90)
+def test_kernel_compiles_for_an_h100_without_one(name, dim):
+    """The Hadamard butterfly (tl.gather), TurboQuant's tl.dot and the grids' scale search lower
+    through Triton's compiler and ptxas for sm_90 with the launcher's constexprs and warps."""
+    from kvslim.gpu import _kv_append_kernel as kernel
+    config = gpu._launch_config(formats.get(name, role="k").kernel_encoder(dim), dim)
+    num_warps = config.pop("num_warps")
+    assert compile_for_sm90(kernel.kv_append_rows, POINTERS, config, num_warps).asm["cubin"]
