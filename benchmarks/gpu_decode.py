@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import kvslim.gpu  # noqa: E402
 from kvslim import formats  # noqa: E402
 from kvslim.cache import attention  # noqa: E402
 from kvslim.gpu import paged_decode as gpu  # noqa: E402
@@ -59,11 +60,11 @@ def _row(pair: str, depth: int, batch: int, runs: int) -> list:
     args = _inputs(name_k, name_v, depth, batch)
     fmt_k, fmt_v, q, k_pool, v_pool, table, n_keys = args
     # the C kernel never takes CUDA tensors, and with TRITON off _scan_decode runs the torch block loop
-    attention.TRITON = False
+    was, kvslim.gpu.TRITON = kvslim.gpu.TRITON, False
     try:
         torch_ms = _median_ms(lambda: attention._scan_decode(fmt_k, fmt_v, k_pool, v_pool, table, q, n_keys), runs)
     finally:
-        attention.TRITON = True
+        kvslim.gpu.TRITON = was
     triton_ms = _median_ms(lambda: gpu.decode_state(*args), runs)
     read = batch * depth * N_KV * (k_pool.shape[3] + v_pool.shape[3])   # packed bytes of K and V
     return [pair, depth, batch, f"{torch_ms:.3f}", f"{triton_ms:.3f}", f"{read / triton_ms / 1e6:.0f}"]

@@ -12,9 +12,10 @@
 #      run(command="bash benchmarks/gpu_session.sh bench", carry=[".whl"])     # kernel and model timings
 #    `tests` runs every test that needs CUDA (they skip on CPU machines): the Triton kernels
 #    compiled (decode, prefill, append, quantized weights), fla-core's DeltaNet against the
-#    torch forms, formats and whole-model logits on CUDA vs CPU, and the no-host-sync forward.
+#    torch forms, formats and whole-model logits on CUDA vs CPU, and the no-host-sync forward,
+#    once with the torch backend and once with the kernels switched on (KVSLIM_TRITON=1).
 #    `bench` times the kernels beside the torch paths they replace and runs `kvslim bench`
-#    on the bundled model with --device cuda.
+#    on the bundled model with --device cuda, both ways.
 # The image has torch 2.11 + CUDA 13 and Triton 3.6 (shared/FACTS.md section 6); kvslim runs
 # from the checkout (PYTHONPATH), nothing is pip-installed over the image's torch.
 set -uo pipefail
@@ -48,13 +49,17 @@ setup() {
 
 tests() {
     setup || exit 1
-    # -k cuda picks the CUDA tests by name; the Triton and DeltaNet files run whole (their
-    # interpreter tests are CPU-side and skip on a CUDA machine's compiled triton as needed)
-    $PY -m pytest -p no:cacheprovider -o addopts="" -rs -q --timeout 300 \
-        tests/test_triton_attention.py tests/test_triton_prefill.py tests/test_triton_append.py \
-        tests/test_triton_weights.py tests/test_gpu_delta_rule.py \
-        tests/test_runtime.py tests/test_formats_api.py tests/test_models.py -k "cuda or fla or sm90 or h100" \
-        --junitxml="$OUT/tests.xml" 2>&1 | tee "$OUT/tests.log"
+    # Twice: the torch backend on CUDA (the default while the kernels are unproven), then with
+    # the kernels on (KVSLIM_TRITON=1: Triton attention, append and weights, fla-core's DeltaNet).
+    # -k picks the tests that need CUDA (or compile for it) by name.
+    local files="tests/test_triton_attention.py tests/test_triton_prefill.py tests/test_triton_append.py
+        tests/test_triton_weights.py tests/test_gpu_delta_rule.py tests/test_runtime.py tests/test_formats_api.py
+        tests/test_models.py"
+    for triton in 0 1; do
+        # shellcheck disable=SC2086
+        KVSLIM_TRITON=$triton $PY -m pytest -p no:cacheprovider -o addopts="" -rs -q --timeout 300 $files \
+            -k "cuda or fla or h100" --junitxml="$OUT/tests-triton$triton.xml" 2>&1 | tee "$OUT/tests-triton$triton.log"
+    done
 }
 
 bench() {
@@ -64,9 +69,12 @@ bench() {
         [ -f benchmarks/gpu_prefill.py ] && $PY benchmarks/gpu_prefill.py
         [ -f benchmarks/gpu_weights.py ] && $PY benchmarks/gpu_weights.py
     } 2>&1 | tee "$OUT/kernels.md"
-    for kv in f16/f16 q8_0/q8_0 q8_0/turbo4 turbo4/turbo4; do
-        $PY -m kvslim bench --device cuda -p 512 -n 128 -d 0,4096,16384 -r 3 \
-            -ctk "${kv%/*}" -ctv "${kv#*/}" 2>&1
+    for triton in 0 1; do
+        for kv in f16/f16 q8_0/q8_0 q8_0/turbo4 turbo4/turbo4; do
+            echo "KVSLIM_TRITON=$triton"
+            KVSLIM_TRITON=$triton $PY -m kvslim bench --device cuda -p 512 -n 128 -d 0,4096,16384 -r 3 \
+                -ctk "${kv%/*}" -ctv "${kv#*/}" 2>&1
+        done
     done | tee "$OUT/bench.md"
 }
 

@@ -30,7 +30,7 @@ def _inputs(b, t, h, dk, dv, device, seed=0):
     return [x.to(device) for x in (q, k, v, g, beta, state)]
 
 
-cuda_fla = pytest.mark.skipif(not (torch.cuda.is_available() and fla.serves(torch.device("cuda"))),
+cuda_fla = pytest.mark.skipif(not (torch.cuda.is_available() and fla._fla() is not None),
                               reason="needs a CUDA device with fla-core installed")
 
 

@@ -2,7 +2,8 @@
 
 Under Triton's interpreter (TRITON_INTERPRET=1) the kernels accept CPU tensors, so in such a
 child process ``attend_pages`` hands prompt chunks to ``gpu.paged_prefill`` and decode rows to
-``gpu.paged_decode`` (on a GPU they take CUDA tensors the same way). The bundled model's
+``gpu.paged_decode`` (on a GPU they take CUDA tensors the same way). New rows are
+encoded into the pools by ``gpu.kv_append``. The bundled model's
 logits over a prompt and a few cached decode steps must match this process's, where the
 torch block loop and the C kernel serve attention. This checks the wiring (shapes, code
 domains, the f16 window folded after the kernel's state), not only the kernels.
@@ -19,7 +20,9 @@ from kvslim.gpu import paged_decode
 from .triton_harness import run_interpreted
 
 pytestmark = pytest.mark.skipif(not paged_decode.available(), reason="triton is not installed")
-PAIRS = [("q8_0", "turbo4", 0), ("f16", "iq4_nl", 8)]         # (K, V, f16 window)
+# (K, V, f16 window). Formats whose kernel encoder writes torch's bytes here: iq4_nl's can flip
+# a near-tie code (tests/test_triton_append.py), which moves this tiny model's logits by ~0.02.
+PAIRS = [("q8_0", "turbo4", 0), ("f16", "q4_0", 8)]
 PROMPT, STEPS = list(range(5, 53)), [60, 61, 62]
 
 
@@ -41,8 +44,8 @@ def logits(pairs):
 
 def logits_counted(pairs, path: Path) -> None:
     """``logits`` in the interpreted child, counting the kernels' calls."""
-    from kvslim.gpu import paged_prefill
-    calls = {"prefill": 0, "decode": 0}
+    from kvslim.gpu import kv_append, paged_prefill
+    calls = {"prefill": 0, "decode": 0, "append": 0}
 
     def counted(module, name, key):
         inner = getattr(module, name)
@@ -53,12 +56,42 @@ def logits_counted(pairs, path: Path) -> None:
         setattr(module, name, call)
     counted(paged_prefill, "prefill_state", "prefill")
     counted(paged_decode, "decode_state", "decode")
+    counted(kv_append, "append", "append")
     torch.save({"logits": logits(pairs), "calls": calls}, path)
 
 
 def test_model_logits_with_triton_attention_match_the_torch_paths(tmp_path):
     got = run_interpreted("tests.test_triton_wiring", "logits_counted", PAIRS, tmp_path)
-    # 2 attention layers: 3 prompt chunks and 3 decode steps per pair
-    assert got["calls"] == {"prefill": 2 * 3 * len(PAIRS), "decode": 2 * 3 * len(PAIRS)}
+    # 2 attention layers: 3 prompt chunks and 3 decode steps per pair, each storing K and V
+    # (the f16 window's rows are encoded when they leave it, in other calls)
+    calls = got["calls"]
+    assert calls["prefill"] == 2 * 3 * len(PAIRS) and calls["decode"] == 2 * 3 * len(PAIRS)
+    assert calls["append"] >= 2 * 2 * 6 * len(PAIRS) - 2 * 2 * 6, calls
     for (type_k, type_v, _), a, b in zip(PAIRS, got["logits"], logits(PAIRS)):
         torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4, msg=f"{type_k}/{type_v}")
+
+
+def quant_linear_served(shapes, path: Path) -> None:
+    """``kvslim.weights.quant_linear`` in the interpreted child: which kernel served each call."""
+    from kvslim import weights
+    from kvslim.gpu import quant_matmul
+    calls, out = [], []
+    for fn in ("gemv", "gemm"):                                  # count the calls, then run them
+        inner = getattr(quant_matmul, fn)
+        setattr(quant_matmul, fn, lambda *a, _f=inner, _n=fn, **k: calls.append(_n) or _f(*a, **k))
+    for name, rows in shapes:
+        w = weights.QuantTensor.quantize(torch.randn(48, 256, generator=torch.Generator().manual_seed(rows)),
+                                         weights.get(name))
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(1))
+        out.append((weights.quant_linear(x, w), weights.reference_linear(x, w)))
+    torch.save({"calls": calls, "out": out}, path)
+
+
+def test_quantized_linear_takes_the_triton_kernels_where_they_run(tmp_path):
+    """On a GPU (here: the interpreter) quant_linear hands q8_0/q4_0 weights to the Triton GEMV
+    (decode rows) and GEMM (a prompt's rows), equal to the whole matrix dequantized."""
+    shapes = [("q8_0", 1), ("q4_0", 3), ("q4_0", 40)]
+    served = run_interpreted("tests.test_triton_wiring", "quant_linear_served", shapes, tmp_path)
+    assert served["calls"] == ["gemv", "gemv", "gemm"]
+    for got, want in served["out"]:
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

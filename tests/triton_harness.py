@@ -21,10 +21,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_interpreted(module: str, function: str, args, tmp_dir: Path):
-    """``module.function(args, path)`` in an interpreted child; returns ``torch.load(path)``.
+    """``module.function(args, path)`` in an interpreted child with the kernels switched on
+    (KVSLIM_TRITON=1); returns ``torch.load(path)``.
     ``args`` must survive ``repr`` (plain tuples, lists, strings and numbers)."""
     path = Path(tmp_dir) / f"{function}.pt"
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+    env = dict(os.environ, TRITON_INTERPRET="1", KVSLIM_TRITON="1", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     code = f"import sys; from pathlib import Path; from {module} import {function} as run; " \
            f"run({args!r}, Path(sys.argv[1]))"

@@ -15,16 +15,13 @@ decoders and does plain softmax attention: the parity tests' oracle.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
+from .. import gpu
 from ..gpu import paged_decode as gpu_decode
 from ..gpu import paged_prefill as gpu_prefill
 from ..native import paged_attention as native
 
-# KVSLIM_TRITON=0 keeps the torch block loop on a GPU (parity and speed comparisons)
-TRITON = os.environ.get("KVSLIM_TRITON", "1") != "0"
 
 BLOCK_BUDGET_BYTES = 32 << 20   # float32 bytes one block may hold (decoded K and V, scores)
 MAX_BLOCK_TOKENS = 4096
@@ -155,7 +152,7 @@ def attend_pages(cache, slots: list[int], q: torch.Tensor, q_pos: torch.Tensor, 
     lengths = torch.tensor(packed, device=q.device)
     if one_position:
         acc = _scan_decode(cache.fmt_k, cache.fmt_v, cache.k_pool, cache.v_pool, table, q_code, lengths, block_tokens)
-    elif TRITON and gpu_prefill.supports(cache.fmt_k, cache.fmt_v, q_code):   # rows at their own positions
+    elif gpu.TRITON and gpu_prefill.supports(cache.fmt_k, cache.fmt_v, q_code):   # rows at their own positions
         acc = _OnlineSoftmax.of(*gpu_prefill.prefill_state(cache.fmt_k, cache.fmt_v, q_code, q_pos, cache.k_pool,
                                                            cache.v_pool, table, lengths))
     else:   # a block that ends by every sequence's end and by the first query's position needs no mask
@@ -194,7 +191,7 @@ def _scan_decode(fmt_k, fmt_v, k_pool: torch.Tensor, v_pool: torch.Tensor, table
     ``n_keys[s]`` keys): from the Triton kernel on a GPU or the C kernel on the CPU where they know
     both formats (one pass over the packed rows, nothing decoded to memory), else from the torch
     block loop, which is their reference."""
-    if TRITON and gpu_decode.supports(fmt_k, fmt_v, q_code):
+    if gpu.TRITON and gpu_decode.supports(fmt_k, fmt_v, q_code):
         return _OnlineSoftmax.of(*gpu_decode.decode_state(fmt_k, fmt_v, q_code, k_pool, v_pool, table, n_keys))
     if native.supports(fmt_k, fmt_v, q_code):
         return _OnlineSoftmax.of(*native.decode_state(fmt_k, fmt_v, q_code, k_pool, v_pool, table, n_keys))

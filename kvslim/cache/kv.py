@@ -25,8 +25,9 @@ from dataclasses import asdict
 
 import torch
 
-from .. import formats
+from .. import formats, gpu
 from ..formats.base import ceil_div, check_float_input
+from ..gpu import kv_append
 from .spec import KVLayerSpec
 
 DEFAULT_PAGE_SIZE = 256
@@ -60,8 +61,15 @@ class KVCache:
             self.win_k = torch.zeros(shape, dtype=torch.float16, device=self.device)
             self.win_v = torch.zeros(shape, dtype=torch.float16, device=self.device)
         self.overflow = torch.zeros(n_slots, dtype=torch.uint8, device=self.device)
+        self.gpu_append = self._gpu_append()
         from .backends import get_backend                                # backends import this module
         self.backend = get_backend(backend)
+
+    def _gpu_append(self) -> bool:
+        """Whether the Triton kernel encodes new rows straight into the pools (a GPU, both formats
+        declared to it). Decided once here: the compiled step then traces no check."""
+        probe = torch.empty(0, self.n_kv_heads, self.head_dim, device=self.device)
+        return gpu.TRITON and kv_append.supports(self.fmt_k, probe) and kv_append.supports(self.fmt_v, probe)
 
     def _pool(self, row_bytes: int) -> torch.Tensor:
         pool = torch.empty(self.n_kv_heads, self.n_pages + 1, self.page_size, row_bytes, dtype=torch.uint8,
@@ -224,6 +232,9 @@ class KVCache:
     def _scatter(self, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots) -> None:
         """Encode rows, write them at flat row ``index`` (page * page_size + offset) and raise
         the overflow flags of their ``slots``."""
+        if self.gpu_append:                                 # encoded in the kernel, written in place
+            bad = kv_append.append(self.fmt_k, k, self.k_pool, index) | kv_append.append(self.fmt_v, v, self.v_pool, index)
+            return self._raise_flags(bad, slots)
         k_codes, k_bad = self.fmt_k.encode_flagged(k)
         v_codes, v_bad = self.fmt_v.encode_flagged(v)
         # Indexed assignment into the pool itself, not a copy into a reshaped view of it: a

@@ -4,23 +4,22 @@ The same contract as kvslim/models/delta_rule.py's torch forms, which stay the r
 the fallback: ``chunk(q, k, v, g, beta, state)`` for a prefill segment and ``step(...)`` for one
 decode token per sequence (state updated in place). fla-core is what transformers and vLLM run
 for these layers; it is imported only when a CUDA tensor asks (never in CI, never on the CPU:
-its kernels do not run under Triton's interpreter), and ``KVSLIM_FLA=0`` keeps the torch forms
-on a GPU too, for parity runs. fla-core 0.6.0's forward kernels work with Triton 3.6 (its
+its kernels do not run under Triton's interpreter), and only with the GPU kernels switched on
+(``kvslim.gpu.TRITON``, KVSLIM_TRITON=1). fla-core 0.6.0's forward kernels work with Triton 3.6 (its
 Hopper check for Triton < 3.7.1 guards a backward kernel only, which inference never calls).
 """
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 
 import torch
+
+from .. import gpu
 
 
 @lru_cache(maxsize=None)
 def _fla():
     """fla's two gated-delta-rule entry points, or None when fla-core does not import."""
-    if os.environ.get("KVSLIM_FLA", "1") == "0":
-        return None
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
     except Exception:            # not installed, or its import fails on this torch/triton: keep the torch forms
@@ -30,7 +29,7 @@ def _fla():
 
 def serves(device: torch.device) -> bool:
     """Whether fla-core's kernels run this device's DeltaNet layers."""
-    return device.type == "cuda" and _fla() is not None
+    return device.type == "cuda" and gpu.TRITON and _fla() is not None
 
 
 def chunk(q, k, v, g, beta, state):

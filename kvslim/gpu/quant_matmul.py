@@ -132,9 +132,12 @@ def gemm(x: torch.Tensor, blocks: torch.Tensor, ggml_type, dot: str | None = Non
 
 
 def default_dot(dtype: torch.dtype) -> str:
-    """The GEMM's operands for activations of ``dtype``: their own half type, else tf32
-    (float32 activations keep their range; fp16 could overflow on them)."""
-    return {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, "tf32")
+    """The GEMM's operands for activations of ``dtype``: their own half type; float32 as torch's
+    own matmuls would take them (``torch.set_float32_matmul_precision``: exact fp32 at "highest",
+    its default, else tf32, which keeps fp32's range where fp16 could overflow)."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, dot: str | None = None) -> torch.Tensor:

@@ -1,6 +1,8 @@
 """x @ W.T with W kept as ggml blocks.
 
-``quant_linear`` (the fast path) hands a few activation rows (decode) to the C kernel
+``quant_linear`` (the fast path) hands activations on a GPU to the Triton kernels
+(``kvslim.gpu.quant_matmul``: a GEMV for decode rows, a dequantize-tile GEMM for prompts), and
+on the CPU a few activation rows (decode) to the C kernel
 ``kvslim::block_linear`` (every type kvslim keeps packed, and f16/bf16 rows), which unpacks
 each block in registers; otherwise (more rows, or no compiler) it dequantizes a
 step of W's rows at a time with the torch decoders and multiplies it, so the extra memory is one step of float32 rows (plus the
@@ -28,6 +30,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import gpu
+from ..gpu import quant_matmul as gpu_weights
 from ..native import block_linear as native
 from .tensor import QuantTensor
 
@@ -40,6 +44,8 @@ def rows_per_step(w: QuantTensor) -> int:
 
 def quant_linear(x: torch.Tensor, w: QuantTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, W, bias) for a 2-d quantized W (out, in); x (..., in) float."""
+    if w.data.dim() == 2 and gpu.TRITON and gpu_weights.supports(w.wtype.ggml_type) and gpu_weights.runs_on(x):
+        return gpu_weights.linear(x, w, bias)
     flat = x.reshape(-1, x.shape[-1])
     if w.input_index is not None:
         flat = flat.index_select(1, w.input_index)                  # into the file's column order
