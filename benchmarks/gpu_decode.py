@@ -77,7 +77,7 @@ def main(argv=None) -> None:
     parser.add_argument("-p", "--pairs", default="f16/f16,q8_0/q8_0,q4_0/q4_0,iq4_nl/iq4_nl,turbo4/turbo4,q8_0/turbo4")
     parser.add_argument("-r", "--runs", type=int, default=20)
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available() or not gpu.available():
+    if not torch.cuda.is_available() or not kvslim.gpu.available():
         sys.exit("needs a CUDA device and triton")
     rows = [_row(pair, int(d), int(b), args.runs) for pair in args.pairs.split(",")
             for d in args.depths.split(",") for b in args.batches.split(",")]

@@ -14,7 +14,6 @@ Figures, not a test: the parity checks are tests/test_triton_weights.py.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -24,6 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvslim import weights  # noqa: E402
 from kvslim.gpu import quant_matmul as gpu  # noqa: E402
 from kvslim.tables import markdown_table, to_json  # noqa: E402
+
+from gpu_decode import _median_ms  # noqa: E402  (same folder)
 
 DTYPES = {"f16": (torch.float16, "fp16"), "bf16": (torch.bfloat16, "bf16")}   # torch dtype, Triton dot
 HEADERS = ["type", "N x K", "M", "dtype", "triton ms", "torch ms", "triton", "torch"]
@@ -42,19 +43,6 @@ def random_blocks(name: str, n: int, k: int) -> weights.QuantTensor:
     return weights.QuantTensor(blocks.reshape(n, -1), wtype, k)
 
 
-def median_ms(fn, runs: int) -> float:
-    fn()                                                             # compile, warm the caches
-    times = []
-    for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def _rows(name: str, n: int, k: int, gemm_rows: int, runs: int) -> list[list]:
     """GEMV (M = 1) and GEMM rows, one per dtype, for one type and shape."""
     w = random_blocks(name, n, k)
@@ -64,10 +52,10 @@ def _rows(name: str, n: int, k: int, gemm_rows: int, runs: int) -> list[list]:
         for m in (1, gemm_rows):
             x = torch.randn(m, k, device="cuda", dtype=dtype)
             if m == 1:
-                triton_ms = median_ms(lambda: gpu.gemv(x, w.data, ggml_type), runs)
+                triton_ms = _median_ms(lambda: gpu.gemv(x, w.data, ggml_type), runs)
             else:
-                triton_ms = median_ms(lambda: gpu.gemm(x, w.data, ggml_type, dot), runs)
-            torch_ms = median_ms(lambda: x @ dense.T, runs)
+                triton_ms = _median_ms(lambda: gpu.gemm(x, w.data, ggml_type, dot), runs)
+            torch_ms = _median_ms(lambda: x @ dense.T, runs)
             rows.append([name, f"{n}x{k}", m, label, f"{triton_ms:.4f}", f"{torch_ms:.4f}",
                          _speed(m, n, k, w.nbytes, triton_ms), _speed(m, n, k, 2 * n * k, torch_ms)])
         del dense

@@ -14,18 +14,14 @@ import torch
 from kvslim import formats
 from kvslim.formats.rotation import hadamard_blocks
 
+from .test_native_attention import formats_fitting
+
 NO_ENCODER = {"q4_1", "q5_0", "q5_1", "q4_1-norot", "q5_0-norot", "q5_1-norot", "turbo4p", "turbo3p"}
 
 
 def _declared(head_dim: int):
-    for name in formats.names():
-        for role in ("k", "v"):
-            fmt = formats.get(name, role=role)
-            try:
-                fmt.check_head_dim(head_dim)
-            except ValueError:
-                continue
-            yield fmt, fmt.kernel_encoder(head_dim)
+    for fmt in formats_fitting(head_dim):
+        yield fmt, fmt.kernel_encoder(head_dim)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

@@ -111,11 +111,8 @@ def test_a_sequence_gets_the_same_bits_whatever_its_batch_and_threads(name_k, na
         assert torch.equal(a[:, 0], b[:, 0])
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_each_format_declares_the_row_the_kernels_read(head_dim):
-    """The kernels read a format's ``kernel_row``, not its class: a declared row must give the
-    format's own row size (the parity tests above check that its table decodes as the format)."""
-    declared = []
+def formats_fitting(head_dim: int):
+    """Every format, as K and as V, that can store rows of ``head_dim``."""
     for name in formats.names():
         for role in ("k", "v"):
             fmt = formats.get(name, role=role)
@@ -123,12 +120,21 @@ def test_each_format_declares_the_row_the_kernels_read(head_dim):
                 fmt.check_head_dim(head_dim)
             except ValueError:
                 continue
-            row = fmt.kernel_row(head_dim)
-            if row is None:
-                continue
-            declared.append(name)
-            assert head_dim // row.block_values * row.block_bytes == fmt.row_bytes(head_dim)
-            assert native.codec_fields(name, role, head_dim) is not None
+            yield fmt
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_each_format_declares_the_row_the_kernels_read(head_dim):
+    """The kernels read a format's ``kernel_row``, not its class: a declared row must give the
+    format's own row size (the parity tests above check that its table decodes as the format)."""
+    declared = []
+    for fmt in formats_fitting(head_dim):
+        row = fmt.kernel_row(head_dim)
+        if row is None:
+            continue
+        declared.append(fmt.name)
+        assert head_dim // row.block_values * row.block_bytes == fmt.row_bytes(head_dim)
+        assert native.codec_fields(fmt.name, getattr(fmt, "role", "k"), head_dim) is not None
     assert {"f16", "q8_0", "q4_0", "iq4_nl", "turbo4", "turbo3", "turbo2", "nl4", "nl3"} <= set(declared)
     assert not {"q4_1", "q5_0", "turbo4p"} & set(declared)                 # second fields, QJL sketches
 

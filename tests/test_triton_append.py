@@ -26,13 +26,14 @@ from pathlib import Path
 import pytest
 import torch
 
+import kvslim.gpu
+
 from kvslim import formats
 from kvslim.gpu import kv_append as gpu
-from kvslim.gpu import paged_decode
 
 from .triton_harness import compile_for_sm90, compiled_process, run_interpreted
 
-pytestmark = pytest.mark.skipif(not paged_decode.available(), reason="triton is not installed: no GPU kernel to check")
+pytestmark = pytest.mark.skipif(not kvslim.gpu.available(), reason="triton is not installed: no GPU kernel to check")
 
 F32, F16, BF16 = "float32", "float16", "bfloat16"
 # (format, role, head_dim, input dtype): K rotates in blocks of head_dim's largest power-of-two

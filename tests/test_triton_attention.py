@@ -1,4 +1,5 @@
-"""The Triton decode-attention kernel against the torch block loop (its reference), on the CPU.
+"""The Triton decode attention (the prefill kernel, every row at its newest position) against
+the torch block loop (its reference), on the CPU.
 
 Triton's interpreter (TRITON_INTERPRET=1) runs the kernel with numpy on CPU tensors, so its
 indexing, unpacking and online softmax are checked without a GPU. Triton reads that switch
@@ -17,13 +18,16 @@ from pathlib import Path
 import pytest
 import torch
 
+import kvslim.gpu
+
 from kvslim import formats
 from kvslim.gpu import paged_decode as gpu
+from kvslim.gpu import paged_prefill
 
 from .test_native_attention import _case, _torch_state
-from .triton_harness import compile_for_sm90, compiled_process, run_interpreted
+from .triton_harness import check_state, compile_for_sm90, compiled_process, run_interpreted
 
-pytestmark = pytest.mark.skipif(not gpu.available(), reason="triton is not installed: no GPU kernel to check")
+pytestmark = pytest.mark.skipif(not kvslim.gpu.available(), reason="triton is not installed: no GPU kernel to check")
 
 PAIRS = [("f16", "f16"), ("q8_0", "q8_0"), ("q8_0", "q4_0"), ("iq4_nl", "f16"), ("turbo4", "q8_0"),
          ("f16", "turbo4"), ("turbo3", "iq4_nl"), ("bf16", "f32"), ("nl4", "turbo2"), ("q4_0", "nl3")]
@@ -64,11 +68,7 @@ def interpreted(tmp_path_factory):
 
 
 def _check(got, want, n_keys):
-    m, l, acc = got
-    live = n_keys > 0
-    assert torch.allclose(m[:, live], want.m[:, live], atol=1e-5)
-    assert torch.allclose(acc[:, live] / l[:, live], want.result()[:, live], atol=2e-5, rtol=1e-4)
-    assert (l[:, ~live] == 0).all() and torch.isinf(m[:, ~live]).all() and (acc[:, ~live] == 0).all()
+    check_state(got, want, n_keys > 0)
 
 
 def _against_reference(interpreted, case):
@@ -124,7 +124,7 @@ def test_merge_of_splits_matches_one_pass():
         safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
         p = torch.exp(scores[..., half] - safe.unsqueeze(-1))
         parts.append((m, p.sum(-1), p @ v[:, :, half]))
-    m, l, acc = gpu.merge_splits(*(torch.stack(x, 2) for x in zip(*parts)))
+    m, l, acc = paged_prefill.merge_splits(*(torch.stack(x, 2) for x in zip(*parts)))
     assert torch.allclose(acc / l, torch.softmax(scores, -1) @ v, atol=1e-6)
     assert torch.equal(m, scores.amax(-1, keepdim=True))
 
@@ -146,15 +146,15 @@ def test_compiled_kernel_on_cuda_matches_torch_block_loop(case):
 
 
 SM90 = [("q8_0", "turbo4", 256, 8), ("iq4_nl", "turbo3", 128, 4), ("f16", "bf16", 64, 1)]
-POINTERS = {"q_ptr": "*fp32", "k_pool": "*u8", "v_pool": "*u8", "table_ptr": "*i32", "n_keys_ptr": "*i32",
-            "k_lut": "*fp32", "v_lut": "*fp32", "m_out": "*fp32", "l_out": "*fp32", "acc_out": "*fp32"}
 
 
 @pytest.mark.parametrize("name_k,name_v,dim,group", SM90)
 def test_kernel_compiles_for_an_h100_without_one(name_k, name_v, dim, group):
     """What the interpreter cannot say: the kernel lowers through Triton's compiler and ptxas
-    for sm_90 with the launcher's constexprs and warps (no GPU needed to compile)."""
-    from kvslim.gpu import _paged_decode_kernel as kernel
-    config = gpu._launch_config(formats.get(name_k, role="k"), formats.get(name_v, role="v"), group, dim)
+    for sm_90 with decode's constexprs (a few rows, one tile) and warps (no GPU needed)."""
+    from kvslim.gpu import _paged_prefill_kernel as kernel
+
+    from .test_triton_prefill import POINTERS
+    config = paged_prefill._launch_config(formats.get(name_k, role="k"), formats.get(name_v, role="v"), group, dim)
     num_warps = config.pop("num_warps")
-    assert compile_for_sm90(kernel.paged_decode_split, POINTERS, config, num_warps).asm["cubin"]
+    assert compile_for_sm90(kernel.paged_prefill_tile, POINTERS, config, num_warps).asm["cubin"]

@@ -14,7 +14,7 @@ F32, F16, BF16, Q8, NIBBLE, PACKED = range(6)
 
 
 @triton.jit
-def _f16_at(ptr, mask):
+def f16_at(ptr, mask):
     """Two little-endian bytes at ptr -> float32 (an f16 bit pattern)."""
     lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
     hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
@@ -25,7 +25,7 @@ def _f16_at(ptr, mask):
 def _float_values(row, d, mask, KIND: tl.constexpr):
     """Float rows: value d of each row. row (N, 1) byte pointers, d (1, BLOCK_D)."""
     if KIND == 1:                                                       # F16
-        x = _f16_at(row + 2 * d, mask)
+        x = f16_at(row + 2 * d, mask)
     elif KIND == 2:                                                     # BF16: the high half of an f32
         lo = tl.load(row + 2 * d, mask=mask, other=0).to(tl.uint32)
         hi = tl.load(row + 2 * d + 1, mask=mask, other=0).to(tl.uint32)
@@ -69,7 +69,7 @@ def decode_tile(pool, row_off, valid, lut, HEAD_DIM: tl.constexpr, BLOCK_D: tl.c
     else:                                                               # [f16 scale][codes] blocks
         block = row + (d // BLOCK_VALUES) * BLOCK_BYTES
         j = d % BLOCK_VALUES
-        scale = _f16_at(block, mask)
+        scale = f16_at(block, mask)
         if KIND == 3:                                                   # Q8: int8 codes
             code = tl.load(block + HEADER_BYTES + j, mask=mask, other=0).to(tl.int8, bitcast=True)
             x = scale * code.to(tl.float32)

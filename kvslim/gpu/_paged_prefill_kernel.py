@@ -2,13 +2,14 @@
 
 One program per (KV head, sequence, tile of BLOCK_M query rows, split of keys). It walks the
 keys its tile can see BLOCK_N at a time through the block table, decodes the packed K/V rows
-in registers (``_codecs.decode_tile``, as the decode kernel), scores the tile's rows against
+in registers (``_codecs.decode_tile``), scores the tile's rows against
 one read of each key, masks each row at its own causal limit, and keeps an online softmax.
 The rows of a tile may be any query positions (the GQA heads' rows g*T + t share a tile); the
 tile reads keys up to the largest of its positions, and each row masks the rest.
 
 Triton decides at decoration time whether a kernel is interpreted (TRITON_INTERPRET=1, numpy on
-the CPU) or compiled; ``INTERPRETED`` and ``RUNNABLE`` say which, as in the decode kernel.
+the CPU) or compiled; ``INTERPRETED`` records which this module's kernels are, ``RUNNABLE``
+whether triton.language's own functions (decorated when triton was imported) agree.
 """
 from __future__ import annotations
 

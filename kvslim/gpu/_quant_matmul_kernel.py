@@ -11,13 +11,15 @@ registers, each value addressing its own code, scale and min bytes (the layouts 
   dequantizes W's tile, casts it and x's tile to DOT_DTYPE and accumulates ``tl.dot`` in float32.
 
 Triton decides at decoration time whether a kernel is interpreted (TRITON_INTERPRET=1) or
-compiled; ``INTERPRETED`` and ``RUNNABLE`` record it, as in ``_paged_decode_kernel``.
+compiled; ``INTERPRETED`` and ``RUNNABLE`` record it, as in ``_paged_prefill_kernel``.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
+
+from ._codecs import f16_at
 
 # ggml type ids (gguf.GGMLQuantizationType), the kernels' TYPE
 Q4_0 = tl.constexpr(2)
@@ -29,14 +31,6 @@ Q6_K = tl.constexpr(14)
 # dot name -> (operand dtype, tl.dot input_precision); products accumulate in float32 in all four
 DOTS = {"ieee": (tl.float32, "ieee"), "tf32": (tl.float32, "tf32"),
         "fp16": (tl.float16, "ieee"), "bf16": (tl.bfloat16, "ieee")}
-
-
-@triton.jit
-def _f16_at(ptr, mask):
-    """Two little-endian bytes at ptr -> float32 (an f16 bit pattern)."""
-    lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
-    hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
-    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -72,7 +66,7 @@ def _legacy_values(row, c, mask, TYPE: tl.constexpr):
     else:
         block = row + (c // 32) * 18
         q = ((_byte(block + 2 + j % 16, mask) >> (4 * (j // 16))) & 0x0F) - 8
-    return _f16_at(block, mask) * q.to(tl.float32)
+    return f16_at(block, mask) * q.to(tl.float32)
 
 
 @triton.jit
@@ -84,7 +78,7 @@ def _q6_k_values(row, c, mask):
     half, r = i // 128, i % 128
     low = (_byte(sb + 64 * half + r % 64, mask) >> (4 * (r // 64))) & 0x0F
     high = (_byte(sb + 128 + 32 * half + r % 32, mask) >> (2 * (r // 32))) & 0x03
-    scale = _f16_at(sb + 208, mask) * _int8(sb + 192 + i // 16, mask)      # one per 16 values
+    scale = f16_at(sb + 208, mask) * _int8(sb + 192 + i // 16, mask)      # one per 16 values
     return scale * ((low | (high << 4)) - 32).to(tl.float32)
 
 
@@ -105,7 +99,7 @@ def _k4_values(row, c, mask, TYPE: tl.constexpr):
     if TYPE == Q5_K:
         q = q | (((_byte(sb + 16 + l, mask) >> g) & 1) << 4)
     scale, min_ = _scale_min_k4(sb, g, mask)
-    return (_f16_at(sb, mask) * scale) * q.to(tl.float32) - _f16_at(sb + 2, mask) * min_
+    return (f16_at(sb, mask) * scale) * q.to(tl.float32) - f16_at(sb + 2, mask) * min_
 
 
 @triton.jit

@@ -18,7 +18,7 @@ from functools import lru_cache
 import torch
 
 from .. import formats
-from .paged_decode import available
+from . import available, pow2, runs_on
 
 KINDS = {"float": 0, "q8_0": 1, "q4_0": 2, "turbo": 3, "grid": 4, "iq4_nl": 5}      # _kv_append_kernel's
 FLOAT_TYPES = {"f32": 0, "f16": 1, "bf16": 2}
@@ -32,12 +32,6 @@ FLT_MAX = torch.finfo(torch.float32).max
 def _kernel():
     from . import _kv_append_kernel                     # imports triton: only when a kernel runs
     return _kv_append_kernel
-
-
-def _device_ok(device: torch.device) -> bool:
-    """Compiled kernels run on CUDA tensors, interpreted ones (TRITON_INTERPRET=1) on CPU tensors."""
-    kernel = _kernel()
-    return kernel.RUNNABLE and device.type == ("cpu" if kernel.INTERPRETED else "cuda")
 
 
 def _encoder(fmt, head_dim: int):
@@ -55,7 +49,7 @@ def supports(fmt, x: torch.Tensor) -> bool:
     float32/f16/bf16 on a CUDA device (or on the CPU under TRITON_INTERPRET=1), and the format
     declares an encoder this kernel implements."""
     return (x.dim() == 3 and x.dtype in INPUT_DTYPES and available() and _encoder(fmt, x.shape[-1]) is not None
-            and _device_ok(x.device))
+            and runs_on(_kernel(), x.device))
 
 
 @lru_cache(maxsize=None)
@@ -71,14 +65,14 @@ def _launch_config(enc, head_dim: int) -> dict:
     """The kernel's constexprs for one format and head_dim. Turbo groups may be any multiple of 8
     (head_dim 96: one group of 96), so its blocks pad to a power of two; the Hadamard formats'
     blocks are 32, 64 or 128 and tile the row padded to BLOCK_D."""
-    block_d = _pow2(head_dim)
+    block_d = pow2(head_dim)
     group = enc.block if enc.kind != "float" else head_dim
-    block = _pow2(group)
+    block = pow2(group)
     n_blocks = head_dim // group
     return dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=BLOCK_M, KIND=KINDS[enc.kind],
                 FLOAT_TYPE=FLOAT_TYPES.get(enc.float_type, 0), ROT=enc.rot if enc.hadamard else 0,
                 LOG2_ROT=enc.rot.bit_length() - 1 if enc.hadamard else 0, GROUP=group, N_BLOCKS=n_blocks,
-                NB=_pow2(n_blocks) if enc.kind == "turbo" else block_d // block, BLOCK=block, BITS=enc.bits,
+                NB=pow2(n_blocks) if enc.kind == "turbo" else block_d // block, BLOCK=block, BITS=enc.bits,
                 BLOCK_BYTES=2 + group * enc.bits // 8, N_TRIES=0 if enc.tries is None else len(enc.tries),
                 num_warps=8 if enc.kind == "turbo" and block >= 128 else 4)
 
@@ -104,6 +98,3 @@ def append(fmt, x: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor) -> torc
         enable_fp_fusion=False, **config)                              # x * id + 8.5 rounds twice, as in torch
     return flags.any(dim=1)
 
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()

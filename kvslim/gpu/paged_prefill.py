@@ -4,8 +4,9 @@
 in V's code domain) of R query rows per sequence over its packed pages, row r seeing the keys
 at positions <= q_pos[s, r] (and < lengths[s]): the state ``attention._scan_pages`` leaves in an
 ``_OnlineSoftmax``, which is its reference (tests/test_triton_prefill.py, under Triton's
-interpreter). The row layouts and code tables are the decode kernel's (``codec_fields``, read
-through ``paged_decode``); the decoding itself is shared (``_codecs.decode_tile``).
+interpreter). Decode (``paged_decode``) is this kernel with every row at its sequence's newest
+position. The row layouts and code tables come from ``codec_fields``, the C kernel's
+description of each format (nothing is restated); the decoding is ``_codecs.decode_tile``.
 
 A program holds a tile of BLOCK_M rows and reads only the keys its rows can see. Long chunks
 get their parallelism from the tiles (a 512-token chunk at GQA 4 is 64 tiles per KV head);
@@ -18,11 +19,20 @@ from functools import lru_cache
 
 import torch
 
-from .paged_decode import _codec_args, _fields, _lut, _pow2, available, merge_splits
+from ..native.paged_attention import CodecFields, codec_fields
+from . import available, pow2, runs_on
 
 SPLIT_KEYS = 512          # keys per program when rows are few: fixed, so a sequence's bits do not depend on its batch
 SPLIT_ROWS = 64           # at most this many rows are split over keys: the per-split states grow with the rows
 MIN_DOT = 16              # tl.dot's smallest M, N and K: fewer query rows are padded with zeros
+
+
+def _fields(fmt, head_dim: int) -> CodecFields | None:
+    """The format's layout when this kernel decodes it: no sub-block rungs (the nl*s rows) yet."""
+    fields = codec_fields(fmt.name, getattr(fmt, "role", "k"), head_dim)
+    if fields is None or fields.sub_values:
+        return None
+    return fields
 
 
 @lru_cache(maxsize=None)
@@ -31,19 +41,26 @@ def _kernel():
     return _paged_prefill_kernel
 
 
-def _device_ok(device: torch.device) -> bool:
-    """Compiled kernels run on CUDA tensors, interpreted ones on CPU tensors (fixed at import)."""
-    kernel = _kernel()
-    return kernel.RUNNABLE and device.type == ("cpu" if kernel.INTERPRETED else "cuda")
-
-
 def supports(fmt_k, fmt_v, q: torch.Tensor) -> bool:
     """Whether this kernel serves these formats for q (Hkv, S, R, D) float32: triton is
     importable, q is on a CUDA device (or on the CPU under TRITON_INTERPRET=1), and both
     formats have a layout it decodes. Any number of rows."""
     dim = q.shape[-1]
-    return (q.dtype == torch.float32 and available() and _device_ok(q.device)
+    return (q.dtype == torch.float32 and available() and runs_on(_kernel(), q.device)
             and _fields(fmt_k, dim) is not None and _fields(fmt_v, dim) is not None)
+
+
+@lru_cache(maxsize=None)
+def _lut(name: str, role: str, head_dim: int, device: str) -> torch.Tensor:
+    """The format's 16 code values on the kernel's device (zeros for formats without codes)."""
+    fields = codec_fields(name, role, head_dim)
+    return (torch.zeros(16) if fields.lut is None else fields.lut).to(device)
+
+
+def _codec_args(fmt, head_dim: int, prefix: str) -> dict:
+    f = _fields(fmt, head_dim)
+    return {f"{prefix}_KIND": f.kind, f"{prefix}_BITS": f.bits, f"{prefix}_VALUES": f.block_values,
+            f"{prefix}_BYTES": f.block_bytes, f"{prefix}_HEADER": f.header_bytes}
 
 
 def _launch_config(fmt_k, fmt_v, n_rows: int, head_dim: int) -> dict:
@@ -53,7 +70,7 @@ def _launch_config(fmt_k, fmt_v, n_rows: int, head_dim: int) -> dict:
     with q8_0 rows, and ~0.6-0.9 KB with 3-bit codes; 64 rows spill kilobytes. A guess from
     spill counts, not timings; keys per block as the decode kernel."""
     block_m = 16 if head_dim > 128 else 32
-    return dict(HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim), BLOCK_M=min(block_m, max(MIN_DOT, _pow2(n_rows))),
+    return dict(HEAD_DIM=head_dim, BLOCK_D=pow2(head_dim), BLOCK_M=min(block_m, max(MIN_DOT, pow2(n_rows))),
                 BLOCK_N=32 if head_dim <= 64 else MIN_DOT,
                 **_codec_args(fmt_k, head_dim, "K"), **_codec_args(fmt_v, head_dim, "V"),
                 num_warps=4 if head_dim <= 64 else 8)
@@ -88,3 +105,16 @@ def prefill_state(fmt_k, fmt_v, q_code: torch.Tensor, q_pos: torch.Tensor, k_poo
     if n_splits == 1:                                                   # nothing to merge
         return m[:, :, 0, :, None], l[:, :, 0, :, None], acc[:, :, 0]
     return merge_splits(m, l, acc)
+
+
+def merge_splits(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Splits' states m, l (Hkv, S, n, R) and acc (Hkv, S, n, R, D) -> one state per row,
+    m, l (Hkv, S, R, 1) and acc (Hkv, S, R, D): each split rescaled to the common max.
+    A split without keys has m = -inf and weighs 0; a row without any keys keeps -inf, 0, 0."""
+    top = m.amax(2, keepdim=True)
+    safe = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    weight = torch.exp(m - safe)                                        # (Hkv, S, n, R)
+    l_all = (l * weight).sum(2)
+    acc_all = (acc * weight.unsqueeze(-1)).sum(2)
+    return top.squeeze(2).unsqueeze(-1), l_all.unsqueeze(-1), acc_all

@@ -22,7 +22,8 @@ from functools import lru_cache
 import gguf
 import torch
 
-from .paged_decode import available
+from . import available, pow2
+from . import runs_on as gpu_runs_on
 
 _T = gguf.GGMLQuantizationType
 SUPPORTED = (_T.Q8_0, _T.Q4_0, _T.Q4_K, _T.Q5_K, _T.Q6_K)
@@ -44,12 +45,8 @@ def supports(ggml_type) -> bool:
 
 
 def runs_on(x: torch.Tensor) -> bool:
-    """Whether a kernel can run on x's device here: CUDA when compiled, the CPU when interpreted
-    (Triton fixes which at import, from TRITON_INTERPRET)."""
-    if not available():
-        return False
-    kernel = _kernel()
-    return kernel.RUNNABLE and x.device.type == ("cpu" if kernel.INTERPRETED else "cuda")
+    """Whether these kernels can run on x's device here (``kvslim.gpu.runs_on``)."""
+    return available() and gpu_runs_on(_kernel(), x.device)
 
 
 def gemv_config(n_rows: int) -> dict:
@@ -57,7 +54,7 @@ def gemv_config(n_rows: int) -> dict:
     step while few rows, then fewer outputs per program. Each value of W's tile holds its own
     64-bit byte pointers: ptxas for sm_90 spilled kilobytes at 32 x 256 values (M = 1), none at
     8 x 256 (96-118 registers; 48-80 from M = 4 on). Not timed on a GPU yet."""
-    block_m = _pow2(n_rows)
+    block_m = pow2(n_rows)
     block_k = 256 if block_m <= 2 else 128
     block_n = max(4, min(GEMV_TILE // block_k, GEMV_PRODUCTS // (block_m * block_k)))
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
@@ -67,7 +64,7 @@ def gemm_config(n_rows: int) -> dict:
     """Blocks and warps of the GEMM: W's dequantized tile is reused by BLOCK_M rows of x, so
     BLOCK_M is the larger side. ptxas for sm_90 spilled at 128 x 64 x 64 (8 warps) and none at
     BLOCK_K = 32 (179-218 registers for the K-quants). Not timed on a GPU yet."""
-    block_m = min(128, max(16, _pow2(n_rows)))
+    block_m = min(128, max(16, pow2(n_rows)))
     return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=32, num_warps=8 if block_m >= 128 else 4)
 
 
@@ -158,6 +155,3 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, dot: str |
         y = y + bias
     return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
