@@ -6,6 +6,8 @@ chat_template.jinja) or from the parts a GGUF file embeds.
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import json
 from datetime import datetime
 from pathlib import Path
@@ -75,8 +77,7 @@ class Tokenizer:
         """Render ``messages`` with the model's Jinja template (sandboxed)."""
         if not self.chat_template:
             raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
-        template = _jinja_env().from_string(self.chat_template)
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
+        return _compiled(self.chat_template).render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
 
 
@@ -89,6 +90,13 @@ def _token_text(token) -> str | None:
 
 def _raise(message: str):
     raise ValueError(f"chat template: {message}")
+
+
+@lru_cache(maxsize=8)
+def _compiled(source: str):
+    """A template compiled once: compiling the Qwen3.5 template took ~11 ms, rendering it ~0.1 ms,
+    and the server renders every request (jinja2 templates render safely from several threads)."""
+    return _jinja_env().from_string(source)
 
 
 def _jinja_env():
