@@ -1,8 +1,11 @@
-"""GPU kernels (Triton), beside the torch path and the C kernels they mirror.
+"""GPU kernels (Triton, and fla-core's for DeltaNet), beside the torch paths and C kernels they mirror.
 
-Nothing here imports triton until a kernel runs, so kvslim imports without it; each kernel
-module has ``supports(...)`` saying whether it can serve a call and a torch reference it is
-tested against (tests/test_triton_attention.py, under Triton's CPU interpreter).
+``paged_prefill`` / ``paged_decode``: attention on the packed pages (one kernel); ``kv_append``:
+new K/V rows encoded into the pool; ``quant_matmul``: GGUF weights' GEMV/GEMM; ``delta_rule``:
+fla-core's gated delta rule. Nothing here imports triton until a kernel runs, so kvslim imports
+without it; each kernel module has ``supports(...)`` saying whether it can serve a call and a
+torch reference it is tested against (tests/test_triton_*.py, under Triton's CPU interpreter;
+docs/gpu.md).
 """
 import os
 from functools import lru_cache
