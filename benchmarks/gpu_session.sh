@@ -4,7 +4,8 @@
 # GPU machines are lent rarely and for 30 minutes of device time a session, so the checks
 # that need one are gathered here, each phase well inside one call's 10-minute limit.
 #
-# 1. Here, once per checkout: the wheels the device image lacks (gguf, fla-core) into .whl/
+# 1. Here, once per checkout: the wheels the device image lacks (gguf, fla-core, transformers
+#    and what it checks) into .whl/
 #    (listed in .git/info/exclude):
 #      bash benchmarks/gpu_session.sh prepare
 # 2. On the device, one call per phase, each writing its logs under $OUT:
@@ -23,7 +24,13 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
-WHEELS="gguf==0.19.0 fla-core==0.6.0"
+# gguf and fla-core are not in the image; its transformers (5.17) predates Qwen3.5, which the
+# model tests build tiny models of, so the venv's own version travels, with the versions of the
+# packages transformers checks at import
+WHEELS="gguf==0.19.0 fla-core==0.6.0 $(.venv/bin/python -c '
+import importlib.metadata as m
+print(" ".join(f"{p}=={m.version(p)}" for p in ("transformers", "tokenizers", "huggingface-hub", "safetensors")))
+' 2>/dev/null)"
 
 prepare() {
     local exclude
