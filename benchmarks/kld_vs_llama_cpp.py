@@ -99,13 +99,17 @@ def bits(pair: tuple[str, str], head_dim: int = 128) -> str:
 
 def table(rows: list[dict], versus: str | None) -> str:
     ref = next((r for r in rows if f"{r['engine']}:{'/'.join(r['pair'])}" == versus), None)
-    lines = ["| engine | K/V | bits/value | mean KLD | p99.9 KLD | same top-1 | chunks better than ref |",
-             "|---|---|--:|--:|--:|--:|--:|"]
+    lines = ["| engine | K/V | bits/value | mean KLD | p99.9 KLD | same top-1 | chunks better than ref "
+             "| top-1 changed here only / ref only |",
+             "|---|---|--:|--:|--:|--:|--:|--:|"]
     for r in rows:
         name = "/".join(r["pair"]) if r["pair"][0] != r["pair"][1] else r["pair"][0]
         vs = f"{int((r['chunks'] < ref['chunks']).sum())}/{len(r['chunks'])}" if ref is not None else "-"
+        # paired top-1: positions where only one of the two moved the top token (the rest cancel)
+        flips = f"{int((~r['same'] & ref['same']).sum())} / {int((r['same'] & ~ref['same']).sum())}" \
+            if ref is not None else "-"
         lines.append(f"| {r['engine']} | {name} | {bits(r['pair'])} | {r['kld'].mean():.6f} | "
-                     f"{np.quantile(r['kld'], 0.999):.4f} | {100 * r['same'].mean():.2f}% | {vs} |")
+                     f"{np.quantile(r['kld'], 0.999):.4f} | {100 * r['same'].mean():.2f}% | {vs} | {flips} |")
     return "\n".join(lines)
 
 
