@@ -6,10 +6,9 @@ chat_template.jinja) or from the parts a GGUF file embeds.
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 import json
 from datetime import datetime
+from functools import lru_cache
 from pathlib import Path
 
 from tokenizers import Tokenizer as Backend
@@ -77,8 +76,9 @@ class Tokenizer:
         """Render ``messages`` with the model's Jinja template (sandboxed)."""
         if not self.chat_template:
             raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
-        return _compiled(self.chat_template).render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                               bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
+        return _compiled(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
 
 
 def _token_text(token) -> str | None:

@@ -36,11 +36,12 @@ def hf_stepwise(model, prompt: torch.Tensor, steps: torch.Tensor) -> torch.Tenso
     return torch.cat(rows)
 
 
-def kvslim_stepwise(model, prompt, steps, type_k="f32", type_v="f32", slot=0, caches=None) -> torch.Tensor:
-    caches = caches or model.make_cache(256, 1, type_k, type_v)
-    rows = [model(Batch.build([(slot, prompt, 0)]), caches, all_logits=True)]
+def kvslim_stepwise(model, prompt, steps, type_k="f32", type_v="f32", slot=0, caches=None,
+                    device="cpu") -> torch.Tensor:
+    caches = caches or model.make_cache(256, 1, type_k, type_v, device=device)
+    rows = [model(Batch.build([(slot, prompt, 0)], device=device), caches, all_logits=True)]
     for i, tok in enumerate(steps):
-        rows.append(model(Batch.build([(slot, [int(tok)], len(prompt) + i)]), caches, all_logits=True))
+        rows.append(model(Batch.build([(slot, [int(tok)], len(prompt) + i)], device=device), caches, all_logits=True))
     return torch.cat(rows)
 
 
@@ -109,14 +110,8 @@ def test_cuda_logits_match_cpu(tiny_folder, kind, type_k, type_v):
     serve) against the same model on the CPU: a prefill and 8 cached decode steps."""
     path, _ = tiny_folder(kind)
     prompt, steps = random_tokens(40, 5), random_tokens(8, 6)
-    rows = {}
-    for device in ("cpu", "cuda"):
-        model = load_tiny(path).to(device)
-        caches = model.make_cache(256, 1, type_k, type_v, device=device)
-        got = [model(Batch.build([(0, prompt, 0)], device=device), caches, all_logits=True)]
-        for i, tok in enumerate(steps):
-            got.append(model(Batch.build([(0, [int(tok)], len(prompt) + i)], device=device), caches, all_logits=True))
-        rows[device] = torch.cat(got).cpu()
+    rows = {device: kvslim_stepwise(load_tiny(path).to(device), prompt, steps, type_k, type_v, device=device).cpu()
+            for device in ("cpu", "cuda")}
     torch.testing.assert_close(rows["cuda"], rows["cpu"], atol=2e-3, rtol=1e-3)
 
 

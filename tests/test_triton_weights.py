@@ -72,7 +72,7 @@ def _run(case, x, w, bias):
         return gpu.gemv(x, w.data, w.wtype.ggml_type, split_k=case[5])
     if case[0] == "gemm":
         return gpu.gemm(x, w.data, w.wtype.ggml_type, dot=case[5])
-    return gpu.linear(x, w, bias, dot="ieee")
+    return weights.quant_linear(x, w, bias)               # its float32 GEMM is exact ("ieee") at torch's default
 
 
 def _results_in_child(cases, path: Path) -> None:
@@ -122,7 +122,8 @@ def test_gemm_matches_gguf_dequantize(interpreted, case):
 
 @pytest.mark.parametrize("case", LINEAR, ids=lambda c: f"{c[1]}-{'x'.join(map(str, c[2]))}")
 def test_linear_matches_reference_linear(interpreted, case):
-    """The wrapper: GEMV for a decode token, GEMM for 18 rows, a bias, a column order not in blocks."""
+    """Through ``weights.quant_linear`` (the kernels on): GEMV for a decode token, GEMM for 18 rows,
+    a bias, a column order not in blocks."""
     _check(case, interpreted["y"][case], CASES.index(case))
 
 

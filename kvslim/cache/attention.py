@@ -271,7 +271,8 @@ class _OnlineSoftmax:
         self.l = self.l * corr + p.sum(-1, keepdim=True)
         if v_scale is not None:
             p.mul_(v_scale.unsqueeze(-2))
-        self.acc = torch.baddbmm(self.acc.mul_(corr).flatten(0, -3), p.flatten(0, -3), v.flatten(0, -3)).view(self.acc.shape)
+        acc = self.acc.mul_(corr)                       # acc * corr + p @ v, one pass over acc
+        self.acc = torch.baddbmm(acc.flatten(0, -3), p.flatten(0, -3), v.flatten(0, -3)).view(acc.shape)
         self.m = m_new
 
     def result(self) -> torch.Tensor:

@@ -380,5 +380,5 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-__all__ = ["FormatSpec", "KVFormat", "KernelRow", "KernelEncoder", "RowLayout", "RowField", "FP16_MAX", "fp16_bytes", "fp16_from_bytes",
-           "check_float_input", "check_packed_input", "is_power_of_two", "ceil_div", "cached_on"]
+__all__ = ["FormatSpec", "KVFormat", "KernelRow", "KernelEncoder", "RowLayout", "RowField", "FP16_MAX", "fp16_bytes",
+           "fp16_from_bytes", "check_float_input", "check_packed_input", "is_power_of_two", "ceil_div", "cached_on"]

@@ -34,13 +34,20 @@ def _kernel():
     return _kv_append_kernel
 
 
+@lru_cache(maxsize=None)
+def _declared(name: str, role: str, head_dim: int):
+    """The format's ``kernel_encoder``, built once: ``append`` runs per layer per step, and the
+    declaration builds its tables (codebooks, grid midpoints, scale tries) each time it is asked."""
+    return formats.get(name, role=role).kernel_encoder(head_dim)
+
+
 def _encoder(fmt, head_dim: int):
     """The format's declared encoder when this kernel implements it, else None."""
     try:
         fmt.check_head_dim(head_dim)
     except ValueError:
         return None
-    enc = fmt.kernel_encoder(head_dim)
+    enc = _declared(fmt.name, getattr(fmt, "role", "k"), head_dim)
     return enc if enc is not None and enc.kind in KINDS and head_dim <= MAX_DIM else None
 
 
@@ -55,10 +62,19 @@ def supports(fmt, x: torch.Tensor) -> bool:
 @lru_cache(maxsize=None)
 def _tables(name: str, role: str, head_dim: int, device: str) -> tuple[torch.Tensor, ...]:
     """The declaration's tables on the kernel's device (a one-float placeholder where it has none)."""
-    enc = formats.get(name, role=role).kernel_encoder(head_dim)
+    enc = _declared(name, role, head_dim)
     none = torch.zeros(1)
     return tuple((none if t is None else t).float().contiguous().to(device)
                  for t in (enc.rot_matrix, enc.boundaries, enc.centroids, enc.tries))
+
+
+@lru_cache(maxsize=None)
+def _launch(name: str, role: str, head_dim: int) -> tuple[dict, float, float]:
+    """(constexprs and warps, overflow limit, rotation scale) of one format and head_dim, once."""
+    enc = _declared(name, role, head_dim)
+    limit = enc.limit if enc.limit > 0 else FLT_MAX                   # 0 declares no limit: only NaN/inf
+    rot_scale = float(torch.tensor(enc.rot ** -0.5 if enc.rot else 1.0, dtype=torch.float32))   # as torch's y * n ** -0.5
+    return _launch_config(enc, head_dim), limit, rot_scale
 
 
 def _launch_config(enc, head_dim: int) -> dict:
@@ -84,14 +100,12 @@ def append(fmt, x: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor) -> torc
     ``KVCache._flat_index`` gives). Returns the (N,) bool overflow flags on x's device, as
     ``fmt.encode_flagged`` gives them (a flagged token's bytes are not meant to be read)."""
     n_tokens, n_kv, dim = x.shape
-    enc = _encoder(fmt, dim)
+    role = getattr(fmt, "role", "k")
     assert pool.is_contiguous() and pool.shape[0] == n_kv and pool.shape[3] == fmt.row_bytes(dim)
-    config = _launch_config(enc, dim)
+    config, limit, rot_scale = _launch(fmt.name, role, dim)
     x, rows = x.contiguous(), rows.to(device=x.device, dtype=torch.int64).contiguous()
     flags = torch.empty(n_tokens, n_kv, dtype=torch.uint8, device=x.device)
-    tables = _tables(fmt.name, getattr(fmt, "role", "k"), dim, str(x.device))
-    limit = enc.limit if enc.limit > 0 else FLT_MAX                   # 0 declares no limit: only NaN/inf
-    rot_scale = float(torch.tensor(enc.rot ** -0.5 if enc.rot else 1.0, dtype=torch.float32))   # as torch's y * n ** -0.5
+    tables = _tables(fmt.name, role, dim, str(x.device))
     n_rows = n_tokens * n_kv
     _kernel().kv_append_rows[(-(-n_rows // BLOCK_M),)](
         x, pool, rows, flags, *tables, n_rows, n_kv, pool.shape[1] * pool.shape[2], pool.shape[3], limit, rot_scale,

@@ -11,7 +11,7 @@ device as is; no dequantized copy of it is ever stored. Two kernels (``_quant_ma
 - ``gemm`` for prefill: W's tiles dequantized in registers and fed to ``tl.dot`` in DOT_DTYPE
   (fp16, bf16 on tensor cores; tf32; or ieee float32 for exact checks), accumulated in float32.
 
-``linear`` picks one by M. The reference is ``kvslim.weights.reference_linear`` (the whole W
+``matmul`` picks one by M (``weights.quant_linear`` calls it). The reference is ``kvslim.weights.reference_linear`` (the whole W
 through ``gguf.quants.dequantize``, then F.linear); tests/test_triton_weights.py holds the two
 together under Triton's interpreter (TRITON_INTERPRET=1, CPU tensors).
 """
@@ -137,21 +137,10 @@ def default_dot(dtype: torch.dtype) -> str:
     return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
-def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, dot: str | None = None) -> torch.Tensor:
-    """F.linear(x, W, bias) for a 2-d ``kvslim.weights.QuantTensor`` W (out, in), its ``data`` on
-    x's device (not imported: kvslim.weights sits above the cache, which imports kvslim.gpu).
-    x (..., in) -> (..., out) in x's dtype; GEMV up to MAX_GEMV_ROWS rows, else the GEMM with
-    ``dot`` operands (``gemm``'s)."""
-    flat = x.reshape(-1, x.shape[-1])
-    if weight.input_index is not None:
-        flat = flat.index_select(1, weight.input_index)                 # into the file's column order
-    if weight.data.dim() != 2:
-        raise ValueError(f"a 2-d weight expected, got {weight}")
-    if flat.shape[0] <= MAX_GEMV_ROWS:
-        y = gemv(flat, weight.data, weight.wtype.ggml_type)
-    else:
-        y = gemm(flat, weight.data, weight.wtype.ggml_type, dot)
-    if bias is not None:
-        y = y + bias
-    return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
-
+def matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type, dot: str | None = None) -> torch.Tensor:
+    """x (M, K) float; blocks (N, row_bytes) -> y (M, N) float32: the GEMV up to MAX_GEMV_ROWS rows
+    (decode), else the GEMM with ``dot`` operands (``gemm``'s). ``kvslim.weights.quant_linear``
+    calls it for weights on the kernels' device, around its own reshapes, column order and bias."""
+    if x.shape[0] <= MAX_GEMV_ROWS:
+        return gemv(x, blocks, ggml_type)
+    return gemm(x, blocks, ggml_type, dot)

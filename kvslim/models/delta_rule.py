@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..gpu import delta_rule as fla
+
 CHUNK = 64
 
 
@@ -89,7 +91,6 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
 
 def rule_for(device: torch.device):
     """(chunk, step) for layers on ``device``: fla-core's kernels where they serve it, else the torch forms."""
-    from ..gpu import delta_rule as fla
     if fla.serves(device):
         return fla.chunk, fla.step
     return chunk_gated_delta_rule, gated_delta_step

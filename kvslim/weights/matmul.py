@@ -44,13 +44,11 @@ def rows_per_step(w: QuantTensor) -> int:
 
 def quant_linear(x: torch.Tensor, w: QuantTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, W, bias) for a 2-d quantized W (out, in); x (..., in) float."""
-    if w.data.dim() == 2 and gpu.TRITON and gpu_weights.supports(w.wtype.ggml_type) and gpu_weights.runs_on(x):
-        return gpu_weights.linear(x, w, bias)
     flat = x.reshape(-1, x.shape[-1])
     if w.input_index is not None:
         flat = flat.index_select(1, w.input_index)                  # into the file's column order
-    if w.data.dim() == 2 and native.supports(w.wtype.name, flat):  # decode: blocks unpacked in registers
-        out = torch.ops.kvslim.block_linear(flat, w.data, w.wtype.name)
+    out = _in_kernel(flat, w)
+    if out is not None:
         return (out if bias is None else out + bias).reshape(*x.shape[:-1], w.shape[0])
     rows = w.shape[0]
     out = flat.new_empty(flat.shape[0], rows)
@@ -61,6 +59,18 @@ def quant_linear(x: torch.Tensor, w: QuantTensor, bias: torch.Tensor | None = No
     if bias is not None:
         out += bias
     return out.reshape(*x.shape[:-1], rows)
+
+
+def _in_kernel(flat: torch.Tensor, w: QuantTensor) -> torch.Tensor | None:
+    """flat @ W.T with W's blocks unpacked in registers: the Triton kernels on a GPU (when they are
+    on), the C kernel for a few rows on the CPU; None where neither serves."""
+    if w.data.dim() != 2:
+        return None
+    if gpu.TRITON and gpu_weights.supports(w.wtype.ggml_type) and gpu_weights.runs_on(flat):
+        return gpu_weights.matmul(flat, w.data, w.wtype.ggml_type).to(flat.dtype)
+    if native.supports(w.wtype.name, flat):                         # decode: a few rows
+        return torch.ops.kvslim.block_linear(flat, w.data, w.wtype.name)
+    return None
 
 
 def reference_linear(x: torch.Tensor, w: QuantTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
