@@ -8,6 +8,7 @@ import sys
 COMMANDS = {
     "demo": ("demo", "the bundled model end to end: generation and f16 vs compressed KV side by side"),
     "eval": ("eval", "quality per K/V pair: ppl, kld, depth, niah, ruler, sampling, attention"),
+    "calibrate": ("calibrate", "measure a model's value vectors on text, for the klt V formats (-ctv klt3)"),
     "quant": ("quant", "measure KV formats on random vectors: bits, error, speed"),
     "plan": ("plan", "will a model, context and K/V cache fit on a machine? (before anything loads)"),
     "run": ("run", "complete a prompt; print timings and KV/state memory"),

@@ -16,7 +16,8 @@ from kvslim.formats.rotation import hadamard_blocks
 
 from .test_native_attention import formats_fitting
 
-NO_ENCODER = {"q4_1", "q5_0", "q5_1", "q4_1-norot", "q5_0-norot", "q5_1-norot", "turbo4p", "turbo3p"}
+NO_ENCODER = {"q4_1", "q5_0", "q5_1", "q4_1-norot", "q5_0-norot", "q5_1-norot", "turbo4p", "turbo3p",
+              "klt3"}                     # calibrated per model: the torch path codes it
 
 
 def _declared(head_dim: int):
@@ -26,7 +27,7 @@ def _declared(head_dim: int):
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_which_formats_declare_an_encoder(head_dim):
-    """Every format but the ones with a second field per block or a QJL sketch."""
+    """Every format but the ones with a second field per block, a QJL sketch or a calibration."""
     names = {fmt.name for fmt, enc in _declared(head_dim) if enc is None}
     assert names == NO_ENCODER
 

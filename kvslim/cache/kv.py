@@ -37,13 +37,17 @@ class KVCache:
     """K/V storage for one attention layer and ``n_slots`` sequences."""
 
     def __init__(self, spec: KVLayerSpec, ctx: int, n_slots: int = 1, page_size: int = DEFAULT_PAGE_SIZE,
-                 f16_window: int = 0, device: torch.device | str = "cpu", backend=None):
+                 f16_window: int = 0, device: torch.device | str = "cpu", backend=None, calibration=None):
         if ctx < 1 or n_slots < 1 or page_size < 1 or f16_window < 0:
             raise ValueError(f"KVCache needs ctx >= 1, n_slots >= 1, page_size >= 1 and f16_window >= 0; "
                              f"got ctx={ctx}, n_slots={n_slots}, page_size={page_size}, f16_window={f16_window}")
         self.spec, self.ctx, self.n_slots = spec, ctx, n_slots
         self.page_size, self.f16_window, self.device = page_size, f16_window, torch.device(device)
         self.fmt_k, self.fmt_v = formats.get(spec.type_k, role="k"), formats.get(spec.type_v, role="v")
+        if self.fmt_k.calibrated:
+            raise ValueError(f"{self.fmt_k.name} is a V cache type (-ctv): keys coded in a calibrated basis "
+                             f"lose to nl3s on text unlike the calibration's; for K use nl4s, q4_0 or turbo4")
+        self.fmt_v = self.fmt_v.bind(calibration) if self.fmt_v.calibrated else self.fmt_v
         self.pages_per_slot = ceil_div(ctx, page_size)
         self.n_pages = n_slots * self.pages_per_slot
         self.null_page = self.n_pages
@@ -196,8 +200,9 @@ class KVCache:
     # ----- decode steps whose host work is done apart (the compiled path) -------------
     @property
     def static_decode(self) -> bool:
-        """Whether a DecodeBatch can write here (the f16 window's moves are host-driven)."""
-        return self.f16_window == 0
+        """Whether a DecodeBatch can write here (the f16 window's moves are host-driven; the
+        compiled step's attention op names its formats, so a calibrated one cannot ride it)."""
+        return self.f16_window == 0 and not self.fmt_v.calibrated
 
     def prepare_decode(self, slots: list[int], positions: list[int]) -> None:
         """Host half of a decode step, one token per slot at ``positions`` (checked against the

@@ -13,6 +13,7 @@ from .base import FormatSpec, KernelRow, KVFormat
 from .floats import FloatFormat
 from .ggml import NOROT, GgmlFormat
 from .grid import GridFormat, SubScaleGridFormat
+from .klt import KLTFormat
 from .turbo import TurboFormat
 
 # The one table. block_bytes and bits per value are derived from these columns.
@@ -41,6 +42,9 @@ TABLE: tuple[FormatSpec, ...] = (
                "rotated as llama.cpp + fp16 scale per 128, 2-bit sub-scale per 16 + 4-bit fitted grid"),
     FormatSpec("nl3s", "nls", 128, 3, 4,
                "rotated as llama.cpp + fp16 scale per 128, 2-bit sub-scale per 16 + 3-bit fitted grid"),
+    FormatSpec("klt3", "klt", 128, 2.625, 2,
+               "V only, calibrated per model: KLT basis + water-filled 0-6 bits per direction + fitted grids, "
+               "fp16 row scale"),
     FormatSpec("turbo4p", "turbo_prod", 128, 4, 4,
                "TurboQuant product: 3-bit MSE + 1-bit QJL residual (unbiased dot products)", True),
     FormatSpec("turbo3p", "turbo_prod", 128, 3, 4,
@@ -49,12 +53,19 @@ TABLE: tuple[FormatSpec, ...] = (
       for name, bits, header, text in _GGML),
 )
 _BY_NAME = {spec.name: spec for spec in TABLE}
-_CLASSES = {"float": FloatFormat, "ggml": GgmlFormat, "nl": GridFormat, "nls": SubScaleGridFormat, "turbo": TurboFormat, "turbo_prod": TurboFormat}
+_CLASSES = {"float": FloatFormat, "ggml": GgmlFormat, "nl": GridFormat, "nls": SubScaleGridFormat, "turbo": TurboFormat, "turbo_prod": TurboFormat,
+            "klt": KLTFormat}
 
 
 def names() -> list[str]:
     """All format names, in table order (widest first within each family)."""
     return [spec.name for spec in TABLE]
+
+
+def standalone_names() -> list[str]:
+    """The names that code any row on their own: all but the calibrated (klt) rows, which need a
+    model's calibration (random vectors, MiniLM's caches and plans for other models have none)."""
+    return [spec.name for spec in TABLE if spec.family != "klt"]
 
 
 ROT_DISABLE_ENV = "LLAMA_ATTN_ROT_DISABLE"
@@ -90,7 +101,7 @@ def _get(key: str, role: str) -> KVFormat:
     spec = _BY_NAME.get(key)
     if spec is None:
         raise ValueError(f"unknown KV cache type {key!r}; valid types: {', '.join(names())}")
-    if spec.family in ("ggml", "nl", "nls"):
+    if spec.family in ("ggml", "nl", "nls", "klt"):
         return _CLASSES[spec.family](spec, role)
     return _CLASSES[spec.family](spec)
 
@@ -100,5 +111,5 @@ def parse_list(text: str) -> list[KVFormat]:
     return [get(part) for part in text.split(",") if part.strip()]
 
 
-__all__ = ["FormatSpec", "KVFormat", "TABLE", "NOROT", "ROT_DISABLE_ENV", "get", "names", "parse_list",
+__all__ = ["FormatSpec", "KVFormat", "TABLE", "NOROT", "ROT_DISABLE_ENV", "get", "names", "standalone_names", "parse_list",
            "rotation_disabled"]

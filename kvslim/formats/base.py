@@ -23,7 +23,8 @@ class FormatSpec:
         family: ``float``, ``ggml``, ``turbo`` (MSE TurboQuant) or ``turbo_prod``.
         block_size: values per block; for turbo formats the largest group, a
             smaller head dimension forms a single smaller group.
-        code_bits: payload bits per value inside a block.
+        code_bits: payload bits per value inside a block (a fraction only where a format
+            spreads a fixed bit budget unevenly over a row: klt).
         block_header_bytes: bytes of scales/norms per block.
         summary: one line for ``--help`` and the README.
         experimental: shown as such in listings.
@@ -35,7 +36,7 @@ class FormatSpec:
     name: str
     family: str
     block_size: int
-    code_bits: int
+    code_bits: int | float
     block_header_bytes: int
     summary: str
     experimental: bool = False
@@ -43,7 +44,7 @@ class FormatSpec:
 
     def bytes_for_block(self, values: int) -> int:
         """Bytes of a block of ``values`` values (header plus packed codes)."""
-        return self.block_header_bytes + values * self.code_bits // 8
+        return self.block_header_bytes + int(values * self.code_bits) // 8
 
     @property
     def block_bytes(self) -> int:
@@ -84,6 +85,13 @@ class KVFormat:
     def bits_per_value(self, head_dim: int) -> float:
         """Stored bits per value, headers included."""
         return 8.0 * self.row_bytes(head_dim) / head_dim
+
+    # A calibrated format (klt) needs per-layer statistics: the table's instance has sizes
+    # only, and the cache binds it to its layer's calibration before coding rows.
+    calibrated = False
+
+    def bind(self, calibration) -> "KVFormat":
+        return self
 
     def kernel_row(self, head_dim: int) -> "KernelRow | None":
         """How a kernel reads this format's rows without its Python codec (the C and Triton

@@ -48,14 +48,29 @@ def load_model(path: str | Path | None = None, dtype=None, device: str = "cpu", 
     if weights is not None:
         check_weights(weights)
     if path.is_dir():
-        return _load_folder(path, dtype, device, weights)
+        return _with_calibration(_load_folder(path, dtype, device, weights), calibration_path(path))
     if path.is_file() and _is_gguf(path):
         if weights is not None:
             raise ValueError(f"{path}: --weights quantizes Hugging Face folders; a GGUF keeps its own types")
-        return _load_gguf(path, dtype, device, allow_dequant)
+        return _with_calibration(_load_gguf(path, dtype, device, allow_dequant), calibration_path(path))
     if not path.exists():
         raise ValueError(f"{path}: no such file or folder")
     raise ValueError(f"{path}: neither a Hugging Face model folder nor a GGUF file")
+
+
+def calibration_path(model_path: str | Path) -> Path:
+    """Where a model's KV calibration lives (``kvslim calibrate`` writes it there): inside a
+    Hugging Face folder, or beside a GGUF file as ``<name>.kv-calibration.safetensors``."""
+    from ..formats.klt import CALIBRATION_FILE
+    path = Path(model_path)
+    return path / CALIBRATION_FILE if path.is_dir() else path.with_name(f"{path.stem}.{CALIBRATION_FILE}")
+
+
+def _with_calibration(loaded: tuple, cal_path: Path) -> tuple:
+    if cal_path.is_file():
+        from ..formats.klt import KVCalibration
+        loaded[0].kv_calibration = KVCalibration.load(cal_path)
+    return loaded
 
 
 def convert_hf_to_gguf(folder: str | Path, out_path: str | Path, out_type: str = "f16") -> Path:

@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from ..formats.klt import CALIBRATION_FILE
+
 SKIP = re.compile(r"^(mtp\.|model\.visual\.|model\.mtp\.|visual\.)")
 EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
@@ -36,7 +38,7 @@ def safetensors_files(folder: str | Path) -> list[Path]:
             names = sorted(set(json.load(f)["weight_map"].values()))
         files = [folder / n for n in names]
     else:
-        files = sorted(folder.glob("*.safetensors"))
+        files = sorted(f for f in folder.glob("*.safetensors") if f.name != CALIBRATION_FILE)
     if not files:
         raise ValueError(f"{folder}: no .safetensors weights found")
     missing = [str(p) for p in files if not p.is_file()]

@@ -29,6 +29,7 @@ class CausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
                                                                           bias=False)
         self.rope = rope
+        self.kv_calibration = None          # a formats.klt.KVCalibration, if the model has one
 
     def fuse_projections(self) -> None:
         """Compute projections that read the same input as one matmul each (see ``layers.Fused``)."""
@@ -82,9 +83,17 @@ class CausalLM(nn.Module):
         for spec in self.config.cache_layout(config.type_k.name, config.type_v.name):
             if isinstance(spec, KVLayerSpec):
                 layers.append(KVCache(spec, config.ctx, config.n_slots, config.page_size, config.f16_window,
-                                      config.device, config.backend))
+                                      config.device, config.backend,
+                                      self._layer_calibration(spec, sum(isinstance(c, KVCache) for c in layers))))
             elif isinstance(spec, StateLayerSpec):
                 layers.append(RecurrentStateCache(spec, config.n_slots, device=config.device))
             else:
                 raise TypeError(f"unknown layer cache spec {spec!r}")
         return ModelCache(layers, config)
+
+    def _layer_calibration(self, spec: KVLayerSpec, index: int):
+        """The index-th attention layer's KV calibration, when a format of ``spec`` needs one."""
+        from .. import formats
+        if not any(formats.get(t).calibrated for t in (spec.type_k, spec.type_v)):
+            return None
+        return None if self.kv_calibration is None else self.kv_calibration.layer(index)

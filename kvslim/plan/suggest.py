@@ -32,7 +32,7 @@ class Suggestion:
 def kv_candidates() -> list[str]:
     """KV types a suggestion may pick: every non-experimental format narrower than f32
     (the unrotated ``-norot`` rows take the same bytes as their rotated names and are left out)."""
-    return [n for n in formats.names() if n != "f32" and not formats.get(n).spec.experimental
+    return [n for n in formats.standalone_names() if n != "f32" and not formats.get(n).spec.experimental
             and not n.endswith(formats.NOROT)]
 
 

@@ -471,7 +471,7 @@ def run_sampling(args) -> int:
 def run_attention(args) -> int:
     from ..eval import minilm as M
 
-    pairs = resolve_pairs(args, [(n, n) for n in formats.names()])
+    pairs = resolve_pairs(args, [(n, n) for n in formats.standalone_names()])
     model = M.MiniLM()
     sentences = M.split_sentences("\n\n".join(attention_text(args)), args.sentences)
     if not sentences:

@@ -14,8 +14,8 @@ from ..tables import markdown_table, render_records
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvslim quant", description=__doc__,
                                 epilog="types: " + ", ".join(formats.names()))
-    p.add_argument("-t", "--type", default=",".join(formats.names()),
-                   help="comma list of KV types to measure (default: all)")
+    p.add_argument("-t", "--type", default=",".join(formats.standalone_names()),
+                   help="comma list of KV types to measure (default: all that need no model calibration)")
     p.add_argument("--n", type=int, default=20000, help="number of random N(0,1) vectors")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--queries", type=int, default=256, help="random query vectors for inner products")
@@ -31,6 +31,10 @@ def main(argv: list[str]) -> int:
     if args.n < 1 or args.queries < 1 or args.repetitions < 1:
         raise ValueError("--n, --queries and -r must be at least 1")
     fmts = formats.parse_list(args.type)
+    for f in fmts:
+        if f.calibrated:
+            raise ValueError(f"{f.name} codes rows in a basis calibrated for one model's values; random "
+                             f"vectors have none (measure it with `kvslim eval kld -ctv {f.name}` on a model)")
     gen = torch.Generator().manual_seed(args.seed)
     x = torch.randn(args.n, args.head_dim, generator=gen)
     q = torch.randn(args.queries, args.head_dim, generator=gen)

@@ -1,0 +1,326 @@
+"""klt3: V rows coded in a calibrated Karhunen-Loeve basis (transform coding).
+
+Why this exists: a layer's value vectors are not white. Per (layer, kv head) of the
+bundled model, their variance is spread over directions so unevenly that ideal
+transform coding gains 10-13 dB over coding every coordinate alike, and a random
+rotation (turbo, the rotated ggml types) throws that away: it makes every coordinate
+look the same. Transform coding keeps it: rotate into the eigenbasis of the values'
+covariance, give each direction an integer number of bits by reverse water-filling on
+its variance (0 to 6; the total per row is fixed), and code each direction with a grid
+fitted to its own row-normalised distribution. One fp16 scale per row absorbs what the
+calibration did not predict: how large this row is.
+
+Row layout (head_dim D, a multiple of 64): fp16 row scale, then the codes of the D
+directions in order, each ``bits[j]`` bits wide, least significant bit first, packed
+little-endian; ``D * 2.625`` bits of codes, 2.75 bits per value with the scale at D=128.
+
+The basis, means, spreads, bit allocation and grids come from a calibration, one per
+model (``kvslim calibrate``, stored beside the weights as ``kv-calibration.safetensors``).
+A format in the table is unbound (sizes only); the cache binds it to its layer's
+calibration. Only V: keys coded this way lost to nl3s as soon as the calibration text
+and the scored text differed (docs/eval-kld-formats.md), because a query reads every
+direction of a key while the model reads V only through its output projection.
+
+The code domain (what attention sums in) is ``(x - mean) @ basis`` per head; heads lead
+in the code-domain hooks (the attention path holds heads first) and sit at -2 in
+``encode`` / ``decode`` (rows as the cache stores them, ``(..., H, D)``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .base import FP16_MAX, KVFormat, fp16_bytes, fp16_from_bytes
+
+MAX_BITS = 6                    # widest direction; its grid has 64 levels
+LEVELS = 1 << MAX_BITS
+CALIBRATION_FILE = "kv-calibration.safetensors"
+
+
+# ----- calibration ----------------------------------------------------------------------
+@dataclass
+class LayerCalibration:
+    """One attention layer's V statistics, per kv head: ``basis`` (H, D, D) with the
+    directions as columns, strongest first; ``mean`` and ``spread`` (H, D) in that basis
+    (spread: the standard deviation of each direction); ``tables[name]`` = (bits (H, D),
+    grid (H, D, 64)) for each klt format, grid levels in row-normalised units."""
+
+    basis: torch.Tensor
+    mean: torch.Tensor
+    spread: torch.Tensor
+    tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def n_heads(self) -> int:
+        return self.basis.shape[0]
+
+    @property
+    def head_dim(self) -> int:
+        return self.basis.shape[-1]
+
+
+@dataclass
+class KVCalibration:
+    """A model's calibration: one ``LayerCalibration`` per attention layer, in layer order."""
+
+    layers: list[LayerCalibration]
+    source: str = ""
+
+    def layer(self, index: int) -> LayerCalibration:
+        if not 0 <= index < len(self.layers):
+            raise ValueError(f"the KV calibration covers {len(self.layers)} attention layers; "
+                             f"layer {index} has none (was it made for another model?)")
+        return self.layers[index]
+
+    def save(self, path: str | Path) -> None:
+        from safetensors.torch import save_file
+        tensors = {}
+        for i, lay in enumerate(self.layers):
+            tensors.update({f"layer{i}.basis": lay.basis, f"layer{i}.mean": lay.mean, f"layer{i}.spread": lay.spread})
+            for name, (bits, grid) in lay.tables.items():
+                tensors[f"layer{i}.{name}.bits"] = bits.to(torch.int8)
+                tensors[f"layer{i}.{name}.grid"] = grid
+        save_file({k: v.cpu().clone() for k, v in tensors.items()}, str(path),
+                  metadata={"kvslim": "kv-calibration-1", "layers": str(len(self.layers)), "source": self.source})
+
+    @classmethod
+    def load(cls, path: str | Path) -> "KVCalibration":
+        from safetensors import SafetensorError, safe_open
+        try:
+            with safe_open(str(path), "pt") as f:
+                meta = f.metadata() or {}
+                if meta.get("kvslim") != "kv-calibration-1":
+                    raise ValueError(f"{path}: not a kvslim KV calibration file")
+                t = {k: f.get_tensor(k) for k in f.keys()}
+        except (OSError, RuntimeError, SafetensorError) as exc:
+            raise ValueError(f"{path}: cannot read the KV calibration ({exc})") from None
+        layers = []
+        for i in range(int(meta["layers"])):
+            names = {k.split(".")[1] for k in t if k.startswith(f"layer{i}.") and k.endswith(".grid")}
+            tables = {n: (t[f"layer{i}.{n}.bits"].long(), t[f"layer{i}.{n}.grid"].float()) for n in names}
+            layers.append(LayerCalibration(t[f"layer{i}.basis"].float(), t[f"layer{i}.mean"].float(),
+                                           t[f"layer{i}.spread"].float(), tables))
+        return cls(layers, meta.get("source", ""))
+
+
+def allocate(variance: torch.Tensor, mean_bits: float) -> torch.Tensor:
+    """Integer bits per direction (0..MAX_BITS) summing to exactly ``mean_bits * D``: reverse
+    water-filling, b_j = round(log2(sd_j) - t), with t bisected, then single bits moved from
+    or to the directions whose rounding was closest so the total is exact (rows are fixed size)."""
+    target = round(mean_bits * variance.numel())
+    want = 0.5 * torch.log2(variance.double().clamp_min(1e-30))
+    lo, hi = -200.0, 200.0
+    for _ in range(100):
+        t = (lo + hi) / 2
+        if (want - t).round().clamp(0, MAX_BITS).sum() > target:
+            lo = t
+        else:
+            hi = t
+    bits = (want - hi).round().clamp(0, MAX_BITS)
+    frac = want - hi - bits                                   # > 0: this direction wanted more
+    while int(bits.sum()) != target:
+        more = int(bits.sum()) < target
+        room = (bits < MAX_BITS) if more else (bits > 0)
+        j = int(torch.where(room, frac if more else -frac, torch.tensor(-math.inf, dtype=frac.dtype)).argmax())
+        bits[j] += 1 if more else -1
+        frac[j] -= 1 if more else -1
+    return bits.long()
+
+
+def _gaussian_grid(bits: int) -> torch.Tensor:
+    """Equal-probability N(0,1) levels: the start of each direction's Lloyd iteration."""
+    p = (torch.arange(1 << bits, dtype=torch.float64) + 0.5) / (1 << bits)
+    return torch.distributions.Normal(0.0, 1.0).icdf(p)
+
+
+def fit_grid(samples: torch.Tensor, bits: int, rounds: int = 30) -> torch.Tensor:
+    """Lloyd-Max levels (2**bits, ascending) fitted to one direction's 1-D samples."""
+    if bits == 0:
+        return torch.zeros(1, dtype=torch.float64)
+    g = _gaussian_grid(bits) * samples.std().clamp_min(1e-12)
+    ones = torch.ones_like(samples)
+    for _ in range(rounds):
+        cell = torch.bucketize(samples, (g[1:] + g[:-1]) / 2)
+        total = torch.zeros_like(g).index_add_(0, cell, samples)
+        count = torch.zeros_like(g).index_add_(0, cell, ones)
+        g = torch.where(count > 0, total / count.clamp_min(1), g).sort().values
+    return g
+
+
+def _row_scale(z: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """RMS of a row's coded directions (z: (..., H, D) in spread units; live (H, D) bool)."""
+    n = live.sum(-1).clamp_min(1)
+    return ((z * z * live).sum(-1) / n).sqrt()
+
+
+def calibrate_layer(values: torch.Tensor, format_bits: dict[str, float]) -> LayerCalibration:
+    """Statistics of one layer's value rows ``(N, H, D)`` and the tables of each klt format
+    (name -> mean code bits per value)."""
+    x = values.double()
+    n_heads, dim = x.shape[1:]
+    basis, mean, spread = (torch.empty(n_heads, dim, dim), torch.empty(n_heads, dim), torch.empty(n_heads, dim))
+    for h in range(n_heads):
+        mu = x[:, h].mean(0)
+        lam, u = torch.linalg.eigh(torch.cov((x[:, h] - mu).T))
+        u = u.flip(-1)                                        # strongest direction first
+        y = (x[:, h] - mu) @ u
+        basis[h], mean[h], spread[h] = u.float(), mu.float(), y.std(0).clamp_min(1e-12).float()
+    layer = LayerCalibration(basis, mean, spread)
+    y = torch.einsum("nhd,hde->nhe", x - mean.double(), basis.double()) / spread.double()
+    for name, mean_bits in format_bits.items():
+        bits = torch.stack([allocate(spread[h].double() ** 2, mean_bits) for h in range(n_heads)])
+        u = y / _row_scale(y, bits > 0).clamp_min(1e-12)[..., None]
+        grid = torch.zeros(n_heads, dim, LEVELS)
+        for h in range(n_heads):
+            for j in range(dim):
+                g = fit_grid(u[:, h, j].contiguous(), int(bits[h, j]))
+                grid[h, j, :len(g)] = g.float()
+                grid[h, j, len(g):] = g[-1].float()            # unused codes repeat the top level
+        layer.tables[name] = (bits, grid)
+    return layer
+
+
+# ----- the format -------------------------------------------------------------------------
+class KLTFormat(KVFormat):
+    """Transform-coded V rows; unbound (sizes only) until ``bind`` gives it a layer's calibration."""
+
+    calibrated = True
+
+    def __init__(self, spec, role: str = "v", calibration: LayerCalibration | None = None):
+        super().__init__(spec)
+        self.role, self.cal = role, calibration
+        self._consts: dict[str, tuple] = {}
+
+    @property
+    def mean_code_bits(self) -> float:
+        return float(self.spec.code_bits)
+
+    def bind(self, calibration: LayerCalibration | None) -> "KLTFormat":
+        if calibration is None:
+            raise ValueError(f"-ctv {self.name} codes V in a basis calibrated for the model, and this model has "
+                             f"no KV calibration: run `kvslim calibrate -m MODEL -f TEXT` (it writes "
+                             f"{CALIBRATION_FILE} into the model folder), or choose another V type")
+        if self.name not in calibration.tables:
+            raise ValueError(f"the model's KV calibration has no tables for {self.name} "
+                             f"(it has: {', '.join(sorted(calibration.tables)) or 'none'}); run `kvslim calibrate` again")
+        return KLTFormat(self.spec, self.role, calibration)
+
+    def _check_head_dim(self, head_dim: int) -> None:
+        if head_dim % 64:
+            raise ValueError(f"{self.name}: head_dim {head_dim} is not a multiple of 64")
+        if self.cal is not None and head_dim != self.cal.head_dim:
+            raise ValueError(f"{self.name}: the calibration is for head_dim {self.cal.head_dim}, rows have {head_dim}")
+
+    def _layout(self, head_dim: int) -> tuple[int, int]:
+        return 1, head_dim                                    # the whole row is one block
+
+    # ----- constants of the bound calibration, per device ---------------------------------
+    def _tables(self, device) -> tuple:
+        key = str(device)
+        if key not in self._consts:
+            if self.cal is None:
+                raise ValueError(f"{self.name} is not bound to a calibration: the cache binds it "
+                                 f"(KVCache(..., calibration=...)) before coding rows")
+            bits, grid = self.cal.tables[self.name]
+            n_heads, dim = bits.shape
+            mids = (grid[..., 1:] + grid[..., :-1]) / 2
+            top = (1 << bits)[..., None] - 1                  # codes >= 2**bits never occur
+            mids = torch.where(torch.arange(LEVELS - 1)[None, None] < top, mids, torch.tensor(math.inf))
+            # the bit stream: position p holds bit src_bit[h, p] of direction src_dir[h, p]
+            n_bits = int(bits[0].sum())
+            src_dir = torch.stack([torch.repeat_interleave(torch.arange(dim), bits[h]) for h in range(n_heads)])
+            starts = torch.cumsum(bits, -1) - bits
+            src_bit = torch.arange(n_bits)[None] - starts.gather(-1, src_dir)
+            weight = torch.zeros(n_heads, n_bits, dim)        # bit stream -> codes, one matmul
+            weight.scatter_(-1, src_dir[..., None], (2.0 ** src_bit.float())[..., None])
+            values = grid * self.cal.spread[..., None]        # levels in code-domain units
+            flat_base = (torch.arange(n_heads * dim) * LEVELS).reshape(n_heads, dim)
+            consts = (self.cal.basis, self.cal.mean, self.cal.spread, bits > 0, mids, src_dir, src_bit,
+                      weight, values.reshape(-1), flat_base, n_bits)
+            self._consts[key] = tuple(c.to(device) if torch.is_tensor(c) else c for c in consts)
+        return self._consts[key]
+
+    # ----- coding (rows (..., H, D)) -----------------------------------------------------------
+    def _scale_and_codes(self, x: torch.Tensor):
+        basis, mean, spread, live, mids, src_dir, src_bit, *_ = self._tables(x.device)
+        z = torch.einsum("...hd,hde->...he", x.float() - mean, basis) / spread
+        scale = _row_scale(z, live).to(torch.float16).float()
+        u = z / torch.where(scale > 0, scale, torch.ones_like(scale))[..., None]
+        codes = (u.unsqueeze(-1) > mids).sum(-1)              # (..., H, D): index into each grid
+        return scale, codes
+
+    def _pack(self, scale: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        _, _, _, _, _, src_dir, src_bit, _, _, _, n_bits = self._tables(codes.device)
+        stream = (codes.gather(-1, src_dir.expand(*codes.shape[:-1], -1)) >> src_bit) & 1
+        stream = stream.reshape(*codes.shape[:-1], n_bits // 8, 8) << torch.arange(8, device=codes.device)
+        return torch.cat([fp16_bytes(scale), stream.sum(-1).to(torch.uint8)], -1)
+
+    def _encode(self, x: torch.Tensor) -> torch.Tensor:
+        return self._pack(*self._scale_and_codes(x))
+
+    def encode_flagged(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scale, codes = self._scale_and_codes(x)
+        bad = ~torch.isfinite(x.reshape(x.shape[0], -1)).all(-1) | ~torch.isfinite(scale.reshape(x.shape[0], -1)).all(-1)
+        return self._pack(scale, codes), bad
+
+    def overflow_flag(self, x: torch.Tensor) -> torch.Tensor:
+        return self.encode_flagged(x)[1]
+
+    def _unpack(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(..., H, row) -> code-domain values without the row scale (..., H, D), scale (..., H)."""
+        _, _, _, _, _, _, _, weight, values, flat_base, n_bits = self._tables(packed.device)
+        scale = fp16_from_bytes(packed[..., :2])
+        bits = (packed[..., 2:, None] >> torch.arange(8, device=packed.device, dtype=torch.uint8)) & 1
+        bits = bits.reshape(*packed.shape[:-1], n_bits).float()
+        codes = torch.einsum("...hp,hpd->...hd", bits, weight).round().long()
+        return values[codes + flat_base], scale
+
+    def _decode(self, packed: torch.Tensor, head_dim: int) -> torch.Tensor:
+        y, scale = self._unpack(packed)
+        basis, mean = self._tables(packed.device)[:2]
+        return torch.einsum("...he,hde->...hd", y * scale[..., None], basis) + mean
+
+    def _check_max(self, x: torch.Tensor) -> None:
+        scale, _ = self._scale_and_codes(x)
+        if not torch.isfinite(scale).all():
+            raise ValueError(f"{self.name}: a row is too large for the fp16 row scale (over {FP16_MAX:g} "
+                             f"times its calibrated spread)")
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        packed = super().encode(x)
+        self._check_max(x)
+        return packed
+
+    # ----- attention hooks (heads first) ----------------------------------------------------------
+    @property
+    def transformed(self) -> bool:
+        return True
+
+    def to_code_domain(self, x: torch.Tensor) -> torch.Tensor:
+        basis, mean = self._tables(x.device)[:2]
+        return torch.einsum("h...d,hde->h...e", x.float() - _lead(mean, x), basis)
+
+    def from_code_domain(self, y: torch.Tensor) -> torch.Tensor:
+        """Affine: exact for an attention output, whose weights sum to one."""
+        basis, mean = self._tables(y.device)[:2]
+        return torch.einsum("h...e,hde->h...d", y, basis) + _lead(mean, y)
+
+    def decode_code_domain(self, packed: torch.Tensor, head_dim: int) -> torch.Tensor:
+        y, scale = self.decode_code_domain_scaled(packed, head_dim)
+        return y * scale[..., None]
+
+    def decode_code_domain_scaled(self, packed: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        y, scale = self._unpack(packed.movedim(0, -2))
+        return y.movedim(-2, 0), scale.movedim(-1, 0)
+
+
+def _lead(per_head: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """(H, D) shaped to broadcast over ``like`` (H, ..., D)."""
+    return per_head.reshape(per_head.shape[0], *([1] * (like.dim() - 2)), per_head.shape[-1])
+
+
+__all__ = ["KLTFormat", "KVCalibration", "LayerCalibration", "CALIBRATION_FILE", "allocate", "fit_grid",
+           "calibrate_layer"]
