@@ -25,7 +25,7 @@ def window_starts(n_tokens: int, n_ctx: int, windows: int) -> list[int]:
     if n_tokens <= n_ctx:
         return [0]
     count = max(1, min(windows, n_tokens // n_ctx))
-    step = (n_tokens - n_ctx) / max(1, count - 1) if count > 1 else 0
+    step = (n_tokens - n_ctx) / (count - 1) if count > 1 else 0
     return sorted({int(round(i * step)) for i in range(count)})
 
 

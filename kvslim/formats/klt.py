@@ -30,10 +30,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
-from .base import FP16_MAX, KVFormat, fp16_bytes, fp16_from_bytes
+from .base import FP16_MAX, KVFormat, check_float_input, fp16_bytes, fp16_from_bytes
 
 MAX_BITS = 6                    # widest direction; its grid has 64 levels
 LEVELS = 1 << MAX_BITS
@@ -184,6 +185,21 @@ def calibrate_layer(values: torch.Tensor, format_bits: dict[str, float]) -> Laye
 
 
 # ----- the format -------------------------------------------------------------------------
+class _Consts(NamedTuple):
+    """What coding needs from a bound calibration, built once per device."""
+    basis: torch.Tensor         # (H, D, D)
+    mean: torch.Tensor          # (H, D)
+    spread: torch.Tensor        # (H, D)
+    live: torch.Tensor          # (H, D) bool: directions with bits
+    mids: torch.Tensor          # (H, D, 63) grid midpoints, +inf past each direction's levels
+    src_dir: torch.Tensor       # (H, n_bits): bit p of the stream belongs to this direction ...
+    src_bit: torch.Tensor       # (H, n_bits): ... and is this bit of its code
+    weight: torch.Tensor        # (H, n_bits, D): bit stream -> codes, one matmul
+    values: torch.Tensor        # (H * D * 64,) levels in code-domain units, flat
+    flat_base: torch.Tensor     # (H, D): offset of each direction's levels in ``values``
+    n_bits: int
+
+
 class KLTFormat(KVFormat):
     """Transform-coded V rows; unbound (sizes only) until ``bind`` gives it a layer's calibration."""
 
@@ -192,7 +208,7 @@ class KLTFormat(KVFormat):
     def __init__(self, spec, role: str = "v", calibration: LayerCalibration | None = None):
         super().__init__(spec)
         self.role, self.cal = role, calibration
-        self._consts: dict[str, tuple] = {}
+        self._consts: dict[str, _Consts] = {}
 
     @property
     def mean_code_bits(self) -> float:
@@ -218,7 +234,7 @@ class KLTFormat(KVFormat):
         return 1, head_dim                                    # the whole row is one block
 
     # ----- constants of the bound calibration, per device ---------------------------------
-    def _tables(self, device) -> tuple:
+    def _tables(self, device) -> _Consts:
         key = str(device)
         if key not in self._consts:
             if self.cal is None:
@@ -239,59 +255,66 @@ class KLTFormat(KVFormat):
             values = grid * self.cal.spread[..., None]        # levels in code-domain units
             flat_base = (torch.arange(n_heads * dim) * LEVELS).reshape(n_heads, dim)
             consts = (self.cal.basis, self.cal.mean, self.cal.spread, bits > 0, mids, src_dir, src_bit,
-                      weight, values.reshape(-1), flat_base, n_bits)
-            self._consts[key] = tuple(c.to(device) if torch.is_tensor(c) else c for c in consts)
+                      weight, values.reshape(-1), flat_base)
+            self._consts[key] = _Consts(*(c.to(device) for c in consts), n_bits)
         return self._consts[key]
 
     # ----- coding (rows (..., H, D)) -----------------------------------------------------------
-    def _scale_and_codes(self, x: torch.Tensor):
-        basis, mean, spread, live, mids, src_dir, src_bit, *_ = self._tables(x.device)
-        z = torch.einsum("...hd,hde->...he", x.float() - mean, basis) / spread
-        scale = _row_scale(z, live).to(torch.float16).float()
+    def _spread_units(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows (..., H, D) -> (z in spread units of the basis, fp16-rounded row scale (..., H))."""
+        t = self._tables(x.device)
+        z = torch.einsum("...hd,hde->...he", x.float() - t.mean, t.basis) / t.spread
+        return z, _row_scale(z, t.live).to(torch.float16).float()
+
+    def _codes(self, z: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         u = z / torch.where(scale > 0, scale, torch.ones_like(scale))[..., None]
-        codes = (u.unsqueeze(-1) > mids).sum(-1)              # (..., H, D): index into each grid
-        return scale, codes
+        return (u.unsqueeze(-1) > self._tables(z.device).mids).sum(-1)     # (..., H, D): index into each grid
 
     def _pack(self, scale: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-        _, _, _, _, _, src_dir, src_bit, _, _, _, n_bits = self._tables(codes.device)
-        stream = (codes.gather(-1, src_dir.expand(*codes.shape[:-1], -1)) >> src_bit) & 1
-        stream = stream.reshape(*codes.shape[:-1], n_bits // 8, 8) << torch.arange(8, device=codes.device)
+        t = self._tables(codes.device)
+        stream = (codes.gather(-1, t.src_dir.expand(*codes.shape[:-1], -1)) >> t.src_bit) & 1
+        stream = stream.reshape(*codes.shape[:-1], t.n_bits // 8, 8) << torch.arange(8, device=codes.device)
         return torch.cat([fp16_bytes(scale), stream.sum(-1).to(torch.uint8)], -1)
 
     def _encode(self, x: torch.Tensor) -> torch.Tensor:
-        return self._pack(*self._scale_and_codes(x))
+        z, scale = self._spread_units(x)
+        return self._pack(scale, self._codes(z, scale))
+
+    @staticmethod
+    def _bad_rows(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """(T,) True where a row holds NaN/inf or its scale overflowed fp16."""
+        return ~torch.isfinite(x.reshape(x.shape[0], -1)).all(-1) | ~torch.isfinite(scale.reshape(x.shape[0], -1)).all(-1)
 
     def encode_flagged(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scale, codes = self._scale_and_codes(x)
-        bad = ~torch.isfinite(x.reshape(x.shape[0], -1)).all(-1) | ~torch.isfinite(scale.reshape(x.shape[0], -1)).all(-1)
-        return self._pack(scale, codes), bad
+        z, scale = self._spread_units(x)
+        return self._pack(scale, self._codes(z, scale)), self._bad_rows(x, scale)
 
     def overflow_flag(self, x: torch.Tensor) -> torch.Tensor:
-        return self.encode_flagged(x)[1]
+        return self._bad_rows(x, self._spread_units(x)[1])         # the scale alone: no codes, no packing
 
     def _unpack(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(..., H, row) -> code-domain values without the row scale (..., H, D), scale (..., H)."""
-        _, _, _, _, _, _, _, weight, values, flat_base, n_bits = self._tables(packed.device)
+        t = self._tables(packed.device)
         scale = fp16_from_bytes(packed[..., :2])
         bits = (packed[..., 2:, None] >> torch.arange(8, device=packed.device, dtype=torch.uint8)) & 1
-        bits = bits.reshape(*packed.shape[:-1], n_bits).float()
-        codes = torch.einsum("...hp,hpd->...hd", bits, weight).round().long()
-        return values[codes + flat_base], scale
+        bits = bits.reshape(*packed.shape[:-1], t.n_bits).float()
+        codes = torch.einsum("...hp,hpd->...hd", bits, t.weight).round().long()
+        return t.values[codes + t.flat_base], scale
 
     def _decode(self, packed: torch.Tensor, head_dim: int) -> torch.Tensor:
         y, scale = self._unpack(packed)
-        basis, mean = self._tables(packed.device)[:2]
-        return torch.einsum("...he,hde->...hd", y * scale[..., None], basis) + mean
-
-    def _check_max(self, x: torch.Tensor) -> None:
-        scale, _ = self._scale_and_codes(x)
-        if not torch.isfinite(scale).all():
-            raise ValueError(f"{self.name}: a row is too large for the fp16 row scale (over {FP16_MAX:g} "
-                             f"times its calibrated spread)")
+        t = self._tables(packed.device)
+        return torch.einsum("...he,hde->...hd", y * scale[..., None], t.basis) + t.mean
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        packed = super().encode(x)
-        self._check_max(x)
+        """The checked encode: the base's input checks, then one pass that refuses a row whose
+        scale overflows fp16 (the base's value limit is in the model domain; this one is not)."""
+        x = check_float_input(x, self.name)
+        self.check_head_dim(x.shape[-1])
+        packed, bad = self.encode_flagged(x)
+        if bool(bad.any()):
+            raise ValueError(f"{self.name}: a row is too large for the fp16 row scale (over {FP16_MAX:g} "
+                             f"times its calibrated spread)")
         return packed
 
     # ----- attention hooks (heads first) ----------------------------------------------------------
@@ -300,13 +323,13 @@ class KLTFormat(KVFormat):
         return True
 
     def to_code_domain(self, x: torch.Tensor) -> torch.Tensor:
-        basis, mean = self._tables(x.device)[:2]
-        return torch.einsum("h...d,hde->h...e", x.float() - _lead(mean, x), basis)
+        t = self._tables(x.device)
+        return torch.einsum("h...d,hde->h...e", x.float() - _lead(t.mean, x), t.basis)
 
     def from_code_domain(self, y: torch.Tensor) -> torch.Tensor:
         """Affine: exact for an attention output, whose weights sum to one."""
-        basis, mean = self._tables(y.device)[:2]
-        return torch.einsum("h...e,hde->h...d", y, basis) + _lead(mean, y)
+        t = self._tables(y.device)
+        return torch.einsum("h...e,hde->h...d", y, t.basis) + _lead(t.mean, y)
 
     def decode_code_domain(self, packed: torch.Tensor, head_dim: int) -> torch.Tensor:
         y, scale = self.decode_code_domain_scaled(packed, head_dim)
