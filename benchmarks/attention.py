@@ -41,11 +41,25 @@ def build(pairs, depth, n_kv, head_dim, gen):
     v = torch.randn(depth, n_kv, head_dim, generator=gen)
     caches = {}
     for tk, tv in pairs:
-        cache = KVCache(KVLayerSpec(n_kv, head_dim, tk, tv), ctx=depth, page_size=256)
+        cal = random_calibration(tv, n_kv, head_dim)
+        cache = KVCache(KVLayerSpec(n_kv, head_dim, tk, tv), ctx=depth, page_size=256, calibration=cal)
         for s in range(0, depth, 4096):
             cache.append(0, k[s:s + 4096], v[s:s + 4096])
         caches[f"{tk}/{tv}"] = cache
     return k.half().transpose(0, 1).contiguous(), v.half().transpose(0, 1).contiguous(), caches
+
+
+def random_calibration(type_v: str, n_kv: int, head_dim: int):
+    """A calibration for a calibrated V type (klt3), fitted on random rows: the values here are
+    random, so only its speed means anything."""
+    from kvslim import formats
+    from kvslim.formats.klt import calibrate_layer
+
+    fmt = formats.get(type_v)
+    if not fmt.calibrated:
+        return None
+    sample = torch.randn(8192, n_kv, head_dim, generator=torch.Generator().manual_seed(1))
+    return calibrate_layer(sample, {type_v: float(fmt.spec.code_bits)})
 
 
 def main():

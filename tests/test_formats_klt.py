@@ -78,6 +78,15 @@ def test_packing_is_lossless_for_every_code(calibration):
     assert torch.equal(values, expect) and torch.equal(got_scale, scale.half().float())
 
 
+def test_code_search_matches_counting_midpoints(calibration):
+    """The batched binary search picks the same level as counting the midpoints below each value."""
+    fmt = formats.get("klt3").bind(calibration)
+    z, scale = fmt._spread_units(correlated_rows(300, seed=12).reshape(3, 100, 2, 64))
+    u = z / scale[..., None]
+    expect = (u.unsqueeze(-1) > fmt._tables(torch.device("cpu")).mids).sum(-1)
+    assert torch.equal(fmt._codes(z, scale), expect)
+
+
 @pytest.mark.parametrize("type_k", ["f16", "q4_0"])
 def test_attention_matches_reference(calibration, type_k):
     cache = KVCache(KVLayerSpec(2, 64, type_k, "klt3"), ctx=256, page_size=32, n_slots=2, calibration=calibration)
@@ -170,3 +179,57 @@ def test_calibrate_tool_writes_a_file_loading_finds(tmp_path):
     cal = KVCalibration.load(tmp_path / "kv-calibration.safetensors")
     assert len(cal.layers) == 2 and cal.source == "bible-heldout.txt"
     shutil.rmtree(tmp_path)
+
+
+def test_output_weighting_moves_bits_to_where_the_projection_reads():
+    """Calibrated with the error measure |e @ W|, the weighted error is lower than with plain |e|:
+    bits go to the directions the output projection amplifies, not only where V is large."""
+    x = correlated_rows(6000)
+    gen = torch.Generator().manual_seed(11)
+    proj = torch.randn(2, 64, 64, generator=gen) * torch.logspace(1, -1, 64)      # uneven gains
+    w = torch.linalg.cholesky(proj @ proj.transpose(-1, -2) + 1e-3 * torch.eye(64))
+    w = w @ w.transpose(-1, -2)                                                   # symmetric PD
+    weighted = calibrate_layer(x, {"klt3": 2.625}, w)
+    torch.testing.assert_close(torch.einsum("hde,hef->hdf", weighted.basis, weighted.synthesis),
+                               torch.eye(64).expand(2, 64, 64), atol=1e-4, rtol=0)
+    held = correlated_rows(2000, seed=1)
+    err = lambda cal: nmse(torch.einsum("nhd,hde->nhe", held, w),
+                           torch.einsum("nhd,hde->nhe", formats.get("klt3").bind(cal).decode(
+                               formats.get("klt3").bind(cal).encode(held), 64), w))
+    plain = calibrate_layer(x, {"klt3": 2.625})
+    assert err(weighted) < 0.8 * err(plain)
+
+
+def test_output_weights_are_the_square_root_of_the_projection_gram():
+    from kvslim.engine.calibrate import output_weights
+    from kvslim.models.layers import Attention
+    attn = Attention(96, n_heads=4, n_kv_heads=2, head_dim=32, eps=1e-6, o_bias=True)
+    torch.nn.init.normal_(attn.o_proj.bias)
+    w = output_weights(attn)
+    W = attn.o_proj.weight.detach().double()
+    for h in range(2):                      # query heads 2h and 2h+1 read KV head h
+        cols = W[:, 64 * h:64 * (h + 1)].reshape(96, 2, 32)
+        gram = torch.einsum("kgd,kge->de", cols, cols)
+        torch.testing.assert_close(w[h] @ w[h], gram, atol=1e-6, rtol=1e-4)     # f32 projection
+        torch.testing.assert_close(w[h], w[h].T)
+
+
+def test_a_calibration_from_an_older_kvslim_still_loads(calibration, tmp_path):
+    """Session-12 files: no synthesis matrix (orthogonal basis) and 64-level grids."""
+    from safetensors.torch import load_file, save_file
+    from safetensors import safe_open
+    flat = torch.randn(4000, 2, 64, generator=torch.Generator().manual_seed(9))
+    cal = calibrate_layer(flat, {"klt3": 2.625})                 # white rows: every direction 2-3 bits
+    assert int(cal.tables["klt3"][0].max()) <= 6
+    KVCalibration([cal], "old").save(tmp_path / "new.safetensors")
+    t = load_file(tmp_path / "new.safetensors")
+    with safe_open(str(tmp_path / "new.safetensors"), "pt") as f:
+        meta = f.metadata()
+    del t["layer0.synthesis"]
+    t["layer0.klt3.grid"] = t["layer0.klt3.grid"][..., :64].contiguous()
+    save_file(t, tmp_path / "old.safetensors", metadata=meta)
+    old = formats.get("klt3").bind(KVCalibration.load(tmp_path / "old.safetensors").layer(0))
+    new = formats.get("klt3").bind(cal)
+    x = torch.randn(50, 2, 64, generator=torch.Generator().manual_seed(10))
+    assert torch.equal(old.encode(x), new.encode(x))
+    torch.testing.assert_close(old.decode(old.encode(x), 64), new.decode(new.encode(x), 64), atol=1e-5, rtol=1e-5)

@@ -420,3 +420,22 @@ def test_contexts_past_the_model_limit_are_flagged_and_never_launched(capsys):
     code, out, _ = run_cli(capsys, "-m", "qwen3.6-27b", "-c", "1000000", "--gpu", "h200")
     commands = [line for line in out.split("Launch lines")[1].splitlines() if line.startswith("  llama-server")]
     assert "yes (past limit)" in out and len(commands) == 1 and " -c 262144 " in commands[0]
+
+
+def test_calibrated_v_types_are_suggested_only_with_a_calibration():
+    """klt3 is a V type that needs the model's KV calibration: a model with one may be told to use
+    it (it ranks by its measured KLD like every pair), a model without one never is, and it is
+    never offered as K."""
+    from kvslim.plan.suggest import kv_candidates
+    assert "klt3" in kv_candidates("v", calibrated=True)
+    assert "klt3" not in kv_candidates("v") and "klt3" not in kv_candidates("k", calibrated=True)
+    bare, target = plan.resolve_model("qwen3.6-35b-a3b"), plan.gpu_target("rtx4090")
+    calibrated = dataclasses.replace(bare, kv_calibrated=True)
+    fits = lambda k, v, ctx: plan.fits(bare, plan.Request(ctx, type_k=k, type_v=v), target)
+    ctx = next(c for c in range(65_536, 4_194_304, 4096) if fits("nl4s", "klt3", c) and not fits("nl4s", "nl4s", c))
+    req = plan.Request(ctx, type_k="nl4s", type_v="nl4s")
+    kv = lambda m: next(s for s in plan.suggestions(m, req, target) if s.change == "kv_types").flags
+    assert kv(calibrated) == "-ctk nl4s -ctv klt3"
+    assert "klt3" not in kv(bare)
+    from kvslim.loading import default_model
+    assert plan.resolve_model(str(default_model())).kv_calibrated

@@ -43,8 +43,8 @@ TABLE: tuple[FormatSpec, ...] = (
     FormatSpec("nl3s", "nls", 128, 3, 4,
                "rotated as llama.cpp + fp16 scale per 128, 2-bit sub-scale per 16 + 3-bit fitted grid"),
     FormatSpec("klt3", "klt", 128, 2.625, 2,
-               "V only, calibrated per model: KLT basis + water-filled 0-6 bits per direction + fitted grids, "
-               "fp16 row scale"),
+               "V only, calibrated per model: o_proj-weighted KLT basis + water-filled 0-8 bits per direction "
+               "+ fitted grids, fp16 row scale"),
     FormatSpec("turbo4p", "turbo_prod", 128, 4, 4,
                "TurboQuant product: 3-bit MSE + 1-bit QJL residual (unbiased dot products)", True),
     FormatSpec("turbo3p", "turbo_prod", 128, 3, 4,

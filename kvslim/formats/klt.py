@@ -6,9 +6,17 @@ transform coding gains 10-13 dB over coding every coordinate alike, and a random
 rotation (turbo, the rotated ggml types) throws that away: it makes every coordinate
 look the same. Transform coding keeps it: rotate into the eigenbasis of the values'
 covariance, give each direction an integer number of bits by reverse water-filling on
-its variance (0 to 6; the total per row is fixed), and code each direction with a grid
+its variance (0 to 8; the total per row is fixed), and code each direction with a grid
 fitted to its own row-normalised distribution. One fp16 scale per row absorbs what the
 calibration did not predict: how large this row is.
+
+The error that matters is not |e|^2 but what reaches the residual stream: the model
+reads V only through the output projection, ``o_proj(e)``. So the calibration first
+weights rows by the square root of that projection's Gram matrix (per KV head, over the
+query heads that read it) and takes the eigenbasis there; the basis is then not
+orthogonal and decoding uses its inverse (``synthesis``). Measured on the bundled model,
+this halves the KLD of plain (unweighted) transform coding and makes the calibration
+robust to the text it was made on (docs/eval-kld-formats.md, session 13).
 
 Row layout (head_dim D, a multiple of 64): fp16 row scale, then the codes of the D
 directions in order, each ``bits[j]`` bits wide, least significant bit first, packed
@@ -21,7 +29,8 @@ calibration. Only V: keys coded this way lost to nl3s as soon as the calibration
 and the scored text differed (docs/eval-kld-formats.md), because a query reads every
 direction of a key while the model reads V only through its output projection.
 
-The code domain (what attention sums in) is ``(x - mean) @ basis`` per head; heads lead
+The code domain (what attention sums in) is ``(x - mean) @ basis`` per head, and
+``y @ synthesis + mean`` takes it back (affine, so exact on an attention output); heads lead
 in the code-domain hooks (the attention path holds heads first) and sit at -2 in
 ``encode`` / ``decode`` (rows as the cache stores them, ``(..., H, D)``).
 """
@@ -36,7 +45,7 @@ import torch
 
 from .base import FP16_MAX, KVFormat, check_float_input, fp16_bytes, fp16_from_bytes
 
-MAX_BITS = 6                    # widest direction; its grid has 64 levels
+MAX_BITS = 8                    # widest direction; its grid has 256 levels
 LEVELS = 1 << MAX_BITS
 CALIBRATION_FILE = "kv-calibration.safetensors"
 
@@ -44,15 +53,22 @@ CALIBRATION_FILE = "kv-calibration.safetensors"
 # ----- calibration ----------------------------------------------------------------------
 @dataclass
 class LayerCalibration:
-    """One attention layer's V statistics, per kv head: ``basis`` (H, D, D) with the
-    directions as columns, strongest first; ``mean`` and ``spread`` (H, D) in that basis
-    (spread: the standard deviation of each direction); ``tables[name]`` = (bits (H, D),
-    grid (H, D, 64)) for each klt format, grid levels in row-normalised units."""
+    """One attention layer's V statistics, per kv head: ``basis`` (H, D, D) takes a row
+    (mean removed) to its code directions, as columns, strongest first; ``synthesis``
+    (H, D, D) takes code directions back (the transpose of an orthogonal basis, the inverse
+    of an output-weighted one); ``mean`` (H, D) is in the model's domain, ``spread`` (H, D)
+    the standard deviation of each direction; ``tables[name]`` = (bits (H, D), grid
+    (H, D, LEVELS)) for each klt format, grid levels in row-normalised units."""
 
     basis: torch.Tensor
     mean: torch.Tensor
     spread: torch.Tensor
     tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    synthesis: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.synthesis is None:
+            self.synthesis = self.basis.transpose(-1, -2).contiguous()
 
     @property
     def n_heads(self) -> int:
@@ -80,7 +96,8 @@ class KVCalibration:
         from safetensors.torch import save_file
         tensors = {}
         for i, lay in enumerate(self.layers):
-            tensors.update({f"layer{i}.basis": lay.basis, f"layer{i}.mean": lay.mean, f"layer{i}.spread": lay.spread})
+            tensors.update({f"layer{i}.basis": lay.basis, f"layer{i}.synthesis": lay.synthesis,
+                            f"layer{i}.mean": lay.mean, f"layer{i}.spread": lay.spread})
             for name, (bits, grid) in lay.tables.items():
                 tensors[f"layer{i}.{name}.bits"] = bits.to(torch.int8)
                 tensors[f"layer{i}.{name}.grid"] = grid
@@ -101,10 +118,19 @@ class KVCalibration:
         layers = []
         for i in range(int(meta["layers"])):
             names = {k.split(".")[1] for k in t if k.startswith(f"layer{i}.") and k.endswith(".grid")}
-            tables = {n: (t[f"layer{i}.{n}.bits"].long(), t[f"layer{i}.{n}.grid"].float()) for n in names}
+            tables = {n: (t[f"layer{i}.{n}.bits"].long(), _full_grid(t[f"layer{i}.{n}.grid"].float())) for n in names}
+            synthesis = t.get(f"layer{i}.synthesis")
             layers.append(LayerCalibration(t[f"layer{i}.basis"].float(), t[f"layer{i}.mean"].float(),
-                                           t[f"layer{i}.spread"].float(), tables))
+                                           t[f"layer{i}.spread"].float(), tables,
+                                           None if synthesis is None else synthesis.float()))
         return cls(layers, meta.get("source", ""))
+
+
+def _full_grid(grid: torch.Tensor) -> torch.Tensor:
+    """A stored grid padded to LEVELS (files from a narrower MAX_BITS): unused codes repeat the top level."""
+    if grid.shape[-1] > LEVELS:
+        raise ValueError(f"the KV calibration's grids have {grid.shape[-1]} levels; this kvslim reads up to {LEVELS}")
+    return torch.cat([grid, grid[..., -1:].expand(*grid.shape[:-1], LEVELS - grid.shape[-1])], -1)
 
 
 def allocate(variance: torch.Tensor, mean_bits: float) -> torch.Tensor:
@@ -157,19 +183,30 @@ def _row_scale(z: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
     return ((z * z * live).sum(-1) / n).sqrt()
 
 
-def calibrate_layer(values: torch.Tensor, format_bits: dict[str, float]) -> LayerCalibration:
+def calibrate_layer(values: torch.Tensor, format_bits: dict[str, float],
+                    weight: torch.Tensor | None = None) -> LayerCalibration:
     """Statistics of one layer's value rows ``(N, H, D)`` and the tables of each klt format
-    (name -> mean code bits per value)."""
+    (name -> mean code bits per value).
+
+    ``weight`` (H, D, D), symmetric positive definite: the error measure is ``|e @ weight|^2``
+    rather than ``|e|^2``. Pass the square root of the Gram matrix of each head's slice of the
+    output projection (``engine.calibrate.output_weights``): the model reads V only through
+    it, so bits go where an error reaches the residual stream, not where V is merely large.
+    """
     x = values.double()
     n_heads, dim = x.shape[1:]
-    basis, mean, spread = (torch.empty(n_heads, dim, dim), torch.empty(n_heads, dim), torch.empty(n_heads, dim))
+    w = torch.eye(dim, dtype=torch.float64).expand(n_heads, dim, dim) if weight is None else weight.double()
+    basis, synthesis = torch.empty(n_heads, dim, dim), torch.empty(n_heads, dim, dim)
+    mean, spread = torch.empty(n_heads, dim), torch.empty(n_heads, dim)
     for h in range(n_heads):
         mu = x[:, h].mean(0)
-        lam, u = torch.linalg.eigh(torch.cov((x[:, h] - mu).T))
+        lam, u = torch.linalg.eigh(torch.cov(((x[:, h] - mu) @ w[h]).T))
         u = u.flip(-1)                                        # strongest direction first
-        y = (x[:, h] - mu) @ u
-        basis[h], mean[h], spread[h] = u.float(), mu.float(), y.std(0).clamp_min(1e-12).float()
-    layer = LayerCalibration(basis, mean, spread)
+        a = w[h] @ u                                          # row -> code directions
+        y = (x[:, h] - mu) @ a
+        basis[h], synthesis[h] = a.float(), torch.linalg.inv(a).float()
+        mean[h], spread[h] = mu.float(), y.std(0).clamp_min(1e-12).float()
+    layer = LayerCalibration(basis, mean, spread, synthesis=synthesis)
     y = torch.einsum("nhd,hde->nhe", x - mean.double(), basis.double()) / spread.double()
     for name, mean_bits in format_bits.items():
         bits = torch.stack([allocate(spread[h].double() ** 2, mean_bits) for h in range(n_heads)])
@@ -187,14 +224,17 @@ def calibrate_layer(values: torch.Tensor, format_bits: dict[str, float]) -> Laye
 # ----- the format -------------------------------------------------------------------------
 class _Consts(NamedTuple):
     """What coding needs from a bound calibration, built once per device."""
-    basis: torch.Tensor         # (H, D, D)
+    basis: torch.Tensor         # (H, D, D) row -> code directions
+    synthesis: torch.Tensor     # (H, D, D) code directions -> row
     mean: torch.Tensor          # (H, D)
     spread: torch.Tensor        # (H, D)
     live: torch.Tensor          # (H, D) bool: directions with bits
     mids: torch.Tensor          # (H, D, 63) grid midpoints, +inf past each direction's levels
     src_dir: torch.Tensor       # (H, n_bits): bit p of the stream belongs to this direction ...
     src_bit: torch.Tensor       # (H, n_bits): ... and is this bit of its code
-    weight: torch.Tensor        # (H, n_bits, D): bit stream -> codes, one matmul
+    first_byte: torch.Tensor    # (H, D): the byte of the code bytes where each code starts ...
+    shift: torch.Tensor         # (H, D): ... at this bit of it (a code spans at most two bytes)
+    mask: torch.Tensor          # (H, D): 2**bits - 1
     values: torch.Tensor        # (H * D * 64,) levels in code-domain units, flat
     flat_base: torch.Tensor     # (H, D): offset of each direction's levels in ``values``
     n_bits: int
@@ -250,12 +290,10 @@ class KLTFormat(KVFormat):
             src_dir = torch.stack([torch.repeat_interleave(torch.arange(dim), bits[h]) for h in range(n_heads)])
             starts = torch.cumsum(bits, -1) - bits
             src_bit = torch.arange(n_bits)[None] - starts.gather(-1, src_dir)
-            weight = torch.zeros(n_heads, n_bits, dim)        # bit stream -> codes, one matmul
-            weight.scatter_(-1, src_dir[..., None], (2.0 ** src_bit.float())[..., None])
             values = grid * self.cal.spread[..., None]        # levels in code-domain units
             flat_base = (torch.arange(n_heads * dim) * LEVELS).reshape(n_heads, dim)
-            consts = (self.cal.basis, self.cal.mean, self.cal.spread, bits > 0, mids, src_dir, src_bit,
-                      weight, values.reshape(-1), flat_base)
+            consts = (self.cal.basis, self.cal.synthesis, self.cal.mean, self.cal.spread, bits > 0, mids,
+                      src_dir, src_bit, starts // 8, starts % 8, (1 << bits) - 1, values.reshape(-1), flat_base)
             self._consts[key] = _Consts(*(c.to(device) for c in consts), n_bits)
         return self._consts[key]
 
@@ -268,7 +306,12 @@ class KLTFormat(KVFormat):
 
     def _codes(self, z: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         u = z / torch.where(scale > 0, scale, torch.ones_like(scale))[..., None]
-        return (u.unsqueeze(-1) > self._tables(z.device).mids).sum(-1)     # (..., H, D): index into each grid
+        # index into each direction's grid: how many of its midpoints lie below (a batched
+        # binary search over (H, D) grids; the rows go last for searchsorted)
+        lead = u.shape[:-2]
+        rows = u.reshape(-1, *u.shape[-2:]).permute(1, 2, 0).contiguous()             # (H, D, N)
+        codes = torch.searchsorted(self._tables(z.device).mids, rows)
+        return codes.permute(2, 0, 1).reshape(*lead, *u.shape[-2:])
 
     def _pack(self, scale: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         t = self._tables(codes.device)
@@ -296,15 +339,21 @@ class KLTFormat(KVFormat):
         """(..., H, row) -> code-domain values without the row scale (..., H, D), scale (..., H)."""
         t = self._tables(packed.device)
         scale = fp16_from_bytes(packed[..., :2])
-        bits = (packed[..., 2:, None] >> torch.arange(8, device=packed.device, dtype=torch.uint8)) & 1
-        bits = bits.reshape(*packed.shape[:-1], t.n_bits).float()
-        codes = torch.einsum("...hp,hpd->...hd", bits, t.weight).round().long()
+        # each code: the 16-bit little-endian word at its first byte, shifted and masked (codes
+        # are at most 8 bits, so 16 always hold one; indices past the end are clamped: they belong
+        # to bits the mask drops, or to 0-bit directions that start at the end of the stream)
+        body = packed[..., 2:].long()
+        last = body.shape[-1] - 1
+        lo_idx = t.first_byte.clamp_max(last).expand(*body.shape[:-1], -1)
+        hi_idx = (t.first_byte + 1).clamp_max(last).expand(*body.shape[:-1], -1)
+        word = body.gather(-1, lo_idx) | (body.gather(-1, hi_idx) << 8)
+        codes = (word >> t.shift) & t.mask
         return t.values[codes + t.flat_base], scale
 
     def _decode(self, packed: torch.Tensor, head_dim: int) -> torch.Tensor:
         y, scale = self._unpack(packed)
         t = self._tables(packed.device)
-        return torch.einsum("...he,hde->...hd", y * scale[..., None], t.basis) + t.mean
+        return torch.einsum("...he,hed->...hd", y * scale[..., None], t.synthesis) + t.mean
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """The checked encode: the base's input checks, then one pass that refuses a row whose
@@ -329,7 +378,7 @@ class KLTFormat(KVFormat):
     def from_code_domain(self, y: torch.Tensor) -> torch.Tensor:
         """Affine: exact for an attention output, whose weights sum to one."""
         t = self._tables(y.device)
-        return torch.einsum("h...e,hde->h...d", y, t.basis) + _lead(t.mean, y)
+        return torch.einsum("h...e,hed->h...d", y, t.synthesis) + _lead(t.mean, y)
 
     def decode_code_domain(self, packed: torch.Tensor, head_dim: int) -> torch.Tensor:
         y, scale = self.decode_code_domain_scaled(packed, head_dim)

@@ -24,6 +24,7 @@ class Model:
     gguf_bytes: int | None = None
     stored_quant: str | None = None       # a folder's weights as stored (what `kvslim run` loads)
     trained_context: int | None = None    # when shorter than the config's limit and known (the bundled model)
+    kv_calibrated: bool = False           # a KV calibration lies beside it (`kvslim calibrate`): klt V types work
 
     @functools.cached_property
     def tensors(self) -> list["WeightTensor"]:
@@ -56,12 +57,12 @@ def _from_hf_folder(folder: Path) -> Model:
     except json.JSONDecodeError as err:
         raise ValueError(f"{file} is not valid JSON: {err}") from None
     from ..data import BUNDLED_TRAINED_CONTEXT
-    from ..loading import BUNDLED
+    from ..loading import BUNDLED, calibration_path
 
     stored = STORED_DTYPES.get(str(d.get("dtype") or d.get("torch_dtype") or "").removeprefix("torch."))
     trained = BUNDLED_TRAINED_CONTEXT if folder.resolve() == BUNDLED.resolve() else None
     return Model(folder.name, config_from_dict(d), "hf", hf_id=str(folder), stored_quant=stored,
-                 trained_context=trained)
+                 trained_context=trained, kv_calibrated=calibration_path(folder).is_file())
 
 
 def _from_gguf(path: Path) -> Model:
@@ -69,8 +70,11 @@ def _from_gguf(path: Path) -> Model:
         from ..gguf import reader  # metadata and tensor sizes only; the weights are never read
     except ImportError:
         raise ValueError("GGUF input needs kvslim.gguf.reader, which this installation lacks") from None
+    from ..loading import calibration_path
+
     config = config_from_dict(reader.read_config(str(path)))
-    return Model(path.stem, config, "gguf", gguf_path=str(path), gguf_bytes=int(reader.tensor_bytes(str(path))))
+    return Model(path.stem, config, "gguf", gguf_path=str(path), gguf_bytes=int(reader.tensor_bytes(str(path))),
+                 kv_calibrated=calibration_path(path).is_file())
 
 
 def context_limit(c) -> int | None:

@@ -29,11 +29,13 @@ class Suggestion:
         return {"change": self.change, "flags": self.flags, "total": self.total}
 
 
-def kv_candidates() -> list[str]:
-    """KV types a suggestion may pick: every non-experimental format narrower than f32
-    (the unrotated ``-norot`` rows take the same bytes as their rotated names and are left out)."""
-    return [n for n in formats.standalone_names() if n != "f32" and not formats.get(n).spec.experimental
-            and not n.endswith(formats.NOROT)]
+def kv_candidates(role: str = "k", calibrated: bool = False) -> list[str]:
+    """KV types a suggestion may pick for K or V: every non-experimental format narrower than f32
+    (the unrotated ``-norot`` rows take the same bytes as their rotated names and are left out);
+    calibrated V types (klt3) only for a model that has a KV calibration."""
+    names = formats.names() if calibrated and role == "v" else formats.standalone_names()
+    return [n for n in names if n != "f32" and not formats.get(n).spec.experimental and not n.endswith(formats.NOROT)
+            and (role == "v" or not formats.get(n).calibrated)]
 
 
 def _try(model: Model, req: Request, target: Target, change: str, flags: str) -> Suggestion | None:
@@ -49,7 +51,7 @@ def _smaller_kv(model: Model, req: Request, target: Target) -> Suggestion | None
     bits_k, bits_v = kv_bits(req.type_k, c.head_dim), kv_bits(req.type_v, c.head_dim)
     now = kv_bytes(c, 1, 1, req.type_k, req.type_v, 1)
     allowed = []
-    for k, v in itertools.product(kv_candidates(), repeat=2):
+    for k, v in itertools.product(kv_candidates("k"), kv_candidates("v", model.kv_calibrated)):
         try:
             bk, bv = kv_bits(k, c.head_dim), kv_bits(v, c.head_dim)
         except ValueError:                           # the head_dim does not suit this format
