@@ -22,7 +22,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kvslim import formats  # noqa: E402
 from kvslim.cache import KVCache, KVLayerSpec, attend  # noqa: E402
+from kvslim.formats.klt import random_calibration  # noqa: E402
 from kvslim.bench.memory import PeakRSS  # noqa: E402
 from kvslim.tables import markdown_table  # noqa: E402
 
@@ -41,25 +43,12 @@ def build(pairs, depth, n_kv, head_dim, gen):
     v = torch.randn(depth, n_kv, head_dim, generator=gen)
     caches = {}
     for tk, tv in pairs:
-        cal = random_calibration(tv, n_kv, head_dim)
+        cal = random_calibration(tv, n_kv, head_dim) if formats.get(tv).calibrated else None   # speed only
         cache = KVCache(KVLayerSpec(n_kv, head_dim, tk, tv), ctx=depth, page_size=256, calibration=cal)
         for s in range(0, depth, 4096):
             cache.append(0, k[s:s + 4096], v[s:s + 4096])
         caches[f"{tk}/{tv}"] = cache
     return k.half().transpose(0, 1).contiguous(), v.half().transpose(0, 1).contiguous(), caches
-
-
-def random_calibration(type_v: str, n_kv: int, head_dim: int):
-    """A calibration for a calibrated V type (klt3), fitted on random rows: the values here are
-    random, so only its speed means anything."""
-    from kvslim import formats
-    from kvslim.formats.klt import calibrate_layer
-
-    fmt = formats.get(type_v)
-    if not fmt.calibrated:
-        return None
-    sample = torch.randn(8192, n_kv, head_dim, generator=torch.Generator().manual_seed(1))
-    return calibrate_layer(sample, {type_v: float(fmt.spec.code_bits)})
 
 
 def main():

@@ -17,6 +17,8 @@ chosen row (``--versus``).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -42,13 +44,51 @@ def compare(base: np.ndarray, other: np.ndarray) -> tuple[np.ndarray, np.ndarray
     return kld, lp.argmax(-1) == lq.argmax(-1)
 
 
+def q8_0_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """ggml's q8_0 (blocks of 32 along the last axis, f16 scale amax/127), quantized and back."""
+    b = x.reshape(*x.shape[:-1], -1, 32)
+    d = (b.abs().amax(-1, keepdim=True) / 127).half().float()
+    q = torch.where(d > 0, (b / d.clamp_min(1e-30)).round().clamp(-127, 127), torch.zeros_like(b))
+    return (q * d).reshape(x.shape)
+
+
+@contextlib.contextmanager
+def llama_query():
+    """Attend as llama.cpp's CPU flash attention does: it converts each query to the key cache's
+    dot-product type first (f16 for an f16 cache, q8_0 for q8_0 / q4_0 / iq4_nl), in the rotated
+    domain. kvslim keeps the query in f32; this isolates what is the formats' and what is the
+    peer's arithmetic. Patches the attention entry point for the duration (a measurement aid)."""
+    from kvslim.cache import attention
+
+    plain = attention.attend_pages
+
+    def converted(cache, slots, q, *args, **kwargs):
+        fk = cache.fmt_k
+        if fk.name in ("f16", "f32"):
+            q = q.half().float()
+        else:
+            q = fk.from_code_domain(q8_0_round_trip(fk.to_code_domain(q.float())))
+        return plain(cache, slots, q, *args, **kwargs)
+
+    holders = [m for m in list(sys.modules.values()) if getattr(m, "attend_pages", None) is plain]
+    for m in holders:
+        m.attend_pages = converted
+    try:
+        yield
+    finally:
+        for m in holders:
+            m.attend_pages = plain
+
+
 class KvslimRunner:
-    def __init__(self, n_ctx: int):
+    def __init__(self, n_ctx: int, llama_query: bool = False):
         self.llm = load(None, ctx=n_ctx, dtype=torch.float32)
+        self.llama_query = llama_query
 
     def logits(self, pair: tuple[str, str], ids: list[int], first: int) -> np.ndarray:
         llm = with_cache_types(self.llm, *pair)
-        return llm.logits(ids)[first:].numpy()
+        with llama_query() if self.llama_query else contextlib.nullcontext():
+            return llm.logits(ids)[first:].numpy()
 
 
 class LlamaRunner:
@@ -126,20 +166,24 @@ def main() -> None:
     p.add_argument("--versus", default=None, help="paired reference row, e.g. llama:iq4_nl/iq4_nl")
     p.add_argument("--save", default=None, help="also save per-position KLD and top-1 to this .npz")
     p.add_argument("--load", action="append", default=[], help="add rows saved by an earlier --save run")
+    p.add_argument("--llama-query", action="store_true",
+                   help="kvslim rows (engine 'kvslim-lq') with queries converted as llama.cpp's CPU flash "
+                        "attention converts them (f16 / q8_0 by the key type)")
     args = p.parse_args()
     if not args.kvslim and not args.llama:                      # only merge saved runs
         print(table(merge([r for path in args.load for r in load_rows(path)]), args.versus))
         return
     if not args.file:
         p.error("-f TEXT is required to run an engine")
-    kv = KvslimRunner(args.ctx)
+    kv = KvslimRunner(args.ctx, args.llama_query)
     bos = bos_id(kv.llm)
     chunks = chunk_ids(kv.llm.tokenize(Path(args.file).read_text(encoding="utf-8"), add_special=False),
                        args.ctx, args.chunks + args.skip, bos)[args.skip:]
     first = args.ctx // 2
     print(f"{len(chunks)} chunks of {args.ctx}, {len(chunks) * (args.ctx - first - 1)} scored positions", flush=True)
     save = (lambda done: save_rows(args.save, done)) if args.save else None
-    rows = run("kvslim", kv, parse_pairs(args.kvslim), chunks, first, save) if args.kvslim else []
+    engine = "kvslim-lq" if args.llama_query else "kvslim"
+    rows = run(engine, kv, parse_pairs(args.kvslim), chunks, first, save) if args.kvslim else []
     if args.llama:
         gguf = Path(args.gguf) if args.gguf else _export()
         rows += run("llama", LlamaRunner(gguf, args.ctx, args.threads), parse_pairs(args.llama), chunks, first,

@@ -233,3 +233,14 @@ def test_a_calibration_from_an_older_kvslim_still_loads(calibration, tmp_path):
     x = torch.randn(50, 2, 64, generator=torch.Generator().manual_seed(10))
     assert torch.equal(old.encode(x), new.encode(x))
     torch.testing.assert_close(old.decode(old.encode(x), 64), new.decode(new.encode(x), 64), atol=1e-5, rtol=1e-5)
+
+
+def test_quant_measures_klt3_on_a_random_calibration(capsys):
+    """kvslim quant times a calibrated type too, fitted to random draws (white: no transform gain,
+    so its error sits near a 2.6-bit scalar quantizer's, worse than nl3s at 3.25 bits)."""
+    import json
+    from kvslim.cli import main
+    assert main(["quant", "-t", "klt3,nl3s", "--n", "2000", "-r", "1", "-o", "json", "--no-progress"]) == 0
+    rows = {r["type"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["klt3"]["bits_per_value"] == 2.75 and 0.04 < rows["klt3"]["nmse"] < 0.08
+    assert rows["nl3s"]["nmse"] < rows["klt3"]["nmse"] and rows["klt3"]["decode_vps"] > 0

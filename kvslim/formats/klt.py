@@ -221,6 +221,15 @@ def calibrate_layer(values: torch.Tensor, format_bits: dict[str, float],
     return layer
 
 
+def random_calibration(name: str, n_heads: int, head_dim: int, seed: int = 1) -> LayerCalibration:
+    """A calibration of the klt format ``name`` fitted on random N(0, 1) rows: for measuring its
+    speed (``kvslim quant``, benchmarks/attention.py). Random rows are white, so the error it
+    gives there says nothing about a model's values."""
+    from . import get
+    sample = torch.randn(8192, n_heads, head_dim, generator=torch.Generator().manual_seed(seed))
+    return calibrate_layer(sample, {name: float(get(name).spec.code_bits)})
+
+
 # ----- the format -------------------------------------------------------------------------
 class _Consts(NamedTuple):
     """What coding needs from a bound calibration, built once per device."""
@@ -395,4 +404,4 @@ def _lead(per_head: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["KLTFormat", "KVCalibration", "LayerCalibration", "CALIBRATION_FILE", "allocate", "fit_grid",
-           "calibrate_layer"]
+           "calibrate_layer", "random_calibration"]

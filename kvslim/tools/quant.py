@@ -7,6 +7,7 @@ import sys
 import torch
 
 from .. import formats
+from ..formats.klt import random_calibration
 from ..formats.stats import measure
 from ..tables import markdown_table, render_records
 
@@ -41,23 +42,13 @@ def main(argv: list[str]) -> int:
         for f in fmts:
             bar.set_postfix_str(f.name)
             if f.calibrated:                   # one head: rows (N, 1, D), as a cache holds them
-                f = random_calibration(f, args.head_dim, gen)
+                f = f.bind(random_calibration(f.name, 1, args.head_dim, args.seed))
                 records.append(measure(f, x[:, None], q, args.repetitions).as_dict())
             else:
                 records.append(measure(f, x, q, args.repetitions).as_dict())
             bar.update()
     print(render_records(records, args.output, lambda rs: render(rs, args.n)))
     return 0
-
-
-def random_calibration(fmt, head_dim: int, gen: torch.Generator):
-    """``fmt`` bound to a one-head calibration fitted on 8,192 random draws of its own."""
-    from ..formats.klt import calibrate_layer
-
-    if head_dim % 64:
-        raise ValueError(f"{fmt.name} needs --head-dim a multiple of 64")
-    sample = torch.randn(8192, 1, head_dim, generator=gen)
-    return fmt.bind(calibrate_layer(sample, {fmt.name: float(fmt.spec.code_bits)}))
 
 
 def progress(fmts, args):
