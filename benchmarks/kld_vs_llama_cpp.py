@@ -44,14 +44,6 @@ def compare(base: np.ndarray, other: np.ndarray) -> tuple[np.ndarray, np.ndarray
     return kld, lp.argmax(-1) == lq.argmax(-1)
 
 
-def q8_0_round_trip(x: torch.Tensor) -> torch.Tensor:
-    """ggml's q8_0 (blocks of 32 along the last axis, f16 scale amax/127), quantized and back."""
-    b = x.reshape(*x.shape[:-1], -1, 32)
-    d = (b.abs().amax(-1, keepdim=True) / 127).half().float()
-    q = torch.where(d > 0, (b / d.clamp_min(1e-30)).round().clamp(-127, 127), torch.zeros_like(b))
-    return (q * d).reshape(x.shape)
-
-
 @contextlib.contextmanager
 def llama_query():
     """Attend as llama.cpp's CPU flash attention does: it converts each query to the key cache's
@@ -61,13 +53,15 @@ def llama_query():
     from kvslim.cache import attention
 
     plain = attention.attend_pages
+    q8_0 = formats.get("q8_0-norot")                 # ggml's q8_0 blocks, already in the code domain
 
     def converted(cache, slots, q, *args, **kwargs):
         fk = cache.fmt_k
         if fk.name in ("f16", "f32"):
             q = q.half().float()
         else:
-            q = fk.from_code_domain(q8_0_round_trip(fk.to_code_domain(q.float())))
+            q_code = fk.to_code_domain(q.float())
+            q = fk.from_code_domain(q8_0.decode(q8_0.encode(q_code), q_code.shape[-1]))
         return plain(cache, slots, q, *args, **kwargs)
 
     holders = [m for m in list(sys.modules.values()) if getattr(m, "attend_pages", None) is plain]

@@ -47,7 +47,7 @@ class KVCache:
         if self.fmt_k.calibrated:
             raise ValueError(f"{self.fmt_k.name} is a V cache type (-ctv): keys coded in a calibrated basis "
                              f"lose to nl3s on text unlike the calibration's; for K use nl4s, q4_0 or turbo4")
-        self.fmt_v = self.fmt_v.bind(calibration) if self.fmt_v.calibrated else self.fmt_v
+        self.fmt_v = self.fmt_v.bind(calibration)              # calibrated formats take their layer's part
         self.pages_per_slot = ceil_div(ctx, page_size)
         self.n_pages = n_slots * self.pages_per_slot
         self.null_page = self.n_pages

@@ -127,7 +127,8 @@ class KVCalibration:
 
 
 def _full_grid(grid: torch.Tensor) -> torch.Tensor:
-    """A stored grid padded to LEVELS (files from a narrower MAX_BITS): unused codes repeat the top level."""
+    """A grid padded to LEVELS levels (a direction's 2**bits, or a file's from a narrower MAX_BITS):
+    unused codes repeat the top level."""
     if grid.shape[-1] > LEVELS:
         raise ValueError(f"the KV calibration's grids have {grid.shape[-1]} levels; this kvslim reads up to {LEVELS}")
     return torch.cat([grid, grid[..., -1:].expand(*grid.shape[:-1], LEVELS - grid.shape[-1])], -1)
@@ -214,9 +215,7 @@ def calibrate_layer(values: torch.Tensor, format_bits: dict[str, float],
         grid = torch.zeros(n_heads, dim, LEVELS)
         for h in range(n_heads):
             for j in range(dim):
-                g = fit_grid(u[:, h, j].contiguous(), int(bits[h, j]))
-                grid[h, j, :len(g)] = g.float()
-                grid[h, j, len(g):] = g[-1].float()            # unused codes repeat the top level
+                grid[h, j] = _full_grid(fit_grid(u[:, h, j].contiguous(), int(bits[h, j])).float())
         layer.tables[name] = (bits, grid)
     return layer
 
@@ -238,11 +237,12 @@ class _Consts(NamedTuple):
     mean: torch.Tensor          # (H, D)
     spread: torch.Tensor        # (H, D)
     live: torch.Tensor          # (H, D) bool: directions with bits
-    mids: torch.Tensor          # (H, D, 63) grid midpoints, +inf past each direction's levels
+    mids: torch.Tensor          # (H, D, LEVELS - 1) grid midpoints, +inf past each direction's levels
     src_dir: torch.Tensor       # (H, n_bits): bit p of the stream belongs to this direction ...
     src_bit: torch.Tensor       # (H, n_bits): ... and is this bit of its code
-    first_byte: torch.Tensor    # (H, D): the byte of the code bytes where each code starts ...
-    shift: torch.Tensor         # (H, D): ... at this bit of it (a code spans at most two bytes)
+    lo_byte: torch.Tensor       # (H, D): the code byte where each code starts, and the next one
+    hi_byte: torch.Tensor       # (H, D): (a code spans at most two), both clamped to the last byte
+    shift: torch.Tensor         # (H, D): the bit of lo_byte where the code starts
     mask: torch.Tensor          # (H, D): 2**bits - 1
     levels: torch.Tensor        # (H, D, LEVELS) each direction's levels in code-domain units
     n_bits: int
@@ -299,8 +299,12 @@ class KLTFormat(KVFormat):
             starts = torch.cumsum(bits, -1) - bits
             src_bit = torch.arange(n_bits)[None] - starts.gather(-1, src_dir)
             levels = grid * self.cal.spread[..., None]        # in code-domain units
+            # clamping to the last byte is harmless: the clamped bits are ones the mask drops,
+            # or belong to 0-bit directions that start at the end of the stream
+            last = n_bits // 8 - 1
+            lo_byte, hi_byte = (starts // 8).clamp_max(last), (starts // 8 + 1).clamp_max(last)
             consts = (self.cal.basis, self.cal.synthesis, self.cal.mean, self.cal.spread, bits > 0, mids,
-                      src_dir, src_bit, starts // 8, (starts % 8).int(), ((1 << bits) - 1).int(), levels)
+                      src_dir, src_bit, lo_byte, hi_byte, (starts % 8).int(), ((1 << bits) - 1).int(), levels)
             self._consts[key] = _Consts(*(c.to(device) for c in consts), n_bits)
         return self._consts[key]
 
@@ -347,13 +351,11 @@ class KLTFormat(KVFormat):
         t = self._tables(packed.device)
         scale = fp16_from_bytes(packed[..., :2])
         # each code: the 16-bit little-endian word at its first byte, shifted and masked (codes
-        # are at most 8 bits, so 16 always hold one; indices past the end are clamped: they belong
-        # to bits the mask drops, or to 0-bit directions that start at the end of the stream).
-        # Bytes are gathered as uint8 and widened after: gathering int64 costs 9x as much.
+        # are at most 8 bits, so 16 always hold one). Bytes are gathered as uint8 and widened
+        # after: gathering int64 costs 9x as much.
         body = packed[..., 2:]
-        last = body.shape[-1] - 1
-        lo = body.gather(-1, t.first_byte.clamp_max(last).expand(*body.shape[:-1], -1)).int()
-        hi = body.gather(-1, (t.first_byte + 1).clamp_max(last).expand(*body.shape[:-1], -1)).int()
+        lo = body.gather(-1, t.lo_byte.expand(*body.shape[:-1], -1)).int()
+        hi = body.gather(-1, t.hi_byte.expand(*body.shape[:-1], -1)).int()
         codes = ((lo | (hi << 8)) >> t.shift) & t.mask
         table = t.levels.expand(*codes.shape, LEVELS)                 # a view: no copy per row
         return table.gather(-1, codes.long().unsqueeze(-1)).squeeze(-1), scale

@@ -34,8 +34,7 @@ def kv_candidates(role: str = "k", calibrated: bool = False) -> list[str]:
     (the unrotated ``-norot`` rows take the same bytes as their rotated names and are left out);
     calibrated V types (klt3) only for a model that has a KV calibration."""
     names = formats.names() if calibrated and role == "v" else formats.standalone_names()
-    return [n for n in names if n != "f32" and not formats.get(n).spec.experimental and not n.endswith(formats.NOROT)
-            and (role == "v" or not formats.get(n).calibrated)]
+    return [n for n in names if n != "f32" and not formats.get(n).spec.experimental and not n.endswith(formats.NOROT)]
 
 
 def _try(model: Model, req: Request, target: Target, change: str, flags: str) -> Suggestion | None:
