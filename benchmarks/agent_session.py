@@ -187,10 +187,10 @@ def free_port() -> int:
 
 
 def serve(ctx: int, type_k: str, type_v: str, prefix_cache: bool = True, model: str | None = None,
-          dtype: str | None = "f32"):
+          dtype: str | None = "f32", backend: str = "bf16"):
     """The bundled model (or ``model``) behind a server with the Qwen3.5-format template; (handle, base URL)."""
     config = EngineConfig.build(ctx=ctx, n_parallel=1, type_k=type_k, type_v=type_v, device="cpu",
-                                prefix_cache=prefix_cache, n_ubatch=512, max_checkpoints=8,
+                                prefix_cache=prefix_cache, n_ubatch=512, max_checkpoints=8, backend=backend,
                                 checkpoint_bytes=256 << 20, checkpoint_interval=4096)
     options = {"model": model, "dtype": dtype, "api_key": None, "alias": "m", "max_queue": 8, "verbose": False,
                "engine_config": config, "chat_template": TEMPLATE.read_text(),
@@ -251,16 +251,18 @@ def main(argv=None) -> int:
     p.add_argument("--kv", default="f16/f16,q8_0/turbo4", help="K/V cache types, comma-separated K/V pairs")
     p.add_argument("--api", default="openai,anthropic")
     p.add_argument("--check-identical", action="store_true", help="rerun without prefix reuse and compare")
+    p.add_argument("--attn-backend", default="bf16", help="as kvslim serve's (default bf16, as it; torch: float32)")
     p.add_argument("-o", "--output", choices=["md", "json"], default="md")
     args = p.parse_args(argv)
     results = []
     for kv in args.kv.split(","):
         type_k, type_v = kv.split("/")
         for api in args.api.split(","):
-            s = run(api, args.turns, args.result_chars, args.ctx_size, type_k, type_v)
-            row = {"api": api, "type_k": type_k, "type_v": type_v, **summary(s)}
+            s = run(api, args.turns, args.result_chars, args.ctx_size, type_k, type_v, backend=args.attn_backend)
+            row = {"api": api, "type_k": type_k, "type_v": type_v, "attn_backend": args.attn_backend, **summary(s)}
             if args.check_identical:
-                cold = run(api, args.turns, args.result_chars, args.ctx_size, type_k, type_v, prefix_cache=False)
+                cold = run(api, args.turns, args.result_chars, args.ctx_size, type_k, type_v, prefix_cache=False,
+                           backend=args.attn_backend)
                 row["identical"] = [t.reply for t in s.turns] == [t.reply for t in cold.turns]
             results.append(row)
             if args.output == "md":

@@ -15,12 +15,15 @@ decoders and does plain softmax attention: the parity tests' oracle.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import gpu
 from ..gpu import paged_decode as gpu_decode
 from ..gpu import paged_prefill as gpu_prefill
 from ..native import paged_attention as native
+from ..native import prefill_attention as native_prefill
 
 
 BLOCK_BUDGET_BYTES = 32 << 20   # float32 bytes one block may hold (decoded K and V, scores)
@@ -45,11 +48,12 @@ def attend(cache, slot: int, q: torch.Tensor, scale: float | None = None,
     return _attend_segment(cache, slot, q, first, scale, chunk_tokens)
 
 
-def attend_batch(cache, batch, q: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+def attend_batch(cache, batch, q: torch.Tensor, scale: float | None = None, dot: str = "f32") -> torch.Tensor:
     """Attention for every row of a flat batch whose K/V are already stored.
 
     q ``(N, n_heads, D)`` -> float32 ``(N, n_heads, D)``. Single-token segments
-    (decode) form one group read together; longer segments (prefill chunks) go alone.
+    (decode) form one group read together; longer segments (prefill chunks) go alone,
+    with bf16 dot products where ``dot`` is "bf16" and the CPU has them.
     """
     if batch.prepared:
         return attend_decode_static(cache, batch, q, scale)
@@ -66,7 +70,8 @@ def attend_batch(cache, batch, q: torch.Tensor, scale: float | None = None) -> t
             out[rows] = o
     for seg in batch.segments:
         if seg.length > 1:
-            out[seg.begin:seg.end] = _attend_segment(cache, seg.slot, q[seg.begin:seg.end], seg.start_pos, scale)
+            out[seg.begin:seg.end] = _attend_segment(cache, seg.slot, q[seg.begin:seg.end], seg.start_pos, scale,
+                                                      dot=dot)
     return out
 
 
@@ -109,13 +114,14 @@ def _(q, k_pool, v_pool, table, positions, type_k, type_v):
     return torch.empty_like(q)
 
 
-def _attend_segment(cache, slot: int, q: torch.Tensor, first: int, scale, chunk_tokens=None) -> torch.Tensor:
+def _attend_segment(cache, slot: int, q: torch.Tensor, first: int, scale, chunk_tokens=None,
+                    dot: str = "f32") -> torch.Tensor:
     """Tq consecutive queries of one sequence from position ``first``: (Tq, H, D) -> (Tq, H, D)."""
     n_q, n_heads, dim = q.shape
     group = n_heads // cache.n_kv_heads
     qg = _group(cache, q.unsqueeze(0), scale)                           # (1, Hkv, G*Tq... see _group)
     q_pos = torch.arange(first, first + n_q, device=q.device).repeat(group)[None]    # row g*Tq + t
-    out = attend_pages(cache, [slot], qg, q_pos, first, chunk_tokens)   # (1, Hkv, G*Tq, D)
+    out = attend_pages(cache, [slot], qg, q_pos, first, chunk_tokens, dot=dot)   # (1, Hkv, G*Tq, D)
     out = out.reshape(cache.n_kv_heads, group, n_q, dim).permute(2, 0, 1, 3)
     return out.reshape(n_q, n_heads, dim)
 
@@ -130,7 +136,7 @@ def _group(cache, q: torch.Tensor, scale) -> torch.Tensor:
 
 
 def attend_pages(cache, slots: list[int], q: torch.Tensor, q_pos: torch.Tensor, first_q: int,
-                 block_tokens: int | None = None, one_position: bool = False) -> torch.Tensor:
+                 block_tokens: int | None = None, one_position: bool = False, dot: str = "f32") -> torch.Tensor:
     """The core: queries of S sequences over their pages and f16 windows.
 
     Args:
@@ -140,6 +146,8 @@ def attend_pages(cache, slots: list[int], q: torch.Tensor, q_pos: torch.Tensor, 
         first_q: the smallest query position (known on the host: decides where masks are needed).
         one_position: every row of a sequence is at that sequence's newest position (decode),
             so each sees all of its packed keys: the native kernel can serve it.
+        dot: "bf16" scores and sums the pages with bf16 operands (float32 sums) in the C kernel
+            where this CPU has AVX512_BF16 (``native.prefill_attention``); "f32" keeps float32.
     Returns:
         (S, Hkv, R, D) float32 in the model domain.
     """
@@ -158,8 +166,18 @@ def attend_pages(cache, slots: list[int], q: torch.Tensor, q_pos: torch.Tensor, 
     else:   # a block that ends by every sequence's end and by the first query's position needs no mask
         acc = _OnlineSoftmax(n_kv, n_seq, n_rows, dim, q.device)
         per_block = _pages_per_block(n_kv, dim, cache.page_size, n_seq, n_rows, block_tokens)
-        _scan_pages(cache.fmt_k, cache.fmt_v, cache.k_pool, cache.v_pool, table, q_code, q_pos, lengths, acc,
-                    per_block, dim, unmasked_end=min(min(packed), first_q + 1))
+        bf16 = dot == "bf16" and native_prefill.supports(q_code)
+        if bf16 and native_prefill.reads_pages(cache.fmt_k, cache.fmt_v, dim):
+            native_prefill.fold_pages(acc.m, acc.l, acc.acc, q_code, cache.fmt_k, cache.fmt_v, cache.k_pool,
+                                      cache.v_pool, table, packed[0], q_pos)
+        elif bf16:   # blocks start on the kernel's key tiles: a row's sums then run in one order whatever the chunk
+            step = native_prefill.KEY_TILE // math.gcd(cache.page_size, native_prefill.KEY_TILE)    # pages
+            per_block = -(-per_block // step) * step
+            _scan_pages(cache.fmt_k, cache.fmt_v, cache.k_pool, cache.v_pool, table, q_code, q_pos, lengths, acc,
+                        per_block, dim, bf16=True)
+        else:
+            _scan_pages(cache.fmt_k, cache.fmt_v, cache.k_pool, cache.v_pool, table, q_code, q_pos, lengths, acc,
+                        per_block, dim, unmasked_end=min(min(packed), first_q + 1))
     if cache.f16_window:
         _window_block(cache, slots, slot_ids, packed, q, q_pos, acc)
     return cache.fmt_v.from_code_domain(acc.result()).transpose(0, 1)
@@ -167,15 +185,19 @@ def attend_pages(cache, slots: list[int], q: torch.Tensor, q_pos: torch.Tensor, 
 
 def _scan_pages(fmt_k, fmt_v, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor, q_code: torch.Tensor,
                 q_pos: torch.Tensor, lengths: torch.Tensor, acc: "_OnlineSoftmax", per_block: int, head_dim: int,
-                unmasked_end: int = 0) -> None:
+                unmasked_end: int = 0, bf16: bool = False) -> None:
     """Fold the pages of ``table`` (S, P) into ``acc``, ``per_block`` pages at a time: scores in
     K's code domain, row scales on scores and probabilities, a mask on every block that reaches
-    past ``unmasked_end`` (0: every block). Only one block's decoded rows are alive at once."""
+    past ``unmasked_end`` (0: every block). Only one block's decoded rows are alive at once.
+    ``bf16``: one sequence's block goes to the C kernel (bf16 operands, float32 sums, its own mask)."""
     page_size = k_pool.shape[2]
     for first in range(0, table.shape[1], per_block):
         start = first * page_size
         pages = table[:, first:first + per_block]
         (k, k_scale), (v, v_scale) = _decode_pages(fmt_k, fmt_v, k_pool, v_pool, pages, head_dim)
+        if bf16:
+            native_prefill.fold(acc.m, acc.l, acc.acc, q_code, k, k_scale, v, v_scale, q_pos, start, int(lengths[0]))
+            continue
         scores = q_code @ k.transpose(-1, -2)                           # (Hkv, S, R, T)
         if k_scale is not None:
             scores = scores * k_scale.unsqueeze(-2)

@@ -12,7 +12,8 @@ def add_device_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None,
                    help="cpu, cuda, cuda:N or mps (default: cuda when torch sees a GPU, else cpu)")
     p.add_argument("--attn-backend", default="torch", choices=backend_names(),
-                   help="attention backend over the paged KV pool (reference: the slow oracle)")
+                   help="attention backend over the paged KV pool (reference: the slow oracle; bf16: prompts' "
+                        "attention with bf16 operands and float32 sums, on CPUs with AVX512_BF16)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                    help="decode through torch.compile (the first steps compile, cached on disk under "
                         "~/.cache/kvslim/inductor; default: eager)")
