@@ -169,3 +169,23 @@ def test_without_the_kernel_the_bf16_backend_is_the_torch_backend(monkeypatch):
     ids = llm.tokenize("A short prompt that is read in one chunk of tokens.")
     fast = kvslim.load(ctx=512, cache_type_k="q8_0", cache_type_v="q4_0", dtype=torch.float32, backend="bf16")
     assert torch.equal(llm.logits(ids), fast.logits(ids))
+
+
+@pytest.mark.parametrize("type_k,type_v,window", [("q8_0", "turbo4", 0), ("q4_1", "q5_0", 0), ("f16", "nl4", 16)])
+def test_a_prompt_chunk_through_the_cache_with_bf16_dots(type_k, type_v, window):
+    """Through the cache: packed pages the kernel decodes (q8_0/turbo4), blocks torch decodes (q4_1,
+    q5_0 have no codec), an f16 window after them. Close to the float32 reference, and the same
+    bits whatever block size the torch-decoded path cuts the pages into."""
+    _need_kernel()
+    from kvslim.cache import KVCache, KVLayerSpec
+    gen = torch.Generator().manual_seed(3)
+    cache = KVCache(KVLayerSpec(2, 128, type_k, type_v), ctx=1024, page_size=16, f16_window=window)
+    cache.append(0, torch.randn(600, 2, 128, generator=gen) * 2, torch.randn(600, 2, 128, generator=gen))
+    q = torch.randn(200, 4, 128, generator=gen)
+    first = 400
+    got = attention._attend_segment(cache, 0, q, first, None, dot="bf16")
+    exact = attention.attend_reference(cache, 0, q)
+    err = (got - exact).norm(dim=-1) / exact.norm(dim=-1)
+    assert err.max() < 0.03 and err.mean() < 0.01
+    assert not torch.equal(got, attention._attend_segment(cache, 0, q, first, None))   # the kernel ran
+    assert torch.equal(got, attention._attend_segment(cache, 0, q, first, None, chunk_tokens=32, dot="bf16"))

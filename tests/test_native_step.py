@@ -126,6 +126,8 @@ def test_refusals_keep_the_torch_step(hybrid):
         assert step.native is None and why in step.why_not_native
     step = DecodeStep(model, model.make_cache(32, 1, "iq4_nl", "q8_0"), compile=False)
     assert step.native is None and "iq4_nl" in step.why_not_native
+    step = DecodeStep(model, model.make_cache(32, 1, "q8_0", "q8_0", backend="bf16"), compile=False)
+    assert step.native is not None                                   # bf16 prompts, the torch backend's decode
 
 
 def test_a_bf16_model_decodes_in_float32_on_its_bf16_matrices(hybrid):

@@ -166,15 +166,8 @@ def attend_pages(cache, slots: list[int], q: torch.Tensor, q_pos: torch.Tensor, 
     else:   # a block that ends by every sequence's end and by the first query's position needs no mask
         acc = _OnlineSoftmax(n_kv, n_seq, n_rows, dim, q.device)
         per_block = _pages_per_block(n_kv, dim, cache.page_size, n_seq, n_rows, block_tokens)
-        bf16 = dot == "bf16" and native_prefill.supports(q_code)
-        if bf16 and native_prefill.reads_pages(cache.fmt_k, cache.fmt_v, dim):
-            native_prefill.fold_pages(acc.m, acc.l, acc.acc, q_code, cache.fmt_k, cache.fmt_v, cache.k_pool,
-                                      cache.v_pool, table, packed[0], q_pos)
-        elif bf16:   # blocks start on the kernel's key tiles: a row's sums then run in one order whatever the chunk
-            step = native_prefill.KEY_TILE // math.gcd(cache.page_size, native_prefill.KEY_TILE)    # pages
-            per_block = -(-per_block // step) * step
-            _scan_pages(cache.fmt_k, cache.fmt_v, cache.k_pool, cache.v_pool, table, q_code, q_pos, lengths, acc,
-                        per_block, dim, bf16=True)
+        if dot == "bf16" and native_prefill.supports(q_code):
+            _scan_bf16(cache, table, q_code, q_pos, lengths, acc, per_block)
         else:
             _scan_pages(cache.fmt_k, cache.fmt_v, cache.k_pool, cache.v_pool, table, q_code, q_pos, lengths, acc,
                         per_block, dim, unmasked_end=min(min(packed), first_q + 1))
@@ -205,6 +198,21 @@ def _scan_pages(fmt_k, fmt_v, k_pool: torch.Tensor, v_pool: torch.Tensor, table:
             scores = _mask(scores, start, lengths, q_pos)
         acc.update(scores, v, v_scale)
         del k, v, scores, k_scale, v_scale                              # before the next block: one block alive
+
+
+def _scan_bf16(cache, table: torch.Tensor, q_code: torch.Tensor, q_pos: torch.Tensor, lengths: torch.Tensor,
+               acc: "_OnlineSoftmax", per_block: int) -> None:
+    """One sequence's pages into ``acc`` by the bf16 C kernel: it decodes the packed rows itself
+    where the decode kernel's codecs know both formats, else folds the blocks torch decodes. Those
+    blocks start on the kernel's key tiles, so a row's sums run in one order whatever its chunk."""
+    dim = q_code.shape[-1]
+    if native_prefill.reads_pages(cache.fmt_k, cache.fmt_v, dim):
+        native_prefill.fold_pages(acc.m, acc.l, acc.acc, q_code, cache.fmt_k, cache.fmt_v, cache.k_pool,
+                                  cache.v_pool, table, int(lengths[0]), q_pos)
+        return
+    step = native_prefill.KEY_TILE // math.gcd(cache.page_size, native_prefill.KEY_TILE)      # pages
+    _scan_pages(cache.fmt_k, cache.fmt_v, cache.k_pool, cache.v_pool, table, q_code, q_pos, lengths, acc,
+                -(-per_block // step) * step, dim, bf16=True)
 
 
 def _scan_decode(fmt_k, fmt_v, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,

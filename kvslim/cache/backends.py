@@ -29,6 +29,7 @@ class TorchBackend:
     """One encode and one scatter for the batch's K/V, block-wise attention over the pool."""
 
     name = "torch"
+    torch_decode = True        # decode steps are the torch path's: the C decode step may replace them
 
     def forward(self, cache, batch, q, k, v):
         cache.store_batch(batch, k, v)
