@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvslim.bench import FilledCache, Test, measure  # noqa: E402
+from kvslim.cache import CacheConfig  # noqa: E402
 from kvslim.engine import load  # noqa: E402
 from kvslim.loading import convert_hf_to_gguf, default_model, load_model  # noqa: E402
 from kvslim.tables import markdown_table  # noqa: E402
@@ -116,6 +117,8 @@ def main() -> int:
                          "(f16, bf16, q8_0, q4_0; f32: dense)")
     ap.add_argument("--greedy-tokens", type=int, default=32)
     ap.add_argument("--compile", action="store_true", help="kvslim decodes through torch.compile (--compile)")
+    ap.add_argument("--attn-backend", default="torch",
+                    help="kvslim's attention backend, comma-separated to time several side by side (torch, bf16)")
     args = ap.parse_args()
     peer = peer_module()
     start = time.perf_counter()
@@ -133,8 +136,11 @@ def main() -> int:
           f"{next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))}, "
           f"same positions {same}")
     rows = run_both(peer, gguf, model_path, args)
-    print(markdown_table(["test", "type_k/v", "llama.cpp t/s", "kvslim t/s", "kvslim / llama.cpp"], rows,
-                         ["l", "l", "r", "r", "r"]))
+    backends = args.attn_backend.split(",")
+    heads = [f"kvslim {b} t/s" if len(backends) > 1 else "kvslim t/s" for b in backends]
+    ratios = [f"{b} / llama.cpp" if len(backends) > 1 else "kvslim / llama.cpp" for b in backends]
+    print(markdown_table(["test", "type_k/v", "llama.cpp t/s", *heads, *ratios], rows,
+                         ["l", "l", "r"] + ["r"] * 2 * len(backends)))
     print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "
           f"wall time {time.perf_counter() - start:.0f} s")
     return 0
@@ -148,15 +154,20 @@ def run_both(peer, gguf, model_path, args) -> list[list]:
     rows = []
     for t in args.types.split(","):
         theirs = LlamaCppRun(open_llama(peer, gguf, ctx, t, t, args.threads, 512), model.config.vocab_size)
-        ours = FilledCache(model, ctx, 1, t, t, 512, compile=args.compile)
+        device = model.model.embed_tokens.weight.device
+        ours = [FilledCache(model, ctx, 1, t, t, 512, compile=args.compile,
+                            cache_config=CacheConfig(ctx, 1, t, t, backend=b, device=device))
+                for b in args.attn_backend.split(",")]
         for test in tests:
             if theirs.depth != test.n_depth:
                 theirs.grow_to(test.n_depth)
-                ours.grow_to(test.n_depth)
+                for run in ours:
+                    run.grow_to(test.n_depth)
             a = theirs.measure(test, args.repetitions)
-            b = measure(ours, test, args.repetitions)
+            bs = [measure(run, test, args.repetitions) for run in ours]     # in turn, in one run: same load
             rows.append([test.label, f"{t}/{t}", f"{a['avg_ts']:.1f} ± {a['stddev_ts']:.1f}",
-                         f"{b['avg_ts']:.1f} ± {b['stddev_ts']:.1f}", f"{b['avg_ts'] / a['avg_ts']:.2f}"])
+                         *[f"{b['avg_ts']:.1f} ± {b['stddev_ts']:.1f}" for b in bs],
+                         *[f"{b['avg_ts'] / a['avg_ts']:.2f}" for b in bs]])
             print(" | ".join(map(str, rows[-1])), flush=True)
     return rows
 

@@ -92,7 +92,7 @@ def test_bad_values_on_the_hot_path_flag_their_slot_only():
 
 
 def test_unknown_backend_is_refused_with_the_valid_names():
-    with pytest.raises(ValueError, match="valid: reference, torch"):
+    with pytest.raises(ValueError, match="valid: bf16, reference, torch"):
         get_backend("cuda-magic")
 
 
