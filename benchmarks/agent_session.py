@@ -33,6 +33,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from kvslim.cache import backend_names  # noqa: E402
 from kvslim.engine import EngineConfig  # noqa: E402
 from kvslim.server import start  # noqa: E402
 from kvslim.tables import markdown_table  # noqa: E402
@@ -251,7 +252,8 @@ def main(argv=None) -> int:
     p.add_argument("--kv", default="f16/f16,q8_0/turbo4", help="K/V cache types, comma-separated K/V pairs")
     p.add_argument("--api", default="openai,anthropic")
     p.add_argument("--check-identical", action="store_true", help="rerun without prefix reuse and compare")
-    p.add_argument("--attn-backend", default="bf16", help="as kvslim serve's (default bf16, as it; torch: float32)")
+    p.add_argument("--attn-backend", default="bf16", choices=backend_names(),
+                   help="the server's attention backend (default bf16, as kvslim serve's; torch: float32)")
     p.add_argument("-o", "--output", choices=["md", "json"], default="md")
     args = p.parse_args(argv)
     results = []

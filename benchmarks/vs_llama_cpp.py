@@ -151,10 +151,9 @@ def run_both(peer, gguf, model_path, args) -> list[list]:
     tests = [Test(k, n, d) for d in depths for k, n in (("pp", args.n_prompt), ("tg", args.n_gen))]
     ctx = max(depths) + max(args.n_prompt, args.n_gen) + 16
     model, _, _ = load_model(model_path, "f32", weights=kvslim_weights(args.gguf_type))
-    rows = []
+    rows, device = [], model.model.embed_tokens.weight.device
     for t in args.types.split(","):
         theirs = LlamaCppRun(open_llama(peer, gguf, ctx, t, t, args.threads, 512), model.config.vocab_size)
-        device = model.model.embed_tokens.weight.device
         ours = [FilledCache(model, ctx, 1, t, t, 512, compile=args.compile,
                             cache_config=CacheConfig(ctx, 1, t, t, backend=b, device=device))
                 for b in args.attn_backend.split(",")]

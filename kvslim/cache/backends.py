@@ -20,6 +20,7 @@ DEFAULT_BACKEND = "torch"
 
 class AttentionBackend(Protocol):
     name: str
+    torch_decode: bool         # its decode steps are the torch backend's: the C decode step may replace them
 
     def forward(self, cache, batch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store k/v (N, Hkv, D) of every row, then attend: q (N, H, D) -> float32 (N, H, D)."""
@@ -29,7 +30,7 @@ class TorchBackend:
     """One encode and one scatter for the batch's K/V, block-wise attention over the pool."""
 
     name = "torch"
-    torch_decode = True        # decode steps are the torch path's: the C decode step may replace them
+    torch_decode = True
 
     def forward(self, cache, batch, q, k, v):
         cache.store_batch(batch, k, v)
@@ -54,6 +55,7 @@ class ReferenceBackend:
     """Segment by segment: store, then decode the whole history and attend (slow, obviously right)."""
 
     name = "reference"
+    torch_decode = False
 
     def forward(self, cache, batch, q, k, v):
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)

@@ -126,7 +126,7 @@ class DecodeStep:
 def _native_step(model, cache) -> tuple[NativeStep | None, str]:
     """The C step for this model and cache, or (None, why not). The C step is the torch backend's
     decode; backends that decode otherwise (the reference, a GPU one) keep their own path."""
-    other = {kv.backend.name for kv in cache.kv_layers if not getattr(kv.backend, "torch_decode", False)}
+    other = {kv.backend.name for kv in cache.kv_layers if not kv.backend.torch_decode}
     if other:
         return None, f"attention backend {', '.join(sorted(other))}"
     return NativeStep.build(model, cache)

@@ -28,7 +28,7 @@
 #define RV 3         /* rows per value micro-tile */
 #define BLOCK 4096   /* keys packed at once from pages (bounds the packed copy) */
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(KVSLIM_AVX2) && defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
 int kvslim_prefill_bf16_available(void) { return 1; }
@@ -41,26 +41,15 @@ static inline uint32_t bf16_bits(float x) {          /* round to nearest even, a
 
 static inline uint32_t pair(float lo, float hi) { return bf16_bits(lo) | bf16_bits(hi) << 16; }
 
-/* e^x for x <= 0 (x = -inf gives 0): 2^n * 2^f, f in [-0.5, 0.5], degree-6 Taylor for 2^f
- * (relative error below 2e-7). */
+/* e^x for x <= 0, 16 lanes: paged_attention.c's 8-lane exp on each half. */
 static inline __m512 exp16_nonpositive(__m512 x) {
-    __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(1.44269504f));
-    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.5403530e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
+    __m256 lo = exp_nonpositive(_mm512_castps512_ps256(x)), hi = exp_nonpositive(_mm512_extractf32x8_ps(x, 1));
+    return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
 }
 
-static inline float exp_scalar(float x) {
-    float v[16] = {x};
-    _mm512_storeu_ps(v, exp16_nonpositive(_mm512_loadu_ps(v)));
-    return v[0];
+/* Lanes j .. j+15 of a tile row whose keys [0, seen) are visible. */
+static inline __mmask16 visible16(int seen, int j) {
+    return seen - j >= 16 ? 0xffff : seen > j ? (__mmask16)((1u << (seen - j)) - 1) : 0;
 }
 
 /* Where a head's rows come from: float rows (n_kv, n, dim) times an optional row scale (n_kv, n),
@@ -164,22 +153,20 @@ static void softmax_row(float *s, int seen, float *m, float *l, float *acc, int 
     if (seen <= 0)
         return;
     __m512 top = _mm512_set1_ps(-INFINITY);
-    for (int j = 0; j < KT; j += 16) {
-        __mmask16 live = seen - j >= 16 ? 0xffff : seen > j ? (__mmask16)((1u << (seen - j)) - 1) : 0;
-        top = _mm512_mask_max_ps(top, live, top, _mm512_loadu_ps(s + j));
-    }
+    for (int j = 0; j < KT; j += 16)
+        top = _mm512_mask_max_ps(top, visible16(seen, j), top, _mm512_loadu_ps(s + j));
     float mx = _mm512_reduce_max_ps(top), m_new = mx > *m ? mx : *m;
     if (m_new == -INFINITY)
         return;
     __m512 shift = _mm512_set1_ps(m_new), sum = _mm512_setzero_ps();
     for (int j = 0; j < KT; j += 16) {
-        __mmask16 live = seen - j >= 16 ? 0xffff : seen > j ? (__mmask16)((1u << (seen - j)) - 1) : 0;
-        __m512 e = _mm512_maskz_mov_ps(live, exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + j), shift)));
+        __m512 e = _mm512_maskz_mov_ps(visible16(seen, j),
+                                       exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + j), shift)));
         sum = _mm512_add_ps(sum, e);
         _mm256_storeu_si256((__m256i *)(p + j / 2), (__m256i)_mm512_cvtneps_pbh(e));
     }
     if (m_new > *m) {                                 /* the sums so far were relative to the old maximum */
-        float corr = exp_scalar(*m - m_new);
+        float corr = expf(*m - m_new);
         *l *= corr;
         for (int d = 0; d < dim; d++)
             acc[d] *= corr;

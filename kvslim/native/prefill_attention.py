@@ -3,9 +3,8 @@
 ``fold_pages`` reads one sequence's packed pages itself (the formats ``paged_attention``'s
 codecs describe: q8_0, q4_0, iq4_nl, turbo, nl grids, f16 ...); ``fold`` takes a block of keys
 and values that torch decoded (every other format). Both fold into the running online-softmax
-state of a prompt chunk's query rows. Only the
-dot products' operands are rounded to bf16 (as llama.cpp's CPU flash attention rounds them to
-f16); scores, softmax and sums stay float32. It needs AVX512_BF16; elsewhere ``available()``
+state of a prompt chunk's query rows. Only the dot products' operands are rounded to bf16 (as
+llama.cpp's CPU flash attention rounds them to f16); scores, softmax and sums stay float32. It needs AVX512_BF16; elsewhere ``available()``
 is False and the float32 torch loop serves.
 """
 from __future__ import annotations
