@@ -472,7 +472,10 @@ def load_initial_weights(model, path: Path) -> str:
     if path.is_dir():
         from safetensors.torch import load_file
 
-        files = sorted(path.glob("*.safetensors"))
+        # model*.safetensors (an export) or weights-*.safetensors (shards); an
+        # exported folder also holds kv-calibration.safetensors, which is no weight
+        files = sorted(f for f in path.glob("*.safetensors")
+                       if f.name.startswith(("model", "weights-")))
         if not files:
             raise SystemExit(f"--init-from {path}: no .safetensors files there")
         state = {}
