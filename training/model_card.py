@@ -82,6 +82,13 @@ def first_window_at(steps: list[dict], key: str, level: float, window: int = 25)
     return None
 
 
+def eval_flags(evaluation: dict) -> str:
+    """The grid options evaluate.py ran with (recorded in eval.json), for *Reproduce*."""
+    ran = evaluation.get("args", {})
+    return "".join(f" --{k.replace('_', '-')} {ran[k]}" for k in
+                   ("dtype", "lengths", "samples", "long_samples") if k in ran)
+
+
 def card(name: str, export: Path, extra_runs: list[str], abandoned: list[str] = ()) -> str:
     run_dir = TRAINING_DIR / "runs" / name
     starts, steps, ends = read_log(run_dir / "log.jsonl")
@@ -276,7 +283,9 @@ def card(name: str, export: Path, extra_runs: list[str], abandoned: list[str] = 
             acc = grid["4096"]["accuracy"]
             verdict = "met" if acc >= 0.9 else "**missed**"
             lines += [f"Target (at least 90% of the 4,096-token grid): {verdict} ({acc:.0%}).", ""]
-    trained_max = max(int(x.split(":")[0]) for x in phases.split(","))
+    trained_max = max(int(x.split(":")[0]) for run_phases in
+                      [phases] + [o_start["args"]["phases"] for _, o_start, _ in extra]
+                      for x in run_phases.split(","))
     lines += [
         "## Limits",
         "",
@@ -328,7 +337,7 @@ def card(name: str, export: Path, extra_runs: list[str], abandoned: list[str] = 
         if "--no-export" in cmd:
             lines.append(f".venv/bin/python training/train.py --name {other} --export-only   # this folder")
     lines += [
-        f".venv/bin/python training/evaluate.py --name {name}   # eval.json / eval.md",
+        f".venv/bin/python training/evaluate.py --name {name}{eval_flags(evaluation)}   # eval.json / eval.md",
         f".venv/bin/python training/model_card.py --name {name}" + "".join(
             f" --continued {o}" for o in extra_runs) + "".join(
             f" --abandoned {o}" for o in abandoned) + "   # this file",
