@@ -283,9 +283,10 @@ def card(name: str, export: Path, extra_runs: list[str], abandoned: list[str] = 
             acc = grid["4096"]["accuracy"]
             verdict = "met" if acc >= 0.9 else "**missed**"
             lines += [f"Target (at least 90% of the 4,096-token grid): {verdict} ({acc:.0%}).", ""]
-    trained_max = max(int(x.split(":")[0]) for run_phases in
-                      [phases] + [o_start["args"]["phases"] for _, o_start, _ in extra]
-                      for x in run_phases.split(","))
+    import train
+
+    run_phases = [phases] + [o_start["args"]["phases"] for _, o_start, _ in extra]
+    trained_max = max(length for p in run_phases for length, _ in train.parse_phases(p))
     lines += [
         "## Limits",
         "",

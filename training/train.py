@@ -472,12 +472,11 @@ def load_initial_weights(model, path: Path) -> str:
     if path.is_dir():
         from safetensors.torch import load_file
 
-        # model*.safetensors (an export) or weights-*.safetensors (shards); an
-        # exported folder also holds kv-calibration.safetensors, which is no weight
-        files = sorted(f for f in path.glob("*.safetensors")
-                       if f.name.startswith(("model", "weights-")))
-        if not files:
-            raise SystemExit(f"--init-from {path}: no .safetensors files there")
+        from kvslim.loading.hf import safetensors_files  # the weights, not the KV calibration
+        try:
+            files = safetensors_files(path)
+        except ValueError as err:
+            raise SystemExit(f"--init-from: {err}") from None
         state = {}
         for f in files:
             state.update(load_file(f))
