@@ -31,7 +31,7 @@ def mixture():
         docs = [d for d in path.read_text(encoding="utf-8").split("\f\n") if d.strip()]
         streams[path.stem] = np.concatenate([np.asarray(e.ids + [0], dtype=np.uint16)
                                              for e in tok.encode_batch(docs)])
-    args = types.SimpleNamespace(answer_weight=10.0, needle_frac=0.35, copy_frac=0.0, seed=1234, source_power=0.5)
+    args = types.SimpleNamespace(answer_weight=10.0, answer_stop="", needle_frac=0.35, copy_frac=0.0, seed=1234, source_power=0.5)
     return train.DataMixture(args, tok, streams)
 
 
@@ -60,3 +60,21 @@ def test_insert_puts_each_sentence_after_a_sentence_end_at_its_depth(mixture):
         assert abs(cut - depth * len(filler)) < 400      # held-out prose has a sentence end every few dozen tokens
     assert len(ids) == len(filler) + sum(len(space.needle_ids(filler, space.cut_at(filler, d), s))
                                          for s, d in zip(sentences, [0.5, 0.0]))
+
+
+def test_answer_stop_follows_the_answer_with_the_answer_weight(mixture):
+    # --answer-stop "." : the row ends "... is 48213." + end-of-text, and the "." weighs like a digit,
+    # so the model is taught where the number ends (the bundled model's misses ran on by one digit).
+    plain_row, plain_w = mixture._needle_row(random.Random("stop:1"), 1024)
+    original = mixture.args
+    mixture.args = types.SimpleNamespace(**{**vars(original), "answer_stop": "."})
+    try:
+        ids, weights = mixture._needle_row(random.Random("stop:1"), 1024)
+    finally:
+        mixture.args = original
+    eos_id = sys.modules[type(mixture).__module__].EOS_ID
+    heavy = np.flatnonzero(weights > 1.0)
+    assert mixture.tok.decode(ids[heavy].tolist()).endswith(".")
+    assert heavy[-1] == len(ids) - 2 and ids[-1] == eos_id      # "." then end-of-text
+    assert len(heavy) == np.count_nonzero(plain_w > 1.0) + 1
+    assert mixture.tok.decode(ids[heavy[:-1]].tolist()) == mixture.tok.decode(plain_row[np.flatnonzero(plain_w > 1.0)].tolist())

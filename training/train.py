@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share of sequences that are synthetic retrieval samples")
     p.add_argument("--answer-weight", type=float, default=10.0,
                    help="loss weight of needle answer tokens (others: 1)")
+    p.add_argument("--answer-stop", default="",
+                   help='text after a needle answer, weighted like it (e.g. "." so that the model '
+                        "learns where the number ends; empty: the answer is followed by end-of-text)")
     p.add_argument("--copy-frac", type=float, default=0.0,
                    help="share of sequences of real text in which 1-4 spans are repeated "
                         "later in the window (dense practice for the copy step of retrieval)")
@@ -292,7 +295,7 @@ class DataMixture:
         stream, needles go in after a sentence end), with the phrasings of kvslim.eval.needle.
         """
         return haystack.needle_row(self.space, rng, length, lambda r, n: self._window(r, n)[1], EOS_ID,
-                                   self.args.answer_weight)
+                                   self.args.answer_weight, self.args.answer_stop)
 
     def _copy_row(self, rng: random.Random, length: int) -> tuple[np.ndarray, np.ndarray]:
         """A window of real text with 1-4 of its spans repeated further on.

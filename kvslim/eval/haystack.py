@@ -95,18 +95,21 @@ def snap(ends: np.ndarray, position: int) -> int:
 
 def needle_row(space: TokenSpace, rng: random.Random, length: int,
                window: Callable[[random.Random, int], np.ndarray], eos_id: int,
-               answer_weight: float) -> tuple[np.ndarray, np.ndarray]:
+               answer_weight: float, answer_stop: str = "") -> tuple[np.ndarray, np.ndarray]:
     """One training row: ``length + 1`` tokens ending with a retrieval sample, and their loss weights.
 
     The sample (kind and phrasing drawn by :mod:`needle`) fills 20-100% of the row; a window
     of other text ending in ``eos_id`` pads the front. ``window(rng, n)`` returns ``n``
     consecutive tokens of the training stream (a fresh array). Answer tokens weigh
-    ``answer_weight``, the rest 1.
+    ``answer_weight``, the rest 1. ``answer_stop`` (e.g. ``"."``, the character after the
+    number in every needle phrasing) follows the answer with the answer's weight: digits are
+    single tokens, so where a number ends is itself a prediction, and one that a model taught
+    only the digits gets wrong by running on with an extra digit.
     """
     kind = needle.sample_kind(rng)
     sentences, asked, question, answer = needle.make_needle(rng, kind)
     question_ids = space.encode("\n\n" + question)
-    answer_ids = space.encode(answer)
+    answer_ids = space.encode(answer + answer_stop)
     target = int(length * rng.uniform(0.2, 1.0))
     needle_len = sum(len(space.encode(" " + x)) for x in sentences)
     filler_len = max(0, target - needle_len - len(question_ids) - len(answer_ids) - 1)
