@@ -206,7 +206,10 @@ def card(name: str, export: Path, extra_runs: list[str], abandoned: list[str] = 
         lines.append(
             f"* Continued run `{other}`: {len(o_steps)} more steps of {oa['tokens_per_step']} tokens "
             f"from the final weights, phases `{oa['phases']}`, needle share "
-            f"{float(oa['needle_frac']):.0%} (answer weight {oa['answer_weight']}), repeated-span "
+            f"{float(oa['needle_frac']):.0%} (answer weight {oa['answer_weight']}"
+            + (f", the answer followed by `{oa['answer_stop']}` with the same weight"
+               if oa.get("answer_stop") else "")  # logs older than --answer-stop lack it
+            + "), repeated-span "
             f"share {float(oa['copy_frac']):.0%}, peak lr {oa['lr']}, "
             f"{'bf16 autocast' if oa['bf16'] == 'True' else 'fp32'}, seed {oa['seed']}; "
             f"{o_steps[-1]['tokens']:,} tokens, {o_steps[-1]['elapsed_s'] / 60:.0f} min"
