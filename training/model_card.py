@@ -106,7 +106,7 @@ def card(name: str, export: Path, extra_runs: list[str], abandoned: list[str] = 
     extra = []
     for other in extra_runs:
         o_starts, o_steps, _ = read_log(TRAINING_DIR / "runs" / other / "log.jsonl")
-        extra.append((other, o_starts[0], o_steps))
+        extra.append((other, o_starts, o_steps))
         tokens += o_steps[-1]["tokens"]
         wall_min += o_steps[-1]["elapsed_s"] / 60
 
@@ -199,8 +199,8 @@ def card(name: str, export: Path, extra_runs: list[str], abandoned: list[str] = 
             "samples.  Learning-rate schedule and curriculum are fractions of `--steps`; batches "
             "depend only on seed, step, sequence length and mixture.  The commands under "
             "*Reproduce* replay the run leg by leg (`--stop-at`).")
-    for other, o_start, o_steps in extra:
-        oa = o_start["args"]
+    for other, o_starts, o_steps in extra:
+        oa = o_starts[0]["args"]
         learned = first_window_at(o_steps, "answer_acc", 0.9)
         o_eval = [s for s in o_steps if "heldout" in s]
         lines.append(
@@ -218,7 +218,9 @@ def card(name: str, export: Path, extra_runs: list[str], abandoned: list[str] = 
             + f" (log: `training/runs/{other}/log.jsonl`)."
             + (f"  Needle-answer accuracy in training (mean over 25 steps) first reached 90% at step "
                f"{learned} ({o_steps[learned - 1]['tokens']:,} tokens), at sequence length "
-               f"{o_steps[learned - 1]['seq_len']}." if learned else ""))
+               f"{o_steps[learned - 1]['seq_len']}." if learned else "")
+            + "".join(f"  Resumed from its checkpoint at step {leg['step']} (`train.py {leg['cmdline']}`)."
+                      for leg in o_starts[1:]))
     if extra:
         lines.append(f"* In total {tokens:,} tokens and {wall_min:.0f} min.")
     for other in abandoned:
@@ -288,7 +290,7 @@ def card(name: str, export: Path, extra_runs: list[str], abandoned: list[str] = 
             lines += [f"Target (at least 90% of the 4,096-token grid): {verdict} ({acc:.0%}).", ""]
     import train
 
-    run_phases = [phases] + [o_start["args"]["phases"] for _, o_start, _ in extra]
+    run_phases = [phases] + [o_starts[0]["args"]["phases"] for _, o_starts, _ in extra]
     trained_max = max(length for p in run_phases for length, _ in train.parse_phases(p))
     lines += [
         "## Limits",
@@ -330,14 +332,17 @@ def card(name: str, export: Path, extra_runs: list[str], abandoned: list[str] = 
         stop = f" --stop-at {starts[i + 1]['step']}" if i + 1 < len(starts) else ""
         lines.append(f".venv/bin/python training/train.py {leg_flags(leg['args'], i > 0)}{stop}")
     lines[-1] += "   # trains, checkpoints, exports this folder"
-    for other, o_start, o_steps in extra:
-        cmd = o_start.get('cmdline', '--name ' + other)
-        if o_steps[-1]["step"] < int(o_start["args"]["steps"]):        # cut by --max-minutes
-            cmd = re.sub(r" --max-minutes \S+", "", cmd) + f" --stop-at {o_steps[-1]['step']}"
-        if f"--init-from {export.relative_to(REPO_ROOT)}" in cmd:
-            lines.append(f"# --init-from: this folder's weights as committed before `{other}` "
-                         f"(git log -- {export.relative_to(REPO_ROOT)}/model.safetensors)")
-        lines.append(f".venv/bin/python training/train.py {cmd}")
+    for other, o_starts, o_steps in extra:
+        for i, leg in enumerate(o_starts):
+            cmd = leg.get('cmdline', '--name ' + other)
+            if i + 1 < len(o_starts):                                   # replayed up to the next leg
+                cmd = re.sub(r" --(max-minutes|stop-at) \S+", "", cmd) + f" --stop-at {o_starts[i + 1]['step']}"
+            elif o_steps[-1]["step"] < int(leg["args"]["steps"]) and "--stop-at" not in cmd:  # cut by --max-minutes
+                cmd = re.sub(r" --max-minutes \S+", "", cmd) + f" --stop-at {o_steps[-1]['step']}"
+            if f"--init-from {export.relative_to(REPO_ROOT)}" in cmd and i == 0:
+                lines.append(f"# --init-from: this folder's weights as committed before `{other}` "
+                             f"(git log -- {export.relative_to(REPO_ROOT)}/model.safetensors)")
+            lines.append(f".venv/bin/python training/train.py {cmd}")
         if "--no-export" in cmd:
             lines.append(f".venv/bin/python training/train.py --name {other} --export-only   # this folder")
     lines += [

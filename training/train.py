@@ -128,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     # bookkeeping
     p.add_argument("--eval-every", type=int, default=100, help="held-out loss every N steps")
     p.add_argument("--ckpt-minutes", type=float, default=10.0)
+    p.add_argument("--grad-checkpoint", action="store_true",
+                   help="recompute each layer's activations in the backward pass: ~1/3 more compute, "
+                        "far less memory (a 32K-token step in bf16 peaks above 24 GiB without it)")
     p.add_argument("--resume", action="store_true", help="continue from runs/<name>/ckpt/last.pt")
     p.add_argument("--init-from", type=Path, default=None,
                    help="start from the weights (not optimizer/step) of a checkpoint; "
@@ -556,6 +559,8 @@ def train(args) -> None:
         del model
     model = build_model(args).to(device)
     model.train()
+    if args.grad_checkpoint:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = make_optimizer(model, args)
     step, tokens, elapsed = 0, 0, 0.0
     if args.resume:
