@@ -269,10 +269,26 @@ def test_greedy_q8_0_matches_f16(exported):
 
 
 @pytest.mark.skipif(not (kvslim.loading.BUNDLED / "config.json").is_file(), reason="bundled model not built yet")
-def test_bundled_greedy_q8_0_matches_f16(tmp_path):
+def test_bundled_q8_0_picks_f16s_greedy_tokens_except_near_ties(tmp_path):
+    """Teacher-forced on the f16 GGUF's 32 greedy tokens, the q8_0 GGUF picks the same token at
+    every position where f16's top two logits are more than 0.1 apart. A free-running
+    comparison is not stable: on this prompt the current weights have a 0.016-logit tie at
+    the 7th token, which q8_0's rounding (logits move by ~0.04) flips, and the texts part."""
     folder = kvslim.loading.BUNDLED
-    f16, q8 = (greedy_tokens(convert_hf_to_gguf(folder, tmp_path / f"{t}.gguf", t), 32) for t in ("f16", "q8_0"))
-    assert len(f16) == 32 and f16 == q8
+    f16_path, q8_path = (convert_hf_to_gguf(folder, tmp_path / f"{t}.gguf", t) for t in ("f16", "q8_0"))
+    llm = kvslim.load(f16_path, ctx=128, dtype="f32")
+    prompt = llm.tokenize(PROMPT)
+    generated = llm.generate(PROMPT, 32, temperature=0).token_ids
+    ids = list(prompt) + generated
+    scored = slice(len(prompt) - 1, len(ids) - 1)
+    f16 = logits_of(load_model(f16_path)[0], ids)[scored].float()
+    q8 = logits_of(load_model(q8_path)[0], ids)[scored].float()
+    assert f16.argmax(-1).tolist() == generated        # the teacher-forced path is the greedy one
+    top2 = f16.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.1
+    assert clear.sum() >= 24                            # most positions are not near-ties
+    assert torch.equal(q8.argmax(-1)[clear], f16.argmax(-1)[clear])
+    assert (q8 - f16).abs().max() < 0.3
 
 
 def test_unsupported_type_refused(tiny_folder, tmp_path, monkeypatch):

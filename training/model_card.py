@@ -23,6 +23,8 @@ TRAINING_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TRAINING_DIR.parent
 sys.path.insert(0, str(TRAINING_DIR))
 DEFAULT_EXPORT = REPO_ROOT / "kvslim" / "data" / "tiny-qwen35"
+# pass-key share the bundled model is held to, by context length (the v1 card's target was 4K's)
+RETRIEVAL_TARGETS = {"4096": 0.9, "8192": 0.95, "16384": 0.95, "32768": 0.85}
 
 
 def read_log(path: Path) -> tuple[list[dict], list[dict], list[dict]]:
@@ -284,10 +286,12 @@ def card(name: str, export: Path, extra_runs: list[str], abandoned: list[str] = 
             row = [f"{sum(h['ok'] for h in r['cells'][d]) / len(r['cells'][d]):.2f}" for d in depths]
             lines.append(f"| {length} | " + " | ".join(row) + f" | **{r['accuracy']:.2f}** |")
         lines.append("")
-        if "4096" in grid:
-            acc = grid["4096"]["accuracy"]
-            verdict = "met" if acc >= 0.9 else "**missed**"
-            lines += [f"Target (at least 90% of the 4,096-token grid): {verdict} ({acc:.0%}).", ""]
+        verdicts = [f"{want:.0%} at {int(length):,} tokens: "
+                    + (f"met ({grid[length]['accuracy']:.1%})" if grid[length]["accuracy"] >= want
+                       else f"**missed** ({grid[length]['accuracy']:.1%})")
+                    for length, want in RETRIEVAL_TARGETS.items() if length in grid]
+        if verdicts:
+            lines += ["Targets (issue 23, at least): " + "; ".join(verdicts) + ".", ""]
     import train
 
     run_phases = [phases] + [o_starts[0]["args"]["phases"] for _, o_starts, _ in extra]
