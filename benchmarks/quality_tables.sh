@@ -4,7 +4,8 @@
 # Writes eval-kld-c4096.md, eval-depth.{json,png}, eval-niah.{md,png}, eval-sampling.md and
 # ruler-16k.md into OUT_DIR, and times.tsv with each step's wall seconds. Run it on an idle
 # machine: the figures are quality, not speed, but the whole run takes tens of minutes on 2 cores.
-# PAIRS, NIAH_LENGTHS, NIAH_DEPTHS, NIAH_SAMPLES, DEPTH_CTX override the defaults below.
+# PAIRS, NIAH_LENGTHS, NIAH_DEPTHS, NIAH_SAMPLES, DEPTH_CTX override the defaults below; STEPS
+# names the steps to run (default: all, "kld depth niah sampling ruler").
 set -euo pipefail
 out=${1:-docs}
 python=${PYTHON:-python3}
@@ -14,11 +15,13 @@ depth_ctx=${DEPTH_CTX:-32768}
 niah_lengths=${NIAH_LENGTHS:-4096,8192,16384}
 niah_depths=${NIAH_DEPTHS:-0,0.25,0.5,0.75,1}
 niah_samples=${NIAH_SAMPLES:-1}
+steps=" ${STEPS:-kld depth niah sampling ruler} "
 mkdir -p "$out"
-: > "$out/times.tsv"
+: >> "$out/times.tsv"
 
 step() {  # step NAME FILE EVAL-ARGS...: kvslim eval EVAL-ARGS > OUT_DIR/FILE, "NAME seconds" to times.tsv
   local name=$1 file=$2; shift 2
+  [[ $steps == *" $name "* ]] || return 0
   local t0=$SECONDS
   echo "## $name: kvslim eval $*" >&2
   "$python" -m kvslim eval "$@" --no-progress > "$out/$file"
