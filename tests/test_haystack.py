@@ -65,14 +65,10 @@ def test_insert_puts_each_sentence_after_a_sentence_end_at_its_depth(mixture):
 def test_answer_stop_follows_the_answer_with_the_answer_weight(mixture):
     # --answer-stop "." : the row ends "... is 48213." + end-of-text, and the "." weighs like a digit,
     # so the model is taught where the number ends (the bundled model's misses ran on by one digit).
-    plain_row, plain_w = mixture._needle_row(random.Random("stop:1"), 1024)
-    original = mixture.args
-    mixture.args = types.SimpleNamespace(**{**vars(original), "answer_stop": "."})
-    try:
-        ids, weights = mixture._needle_row(random.Random("stop:1"), 1024)
-    finally:
-        mixture.args = original
     eos_id = sys.modules[type(mixture).__module__].EOS_ID
+    window = lambda r, n: mixture._window(r, n)[1]  # noqa: E731  (training's filler, as _needle_row passes it)
+    plain_row, plain_w = haystack.needle_row(mixture.space, random.Random("stop:1"), 1024, window, eos_id, 10.0)
+    ids, weights = haystack.needle_row(mixture.space, random.Random("stop:1"), 1024, window, eos_id, 10.0, ".")
     heavy = np.flatnonzero(weights > 1.0)
     assert mixture.tok.decode(ids[heavy].tolist()).endswith(".")
     assert heavy[-1] == len(ids) - 2 and ids[-1] == eos_id      # "." then end-of-text

@@ -337,12 +337,13 @@ def card(name: str, export: Path, extra_runs: list[str], abandoned: list[str] = 
         lines.append(f".venv/bin/python training/train.py {leg_flags(leg['args'], i > 0)}{stop}")
     lines[-1] += "   # trains, checkpoints, exports this folder"
     for other, o_starts, o_steps in extra:
-        for i, leg in enumerate(o_starts):
-            cmd = leg.get('cmdline', '--name ' + other)
-            if i + 1 < len(o_starts):                                   # replayed up to the next leg
-                cmd = re.sub(r" --(max-minutes|stop-at) \S+", "", cmd) + f" --stop-at {o_starts[i + 1]['step']}"
-            elif o_steps[-1]["step"] < int(leg["args"]["steps"]) and "--stop-at" not in cmd:  # cut by --max-minutes
-                cmd = re.sub(r" --max-minutes \S+", "", cmd) + f" --stop-at {o_steps[-1]['step']}"
+        ends = [later["step"] for later in o_starts[1:]] + [o_steps[-1]["step"]]
+        for i, (leg, end) in enumerate(zip(o_starts, ends)):
+            # each leg replays to the step where the next began (or the run ended): a time limit
+            # or OOM cut it there, so --stop-at stands in for --max-minutes
+            cmd = re.sub(r" --(max-minutes|stop-at) \S+", "", leg.get("cmdline", "--name " + other))
+            if end < int(leg["args"]["steps"]):
+                cmd += f" --stop-at {end}"
             if f"--init-from {export.relative_to(REPO_ROOT)}" in cmd and i == 0:
                 lines.append(f"# --init-from: this folder's weights as committed before `{other}` "
                              f"(git log -- {export.relative_to(REPO_ROOT)}/model.safetensors)")
