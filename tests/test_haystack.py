@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import re
 import sys
 import types
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from kvslim.data import HELDOUT_FILES
-from kvslim.eval import haystack
+from kvslim.eval import haystack, needle
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,7 +32,7 @@ def mixture():
         docs = [d for d in path.read_text(encoding="utf-8").split("\f\n") if d.strip()]
         streams[path.stem] = np.concatenate([np.asarray(e.ids + [0], dtype=np.uint16)
                                              for e in tok.encode_batch(docs)])
-    args = types.SimpleNamespace(answer_weight=10.0, answer_stop="", needle_frac=0.35, copy_frac=0.0, seed=1234, source_power=0.5)
+    args = types.SimpleNamespace(answer_weight=10.0, answer_stop="", kinds="", asks=1, needle_frac=0.35, copy_frac=0.0, seed=1234, source_power=0.5)
     return train.DataMixture(args, tok, streams)
 
 
@@ -74,3 +75,40 @@ def test_answer_stop_follows_the_answer_with_the_answer_weight(mixture):
     assert heavy[-1] == len(ids) - 2 and ids[-1] == eos_id      # "." then end-of-text
     assert len(heavy) == np.count_nonzero(plain_w > 1.0) + 1
     assert mixture.tok.decode(ids[heavy[:-1]].tolist()) == mixture.tok.decode(plain_row[np.flatnonzero(plain_w > 1.0)].tolist())
+
+
+def test_quiz_rows_ask_several_keyed_facts_each_answered_from_its_own_needle(mixture):
+    # --kinds magic_many:1 --asks 3: 5-10 keyed facts in the haystack, then 3 questions about
+    # distinct keys, each answer (and its ".") weighted; every answer is the number its key's
+    # needle states, so a model can only score by looking the key up.
+    eos_id = sys.modules[type(mixture).__module__].EOS_ID
+    window = lambda r, n: mixture._window(r, n)[1]  # noqa: E731
+    kinds = needle.parse_kinds("magic_many:1")
+    for seed in range(6):
+        ids, weights = haystack.needle_row(mixture.space, random.Random(f"quiz:{seed}"), 2048, window, eos_id,
+                                           20.0, ".", kinds, 3)
+        assert len(ids) == 2049 and ids[-1] == eos_id
+        text = mixture.tok.decode(ids.tolist())
+        facts = dict(re.findall(r"special magic numbers? for (\w+) is:? (\d+)\.", text))
+        asked = re.findall(r"for (\w+)\? The special magic number for \1 is (\d+)\.", text)
+        assert 5 <= len(facts) <= 10 and len(asked) == 3 and len({k for k, _ in asked}) == 3
+        assert all(facts[key] == number for key, number in asked)
+        heavy = mixture.tok.decode(ids[weights > 1.0].tolist())
+        assert heavy.replace(" ", "") == "".join(f"{number}." for _, number in asked)
+
+
+def test_make_needle_draws_as_a_one_question_quiz():
+    # make_needle is make_quiz with asks=1: the same draws, so earlier training rows are unchanged
+    for kind in ("passkey", "magic", "magic_multi", "code"):
+        for seed in range(20):
+            sentences, asked, question, answer = needle.make_needle(random.Random(seed), kind)
+            assert needle.make_quiz(random.Random(seed), kind, 1) == (sentences, [asked], [(question, answer)])
+
+
+def test_parse_kinds_names_the_bad_item():
+    assert needle.parse_kinds("passkey:0.25,magic_many:0.75") == {**dict.fromkeys(needle.KINDS, 0.0),
+                                                                  "passkey": 0.25, "magic_many": 0.75}
+    for spec, message in (("passkeys:1", "unknown needle kind .passkeys."), ("magic:x", "'magic:x' is not"),
+                          ("magic:-1", "negative"), ("magic:0", "every kind weight 0")):
+        with pytest.raises(ValueError, match=message):
+            needle.parse_kinds(spec)

@@ -45,7 +45,7 @@ sys.path.insert(0, str(TRAINING_DIR))
 sys.path.insert(0, str(REPO_ROOT))
 
 import corpus  # noqa: E402
-from kvslim.eval import haystack  # noqa: E402
+from kvslim.eval import haystack, needle  # noqa: E402
 
 T_PROCESS = time.time()
 TOKENS_DIR = TRAINING_DIR / "tokens"
@@ -120,6 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--answer-stop", default="",
                    help='text after a needle answer, weighted like it (e.g. "." so that the model '
                         "learns where the number ends; empty: the answer is followed by end-of-text)")
+    p.add_argument("--kinds", default="",
+                   help="needle kind weights as kind:weight,... (kinds not named weigh 0; empty: "
+                        "kvslim.eval.needle.KINDS). magic_many (5-10 keyed facts) is only drawn when named")
+    p.add_argument("--asks", type=int, default=1,
+                   help="questions per keyed needle sample, each followed by its weighted answer "
+                        "(1: one question, as evaluation asks)")
     p.add_argument("--copy-frac", type=float, default=0.0,
                    help="share of sequences of real text in which 1-4 spans are repeated "
                         "later in the window (dense practice for the copy step of retrieval)")
@@ -275,6 +281,7 @@ class DataMixture:
             self.sources, self.train, self.heldout = sorted(streams), dict(streams), dict(streams)
         # Needles are spliced into token windows by kvslim.eval.haystack, as kvslim eval ruler builds them.
         self.space = haystack.TokenSpace(self._encode, tok.decode, tok.get_vocab_size())
+        self.kinds = needle.parse_kinds(args.kinds) if args.kinds else None
         sizes = np.array([len(self.train[s]) for s in self.sources], dtype=np.float64)
         weights = sizes ** args.source_power
         self.weights = (weights / weights.sum()).tolist()
@@ -298,7 +305,7 @@ class DataMixture:
         stream, needles go in after a sentence end), with the phrasings of kvslim.eval.needle.
         """
         return haystack.needle_row(self.space, rng, length, lambda r, n: self._window(r, n)[1], EOS_ID,
-                                   self.args.answer_weight, self.args.answer_stop)
+                                   self.args.answer_weight, self.args.answer_stop, self.kinds, self.args.asks)
 
     def _copy_row(self, rng: random.Random, length: int) -> tuple[np.ndarray, np.ndarray]:
         """A window of real text with 1-4 of its spans repeated further on.
@@ -753,7 +760,14 @@ def main(argv=None) -> int:
     if argv is None and "GLIBC_TUNABLES" not in os.environ and sys.platform.startswith("linux"):
         os.environ["GLIBC_TUNABLES"] = MALLOC_TUNABLES
         os.execv(sys.executable, [sys.executable, *sys.argv])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        needle.parse_kinds(args.kinds or "passkey:1")
+    except ValueError as e:
+        parser.error(f"--kinds: {e}")
+    if args.asks < 1:
+        parser.error(f"--asks must be at least 1, got {args.asks}")
     torch.set_num_threads(args.threads)
     if args.bench:
         bench(args)

@@ -95,30 +95,38 @@ def snap(ends: np.ndarray, position: int) -> int:
 
 def needle_row(space: TokenSpace, rng: random.Random, length: int,
                window: Callable[[random.Random, int], np.ndarray], eos_id: int,
-               answer_weight: float, answer_stop: str = "") -> tuple[np.ndarray, np.ndarray]:
+               answer_weight: float, answer_stop: str = "", kinds: dict[str, float] | None = None,
+               asks: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """One training row: ``length + 1`` tokens ending with a retrieval sample, and their loss weights.
 
-    The sample (kind and phrasing drawn by :mod:`needle`) fills 20-100% of the row; a window
-    of other text ending in ``eos_id`` pads the front. ``window(rng, n)`` returns ``n``
-    consecutive tokens of the training stream (a fresh array). Answer tokens weigh
-    ``answer_weight``, the rest 1. ``answer_stop`` (e.g. ``"."``, the character after the
-    number in every needle phrasing) follows the answer with the answer's weight: digits are
-    single tokens, so where a number ends is itself a prediction, and one that a model taught
-    only the digits gets wrong by running on with an extra digit.
+    The sample (kind drawn with ``kinds``' weights, default :data:`needle.KINDS`, and
+    phrasing by :mod:`needle`) fills 20-100% of the row; a window of other text ending
+    in ``eos_id`` pads the front. ``window(rng, n)`` returns ``n`` consecutive tokens of
+    the training stream (a fresh array). Answer tokens weigh ``answer_weight``, the rest 1.
+    ``answer_stop`` (e.g. ``"."``, the character after the number in every needle
+    phrasing) follows the answer with the answer's weight: digits are single tokens, so
+    where a number ends is itself a prediction, and one that a model taught only the
+    digits gets wrong by running on with an extra digit.
+
+    ``asks`` > 1 follows a keyed sample with up to that many question-answer pairs, each
+    after a blank line: one haystack then teaches several look-ups by key instead of one
+    (the first question reads exactly as an evaluation prompt does).
     """
-    kind = needle.sample_kind(rng)
-    sentences, asked, question, answer = needle.make_needle(rng, kind)
-    question_ids = space.encode("\n\n" + question)
-    answer_ids = space.encode(answer + answer_stop)
+    kind = needle.sample_kind(rng, kinds)
+    sentences, _, quiz = needle.make_quiz(rng, kind, asks)
+    tail_ids, tail_weights = [], []
+    for question, answer in quiz:
+        question_ids, answer_ids = space.encode("\n\n" + question), space.encode(answer + answer_stop)
+        tail_ids += question_ids + answer_ids
+        tail_weights += [1.0] * len(question_ids) + [answer_weight] * len(answer_ids)
     target = int(length * rng.uniform(0.2, 1.0))
     needle_len = sum(len(space.encode(" " + x)) for x in sentences)
-    filler_len = max(0, target - needle_len - len(question_ids) - len(answer_ids) - 1)
+    filler_len = max(0, target - needle_len - len(tail_ids) - 1)
     filler = window(rng, filler_len + 1)[1:]
     filler[filler == eos_id] = space.blank_line
     ids, _ = space.insert(filler, sentences, [rng.random() for _ in sentences])
-    weights = [1.0] * (len(ids) + len(question_ids)) + [answer_weight] * len(answer_ids)
-    ids += question_ids + answer_ids + [eos_id]
-    weights.append(1.0)
+    weights = [1.0] * len(ids) + tail_weights + [1.0]
+    ids += tail_ids + [eos_id]
     ids, weights = ids[-(length + 1):], weights[-(length + 1):]
     missing = length + 1 - len(ids)
     if missing > 0:

@@ -31,6 +31,8 @@ __all__ = [
     "MAGIC_QUESTION",
     "NeedleSample",
     "make_needle",
+    "make_quiz",
+    "parse_kinds",
     "build_haystack",
     "build_sample",
     "filler_text",
@@ -88,7 +90,13 @@ KINDS = {
     "magic": 0.3,          # one key-value fact
     "magic_multi": 0.2,    # 2-4 facts with different keys; one is asked
     "code": 0.1,           # another key-value phrasing
+    # 5-10 facts with different keys (ruler's niah_multikey has 4 keys and 3 values of a
+    # fifth). Weight 0 here: opt-in through train.py --kinds, so that earlier runs' rows
+    # stay the same draws.
+    "magic_many": 0.0,
 }
+# kinds whose facts are looked up by a key word; the count range of each
+KEYED_COUNTS = {"magic": (1, 1), "code": (1, 1), "magic_multi": (2, 4), "magic_many": (5, 10)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,21 +123,34 @@ def make_needle(rng: random.Random, kind: str = CANONICAL_KIND, *,
     With ``canonical`` (evaluation) the fixed first phrasing of the kind is used;
     otherwise phrasings are drawn at random.
     """
+    sentences, asked, questions = make_quiz(rng, kind, 1, canonical=canonical)
+    (question, answer), = questions
+    return sentences, asked[0], question, answer
+
+
+def make_quiz(rng: random.Random, kind: str, asks: int, *,
+              canonical: bool = False) -> tuple[list[str], list[int], list[tuple[str, str]]]:
+    """Needle sentences and up to ``asks`` questions about them (distinct facts, in random order).
+
+    Returns the sentences, the index of the sentence each question asks about, and
+    (question, answer) pairs. A pass key is one fact, so it gets one question; a keyed
+    kind gets ``min(asks, facts)``. With ``asks=1`` the draws are those of
+    :func:`make_needle` (training rows made before quizzes existed stay the same).
+    """
     pick = (lambda options: options[0]) if canonical else rng.choice
     if kind == "passkey":
         n = _number(rng, 5)
-        return [pick(_PASSKEY_NEEDLES).format(n=n)], 0, pick(_PASSKEY_QUESTIONS), " " + n
-    if kind in ("magic", "code", "magic_multi"):
-        needles, questions = ((_CODE_NEEDLES, _CODE_QUESTIONS) if kind == "code"
-                              else (_MAGIC_NEEDLES, _MAGIC_QUESTIONS))
-        count = 1 if kind != "magic_multi" else rng.randint(2, 4)
-        words = rng.sample(WORDS, count)
-        numbers = [_number(rng, rng.randint(4, 7)) for _ in words]
-        sentences = [pick(needles).format(w=w, n=n) for w, n in zip(words, numbers)]
-        asked = rng.randrange(count)
-        question = pick(questions).format(w=words[asked])
-        return sentences, asked, question, " " + numbers[asked]
-    raise ValueError(f"unknown needle kind {kind!r}; expected one of {sorted(KINDS)}")
+        return [pick(_PASSKEY_NEEDLES).format(n=n)], [0], [(pick(_PASSKEY_QUESTIONS), " " + n)]
+    if kind not in KEYED_COUNTS:
+        raise ValueError(f"unknown needle kind {kind!r}; expected one of {sorted(KINDS)}")
+    needles, questions = ((_CODE_NEEDLES, _CODE_QUESTIONS) if kind == "code" else (_MAGIC_NEEDLES, _MAGIC_QUESTIONS))
+    lo, hi = KEYED_COUNTS[kind]
+    count = 1 if hi == 1 else rng.randint(lo, hi)
+    words = rng.sample(WORDS, count)
+    numbers = [_number(rng, rng.randint(4, 7)) for _ in words]
+    sentences = [pick(needles).format(w=w, n=n) for w, n in zip(words, numbers)]
+    asked = [rng.randrange(count)] if asks == 1 else rng.sample(range(count), min(asks, count))
+    return sentences, asked, [(pick(questions).format(w=words[i]), " " + numbers[i]) for i in asked]
 
 
 def filler_text(docs: Sequence[str], rng: random.Random, length_chars: int) -> str:
@@ -262,6 +283,25 @@ def build_sample(docs: Sequence[str], rng: random.Random, depth: float, *,
                         question=question)
 
 
-def sample_kind(rng: random.Random) -> str:
-    """Draw a needle kind with the training weights of ``KINDS``."""
-    return rng.choices(list(KINDS), weights=list(KINDS.values()))[0]
+def sample_kind(rng: random.Random, weights: dict[str, float] | None = None) -> str:
+    """Draw a needle kind with the training weights of ``KINDS`` (or the given ones)."""
+    weights = KINDS if weights is None else weights
+    return rng.choices(list(weights), weights=list(weights.values()))[0]
+
+
+def parse_kinds(spec: str) -> dict[str, float]:
+    """``"passkey:0.2,magic_many:0.5"`` -> weights; kinds not named weigh 0."""
+    weights = dict.fromkeys(KINDS, 0.0)
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        name, _, value = item.partition(":")
+        if name not in KINDS:
+            raise ValueError(f"unknown needle kind {name!r} in {spec!r}; expected one of {sorted(KINDS)}")
+        try:
+            weights[name] = float(value)
+        except ValueError:
+            raise ValueError(f"needle kind weight {item!r} is not kind:number") from None
+        if weights[name] < 0:
+            raise ValueError(f"needle kind weight {item!r} is negative")
+    if not any(weights.values()):
+        raise ValueError(f"needle kinds {spec!r} give every kind weight 0")
+    return weights
