@@ -16,6 +16,7 @@ import argparse
 import json
 import platform
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -91,7 +92,8 @@ def eval_flags(evaluation: dict) -> str:
                    ("dtype", "lengths", "samples", "long_samples") if k in ran)
 
 
-def card(name: str, export: Path, extra_runs: list[str], abandoned: list[str] = ()) -> str:
+def card(name: str, export: Path, extra_runs: list[str], abandoned: list[str] = (),
+         rejected: dict[str, str] | None = None) -> str:
     run_dir = TRAINING_DIR / "runs" / name
     starts, steps, ends = read_log(run_dir / "log.jsonl")
     start = starts[0]
@@ -243,6 +245,15 @@ def card(name: str, export: Path, extra_runs: list[str], abandoned: list[str] = 
             f"because its needle-answer loss had not moved (mean {sum(first) / len(first):.2f} "
             f"over its first 10 steps, {sum(last_) / len(last_):.2f} over its last 10; about 2.3 "
             f"per digit is chance){copy_note}.")
+    for other, why in (rejected or {}).items():
+        o_starts, o_steps, _ = read_log(TRAINING_DIR / "runs" / other / "log.jsonl")
+        o_eval = [s for s in o_steps if "heldout" in s]
+        lines.append(
+            f"* Not in these weights: a continued run `{other}` (`train.py {o_starts[0]['cmdline']}`), "
+            f"{len(o_steps)} steps ({o_steps[-1]['tokens']:,} tokens, {o_steps[-1]['elapsed_s'] / 60:.0f} min"
+            + (f"; held-out loss {o_eval[-1]['heldout']['mean']:.3f} at its step {o_eval[-1]['step']}"
+               if o_eval else "")
+            + f"; log: `training/runs/{other}/log.jsonl`), not exported: {why}")
     lines += ["", "Training curve: `training/runs/" + name + "/log.jsonl`.", ""]
 
     ppl = evaluation.get("perplexity") or {}
@@ -354,7 +365,8 @@ def card(name: str, export: Path, extra_runs: list[str], abandoned: list[str] = 
         f".venv/bin/python training/evaluate.py --name {name}{eval_flags(evaluation)}   # eval.json / eval.md",
         f".venv/bin/python training/model_card.py --name {name}" + "".join(
             f" --continued {o}" for o in extra_runs) + "".join(
-            f" --abandoned {o}" for o in abandoned) + "   # this file",
+            f" --abandoned {o}" for o in abandoned) + "".join(
+            f" --rejected {shlex.quote(f'{o}={why}')}" for o, why in (rejected or {}).items()) + "   # this file",
         "```",
         "",
         "A killed training run continues exactly with `--resume` (checkpoints every 10 minutes "
@@ -382,8 +394,18 @@ def main(argv=None) -> int:
                    help="name of a continued run (train.py --init-from) whose weights were exported")
     p.add_argument("--abandoned", action="append", default=[],
                    help="name of a continued run that was stopped and not exported (recorded only)")
+    p.add_argument("--rejected", action="append", default=[], metavar="NAME=WHY",
+                   help="a continued run that finished but was not exported, and the measurement why")
     args = p.parse_args(argv)
-    text = card(args.name, args.export_dir, args.continued, args.abandoned)
+    rejected = {}
+    for item in args.rejected:
+        run, sep, why = item.partition("=")
+        if not sep or not why.strip():
+            p.error(f"--rejected {item!r}: expected NAME=WHY")
+        if not (TRAINING_DIR / "runs" / run / "log.jsonl").exists():
+            p.error(f"--rejected {item!r}: no log at training/runs/{run}/log.jsonl")
+        rejected[run] = why.strip()
+    text = card(args.name, args.export_dir, args.continued, args.abandoned, rejected)
     (args.export_dir / "README.md").write_text(text)
     print(f"[card] wrote {args.export_dir / 'README.md'}")
     return 0
