@@ -101,7 +101,7 @@ def _args_niah(p):
     p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths in [0, 1]")
     p.add_argument("-n", "--samples", type=int, default=5, help="samples per cell")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--png", default="niah.png", help="heatmap PNG path ('' to skip)")
+    p.add_argument("--png", default=None, help="also save the heatmap to this PNG")
 
 
 def _args_ruler(p):
@@ -113,7 +113,7 @@ def _args_ruler(p):
                    help="needle depths in [0, 1] (vt and cwe spread over the whole text)")
     p.add_argument("-n", "--samples", type=int, default=1, help="samples per (task, length); each asks every depth")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--png", default="ruler.png", help="heatmaps PNG path, one per task and pair ('' to skip)")
+    p.add_argument("--png", default=None, help="also save the heatmaps, one per task and pair, to this PNG")
 
 
 def _args_sampling(p):
