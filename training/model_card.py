@@ -92,6 +92,34 @@ def eval_flags(evaluation: dict) -> str:
                    ("dtype", "lengths", "samples", "long_samples") if k in ran)
 
 
+def not_exported(other: str, why: str | None) -> str:
+    """Card line for a continued run whose weights were not exported: its command, size and log,
+    and ``why`` not (None: it was stopped early, and its log shows the stall)."""
+    o_starts, o_steps, _ = read_log(TRAINING_DIR / "runs" / other / "log.jsonl")
+    o_eval = [s for s in o_steps if "heldout" in s]
+    return (f"* Not in these weights: a continued run `{other}` (`train.py {o_starts[0]['cmdline']}`), "
+            f"{len(o_steps)} steps ({o_steps[-1]['tokens']:,} tokens, {o_steps[-1]['elapsed_s'] / 60:.0f} min"
+            + (f"; held-out loss {o_eval[-1]['heldout']['mean']:.3f} at its step {o_eval[-1]['step']}"
+               if o_eval else "")
+            + f"; log: `training/runs/{other}/log.jsonl`), not exported: {why or stall_reason(o_steps)}")
+
+
+def stall_reason(steps: list[dict]) -> str:
+    """Why a run was stopped early: its needle-answer loss (and repeated-span loss) had not moved."""
+    first = [s["answer_loss"] for s in steps[:10] if "answer_loss" in s]
+    last_ = [s["answer_loss"] for s in steps[-10:] if "answer_loss" in s]
+    copy_first = [s["copy_loss"] for s in steps[:20] if "copy_loss" in s]
+    copy_last = [s["copy_loss"] for s in steps[-20:] if "copy_loss" in s]
+    copy_note = (f"; nor had the loss on repeated spans (`--copy-frac`: mean "
+                 f"{sum(copy_first) / len(copy_first):.2f} over its first 20 steps, "
+                 f"{sum(copy_last) / len(copy_last):.2f} over its last 20, while plain text "
+                 f"scored {sum(s['lm_loss'] for s in steps[-20:]) / len(steps[-20:]):.2f})"
+                 if copy_first and copy_last else "")
+    return (f"stopped early because its needle-answer loss had not moved (mean {sum(first) / len(first):.2f} "
+            f"over its first 10 steps, {sum(last_) / len(last_):.2f} over its last 10; about 2.3 "
+            f"per digit is chance){copy_note}.")
+
+
 def card(name: str, export: Path, extra_runs: list[str], abandoned: list[str] = (),
          rejected: dict[str, str] | None = None) -> str:
     run_dir = TRAINING_DIR / "runs" / name
@@ -227,33 +255,8 @@ def card(name: str, export: Path, extra_runs: list[str], abandoned: list[str] = 
                       for leg in o_starts[1:]))
     if extra:
         lines.append(f"* In total {tokens:,} tokens and {wall_min:.0f} min.")
-    for other in abandoned:
-        o_starts, o_steps, _ = read_log(TRAINING_DIR / "runs" / other / "log.jsonl")
-        first = [s["answer_loss"] for s in o_steps[:10] if "answer_loss" in s]
-        last_ = [s["answer_loss"] for s in o_steps[-10:] if "answer_loss" in s]
-        copy_first = [s["copy_loss"] for s in o_steps[:20] if "copy_loss" in s]
-        copy_last = [s["copy_loss"] for s in o_steps[-20:] if "copy_loss" in s]
-        copy_note = (f"; nor had the loss on repeated spans (`--copy-frac`: mean "
-                     f"{sum(copy_first) / len(copy_first):.2f} over its first 20 steps, "
-                     f"{sum(copy_last) / len(copy_last):.2f} over its last 20, while plain text "
-                     f"scored {sum(s['lm_loss'] for s in o_steps[-20:]) / len(o_steps[-20:]):.2f})"
-                     if copy_first and copy_last else "")
-        lines.append(
-            f"* Not in these weights: a continued run focused on retrieval, `{other}` "
-            f"(`train.py {o_starts[0]['cmdline']}`), stopped after {len(o_steps)} steps "
-            f"({o_steps[-1]['tokens']:,} tokens, {o_steps[-1]['elapsed_s'] / 60:.0f} min) "
-            f"because its needle-answer loss had not moved (mean {sum(first) / len(first):.2f} "
-            f"over its first 10 steps, {sum(last_) / len(last_):.2f} over its last 10; about 2.3 "
-            f"per digit is chance){copy_note}.")
-    for other, why in (rejected or {}).items():
-        o_starts, o_steps, _ = read_log(TRAINING_DIR / "runs" / other / "log.jsonl")
-        o_eval = [s for s in o_steps if "heldout" in s]
-        lines.append(
-            f"* Not in these weights: a continued run `{other}` (`train.py {o_starts[0]['cmdline']}`), "
-            f"{len(o_steps)} steps ({o_steps[-1]['tokens']:,} tokens, {o_steps[-1]['elapsed_s'] / 60:.0f} min"
-            + (f"; held-out loss {o_eval[-1]['heldout']['mean']:.3f} at its step {o_eval[-1]['step']}"
-               if o_eval else "")
-            + f"; log: `training/runs/{other}/log.jsonl`), not exported: {why}")
+    lines += [not_exported(other, None) for other in abandoned]
+    lines += [not_exported(other, why) for other, why in (rejected or {}).items()]
     lines += ["", "Training curve: `training/runs/" + name + "/log.jsonl`.", ""]
 
     ppl = evaluation.get("perplexity") or {}

@@ -762,10 +762,11 @@ def main(argv=None) -> int:
         os.execv(sys.executable, [sys.executable, *sys.argv])
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        needle.parse_kinds(args.kinds or "passkey:1")
-    except ValueError as e:
-        parser.error(f"--kinds: {e}")
+    if args.kinds:
+        try:
+            needle.parse_kinds(args.kinds)
+        except ValueError as e:
+            parser.error(f"--kinds: {e}")
     if args.asks < 1:
         parser.error(f"--asks must be at least 1, got {args.asks}")
     torch.set_num_threads(args.threads)

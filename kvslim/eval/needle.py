@@ -145,11 +145,11 @@ def make_quiz(rng: random.Random, kind: str, asks: int, *,
         raise ValueError(f"unknown needle kind {kind!r}; expected one of {sorted(KINDS)}")
     needles, questions = ((_CODE_NEEDLES, _CODE_QUESTIONS) if kind == "code" else (_MAGIC_NEEDLES, _MAGIC_QUESTIONS))
     lo, hi = KEYED_COUNTS[kind]
-    count = 1 if hi == 1 else rng.randint(lo, hi)
+    count = lo if lo == hi else rng.randint(lo, hi)     # a fixed count draws nothing (earlier rows' draws)
     words = rng.sample(WORDS, count)
     numbers = [_number(rng, rng.randint(4, 7)) for _ in words]
     sentences = [pick(needles).format(w=w, n=n) for w, n in zip(words, numbers)]
-    asked = [rng.randrange(count)] if asks == 1 else rng.sample(range(count), min(asks, count))
+    asked = rng.sample(range(count), min(asks, count))   # one ask draws as randrange(count) did
     return sentences, asked, [(pick(questions).format(w=words[i]), " " + numbers[i]) for i in asked]
 
 
