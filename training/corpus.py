@@ -27,7 +27,7 @@ Usage::
     .venv/bin/python training/corpus.py --only bible --force
     .venv/bin/python training/corpus.py --list
 
-The R data sources need the PyPI package ``rdata`` (``pip install rdata``);
+The R data sources need the PyPI package ``rdata`` (``pip install -e '.[train]'``);
 everything else is the standard library plus ``apt-get``, ``dpkg-deb`` and
 ``pod2text`` (which ships with perl).  A source whose package cannot be
 downloaded is logged and skipped; the others still build.
@@ -838,7 +838,7 @@ def _rdata():
     except ImportError as exc:
         raise SourceUnavailable(
             "the R data sources need the PyPI package rdata: "
-            ".venv/bin/pip install rdata") from exc
+            ".venv/bin/pip install -e '.[train]'") from exc
     return rdata
 
 

@@ -399,6 +399,21 @@ def forward_loss(model, args, inputs, targets, weights):
     return loss, ce, logits
 
 
+def answer_exact(answer: torch.Tensor, correct: torch.Tensor) -> float:
+    """Share of answers (runs of adjacent answer tokens in a row) predicted right in every token.
+
+    Per-token accuracy hides a model that gets the digits keys share right and the look-up
+    wrong (run keys: 0.949 per token, 0/6 keys found); a whole answer counts only when exact.
+    """
+    starts = answer & ~F.pad(answer[:, :-1], (1, 0))
+    n = int(starts.sum())
+    if n == 0:
+        return float("nan")
+    span = (torch.cumsum(starts.flatten(), 0) - 1)[answer.flatten()]
+    misses = torch.zeros(n, device=answer.device).index_add_(0, span, (~correct[answer]).float())
+    return (misses == 0).float().mean().item()
+
+
 @torch.no_grad()
 def heldout_loss(model, args, windows) -> dict:
     model.eval()
@@ -630,6 +645,7 @@ def train(args) -> None:
         if answer.any():
             record["answer_loss"] = ce[answer].mean().item()
             record["answer_acc"] = (pred[answer] == targets[answer]).float().mean().item()
+            record["answer_exact"] = answer_exact(answer, pred == targets)
         if copied.any():
             record["copy_loss"] = ce[copied].mean().item()
             record["copy_acc"] = (pred[copied] == targets[copied]).float().mean().item()
