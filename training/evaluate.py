@@ -14,6 +14,9 @@
    ordinary (full precision) cache: the reference for kvslim's compressed
    caches.  A sample counts as retrieved when the generated text starts with
    the expected number (and no further digit follows it).
+3. With ``--ruler "ARGS"``: ``kvslim eval ruler -m MODEL ARGS`` on the exported
+   folder (kvslim's runtime, f16 cache, greedy), e.g. the multi-key needle at
+   16K; the card quotes it, so its figure is the command a user runs.
 
 Writes ``training/runs/<name>/eval.json`` and ``eval.md``.
 
@@ -22,6 +25,8 @@ Usage::
     .venv/bin/python training/evaluate.py                              # exported model
     .venv/bin/python training/evaluate.py --checkpoint training/runs/tiny-qwen35/ckpt/last.pt
     .venv/bin/python training/evaluate.py --lengths 1024 --samples 1 --skip-ppl --out /tmp/e
+    .venv/bin/python training/evaluate.py --skip-ppl --skip-needle --out /tmp/e \
+        --ruler "-c 16384 --lengths 16384 --tasks niah_multikey -n 2"
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ import argparse
 import json
 import math
 import random
+import shlex
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -213,6 +220,42 @@ def needle_grid(model, tok, docs, args) -> dict:
     return grid
 
 
+def ruler_eval(args) -> dict:
+    """``kvslim eval ruler`` on the exported folder, as a user runs it; its JSON, plus the command."""
+    if args.checkpoint is not None:
+        raise SystemExit("--ruler runs kvslim on an exported folder: give --model, not --checkpoint")
+    flags = shlex.split(args.ruler)
+    cmd = [sys.executable, "-m", "kvslim", "eval", "ruler", "-m", str(args.model), "-o", "json", "--no-progress", *flags]
+    print("[ruler] " + shlex.join(cmd[2:]), flush=True)
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT)
+    if done.returncode != 0:
+        raise SystemExit(f"kvslim eval ruler failed (rc {done.returncode}):\n{done.stderr[-2000:]}")
+    out = json.loads(done.stdout)
+    out["command"] = "kvslim eval ruler -m MODEL " + shlex.join(flags)
+    for r in out["results"]:
+        for task, g in r["tasks"].items():
+            print(f"[ruler] {r['type_k']}/{r['type_v']} {task}: {g['overall']:.3f} of {g['items']}", flush=True)
+    return out
+
+
+def ruler_counts(result: dict, task: str, length: int) -> tuple[int, int]:
+    """(answers found, answers asked) of one K/V pair's ruler result for ``task`` at ``length``."""
+    hits = [h for q in result["queries"] if q["task"] == task and q["length"] == length for h in q["hits"]]
+    return sum(hits), len(hits)
+
+
+def ruler_markdown(ruler: dict) -> list[str]:
+    """Per K/V pair, task and length: the share of answers found and how many were asked."""
+    lines = ["| K/V | task | tokens | found | answers |", "|---|---|---:|---:|---:|"]
+    for r in ruler["results"]:
+        for task, g in r["tasks"].items():
+            for length in g["lengths"]:
+                found, asked = ruler_counts(r, task, length)
+                lines.append(f"| {r['type_k']}/{r['type_v']} | {task} | {length} | "
+                             f"**{found / asked:.3f}** | {asked} |")
+    return lines
+
+
 def markdown(report: dict) -> str:
     lines = [f"# Evaluation of {report['model']}", "",
              f"dtype {report['dtype']}, torch {report['torch']}, transformers {report['transformers']}.", ""]
@@ -235,6 +278,9 @@ def markdown(report: dict) -> str:
             row = [f"{sum(h['ok'] for h in r['cells'][d]) / len(r['cells'][d]):.2f}" for d in depths]
             lines.append(f"| {length} | " + " | ".join(row) + f" | **{r['accuracy']:.3f}** |")
         lines.append("")
+    if report.get("ruler"):
+        lines += ["## RULER tasks (kvslim runtime, greedy)", "", f"`{report['ruler']['command']}`", ""]
+        lines += ruler_markdown(report["ruler"]) + [""]
     return "\n".join(lines)
 
 
@@ -257,6 +303,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-ppl", action="store_true")
     p.add_argument("--skip-needle", action="store_true")
+    p.add_argument("--ruler", default="", help='also run `kvslim eval ruler -m MODEL ARGS` on the exported '
+                   'folder, e.g. "-c 16384 --lengths 16384 --tasks niah_multikey -n 2"')
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -277,6 +325,9 @@ def main(argv=None) -> int:
         docs = [d for s in sources
                 for d in corpus.read_documents(corpus.DEFAULT_DATA_DIR / f"{s}.heldout.txt")]
         report["needle"] = needle_grid(model, tok, docs, args)
+    if args.ruler:
+        del model  # the ruler runs in its own process on the exported folder
+        report["ruler"] = ruler_eval(args)
     report["seconds"] = round(time.time() - t0, 1)
     prefix = args.out or (TRAINING_DIR / "runs" / args.name / "eval")
     prefix.parent.mkdir(parents=True, exist_ok=True)

@@ -26,6 +26,7 @@ sys.path.insert(0, str(TRAINING_DIR))
 DEFAULT_EXPORT = REPO_ROOT / "kvslim" / "data" / "tiny-qwen35"
 # pass-key share the bundled model is held to, by context length (the v1 card's target was 4K's)
 RETRIEVAL_TARGETS = {"4096": 0.9, "8192": 0.95, "16384": 0.95, "32768": 0.85}
+MULTIKEY_TARGETS = {16384: 0.8}   # issue 23: ruler niah_multikey with an f16 cache
 
 
 def read_log(path: Path) -> tuple[list[dict], list[dict], list[dict]]:
@@ -88,8 +89,31 @@ def first_window_at(steps: list[dict], key: str, level: float, window: int = 25)
 def eval_flags(evaluation: dict) -> str:
     """The grid options evaluate.py ran with (recorded in eval.json), for *Reproduce*."""
     ran = evaluation.get("args", {})
-    return "".join(f" --{k.replace('_', '-')} {ran[k]}" for k in
-                   ("dtype", "lengths", "samples", "long_samples") if k in ran)
+    flags = "".join(f" --{k.replace('_', '-')} {ran[k]}" for k in
+                    ("dtype", "lengths", "samples", "long_samples") if k in ran)
+    return flags + (f" --ruler {shlex.quote(ran['ruler'])}" if ran.get("ruler") else "")
+
+
+def ruler_section(ruler: dict) -> list[str]:
+    """The card's RULER table (f16 cache, kvslim's runtime) and the multi-key target's verdict."""
+    import evaluate
+
+    lines = ["## RULER tasks", "",
+             "`kvslim eval ruler` (`kvslim/eval/ruler.py`) run by kvslim itself on these weights, greedy, "
+             f"depths {', '.join(f'{d:g}' for d in ruler['depths'])}, {ruler['samples']} sample(s) per "
+             f"task and length: `{ruler['command']}`.  Share of the asked answers found:", ""]
+    lines += evaluate.ruler_markdown(ruler) + [""]
+    f16 = next((r for r in ruler["results"] if (r["type_k"], r["type_v"]) == ("f16", "f16")), None)
+    multikey = f16["tasks"].get("niah_multikey") if f16 else None
+    if multikey:
+        scores = {n: evaluate.ruler_counts(f16, "niah_multikey", n) for n in multikey["lengths"]}
+        scores = {n: found / asked for n, (found, asked) in scores.items()}
+        verdicts = [f"{want:.0%} at {length:,} tokens: "
+                    + (f"met ({scores[length]:.1%})" if scores[length] >= want else f"**missed** ({scores[length]:.1%})")
+                    for length, want in MULTIKEY_TARGETS.items() if length in scores]
+        if verdicts:
+            lines += ["Multi-key target (issue 23, at least): " + "; ".join(verdicts) + ".", ""]
+    return lines
 
 
 def not_exported(other: str, why: str | None) -> str:
@@ -306,6 +330,8 @@ def card(name: str, export: Path, extra_runs: list[str], abandoned: list[str] = 
                     for length, want in RETRIEVAL_TARGETS.items() if length in grid]
         if verdicts:
             lines += ["Targets (issue 23, at least): " + "; ".join(verdicts) + ".", ""]
+    if evaluation.get("ruler"):
+        lines += ruler_section(evaluation["ruler"])
     import train
 
     run_phases = [phases] + [o_starts[0]["args"]["phases"] for _, o_starts, _ in extra]
