@@ -87,3 +87,17 @@ def tiny_folder(tmp_path_factory):
             made[kind] = (path, model)
         return made[kind]
     return make
+
+
+def import_training(module: str):
+    """A module of training/ (train, model_card, ...), imported without leaving training/ on sys.path."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    folder = str(Path(__file__).resolve().parents[1] / "training")
+    sys.path.insert(0, folder)
+    try:
+        return importlib.import_module(module)
+    finally:
+        sys.path.remove(folder)

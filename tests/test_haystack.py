@@ -15,17 +15,15 @@ from tokenizers import Tokenizer
 from kvslim.data import HELDOUT_FILES
 from kvslim.eval import haystack, needle
 
+from .conftest import import_training
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def mixture():
     """training's DataMixture over the shipped held-out text instead of the corpus' token caches."""
-    sys.path.insert(0, str(ROOT / "training"))
-    try:
-        import train
-    finally:
-        sys.path.remove(str(ROOT / "training"))
+    train = import_training("train")
     tok = Tokenizer.from_file(str(ROOT / "training" / "tokenizer.json"))
     streams = {}
     for path in HELDOUT_FILES:

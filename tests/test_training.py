@@ -2,23 +2,16 @@
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from .conftest import import_training
 
 
 @pytest.fixture(scope="module")
 def train():
-    sys.path.insert(0, str(ROOT / "training"))
-    try:
-        import train
-    finally:
-        sys.path.remove(str(ROOT / "training"))
-    return train
+    return import_training("train")
 
 
 def test_answer_exact_counts_whole_answers_not_tokens(train):
@@ -58,12 +51,7 @@ def _ruler(hits_16k: list[list[bool]]) -> dict:
 
 @pytest.fixture(scope="module")
 def card():
-    sys.path.insert(0, str(ROOT / "training"))
-    try:
-        import model_card
-    finally:
-        sys.path.remove(str(ROOT / "training"))
-    return model_card
+    return import_training("model_card")
 
 
 def test_card_judges_multikey_on_answers_found_at_16k(card):
