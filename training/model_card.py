@@ -376,7 +376,8 @@ def card(name: str, export: Path, extra_runs: list[str], abandoned: list[str] = 
         stop = f" --stop-at {starts[i + 1]['step']}" if i + 1 < len(starts) else ""
         lines.append(f".venv/bin/python training/train.py {leg_flags(leg['args'], i > 0)}{stop}")
     lines[-1] += "   # trains, checkpoints, exports this folder"
-    for other, o_starts, o_steps in extra:
+    folder_flag = f"--init-from {export.relative_to(REPO_ROOT)}"
+    for k, (other, o_starts, o_steps) in enumerate(extra):
         ends = [later["step"] for later in o_starts[1:]] + [o_steps[-1]["step"]]
         for i, (leg, end) in enumerate(zip(o_starts, ends)):
             # each leg replays to the step where the next began (or the run ended): a time limit
@@ -384,11 +385,13 @@ def card(name: str, export: Path, extra_runs: list[str], abandoned: list[str] = 
             cmd = re.sub(r" --(max-minutes|stop-at) \S+", "", leg.get("cmdline", "--name " + other))
             if end < int(leg["args"]["steps"]):
                 cmd += f" --stop-at {end}"
-            if f"--init-from {export.relative_to(REPO_ROOT)}" in cmd and i == 0:
+            if folder_flag in cmd and i == 0:
                 lines.append(f"# --init-from: this folder's weights as committed before `{other}` "
                              f"(git log -- {export.relative_to(REPO_ROOT)}/model.safetensors)")
             lines.append(f".venv/bin/python training/train.py {cmd}")
-        if "--no-export" in cmd:
+        # a run the next one continues from its checkpoint (not from this folder) is not exported
+        feeds_next = k + 1 < len(extra) and folder_flag not in extra[k + 1][1][0].get("cmdline", "")
+        if "--no-export" in cmd and not feeds_next:
             lines.append(f".venv/bin/python training/train.py --name {other} --export-only   # this folder")
     lines += [
         f".venv/bin/python training/evaluate.py --name {name}{eval_flags(evaluation)}   # eval.json / eval.md",
