@@ -51,7 +51,7 @@ sys.path.insert(0, str(TRAINING_DIR))
 sys.path.insert(0, str(REPO_ROOT))
 
 import corpus  # noqa: E402
-from kvslim.eval import needle  # noqa: E402
+from kvslim.eval import needle, ruler  # noqa: E402
 
 DEFAULT_MODEL = REPO_ROOT / "kvslim" / "data" / "tiny-qwen35"
 DEFAULT_LENGTHS = "1024,2048,4096,8192,16384"
@@ -244,18 +244,6 @@ def ruler_counts(result: dict, task: str, length: int) -> tuple[int, int]:
     return sum(hits), len(hits)
 
 
-def ruler_markdown(ruler: dict) -> list[str]:
-    """Per K/V pair, task and length: the share of answers found and how many were asked."""
-    lines = ["| K/V | task | tokens | found | answers |", "|---|---|---:|---:|---:|"]
-    for r in ruler["results"]:
-        for task, g in r["tasks"].items():
-            for length in g["lengths"]:
-                found, asked = ruler_counts(r, task, length)
-                lines.append(f"| {r['type_k']}/{r['type_v']} | {task} | {length} | "
-                             f"**{found / asked:.3f}** | {asked} |")
-    return lines
-
-
 def markdown(report: dict) -> str:
     lines = [f"# Evaluation of {report['model']}", "",
              f"dtype {report['dtype']}, torch {report['torch']}, transformers {report['transformers']}.", ""]
@@ -279,8 +267,8 @@ def markdown(report: dict) -> str:
             lines.append(f"| {length} | " + " | ".join(row) + f" | **{r['accuracy']:.3f}** |")
         lines.append("")
     if report.get("ruler"):
-        lines += ["## RULER tasks (kvslim runtime, greedy)", "", f"`{report['ruler']['command']}`", ""]
-        lines += ruler_markdown(report["ruler"]) + [""]
+        lines += ["## RULER tasks (kvslim runtime, greedy)", "", f"`{report['ruler']['command']}`", "",
+                  ruler.render(report["ruler"]["results"], report["ruler"]["depths"]), ""]
     return "\n".join(lines)
 
 

@@ -95,24 +95,24 @@ def eval_flags(evaluation: dict) -> str:
 
 
 def ruler_section(ruler: dict) -> list[str]:
-    """The card's RULER table (f16 cache, kvslim's runtime) and the multi-key target's verdict."""
+    """The card's RULER tables (kvslim's own, f16 cache) and the multi-key target's verdict."""
     import evaluate
 
     lines = ["## RULER tasks", "",
              "`kvslim eval ruler` (`kvslim/eval/ruler.py`) run by kvslim itself on these weights, greedy, "
              f"depths {', '.join(f'{d:g}' for d in ruler['depths'])}, {ruler['samples']} sample(s) per "
-             f"task and length: `{ruler['command']}`.  Share of the asked answers found:", ""]
-    lines += evaluate.ruler_markdown(ruler) + [""]
+             f"task and length: `{ruler['command']}`.  Share of the asked answers found:", "",
+             evaluate.ruler.render(ruler["results"], ruler["depths"]), ""]
     f16 = next((r for r in ruler["results"] if (r["type_k"], r["type_v"]) == ("f16", "f16")), None)
-    multikey = f16["tasks"].get("niah_multikey") if f16 else None
-    if multikey:
-        scores = {n: evaluate.ruler_counts(f16, "niah_multikey", n) for n in multikey["lengths"]}
-        scores = {n: found / asked for n, (found, asked) in scores.items()}
-        verdicts = [f"{want:.0%} at {length:,} tokens: "
-                    + (f"met ({scores[length]:.1%})" if scores[length] >= want else f"**missed** ({scores[length]:.1%})")
-                    for length, want in MULTIKEY_TARGETS.items() if length in scores]
-        if verdicts:
-            lines += ["Multi-key target (issue 23, at least): " + "; ".join(verdicts) + ".", ""]
+    lengths = f16["tasks"]["niah_multikey"]["lengths"] if f16 and "niah_multikey" in f16["tasks"] else []
+    verdicts = []
+    for length, want in MULTIKEY_TARGETS.items():
+        if length in lengths:
+            found, asked = evaluate.ruler_counts(f16, "niah_multikey", length)
+            verdict = "met" if found >= want * asked else "**missed**"
+            verdicts.append(f"{want:.0%} at {length:,} tokens: {verdict} ({found / asked:.1%}, {found} of {asked})")
+    if verdicts:
+        lines += ["Multi-key target (issue 23, at least): " + "; ".join(verdicts) + ".", ""]
     return lines
 
 
@@ -390,7 +390,8 @@ def card(name: str, export: Path, extra_runs: list[str], abandoned: list[str] = 
                              f"(git log -- {export.relative_to(REPO_ROOT)}/model.safetensors)")
             lines.append(f".venv/bin/python training/train.py {cmd}")
         # a run the next one continues from its checkpoint (not from this folder) is not exported
-        feeds_next = k + 1 < len(extra) and folder_flag not in extra[k + 1][1][0].get("cmdline", "")
+        next_starts = extra[k + 1][1] if k + 1 < len(extra) else None
+        feeds_next = next_starts is not None and folder_flag not in next_starts[0].get("cmdline", "")
         if "--no-export" in cmd and not feeds_next:
             lines.append(f".venv/bin/python training/train.py --name {other} --export-only   # this folder")
     lines += [
