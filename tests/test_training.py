@@ -1,6 +1,7 @@
 """training/train.py helpers that the training log relies on."""
 from __future__ import annotations
 
+import json
 import math
 import re
 
@@ -65,3 +66,24 @@ def test_card_judges_multikey_on_answers_found_at_16k(card):
     assert "80% at 16,384 tokens: met (83.3%, 5 of 6)" in met
     missed = "\n".join(card.ruler_section(_ruler([[True, False], [False, True]])))
     assert "80% at 16,384 tokens: **missed** (50.0%, 2 of 4)" in missed
+
+
+def test_evaluate_runs_the_ruler_alone_without_loading_the_model(tmp_path, monkeypatch):
+    # The ruler runs kvslim in its own process on the exported folder, so a ruler-only
+    # evaluation must not spend memory and minutes loading the model in this one.
+    evaluate = import_training("evaluate")
+
+    def no_load(args):
+        raise AssertionError("load_model called for a ruler-only evaluation")
+
+    asked = []
+    monkeypatch.setattr(evaluate, "load_model", no_load)
+    monkeypatch.setattr(evaluate, "ruler_eval", lambda args: asked.append(args.ruler) or _ruler([[True]]))
+    monkeypatch.setattr(import_training("train"), "ensure_corpus", lambda: ["austen"])
+    out = tmp_path / "eval"
+    assert evaluate.main(["--skip-ppl", "--skip-needle", "--ruler", "-c 16384 -n 1", "--out", str(out)]) == 0
+    assert asked == ["-c 16384 -n 1"]
+    report = json.loads((tmp_path / "eval.json").read_text())
+    assert report["model"].endswith("tiny-qwen35") and "perplexity" not in report and "needle" not in report
+    assert report["ruler"]["results"][0]["type_k"] == "f16"
+    assert "niah_multikey" in (tmp_path / "eval.md").read_text()

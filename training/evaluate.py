@@ -298,7 +298,8 @@ def main(argv=None) -> int:
 
     import transformers
 
-    model, tok, source = load_model(args)
+    needs_model = not (args.skip_ppl and args.skip_needle)  # the ruler alone runs in its own process
+    model, tok, source = load_model(args) if needs_model else (None, None, str(args.checkpoint or args.model))
     import train
 
     sources = train.ensure_corpus()
@@ -314,7 +315,7 @@ def main(argv=None) -> int:
                 for d in corpus.read_documents(corpus.DEFAULT_DATA_DIR / f"{s}.heldout.txt")]
         report["needle"] = needle_grid(model, tok, docs, args)
     if args.ruler:
-        del model  # the ruler runs in its own process on the exported folder
+        del model  # free its memory: the ruler loads the exported folder in its own process
         report["ruler"] = ruler_eval(args)
     report["seconds"] = round(time.time() - t0, 1)
     prefix = args.out or (TRAINING_DIR / "runs" / args.name / "eval")
