@@ -110,3 +110,37 @@ def test_parse_kinds_names_the_bad_item():
                           ("magic:-1", "negative"), ("magic:0", "every kind weight 0")):
         with pytest.raises(ValueError, match=message):
             needle.parse_kinds(spec)
+
+
+def _batch_digest(mixture, steps=range(6)) -> tuple[str, list]:
+    digest, batches = hashlib.sha256(), []
+    for step in steps:
+        batch = mixture.batch(step, 512, 8)
+        for t in batch[:5]:
+            digest.update(t.numpy().tobytes())
+        batches.append(batch)
+    return digest.hexdigest(), batches
+
+
+def test_training_batches_are_unchanged_by_logging_row_kinds(mixture):
+    # Digest of batch()'s five tensors taken before batches carried row kinds: batch() now
+    # draws each needle row's kind itself, and that draw must be the one needle_row made.
+    digest, _ = _batch_digest(mixture)
+    assert digest == "c5483db187a9b30f7e3ecee2fb04cab3afd983205314df28e17d462e50712b6f"
+
+
+def test_training_batches_name_the_kind_of_each_needle_row(mixture):
+    train = import_training("train")
+    _, batches = _batch_digest(mixture)
+    seen = set()
+    for inputs, _, _, answer, _, kinds in batches:
+        assert kinds.shape == (inputs.shape[0],)
+        for row, index in enumerate(kinds.tolist()):
+            assert bool(answer[row].any()) == (index >= 0)   # needle rows, and only they, have answers
+            if index < 0:
+                continue
+            kind = train.NEEDLE_KINDS[index]
+            seen.add(kind)
+            text = mixture.tok.decode(inputs[row].tolist())
+            assert ("pass key" in text) == (kind == "passkey"), (kind, text[-300:])
+    assert {"passkey", "magic"} <= seen

@@ -87,3 +87,15 @@ def test_evaluate_runs_the_ruler_alone_without_loading_the_model(tmp_path, monke
     assert report["model"].endswith("tiny-qwen35") and "perplexity" not in report and "needle" not in report
     assert report["ruler"]["results"][0]["type_k"] == "f16"
     assert "niah_multikey" in (tmp_path / "eval.md").read_text()
+
+
+def test_answer_exact_by_kind_scores_each_kind_on_its_own_rows(train):
+    answer = torch.tensor([[0, 1, 1], [0, 1, 1], [0, 0, 0], [1, 1, 0]], dtype=torch.bool)
+    correct = torch.ones_like(answer)
+    correct[0, 2] = False                      # the passkey row's answer is wrong
+    kinds = torch.tensor([train.NEEDLE_KINDS.index("passkey"), train.NEEDLE_KINDS.index("magic"), -1,
+                          train.NEEDLE_KINDS.index("magic")])
+    assert train.answer_exact_by_kind(answer, correct, kinds) == {
+        "answer_exact_passkey": 0.0, "answer_exact_magic": 1.0}
+    # The mixed figure (1 answer wrong in 3) hides that every pass key was missed.
+    assert train.answer_exact(answer, correct) == pytest.approx(2 / 3)

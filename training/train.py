@@ -47,6 +47,8 @@ sys.path.insert(0, str(REPO_ROOT))
 import corpus  # noqa: E402
 from kvslim.eval import haystack, needle  # noqa: E402
 
+NEEDLE_KINDS = list(needle.KINDS)   # the row-kind index that batches carry
+
 T_PROCESS = time.time()
 TOKENS_DIR = TRAINING_DIR / "tokens"
 RUNS_DIR = TRAINING_DIR / "runs"
@@ -298,14 +300,16 @@ class DataMixture:
     def _encode(self, text: str) -> list[int]:
         return self.tok.encode(text).ids
 
-    def _needle_row(self, rng: random.Random, length: int) -> tuple[np.ndarray, np.ndarray]:
+    def _needle_row(self, rng: random.Random, length: int,
+                    kind: str | None = None) -> tuple[np.ndarray, np.ndarray]:
         """length+1 tokens ending with a retrieval sample, and their loss weights.
 
         Built in token space by kvslim.eval.haystack (filler is a window of the token
         stream, needles go in after a sentence end), with the phrasings of kvslim.eval.needle.
         """
         return haystack.needle_row(self.space, rng, length, lambda r, n: self._window(r, n)[1], EOS_ID,
-                                   self.args.answer_weight, self.args.answer_stop, self.kinds, self.args.asks)
+                                   self.args.answer_weight, self.args.answer_stop, self.kinds, self.args.asks,
+                                   kind)
 
     def _copy_row(self, rng: random.Random, length: int) -> tuple[np.ndarray, np.ndarray]:
         """A window of real text with 1-4 of its spans repeated further on.
@@ -326,14 +330,21 @@ class DataMixture:
         return ids, copied
 
     def batch(self, step: int, seq_len: int, batch_size: int):
-        """(inputs, targets, target weights, answer mask, copy mask) for one step."""
-        rows, wts, copies = [], [], []
+        """(inputs, targets, target weights, answer mask, copy mask, row kinds) for one step.
+
+        Row kinds index ``NEEDLE_KINDS`` (-1: a row without a needle), so that the log can
+        say which kinds of answer the model gets right.
+        """
+        rows, wts, copies, kinds = [], [], [], []
         for row in range(batch_size):
             rng = random.Random(f"{self.args.seed}:{step}:{row}")
             draw = rng.random()
             copied = np.zeros(seq_len + 1, dtype=bool)
+            kinds.append(-1)
             if draw < self.args.needle_frac:
-                ids, w = self._needle_row(rng, seq_len)
+                kind = needle.sample_kind(rng, self.kinds)   # the draw needle_row would make
+                kinds[-1] = NEEDLE_KINDS.index(kind)
+                ids, w = self._needle_row(rng, seq_len, kind)
             elif draw < self.args.needle_frac + self.args.copy_frac:
                 ids, copied = self._copy_row(rng, seq_len)
                 w = np.ones(seq_len + 1, dtype=np.float32)
@@ -347,7 +358,7 @@ class DataMixture:
         w = torch.from_numpy(np.stack(wts))[:, 1:]
         copied = torch.from_numpy(np.stack(copies))[:, 1:]
         return (ids[:, :-1].contiguous(), ids[:, 1:].contiguous(), w.contiguous(), w > 1.0,
-                copied.contiguous())
+                copied.contiguous(), torch.tensor(kinds, dtype=torch.int64))
 
     def heldout_windows(self, length: int = 1024, per_source: int = 2):
         """Fixed held-out windows (same every evaluation) per source."""
@@ -412,6 +423,16 @@ def answer_exact(answer: torch.Tensor, correct: torch.Tensor) -> float:
     span = (torch.cumsum(starts.flatten(), 0) - 1)[answer.flatten()]
     misses = torch.zeros(n, device=answer.device).index_add_(0, span, (~correct[answer]).float())
     return (misses == 0).float().mean().item()
+
+
+def answer_exact_by_kind(answer: torch.Tensor, correct: torch.Tensor, row_kinds: torch.Tensor) -> dict:
+    """``answer_exact_<kind>`` for every needle kind in the batch: a mixed figure hides a
+    model that looks keys up well and copies pass keys badly (run keys4: 0.87 mixed)."""
+    out = {}
+    for index in row_kinds[row_kinds >= 0].unique().tolist():
+        rows = row_kinds == index
+        out[f"answer_exact_{NEEDLE_KINDS[index]}"] = answer_exact(answer[rows], correct[rows])
+    return out
 
 
 @torch.no_grad()
@@ -545,7 +566,7 @@ def plan_steps(model, opt, data, args, device) -> int:
         bs = max(1, args.tokens_per_step // length)
         times = []
         for i in range(4):
-            inputs, targets, weights, _, _ = (t.to(device) for t in data.batch(i, length, bs))
+            inputs, targets, weights, *_ = (t.to(device) for t in data.batch(i, length, bs))
             if device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.time()
@@ -623,7 +644,7 @@ def train(args) -> None:
     bar = tqdm(total=args.steps, initial=step, dynamic_ncols=True, mininterval=5)
     stop = min(args.steps, args.stop_at) if args.stop_at else args.steps
     for batch in batches(data, args, step, stop):
-        inputs, targets, weights, answer, copied = (t.to(device, non_blocking=True) for t in batch)
+        inputs, targets, weights, answer, copied, row_kinds = (t.to(device, non_blocking=True) for t in batch)
         seq_len = inputs.shape[1]
         lr = lr_at(step, args)
         for group in opt.param_groups:
@@ -646,6 +667,7 @@ def train(args) -> None:
             record["answer_loss"] = ce[answer].mean().item()
             record["answer_acc"] = (pred[answer] == targets[answer]).float().mean().item()
             record["answer_exact"] = answer_exact(answer, pred == targets)
+            record.update(answer_exact_by_kind(answer, pred == targets, row_kinds))
         if copied.any():
             record["copy_loss"] = ce[copied].mean().item()
             record["copy_acc"] = (pred[copied] == targets[copied]).float().mean().item()
@@ -751,7 +773,7 @@ def bench(args) -> None:
             bs = max(1, args.tokens_per_step // seq_len)
             times = []
             for i in range(3):
-                inputs, targets, weights, _, _ = data.batch(i, seq_len, bs)
+                inputs, targets, weights, *_ = data.batch(i, seq_len, bs)
                 t0 = time.time()
                 loss, _, _ = forward_loss(model, args, inputs, targets, weights)
                 opt.zero_grad(set_to_none=True)

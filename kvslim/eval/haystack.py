@@ -96,7 +96,7 @@ def snap(ends: np.ndarray, position: int) -> int:
 def needle_row(space: TokenSpace, rng: random.Random, length: int,
                window: Callable[[random.Random, int], np.ndarray], eos_id: int,
                answer_weight: float, answer_stop: str = "", kinds: dict[str, float] | None = None,
-               asks: int = 1) -> tuple[np.ndarray, np.ndarray]:
+               asks: int = 1, kind: str | None = None) -> tuple[np.ndarray, np.ndarray]:
     """One training row: ``length + 1`` tokens ending with a retrieval sample, and their loss weights.
 
     The sample (kind drawn with ``kinds``' weights, default :data:`needle.KINDS`, and
@@ -111,8 +111,11 @@ def needle_row(space: TokenSpace, rng: random.Random, length: int,
     ``asks`` > 1 follows a keyed sample with up to that many question-answer pairs, each
     after a blank line: one haystack then teaches several look-ups by key instead of one
     (the first question reads exactly as an evaluation prompt does).
+
+    ``kind`` given: a caller that drew it from ``rng`` itself, with ``kinds``' weights (to
+    log results per kind), gets the row that drawing it here would have given.
     """
-    kind = needle.sample_kind(rng, kinds)
+    kind = kind or needle.sample_kind(rng, kinds)
     sentences, _, quiz = needle.make_quiz(rng, kind, asks)
     tail_ids, tail_weights = [], []
     for question, answer in quiz:
