@@ -30,7 +30,7 @@ def mixture():
         docs = [d for d in path.read_text(encoding="utf-8").split("\f\n") if d.strip()]
         streams[path.stem] = np.concatenate([np.asarray(e.ids + [0], dtype=np.uint16)
                                              for e in tok.encode_batch(docs)])
-    args = types.SimpleNamespace(answer_weight=10.0, answer_stop="", kinds="", asks=1, needle_frac=0.35, copy_frac=0.0, seed=1234, source_power=0.5)
+    args = types.SimpleNamespace(answer_weight=10.0, answer_stop="", kinds="", asks=1, needle_frac=0.35, copy_frac=0.0, seed=1234, source_power=0.5, fill="0.2:1.0")
     return train.DataMixture(args, tok, streams)
 
 
@@ -144,3 +144,31 @@ def test_training_batches_name_the_kind_of_each_needle_row(mixture):
             text = mixture.tok.decode(inputs[row].tolist())
             assert ("pass key" in text) == (kind == "passkey"), (kind, text[-300:])
     assert {"passkey", "magic"} <= seen
+
+
+def test_fill_sets_the_haystack_share_of_a_row_and_so_the_needle_distance(mixture):
+    # --fill 0.8:1.0: the sample (haystack + question) takes 80-100% of the row, so the pass key sits
+    # up to the whole row away from its question; the default 0.2:1.0 rows are shorter on average.
+    eos_id = sys.modules[type(mixture).__module__].EOS_ID
+    window = lambda r, n: mixture._window(r, n)[1]  # noqa: E731
+    kinds = needle.parse_kinds("passkey:1")
+
+    def sample_share(seed, fill):
+        ids, _ = haystack.needle_row(mixture.space, random.Random(f"fill:{seed}"), 2048, window, eos_id,
+                                     10.0, ".", kinds, 1, None, fill)
+        eos = np.flatnonzero(ids[:-1] == eos_id)       # the padding window before the sample ends in eos
+        return (len(ids) - 1 - (eos[-1] + 1 if len(eos) else 0)) / (len(ids) - 1)
+
+    long_rows = [sample_share(seed, (0.8, 1.0)) for seed in range(12)]
+    default_rows = [sample_share(seed, (0.2, 1.0)) for seed in range(12)]
+    assert min(long_rows) >= 0.79
+    assert np.mean(default_rows) < np.mean(long_rows) - 0.15
+
+
+def test_parse_fill_names_the_bad_value():
+    train = import_training("train")
+    assert train.parse_fill("0.8:1.0") == (0.8, 1.0)
+    for spec, message in (("0.8", "expected LO:HI"), ("a:b", "expected LO:HI"), ("0.9:0.5", "0 < LO <= HI <= 1"),
+                          ("0:1", "0 < LO <= HI <= 1"), ("0.5:1.5", "0 < LO <= HI <= 1")):
+        with pytest.raises(ValueError, match=message):
+            train.parse_fill(spec)

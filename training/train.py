@@ -79,6 +79,17 @@ def parse_phases(text: str) -> list[tuple[int, float]]:
     return [(n, f / total) for n, f in phases]
 
 
+def parse_fill(text: str) -> tuple[float, float]:
+    """'0.8:1.0' -> (0.8, 1.0): the range a needle row's haystack share is drawn from."""
+    try:
+        lo, hi = (float(x) for x in text.split(":"))
+    except ValueError:
+        raise ValueError(f"expected LO:HI such as 0.8:1.0, got {text!r}") from None
+    if not 0.0 < lo <= hi <= 1.0:
+        raise ValueError(f"need 0 < LO <= HI <= 1, got {text!r}")
+    return lo, hi
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Train the bundled tiny Qwen3.5-style model.")
     p.add_argument("--name", default="tiny-qwen35", help="run name (training/runs/<name>/)")
@@ -128,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--asks", type=int, default=1,
                    help="questions per keyed needle sample, each followed by its weighted answer "
                         "(1: one question, as evaluation asks)")
+    p.add_argument("--fill", default="0.2:1.0",
+                   help="LO:HI, the share of a needle row that its haystack fills, drawn uniformly "
+                        "(the rest is other text before it); 0.8:1.0 makes most needles sit far "
+                        "from their question, as in an evaluation haystack of the full length")
     p.add_argument("--copy-frac", type=float, default=0.0,
                    help="share of sequences of real text in which 1-4 spans are repeated "
                         "later in the window (dense practice for the copy step of retrieval)")
@@ -284,6 +299,7 @@ class DataMixture:
         # Needles are spliced into token windows by kvslim.eval.haystack, as kvslim eval ruler builds them.
         self.space = haystack.TokenSpace(self._encode, tok.decode, tok.get_vocab_size())
         self.kinds = needle.parse_kinds(args.kinds) if args.kinds else None
+        self.fill = parse_fill(args.fill)
         sizes = np.array([len(self.train[s]) for s in self.sources], dtype=np.float64)
         weights = sizes ** args.source_power
         self.weights = (weights / weights.sum()).tolist()
@@ -309,7 +325,7 @@ class DataMixture:
         """
         return haystack.needle_row(self.space, rng, length, lambda r, n: self._window(r, n)[1], EOS_ID,
                                    self.args.answer_weight, self.args.answer_stop, self.kinds, self.args.asks,
-                                   kind)
+                                   kind, self.fill)
 
     def _copy_row(self, rng: random.Random, length: int) -> tuple[np.ndarray, np.ndarray]:
         """A window of real text with 1-4 of its spans repeated further on.
@@ -805,6 +821,10 @@ def main(argv=None) -> int:
             needle.parse_kinds(args.kinds)
         except ValueError as e:
             parser.error(f"--kinds: {e}")
+    try:
+        parse_fill(args.fill)
+    except ValueError as e:
+        parser.error(f"--fill: {e}")
     if args.asks < 1:
         parser.error(f"--asks must be at least 1, got {args.asks}")
     torch.set_num_threads(args.threads)

@@ -96,11 +96,14 @@ def snap(ends: np.ndarray, position: int) -> int:
 def needle_row(space: TokenSpace, rng: random.Random, length: int,
                window: Callable[[random.Random, int], np.ndarray], eos_id: int,
                answer_weight: float, answer_stop: str = "", kinds: dict[str, float] | None = None,
-               asks: int = 1, kind: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+               asks: int = 1, kind: str | None = None,
+               fill: tuple[float, float] = (0.2, 1.0)) -> tuple[np.ndarray, np.ndarray]:
     """One training row: ``length + 1`` tokens ending with a retrieval sample, and their loss weights.
 
     The sample (kind drawn with ``kinds``' weights, default :data:`needle.KINDS`, and
-    phrasing by :mod:`needle`) fills 20-100% of the row; a window of other text ending
+    phrasing by :mod:`needle`) fills a share of the row drawn uniformly from ``fill``
+    (default 20-100%: the needle-to-question distance is then mostly short, under half
+    the row four times in five; (0.8, 1.0) trains long look-ups); a window of other text ending
     in ``eos_id`` pads the front. ``window(rng, n)`` returns ``n`` consecutive tokens of
     the training stream (a fresh array). Answer tokens weigh ``answer_weight``, the rest 1.
     ``answer_stop`` (e.g. ``"."``, the character after the number in every needle
@@ -122,7 +125,7 @@ def needle_row(space: TokenSpace, rng: random.Random, length: int,
         question_ids, answer_ids = space.encode("\n\n" + question), space.encode(answer + answer_stop)
         tail_ids += question_ids + answer_ids
         tail_weights += [1.0] * len(question_ids) + [answer_weight] * len(answer_ids)
-    target = int(length * rng.uniform(0.2, 1.0))
+    target = int(length * rng.uniform(*fill))
     needle_len = sum(len(space.encode(" " + x)) for x in sentences)
     filler_len = max(0, target - needle_len - len(tail_ids) - 1)
     filler = window(rng, filler_len + 1)[1:]
