@@ -99,3 +99,16 @@ def test_answer_exact_by_kind_scores_each_kind_on_its_own_rows(train):
         "answer_exact_passkey": 0.0, "answer_exact_magic": 1.0}
     # The mixed figure (1 answer wrong in 3) hides that every pass key was missed.
     assert train.answer_exact(answer, correct) == pytest.approx(2 / 3)
+
+
+def test_weakest_answer_prob_follows_greedy_path_until_the_first_miss():
+    evaluate = import_training("evaluate")
+    # vocab of 4; expected answer tokens [1, 2, 3]
+    def row(probs):
+        return torch.log(torch.tensor([probs]))
+    scores = [row([0.1, 0.7, 0.1, 0.1]), row([0.1, 0.1, 0.6, 0.2]), row([0.05, 0.05, 0.1, 0.8])]
+    # all right: the smallest of 0.7, 0.6, 0.8
+    assert evaluate.weakest_answer_prob(scores, [1, 2, 3], [1, 2, 3]) == pytest.approx(0.6)
+    # second token wrong (3 taken): stops there with its probability of the right token
+    wrong = [row([0.1, 0.7, 0.1, 0.1]), row([0.1, 0.1, 0.3, 0.5]), row([0.97, 0.01, 0.01, 0.01])]
+    assert evaluate.weakest_answer_prob(wrong, [1, 3, 0], [1, 2, 3]) == pytest.approx(0.3)

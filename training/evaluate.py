@@ -184,6 +184,23 @@ def _digits_prefix(text: str) -> str:
     return out
 
 
+def weakest_answer_prob(scores, generated: list[int], want: list[int]) -> float:
+    """The lowest probability greedy decoding gave the expected answer's next token, over the
+    answer's tokens up to and including the first one it got wrong.
+
+    A continuous score beside right/wrong: a retrieval that holds by a wide margin scores near 1,
+    one that barely holds or fails at a digit scores that digit's probability, so two models that
+    retrieve the same share can still be told apart on the same samples. ``scores``: one
+    [1, vocab] logit row per generated token, as ``generate(output_scores=True)`` returns them.
+    """
+    weakest = 1.0
+    for step, token in enumerate(want):
+        weakest = min(weakest, torch.softmax(scores[step][0].float(), dim=-1)[token].item())
+        if step >= len(generated) or generated[step] != token:
+            break
+    return weakest
+
+
 @torch.no_grad()
 def needle_grid(model, tok, docs, args) -> dict:
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -200,23 +217,28 @@ def needle_grid(model, tok, docs, args) -> dict:
                                              target_tokens=length, count_tokens=count,
                                              canonical=True)
                 ids = torch.tensor([tok.encode(sample.prompt).ids], device=model.device)
-                want = len(tok.encode(sample.answer).ids)
+                want = tok.encode(sample.answer).ids
                 out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                     max_new_tokens=want + 1, do_sample=False,
-                                     pad_token_id=0, eos_token_id=None)
-                text = tok.decode(out[0, ids.shape[1]:].tolist())
+                                     max_new_tokens=len(want) + 1, do_sample=False,
+                                     pad_token_id=0, eos_token_id=None,
+                                     output_scores=True, return_dict_in_generate=True)
+                new = out.sequences[0, ids.shape[1]:].tolist()
+                text = tok.decode(new)
                 ok = _digits_prefix(text) == sample.answer.strip()
                 hits.append({"ok": ok, "answer": sample.answer.strip(), "output": text,
-                             "prompt_tokens": int(ids.shape[1])})
+                             "prompt_tokens": int(ids.shape[1]),
+                             "p_weakest": weakest_answer_prob(out.scores, new, want)})
             cells[f"{depth:.2f}"] = hits
             acc = sum(h["ok"] for h in hits) / len(hits)
             print(f"[niah] L={length:6d} depth {depth:.2f}: {acc:.2f} "
                   f"{[h['output'] for h in hits]}", flush=True)
-        flat = [h["ok"] for hits in cells.values() for h in hits]
-        grid[str(length)] = {"accuracy": sum(flat) / len(flat), "samples": len(flat),
+        flat = [h for hits in cells.values() for h in hits]
+        weakest = sorted(h["p_weakest"] for h in flat)
+        grid[str(length)] = {"accuracy": sum(h["ok"] for h in flat) / len(flat), "samples": len(flat),
+                             "p_weakest_median": weakest[len(weakest) // 2], "p_weakest_min": weakest[0],
                              "seconds": round(time.time() - t0, 1), "cells": cells}
-        print(f"[niah] L={length}: {grid[str(length)]['accuracy']:.3f} "
-              f"({time.time() - t0:.0f}s)", flush=True)
+        print(f"[niah] L={length}: {grid[str(length)]['accuracy']:.3f}, weakest answer-token probability "
+              f"median {weakest[len(weakest) // 2]:.3f} lowest {weakest[0]:.3f} ({time.time() - t0:.0f}s)", flush=True)
     return grid
 
 
