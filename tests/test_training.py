@@ -112,3 +112,8 @@ def test_weakest_answer_prob_follows_greedy_path_until_the_first_miss():
     # second token wrong (3 taken): stops there with its probability of the right token
     wrong = [row([0.1, 0.7, 0.1, 0.1]), row([0.1, 0.1, 0.3, 0.5]), row([0.97, 0.01, 0.01, 0.01])]
     assert evaluate.weakest_answer_prob(wrong, [1, 3, 0], [1, 2, 3]) == pytest.approx(0.3)
+    # a whole right answer then a run-on digit (tokens 1-3 are digits here): the end of the number
+    # had 1 - 0.9 = 0.1
+    run_on = scores + [row([0.1, 0.3, 0.3, 0.3])]
+    assert evaluate.weakest_answer_prob(run_on, [1, 2, 3, 1], [1, 2, 3], [1, 2, 3]) == pytest.approx(0.1)
+    assert evaluate.weakest_answer_prob(run_on, [1, 2, 3, 1], [1, 2, 3]) == pytest.approx(0.6)

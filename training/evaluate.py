@@ -184,9 +184,11 @@ def _digits_prefix(text: str) -> str:
     return out
 
 
-def weakest_answer_prob(scores, generated: list[int], want: list[int]) -> float:
+def weakest_answer_prob(scores, generated: list[int], want: list[int], digit_ids: list[int] = ()) -> float:
     """The lowest probability greedy decoding gave the expected answer's next token, over the
-    answer's tokens up to and including the first one it got wrong.
+    answer's tokens up to and including the first one it got wrong, and, after a whole right
+    answer, the probability that the number ends there (mass off ``digit_ids``: a run-on digit
+    is a miss too).
 
     A continuous score beside right/wrong: a retrieval that holds by a wide margin scores near 1,
     one that barely holds or fails at a digit scores that digit's probability, so two models that
@@ -197,7 +199,10 @@ def weakest_answer_prob(scores, generated: list[int], want: list[int]) -> float:
     for step, token in enumerate(want):
         weakest = min(weakest, torch.softmax(scores[step][0].float(), dim=-1)[token].item())
         if step >= len(generated) or generated[step] != token:
-            break
+            return weakest
+    if digit_ids and len(scores) > len(want):
+        ends = 1.0 - torch.softmax(scores[len(want)][0].float(), dim=-1)[list(digit_ids)].sum().item()
+        weakest = min(weakest, ends)
     return weakest
 
 
@@ -206,6 +211,7 @@ def needle_grid(model, tok, docs, args) -> dict:
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [float(x) for x in args.depths.split(",")]
     count = lambda text: len(tok.encode(text).ids)  # noqa: E731
+    digit_ids = [i for i in range(tok.get_vocab_size()) if tok.decode([i]).strip().isdigit()]
     grid = {}
     for length in lengths:
         cells, t0 = {}, time.time()
@@ -227,7 +233,7 @@ def needle_grid(model, tok, docs, args) -> dict:
                 ok = _digits_prefix(text) == sample.answer.strip()
                 hits.append({"ok": ok, "answer": sample.answer.strip(), "output": text,
                              "prompt_tokens": int(ids.shape[1]),
-                             "p_weakest": weakest_answer_prob(out.scores, new, want)})
+                             "p_weakest": weakest_answer_prob(out.scores, new, want, digit_ids)})
             cells[f"{depth:.2f}"] = hits
             acc = sum(h["ok"] for h in hits) / len(hits)
             print(f"[niah] L={length:6d} depth {depth:.2f}: {acc:.2f} "
