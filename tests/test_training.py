@@ -117,3 +117,21 @@ def test_weakest_answer_prob_follows_greedy_path_until_the_first_miss():
     run_on = scores + [row([0.1, 0.3, 0.3, 0.3])]
     assert evaluate.weakest_answer_prob(run_on, [1, 2, 3, 1], [1, 2, 3], [1, 2, 3]) == pytest.approx(0.1)
     assert evaluate.weakest_answer_prob(run_on, [1, 2, 3, 1], [1, 2, 3]) == pytest.approx(0.6)
+
+
+def test_probe_swaps_the_pass_key_in_both_needle_mentions_only():
+    probe = import_training("probe_passkey")
+    from kvslim.eval import needle
+    prompt = "In 1812 it rained. The pass key is 48213. Remember it. 48213 is the pass key. Page 148213.\n\nWhat is the pass key? The pass key is"
+    sample = needle.NeedleSample(prompt=prompt, answer=" 48213", kind="passkey", depth=0.5,
+                                 needle="", needle_offset=0, question="")
+    new_prompt, answer = probe.with_number(sample, "70707")
+    assert answer == " 70707"
+    assert new_prompt.count("70707") == 2 and "148213" in new_prompt and "1812" in new_prompt
+    clash = needle.NeedleSample(prompt=prompt + " 48213", answer=" 48213", kind="passkey", depth=0.5,
+                                needle="", needle_offset=0, question="")
+    with pytest.raises(ValueError, match="not exactly the needle's two mentions"):
+        probe.with_number(clash, "70707")
+    assert probe.parse_samples("16384:0.2:3,4096:1:0") == [(16384, 0.2, 3), (4096, 1.0, 0)]
+    with pytest.raises(SystemExit, match="LENGTH:DEPTH:INDEX"):
+        probe.parse_samples("16384:0.2")
