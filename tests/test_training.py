@@ -135,3 +135,11 @@ def test_probe_swaps_the_pass_key_in_both_needle_mentions_only():
     assert probe.parse_samples("16384:0.2:3,4096:1:0") == [(16384, 0.2, 3), (4096, 1.0, 0)]
     with pytest.raises(SystemExit, match="LENGTH:DEPTH:INDEX"):
         probe.parse_samples("16384:0.2")
+
+
+def test_native_bf16_is_read_from_the_cpu_flags(monkeypatch):
+    train = import_training("train")
+    for flags, want in (("fpu sse avx512f avx512_vnni", False), ("fpu avx512f avx512_bf16", True),
+                        ("fpu amx_tile amx_bf16", True), (None, None)):
+        monkeypatch.setattr(train, "_cpuinfo", lambda field, flags=flags: flags if field == "flags" else None)
+        assert train.cpu_has_native_bf16() is want
