@@ -206,22 +206,36 @@ def weakest_answer_prob(scores, generated: list[int], want: list[int], digit_ids
     return weakest
 
 
+def digit_token_ids(tok) -> list[int]:
+    """Ids of the tokens that read as one digit (the tokenizer splits numbers into digits)."""
+    return [i for i in range(tok.get_vocab_size()) if tok.decode([i]).strip().isdigit()]
+
+
+def heldout_docs(sources: list[str]) -> list[str]:
+    """The held-out documents of ``sources``: the filler of the pass-key grid."""
+    return [d for s in sources for d in corpus.read_documents(corpus.DEFAULT_DATA_DIR / f"{s}.heldout.txt")]
+
+
+def grid_sample(docs: list[str], count, seed: int, length: int, depth: float, index: int) -> needle.NeedleSample:
+    """The grid's ``index``-th pass-key sample at ``length`` tokens and ``depth`` (a fixed draw per cell)."""
+    rng = random.Random(f"kvslim-niah:{seed}:{length}:{depth:.3f}:{index}")
+    return needle.build_sample(docs, rng, depth, kind=needle.CANONICAL_KIND, target_tokens=length,
+                               count_tokens=count, canonical=True)
+
+
 @torch.no_grad()
 def needle_grid(model, tok, docs, args) -> dict:
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [float(x) for x in args.depths.split(",")]
     count = lambda text: len(tok.encode(text).ids)  # noqa: E731
-    digit_ids = [i for i in range(tok.get_vocab_size()) if tok.decode([i]).strip().isdigit()]
+    digit_ids = digit_token_ids(tok)
     grid = {}
     for length in lengths:
         cells, t0 = {}, time.time()
         for depth in depths:
             hits = []
             for i in range(samples_for(length, args)):
-                rng = random.Random(f"kvslim-niah:{args.seed}:{length}:{depth:.3f}:{i}")
-                sample = needle.build_sample(docs, rng, depth, kind=needle.CANONICAL_KIND,
-                                             target_tokens=length, count_tokens=count,
-                                             canonical=True)
+                sample = grid_sample(docs, count, args.seed, length, depth, i)
                 ids = torch.tensor([tok.encode(sample.prompt).ids], device=model.device)
                 want = tok.encode(sample.answer).ids
                 out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
@@ -339,9 +353,7 @@ def main(argv=None) -> int:
     if not args.skip_ppl:
         report["perplexity"] = perplexity(model, tok, sources, args)
     if not args.skip_needle:
-        docs = [d for s in sources
-                for d in corpus.read_documents(corpus.DEFAULT_DATA_DIR / f"{s}.heldout.txt")]
-        report["needle"] = needle_grid(model, tok, docs, args)
+        report["needle"] = needle_grid(model, tok, heldout_docs(sources), args)
     if args.ruler:
         del model  # free its memory: the ruler loads the exported folder in its own process
         report["ruler"] = ruler_eval(args)

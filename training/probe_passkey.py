@@ -31,16 +31,8 @@ import torch
 TRAINING_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(TRAINING_DIR))
 
-import corpus  # noqa: E402
 import evaluate  # noqa: E402
 from kvslim.eval import needle  # noqa: E402
-
-
-def grid_sample(docs, count, seed: int, length: int, depth: float, index: int) -> needle.NeedleSample:
-    """The sample evaluate.py's needle grid builds for this cell and index."""
-    rng = random.Random(f"kvslim-niah:{seed}:{length}:{depth:.3f}:{index}")
-    return needle.build_sample(docs, rng, depth, kind=needle.CANONICAL_KIND, target_tokens=length,
-                               count_tokens=count, canonical=True)
 
 
 def with_number(sample: needle.NeedleSample, number: str) -> tuple[str, str]:
@@ -55,16 +47,14 @@ def with_number(sample: needle.NeedleSample, number: str) -> tuple[str, str]:
 @torch.no_grad()
 def score(model, tok, prompt: str, answer: str, digit_ids: list[int]) -> dict:
     """Teacher-forced read of ``answer`` after ``prompt``: found (argmax right everywhere and the
-    number ends), the weakest probability on the way, and what argmax reads."""
+    number ends), the weakest probability as evaluate.py's grid scores it, and what argmax reads."""
     prompt_ids, answer_ids = tok.encode(prompt).ids, tok.encode(answer).ids
     ids = torch.tensor([prompt_ids + answer_ids], device=model.device)
     logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1:].float()
-    probs = torch.softmax(logits, dim=-1)
-    read = probs.argmax(-1).tolist()
-    right = [probs[i, t].item() for i, t in enumerate(answer_ids)]
-    ends = 1.0 - probs[len(answer_ids), digit_ids].sum().item()
+    read = logits.argmax(-1).tolist()
     found = read[:len(answer_ids)] == answer_ids and read[len(answer_ids)] not in digit_ids
-    return {"found": found, "weakest": min(right + [ends]), "read": tok.decode(read[:len(answer_ids)]).strip()}
+    return {"found": found, "weakest": evaluate.weakest_answer_prob(logits[:, None], read, answer_ids, digit_ids),
+            "read": tok.decode(read[:len(answer_ids)]).strip()}
 
 
 def parse_samples(text: str) -> list[tuple[int, float, int]]:
@@ -93,14 +83,13 @@ def main(argv=None) -> int:
     model, tok, _ = evaluate.load_model(args)
     import train
 
-    docs = [d for s in train.ensure_corpus()   # the filler evaluate.py's grid draws from
-            for d in corpus.read_documents(corpus.DEFAULT_DATA_DIR / f"{s}.heldout.txt")]
+    docs = evaluate.heldout_docs(train.ensure_corpus())
     count = lambda text: len(tok.encode(text).ids)  # noqa: E731
-    digit_ids = [i for i in range(tok.get_vocab_size()) if tok.decode([i]).strip().isdigit()]
+    digit_ids = evaluate.digit_token_ids(tok)
     rng, results = random.Random(f"probe:{args.seed}"), []
     for length, depth, index in parse_samples(args.samples):
         t0 = time.time()
-        sample = grid_sample(docs, count, args.seed, length, depth, index)
+        sample = evaluate.grid_sample(docs, count, args.seed, length, depth, index)
         number = sample.answer.strip()
         rows = [{"variant": "original", "number": number, **score(model, tok, sample.prompt, sample.answer, digit_ids)}]
         for _ in range(args.variants):
@@ -108,7 +97,7 @@ def main(argv=None) -> int:
             rows.append({"variant": "number", "number": other,
                          **score(model, tok, *with_number(sample, other), digit_ids)})
         for k in range(args.variants):
-            host = grid_sample(docs, count, args.seed, length, depth, 1000 + k)
+            host = evaluate.grid_sample(docs, count, args.seed, length, depth, 1000 + k)
             rows.append({"variant": "haystack", "number": number, "host": 1000 + k,
                          **score(model, tok, *with_number(host, number), digit_ids)})
         for r in rows:
