@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from tokenizers import Tokenizer
 
 from kvslim.data import HELDOUT_FILES
@@ -30,7 +31,7 @@ def mixture():
         docs = [d for d in path.read_text(encoding="utf-8").split("\f\n") if d.strip()]
         streams[path.stem] = np.concatenate([np.asarray(e.ids + [0], dtype=np.uint16)
                                              for e in tok.encode_batch(docs)])
-    args = types.SimpleNamespace(answer_weight=10.0, answer_stop="", kinds="", asks=1, needle_frac=0.35, copy_frac=0.0, seed=1234, source_power=0.5, fill="0.2:1.0")
+    args = types.SimpleNamespace(answer_weight=10.0, answer_stop="", kinds="", asks=1, needle_frac=0.35, copy_frac=0.0, seed=1234, source_power=0.5, fill="0.2:1.0", text_weight=1.0)
     return train.DataMixture(args, tok, streams)
 
 
@@ -172,3 +173,33 @@ def test_parse_fill_names_the_bad_value():
                           ("0:1", "0 < LO <= HI <= 1"), ("0.5:1.5", "0 < LO <= HI <= 1")):
         with pytest.raises(ValueError, match=message):
             train.parse_fill(spec)
+
+
+def test_text_weight_scales_the_loss_of_everything_but_the_answers(mixture):
+    train = import_training("train")
+    args = types.SimpleNamespace(**{**vars(mixture.args), "text_weight": 0.0, "needle_frac": 1.0})
+    zeroed = train.DataMixture(args, mixture.tok, mixture.train)
+    plain = train.DataMixture(types.SimpleNamespace(**{**vars(args), "text_weight": 1.0}), mixture.tok, mixture.train)
+    ids0, _, w0, answer0, _, _ = zeroed.batch(3, 512, 2)
+    ids1, _, w1, answer1, _, _ = plain.batch(3, 512, 2)
+    assert torch.equal(ids0, ids1) and torch.equal(answer0, answer1) and answer0.any()
+    assert torch.equal(w0[answer0], w1[answer1]) and (w0[answer0] > 1).all()
+    assert (w0[~answer0] == 0).all() and (w1[~answer1] == 1).all()
+
+
+def test_steps_from_trains_on_the_batches_of_the_listed_steps_in_order(mixture, tmp_path):
+    train = import_training("train")
+    args = types.SimpleNamespace(**{**vars(mixture.args), "phases": "512:1.0", "steps": 10,
+                                    "tokens_per_step": 1024, "draws": [7, 2]})
+    batches = train.StepBatches(mixture, args, 0, 3)
+    for i, draw in enumerate([7, 2, 7]):
+        got, want = batches[i], mixture.batch(draw, 512, 2)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    parser = train.build_parser()
+    good = tmp_path / "hard.json"
+    good.write_text("[7, 2]")
+    assert train.read_draws(parser, good) == [7, 2]
+    for text in ("[]", '{"step": 7}', "[7, -1]", "not json"):
+        good.write_text(text)
+        with pytest.raises(SystemExit):
+            train.read_draws(parser, good)

@@ -143,3 +143,21 @@ def test_native_bf16_is_read_from_the_cpu_flags(monkeypatch):
                         ("fpu amx_tile amx_bf16", True), (None, None)):
         monkeypatch.setattr(train, "_cpuinfo", lambda field, flags=flags: flags if field == "flags" else None)
         assert train.cpu_has_native_bf16() is want
+
+
+def test_train_only_freezes_all_but_the_matched_parameters_and_the_optimizer_skips_them(train):
+    import argparse
+    args = train.build_parser().parse_args(["--hidden", "64", "--layers", "4", "--intermediate", "128",
+                                            "--heads", "2", "--kv-heads", "1", "--head-dim", "32",
+                                            "--lin-head-dim", "16"])
+    model = train.build_model(args)
+    kept = train.freeze_except(model, r"layers\.3\.self_attn\.[qk]_norm")
+    assert kept == 2 * 32
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {"model.layers.3.self_attn.q_norm.weight", "model.layers.3.self_attn.k_norm.weight"}
+    opt = train.make_optimizer(model, argparse.Namespace(weight_decay=0.1, lr=1e-3))
+    assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == kept
+    with pytest.raises(SystemExit, match="matches no parameter"):
+        train.freeze_except(model, r"no_such_layer")
+    with pytest.raises(SystemExit, match="not a regular expression"):
+        train.freeze_except(model, r"layers\.(3")

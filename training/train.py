@@ -31,6 +31,7 @@ import math
 import os
 import platform
 import random
+import re
 import shutil
 import sys
 import time
@@ -155,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share of sequences that are synthetic retrieval samples")
     p.add_argument("--answer-weight", type=float, default=10.0,
                    help="loss weight of needle answer tokens (others: 1)")
+    p.add_argument("--text-weight", type=float, default=1.0,
+                   help="loss weight of the tokens that are not needle answers (0 with --train-only: "
+                        "tune a few parameters for retrieval alone, the text's loss only logged)")
     p.add_argument("--answer-stop", default="",
                    help='text after a needle answer, weighted like it (e.g. "." so that the model '
                         "learns where the number ends; empty: the answer is followed by end-of-text)")
@@ -179,6 +183,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-checkpoint", action="store_true",
                    help="recompute each layer's activations in the backward pass: ~1/3 more compute, "
                         "far less memory (a 32K-token step in bf16 peaks above 24 GiB without it)")
+    p.add_argument("--train-only", default="",
+                   help="regex: train only the parameters whose names it matches (re.search), the rest "
+                        "frozen; e.g. 'layers\\.3\\.self_attn\\.[qk]_norm' tunes the first attention "
+                        "layer's query/key norms, its attention temperature (empty: train everything)")
+    p.add_argument("--mine", type=Path, default=None, metavar="FILE",
+                   help="score steps 0..--steps-1 of this mixture without training (no gradient) and "
+                        "write each step's answer loss and whether every answer token is the argmax "
+                        "as JSON lines to FILE; --steps-from then trains on the hard ones")
+    p.add_argument("--steps-from", type=Path, default=None, metavar="FILE",
+                   help="train on the batches of the steps listed in FILE (a JSON list of step "
+                        "numbers, drawn under the same --seed and mixture), in order and cycling")
     p.add_argument("--resume", action="store_true", help="continue from runs/<name>/ckpt/last.pt")
     p.add_argument("--init-from", type=Path, default=None,
                    help="start from the weights (not optimizer/step) of a checkpoint; "
@@ -397,8 +412,10 @@ class DataMixture:
             copies.append(copied)
         ids = torch.from_numpy(np.stack(rows))
         w = torch.from_numpy(np.stack(wts))[:, 1:]
+        answer = w > 1.0
+        w = torch.where(answer, w, w * self.args.text_weight)
         copied = torch.from_numpy(np.stack(copies))[:, 1:]
-        return (ids[:, :-1].contiguous(), ids[:, 1:].contiguous(), w.contiguous(), w > 1.0,
+        return (ids[:, :-1].contiguous(), ids[:, 1:].contiguous(), w.contiguous(), answer,
                 copied.contiguous(), torch.tensor(kinds, dtype=torch.int64))
 
     def heldout_windows(self, length: int = 1024, per_source: int = 2):
@@ -447,7 +464,7 @@ def forward_loss(model, args, inputs, targets, weights):
         logits = model.lm_head(hidden)
     ce = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1),
                          reduction="none").view(targets.shape)
-    loss = (ce * weights).sum() / weights.sum()
+    loss = (ce * weights).sum() / weights.sum().clamp_min(1e-6)   # a row of zero weights: no gradient
     return loss, ce, logits
 
 
@@ -519,7 +536,9 @@ class StepBatches(torch.utils.data.Dataset):
     def __getitem__(self, i):
         step = self.first + i
         seq_len = phase_at(step, self.args)
-        return self.data.batch(step, seq_len, max(1, self.args.tokens_per_step // seq_len))
+        draws = getattr(self.args, "draws", None)
+        draw = draws[step % len(draws)] if draws else step
+        return self.data.batch(draw, seq_len, max(1, self.args.tokens_per_step // seq_len))
 
 
 def batches(data, args, first: int, last: int):
@@ -530,9 +549,30 @@ def batches(data, args, first: int, last: int):
     return iter(loader)
 
 
+def freeze_except(model, pattern: str) -> int:
+    """Freeze the parameters whose names ``pattern`` does not match; the number left trainable.
+
+    Frozen layers below the first trainable one then run without autograd records, so a step
+    costs little more than their forward pass."""
+    try:
+        regex = re.compile(pattern)
+    except re.error as err:
+        raise SystemExit(f"--train-only: not a regular expression: {err}") from None
+    kept = 0
+    for name, p in model.named_parameters():
+        p.requires_grad_(bool(regex.search(name)))
+        kept += p.numel() if p.requires_grad else 0
+    if not kept:
+        raise SystemExit(f"--train-only {pattern!r} matches no parameter (names look like "
+                         f"{next(n for n, _ in model.named_parameters())!r})")
+    return kept
+
+
 def make_optimizer(model, args):
     decay, no_decay = [], []
     for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
         (decay if p.dim() >= 2 and "embed" not in name else no_decay).append(p)
     return torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}],
@@ -629,6 +669,8 @@ def plan_steps(model, opt, data, args, device) -> int:
 def train(args) -> None:
     from tqdm import tqdm
 
+    if args.text_weight < 0:
+        raise SystemExit(f"--text-weight must be >= 0, got {args.text_weight}")
     device = resolve_device(args)
     if device.type == "cpu" and args.bf16 and cpu_has_native_bf16() is False:
         print("[train] warning: this CPU has no AVX512_BF16 or AMX, so bf16 autocast is emulated and "
@@ -648,6 +690,8 @@ def train(args) -> None:
     model.train()
     if args.grad_checkpoint:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.train_only:
+        print(f"[train] --train-only: {freeze_except(model, args.train_only)} parameters trainable", flush=True)
     opt = make_optimizer(model, args)
     step, tokens, elapsed = 0, 0, 0.0
     if args.resume:
@@ -838,6 +882,45 @@ def bench(args) -> None:
 MALLOC_TUNABLES = "glibc.malloc.mmap_threshold=67108864:glibc.malloc.trim_threshold=4294967296"
 
 
+def read_draws(parser, path: Path) -> list[int]:
+    """--steps-from: the step numbers whose batches to train on."""
+    try:
+        draws = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        parser.error(f"--steps-from {path}: {err}")
+    if not (isinstance(draws, list) and draws and all(isinstance(d, int) and d >= 0 for d in draws)):
+        parser.error(f"--steps-from {path}: expected a non-empty JSON list of step numbers")
+    return draws
+
+
+@torch.no_grad()
+def mine(args) -> None:
+    """--mine: how the --init-from weights do on the retrieval answers of steps 0..--steps-1.
+
+    Rows are drawn exactly as training would draw them (same seed, lengths, mixture), so a
+    step number found hard here names a batch that --steps-from can train on."""
+    if args.init_from is None:
+        raise SystemExit("--mine needs --init-from: the weights to score")
+    device = resolve_device(args)
+    data = DataMixture(args, load_tokenizer())
+    model = build_model(args).to(device)
+    print(f"[mine] weights from {load_initial_weights(model, args.init_from)}", flush=True)
+    model.eval()
+    args.mine.parent.mkdir(parents=True, exist_ok=True)
+    with open(args.mine, "w", encoding="utf-8") as out:
+        for step, batch in enumerate(batches(data, args, 0, args.steps)):
+            inputs, targets, weights, answer, _, _ = (t.to(device) for t in batch)
+            t0 = time.time()
+            _, ce, logits = forward_loss(model, args, inputs, targets, weights)
+            record = {"step": step, "seq_len": inputs.shape[1], "seconds": round(time.time() - t0, 2)}
+            if answer.any():
+                record.update(answer_loss=ce[answer].mean().item(), answer_loss_max=ce[answer].max().item(),
+                              answer_exact=answer_exact(answer, logits.argmax(-1) == targets))
+            out.write(json.dumps(record) + "\n")
+            out.flush()
+            print(f"[mine] step {step}: {record}", flush=True)
+
+
 def main(argv=None) -> int:
     if argv is None and "GLIBC_TUNABLES" not in os.environ and sys.platform.startswith("linux"):
         os.environ["GLIBC_TUNABLES"] = MALLOC_TUNABLES
@@ -855,9 +938,12 @@ def main(argv=None) -> int:
         parser.error(f"--fill: {e}")
     if args.asks < 1:
         parser.error(f"--asks must be at least 1, got {args.asks}")
+    args.draws = read_draws(parser, args.steps_from) if args.steps_from else None
     torch.set_num_threads(args.threads)
     if args.bench:
         bench(args)
+    elif args.mine:
+        mine(args)
     elif args.export_only:
         export(args)
     else:
