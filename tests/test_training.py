@@ -161,3 +161,24 @@ def test_train_only_freezes_all_but_the_matched_parameters_and_the_optimizer_ski
         train.freeze_except(model, r"no_such_layer")
     with pytest.raises(SystemExit, match="not a regular expression"):
         train.freeze_except(model, r"layers\.(3")
+
+
+def test_probe_q_scale_multiplies_only_the_named_query_dims_of_an_attention_layer():
+    train, probe = import_training("train"), import_training("probe_passkey")
+    args = train.build_parser().parse_args(["--hidden", "64", "--layers", "4", "--intermediate", "128",
+                                            "--heads", "2", "--kv-heads", "1", "--head-dim", "32",
+                                            "--lin-head-dim", "16"])
+    model = train.build_model(args)
+    with torch.no_grad():
+        model.model.layers[3].self_attn.q_norm.weight.normal_(0, 0.1)
+    x = torch.randn(5, 32)
+    norm = model.model.layers[3].self_attn.q_norm
+    before = norm(x).detach()
+    probe.scale_queries(model, "3n=1.5")           # 32 dims, a quarter rotary: dims 8.. scaled
+    after = norm(x).detach()
+    assert torch.allclose(after[:, :8], before[:, :8]) and torch.allclose(after[:, 8:], 1.5 * before[:, 8:], rtol=1e-5)
+    probe.scale_queries(model, "3r=2")
+    assert torch.allclose(norm(x).detach()[:, :8], 2 * before[:, :8], rtol=1e-5)
+    for bad in ("0=1.5", "9=1.5", "3x=1.5", "3=fast"):
+        with pytest.raises(SystemExit, match="--q-scale"):
+            probe.scale_queries(model, bad)

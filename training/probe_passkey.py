@@ -57,6 +57,28 @@ def score(model, tok, prompt: str, answer: str, digit_ids: list[int]) -> dict:
             "read": tok.decode(read[:len(answer_ids)]).strip()}
 
 
+def scale_queries(model, spec: str) -> None:
+    """--q-scale LAYER[n|r]=S: multiply attention layer LAYER's queries by S (all dims; ``n`` only
+    the dims without rotary position, ``r`` only the rotary ones) through its q_norm weight,
+    which Qwen3.5 applies as (1 + weight). Keys, and so the KV cache, are untouched: only the
+    temperature of that layer's attention changes."""
+    match = re.fullmatch(r"(\d+)([nr]?)=([0-9.]+)", spec)
+    layers = model.model.layers
+    if not match or int(match[1]) >= len(layers) or not hasattr(layers[int(match[1])], "self_attn"):
+        raise SystemExit(f"--q-scale {spec!r}: expected LAYER[n|r]=S with LAYER an attention layer")
+    config = model.config
+    rotary = int(config.head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0))
+    vec = torch.ones(config.head_dim)
+    if match[2] == "r":
+        vec[:rotary] = float(match[3])
+    elif match[2] == "n":
+        vec[rotary:] = float(match[3])
+    else:
+        vec[:] = float(match[3])
+    norm = layers[int(match[1])].self_attn.q_norm
+    norm.weight.data = vec.to(norm.weight) * (1 + norm.weight.data) - 1
+
+
 def parse_samples(text: str) -> list[tuple[int, float, int]]:
     out = []
     for part in text.split(","):
@@ -77,10 +99,15 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="fp32")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    p.add_argument("--q-scale", action="append", default=[], metavar="LAYER[n|r]=S",
+                   help="before scoring, multiply attention layer LAYER's queries by S (n: only the "
+                        "non-rotary dims, r: only the rotary ones); repeatable")
     args = p.parse_args(argv)
     args.checkpoint, args.device = None, "cpu"
     torch.set_num_threads(args.threads)
     model, tok, _ = evaluate.load_model(args)
+    for spec in args.q_scale:
+        scale_queries(model, spec)
     import train
 
     docs = evaluate.heldout_docs(train.ensure_corpus())
