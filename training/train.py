@@ -32,6 +32,7 @@ import os
 import platform
 import random
 import re
+import shlex
 import shutil
 import sys
 import time
@@ -715,7 +716,7 @@ def train(args) -> None:
     else:
         (run_dir / "log.jsonl").unlink(missing_ok=True)
     n_params = count_params(model)
-    meta = {"event": "start", "step": step, "params": n_params, "cmdline": " ".join(sys.argv[1:]),
+    meta = {"event": "start", "step": step, "params": n_params, "cmdline": shlex.join(sys.argv[1:]),
             "args": {k: str(v) for k, v in vars(args).items()},
             "tokenizer_sha256": tokenizer_digest(), "sources": data.sources,
             "source_weights": data.weights, "torch": torch.__version__,
