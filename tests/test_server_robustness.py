@@ -215,21 +215,23 @@ def test_slowloris_and_short_bodies_are_closed(server):
 
 
 def test_long_stream_outlives_the_read_timeout(tiny_folder):
-    # its own server with a 0.05 s read timeout: the shared one's 1 s was longer than a whole
-    # 500-token stream (0.8 s with the torch step, 0.15 s with the native one) on a quiet
-    # machine, so the test could not tell
+    # its own server with a read timeout far shorter than the stream: the shared one's 1 s was
+    # longer than a whole 500-token stream (0.8 s with the torch step, 0.15 s with the native
+    # one), and 500 tokens took 0.07 s on a fast AMD EPYC, under a 0.05 s timeout's margin;
+    # 1,500 tokens against 0.01 s leave room on faster machines
+    timeout = 0.01
     port = free_port()
-    srv = start(options(tiny_folder("qwen3_5")[0], read_timeout=0.05), "127.0.0.1", port)
+    srv = start(options(tiny_folder("qwen3_5")[0], read_timeout=timeout), "127.0.0.1", port)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_ready(base)
         t0 = time.monotonic()
-        text, lines = stream_text(base, {**greedy(3, 500), "temperature": 1.0, "seed": 5})
+        text, lines = stream_text(base, {**greedy(3, 1500), "temperature": 1.0, "seed": 5})
         took = time.monotonic() - t0
     finally:
         srv.shutdown()
     assert lines[-1] == "[DONE]" and not any('"error"' in ln for ln in lines)
-    assert took > 0.1, f"the stream took {took:.2f} s: too short to outlive the 0.05 s read timeout"
+    assert took > 5 * timeout, f"the stream took {took:.3f} s: too short to outlive the {timeout} s read timeout"
 
 
 # ----- malformed input: 400, never 500 ------------------------------------------------------------
