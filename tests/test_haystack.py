@@ -190,16 +190,18 @@ def test_text_weight_scales_the_loss_of_everything_but_the_answers(mixture):
 def test_steps_from_trains_on_the_batches_of_the_listed_steps_in_order(mixture, tmp_path):
     train = import_training("train")
     args = types.SimpleNamespace(**{**vars(mixture.args), "phases": "512:1.0", "steps": 10,
-                                    "tokens_per_step": 1024, "draws": [7, 2]})
+                                    "tokens_per_step": 1024, "draws": [(None, 7), (99, 2)]})
     batches = train.StepBatches(mixture, args, 0, 3)
-    for i, draw in enumerate([7, 2, 7]):
-        got, want = batches[i], mixture.batch(draw, 512, 2)
-        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    other_seed = train.DataMixture(types.SimpleNamespace(**{**vars(mixture.args), "seed": 99}),
+                                   mixture.tok, mixture.train)
+    for i, want in enumerate([mixture.batch(7, 512, 2), other_seed.batch(2, 512, 2), mixture.batch(7, 512, 2)]):
+        assert all(torch.equal(a, b) for a, b in zip(batches[i], want))
+    assert not torch.equal(batches[1][0], mixture.batch(2, 512, 2)[0])   # the pair's seed is used
     parser = train.build_parser()
     good = tmp_path / "hard.json"
-    good.write_text("[7, 2]")
-    assert train.read_draws(parser, good) == [7, 2]
-    for text in ("[]", '{"step": 7}', "[7, -1]", "not json"):
+    good.write_text("[7, [99, 2]]")
+    assert train.read_draws(parser, good) == [(None, 7), (99, 2)]
+    for text in ("[]", '{"step": 7}', "[7, -1]", "[[1, 2, 3]]", "[true]", "not json"):
         good.write_text(text)
         with pytest.raises(SystemExit):
             train.read_draws(parser, good)

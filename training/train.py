@@ -193,8 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "write each step's answer loss and whether every answer token is the argmax "
                         "as JSON lines to FILE; --steps-from then trains on the hard ones")
     p.add_argument("--steps-from", type=Path, default=None, metavar="FILE",
-                   help="train on the batches of the steps listed in FILE (a JSON list of step "
-                        "numbers, drawn under the same --seed and mixture), in order and cycling")
+                   help="train on the batches listed in FILE, in order and cycling: a JSON list of "
+                        "step numbers (drawn under --seed) or [seed, step] pairs, with the same mixture "
+                        "options as the --mine runs that found them")
     p.add_argument("--resume", action="store_true", help="continue from runs/<name>/ckpt/last.pt")
     p.add_argument("--init-from", type=Path, default=None,
                    help="start from the weights (not optimizer/step) of a checkpoint; "
@@ -386,7 +387,7 @@ class DataMixture:
             copied[dst + 1:dst + span] = True  # the first token of a repeat is a guess
         return ids, copied
 
-    def batch(self, step: int, seq_len: int, batch_size: int):
+    def batch(self, step: int, seq_len: int, batch_size: int, seed: int | None = None):
         """(inputs, targets, target weights, answer mask, copy mask, row kinds) for one step.
 
         Row kinds index ``NEEDLE_KINDS`` (-1: a row without a needle), so that the log can
@@ -394,7 +395,7 @@ class DataMixture:
         """
         rows, wts, copies, kinds = [], [], [], []
         for row in range(batch_size):
-            rng = random.Random(f"{self.args.seed}:{step}:{row}")
+            rng = random.Random(f"{self.args.seed if seed is None else seed}:{step}:{row}")
             draw = rng.random()
             copied = np.zeros(seq_len + 1, dtype=bool)
             kinds.append(-1)
@@ -538,8 +539,8 @@ class StepBatches(torch.utils.data.Dataset):
         step = self.first + i
         seq_len = phase_at(step, self.args)
         draws = getattr(self.args, "draws", None)
-        draw = draws[step % len(draws)] if draws else step
-        return self.data.batch(draw, seq_len, max(1, self.args.tokens_per_step // seq_len))
+        seed, draw = draws[step % len(draws)] if draws else (None, step)
+        return self.data.batch(draw, seq_len, max(1, self.args.tokens_per_step // seq_len), seed)
 
 
 def batches(data, args, first: int, last: int):
@@ -883,14 +884,26 @@ def bench(args) -> None:
 MALLOC_TUNABLES = "glibc.malloc.mmap_threshold=67108864:glibc.malloc.trim_threshold=4294967296"
 
 
-def read_draws(parser, path: Path) -> list[int]:
-    """--steps-from: the step numbers whose batches to train on."""
+def read_draws(parser, path: Path) -> list[tuple[int | None, int]]:
+    """--steps-from: the batches to train on, as (seed, step) with seed None for --seed's.
+
+    FILE is a JSON list whose items are step numbers (drawn under --seed) or [seed, step]
+    pairs, so that one run can train on the rows of several mining runs."""
     try:
-        draws = json.loads(path.read_text())
+        items = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         parser.error(f"--steps-from {path}: {err}")
-    if not (isinstance(draws, list) and draws and all(isinstance(d, int) and d >= 0 for d in draws)):
-        parser.error(f"--steps-from {path}: expected a non-empty JSON list of step numbers")
+    ok = lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0  # noqa: E731
+    if not isinstance(items, list) or not items:
+        parser.error(f"--steps-from {path}: expected a non-empty JSON list")
+    draws = []
+    for item in items:
+        if ok(item):
+            draws.append((None, item))
+        elif isinstance(item, list) and len(item) == 2 and all(ok(x) for x in item):
+            draws.append((item[0], item[1]))
+        else:
+            parser.error(f"--steps-from {path}: {item!r} is neither a step number nor a [seed, step] pair")
     return draws
 
 
