@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +12,8 @@ import torch
 from kvslim.eval import ruler
 
 from .conftest import import_training
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -145,12 +148,16 @@ def test_native_bf16_is_read_from_the_cpu_flags(monkeypatch):
         assert train.cpu_has_native_bf16() is want
 
 
+def tiny_model(train):
+    """A 4-layer qwen3_5 model of train.py's builder (layer 3 attention, head_dim 32)."""
+    return train.build_model(train.build_parser().parse_args(
+        ["--hidden", "64", "--layers", "4", "--intermediate", "128", "--heads", "2", "--kv-heads", "1",
+         "--head-dim", "32", "--lin-head-dim", "16"]))
+
+
 def test_train_only_freezes_all_but_the_matched_parameters_and_the_optimizer_skips_them(train):
     import argparse
-    args = train.build_parser().parse_args(["--hidden", "64", "--layers", "4", "--intermediate", "128",
-                                            "--heads", "2", "--kv-heads", "1", "--head-dim", "32",
-                                            "--lin-head-dim", "16"])
-    model = train.build_model(args)
+    model = tiny_model(train)
     kept = train.freeze_except(model, r"layers\.3\.self_attn\.[qk]_norm")
     assert kept == 2 * 32
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
@@ -165,10 +172,7 @@ def test_train_only_freezes_all_but_the_matched_parameters_and_the_optimizer_ski
 
 def test_probe_q_scale_multiplies_only_the_named_query_dims_of_an_attention_layer():
     train, probe = import_training("train"), import_training("probe_passkey")
-    args = train.build_parser().parse_args(["--hidden", "64", "--layers", "4", "--intermediate", "128",
-                                            "--heads", "2", "--kv-heads", "1", "--head-dim", "32",
-                                            "--lin-head-dim", "16"])
-    model = train.build_model(args)
+    model = tiny_model(train)
     with torch.no_grad():
         model.model.layers[3].self_attn.q_norm.weight.normal_(0, 0.1)
     x = torch.randn(5, 32)
@@ -182,3 +186,18 @@ def test_probe_q_scale_multiplies_only_the_named_query_dims_of_an_attention_laye
     for bad in ("0=1.5", "9=1.5", "3x=1.5", "3=fast"):
         with pytest.raises(SystemExit, match="--q-scale"):
             probe.scale_queries(model, bad)
+
+
+def test_steps_from_a_mine_file_picks_its_hard_rows_each_with_an_easy_one(train, tmp_path):
+    # the committed mining run and the step list that tiny-qwen35-temp3 trained on
+    mine = ROOT / "training" / "runs" / "tiny-qwen35-pkmine" / "mine.jsonl"
+    want = json.loads((mine.parent / "steps.json").read_text())
+    records = [json.loads(line) for line in mine.read_text().splitlines()]
+    assert train.hard_rows(records) == want
+    hard = {r["step"] for r in records if r["answer_exact"] < 1 or r["answer_loss_max"] > 0.3}
+    assert set(want[0::2]) == hard and not hard & set(want[1::2])
+    assert train.read_draws(train.build_parser(), mine) == [(None, s) for s in want]
+    empty = tmp_path / "easy.jsonl"
+    empty.write_text(json.dumps({"step": 0, "answer_exact": 1.0, "answer_loss_max": 0.01}) + "\n")
+    with pytest.raises(SystemExit):
+        train.read_draws(train.build_parser(), empty)      # no hard rows: nothing to train on

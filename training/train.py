@@ -193,8 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "write each step's answer loss and whether every answer token is the argmax "
                         "as JSON lines to FILE; --steps-from then trains on the hard ones")
     p.add_argument("--steps-from", type=Path, default=None, metavar="FILE",
-                   help="train on the batches listed in FILE, in order and cycling: a JSON list of "
-                        "step numbers (drawn under --seed) or [seed, step] pairs, with the same mixture "
+                   help="train on the batches listed in FILE, in order and cycling: a --mine output "
+                        "(.jsonl: its hard rows, each followed by an easy one) or a JSON list of step "
+                        "numbers (drawn under --seed) or [seed, step] pairs, with the same mixture "
                         "options as the --mine runs that found them")
     p.add_argument("--resume", action="store_true", help="continue from runs/<name>/ckpt/last.pt")
     p.add_argument("--init-from", type=Path, default=None,
@@ -884,18 +885,32 @@ def bench(args) -> None:
 MALLOC_TUNABLES = "glibc.malloc.mmap_threshold=67108864:glibc.malloc.trim_threshold=4294967296"
 
 
+def hard_rows(records: list[dict], max_loss: float = 0.3, seed: int = 0) -> list[int]:
+    """Steps of a --mine file to train on: each hard one (an answer token read wrong, or one
+    with loss above ``max_loss``: probability under 0.74 at 0.3) followed by an easy one drawn
+    at random, so that the rows the model already reads keep their weight in the run."""
+    hard = [r["step"] for r in records if "answer_exact" in r
+            and (r["answer_exact"] < 1 or r["answer_loss_max"] > max_loss)]
+    easy = [r["step"] for r in records if "answer_exact" in r and r["step"] not in hard]
+    random.Random(seed).shuffle(easy)
+    return [step for pair in zip(hard, sorted(easy[:len(hard)])) for step in pair]
+
+
 def read_draws(parser, path: Path) -> list[tuple[int | None, int]]:
     """--steps-from: the batches to train on, as (seed, step) with seed None for --seed's.
 
-    FILE is a JSON list whose items are step numbers (drawn under --seed) or [seed, step]
-    pairs, so that one run can train on the rows of several mining runs."""
+    FILE is a --mine output (.jsonl: its hard rows, see hard_rows) or a JSON list whose items
+    are step numbers (drawn under --seed) or [seed, step] pairs, so that one run can train
+    on the rows of several mining runs."""
     try:
-        items = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
+        text = path.read_text()
+        items = (hard_rows([json.loads(line) for line in text.splitlines() if line.strip()])
+                 if path.suffix == ".jsonl" else json.loads(text))
+    except (OSError, ValueError, KeyError) as err:
         parser.error(f"--steps-from {path}: {err}")
     ok = lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0  # noqa: E731
     if not isinstance(items, list) or not items:
-        parser.error(f"--steps-from {path}: expected a non-empty JSON list")
+        parser.error(f"--steps-from {path}: expected a non-empty JSON list (or a --mine file with hard rows)")
     draws = []
     for item in items:
         if ok(item):
