@@ -200,8 +200,11 @@ def test_steps_from_trains_on_the_batches_of_the_listed_steps_in_order(mixture, 
     parser = train.build_parser()
     good = tmp_path / "hard.json"
     good.write_text("[7, [99, 2]]")
-    assert train.read_draws(parser, good) == [(None, 7), (99, 2)]
+    assert train.read_draws(parser, [str(good)]) == [(None, 7), (99, 2)]
+    assert train.read_draws(parser, [f"{good}@5", str(good)]) == [(5, 7), (99, 2), (None, 7), (99, 2)]
+    with pytest.raises(SystemExit):
+        train.read_draws(parser, [f"{good}@five"])
     for text in ("[]", '{"step": 7}', "[7, -1]", "[[1, 2, 3]]", "[true]", "not json"):
         good.write_text(text)
         with pytest.raises(SystemExit):
-            train.read_draws(parser, good)
+            train.read_draws(parser, [str(good)])

@@ -196,8 +196,12 @@ def test_steps_from_a_mine_file_picks_its_hard_rows_each_with_an_easy_one(train,
     assert train.hard_rows(records) == want
     hard = {r["step"] for r in records if r["answer_exact"] < 1 or r["answer_loss_max"] > 0.3}
     assert set(want[0::2]) == hard and not hard & set(want[1::2])
-    assert train.read_draws(train.build_parser(), mine) == [(None, s) for s in want]
+    assert train.read_draws(train.build_parser(), [str(mine)]) == [(None, s) for s in want]
+    assert train.read_draws(train.build_parser(), [f"{mine}@2041"]) == [(2041, s) for s in want]
+    seeded = tmp_path / "seeded.jsonl"      # rows mined since they carry their seed
+    seeded.write_text("".join(json.dumps({**r, "seed": 7}) + "\n" for r in records))
+    assert train.read_draws(train.build_parser(), [str(seeded)]) == [(7, s) for s in want]
     empty = tmp_path / "easy.jsonl"
     empty.write_text(json.dumps({"step": 0, "answer_exact": 1.0, "answer_loss_max": 0.01}) + "\n")
     with pytest.raises(SystemExit):
-        train.read_draws(train.build_parser(), empty)      # no hard rows: nothing to train on
+        train.read_draws(train.build_parser(), [str(empty)])      # no hard rows: nothing to train on

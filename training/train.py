@@ -192,11 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="score steps 0..--steps-1 of this mixture without training (no gradient) and "
                         "write each step's answer loss and whether every answer token is the argmax "
                         "as JSON lines to FILE; --steps-from then trains on the hard ones")
-    p.add_argument("--steps-from", type=Path, default=None, metavar="FILE",
-                   help="train on the batches listed in FILE, in order and cycling: a --mine output "
-                        "(.jsonl: its hard rows, each followed by an easy one) or a JSON list of step "
-                        "numbers (drawn under --seed) or [seed, step] pairs, with the same mixture "
-                        "options as the --mine runs that found them")
+    p.add_argument("--steps-from", nargs="+", default=None, metavar="FILE[@SEED]",
+                   help="train on the batches listed in these files, in order and cycling: a --mine "
+                        "output (.jsonl: its hard rows, each followed by an easy one) or a JSON list of "
+                        "step numbers (drawn under --seed) or [seed, step] pairs, with the same mixture "
+                        "options as the --mine runs that found them; @SEED names the seed of a --mine "
+                        "file that predates the seed in its rows")
     p.add_argument("--resume", action="store_true", help="continue from runs/<name>/ckpt/last.pt")
     p.add_argument("--init-from", type=Path, default=None,
                    help="start from the weights (not optimizer/step) of a checkpoint; "
@@ -888,20 +889,35 @@ MALLOC_TUNABLES = "glibc.malloc.mmap_threshold=67108864:glibc.malloc.trim_thresh
 def hard_rows(records: list[dict], max_loss: float = 0.3, seed: int = 0) -> list[int]:
     """Steps of a --mine file to train on: each hard one (an answer token read wrong, or one
     with loss above ``max_loss``: probability under 0.74 at 0.3) followed by an easy one drawn
-    at random, so that the rows the model already reads keep their weight in the run."""
+    at random, so that the rows the model already reads keep their weight in the run.
+    Rows that carry their mining run's seed come back as [seed, step] pairs."""
+    seeds = {r["step"]: r["seed"] for r in records if "seed" in r}
+    item = lambda step: [seeds[step], step] if step in seeds else step  # noqa: E731
     hard = [r["step"] for r in records if "answer_exact" in r
             and (r["answer_exact"] < 1 or r["answer_loss_max"] > max_loss)]
     easy = [r["step"] for r in records if "answer_exact" in r and r["step"] not in hard]
     random.Random(seed).shuffle(easy)
-    return [step for pair in zip(hard, sorted(easy[:len(hard)])) for step in pair]
+    return [item(step) for pair in zip(hard, sorted(easy[:len(hard)])) for step in pair]
 
 
-def read_draws(parser, path: Path) -> list[tuple[int | None, int]]:
+def read_draws(parser, specs: list[str]) -> list[tuple[int | None, int]]:
     """--steps-from: the batches to train on, as (seed, step) with seed None for --seed's.
 
-    FILE is a --mine output (.jsonl: its hard rows, see hard_rows) or a JSON list whose items
-    are step numbers (drawn under --seed) or [seed, step] pairs, so that one run can train
-    on the rows of several mining runs."""
+    Each FILE is a --mine output (.jsonl: its hard rows, see hard_rows) or a JSON list whose
+    items are step numbers (drawn under --seed) or [seed, step] pairs, so that one run can
+    train on the rows of several mining runs. FILE@SEED gives a file's bare step numbers that
+    seed (mine files written before rows carried their seed). Files are read in order."""
+    draws = []
+    for spec in specs:
+        path, _, seed = str(spec).partition("@")
+        if seed and not seed.isdigit():
+            parser.error(f"--steps-from {spec}: the part after @ must be a seed (a whole number)")
+        draws += [(int(seed) if seed and s is None else s, step) for s, step in read_draw_file(parser, Path(path))]
+    return draws
+
+
+def read_draw_file(parser, path: Path) -> list[tuple[int | None, int]]:
+    """One --steps-from file's (seed, step) draws (seed None: not named in the file)."""
     try:
         text = path.read_text()
         items = (hard_rows([json.loads(line) for line in text.splitlines() if line.strip()])
@@ -941,7 +957,8 @@ def mine(args) -> None:
             inputs, targets, weights, answer, _, _ = (t.to(device) for t in batch)
             t0 = time.time()
             _, ce, logits = forward_loss(model, args, inputs, targets, weights)
-            record = {"step": step, "seq_len": inputs.shape[1], "seconds": round(time.time() - t0, 2)}
+            record = {"step": step, "seed": args.seed, "seq_len": inputs.shape[1],
+                      "seconds": round(time.time() - t0, 2)}
             if answer.any():
                 record.update(answer_loss=ce[answer].mean().item(), answer_loss_max=ce[answer].max().item(),
                               answer_exact=answer_exact(answer, logits.argmax(-1) == targets))
