@@ -31,7 +31,7 @@ def mixture():
         docs = [d for d in path.read_text(encoding="utf-8").split("\f\n") if d.strip()]
         streams[path.stem] = np.concatenate([np.asarray(e.ids + [0], dtype=np.uint16)
                                              for e in tok.encode_batch(docs)])
-    args = types.SimpleNamespace(answer_weight=10.0, answer_stop="", kinds="", asks=1, needle_frac=0.35, copy_frac=0.0, seed=1234, source_power=0.5, fill="0.2:1.0", text_weight=1.0)
+    args = types.SimpleNamespace(answer_weight=10.0, answer_stop="", kinds="", asks=1, needle_frac=0.35, copy_frac=0.0, seed=1234, source_power=0.5, fill="0.2:1.0", text_weight=1.0, canonical=False)
     return train.DataMixture(args, tok, streams)
 
 
@@ -164,6 +164,26 @@ def test_fill_sets_the_haystack_share_of_a_row_and_so_the_needle_distance(mixtur
     default_rows = [sample_share(seed, (0.2, 1.0)) for seed in range(12)]
     assert min(long_rows) >= 0.79
     assert np.mean(default_rows) < np.mean(long_rows) - 0.15
+
+
+def test_canonical_rows_use_the_evaluation_phrasing_and_drawn_rows_vary_it(mixture):
+    # --canonical: every pass-key row reads as the grid's sample does; by default the phrasing is drawn
+    eos_id = sys.modules[type(mixture).__module__].EOS_ID
+    window = lambda r, n: mixture._window(r, n)[1]  # noqa: E731
+    kinds = needle.parse_kinds("passkey:1")
+
+    def row_text(seed, canonical):
+        ids, weights = haystack.needle_row(mixture.space, random.Random(f"canon:{seed}"), 1024, window, eos_id,
+                                           10.0, ".", kinds, 1, None, (0.5, 1.0), canonical)
+        answer = mixture.tok.decode(ids[weights > 1].tolist())
+        return mixture.tok.decode(ids.tolist()), answer.strip().rstrip(".")
+
+    canonical_needle, question = needle._PASSKEY_NEEDLES[0], needle._PASSKEY_QUESTIONS[0]
+    for seed in range(6):
+        text, number = row_text(seed, True)
+        assert canonical_needle.format(n=number) in text and question + " " + number + "." in text
+    drawn = [row_text(seed, False) for seed in range(12)]
+    assert sum(canonical_needle.format(n=n) in t for t, n in drawn) < 12
 
 
 def test_parse_fill_names_the_bad_value():

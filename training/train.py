@@ -173,6 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="LO:HI, the share of a needle row that its haystack fills, drawn uniformly "
                         "(the rest is other text before it); 0.8:1.0 makes most needles sit far "
                         "from their question, as in an evaluation haystack of the full length")
+    p.add_argument("--canonical", action="store_true",
+                   help="needle rows use each kind's evaluation phrasing (the pass-key grid's "
+                        "'The pass key is N. Remember it. N is the pass key.') instead of drawn ones; "
+                        "for mining and drilling the phrasing that evaluation scores")
     p.add_argument("--copy-frac", type=float, default=0.0,
                    help="share of sequences of real text in which 1-4 spans are repeated "
                         "later in the window (dense practice for the copy step of retrieval)")
@@ -369,7 +373,7 @@ class DataMixture:
         """
         return haystack.needle_row(self.space, rng, length, lambda r, n: self._window(r, n)[1], EOS_ID,
                                    self.args.answer_weight, self.args.answer_stop, self.kinds, self.args.asks,
-                                   kind, self.fill)
+                                   kind, self.fill, self.args.canonical)
 
     def _copy_row(self, rng: random.Random, length: int) -> tuple[np.ndarray, np.ndarray]:
         """A window of real text with 1-4 of its spans repeated further on.

@@ -97,7 +97,8 @@ def needle_row(space: TokenSpace, rng: random.Random, length: int,
                window: Callable[[random.Random, int], np.ndarray], eos_id: int,
                answer_weight: float, answer_stop: str = "", kinds: dict[str, float] | None = None,
                asks: int = 1, kind: str | None = None,
-               fill: tuple[float, float] = (0.2, 1.0)) -> tuple[np.ndarray, np.ndarray]:
+               fill: tuple[float, float] = (0.2, 1.0),
+               canonical: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """One training row: ``length + 1`` tokens ending with a retrieval sample, and their loss weights.
 
     The sample (kind drawn with ``kinds``' weights, default :data:`needle.KINDS`, and
@@ -117,9 +118,12 @@ def needle_row(space: TokenSpace, rng: random.Random, length: int,
 
     ``kind`` given: a caller that drew it from ``rng`` itself, with ``kinds``' weights (to
     log results per kind), gets the row that drawing it here would have given.
+
+    ``canonical`` uses each kind's evaluation phrasing instead of a drawn one (for mining
+    the rows an evaluation's phrasing makes hard; it draws less from ``rng``, so the rows differ).
     """
     kind = kind or needle.sample_kind(rng, kinds)
-    sentences, _, quiz = needle.make_quiz(rng, kind, asks)
+    sentences, _, quiz = needle.make_quiz(rng, kind, asks, canonical=canonical)
     tail_ids, tail_weights = [], []
     for question, answer in quiz:
         question_ids, answer_ids = space.encode("\n\n" + question), space.encode(answer + answer_stop)
