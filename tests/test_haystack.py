@@ -147,16 +147,20 @@ def test_training_batches_name_the_kind_of_each_needle_row(mixture):
     assert {"passkey", "magic"} <= seen
 
 
+def passkey_row(mixture, rng, length, fill, canonical=False):
+    """A training pass-key row of ``mixture`` (answers weigh 10, "." after them); and the eos id."""
+    eos_id = sys.modules[type(mixture).__module__].EOS_ID
+    window = lambda r, n: mixture._window(r, n)[1]  # noqa: E731
+    ids, weights = haystack.needle_row(mixture.space, rng, length, window, eos_id, 10.0, ".",
+                                       needle.parse_kinds("passkey:1"), 1, None, fill, canonical)
+    return ids, weights, eos_id
+
+
 def test_fill_sets_the_haystack_share_of_a_row_and_so_the_needle_distance(mixture):
     # --fill 0.8:1.0: the sample (haystack + question) takes 80-100% of the row, so the pass key sits
     # up to the whole row away from its question; the default 0.2:1.0 rows are shorter on average.
-    eos_id = sys.modules[type(mixture).__module__].EOS_ID
-    window = lambda r, n: mixture._window(r, n)[1]  # noqa: E731
-    kinds = needle.parse_kinds("passkey:1")
-
     def sample_share(seed, fill):
-        ids, _ = haystack.needle_row(mixture.space, random.Random(f"fill:{seed}"), 2048, window, eos_id,
-                                     10.0, ".", kinds, 1, None, fill)
+        ids, _, eos_id = passkey_row(mixture, random.Random(f"fill:{seed}"), 2048, fill)
         eos = np.flatnonzero(ids[:-1] == eos_id)       # the padding window before the sample ends in eos
         return (len(ids) - 1 - (eos[-1] + 1 if len(eos) else 0)) / (len(ids) - 1)
 
@@ -168,13 +172,8 @@ def test_fill_sets_the_haystack_share_of_a_row_and_so_the_needle_distance(mixtur
 
 def test_canonical_rows_use_the_evaluation_phrasing_and_drawn_rows_vary_it(mixture):
     # --canonical: every pass-key row reads as the grid's sample does; by default the phrasing is drawn
-    eos_id = sys.modules[type(mixture).__module__].EOS_ID
-    window = lambda r, n: mixture._window(r, n)[1]  # noqa: E731
-    kinds = needle.parse_kinds("passkey:1")
-
     def row_text(seed, canonical):
-        ids, weights = haystack.needle_row(mixture.space, random.Random(f"canon:{seed}"), 1024, window, eos_id,
-                                           10.0, ".", kinds, 1, None, (0.5, 1.0), canonical)
+        ids, weights, _ = passkey_row(mixture, random.Random(f"canon:{seed}"), 1024, (0.5, 1.0), canonical)
         answer = mixture.tok.decode(ids[weights > 1].tolist())
         return mixture.tok.decode(ids.tolist()), answer.strip().rstrip(".")
 
