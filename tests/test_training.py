@@ -201,6 +201,15 @@ def test_steps_from_a_mine_file_picks_its_hard_rows_each_with_an_easy_one(train,
     seeded = tmp_path / "seeded.jsonl"      # rows mined since they carry their seed
     seeded.write_text("".join(json.dumps({**r, "seed": 7}) + "\n" for r in records))
     assert train.read_draws(train.build_parser(), [str(seeded)]) == [(7, s) for s in want]
+    # a --mine file records the options its rows were drawn with; a run drawing other rows is refused
+    parser = train.build_parser()
+    mined_with = parser.parse_args(["--fill", "0.9:1.0", "--canonical", "--phases", "16384:1.0"])
+    header = {"event": "mine", "seed": 7, "options": train.row_options(mined_with)}
+    seeded.write_text(json.dumps(header) + "\n" + "".join(json.dumps({**r, "seed": 7}) + "\n" for r in records))
+    assert train.read_draws(parser, [str(seeded)], mined_with) == [(7, s) for s in want]
+    for other in (["--fill", "0.5:1.0", "--canonical", "--phases", "16384:1.0"], ["--fill", "0.9:1.0", "--phases", "16384:1.0"]):
+        with pytest.raises(SystemExit):
+            train.read_draws(parser, [str(seeded)], parser.parse_args(other))
     empty = tmp_path / "easy.jsonl"
     empty.write_text(json.dumps({"step": 0, "answer_exact": 1.0, "answer_loss_max": 0.01}) + "\n")
     with pytest.raises(SystemExit):

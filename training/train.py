@@ -195,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mine", type=Path, default=None, metavar="FILE",
                    help="score steps 0..--steps-1 of this mixture without training (no gradient) and "
                         "write each step's answer loss and whether every answer token is the argmax "
-                        "as JSON lines to FILE; --steps-from then trains on the hard ones")
+                        "as JSON lines to FILE (after a line of the options that drew the rows); "
+                        "--steps-from then trains on the hard ones and refuses other row options")
     p.add_argument("--steps-from", nargs="+", default=None, metavar="FILE[@SEED]",
                    help="train on the batches listed in these files, in order and cycling: a --mine "
                         "output (.jsonl: its hard rows, each followed by an easy one) or a JSON list of "
@@ -890,12 +891,22 @@ def bench(args) -> None:
 MALLOC_TUNABLES = "glibc.malloc.mmap_threshold=67108864:glibc.malloc.trim_threshold=4294967296"
 
 
+# The options that decide what a step's batch holds besides seed and step: a --mine file
+# records them, and --steps-from refuses a run whose options would draw other rows.
+ROW_OPTIONS = ("phases", "tokens_per_step", "needle_frac", "copy_frac", "kinds", "asks", "answer_weight",
+               "answer_stop", "fill", "canonical", "source_power")
+
+
+def row_options(args) -> dict:
+    return {k: getattr(args, k) for k in ROW_OPTIONS}
+
+
 def hard_rows(records: list[dict], max_loss: float = 0.3, seed: int = 0) -> list[int]:
     """Steps of a --mine file to train on: each hard one (an answer token read wrong, or one
     with loss above ``max_loss``: probability under 0.74 at 0.3) followed by an easy one drawn
     at random, so that the rows the model already reads keep their weight in the run.
     Rows that carry their mining run's seed come back as [seed, step] pairs."""
-    seeds = {r["step"]: r["seed"] for r in records if "seed" in r}
+    seeds = {r["step"]: r["seed"] for r in records if "seed" in r and "step" in r}
     item = lambda step: [seeds[step], step] if step in seeds else step  # noqa: E731
     hard = [r["step"] for r in records if "answer_exact" in r
             and (r["answer_exact"] < 1 or r["answer_loss_max"] > max_loss)]
@@ -904,30 +915,39 @@ def hard_rows(records: list[dict], max_loss: float = 0.3, seed: int = 0) -> list
     return [item(step) for pair in zip(hard, sorted(easy[:len(hard)])) for step in pair]
 
 
-def read_draws(parser, specs: list[str]) -> list[tuple[int | None, int]]:
+def read_draws(parser, specs: list[str], args=None) -> list[tuple[int | None, int]]:
     """--steps-from: the batches to train on, as (seed, step) with seed None for --seed's.
 
     Each FILE is a --mine output (.jsonl: its hard rows, see hard_rows) or a JSON list whose
     items are step numbers (drawn under --seed) or [seed, step] pairs, so that one run can
     train on the rows of several mining runs. FILE@SEED gives a file's bare step numbers that
-    seed (mine files written before rows carried their seed). Files are read in order."""
+    seed (mine files written before rows carried their seed). Files are read in order.
+    A --mine file that records its row options is refused when ``args`` would draw other rows."""
     draws = []
     for spec in specs:
         path, _, seed = str(spec).partition("@")
         if seed and not seed.isdigit():
             parser.error(f"--steps-from {spec}: the part after @ must be a seed (a whole number)")
-        draws += [(int(seed) if seed and s is None else s, step) for s, step in read_draw_file(parser, Path(path))]
+        draws += [(int(seed) if seed and s is None else s, step)
+                  for s, step in read_draw_file(parser, Path(path), args)]
     return draws
 
 
-def read_draw_file(parser, path: Path) -> list[tuple[int | None, int]]:
+def read_draw_file(parser, path: Path, args=None) -> list[tuple[int | None, int]]:
     """One --steps-from file's (seed, step) draws (seed None: not named in the file)."""
     try:
         text = path.read_text()
-        items = (hard_rows([json.loads(line) for line in text.splitlines() if line.strip()])
-                 if path.suffix == ".jsonl" else json.loads(text))
+        records = [json.loads(line) for line in text.splitlines() if line.strip()] if path.suffix == ".jsonl" else None
+        items = hard_rows(records) if records is not None else json.loads(text)
     except (OSError, ValueError, KeyError) as err:
         parser.error(f"--steps-from {path}: {err}")
+    mined = next((r["options"] for r in records or [] if r.get("event") == "mine"), None)
+    if args is not None and mined is not None:
+        ours = row_options(args)
+        for k in ROW_OPTIONS:
+            if k in mined and mined[k] != ours[k]:
+                parser.error(f"--steps-from {path}: mined with --{k.replace('_', '-')} {mined[k]!r}, this run has "
+                             f"{ours[k]!r}: the listed steps would be other rows")
     ok = lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0  # noqa: E731
     if not isinstance(items, list) or not items:
         parser.error(f"--steps-from {path}: expected a non-empty JSON list (or a --mine file with hard rows)")
@@ -957,6 +977,7 @@ def mine(args) -> None:
     model.eval()
     args.mine.parent.mkdir(parents=True, exist_ok=True)
     with open(args.mine, "w", encoding="utf-8") as out:
+        out.write(json.dumps({"event": "mine", "seed": args.seed, "options": row_options(args)}) + "\n")
         for step, batch in enumerate(batches(data, args, 0, args.steps)):
             inputs, targets, weights, answer, _, _ = (t.to(device) for t in batch)
             t0 = time.time()
@@ -988,7 +1009,7 @@ def main(argv=None) -> int:
         parser.error(f"--fill: {e}")
     if args.asks < 1:
         parser.error(f"--asks must be at least 1, got {args.asks}")
-    args.draws = read_draws(parser, args.steps_from) if args.steps_from else None
+    args.draws = read_draws(parser, args.steps_from, args) if args.steps_from else None
     torch.set_num_threads(args.threads)
     if args.bench:
         bench(args)
