@@ -71,6 +71,19 @@ def test_card_judges_multikey_on_answers_found_at_16k(card):
     assert "80% at 16,384 tokens: **missed** (50.0%, 2 of 4)" in missed
 
 
+def test_card_names_a_drill_runs_rows_and_parameters_and_reproduces_into_the_folder(card):
+    args = {"train_only": "layers\\.7\\.self_attn\\.q_norm", "canonical": "True",
+            "steps_from": "['runs/a.jsonl', 'runs/b.jsonl']"}
+    note = card.drill_note(args)
+    assert "`layers\\.7\\.self_attn\\.q_norm`" in note and "`runs/a.jsonl`, `runs/b.jsonl`" in note
+    assert "--canonical" in note
+    assert card.drill_note({"train_only": "None", "steps_from": "None", "canonical": "False"}) == ""
+    cmd = "--name t --init-from x/last.pt --export-dir /tmp/s/t --eval-every 9"
+    assert card.reproduce_cmd(cmd, feeds_next=False) == "--name t --init-from x/last.pt --eval-every 9"
+    assert card.reproduce_cmd(cmd, feeds_next=True) == "--name t --init-from x/last.pt --no-export --eval-every 9"
+    assert card.reproduce_cmd("--name t --steps 5", feeds_next=True) == "--name t --steps 5"
+
+
 def test_evaluate_runs_the_ruler_alone_without_loading_the_model(tmp_path, monkeypatch):
     # The ruler runs kvslim in its own process on the exported folder, so a ruler-only
     # evaluation must not spend memory and minutes loading the model in this one.

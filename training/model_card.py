@@ -111,6 +111,31 @@ def ruler_section(ruler: dict) -> list[str]:
     return lines
 
 
+def drill_note(args: dict) -> str:
+    """What a drill run (--train-only, --steps-from, --canonical) changed and trained on: these
+    options decide what the run did more than its lr or phases do."""
+    unset = (None, "None", "False", "[]")
+    parts = []
+    if args.get("train_only") not in unset:
+        parts.append(f"only the parameters matching `{args['train_only']}` trained")
+    if args.get("steps_from") not in unset:
+        files = re.findall(r"'([^']+)'", args["steps_from"]) or [args["steps_from"]]
+        parts.append("on the hard rows (each followed by an easy one) mined in "
+                     + ", ".join(f"`{f}`" for f in files))
+    if args.get("canonical") == "True":
+        parts.append("every needle in the evaluation's phrasing (`--canonical`)")
+    return "; " + "; ".join(parts) if parts else ""
+
+
+def reproduce_cmd(cmd: str, feeds_next: bool) -> str:
+    """A drill run's command as Reproduce gives it: the export goes to this folder when the run's
+    weights are the folder's, and nowhere when the next run continues from its checkpoint (the
+    logged command may name a scratch --export-dir that a reader does not have)."""
+    if " --export-dir " not in cmd:
+        return cmd
+    return re.sub(r" --export-dir \S+", " --no-export" if feeds_next else "", cmd)
+
+
 def not_exported(other: str, why: str | None) -> str:
     """Card line for a continued run whose weights were not exported: its command, size and log,
     and ``why`` not (None: it was stopped early, and its log shows the stall)."""
@@ -266,6 +291,7 @@ def card(name: str, export: Path, extra_runs: list[str], abandoned: list[str] = 
             f"{o_steps[-1]['tokens']:,} tokens, {o_steps[-1]['elapsed_s'] / 60:.0f} min"
             + (f"; held-out loss {o_eval[-1]['heldout']['mean']:.3f} at its step {o_eval[-1]['step']}"
                if o_eval else "")
+            + drill_note(oa)
             + f" (log: `training/runs/{other}/log.jsonl`)."
             + (f"  Needle-answer accuracy in training (mean over 25 steps) first reached 90% at step "
                f"{learned} ({o_steps[learned - 1]['tokens']:,} tokens), at sequence length "
@@ -380,13 +406,14 @@ def card(name: str, export: Path, extra_runs: list[str], abandoned: list[str] = 
             cmd = re.sub(r" --(max-minutes|stop-at) \S+", "", leg.get("cmdline", "--name " + other))
             if end < int(leg["args"]["steps"]):
                 cmd += f" --stop-at {end}"
+            next_starts = extra[k + 1][1] if k + 1 < len(extra) else None
+            feeds_next = next_starts is not None and folder_flag not in next_starts[0].get("cmdline", "")
+            cmd = reproduce_cmd(cmd, feeds_next and i == len(o_starts) - 1)
             if folder_flag in cmd and i == 0:
                 lines.append(f"# --init-from: this folder's weights as committed before `{other}` "
                              f"(git log -- {export.relative_to(REPO_ROOT)}/model.safetensors)")
             lines.append(f".venv/bin/python training/train.py {cmd}")
         # a run the next one continues from its checkpoint (not from this folder) is not exported
-        next_starts = extra[k + 1][1] if k + 1 < len(extra) else None
-        feeds_next = next_starts is not None and folder_flag not in next_starts[0].get("cmdline", "")
         if "--no-export" in cmd and not feeds_next:
             lines.append(f".venv/bin/python training/train.py --name {other} --export-only   # this folder")
     lines += [
