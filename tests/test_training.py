@@ -78,6 +78,7 @@ def test_card_names_a_drill_runs_rows_and_parameters_and_reproduces_into_the_fol
     assert "`layers\\.7\\.self_attn\\.q_norm`" in note and "`runs/a.jsonl`, `runs/b.jsonl`" in note
     assert "--canonical" in note
     assert card.drill_note({"train_only": "None", "steps_from": "None", "canonical": "False"}) == ""
+    assert "mined in `runs/steps.json`" in card.drill_note({"steps_from": "runs/steps.json"})  # logs before nargs="+"
     cmd = "--name t --init-from x/last.pt --export-dir /tmp/s/t --eval-every 9"
     assert card.reproduce_cmd(cmd, feeds_next=False) == "--name t --init-from x/last.pt --eval-every 9"
     assert card.reproduce_cmd(cmd, feeds_next=True) == "--name t --init-from x/last.pt --no-export --eval-every 9"

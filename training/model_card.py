@@ -13,6 +13,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import re
 import shlex
@@ -119,7 +120,9 @@ def drill_note(args: dict) -> str:
     if args.get("train_only") not in unset:
         parts.append(f"only the parameters matching `{args['train_only']}` trained")
     if args.get("steps_from") not in unset:
-        files = re.findall(r"'([^']+)'", args["steps_from"]) or [args["steps_from"]]
+        # the log holds str() of the parsed value: a list since --steps-from took several files
+        raw = args["steps_from"]
+        files = ast.literal_eval(raw) if raw.startswith("[") else [raw]
         parts.append("on the hard rows (each followed by an easy one) mined in "
                      + ", ".join(f"`{f}`" for f in files))
     if args.get("canonical") == "True":
@@ -131,8 +134,6 @@ def reproduce_cmd(cmd: str, feeds_next: bool) -> str:
     """A drill run's command as Reproduce gives it: the export goes to this folder when the run's
     weights are the folder's, and nowhere when the next run continues from its checkpoint (the
     logged command may name a scratch --export-dir that a reader does not have)."""
-    if " --export-dir " not in cmd:
-        return cmd
     return re.sub(r" --export-dir \S+", " --no-export" if feeds_next else "", cmd)
 
 
@@ -400,20 +401,20 @@ def card(name: str, export: Path, extra_runs: list[str], abandoned: list[str] = 
     folder_flag = f"--init-from {export.relative_to(REPO_ROOT)}"
     for k, (other, o_starts, o_steps) in enumerate(extra):
         ends = [later["step"] for later in o_starts[1:]] + [o_steps[-1]["step"]]
+        # a run the next one continues from its checkpoint (not from this folder) is not exported
+        next_starts = extra[k + 1][1] if k + 1 < len(extra) else None
+        feeds_next = next_starts is not None and folder_flag not in next_starts[0].get("cmdline", "")
         for i, (leg, end) in enumerate(zip(o_starts, ends)):
             # each leg replays to the step where the next began (or the run ended): a time limit
             # or OOM cut it there, so --stop-at stands in for --max-minutes
             cmd = re.sub(r" --(max-minutes|stop-at) \S+", "", leg.get("cmdline", "--name " + other))
             if end < int(leg["args"]["steps"]):
                 cmd += f" --stop-at {end}"
-            next_starts = extra[k + 1][1] if k + 1 < len(extra) else None
-            feeds_next = next_starts is not None and folder_flag not in next_starts[0].get("cmdline", "")
             cmd = reproduce_cmd(cmd, feeds_next and i == len(o_starts) - 1)
             if folder_flag in cmd and i == 0:
                 lines.append(f"# --init-from: this folder's weights as committed before `{other}` "
                              f"(git log -- {export.relative_to(REPO_ROOT)}/model.safetensors)")
             lines.append(f".venv/bin/python training/train.py {cmd}")
-        # a run the next one continues from its checkpoint (not from this folder) is not exported
         if "--no-export" in cmd and not feeds_next:
             lines.append(f".venv/bin/python training/train.py --name {other} --export-only   # this folder")
     lines += [
