@@ -1,19 +1,29 @@
-"""Decode attention on a CUDA GPU: the Triton kernel beside the torch block loop it replaces.
+"""Decode attention on a GPU: f16 SDPA, the torch block loop and the Triton kernel on packed pages.
 
-    python benchmarks/gpu_decode.py [-d 4096,32768] [-b 1,8] [-ctk/-ctv pairs] [-r 20]
+    python benchmarks/gpu_decode.py [-d 32768,131072] [-b 1,8] [-p pairs] [-r 20] [--no-loop]
 
 One attention layer shaped like Qwen3.6-35B-A3B's (2 KV heads, 8 query heads each, head_dim
-256), pages of 16 keys handed out shuffled, every sequence at the same depth. Prints the
-median time of one call (CUDA events, after a warm-up that compiles the kernel) for the torch
-block loop (``attention._scan_decode`` without the C kernel) and ``kvslim.gpu.paged_decode``,
-and the kernel's speed in GB/s of packed K/V read. Figures, not a test: the parity checks are
-tests/test_triton_attention.py.
+256), pages of 16 keys handed out shuffled, every sequence at the same depth. For each K/V
+pair, depth and batch: the median time of one decode step's attention (CUDA events, after a
+warm-up that compiles the kernel) for
+- ``sdpa f16``: torch's scaled_dot_product_attention on contiguous f16 K/V, flash backend (each
+  KV head's 8 query heads go in as 8 query rows, so no GQA expansion is needed): what a plain
+  f16 cache costs, the baseline of issue 18;
+- ``torch``: the block loop ``attention._scan_decode`` runs without the kernel (its reference);
+- ``triton``: ``kvslim.gpu.paged_decode`` plus the normalisation and V's output transform,
+  so it returns what SDPA returns.
+The bandwidth columns count the bytes of K/V the step must read (packed for the kernel, f16 for
+SDPA) over its time, beside a device-to-device copy measured in the same run (bytes read and
+written over time, as FACTS.md quotes it). Figures, not a test: parity is
+tests/test_triton_attention.py. ``--device cpu`` with TRITON_INTERPRET=1 dry-runs the script on
+tiny shapes (timings meaningless).
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -26,62 +36,134 @@ from kvslim.gpu import paged_decode as gpu  # noqa: E402
 from kvslim.tables import markdown_table  # noqa: E402
 
 N_KV, GROUP, HEAD_DIM, PAGE = 2, 8, 256, 16
+PAIRS = "f16/f16,q8_0/q8_0,q4_0/q4_0,iq4_nl/iq4_nl,turbo4/turbo4,turbo3/turbo3,turbo2/turbo2,q8_0/turbo4"
 
 
-def _inputs(name_k: str, name_v: str, depth: int, batch: int):
+def _inputs(name_k: str, name_v: str, depth: int, batch: int, device: str):
     fmt_k, fmt_v = formats.get(name_k, role="k"), formats.get(name_v, role="v")
     per_seq = -(-depth // PAGE)
     pages = batch * per_seq + 1
 
-    def pool(fmt):                                                   # encoded on the GPU, page by page
-        rows = torch.randn(N_KV * pages * PAGE, HEAD_DIM, device="cuda")
-        return fmt.encode(rows).reshape(N_KV, pages, PAGE, -1).contiguous()
-    table = (torch.randperm(pages - 1, device="cuda")[:batch * per_seq] + 1).reshape(batch, per_seq).int()
-    q = fmt_k.to_code_domain(torch.randn(N_KV, batch, GROUP, HEAD_DIM, device="cuda") * HEAD_DIM ** -0.5)
-    n_keys = torch.full((batch,), depth, device="cuda")
+    def pool(fmt):                                                   # encoded on the device, a head at a time
+        heads = [fmt.encode(torch.randn(pages * PAGE, HEAD_DIM, device=device)) for _ in range(N_KV)]
+        return torch.stack(heads).reshape(N_KV, pages, PAGE, -1)
+    table = (torch.randperm(pages - 1, device=device)[:batch * per_seq] + 1).reshape(batch, per_seq).int()
+    q = fmt_k.to_code_domain(torch.randn(N_KV, batch, GROUP, HEAD_DIM, device=device) * HEAD_DIM ** -0.5)
+    n_keys = torch.full((batch,), depth, device=device)
     return fmt_k, fmt_v, q, pool(fmt_k), pool(fmt_v), table, n_keys
 
 
-def _median_ms(fn, runs: int) -> float:
+def _median_ms(fn, runs: int, device: str) -> float:
+    """Median milliseconds of ``fn`` after one warm-up call: CUDA events on a GPU, the wall clock
+    on the CPU (the interpreter's dry run)."""
     fn()                                                             # compile, warm the caches
     times = []
     for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+        if device.startswith("cuda"):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
 
-def _row(pair: str, depth: int, batch: int, runs: int) -> list:
-    name_k, name_v = pair.split("/")
-    args = _inputs(name_k, name_v, depth, batch)
-    fmt_k, fmt_v, q, k_pool, v_pool, table, n_keys = args
-    # the C kernel never takes CUDA tensors, and with TRITON off _scan_decode runs the torch block loop
-    was, kvslim.gpu.TRITON = kvslim.gpu.TRITON, False
-    try:
-        torch_ms = _median_ms(lambda: attention._scan_decode(fmt_k, fmt_v, k_pool, v_pool, table, q, n_keys), runs)
-    finally:
-        kvslim.gpu.TRITON = was
-    triton_ms = _median_ms(lambda: gpu.decode_state(*args), runs)
-    read = batch * depth * N_KV * (k_pool.shape[3] + v_pool.shape[3])   # packed bytes of K and V
-    return [pair, depth, batch, f"{torch_ms:.3f}", f"{triton_ms:.3f}", f"{read / triton_ms / 1e6:.0f}"]
+def copy_gbps(device: str, mib: int = 1024, runs: int = 10) -> float:
+    """Device-to-device copy speed, GB/s counting bytes read and written (FACTS.md's convention)."""
+    src = torch.empty(mib * 2**20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / _median_ms(lambda: dst.copy_(src), runs, device) / 1e6
+
+
+def sdpa_f16(depth: int, batch: int, device: str):
+    """The plain f16 cache's step: each KV head's query heads as query rows over its own keys
+    (the same sums as GQA), on the first SDPA backend that takes it, flash first.
+    -> (step, bytes of K/V it reads, the backend's name)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    k = torch.randn(batch, N_KV, depth, HEAD_DIM, device=device, dtype=torch.float16)
+    v = torch.randn_like(k)
+    q = torch.randn(batch, N_KV, GROUP, HEAD_DIM, device=device, dtype=torch.float16)
+    backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION] \
+        if device.startswith("cuda") else [SDPBackend.MATH]
+    for backend in backends:
+        def step(backend=backend):
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        try:
+            step()
+        except RuntimeError as err:                                 # this backend refuses the shape
+            print(f"sdpa {backend.name}: {str(err).splitlines()[0]}", file=sys.stderr)
+            continue
+        return step, 2 * k.numel() * k.element_size(), backend.name.split("_")[0].lower()
+    raise SystemExit("no SDPA backend takes the f16 baseline's shapes here")
+
+
+def packed_step(fmt_k, fmt_v, q, k_pool, v_pool, table, n_keys):
+    """The kernel's step, finished to what SDPA returns: normalised, in the model domain."""
+    def step():
+        _, l, acc = gpu.decode_state(fmt_k, fmt_v, q, k_pool, v_pool, table, n_keys)
+        return fmt_v.from_code_domain(acc / l)
+    return step
+
+
+def loop_step(fmt_k, fmt_v, q, k_pool, v_pool, table, n_keys):
+    """The torch block loop (the kernel's reference), with the kernels switched off for the call."""
+    def step():
+        was, kvslim.gpu.TRITON = kvslim.gpu.TRITON, False
+        try:
+            acc = attention._scan_decode(fmt_k, fmt_v, k_pool, v_pool, table, q, n_keys)
+        finally:
+            kvslim.gpu.TRITON = was
+        return acc
+    return step
+
+
+def _rows(pairs: list[str], depth: int, batch: int, args, copy: float) -> list[list]:
+    """One row per K/V pair and the SDPA baseline's, at one depth and batch."""
+    def gbps(read, ms):
+        return f"{read / ms / 1e6:.0f}", f"{100 * read / ms / 1e6 / copy:.0f}%"
+    step, read, backend = sdpa_f16(depth, batch, args.device)
+    base = _median_ms(step, args.runs, args.device)
+    rows = [[f"sdpa f16 ({backend})", depth, batch, "", f"{base:.3f}", "1.00", *gbps(read, base)]]
+    del step
+    for pair in pairs:
+        inputs = _inputs(*pair.split("/"), depth, batch, args.device)
+        k_pool, v_pool = inputs[3], inputs[4]
+        read = batch * depth * N_KV * (k_pool.shape[3] + v_pool.shape[3])   # packed bytes of K and V
+        loop = "" if args.no_loop else f"{_median_ms(loop_step(*inputs), args.runs, args.device):.3f}"
+        ms = _median_ms(packed_step(*inputs), args.runs, args.device)
+        rows.append([pair, depth, batch, loop, f"{ms:.3f}", f"{ms / base:.2f}", *gbps(read, ms)])
+        del inputs, k_pool, v_pool
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return rows
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("-d", "--depths", default="4096,32768")
+    parser.add_argument("-d", "--depths", default="32768,131072")
     parser.add_argument("-b", "--batches", default="1,8")
-    parser.add_argument("-p", "--pairs", default="f16/f16,q8_0/q8_0,q4_0/q4_0,iq4_nl/iq4_nl,turbo4/turbo4,q8_0/turbo4")
+    parser.add_argument("-p", "--pairs", default=PAIRS)
     parser.add_argument("-r", "--runs", type=int, default=20)
+    parser.add_argument("--no-loop", action="store_true", help="skip the torch block loop (slow at depth)")
+    parser.add_argument("--device", default="cuda", help="cuda[:N]; cpu only with TRITON_INTERPRET=1 (a dry run)")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available() or not kvslim.gpu.available():
-        sys.exit("needs a CUDA device and triton")
-    rows = [_row(pair, int(d), int(b), args.runs) for pair in args.pairs.split(",")
-            for d in args.depths.split(",") for b in args.batches.split(",")]
-    print(markdown_table(["K/V", "depth", "batch", "torch ms", "triton ms", "triton GB/s"], rows))
+    if not kvslim.gpu.available():
+        sys.exit("needs triton")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit("no CUDA device here: run it on a GPU, or dry-run with --device cpu and TRITON_INTERPRET=1")
+    copy = copy_gbps(args.device, mib=1024 if args.device.startswith("cuda") else 16)
+    name = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu (interpreter)"
+    print(f"{name}: device-to-device copy {copy:.0f} GB/s (read + written); median of {args.runs}\n")
+    rows = [row for d in args.depths.split(",") for b in args.batches.split(",")
+            for row in _rows(args.pairs.split(","), int(d), int(b), args, copy)]
+    print(markdown_table(["K/V", "depth", "batch", "torch loop ms", "ms", "x sdpa f16", "GB/s read",
+                          "of copy"], rows, ["l", "r", "r", "r", "r", "r", "r", "r"]))
 
 
 if __name__ == "__main__":
