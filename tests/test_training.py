@@ -224,6 +224,9 @@ def test_steps_from_a_mine_file_picks_its_hard_rows_each_with_an_easy_one(train,
     for other in (["--fill", "0.5:1.0", "--canonical", "--phases", "16384:1.0"], ["--fill", "0.9:1.0", "--phases", "16384:1.0"]):
         with pytest.raises(SystemExit):
             train.read_draws(parser, [str(seeded)], parser.parse_args(other))
+    # the same values written another way draw the same rows: accepted
+    same = parser.parse_args(["--fill", "0.9:1", "--canonical", "--phases", "16384:2"])
+    assert train.read_draws(parser, [str(seeded)], same) == [(7, s) for s in want]
     empty = tmp_path / "easy.jsonl"
     empty.write_text(json.dumps({"step": 0, "answer_exact": 1.0, "answer_loss_max": 0.01}) + "\n")
     with pytest.raises(SystemExit):

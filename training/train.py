@@ -901,6 +901,22 @@ def row_options(args) -> dict:
     return {k: getattr(args, k) for k in ROW_OPTIONS}
 
 
+# Row options given as text, by the parser that reads them: "0.9:1" and "0.9:1.0" draw the same rows
+_ROW_PARSERS = {"phases": parse_phases, "fill": parse_fill,
+                "kinds": lambda text: needle.parse_kinds(text) if text else None}
+
+
+def same_rows(option: str, mined, ours) -> bool:
+    """Whether a --mine file's value of a row option draws the rows this run's value draws."""
+    parse = _ROW_PARSERS.get(option)
+    if parse is None or not isinstance(mined, str) or not isinstance(ours, str):
+        return mined == ours
+    try:
+        return parse(mined) == parse(ours)
+    except ValueError:
+        return mined == ours
+
+
 def hard_rows(records: list[dict], max_loss: float = 0.3, seed: int = 0) -> list[int]:
     """Steps of a --mine file to train on: each hard one (an answer token read wrong, or one
     with loss above ``max_loss``: probability under 0.74 at 0.3) followed by an easy one drawn
@@ -945,7 +961,7 @@ def read_draw_file(parser, path: Path, args=None) -> list[tuple[int | None, int]
     if args is not None and mined is not None:
         ours = row_options(args)
         for k in ROW_OPTIONS:
-            if k in mined and mined[k] != ours[k]:
+            if k in mined and not same_rows(k, mined[k], ours[k]):
                 parser.error(f"--steps-from {path}: mined with --{k.replace('_', '-')} {mined[k]!r}, this run has "
                              f"{ours[k]!r}: the listed steps would be other rows")
     ok = lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0  # noqa: E731
