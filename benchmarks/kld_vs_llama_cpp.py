@@ -169,6 +169,12 @@ def main() -> None:
         return
     if not args.file:
         p.error("-f TEXT is required to run an engine")
+    if args.llama:
+        from kvslim import peer
+        try:
+            peer.check_cache_types(args.llama.split(","))
+        except ValueError as err:
+            p.error(f"--llama: {err}")
     kv = KvslimRunner(args.ctx, args.llama_query)
     bos = bos_id(kv.llm)
     chunks = chunk_ids(kv.llm.tokenize(Path(args.file).read_text(encoding="utf-8"), add_special=False),

@@ -104,6 +104,11 @@ def main() -> int:
     ap.add_argument("--types", default="f16,q8_0,q4_0", help="K=V cache types")
     ap.add_argument("--gguf-type", default="f16", help="weight type of the GGUF (kvslim keeps the same)")
     args = ap.parse_args()
+    from kvslim import peer
+    try:
+        peer.check_cache_types(args.types.split(","))
+    except ValueError as err:
+        ap.error(f"--types: {err}")
     from kvslim.loading import convert_hf_to_gguf, default_model
     gguf = Path(tempfile.mkdtemp()) / f"model-{args.gguf_type}.gguf"
     convert_hf_to_gguf(default_model(), gguf, args.gguf_type)

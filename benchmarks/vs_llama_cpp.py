@@ -122,6 +122,10 @@ def main() -> int:
     args = ap.parse_args()
     peer = peer_module()
     start = time.perf_counter()
+    try:
+        peer.check_cache_types(args.types.split(","))
+    except ValueError as err:
+        sys.exit(f"--types: {err}")
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} (shared machines skew t/s)")
     torch.set_num_threads(args.threads)
     model_path = Path(args.model) if args.model else default_model()

@@ -195,6 +195,26 @@ def describe() -> str:
     return binding().name
 
 
+def cache_types() -> list[str]:
+    """The K/V cache types llama.cpp b11739 has under kvslim's names: the float types and the
+    ggml blocks (rotated, as llama.cpp rotates them by default). TurboQuant, the nl grids and
+    the -norot spellings are kvslim's own."""
+    from . import formats
+    from .formats.ggml import NOROT
+    return [s.name for s in formats.TABLE if s.family in ("float", "ggml") and not s.name.endswith(NOROT)]
+
+
+def check_cache_types(names) -> None:
+    """ValueError naming the first of ``names`` (type names, or K/V pairs "k/v") that llama.cpp
+    lacks, before a side-by-side spends minutes on kvslim's half."""
+    known = cache_types()
+    for name in names:
+        for t in str(name).split("/"):
+            if t not in known:
+                raise ValueError(f"llama.cpp has no K/V cache type {t!r} (it has {', '.join(known)}); "
+                                 f"kvslim-only types are timed with kvslim bench")
+
+
 def open_peer(path: str | Path, n_ctx: int = 4096, type_k: str = "f16", type_v: str = "f16",
               n_threads: int = 2, n_batch: int = 512, flash_attn: bool = True,
               all_logits: bool = False) -> "PeerContext":

@@ -142,6 +142,20 @@ def test_bad_cache_type_and_missing_file_are_refused(exported_f32, tmp_path):
         peer.open_peer(exported_f32("llama"), type_k="q3_x")
 
 
+@needs_peer
+def test_cache_types_are_the_ones_llama_cpp_opens(exported_f32):
+    """Every type cache_types() promises is a GGML_TYPE_ constant of the peer, and a context opens
+    with it; kvslim's own types are refused by name before any work."""
+    assert {"f16", "q8_0", "q4_0", "iq4_nl"} <= set(peer.cache_types())
+    for name in peer.cache_types():
+        with peer.open_peer(exported_f32("llama"), n_ctx=64, type_k=name, type_v=name) as llm:
+            assert np.isfinite(llm.eval(llm.tokenize("hello"))).all(), name
+    peer.check_cache_types(["f16", "q8_0/q4_0"])
+    for bad in ("turbo4", "q8_0/nl4", "q4_0-norot"):
+        with pytest.raises(ValueError, match="llama.cpp has no K/V cache type"):
+            peer.check_cache_types([bad])
+
+
 # ----- tokenization -------------------------------------------------------------------------
 @needs_peer
 def test_llama_cpp_tokenizes_the_bundled_export_as_kvslim(bundled_gguf):
