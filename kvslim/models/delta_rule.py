@@ -10,8 +10,8 @@ is the prefill path (and ``gated_delta_step`` the in-place decode step): within 
 the WY/UT transform (one triangular solve) so the work is matmuls, and only the
 chunks are sequential. Both take q and k already L2-normalised, repeated to
 the value heads, and return float32. ``rule_for`` picks, per device, these
-torch forms or fla-core's kernels on a CUDA device (kvslim/gpu/delta_rule.py),
-which are held to these.
+torch forms, fla-core's kernels on a CUDA device (kvslim/gpu/delta_rule.py) or the
+C recurrence for prompts on the CPU (kvslim/native/delta_rule.py), which are held to these.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..gpu import delta_rule as fla
+from ..native import delta_rule as native
 
 CHUNK = 64
 
@@ -90,10 +91,21 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
 
 
 def rule_for(device: torch.device):
-    """(chunk, step) for layers on ``device``: fla-core's kernels where they serve it, else the torch forms."""
+    """(chunk, step) for layers on ``device``: fla-core's kernels where they serve it; on the CPU
+    the C recurrence for prompts (decode steps run in C already, or in torch when compiled);
+    else the torch forms."""
     if fla.serves(device):
         return fla.chunk, fla.step
+    if native.serves(device):
+        return _native_chunk, gated_delta_step
     return chunk_gated_delta_rule, gated_delta_step
+
+
+def _native_chunk(q, k, v, g, beta, state):
+    """The C recurrence, or the torch chunked form where autograd must see the ops."""
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, g, beta, state)):
+        return chunk_gated_delta_rule(q, k, v, g, beta, state)
+    return native.chunk(q, k, v, g, beta, state)
 
 
 def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor):

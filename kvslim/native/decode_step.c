@@ -18,6 +18,7 @@
 #include "block_linear.c"
 #include "paged_attention.c"
 #include "kv_encode.c"
+#include "delta_rule.c"      /* delta_rule_head: one token of the gated delta rule */
 
 typedef struct {            /* y = x @ W.T (+ bias) */
     int32_t type;           /* block_linear's type code */
@@ -172,29 +173,6 @@ static void l2normalize(float *x, int n) {
     for (int i = 0; i < n; i++) ss += x[i] * x[i];
     const float r = 1.0f / sqrtf(ss + 1e-6f);
     for (int i = 0; i < n; i++) x[i] *= r;
-}
-
-/* One value head's recurrence: S <- S * exp(g); S += k (x) beta (v - S^T k); o = S^T q. */
-static void delta_rule_head(float *S, const float *q, const float *k, const float *v, float g, float beta, int dk,
-                            int dv, float *o) {
-    const float decay = expf(g);
-    float kv_mem[MAX_DIM], delta[MAX_DIM];
-    for (int j = 0; j < dv; j++) kv_mem[j] = 0.0f;
-    for (int i = 0; i < dk; i++) {
-        float *row = S + (size_t)i * dv;
-        for (int j = 0; j < dv; j++) {
-            row[j] *= decay;
-            kv_mem[j] += row[j] * k[i];
-        }
-    }
-    for (int j = 0; j < dv; j++) delta[j] = (v[j] - kv_mem[j]) * beta, o[j] = 0.0f;
-    for (int i = 0; i < dk; i++) {
-        float *row = S + (size_t)i * dv;
-        for (int j = 0; j < dv; j++) {
-            row[j] += k[i] * delta[j];
-            o[j] += row[j] * q[i];
-        }
-    }
 }
 
 /* Qwen3-Next's projections, grouped per key head, into Qwen3.5's layout: qkv = [all q | all k |
