@@ -8,7 +8,9 @@ from gguf import GGMLQuantizationType as T
 from gguf import quants
 
 from kvslim import formats
-from kvslim.formats.rotation import hadamard_blocks, hadamard_matrix, llama_rot_size
+from kvslim.formats.rotation import hadamard_blocks, hadamard_blocks_torch, hadamard_matrix, llama_rot_size
+from kvslim.native import build
+from kvslim.native import hadamard as native_hadamard
 
 ORACLE_TYPES = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
 
@@ -25,6 +27,24 @@ def test_hadamard_is_llamas_orthonormal_walsh_hadamard(n):
     h = hadamard_matrix(n).double().numpy()
     np.testing.assert_allclose(h, llama_hadamard(n), atol=1e-7)
     np.testing.assert_allclose(h @ h, np.eye(n), atol=1e-6)              # symmetric and self-inverse
+
+
+@pytest.mark.parametrize("variant", list(build.VARIANTS))
+@pytest.mark.parametrize("shape,n", [((512, 2, 128), 128), ((512, 2, 128), 64), ((1, 16, 256), 256), ((7, 3, 64), 64)])
+def test_c_butterfly_gives_the_torch_butterflys_bits(variant, shape, n):
+    """The CPU path of hadamard_blocks (C) and its torch reference: equal to the bit, so a row
+    encodes to the same bytes through either (and through the native decode step's encoder);
+    inputs not contiguous and not float32 too."""
+    if not build.compiler():
+        pytest.skip("no C compiler: the torch butterfly serves")
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(n)) * torch.logspace(-3, 4, shape[-1])
+    ref = hadamard_blocks_torch(x, n)
+    assert torch.equal(native_hadamard.hadamard_rows(x, n, variant), ref)
+    assert torch.equal(hadamard_blocks(x, n), ref)
+    strided = x.transpose(0, 1).contiguous().transpose(0, 1)           # same values, other strides
+    assert torch.equal(native_hadamard.hadamard_rows(strided.bfloat16(), n, variant),
+                       hadamard_blocks_torch(strided.bfloat16(), n))
+    assert torch.equal(hadamard_blocks(hadamard_blocks(x, n), n), hadamard_blocks_torch(ref, n))
 
 
 @pytest.mark.parametrize("head_dim,k,v", [(128, 128, 64), (256, 256, 64), (192, 64, 64), (64, 64, 64),

@@ -81,11 +81,21 @@ def hadamard_matrix(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
 
 def hadamard_blocks(x: torch.Tensor, n: int) -> torch.Tensor:
     """Apply H / sqrt(n) to every run of ``n`` values along the last dimension (its own inverse).
+    On the CPU (outside autograd and traced graphs) the C butterfly, elsewhere the torch one:
+    the same float32 operations in the same order, so the same bits."""
+    if n == 0:
+        return x
+    from ..native import hadamard as native       # formats import before native: import at use
+    if native.serves(x):
+        return native.hadamard_rows(x, n)
+    return hadamard_blocks_torch(x, n)
 
-    A butterfly (log2 n rounds of sums and differences), not a matmul: each row's result
-    is then the same whatever else is in the batch (a matmul's blocking depends on the
-    batch size and rounds differently), so a token encodes to the same bytes alone or
-    inside a prefill chunk."""
+
+def hadamard_blocks_torch(x: torch.Tensor, n: int) -> torch.Tensor:
+    """The reference butterfly (log2 n rounds of sums and differences), not a matmul: each row's
+    result is then the same whatever else is in the batch (a matmul's blocking depends on the
+    batch size and rounds differently), so a token encodes to the same bytes alone or inside a
+    prefill chunk."""
     if n == 0:
         return x
     y = x.float().reshape(-1, n)

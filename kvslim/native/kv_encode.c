@@ -93,6 +93,14 @@ static void hadamard_blocks(int n, const float *x, float *y, int dim) {
     for (int i = 0; i < dim; i++) y[i] *= scale;
 }
 
+/* kvslim.formats.rotation.hadamard_blocks on the CPU: x and y (rows, n) float32, the same sums and
+ * differences in the same order as its torch butterfly, so the same bits. Returns 0. */
+int kvslim_hadamard_rows(int n, const float *x, float *y, int64_t rows, int n_threads) {
+    #pragma omp parallel for num_threads(n_threads) schedule(static) if (rows * n >= 65536)
+    for (int64_t r = 0; r < rows; r++) hadamard_blocks(n, x + r * n, y + r * n, n);
+    return 0;
+}
+
 /* Into the format's code domain (the rotation, or a copy) and back out of it. */
 static void to_code_domain(const enc_t *e, const float *x, float *y, int dim) {
     if (!e->rot) memcpy(y, x, sizeof(float) * (size_t)dim);
