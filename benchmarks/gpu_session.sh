@@ -8,7 +8,7 @@
 #    and what it checks) into .whl/
 #    (listed in .git/info/exclude):
 #      bash benchmarks/gpu_session.sh prepare
-# 2. On the device, one call, its logs under $OUT (at most 8 files come back; it writes 5):
+# 2. On the device, one call, its logs under $OUT (at most 8 files come back; it writes 6):
 #      run(command="bash benchmarks/gpu_session.sh all", carry=[".whl"], timeout_s=480)
 #    or, with time for more, one call per phase:
 #      run(command="bash benchmarks/gpu_session.sh tests", carry=[".whl"])     # CUDA parity
@@ -116,9 +116,10 @@ model() {
 # One call for a whole lease (15 minutes of device time, the machine's start included): the
 # phases above, most telling first, each cut short by `timeout` so that the call ends inside
 # BUDGET seconds (default 420) and leaves time for a rerun. Parity first (without it no figure
-# means anything), then the issue's decode-attention table, then the model end to end, then the
-# other kernels' timings. Test workers run side by side (pytest-xdist is in the image): Triton
-# compiles on the CPU, and the machine has 16 cores. fla-core on the path makes transformers
+# means anything), then the issue's decode-attention table, then its end-to-end model
+# (gpu_model.py), then the bundled model both ways, then the other kernels' timings. Test
+# workers run side by side (pytest-xdist is in the image): Triton compiles on the CPU, and the
+# machine has 16 cores. fla-core on the path makes transformers
 # take its kernels at import, for CPU tensors too: the tests picked here never run a transformers
 # forward (the CUDA model tests compare kvslim on CUDA with kvslim on the CPU).
 #   run(command="bash benchmarks/gpu_session.sh all", carry=[".whl"], timeout_s=480)
@@ -143,6 +144,9 @@ all() {
     } | tee "$OUT/tests.log"
     KVSLIM_TRITON=1 timeout -k 10 "$(left 100)" $PY benchmarks/gpu_decode.py -d 32768,131072 -b 1,8 -r 10 --no-loop \
         2>&1 | tee "$OUT/decode.md"
+    # issue 18's end-to-end figures: the 35B-A3B shape, random q4_0 weights made on the device
+    KVSLIM_TRITON=1 timeout -k 10 "$(left 150)" $PY benchmarks/gpu_model.py -d 0,32768,131072 -np 1,4 -n 8 \
+        --pairs f16/f16,q8_0/turbo4,turbo3/turbo3 2>&1 | tee "$OUT/e2e.md"
     for kv in f16/f16 q8_0/turbo4; do
         for triton in 0 1; do
             echo "KVSLIM_TRITON=$triton"

@@ -45,3 +45,28 @@ def test_repetitions_start_from_the_same_filled_state(tiny_folder):
     for cache, before in zip(fc.caches, snap):
         after = cache.state(0)
         assert cache.offset(0) == 40 and all((after[k] == before[k]).all() for k in before)
+
+
+def test_gpu_model_benchmark_dry_run_holds_what_the_planner_predicts(capsys):
+    """benchmarks/gpu_model.py (issue 18's end-to-end run) on the CPU, shrunk: the random
+    35B-A3B-shaped model holds the weight bytes `kvslim plan` predicts for a q4_0 file, its
+    caches the KV + state bytes, and every test row comes out."""
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_model.py"
+    spec = importlib.util.spec_from_file_location("gpu_model", path)
+    gpu_model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_model)
+    assert gpu_model.main(["--device", "cpu", "--shrink", "16", "--layers", "4", "-d", "0,128", "-p", "64",
+                           "-n", "2", "-np", "1,2", "--pairs", "q8_0/turbo4"]) == 0
+    out = capsys.readouterr().out
+    weights = re.search(r"weights held ([\d,]+) MiB, plan ([\d,]+) MiB \(([-+\d.]+)%\)", out)
+    assert weights and abs(float(weights.group(3))) < 5, out
+    rows = [line for line in out.splitlines() if line.startswith("| q8_0/turbo4")]
+    assert [r.split("|")[3].strip() for r in rows[:5]] == ["pp64", "tg2 @ d0", "tg2 @ d128", "tg2 @ d0", "tg2 @ d128"]
+    for row in rows[5:]:                                   # the memory table: cache bytes vs the plan's
+        assert abs(float(row.split("|")[6].strip().rstrip("%"))) < 10, row
+    with pytest.raises(SystemExit):
+        gpu_model.main(["--device", "cpu", "--weights", "q4_k_m"])   # a mix, not one block type

@@ -19,7 +19,7 @@ LAYER_RULES = {
 }
 
 
-def _fit_type(kind: str, cols: int) -> str:
+def fit_type(kind: str, cols: int) -> str:
     """llama-quantize's fallback for rows that are not a whole number of blocks."""
     if cols % catalog.WEIGHT_TYPES[kind][0]:
         kind = catalog.WEIGHT_FALLBACK.get(kind, "f16")
@@ -36,11 +36,11 @@ def tensor_types(tensors: list[WeightTensor], mix: catalog.WeightMix) -> list[st
         if not t.quantizable:
             out.append("f32")
         elif t.role == "output" or (tied and t.role == "token_embd"):
-            out.append(_fit_type(mix.output, t.cols))
+            out.append(fit_type(mix.output, t.cols))
         else:
             i, n = (attn_v[t.name], len(attn_v)) if t.role == "attn_v" else (t.layer, n_layers)
             rule = (typ for role, when, typ in mix.rules if role == t.role and LAYER_RULES[when](i, n))
-            out.append(_fit_type(next(rule, mix.base), t.cols))
+            out.append(fit_type(next(rule, mix.base), t.cols))
     return out
 
 

@@ -1,0 +1,248 @@
+"""A catalog model's real shape with random quantized weights, end to end on a GPU (issue 18).
+
+    python benchmarks/gpu_model.py [--model qwen3.6-35b-a3b] [--weights q4_0] [-d 0,32768,131072]
+        [-np 1,4] [--pairs f16/f16,q8_0/turbo4,turbo3/turbo3] [-p 4096] [-n 32] [--device cuda]
+    python benchmarks/gpu_model.py --device cpu --shrink 8 --layers 4 -d 0,256 -p 256 -n 4   # a dry run
+
+The config is the planner's catalog entry (config.json values: dims, layer pattern, experts),
+built by kvslim's own model code; the weights are made on the device, never read from disk:
+each matrix's rows are drawn from a pool of blocks that the weight type's own encoder made
+from N(0, 0.02) values, so every block is a valid block of that type (output matrix q6_k,
+every other matrix ``--weights``, vectors and routers bf16, as llama-quantize lays out a
+q4_0 file and as the planner counts it). Then, per K/V pair and -np:
+
+- memory: bytes the device holds for the weights, for the cache (pools and DeltaNet states,
+  preallocated for the whole context) and the peak during the runs, beside ``kvslim plan``'s
+  prediction for the same settings (weights, KV + state, compute);
+- pp: prefill tok/s of a ``-p`` token prompt at depth 0 (ubatches of 512);
+- tg @ dN: decode tok/s of ``-n`` steps for every slot at once after each slot holds N tokens.
+  The depth is written straight into the cache (random K/V rows through the cache's own
+  append, DeltaNet lengths advanced): decode reads the same bytes whatever their values, and
+  prefilling 128K tokens per slot would take most of a GPU lease.
+
+Figures, not a test; the parity tests are tests/test_triton_*.py and tests/test_models.py.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kvslim import weights as W  # noqa: E402
+from kvslim.cache import CacheConfig, KVCache, RecurrentStateCache  # noqa: E402
+from kvslim.engine.decode_step import DecodeStep  # noqa: E402
+from kvslim.loading.instantiate import instantiate, quantizable  # noqa: E402
+from kvslim.models import Batch, build_on_meta, config_from_dict  # noqa: E402
+from kvslim.plan import catalog  # noqa: E402
+from kvslim.plan.fit import Request, breakdown  # noqa: E402
+from kvslim.plan.model import Model  # noqa: E402
+from kvslim.plan.weight_size import fit_type  # noqa: E402
+from kvslim.tables import markdown_table  # noqa: E402
+from kvslim.weights.modules import weight_bytes  # noqa: E402
+
+POOL_BLOCKS = 4096          # distinct encoded blocks each matrix's rows are drawn from
+OUTPUT_TYPE = "q6_k"        # llama-quantize's type for the output matrix of a q4_0 / q4_k_m file
+
+
+def shrunk_config(name: str, shrink: int, layers: int | None) -> dict:
+    """The catalog's config.json dict; ``shrink`` divides the widths (hidden, experts, vocab,
+    feed-forward) and ``layers`` keeps the first N layers, for a dry run on a small machine.
+    Head counts and head dims stay: they decide the kernels and the formats' layouts."""
+    config = dict(catalog.model(name).config)
+    if shrink > 1:
+        for key in ("hidden_size", "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
+                    "vocab_size"):
+            if key in config:
+                config[key] = max(64, config[key] // shrink // 64 * 64)
+        if "num_experts" in config:
+            config["num_experts"] = max(2 * config["num_experts_per_tok"], config["num_experts"] // shrink)
+    if layers:
+        config["num_hidden_layers"] = layers
+        config.pop("layer_types", None)
+    return config
+
+
+def block_pool(wtype: W.WeightType, device, gen: torch.Generator) -> torch.Tensor:
+    """POOL_BLOCKS valid blocks: the type's encoder on N(0, 0.02) values, or for the K-quants
+    (kvslim decodes them, it does not encode them) random codes and sub-scales under small f16
+    super-scales, which any bytes but a non-finite f16 make a valid block."""
+    if wtype.can_encode:
+        return wtype.encode(torch.randn(POOL_BLOCKS, wtype.block_size, device=device, generator=gen) * 0.02)
+    blocks = torch.randint(256, (POOL_BLOCKS, wtype.block_bytes), device=device, generator=gen, dtype=torch.uint8)
+    for name, view in wtype.split(blocks).items():
+        if name in ("d", "dmin"):
+            view.copy_(torch.full((POOL_BLOCKS, 1), 2e-4, dtype=torch.float16, device=device).view(torch.uint8))
+    return blocks
+
+
+def random_blocks(wtype: W.WeightType, shape: tuple[int, ...], device, gen: torch.Generator) -> W.QuantTensor:
+    """A QuantTensor of ``shape`` (..., rows, cols) whose blocks are valid ``wtype`` blocks."""
+    pool = block_pool(wtype, device, gen)
+    n_blocks = torch.Size(shape).numel() // wtype.block_size
+    pick = torch.randint(POOL_BLOCKS, (n_blocks,), device=device, generator=gen)
+    data = pool.index_select(0, pick).reshape(*shape[:-1], -1)
+    return W.QuantTensor(data, wtype, shape[-1])
+
+
+def random_model(config, weights: str, device, seed: int = 0):
+    """kvslim's model for ``config`` with random weights made on ``device``."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    meta = build_on_meta(config)
+    matrices = quantizable(meta)
+    state = {}
+    for name, p in meta.named_parameters():
+        kind = fit_type(OUTPUT_TYPE if name == "lm_head.weight" else weights, p.shape[-1])   # the planner's fallback
+        if name in matrices and kind != "f16":
+            state[name] = random_blocks(W.get(kind), tuple(p.shape), device, gen)
+        else:                                                 # norms, routers, conv kernels, decay rates
+            state[name] = torch.randn(p.shape, device=device, generator=gen, dtype=torch.float32) * 0.02
+    return instantiate(config, state, dtype=torch.bfloat16, device=device)
+
+
+def fill_to(cache, depth: int, device, gen: torch.Generator) -> None:
+    """Every slot holds ``depth`` tokens: random K/V rows through each attention layer's checked
+    append, and the DeltaNet layers' lengths advanced to match (their states stay as they are)."""
+    for layer in cache:
+        for slot in range(cache.n_slots):
+            if isinstance(layer, KVCache):
+                for start in range(0, depth, 4096):
+                    t = min(4096, depth - start)
+                    shape = (t, layer.n_kv_heads, layer.head_dim)
+                    k, v = (torch.randn(shape, device=device, generator=gen, dtype=torch.bfloat16) for _ in "kv")
+                    layer.append(slot, k, v)
+            elif isinstance(layer, RecurrentStateCache):
+                layer.advance(slot, depth)
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_prefill(model, cache, n_prompt: int, vocab: int, device) -> float:
+    """Tokens/s of an ``n_prompt`` prompt into slot 0 from depth 0, in ubatches of 512."""
+    tokens = torch.randint(vocab, (n_prompt,)).tolist()
+    sync(device)
+    t0 = time.perf_counter()
+    for start in range(0, n_prompt, 512):
+        model(Batch.build([(0, tokens[start:start + 512], start)], device=device), cache)
+    sync(device)
+    return n_prompt / (time.perf_counter() - t0)
+
+
+def time_decode(step: DecodeStep, n_slots: int, depth: int, n_gen: int, vocab: int, device) -> float:
+    """Tokens/s summed over the slots: ``n_gen`` steps, each one token for every slot."""
+    slots = list(range(n_slots))
+    step(slots, [1] * n_slots, [depth] * n_slots)                      # warm-up (first launches)
+    sync(device)
+    t0 = time.perf_counter()
+    for i in range(1, n_gen + 1):
+        step(slots, torch.randint(vocab, (n_slots,)).tolist(), [depth + i] * n_slots)
+    sync(device)
+    return n_slots * n_gen / (time.perf_counter() - t0)
+
+
+def on_cuda(device) -> bool:
+    return torch.device(device).type == "cuda"
+
+
+def allocated(device) -> int:
+    """Bytes torch's allocator holds on a GPU (0 elsewhere: the CPU dry run counts tensors instead)."""
+    return torch.cuda.memory_allocated(device) if on_cuda(device) else 0
+
+
+def run_pair(model, config, plan_model, pair: str, n_slots: int, args, gen) -> tuple[list, list]:
+    """One K/V pair at one -np: the speed rows and the memory row."""
+    type_k, type_v = pair.split("/")
+    depths = [int(d) for d in args.depths.split(",")]
+    ctx = max(max(depths) + args.n_gen + 2, args.n_prompt)            # tokens per slot
+    before = allocated(args.device)
+    if on_cuda(args.device):
+        torch.cuda.reset_peak_memory_stats(args.device)
+    cache = model.make_cache(CacheConfig(ctx, n_slots, type_k, type_v, device=args.device))
+    held = allocated(args.device) - before if on_cuda(args.device) else cache.reserved_kv_bytes + cache.state_bytes
+    speed = []
+    if n_slots == 1:
+        speed.append([pair, n_slots, f"pp{args.n_prompt}", f"{time_prefill(model, cache, args.n_prompt, config.vocab_size, args.device):.1f}"])
+        cache.clear(0)
+    step = DecodeStep(model, cache, compile=False)
+    filled = 0
+    for depth in depths:
+        fill_to(cache, depth - filled, args.device, gen)
+        filled = depth
+        marks = [cache.checkpoint(slot) for slot in range(n_slots)]
+        tps = time_decode(step, n_slots, depth, args.n_gen, config.vocab_size, args.device)
+        speed.append([pair, n_slots, f"tg{args.n_gen} @ d{depth}", f"{tps:.1f}"])
+        for slot in range(n_slots):                                  # back to the filled depth
+            cache.rewind(slot, depth, marks[slot])
+    peak = (torch.cuda.max_memory_allocated(args.device) - before - held) if on_cuda(args.device) else 0
+    plan = breakdown(plan_model, Request(ctx * n_slots, n_slots, type_k, type_v, weight_quant=args.weights))
+    memory = [pair, n_slots, ctx, mib(held), mib(plan.kv + plan.state), pct(held, plan.kv + plan.state),
+              mib(peak), mib(plan.compute)]
+    del step, cache
+    if on_cuda(args.device):
+        torch.cuda.empty_cache()
+    return speed, memory
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:,.0f}"
+
+
+def pct(measured: int, predicted: int) -> str:
+    return f"{100 * (measured - predicted) / predicted:+.1f}%" if predicted else ""
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="qwen3.6-35b-a3b", help="a `kvslim plan` catalog name")
+    ap.add_argument("--weights", default="q4_0", help="type of every matrix but the output (q6_k)")
+    ap.add_argument("-d", "--depths", default="0,32768,131072")
+    ap.add_argument("-np", "--parallel", default="1,4")
+    ap.add_argument("--pairs", default="f16/f16,q8_0/turbo4,turbo3/turbo3")
+    ap.add_argument("-p", "--n-prompt", type=int, default=4096)
+    ap.add_argument("-n", "--n-gen", type=int, default=32)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--shrink", type=int, default=1, help="divide the widths (a dry run)")
+    ap.add_argument("--layers", type=int, default=None, help="keep the first N layers (a dry run)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.weights not in catalog.WEIGHT_QUANTS or catalog.WEIGHT_QUANTS[args.weights].base != args.weights:
+        ap.error(f"--weights {args.weights}: expected a plain block type the planner knows (q4_0, q8_0, ...)")
+    if on_cuda(args.device) and not torch.cuda.is_available():
+        sys.exit("no CUDA device here: run it on a GPU, or dry-run with --device cpu --shrink 8 --layers 4")
+    config_dict = shrunk_config(args.model, args.shrink, args.layers)
+    config = config_from_dict(config_dict)
+    plan_model = Model(args.model, config, "catalog")
+    start = allocated(args.device)
+    t0 = time.perf_counter()
+    model = random_model(config, args.weights, args.device, args.seed)
+    weights_held = allocated(args.device) - start if on_cuda(args.device) else weight_bytes(model)
+    plan_weights = breakdown(plan_model, Request(4096, 1, weight_quant=args.weights)).weights
+    name = torch.cuda.get_device_name(args.device) if on_cuda(args.device) else "cpu"
+    print(f"{args.model} ({config_dict['num_hidden_layers']} layers, hidden {config_dict['hidden_size']}), "
+          f"{args.weights} weights made in {time.perf_counter() - t0:.0f} s on {name}; weights held "
+          f"{mib(weights_held)} MiB, plan {mib(plan_weights)} MiB ({pct(weights_held, plan_weights)})\n", flush=True)
+    gen = torch.Generator(device=args.device).manual_seed(args.seed + 1)
+    speed, memory = [], []
+    with torch.inference_mode():
+        for pair in args.pairs.split(","):
+            for n_slots in (int(n) for n in args.parallel.split(",")):
+                rows, mem = run_pair(model, config, plan_model, pair, n_slots, args, gen)
+                speed += rows
+                memory.append(mem)
+                print("\n".join(" | ".join(map(str, r)) for r in rows), flush=True)
+    print()
+    print(markdown_table(["K/V", "np", "test", "t/s"], speed, ["l", "r", "l", "r"]))
+    print()
+    print(markdown_table(["K/V", "np", "ctx/slot", "cache MiB", "plan KV+state MiB", "vs plan", "peak extra MiB",
+                          "plan compute MiB"], memory, ["l", "r", "r", "r", "r", "r", "r", "r"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
