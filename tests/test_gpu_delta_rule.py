@@ -14,9 +14,13 @@ from kvslim.gpu import delta_rule as fla
 from kvslim.models.delta_rule import chunk_gated_delta_rule, gated_delta_step, recurrent_gated_delta_rule, rule_for
 
 
-def test_the_cpu_runs_the_torch_forms():
+def test_the_cpu_never_takes_fla():
+    """fla-core never serves the CPU: prompts take the C recurrence (or, without a compiler, the
+    torch chunked form; tests/test_native_delta_rule.py), decode steps the torch step."""
     assert not fla.serves(torch.device("cpu"))
-    assert rule_for(torch.device("cpu")) == (chunk_gated_delta_rule, gated_delta_step)
+    chunk, step = rule_for(torch.device("cpu"))
+    assert step is gated_delta_step
+    assert chunk is not fla.chunk and (chunk is chunk_gated_delta_rule or chunk.__name__ == "_native_chunk")
 
 
 def _inputs(b, t, h, dk, dv, device, seed=0):

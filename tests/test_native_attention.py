@@ -134,7 +134,7 @@ def test_each_format_declares_the_row_the_kernels_read(head_dim):
             continue
         declared.append(fmt.name)
         assert head_dim // row.block_values * row.block_bytes == fmt.row_bytes(head_dim)
-        assert native.codec_fields(fmt.name, getattr(fmt, "role", "k"), head_dim) is not None
+        assert native.codec_fields(fmt, head_dim) is not None
     assert {"f16", "q8_0", "q4_0", "iq4_nl", "turbo4", "turbo3", "turbo2", "nl4", "nl3"} <= set(declared)
     assert not {"q4_1", "q5_0", "turbo4p"} & set(declared)                 # second fields, QJL sketches
 

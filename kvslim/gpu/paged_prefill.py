@@ -29,7 +29,7 @@ MIN_DOT = 16              # tl.dot's smallest M, N and K: fewer query rows are p
 
 def _fields(fmt, head_dim: int) -> CodecFields | None:
     """The format's layout when this kernel decodes it: no sub-block rungs (the nl*s rows) yet."""
-    fields = codec_fields(fmt.name, getattr(fmt, "role", "k"), head_dim)
+    fields = codec_fields(fmt, head_dim)
     if fields is None or fields.sub_values:
         return None
     return fields
@@ -51,9 +51,9 @@ def supports(fmt_k, fmt_v, q: torch.Tensor) -> bool:
 
 
 @lru_cache(maxsize=None)
-def _lut(name: str, role: str, head_dim: int, device: str) -> torch.Tensor:
+def _lut(fmt, head_dim: int, device: str) -> torch.Tensor:
     """The format's 16 code values on the kernel's device (zeros for formats without codes)."""
-    fields = codec_fields(name, role, head_dim)
+    fields = codec_fields(fmt, head_dim)
     return (torch.zeros(16) if fields.lut is None else fields.lut).to(device)
 
 
@@ -97,7 +97,7 @@ def prefill_state(fmt_k, fmt_v, q_code: torch.Tensor, q_pos: torch.Tensor, k_poo
     lengths = lengths.to(device=q_code.device, dtype=torch.int32).contiguous()
     m = torch.empty(n_kv, n_seq, n_splits, n_rows, device=q_code.device)
     l, acc = torch.empty_like(m), torch.empty(n_kv, n_seq, n_splits, n_rows, dim, device=q_code.device)
-    luts = [_lut(f.name, getattr(f, "role", "k"), dim, str(q_code.device)) for f in (fmt_k, fmt_v)]
+    luts = [_lut(f, dim, str(q_code.device)) for f in (fmt_k, fmt_v)]
     _kernel().paged_prefill_tile[(n_kv, n_seq, n_tiles * n_splits)](
         q_code, q_pos, k_pool.contiguous(), v_pool.contiguous(), table, lengths, *luts, m, l, acc,
         n_seq, n_rows, k_pool.shape[1], page_size, k_pool.shape[3], v_pool.shape[3], table.shape[1],

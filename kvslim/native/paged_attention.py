@@ -71,12 +71,11 @@ KINDS = {"f32": F32, "f16": F16, "bf16": BF16, "int8": Q8, "nibble": NIBBLE, "pa
 
 
 @lru_cache(maxsize=None)
-def codec_fields(name: str, role: str, head_dim: int) -> CodecFields | None:
-    """The row layout of a format for the kernel, or None: the kernel has no decoder for it.
-    Reads the format's declared ``kernel_row`` (kvslim/formats), and refuses one whose row size
+def codec_fields(fmt, head_dim: int) -> CodecFields | None:
+    """The row layout of a format (a ``kvslim.formats`` format object: formats are built once
+    per name and role, so they key this cache) for the kernel, or None: the kernel has no
+    decoder for it. Reads the format's declared ``kernel_row``, and refuses one whose row size
     is not what that declaration gives (a layout the declaration does not describe)."""
-    from .. import formats                                  # native is below formats for the weights' kernels
-    fmt = formats.get(name, role=role)
     row = fmt.kernel_row(head_dim)
     if row is None:
         return None
@@ -91,13 +90,9 @@ def codec_fields(name: str, role: str, head_dim: int) -> CodecFields | None:
 
 
 @lru_cache(maxsize=None)
-def _cached_codec(name: str, role: str, head_dim: int) -> Codec | None:
-    fields = codec_fields(name, role, head_dim)              # keeps the tables the pointers point at
-    return None if fields is None else fields.codec()
-
-
 def _codec(fmt, head_dim: int) -> Codec | None:
-    return _cached_codec(fmt.name, getattr(fmt, "role", "k"), head_dim)
+    fields = codec_fields(fmt, head_dim)                     # keeps the tables the pointers point at
+    return None if fields is None else fields.codec()
 
 
 def supports(fmt_k, fmt_v, q: torch.Tensor) -> bool:
