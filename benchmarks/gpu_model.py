@@ -15,7 +15,9 @@ q4_0 file and as the planner counts it). Then, per K/V pair and -np:
   preallocated for the whole context) and the peak during the runs, beside ``kvslim plan``'s
   prediction for the same settings (weights, KV + state, compute);
 - pp: prefill tok/s of a ``-p`` token prompt at depth 0 (ubatches of 512);
-- tg @ dN: decode tok/s of ``-n`` steps for every slot at once after each slot holds N tokens.
+- tg @ dN: decode tok/s of ``-n`` steps for every slot at once after each slot holds N tokens,
+  beside (one slot) the planner's ceiling for it: the bytes a step reads (active weights, the
+  KV at that depth, the DeltaNet state) over the device-to-device copy speed measured first.
   The depth is written straight into the cache (random K/V rows through the cache's own
   append, DeltaNet lengths advanced): decode reads the same bytes whatever their values, and
   prefilling 128K tokens per slot would take most of a GPU lease.
@@ -32,13 +34,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_decode import copy_gbps  # noqa: E402
 from kvslim import weights as W  # noqa: E402
 from kvslim.cache import CacheConfig, KVCache, RecurrentStateCache  # noqa: E402
 from kvslim.engine.decode_step import DecodeStep  # noqa: E402
 from kvslim.loading.instantiate import instantiate, quantizable  # noqa: E402
 from kvslim.models import Batch, build_on_meta, config_from_dict  # noqa: E402
 from kvslim.plan import catalog  # noqa: E402
-from kvslim.plan.fit import Request, breakdown  # noqa: E402
+from kvslim.plan.fit import Request, breakdown, decode_ceiling  # noqa: E402
+from kvslim.plan.targets import Target  # noqa: E402
 from kvslim.plan.model import Model  # noqa: E402
 from kvslim.plan.weight_size import fit_type  # noqa: E402
 from kvslim.tables import markdown_table  # noqa: E402
@@ -155,7 +160,7 @@ def allocated(device) -> int:
     return torch.cuda.memory_allocated(device) if on_cuda(device) else 0
 
 
-def run_pair(model, config, plan_model, pair: str, n_slots: int, args, gen) -> tuple[list, list]:
+def run_pair(model, config, plan_model, pair: str, n_slots: int, args, gen, bandwidth: float) -> tuple[list, list]:
     """One K/V pair at one -np: the speed rows and the memory row."""
     type_k, type_v = pair.split("/")
     depths = [int(d) for d in args.depths.split(",")]
@@ -167,7 +172,8 @@ def run_pair(model, config, plan_model, pair: str, n_slots: int, args, gen) -> t
     held = allocated(args.device) - before if on_cuda(args.device) else cache.reserved_kv_bytes + cache.state_bytes
     speed = []
     if n_slots == 1:
-        speed.append([pair, n_slots, f"pp{args.n_prompt}", f"{time_prefill(model, cache, args.n_prompt, config.vocab_size, args.device):.1f}"])
+        pp = time_prefill(model, cache, args.n_prompt, config.vocab_size, args.device)
+        speed.append([pair, n_slots, f"pp{args.n_prompt}", f"{pp:.1f}", ""])
         cache.clear(0)
     step = DecodeStep(model, cache, compile=False)
     filled = 0
@@ -176,7 +182,8 @@ def run_pair(model, config, plan_model, pair: str, n_slots: int, args, gen) -> t
         filled = depth
         marks = [cache.checkpoint(slot) for slot in range(n_slots)]
         tps = time_decode(step, n_slots, depth, args.n_gen, config.vocab_size, args.device)
-        speed.append([pair, n_slots, f"tg{args.n_gen} @ d{depth}", f"{tps:.1f}"])
+        ceiling = "" if n_slots > 1 else f"{decode_ceiling(plan_model, Request(ctx, 1, type_k, type_v, weight_quant=args.weights, depth=depth), Target('measured', 1 << 50, bandwidth)):.0f}"
+        speed.append([pair, n_slots, f"tg{args.n_gen} @ d{depth}", f"{tps:.1f}", ceiling])
         for slot in range(n_slots):                                  # back to the filled depth
             cache.rewind(slot, depth, marks[slot])
     peak = (torch.cuda.max_memory_allocated(args.device) - before - held) if on_cuda(args.device) else 0
@@ -227,17 +234,19 @@ def main(argv=None) -> int:
     print(f"{args.model} ({config_dict['num_hidden_layers']} layers, hidden {config_dict['hidden_size']}), "
           f"{args.weights} weights made in {time.perf_counter() - t0:.0f} s on {name}; weights held "
           f"{mib(weights_held)} MiB, plan {mib(plan_weights)} MiB ({pct(weights_held, plan_weights)})\n", flush=True)
+    bandwidth = copy_gbps(args.device, mib=1024 if on_cuda(args.device) else 64) * 1e9
+    print(f"device-to-device copy {bandwidth / 1e9:.0f} GB/s (read + written): the ceilings' bandwidth\n", flush=True)
     gen = torch.Generator(device=args.device).manual_seed(args.seed + 1)
     speed, memory = [], []
     with torch.inference_mode():
         for pair in args.pairs.split(","):
             for n_slots in (int(n) for n in args.parallel.split(",")):
-                rows, mem = run_pair(model, config, plan_model, pair, n_slots, args, gen)
+                rows, mem = run_pair(model, config, plan_model, pair, n_slots, args, gen, bandwidth)
                 speed += rows
                 memory.append(mem)
                 print("\n".join(" | ".join(map(str, r)) for r in rows), flush=True)
     print()
-    print(markdown_table(["K/V", "np", "test", "t/s"], speed, ["l", "r", "l", "r"]))
+    print(markdown_table(["K/V", "np", "test", "t/s", "plan ceiling t/s"], speed, ["l", "r", "l", "r", "r"]))
     print()
     print(markdown_table(["K/V", "np", "ctx/slot", "cache MiB", "plan KV+state MiB", "vs plan", "peak extra MiB",
                           "plan compute MiB"], memory, ["l", "r", "r", "r", "r", "r", "r", "r"]))
