@@ -52,10 +52,12 @@ def test_repetition_penalty_lowers_seen_tokens():
 
 
 def test_bad_sampling_values_are_refused():
-    with pytest.raises(ValueError, match="top_p"):
+    with pytest.raises(ValueError, match=r"^top_p must be in \(0, 1\] \(got 0\)$"):
         SamplingParams(top_p=0)
-    with pytest.raises(ValueError, match="temperature"):
+    with pytest.raises(ValueError, match=r"^temperature must be >= 0 \(got -1\)$"):   # the value, not every field
         SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="finite numbers .*'min_p': nan"):
+        SamplingParams(min_p=float("nan"))
 
 
 # ----- text ---------------------------------------------------------------------

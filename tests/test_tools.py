@@ -50,6 +50,18 @@ def test_context_warnings_name_the_limit_and_the_trained_length():
     assert context_warnings("/nonexistent/model", 100_000) == []          # the loader reports a bad path
 
 
+def test_a_cache_larger_than_the_free_memory_is_refused_before_allocating(capsys, monkeypatch):
+    """-c far past the machine's memory: the preallocated caches would not fit, so the run stops
+    with the bytes needed and free, not with torch's allocator failing mid-load."""
+    from kvslim.cache import config as cache_config
+    monkeypatch.setattr(cache_config, "available_memory", lambda device: 64 << 20)     # a 64 MiB machine
+    code, out, err = run_cli(capsys, "run", "-p", "hi", "-n", 1, "-c", 1_000_000, "--temp", 0)
+    assert code == 2 and "need 1.91 GiB, more than the 0.06 GiB cpu has free" in err, err
+    assert "lower -c or -np" in err and "Traceback" not in err
+    code, out, err = run_cli(capsys, "run", "-p", "hi", "-n", 1, "-c", 4096, "--temp", 0)   # 8 MiB of KV: fits
+    assert code == 0, err
+
+
 def test_run_warns_past_the_limit_and_says_when_the_context_filled(capsys):
     code, out, err = run_cli(capsys, "run", "-p", "hi", "-n", 2, "-c", 100_000, "--temp", 0)
     assert code == 0 and err.startswith("warning: -c 100000 per sequence is past the model's context limit")

@@ -49,3 +49,34 @@ class CacheConfig:
 
     def with_types(self, type_k: str | KVFormat, type_v: str | KVFormat) -> "CacheConfig":
         return replace(self, type_k=type_k, type_v=type_v)
+
+
+def available_memory(device: torch.device | str) -> int | None:
+    """Bytes that can still be allocated on ``device``: a CUDA device's free memory, the RAM
+    Linux reports available (MemAvailable) for the CPU; None where it is not known (MPS, other
+    systems), and then nothing is checked before allocating."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def check_room(config: "CacheConfig", need: int) -> None:
+    """ValueError naming the settings when the caches ``config`` describes (``need`` bytes,
+    preallocated for every slot's whole context) cannot fit in what ``device`` has left: a
+    clear refusal instead of the allocator's failure deep inside torch."""
+    free = available_memory(config.device)
+    if free is not None and need > free:
+        gib = 2 ** 30
+        raise ValueError(f"the caches for {config.ctx} tokens x {config.n_slots} slot(s) with K/V "
+                         f"{config.type_k.name}/{config.type_v.name} need {need / gib:.2f} GiB, more than the "
+                         f"{free / gib:.2f} GiB {config.device} has free; lower -c or -np, or take a smaller "
+                         f"cache type (`kvslim plan` shows what fits)")
+

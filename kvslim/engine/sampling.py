@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -38,18 +38,21 @@ class SamplingParams:
         lo, hi = REPEAT_PENALTY_RANGE
         numbers = (self.temperature, self.top_p, self.min_p, self.repeat_penalty, self.presence_penalty,
                    self.frequency_penalty)
-        checks = [(all(math.isfinite(x) for x in numbers), "sampling values must be finite numbers"),
-                  (self.temperature >= 0, "temperature must be >= 0"),
-                  (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
-                  (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
-                  (lo <= self.repeat_penalty <= hi, f"repeat_penalty must be in [{lo:g}, {hi:g}]"),
+        checks = [(all(math.isfinite(x) for x in numbers), "sampling values must be finite numbers",
+                   dict(zip(("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty",
+                             "frequency_penalty"), numbers))),
+                  (self.temperature >= 0, "temperature must be >= 0", self.temperature),
+                  (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]", self.top_p),
+                  (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]", self.min_p),
+                  (lo <= self.repeat_penalty <= hi, f"repeat_penalty must be in [{lo:g}, {hi:g}]", self.repeat_penalty),
                   (abs(self.presence_penalty) <= hi and abs(self.frequency_penalty) <= hi,
-                   f"presence_penalty and frequency_penalty must be within +-{hi:g}"),
-                  (self.repeat_last_n >= 0, "repeat_last_n must be >= 0"),
-                  (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in 0..20")]
-        for ok, message in checks:
+                   f"presence_penalty and frequency_penalty must be within +-{hi:g}",
+                   (self.presence_penalty, self.frequency_penalty)),
+                  (self.repeat_last_n >= 0, "repeat_last_n must be >= 0", self.repeat_last_n),
+                  (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in 0..20", self.logprobs)]
+        for ok, message, got in checks:
             if not ok:
-                raise ValueError(f"{message} (got {asdict(self)})")
+                raise ValueError(f"{message} (got {got!r})")
 
     @property
     def greedy(self) -> bool:

@@ -7,6 +7,7 @@ import re
 import sys
 from dataclasses import dataclass
 
+from ..cache.config import available_memory
 from . import catalog
 
 
@@ -71,9 +72,4 @@ def local_target() -> Target:
 
 def _available_ram() -> int | None:
     """MemAvailable from /proc/meminfo (Linux), in bytes."""
-    try:
-        with open("/proc/meminfo") as f:
-            fields_ = dict(line.split(":", 1) for line in f if ":" in line)
-        return int(fields_["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return None
+    return available_memory("cpu")
