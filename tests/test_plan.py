@@ -257,6 +257,14 @@ def test_hf_folder_reads_config_json_only(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ValueError, match="'gpt2' is not supported; supported: .*qwen3_moe"):
         plan.resolve_model(str(tmp_path))
+    # a broken config names its file, for the planner and the loader alike
+    from kvslim.loading import load_model
+    for text, problem in (('{"model_type": "qwen3_5_text"}', "missing the field 'vocab_size'"),
+                          ("{bad", "not valid JSON"), ("[1, 2]", "expected a JSON object")):
+        (tmp_path / "config.json").write_text(text)
+        for read in (plan.resolve_model, load_model):
+            with pytest.raises(ValueError, match=f"^{tmp_path / 'config.json'}: .*{problem}"):
+                read(str(tmp_path))
 
 
 def tiny_llama_gguf(path) -> None:

@@ -92,9 +92,17 @@ def check_weights(name: str) -> str:
     return name
 
 
-def _load_folder(path: Path, dtype, device, weights):
+def folder_config(path: str | Path):
+    """A Hugging Face folder's config.json -> (the dict, kvslim's config); errors name the file."""
     hf_config = read_config(path)
-    config = config_from_dict(hf_config)
+    try:
+        return hf_config, config_from_dict(hf_config)
+    except ValueError as err:
+        raise ValueError(f"{Path(path) / 'config.json'}: {err}") from None
+
+
+def _load_folder(path: Path, dtype, device, weights):
+    _, config = folder_config(path)
     model = instantiate(config, read_state_dict(path), dtype, device, weights)
     eos = [config.eos_token_id]
     gen = path / "generation_config.json"

@@ -26,8 +26,14 @@ def read_config(folder: str | Path) -> dict:
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise ValueError(f"{folder}: not a Hugging Face model folder (no config.json)")
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: expected a JSON object of model settings")
+    return config
 
 
 def safetensors_files(folder: str | Path) -> list[Path]:

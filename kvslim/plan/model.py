@@ -3,7 +3,6 @@ Hugging Face folder's config.json or a GGUF file's metadata; weights are never r
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,19 +48,13 @@ STORED_DTYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 
 
 def _from_hf_folder(folder: Path) -> Model:
-    file = folder / "config.json"
-    if not file.is_file():
-        raise ValueError(f"{folder} holds no config.json")
-    try:
-        d = json.loads(file.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{file} is not valid JSON: {err}") from None
     from ..data import BUNDLED_TRAINED_CONTEXT
-    from ..loading import BUNDLED, calibration_path
+    from ..loading import BUNDLED, calibration_path, folder_config
+    d, config = folder_config(folder)
 
     stored = STORED_DTYPES.get(str(d.get("dtype") or d.get("torch_dtype") or "").removeprefix("torch."))
     trained = BUNDLED_TRAINED_CONTEXT if folder.resolve() == BUNDLED.resolve() else None
-    return Model(folder.name, config_from_dict(d), "hf", hf_id=str(folder), stored_quant=stored,
+    return Model(folder.name, config, "hf", hf_id=str(folder), stored_quant=stored,
                  trained_context=trained, kv_calibrated=calibration_path(folder).is_file())
 
 
