@@ -148,14 +148,22 @@ def test_a_bf16_model_decodes_in_float32_on_its_bf16_matrices(hybrid):
         token = int(want.argmax())
 
 
-def test_more_sequences_than_the_c_step_takes_go_through_the_eager_step(hybrid):
+def test_more_sequences_than_the_c_step_takes_run_as_calls_of_its_size(hybrid):
+    """11 sequences in one step: the C step in calls of 8 and 3, each sequence the same bits as
+    when it decodes alone, and the eager step's logits."""
     model = hybrid[0]
-    prompts = [list(range(3 + s, 9 + 2 * s)) for s in range(native_step.MAX_BATCH + 1)]
-    (ca, logits), (cb, _) = filled(model, "q8_0", "turbo4", prompts), filled(model, "q8_0", "turbo4", prompts)
-    native, eager = DecodeStep(model, ca, compile=False), DecodeStep(model, cb, compile=False, native=False)
+    prompts = [list(range(3 + s, 9 + 2 * s)) for s in range(native_step.MAX_BATCH + 3)]
+    caches = [filled(model, "q8_0", "turbo4", prompts) for _ in range(3)]
+    native, eager = DecodeStep(model, caches[0][0], compile=False), DecodeStep(model, caches[1][0], native=False)
+    alone = DecodeStep(model, caches[2][0], compile=False)
+    assert native.native is not None
     slots = list(range(len(prompts)))
-    args = (slots, [int(t) for t in logits.argmax(-1)], [len(p) for p in prompts])
-    assert torch.equal(native(*args), eager(*args))                      # the same eager code ran
+    tokens, positions = [int(t) for t in caches[0][1].argmax(-1)], [len(p) for p in prompts]
+    got = native(slots, tokens, positions)
+    assert torch.equal(got, torch.cat([alone([s], [t], [p]) for s, t, p in zip(slots, tokens, positions)]))
+    want = eager(slots, tokens, positions)
+    assert (got - want).abs().max() < 1e-4 * want.abs().max() and torch.equal(got.argmax(-1), want.argmax(-1))
+    assert [caches[0][0].offset(s) for s in slots] == [p + 1 for p in positions]
 
 
 @pytest.mark.parametrize("name", ["f32", "f16", "bf16", "q8_0", "q4_0", "q8_0-norot", "q4_0-norot"])

@@ -1,8 +1,8 @@
 """Decode steps: one new token for each of B sequences, native, compiled or eager.
 
 Native (the default where it applies): the whole step in C, one call per token
-(``native_step.py``); models, weights or K/V formats it does not implement, and batches
-of more than 8 sequences, take one of the torch steps below.
+(``native_step.py``; batches of more than 8 sequences as calls of 8); models, weights or
+K/V formats it does not implement take one of the torch steps below.
 
 Eager (the reference, and ``--no-compile``): a flattened ``Batch`` through the
 model; every op is dispatched from Python, ~3,000 of them per step on the
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from ..models import Batch, DecodeBatch
-from .native_step import MAX_BATCH, NativeStep
+from .native_step import NativeStep
 
 # The decode graph's settings. Guards on the model's modules are skipped: dynamo checks every
 # parameter's attributes before every call (~1 ms a step on the bundled model), and a loaded
@@ -98,7 +98,7 @@ class DecodeStep:
         return self.native is not None or self.compiled
 
     def __call__(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
-        if self.native is not None and len(slots) <= MAX_BATCH:
+        if self.native is not None:
             self.cache.prepare_decode(slots, positions)
             logits = self.native(slots, tokens, positions)
             self.cache.commit_decode(slots)
