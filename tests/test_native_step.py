@@ -19,7 +19,7 @@ from kvslim.models import Batch
 pytestmark = pytest.mark.skipif(native_step._library() is None, reason="no C compiler: no native step")
 
 PAIRS = [("f16", "f16"), ("q8_0", "q4_0"), ("turbo4", "turbo3"), ("q4_0-norot", "bf16"), ("turbo2", "q8_0-norot"),
-         ("f32", "turbo4")]
+         ("f32", "turbo4"), ("iq4_nl", "q8_0"), ("q8_0", "iq4_nl-norot")]
 
 
 def filled(model, type_k, type_v, prompts, n_slots=None, **options):
@@ -124,8 +124,8 @@ def test_refusals_keep_the_torch_step(hybrid):
     for why, options in cases.items():
         step = DecodeStep(model, model.make_cache(32, 1, "q8_0", "q8_0", **options), compile=False)
         assert step.native is None and why in step.why_not_native
-    step = DecodeStep(model, model.make_cache(32, 1, "iq4_nl", "q8_0"), compile=False)
-    assert step.native is None and "iq4_nl" in step.why_not_native
+    step = DecodeStep(model, model.make_cache(32, 1, "q4_1", "q8_0"), compile=False)
+    assert step.native is None and "q4_1" in step.why_not_native
     step = DecodeStep(model, model.make_cache(32, 1, "q8_0", "q8_0", backend="bf16"), compile=False)
     assert step.native is not None                                   # bf16 prompts, the torch backend's decode
 
@@ -166,7 +166,8 @@ def test_more_sequences_than_the_c_step_takes_run_as_calls_of_its_size(hybrid):
     assert [caches[0][0].offset(s) for s in slots] == [p + 1 for p in positions]
 
 
-@pytest.mark.parametrize("name", ["f32", "f16", "bf16", "q8_0", "q4_0", "q8_0-norot", "q4_0-norot"])
+@pytest.mark.parametrize("name", ["f32", "f16", "bf16", "q8_0", "q4_0", "q8_0-norot", "q4_0-norot", "iq4_nl",
+                                  "iq4_nl-norot"])
 def test_block_and_float_encoders_write_the_formats_bytes(name):
     """The same bytes and overflow flags as the format's torch encoder (the rotation is the
     same butterfly), including rows with NaN, inf and values past the fp16 scale's range."""
@@ -178,6 +179,19 @@ def test_block_and_float_encoders_write_the_formats_bytes(name):
     good = ~want_flags
     assert torch.equal(flags, want_flags) and flags[3] and flags[5]
     assert torch.equal(codes[good], want_codes[good])
+
+
+@pytest.mark.parametrize("name", ["iq4_nl", "iq4_nl-norot"])
+def test_iq4_nl_scale_search_picks_the_references_scale_on_many_blocks(name):
+    """iq4_nl's 15-candidate scale search compares sums of products: 16,000 blocks at three
+    magnitudes, an all-zero row and a row below ggml's GROUP_MAX_EPS, byte for byte."""
+    fmt = formats.get(name, role="v")
+    gen = torch.Generator().manual_seed(5)
+    x = torch.cat([torch.randn(1000, 128, generator=gen) * s * torch.logspace(-2, 1, 128) for s in (1e-3, 1.0, 300.0)])
+    x[7], x[8] = 0.0, 1e-20
+    codes, flags = native_step.encode_rows(fmt, x)
+    want_codes, want_flags = fmt.encode_flagged(x)
+    assert not flags.any() and torch.equal(flags, want_flags) and torch.equal(codes, want_codes)
 
 
 @pytest.mark.parametrize("name", ["turbo4", "turbo3", "turbo2"])

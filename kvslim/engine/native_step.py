@@ -35,7 +35,7 @@ FLOAT_CODES = {torch.float32: 32, torch.float16: 16, torch.bfloat16: 17}   # blo
 MAX_BATCH = block_linear.MAX_ROWS
 MAX_DIM = native_attention.MAX_DIM
 MAX_EXPERTS, MAX_TOP_K = 512, 64     # decode_step.c's routing buffers
-ENC_FLOAT, ENC_Q8_0, ENC_Q4_0, ENC_TURBO, ENC_GRID, ENC_GRID_SUB = range(6)
+ENC_FLOAT, ENC_Q8_0, ENC_Q4_0, ENC_TURBO, ENC_GRID, ENC_GRID_SUB, ENC_IQ4_NL = range(7)
 FLOAT_KINDS = {"f32": 0, "f16": 1, "bf16": 2}
 
 
@@ -106,7 +106,7 @@ class _Keep:
 
 # ----- formats -------------------------------------------------------------------------------
 ENC_KINDS = {"float": ENC_FLOAT, "q8_0": ENC_Q8_0, "q4_0": ENC_Q4_0, "turbo": ENC_TURBO, "grid": ENC_GRID,
-             "grid_sub": ENC_GRID_SUB}
+             "grid_sub": ENC_GRID_SUB, "iq4_nl": ENC_IQ4_NL}
 ENC_SUB_VALUES = 16                      # kv_encode.c's GRID_SUB: values per rung of the nls rows
 
 

@@ -4,7 +4,8 @@
  * A format reaches this file as an encoder description (kvslim/engine/native_step.py translates
  * the format's declared kernel_encoder, kvslim/formats/base.py), so C never guesses a layout:
  *   ENC_FLOAT  the row as f32, f16 or bf16 (round to nearest even)
- *   ENC_Q8_0 / ENC_Q4_0  ggml's blocks of 32 (llama.cpp's reference quantizers), of the row
+ *   ENC_Q8_0 / ENC_Q4_0 / ENC_IQ4_NL  ggml's blocks of 32 (llama.cpp's reference quantizers;
+ *              iq4_nl's scale search over 15 candidates, its grid in `centroids`), of the row
  *              after an optional block rotation: llama.cpp's Walsh-Hadamard in blocks of `rot`,
  *              as the same butterfly as kvslim/formats/rotation.py (so the same bytes)
  *   ENC_TURBO  TurboQuant's MSE variant: per group of `group` values, the norm, the unit vector
@@ -24,7 +25,7 @@
 
 #define ENC_MAX_DIM 512
 
-enum { ENC_FLOAT = 0, ENC_Q8_0 = 1, ENC_Q4_0 = 2, ENC_TURBO = 3, ENC_GRID = 4, ENC_GRID_SUB = 5 };
+enum { ENC_FLOAT = 0, ENC_Q8_0 = 1, ENC_Q4_0 = 2, ENC_TURBO = 3, ENC_GRID = 4, ENC_GRID_SUB = 5, ENC_IQ4_NL = 6 };
 #define GRID_SUB 16               /* nls: values per rung */
 enum { FLOAT_F32 = 0, FLOAT_F16 = 1, FLOAT_BF16 = 2 };
 
@@ -140,6 +141,56 @@ static void encode_q4_0(const float *x, uint8_t *out) {
 }
 
 /* Codes of `bits` bits, 8 to a little-endian word of `bits` bytes (kvslim/formats/bitpack.py). */
+/* ggml's best_index_int8: the nearest of the 16 grid values, the upper one on exact ties. */
+static inline int iq4nl_index(const float *grid, float x) {
+    if (x <= grid[0]) return 0;
+    if (x >= grid[15]) return 15;
+    int lo = 0, hi = 15;
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) / 2;
+        if (x < grid[mid]) hi = mid; else lo = mid;
+    }
+    return x - grid[hi - 1] < grid[hi] - x ? hi - 1 : hi;
+}
+
+/* sum(w q x) and sum(w q q) for the codes of x * id, w = x^2, summed left to right. No FMA
+ * contraction: the sums must round as the reference's separate products and adds do, or a
+ * rare block picks another scale (the bytes are compared with gguf's and the torch encoder's). */
+__attribute__((optimize("fp-contract=off")))
+static void iq4nl_fit(const float *grid, const float *x, float id, float *sumqx, float *sumq2) {
+    float sx = 0.0f, s2 = 0.0f;
+    for (int j = 0; j < 32; j++) {
+        const float q = grid[iq4nl_index(grid, id * x[j])], wq = x[j] * x[j] * q;
+        const float px = wq * x[j], pq = wq * q;
+        sx += px;
+        s2 += pq;
+    }
+    *sumqx = sx, *sumq2 = s2;
+}
+
+/* quantize_row_iq4_nl_ref for one block of 32 (no importance weights: w = x^2, ntry = 7). */
+__attribute__((optimize("fp-contract=off")))
+static void encode_iq4_nl(const float *grid, const float *x, uint8_t *out) {
+    float amax = 0.0f, max = 0.0f;
+    for (int j = 0; j < 32; j++)
+        if (fabsf(x[j]) > amax) amax = fabsf(x[j]), max = x[j];   /* the first of equal magnitudes */
+    float d = 0.0f;
+    if (amax >= 1e-15f) {                                         /* GROUP_MAX_EPS */
+        float sumqx, sumq2;
+        iq4nl_fit(grid, x, 1.0f / (-max / grid[0]), &sumqx, &sumq2);
+        d = sumqx / sumq2;
+        float best = d * sumqx;
+        for (int itry = -7; itry <= 7; itry++) {
+            iq4nl_fit(grid, x, ((float)itry + grid[0]) / max, &sumqx, &sumq2);
+            if (sumq2 > 0.0f && sumqx * sumqx > best * sumq2) d = sumqx / sumq2, best = d * sumqx;
+        }
+    }
+    store_f16(out, d);
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;                 /* the float32 scale, not its fp16 */
+    for (int j = 0; j < 16; j++)
+        out[2 + j] = (uint8_t)(iq4nl_index(grid, id * x[j]) | iq4nl_index(grid, id * x[j + 16]) << 4);
+}
+
 static void pack_codes(const uint8_t *codes, int n, int bits, uint8_t *out) {
     for (int w = 0; w < n / 8; w++) {
         uint64_t word = 0;
@@ -282,6 +333,8 @@ static int encode_row(const enc_t *e, const float *x, int dim, uint8_t *out) {
             else if (e->float_type == FLOAT_F16) store_f16(out + 2 * i, y[i]);
             else store_bf16(out + 2 * i, y[i]);
         }
+    } else if (e->kind == ENC_IQ4_NL) {
+        for (int b = 0; b < dim / 32; b++) encode_iq4_nl(e->centroids, y + 32 * b, out + 18 * b);
     } else {
         const int block_bytes = e->kind == ENC_Q8_0 ? 34 : 18;
         for (int b = 0; b < dim / 32; b++)
