@@ -205,3 +205,28 @@ def test_specs_reproduce_published_sizes():
     state = StateLayerSpec(conv_dim=2 * 16 * 128 + 32 * 128, conv_kernel=4, n_v_heads=32, k_head_dim=128,
                            v_head_dim=128)
     assert 30 * state.bytes_per_slot * 4 / 2**20 == pytest.approx(251.25)
+
+
+@pytest.mark.parametrize("type_k,type_v", [("iq4_nl", "q8_0"), ("q4_0", "f16"), ("turbo4", "iq4_nl-norot")])
+def test_cpu_prompt_encoders_store_the_torch_encoders_bytes(type_k, type_v):
+    """On the CPU a prompt chunk's rows go through kv_encode.c where its bytes are the torch
+    encoders' (PROMPT_KINDS); a pair with one format outside them keeps torch for both. Pools,
+    and the overflow flag of a chunk with a NaN, equal a cache on the torch encoders."""
+    from kvslim.native import build, kv_encode
+    if not build.compiler():
+        pytest.skip("no C compiler: the torch encoders serve")
+    spec = KVLayerSpec(2, 128, type_k, type_v)
+    fast, ref = KVCache(spec, ctx=96, n_slots=1, page_size=16), KVCache(spec, ctx=96, n_slots=1, page_size=16)
+    ref.cpu_encoders = None
+    kinds = [formats.get(t).kernel_encoder(128) for t in (type_k, type_v)]
+    assert (fast.cpu_encoders is not None) == all(k is not None and k.kind in kv_encode.PROMPT_KINDS for k in kinds)
+    gen = torch.Generator().manual_seed(3)
+    for n in (40, 1, 30):
+        k, v = (torch.randn(n, 2, 128, generator=gen) * torch.logspace(-2, 2, 128) for _ in "kv")
+        fast.store(0, k, v), ref.store(0, k, v)
+    (fk, fv), (rk, rv) = fast.rows(0), ref.rows(0)
+    assert fk.shape[0] == 71 and torch.equal(fk, rk) and torch.equal(fv, rv)
+    bad = torch.randn(3, 2, 128)
+    bad[1, 0, 5] = float("nan")
+    fast.store(0, bad, bad), ref.store(0, bad, bad)
+    assert torch.equal(fast.overflow, ref.overflow) and fast.overflow[0]

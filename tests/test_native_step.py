@@ -12,6 +12,7 @@ import torch
 from kvslim import formats
 from kvslim.engine import Engine, EngineConfig, SamplingParams
 from kvslim.engine import native_step
+from kvslim.native import kv_encode
 from kvslim.engine.decode_step import DecodeStep
 from kvslim.loading import load_model
 from kvslim.models import Batch
@@ -174,7 +175,7 @@ def test_block_and_float_encoders_write_the_formats_bytes(name):
     fmt = formats.get(name, role="k")
     x = torch.randn(40, 128) * torch.logspace(-3, 2, 40)[:, None]
     x[3, 7], x[5, 0], x[9, 100] = float("nan"), float("inf"), 1e9
-    codes, flags = native_step.encode_rows(fmt, x)
+    codes, flags = kv_encode.encode_rows(fmt, x)
     want_codes, want_flags = fmt.encode_flagged(x)
     good = ~want_flags
     assert torch.equal(flags, want_flags) and flags[3] and flags[5]
@@ -189,7 +190,7 @@ def test_iq4_nl_scale_search_picks_the_references_scale_on_many_blocks(name):
     gen = torch.Generator().manual_seed(5)
     x = torch.cat([torch.randn(1000, 128, generator=gen) * s * torch.logspace(-2, 1, 128) for s in (1e-3, 1.0, 300.0)])
     x[7], x[8] = 0.0, 1e-20
-    codes, flags = native_step.encode_rows(fmt, x)
+    codes, flags = kv_encode.encode_rows(fmt, x)
     want_codes, want_flags = fmt.encode_flagged(x)
     assert not flags.any() and torch.equal(flags, want_flags) and torch.equal(codes, want_codes)
 
@@ -201,7 +202,7 @@ def test_turbo_encoder_matches_the_formats(name, head_dim):
     round to the other side, so codes agree but for rare ties and decoded rows stay close."""
     fmt = formats.get(name, role="k")
     x = torch.randn(64, head_dim)
-    codes, flags = native_step.encode_rows(fmt, x)
+    codes, flags = kv_encode.encode_rows(fmt, x)
     want_codes, want_flags = fmt.encode_flagged(x)
     assert torch.equal(flags, want_flags) and not flags.any()
     got, want = fmt.decode(codes, head_dim), fmt.decode(want_codes, head_dim)
@@ -218,7 +219,7 @@ def test_grid_encoders_search_as_the_formats_do(name, role):
     fmt = formats.get(name, role=role)
     x = torch.randn(64, 128, generator=torch.Generator().manual_seed(1))
     x[5, 3] = float("nan")
-    codes, flags = native_step.encode_rows(fmt, x)
+    codes, flags = kv_encode.encode_rows(fmt, x)
     want_codes, want_flags = fmt.encode_flagged(x)
     assert torch.equal(flags, want_flags) and flags[5]
     good = ~flags

@@ -28,6 +28,7 @@ import torch
 from .. import formats, gpu
 from ..formats.base import ceil_div, check_float_input
 from ..gpu import kv_append
+from ..native import kv_encode
 from .spec import KVLayerSpec
 
 DEFAULT_PAGE_SIZE = 256
@@ -66,6 +67,7 @@ class KVCache:
             self.win_v = torch.zeros(shape, dtype=torch.float16, device=self.device)
         self.overflow = torch.zeros(n_slots, dtype=torch.uint8, device=self.device)
         self.gpu_append = self._gpu_append()
+        self.cpu_encoders = self._cpu_encoders()
         from .backends import get_backend                                # backends import this module
         self.backend = get_backend(backend)
 
@@ -74,6 +76,25 @@ class KVCache:
         declared to it). Decided once here: the compiled step then traces no check."""
         probe = torch.empty(0, self.n_kv_heads, self.head_dim, device=self.device)
         return gpu.TRITON and kv_append.supports(self.fmt_k, probe) and kv_append.supports(self.fmt_v, probe)
+
+    def _cpu_encoders(self):
+        """(K, V) C row encoders for a CPU cache whose formats both have one that writes the torch
+        encoder's bytes faster (``kv_encode.PROMPT_KINDS``), else None: a prompt chunk's rows then
+        encode in one C call. The torch encoders stay the reference and serve traced graphs,
+        other devices and the other formats."""
+        if self.device.type != "cpu":
+            return None
+        encoders = (kv_encode.RowEncoder.for_prompts(self.fmt_k, self.head_dim),
+                    kv_encode.RowEncoder.for_prompts(self.fmt_v, self.head_dim))
+        return encoders if all(encoders) else None
+
+    def _encode(self, k: torch.Tensor, v: torch.Tensor):
+        """Codes and per-token overflow flags of new K and V rows: C on the CPU where it can."""
+        if self.cpu_encoders is not None and not torch.compiler.is_compiling():
+            (k_codes, k_bad), (v_codes, v_bad) = self.cpu_encoders[0](k), self.cpu_encoders[1](v)
+        else:
+            (k_codes, k_bad), (v_codes, v_bad) = self.fmt_k.encode_flagged(k), self.fmt_v.encode_flagged(v)
+        return k_codes, v_codes, k_bad | v_bad
 
     def _pool(self, row_bytes: int) -> torch.Tensor:
         pool = torch.empty(self.n_kv_heads, self.n_pages + 1, self.page_size, row_bytes, dtype=torch.uint8,
@@ -240,15 +261,14 @@ class KVCache:
         if self.gpu_append:                                 # encoded in the kernel, written in place
             bad = kv_append.append(self.fmt_k, k, self.k_pool, index) | kv_append.append(self.fmt_v, v, self.v_pool, index)
             return self._raise_flags(bad, slots)
-        k_codes, k_bad = self.fmt_k.encode_flagged(k)
-        v_codes, v_bad = self.fmt_v.encode_flagged(v)
+        k_codes, v_codes, bad = self._encode(k, v)
         # Indexed assignment into the pool itself, not a copy into a reshaped view of it: a
         # compiled step turns this into an in-place scatter (a view's index_copy_ into a copy
         # of the whole pool and a copy back).
         page, row = index // self.page_size, index % self.page_size
         self.k_pool[:, page, row] = k_codes.transpose(0, 1)
         self.v_pool[:, page, row] = v_codes.transpose(0, 1)
-        self._raise_flags(k_bad | v_bad, slots)
+        self._raise_flags(bad, slots)
 
     def _flat_index(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flat pool rows of (slot, position) pairs, read from the block table on the device."""

@@ -27,6 +27,8 @@ from ..cache.recurrent import RecurrentStateCache
 from ..models.base import CausalLM
 from ..models.layers import MLP, Attention, DecoderLayer, Experts, RMSNorm, Rope, SparseMoE
 from ..native import block_linear, build
+from ..native.kv_encode import Enc, Unsupported, encoder
+from ..native.kv_encode import Keep as _Keep
 from ..weights.modules import QuantExperts
 from ..native import paged_attention as native_attention
 
@@ -35,26 +37,12 @@ FLOAT_CODES = {torch.float32: 32, torch.float16: 16, torch.bfloat16: 17}   # blo
 MAX_BATCH = block_linear.MAX_ROWS
 MAX_DIM = native_attention.MAX_DIM
 MAX_EXPERTS, MAX_TOP_K = 512, 64     # decode_step.c's routing buffers
-ENC_FLOAT, ENC_Q8_0, ENC_Q4_0, ENC_TURBO, ENC_GRID, ENC_GRID_SUB, ENC_IQ4_NL = range(7)
-FLOAT_KINDS = {"f32": 0, "f16": 1, "bf16": 2}
-
-
-class Unsupported(Exception):
-    """What the C step does not implement (the message says what)."""
-
-
 P = ctypes.c_void_p
 I32, I64 = ctypes.c_int32, ctypes.c_int64
 
 
 class Mat(ctypes.Structure):
     _fields_ = [("type", I32), ("rows", I64), ("cols", I64), ("data", P), ("bias", P)]
-
-
-class Enc(ctypes.Structure):
-    _fields_ = [("kind", I32), ("float_type", I32), ("rot", I32), ("bits", I32), ("hadamard", I32),
-                ("rot_m", P), ("boundaries", P), ("centroids", P), ("limit", ctypes.c_float),
-                ("block", I32), ("n_tries", I32), ("tries", P), ("ladder", P)]
 
 
 class Layer(ctypes.Structure):
@@ -82,59 +70,7 @@ def _library():
     if lib is not None and lib.kvslim_decode_step.argtypes is None:
         lib.kvslim_decode_step.restype = ctypes.c_int
         lib.kvslim_decode_step.argtypes = [ctypes.POINTER(Model), I64, P, P, P, P]
-        lib.kvslim_encode_rows.restype = ctypes.c_int
-        lib.kvslim_encode_rows.argtypes = [ctypes.POINTER(Enc), P, I64, ctypes.c_int, I64, P, P]
     return lib
-
-
-class _Keep:
-    """Tensors and structs the C side points at: alive as long as the step."""
-
-    def __init__(self):
-        self.items = []
-
-    def __call__(self, obj):
-        self.items.append(obj)
-        return obj
-
-    def ptr(self, t: torch.Tensor | None) -> int | None:
-        """A float32 copy's address (norms, biases, tables: small), or the tensor's own if it is one."""
-        if t is None:
-            return None
-        return self(t.detach().float().contiguous()).data_ptr()
-
-
-# ----- formats -------------------------------------------------------------------------------
-ENC_KINDS = {"float": ENC_FLOAT, "q8_0": ENC_Q8_0, "q4_0": ENC_Q4_0, "turbo": ENC_TURBO, "grid": ENC_GRID,
-             "grid_sub": ENC_GRID_SUB, "iq4_nl": ENC_IQ4_NL}
-ENC_SUB_VALUES = 16                      # kv_encode.c's GRID_SUB: values per rung of the nls rows
-
-
-def encoder(fmt, head_dim: int, keep: _Keep) -> Enc:
-    """The C encoder of a K/V format: its declared ``kernel_encoder``, as kv_encode.c's enc_t."""
-    if head_dim > MAX_DIM:
-        raise Unsupported(f"head_dim {head_dim} (the native step's limit is {MAX_DIM})")
-    spec = fmt.kernel_encoder(head_dim)
-    if spec is None or spec.kind not in ENC_KINDS or spec.sub_values not in (0, ENC_SUB_VALUES):
-        raise Unsupported(f"K/V format {fmt.name} (no C encoder)")
-    tries = spec.tries
-    return Enc(ENC_KINDS[spec.kind], FLOAT_KINDS.get(spec.float_type, 0), spec.rot, spec.bits, int(spec.hadamard),
-               keep.ptr(spec.rot_matrix), keep.ptr(spec.boundaries), keep.ptr(spec.centroids), spec.limit,
-               spec.block, 0 if tries is None else len(tries), keep.ptr(tries), keep.ptr(spec.ladder))
-
-
-def encode_rows(fmt, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The C encoder on rows x (n, head_dim) float32 -> (codes (n, row_bytes), flags (n,) bool).
-    What the tests hold to the format's torch encoder."""
-    keep = _Keep()
-    n, dim = x.shape
-    enc = keep(encoder(fmt, dim, keep))
-    x = x.float().contiguous()
-    out = torch.empty(n, fmt.row_bytes(dim), dtype=torch.uint8)
-    flags = torch.empty(n, dtype=torch.uint8)
-    _library().kvslim_encode_rows(ctypes.byref(enc), x.data_ptr(), n, dim, out.shape[1], out.data_ptr(),
-                                  flags.data_ptr())
-    return out, flags.bool()
 
 
 # ----- weights -------------------------------------------------------------------------------

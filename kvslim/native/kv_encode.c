@@ -343,10 +343,12 @@ static int encode_row(const enc_t *e, const float *x, int dim, uint8_t *out) {
     return bad;
 }
 
-/* The standalone entry the parity tests call: rows (n, dim) -> out (n, row_bytes), flags (n). */
+/* Rows (n, dim) -> out (n, row_bytes), flags (n): the cache's prompt path on the CPU and the
+ * parity tests (kvslim/native/kv_encode.py). Rows are independent: split across threads. */
 int kvslim_encode_rows(const enc_t *e, const float *x, int64_t n, int dim, int64_t row_bytes, uint8_t *out,
-                       uint8_t *flags) {
+                       uint8_t *flags, int n_threads) {
     if (dim > ENC_MAX_DIM) return 1;
+    #pragma omp parallel for num_threads(n_threads) schedule(static) if (n * dim >= 16384)
     for (int64_t r = 0; r < n; r++) flags[r] = (uint8_t)encode_row(e, x + r * dim, dim, out + r * row_bytes);
     return 0;
 }

@@ -1,0 +1,115 @@
+"""K/V rows into a format's packed bytes in C (``kv_encode.c``), beside the formats' torch encoders.
+
+A format reaches C through its declared ``kernel_encoder`` (kvslim/formats), translated here to
+``kv_encode.c``'s ``enc_t``: C never guesses a layout. Two users: the C decode step
+(``kvslim/engine/native_step.py`` puts each layer's encoders in its description) and the
+cache's prompt path on the CPU (``RowEncoder``: a prompt chunk's K/V rows in one call, where
+the torch encoder of iq4_nl runs its 16 candidate scales as (rows, 16, 32) tensors: a prompt with an
+iq4_nl cache ran at a sixth of q8_0's speed on the bundled model). The torch
+encoders stay the reference: tests/test_native_step.py compares bytes and overflow flags.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from . import build
+
+SOURCE = "kv_encode.c"
+ENC_MAX_DIM = 512                        # kv_encode.c's row buffer
+ENC_FLOAT, ENC_Q8_0, ENC_Q4_0, ENC_TURBO, ENC_GRID, ENC_GRID_SUB, ENC_IQ4_NL = range(7)
+ENC_KINDS = {"float": ENC_FLOAT, "q8_0": ENC_Q8_0, "q4_0": ENC_Q4_0, "turbo": ENC_TURBO, "grid": ENC_GRID,
+             "grid_sub": ENC_GRID_SUB, "iq4_nl": ENC_IQ4_NL}
+ENC_SUB_VALUES = 16                      # kv_encode.c's GRID_SUB: values per rung of the nls rows
+FLOAT_KINDS = {"f32": 0, "f16": 1, "bf16": 2}
+P, I32, I64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
+
+
+class Unsupported(Exception):
+    """What the C code does not implement (the message says what)."""
+
+
+class Enc(ctypes.Structure):
+    _fields_ = [("kind", I32), ("float_type", I32), ("rot", I32), ("bits", I32), ("hadamard", I32),
+                ("rot_m", P), ("boundaries", P), ("centroids", P), ("limit", ctypes.c_float),
+                ("block", I32), ("n_tries", I32), ("tries", P), ("ladder", P)]
+
+
+class Keep:
+    """Tensors and structs the C side points at: alive as long as their holder."""
+
+    def __init__(self):
+        self.items = []
+
+    def __call__(self, obj):
+        self.items.append(obj)
+        return obj
+
+    def ptr(self, t: torch.Tensor | None) -> int | None:
+        """A float32 copy's address (norms, biases, tables: small), or the tensor's own if it is one."""
+        if t is None:
+            return None
+        return self(t.detach().float().contiguous()).data_ptr()
+
+
+def _library():
+    lib = build.library(SOURCE)
+    if lib is not None and lib.kvslim_encode_rows.argtypes is None:
+        lib.kvslim_encode_rows.restype = ctypes.c_int
+        lib.kvslim_encode_rows.argtypes = [ctypes.POINTER(Enc), P, I64, ctypes.c_int, I64, P, P, ctypes.c_int]
+    return lib
+
+
+def encoder(fmt, head_dim: int, keep: Keep) -> Enc:
+    """The C encoder of a K/V format: its declared ``kernel_encoder``, as kv_encode.c's enc_t;
+    raises Unsupported where there is none."""
+    if head_dim > ENC_MAX_DIM:
+        raise Unsupported(f"head_dim {head_dim} (the C encoders' limit is {ENC_MAX_DIM})")
+    spec = fmt.kernel_encoder(head_dim)
+    if spec is None or spec.kind not in ENC_KINDS or spec.sub_values not in (0, ENC_SUB_VALUES):
+        raise Unsupported(f"K/V format {fmt.name} (no C encoder)")
+    tries = spec.tries
+    return Enc(ENC_KINDS[spec.kind], FLOAT_KINDS.get(spec.float_type, 0), spec.rot, spec.bits, int(spec.hadamard),
+               keep.ptr(spec.rot_matrix), keep.ptr(spec.boundaries), keep.ptr(spec.centroids), spec.limit,
+               spec.block, 0 if tries is None else len(tries), keep.ptr(tries), keep.ptr(spec.ladder))
+
+
+# The kinds whose C encoder writes the torch encoder's bytes and is faster on a prompt chunk
+# (512 tokens x 2 heads x 128, 2 threads: q8_0 0.81 -> 0.40 ms, q4_0 0.73 -> 0.29, iq4_nl 55 ->
+# 13). TurboQuant's C rotation is a plain loop, slower than torch's matmul (1.5 -> 3.1 ms); the
+# nl grids' C search differs from torch's on near-ties (tests allow 1% of bytes), and prompts
+# keep the reference's bytes.
+PROMPT_KINDS = ("float", "q8_0", "q4_0", "iq4_nl")
+
+
+class RowEncoder:
+    """``fmt``'s C encoder for rows of ``head_dim``: (T, ..., head_dim) -> (codes (T, ..., row
+    bytes), per-token flags (T,)), as ``fmt.encode_flagged`` returns them."""
+
+    def __init__(self, fmt, head_dim: int):
+        self.keep = Keep()
+        self.enc = self.keep(encoder(fmt, head_dim, self.keep))
+        self.head_dim, self.row_bytes = head_dim, fmt.row_bytes(head_dim)
+
+    @classmethod
+    def for_prompts(cls, fmt, head_dim: int) -> "RowEncoder | None":
+        """The encoder the cache's CPU prompt path takes for ``fmt``, or None (no compiler, or not
+        one of PROMPT_KINDS)."""
+        spec = fmt.kernel_encoder(head_dim) if head_dim <= ENC_MAX_DIM else None
+        if _library() is None or spec is None or spec.kind not in PROMPT_KINDS:
+            return None
+        return cls(fmt, head_dim)
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = x.float().reshape(-1, self.head_dim).contiguous()
+        out = torch.empty(rows.shape[0], self.row_bytes, dtype=torch.uint8)
+        flags = torch.empty(rows.shape[0], dtype=torch.uint8)
+        _library().kvslim_encode_rows(ctypes.byref(self.enc), rows.data_ptr(), rows.shape[0], self.head_dim,
+                                      self.row_bytes, out.data_ptr(), flags.data_ptr(), torch.get_num_threads())
+        return out.reshape(*x.shape[:-1], self.row_bytes), flags.reshape(x.shape[0], -1).bool().any(dim=1)
+
+
+def encode_rows(fmt, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The C encoder on rows x (n, head_dim) -> (codes (n, row_bytes), flags (n,) bool)."""
+    return RowEncoder(fmt, x.shape[-1])(x)
