@@ -141,27 +141,30 @@ static void encode_q4_0(const float *x, uint8_t *out) {
 }
 
 /* Codes of `bits` bits, 8 to a little-endian word of `bits` bytes (kvslim/formats/bitpack.py). */
-/* ggml's best_index_int8: the nearest of the 16 grid values, the upper one on exact ties. */
+/* ggml's best_index_int8: the nearest of the 16 grid values, the upper one on exact ties. Its
+ * binary search ends at the bracket grid[lo] <= x < grid[lo + 1]; counting the inner values at or
+ * below x finds the same bracket without its four unpredictable branches, and vectorises. */
 static inline int iq4nl_index(const float *grid, float x) {
     if (x <= grid[0]) return 0;
     if (x >= grid[15]) return 15;
-    int lo = 0, hi = 15;
-    while (hi - lo > 1) {
-        const int mid = (lo + hi) / 2;
-        if (x < grid[mid]) hi = mid; else lo = mid;
-    }
-    return x - grid[hi - 1] < grid[hi] - x ? hi - 1 : hi;
+    int lo = 0;
+    for (int j = 1; j < 15; j++) lo += grid[j] <= x;
+    return x - grid[lo] < grid[lo + 1] - x ? lo : lo + 1;
 }
 
 /* sum(w q x) and sum(w q q) for the codes of x * id, w = x^2, summed left to right. No FMA
  * contraction: the sums must round as the reference's separate products and adds do, or a
- * rare block picks another scale (the bytes are compared with gguf's and the torch encoder's). */
+ * rare block picks another scale (the bytes are compared with gguf's and the torch encoder's).
+ * The 32 codes first, then the sums: a 512-token chunk of 2 x 128 rows took 13.4 ms with the
+ * binary search inside the sum loop, 4.5 ms so. */
 __attribute__((optimize("fp-contract=off")))
 static void iq4nl_fit(const float *grid, const float *x, float id, float *sumqx, float *sumq2) {
+    float q[32];
+    for (int j = 0; j < 32; j++) q[j] = grid[iq4nl_index(grid, id * x[j])];   /* independent: vectorises */
     float sx = 0.0f, s2 = 0.0f;
-    for (int j = 0; j < 32; j++) {
-        const float q = grid[iq4nl_index(grid, id * x[j])], wq = x[j] * x[j] * q;
-        const float px = wq * x[j], pq = wq * q;
+    for (int j = 0; j < 32; j++) {                                             /* in order, as the reference */
+        const float wq = x[j] * x[j] * q[j];
+        const float px = wq * x[j], pq = wq * q[j];
         sx += px;
         s2 += pq;
     }

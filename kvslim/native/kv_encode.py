@@ -77,7 +77,7 @@ def encoder(fmt, head_dim: int, keep: Keep) -> Enc:
 
 # The kinds whose C encoder writes the torch encoder's bytes and is faster on a prompt chunk
 # (512 tokens x 2 heads x 128, 2 threads: q8_0 0.81 -> 0.40 ms, q4_0 0.73 -> 0.29, iq4_nl 55 ->
-# 13). TurboQuant's C rotation is a plain loop, slower than torch's matmul (1.5 -> 3.1 ms); the
+# 4.5). TurboQuant's C rotation is a plain loop, slower than torch's matmul (1.5 -> 3.1 ms); the
 # nl grids' C search differs from torch's on near-ties (tests allow 1% of bytes), and prompts
 # keep the reference's bytes.
 PROMPT_KINDS = ("float", "q8_0", "q4_0", "iq4_nl")
