@@ -123,3 +123,13 @@ def test_ctrl_c_in_demo_is_one_line():
     done = interrupt_after(["demo", "-c", "2048"], "[demo] generating", "stderr")
     assert done.returncode == 130 and "Traceback" not in done.stderr
     assert done.stderr.rstrip().endswith("kvslim demo: interrupted")
+
+
+def test_serve_refuses_a_model_that_cannot_load_before_it_listens(capsys, tmp_path):
+    """A bad -m is named before the port is bound (llama-server refuses it the same way), not
+    reported by a background load after "listening"."""
+    code, out, err = run_cli(capsys, "serve", "-m", tmp_path / "missing", "--port", 18123)
+    assert code == 2 and "missing: no such file or folder" in err and "listening" not in out + err
+    (tmp_path / "config.json").write_text("{bad")
+    code, out, err = run_cli(capsys, "serve", "-m", tmp_path, "--port", 18123)
+    assert code == 2 and "config.json: not valid JSON" in err and "listening" not in out + err

@@ -43,16 +43,27 @@ def load_model(path: str | Path | None = None, dtype=None, device: str = "cpu", 
         allow_dequant: GGUF only: expand tensors of types kvslim cannot keep quantized to
             float instead of refusing the file.
     """
-    path = Path(path) if path is not None else default_model()
+    path = check_model_path(path)
     dtype = parse_dtype(dtype)
     if weights is not None:
         check_weights(weights)
     if path.is_dir():
         return _with_calibration(_load_folder(path, dtype, device, weights), calibration_path(path))
+    if weights is not None:
+        raise ValueError(f"{path}: --weights quantizes Hugging Face folders; a GGUF keeps its own types")
+    return _with_calibration(_load_gguf(path, dtype, device, allow_dequant), calibration_path(path))
+
+
+def check_model_path(path: str | Path | None = None) -> Path:
+    """The model ``load_model`` would read (None: the bundled one), checked without reading
+    weights: a folder's config.json must parse into a config kvslim knows, a file must be a
+    GGUF. ``kvslim serve`` calls it before it binds its port."""
+    path = Path(path) if path is not None else default_model()
+    if path.is_dir():
+        folder_config(path)
+        return path
     if path.is_file() and _is_gguf(path):
-        if weights is not None:
-            raise ValueError(f"{path}: --weights quantizes Hugging Face folders; a GGUF keeps its own types")
-        return _with_calibration(_load_gguf(path, dtype, device, allow_dequant), calibration_path(path))
+        return path
     if not path.exists():
         raise ValueError(f"{path}: no such file or folder")
     raise ValueError(f"{path}: neither a Hugging Face model folder nor a GGUF file")

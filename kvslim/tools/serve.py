@@ -116,6 +116,8 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     from .. import formats
     formats.get(args.cache_type_k), formats.get(args.cache_type_v)     # refuse bad names before binding
+    from ..loading import check_model_path
+    check_model_path(args.model)                                        # and a model path that cannot load
     warn_context(args.model, args.ctx_size // max(args.parallel, 1))
     options = options_from(args)
 
