@@ -422,9 +422,16 @@ def test_serve_help_says_c_is_the_total():
 
 # ----- 4. lifecycle: load failure, SIGTERM -----------------------------------------------------------
 def test_failed_model_load_exits_nonzero(tmp_path):
+    """A folder whose config.json parses (so the server starts) but whose weights are missing:
+    the background load fails and the server exits with 1. (A -m that is no model at all is
+    refused before listening: tests/test_tools.py.)"""
+    import shutil
+
+    from kvslim.loading import default_model
     from kvslim.tools.serve import main
+    shutil.copy(default_model() / "config.json", tmp_path / "config.json")
     t0 = time.monotonic()
-    assert main(["-m", str(tmp_path / "missing"), "--port", str(free_port())]) == 1
+    assert main(["-m", str(tmp_path), "--port", str(free_port())]) == 1
     assert time.monotonic() - t0 < 60
 
 
