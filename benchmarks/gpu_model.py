@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_model.py [--model qwen3.6-35b-a3b] [--weights q4_0] [-d 0,32768,131072]
         [-np 1,4] [--pairs f16/f16,q8_0/turbo4,turbo3/turbo3] [-p 4096] [-n 32] [--device cuda]
-    python benchmarks/gpu_model.py --device cpu --shrink 8 --layers 4 -d 0,256 -p 256 -n 4   # a dry run
+    python benchmarks/gpu_model.py --device cpu --shrink 8 --layers 4 -d 0,256 -p 256 -n 4 --eager   # a dry run
 
 The config is the planner's catalog entry (config.json values: dims, layer pattern, experts),
 built by kvslim's own model code; the weights are made on the device, never read from disk:
@@ -175,7 +175,7 @@ def run_pair(model, config, plan_model, pair: str, n_slots: int, args, gen, band
         pp = time_prefill(model, cache, args.n_prompt, config.vocab_size, args.device)
         speed.append([pair, n_slots, f"pp{args.n_prompt}", f"{pp:.1f}", ""])
         cache.clear(0)
-    step = DecodeStep(model, cache, compile=False)
+    step = DecodeStep(model, cache, compile=False, native=not args.eager)
     filled = 0
     for depth in depths:
         fill_to(cache, depth - filled, args.device, gen)
@@ -217,6 +217,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shrink", type=int, default=1, help="divide the widths (a dry run)")
     ap.add_argument("--layers", type=int, default=None, help="keep the first N layers (a dry run)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eager", action="store_true",
+                    help="decode through the torch step even on the CPU (the path a GPU takes; dry runs)")
     args = ap.parse_args(argv)
     if args.weights not in catalog.WEIGHT_QUANTS or catalog.WEIGHT_QUANTS[args.weights].base != args.weights:
         ap.error(f"--weights {args.weights}: expected a plain block type the planner knows (q4_0, q8_0, ...)")
