@@ -164,6 +164,71 @@ def test_split_count_fills_the_gpu_and_keeps_a_chunk_per_split():
     assert gpu.split_count(4096, 4096, config) == 1                  # 512 tiles
 
 
+# the grouped expert GEMV: (type, experts E, outputs N, K, pairs P)
+EXPERT_CASES = [("q8_0", 5, 40, 288, 7), ("q4_0", 2, 9, 96, 3), ("q4_k", 3, 16, 512, 4), ("q6_k", 4, 24, 512, 6)]
+
+
+def _expert_inputs(case, seed: int):
+    """E matrices of the case's type stacked (E, N, row_bytes), P rows of x and an expert id each."""
+    name, n_experts, n, k, pairs = case
+    mats = [_weight(name, n, k, 100 * seed + e) for e in range(n_experts)]
+    gen = torch.Generator().manual_seed(seed)
+    return mats, torch.stack([m.data for m in mats]), torch.randn(pairs, k, generator=gen), \
+        torch.randint(n_experts, (pairs,), generator=gen)
+
+
+def _moe_module(seed: int = 0):
+    """A QuantExperts of 4 experts (hidden 64, intermediate 32, q8_0 gate_up, q4_0 down) and the
+    routing of 3 tokens to 2 experts each."""
+    from kvslim.weights.modules import QuantExperts
+    gate_up = [_weight("q8_0", 64, 64, 10 + e) for e in range(4)]
+    down = [_weight("q4_0", 64, 32, 20 + e) for e in range(4)]
+    module = QuantExperts(QuantTensor(torch.stack([w.data for w in gate_up]), gate_up[0].wtype, 64),
+                          QuantTensor(torch.stack([w.data for w in down]), down[0].wtype, 32))
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, 64, generator=gen)
+    experts = torch.tensor([[0, 3], [2, 0], [1, 1]])
+    return module, x, torch.rand(3, 2, generator=gen), experts
+
+
+def _experts_in_child(cases, path: Path) -> None:
+    """In the interpreted child: each grouped GEMV case, and the module's grouped forward."""
+    out = {"y": []}
+    for i, case in enumerate(cases):
+        mats, blocks, x, ids = _expert_inputs(case, i)
+        out["y"].append(gpu.gemv_experts(x, blocks, ids, mats[0].wtype.ggml_type))
+    module, x, w, experts = _moe_module()
+    out["grouped"] = module._grouped(x, experts)
+    out["moe"] = module(x, w, experts)
+    torch.save(out, path)
+
+
+@pytest.fixture(scope="module")
+def interpreted_experts(tmp_path_factory):
+    return run_interpreted("tests.test_triton_weights", "_experts_in_child", EXPERT_CASES,
+                           tmp_path_factory.mktemp("triton_experts"))
+
+
+@pytest.mark.parametrize("case", EXPERT_CASES, ids=lambda c: f"{c[0]}-e{c[1]}-n{c[2]}-k{c[3]}-p{c[4]}")
+def test_grouped_expert_gemv_matches_gguf_dequantize(interpreted_experts, case):
+    """Each pair's row times the matrix of its expert id, read on the device."""
+    got = interpreted_experts["y"][EXPERT_CASES.index(case)]
+    mats, _, x, ids = _expert_inputs(case, EXPERT_CASES.index(case))
+    for p in range(x.shape[0]):
+        dense = torch.from_numpy(gguf.quants.dequantize(mats[ids[p]].data.numpy(), mats[0].wtype.ggml_type)).double()
+        want, bound = dense @ x[p].double(), dense.abs() @ x[p].double().abs()
+        assert ((got[p].double() - want).abs() <= TOLERANCE["ieee"] * bound + 1e-6).all(), p
+
+
+def test_quantized_experts_route_through_the_grouped_gemv_without_a_loop(interpreted_experts):
+    """With the kernels on, QuantExperts' forward takes the grouped path (no host sync, no loop)
+    and gives what the loop over chosen experts gives here."""
+    assert interpreted_experts["grouped"]
+    module, x, w, experts = _moe_module()
+    want = module(x, w, experts)                         # the kernels are off in this process: the loop
+    torch.testing.assert_close(interpreted_experts["moe"], want, atol=1e-5, rtol=1e-4)
+
+
 CUDA_CASES = CASES + [("gemm", t, 40, 40, COLS[t], dot) for t in TYPES for dot in ("bf16", "tf32")]
 
 
@@ -202,3 +267,26 @@ def test_gemm_compiles_for_an_h100_without_one(name, dot):
     constexprs = dict(config, TYPE=int(weights.get(name).ggml_type), DOT_DTYPE=dtype, PRECISION=precision)
     pointers = dict(POINTERS, x_ptr="*" + dot)
     assert compile_for_sm90(kernel.quant_gemm, pointers, constexprs, num_warps).asm["cubin"]
+
+
+@pytest.mark.parametrize("name", ["q4_0", "q4_k", "q6_k"])
+def test_grouped_expert_gemv_compiles_for_an_h100_without_one(name):
+    """The expert GEMV with the launcher's blocks, lowered for sm_90 (the interpreter cannot say
+    whether ptxas takes the id-indexed pointer arithmetic)."""
+    from kvslim.gpu import _quant_matmul_kernel as kernel
+    config = gpu.gemv_config(1)
+    constexprs = dict(TYPE=int(weights.get(name).ggml_type), BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"])
+    pointers = dict(POINTERS, ids_ptr="*i32")
+    assert compile_for_sm90(kernel.quant_gemv_experts, pointers, constexprs, config["num_warps"]).asm["cubin"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the compiled kernels wait for a GPU")
+@pytest.mark.parametrize("case", EXPERT_CASES, ids=lambda c: f"{c[0]}-e{c[1]}")
+def test_grouped_expert_gemv_on_cuda_matches_gguf_dequantize(case):
+    compiled_process()
+    mats, blocks, x, ids = _expert_inputs(case, EXPERT_CASES.index(case))
+    got = gpu.gemv_experts(x.cuda(), blocks.cuda(), ids.cuda(), mats[0].wtype.ggml_type).cpu()
+    for p in range(x.shape[0]):
+        dense = torch.from_numpy(gguf.quants.dequantize(mats[ids[p]].data.numpy(), mats[0].wtype.ggml_type)).double()
+        want, bound = dense @ x[p].double(), dense.abs() @ x[p].double().abs()
+        assert ((got[p].double() - want).abs() <= TOLERANCE["ieee"] * bound + 1e-6).all(), p

@@ -159,5 +159,24 @@ def quant_gemm(x_ptr, w_ptr, y_ptr, M, N, K, row_bytes,
     tl.store(out, acc, mask=(m < M)[:, None] & (rows < N)[None, :])
 
 
+@triton.jit
+def quant_gemv_experts(x_ptr, w_ptr, ids_ptr, y_ptr, N, K, row_bytes, expert_bytes,
+                       TYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (tile of BLOCK_N outputs, pair p): y[p, n] = x[p] . W[ids[p], n] over all of K,
+    the expert's matrix found from its id in device memory (no host round trip to learn which
+    experts a token chose). x (P, K) contiguous; W (E, N, row_bytes); y (P, N) float32."""
+    tile = tl.program_id(0)
+    p = tl.program_id(1).to(tl.int64)
+    w_expert = w_ptr + tl.load(ids_ptr + p).to(tl.int64) * expert_bytes
+    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for start in range(0, K, BLOCK_K):
+        cols = start + tl.arange(0, BLOCK_K)
+        w = _dequantize_tile(w_expert, rows, cols, row_bytes, N, K, TYPE)                  # (BN, BK)
+        x = tl.load(x_ptr + p * K + cols, mask=cols < K, other=0.0).to(tl.float32)       # (BK,)
+        acc += tl.sum(w * x[None, :], axis=1)
+    tl.store(y_ptr + p * N + rows, acc, mask=rows < N)
+
+
 INTERPRETED = not isinstance(quant_gemv, JITFunction)
 RUNNABLE = INTERPRETED == (not isinstance(tl.zeros, JITFunction))     # else tl.zeros & co. refuse to run

@@ -10,6 +10,8 @@ device as is; no dequantized copy of it is ever stored. Two kernels (``_quant_ma
   split count depends only on the shapes).
 - ``gemm`` for prefill: W's tiles dequantized in registers and fed to ``tl.dot`` in DOT_DTYPE
   (fp16, bf16 on tensor cores; tf32; or ieee float32 for exact checks), accumulated in float32.
+- ``gemv_experts`` for a mixture's decode: each (token, chosen expert) pair's row times that
+  expert's matrix, the expert ids read on the device (``QuantExperts`` routes through it).
 
 ``matmul`` picks one by M (``weights.quant_linear`` calls it). The reference is ``kvslim.weights.reference_linear`` (the whole W
 through ``gguf.quants.dequantize``, then F.linear); tests/test_triton_weights.py holds the two
@@ -107,6 +109,25 @@ def gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type, split_k: int | None =
     _kernel().quant_gemv[grid](x.contiguous(), blocks.contiguous(), parts, m, n, k, blocks.shape[1], per_split,
                                TYPE=int(ggml_type), **config)
     return parts[0] if splits == 1 else parts.sum(0)
+
+
+def gemv_experts(x: torch.Tensor, blocks: torch.Tensor, ids: torch.Tensor, ggml_type) -> torch.Tensor:
+    """A mixture's routed experts for a few tokens in one launch, without a host sync: row p of
+    x (P, K) times expert ids[p]'s matrix, blocks (E, N, row_bytes) uint8 -> y (P, N) float32.
+    ``ids`` (P,) stays on the device; only the chosen experts' bytes are read."""
+    _check(x, blocks[0], ggml_type)
+    if blocks.dim() != 3 or ids.shape != (x.shape[0],):
+        raise ValueError(f"blocks (E, N, row_bytes) and one expert id per row of x expected, got "
+                         f"{tuple(blocks.shape)} and ids {tuple(ids.shape)} for x {tuple(x.shape)}")
+    (p, k), n = x.shape, blocks.shape[1]
+    config = gemv_config(1)
+    y = torch.empty(p, n, device=x.device, dtype=torch.float32)
+    grid = (-(-n // config["BLOCK_N"]), p)
+    _kernel().quant_gemv_experts[grid](x.contiguous(), blocks.contiguous(), ids.to(torch.int32).contiguous(), y,
+                                       n, k, blocks.shape[2], blocks.shape[1] * blocks.shape[2],
+                                       TYPE=int(ggml_type), BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
+                                       num_warps=config["num_warps"])
+    return y
 
 
 def gemm(x: torch.Tensor, blocks: torch.Tensor, ggml_type, dot: str | None = None) -> torch.Tensor:

@@ -13,9 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import gpu
+from ..gpu import quant_matmul as gpu_weights
 from ..models.layers import Experts
 from .matmul import embedding_rows, linear, quant_linear
 from .tensor import QuantTensor
+
+GROUPED_MAX_PAIRS = 128     # (token, expert) pairs the grouped GEMVs take: decode steps, not prompts
 
 
 def _blocks(w: QuantTensor) -> nn.Parameter:
@@ -92,6 +96,24 @@ class QuantExperts(Experts):
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         gate, up = linear(x, self._matrix(self.gate_up_proj, self.gate_up_type, e)).chunk(2, dim=-1)
         return linear(F.silu(gate) * up, self._matrix(self.down_proj, self.down_type, e))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """On a GPU with the kernels on, a few tokens' routed experts run as two grouped GEMVs
+        (``quant_matmul.gemv_experts``) that read the chosen ids on the device: no host sync and
+        no Python loop per layer. Otherwise the loop over the chosen experts (``Experts``)."""
+        if not self._grouped(x, experts):
+            return super().forward(x, weights, experts)
+        n, top_k = experts.shape
+        ids = experts.reshape(-1)
+        rows = x.repeat_interleave(top_k, dim=0).float()                         # (n * top_k, H)
+        gate, up = gpu_weights.gemv_experts(rows, self.gate_up_proj, ids, self.gate_up_type[0].ggml_type).chunk(2, -1)
+        y = gpu_weights.gemv_experts(F.silu(gate) * up, self.down_proj, ids, self.down_type[0].ggml_type)
+        return (y.view(n, top_k, -1) * weights.float()[..., None]).sum(1).to(x.dtype)
+
+    def _grouped(self, x: torch.Tensor, experts: torch.Tensor) -> bool:
+        kinds = (self.gate_up_type, self.down_type)
+        return (gpu.TRITON and experts.numel() <= GROUPED_MAX_PAIRS and all(k is not None for k in kinds)
+                and all(gpu_weights.supports(k[0].ggml_type) for k in kinds) and gpu_weights.runs_on(x))
 
 
 def _unique(tensors):
