@@ -200,3 +200,25 @@ def test_multimodal_checkpoint_loads_its_language_model_fused_or_per_expert(tmp_
     for folder in (per_expert, fused):
         got = kvslim_stepwise(load_tiny(folder), ids, [])
         assert (got - want).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_experts_equal_the_loop_over_chosen_experts(dtype):
+    """The GPU decode form of a mixture (the chosen experts' matrices gathered by id on the
+    device, batched products; no host sync) against the loop over chosen experts, run here on
+    the CPU: the same sums, in float32 where the loop adds in the activations' dtype."""
+    from kvslim.models.layers import Experts
+    gen = torch.Generator().manual_seed(0)
+    experts = Experts(6, 32, 16)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(torch.randn(6, 32, 32, generator=gen) * 0.2)
+        experts.down_proj.copy_(torch.randn(6, 32, 16, generator=gen) * 0.2)
+    experts = experts.to(dtype)
+    x = torch.randn(5, 32, generator=gen).to(dtype)
+    chosen = torch.stack([torch.randperm(6, generator=gen)[:3] for _ in range(5)])
+    weights = torch.rand(5, 3, generator=gen).softmax(-1)
+    with torch.no_grad():
+        got, want = experts.grouped(x, weights, chosen), experts.loop(x, weights, chosen)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    assert got.dtype == dtype and experts(x, weights, chosen).equal(want)    # the CPU keeps the loop

@@ -168,6 +168,9 @@ class Router(nn.Module):
         return weights.to(x.dtype), experts
 
 
+GROUPED_MAX_PAIRS = 128     # (token, expert) pairs the grouped forms take: decode steps, not prompts
+
+
 class Experts(nn.Module):
     """All experts' weights fused: gate_up_proj (E, 2I, H), down_proj (E, H, I).
     Only the experts a token routes to are multiplied (``expert``; the quantized
@@ -179,12 +182,34 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.zeros(n_experts, hidden, intermediate))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """x (N, H); weights and experts (N, top_k): the routing. On a GPU a few tokens (decode)
+        take ``grouped``, which never asks the host which experts were chosen; else ``loop``."""
+        if x.device.type == "cuda" and experts.numel() <= GROUPED_MAX_PAIRS:
+            return self.grouped(x, weights, experts)
+        return self.loop(x, weights, experts)
+
+    def loop(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Each chosen expert once, on the tokens routed to it (the reference; the host learns
+        the chosen ids: one sync per call on a GPU)."""
         out = torch.zeros_like(x)
         for e in torch.unique(experts).tolist():
             rows, which = torch.where(experts == e)
             y = self.expert(e, x[rows])
             out.index_add_(0, rows, (y * weights[rows, which, None]).to(out.dtype))
         return out
+
+    def grouped(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Every (token, chosen expert) pair at once: the chosen experts' matrices gathered by
+        their ids on the device (top_k of them per token: a decode step's few megabytes), then
+        batched matrix-vector products. Sums in float32."""
+        n, top_k = experts.shape
+        ids = experts.reshape(-1)
+        rows = x.repeat_interleave(top_k, dim=0)[:, :, None]                     # (P, H, 1)
+        gate, up = torch.bmm(self.gate_up_proj.index_select(0, ids), rows.to(self.gate_up_proj.dtype))[..., 0] \
+            .float().chunk(2, dim=-1)
+        mid = (F.silu(gate) * up).to(self.down_proj.dtype)[:, :, None]
+        y = torch.bmm(self.down_proj.index_select(0, ids), mid)[..., 0].float()
+        return (y.view(n, top_k, -1) * weights.float()[..., None]).sum(1).to(x.dtype)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``e``'s SwiGLU on the tokens routed to it: (n, H) -> (n, H)."""

@@ -15,11 +15,9 @@ from torch import nn
 
 from .. import gpu
 from ..gpu import quant_matmul as gpu_weights
-from ..models.layers import Experts
+from ..models.layers import GROUPED_MAX_PAIRS, Experts
 from .matmul import embedding_rows, linear, quant_linear
 from .tensor import QuantTensor
-
-GROUPED_MAX_PAIRS = 128     # (token, expert) pairs the grouped GEMVs take: decode steps, not prompts
 
 
 def _blocks(w: QuantTensor) -> nn.Parameter:
@@ -98,11 +96,16 @@ class QuantExperts(Experts):
         return linear(F.silu(gate) * up, self._matrix(self.down_proj, self.down_type, e))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """On a GPU with the kernels on, a few tokens' routed experts run as two grouped GEMVs
-        (``quant_matmul.gemv_experts``) that read the chosen ids on the device: no host sync and
-        no Python loop per layer. Otherwise the loop over the chosen experts (``Experts``)."""
-        if not self._grouped(x, experts):
-            return super().forward(x, weights, experts)
+        """The grouped GEMVs where they serve (``_grouped``: the kernels on, a few tokens, types
+        they decode), else the loop over the chosen experts."""
+        if self._grouped(x, experts):
+            return self.grouped(x, weights, experts)
+        return self.loop(x, weights, experts)
+
+    def grouped(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """A few tokens' routed experts as two grouped GEMVs (``quant_matmul.gemv_experts``) that
+        read the chosen ids on the device: no host sync, no Python loop, only the chosen
+        experts' blocks read."""
         n, top_k = experts.shape
         ids = experts.reshape(-1)
         rows = x.repeat_interleave(top_k, dim=0).float()                         # (n * top_k, H)
