@@ -229,6 +229,26 @@ def test_cuda_forward_makes_no_host_sync(type_k, type_v):
         torch.cuda.set_sync_debug_mode("default")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("weights", [None, "q8_0"])
+def test_cuda_mixture_decode_makes_no_host_sync(tiny_folder, weights):
+    """A mixture-of-experts decode step on a GPU: the router's choice stays on the device (dense
+    experts through Experts.grouped; q8_0 experts through the grouped Triton GEMV, with the
+    kernels on), so sync debugging set to raise sees nothing."""
+    from kvslim import gpu
+    if weights and not gpu.TRITON:
+        pytest.skip("quantized experts group through the Triton kernels: KVSLIM_TRITON=1")
+    model, _, _ = load_model(tiny_folder("qwen3_5_moe")[0], "f32", device="cuda", weights=weights)
+    cache = model.make_cache(128, 2, "q8_0", "turbo4")
+    model(Batch.build([(0, list(range(3, 20)), 0), (1, list(range(5, 9)), 0)], device="cuda"), cache)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        model(Batch.build([(0, [41], 17), (1, [42], 4)], device="cuda"), cache)          # one decode step
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def test_sequences_sharing_a_prompt_read_it_once(hybrid):
     model, tok, eos = hybrid
     prompt = list(range(10, 60))
