@@ -122,7 +122,8 @@ def test_native_block_linear_matches_reference(name, monkeypatch):
         x[0, :32] = 0.0                                                   # a group of zero activations
         want = W.reference_linear(x, w)
         assert close(W.native.block_linear(x, w.data, name), want, MATMUL_TOL)
-        assert close(W.native.block_linear(x, w.data, name, portable=True), want, MATMUL_TOL)   # no AVX2
+        for variant in ("avx2", "portable"):                             # 8-wide loops on an AVX-512 CPU; plain C
+            assert close(W.native.block_linear(x, w.data, name, variant=variant), want, MATMUL_TOL), variant
     assert W.native.supports(name, torch.randn(8, cols)) and not W.native.supports(name, torch.randn(9, cols))
     monkeypatch.setenv("KVSLIM_NATIVE", "0")
     native_build.clear()
@@ -142,11 +143,12 @@ def test_native_block_linear_gives_a_row_the_same_bits_in_any_batch(name):
     cols = 512 if W.get(name).block_size > 32 else 160
     w = random_matrix(W.get(name), 33, cols, seed=6)
     x = torch.randn(8, cols)
-    torch.set_num_threads(1)
-    alone = torch.cat([W.native.block_linear(x[i:i + 1].contiguous(), w.data, name) for i in range(8)])
-    torch.set_num_threads(2)
-    for rows in (2, 5, 8):
-        assert torch.equal(W.native.block_linear(x[:rows].contiguous(), w.data, name), alone[:rows])
+    for variant in (None, "avx2"):                                       # the 16-wide loops and the 8-wide
+        torch.set_num_threads(1)
+        alone = torch.cat([W.native.block_linear(x[i:i + 1].contiguous(), w.data, name, variant) for i in range(8)])
+        torch.set_num_threads(2)
+        for rows in (2, 5, 8):
+            assert torch.equal(W.native.block_linear(x[:rows].contiguous(), w.data, name, variant), alone[:rows])
 
 
 def test_column_reorder_moves_blocks_or_gathers_inputs():

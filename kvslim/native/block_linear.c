@@ -332,6 +332,77 @@ static inline int fast_types(int type) {     /* the types written out above */
     return type == TYPE_Q8_0 || type == TYPE_Q4_0 || type == TYPE_F16 || type == TYPE_BF16 || type == TYPE_F32;
 }
 
+#if defined(__AVX512F__)
+/* The same loops 16 wide: a group is two vectors instead of four, so a group costs half the
+ * unpacks, multiplies and adds. The sums' order is still the same for one activation row and
+ * for several (even and odd groups in two accumulators), so a sequence's output does not depend
+ * on its batch; it differs from the AVX2 build's in the last bits. */
+static inline __attribute__((always_inline)) void group_values16(int type, const uint8_t *row, int64_t g,
+                                                                 __m512 v[2], __m512 *d) {
+    if (type == TYPE_Q8_0) {
+        const uint8_t *b = row + g * 34;
+        for (int j = 0; j < 2; j++)
+            v[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * j))));
+        *d = _mm512_set1_ps(f16(b));
+    } else if (type == TYPE_Q4_0) {
+        const uint8_t *b = row + g * 18;
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2))), eight = _mm512_set1_epi32(8);
+        v[0] = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(q, _mm512_set1_epi32(0x0F)), eight));
+        v[1] = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(q, 4), eight));
+        *d = _mm512_set1_ps(f16(b));
+    } else {
+        for (int j = 0; j < 2; j++) {
+            if (type == TYPE_F32) {
+                v[j] = _mm512_loadu_ps((const float *)(row + g * 128) + 16 * j);
+            } else {
+                const __m256i h = _mm256_loadu_si256((const __m256i *)(row + g * 64 + 32 * j));
+                v[j] = type == TYPE_F16 ? _mm512_cvtph_ps(h)
+                                        : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+            }
+        }
+        *d = _mm512_set1_ps(1.0f);
+    }
+}
+
+static inline __attribute__((always_inline)) __m512 group_into16(const __m512 v[2], __m512 d, const float *xg,
+                                                                 __m512 acc) {
+    const __m512 s = _mm512_fmadd_ps(v[1], _mm512_loadu_ps(xg + 16), _mm512_mul_ps(v[0], _mm512_loadu_ps(xg)));
+    return _mm512_fmadd_ps(d, s, acc);
+}
+
+static inline __attribute__((always_inline)) void rows_times_typed16(int type, const uint8_t *row, const float *x,
+                                                                     int64_t m, int64_t k, float *y, int64_t n) {
+    __m512 even[MAX_M], odd[MAX_M], v[2], d;
+    for (int64_t i = 0; i < m; i++) even[i] = odd[i] = _mm512_setzero_ps();
+    const int64_t n_groups = k / QK;
+    int64_t g = 0;
+    for (; g + 1 < n_groups; g += 2) {
+        group_values16(type, row, g, v, &d);
+        for (int64_t i = 0; i < m; i++) even[i] = group_into16(v, d, x + i * k + g * QK, even[i]);
+        group_values16(type, row, g + 1, v, &d);
+        for (int64_t i = 0; i < m; i++) odd[i] = group_into16(v, d, x + i * k + (g + 1) * QK, odd[i]);
+    }
+    if (g < n_groups) {
+        group_values16(type, row, g, v, &d);
+        for (int64_t i = 0; i < m; i++) even[i] = group_into16(v, d, x + i * k + g * QK, even[i]);
+    }
+    for (int64_t i = 0; i < m; i++) y[i * n] = _mm512_reduce_add_ps(_mm512_add_ps(even[i], odd[i]));
+}
+
+/* The fast types through the 16-wide loops (replaces the 8-wide dispatch where AVX-512 exists). */
+static inline __attribute__((always_inline)) void rows_times_fast16(int type, const uint8_t *row, const float *x,
+                                                                    int64_t m, int64_t k, float *y, int64_t n) {
+    switch (type) {
+        case TYPE_Q8_0: rows_times_typed16(TYPE_Q8_0, row, x, m, k, y, n); break;
+        case TYPE_Q4_0: rows_times_typed16(TYPE_Q4_0, row, x, m, k, y, n); break;
+        case TYPE_F16: rows_times_typed16(TYPE_F16, row, x, m, k, y, n); break;
+        case TYPE_BF16: rows_times_typed16(TYPE_BF16, row, x, m, k, y, n); break;
+        default: rows_times_typed16(TYPE_F32, row, x, m, k, y, n);
+    }
+}
+#define KVSLIM_AVX512 1
+#endif
+
 #endif
 
 /* x (m, k) float32 contiguous; w (n, row_bytes) rows of `type`; y (m, n) float32.
@@ -353,8 +424,13 @@ int kvslim_block_linear(int type, const float *x, const uint8_t *w, float *y, in
     }
     #pragma omp parallel for num_threads(n_threads) schedule(static)
     for (int64_t r = 0; r < n; r++) {
+#ifdef KVSLIM_AVX512
+        if (m == 1 && fast_types(type)) rows_times_fast16(type, w + r * row_bytes, x, 1, k, y + r, n);
+        else if (fast_types(type)) rows_times_fast16(type, w + r * row_bytes, x, m, k, y + r, n);
+#else
         if (m == 1 && fast_types(type)) rows_times_fast(type, w + r * row_bytes, x, 1, k, y + r, n);  /* m a constant */
         else if (fast_types(type)) rows_times_fast(type, w + r * row_bytes, x, m, k, y + r, n);
+#endif
         else row_times_rows(type, w + r * row_bytes, x, xsum, m, k, y + r, n);
     }
     free(xsum);

@@ -20,8 +20,8 @@ QK = 32                                      # its rows are whole blocks of 32 v
 MAX_ROWS = 8                                 # more activation rows: torch's matmul over decoded steps wins
 
 
-def _library(portable: bool = False):
-    lib = build.library(SOURCE, "portable" if portable else None)
+def _library(variant: str | None = None):
+    lib = build.library(SOURCE, variant)
     if lib is not None and lib.kvslim_block_linear.argtypes is None:
         lib.kvslim_block_linear.restype = ctypes.c_int
         lib.kvslim_block_linear.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
@@ -55,15 +55,16 @@ def _(x, blocks, wtype_name):
     return x.new_empty(x.shape[0], blocks.shape[0])
 
 
-def block_linear(x: torch.Tensor, blocks: torch.Tensor, wtype_name: str, portable: bool = False) -> torch.Tensor:
+def block_linear(x: torch.Tensor, blocks: torch.Tensor, wtype_name: str, variant: str | None = None) -> torch.Tensor:
     """x (m, k) float32 @ W.T for W (n, row_bytes) uint8 blocks of ``wtype_name`` -> (m, n).
-    ``portable``: the build without AVX2 (tests)."""
+    ``variant``: a build of ``build.VARIANTS`` (tests: "avx2" runs the 8-wide loops on a CPU with
+    AVX-512, "portable" the plain C)."""
     x = x.contiguous()
     blocks = blocks.contiguous()
     m, k = x.shape
     n = blocks.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
-    status = _library(portable).kvslim_block_linear(TYPE_CODES[wtype_name], x.data_ptr(), blocks.data_ptr(), y.data_ptr(),
+    status = _library(variant).kvslim_block_linear(TYPE_CODES[wtype_name], x.data_ptr(), blocks.data_ptr(), y.data_ptr(),
                                             m, n, k, torch.get_num_threads())
     if status:
         raise ValueError(f"native block_linear refused {wtype_name} with {k} input features")
