@@ -296,37 +296,41 @@ static inline __attribute__((always_inline)) __m256 group_into(const __m256 v[4]
     return _mm256_fmadd_ps(d, s, acc);
 }
 
-/* Several activation rows (a decode step of several sequences): each group decoded once. */
-static inline __attribute__((always_inline)) void rows_times_typed(int type, const uint8_t *row, const float *x,
-                                                                   int64_t m, int64_t k, float *y, int64_t n) {
-    __m256 even[MAX_M], odd[MAX_M], v[4], d;
-    for (int64_t i = 0; i < m; i++) even[i] = odd[i] = _mm256_setzero_ps();
-    const int64_t n_groups = k / QK;
-    int64_t g = 0;
-    for (; g + 1 < n_groups; g += 2) {
-        group_values(type, row, g, v, &d);
-        for (int64_t i = 0; i < m; i++) even[i] = group_into(v, d, x + i * k + g * QK, even[i]);
-        group_values(type, row, g + 1, v, &d);
-        for (int64_t i = 0; i < m; i++) odd[i] = group_into(v, d, x + i * k + (g + 1) * QK, odd[i]);
+/* Several activation rows (a decode step of several sequences): each group decoded once. One
+ * definition for both vector widths: VEC, NV vectors a group, the width's group_values /
+ * group_into and its horizontal sum. */
+#define DEFINE_ROWS_TIMES(SUFFIX, VEC, NV, ZERO, VALUES, INTO, ADD, HSUM)                                      \
+    static inline __attribute__((always_inline)) void rows_times_typed##SUFFIX(                                \
+        int type, const uint8_t *row, const float *x, int64_t m, int64_t k, float *y, int64_t n) {            \
+        VEC even[MAX_M], odd[MAX_M], v[NV], d;                                                                 \
+        for (int64_t i = 0; i < m; i++) even[i] = odd[i] = ZERO();                                             \
+        const int64_t n_groups = k / QK;                                                                       \
+        int64_t g = 0;                                                                                         \
+        for (; g + 1 < n_groups; g += 2) {                                                                     \
+            VALUES(type, row, g, v, &d);                                                                       \
+            for (int64_t i = 0; i < m; i++) even[i] = INTO(v, d, x + i * k + g * QK, even[i]);                 \
+            VALUES(type, row, g + 1, v, &d);                                                                   \
+            for (int64_t i = 0; i < m; i++) odd[i] = INTO(v, d, x + i * k + (g + 1) * QK, odd[i]);             \
+        }                                                                                                      \
+        if (g < n_groups) {                                                                                    \
+            VALUES(type, row, g, v, &d);                                                                       \
+            for (int64_t i = 0; i < m; i++) even[i] = INTO(v, d, x + i * k + g * QK, even[i]);                 \
+        }                                                                                                      \
+        for (int64_t i = 0; i < m; i++) y[i * n] = HSUM(ADD(even[i], odd[i]));                                 \
+    }                                                                                                          \
+    /* One type per call, so that the type checks leave the loop once inlined. */                             \
+    static inline __attribute__((always_inline)) void rows_times_fast##SUFFIX(                                 \
+        int type, const uint8_t *row, const float *x, int64_t m, int64_t k, float *y, int64_t n) {            \
+        switch (type) {                                                                                        \
+            case TYPE_Q8_0: rows_times_typed##SUFFIX(TYPE_Q8_0, row, x, m, k, y, n); break;                     \
+            case TYPE_Q4_0: rows_times_typed##SUFFIX(TYPE_Q4_0, row, x, m, k, y, n); break;                     \
+            case TYPE_F16: rows_times_typed##SUFFIX(TYPE_F16, row, x, m, k, y, n); break;                       \
+            case TYPE_BF16: rows_times_typed##SUFFIX(TYPE_BF16, row, x, m, k, y, n); break;                     \
+            default: rows_times_typed##SUFFIX(TYPE_F32, row, x, m, k, y, n);                                    \
+        }                                                                                                      \
     }
-    if (g < n_groups) {
-        group_values(type, row, g, v, &d);
-        for (int64_t i = 0; i < m; i++) even[i] = group_into(v, d, x + i * k + g * QK, even[i]);
-    }
-    for (int64_t i = 0; i < m; i++) y[i * n] = hsum(_mm256_add_ps(even[i], odd[i]));
-}
 
-/* One type per call, so that the type checks leave the loop once inlined. */
-static inline __attribute__((always_inline)) void rows_times_fast(int type, const uint8_t *row, const float *x,
-                                                                  int64_t m, int64_t k, float *y, int64_t n) {
-    switch (type) {
-        case TYPE_Q8_0: rows_times_typed(TYPE_Q8_0, row, x, m, k, y, n); break;
-        case TYPE_Q4_0: rows_times_typed(TYPE_Q4_0, row, x, m, k, y, n); break;
-        case TYPE_F16: rows_times_typed(TYPE_F16, row, x, m, k, y, n); break;
-        case TYPE_BF16: rows_times_typed(TYPE_BF16, row, x, m, k, y, n); break;
-        default: rows_times_typed(TYPE_F32, row, x, m, k, y, n);
-    }
-}
+DEFINE_ROWS_TIMES(8, __m256, 4, _mm256_setzero_ps, group_values, group_into, _mm256_add_ps, hsum)
 
 static inline int fast_types(int type) {     /* the types written out above */
     return type == TYPE_Q8_0 || type == TYPE_Q4_0 || type == TYPE_F16 || type == TYPE_BF16 || type == TYPE_F32;
@@ -370,36 +374,8 @@ static inline __attribute__((always_inline)) __m512 group_into16(const __m512 v[
     return _mm512_fmadd_ps(d, s, acc);
 }
 
-static inline __attribute__((always_inline)) void rows_times_typed16(int type, const uint8_t *row, const float *x,
-                                                                     int64_t m, int64_t k, float *y, int64_t n) {
-    __m512 even[MAX_M], odd[MAX_M], v[2], d;
-    for (int64_t i = 0; i < m; i++) even[i] = odd[i] = _mm512_setzero_ps();
-    const int64_t n_groups = k / QK;
-    int64_t g = 0;
-    for (; g + 1 < n_groups; g += 2) {
-        group_values16(type, row, g, v, &d);
-        for (int64_t i = 0; i < m; i++) even[i] = group_into16(v, d, x + i * k + g * QK, even[i]);
-        group_values16(type, row, g + 1, v, &d);
-        for (int64_t i = 0; i < m; i++) odd[i] = group_into16(v, d, x + i * k + (g + 1) * QK, odd[i]);
-    }
-    if (g < n_groups) {
-        group_values16(type, row, g, v, &d);
-        for (int64_t i = 0; i < m; i++) even[i] = group_into16(v, d, x + i * k + g * QK, even[i]);
-    }
-    for (int64_t i = 0; i < m; i++) y[i * n] = _mm512_reduce_add_ps(_mm512_add_ps(even[i], odd[i]));
-}
-
-/* The fast types through the 16-wide loops (replaces the 8-wide dispatch where AVX-512 exists). */
-static inline __attribute__((always_inline)) void rows_times_fast16(int type, const uint8_t *row, const float *x,
-                                                                    int64_t m, int64_t k, float *y, int64_t n) {
-    switch (type) {
-        case TYPE_Q8_0: rows_times_typed16(TYPE_Q8_0, row, x, m, k, y, n); break;
-        case TYPE_Q4_0: rows_times_typed16(TYPE_Q4_0, row, x, m, k, y, n); break;
-        case TYPE_F16: rows_times_typed16(TYPE_F16, row, x, m, k, y, n); break;
-        case TYPE_BF16: rows_times_typed16(TYPE_BF16, row, x, m, k, y, n); break;
-        default: rows_times_typed16(TYPE_F32, row, x, m, k, y, n);
-    }
-}
+DEFINE_ROWS_TIMES(16, __m512, 2, _mm512_setzero_ps, group_values16, group_into16, _mm512_add_ps,
+                  _mm512_reduce_add_ps)
 #define KVSLIM_AVX512 1
 #endif
 
@@ -428,8 +404,8 @@ int kvslim_block_linear(int type, const float *x, const uint8_t *w, float *y, in
         if (m == 1 && fast_types(type)) rows_times_fast16(type, w + r * row_bytes, x, 1, k, y + r, n);
         else if (fast_types(type)) rows_times_fast16(type, w + r * row_bytes, x, m, k, y + r, n);
 #else
-        if (m == 1 && fast_types(type)) rows_times_fast(type, w + r * row_bytes, x, 1, k, y + r, n);  /* m a constant */
-        else if (fast_types(type)) rows_times_fast(type, w + r * row_bytes, x, m, k, y + r, n);
+        if (m == 1 && fast_types(type)) rows_times_fast8(type, w + r * row_bytes, x, 1, k, y + r, n);  /* m a constant */
+        else if (fast_types(type)) rows_times_fast8(type, w + r * row_bytes, x, m, k, y + r, n);
 #endif
         else row_times_rows(type, w + r * row_bytes, x, xsum, m, k, y + r, n);
     }
