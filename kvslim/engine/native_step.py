@@ -12,8 +12,8 @@ with a shared expert, GQA attention with optional output gate, q/k norms and par
 Gated DeltaNet); every weight type of ``block_linear.c``
 and f32/f16/bf16 matrices (activations are float32 whatever the weights' dtype, as in
 llama.cpp: a bf16 model decodes as ``--dtype f32 --weights bf16`` would); K/V formats
-f32/f16/bf16, q8_0/q4_0 (rotated or not), TurboQuant's MSE variants and the nl grids (nl4,
-nl3, nl4s, nl3s). The torch model is the reference (``tests/test_native_step.py``).
+f32/f16/bf16, q8_0/q4_0/iq4_nl (rotated or not), TurboQuant's MSE variants and the nl grids
+(nl4, nl3, nl4s, nl3s); any number of sequences, in calls of MAX_BATCH. The torch model is the reference (``tests/test_native_step.py``).
 """
 from __future__ import annotations
 
