@@ -198,7 +198,7 @@ def _experts_in_child(cases, path: Path) -> None:
         mats, blocks, x, ids = _expert_inputs(case, i)
         out["y"].append(gpu.gemv_experts(x, blocks, ids, mats[0].wtype.ggml_type))
     module, x, w, experts = _moe_module()
-    out["grouped"] = module._grouped(x, experts)
+    out["grouped"] = module.groups(x, experts)
     out["moe"] = module(x, w, experts)
     torch.save(out, path)
 

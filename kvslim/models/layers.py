@@ -173,8 +173,8 @@ GROUPED_MAX_PAIRS = 128     # (token, expert) pairs the grouped forms take: deco
 
 class Experts(nn.Module):
     """All experts' weights fused: gate_up_proj (E, 2I, H), down_proj (E, H, I).
-    Only the experts a token routes to are multiplied (``expert``; the quantized
-    version, kvslim.weights.QuantExperts, overrides only that)."""
+    Only the experts a token routes to are multiplied (``expert`` in the loop, ``pair_products``
+    grouped; the quantized version, kvslim.weights.QuantExperts, overrides those and ``groups``)."""
 
     def __init__(self, n_experts: int, hidden: int, intermediate: int):
         super().__init__()
@@ -182,11 +182,15 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.zeros(n_experts, hidden, intermediate))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """x (N, H); weights and experts (N, top_k): the routing. On a GPU a few tokens (decode)
+        """x (N, H); weights and experts (N, top_k): the routing. A few tokens (decode) on a GPU
         take ``grouped``, which never asks the host which experts were chosen; else ``loop``."""
-        if x.device.type == "cuda" and experts.numel() <= GROUPED_MAX_PAIRS:
+        if self.groups(x, experts):
             return self.grouped(x, weights, experts)
         return self.loop(x, weights, experts)
+
+    def groups(self, x: torch.Tensor, experts: torch.Tensor) -> bool:
+        """Whether ``grouped`` serves this call: on a GPU, up to GROUPED_MAX_PAIRS pairs."""
+        return x.device.type == "cuda" and experts.numel() <= GROUPED_MAX_PAIRS
 
     def loop(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Each chosen expert once, on the tokens routed to it (the reference; the host learns
@@ -199,17 +203,21 @@ class Experts(nn.Module):
         return out
 
     def grouped(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """Every (token, chosen expert) pair at once: the chosen experts' matrices gathered by
-        their ids on the device (top_k of them per token: a decode step's few megabytes), then
-        batched matrix-vector products. Sums in float32."""
+        """Every (token, chosen expert) pair at once through ``pair_products``, which reads the
+        chosen ids on the device. Sums in float32."""
         n, top_k = experts.shape
         ids = experts.reshape(-1)
-        rows = x.repeat_interleave(top_k, dim=0)[:, :, None]                     # (P, H, 1)
-        gate, up = torch.bmm(self.gate_up_proj.index_select(0, ids), rows.to(self.gate_up_proj.dtype))[..., 0] \
-            .float().chunk(2, dim=-1)
-        mid = (F.silu(gate) * up).to(self.down_proj.dtype)[:, :, None]
-        y = torch.bmm(self.down_proj.index_select(0, ids), mid)[..., 0].float()
+        rows = x.repeat_interleave(top_k, dim=0)                                 # (P, H): one per pair
+        gate, up = self.pair_products("gate_up", rows, ids).chunk(2, dim=-1)
+        y = self.pair_products("down", F.silu(gate) * up, ids)
         return (y.view(n, top_k, -1) * weights.float()[..., None]).sum(1).to(x.dtype)
+
+    def pair_products(self, matrix: str, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """rows (P, in) times expert ids[p]'s ``matrix`` ("gate_up" or "down") -> (P, out) float32:
+        the chosen experts' matrices gathered by id (top_k per token: a decode step's few
+        megabytes), then batched matrix-vector products."""
+        weight = getattr(self, f"{matrix}_proj")
+        return torch.bmm(weight.index_select(0, ids), rows.to(weight.dtype)[:, :, None])[..., 0].float()
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``e``'s SwiGLU on the tokens routed to it: (n, H) -> (n, H)."""

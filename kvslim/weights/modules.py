@@ -95,28 +95,17 @@ class QuantExperts(Experts):
         gate, up = linear(x, self._matrix(self.gate_up_proj, self.gate_up_type, e)).chunk(2, dim=-1)
         return linear(F.silu(gate) * up, self._matrix(self.down_proj, self.down_type, e))
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """The grouped GEMVs where they serve (``_grouped``: the kernels on, a few tokens, types
-        they decode), else the loop over the chosen experts."""
-        if self._grouped(x, experts):
-            return self.grouped(x, weights, experts)
-        return self.loop(x, weights, experts)
-
-    def grouped(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """A few tokens' routed experts as two grouped GEMVs (``quant_matmul.gemv_experts``) that
-        read the chosen ids on the device: no host sync, no Python loop, only the chosen
-        experts' blocks read."""
-        n, top_k = experts.shape
-        ids = experts.reshape(-1)
-        rows = x.repeat_interleave(top_k, dim=0).float()                         # (n * top_k, H)
-        gate, up = gpu_weights.gemv_experts(rows, self.gate_up_proj, ids, self.gate_up_type[0].ggml_type).chunk(2, -1)
-        y = gpu_weights.gemv_experts(F.silu(gate) * up, self.down_proj, ids, self.down_type[0].ggml_type)
-        return (y.view(n, top_k, -1) * weights.float()[..., None]).sum(1).to(x.dtype)
-
-    def _grouped(self, x: torch.Tensor, experts: torch.Tensor) -> bool:
+    def groups(self, x: torch.Tensor, experts: torch.Tensor) -> bool:
+        """The grouped GEMVs serve a few tokens when the kernels are on and decode both types."""
         kinds = (self.gate_up_type, self.down_type)
         return (gpu.TRITON and experts.numel() <= GROUPED_MAX_PAIRS and all(k is not None for k in kinds)
                 and all(gpu_weights.supports(k[0].ggml_type) for k in kinds) and gpu_weights.runs_on(x))
+
+    def pair_products(self, matrix: str, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """One grouped GEMV (``quant_matmul.gemv_experts``): only the chosen experts' blocks read,
+        their ids read on the device."""
+        kind = getattr(self, f"{matrix}_type")
+        return gpu_weights.gemv_experts(rows.float(), getattr(self, f"{matrix}_proj"), ids, kind[0].ggml_type)
 
 
 def _unique(tensors):
