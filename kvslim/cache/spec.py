@@ -73,3 +73,12 @@ class StateLayerSpec:
         conv = self.conv_dim * (self.conv_kernel - 1)
         rec = self.n_v_heads * self.k_head_dim * self.v_head_dim
         return (conv + rec) * STATE_DTYPE_BYTES
+
+
+def layout_bytes(layout, ctx_per_slot: int, n_slots: int, page_size: int = 1) -> tuple[int, int]:
+    """(KV bytes, state bytes) of a model's cache ``layout`` for ``n_slots`` sequences of
+    ``ctx_per_slot`` tokens in pages of ``page_size``: what the caches preallocate (checked
+    against free memory before allocating) and what the planner plans, from one formula."""
+    kv = sum(s.bytes_for(ctx_per_slot, page_size) for s in layout if isinstance(s, KVLayerSpec))
+    state = sum(s.bytes_per_slot for s in layout if isinstance(s, StateLayerSpec))
+    return n_slots * kv, n_slots * state

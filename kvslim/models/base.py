@@ -13,6 +13,7 @@ from torch import nn
 
 from ..cache import CacheConfig, KVCache, KVLayerSpec, ModelCache, RecurrentStateCache, StateLayerSpec
 from ..cache.config import check_room
+from ..cache.spec import layout_bytes
 from .batch import Batch, DecodeBatch
 from .layers import RMSNorm, Rope
 
@@ -81,9 +82,7 @@ class CausalLM(nn.Module):
         config = ctx if isinstance(ctx, CacheConfig) else CacheConfig(
             ctx, n_slots, type_k, type_v, device=device or self.model.embed_tokens.weight.device, **kv_options)
         layout = self.config.cache_layout(config.type_k.name, config.type_v.name)
-        check_room(config, config.n_slots * sum(
-            s.bytes_for(config.ctx, config.page_size) if isinstance(s, KVLayerSpec) else s.bytes_per_slot
-            for s in layout))
+        check_room(config, sum(layout_bytes(layout, config.ctx, config.n_slots, config.page_size)))
         layers = []
         for spec in layout:
             if isinstance(spec, KVLayerSpec):

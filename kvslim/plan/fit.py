@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from .. import formats
 from ..cache import KVLayerSpec, StateLayerSpec
 from ..cache.kv import DEFAULT_PAGE_SIZE
+from ..cache.spec import layout_bytes
 from .model import Model, context_limit, max_context_per_slot
 from .targets import Target
 from .weight_size import check_weight_quant, weight_size
@@ -64,14 +65,12 @@ def cache_layout(c, type_k: str, type_v: str, tp: int = 1) -> list[KVLayerSpec |
 def kv_bytes(c, ctx_per_slot: int, n_slots: int, type_k: str, type_v: str,
              page_size: int = DEFAULT_PAGE_SIZE, tp: int = 1) -> int:
     """KV cache bytes: every attention layer's ``bytes_for`` the slot's context, times the slots."""
-    specs = [s for s in cache_layout(c, type_k, type_v, tp) if isinstance(s, KVLayerSpec)]
-    return n_slots * sum(s.bytes_for(ctx_per_slot, page_size) for s in specs)
+    return layout_bytes(cache_layout(c, type_k, type_v, tp), ctx_per_slot, n_slots, page_size)[0]
 
 
 def state_bytes(c, n_slots: int, tp: int = 1) -> int:
     """Recurrent state bytes: every DeltaNet layer's ``bytes_per_slot``, times the slots."""
-    specs = [s for s in cache_layout(c, "f16", "f16", tp) if isinstance(s, StateLayerSpec)]
-    return n_slots * sum(s.bytes_per_slot for s in specs)
+    return layout_bytes(cache_layout(c, "f16", "f16", tp), 1, n_slots)[1]
 
 
 def kv_bits(type_name: str, head_dim: int) -> float:
