@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvslim.bench.runner import FilledCache, time_pp  # noqa: E402
 from kvslim.loading import default_model, load_model  # noqa: E402
-from kvslim.native import delta_rule, hadamard  # noqa: E402
+from kvslim.native import delta_rule, kv_encode  # noqa: E402
 from kvslim.tables import markdown_table  # noqa: E402
 
 MODES = {"torch": (False, False), "C recurrence": (True, False), "C both": (True, True)}
@@ -36,7 +36,7 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model, _, _ = load_model(args.model or default_model())
-    real = delta_rule.available, hadamard.available
+    real = delta_rule.available, kv_encode.available
     off = lambda: False  # noqa: E731
     rows = []
     try:
@@ -48,7 +48,7 @@ def main() -> int:
                 for rep in range(args.repetitions):
                     for mode, (c_rule, c_rot) in MODES.items():
                         delta_rule.available = real[0] if c_rule else off
-                        hadamard.available = real[1] if c_rot else off
+                        kv_encode.available = real[1] if c_rot else off
                         fc.restore()
                         seconds = time_pp(fc, 512)
                         if rep:
@@ -57,7 +57,7 @@ def main() -> int:
                 rows.append([f"{t}/{t}", depth, *(f"{med[m]:.0f}" for m in MODES), f"{med['C both'] / med['torch']:.2f}"])
                 print(" | ".join(map(str, rows[-1])), file=sys.stderr, flush=True)
     finally:
-        delta_rule.available, hadamard.available = real
+        delta_rule.available, kv_encode.available = real
     print(markdown_table(["K/V", "depth", *(f"pp512 {m}" for m in MODES), "both / torch"], rows,
                          ["l", "r", "r", "r", "r", "r"]))
     return 0

@@ -10,7 +10,7 @@ from gguf import quants
 from kvslim import formats
 from kvslim.formats.rotation import hadamard_blocks, hadamard_blocks_torch, hadamard_matrix, llama_rot_size
 from kvslim.native import build
-from kvslim.native import hadamard as native_hadamard
+from kvslim.native import kv_encode
 
 ORACLE_TYPES = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
 
@@ -39,10 +39,10 @@ def test_c_butterfly_gives_the_torch_butterflys_bits(variant, shape, n):
         pytest.skip("no C compiler: the torch butterfly serves")
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(n)) * torch.logspace(-3, 4, shape[-1])
     ref = hadamard_blocks_torch(x, n)
-    assert torch.equal(native_hadamard.hadamard_rows(x, n, variant), ref)
+    assert torch.equal(kv_encode.hadamard_rows(x, n, variant), ref)
     assert torch.equal(hadamard_blocks(x, n), ref)
     strided = x.transpose(0, 1).contiguous().transpose(0, 1)           # same values, other strides
-    assert torch.equal(native_hadamard.hadamard_rows(strided.bfloat16(), n, variant),
+    assert torch.equal(kv_encode.hadamard_rows(strided.bfloat16(), n, variant),
                        hadamard_blocks_torch(strided.bfloat16(), n))
     assert torch.equal(hadamard_blocks(hadamard_blocks(x, n), n), hadamard_blocks_torch(ref, n))
 

@@ -85,9 +85,9 @@ def hadamard_blocks(x: torch.Tensor, n: int) -> torch.Tensor:
     the same float32 operations in the same order, so the same bits."""
     if n == 0:
         return x
-    from ..native import hadamard as native       # formats import before native: import at use
-    if native.serves(x):
-        return native.hadamard_rows(x, n)
+    from ..native import kv_encode                # formats import before native: import at use
+    if kv_encode.serves_hadamard(x):
+        return kv_encode.hadamard_rows(x, n)
     return hadamard_blocks_torch(x, n)
 
 

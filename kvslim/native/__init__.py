@@ -3,8 +3,8 @@
 - ``block_linear``: x @ W.T for weights kept as ggml blocks (decode's GEMV).
 - ``paged_attention``: one query token per sequence over packed K/V pages.
 - ``prefill_attention``: a prompt chunk's attention with bf16 dot products (``--attn-backend bf16``).
-- ``kv_encode``: K/V rows into a format's bytes (the decode step's and prompts' encoders);
-  ``hadamard``: the rotated formats' Walsh-Hadamard butterfly, from the same C file.
+- ``kv_encode``: K/V rows into a format's bytes (the decode step's and prompts' encoders), and
+  the rotated formats' Walsh-Hadamard butterfly.
 - ``delta_rule``: a prompt through a Gated DeltaNet layer's recurrence.
 - ``decode_step.c`` (driven by ``kvslim/engine/native_step.py``): a whole decode step.
 

@@ -7,6 +7,13 @@ cache's prompt path on the CPU (``RowEncoder``: a prompt chunk's K/V rows in one
 the torch encoder of iq4_nl runs its 16 candidate scales as (rows, 16, 32) tensors: a prompt with an
 iq4_nl cache ran at a sixth of q8_0's speed on the bundled model). The torch
 encoders stay the reference: tests/test_native_step.py compares bytes and overflow flags.
+
+The same file's Walsh-Hadamard butterfly serves ``kvslim.formats.rotation.hadamard_blocks`` on
+the CPU (``hadamard_rows``): rotated ggml and nl formats pass every prompt's K and V rows,
+queries and attention outputs through it, and the torch butterfly (the reference) makes 3 ops
+and a new tensor per round, ~1 ms a call on a 512-token chunk, 15% of a q8_0 prompt chunk at
+depth 0 on the bundled model. The C loop does the same float32 sums and differences in the
+same order, so the bits agree (tests/test_formats_rotated.py).
 """
 from __future__ import annotations
 
@@ -53,12 +60,34 @@ class Keep:
         return self(t.detach().float().contiguous()).data_ptr()
 
 
-def _library():
-    lib = build.library(SOURCE)
+def _library(variant: str | None = None):
+    lib = build.library(SOURCE, variant)
     if lib is not None and lib.kvslim_encode_rows.argtypes is None:
         lib.kvslim_encode_rows.restype = ctypes.c_int
         lib.kvslim_encode_rows.argtypes = [ctypes.POINTER(Enc), P, I64, ctypes.c_int, I64, P, P, ctypes.c_int]
+        lib.kvslim_hadamard_rows.restype = ctypes.c_int
+        lib.kvslim_hadamard_rows.argtypes = [ctypes.c_int, P, P, I64, ctypes.c_int]
     return lib
+
+
+@torch._dynamo.assume_constant_result      # traced: decided once, not a graph break on ctypes
+def available() -> bool:
+    return _library() is not None
+
+
+def serves_hadamard(x: torch.Tensor) -> bool:
+    """Whether ``hadamard_rows`` takes x: CPU tensors outside a traced graph and outside autograd
+    (the torch butterfly serves the rest)."""
+    return (x.device.type == "cpu" and not torch.compiler.is_compiling()
+            and not (x.requires_grad and torch.is_grad_enabled()) and available())
+
+
+def hadamard_rows(x: torch.Tensor, n: int, variant: str | None = None) -> torch.Tensor:
+    """H / sqrt(n) on every run of ``n`` values along the last dimension -> float32, x's shape."""
+    y = x.float().contiguous()
+    out = torch.empty_like(y)
+    _library(variant).kvslim_hadamard_rows(n, y.data_ptr(), out.data_ptr(), y.numel() // n, torch.get_num_threads())
+    return out
 
 
 def encoder(fmt, head_dim: int, keep: Keep) -> Enc:
