@@ -75,21 +75,43 @@ setup() {
     { $PY -c "import fla; print('fla-core', fla.__version__)" 2>&1 | tail -1 | tee -a "$OUT/device.txt"; } || true
 }
 
+# The tests that need CUDA (or compile for an H100), picked by name with -k: the model files'
+# CUDA tests run with and without the kernels; the kernel files' tests call the kernels directly.
+MODEL_TESTS="tests/test_runtime.py tests/test_formats_api.py tests/test_models.py"
+KERNEL_TESTS="tests/test_triton_attention.py tests/test_triton_prefill.py tests/test_triton_append.py
+    tests/test_triton_weights.py tests/test_gpu_delta_rule.py"
+PYTEST="-m pytest -p no:cacheprovider -o addopts= -rs -q"
+
+# `all` cuts each step to what its BUDGET leaves; the single phases run with deadline unset.
+deadline=""
+left() {    # seconds a step may take: at most $1, and no later than 10 s before the deadline
+    local n=$1
+    if [ -n "$deadline" ]; then n=$((deadline - SECONDS - 10)); [ "$n" -gt "$1" ] && n=$1; fi
+    echo $((n > 0 ? n : 1))
+}
+
+bench_bundled() {    # $1: seconds each run may take. The bundled model, torch backend and kernels
+    for kv in f16/f16 q8_0/turbo4; do
+        for triton in 0 1; do
+            echo "KVSLIM_TRITON=$triton"
+            KVSLIM_TRITON=$triton timeout -k 10 "$(left "$1")" $PY -m kvslim bench --device cuda -p 512 -n 64 \
+                -d 0,16384 -r 3 -ctk "${kv%/*}" -ctv "${kv#*/}" 2>&1
+        done
+    done
+}
+
 tests() {
     setup || exit 1
     # The torch backend on CUDA first (the default while the kernels are unproven: issue 17's
     # --device cuda), then every CUDA test with the kernels on (KVSLIM_TRITON=1: Triton attention,
     # append and weights, fla-core's DeltaNet). -k picks the tests that need CUDA (or compile for
     # an H100) by name; the kernel files' own tests call the kernels directly, so they run once.
-    local model_files="tests/test_runtime.py tests/test_formats_api.py tests/test_models.py"
-    local kernel_files="tests/test_triton_attention.py tests/test_triton_prefill.py tests/test_triton_append.py
-        tests/test_triton_weights.py tests/test_gpu_delta_rule.py"
     # shellcheck disable=SC2086
-    KVSLIM_TRITON=0 $PY -m pytest -p no:cacheprovider -o addopts="" -rs -q --timeout 300 $model_files \
-        -k cuda --junitxml="$OUT/tests-torch.xml" 2>&1 | tee "$OUT/tests-torch.log"
+    KVSLIM_TRITON=0 $PY $PYTEST --timeout 300 $MODEL_TESTS -k cuda --junitxml="$OUT/tests-torch.xml" 2>&1 \
+        | tee "$OUT/tests-torch.log"
     # shellcheck disable=SC2086
-    KVSLIM_TRITON=1 $PY -m pytest -p no:cacheprovider -o addopts="" -rs -q --timeout 300 $kernel_files $model_files \
-        -k "cuda or fla or h100" --junitxml="$OUT/tests-triton.xml" 2>&1 | tee "$OUT/tests-triton.log"
+    KVSLIM_TRITON=1 $PY $PYTEST --timeout 300 $KERNEL_TESTS $MODEL_TESTS -k "cuda or fla or h100" \
+        --junitxml="$OUT/tests-triton.xml" 2>&1 | tee "$OUT/tests-triton.log"
 }
 
 kernels() {
@@ -107,13 +129,7 @@ model() {
     # decode step through torch.compile (issue 18's "CUDA graphs or torch.compile with a static
     # cache"): inductor's fused kernels instead of ~3,000 launches a token; never run on a GPU yet
     {
-        for kv in f16/f16 q8_0/turbo4; do
-            for triton in 0 1; do
-                echo "KVSLIM_TRITON=$triton"
-                KVSLIM_TRITON=$triton timeout 240 $PY -m kvslim bench --device cuda -p 512 -n 64 -d 0,16384 -r 3 \
-                    -ctk "${kv%/*}" -ctv "${kv#*/}" 2>&1
-            done
-        done
+        bench_bundled 240
         for triton in 0 1; do
             echo "KVSLIM_TRITON=$triton --compile"
             KVSLIM_TRITON=$triton timeout 300 $PY -m kvslim bench --device cuda --compile -p 512 -n 64 -d 0,16384 \
@@ -128,41 +144,30 @@ model() {
 # means anything), then the issue's decode-attention table, then its end-to-end model
 # (gpu_model.py), then the bundled model both ways, then the other kernels' timings. Test
 # workers run side by side (pytest-xdist is in the image): Triton compiles on the CPU, and the
-# machine has 16 cores. fla-core on the path makes transformers
-# take its kernels at import, for CPU tensors too: the tests picked here never run a transformers
-# forward (the CUDA model tests compare kvslim on CUDA with kvslim on the CPU).
+# machine has 16 cores. fla-core on the path makes transformers take its kernels at import, for
+# CPU tensors too: the tests picked here never run a transformers forward (the CUDA model tests
+# compare kvslim on CUDA with kvslim on the CPU).
 #   run(command="bash benchmarks/gpu_session.sh all", carry=[".whl"], timeout_s=480)
 all() {
-    local deadline=$((SECONDS + ${BUDGET:-420}))
-    left() { local n=$((deadline - SECONDS - 10)); [ "$n" -gt "$1" ] && n=$1; echo $((n > 0 ? n : 1)); }
+    deadline=$((SECONDS + ${BUDGET:-420}))
     setup || exit 1
-    local model_files="tests/test_runtime.py tests/test_formats_api.py tests/test_models.py"
-    local kernel_files="tests/test_triton_attention.py tests/test_triton_prefill.py tests/test_triton_append.py
-        tests/test_triton_weights.py tests/test_gpu_delta_rule.py"
     local n8="" n4=""
     if $PY -c "import xdist" 2>/dev/null; then n8="-n 8" n4="-n 4"; fi
     {
         echo "## KVSLIM_TRITON=1: kernels and model on CUDA"
         # shellcheck disable=SC2086
-        KVSLIM_TRITON=1 timeout -k 10 "$(left 170)" $PY -m pytest -p no:cacheprovider -o addopts="" -rs -q $n8 \
-            --timeout 150 $kernel_files $model_files -k "cuda or fla or h100" 2>&1
+        KVSLIM_TRITON=1 timeout -k 10 "$(left 170)" $PY $PYTEST $n8 --timeout 150 $KERNEL_TESTS $MODEL_TESTS \
+            -k "cuda or fla or h100" 2>&1
         echo "## KVSLIM_TRITON=0: the torch backend on CUDA"
         # shellcheck disable=SC2086
-        KVSLIM_TRITON=0 timeout -k 10 "$(left 80)" $PY -m pytest -p no:cacheprovider -o addopts="" -rs -q $n4 \
-            --timeout 70 $model_files -k cuda 2>&1
+        KVSLIM_TRITON=0 timeout -k 10 "$(left 80)" $PY $PYTEST $n4 --timeout 70 $MODEL_TESTS -k cuda 2>&1
     } | tee "$OUT/tests.log"
     KVSLIM_TRITON=1 timeout -k 10 "$(left 100)" $PY benchmarks/gpu_decode.py -d 32768,131072 -b 1,8 -r 10 --no-loop \
         2>&1 | tee "$OUT/decode.md"
     # issue 18's end-to-end figures: the 35B-A3B shape, random q4_0 weights made on the device
     KVSLIM_TRITON=1 timeout -k 10 "$(left 150)" $PY benchmarks/gpu_model.py -d 0,32768,131072 -np 1,4 -n 8 \
         --pairs f16/f16,q8_0/turbo4,turbo3/turbo3 2>&1 | tee "$OUT/e2e.md"
-    for kv in f16/f16 q8_0/turbo4; do
-        for triton in 0 1; do
-            echo "KVSLIM_TRITON=$triton"
-            KVSLIM_TRITON=$triton timeout -k 10 "$(left 60)" $PY -m kvslim bench --device cuda -p 512 -n 64 -d 0,16384 \
-                -r 3 -ctk "${kv%/*}" -ctv "${kv#*/}" 2>&1
-        done
-    done | tee "$OUT/model.md"
+    bench_bundled 60 | tee "$OUT/model.md"
     { timeout -k 10 "$(left 60)" $PY benchmarks/gpu_prefill.py; timeout -k 10 "$(left 60)" $PY benchmarks/gpu_weights.py; } \
         2>&1 | tee "$OUT/kernels.md"
     echo "all: $SECONDS s"
