@@ -71,7 +71,10 @@ def test_rule_for_the_cpu_takes_the_c_recurrence_and_leaves_gradients_to_torch()
     assert v.grad is not None and torch.isfinite(v.grad).all() and v.grad.abs().sum() > 0
 
 
-def test_head_dims_past_the_kernel_scratch_are_refused():
+def test_head_dims_past_the_kernel_scratch_are_refused_and_rule_for_keeps_torch_there():
     _need_kernel()
+    args = _inputs(1, 2, 1, 16, native.MAX_DIM + 16)
     with pytest.raises(ValueError, match="exceed the C kernel"):
-        native.chunk(*_inputs(1, 2, 1, 16, native.MAX_DIM + 16))
+        native.chunk(*args)
+    chunk, _ = torch_rule.rule_for(torch.device("cpu"))
+    torch.testing.assert_close(chunk(*args)[0], torch_rule.chunk_gated_delta_rule(*args)[0], atol=0, rtol=0)

@@ -27,8 +27,7 @@ from ..cache.recurrent import RecurrentStateCache
 from ..models.base import CausalLM
 from ..models.layers import MLP, Attention, DecoderLayer, Experts, RMSNorm, Rope, SparseMoE
 from ..native import block_linear, build
-from ..native.kv_encode import Enc, Unsupported, encoder
-from ..native.kv_encode import Keep as _Keep
+from ..native.kv_encode import Enc, Keep, Unsupported, encoder
 from ..weights.modules import QuantExperts
 from ..native import paged_attention as native_attention
 
@@ -74,7 +73,7 @@ def _library():
 
 
 # ----- weights -------------------------------------------------------------------------------
-def matrix(module, keep: _Keep, bias: torch.Tensor | None = None) -> Mat:
+def matrix(module, keep: Keep, bias: torch.Tensor | None = None) -> Mat:
     """A linear layer's (or an embedding table's) weight as the C step reads it."""
     from ..weights.modules import _QuantWeight
     if isinstance(module, _QuantWeight):
@@ -95,14 +94,14 @@ def matrix(module, keep: _Keep, bias: torch.Tensor | None = None) -> Mat:
     return Mat(code, rows, cols, keep(data.detach().contiguous()).data_ptr(), keep.ptr(bias))
 
 
-def _norm(norm, keep: _Keep, want_zero_centered: bool, eps: float) -> int:
+def _norm(norm, keep: Keep, want_zero_centered: bool, eps: float) -> int:
     if type(norm) is not RMSNorm or norm.zero_centered != want_zero_centered or norm.eps != eps:
         raise Unsupported("a norm other than the model's RMSNorm")
     return keep.ptr(norm.weight)
 
 
 # ----- layers ----------------------------------------------------------------------------
-def _mlp(layer: Layer, mlp, keep: _Keep) -> None:
+def _mlp(layer: Layer, mlp, keep: Keep) -> None:
     if type(mlp) is SparseMoE:
         _moe(layer, mlp, keep)
         return
@@ -111,7 +110,7 @@ def _mlp(layer: Layer, mlp, keep: _Keep) -> None:
     layer.gate, layer.up, layer.down = (matrix(m, keep) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
 
 
-def _moe(layer: Layer, moe, keep: _Keep) -> None:
+def _moe(layer: Layer, moe, keep: Keep) -> None:
     """Router, shared expert and its gate, and the experts' stacked matrices (expert 0's address
     and the stride to the next: only the routed experts are read)."""
     experts = moe.experts
@@ -128,7 +127,7 @@ def _moe(layer: Layer, moe, keep: _Keep) -> None:
         _stacked(param, kind, keep) for param, kind in zip((experts.gate_up_proj, experts.down_proj), kinds))
 
 
-def _stacked(param: torch.Tensor, kind, keep: _Keep) -> tuple[Mat, int]:
+def _stacked(param: torch.Tensor, kind, keep: Keep) -> tuple[Mat, int]:
     """(E, rows, ...) expert matrices: dense (E, rows, cols) or blocks (E, rows, row_bytes)."""
     data = keep(param.detach().contiguous())
     if kind is None:
@@ -145,7 +144,7 @@ def _stacked(param: torch.Tensor, kind, keep: _Keep) -> tuple[Mat, int]:
     return Mat(code, data.shape[1], cols, data.data_ptr(), None), data[0].numel() * data.element_size()
 
 
-def _attention(layer: Layer, attn, kv: KVCache, keep: _Keep, zc: bool, eps: float) -> None:
+def _attention(layer: Layer, attn, kv: KVCache, keep: Keep, zc: bool, eps: float) -> None:
     if type(attn) is not Attention or not isinstance(kv, KVCache):
         raise Unsupported(f"a {type(attn).__name__} mixer")
     if not kv.static_decode:
@@ -167,7 +166,7 @@ def _attention(layer: Layer, attn, kv: KVCache, keep: _Keep, zc: bool, eps: floa
     layer.ek, layer.ev = ctypes.addressof(ek), ctypes.addressof(ev)
 
 
-def _delta_net(layer: Layer, net, state: RecurrentStateCache, keep: _Keep, eps: float) -> None:
+def _delta_net(layer: Layer, net, state: RecurrentStateCache, keep: Keep, eps: float) -> None:
     from ..models.qwen3_5 import GatedDeltaNet
     from ..models.qwen3_next import FusedGatedDeltaNet
     if type(net) not in (GatedDeltaNet, FusedGatedDeltaNet) or not isinstance(state, RecurrentStateCache):
@@ -188,7 +187,7 @@ def _delta_net(layer: Layer, net, state: RecurrentStateCache, keep: _Keep, eps: 
     layer.conv_state, layer.rec_state = state.conv.data_ptr(), state.recurrent.data_ptr()
 
 
-def _layer(block, cache_layer, keep: _Keep, zc: bool, eps: float) -> Layer:
+def _layer(block, cache_layer, keep: Keep, zc: bool, eps: float) -> Layer:
     if type(block) is not DecoderLayer:
         raise Unsupported(f"a {type(block).__name__} block")
     layer = Layer()
@@ -203,7 +202,7 @@ def _layer(block, cache_layer, keep: _Keep, zc: bool, eps: float) -> Layer:
     return layer
 
 
-def describe(model, cache, keep: _Keep) -> Model:
+def describe(model, cache, keep: Keep) -> Model:
     """The C step's description of ``model`` over ``cache``; raises Unsupported."""
     if type(model).run is not CausalLM.run or type(model).logits is not CausalLM.logits:
         raise Unsupported(f"{type(model).__name__} (its forward differs from the shared decoder's)")
@@ -229,7 +228,7 @@ class NativeStep:
     """``step(slots, tokens, positions)`` -> float32 logits (B, vocab), caches advanced by one,
     through ``decode_step.c``. The caller does the caches' host work (prepare/commit)."""
 
-    def __init__(self, description: Model, keep: _Keep, lib):
+    def __init__(self, description: Model, keep: Keep, lib):
         self.description, self.keep, self.lib = description, keep, lib
         self.vocab = description.vocab
 
@@ -239,7 +238,7 @@ class NativeStep:
         lib = _library()
         if lib is None:
             return None, "no C compiler, or KVSLIM_NATIVE=0"
-        keep = _Keep()
+        keep = Keep()
         try:
             return cls(keep(describe(model, cache, keep)), keep, lib), ""
         except Unsupported as why:

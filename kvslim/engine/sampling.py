@@ -36,11 +36,9 @@ class SamplingParams:
 
     def __post_init__(self):
         lo, hi = REPEAT_PENALTY_RANGE
-        numbers = (self.temperature, self.top_p, self.min_p, self.repeat_penalty, self.presence_penalty,
-                   self.frequency_penalty)
-        checks = [(all(math.isfinite(x) for x in numbers), "sampling values must be finite numbers",
-                   dict(zip(("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty",
-                             "frequency_penalty"), numbers))),
+        numbers = {name: getattr(self, name) for name in ("temperature", "top_p", "min_p", "repeat_penalty",
+                                                          "presence_penalty", "frequency_penalty")}
+        checks = [(all(math.isfinite(x) for x in numbers.values()), "sampling values must be finite numbers", numbers),
                   (self.temperature >= 0, "temperature must be >= 0", self.temperature),
                   (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]", self.top_p),
                   (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]", self.min_p),

@@ -102,8 +102,10 @@ def rule_for(device: torch.device):
 
 
 def _native_chunk(q, k, v, g, beta, state):
-    """The C recurrence, or the torch chunked form where autograd must see the ops."""
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, g, beta, state)):
+    """The C recurrence, or the torch chunked form where autograd must see the ops or the heads
+    are wider than the C kernel's scratch."""
+    if (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, g, beta, state))) \
+            or max(k.shape[-1], v.shape[-1]) > native.MAX_DIM:
         return chunk_gated_delta_rule(q, k, v, g, beta, state)
     return native.chunk(q, k, v, g, beta, state)
 

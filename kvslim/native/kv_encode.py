@@ -90,12 +90,12 @@ def hadamard_rows(x: torch.Tensor, n: int, variant: str | None = None) -> torch.
     return out
 
 
-def encoder(fmt, head_dim: int, keep: Keep) -> Enc:
-    """The C encoder of a K/V format: its declared ``kernel_encoder``, as kv_encode.c's enc_t;
-    raises Unsupported where there is none."""
+def encoder(fmt, head_dim: int, keep: Keep, spec=None) -> Enc:
+    """The C encoder of a K/V format: its declared ``kernel_encoder`` (``spec``, when the caller
+    has read it already), as kv_encode.c's enc_t; raises Unsupported where there is none."""
     if head_dim > ENC_MAX_DIM:
         raise Unsupported(f"head_dim {head_dim} (the C encoders' limit is {ENC_MAX_DIM})")
-    spec = fmt.kernel_encoder(head_dim)
+    spec = spec or fmt.kernel_encoder(head_dim)
     if spec is None or spec.kind not in ENC_KINDS or spec.sub_values not in (0, ENC_SUB_VALUES):
         raise Unsupported(f"K/V format {fmt.name} (no C encoder)")
     tries = spec.tries
@@ -116,9 +116,9 @@ class RowEncoder:
     """``fmt``'s C encoder for rows of ``head_dim``: (T, ..., head_dim) -> (codes (T, ..., row
     bytes), per-token flags (T,)), as ``fmt.encode_flagged`` returns them."""
 
-    def __init__(self, fmt, head_dim: int):
+    def __init__(self, fmt, head_dim: int, spec=None):
         self.keep = Keep()
-        self.enc = self.keep(encoder(fmt, head_dim, self.keep))
+        self.enc = self.keep(encoder(fmt, head_dim, self.keep, spec))
         self.head_dim, self.row_bytes = head_dim, fmt.row_bytes(head_dim)
 
     @classmethod
@@ -128,7 +128,7 @@ class RowEncoder:
         spec = fmt.kernel_encoder(head_dim) if head_dim <= ENC_MAX_DIM else None
         if _library() is None or spec is None or spec.kind not in PROMPT_KINDS:
             return None
-        return cls(fmt, head_dim)
+        return cls(fmt, head_dim, spec)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows = x.float().reshape(-1, self.head_dim).contiguous()
