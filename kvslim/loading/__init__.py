@@ -43,7 +43,7 @@ def load_model(path: str | Path | None = None, dtype=None, device: str = "cpu", 
         allow_dequant: GGUF only: expand tensors of types kvslim cannot keep quantized to
             float instead of refusing the file.
     """
-    path = check_model_path(path)
+    path = _model_path(path)
     dtype = parse_dtype(dtype)
     if weights is not None:
         check_weights(weights)
@@ -58,11 +58,16 @@ def check_model_path(path: str | Path | None = None) -> Path:
     """The model ``load_model`` would read (None: the bundled one), checked without reading
     weights: a folder's config.json must parse into a config kvslim knows, a file must be a
     GGUF. ``kvslim serve`` calls it before it binds its port."""
-    path = Path(path) if path is not None else default_model()
+    path = _model_path(path)
     if path.is_dir():
-        folder_config(path)
-        return path
-    if path.is_file() and _is_gguf(path):
+        folder_config(path)                       # load_model reads it while loading
+    return path
+
+
+def _model_path(path: str | Path | None) -> Path:
+    """A folder or a GGUF file (None: the bundled model), else a ValueError naming the path."""
+    path = Path(path) if path is not None else default_model()
+    if path.is_dir() or (path.is_file() and _is_gguf(path)):
         return path
     if not path.exists():
         raise ValueError(f"{path}: no such file or folder")
