@@ -182,7 +182,8 @@ def run_pair(model, config, plan_model, pair: str, n_slots: int, args, gen, band
         filled = depth
         marks = [cache.checkpoint(slot) for slot in range(n_slots)]
         tps = time_decode(step, n_slots, depth, args.n_gen, config.vocab_size, args.device)
-        ceiling = "" if n_slots > 1 else f"{decode_ceiling(plan_model, Request(ctx, 1, type_k, type_v, weight_quant=args.weights, depth=depth), Target('measured', 1 << 50, bandwidth)):.0f}"
+        request = Request(ctx, 1, type_k, type_v, weight_quant=args.weights, depth=depth)
+        ceiling = "" if n_slots > 1 else f"{decode_ceiling(plan_model, request, Target('measured', 1 << 50, bandwidth)):.0f}"
         speed.append([pair, n_slots, f"tg{args.n_gen} @ d{depth}", f"{tps:.1f}", ceiling])
         for slot in range(n_slots):                                  # back to the filled depth
             cache.rewind(slot, depth, marks[slot])

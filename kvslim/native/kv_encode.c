@@ -1,7 +1,8 @@
-/* K/V rows into a format's packed row bytes, in C: the native decode step's quantize-on-append.
+/* K/V rows into a format's packed row bytes, in C: the native decode step's quantize-on-append and the
+ * CPU prompt path's encoders (kvslim/native/kv_encode.py), and the rotated formats' butterfly.
  *
  * The torch encoders in kvslim/formats are the reference; the parity tests hold these to them.
- * A format reaches this file as an encoder description (kvslim/engine/native_step.py translates
+ * A format reaches this file as an encoder description (kvslim/native/kv_encode.py translates
  * the format's declared kernel_encoder, kvslim/formats/base.py), so C never guesses a layout:
  *   ENC_FLOAT  the row as f32, f16 or bf16 (round to nearest even)
  *   ENC_Q8_0 / ENC_Q4_0 / ENC_IQ4_NL  ggml's blocks of 32 (llama.cpp's reference quantizers;
@@ -140,7 +141,6 @@ static void encode_q4_0(const float *x, uint8_t *out) {
     }
 }
 
-/* Codes of `bits` bits, 8 to a little-endian word of `bits` bytes (kvslim/formats/bitpack.py). */
 /* ggml's best_index_int8: the nearest of the 16 grid values, the upper one on exact ties. Its
  * binary search ends at the bracket grid[lo] <= x < grid[lo + 1]; counting the inner values at or
  * below x finds the same bracket without its four unpredictable branches, and vectorises. */
@@ -194,6 +194,7 @@ static void encode_iq4_nl(const float *grid, const float *x, uint8_t *out) {
         out[2 + j] = (uint8_t)(iq4nl_index(grid, id * x[j]) | iq4nl_index(grid, id * x[j + 16]) << 4);
 }
 
+/* Codes of `bits` bits, 8 to a little-endian word of `bits` bytes (kvslim/formats/bitpack.py). */
 static void pack_codes(const uint8_t *codes, int n, int bits, uint8_t *out) {
     for (int w = 0; w < n / 8; w++) {
         uint64_t word = 0;
