@@ -21,6 +21,7 @@ tiny shapes (timings meaningless).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -51,6 +52,17 @@ def _inputs(name_k: str, name_v: str, depth: int, batch: int, device: str):
     q = fmt_k.to_code_domain(torch.randn(N_KV, batch, GROUP, HEAD_DIM, device=device) * HEAD_DIM ** -0.5)
     n_keys = torch.full((batch,), depth, device=device)
     return fmt_k, fmt_v, q, pool(fmt_k), pool(fmt_v), table, n_keys
+
+
+def check_device(device: str) -> None:
+    """Exit with a clear message unless the kernels can run on ``device`` here (the GPU
+    benchmarks' shared check): triton installed, a CUDA device for cuda, the interpreter for cpu."""
+    if not kvslim.gpu.available():
+        sys.exit("needs triton")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit("no CUDA device here: run it on a GPU, or dry-run with --device cpu and TRITON_INTERPRET=1")
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("--device cpu is a dry run under Triton's interpreter: set TRITON_INTERPRET=1")
 
 
 def _median_ms(fn, runs: int, device: str) -> float:
@@ -153,10 +165,7 @@ def main(argv=None) -> None:
     parser.add_argument("--no-loop", action="store_true", help="skip the torch block loop (slow at depth)")
     parser.add_argument("--device", default="cuda", help="cuda[:N]; cpu only with TRITON_INTERPRET=1 (a dry run)")
     args = parser.parse_args(argv)
-    if not kvslim.gpu.available():
-        sys.exit("needs triton")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        sys.exit("no CUDA device here: run it on a GPU, or dry-run with --device cpu and TRITON_INTERPRET=1")
+    check_device(args.device)
     copy = copy_gbps(args.device, mib=1024 if args.device.startswith("cuda") else 16)
     name = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu (interpreter)"
     print(f"{name}: device-to-device copy {copy:.0f} GB/s (read + written); median of {args.runs}\n")

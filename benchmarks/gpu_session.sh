@@ -168,7 +168,9 @@ all() {
     KVSLIM_TRITON=1 timeout -k 10 "$(left 150)" $PY benchmarks/gpu_model.py -d 0,32768,131072 -np 1,4 -n 8 \
         --pairs f16/f16,q8_0/turbo4,turbo3/turbo3 2>&1 | tee "$OUT/e2e.md"
     bench_bundled 60 | tee "$OUT/model.md"
-    { timeout -k 10 "$(left 60)" $PY benchmarks/gpu_prefill.py; timeout -k 10 "$(left 60)" $PY benchmarks/gpu_weights.py; } \
+    # shortened lists: each script prints its table at the end, so one cut by timeout prints nothing
+    { timeout -k 10 "$(left 60)" $PY benchmarks/gpu_prefill.py -p f16/f16,q8_0/turbo4,turbo3/turbo3 -r 5
+      timeout -k 10 "$(left 60)" $PY benchmarks/gpu_weights.py -t q4_0,q4_k -s 8192x2048,2048x4096 -r 10; } \
         2>&1 | tee "$OUT/kernels.md"
     echo "all: $SECONDS s"
 }

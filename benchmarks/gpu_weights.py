@@ -1,6 +1,7 @@
 """Quantized weights on a CUDA GPU: the Triton GEMV/GEMM over GGUF blocks against torch's dense matmul.
 
     python benchmarks/gpu_weights.py [-t q8_0,q4_k] [-s 4096x4096,14336x4096,4096x14336] [-m 512] [-r 20] [-o md|json]
+        [--experts 256x2048x512x8] [--expert-tokens 1,16,512] [--device cuda]
 
 For each type and W shape (N outputs x K inputs): the decode GEMV at M = 1 and the prefill GEMM
 at M = 512 (``kvslim.gpu.quant_matmul``), against torch's matmul of the same matrix dequantized
@@ -10,6 +11,16 @@ a value). x is in the row's dtype; the Triton GEMM's tl.dot takes that dtype too
 reads (packed blocks, or 2 bytes a value), for the GEMV; TFLOP/s: 2MNK per second, for the GEMM.
 Weights are random blocks with sane fp16 scales (speed does not depend on the values).
 Figures, not a test: the parity checks are tests/test_triton_weights.py.
+
+Then one mixture layer's routed experts (``--experts`` E x hidden x intermediate x top-k; default
+Qwen3.6-35B-A3B's) in each type, a batch of ``--expert-tokens`` tokens routed at random:
+``QuantExperts.grouped`` (the expert GEMV for up to 128 pairs, else the pairs sorted on the
+device and one grouped GEMM) against ``QuantExperts.loop`` (the host learns the chosen experts,
+then one GEMV/GEMM pair per expert), both on the same packed blocks.
+
+Dry run on the CPU (a test runs it): ``TRITON_INTERPRET=1 python benchmarks/gpu_weights.py
+--device cpu -t q4_0 -s 64x64 -m 32 -r 1 --experts 8x64x32x2 --expert-tokens 1,80`` (bf16 tl.dot
+is wrong under the interpreter: the figures of a dry run mean nothing, the code paths run).
 """
 from __future__ import annotations
 
@@ -20,45 +31,68 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kvslim import gpu as kvslim_gpu  # noqa: E402
 from kvslim import weights  # noqa: E402
 from kvslim.gpu import quant_matmul as gpu  # noqa: E402
 from kvslim.tables import markdown_table, to_json  # noqa: E402
 
-from gpu_decode import _median_ms  # noqa: E402  (same folder)
+from gpu_decode import _median_ms, check_device  # noqa: E402  (same folder)
 
 DTYPES = {"f16": (torch.float16, "fp16"), "bf16": (torch.bfloat16, "bf16")}   # torch dtype, Triton dot
 HEADERS = ["type", "N x K", "M", "dtype", "triton ms", "torch ms", "triton", "torch"]
 
 
-def random_blocks(name: str, n: int, k: int) -> weights.QuantTensor:
-    """(n, k) blocks of ``name`` on the GPU: random bytes, each fp16 scale field set to 0.002-0.02."""
+def random_blocks(name: str, n: int, k: int, device: str) -> weights.QuantTensor:
+    """(n, k) blocks of ``name`` on ``device``: random bytes, each fp16 scale field set to 0.002-0.02."""
     wtype = weights.get(name)
-    blocks = torch.randint(0, 256, (n * k // wtype.block_size, wtype.block_bytes), dtype=torch.uint8, device="cuda")
+    blocks = torch.randint(0, 256, (n * k // wtype.block_size, wtype.block_bytes), dtype=torch.uint8, device=device)
     at = 0
     for field, size in wtype.fields:
         if field in ("d", "dmin"):
-            scale = torch.empty(blocks.shape[0], device="cuda").uniform_(0.002, 0.02).half()
+            scale = torch.empty(blocks.shape[0], device=device).uniform_(0.002, 0.02).half()
             blocks[:, at:at + size] = scale.view(torch.uint8).reshape(-1, 2)
         at += size
     return weights.QuantTensor(blocks.reshape(n, -1), wtype, k)
 
 
-def _rows(name: str, n: int, k: int, gemm_rows: int, runs: int) -> list[list]:
+def _rows(name: str, n: int, k: int, gemm_rows: int, runs: int, device: str) -> list[list]:
     """GEMV (M = 1) and GEMM rows, one per dtype, for one type and shape."""
-    w = random_blocks(name, n, k)
+    w = random_blocks(name, n, k, device)
     ggml_type, rows = w.wtype.ggml_type, []
     for label, (dtype, dot) in DTYPES.items():
         dense = w.dequantize().to(dtype)                             # (n, k): torch's side, made ahead of time
         for m in (1, gemm_rows):
-            x = torch.randn(m, k, device="cuda", dtype=dtype)
+            x = torch.randn(m, k, device=device, dtype=dtype)
             if m == 1:
-                triton_ms = _median_ms(lambda: gpu.gemv(x, w.data, ggml_type), runs)
+                triton_ms = _median_ms(lambda: gpu.gemv(x, w.data, ggml_type), runs, device)
             else:
-                triton_ms = _median_ms(lambda: gpu.gemm(x, w.data, ggml_type, dot), runs)
-            torch_ms = _median_ms(lambda: x @ dense.T, runs)
+                triton_ms = _median_ms(lambda: gpu.gemm(x, w.data, ggml_type, dot), runs, device)
+            torch_ms = _median_ms(lambda: x @ dense.T, runs, device)
             rows.append([name, f"{n}x{k}", m, label, f"{triton_ms:.4f}", f"{torch_ms:.4f}",
                          _speed(m, n, k, w.nbytes, triton_ms), _speed(m, n, k, 2 * n * k, torch_ms)])
         del dense
+    return rows
+
+
+EXPERT_HEADERS = ["type", "E x H x I, top-k", "tokens", "grouped ms", "loop ms", "grouped speed-up"]
+
+
+def _expert_rows(name: str, shape: str, tokens: list[int], runs: int, device: str) -> list[list]:
+    """Grouped vs loop for one type: a QuantExperts of random blocks, bf16 activations."""
+    from kvslim.weights.modules import QuantExperts
+    n_experts, hidden, inter, top_k = map(int, shape.split("x"))
+    gate_up = random_blocks(name, n_experts * 2 * inter, hidden, device)
+    down = random_blocks(name, n_experts * hidden, inter, device)
+    module = QuantExperts(weights.QuantTensor(gate_up.data.view(n_experts, 2 * inter, -1), gate_up.wtype, hidden),
+                          weights.QuantTensor(down.data.view(n_experts, hidden, -1), down.wtype, inter))
+    rows = []
+    for n in tokens:
+        x = torch.randn(n, hidden, device=device, dtype=torch.bfloat16)
+        probs = torch.rand(n, n_experts, device=device).softmax(-1)
+        w, experts = probs.topk(top_k, dim=-1)
+        grouped_ms = _median_ms(lambda: module.grouped(x, w, experts), runs, device)
+        loop_ms = _median_ms(lambda: module.loop(x, w, experts), runs, device)
+        rows.append([name, shape, n, f"{grouped_ms:.3f}", f"{loop_ms:.3f}", f"{loop_ms / grouped_ms:.2f}x"])
     return rows
 
 
@@ -76,16 +110,25 @@ def main(argv=None) -> None:
     parser.add_argument("-m", "--gemm-rows", type=int, default=512)
     parser.add_argument("-r", "--runs", type=int, default=20)
     parser.add_argument("-o", "--output", choices=["md", "json"], default="md")
+    parser.add_argument("--experts", default="256x2048x512x8", help="E x hidden x intermediate x top-k; '' skips")
+    parser.add_argument("--expert-tokens", default="1,16,512")
+    parser.add_argument("--device", default="cuda", help="cuda[:N]; cpu only with TRITON_INTERPRET=1 (a dry run)")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available() or not gpu.available():
-        print("gpu_weights: needs a CUDA device and triton", file=sys.stderr)
-        sys.exit(2)
+    check_device(args.device)
+    kvslim_gpu.TRITON = True                       # the loop's per-expert products take the kernels too
     rows = [row for name in args.types.split(",") for shape in args.shapes.split(",")
-            for row in _rows(name, *map(int, shape.split("x")), args.gemm_rows, args.runs)]
+            for row in _rows(name, *map(int, shape.split("x")), args.gemm_rows, args.runs, args.device)]
+    tokens = [int(n) for n in args.expert_tokens.split(",")]
+    experts = [row for name in args.types.split(",") if args.experts
+               for row in _expert_rows(name, args.experts, tokens, args.runs, args.device)]
     if args.output == "json":
-        print(to_json([dict(zip(HEADERS, row)) for row in rows]))
+        print(to_json({"weights": [dict(zip(HEADERS, row)) for row in rows],
+                       "experts": [dict(zip(EXPERT_HEADERS, row)) for row in experts]}))
     else:
         print(markdown_table(HEADERS, rows, ["l", "l", "r", "l", "r", "r", "r", "r"]))
+        if experts:
+            print()
+            print(markdown_table(EXPERT_HEADERS, experts, ["l", "l", "r", "r", "r", "r"]))
 
 
 if __name__ == "__main__":

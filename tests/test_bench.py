@@ -2,9 +2,14 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
+from kvslim import gpu
 from kvslim.bench import FilledCache
 from kvslim.bench.runner import time_tg
 from kvslim.bench.report import markdown
@@ -53,7 +58,6 @@ def test_gpu_model_benchmark_dry_run_holds_what_the_planner_predicts(capsys):
     caches the KV + state bytes, and every test row comes out."""
     import importlib.util
     import re
-    from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_model.py"
     spec = importlib.util.spec_from_file_location("gpu_model", path)
@@ -70,3 +74,39 @@ def test_gpu_model_benchmark_dry_run_holds_what_the_planner_predicts(capsys):
         assert abs(float(row.split("|")[6].strip().rstrip("%"))) < 10, row
     with pytest.raises(SystemExit):
         gpu_model.main(["--device", "cpu", "--weights", "q4_k_m"])   # a mix, not one block type
+
+
+# The GPU benchmarks' own dry runs (docstrings): every code path of each script on the CPU under
+# Triton's interpreter, so that a GPU lease is not spent finding a script that cannot start.
+# (script, arguments, table rows expected)
+GPU_DRY_RUNS = [
+    ("gpu_decode.py", ["-d", "64", "-b", "1", "-r", "1", "-p", "q8_0/turbo4"], 2),
+    ("gpu_prefill.py", ["-d", "32", "-n", "16", "-p", "q8_0/turbo4", "-r", "1"], 1),
+    ("gpu_weights.py", ["-t", "q4_0", "-s", "64x64", "-m", "32", "-r", "1", "--experts", "8x64x32x2",
+                        "--expert-tokens", "1,80"], 6),
+]
+
+
+def _gpu_script(script: str, args: list[str], interpret: bool) -> subprocess.CompletedProcess:
+    if not gpu.available():
+        pytest.skip("triton is not installed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update({"KVSLIM_TRITON": "0", **({"TRITON_INTERPRET": "1"} if interpret else {})})
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / script
+    return subprocess.run([sys.executable, str(path), "--device", "cpu", *args], env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.parametrize("script,args,rows", GPU_DRY_RUNS, ids=[r[0] for r in GPU_DRY_RUNS])
+def test_gpu_benchmark_dry_runs_reach_their_tables(script, args, rows):
+    done = _gpu_script(script, args, interpret=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    body = [line for line in lines if line.startswith("| ")]
+    separators = [line for line in lines if line.startswith("|-") or line.startswith("|:")]
+    assert separators and len(body) - len(separators) == rows, done.stdout     # one header line a table
+
+
+def test_gpu_benchmarks_refuse_the_cpu_without_the_interpreter():
+    done = _gpu_script("gpu_weights.py", [], interpret=False)
+    assert done.returncode != 0 and "TRITON_INTERPRET=1" in done.stderr

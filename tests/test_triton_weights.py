@@ -164,8 +164,10 @@ def test_split_count_fills_the_gpu_and_keeps_a_chunk_per_split():
     assert gpu.split_count(4096, 4096, config) == 1                  # 512 tiles
 
 
-# the grouped expert GEMV: (type, experts E, outputs N, K, pairs P)
-EXPERT_CASES = [("q8_0", 5, 40, 288, 7), ("q4_0", 2, 9, 96, 3), ("q4_k", 3, 16, 512, 4), ("q6_k", 4, 24, 512, 6)]
+# the routed experts: (type, experts E, outputs N, K, pairs P); up to gpu.MAX_GEMV_PAIRS pairs the
+# expert GEMV, beyond it the grouped GEMM (the last three: 16 and 32 slots a tile, empty experts)
+EXPERT_CASES = [("q8_0", 5, 40, 288, 7), ("q4_0", 2, 9, 96, 3), ("q4_k", 3, 16, 512, 4), ("q6_k", 4, 24, 512, 6),
+                ("q4_0", 6, 40, 96, 150), ("q5_k", 3, 70, 256, 140), ("q8_0", 9, 24, 64, 300)]
 
 
 def _expert_inputs(case, seed: int):
@@ -177,18 +179,19 @@ def _expert_inputs(case, seed: int):
         torch.randint(n_experts, (pairs,), generator=gen)
 
 
-def _moe_module(seed: int = 0):
+def _moe_module(seed: int = 0, tokens: int = 3):
     """A QuantExperts of 4 experts (hidden 64, intermediate 32, q8_0 gate_up, q4_0 down) and the
-    routing of 3 tokens to 2 experts each."""
+    routing of ``tokens`` tokens to 2 experts each (3: a decode batch's GEMV; more than 64: the
+    grouped GEMM)."""
     from kvslim.weights.modules import QuantExperts
     gate_up = [_weight("q8_0", 64, 64, 10 + e) for e in range(4)]
     down = [_weight("q4_0", 64, 32, 20 + e) for e in range(4)]
     module = QuantExperts(QuantTensor(torch.stack([w.data for w in gate_up]), gate_up[0].wtype, 64),
                           QuantTensor(torch.stack([w.data for w in down]), down[0].wtype, 32))
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(3, 64, generator=gen)
-    experts = torch.tensor([[0, 3], [2, 0], [1, 1]])
-    return module, x, torch.rand(3, 2, generator=gen), experts
+    x = torch.randn(tokens, 64, generator=gen)
+    experts = torch.tensor([[0, 3], [2, 0], [1, 1]]) if tokens == 3 else torch.randint(4, (tokens, 2), generator=gen)
+    return module, x, torch.rand(tokens, 2, generator=gen), experts
 
 
 def _experts_in_child(cases, path: Path) -> None:
@@ -196,11 +199,14 @@ def _experts_in_child(cases, path: Path) -> None:
     out = {"y": []}
     for i, case in enumerate(cases):
         mats, blocks, x, ids = _expert_inputs(case, i)
-        out["y"].append(gpu.gemv_experts(x, blocks, ids, mats[0].wtype.ggml_type))
-    module, x, w, experts = _moe_module()
-    out["grouped"] = module.groups(x, experts)
-    out["moe"] = module(x, w, experts)
+        out["y"].append(gpu.experts_matmul(x, blocks, gpu.route(ids, len(mats)), mats[0].wtype.ggml_type))
+    for tokens in MOE_TOKENS:
+        module, x, w, experts = _moe_module(tokens=tokens)
+        out[tokens] = module.groups(x, experts), module(x, w, experts)
     torch.save(out, path)
+
+
+MOE_TOKENS = (3, 90)          # 6 pairs: the expert GEMV; 180: the grouped GEMM
 
 
 @pytest.fixture(scope="module")
@@ -210,8 +216,8 @@ def interpreted_experts(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", EXPERT_CASES, ids=lambda c: f"{c[0]}-e{c[1]}-n{c[2]}-k{c[3]}-p{c[4]}")
-def test_grouped_expert_gemv_matches_gguf_dequantize(interpreted_experts, case):
-    """Each pair's row times the matrix of its expert id, read on the device."""
+def test_routed_experts_match_gguf_dequantize(interpreted_experts, case):
+    """Each pair's row times the matrix of its expert id, read on the device (GEMV or grouped GEMM)."""
     got = interpreted_experts["y"][EXPERT_CASES.index(case)]
     mats, _, x, ids = _expert_inputs(case, EXPERT_CASES.index(case))
     for p in range(x.shape[0]):
@@ -220,13 +226,59 @@ def test_grouped_expert_gemv_matches_gguf_dequantize(interpreted_experts, case):
         assert ((got[p].double() - want).abs() <= TOLERANCE["ieee"] * bound + 1e-6).all(), p
 
 
-def test_quantized_experts_route_through_the_grouped_gemv_without_a_loop(interpreted_experts):
+@pytest.mark.parametrize("tokens", MOE_TOKENS)
+def test_quantized_experts_route_through_the_kernels_without_a_loop(interpreted_experts, tokens):
     """With the kernels on, QuantExperts' forward takes the grouped path (no host sync, no loop)
-    and gives what the loop over chosen experts gives here."""
-    assert interpreted_experts["grouped"]
-    module, x, w, experts = _moe_module()
+    for a decode batch and for a prompt, and gives what the loop over chosen experts gives here."""
+    grouped, got = interpreted_experts[tokens]
+    assert grouped
+    module, x, w, experts = _moe_module(tokens=tokens)
     want = module(x, w, experts)                         # the kernels are off in this process: the loop
-    torch.testing.assert_close(interpreted_experts["moe"], want, atol=1e-5, rtol=1e-4)
+    # outputs reach ~1e3 here: float32 sums in another order differ by ulps of the largest
+    torch.testing.assert_close(got, want, atol=1e-6 * want.abs().max().item(), rtol=1e-4)
+
+
+@pytest.mark.parametrize("n,n_experts,skew", [(129, 4, False), (600, 256, False), (500, 8, True), (2048, 64, True)])
+def test_route_puts_each_pair_once_in_a_tile_of_its_expert(n, n_experts, skew):
+    """The grouped GEMM's order, made on the device: every pair in exactly one slot, each tile's
+    pairs all of the tile's expert, in their original order, padding -1 only at a tile's end, and
+    the tiles past the last expert's marked empty (n_experts). Skewed: most pairs to a few
+    experts, some experts none."""
+    gen = torch.Generator().manual_seed(n)
+    ids = torch.randint(n_experts, (n,), generator=gen)
+    if skew:
+        ids = torch.where(torch.rand(n, generator=gen) < 0.8, ids % 3, ids)
+    route = gpu.route(ids, n_experts)
+    bm = route.block_m
+    assert bm in (16, 32, 64) and route.pairs.numel() == route.tile_expert.numel() * bm
+    assert sorted(route.pairs[route.pairs >= 0].tolist()) == list(range(n))
+    tiles = route.pairs.view(-1, bm)
+    for t, expert in enumerate(route.tile_expert.tolist()):
+        held = tiles[t][tiles[t] >= 0]
+        if expert == n_experts:
+            assert held.numel() == 0
+            continue
+        assert held.numel() > 0 and (ids[held.long()] == expert).all()
+        assert (tiles[t][:held.numel()] == held).all() and held.tolist() == sorted(held.tolist())
+    real = route.tile_expert[route.tile_expert < n_experts]
+    assert (real.diff() >= 0).all() and real.numel() == sum(-(-int(c) // bm) for c in torch.bincount(ids) if c)
+
+
+def test_route_never_reads_a_value_back():
+    """No op of the routing asks for a value on the host (on a GPU each would be a sync): the
+    CPU profile holds no .item(), nonzero or unique."""
+    ids = torch.randint(256, (4096,), generator=torch.Generator().manual_seed(0))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        gpu.route(ids, 256)
+    names = {event.name for event in prof.events()}
+    assert "aten::argsort" in names or "aten::sort" in names          # the profile saw the routing
+    assert not names & {"aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::_unique2"}
+
+
+def test_a_few_pairs_keep_the_gemv():
+    ids = torch.arange(gpu.MAX_GEMV_PAIRS) % 7
+    route = gpu.route(ids, 7)
+    assert route.tile_expert is None and route.ids is ids
 
 
 CUDA_CASES = CASES + [("gemm", t, 40, 40, COLS[t], dot) for t in TYPES for dot in ("bf16", "tf32")]
@@ -280,12 +332,25 @@ def test_grouped_expert_gemv_compiles_for_an_h100_without_one(name):
     assert compile_for_sm90(kernel.quant_gemv_experts, pointers, constexprs, config["num_warps"]).asm["cubin"]
 
 
+@pytest.mark.parametrize("name,dot", [("q4_0", "bf16"), ("q4_k", "bf16"), ("q6_k", "fp16")])
+def test_grouped_expert_gemm_compiles_for_an_h100_without_one(name, dot):
+    """The prompt's grouped GEMM at 16 slots a tile (a 512-token batch over 256 experts at top-8)."""
+    from kvslim.gpu import _quant_matmul_kernel as kernel
+    config = gpu.gemm_config(gpu.experts_block_m(4096, 256))
+    num_warps = config.pop("num_warps")
+    dtype, precision = kernel.DOTS[dot]
+    constexprs = dict(config, TYPE=int(weights.get(name).ggml_type), DOT_DTYPE=dtype, PRECISION=precision)
+    pointers = dict(POINTERS, x_ptr="*" + dot, pairs_ptr="*i32", tile_expert_ptr="*i32")
+    assert compile_for_sm90(kernel.quant_gemm_experts, pointers, constexprs, num_warps).asm["cubin"]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the compiled kernels wait for a GPU")
-@pytest.mark.parametrize("case", EXPERT_CASES, ids=lambda c: f"{c[0]}-e{c[1]}")
-def test_grouped_expert_gemv_on_cuda_matches_gguf_dequantize(case):
+@pytest.mark.parametrize("case", EXPERT_CASES, ids=lambda c: f"{c[0]}-e{c[1]}-p{c[4]}")
+def test_routed_experts_on_cuda_match_gguf_dequantize(case):
     compiled_process()
+    torch.set_float32_matmul_precision("highest")         # the grouped GEMM's dot: exact float32 ("ieee")
     mats, blocks, x, ids = _expert_inputs(case, EXPERT_CASES.index(case))
-    got = gpu.gemv_experts(x.cuda(), blocks.cuda(), ids.cuda(), mats[0].wtype.ggml_type).cpu()
+    got = gpu.experts_matmul(x.cuda(), blocks.cuda(), gpu.route(ids.cuda(), len(mats)), mats[0].wtype.ggml_type).cpu()
     for p in range(x.shape[0]):
         dense = torch.from_numpy(gguf.quants.dequantize(mats[ids[p]].data.numpy(), mats[0].wtype.ggml_type)).double()
         want, bound = dense @ x[p].double(), dense.abs() @ x[p].double().abs()

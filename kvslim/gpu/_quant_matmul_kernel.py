@@ -3,12 +3,14 @@
 W (N, K) stays its GGUF bytes: (N, row_bytes) uint8, one row of blocks per output feature, as
 the file stores it. ``_dequantize_tile`` turns a (rows x columns) tile of it into float32 in
 registers, each value addressing its own code, scale and min bytes (the layouts are those of
-``block_linear.c`` and ``gguf.quants``; TYPE is the ggml type id). Two kernels use it:
+``block_linear.c`` and ``gguf.quants``; TYPE is the ggml type id). The kernels using it:
 
 - ``quant_gemv`` (decode, M <= 16 rows of x): one program per (BLOCK_N outputs, split of K);
   products summed in float32 on the CUDA cores, no tensor cores (M is too small to fill them).
 - ``quant_gemm`` (prefill): one program per (BLOCK_M x BLOCK_N) tile of y; each BLOCK_K step
   dequantizes W's tile, casts it and x's tile to DOT_DTYPE and accumulates ``tl.dot`` in float32.
+- ``quant_gemv_experts`` / ``quant_gemm_experts``: the same two for a mixture's routed experts,
+  each (token, expert) pair's row times its expert's matrix, the expert found on the device.
 
 Triton decides at decoration time whether a kernel is interpreted (TRITON_INTERPRET=1) or
 compiled; ``INTERPRETED`` and ``RUNNABLE`` record it, as in ``_paged_prefill_kernel``.
@@ -176,6 +178,35 @@ def quant_gemv_experts(x_ptr, w_ptr, ids_ptr, y_ptr, N, K, row_bytes, expert_byt
         x = tl.load(x_ptr + p * K + cols, mask=cols < K, other=0.0).to(tl.float32)       # (BK,)
         acc += tl.sum(w * x[None, :], axis=1)
     tl.store(y_ptr + p * N + rows, acc, mask=rows < N)
+
+
+@triton.jit
+def quant_gemm_experts(x_ptr, w_ptr, pairs_ptr, tile_expert_ptr, y_ptr, N, K, row_bytes, expert_bytes, n_experts,
+                       TYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (M tile t, N tile): the grouped GEMM of a mixture's prompt. The (token, expert)
+    pairs come sorted by expert, each expert's run padded to whole tiles (``quant_matmul.route``),
+    so tile t holds pairs of one expert, tile_expert[t]: y[p] = x[p] @ W[e]^T for the pairs p of
+    the tile (pairs[slot], -1 in padding). Tiles past the last expert's (tile_expert = n_experts:
+    the grid is sized without asking the host how many there are) return at once.
+    x (P, K) contiguous; W (E, N, row_bytes); y (P, N) float32."""
+    tile = tl.program_id(0)
+    e = tl.load(tile_expert_ptr + tile)
+    if e >= n_experts:
+        return
+    p = tl.load(pairs_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = p >= 0
+    x_row = x_ptr + tl.where(valid, p, 0).to(tl.int64)[:, None] * K
+    w_expert = w_ptr + e.to(tl.int64) * expert_bytes
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for start in range(0, K, BLOCK_K):
+        cols = start + tl.arange(0, BLOCK_K)
+        x = tl.load(x_row + cols[None, :], mask=valid[:, None] & (cols < K)[None, :], other=0.0)
+        w = _dequantize_tile(w_expert, rows, cols, row_bytes, N, K, TYPE)                  # (BN, BK)
+        acc = tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), acc, input_precision=PRECISION)
+    out = y_ptr + tl.where(valid, p, 0).to(tl.int64)[:, None] * N + rows[None, :]
+    tl.store(out, acc, mask=valid[:, None] & (rows < N)[None, :])
 
 
 INTERPRETED = not isinstance(quant_gemv, JITFunction)

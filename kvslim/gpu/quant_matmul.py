@@ -12,6 +12,9 @@ device as is; no dequantized copy of it is ever stored. Two kernels (``_quant_ma
   (fp16, bf16 on tensor cores; tf32; or ieee float32 for exact checks), accumulated in float32.
 - ``gemv_experts`` for a mixture's decode: each (token, chosen expert) pair's row times that
   expert's matrix, the expert ids read on the device (``QuantExperts`` routes through it).
+- ``gemm_experts`` for a mixture's prompt: the pairs sorted by expert on the device (``route``),
+  each expert's run padded to whole tiles, then one tensor-core GEMM over all the tiles; the
+  host never learns which experts were chosen, and no loop over experts runs in Python.
 
 ``matmul`` picks one by M (``weights.quant_linear`` calls it). The reference is ``kvslim.weights.reference_linear`` (the whole W
 through ``gguf.quants.dequantize``, then F.linear); tests/test_triton_weights.py holds the two
@@ -20,6 +23,7 @@ together under Triton's interpreter (TRITON_INTERPRET=1, CPU tensors).
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import NamedTuple
 
 import gguf
 import torch
@@ -33,6 +37,7 @@ MAX_GEMV_ROWS = 16            # more rows of x: the tensor-core GEMM
 GEMV_PROGRAMS = 264           # split K until a GEMV launches about this many programs (2 per H100 SM)
 GEMV_TILE = 2048              # BLOCK_N * BLOCK_K: W values one GEMV step dequantizes (in registers)
 GEMV_PRODUCTS = 4096          # BLOCK_M * BLOCK_N * BLOCK_K: the products one GEMV step holds
+MAX_GEMV_PAIRS = 128          # more (token, expert) pairs: the grouped GEMM (a decode batch of 16 at top-8)
 
 
 @lru_cache(maxsize=None)
@@ -92,6 +97,14 @@ def _check(x: torch.Tensor, blocks: torch.Tensor, ggml_type) -> None:
                          f"got {x.device} and {blocks.device}")
 
 
+def _check_experts(x: torch.Tensor, blocks: torch.Tensor, ids: torch.Tensor, ggml_type) -> None:
+    """``_check`` for one expert's matrix, blocks (E, N, row_bytes) and one expert id per row of x."""
+    if blocks.dim() != 3 or ids.shape != (x.shape[0],):
+        raise ValueError(f"blocks (E, N, row_bytes) and one expert id per row of x expected, got "
+                         f"{tuple(blocks.shape)} and ids {tuple(ids.shape)} for x {tuple(x.shape)}")
+    _check(x, blocks[0], ggml_type)
+
+
 def gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type, split_k: int | None = None) -> torch.Tensor:
     """x (M, K) float, M <= MAX_GEMV_ROWS; blocks (N, row_bytes) uint8 of ``ggml_type`` ->
     y (M, N) float32. ``split_k``: splits of K (default ``split_count``)."""
@@ -115,10 +128,7 @@ def gemv_experts(x: torch.Tensor, blocks: torch.Tensor, ids: torch.Tensor, ggml_
     """A mixture's routed experts for a few tokens in one launch, without a host sync: row p of
     x (P, K) times expert ids[p]'s matrix, blocks (E, N, row_bytes) uint8 -> y (P, N) float32.
     ``ids`` (P,) stays on the device; only the chosen experts' bytes are read."""
-    _check(x, blocks[0], ggml_type)
-    if blocks.dim() != 3 or ids.shape != (x.shape[0],):
-        raise ValueError(f"blocks (E, N, row_bytes) and one expert id per row of x expected, got "
-                         f"{tuple(blocks.shape)} and ids {tuple(ids.shape)} for x {tuple(x.shape)}")
+    _check_experts(x, blocks, ids, ggml_type)
     (p, k), n = x.shape, blocks.shape[1]
     config = gemv_config(1)
     y = torch.empty(p, n, device=x.device, dtype=torch.float32)
@@ -128,6 +138,76 @@ def gemv_experts(x: torch.Tensor, blocks: torch.Tensor, ids: torch.Tensor, ggml_
                                        TYPE=int(ggml_type), BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
                                        num_warps=config["num_warps"])
     return y
+
+
+class Route(NamedTuple):
+    """Where a mixture call's (token, expert) pairs go, worked out on the device. ``tile_expert``
+    is None for a few pairs (the GEMV reads ``ids`` itself); else the pairs sorted by expert,
+    each expert's run padded to whole tiles of ``block_m`` slots."""
+    ids: torch.Tensor                       # (P,) the expert of each pair
+    pairs: torch.Tensor | None              # (tiles * block_m,) int32: the pair in each slot, -1 in padding
+    tile_expert: torch.Tensor | None        # (tiles,) int32: each tile's expert, n_experts past the last
+    n_experts: int
+
+    @property
+    def block_m(self) -> int:
+        return self.pairs.numel() // self.tile_expert.numel()
+
+
+def experts_block_m(n_pairs: int, n_experts: int) -> int:
+    """Slots per tile of the grouped GEMM: the mean pairs per expert as a power of two, 16 to 64
+    (tl.dot's least M is 16; a wider tile pads an expert's last tile with more empty slots)."""
+    return min(64, max(16, pow2(-(-n_pairs // n_experts))))
+
+
+def route(ids: torch.Tensor, n_experts: int) -> Route:
+    """The pairs' order for ``experts_matmul``, without a host sync: ids (P,) as is up to
+    MAX_GEMV_PAIRS, else sorted by expert (stable) into tiles. The grid is sized before the
+    counts are known: each expert that has pairs pads less than one tile, so
+    ceil(P / block_m) + min(E, P) tiles always hold them; the rest are marked empty."""
+    n = ids.numel()
+    if n <= MAX_GEMV_PAIRS:
+        return Route(ids, None, None, n_experts)
+    block_m = experts_block_m(n, n_experts)
+    n_tiles = -(-n // block_m) + min(n_experts, n)
+    ids = ids.reshape(-1).long()
+    order = torch.argsort(ids, stable=True)
+    counts = torch.zeros(n_experts, dtype=torch.long, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
+    tiles = (counts + block_m - 1) // block_m                       # per expert
+    tile_end = tiles.cumsum(0)
+    by_expert = ids[order]
+    rank = torch.arange(n, device=ids.device) - (counts.cumsum(0) - counts)[by_expert]   # within its expert
+    slot = (tile_end - tiles)[by_expert] * block_m + rank
+    pairs = torch.full((n_tiles * block_m,), -1, dtype=torch.int32, device=ids.device).scatter_(0, slot, order.int())
+    tile_expert = torch.searchsorted(tile_end, torch.arange(n_tiles, device=ids.device), right=True).int()
+    return Route(ids, pairs, tile_expert, n_experts)
+
+
+def gemm_experts(x: torch.Tensor, blocks: torch.Tensor, route_: Route, ggml_type, dot: str | None = None) -> torch.Tensor:
+    """A mixture's prompt in one launch: row p of x (P, K) times expert ids[p]'s matrix, blocks
+    (E, N, row_bytes) uint8, through ``route_``'s tiles -> y (P, N) float32. ``dot`` as ``gemm``'s."""
+    _check_experts(x, blocks, route_.ids, ggml_type)
+    kernel = _kernel()
+    dot = dot or default_dot(x.dtype)
+    if dot not in kernel.DOTS:
+        raise ValueError(f"unknown dot {dot!r}; valid: {', '.join(kernel.DOTS)}")
+    (p, k), n = x.shape, blocks.shape[1]
+    config = gemm_config(route_.block_m)
+    y = torch.empty(p, n, device=x.device, dtype=torch.float32)
+    dtype, precision = kernel.DOTS[dot]
+    grid = (route_.tile_expert.numel(), -(-n // config["BLOCK_N"]))
+    kernel.quant_gemm_experts[grid](x.contiguous(), blocks.contiguous(), route_.pairs, route_.tile_expert, y,
+                                    n, k, blocks.shape[2], blocks.shape[1] * blocks.shape[2], route_.n_experts,
+                                    TYPE=int(ggml_type), DOT_DTYPE=dtype, PRECISION=precision, **config)
+    return y
+
+
+def experts_matmul(x: torch.Tensor, blocks: torch.Tensor, route_: Route, ggml_type) -> torch.Tensor:
+    """x (P, K) times each pair's expert matrix -> (P, N) float32: the GEMV for a few pairs,
+    the grouped GEMM (tl.dot in x's own type) for a prompt's, as ``route_`` decided."""
+    if route_.tile_expert is None:
+        return gemv_experts(x, blocks, route_.ids, ggml_type)
+    return gemm_experts(x, blocks, route_, ggml_type)
 
 
 def gemm(x: torch.Tensor, blocks: torch.Tensor, ggml_type, dot: str | None = None) -> torch.Tensor:

@@ -168,7 +168,7 @@ class Router(nn.Module):
         return weights.to(x.dtype), experts
 
 
-GROUPED_MAX_PAIRS = 128     # (token, expert) pairs the grouped forms take: decode steps, not prompts
+GROUPED_MAX_PAIRS = 128     # (token, expert) pairs the dense grouped form takes (it gathers a matrix per pair)
 
 
 class Experts(nn.Module):
@@ -182,8 +182,9 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.zeros(n_experts, hidden, intermediate))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """x (N, H); weights and experts (N, top_k): the routing. A few tokens (decode) on a GPU
-        take ``grouped``, which never asks the host which experts were chosen; else ``loop``."""
+        """x (N, H); weights and experts (N, top_k): the routing. Where ``groups`` says so (a few
+        tokens on a GPU; any number with the quantized kernels) ``grouped``, which never asks the
+        host which experts were chosen; else ``loop``."""
         if self.groups(x, experts):
             return self.grouped(x, weights, experts)
         return self.loop(x, weights, experts)
@@ -206,11 +207,15 @@ class Experts(nn.Module):
         """Every (token, chosen expert) pair at once through ``pair_products``, which reads the
         chosen ids on the device. Sums in float32."""
         n, top_k = experts.shape
-        ids = experts.reshape(-1)
+        route = self.route(experts.reshape(-1))
         rows = x.repeat_interleave(top_k, dim=0)                                 # (P, H): one per pair
-        gate, up = self.pair_products("gate_up", rows, ids).chunk(2, dim=-1)
-        y = self.pair_products("down", F.silu(gate) * up, ids)
+        gate, up = self.pair_products("gate_up", rows, route).chunk(2, dim=-1)
+        y = self.pair_products("down", (F.silu(gate) * up).to(x.dtype), route)
         return (y.view(n, top_k, -1) * weights.float()[..., None]).sum(1).to(x.dtype)
+
+    def route(self, ids: torch.Tensor):
+        """What ``pair_products`` needs to find each pair's expert (P pairs): here the ids themselves."""
+        return ids
 
     def pair_products(self, matrix: str, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """rows (P, in) times expert ids[p]'s ``matrix`` ("gate_up" or "down") -> (P, out) float32:

@@ -15,7 +15,7 @@ from torch import nn
 
 from .. import gpu
 from ..gpu import quant_matmul as gpu_weights
-from ..models.layers import GROUPED_MAX_PAIRS, Experts
+from ..models.layers import Experts
 from .matmul import embedding_rows, linear, quant_linear
 from .tensor import QuantTensor
 
@@ -96,16 +96,21 @@ class QuantExperts(Experts):
         return linear(F.silu(gate) * up, self._matrix(self.down_proj, self.down_type, e))
 
     def groups(self, x: torch.Tensor, experts: torch.Tensor) -> bool:
-        """The grouped GEMVs serve a few tokens when the kernels are on and decode both types."""
+        """The grouped kernels serve every call when they are on and decode both types: the
+        expert GEMV for a few pairs, the grouped GEMM for a prompt's."""
         kinds = (self.gate_up_type, self.down_type)
-        return (gpu.TRITON and experts.numel() <= GROUPED_MAX_PAIRS and all(k is not None for k in kinds)
+        return (gpu.TRITON and all(k is not None for k in kinds)
                 and all(gpu_weights.supports(k[0].ggml_type) for k in kinds) and gpu_weights.runs_on(x))
 
-    def pair_products(self, matrix: str, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """One grouped GEMV (``quant_matmul.gemv_experts``): only the chosen experts' blocks read,
-        their ids read on the device."""
+    def route(self, ids: torch.Tensor) -> gpu_weights.Route:
+        """The pairs sorted by expert on the device, once for both matrices (``quant_matmul.route``)."""
+        return gpu_weights.route(ids, self.gate_up_proj.shape[0])
+
+    def pair_products(self, matrix: str, rows: torch.Tensor, route: gpu_weights.Route) -> torch.Tensor:
+        """One launch (``quant_matmul.experts_matmul``): only the chosen experts' blocks read,
+        which they are found on the device."""
         kind = getattr(self, f"{matrix}_type")
-        return gpu_weights.gemv_experts(rows.float(), getattr(self, f"{matrix}_proj"), ids, kind[0].ggml_type)
+        return gpu_weights.experts_matmul(rows, getattr(self, f"{matrix}_proj"), route, kind[0].ggml_type)
 
 
 def _unique(tensors):
