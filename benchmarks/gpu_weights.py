@@ -70,7 +70,7 @@ def _rows(name: str, n: int, k: int, gemm_rows: int, runs: int, device: str) -> 
             torch_ms = _median_ms(lambda: x @ dense.T, runs, device)
             rows.append([name, f"{n}x{k}", m, label, f"{triton_ms:.4f}", f"{torch_ms:.4f}",
                          _speed(m, n, k, w.nbytes, triton_ms), _speed(m, n, k, 2 * n * k, torch_ms)])
-        del dense
+        dense = None                                             # freed before the next dtype's copy
     return rows
 
 

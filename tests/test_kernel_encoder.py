@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvslim import formats
 from kvslim.formats.rotation import hadamard_blocks
 
 from .test_native_attention import formats_fitting

@@ -24,7 +24,6 @@ Usage (see kvslim/data/tiny-qwen35/README.md for the run that made the model)::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import json
 import math

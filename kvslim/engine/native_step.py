@@ -27,7 +27,7 @@ from ..cache.recurrent import RecurrentStateCache
 from ..models.base import CausalLM
 from ..models.layers import MLP, Attention, DecoderLayer, Experts, RMSNorm, Rope, SparseMoE
 from ..native import block_linear, build
-from ..native.kv_encode import Enc, Keep, Unsupported, encoder
+from ..native.kv_encode import Keep, Unsupported, encoder
 from ..weights.modules import QuantExperts
 from ..native import paged_attention as native_attention
 

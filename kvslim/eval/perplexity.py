@@ -39,7 +39,6 @@ import numpy as np
 import torch
 
 from ..engine.llm import LLM
-from ..models import Batch
 
 MIN_CTX = 16              # smallest chunk: 7 scored tokens per chunk at least
 DEFAULT_TOP_K = 0         # the whole vocabulary (uint16 codes): exact KLD

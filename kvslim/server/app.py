@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..engine import ContextLengthExceeded, Engine
+from ..engine import Engine
 from . import openai_api as api
 from .metrics import metrics_text, slots_view
 from .responder import Responder
