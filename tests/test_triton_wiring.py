@@ -84,8 +84,10 @@ def test_model_logits_with_triton_attention_match_the_torch_paths(tmp_path):
     # few ulps apart, and a value near a rounding edge takes the other code. Measured: on the
     # weights trained to 32K, 1 q8_0 K row of 48 flipped and the logits moved 1.7e-3; on v5's,
     # one q4_0 V row (f16/q4_0) and the logits moved 0.063 at the 3 positions that attend to it
-    # (the rest within 1e-4). So the first layer's pools must be bit-identical (its K/V come before
-    # any attention), the second's may flip one row per pool, and only a pair without a flip is
+    # (the rest within 1e-4); with the prompt's float32 matmuls in bf16x3 (models/matmul_precision),
+    # two rows of that pool, the logits again 0.063 apart. So the first layer's pools must be
+    # bit-identical (its K/V come before any attention), the second's may flip two rows per pool
+    # (of 48 x 2 heads), and only a pair without a flip is
     # held to 3e-3; a flipped pair keeps every argmax and stays within 0.1. A wrong decode or mask
     # moves the logits by more (an f16 window of 0 or 16 rows instead of 8: 0.25) and flips many
     # rows; test_triton_append checks the appended bytes.
@@ -95,7 +97,7 @@ def test_model_logits_with_triton_attention_match_the_torch_paths(tmp_path):
         (k0, v0), (k0_ref, v0_ref) = pools[0], ref[0]
         assert torch.equal(k0, k0_ref) and torch.equal(v0, v0_ref), f"{type_k}/{type_v}: first layer's pools"
         flips = [flipped_rows(p, q, fmt) for (p, q), fmt in zip(zip(pools[1], ref[1]), (type_k, type_v))]
-        assert max(flips) <= 1, f"{type_k}/{type_v}: {flips} rows of the second layer's K/V pools differ"
+        assert max(flips) <= 2, f"{type_k}/{type_v}: {flips} rows of the second layer's K/V pools differ"
         if sum(flips) == 0:
             torch.testing.assert_close(a, b, atol=3e-3, rtol=1e-4, msg=f"{type_k}/{type_v}")
         else:
