@@ -101,10 +101,26 @@ def test_quant_linear_matches_reference(name, monkeypatch):
     wtype = W.get(name)
     cols = 512 if wtype.block_size > 32 else 96
     w = random_matrix(wtype, 40, cols, seed=2)
-    x, bias = torch.randn(5, cols), torch.randn(40)
+    bias = torch.randn(40)
     monkeypatch.setattr(matmul, "STEP_BYTES", 4 * cols * 7)           # several steps, a ragged last one
-    assert close(W.quant_linear(x, w, bias), W.reference_linear(x, w, bias), MATMUL_TOL)
+    for rows in (5, 20):                                                 # decode's C GEMV (if built); a prompt's steps
+        x = torch.randn(rows, cols)
+        assert close(W.quant_linear(x, w, bias), W.reference_linear(x, w, bias), MATMUL_TOL), rows
     assert torch.equal(w.dequantize(), w.reference_dequantize())
+
+
+@pytest.mark.parametrize("name", sorted(W.native.TYPE_CODES))
+def test_native_dequantize_rows_gives_gguf_values(name):
+    """The prompt GEMM's step decoder: gguf.quants' float32 values bit for bit, in every build."""
+    if not W.native.available():
+        pytest.skip("no C compiler: the prompt's steps keep the torch decoders")
+    cols = 512 if W.get(name).block_size > 32 else 160
+    w = random_matrix(W.get(name), 37, cols, seed=7)
+    want = w.reference_dequantize().float()
+    for variant in (None, "avx2", "portable"):
+        assert torch.equal(W.native.dequantize_rows(w.data, name, cols, variant=variant), want), variant
+    with pytest.raises(ValueError, match="refused"):
+        W.native.dequantize_rows(w.data[:, :-1], name, cols - 1)
 
 
 @pytest.mark.parametrize("name", sorted(W.native.TYPE_CODES))

@@ -381,6 +381,30 @@ DEFINE_ROWS_TIMES(16, __m512, 2, _mm512_setzero_ps, group_values16, group_into16
 
 #endif
 
+/* Rows of W as float32: out (n, k) = gguf.quants' values of w (n, row_bytes). The prompt's
+ * GEMM (kvslim/weights/matmul.py) multiplies a step of such rows at a time; torch's decoders
+ * make and read back several temporaries per value, this writes each value once.
+ * Values are s * q + o as in decode_group, product and sum rounded apart (no FMA
+ * contraction) as ggml's dequantize rounds them. Returns 0, or 1 for a type it does not know
+ * or k not whole blocks. */
+__attribute__((optimize("fp-contract=off")))
+int kvslim_dequantize_rows(int type, const uint8_t *w, float *out, int64_t n, int64_t k, int n_threads) {
+    const int64_t per_block = super_blocks(type) ? 256 : QK;
+    if (!group_bytes_x8(type) || k % per_block) return 1;
+    const int64_t row_bytes = k / QK * group_bytes_x8(type) / 8;
+    #pragma omp parallel for num_threads(n_threads) schedule(static)
+    for (int64_t r = 0; r < n; r++) {
+        group_t g;
+        for (int64_t index = 0; index < k / QK; index++) {
+            decode_group(type, w + r * row_bytes, index, &g);
+            float *o = out + r * k + index * QK;
+            for (int l = 0; l < 16; l++) o[l] = g.s0 * g.q[l] + g.o;
+            for (int l = 16; l < QK; l++) o[l] = g.s1 * g.q[l] + g.o;
+        }
+    }
+    return 0;
+}
+
 /* x (m, k) float32 contiguous; w (n, row_bytes) rows of `type`; y (m, n) float32.
  * Returns 0, or 1 for a type it does not know, k not whole blocks, or m > MAX_M. */
 int kvslim_block_linear(int type, const float *x, const uint8_t *w, float *y, int64_t m, int64_t n, int64_t k,

@@ -26,6 +26,9 @@ def _library(variant: str | None = None):
         lib.kvslim_block_linear.restype = ctypes.c_int
         lib.kvslim_block_linear.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                             ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+        lib.kvslim_dequantize_rows.restype = ctypes.c_int
+        lib.kvslim_dequantize_rows.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                               ctypes.c_int64, ctypes.c_int]
     return lib
 
 
@@ -39,6 +42,14 @@ def supports(wtype_name: str, x: torch.Tensor) -> bool:
     rows = x.numel() // x.shape[-1] if x.dim() else 0
     return (wtype_name in TYPE_CODES and x.device.type == "cpu" and x.dtype == torch.float32
             and 0 < rows <= MAX_ROWS and x.shape[-1] % QK == 0 and available())
+
+
+DEQUANTIZED = {"q4_0", "q8_0", "q4_1", "iq4_nl", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"}   # f16/bf16: torch's cast is faster
+
+
+def dequantizes(wtype_name: str, blocks: torch.Tensor) -> bool:
+    """Whether ``dequantize_rows`` serves these blocks (CPU, a block type it beats torch on)."""
+    return wtype_name in DEQUANTIZED and blocks.device.type == "cpu" and available()
 
 
 # ``block_linear`` as one opaque op, so that a compiled decode step calls the kernel instead
@@ -69,3 +80,21 @@ def block_linear(x: torch.Tensor, blocks: torch.Tensor, wtype_name: str, variant
     if status:
         raise ValueError(f"native block_linear refused {wtype_name} with {k} input features")
     return y
+
+
+def dequantize_rows(blocks: torch.Tensor, wtype_name: str, cols: int, out: torch.Tensor | None = None,
+                    variant: str | None = None) -> torch.Tensor:
+    """W's rows as float32: blocks (n, row_bytes) uint8 of ``wtype_name`` -> (n, cols), the values
+    ``gguf.quants.dequantize`` gives, into ``out`` (float32, contiguous) when given. The prompt's
+    GEMM decodes a step of rows at a time through it (``weights/matmul.py``)."""
+    blocks = blocks.contiguous()
+    n = blocks.shape[0]
+    if out is None:
+        out = torch.empty(n, cols, dtype=torch.float32)
+    if out.shape != (n, cols) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out: float32 ({n}, {cols}) contiguous expected, got {out.dtype} {tuple(out.shape)}")
+    status = _library(variant).kvslim_dequantize_rows(TYPE_CODES[wtype_name], blocks.data_ptr(), out.data_ptr(),
+                                                      n, cols, torch.get_num_threads())
+    if status:
+        raise ValueError(f"native dequantize_rows refused {wtype_name} with {cols} columns")
+    return out
