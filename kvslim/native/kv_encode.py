@@ -104,12 +104,14 @@ def encoder(fmt, head_dim: int, keep: Keep, spec=None) -> Enc:
                spec.block, 0 if tries is None else len(tries), keep.ptr(tries), keep.ptr(spec.ladder))
 
 
-# The kinds whose C encoder writes the torch encoder's bytes and is faster on a prompt chunk
-# (512 tokens x 2 heads x 128, 2 threads: q8_0 0.81 -> 0.40 ms, q4_0 0.73 -> 0.29, iq4_nl 55 ->
-# 4.5). TurboQuant's C rotation is a plain loop, slower than torch's matmul (1.5 -> 3.1 ms); the
-# nl grids' C search differs from torch's on near-ties (tests allow 1% of bytes), and prompts
-# keep the reference's bytes.
-PROMPT_KINDS = ("float", "q8_0", "q4_0", "iq4_nl")
+# The kinds whose C encoder is faster than torch's on a prompt chunk (512 tokens x 2 heads x 128,
+# 2 threads: q8_0 0.81 -> 0.40 ms, q4_0 0.73 -> 0.29, iq4_nl 55 -> 4.5; at head_dim 256, nl4s
+# 78 -> 13 ms, nl4 44-49 -> 3.9). The first four write the torch encoders' bytes; the nl grids'
+# C search sums in another order, so a near-tie between two scale candidates can go the other
+# way (0.000-0.012% of bytes measured; tests/test_native_step.py allows 1% and holds the error
+# equal), as the native decode step's appended rows already did. TurboQuant's C rotation is a
+# plain loop, slower than torch's matmul (1.5 -> 3.1 ms).
+PROMPT_KINDS = ("float", "q8_0", "q4_0", "iq4_nl", "grid", "grid_sub")
 
 
 class RowEncoder:
