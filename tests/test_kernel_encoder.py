@@ -15,8 +15,7 @@ from kvslim.formats.rotation import hadamard_blocks
 
 from .test_native_attention import formats_fitting
 
-NO_ENCODER = {"q4_1", "q5_0", "q5_1", "q4_1-norot", "q5_0-norot", "q5_1-norot", "turbo4p", "turbo3p",
-              "klt3"}                     # calibrated per model: the torch path codes it
+NO_ENCODER = {"turbo4p", "turbo3p", "klt3"}      # a QJL sketch; klt3 is calibrated per model: the torch path codes them
 
 
 def _declared(head_dim: int):
@@ -26,7 +25,7 @@ def _declared(head_dim: int):
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_which_formats_declare_an_encoder(head_dim):
-    """Every format but the ones with a second field per block, a QJL sketch or a calibration."""
+    """Every format but the ones with a QJL sketch or a calibration."""
     names = {fmt.name for fmt, enc in _declared(head_dim) if enc is None}
     assert names == NO_ENCODER
 

@@ -15,7 +15,7 @@ from kvslim.native import build
 from kvslim.native import paged_attention as native
 
 PAIRS = [("f16", "f16"), ("bf16", "f32"), ("q8_0", "q4_0"), ("iq4_nl", "q8_0"), ("turbo4", "turbo3"),
-         ("turbo2", "f16"), ("nl4", "nl3"), ("nl4s", "nl3s")]
+         ("turbo2", "f16"), ("nl4", "nl3"), ("nl4s", "nl3s"), ("q4_1", "q5_0"), ("q5_1", "q4_1-norot")]
 WHOLE_BLOCKS = {"nl4s": 128, "nl3s": 128}          # formats whose rows are blocks of 128
 
 
@@ -135,8 +135,9 @@ def test_each_format_declares_the_row_the_kernels_read(head_dim):
         declared.append(fmt.name)
         assert head_dim // row.block_values * row.block_bytes == fmt.row_bytes(head_dim)
         assert native.codec_fields(fmt, head_dim) is not None
-    assert {"f16", "q8_0", "q4_0", "iq4_nl", "turbo4", "turbo3", "turbo2", "nl4", "nl3"} <= set(declared)
-    assert not {"q4_1", "q5_0", "turbo4p"} & set(declared)                 # second fields, QJL sketches
+    assert {"f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "turbo4", "turbo3", "turbo2", "nl4",
+            "nl3"} <= set(declared)
+    assert not {"turbo4p", "turbo3p"} & set(declared)                       # QJL sketches
 
 
 def test_the_build_variant_can_be_chosen_for_the_whole_process(monkeypatch):
@@ -159,8 +160,8 @@ def test_the_build_variant_can_be_chosen_for_the_whole_process(monkeypatch):
 
 def test_formats_without_a_codec_keep_the_torch_path(monkeypatch):
     q = torch.zeros(2, 1, 2, 128)
-    assert not native.supports(formats.get("q4_1"), formats.get("f16"), q)       # two fields per block
     assert not native.supports(formats.get("turbo4p"), formats.get("f16"), q)    # QJL residual sketch
+    assert native.supports(formats.get("q4_1"), formats.get("q5_1"), q)          # ggml's offset and 5th bit
     monkeypatch.setenv("KVSLIM_NATIVE", "0")
     build.clear()
     try:

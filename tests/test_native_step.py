@@ -20,7 +20,7 @@ from kvslim.models import Batch
 pytestmark = pytest.mark.skipif(native_step._library() is None, reason="no C compiler: no native step")
 
 PAIRS = [("f16", "f16"), ("q8_0", "q4_0"), ("turbo4", "turbo3"), ("q4_0-norot", "bf16"), ("turbo2", "q8_0-norot"),
-         ("f32", "turbo4"), ("iq4_nl", "q8_0"), ("q8_0", "iq4_nl-norot")]
+         ("f32", "turbo4"), ("iq4_nl", "q8_0"), ("q8_0", "iq4_nl-norot"), ("q4_1", "q5_0"), ("q5_1", "q5_0-norot")]
 
 
 def filled(model, type_k, type_v, prompts, n_slots=None, **options):
@@ -125,8 +125,8 @@ def test_refusals_keep_the_torch_step(hybrid):
     for why, options in cases.items():
         step = DecodeStep(model, model.make_cache(32, 1, "q8_0", "q8_0", **options), compile=False)
         assert step.native is None and why in step.why_not_native
-    step = DecodeStep(model, model.make_cache(32, 1, "q4_1", "q8_0"), compile=False)
-    assert step.native is None and "q4_1" in step.why_not_native
+    step = DecodeStep(model, model.make_cache(32, 1, "turbo4p", "q8_0"), compile=False)
+    assert step.native is None and "turbo4p" in step.why_not_native
     step = DecodeStep(model, model.make_cache(32, 1, "q8_0", "q8_0", backend="bf16"), compile=False)
     assert step.native is not None                                   # bf16 prompts, the torch backend's decode
 
@@ -168,7 +168,7 @@ def test_more_sequences_than_the_c_step_takes_run_as_calls_of_its_size(hybrid):
 
 
 @pytest.mark.parametrize("name", ["f32", "f16", "bf16", "q8_0", "q4_0", "q8_0-norot", "q4_0-norot", "iq4_nl",
-                                  "iq4_nl-norot"])
+                                  "iq4_nl-norot", "q4_1", "q5_0", "q5_1", "q4_1-norot", "q5_1-norot"])
 def test_block_and_float_encoders_write_the_formats_bytes(name):
     """The same bytes and overflow flags as the format's torch encoder (the rotation is the
     same butterfly), including rows with NaN, inf and values past the fp16 scale's range."""

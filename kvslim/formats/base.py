@@ -280,7 +280,10 @@ class KernelRow:
     ladder[rung] * table[code]: "int8" (the code is the value), "nibble" (32-value blocks, byte
     j = code j | code j+16 << 4), "packed" (``bits``-bit codes, 8 per ``bits`` bytes,
     little-endian). Rungs (``sub_bits`` each, one per ``sub_values`` values) only where
-    ``sub_values``."""
+    ``sub_values``. ggml's q5_x blocks are "nibble" with ``bits`` 5: their codes start with a
+    little-endian u32 whose bit j is bit 4 of code j, then the nibbles (a table of 32 values).
+    ``offset_at``: the byte of an f16 in the header added to every value (q4_1/q5_1's block
+    minimum: value = scale * table[code] + offset); 0 for none."""
 
     kind: str
     bits: int
@@ -290,6 +293,7 @@ class KernelRow:
     sub_values: int = 0
     sub_bits: int = 0
     ladder: tuple[float, ...] = ()
+    offset_at: int = 0
 
     @property
     def block_bytes(self) -> int:

@@ -252,20 +252,20 @@ class GgmlFormat(KVFormat):
         # The fp16 scale is roughly max/levels: past this it would overflow to inf.
         return FP16_MAX * CODECS[self.ggml_name][2] * 0.999
 
-    def kernel_row(self, head_dim: int) -> KernelRow | None:
-        """q8_0, q4_0 and iq4_nl: one scale and the codes (rotated or not: the same blocks);
-        q4_1/q5_x carry a second field per block, which the kernels do not read."""
+    def kernel_row(self, head_dim: int) -> KernelRow:
+        """The blocks as the kernels read them (rotated or not: the same blocks): q8_0 int8
+        codes; the others nibbles under one scale, q4_1/q5_1 with the block minimum added and
+        q5_x with a 5th bit per code ([d][(m)][codes: (qh)][nibbles])."""
         if self.ggml_name == "q8_0":
             return KernelRow("int8", 8, 32)
-        if self.ggml_name in ("q4_0", "iq4_nl"):
-            table = tuple(range(-8, 8)) if self.ggml_name == "q4_0" else IQ4NL_VALUES
-            return KernelRow("nibble", 4, 32, tuple(float(v) for v in table))
-        return None
+        table = {"q4_0": range(-8, 8), "iq4_nl": IQ4NL_VALUES, "q4_1": range(16), "q5_0": range(-16, 16),
+                 "q5_1": range(32)}[self.ggml_name]
+        offset = 2 if self.ggml_name in ("q4_1", "q5_1") else 0
+        return KernelRow("nibble", self.spec.code_bits, 32, tuple(float(v) for v in table), header_bytes=2 + offset,
+                         offset_at=offset)
 
     def kernel_encoder(self, head_dim: int) -> KernelEncoder | None:
-        """q8_0, q4_0 and iq4_nl, after the Hadamard butterfly (rotated rows); q4_1/q5_x: none."""
-        if self.ggml_name not in ("q8_0", "q4_0", "iq4_nl"):
-            return None
+        """Every ggml type, after the Hadamard butterfly (rotated rows): its reference quantizer."""
         grid = _iq4nl_grid("cpu") if self.ggml_name == "iq4_nl" else None
         rot = self.rot_size(head_dim)
         return KernelEncoder(self.ggml_name, QK, self.spec.code_bits, rot=rot, hadamard=rot > 0, centroids=grid,

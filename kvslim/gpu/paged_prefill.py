@@ -19,7 +19,7 @@ from functools import lru_cache
 
 import torch
 
-from ..native.paged_attention import CodecFields, codec_fields
+from ..native.paged_attention import NIBBLE, CodecFields, codec_fields
 from . import available, pow2, runs_on
 
 SPLIT_KEYS = 512          # keys per program when rows are few: fixed, so a sequence's bits do not depend on its batch
@@ -28,9 +28,10 @@ MIN_DOT = 16              # tl.dot's smallest M, N and K: fewer query rows are p
 
 
 def _fields(fmt, head_dim: int) -> CodecFields | None:
-    """The format's layout when this kernel decodes it: no sub-block rungs (the nl*s rows) yet."""
+    """The format's layout when this kernel decodes it: no sub-block rungs (the nl*s rows) and no
+    offset or 5th code bit (ggml's q4_1/q5_x) yet."""
     fields = codec_fields(fmt, head_dim)
-    if fields is None or fields.sub_values:
+    if fields is None or fields.sub_values or fields.offset_at or (fields.kind == NIBBLE and fields.bits != 4):
         return None
     return fields
 
@@ -52,9 +53,9 @@ def supports(fmt_k, fmt_v, q: torch.Tensor) -> bool:
 
 @lru_cache(maxsize=None)
 def _lut(fmt, head_dim: int, device: str) -> torch.Tensor:
-    """The format's 16 code values on the kernel's device (zeros for formats without codes)."""
+    """The format's code values (32, zero-padded) on the kernel's device (zeros for formats without codes)."""
     fields = codec_fields(fmt, head_dim)
-    return (torch.zeros(16) if fields.lut is None else fields.lut).to(device)
+    return (torch.zeros(32) if fields.lut is None else fields.lut).to(device)
 
 
 def _codec_args(fmt, head_dim: int, prefix: str) -> dict:

@@ -5,7 +5,8 @@
  * A format reaches this file as an encoder description (kvslim/native/kv_encode.py translates
  * the format's declared kernel_encoder, kvslim/formats/base.py), so C never guesses a layout:
  *   ENC_FLOAT  the row as f32, f16 or bf16 (round to nearest even)
- *   ENC_Q8_0 / ENC_Q4_0 / ENC_IQ4_NL  ggml's blocks of 32 (llama.cpp's reference quantizers;
+ *   ENC_Q8_0 / ENC_Q4_0 / ENC_Q4_1 / ENC_Q5_0 / ENC_Q5_1 / ENC_IQ4_NL  ggml's blocks of 32
+ *              (llama.cpp's reference quantizers;
  *              iq4_nl's scale search over 15 candidates, its grid in `centroids`), of the row
  *              after an optional block rotation: llama.cpp's Walsh-Hadamard in blocks of `rot`,
  *              as the same butterfly as kvslim/formats/rotation.py (so the same bytes)
@@ -26,7 +27,8 @@
 
 #define ENC_MAX_DIM 512
 
-enum { ENC_FLOAT = 0, ENC_Q8_0 = 1, ENC_Q4_0 = 2, ENC_TURBO = 3, ENC_GRID = 4, ENC_GRID_SUB = 5, ENC_IQ4_NL = 6 };
+enum { ENC_FLOAT = 0, ENC_Q8_0 = 1, ENC_Q4_0 = 2, ENC_TURBO = 3, ENC_GRID = 4, ENC_GRID_SUB = 5, ENC_IQ4_NL = 6,
+       ENC_Q4_1 = 7, ENC_Q5_0 = 8, ENC_Q5_1 = 9 };
 #define GRID_SUB 16               /* nls: values per rung */
 enum { FLOAT_F32 = 0, FLOAT_F16 = 1, FLOAT_BF16 = 2 };
 
@@ -129,6 +131,7 @@ static void encode_q8_0(const float *x, uint8_t *out) {
     for (int l = 0; l < 32; l++) out[2 + l] = (uint8_t)c_cast(roundf(x[l] * id));
 }
 
+__attribute__((optimize("fp-contract=off")))      /* x * id + 8.5 rounds twice, as the reference's */
 static void encode_q4_0(const float *x, uint8_t *out) {
     float amax = 0.0f, max = 0.0f;
     for (int l = 0; l < 32; l++)
@@ -139,6 +142,53 @@ static void encode_q4_0(const float *x, uint8_t *out) {
         int lo = c_cast(x[l] * id + 8.5f), hi = c_cast(x[l + 16] * id + 8.5f);
         out[2 + l] = (uint8_t)((lo < 15 ? lo : 15) | (hi < 15 ? hi : 15) << 4);
     }
+}
+
+/* q4_1 / q5_1 (ggml's quantize_row_q4_1_ref / q5_1_ref, as formats/ggml.py's _min_max_scale):
+ * d = (max - min) / levels, codes trunc((x - min) / d + 0.5) capped at levels, [f16 d][f16 min]
+ * [(q5_1: 4 bytes, bit j = bit 4 of code j)][16 bytes of nibbles, byte j = code j | code j+16 << 4].
+ * q5_0 (quantize_row_q5_0_ref): d = signed max / -16, codes trunc(x / d + 16.5) capped at 31,
+ * [f16 d][4 bytes of high bits][nibbles]. Products and sums round apart, as the references'. */
+static void pack_5bit(const int *q, uint8_t *qh, uint8_t *qs) {
+    uint32_t high = 0;
+    for (int l = 0; l < 16; l++) {
+        qs[l] = (uint8_t)((q[l] & 0x0F) | (q[l + 16] & 0x0F) << 4);
+        high |= (uint32_t)((q[l] >> 4) & 1) << l | (uint32_t)((q[l + 16] >> 4) & 1) << (l + 16);
+    }
+    memcpy(qh, &high, 4);
+}
+
+__attribute__((optimize("fp-contract=off")))
+static void encode_min_max(const float *x, int levels, uint8_t *out) {
+    float lo = x[0], hi = x[0];
+    for (int l = 1; l < 32; l++) lo = x[l] < lo ? x[l] : lo, hi = x[l] > hi ? x[l] : hi;
+    const float d = (hi - lo) / (float)levels, id = d != 0.0f ? 1.0f / d : 0.0f;
+    store_f16(out, d);
+    store_f16(out + 2, lo);
+    int q[32];
+    for (int l = 0; l < 32; l++) {
+        const int v = c_cast((x[l] - lo) * id + 0.5f);
+        q[l] = v < levels ? v : levels;
+    }
+    if (levels == 15)
+        for (int l = 0; l < 16; l++) out[4 + l] = (uint8_t)(q[l] | q[l + 16] << 4);
+    else
+        pack_5bit(q, out + 4, out + 8);
+}
+
+__attribute__((optimize("fp-contract=off")))
+static void encode_q5_0(const float *x, uint8_t *out) {
+    float amax = 0.0f, max = 0.0f;
+    for (int l = 0; l < 32; l++)
+        if (amax < fabsf(x[l])) amax = fabsf(x[l]), max = x[l];      /* the first of equal magnitudes */
+    const float d = max / -16.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    store_f16(out, d);
+    int q[32];
+    for (int l = 0; l < 32; l++) {
+        const int v = c_cast(x[l] * id + 16.5f);
+        q[l] = v < 31 ? v : 31;
+    }
+    pack_5bit(q, out + 2, out + 6);
 }
 
 /* ggml's best_index_int8: the nearest of the 16 grid values, the upper one on exact ties. Its
@@ -344,6 +394,11 @@ static int encode_row(const enc_t *e, const float *x, int dim, uint8_t *out) {
         }
     } else if (e->kind == ENC_IQ4_NL) {
         for (int b = 0; b < dim / 32; b++) encode_iq4_nl(e->centroids, y + 32 * b, out + 18 * b);
+    } else if (e->kind == ENC_Q4_1 || e->kind == ENC_Q5_1) {
+        const int levels = e->kind == ENC_Q4_1 ? 15 : 31, block_bytes = e->kind == ENC_Q4_1 ? 20 : 24;
+        for (int b = 0; b < dim / 32; b++) encode_min_max(y + 32 * b, levels, out + b * block_bytes);
+    } else if (e->kind == ENC_Q5_0) {
+        for (int b = 0; b < dim / 32; b++) encode_q5_0(y + 32 * b, out + 22 * b);
     } else {
         const int block_bytes = e->kind == ENC_Q8_0 ? 34 : 18;
         for (int b = 0; b < dim / 32; b++)

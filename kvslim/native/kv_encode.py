@@ -25,9 +25,9 @@ from . import build
 
 SOURCE = "kv_encode.c"
 ENC_MAX_DIM = 512                        # kv_encode.c's row buffer
-ENC_FLOAT, ENC_Q8_0, ENC_Q4_0, ENC_TURBO, ENC_GRID, ENC_GRID_SUB, ENC_IQ4_NL = range(7)
+ENC_FLOAT, ENC_Q8_0, ENC_Q4_0, ENC_TURBO, ENC_GRID, ENC_GRID_SUB, ENC_IQ4_NL, ENC_Q4_1, ENC_Q5_0, ENC_Q5_1 = range(10)
 ENC_KINDS = {"float": ENC_FLOAT, "q8_0": ENC_Q8_0, "q4_0": ENC_Q4_0, "turbo": ENC_TURBO, "grid": ENC_GRID,
-             "grid_sub": ENC_GRID_SUB, "iq4_nl": ENC_IQ4_NL}
+             "grid_sub": ENC_GRID_SUB, "iq4_nl": ENC_IQ4_NL, "q4_1": ENC_Q4_1, "q5_0": ENC_Q5_0, "q5_1": ENC_Q5_1}
 ENC_SUB_VALUES = 16                      # kv_encode.c's GRID_SUB: values per rung of the nls rows
 FLOAT_KINDS = {"f32": 0, "f16": 1, "bf16": 2}
 P, I32, I64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
@@ -111,7 +111,7 @@ def encoder(fmt, head_dim: int, keep: Keep, spec=None) -> Enc:
 # way (0.000-0.012% of bytes measured; tests/test_native_step.py allows 1% and holds the error
 # equal), as the native decode step's appended rows already did. TurboQuant's C rotation is a
 # plain loop, slower than torch's matmul (1.5 -> 3.1 ms).
-PROMPT_KINDS = ("float", "q8_0", "q4_0", "iq4_nl", "grid", "grid_sub")
+PROMPT_KINDS = ("float", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "grid", "grid_sub")
 
 
 class RowEncoder:

@@ -18,7 +18,10 @@
  *                value = d * lut[code]                                  (ggml q4_0, iq4_nl)
  *   CODEC_PACKED block_values codes of `bits` bits, packed little-endian 8 codes per
  *                `bits` bytes, value = d * lut[code]                    (TurboQuant, nl grids)
- * and the float rows CODEC_F32 / CODEC_F16 / CODEC_BF16. A PACKED block may carry two scale
+ * and the float rows CODEC_F32 / CODEC_F16 / CODEC_BF16. ggml's q4_1/q5_0/q5_1 are NIBBLE blocks with
+ * an f16 offset in the header added to every value (value = d * lut[code] + m, offset_at) and/or
+ * 5-bit codes (bits 5: a u32 of each code's bit 4 before the nibbles, a lut of 32); they take the
+ * block decoder below, not the fused loops. A PACKED block may carry two scale
  * levels (the nls rows): [f16 d][sub_bits-bit rung per sub_values values][codes], and then
  * value = (d * ladder[rung]) * lut[code].
  */
@@ -39,10 +42,11 @@ enum { CODEC_F32 = 0, CODEC_F16 = 1, CODEC_BF16 = 2, CODEC_Q8 = 3, CODEC_NIBBLE 
 
 typedef struct {
     int32_t kind, bits, block_values, block_bytes;
-    const float *lut;            /* 16 floats: the 2^bits code values (NIBBLE, PACKED), zero-padded */
+    const float *lut;            /* 32 floats: the code values (NIBBLE, PACKED), zero-padded */
     int32_t header_bytes;        /* the f16 scale, then (sub_values > 0) the sub-blocks' rung indices */
     int32_t sub_values, sub_bits;
     const float *ladder;         /* 2^sub_bits factors: sub-block i's scale is d * ladder[rung i] */
+    int32_t offset_at;           /* byte of an f16 added to every value (ggml q4_1/q5_1); 0: none */
 } codec_t;
 
 static float f16_to_f32(const uint8_t *p) {
@@ -113,7 +117,24 @@ static void decode_block_scalar(const codec_t *c, const uint8_t *q, float d, uin
     }
 }
 
+/* A NIBBLE block of ggml's q4_1, q5_0 or q5_1: 32 values, byte j of the nibbles = code j |
+ * code j+16 << 4, with 5-bit codes bit 4 of code j from the u32 before them, plus the offset. */
+static void decode_block_ggml(const codec_t *c, const uint8_t *block, float *out) {
+    const float d = f16_to_f32(block), m = c->offset_at ? f16_to_f32(block + c->offset_at) : 0.0f;
+    const uint8_t *q = block + c->header_bytes;
+    uint32_t high = 0;
+    if (c->bits == 5) memcpy(&high, q, 4), q += 4;
+    for (int j = 0; j < 16; j++) {
+        out[j] = d * c->lut[(q[j] & 0x0F) | ((high >> j) & 1) << 4] + m;
+        out[j + 16] = d * c->lut[(q[j] >> 4) | ((high >> (j + 16)) & 1) << 4] + m;
+    }
+}
+
 static inline __attribute__((always_inline)) void decode_block(const codec_t *c, const uint8_t *block, float *out) {
+    if (c->offset_at || (c->kind == CODEC_NIBBLE && c->bits == 5)) {
+        decode_block_ggml(c, block, out);
+        return;
+    }
     const float d = f16_to_f32(block);
     const uint8_t *q = block + c->header_bytes;
     uint64_t rungs = 0;
@@ -329,6 +350,7 @@ enum { DEC_F32, DEC_F16, DEC_BF16, DEC_Q8, DEC_NIBBLE, DEC_PACKED4, DEC_PACKED3,
 
 static int fused_kind(const codec_t *c) {
     if (c->kind <= CODEC_BF16) return c->kind;                 /* DEC_F32, DEC_F16, DEC_BF16 */
+    if (c->offset_at || (c->kind == CODEC_NIBBLE && c->bits == 5)) return DEC_NONE;   /* q4_1/q5_x: decode_block */
     if (c->block_values % 32) return DEC_NONE;
     if (c->sub_values) {
         const int rung_bits = c->sub_bits * c->block_values / c->sub_values;

@@ -4,8 +4,8 @@
 sum) of one query position per sequence over its packed pages, so the caller can fold in
 more keys (the f16 window) and normalise as the torch path does. Formats are described to
 the kernel by a codec: their rows are float, or blocks of [f16 scale][codes] whose values
-are scale * table[code]; a format without such a description (q4_1, q5_x, the QJL turbo
-variants) keeps the torch path.
+are scale * table[code] (+ an f16 offset, with a 5th code bit: ggml's q4_1/q5_x); a format
+without such a description (the QJL turbo variants) keeps the torch path.
 """
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ SPAN = 512                                         # keys per work item (paged_a
 class Codec(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int32), ("bits", ctypes.c_int32), ("block_values", ctypes.c_int32),
                 ("block_bytes", ctypes.c_int32), ("lut", ctypes.c_void_p), ("header_bytes", ctypes.c_int32),
-                ("sub_values", ctypes.c_int32), ("sub_bits", ctypes.c_int32), ("ladder", ctypes.c_void_p)]
+                ("sub_values", ctypes.c_int32), ("sub_bits", ctypes.c_int32), ("ladder", ctypes.c_void_p),
+                ("offset_at", ctypes.c_int32)]
 
 
 @dataclass(frozen=True)
@@ -38,16 +39,17 @@ class CodecFields:
     bits: int
     block_values: int
     block_bytes: int
-    lut: torch.Tensor | None = None          # 16 floats, the code values zero-padded
+    lut: torch.Tensor | None = None          # 32 floats, the code values zero-padded
     header_bytes: int = 2                    # the f16 scale, then sub-block rungs when sub_values
     sub_values: int = 0                      # values per sub-block with its own rung (0: none)
     sub_bits: int = 0
-    ladder: torch.Tensor | None = None       # the rungs' factors, zero-padded to 16
+    ladder: torch.Tensor | None = None       # the rungs' factors, zero-padded to 32
+    offset_at: int = 0                       # byte of an f16 added to each value (q4_1, q5_1; 0: none)
 
     def codec(self) -> Codec:
         pointer = (lambda t: None if t is None else t.data_ptr())
         return Codec(self.kind, self.bits, self.block_values, self.block_bytes, pointer(self.lut),
-                     self.header_bytes, self.sub_values, self.sub_bits, pointer(self.ladder))
+                     self.header_bytes, self.sub_values, self.sub_bits, pointer(self.ladder), self.offset_at)
 
 
 def _library(variant: str | None = None):
@@ -61,10 +63,10 @@ def _library(variant: str | None = None):
     return lib
 
 
-def _table16(values) -> torch.Tensor:
-    """Code values or rung factors as the 16 floats the kernel loads whatever the width."""
+def _table32(values) -> torch.Tensor:
+    """Code values or rung factors as the 32 floats the kernel may load whatever the width."""
     t = torch.as_tensor(values, dtype=torch.float32).flatten()
-    return torch.nn.functional.pad(t, (0, 16 - len(t)))
+    return torch.nn.functional.pad(t, (0, 32 - len(t)))
 
 
 KINDS = {"f32": F32, "f16": F16, "bf16": BF16, "int8": Q8, "nibble": NIBBLE, "packed": PACKED}
@@ -80,8 +82,8 @@ def codec_fields(fmt, head_dim: int) -> CodecFields | None:
     if row is None:
         return None
     fields = CodecFields(KINDS[row.kind], row.bits, row.block_values, row.block_bytes,
-                         _table16(row.table) if row.table else None, row.header_bytes, row.sub_values,
-                         row.sub_bits, _table16(row.ladder) if row.ladder else None)
+                         _table32(row.table) if row.table else None, row.header_bytes, row.sub_values,
+                         row.sub_bits, _table32(row.ladder) if row.ladder else None, row.offset_at)
     if fields.kind in (F32, F16, BF16):
         return fields
     n = fields.block_values
