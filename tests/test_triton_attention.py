@@ -30,7 +30,8 @@ from .triton_harness import check_state, compile_for_sm90, compiled_process, run
 pytestmark = pytest.mark.skipif(not kvslim.gpu.available(), reason="triton is not installed: no GPU kernel to check")
 
 PAIRS = [("f16", "f16"), ("q8_0", "q8_0"), ("q8_0", "q4_0"), ("iq4_nl", "f16"), ("turbo4", "q8_0"),
-         ("f16", "turbo4"), ("turbo3", "iq4_nl"), ("bf16", "f32"), ("nl4", "turbo2"), ("q4_0", "nl3")]
+         ("f16", "turbo4"), ("turbo3", "iq4_nl"), ("bf16", "f32"), ("nl4", "turbo2"), ("q4_0", "nl3"),
+         ("q5_1", "q4_1"), ("q5_0", "q5_1-norot")]
 SHAPES = [(64, 1), (128, 4), (256, 8)]                 # (head_dim, GQA group): each pair meets two, each shape 5+ pairs
 LENGTHS = (37, 100, 16, 0)                             # a partial page, a whole page, an empty sequence
 # (K, V, head_dim, group, lengths, page_size, split_keys): split_keys None is the default SPLIT_KEYS
@@ -39,7 +40,7 @@ CASES = [(k, v, dim, group, LENGTHS, 16, 64) for i, (k, v) in enumerate(PAIRS)
 LONG = ("q8_0", "turbo4", 64, 2, (1100, 5), 32, None)            # several default splits
 ODD_PAGES = ("iq4_nl", "q4_0", 64, 3, (50, 7), 12, 32)          # a page size that is not a power of two
 BATCH = ("f16", "q8_0", 64, 4, (150, 37, 70), 16, 64)
-REFUSED = [("q4_1", "f16"), ("turbo4p", "f16"), ("nl4s", "f16")]   # two fields a block, QJL sketch, rungs
+REFUSED = [("turbo4p", "f16"), ("nl4s", "f16")]   # QJL sketch, rungs
 
 
 def _states_in_child(cases, path: Path) -> None:

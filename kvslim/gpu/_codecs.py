@@ -58,9 +58,11 @@ def _block_code(q, j, mask, KIND: tl.constexpr, BITS: tl.constexpr, BLOCK_VALUES
 @triton.jit
 def decode_tile(pool, row_off, valid, lut, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  KIND: tl.constexpr, BITS: tl.constexpr, BLOCK_VALUES: tl.constexpr,
-                 BLOCK_BYTES: tl.constexpr, HEADER_BYTES: tl.constexpr):
+                 BLOCK_BYTES: tl.constexpr, HEADER_BYTES: tl.constexpr, OFFSET_AT: tl.constexpr):
     """Rows at byte offsets row_off (N,) of pool -> (N, BLOCK_D) float32 in the code domain;
-    zeros where a key is not valid or past HEAD_DIM (so a masked key adds 0 * 0, never NaN)."""
+    zeros where a key is not valid or past HEAD_DIM (so a masked key adds 0 * 0, never NaN).
+    NIBBLE with BITS 5 (ggml q5_x): a u32 of each code's bit 4 precedes the nibbles; OFFSET_AT
+    > 0 (q4_1, q5_1): the f16 at that byte of the block is added to every value."""
     d = tl.arange(0, BLOCK_D)[None, :]
     mask = valid[:, None] & (d < HEAD_DIM)
     row = pool + row_off[:, None]                                       # (N, 1) pointers
@@ -73,7 +75,13 @@ def decode_tile(pool, row_off, valid, lut, HEAD_DIM: tl.constexpr, BLOCK_D: tl.c
         if KIND == 3:                                                   # Q8: int8 codes
             code = tl.load(block + HEADER_BYTES + j, mask=mask, other=0).to(tl.int8, bitcast=True)
             x = scale * code.to(tl.float32)
+        elif KIND == 4 and BITS == 5:                                   # q5_x: [qh u32][nibbles]
+            code = _block_code(block + HEADER_BYTES + 4, j, mask, KIND, 4, BLOCK_VALUES)
+            high = tl.load(block + HEADER_BYTES + j // 8, mask=mask, other=0).to(tl.int32)
+            x = scale * tl.load(lut + (code | (((high >> (j % 8)) & 1) << 4)), mask=mask, other=0.0)
         else:
             code = _block_code(block + HEADER_BYTES, j, mask, KIND, BITS, BLOCK_VALUES)
             x = scale * tl.load(lut + code, mask=mask, other=0.0)
+        if OFFSET_AT > 0:                                               # q4_1, q5_1: the block minimum
+            x = x + f16_at(block + OFFSET_AT, mask)
     return tl.where(mask, x, 0.0)

@@ -19,7 +19,7 @@ from functools import lru_cache
 
 import torch
 
-from ..native.paged_attention import NIBBLE, CodecFields, codec_fields
+from ..native.paged_attention import CodecFields, codec_fields
 from . import available, pow2, runs_on
 
 SPLIT_KEYS = 512          # keys per program when rows are few: fixed, so a sequence's bits do not depend on its batch
@@ -28,10 +28,9 @@ MIN_DOT = 16              # tl.dot's smallest M, N and K: fewer query rows are p
 
 
 def _fields(fmt, head_dim: int) -> CodecFields | None:
-    """The format's layout when this kernel decodes it: no sub-block rungs (the nl*s rows) and no
-    offset or 5th code bit (ggml's q4_1/q5_x) yet."""
+    """The format's layout when this kernel decodes it: no sub-block rungs (the nl*s rows) yet."""
     fields = codec_fields(fmt, head_dim)
-    if fields is None or fields.sub_values or fields.offset_at or (fields.kind == NIBBLE and fields.bits != 4):
+    if fields is None or fields.sub_values:
         return None
     return fields
 
@@ -61,7 +60,7 @@ def _lut(fmt, head_dim: int, device: str) -> torch.Tensor:
 def _codec_args(fmt, head_dim: int, prefix: str) -> dict:
     f = _fields(fmt, head_dim)
     return {f"{prefix}_KIND": f.kind, f"{prefix}_BITS": f.bits, f"{prefix}_VALUES": f.block_values,
-            f"{prefix}_BYTES": f.block_bytes, f"{prefix}_HEADER": f.header_bytes}
+            f"{prefix}_BYTES": f.block_bytes, f"{prefix}_HEADER": f.header_bytes, f"{prefix}_OFFSET": f.offset_at}
 
 
 def _launch_config(fmt_k, fmt_v, n_rows: int, head_dim: int) -> dict:
