@@ -1,0 +1,65 @@
+"""Prompt forwards' float32 matmuls in oneDNN's bf16x3 mode (kvslim/models/matmul_precision.py):
+where they apply, that the setting is undone, and that the logits keep float32's accuracy."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvslim.loading import load_model
+from kvslim.models import Batch
+from kvslim.models import matmul_precision as mp
+
+BACKEND = torch.backends.mkldnn.matmul
+
+
+@pytest.fixture(scope="module")
+def hybrid(tiny_folder):
+    return load_model(tiny_folder("qwen3_5")[0], "f32")[0]
+
+
+def _seen_modes(model, n_tokens: int) -> list[str]:
+    """The oneDNN matmul precision each layer's forward ran under, for an n-token prompt."""
+    seen = []
+    hooks = [layer.register_forward_pre_hook(lambda *_: seen.append(BACKEND.fp32_precision))
+             for layer in model.model.layers]
+    try:
+        model(Batch.build([(0, list(range(3, 3 + n_tokens)), 0)]), model.make_cache(64, 1))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen
+
+
+def test_prompts_take_bf16x3_and_decode_steps_plain_float32(hybrid, monkeypatch):
+    monkeypatch.delenv("KVSLIM_F32_MATMUL", raising=False)
+    if not mp.native_bf16():
+        assert set(_seen_modes(hybrid, 20)) == {"none"}                  # no bf16 dot products: left alone
+        pytest.skip("this CPU has no bf16 dot products: only the refusal is checkable")
+    assert set(_seen_modes(hybrid, 20)) == {"bf16"}
+    assert set(_seen_modes(hybrid, mp.MIN_ROWS - 1)) == {"none"}          # a GEMV is slower in bf16x3
+    assert BACKEND.fp32_precision == "none"                               # undone after the forward
+    assert torch.get_float32_matmul_precision() == "highest"              # torch's legacy getter still answers
+
+
+def test_the_switch_and_a_users_own_choice_are_respected(hybrid, monkeypatch):
+    monkeypatch.setenv("KVSLIM_F32_MATMUL", "ieee")
+    assert set(_seen_modes(hybrid, 20)) == {"none"}
+    monkeypatch.delenv("KVSLIM_F32_MATMUL")
+    BACKEND.fp32_precision = "ieee"                                       # the user chose plain float32
+    try:
+        assert set(_seen_modes(hybrid, 20)) == {"ieee"}
+    finally:
+        BACKEND.fp32_precision = "none"
+
+
+def test_bf16x3_logits_keep_float32_accuracy(hybrid, monkeypatch):
+    """Against plain float32 the logits move by float32 rounding, not bf16's (~4e-3 relative)."""
+    if not mp.native_bf16():
+        pytest.skip("this CPU has no bf16 dot products")
+    ids = list(range(5, 69))
+
+    def logits(mode):
+        monkeypatch.setenv("KVSLIM_F32_MATMUL", mode)
+        return hybrid(Batch.build([(0, ids, 0)]), hybrid.make_cache(128, 1), all_logits=True)
+    ref, got = logits("ieee"), logits("bf16x3")
+    assert (got - ref).abs().max() < 1e-4 * ref.abs().max() and torch.equal(got.argmax(-1), ref.argmax(-1))
