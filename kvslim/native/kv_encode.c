@@ -131,24 +131,8 @@ static void encode_q8_0(const float *x, uint8_t *out) {
     for (int l = 0; l < 32; l++) out[2 + l] = (uint8_t)c_cast(roundf(x[l] * id));
 }
 
-__attribute__((optimize("fp-contract=off")))      /* x * id + 8.5 rounds twice, as the reference's */
-static void encode_q4_0(const float *x, uint8_t *out) {
-    float amax = 0.0f, max = 0.0f;
-    for (int l = 0; l < 32; l++)
-        if (amax < fabsf(x[l])) amax = fabsf(x[l]), max = x[l];      /* the first of equal magnitudes */
-    const float d = max / -8.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-    store_f16(out, d);
-    for (int l = 0; l < 16; l++) {
-        int lo = c_cast(x[l] * id + 8.5f), hi = c_cast(x[l + 16] * id + 8.5f);
-        out[2 + l] = (uint8_t)((lo < 15 ? lo : 15) | (hi < 15 ? hi : 15) << 4);
-    }
-}
-
-/* q4_1 / q5_1 (ggml's quantize_row_q4_1_ref / q5_1_ref, as formats/ggml.py's _min_max_scale):
- * d = (max - min) / levels, codes trunc((x - min) / d + 0.5) capped at levels, [f16 d][f16 min]
- * [(q5_1: 4 bytes, bit j = bit 4 of code j)][16 bytes of nibbles, byte j = code j | code j+16 << 4].
- * q5_0 (quantize_row_q5_0_ref): d = signed max / -16, codes trunc(x / d + 16.5) capped at 31,
- * [f16 d][4 bytes of high bits][nibbles]. Products and sums round apart, as the references'. */
+/* 5-bit codes as ggml's q5 blocks hold them: bit 4 of code j at bit j of a little-endian u32 (qh),
+ * the low nibbles as byte j = code j | code j+16 << 4 (qs). */
 static void pack_5bit(const int *q, uint8_t *qh, uint8_t *qs) {
     uint32_t high = 0;
     for (int l = 0; l < 16; l++) {
@@ -158,6 +142,31 @@ static void pack_5bit(const int *q, uint8_t *qh, uint8_t *qs) {
     memcpy(qh, &high, 4);
 }
 
+/* q4_0 / q5_0 (quantize_row_q4_0_ref / q5_0_ref): d = the signed max / -half (8 or 16), codes
+ * trunc(x / d + half + 0.5) capped at 2 half - 1; x * id + 8.5 rounds twice, as the reference's.
+ * [f16 d][nibbles] or [f16 d][4 bytes of high bits][nibbles]. */
+__attribute__((optimize("fp-contract=off")))
+static void encode_symmetric(const float *x, int half, uint8_t *out) {
+    float amax = 0.0f, max = 0.0f;
+    for (int l = 0; l < 32; l++)
+        if (amax < fabsf(x[l])) amax = fabsf(x[l]), max = x[l];      /* the first of equal magnitudes */
+    const float d = max / -(float)half, id = d != 0.0f ? 1.0f / d : 0.0f;
+    store_f16(out, d);
+    int q[32];
+    for (int l = 0; l < 32; l++) {
+        const int v = c_cast(x[l] * id + ((float)half + 0.5f));
+        q[l] = v < 2 * half - 1 ? v : 2 * half - 1;
+    }
+    if (half == 8)
+        for (int l = 0; l < 16; l++) out[2 + l] = (uint8_t)(q[l] | q[l + 16] << 4);
+    else
+        pack_5bit(q, out + 2, out + 6);
+}
+
+/* q4_1 / q5_1 (ggml's quantize_row_q4_1_ref / q5_1_ref, as formats/ggml.py's _min_max_scale):
+ * d = (max - min) / levels, codes trunc((x - min) / d + 0.5) capped at levels, [f16 d][f16 min]
+ * [(q5_1: 4 bytes, bit j = bit 4 of code j)][16 bytes of nibbles, byte j = code j | code j+16 << 4].
+ * Products and sums round apart, as the references'. */
 __attribute__((optimize("fp-contract=off")))
 static void encode_min_max(const float *x, int levels, uint8_t *out) {
     float lo = x[0], hi = x[0];
@@ -174,21 +183,6 @@ static void encode_min_max(const float *x, int levels, uint8_t *out) {
         for (int l = 0; l < 16; l++) out[4 + l] = (uint8_t)(q[l] | q[l + 16] << 4);
     else
         pack_5bit(q, out + 4, out + 8);
-}
-
-__attribute__((optimize("fp-contract=off")))
-static void encode_q5_0(const float *x, uint8_t *out) {
-    float amax = 0.0f, max = 0.0f;
-    for (int l = 0; l < 32; l++)
-        if (amax < fabsf(x[l])) amax = fabsf(x[l]), max = x[l];      /* the first of equal magnitudes */
-    const float d = max / -16.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-    store_f16(out, d);
-    int q[32];
-    for (int l = 0; l < 32; l++) {
-        const int v = c_cast(x[l] * id + 16.5f);
-        q[l] = v < 31 ? v : 31;
-    }
-    pack_5bit(q, out + 2, out + 6);
 }
 
 /* ggml's best_index_int8: the nearest of the 16 grid values, the upper one on exact ties. Its
@@ -405,12 +399,11 @@ static int encode_row(const enc_t *e, const float *x, int dim, uint8_t *out) {
     } else if (e->kind == ENC_Q4_1 || e->kind == ENC_Q5_1) {
         const int levels = e->kind == ENC_Q4_1 ? 15 : 31, block_bytes = e->kind == ENC_Q4_1 ? 20 : 24;
         for (int b = 0; b < dim / 32; b++) encode_min_max(y + 32 * b, levels, out + b * block_bytes);
-    } else if (e->kind == ENC_Q5_0) {
-        for (int b = 0; b < dim / 32; b++) encode_q5_0(y + 32 * b, out + 22 * b);
+    } else if (e->kind == ENC_Q4_0 || e->kind == ENC_Q5_0) {
+        const int half = e->kind == ENC_Q4_0 ? 8 : 16, block_bytes = e->kind == ENC_Q4_0 ? 18 : 22;
+        for (int b = 0; b < dim / 32; b++) encode_symmetric(y + 32 * b, half, out + b * block_bytes);
     } else {
-        const int block_bytes = e->kind == ENC_Q8_0 ? 34 : 18;
-        for (int b = 0; b < dim / 32; b++)
-            (e->kind == ENC_Q8_0 ? encode_q8_0 : encode_q4_0)(y + 32 * b, out + b * block_bytes);
+        for (int b = 0; b < dim / 32; b++) encode_q8_0(y + 32 * b, out + b * 34);
     }
     return bad;
 }
