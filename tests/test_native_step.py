@@ -60,9 +60,10 @@ def test_hybrid_logits_match_the_eager_step(hybrid, type_k, type_v):
     assert worst < 1e-4 and same
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2", "llama31"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2", "llama31", "gemma"])
 def test_dense_architectures_match_the_eager_step(tiny_folder, kind):
-    """Plain and q/k-normed attention, biases on q/k/v (qwen2), Llama 3.1's RoPE bands."""
+    """Plain and q/k-normed attention, biases on q/k/v (qwen2), Llama 3.1's RoPE bands, Gemma's
+    GeGLU, (1 + w) norms and sqrt(hidden)-scaled embeddings."""
     model, _, _ = load_model(tiny_folder(kind)[0], "f32")
     worst, same = run_both(model, "q8_0", "turbo4")
     assert worst < 1e-4 and same
@@ -111,8 +112,7 @@ def test_a_mixture_of_experts_matches_the_eager_step(moe_folder, kind, weights):
     assert worst < 1e-4 and same
 
 
-@pytest.mark.parametrize("kind,why", [("qwen3_5_moe", "48 input features"), ("qwen3_next", "48 input features"),
-                                      ("gemma", "EmbeddingScaledLayer")])
+@pytest.mark.parametrize("kind,why", [("qwen3_5_moe", "48 input features"), ("qwen3_next", "48 input features")])
 def test_what_it_does_not_implement_is_refused_with_the_reason(tiny_folder, kind, why):
     model, _, _ = load_model(tiny_folder(kind)[0], "f32")
     step = DecodeStep(model, model.make_cache(32, 1), compile=False)

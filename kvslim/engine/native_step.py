@@ -25,11 +25,14 @@ from torch import nn
 from ..cache.kv import KVCache
 from ..cache.recurrent import RecurrentStateCache
 from ..models.base import CausalLM
+from ..models.gemma import EmbeddingScaledLayer, GeGLU
 from ..models.layers import MLP, Attention, DecoderLayer, Experts, RMSNorm, Rope, SparseMoE
 from ..native import block_linear, build
 from ..native.kv_encode import Keep, Unsupported, encoder
 from ..weights.modules import QuantExperts
 from ..native import paged_attention as native_attention
+
+ACTIVATIONS = {MLP: 0, GeGLU: 1}          # decode_step.c's ACT_SILU, ACT_GELU_TANH
 
 SOURCE = "decode_step.c"
 FLOAT_CODES = {torch.float32: 32, torch.float16: 16, torch.bfloat16: 17}   # block_linear.c's float rows
@@ -55,13 +58,14 @@ class Layer(ctypes.Structure):
                 ("n_k", I32), ("n_v", I32), ("dk", I32), ("dv", I32), ("conv_k", I32),
                 ("conv_w", P), ("dt_bias", P), ("a_log", P), ("gnorm", P), ("conv_state", P), ("rec_state", P),
                 ("n_experts", I32), ("top_k", I32), ("renormalize", I32), ("router", Mat), ("shared_gate", Mat),
-                ("expert_gate_up", Mat), ("expert_down", Mat), ("gate_up_stride", I64), ("down_stride", I64)]
+                ("expert_gate_up", Mat), ("expert_down", Mat), ("gate_up_stride", I64), ("down_stride", I64),
+                ("act", I32)]
 
 
 class Model(ctypes.Structure):
     _fields_ = [("n_layers", I32), ("hidden", I32), ("vocab", I32), ("rot_dim", I32), ("zero_centered", I32),
                 ("n_threads", I32), ("eps", ctypes.c_float), ("layers", P), ("embed", Mat), ("head", Mat),
-                ("final_norm", P), ("inv_freq", P)]
+                ("final_norm", P), ("inv_freq", P), ("embed_scale", ctypes.c_float)]
 
 
 def _library():
@@ -105,8 +109,9 @@ def _mlp(layer: Layer, mlp, keep: Keep) -> None:
     if type(mlp) is SparseMoE:
         _moe(layer, mlp, keep)
         return
-    if type(mlp) is not MLP:
+    if type(mlp) not in ACTIVATIONS:
         raise Unsupported(f"a {type(mlp).__name__} feed-forward")
+    layer.act = ACTIVATIONS[type(mlp)]
     layer.gate, layer.up, layer.down = (matrix(m, keep) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
 
 
@@ -187,8 +192,8 @@ def _delta_net(layer: Layer, net, state: RecurrentStateCache, keep: Keep, eps: f
     layer.conv_state, layer.rec_state = state.conv.data_ptr(), state.recurrent.data_ptr()
 
 
-def _layer(block, cache_layer, keep: Keep, zc: bool, eps: float) -> Layer:
-    if type(block) is not DecoderLayer:
+def _layer(block, cache_layer, keep: Keep, zc: bool, eps: float, first: bool) -> Layer:
+    if type(block) is not DecoderLayer and not (first and type(block) is EmbeddingScaledLayer):
         raise Unsupported(f"a {type(block).__name__} block")
     layer = Layer()
     layer.in_norm = _norm(block.input_layernorm, keep, zc, eps)
@@ -215,13 +220,23 @@ def describe(model, cache, keep: Keep) -> Model:
     embed = model.model.embed_tokens
     if embed.weight.device.type != "cpu":
         raise Unsupported(f"a model on {embed.weight.device} (the native step runs on the CPU)")
-    layers = [_layer(b, c, keep, zc, eps) for b, c in zip(model.model.layers, cache)]
+    blocks = model.model.layers
+    layers = [_layer(b, c, keep, zc, eps, i == 0) for i, (b, c) in enumerate(zip(blocks, cache))]
     array = keep((Layer * len(layers))(*layers))
     m = Model(len(layers), model.config.hidden_size, model.config.vocab_size, model.rope.rot_dim, int(zc),
               torch.get_num_threads(), eps, ctypes.addressof(array), matrix(embed, keep, bias=None),
               matrix(model.lm_head if model.lm_head is not None else embed, keep),
-              keep.ptr(final.weight), keep.ptr(model.rope.inv_freq.float()))
+              keep.ptr(final.weight), keep.ptr(model.rope.inv_freq.float()), _embed_scale(blocks[0], embed))
     return m
+
+
+def _embed_scale(first, embed) -> float:
+    """Gemma's sqrt(hidden) as its first layer multiplies by it (rounded to the activations' dtype),
+    else 1."""
+    if type(first) is not EmbeddingScaledLayer:
+        return 1.0
+    dtype = embed.dtype if hasattr(embed, "dtype") else embed.weight.dtype
+    return float(torch.tensor(first.input_layernorm.weight.shape[0] ** 0.5, dtype=dtype))
 
 
 class NativeStep:

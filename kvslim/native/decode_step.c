@@ -8,7 +8,8 @@
  * and refuses anything this file does not implement (the torch model is the reference, and the
  * parity tests hold this step's logits to it):
  *   embedding -> per layer: x += mixer(rmsnorm(x)); x += ffn(rmsnorm(x)) -> rmsnorm -> head
- *   ffn: SwiGLU, or a sparse mixture of SwiGLU experts with a shared expert (Qwen3.5-MoE)
+ *   ffn: SwiGLU (GeGLU, GELU's tanh form, for Gemma), or a sparse mixture of SwiGLU experts with
+ *        a shared expert (Qwen3.5-MoE); Gemma's embeddings are scaled by sqrt(hidden) first
  *   mixer: GQA attention (optional output gate, per-head q/k RMSNorm, partial RoPE, K/V encoded
  *          into the paged pool, attention over the packed pages: paged_attention.c), or Gated
  *          DeltaNet (causal conv state, gated delta rule state updated in place).
@@ -28,6 +29,7 @@ typedef struct {            /* y = x @ W.T (+ bias) */
 } mat_t;
 
 enum { MIXER_ATTENTION = 0, MIXER_DELTA_NET = 1 };
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 #define MAX_EXPERTS 512
 #define MAX_TOP_K 64
 
@@ -57,6 +59,7 @@ typedef struct {
     int32_t n_experts, top_k, renormalize;
     mat_t router, shared_gate, expert_gate_up, expert_down;   /* the experts' data: expert 0 */
     int64_t gate_up_stride, down_stride;                       /* bytes from one expert to the next */
+    int32_t act;                          /* the gated feed-forward's activation: ACT_* */
 } layer_t;
 
 typedef struct {
@@ -65,6 +68,7 @@ typedef struct {
     const layer_t *layers;
     mat_t embed, head;                    /* the head may be the embedding (tied) */
     const float *final_norm, *inv_freq;   /* inv_freq: rot_dim / 2 */
+    float embed_scale;                    /* the embeddings times this before the first layer (Gemma) */
 } model_t;
 
 /* ----- small pieces ------------------------------------------------------------------- */
@@ -88,6 +92,8 @@ static void rmsnorm(const float *x, const float *w, int n, float eps, int zero_c
 }
 
 static inline float silu(float v) { return v / (1.0f + expf(-v)); }
+/* torch's F.gelu(approximate="tanh"): 0.5 v (1 + tanh(sqrt(2 / pi) (v + 0.044715 v^3))) */
+static inline float gelu_tanh(float v) { return 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v))); }
 static inline float sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
 static inline float softplus(float v) { return v > 20.0f ? v : log1pf(expf(v)); }   /* torch's threshold */
 
@@ -250,12 +256,16 @@ static void delta_net(const model_t *m, const layer_t *L, int64_t B, const int64
 }
 
 /* ----- the step ---------------------------------------------------------------------------- */
-static void swiglu(const model_t *m, const layer_t *L, int64_t B, const float *h, float *out) {
+/* down(act(gate(h)) * up(h)): SwiGLU, or GeGLU where L->act says so */
+static void gated_ffn(const model_t *m, const layer_t *L, int64_t B, const float *h, float *out) {
     const int64_t inter = L->gate.rows;
     float *g = malloc(sizeof(float) * (size_t)(B * inter)), *u = malloc(sizeof(float) * (size_t)(B * inter));
     linear(&L->gate, h, B, g, m->n_threads);
     linear(&L->up, h, B, u, m->n_threads);
-    for (int64_t i = 0; i < B * inter; i++) g[i] = silu(g[i]) * u[i];
+    if (L->act == ACT_GELU_TANH)
+        for (int64_t i = 0; i < B * inter; i++) g[i] = gelu_tanh(g[i]) * u[i];
+    else
+        for (int64_t i = 0; i < B * inter; i++) g[i] = silu(g[i]) * u[i];
     linear(&L->down, g, B, out, m->n_threads);
     free(g), free(u);
 }
@@ -297,7 +307,7 @@ static void moe(const model_t *m, const layer_t *L, int64_t B, const float *h, f
     float *acc = malloc(sizeof(float) * (size_t)n);
     float gate_logit;
     linear(&L->router, h, B, logits, m->n_threads);
-    swiglu(m, L, B, h, out);                                    /* the shared expert */
+    gated_ffn(m, L, B, h, out);                                 /* the shared expert */
     for (int64_t s = 0; s < B; s++) {
         const float *x = h + s * n;
         linear(&L->shared_gate, x, 1, &gate_logit, m->n_threads);
@@ -330,6 +340,8 @@ int kvslim_decode_step(const model_t *m, int64_t B, const int64_t *tokens, const
     float *x = malloc(sizeof(float) * (size_t)(B * n)), *h = malloc(sizeof(float) * (size_t)(B * n));
     float *y = malloc(sizeof(float) * (size_t)(B * n));
     for (int64_t s = 0; s < B; s++) embed_row(&m->embed, tokens[s], x + s * n);
+    if (m->embed_scale != 1.0f)
+        for (int64_t i = 0; i < B * n; i++) x[i] *= m->embed_scale;
     for (int li = 0; li < m->n_layers; li++) {
         const layer_t *L = m->layers + li;
         for (int64_t s = 0; s < B; s++) rmsnorm(x + s * n, L->in_norm, n, m->eps, m->zero_centered, h + s * n);
@@ -338,7 +350,7 @@ int kvslim_decode_step(const model_t *m, int64_t B, const int64_t *tokens, const
         for (int64_t i = 0; i < B * n; i++) x[i] += y[i];
         for (int64_t s = 0; s < B; s++) rmsnorm(x + s * n, L->post_norm, n, m->eps, m->zero_centered, h + s * n);
         if (L->n_experts) moe(m, L, B, h, y);
-        else swiglu(m, L, B, h, y);
+        else gated_ffn(m, L, B, h, y);
         for (int64_t i = 0; i < B * n; i++) x[i] += y[i];
     }
     for (int64_t s = 0; s < B; s++) rmsnorm(x + s * n, m->final_norm, n, m->eps, m->zero_centered, h + s * n);
