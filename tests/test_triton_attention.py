@@ -31,7 +31,8 @@ pytestmark = pytest.mark.skipif(not kvslim.gpu.available(), reason="triton is no
 
 PAIRS = [("f16", "f16"), ("q8_0", "q8_0"), ("q8_0", "q4_0"), ("iq4_nl", "f16"), ("turbo4", "q8_0"),
          ("f16", "turbo4"), ("turbo3", "iq4_nl"), ("bf16", "f32"), ("nl4", "turbo2"), ("q4_0", "nl3"),
-         ("q5_1", "q4_1"), ("q5_0", "q5_1-norot")]
+         ("q5_1", "q4_1"), ("q5_0", "q5_1-norot"), ("q4_1", "turbo3"),
+         ("nl4s", "nl3s")]                   # index 13: head_dim 128 and 256 (nls rows are blocks of 128)
 SHAPES = [(64, 1), (128, 4), (256, 8)]                 # (head_dim, GQA group): each pair meets two, each shape 5+ pairs
 LENGTHS = (37, 100, 16, 0)                             # a partial page, a whole page, an empty sequence
 # (K, V, head_dim, group, lengths, page_size, split_keys): split_keys None is the default SPLIT_KEYS
@@ -40,7 +41,7 @@ CASES = [(k, v, dim, group, LENGTHS, 16, 64) for i, (k, v) in enumerate(PAIRS)
 LONG = ("q8_0", "turbo4", 64, 2, (1100, 5), 32, None)            # several default splits
 ODD_PAGES = ("iq4_nl", "q4_0", 64, 3, (50, 7), 12, 32)          # a page size that is not a power of two
 BATCH = ("f16", "q8_0", 64, 4, (150, 37, 70), 16, 64)
-REFUSED = [("turbo4p", "f16"), ("nl4s", "f16")]   # QJL sketch, rungs
+REFUSED = [("turbo4p", "f16")]   # a QJL sketch
 
 
 def _states_in_child(cases, path: Path) -> None:
@@ -146,7 +147,7 @@ def test_compiled_kernel_on_cuda_matches_torch_block_loop(case):
     _check(got, _torch_state(fmt_k, fmt_v, *tensors), tensors[-1])
 
 
-SM90 = [("q8_0", "turbo4", 256, 8), ("iq4_nl", "turbo3", 128, 4), ("f16", "bf16", 64, 1)]
+SM90 = [("q8_0", "turbo4", 256, 8), ("iq4_nl", "turbo3", 128, 4), ("f16", "bf16", 64, 1), ("nl4s", "q5_1", 128, 4)]
 
 
 @pytest.mark.parametrize("name_k,name_v,dim,group", SM90)

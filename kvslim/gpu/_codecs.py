@@ -11,6 +11,7 @@ import triton.language as tl
 
 # The codec kinds, as kvslim/native/paged_attention.py numbers them.
 F32, F16, BF16, Q8, NIBBLE, PACKED = range(6)
+LADDER_AT = tl.constexpr(32)        # where the rungs' factors follow the code values in ``lut``
 
 
 @triton.jit
@@ -58,11 +59,15 @@ def _block_code(q, j, mask, KIND: tl.constexpr, BITS: tl.constexpr, BLOCK_VALUES
 @triton.jit
 def decode_tile(pool, row_off, valid, lut, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  KIND: tl.constexpr, BITS: tl.constexpr, BLOCK_VALUES: tl.constexpr,
-                 BLOCK_BYTES: tl.constexpr, HEADER_BYTES: tl.constexpr, OFFSET_AT: tl.constexpr):
+                 BLOCK_BYTES: tl.constexpr, HEADER_BYTES: tl.constexpr, OFFSET_AT: tl.constexpr,
+                 SUB_VALUES: tl.constexpr, SUB_BITS: tl.constexpr):
     """Rows at byte offsets row_off (N,) of pool -> (N, BLOCK_D) float32 in the code domain;
     zeros where a key is not valid or past HEAD_DIM (so a masked key adds 0 * 0, never NaN).
+    ``lut``: the 32 code values, then the ladder's rungs (LADDER_AT on).
     NIBBLE with BITS 5 (ggml q5_x): a u32 of each code's bit 4 precedes the nibbles; OFFSET_AT
-    > 0 (q4_1, q5_1): the f16 at that byte of the block is added to every value."""
+    > 0 (q4_1, q5_1): the f16 at that byte of the block is added to every value; SUB_VALUES > 0
+    (the nls rows): after the f16 scale, a SUB_BITS-bit rung per SUB_VALUES values, and a value's
+    scale is (scale * ladder[rung])."""
     d = tl.arange(0, BLOCK_D)[None, :]
     mask = valid[:, None] & (d < HEAD_DIM)
     row = pool + row_off[:, None]                                       # (N, 1) pointers
@@ -72,6 +77,11 @@ def decode_tile(pool, row_off, valid, lut, HEAD_DIM: tl.constexpr, BLOCK_D: tl.c
         block = row + (d // BLOCK_VALUES) * BLOCK_BYTES
         j = d % BLOCK_VALUES
         scale = f16_at(block, mask)
+        if SUB_VALUES > 0:                                              # rungs never straddle a byte (2-bit)
+            bit = SUB_BITS * (j // SUB_VALUES)
+            rungs = tl.load(block + 2 + bit // 8, mask=mask, other=0).to(tl.int32)
+            rung = (rungs >> (bit % 8)) & ((1 << SUB_BITS) - 1)
+            scale = scale * tl.load(lut + LADDER_AT + rung, mask=mask, other=0.0)
         if KIND == 3:                                                   # Q8: int8 codes
             code = tl.load(block + HEADER_BYTES + j, mask=mask, other=0).to(tl.int8, bitcast=True)
             x = scale * code.to(tl.float32)

@@ -29,8 +29,10 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
                        BLOCK_N: tl.constexpr,
                        K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_VALUES: tl.constexpr,
                        K_BYTES: tl.constexpr, K_HEADER: tl.constexpr, K_OFFSET: tl.constexpr,
+                       K_SUB: tl.constexpr, K_SUB_BITS: tl.constexpr,
                        V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_VALUES: tl.constexpr,
-                       V_BYTES: tl.constexpr, V_HEADER: tl.constexpr, V_OFFSET: tl.constexpr):
+                       V_BYTES: tl.constexpr, V_HEADER: tl.constexpr, V_OFFSET: tl.constexpr,
+                       V_SUB: tl.constexpr, V_SUB_BITS: tl.constexpr):
     """One (KV head, sequence, row tile, split): the online-softmax state of rows
     [tile * BLOCK_M, next tile) over keys [split * split_keys, next split), where row r sees key
     t < lengths[s] with t <= q_pos[s, r]. q (Hkv, S, R, D) float32 in K's code domain, q_pos
@@ -60,9 +62,9 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
         page = tl.load(table_ptr + s.to(tl.int64) * table_width + t // page_size, mask=valid, other=0)
         slot = (h.to(tl.int64) * n_pages + page.to(tl.int64)) * page_size + t % page_size
         k = decode_tile(k_pool, slot * k_row_bytes, valid, k_lut, HEAD_DIM, BLOCK_D,
-                        K_KIND, K_BITS, K_VALUES, K_BYTES, K_HEADER, K_OFFSET)    # (BLOCK_N, BLOCK_D)
+                        K_KIND, K_BITS, K_VALUES, K_BYTES, K_HEADER, K_OFFSET, K_SUB, K_SUB_BITS)
         v = decode_tile(v_pool, slot * v_row_bytes, valid, v_lut, HEAD_DIM, BLOCK_D,
-                        V_KIND, V_BITS, V_VALUES, V_BYTES, V_HEADER, V_OFFSET)
+                        V_KIND, V_BITS, V_VALUES, V_BYTES, V_HEADER, V_OFFSET, V_SUB, V_SUB_BITS)
         # fp32 products, as the torch reference: tf32 would cost ~1e-3 in the scores
         scores = tl.dot(q, tl.trans(k), input_precision="ieee")         # (BLOCK_M, BLOCK_N)
         seen = valid[None, :] & (t[None, :] <= q_pos[:, None])

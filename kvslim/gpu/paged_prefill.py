@@ -28,9 +28,10 @@ MIN_DOT = 16              # tl.dot's smallest M, N and K: fewer query rows are p
 
 
 def _fields(fmt, head_dim: int) -> CodecFields | None:
-    """The format's layout when this kernel decodes it: no sub-block rungs (the nl*s rows) yet."""
+    """The format's layout when this kernel decodes it (every layout the C kernel has, the rungs
+    of the nls rows in bytes of their own: sub_bits dividing 8)."""
     fields = codec_fields(fmt, head_dim)
-    if fields is None or fields.sub_values:
+    if fields is None or (fields.sub_values and 8 % fields.sub_bits):
         return None
     return fields
 
@@ -52,15 +53,18 @@ def supports(fmt_k, fmt_v, q: torch.Tensor) -> bool:
 
 @lru_cache(maxsize=None)
 def _lut(fmt, head_dim: int, device: str) -> torch.Tensor:
-    """The format's code values (32, zero-padded) on the kernel's device (zeros for formats without codes)."""
+    """The format's code values (32, zero-padded), then its ladder's rungs (32, zero-padded), on the
+    kernel's device (``_codecs.decode_tile``'s ``lut``; zeros where the format has none)."""
     fields = codec_fields(fmt, head_dim)
-    return (torch.zeros(32) if fields.lut is None else fields.lut).to(device)
+    tables = [torch.zeros(32) if t is None else t for t in (fields.lut, fields.ladder)]
+    return torch.cat(tables).to(device)
 
 
 def _codec_args(fmt, head_dim: int, prefix: str) -> dict:
     f = _fields(fmt, head_dim)
     return {f"{prefix}_KIND": f.kind, f"{prefix}_BITS": f.bits, f"{prefix}_VALUES": f.block_values,
-            f"{prefix}_BYTES": f.block_bytes, f"{prefix}_HEADER": f.header_bytes, f"{prefix}_OFFSET": f.offset_at}
+            f"{prefix}_BYTES": f.block_bytes, f"{prefix}_HEADER": f.header_bytes, f"{prefix}_OFFSET": f.offset_at,
+            f"{prefix}_SUB": f.sub_values, f"{prefix}_SUB_BITS": f.sub_bits}
 
 
 def _launch_config(fmt_k, fmt_v, n_rows: int, head_dim: int) -> dict:
