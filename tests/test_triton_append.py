@@ -40,12 +40,13 @@ F32, F16, BF16 = "float32", "float16", "bfloat16"
 # divisor, V in 64s; 80, 96 and 192 pad the row (192: three blocks of nl4 or six of q8_0 in 256 lanes).
 EXACT = [("f32", "k", 128, F32), ("f16", "k", 80, F16), ("bf16", "v", 96, BF16), ("q8_0", "k", 128, F32),
          ("q8_0", "v", 192, F32), ("q4_0", "k", 256, BF16), ("q4_0", "v", 64, F32), ("q8_0-norot", "k", 96, F16),
-         ("q4_0-norot", "v", 128, F32)]
+         ("q4_0-norot", "v", 128, F32), ("q4_1", "k", 128, F32), ("q5_0", "v", 64, BF16), ("q5_1", "k", 192, F32),
+         ("q5_1-norot", "v", 96, F16)]
 CLOSE = [("iq4_nl", "k", 128, F32), ("iq4_nl-norot", "v", 64, F32), ("turbo4", "k", 128, F32),
          ("turbo3", "v", 256, F32), ("turbo2", "k", 96, F32), ("nl4", "k", 192, F32), ("nl4", "v", 128, F32),
          ("nl3", "k", 64, F32)]
 N_KV, PAGE_SIZE = 2, 16
-REFUSED = [("q4_1", 128), ("turbo4p", 128), ("nl4s", 128), ("nl4", 96)]      # a min field, QJL, rungs, no rotation
+REFUSED = [("turbo4p", 128), ("nl4s", 128), ("nl4", 96)]      # QJL, rungs, no rotation
 
 
 def _case(name, role, dim, dtype, n_tokens=32, seed=0):
@@ -141,7 +142,7 @@ def test_compiled_kernel_on_cuda_gets_the_encoders_bytes(case):
     _check(case, flags, pool, exact=case in EXACT)
 
 
-SM90 = [("q4_0", 128), ("turbo4", 256), ("nl4", 128)]
+SM90 = [("q4_0", 128), ("turbo4", 256), ("nl4", 128), ("q5_1", 128)]
 POINTERS = {"x_ptr": "*fp32", "pool": "*u8", "rows_ptr": "*i64", "flags_ptr": "*u8", "rot_m": "*fp32",
             "bounds": "*fp32", "cents": "*fp32", "tries": "*fp32", "limit": "fp32", "rot_scale": "fp32"}
 
@@ -151,6 +152,7 @@ def test_kernel_compiles_for_an_h100_without_one(name, dim):
     """The Hadamard butterfly (tl.gather), TurboQuant's tl.dot and the grids' scale search lower
     through Triton's compiler and ptxas for sm_90 with the launcher's constexprs and warps."""
     from kvslim.gpu import _kv_append_kernel as kernel
-    config = gpu._launch_config(formats.get(name, role="k").kernel_encoder(dim), dim)
+    fmt = formats.get(name, role="k")
+    config = gpu._launch_config(fmt.kernel_encoder(dim), dim, fmt.row_bytes(dim))
     num_warps = config.pop("num_warps")
     assert compile_for_sm90(kernel.kv_append_rows, POINTERS, config, num_warps).asm["cubin"]

@@ -19,7 +19,7 @@ from triton.runtime.jit import JITFunction
 
 # The encoder kinds and float types, as kv_append.KINDS and FLOAT_TYPES number them (constexpr:
 # a jitted function reads no other globals).
-FLOAT, Q8_0, Q4_0, TURBO, GRID, IQ4_NL = (tl.constexpr(k) for k in range(6))
+FLOAT, Q8_0, Q4_0, TURBO, GRID, IQ4_NL, Q4_1, Q5_0, Q5_1 = (tl.constexpr(k) for k in range(9))
 F32, F16, BF16 = (tl.constexpr(k) for k in range(3))
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
@@ -195,7 +195,9 @@ def _encode_float(y, out, mask, FLOAT_TYPE: tl.constexpr, BLOCK_D: tl.constexpr)
 @triton.jit
 def _encode_ggml(y, out, live, table, KIND: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
                  BLOCK_BYTES: tl.constexpr):
-    """q8_0, q4_0, iq4_nl blocks of 32 (ggml's reference quantizers) of y (BLOCK_M, NB, 32); live (BLOCK_M, NB)."""
+    """ggml's blocks of 32 (its reference quantizers) of y (BLOCK_M, NB, 32); live (BLOCK_M, NB):
+    q8_0 [d][int8], q4_0 / iq4_nl [d][nibbles], q4_1 [d][min][nibbles], q5_0 [d][qh][nibbles],
+    q5_1 [d][min][qh][nibbles] (qh: bit j of a little-endian u32 = bit 4 of code j)."""
     j = tl.arange(0, 32)[None, None, :]
     dst = out + tl.arange(0, NB)[None, :] * BLOCK_BYTES                    # (BLOCK_M, NB) block starts
     if KIND == Q8_0:
@@ -204,18 +206,53 @@ def _encode_ggml(y, out, live, table, KIND: tl.constexpr, BLOCK_M: tl.constexpr,
         q = _round_half_away(y * _safe_inverse(d)[:, :, None])
         tl.store(dst[:, :, None] + 2 + j, (q & 0xFF).to(tl.uint8), mask=live[:, :, None])
     else:
+        nibbles_at = 2
         if KIND == Q4_0:
-            _, mx = _signed_absmax(y, j, 32)
-            d = _div(mx, tl.full(mx.shape, -8.0, tl.float32))
-            xq = y * _safe_inverse(d)[:, :, None] + 8.5
-            q = tl.minimum(tl.where(tl.abs(xq) <= FLT_MAX, xq, 0.0).to(tl.int32), 15)
+            d, q = _symmetric(y, j, 8.0, 15)
+        elif KIND == Q5_0:
+            d, q = _symmetric(y, j, 16.0, 31)
+        elif KIND == Q4_1 or KIND == Q5_1:
+            lo = tl.min(y, 2)
+            if KIND == Q4_1:
+                d, q = _min_max(y, lo, 15)
+            else:
+                d, q = _min_max(y, lo, 31)
+            _store_u16(dst + 2, _f16_bits(lo), live)
+            nibbles_at = 4
         else:
             d = _iq4nl_scale(y, j, table)                                   # final codes with the f32 scale
             q = _iq4nl_nearest(y * _safe_inverse(d)[:, :, None], table)
-        halves = tl.reshape(q, (BLOCK_M, NB, 2, 16)) << (4 * tl.arange(0, 2)[None, None, :, None])
+        if KIND == Q5_0 or KIND == Q5_1:                                    # the 5th bits before the nibbles
+            high = tl.reshape((q >> 4) & 1, (BLOCK_M, NB, 4, 8)) << tl.arange(0, 8)[None, None, None, :]
+            tl.store(dst[:, :, None] + nibbles_at + tl.arange(0, 4)[None, None, :], tl.sum(high, 3).to(tl.uint8),
+                     mask=live[:, :, None])
+            nibbles_at += 4
+        halves = tl.reshape(q & 0x0F, (BLOCK_M, NB, 2, 16)) << (4 * tl.arange(0, 2)[None, None, :, None])
         byte = tl.sum(halves, 2)                                            # code l | code l+16 << 4
-        tl.store(dst[:, :, None] + 2 + tl.arange(0, 16)[None, None, :], byte.to(tl.uint8), mask=live[:, :, None])
+        tl.store(dst[:, :, None] + nibbles_at + tl.arange(0, 16)[None, None, :], byte.to(tl.uint8),
+                 mask=live[:, :, None])
     _store_u16(dst, _f16_bits(d), live)
+
+
+@triton.jit
+def _c_int_capped(xq, CAP: tl.constexpr):
+    """min(CAP, (int) xq) as the C references cast: toward zero, a non-finite value to 0."""
+    return tl.minimum(tl.where(tl.abs(xq) <= FLT_MAX, xq, 0.0).to(tl.int32), CAP)
+
+
+@triton.jit
+def _symmetric(y, j, HALF: tl.constexpr, CAP: tl.constexpr):
+    """q4_0 / q5_0: d = the signed max / -HALF, codes (int)(x / d + HALF + 0.5) capped at CAP."""
+    _, mx = _signed_absmax(y, j, 32)
+    d = _div(mx, tl.full(mx.shape, -HALF, tl.float32))
+    return d, _c_int_capped(y * _safe_inverse(d)[:, :, None] + (HALF + 0.5), CAP)
+
+
+@triton.jit
+def _min_max(y, lo, LEVELS: tl.constexpr):
+    """q4_1 / q5_1: d = (max - min) / LEVELS, codes (int)((x - min) / d + 0.5) capped at LEVELS."""
+    d = _div(tl.max(y, 2) - lo, tl.full(lo.shape, LEVELS, tl.float32))
+    return d, _c_int_capped((y - lo[:, :, None]) * _safe_inverse(d)[:, :, None] + 0.5, LEVELS)
 
 
 @triton.jit

@@ -20,7 +20,8 @@ import torch
 from .. import formats
 from . import available, pow2, runs_on
 
-KINDS = {"float": 0, "q8_0": 1, "q4_0": 2, "turbo": 3, "grid": 4, "iq4_nl": 5}      # _kv_append_kernel's
+KINDS = {"float": 0, "q8_0": 1, "q4_0": 2, "turbo": 3, "grid": 4, "iq4_nl": 5, "q4_1": 6, "q5_0": 7,
+         "q5_1": 8}                                                                   # _kv_append_kernel's
 FLOAT_TYPES = {"f32": 0, "f16": 1, "bf16": 2}
 INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BLOCK_M = 16                  # (token, head) rows per program: tl.dot's smallest M for turbo's rotation
@@ -74,10 +75,10 @@ def _launch(name: str, role: str, head_dim: int) -> tuple[dict, float, float]:
     enc = _declared(name, role, head_dim)
     limit = enc.limit if enc.limit > 0 else FLT_MAX                   # 0 declares no limit: only NaN/inf
     rot_scale = float(torch.tensor(enc.rot ** -0.5 if enc.rot else 1.0, dtype=torch.float32))   # as torch's y * n ** -0.5
-    return _launch_config(enc, head_dim), limit, rot_scale
+    return _launch_config(enc, head_dim, formats.get(name, role=role).row_bytes(head_dim)), limit, rot_scale
 
 
-def _launch_config(enc, head_dim: int) -> dict:
+def _launch_config(enc, head_dim: int, row_bytes: int) -> dict:
     """The kernel's constexprs for one format and head_dim. Turbo groups may be any multiple of 8
     (head_dim 96: one group of 96), so its blocks pad to a power of two; the Hadamard formats'
     blocks are 32, 64 or 128 and tile the row padded to BLOCK_D."""
@@ -89,7 +90,7 @@ def _launch_config(enc, head_dim: int) -> dict:
                 FLOAT_TYPE=FLOAT_TYPES.get(enc.float_type, 0), ROT=enc.rot if enc.hadamard else 0,
                 LOG2_ROT=enc.rot.bit_length() - 1 if enc.hadamard else 0, GROUP=group, N_BLOCKS=n_blocks,
                 NB=pow2(n_blocks) if enc.kind == "turbo" else block_d // block, BLOCK=block, BITS=enc.bits,
-                BLOCK_BYTES=2 + group * enc.bits // 8, N_TRIES=0 if enc.tries is None else len(enc.tries),
+                BLOCK_BYTES=row_bytes // n_blocks, N_TRIES=0 if enc.tries is None else len(enc.tries),
                 num_warps=8 if enc.kind == "turbo" and block >= 128 else 4)
 
 
