@@ -44,9 +44,9 @@ EXACT = [("f32", "k", 128, F32), ("f16", "k", 80, F16), ("bf16", "v", 96, BF16),
          ("q5_1-norot", "v", 96, F16)]
 CLOSE = [("iq4_nl", "k", 128, F32), ("iq4_nl-norot", "v", 64, F32), ("turbo4", "k", 128, F32),
          ("turbo3", "v", 256, F32), ("turbo2", "k", 96, F32), ("nl4", "k", 192, F32), ("nl4", "v", 128, F32),
-         ("nl3", "k", 64, F32)]
+         ("nl3", "k", 64, F32), ("nl4s", "k", 128, F32), ("nl3s", "v", 256, BF16)]
 N_KV, PAGE_SIZE = 2, 16
-REFUSED = [("turbo4p", 128), ("nl4s", 128), ("nl4", 96)]      # QJL, rungs, no rotation
+REFUSED = [("turbo4p", 128), ("nl4", 96)]      # QJL, no rotation
 
 
 def _case(name, role, dim, dtype, n_tokens=32, seed=0):
@@ -118,7 +118,7 @@ def test_searched_and_rotated_formats_get_the_encoders_bytes_but_for_near_ties(i
 
 
 def test_formats_without_a_kernel_encoder_are_refused(interpreted):
-    """q4_1, the QJL and nls rows, a head_dim the format cannot store, float64 or unbatched rows."""
+    """The QJL rows, a head_dim the format cannot store, float64 or unbatched rows."""
     assert interpreted[1] == [False] * len(REFUSED) + [False, False, True]
 
 
@@ -142,9 +142,10 @@ def test_compiled_kernel_on_cuda_gets_the_encoders_bytes(case):
     _check(case, flags, pool, exact=case in EXACT)
 
 
-SM90 = [("q4_0", 128), ("turbo4", 256), ("nl4", 128), ("q5_1", 128)]
+SM90 = [("q4_0", 128), ("turbo4", 256), ("nl4", 128), ("q5_1", 128), ("nl4s", 128)]
 POINTERS = {"x_ptr": "*fp32", "pool": "*u8", "rows_ptr": "*i64", "flags_ptr": "*u8", "rot_m": "*fp32",
-            "bounds": "*fp32", "cents": "*fp32", "tries": "*fp32", "limit": "fp32", "rot_scale": "fp32"}
+            "bounds": "*fp32", "cents": "*fp32", "tries": "*fp32", "ladder": "*fp32", "limit": "fp32",
+            "rot_scale": "fp32"}
 
 
 @pytest.mark.parametrize("name,dim", SM90)

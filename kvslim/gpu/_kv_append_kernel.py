@@ -19,7 +19,7 @@ from triton.runtime.jit import JITFunction
 
 # The encoder kinds and float types, as kv_append.KINDS and FLOAT_TYPES number them (constexpr:
 # a jitted function reads no other globals).
-FLOAT, Q8_0, Q4_0, TURBO, GRID, IQ4_NL, Q4_1, Q5_0, Q5_1 = (tl.constexpr(k) for k in range(9))
+FLOAT, Q8_0, Q4_0, TURBO, GRID, IQ4_NL, Q4_1, Q5_0, Q5_1, GRID_SUB = (tl.constexpr(k) for k in range(10))
 F32, F16, BF16 = (tl.constexpr(k) for k in range(3))
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
@@ -267,6 +267,42 @@ def _encode_grid(y, out, live, table, mids, tries, N_TRIES: tl.constexpr, BLOCK_
 
 
 @triton.jit
+def _encode_grid_sub(y, out, live, table, mids, tries, ladder, N_TRIES: tl.constexpr, BLOCK_M: tl.constexpr,
+                     NB: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, BLOCK_BYTES: tl.constexpr,
+                     SUB: tl.constexpr):
+    """The nls rows (grid.search_two_level) of y (BLOCK_M, NB, BLOCK): d starts as the largest of
+    the SUB-value sub-blocks' own best scales, rounded to f16; then twice, each sub-block's rung
+    of the 4-step ladder (least squared error, the first on ties) and its codes, and d refit by
+    least squares, rounded to f16. [f16 d][2-bit rungs, little-endian][codes packed]."""
+    S: tl.constexpr = BLOCK // SUB
+    N_CODES: tl.constexpr = 1 << BITS
+    d_sub, _ = _grid_scale(tl.reshape(y, (BLOCK_M, NB * S, SUB)), table, mids, tries, N_TRIES, N_CODES)
+    d = tl.max(tl.reshape(d_sub, (BLOCK_M, NB, S)), 2).to(tl.float16).to(tl.float32)
+    sub = tl.reshape(y, (BLOCK_M, NB, S, SUB))
+    rung = tl.zeros((BLOCK_M, NB, S), tl.int32)
+    codes = tl.zeros((BLOCK_M, NB, S, SUB), tl.int32)
+    for _ in tl.static_range(2):
+        best = tl.full((BLOCK_M, NB, S), float("inf"), tl.float32)
+        for r in tl.static_range(4):
+            cand = tl.maximum(d * tl.load(ladder + r), 1e-30)[:, :, None, None]
+            c = _count_below(_div(sub, cand), mids, N_CODES - 1)
+            e = sub - tl.load(table + c) * cand
+            err = tl.sum(e * e, 3)
+            better = err < best
+            best = tl.where(better, err, best)
+            rung = tl.where(better, r, rung)
+            codes = tl.where(better[:, :, :, None], c, codes)
+        g = tl.load(table + codes) * tl.load(ladder + rung)[:, :, :, None]
+        d = _div(tl.sum(tl.sum(g * sub, 3), 2), tl.maximum(tl.sum(tl.sum(g * g, 3), 2), 1e-30))
+        d = d.to(tl.float16).to(tl.float32)
+    dst = out + tl.arange(0, NB)[None, :] * BLOCK_BYTES
+    _store_u16(dst, _f16_bits(d), live)
+    _store_u16(dst + 2, tl.sum(rung << (2 * tl.arange(0, S)[None, None, :]), 2), live)     # S = 8: 16 bits
+    _store_packed(dst + 2 + S // 4, tl.reshape(codes, (BLOCK_M, NB, BLOCK)),
+                  live[:, :, None] & (tl.arange(0, BLOCK // 8)[None, None, :] >= 0), BITS, BLOCK_M, NB, BLOCK)
+
+
+@triton.jit
 def _encode_turbo(x, out, live, rot_m, bounds, cents, limit, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                   NB: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, BLOCK_BYTES: tl.constexpr):
     """TurboQuant MSE per group of x (BLOCK_M, NB, BLOCK) (GROUP values, padded to BLOCK): the norm, the
@@ -290,7 +326,7 @@ def _encode_turbo(x, out, live, rot_m, bounds, cents, limit, GROUP: tl.constexpr
 
 
 @triton.jit
-def kv_append_rows(x_ptr, pool, rows_ptr, flags_ptr, rot_m, bounds, cents, tries,
+def kv_append_rows(x_ptr, pool, rows_ptr, flags_ptr, rot_m, bounds, cents, tries, ladder,
                    n_rows, n_kv, pool_rows, row_bytes, limit, rot_scale,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                    KIND: tl.constexpr, FLOAT_TYPE: tl.constexpr, ROT: tl.constexpr, LOG2_ROT: tl.constexpr,
@@ -327,6 +363,9 @@ def kv_append_rows(x_ptr, pool, rows_ptr, flags_ptr, rot_m, bounds, cents, tries
             if KIND == GRID:
                 _encode_grid(y3, out[:, None], live, cents, bounds, tries, N_TRIES, BLOCK_M, NB, BLOCK, BITS,
                              BLOCK_BYTES)
+            elif KIND == GRID_SUB:
+                _encode_grid_sub(y3, out[:, None], live, cents, bounds, tries, ladder, N_TRIES, BLOCK_M, NB, BLOCK,
+                                 BITS, BLOCK_BYTES, 16)
             else:
                 _encode_ggml(y3, out[:, None], live, cents, KIND, BLOCK_M, NB, BLOCK_BYTES)
     tl.store(flags_ptr + r, bad.to(tl.uint8), mask=r_live)

@@ -21,7 +21,8 @@ from .. import formats
 from . import available, pow2, runs_on
 
 KINDS = {"float": 0, "q8_0": 1, "q4_0": 2, "turbo": 3, "grid": 4, "iq4_nl": 5, "q4_1": 6, "q5_0": 7,
-         "q5_1": 8}                                                                   # _kv_append_kernel's
+         "q5_1": 8, "grid_sub": 9}                                                    # _kv_append_kernel's
+SUB_VALUES = 16               # the kernel's rung width (grid_sub): the nls rows' 16 values a rung
 FLOAT_TYPES = {"f32": 0, "f16": 1, "bf16": 2}
 INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BLOCK_M = 16                  # (token, head) rows per program: tl.dot's smallest M for turbo's rotation
@@ -49,7 +50,8 @@ def _encoder(fmt, head_dim: int):
     except ValueError:
         return None
     enc = _declared(fmt.name, getattr(fmt, "role", "k"), head_dim)
-    return enc if enc is not None and enc.kind in KINDS and head_dim <= MAX_DIM else None
+    known = enc is not None and enc.kind in KINDS and enc.sub_values in (0, SUB_VALUES)
+    return enc if known and head_dim <= MAX_DIM else None
 
 
 def supports(fmt, x: torch.Tensor) -> bool:
@@ -66,7 +68,7 @@ def _tables(name: str, role: str, head_dim: int, device: str) -> tuple[torch.Ten
     enc = _declared(name, role, head_dim)
     none = torch.zeros(1)
     return tuple((none if t is None else t).float().contiguous().to(device)
-                 for t in (enc.rot_matrix, enc.boundaries, enc.centroids, enc.tries))
+                 for t in (enc.rot_matrix, enc.boundaries, enc.centroids, enc.tries, enc.ladder))
 
 
 @lru_cache(maxsize=None)
