@@ -346,11 +346,17 @@ static void tile_values(const float *values, int n, int dim, float w[][TILE], in
 #define LANE_GROUP 16
 #endif
 enum { DEC_F32, DEC_F16, DEC_BF16, DEC_Q8, DEC_NIBBLE, DEC_PACKED4, DEC_PACKED3, DEC_PACKED2,
-       DEC_PACKED4S, DEC_PACKED3S, DEC_NONE };       /* ...S: two scale levels, a rung per 16 values */
+       DEC_PACKED4S, DEC_PACKED3S, DEC_GGML, DEC_NONE };  /* ...S: two scale levels, a rung per 16 values;
+                                                            GGML: q4_1/q5_0/q5_1 (offset, 5th bit) */
 
 static int fused_kind(const codec_t *c) {
     if (c->kind <= CODEC_BF16) return c->kind;                 /* DEC_F32, DEC_F16, DEC_BF16 */
-    if (c->offset_at || (c->kind == CODEC_NIBBLE && c->bits == 5)) return DEC_NONE;   /* q4_1/q5_x: decode_block */
+    if (c->offset_at || (c->kind == CODEC_NIBBLE && c->bits == 5)) {     /* q4_1, q5_0, q5_1 */
+        if (c->kind != CODEC_NIBBLE || c->block_values != 32) return DEC_NONE;
+        for (int k = 0; k < 1 << c->bits; k++)         /* the fused loop computes lut[code] as lut[0] + code */
+            if (c->lut[k] != c->lut[0] + (float)k) return DEC_NONE;
+        return DEC_GGML;
+    }
     if (c->block_values % 32) return DEC_NONE;
     if (c->sub_values) {
         const int rung_bits = c->sub_bits * c->block_values / c->sub_values;
@@ -408,7 +414,23 @@ static inline __attribute__((always_inline)) void dec32(const int kind, const co
         else
             d = _mm512_mul_ps(d, _mm512_set1_ps(s0)), e = _mm512_mul_ps(e, _mm512_set1_ps(s1));
     }
-    if (kind == DEC_Q8) {
+    if (kind == DEC_GGML) {                                      /* d * (lut[0] + code) + m, 32-value blocks */
+        const uint8_t *qs = q + (c->bits == 5 ? 4 : 0);
+        const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
+        __m512i lo = _mm512_and_si512(x, _mm512_set1_epi32(0x0F)), hi = _mm512_srli_epi32(x, 4);
+        if (c->bits == 5) {                                      /* bit j of the u32 before: code j's bit 4 */
+            uint32_t h;
+            memcpy(&h, q, 4);
+            const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+            const __m512i one = _mm512_set1_epi32(1);
+            lo = _mm512_or_si512(lo, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)h), lanes), one), 4));
+            hi = _mm512_or_si512(hi, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)(h >> 16)), lanes), one), 4));
+        }
+        const __m512 bias = _mm512_set1_ps(c->lut[0]);
+        const __m512 m = _mm512_set1_ps(c->offset_at ? f16_to_f32(block + c->offset_at) : 0.0f);
+        *a = _mm512_fmadd_ps(d, _mm512_add_ps(_mm512_cvtepi32_ps(lo), bias), m);
+        *b = _mm512_fmadd_ps(d, _mm512_add_ps(_mm512_cvtepi32_ps(hi), bias), m);
+    } else if (kind == DEC_Q8) {
         *a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + at)))));
         *b = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + at + 16)))));
     } else if (kind == DEC_NIBBLE || kind == DEC_PACKED4 || kind == DEC_PACKED4S) {   /* 16 bytes: low nibbles, then high */
@@ -555,7 +577,22 @@ static inline __attribute__((always_inline)) void dec32(const int kind, const co
         d = _mm256_mul_ps(d, _mm256_set1_ps(c->ladder[(rungs >> shift) & mask]));
     }
     const __m256i m4 = _mm256_set1_epi32(0x0F);
-    if (kind == DEC_Q8) {
+    if (kind == DEC_GGML) {                                      /* d * (lut[0] + code) + m, 32-value blocks */
+        const uint8_t *qs = q + (c->bits == 5 ? 4 : 0);
+        const __m256i x0 = bytes8(qs), x1 = bytes8(qs + 8);
+        __m256i codes[4] = {_mm256_and_si256(x0, m4), _mm256_and_si256(x1, m4), _mm256_srli_epi32(x0, 4),
+                            _mm256_srli_epi32(x1, 4)};               /* values 0-7, 8-15, 16-23, 24-31 */
+        const __m256 bias = _mm256_set1_ps(c->lut[0]);
+        const __m256 m = _mm256_set1_ps(c->offset_at ? f16_to_f32(block + c->offset_at) : 0.0f);
+        uint32_t h = 0;
+        if (c->bits == 5) memcpy(&h, q, 4);                      /* bit j: code j's bit 4 */
+        const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), one = _mm256_set1_epi32(1);
+        for (int j = 0; j < 4; j++) {
+            const __m256i high = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)(h >> (8 * j))), lanes), one);
+            codes[j] = _mm256_or_si256(codes[j], _mm256_slli_epi32(high, 4));
+            v[j] = _mm256_fmadd_ps(d, _mm256_add_ps(_mm256_cvtepi32_ps(codes[j]), bias), m);
+        }
+    } else if (kind == DEC_Q8) {
         for (int j = 0; j < 4; j++)
             v[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + at + 8 * j)))));
     } else if (kind == DEC_NIBBLE) {                             /* byte j: codes j and j + 16 */
@@ -672,6 +709,7 @@ static inline __attribute__((always_inline)) void sum_tile_fused(const int kind,
     case DEC_PACKED3: call(DEC_PACKED3); break;                                                 \
     case DEC_PACKED4S: call(DEC_PACKED4S); break;                                               \
     case DEC_PACKED3S: call(DEC_PACKED3S); break;                                               \
+    case DEC_GGML: call(DEC_GGML); break;                                                       \
     default: call(DEC_PACKED2); break;                                                          \
     }
 
