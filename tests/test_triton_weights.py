@@ -203,7 +203,22 @@ def _experts_in_child(cases, path: Path) -> None:
     for tokens in MOE_TOKENS:
         module, x, w, experts = _moe_module(tokens=tokens)
         out[tokens] = module.groups(x, experts), module(x, w, experts)
+    module, x, w, experts = _dense_moe_module()
+    out["dense"] = module.groups(x, experts), module(x, w, experts)
     torch.save(out, path)
+
+
+def _dense_moe_module():
+    """Dense Experts (5 of hidden 64, intermediate 48, float32) and 100 tokens routed to 2 each:
+    200 pairs, past the batched products, into the grouped GEMM."""
+    from kvslim.models.layers import Experts
+    gen = torch.Generator().manual_seed(4)
+    module = Experts(5, 64, 48)
+    with torch.no_grad():
+        module.gate_up_proj.copy_(torch.randn(5, 96, 64, generator=gen) * 0.1)
+        module.down_proj.copy_(torch.randn(5, 64, 48, generator=gen) * 0.1)
+    return module, torch.randn(100, 64, generator=gen), torch.rand(100, 2, generator=gen), \
+        torch.randint(5, (100, 2), generator=gen)
 
 
 MOE_TOKENS = (3, 90)          # 6 pairs: the expert GEMV; 180: the grouped GEMM
@@ -236,6 +251,17 @@ def test_quantized_experts_route_through_the_kernels_without_a_loop(interpreted_
     want = module(x, w, experts)                         # the kernels are off in this process: the loop
     # outputs reach ~1e3 here: float32 sums in another order differ by ulps of the largest
     torch.testing.assert_close(got, want, atol=1e-6 * want.abs().max().item(), rtol=1e-4)
+
+
+def test_dense_experts_group_a_prompt_through_the_kernel(interpreted_experts):
+    """Dense experts with the kernels on: a prompt's 200 pairs through ``gemm_dense_experts``
+    (exact float32 dot here), as the loop over chosen experts gives them."""
+    grouped, got = interpreted_experts["dense"]
+    assert grouped
+    module, x, w, experts = _dense_moe_module()
+    with torch.no_grad():
+        want = module(x, w, experts)                     # the kernels are off in this process: the loop
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("n,n_experts,skew", [(129, 4, False), (600, 256, False), (500, 8, True), (2048, 64, True)])
@@ -342,6 +368,17 @@ def test_grouped_expert_gemm_compiles_for_an_h100_without_one(name, dot):
     constexprs = dict(config, TYPE=int(weights.get(name).ggml_type), DOT_DTYPE=dtype, PRECISION=precision)
     pointers = dict(POINTERS, x_ptr="*" + dot, pairs_ptr="*i32", tile_expert_ptr="*i32")
     assert compile_for_sm90(kernel.quant_gemm_experts, pointers, constexprs, num_warps).asm["cubin"]
+
+
+def test_dense_grouped_gemm_compiles_for_an_h100_without_one():
+    """The dense experts' grouped GEMM with bf16 weights and activations at 16 slots a tile."""
+    from kvslim.gpu import _quant_matmul_kernel as kernel
+    config = gpu.gemm_config(gpu.experts_block_m(4096, 256))
+    num_warps = config.pop("num_warps")
+    dtype, precision = kernel.DOTS["bf16"]
+    pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "pairs_ptr": "*i32", "tile_expert_ptr": "*i32", "y_ptr": "*fp32"}
+    constexprs = dict(config, DOT_DTYPE=dtype, PRECISION=precision)
+    assert compile_for_sm90(kernel.dense_gemm_experts, pointers, constexprs, num_warps).asm["cubin"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the compiled kernels wait for a GPU")

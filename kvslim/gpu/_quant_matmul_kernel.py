@@ -10,7 +10,8 @@ registers, each value addressing its own code, scale and min bytes (the layouts 
 - ``quant_gemm`` (prefill): one program per (BLOCK_M x BLOCK_N) tile of y; each BLOCK_K step
   dequantizes W's tile, casts it and x's tile to DOT_DTYPE and accumulates ``tl.dot`` in float32.
 - ``quant_gemv_experts`` / ``quant_gemm_experts``: the same two for a mixture's routed experts,
-  each (token, expert) pair's row times its expert's matrix, the expert found on the device.
+  each (token, expert) pair's row times its expert's matrix, the expert found on the device;
+  ``dense_gemm_experts``: the grouped GEMM for experts stored as plain float matrices.
 
 Triton decides at decoration time whether a kernel is interpreted (TRITON_INTERPRET=1) or
 compiled; ``INTERPRETED`` and ``RUNNABLE`` record it, as in ``_paged_prefill_kernel``.
@@ -204,6 +205,31 @@ def quant_gemm_experts(x_ptr, w_ptr, pairs_ptr, tile_expert_ptr, y_ptr, N, K, ro
         cols = start + tl.arange(0, BLOCK_K)
         x = tl.load(x_row + cols[None, :], mask=valid[:, None] & (cols < K)[None, :], other=0.0)
         w = _dequantize_tile(w_expert, rows, cols, row_bytes, N, K, TYPE)                  # (BN, BK)
+        acc = tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), acc, input_precision=PRECISION)
+    out = y_ptr + tl.where(valid, p, 0).to(tl.int64)[:, None] * N + rows[None, :]
+    tl.store(out, acc, mask=valid[:, None] & (rows < N)[None, :])
+
+
+@triton.jit
+def dense_gemm_experts(x_ptr, w_ptr, pairs_ptr, tile_expert_ptr, y_ptr, N, K, n_experts,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """``quant_gemm_experts`` for dense experts: W (E, N, K) contiguous in its own float type,
+    its tiles read as they are stored instead of dequantized."""
+    tile = tl.program_id(0)
+    e = tl.load(tile_expert_ptr + tile)
+    if e >= n_experts:
+        return
+    p = tl.load(pairs_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = p >= 0
+    x_row = x_ptr + tl.where(valid, p, 0).to(tl.int64)[:, None] * K
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_row = w_ptr + (e.to(tl.int64) * N + rows.to(tl.int64))[:, None] * K
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for start in range(0, K, BLOCK_K):
+        cols = start + tl.arange(0, BLOCK_K)
+        x = tl.load(x_row + cols[None, :], mask=valid[:, None] & (cols < K)[None, :], other=0.0)
+        w = tl.load(w_row + cols[None, :], mask=(rows < N)[:, None] & (cols < K)[None, :], other=0.0)
         acc = tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), acc, input_precision=PRECISION)
     out = y_ptr + tl.where(valid, p, 0).to(tl.int64)[:, None] * N + rows[None, :]
     tl.store(out, acc, mask=valid[:, None] & (rows < N)[None, :])

@@ -14,7 +14,8 @@ device as is; no dequantized copy of it is ever stored. Two kernels (``_quant_ma
   expert's matrix, the expert ids read on the device (``QuantExperts`` routes through it).
 - ``gemm_experts`` for a mixture's prompt: the pairs sorted by expert on the device (``route``),
   each expert's run padded to whole tiles, then one tensor-core GEMM over all the tiles; the
-  host never learns which experts were chosen, and no loop over experts runs in Python.
+  host never learns which experts were chosen, and no loop over experts runs in Python
+  (``gemm_dense_experts``: the same for experts kept as float matrices).
 
 ``matmul`` picks one by M (``weights.quant_linear`` calls it). The reference is ``kvslim.weights.reference_linear`` (the whole W
 through ``gguf.quants.dequantize``, then F.linear); tests/test_triton_weights.py holds the two
@@ -199,6 +200,26 @@ def gemm_experts(x: torch.Tensor, blocks: torch.Tensor, route_: Route, ggml_type
     kernel.quant_gemm_experts[grid](x.contiguous(), blocks.contiguous(), route_.pairs, route_.tile_expert, y,
                                     n, k, blocks.shape[2], blocks.shape[1] * blocks.shape[2], route_.n_experts,
                                     TYPE=int(ggml_type), DOT_DTYPE=dtype, PRECISION=precision, **config)
+    return y
+
+
+def gemm_dense_experts(x: torch.Tensor, weight: torch.Tensor, route_: Route, dot: str | None = None) -> torch.Tensor:
+    """``gemm_experts`` for dense experts: weight (E, N, K) f32/f16/bf16 -> y (P, N) float32,
+    tl.dot in the weights' own half type (``default_dot``'s choice for float32 weights)."""
+    if weight.dim() != 3 or x.dim() != 2 or x.shape[1] != weight.shape[2] or route_.ids.shape != (x.shape[0],):
+        raise ValueError(f"x (P, K), weight (E, N, K) and one expert id per row of x expected, got "
+                         f"{tuple(x.shape)}, {tuple(weight.shape)} and ids {tuple(route_.ids.shape)}")
+    if not runs_on(x) or weight.device != x.device:
+        raise ValueError(f"x and weight on one CUDA device expected (the CPU under TRITON_INTERPRET=1), "
+                         f"got {x.device} and {weight.device}")
+    kernel = _kernel()
+    dtype, precision = kernel.DOTS[dot or default_dot(weight.dtype)]
+    (p, k), n = x.shape, weight.shape[1]
+    config = gemm_config(route_.block_m)
+    y = torch.empty(p, n, device=x.device, dtype=torch.float32)
+    grid = (route_.tile_expert.numel(), -(-n // config["BLOCK_N"]))
+    kernel.dense_gemm_experts[grid](x.contiguous(), weight.contiguous(), route_.pairs, route_.tile_expert, y, n, k,
+                                    route_.n_experts, DOT_DTYPE=dtype, PRECISION=precision, **config)
     return y
 
 

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import gpu
+from ..gpu import quant_matmul as gpu_weights
 from .batch import Batch
 
 
@@ -190,8 +192,18 @@ class Experts(nn.Module):
         return self.loop(x, weights, experts)
 
     def groups(self, x: torch.Tensor, experts: torch.Tensor) -> bool:
-        """Whether ``grouped`` serves this call: on a GPU, up to GROUPED_MAX_PAIRS pairs."""
-        return x.device.type == "cuda" and experts.numel() <= GROUPED_MAX_PAIRS
+        """Whether ``grouped`` serves this call: on a GPU up to GROUPED_MAX_PAIRS pairs (batched
+        products of the gathered matrices), beyond them where the kernels run (the grouped GEMM)."""
+        if experts.numel() <= GROUPED_MAX_PAIRS:
+            return x.device.type == "cuda"
+        return gpu.TRITON and gpu_weights.runs_on(x)
+
+    def route(self, ids: torch.Tensor):
+        """What ``pair_products`` needs to find each pair's expert (P pairs): the ids themselves for
+        a few, else the pairs sorted into tiles on the device (``quant_matmul.route``)."""
+        if ids.numel() <= GROUPED_MAX_PAIRS:
+            return ids
+        return gpu_weights.route(ids, self.gate_up_proj.shape[0])
 
     def loop(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Each chosen expert once, on the tokens routed to it (the reference; the host learns
@@ -213,16 +225,15 @@ class Experts(nn.Module):
         y = self.pair_products("down", (F.silu(gate) * up).to(x.dtype), route)
         return (y.view(n, top_k, -1) * weights.float()[..., None]).sum(1).to(x.dtype)
 
-    def route(self, ids: torch.Tensor):
-        """What ``pair_products`` needs to find each pair's expert (P pairs): here the ids themselves."""
-        return ids
-
-    def pair_products(self, matrix: str, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """rows (P, in) times expert ids[p]'s ``matrix`` ("gate_up" or "down") -> (P, out) float32:
-        the chosen experts' matrices gathered by id (top_k per token: a decode step's few
-        megabytes), then batched matrix-vector products."""
+    def pair_products(self, matrix: str, rows: torch.Tensor, route) -> torch.Tensor:
+        """rows (P, in) times each pair's expert's ``matrix`` ("gate_up" or "down") -> (P, out)
+        float32: for a few pairs the chosen experts' matrices gathered by id (top_k per token: a
+        decode step's few megabytes), then batched matrix-vector products; for a prompt's, the
+        grouped GEMM over ``route``'s tiles."""
         weight = getattr(self, f"{matrix}_proj")
-        return torch.bmm(weight.index_select(0, ids), rows.to(weight.dtype)[:, :, None])[..., 0].float()
+        if isinstance(route, gpu_weights.Route):
+            return gpu_weights.gemm_dense_experts(rows.to(weight.dtype), weight, route)
+        return torch.bmm(weight.index_select(0, route), rows.to(weight.dtype)[:, :, None])[..., 0].float()
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``e``'s SwiGLU on the tokens routed to it: (n, H) -> (n, H)."""
