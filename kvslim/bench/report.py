@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from ..models.matmul_precision import prompt_mode
 from ..tables import human_bytes, markdown_table
 from ..weights import parameter_count, weight_bytes, weight_type_label
 
@@ -11,9 +12,10 @@ def model_facts(model, threads: int) -> dict:
     """llama-bench's model columns: quantized matrices count as rows x columns
     parameters (not as their uint8 bytes), and the type is the one holding most bytes."""
     params, size, dtype = parameter_count(model), weight_bytes(model), weight_type_label(model)
+    device = next(model.parameters()).device
     return {"model_type": f"{model.config.model_type} {params / 1e6:.1f}M {dtype}", "model_size": size,
-            "model_n_params": params, "backend": "CPU" if next(model.parameters()).device.type == "cpu"
-            else "CUDA", "n_threads": threads}
+            "model_n_params": params, "backend": "CPU" if device.type == "cpu" else "CUDA", "n_threads": threads,
+            "f32_matmul": prompt_mode(device)}          # kvslim's own field: how prompts' f32 matmuls ran
 
 
 def record(facts: dict, test, case: dict, result: dict) -> dict:

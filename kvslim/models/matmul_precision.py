@@ -42,11 +42,16 @@ def native_bf16() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & set(flags)) and torch.backends.mkldnn.is_available()
 
 
+def prompt_mode(device: torch.device | str = "cpu") -> str:
+    """How a prompt's float32 matmuls run on ``device``: "bf16x3" or "ieee" (benchmark records)."""
+    on = (torch.device(device).type == "cpu" and os.environ.get("KVSLIM_F32_MATMUL", "bf16x3") != "ieee"
+          and native_bf16() and torch.backends.mkldnn.matmul.fp32_precision == "none")
+    return "bf16x3" if on else "ieee"
+
+
 def applies(tokens: torch.Tensor) -> bool:
     """Whether a forward over ``tokens`` (its ids) takes the bf16x3 matmuls."""
-    return (tokens.device.type == "cpu" and tokens.numel() >= MIN_ROWS
-            and os.environ.get("KVSLIM_F32_MATMUL", "bf16x3") != "ieee" and native_bf16()
-            and torch.backends.mkldnn.matmul.fp32_precision == "none")
+    return tokens.numel() >= MIN_ROWS and prompt_mode(tokens.device) == "bf16x3"
 
 
 @contextlib.contextmanager
