@@ -28,6 +28,7 @@ from kvslim.bench import FilledCache, Test, measure  # noqa: E402
 from kvslim.cache import CacheConfig  # noqa: E402
 from kvslim.engine import load  # noqa: E402
 from kvslim.loading import convert_hf_to_gguf, default_model, load_model  # noqa: E402
+from kvslim.models.matmul_precision import prompt_mode  # noqa: E402
 from kvslim.tables import markdown_table  # noqa: E402
 from kvslim.tools.bench import int_list  # noqa: E402
 
@@ -132,7 +133,8 @@ def main() -> int:
     gguf = Path(tempfile.mkdtemp()) / f"{model_path.name}-{args.gguf_type}.gguf"
     convert_hf_to_gguf(model_path, gguf, args.gguf_type)
     print(f"exported {gguf} ({gguf.stat().st_size / 2**20:.1f} MiB)")
-    print(f"kvslim weights: {kvslim_weights(args.gguf_type) or 'f32 (dense)'}, f32 compute")
+    print(f"kvslim weights: {kvslim_weights(args.gguf_type) or 'f32 (dense)'}, f32 compute; prompts' f32 matmuls: "
+          f"{prompt_mode()} (KVSLIM_F32_MATMUL=ieee for plain float32)")
     ours, theirs = greedy_check(peer, gguf, model_path, args.greedy_tokens, args.threads,
                                 kvslim_weights(args.gguf_type))
     same = sum(a == b for a, b in zip(ours, theirs))
