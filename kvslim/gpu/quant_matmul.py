@@ -256,7 +256,17 @@ def default_dot(dtype: torch.dtype) -> str:
     its default, else tf32, which keeps fp32's range where fp16 could overflow)."""
     if dtype in (torch.float16, torch.bfloat16):
         return {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
-    return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    return _float32_precision()
+
+
+def _float32_precision() -> str:
+    """"tf32" or "ieee": torch's float32 matmul precision for CUDA, read through the per-backend
+    API. torch's legacy getter raises once any per-backend setting has been made, and kvslim's
+    CPU prompts make one (``models/matmul_precision.py``: oneDNN's bf16x3 during a forward)."""
+    own = torch.backends.cuda.matmul.fp32_precision               # "none": the process-wide setting
+    if own == "none":
+        own = torch.backends.fp32_precision
+    return "tf32" if own == "tf32" else "ieee"
 
 
 def matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type, dot: str | None = None) -> torch.Tensor:
