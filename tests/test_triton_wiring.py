@@ -132,18 +132,19 @@ def test_quantized_linear_takes_the_triton_kernels_where_they_run(tmp_path):
 
 
 def mixture_logits(args, path: Path) -> None:
-    """The tiny qwen3_5_moe with q8_0 weights, in the interpreted child or here: a 70-token prompt
-    (140 routed pairs: the grouped GEMM) and a decode step of two sequences (4 pairs: the expert
-    GEMV), f16 K/V; which expert kernels ran, counted."""
+    """The tiny qwen3_5_moe (q8_0 weights, or float32 experts with ``weights`` None), in the
+    interpreted child or here: a 70-token prompt (140 routed pairs: the grouped GEMM) and a
+    decode step of two sequences (4 pairs: the expert GEMV, or batched products), f16 K/V;
+    which expert kernels ran, counted."""
     from kvslim.gpu import quant_matmul
     from kvslim.loading import load_model
     from kvslim.models import Batch
-    folder, = args
+    folder, weights = args
     calls = []
-    for fn in ("gemm_experts", "gemv_experts"):
+    for fn in ("gemm_experts", "gemv_experts", "gemm_dense_experts"):
         inner = getattr(quant_matmul, fn)
         setattr(quant_matmul, fn, lambda *a, _f=inner, _n=fn, **k: calls.append(_n) or _f(*a, **k))
-    model, _, _ = load_model(folder, torch.float32, torch.device("cpu"), weights="q8_0")
+    model, _, _ = load_model(folder, torch.float32, torch.device("cpu"), weights=weights)
     cache = model.make_cache(128, 2, "f16", "f16")
     prompt = model(Batch.build([(0, list(range(3, 73)), 0)]), cache, all_logits=True)
     model(Batch.build([(1, list(range(5, 9)), 0)]), cache)
@@ -152,15 +153,17 @@ def mixture_logits(args, path: Path) -> None:
     torch.save({"logits": (prompt, step), "calls": calls, "mixtures": mixtures}, path)
 
 
-def test_mixture_model_logits_with_grouped_experts_match_the_loop(tiny_folder, tmp_path):
-    """A whole mixture-of-experts model with every kernel on (weights' GEMV/GEMM, routed experts
+@pytest.mark.parametrize("weights", ["q8_0", None])
+def test_mixture_model_logits_with_grouped_experts_match_the_loop(tiny_folder, tmp_path, weights):
+    """A whole mixture-of-experts model (GGUF or float experts) with every kernel on (weights' GEMV/GEMM, routed experts
     grouped, attention, append) gives the logits of this process's paths (experts looped)."""
     folder = str(tiny_folder("qwen3_5_moe")[0])
-    got = run_interpreted("tests.test_triton_wiring", "mixture_logits", (folder,), tmp_path)
+    got = run_interpreted("tests.test_triton_wiring", "mixture_logits", (folder, weights), tmp_path)
+    grouped = "gemm_experts" if weights else "gemm_dense_experts"
     assert got["mixtures"] > 0                               # the prompt: gate_up and down per mixture layer
-    assert got["calls"].count("gemm_experts") == 2 * got["mixtures"]
-    assert "gemv_experts" in got["calls"]                    # the decode steps
-    mixture_logits((folder,), tmp_path / "here.pt")
+    assert got["calls"].count(grouped) == 2 * got["mixtures"]
+    assert ("gemv_experts" in got["calls"]) == bool(weights)  # decode: the GEMV, or dense batched products
+    mixture_logits((folder, weights), tmp_path / "here.pt")
     want = torch.load(tmp_path / "here.pt")
     assert want["calls"] == []                               # kernels off here: the loop
     for a, b in zip(got["logits"], want["logits"]):
