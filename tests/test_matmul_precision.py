@@ -63,3 +63,9 @@ def test_bf16x3_logits_keep_float32_accuracy(hybrid, monkeypatch):
         return hybrid(Batch.build([(0, ids, 0)]), hybrid.make_cache(128, 1), all_logits=True)
     ref, got = logits("ieee"), logits("bf16x3")
     assert (got - ref).abs().max() < 1e-4 * ref.abs().max() and torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_a_mistyped_switch_is_refused_by_name(hybrid, monkeypatch):
+    monkeypatch.setenv("KVSLIM_F32_MATMUL", "IEEE")
+    with pytest.raises(ValueError, match="KVSLIM_F32_MATMUL='IEEE': expected one of bf16x3, ieee"):
+        hybrid(Batch.build([(0, list(range(3, 23)), 0)]), hybrid.make_cache(64, 1))

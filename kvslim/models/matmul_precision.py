@@ -42,10 +42,17 @@ def native_bf16() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & set(flags)) and torch.backends.mkldnn.is_available()
 
 
+MODES = ("bf16x3", "ieee")      # KVSLIM_F32_MATMUL's values
+
+
 def prompt_mode(device: torch.device | str = "cpu") -> str:
-    """How a prompt's float32 matmuls run on ``device``: "bf16x3" or "ieee" (benchmark records)."""
-    on = (torch.device(device).type == "cpu" and os.environ.get("KVSLIM_F32_MATMUL", "bf16x3") != "ieee"
-          and native_bf16() and torch.backends.mkldnn.matmul.fp32_precision == "none")
+    """How a prompt's float32 matmuls run on ``device``: "bf16x3" or "ieee" (benchmark records).
+    A KVSLIM_F32_MATMUL that is neither is refused, not read as the default."""
+    asked = os.environ.get("KVSLIM_F32_MATMUL", "bf16x3")
+    if asked not in MODES:
+        raise ValueError(f"KVSLIM_F32_MATMUL={asked!r}: expected one of {', '.join(MODES)}")
+    on = (torch.device(device).type == "cpu" and asked == "bf16x3" and native_bf16()
+          and torch.backends.mkldnn.matmul.fp32_precision == "none")
     return "bf16x3" if on else "ieee"
 
 
