@@ -101,3 +101,21 @@ def test_zero_vector_decodes_to_zero():
     for name in ("turbo2", "turbo4", "turbo4p"):
         fmt = formats.get(name)
         assert fmt.decode(fmt.encode(torch.zeros(2, 128)), 128).abs().max() == 0
+
+
+def test_the_c_bucketize_gives_torchs_codes():
+    """formats.base.bucketize (turbo's and the grids' code search) on the CPU takes kv_encode.c's
+    count: torch.bucketize's codes for ties on a boundary, NaN (past the last) and infinities, in
+    every build."""
+    from kvslim.native import build, kv_encode
+    if not build.compiler():
+        pytest.skip("no C compiler: torch.bucketize serves")
+    gen = torch.Generator().manual_seed(0)
+    bounds = torch.sort(torch.randn(15, generator=gen)).values
+    v = torch.randn(3000, generator=gen)
+    v[:15] = bounds
+    v[20], v[21], v[22] = float("nan"), float("inf"), -float("inf")
+    assert kv_encode.serves_bucketize(v, bounds)
+    for variant in (None, "avx2", "portable"):
+        assert torch.equal(kv_encode.bucketize(v.view(30, 100), bounds, variant), torch.bucketize(v.view(30, 100), bounds))
+    assert not kv_encode.serves_bucketize(v.double(), bounds.double())       # torch's for anything else

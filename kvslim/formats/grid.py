@@ -26,7 +26,7 @@ import dataclasses
 
 import torch
 
-from .base import FP16_MAX, KernelEncoder, KernelRow, KVFormat, cached_on, fp16_bytes, fp16_from_bytes
+from .base import FP16_MAX, KernelEncoder, KernelRow, KVFormat, bucketize, cached_on, fp16_bytes, fp16_from_bytes
 from .bitpack import byte_table, pack_bits, packed_bytes, unpack_bits
 from .rotation import hadamard_blocks, llama_rot_size
 
@@ -56,7 +56,7 @@ def grid_tensor(bits: int, device) -> torch.Tensor:
 def nearest_code(v: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
     """Index of the nearest grid point for every value of ``v`` (grid sorted ascending)."""
     mids = (grid[1:] + grid[:-1]) * 0.5
-    return torch.bucketize(v.contiguous(), mids)
+    return bucketize(v, mids)
 
 
 def search_scale(blocks: torch.Tensor, grid: torch.Tensor, tries: int = SCALE_TRIES,

@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from .base import (FP16_MAX, KernelEncoder, KernelRow, KVFormat, cached_on, ceil_div, check_float_input, fp16_bytes,
+from .base import (FP16_MAX, KernelEncoder, KernelRow, KVFormat, bucketize, cached_on, ceil_div, check_float_input, fp16_bytes,
                    fp16_from_bytes)
 from .bitpack import byte_table, pack_bits, packed_bytes, unpack_bits
 from .codebook import lloyd_max
@@ -152,7 +152,7 @@ class TurboFormat(KVFormat):
         unit = xg / norm.clamp_min(1e-30).unsqueeze(-1)
         y = unit @ rotation_matrix(g, self.seed, x.device).T             # rotated unit vectors
         centroids, boundaries = self.codebook(g, x.device)
-        codes = torch.bucketize(y, boundaries)
+        codes = bucketize(y, boundaries)
         c = centroids[codes]
         if self.qjl:
             resid = y - c

@@ -408,6 +408,24 @@ static int encode_row(const enc_t *e, const float *x, int dim, uint8_t *out) {
     return bad;
 }
 
+/* torch.bucketize(v, bounds) (right=False): out[i] = how many of the nb ascending bounds are < v[i]
+ * (NaN: nb, where torch sorts it: counted as "not <= b"). Counted bound by bound over a chunk of values, branch-free
+ * and vectorised: torch's binary search spent 1.1 ms on a 512-token chunk's 262,144 turbo values. */
+#define BUCKET_CHUNK 1024
+int kvslim_bucketize(const float *v, int64_t n, const float *bounds, int nb, int64_t *out, int n_threads) {
+    #pragma omp parallel for num_threads(n_threads) schedule(static) if (n >= 65536)
+    for (int64_t c = 0; c < (n + BUCKET_CHUNK - 1) / BUCKET_CHUNK; c++) {
+        const int64_t start = c * BUCKET_CHUNK, len = n - start < BUCKET_CHUNK ? n - start : BUCKET_CHUNK;
+        int32_t count[BUCKET_CHUNK] = {0};
+        for (int j = 0; j < nb; j++) {
+            const float b = bounds[j];
+            for (int64_t i = 0; i < len; i++) count[i] += !(v[start + i] <= b);
+        }
+        for (int64_t i = 0; i < len; i++) out[start + i] = count[i];
+    }
+    return 0;
+}
+
 /* Rows (n, dim) -> out (n, row_bytes), flags (n): the cache's prompt path on the CPU and the
  * parity tests (kvslim/native/kv_encode.py). Rows are independent: split across threads. */
 int kvslim_encode_rows(const enc_t *e, const float *x, int64_t n, int dim, int64_t row_bytes, uint8_t *out,

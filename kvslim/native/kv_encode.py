@@ -67,6 +67,8 @@ def _library(variant: str | None = None):
         lib.kvslim_encode_rows.argtypes = [ctypes.POINTER(Enc), P, I64, ctypes.c_int, I64, P, P, ctypes.c_int]
         lib.kvslim_hadamard_rows.restype = ctypes.c_int
         lib.kvslim_hadamard_rows.argtypes = [ctypes.c_int, P, P, I64, ctypes.c_int]
+        lib.kvslim_bucketize.restype = ctypes.c_int
+        lib.kvslim_bucketize.argtypes = [P, I64, P, ctypes.c_int, P, ctypes.c_int]
     return lib
 
 
@@ -80,6 +82,22 @@ def serves_hadamard(x: torch.Tensor) -> bool:
     (the torch butterfly serves the rest)."""
     return (x.device.type == "cpu" and not torch.compiler.is_compiling()
             and not (x.requires_grad and torch.is_grad_enabled()) and available())
+
+
+def serves_bucketize(v: torch.Tensor, bounds: torch.Tensor) -> bool:
+    """Whether ``bucketize`` takes these: float32 CPU tensors outside a traced graph and autograd."""
+    return (v.dtype == bounds.dtype == torch.float32 and v.device.type == bounds.device.type == "cpu"
+            and bounds.dim() == 1 and not torch.compiler.is_compiling()
+            and not (v.requires_grad and torch.is_grad_enabled()) and available())
+
+
+def bucketize(v: torch.Tensor, bounds: torch.Tensor, variant: str | None = None) -> torch.Tensor:
+    """torch.bucketize(v, bounds) for ascending float32 bounds: int64 codes of v's shape."""
+    v, bounds = v.contiguous(), bounds.contiguous()
+    out = torch.empty(v.shape, dtype=torch.int64)
+    _library(variant).kvslim_bucketize(v.data_ptr(), v.numel(), bounds.data_ptr(), bounds.numel(), out.data_ptr(),
+                                       torch.get_num_threads())
+    return out
 
 
 def hadamard_rows(x: torch.Tensor, n: int, variant: str | None = None) -> torch.Tensor:
