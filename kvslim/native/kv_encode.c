@@ -30,6 +30,7 @@
 enum { ENC_FLOAT = 0, ENC_Q8_0 = 1, ENC_Q4_0 = 2, ENC_TURBO = 3, ENC_GRID = 4, ENC_GRID_SUB = 5, ENC_IQ4_NL = 6,
        ENC_Q4_1 = 7, ENC_Q5_0 = 8, ENC_Q5_1 = 9 };
 #define GRID_SUB 16               /* nls: values per rung */
+#define GRID_MAX_TRIES 32         /* grids: candidate scales (kv_encode.py refuses more) */
 enum { FLOAT_F32 = 0, FLOAT_F16 = 1, FLOAT_BF16 = 2 };
 
 typedef struct {
@@ -307,16 +308,25 @@ static float grid_search(const enc_t *e, const float *x, int n, uint8_t *codes) 
     for (int i = 0; i < n; i++) amax = fmaxf(amax, fabsf(x[i]));
     const float d0 = fmaxf(amax / gmax, 1e-30f);
     float best_score = -INFINITY, best_d = 0.0f;
-    uint8_t c[ENC_MAX_DIM];
-    for (int t = 0; t < e->n_tries; t++) {
-        const float cand = d0 * e->tries[t];
-        float sxg = 0.0f, sgg = 0.0f;
-        nearest_codes(e, x, cand, n, c);
-        for (int i = 0; i < n; i++) {
-            const float g = grid[c[i]];
-            sxg += g * x[i], sgg += g * g;
+    float cand[GRID_MAX_TRIES], sxg_t[GRID_MAX_TRIES] = {0}, sgg_t[GRID_MAX_TRIES] = {0};
+    const int tries = e->n_tries, n_mids = (1 << e->bits) - 1;
+    for (int t = 0; t < tries; t++) cand[t] = d0 * e->tries[t];
+    /* The candidates side by side (lane t: candidate t), each one's sums still over the values in
+     * order: the loops over t vectorise (16 tries, 16 lanes) where one candidate at a time left
+     * the sums' dependent adds as the critical path. */
+    for (int i = 0; i < n; i++) {
+        int code[GRID_MAX_TRIES] = {0};
+        float v[GRID_MAX_TRIES];
+        for (int t = 0; t < tries; t++) v[t] = x[i] / cand[t];
+        for (int j = 0; j < n_mids; j++)
+            for (int t = 0; t < tries; t++) code[t] += e->boundaries[j] < v[t];
+        for (int t = 0; t < tries; t++) {
+            const float g = grid[code[t]];
+            sxg_t[t] += g * x[i], sgg_t[t] += g * g;
         }
-        sgg = fmaxf(sgg, 1e-30f);
+    }
+    for (int t = 0; t < tries; t++) {
+        const float sxg = sxg_t[t], sgg = fmaxf(sgg_t[t], 1e-30f);
         if (sxg * sxg / sgg > best_score) best_score = sxg * sxg / sgg, best_d = sxg / sgg;
     }
     const float div = fmaxf(best_d, 1e-30f);

@@ -29,6 +29,7 @@ ENC_FLOAT, ENC_Q8_0, ENC_Q4_0, ENC_TURBO, ENC_GRID, ENC_GRID_SUB, ENC_IQ4_NL, EN
 ENC_KINDS = {"float": ENC_FLOAT, "q8_0": ENC_Q8_0, "q4_0": ENC_Q4_0, "turbo": ENC_TURBO, "grid": ENC_GRID,
              "grid_sub": ENC_GRID_SUB, "iq4_nl": ENC_IQ4_NL, "q4_1": ENC_Q4_1, "q5_0": ENC_Q5_0, "q5_1": ENC_Q5_1}
 ENC_SUB_VALUES = 16                      # kv_encode.c's GRID_SUB: values per rung of the nls rows
+ENC_MAX_TRIES = 32                       # kv_encode.c's GRID_MAX_TRIES: a grid's candidate scales
 FLOAT_KINDS = {"f32": 0, "f16": 1, "bf16": 2}
 P, I32, I64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
 
@@ -117,6 +118,8 @@ def encoder(fmt, head_dim: int, keep: Keep, spec=None) -> Enc:
     if spec is None or spec.kind not in ENC_KINDS or spec.sub_values not in (0, ENC_SUB_VALUES):
         raise Unsupported(f"K/V format {fmt.name} (no C encoder)")
     tries = spec.tries
+    if tries is not None and len(tries) > ENC_MAX_TRIES:
+        raise Unsupported(f"K/V format {fmt.name} ({len(tries)} scale candidates; the C search takes {ENC_MAX_TRIES})")
     return Enc(ENC_KINDS[spec.kind], FLOAT_KINDS.get(spec.float_type, 0), spec.rot, spec.bits, int(spec.hadamard),
                keep.ptr(spec.rot_matrix), keep.ptr(spec.boundaries), keep.ptr(spec.centroids), spec.limit,
                spec.block, 0 if tries is None else len(tries), keep.ptr(tries), keep.ptr(spec.ladder))
