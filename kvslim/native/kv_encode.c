@@ -62,14 +62,18 @@ static void store_bf16(uint8_t *p, float v) {
     p[0] = (uint8_t)(u >> 16), p[1] = (uint8_t)(u >> 24);
 }
 
-/* y = R x for each block of n values of x (dim of them); R (n, n) row-major. */
+/* y = R x for each block of n values of x (dim of them); R (n, n) row-major, n a multiple of 8
+ * (turbo's groups). Each dot product in 8 running sums, added at the end: one sum would chain
+ * every add on the last, and the loop would not vectorise. (torch's matmul, the encoders'
+ * reference, sums in its own order too: the bytes agree but for near-ties, as tested.) */
 static void rotate_blocks(const float *rot_m, int n, const float *x, float *y, int dim) {
     for (int b = 0; b < dim; b += n)
         for (int i = 0; i < n; i++) {
             const float *r = rot_m + (size_t)i * n;
-            float s = 0.0f;
-            for (int j = 0; j < n; j++) s += r[j] * x[b + j];
-            y[b + i] = s;
+            float s[8] = {0};
+            for (int j = 0; j < n; j += 8)
+                for (int k = 0; k < 8; k++) s[k] += r[j + k] * x[b + j + k];
+            y[b + i] = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
         }
 }
 
