@@ -377,8 +377,8 @@ def test_dense_grouped_gemm_compiles_for_an_h100_without_one():
     num_warps = config.pop("num_warps")
     dtype, precision = kernel.DOTS["bf16"]
     pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "pairs_ptr": "*i32", "tile_expert_ptr": "*i32", "y_ptr": "*fp32"}
-    constexprs = dict(config, DOT_DTYPE=dtype, PRECISION=precision)
-    assert compile_for_sm90(kernel.dense_gemm_experts, pointers, constexprs, num_warps).asm["cubin"]
+    constexprs = dict(config, TYPE=kernel.DENSE.value, DOT_DTYPE=dtype, PRECISION=precision)
+    assert compile_for_sm90(kernel.quant_gemm_experts, pointers, constexprs, num_warps).asm["cubin"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the compiled kernels wait for a GPU")

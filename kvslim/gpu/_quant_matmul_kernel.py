@@ -10,8 +10,8 @@ registers, each value addressing its own code, scale and min bytes (the layouts 
 - ``quant_gemm`` (prefill): one program per (BLOCK_M x BLOCK_N) tile of y; each BLOCK_K step
   dequantizes W's tile, casts it and x's tile to DOT_DTYPE and accumulates ``tl.dot`` in float32.
 - ``quant_gemv_experts`` / ``quant_gemm_experts``: the same two for a mixture's routed experts,
-  each (token, expert) pair's row times its expert's matrix, the expert found on the device;
-  ``dense_gemm_experts``: the grouped GEMM for experts stored as plain float matrices.
+  each (token, expert) pair's row times its expert's matrix, the expert found on the device
+  (the grouped GEMM also takes experts stored as plain float matrices, TYPE = DENSE).
 
 Triton decides at decoration time whether a kernel is interpreted (TRITON_INTERPRET=1) or
 compiled; ``INTERPRETED`` and ``RUNNABLE`` record it, as in ``_paged_prefill_kernel``.
@@ -30,6 +30,7 @@ Q8_0 = tl.constexpr(8)
 Q4_K = tl.constexpr(12)
 Q5_K = tl.constexpr(13)
 Q6_K = tl.constexpr(14)
+DENSE = tl.constexpr(-1)        # not a ggml type: plain float rows (the grouped GEMM of dense experts)
 
 # dot name -> (operand dtype, tl.dot input_precision); products accumulate in float32 in all four
 DOTS = {"ieee": (tl.float32, "ieee"), "tf32": (tl.float32, "tf32"),
@@ -190,7 +191,8 @@ def quant_gemm_experts(x_ptr, w_ptr, pairs_ptr, tile_expert_ptr, y_ptr, N, K, ro
     so tile t holds pairs of one expert, tile_expert[t]: y[p] = x[p] @ W[e]^T for the pairs p of
     the tile (pairs[slot], -1 in padding). Tiles past the last expert's (tile_expert = n_experts:
     the grid is sized without asking the host how many there are) return at once.
-    x (P, K) contiguous; W (E, N, row_bytes); y (P, N) float32."""
+    x (P, K) contiguous; W (E, N, row_bytes) GGUF blocks, or with TYPE = DENSE (E, N, K) floats
+    read as stored (row_bytes = K and expert_bytes = N K then count elements); y (P, N) float32."""
     tile = tl.program_id(0)
     e = tl.load(tile_expert_ptr + tile)
     if e >= n_experts:
@@ -204,32 +206,11 @@ def quant_gemm_experts(x_ptr, w_ptr, pairs_ptr, tile_expert_ptr, y_ptr, N, K, ro
     for start in range(0, K, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
         x = tl.load(x_row + cols[None, :], mask=valid[:, None] & (cols < K)[None, :], other=0.0)
-        w = _dequantize_tile(w_expert, rows, cols, row_bytes, N, K, TYPE)                  # (BN, BK)
-        acc = tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), acc, input_precision=PRECISION)
-    out = y_ptr + tl.where(valid, p, 0).to(tl.int64)[:, None] * N + rows[None, :]
-    tl.store(out, acc, mask=valid[:, None] & (rows < N)[None, :])
-
-
-@triton.jit
-def dense_gemm_experts(x_ptr, w_ptr, pairs_ptr, tile_expert_ptr, y_ptr, N, K, n_experts,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
-    """``quant_gemm_experts`` for dense experts: W (E, N, K) contiguous in its own float type,
-    its tiles read as they are stored instead of dequantized."""
-    tile = tl.program_id(0)
-    e = tl.load(tile_expert_ptr + tile)
-    if e >= n_experts:
-        return
-    p = tl.load(pairs_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = p >= 0
-    x_row = x_ptr + tl.where(valid, p, 0).to(tl.int64)[:, None] * K
-    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    w_row = w_ptr + (e.to(tl.int64) * N + rows.to(tl.int64))[:, None] * K
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for start in range(0, K, BLOCK_K):
-        cols = start + tl.arange(0, BLOCK_K)
-        x = tl.load(x_row + cols[None, :], mask=valid[:, None] & (cols < K)[None, :], other=0.0)
-        w = tl.load(w_row + cols[None, :], mask=(rows < N)[:, None] & (cols < K)[None, :], other=0.0)
+        if TYPE == DENSE:
+            w = tl.load(w_expert + rows.to(tl.int64)[:, None] * row_bytes + cols[None, :],
+                        mask=(rows < N)[:, None] & (cols < K)[None, :], other=0.0)
+        else:
+            w = _dequantize_tile(w_expert, rows, cols, row_bytes, N, K, TYPE)              # (BN, BK)
         acc = tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), acc, input_precision=PRECISION)
     out = y_ptr + tl.where(valid, p, 0).to(tl.int64)[:, None] * N + rows[None, :]
     tl.store(out, acc, mask=valid[:, None] & (rows < N)[None, :])

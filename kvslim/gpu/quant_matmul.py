@@ -218,8 +218,9 @@ def gemm_dense_experts(x: torch.Tensor, weight: torch.Tensor, route_: Route, dot
     config = gemm_config(route_.block_m)
     y = torch.empty(p, n, device=x.device, dtype=torch.float32)
     grid = (route_.tile_expert.numel(), -(-n // config["BLOCK_N"]))
-    kernel.dense_gemm_experts[grid](x.contiguous(), weight.contiguous(), route_.pairs, route_.tile_expert, y, n, k,
-                                    route_.n_experts, DOT_DTYPE=dtype, PRECISION=precision, **config)
+    kernel.quant_gemm_experts[grid](x.contiguous(), weight.contiguous(), route_.pairs, route_.tile_expert, y, n, k,
+                                    k, n * k, route_.n_experts, TYPE=kernel.DENSE.value, DOT_DTYPE=dtype,
+                                    PRECISION=precision, **config)
     return y
 
 
