@@ -254,7 +254,7 @@ def test_quantized_experts_route_through_the_kernels_without_a_loop(interpreted_
 
 
 def test_dense_experts_group_a_prompt_through_the_kernel(interpreted_experts):
-    """Dense experts with the kernels on: a prompt's 200 pairs through ``gemm_dense_experts``
+    """Dense experts with the kernels on: a prompt's 200 pairs through ``gemm_experts`` (its dense form)
     (exact float32 dot here), as the loop over chosen experts gives them."""
     grouped, got = interpreted_experts["dense"]
     assert grouped

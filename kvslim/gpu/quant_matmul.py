@@ -15,7 +15,7 @@ device as is; no dequantized copy of it is ever stored. Two kernels (``_quant_ma
 - ``gemm_experts`` for a mixture's prompt: the pairs sorted by expert on the device (``route``),
   each expert's run padded to whole tiles, then one tensor-core GEMM over all the tiles; the
   host never learns which experts were chosen, and no loop over experts runs in Python
-  (``gemm_dense_experts``: the same for experts kept as float matrices).
+  (experts kept as float matrices take the same kernel, their tiles read as stored).
 
 ``matmul`` picks one by M (``weights.quant_linear`` calls it). The reference is ``kvslim.weights.reference_linear`` (the whole W
 through ``gguf.quants.dequantize``, then F.linear); tests/test_triton_weights.py holds the two
@@ -184,44 +184,47 @@ def route(ids: torch.Tensor, n_experts: int) -> Route:
     return Route(ids, pairs, tile_expert, n_experts)
 
 
-def gemm_experts(x: torch.Tensor, blocks: torch.Tensor, route_: Route, ggml_type, dot: str | None = None) -> torch.Tensor:
-    """A mixture's prompt in one launch: row p of x (P, K) times expert ids[p]'s matrix, blocks
-    (E, N, row_bytes) uint8, through ``route_``'s tiles -> y (P, N) float32. ``dot`` as ``gemm``'s."""
-    _check_experts(x, blocks, route_.ids, ggml_type)
-    kernel = _kernel()
-    dot = dot or default_dot(x.dtype)
-    if dot not in kernel.DOTS:
-        raise ValueError(f"unknown dot {dot!r}; valid: {', '.join(kernel.DOTS)}")
-    (p, k), n = x.shape, blocks.shape[1]
+def gemm_experts(x: torch.Tensor, weight: torch.Tensor, route_: Route, ggml_type=None,
+                 dot: str | None = None) -> torch.Tensor:
+    """A mixture's prompt in one launch: row p of x (P, K) times expert ids[p]'s matrix, through
+    ``route_``'s tiles -> y (P, N) float32. ``weight``: (E, N, row_bytes) uint8 blocks of
+    ``ggml_type``, or with ``ggml_type`` None dense experts (E, N, K) in x's own float type, read
+    as stored. ``dot`` as ``gemm``'s."""
+    if ggml_type is None:
+        _check_dense_experts(x, weight, route_.ids)
+        (n, k), type_code = weight.shape[1:], _kernel().DENSE.value
+        row_stride = k                                          # elements, for the dense tiles
+    else:
+        _check_experts(x, weight, route_.ids, ggml_type)
+        n, row_stride, type_code = weight.shape[1], weight.shape[2], int(ggml_type)
     config = gemm_config(route_.block_m)
-    y = torch.empty(p, n, device=x.device, dtype=torch.float32)
-    dtype, precision = kernel.DOTS[dot]
+    y = torch.empty(x.shape[0], n, device=x.device, dtype=torch.float32)
+    dtype, precision = _dot_operands(dot, x.dtype)
     grid = (route_.tile_expert.numel(), -(-n // config["BLOCK_N"]))
-    kernel.quant_gemm_experts[grid](x.contiguous(), blocks.contiguous(), route_.pairs, route_.tile_expert, y,
-                                    n, k, blocks.shape[2], blocks.shape[1] * blocks.shape[2], route_.n_experts,
-                                    TYPE=int(ggml_type), DOT_DTYPE=dtype, PRECISION=precision, **config)
+    _kernel().quant_gemm_experts[grid](x.contiguous(), weight.contiguous(), route_.pairs, route_.tile_expert, y,
+                                       n, x.shape[1], row_stride, n * row_stride, route_.n_experts, TYPE=type_code,
+                                       DOT_DTYPE=dtype, PRECISION=precision, **config)
     return y
 
 
-def gemm_dense_experts(x: torch.Tensor, weight: torch.Tensor, route_: Route, dot: str | None = None) -> torch.Tensor:
-    """``gemm_experts`` for dense experts: weight (E, N, K) f32/f16/bf16 -> y (P, N) float32,
-    tl.dot in the weights' own half type (``default_dot``'s choice for float32 weights)."""
-    if weight.dim() != 3 or x.dim() != 2 or x.shape[1] != weight.shape[2] or route_.ids.shape != (x.shape[0],):
-        raise ValueError(f"x (P, K), weight (E, N, K) and one expert id per row of x expected, got "
-                         f"{tuple(x.shape)}, {tuple(weight.shape)} and ids {tuple(route_.ids.shape)}")
+def _check_dense_experts(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> None:
+    """x (P, K), weight (E, N, K) of x's dtype on x's kernel device, one expert id per row of x."""
+    if weight.dim() != 3 or x.dim() != 2 or x.shape[1] != weight.shape[2] or ids.shape != (x.shape[0],) \
+            or weight.dtype != x.dtype:
+        raise ValueError(f"x (P, K), weight (E, N, K) of one dtype and one expert id per row of x expected, got "
+                         f"{tuple(x.shape)} {x.dtype}, {tuple(weight.shape)} {weight.dtype} and ids {tuple(ids.shape)}")
     if not runs_on(x) or weight.device != x.device:
         raise ValueError(f"x and weight on one CUDA device expected (the CPU under TRITON_INTERPRET=1), "
                          f"got {x.device} and {weight.device}")
+
+
+def _dot_operands(dot: str | None, dtype: torch.dtype) -> tuple:
+    """tl.dot's (operand dtype, input precision) for ``dot`` (default ``default_dot(dtype)``)."""
     kernel = _kernel()
-    dtype, precision = kernel.DOTS[dot or default_dot(weight.dtype)]
-    (p, k), n = x.shape, weight.shape[1]
-    config = gemm_config(route_.block_m)
-    y = torch.empty(p, n, device=x.device, dtype=torch.float32)
-    grid = (route_.tile_expert.numel(), -(-n // config["BLOCK_N"]))
-    kernel.quant_gemm_experts[grid](x.contiguous(), weight.contiguous(), route_.pairs, route_.tile_expert, y, n, k,
-                                    k, n * k, route_.n_experts, TYPE=kernel.DENSE.value, DOT_DTYPE=dtype,
-                                    PRECISION=precision, **config)
-    return y
+    dot = dot or default_dot(dtype)
+    if dot not in kernel.DOTS:
+        raise ValueError(f"unknown dot {dot!r}; valid: {', '.join(kernel.DOTS)}")
+    return kernel.DOTS[dot]
 
 
 def experts_matmul(x: torch.Tensor, blocks: torch.Tensor, route_: Route, ggml_type) -> torch.Tensor:
@@ -237,16 +240,12 @@ def gemm(x: torch.Tensor, blocks: torch.Tensor, ggml_type, dot: str | None = Non
     ``dot``: tl.dot's operands, "fp16", "bf16", "tf32" or "ieee" (exact float32); default
     ``default_dot(x.dtype)``."""
     _check(x, blocks, ggml_type)
-    kernel = _kernel()
-    dot = dot or default_dot(x.dtype)
-    if dot not in kernel.DOTS:
-        raise ValueError(f"unknown dot {dot!r}; valid: {', '.join(kernel.DOTS)}")
+    dtype, precision = _dot_operands(dot, x.dtype)
     (m, k), n = x.shape, blocks.shape[0]
     config = gemm_config(m)
     y = torch.empty(m, n, device=x.device, dtype=torch.float32)
-    dtype, precision = kernel.DOTS[dot]
     grid = (-(-m // config["BLOCK_M"]), -(-n // config["BLOCK_N"]))
-    kernel.quant_gemm[grid](x.contiguous(), blocks.contiguous(), y, m, n, k, blocks.shape[1],
+    _kernel().quant_gemm[grid](x.contiguous(), blocks.contiguous(), y, m, n, k, blocks.shape[1],
                             TYPE=int(ggml_type), DOT_DTYPE=dtype, PRECISION=precision, **config)
     return y
 

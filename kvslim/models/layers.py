@@ -170,9 +170,6 @@ class Router(nn.Module):
         return weights.to(x.dtype), experts
 
 
-GROUPED_MAX_PAIRS = 128     # (token, expert) pairs the dense grouped form takes (it gathers a matrix per pair)
-
-
 class Experts(nn.Module):
     """All experts' weights fused: gate_up_proj (E, 2I, H), down_proj (E, H, I).
     Only the experts a token routes to are multiplied (``expert`` in the loop, ``pair_products``
@@ -192,18 +189,12 @@ class Experts(nn.Module):
         return self.loop(x, weights, experts)
 
     def groups(self, x: torch.Tensor, experts: torch.Tensor) -> bool:
-        """Whether ``grouped`` serves this call: on a GPU up to GROUPED_MAX_PAIRS pairs (batched
-        products of the gathered matrices), beyond them where the kernels run (the grouped GEMM)."""
-        if experts.numel() <= GROUPED_MAX_PAIRS:
+        """Whether ``grouped`` serves this call: on a GPU up to quant_matmul.MAX_GEMV_PAIRS pairs
+        (batched products of the gathered matrices), beyond them where the kernels run (the
+        grouped GEMM)."""
+        if experts.numel() <= gpu_weights.MAX_GEMV_PAIRS:
             return x.device.type == "cuda"
         return gpu.TRITON and gpu_weights.runs_on(x)
-
-    def route(self, ids: torch.Tensor):
-        """What ``pair_products`` needs to find each pair's expert (P pairs): the ids themselves for
-        a few, else the pairs sorted into tiles on the device (``quant_matmul.route``)."""
-        if ids.numel() <= GROUPED_MAX_PAIRS:
-            return ids
-        return gpu_weights.route(ids, self.gate_up_proj.shape[0])
 
     def loop(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Each chosen expert once, on the tokens routed to it (the reference; the host learns
@@ -219,21 +210,21 @@ class Experts(nn.Module):
         """Every (token, chosen expert) pair at once through ``pair_products``, which reads the
         chosen ids on the device. Sums in float32."""
         n, top_k = experts.shape
-        route = self.route(experts.reshape(-1))
+        route = gpu_weights.route(experts.reshape(-1), self.gate_up_proj.shape[0])   # once for both matrices
         rows = x.repeat_interleave(top_k, dim=0)                                 # (P, H): one per pair
         gate, up = self.pair_products("gate_up", rows, route).chunk(2, dim=-1)
         y = self.pair_products("down", (F.silu(gate) * up).to(x.dtype), route)
         return (y.view(n, top_k, -1) * weights.float()[..., None]).sum(1).to(x.dtype)
 
-    def pair_products(self, matrix: str, rows: torch.Tensor, route) -> torch.Tensor:
+    def pair_products(self, matrix: str, rows: torch.Tensor, route: gpu_weights.Route) -> torch.Tensor:
         """rows (P, in) times each pair's expert's ``matrix`` ("gate_up" or "down") -> (P, out)
         float32: for a few pairs the chosen experts' matrices gathered by id (top_k per token: a
         decode step's few megabytes), then batched matrix-vector products; for a prompt's, the
         grouped GEMM over ``route``'s tiles."""
         weight = getattr(self, f"{matrix}_proj")
-        if isinstance(route, gpu_weights.Route):
-            return gpu_weights.gemm_dense_experts(rows.to(weight.dtype), weight, route)
-        return torch.bmm(weight.index_select(0, route), rows.to(weight.dtype)[:, :, None])[..., 0].float()
+        if route.tile_expert is None:
+            return torch.bmm(weight.index_select(0, route.ids), rows.to(weight.dtype)[:, :, None])[..., 0].float()
+        return gpu_weights.gemm_experts(rows.to(weight.dtype), weight, route)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``e``'s SwiGLU on the tokens routed to it: (n, H) -> (n, H)."""

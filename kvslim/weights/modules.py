@@ -102,10 +102,6 @@ class QuantExperts(Experts):
         return (gpu.TRITON and all(k is not None for k in kinds)
                 and all(gpu_weights.supports(k[0].ggml_type) for k in kinds) and gpu_weights.runs_on(x))
 
-    def route(self, ids: torch.Tensor) -> gpu_weights.Route:
-        """The pairs sorted by expert on the device, once for both matrices (``quant_matmul.route``)."""
-        return gpu_weights.route(ids, self.gate_up_proj.shape[0])
-
     def pair_products(self, matrix: str, rows: torch.Tensor, route: gpu_weights.Route) -> torch.Tensor:
         """One launch (``quant_matmul.experts_matmul``): only the chosen experts' blocks read,
         which they are found on the device."""
