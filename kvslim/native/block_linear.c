@@ -385,23 +385,26 @@ DEFINE_ROWS_TIMES(16, __m512, 2, _mm512_setzero_ps, group_values16, group_into16
  * GEMM (kvslim/weights/matmul.py) multiplies a step of such rows at a time; torch's decoders
  * make and read back several temporaries per value, this writes each value once.
  * Values are s * q + o as in decode_group, product and sum rounded apart (no FMA
- * contraction) as ggml's dequantize rounds them. Returns 0, or 1 for a type it does not know
- * or k not whole blocks. */
+ * contraction) as ggml's dequantize rounds them. ``dequantize_row`` is one row (decode_step.c's
+ * embedding lookup too); the rows call returns 0, or 1 for a type it does not know or k not
+ * whole blocks. */
 __attribute__((optimize("fp-contract=off")))
+static void dequantize_row(int type, const uint8_t *row, int64_t k, float *out) {
+    group_t g;
+    for (int64_t index = 0; index < k / QK; index++) {
+        decode_group(type, row, index, &g);
+        float *o = out + index * QK;
+        for (int l = 0; l < 16; l++) o[l] = g.s0 * g.q[l] + g.o;
+        for (int l = 16; l < QK; l++) o[l] = g.s1 * g.q[l] + g.o;
+    }
+}
+
 int kvslim_dequantize_rows(int type, const uint8_t *w, float *out, int64_t n, int64_t k, int n_threads) {
     const int64_t per_block = super_blocks(type) ? 256 : QK;
     if (!group_bytes_x8(type) || k % per_block) return 1;
     const int64_t row_bytes = k / QK * group_bytes_x8(type) / 8;
     #pragma omp parallel for num_threads(n_threads) schedule(static)
-    for (int64_t r = 0; r < n; r++) {
-        group_t g;
-        for (int64_t index = 0; index < k / QK; index++) {
-            decode_group(type, w + r * row_bytes, index, &g);
-            float *o = out + r * k + index * QK;
-            for (int l = 0; l < 16; l++) o[l] = g.s0 * g.q[l] + g.o;
-            for (int l = 16; l < QK; l++) o[l] = g.s1 * g.q[l] + g.o;
-        }
-    }
+    for (int64_t r = 0; r < n; r++) dequantize_row(type, w + r * row_bytes, k, out + r * k);
     return 0;
 }
 

@@ -109,13 +109,7 @@ static void rope(float *x, int rot_dim, const float *inv_freq, int64_t pos) {
 }
 
 static void embed_row(const mat_t *e, int64_t token, float *out) {
-    const int64_t row_bytes = e->cols / QK * group_bytes_x8(e->type) / 8;
-    const uint8_t *row = e->data + token * row_bytes;
-    group_t g;
-    for (int64_t index = 0; index < e->cols / QK; index++) {
-        decode_group(e->type, row, index, &g);
-        for (int l = 0; l < QK; l++) out[index * QK + l] = (l < 16 ? g.s0 : g.s1) * g.q[l] + g.o;
-    }
+    dequantize_row(e->type, e->data + token * (e->cols / QK * group_bytes_x8(e->type) / 8), e->cols, out);
 }
 
 /* ----- attention ---------------------------------------------------------------------------- */

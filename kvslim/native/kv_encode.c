@@ -136,20 +136,20 @@ static void encode_q8_0(const float *x, uint8_t *out) {
     for (int l = 0; l < 32; l++) out[2 + l] = (uint8_t)c_cast(roundf(x[l] * id));
 }
 
-/* 5-bit codes as ggml's q5 blocks hold them: bit 4 of code j at bit j of a little-endian u32 (qh),
- * the low nibbles as byte j = code j | code j+16 << 4 (qs). */
-static void pack_5bit(const int *q, uint8_t *qh, uint8_t *qs) {
+/* A ggml block's 32 codes after its header: 16 bytes of nibbles, byte j = code j | code j+16 << 4;
+ * with 5-bit codes (q5_x) first a little-endian u32 whose bit j is bit 4 of code j. */
+static void pack_ggml_codes(const int *q, int five_bit, uint8_t *out) {
     uint32_t high = 0;
     for (int l = 0; l < 16; l++) {
-        qs[l] = (uint8_t)((q[l] & 0x0F) | (q[l + 16] & 0x0F) << 4);
+        out[(five_bit ? 4 : 0) + l] = (uint8_t)((q[l] & 0x0F) | (q[l + 16] & 0x0F) << 4);
         high |= (uint32_t)((q[l] >> 4) & 1) << l | (uint32_t)((q[l + 16] >> 4) & 1) << (l + 16);
     }
-    memcpy(qh, &high, 4);
+    if (five_bit) memcpy(out, &high, 4);
 }
 
 /* q4_0 / q5_0 (quantize_row_q4_0_ref / q5_0_ref): d = the signed max / -half (8 or 16), codes
  * trunc(x / d + half + 0.5) capped at 2 half - 1; x * id + 8.5 rounds twice, as the reference's.
- * [f16 d][nibbles] or [f16 d][4 bytes of high bits][nibbles]. */
+ * [f16 d][codes]. */
 __attribute__((optimize("fp-contract=off")))
 static void encode_symmetric(const float *x, int half, uint8_t *out) {
     float amax = 0.0f, max = 0.0f;
@@ -162,16 +162,12 @@ static void encode_symmetric(const float *x, int half, uint8_t *out) {
         const int v = c_cast(x[l] * id + ((float)half + 0.5f));
         q[l] = v < 2 * half - 1 ? v : 2 * half - 1;
     }
-    if (half == 8)
-        for (int l = 0; l < 16; l++) out[2 + l] = (uint8_t)(q[l] | q[l + 16] << 4);
-    else
-        pack_5bit(q, out + 2, out + 6);
+    pack_ggml_codes(q, half == 16, out + 2);
 }
 
 /* q4_1 / q5_1 (ggml's quantize_row_q4_1_ref / q5_1_ref, as formats/ggml.py's _min_max_scale):
  * d = (max - min) / levels, codes trunc((x - min) / d + 0.5) capped at levels, [f16 d][f16 min]
- * [(q5_1: 4 bytes, bit j = bit 4 of code j)][16 bytes of nibbles, byte j = code j | code j+16 << 4].
- * Products and sums round apart, as the references'. */
+ * [codes]. Products and sums round apart, as the references'. */
 __attribute__((optimize("fp-contract=off")))
 static void encode_min_max(const float *x, int levels, uint8_t *out) {
     float lo = x[0], hi = x[0];
@@ -184,10 +180,7 @@ static void encode_min_max(const float *x, int levels, uint8_t *out) {
         const int v = c_cast((x[l] - lo) * id + 0.5f);
         q[l] = v < levels ? v : levels;
     }
-    if (levels == 15)
-        for (int l = 0; l < 16; l++) out[4 + l] = (uint8_t)(q[l] | q[l + 16] << 4);
-    else
-        pack_5bit(q, out + 4, out + 8);
+    pack_ggml_codes(q, levels == 31, out + 4);
 }
 
 /* ggml's best_index_int8: the nearest of the 16 grid values, the upper one on exact ties. Its

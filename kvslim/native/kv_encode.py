@@ -81,15 +81,14 @@ def available() -> bool:
 def serves_hadamard(x: torch.Tensor) -> bool:
     """Whether ``hadamard_rows`` takes x: CPU tensors outside a traced graph and outside autograd
     (the torch butterfly serves the rest)."""
-    return (x.device.type == "cpu" and not torch.compiler.is_compiling()
-            and not (x.requires_grad and torch.is_grad_enabled()) and available())
+    return x.device.type == "cpu" and not torch.compiler.is_compiling() \
+        and not (x.requires_grad and torch.is_grad_enabled()) and available()
 
 
 def serves_bucketize(v: torch.Tensor, bounds: torch.Tensor) -> bool:
-    """Whether ``bucketize`` takes these: float32 CPU tensors outside a traced graph and autograd."""
-    return (v.dtype == bounds.dtype == torch.float32 and v.device.type == bounds.device.type == "cpu"
-            and bounds.dim() == 1 and not torch.compiler.is_compiling()
-            and not (v.requires_grad and torch.is_grad_enabled()) and available())
+    """Whether ``bucketize`` takes these: as ``serves_hadamard``, float32 values and 1-d bounds."""
+    return v.dtype == bounds.dtype == torch.float32 and bounds.dim() == 1 and bounds.device.type == "cpu" \
+        and serves_hadamard(v)
 
 
 def bucketize(v: torch.Tensor, bounds: torch.Tensor, variant: str | None = None) -> torch.Tensor:
@@ -126,12 +125,13 @@ def encoder(fmt, head_dim: int, keep: Keep, spec=None) -> Enc:
 
 
 # The kinds whose C encoder is faster than torch's on a prompt chunk (512 tokens x 2 heads x 128,
-# 2 threads: q8_0 0.81 -> 0.40 ms, q4_0 0.73 -> 0.29, iq4_nl 55 -> 4.5; at head_dim 256, nl4s
-# 78 -> 13 ms, nl4 44-49 -> 3.9). The first four write the torch encoders' bytes; the nl grids'
-# C search sums in another order, so a near-tie between two scale candidates can go the other
-# way (0.000-0.012% of bytes measured; tests/test_native_step.py allows 1% and holds the error
-# equal), as the native decode step's appended rows already did. TurboQuant's C rotation is a
-# plain loop, slower than torch's matmul (1.5 -> 3.1 ms).
+# 2 threads, torch -> C: q8_0 0.81 -> 0.40 ms, q4_0 0.73 -> 0.29, q4_1/q5_x 0.7-1.6 -> 0.2,
+# iq4_nl 55 -> 1.6; nl4s 78 -> 3.2). The ggml kinds and floats write the torch encoders' bytes;
+# the nl grids' C search sums in another order, so a near-tie between two scale candidates can
+# go the other way (0.000-0.014% of bytes measured; tests/test_native_step.py allows 1% and
+# holds the error equal), as the native decode step's appended rows already did. Turbo stays
+# on torch: its matmul rotation and the C bucketize (formats.base.bucketize) take 0.64 ms
+# where the C encoder's per-row rotation takes 2.6.
 PROMPT_KINDS = ("float", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "grid", "grid_sub")
 
 
