@@ -20,8 +20,8 @@
  *                `bits` bytes, value = d * lut[code]                    (TurboQuant, nl grids)
  * and the float rows CODEC_F32 / CODEC_F16 / CODEC_BF16. ggml's q4_1/q5_0/q5_1 are NIBBLE blocks with
  * an f16 offset in the header added to every value (value = d * lut[code] + m, offset_at) and/or
- * 5-bit codes (bits 5: a u32 of each code's bit 4 before the nibbles, a lut of 32); they take the
- * block decoder below, not the fused loops. A PACKED block may carry two scale
+ * 5-bit codes (bits 5: a u32 of each code's bit 4 before the nibbles, a lut of 32): decode_block_ggml,
+ * and DEC_GGML in the fused loops. A PACKED block may carry two scale
  * levels (the nls rows): [f16 d][sub_bits-bit rung per sub_values values][codes], and then
  * value = (d * ladder[rung]) * lut[code].
  */
@@ -117,6 +117,11 @@ static void decode_block_scalar(const codec_t *c, const uint8_t *q, float d, uin
     }
 }
 
+/* Whether a codec is one of ggml's q4_1/q5_0/q5_1 layouts (an offset, or 5-bit nibble codes). */
+static inline int ggml_extra(const codec_t *c) {
+    return c->offset_at || (c->kind == CODEC_NIBBLE && c->bits == 5);
+}
+
 /* A NIBBLE block of ggml's q4_1, q5_0 or q5_1: 32 values, byte j of the nibbles = code j |
  * code j+16 << 4, with 5-bit codes bit 4 of code j from the u32 before them, plus the offset. */
 static void decode_block_ggml(const codec_t *c, const uint8_t *block, float *out) {
@@ -131,7 +136,7 @@ static void decode_block_ggml(const codec_t *c, const uint8_t *block, float *out
 }
 
 static inline __attribute__((always_inline)) void decode_block(const codec_t *c, const uint8_t *block, float *out) {
-    if (c->offset_at || (c->kind == CODEC_NIBBLE && c->bits == 5)) {
+    if (ggml_extra(c)) {
         decode_block_ggml(c, block, out);
         return;
     }
@@ -351,7 +356,7 @@ enum { DEC_F32, DEC_F16, DEC_BF16, DEC_Q8, DEC_NIBBLE, DEC_PACKED4, DEC_PACKED3,
 
 static int fused_kind(const codec_t *c) {
     if (c->kind <= CODEC_BF16) return c->kind;                 /* DEC_F32, DEC_F16, DEC_BF16 */
-    if (c->offset_at || (c->kind == CODEC_NIBBLE && c->bits == 5)) {     /* q4_1, q5_0, q5_1 */
+    if (ggml_extra(c)) {                                       /* q4_1, q5_0, q5_1 */
         if (c->kind != CODEC_NIBBLE || c->block_values != 32) return DEC_NONE;
         for (int k = 0; k < 1 << c->bits; k++)         /* the fused loop computes lut[code] as lut[0] + code */
             if (c->lut[k] != c->lut[0] + (float)k) return DEC_NONE;
