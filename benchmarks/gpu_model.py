@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_model.py [--model qwen3.6-35b-a3b] [--weights q4_0] [-d 0,32768,131072]
         [-np 1,4] [--pairs f16/f16,q8_0/turbo4,turbo3/turbo3] [-p 4096] [-n 32] [--device cuda]
+        [--no-cuda-graphs]
     python benchmarks/gpu_model.py --device cpu --shrink 8 --layers 4 -d 0,256 -p 256 -n 4 --eager   # a dry run
 
 The config is the planner's catalog entry (config.json values: dims, layer pattern, experts),
@@ -173,9 +174,9 @@ def run_pair(model, config, plan_model, pair: str, n_slots: int, args, gen, band
     speed = []
     if n_slots == 1:
         pp = time_prefill(model, cache, args.n_prompt, config.vocab_size, args.device)
-        speed.append([pair, n_slots, f"pp{args.n_prompt}", f"{pp:.1f}", ""])
+        speed.append([pair, n_slots, f"pp{args.n_prompt}", f"{pp:.1f}", "", "eager"])
         cache.clear(0)
-    step = DecodeStep(model, cache, compile=False, native=not args.eager)
+    step = DecodeStep(model, cache, compile=False, native=not args.eager, cuda_graphs=args.cuda_graphs)
     filled = 0
     for depth in depths:
         fill_to(cache, depth - filled, args.device, gen)
@@ -184,7 +185,7 @@ def run_pair(model, config, plan_model, pair: str, n_slots: int, args, gen, band
         tps = time_decode(step, n_slots, depth, args.n_gen, config.vocab_size, args.device)
         request = Request(ctx, 1, type_k, type_v, weight_quant=args.weights, depth=depth)
         ceiling = "" if n_slots > 1 else f"{decode_ceiling(plan_model, request, Target('measured', 1 << 50, bandwidth)):.0f}"
-        speed.append([pair, n_slots, f"tg{args.n_gen} @ d{depth}", f"{tps:.1f}", ceiling])
+        speed.append([pair, n_slots, f"tg{args.n_gen} @ d{depth}", f"{tps:.1f}", ceiling, step.path])
         for slot in range(n_slots):                                  # back to the filled depth
             cache.rewind(slot, depth, marks[slot])
     peak = (torch.cuda.max_memory_allocated(args.device) - before - held) if on_cuda(args.device) else 0
@@ -218,6 +219,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shrink", type=int, default=1, help="divide the widths (a dry run)")
     ap.add_argument("--layers", type=int, default=None, help="keep the first N layers (a dry run)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                    help="decode steps replayed from CUDA graphs (on a CUDA device; --no-cuda-graphs: eager launches)")
     ap.add_argument("--eager", action="store_true",
                     help="decode through the torch step even on the CPU (the path a GPU takes; dry runs)")
     args = ap.parse_args(argv)
@@ -249,7 +252,7 @@ def main(argv=None) -> int:
                 memory.append(mem)
                 print("\n".join(" | ".join(map(str, r)) for r in rows), flush=True)
     print()
-    print(markdown_table(["K/V", "np", "test", "t/s", "plan ceiling t/s"], speed, ["l", "r", "l", "r", "r"]))
+    print(markdown_table(["K/V", "np", "test", "t/s", "plan ceiling t/s", "step"], speed, ["l", "r", "l", "r", "r", "l"]))
     print()
     print(markdown_table(["K/V", "np", "ctx/slot", "cache MiB", "plan KV+state MiB", "vs plan", "peak extra MiB",
                           "plan compute MiB"], memory, ["l", "r", "r", "r", "r", "r", "r", "r"]))

@@ -22,7 +22,9 @@ def record(facts: dict, test, case: dict, result: dict) -> dict:
     return {**facts, "n_prompt": test.n_tokens if test.kind == "pp" else 0,
             "n_gen": test.n_tokens if test.kind == "tg" else 0, "n_depth": test.n_depth,
             "n_parallel": case["n_parallel"], "type_k": case["type_k"], "type_v": case["type_v"],
-            "n_ubatch": case["n_ubatch"], "test": test.label, **result}
+            "n_ubatch": case["n_ubatch"], "test": test.label,
+            "decode_path": case["decode"] if test.kind == "tg" else "",   # kvslim's own: which step decoded
+            **result}
 
 
 def markdown(records: list[dict]) -> str:

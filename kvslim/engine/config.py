@@ -52,6 +52,7 @@ class EngineConfig:
         compile: decode steps through ``torch.compile`` (see ``decode_step.py``); prefill stays eager.
         native: decode steps in C where the model, weights and K/V formats allow (``native_step.py``);
             else the compiled or eager step.
+        cuda_graphs: on a CUDA device, decode steps replayed from CUDA graphs (``cuda_graphs.py``).
     """
 
     cache: CacheConfig
@@ -62,6 +63,7 @@ class EngineConfig:
     checkpoint_interval: int = 4096
     compile: bool = False
     native: bool = True
+    cuda_graphs: bool = False
 
     def __post_init__(self):
         if self.n_ubatch < 1:

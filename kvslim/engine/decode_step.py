@@ -1,4 +1,4 @@
-"""Decode steps: one new token for each of B sequences, native, compiled or eager.
+"""Decode steps: one new token for each of B sequences, native, graphed, compiled or eager.
 
 Native (the default where it applies): the whole step in C, one call per token
 (``native_step.py``; batches of more than 8 sequences as calls of 8); models, weights or
@@ -18,6 +18,10 @@ model compiles twice: for one sequence (torch specialises size 1) and for any
 other batch size. ``Engine.warm_up`` does both before the first request;
 inductor keeps the generated code in its on-disk cache, so a later process
 skips the C++ compilation (dynamo's tracing is paid again).
+
+Graphed (``--cuda-graphs``, CUDA devices): the same DecodeBatch forward (compiled or
+not) recorded as CUDA graphs per batch size and page bucket and replayed
+(``cuda_graphs.py``): one launch a step instead of one per kernel.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from pathlib import Path
 import torch
 
 from ..models import Batch, DecodeBatch
+from .cuda_graphs import GraphedDecode
 from .native_step import NativeStep
 
 # The decode graph's settings. Guards on the model's modules are skipped: dynamo checks every
@@ -73,10 +78,12 @@ def use_cache_dir() -> None:
 class DecodeStep:
     """``step(slots, tokens, positions)`` -> float32 logits (B, vocab), caches advanced by one."""
 
-    def __init__(self, model, cache, compile: bool = True, backend: str = "inductor", native: bool = True):
+    def __init__(self, model, cache, compile: bool = True, backend: str = "inductor", native: bool = True,
+                 cuda_graphs: bool = False):
         """``backend``: torch.compile's; tests use "aot_eager" (the same traced, functionalised
         graph run by eager kernels: checks the tracing in seconds instead of minutes).
-        ``native``: use the C step where it applies (``why_not_native`` says why it does not)."""
+        ``native``: use the C step where it applies (``why_not_native`` says why it does not).
+        ``cuda_graphs``: replay the step from CUDA graphs where it can (``why_not_graphs``)."""
         self.model, self.cache = model, cache
         self.device = model.model.embed_tokens.weight.device
         self.native, self.why_not_native = None, "turned off (--no-native)"
@@ -91,16 +98,47 @@ class DecodeStep:
         self._fn = torch.compile(self._forward, backend=backend, dynamic=True, options=options) \
             if self.compiled else None
         self._shapes_seen: set[bool] = set()
+        self.graphed, self.why_not_graphs = None, "turned off (--no-cuda-graphs)"
+        if cuda_graphs:
+            self.graphed, self.why_not_graphs = self._graphs()
+
+    def _graphs(self) -> tuple[GraphedDecode | None, str]:
+        if self.native is not None:
+            return None, "the C step serves this model's decode"
+        if self.device.type != "cuda":
+            return None, f"CUDA graphs need a CUDA device, the model is on {self.device}"
+        if not self.cache.static_decode:
+            return None, "the f16 window or a calibrated V format keeps decode steps eager"
+        max_pages = max((kv.pages_per_slot for kv in self.cache.kv_layers), default=2)
+        return GraphedDecode(self._fn or self._forward, self.device, self.cache.n_slots, max_pages), ""
 
     @property
     def static(self) -> bool:
-        """Whether steps run apart from the flattened-Batch forward (native or compiled)."""
-        return self.native is not None or self.compiled
+        """Whether steps run apart from the flattened-Batch forward (native, graphed or compiled)."""
+        return self.native is not None or self.graphed is not None or self.compiled
+
+    @property
+    def path(self) -> str:
+        """Which step decodes: native, graphs (eager after a failed recording), compiled or eager."""
+        if self.native is not None:
+            return "native"
+        if self.graphed is not None:
+            return "graphs" if self.graphed.why_eager is None else "eager (graphs failed)"
+        return "compiled" if self.compiled else "eager"
+
+    @property
+    def setup_s(self) -> float:
+        """Seconds spent compiling graphs and recording CUDA graphs so far."""
+        return self.compile_s + (self.graphed.capture_s if self.graphed is not None else 0.0)
 
     def __call__(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
-        if self.native is not None:
+        if self.native is not None or self.graphed is not None:
             self.cache.prepare_decode(slots, positions)
-            logits = self.native(slots, tokens, positions)
+            if self.native is not None:
+                logits = self.native(slots, tokens, positions)
+            else:
+                with torch.inference_mode():
+                    logits = self.graphed.run(tokens, positions, slots, self.cache.decode_pages(positions))
             self.cache.commit_decode(slots)
             return logits
         if not self.compiled:

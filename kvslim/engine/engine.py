@@ -89,7 +89,8 @@ class Engine:
                  eog_ids: set[int] = frozenset()):
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.cache = model.make_cache(config.cache)
-        self.decode_step = DecodeStep(model, self.cache, compile=config.compile, native=config.native)
+        self.decode_step = DecodeStep(model, self.cache, compile=config.compile, native=config.native,
+                                      cuda_graphs=config.cuda_graphs)
         self.eog_ids = set(eog_ids)
         self._free = list(range(config.n_parallel))
         self.prefix = PrefixCache(self.cache, config.max_checkpoints, config.checkpoint_bytes) \
@@ -367,11 +368,12 @@ class Engine:
             self.step()
 
     def warm_up(self) -> float:
-        """Compile the decode step now (batch 1, and 2 when there are two slots) rather than in
-        the first requests' steps; seconds spent. Nothing to do without ``compile``."""
-        if not self.decode_step.compiled:
+        """Compile the decode step, or record its CUDA graphs, now (batch 1, and 2 when there are
+        two slots) rather than in the first requests' steps; seconds spent. Nothing to do without
+        ``compile`` or ``cuda_graphs``."""
+        if not (self.decode_step.compiled or self.decode_step.graphed):
             return 0.0
-        before = self.decode_step.compile_s
+        before = self.decode_step.setup_s
         slots = [self.acquire_slot() for _ in range(min(2, len(self._free)))]
         try:
             for n in range(1, len(slots) + 1):
@@ -383,7 +385,7 @@ class Engine:
         finally:
             for slot in slots:
                 self.release_slot(slot)
-        return self.decode_step.compile_s - before
+        return self.decode_step.setup_s - before
 
     # ----- scoring ----------------------------------------------------------------
     def iter_scores(self, token_ids: list[int], first: int = 0, progress=None) -> Iterator[tuple[int, torch.Tensor]]:

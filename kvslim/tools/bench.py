@@ -106,14 +106,16 @@ def run_all(model, facts, pairs, tests, nps, args) -> list[dict]:
         cache = CacheConfig(ctx, n_par, type_k, type_v, backend=args.attn_backend,
                             device=model.model.embed_tokens.weight.device)
         fc = FilledCache(model, ctx, n_par, type_k, type_v, args.ubatch_size, cache_config=cache,
-                         compile=args.compile, native=getattr(args, "native", True))
+                         compile=args.compile, native=getattr(args, "native", True),
+                         cuda_graphs=getattr(args, "cuda_graphs", False))
         case = {"type_k": type_k, "type_v": type_v, "n_parallel": n_par, "n_ubatch": args.ubatch_size}
         for test in tests:
             if test.kind == "pp" and n_par > 1:
                 continue                                             # -np applies to decode
             if test.n_depth != fc.depth:
                 fc.grow_to(test.n_depth, bar)
-            records.append(record(facts, test, case, measure(fc, test, args.repetitions)))
+            result = measure(fc, test, args.repetitions)          # the step's path as it ran (graphs may fall back)
+            records.append(record(facts, test, {**case, "decode": fc.decode.path}, result))
     bar.close()
     return records
 

@@ -1,4 +1,4 @@
-"""The engine flags every tool shares (--device, --attn-backend, --compile, --native) and the one place where
+"""The engine flags every tool shares (--device, --attn-backend, --compile, --cuda-graphs, --native) and the one place where
 parsed arguments become an :class:`EngineConfig`."""
 from __future__ import annotations
 
@@ -17,6 +17,10 @@ def add_device_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                    help="decode through torch.compile (the first steps compile, cached on disk under "
                         "~/.cache/kvslim/inductor; default: eager)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=False,
+                   help="on a CUDA device, replay decode steps from CUDA graphs recorded per batch size "
+                        "(one launch a token instead of thousands; default: off until a GPU run has held "
+                        "them to the eager steps)")
     p.add_argument("--native", action=argparse.BooleanOptionalAction, default=True,
                    help="decode steps in C where the model, weights and K/V formats allow "
                         "(--no-native: the torch steps, compiled with --compile)")
@@ -31,4 +35,4 @@ def engine_config(args, *, ctx: int | None = None, n_parallel: int = 1, type_k: 
         type_v if type_v is not None else args.cache_type_v,
         device=getattr(args, "device", None), backend=getattr(args, "attn_backend", "torch"),
         n_ubatch=args.ubatch_size, compile=getattr(args, "compile", False),
-        native=getattr(args, "native", True), **engine)
+        native=getattr(args, "native", True), cuda_graphs=getattr(args, "cuda_graphs", False), **engine)
