@@ -77,7 +77,7 @@ setup() {
 
 # The tests that need CUDA (or compile for an H100), picked by name with -k: the model files'
 # CUDA tests run with and without the kernels; the kernel files' tests call the kernels directly.
-MODEL_TESTS="tests/test_runtime.py tests/test_formats_api.py tests/test_models.py tests/test_cuda_graphs.py"
+MODEL_TESTS="tests/test_runtime.py tests/test_formats_api.py tests/test_models.py tests/test_graph_decode.py"
 KERNEL_TESTS="tests/test_triton_attention.py tests/test_triton_prefill.py tests/test_triton_append.py
     tests/test_triton_weights.py tests/test_gpu_delta_rule.py"
 PYTEST="-m pytest -p no:cacheprovider -o addopts= -rs -q"
