@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import kvslim
+import kvslim.gpu
 from kvslim.engine import Engine, EngineConfig, SamplingParams
 from kvslim.engine.cuda_graphs import GraphedDecode, page_bucket
 from kvslim.engine.decode_step import DecodeStep
@@ -52,18 +53,52 @@ def test_reading_a_bucket_of_pages_gives_the_exact_pages_logits(hybrid, type_k, 
     masked by position, change nothing."""
     model, _, _ = hybrid
     prompts = [list(range(5, 22)), list(range(30, 39))]
-    caches = [filled(model, type_k, type_v, prompts)[0] for _ in range(2)]
-    step = DecodeStep(model, caches[0], compile=False, native=False)
+    exact, bucket = (one_step(model, filled(model, type_k, type_v, prompts)[0], extra) for extra in (0, 7))
+    torch.testing.assert_close(bucket, exact, atol=1e-6, rtol=0)
+
+
+def one_step(model, cache, extra_pages: int) -> torch.Tensor:
+    """One DecodeBatch step for slots 0 and 1 (at 17 and 9 tokens), reading ``extra_pages`` more
+    pages per sequence than they need."""
     slots, positions, tokens = [0, 1], [17, 9], [3, 4]
-    got = []
-    for cache, extra in zip(caches, (0, 7)):
-        step.cache = cache
-        cache.prepare_decode(slots, positions)
-        with torch.inference_mode():
-            got.append(step._forward(*(torch.tensor(x) for x in (tokens, positions, slots)),
-                                     cache.decode_pages(positions) + extra))
-        cache.commit_decode(slots)
-    torch.testing.assert_close(got[1], got[0], atol=1e-6, rtol=0)
+    step = DecodeStep(model, cache, compile=False, native=False)
+    cache.prepare_decode(slots, positions)
+    with torch.inference_mode():
+        out = step._forward(*(torch.tensor(x) for x in (tokens, positions, slots)),
+                            cache.decode_pages(positions) + extra_pages)
+    cache.commit_decode(slots)
+    return out
+
+
+def bucketed_logits(pairs, path) -> None:
+    """In an interpreted child (the Triton kernels serving decode attention and appends): the
+    bundled model's step logits reading the exact pages and 5 more, per pair, and the number of
+    decode kernel calls."""
+    from kvslim.gpu import paged_decode
+    calls = [0]
+    inner = paged_decode.decode_state
+
+    def counted(*args, **kw):
+        calls[0] += 1
+        return inner(*args, **kw)
+    paged_decode.decode_state = counted
+    model, _, _ = load_model(None, torch.float32, torch.device("cpu"))
+    prompts = [list(range(5, 22)), list(range(30, 39))]
+    out = [[one_step(model, filled(model, k, v, prompts, page_size=4)[0], extra) for extra in (0, 5)]
+           for k, v in pairs]
+    torch.save({"logits": out, "calls": calls[0]}, path)
+
+
+@pytest.mark.skipif(not kvslim.gpu.available(), reason="triton is not installed")
+def test_the_triton_decode_reads_a_bucket_of_pages_as_the_exact_pages(tmp_path):
+    """The kernel's key splits past a sequence's end read nothing: a graph's bucket of pages gives
+    the exact pages' logits with the kernels on too (under Triton's interpreter)."""
+    from .triton_harness import run_interpreted
+    pairs = [("q8_0", "turbo4"), ("turbo3", "q4_0")]
+    got = run_interpreted("tests.test_graph_decode", "bucketed_logits", pairs, tmp_path)
+    assert got["calls"] == 2 * len(pairs) * 2                # 2 attention layers, 2 steps per pair
+    for exact, bucket in got["logits"]:
+        torch.testing.assert_close(bucket, exact, atol=1e-6, rtol=0)
 
 
 class StandInGraph:
