@@ -24,10 +24,10 @@ holds only its own output between replays.
 """
 from __future__ import annotations
 
-import time
 import logging
+import time
+from collections.abc import Callable
 from contextlib import contextmanager
-from typing import Callable
 
 import torch
 
