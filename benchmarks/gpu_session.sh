@@ -90,12 +90,14 @@ left() {    # seconds a step may take: at most $1, and no later than 10 s before
     echo $((n > 0 ? n : 1))
 }
 
-bench_bundled() {    # $1: seconds each run may take. The bundled model, torch backend and kernels
+bench_bundled() {    # $1: seconds each run may take. The bundled model: torch backend, kernels, kernels in graphs
+    local mode
     for kv in f16/f16 q8_0/turbo4; do
-        for triton in 0 1; do
-            echo "KVSLIM_TRITON=$triton"
-            KVSLIM_TRITON=$triton timeout -k 10 "$(left "$1")" $PY -m kvslim bench --device cuda -p 512 -n 64 \
-                -d 0,16384 -r 3 -ctk "${kv%/*}" -ctv "${kv#*/}" 2>&1
+        for mode in "0 --no-cuda-graphs" "1 --no-cuda-graphs" "1 --cuda-graphs"; do
+            echo "KVSLIM_TRITON=${mode%% *} ${mode#* }"
+            # shellcheck disable=SC2086
+            KVSLIM_TRITON=${mode%% *} timeout -k 10 "$(left "$1")" $PY -m kvslim bench --device cuda -p 512 -n 64 \
+                -d 0,16384 -r 3 -ctk "${kv%/*}" -ctv "${kv#*/}" ${mode#* } 2>&1
         done
     done
 }

@@ -116,6 +116,9 @@ def run_all(model, facts, pairs, tests, nps, args) -> list[dict]:
                 fc.grow_to(test.n_depth, bar)
             result = measure(fc, test, args.repetitions)          # the step's path as it ran (graphs may fall back)
             records.append(record(facts, test, {**case, "decode": fc.decode.path}, result))
+        graphed = fc.decode.graphed
+        if graphed is not None and graphed.why_eager:
+            print(f"[bench] {type_k}/{type_v}: {graphed.why_eager}; decode steps ran eagerly after it", file=sys.stderr)
     bar.close()
     return records
 
