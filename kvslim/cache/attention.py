@@ -20,6 +20,7 @@ import math
 import torch
 
 from .. import gpu
+from ..devices import to_device
 from ..gpu import paged_decode as gpu_decode
 from ..gpu import paged_prefill as gpu_prefill
 from ..native import paged_attention as native
@@ -60,8 +61,7 @@ def attend_batch(cache, batch, q: torch.Tensor, scale: float | None = None, dot:
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     decode = [seg for seg in batch.segments if seg.length == 1]
     if decode:
-        rows = None if len(decode) == len(batch.segments) else \
-            torch.tensor([seg.begin for seg in decode], device=q.device)
+        rows = None if len(decode) == len(batch.segments) else to_device([seg.begin for seg in decode], q.device)
         q_dec = q if rows is None else q[rows]
         o = _attend_decode(cache, [seg.slot for seg in decode], [seg.start_pos for seg in decode], q_dec, scale)
         if rows is None:
@@ -79,7 +79,7 @@ def _attend_decode(cache, slots: list[int], positions: list[int], q: torch.Tenso
     """One query token per sequence: q (S, H, D) -> (S, H, D)."""
     n_seq, n_heads, dim = q.shape
     qg = _group(cache, q.unsqueeze(1), scale)                           # (S, Hkv, G, D)
-    q_pos = torch.tensor(positions, device=q.device)[:, None].expand(n_seq, qg.shape[2])
+    q_pos = to_device(positions, q.device)[:, None].expand(n_seq, qg.shape[2])
     out = attend_pages(cache, slots, qg, q_pos, min(positions), one_position=True)
     return out.reshape(n_seq, n_heads, dim)
 
@@ -153,11 +153,11 @@ def attend_pages(cache, slots: list[int], q: torch.Tensor, q_pos: torch.Tensor, 
     """
     n_seq, n_kv, n_rows, dim = q.shape
     packed = [cache.n_packed(s) for s in slots]
-    slot_ids = torch.tensor(slots, device=q.device)
+    slot_ids = to_device(slots, q.device)
     q = q.transpose(0, 1)                                               # (Hkv, S, R, D): heads lead, as in the pool
     q_code = cache.fmt_k.to_code_domain(q)                             # rotate once
     table = cache.block_table[slot_ids, :-(-max(packed) // cache.page_size)]   # pages the longest one uses
-    lengths = torch.tensor(packed, device=q.device)
+    lengths = to_device(packed, q.device)
     if one_position:
         acc = _scan_decode(cache.fmt_k, cache.fmt_v, cache.k_pool, cache.v_pool, table, q_code, lengths, block_tokens)
     elif gpu.TRITON and gpu_prefill.supports(cache.fmt_k, cache.fmt_v, q_code):   # rows at their own positions
@@ -272,10 +272,10 @@ def _window_block(cache, slots, slot_ids, packed, q, q_pos, acc) -> None:
     wk = cache.win_k[slot_ids, :n].float().permute(2, 0, 1, 3)          # (Hkv, S, n, D)
     wv = cache.fmt_v.to_code_domain(cache.win_v[slot_ids, :n].float().permute(2, 0, 1, 3))
     scores = q @ wk.transpose(-1, -2)                                   # (Hkv, S, R, n)
-    base = torch.tensor(packed, device=q.device)
+    base = to_device(packed, q.device)
     j = torch.arange(n, device=q.device)
     k_pos = base[:, None] + j[None, :]                                  # (S, n)
-    invalid = (j[None, :] >= torch.tensor(win, device=q.device)[:, None])[:, None, :] | \
+    invalid = (j[None, :] >= to_device(win, q.device)[:, None])[:, None, :] | \
         (k_pos[:, None, :] > q_pos[:, :, None])                         # (S, R, n)
     acc.update(scores.masked_fill(invalid, float("-inf")), wv)
 

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from ..devices import to_device
 from ..models import Batch, DecodeBatch
 from .cuda_graphs import GraphedDecode
 from .native_step import NativeStep
@@ -146,7 +147,7 @@ class DecodeStep:
                                           device=self.device), self.cache)
         self.cache.prepare_decode(slots, positions)
         n_pages = max(2, self.cache.decode_pages(positions))   # >= 2: one graph for every depth
-        args = [torch.tensor(x, dtype=torch.long, device=self.device) for x in (tokens, positions, slots)]
+        args = [to_device(x, self.device) for x in (tokens, positions, slots)]
         shape = len(slots) == 1                                    # torch specialises size 1
         t0 = time.perf_counter()
         with torch.inference_mode():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import FP16_MAX, KernelEncoder, KernelRow, KVFormat, fp16_bytes, fp16_from_bytes
+from .base import FP16_MAX, KernelEncoder, KernelRow, KVFormat, cached_on, fp16_bytes, fp16_from_bytes
 from .rotation import hadamard_blocks, llama_rot_size
 
 QK = 32  # values per ggml block
@@ -60,8 +60,7 @@ def unpack_nibbles(qs: torch.Tensor) -> torch.Tensor:
 def pack_high_bits(q: torch.Tensor) -> torch.Tensor:
     """(N, 32) 5-bit codes -> (N, 4) bytes: bit 4 of value j at bit j of a little-endian u32."""
     bits = ((q.to(torch.int64) >> 4) & 1).view(-1, 4, 8)
-    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.int64, device=q.device)
-    return (bits * weights).sum(-1).to(torch.uint8)
+    return (bits << torch.arange(8, device=q.device)).sum(-1).to(torch.uint8)
 
 
 def unpack_high_bits(qh: torch.Tensor) -> torch.Tensor:
@@ -144,7 +143,7 @@ def decode_q5_1(b: torch.Tensor) -> torch.Tensor:
 
 # ----- iq4_nl -----------------------------------------------------------------
 def _iq4nl_grid(device) -> torch.Tensor:
-    return torch.tensor(IQ4NL_VALUES, dtype=torch.float32, device=device)
+    return cached_on(device, ("iq4_nl grid",), lambda: torch.tensor(IQ4NL_VALUES, dtype=torch.float32))
 
 
 def iq4nl_nearest(al: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from torch import nn
 from ..cache import CacheConfig, KVCache, KVLayerSpec, ModelCache, RecurrentStateCache, StateLayerSpec
 from ..cache.config import check_room
 from ..cache.spec import layout_bytes
+from ..devices import to_device
 from .batch import Batch, DecodeBatch
 from .layers import RMSNorm, Rope
 from .matmul_precision import prompt_matmuls
@@ -71,7 +72,7 @@ class CausalLM(nn.Module):
         for layer, cache in zip(self.model.layers, caches):
             x = layer(x, batch, cache, rope)
         if not all_logits and not batch.is_decode:                   # decode: every row is a last row
-            x = x[batch.last_rows]
+            x = x[to_device(batch.last_rows, x.device)]            # a list index would copy synchronously
         return self.logits(self.model.norm(x)).float()
 
     def make_cache(self, ctx: int | CacheConfig, n_slots: int = 1, type_k: str = "f16", type_v: str = "f16",

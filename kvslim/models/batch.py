@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..devices import to_device
+
 
 @dataclass(frozen=True)
 class Segment:
@@ -50,7 +52,8 @@ class Batch:
             positions.append(torch.arange(start, start + ids.numel()))
             row += ids.numel()
         slot_ids = torch.cat([torch.full((s.length,), s.slot, dtype=torch.long) for s in segments])
-        return cls(torch.cat(tokens).to(device), torch.cat(positions).to(device), segments, slot_ids.to(device))
+        return cls(to_device(torch.cat(tokens), device), to_device(torch.cat(positions), device), segments,
+                   to_device(slot_ids, device))
 
     @property
     def last_rows(self) -> list[int]:

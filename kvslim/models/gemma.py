@@ -50,7 +50,9 @@ class EmbeddingScaledLayer(DecoderLayer):
     the table, keeps the tied head and any quantized embedding unchanged."""
 
     def forward(self, x: torch.Tensor, *args) -> torch.Tensor:
-        scale = torch.tensor(self.input_layernorm.weight.shape[0] ** 0.5, dtype=x.dtype, device=x.device)
+        # sqrt(hidden) rounded to the activations' dtype on the host: a number, not a tensor
+        # copied to the device every forward
+        scale = torch.tensor(self.input_layernorm.weight.shape[0] ** 0.5, dtype=x.dtype).item()
         return super().forward(x * scale, *args)
 
 

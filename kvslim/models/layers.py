@@ -60,10 +60,14 @@ class Rope:
         steps = torch.arange(0, self.rot_dim, 2, dtype=torch.float, device="cpu")   # not meta, even inside a meta build
         inv_freq = 1.0 / (theta ** (steps / self.rot_dim))
         self.inv_freq = _scaled_inv_freq(inv_freq, scaling or {})
+        self._inv_freq_on: dict[torch.device, torch.Tensor] = {}      # copied to a device once, not per call
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape (N, rot_dim) for absolute ``positions`` (N,)."""
-        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        inv_freq = self._inv_freq_on.get(positions.device)
+        if inv_freq is None:
+            inv_freq = self._inv_freq_on.setdefault(positions.device, self.inv_freq.to(positions.device))
+        freqs = positions.float()[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formats.base import fp16_from_bytes
+from ..formats.base import cached_on, fp16_from_bytes
 
 QK_K = 256           # values per super-block
 SUB = 32             # values per sub-block with its own 6-bit scale (Q4_K, Q5_K)
@@ -17,7 +17,8 @@ SUB = 32             # values per sub-block with its own 6-bit scale (Q4_K, Q5_K
 
 def _bits(x: torch.Tensor, shifts: list[int], mask: int) -> torch.Tensor:
     """(N, G, L) bytes -> (N, G, len(shifts), L): ``(x >> s) & mask`` for each shift."""
-    s = torch.tensor(shifts, dtype=torch.uint8, device=x.device).view(1, 1, -1, 1)
+    s = cached_on(x.device, ("k-quant shifts", tuple(shifts)),
+                  lambda: torch.tensor(shifts, dtype=torch.uint8)).view(1, 1, -1, 1)
     return (x.unsqueeze(2) >> s) & mask
 
 
