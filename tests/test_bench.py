@@ -36,7 +36,11 @@ def test_bench_json_and_markdown(tiny_folder, capsys, tmp_path):
     assert all(r["avg_ts"] > 0 and r["type_k"] == "q8_0" and r["type_v"] == "turbo4" for r in records)
     assert records[2]["kv_bytes"] > 0 and (tmp_path / "b.png").stat().st_size > 1000
     table = markdown(records)
-    assert "| type_k | type_v | test" in table and " ± " in table
+    assert "| type_k | type_v | test" in table and " ± " in table and "peak RSS |" in table
+    assert [r["decode_path"] for r in records] == ["", "native", "", "native"]
+    # a CUDA run's records carry the GPU allocator's peak instead of the process's RSS
+    gpu_records = [{**r, "peak_rss_bytes": -1, "peak_gpu_bytes": 3 << 30} for r in records]
+    assert "peak GPU |" in markdown(gpu_records) and "3.00 GiB |" in markdown(gpu_records)
 
 
 def test_repetitions_start_from_the_same_filled_state(tiny_folder):

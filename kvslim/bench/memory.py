@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ctypes
 
+import torch
+
 
 def rss_kib(field: str = "VmRSS") -> int:
     try:
@@ -48,3 +50,29 @@ class PeakRSS:
             self.peak_bytes = max(self.peak_bytes, hwm)
             self.extra_bytes = max(self.extra_bytes, hwm - self._before * 1024)
         return False
+
+
+class PeakDevice:
+    """PeakRSS's interface for a CUDA device: the most bytes torch's allocator held during the work."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.peak_bytes, self.extra_bytes = -1, -1
+
+    def __enter__(self):
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._before = torch.cuda.memory_allocated(self.device)
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        self.peak_bytes = max(self.peak_bytes, peak)
+        self.extra_bytes = max(self.extra_bytes, peak - self._before)
+        return False
+
+
+def peak_meter(device: torch.device):
+    """Where a piece of work's peak memory is read: the GPU's allocator, or the process's RSS."""
+    return PeakDevice(device) if torch.device(device).type == "cuda" else PeakRSS()

@@ -31,8 +31,10 @@ def markdown(records: list[dict]) -> str:
     """llama-bench's table; type_k/type_v columns only when some run is not f16, np when > 1."""
     show_types = any(r["type_k"] != "f16" or r["type_v"] != "f16" for r in records)
     show_np = any(r["n_parallel"] > 1 for r in records)
+    on_gpu = any("peak_gpu_bytes" in r for r in records)
+    peak_key = "peak_gpu_bytes" if on_gpu else "peak_rss_bytes"
     headers = ["model", "size", "params", "backend", "threads"] + (["type_k", "type_v"] if show_types else []) \
-        + (["np"] if show_np else []) + ["test", "t/s", "KV", "peak RSS"]
+        + (["np"] if show_np else []) + ["test", "t/s", "KV", "peak GPU" if on_gpu else "peak RSS"]
     rows = []
     for r in records:
         row = [r["model_type"], human_bytes(r["model_size"]), f"{r['model_n_params'] / 1e6:.2f} M", r["backend"],
@@ -40,7 +42,7 @@ def markdown(records: list[dict]) -> str:
         row += [r["type_k"], r["type_v"]] if show_types else []
         row += [r["n_parallel"]] if show_np else []
         row += [r["test"], f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f}", human_bytes(r["kv_bytes"]),
-                human_bytes(r["peak_rss_bytes"]) if r["peak_rss_bytes"] >= 0 else "n/a"]
+                human_bytes(r[peak_key]) if r.get(peak_key, -1) >= 0 else "n/a"]
         rows.append(row)
     align = ["l"] * (len(headers) - 3) + ["r", "r", "r"]
     return markdown_table(headers, rows, align)

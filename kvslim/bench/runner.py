@@ -18,7 +18,7 @@ from ..cache import CacheConfig
 from ..engine.decode_step import DecodeStep
 from ..models import Batch
 from ..models.base import CausalLM
-from .memory import PeakRSS
+from .memory import peak_meter
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,8 @@ def measure(fc: FilledCache, test: Test, repetitions: int) -> dict:
     run = time_pp if test.kind == "pp" else time_tg
     tokens = test.n_tokens * (fc.n_parallel if test.kind == "tg" else 1)
     samples = []
-    peak = PeakRSS()
+    peak = peak_meter(fc.device)                                      # RSS, or the GPU allocator's peak
+    on_gpu = fc.device.type == "cuda"
     for rep in range(repetitions + 1):
         fc.restore()
         with peak:
@@ -129,4 +130,5 @@ def measure(fc: FilledCache, test: Test, repetitions: int) -> dict:
     fc.restore()
     return {"samples_ts": samples, "avg_ts": statistics.mean(samples),
             "stddev_ts": statistics.stdev(samples) if len(samples) > 1 else 0.0,
-            "peak_rss_bytes": peak.peak_bytes, "kv_bytes": kv_bytes, "state_bytes": state_bytes}
+            "peak_rss_bytes": -1 if on_gpu else peak.peak_bytes, **({"peak_gpu_bytes": peak.peak_bytes} if on_gpu else {}),
+            "kv_bytes": kv_bytes, "state_bytes": state_bytes}
