@@ -11,28 +11,38 @@ import torch
 
 from kvslim import formats
 from kvslim.cache import attention
+from kvslim.formats.klt import random_calibration
 from kvslim.native import build
 from kvslim.native import paged_attention as native
 
 PAIRS = [("f16", "f16"), ("bf16", "f32"), ("q8_0", "q4_0"), ("iq4_nl", "q8_0"), ("turbo4", "turbo3"),
-         ("turbo2", "f16"), ("nl4", "nl3"), ("nl4s", "nl3s"), ("q4_1", "q5_0"), ("q5_1", "q4_1-norot")]
+         ("turbo2", "f16"), ("nl4", "nl3"), ("nl4s", "nl3s"), ("q4_1", "q5_0"), ("q5_1", "q4_1-norot"),
+         ("nl4s", "klt3")]
 WHOLE_BLOCKS = {"nl4s": 128, "nl3s": 128}          # formats whose rows are blocks of 128
 
 
-def _pool(fmt, rows: torch.Tensor) -> torch.Tensor:
-    """rows (Hkv, pages, page_size, D) float -> the packed pool, as the cache stores it."""
+def pool(fmt, rows: torch.Tensor) -> torch.Tensor:
+    """rows (Hkv, pages, page_size, D) float -> the packed pool, as the cache stores it (encoded as
+    the cache encodes them, tokens of (Hkv, D): klt3 codes each head in its own basis)."""
     n_kv, pages, size, dim = rows.shape
-    return fmt.encode(rows.reshape(-1, dim)).reshape(n_kv, pages, size, -1).contiguous()
+    tokens = rows.permute(1, 2, 0, 3).reshape(-1, n_kv, dim)
+    return fmt.encode(tokens).reshape(pages, size, n_kv, -1).permute(2, 0, 1, 3).contiguous()
+
+
+def kv_formats(name_k: str, name_v: str, n_kv: int, dim: int):
+    """The K and V formats, a calibrated V format (klt3) bound to a calibration on random rows."""
+    fmt_k, fmt_v = formats.get(name_k, role="k"), formats.get(name_v, role="v")
+    return fmt_k, fmt_v.bind(random_calibration(name_v, n_kv, dim)) if fmt_v.calibrated else fmt_v
 
 
 def _case(name_k, name_v, dim, group, lengths, page_size=16, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    fmt_k, fmt_v = formats.get(name_k, role="k"), formats.get(name_v, role="v")
     n_kv, n_seq = 2, len(lengths)
+    fmt_k, fmt_v = kv_formats(name_k, name_v, n_kv, dim)
     per_seq = max(1, -(-max(lengths) // page_size))
     pages = n_seq * per_seq + 1
-    k_pool = _pool(fmt_k, torch.randn(n_kv, pages, page_size, dim, generator=gen))
-    v_pool = _pool(fmt_v, torch.randn(n_kv, pages, page_size, dim, generator=gen))
+    k_pool = pool(fmt_k, torch.randn(n_kv, pages, page_size, dim, generator=gen))
+    v_pool = pool(fmt_v, torch.randn(n_kv, pages, page_size, dim, generator=gen))
     table = (torch.randperm(pages - 1, generator=gen)[:n_seq * per_seq] + 1).reshape(n_seq, per_seq).int()
     q = fmt_k.to_code_domain(torch.randn(n_kv, n_seq, group, dim, generator=gen) * dim ** -0.5)
     return fmt_k, fmt_v, q, k_pool, v_pool, table, torch.tensor(lengths)

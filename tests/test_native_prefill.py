@@ -15,7 +15,9 @@ from kvslim.cache import attention, backends
 from kvslim.native import build
 from kvslim.native import prefill_attention as prefill
 
-PAIRS = [("f16", "f16"), ("q8_0", "turbo4"), ("iq4_nl", "q8_0"), ("nl4s", "nl3s"), ("bf16", "f32")]
+from .test_native_attention import kv_formats, pool
+
+PAIRS = [("f16", "f16"), ("q8_0", "turbo4"), ("iq4_nl", "q8_0"), ("nl4s", "nl3s"), ("bf16", "f32"), ("q8_0", "klt3")]
 
 
 def _need_kernel():
@@ -26,19 +28,14 @@ def _need_kernel():
         pytest.skip("this CPU has no AVX512_BF16: prefill keeps the float32 torch path")
 
 
-def _pool(fmt, rows: torch.Tensor) -> torch.Tensor:
-    n_kv, pages, size, dim = rows.shape
-    return fmt.encode(rows.reshape(-1, dim)).reshape(n_kv, pages, size, -1).contiguous()
-
-
 def _case(name_k, name_v, dim, length, n_rows, page_size, seed=0):
     """Pools of one sequence with ``length`` keys, and n_rows query rows of two GQA heads at the
     last n_rows // 2 positions (row g * T + t is at position length - T + t)."""
     gen = torch.Generator().manual_seed(seed)
-    fmt_k, fmt_v = formats.get(name_k, role="k"), formats.get(name_v, role="v")
     n_kv, per_seq = 2, -(-length // page_size)
-    k_pool = _pool(fmt_k, torch.randn(n_kv, per_seq + 1, page_size, dim, generator=gen))
-    v_pool = _pool(fmt_v, torch.randn(n_kv, per_seq + 1, page_size, dim, generator=gen))
+    fmt_k, fmt_v = kv_formats(name_k, name_v, n_kv, dim)
+    k_pool = pool(fmt_k, torch.randn(n_kv, per_seq + 1, page_size, dim, generator=gen))
+    v_pool = pool(fmt_v, torch.randn(n_kv, per_seq + 1, page_size, dim, generator=gen))
     table = (torch.randperm(per_seq, generator=gen) + 1)[None].int()
     q = fmt_k.to_code_domain(torch.randn(n_kv, 1, n_rows, dim, generator=gen) * 2 * dim ** -0.5)
     t = n_rows // 2
@@ -86,8 +83,8 @@ def test_each_row_sees_exactly_the_keys_up_to_its_position():
     values = torch.stack([pos % 251, torch.floor(pos / 251)] + [torch.ones(length)] * (dim - 2), -1)
     rows = torch.tensor([0, 1, 62, 63, 64, 65, 127, 4094, 4095, 4096, 4097, 4200, length - 1, length + 30])
     per_seq = -(-length // 16)
-    k_pool = _pool(fmt_k, torch.randn(2, per_seq, 16, dim))
-    v_pool = _pool(fmt_v, torch.nn.functional.pad(values, (0, 0, 0, per_seq * 16 - length)).reshape(1, per_seq, 16, dim)
+    k_pool = pool(fmt_k, torch.randn(2, per_seq, 16, dim))
+    v_pool = pool(fmt_v, torch.nn.functional.pad(values, (0, 0, 0, per_seq * 16 - length)).reshape(1, per_seq, 16, dim)
                    .expand(2, -1, -1, -1).contiguous())
     table = torch.arange(per_seq)[None].int()
     q = torch.zeros(2, 1, len(rows), dim)

@@ -19,7 +19,7 @@ from functools import lru_cache
 
 import torch
 
-from ..native.paged_attention import CodecFields, codec_fields
+from ..native.paged_attention import KLT, CodecFields, codec_fields
 from . import available, pow2, runs_on
 
 SPLIT_KEYS = 512          # keys per program when rows are few: fixed, so a sequence's bits do not depend on its batch
@@ -28,10 +28,10 @@ MIN_DOT = 16              # tl.dot's smallest M, N and K: fewer query rows are p
 
 
 def _fields(fmt, head_dim: int) -> CodecFields | None:
-    """The format's layout when this kernel decodes it (every layout the C kernel has, the rungs
-    of the nls rows in bytes of their own: sub_bits dividing 8)."""
+    """The format's layout when this kernel decodes it (every layout the C kernel has but klt3's
+    per-head rows, the rungs of the nls rows in bytes of their own: sub_bits dividing 8)."""
     fields = codec_fields(fmt, head_dim)
-    if fields is None or (fields.sub_values and 8 % fields.sub_bits):
+    if fields is None or fields.kind == KLT or (fields.sub_values and 8 % fields.sub_bits):
         return None
     return fields
 

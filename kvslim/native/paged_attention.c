@@ -24,13 +24,19 @@
  * and DEC_GGML in the fused loops. A PACKED block may carry two scale
  * levels (the nls rows): [f16 d][sub_bits-bit rung per sub_values values][codes], and then
  * value = (d * ladder[rung]) * lut[code].
+ *   CODEC_KLT    klt3's transform-coded V rows (kvslim/formats/klt.py): [f16 scale][one bit stream
+ *                of the row's codes, direction j's `bits[j]` wide], value j = d * levels[j][code j].
+ *                Bit widths and levels are the calibration's, per KV head: `klt_plan` and
+ *                `klt_levels` hold every head's, and the work item takes its head's
+ *                (codec_for_head). Decoded by the buffered loops only.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-enum { CODEC_F32 = 0, CODEC_F16 = 1, CODEC_BF16 = 2, CODEC_Q8 = 3, CODEC_NIBBLE = 4, CODEC_PACKED = 5 };
+enum { CODEC_F32 = 0, CODEC_F16 = 1, CODEC_BF16 = 2, CODEC_Q8 = 3, CODEC_NIBBLE = 4, CODEC_PACKED = 5, CODEC_KLT = 6 };
+#define KLT_LEVELS 256
 #define TILE 32
 /* Keys per work item. Fixed, not fitted to the batch or the threads: where a sequence's keys
  * are cut into spans sets the order its sums are added in, so a fixed cut gives a sequence the
@@ -47,6 +53,11 @@ typedef struct {
     int32_t sub_values, sub_bits;
     const float *ladder;         /* 2^sub_bits factors: sub-block i's scale is d * ladder[rung i] */
     int32_t offset_at;           /* byte of an f16 added to every value (ggml q4_1/q5_1); 0: none */
+    /* CODEC_KLT, (heads, dim) each: where direction j's code lies in the stream after the scale,
+     * lo | hi << 9 | shift << 18 | mask << 21 (the code = (body[lo] | body[hi] << 8) >> shift & mask),
+     * and its levels (heads, dim, KLT_LEVELS) */
+    const int32_t *klt_plan;
+    const float *klt_levels;
 } codec_t;
 
 static float f16_to_f32(const uint8_t *p) {
@@ -194,9 +205,33 @@ static inline __attribute__((always_inline)) void decode_block(const codec_t *c,
 
 /* Inlined: the kind checks then leave the block loop, and the row of blocks costs no calls
  * (q8_0, four blocks a row: 2.86 -> 2.42 ms a layer at 16K, 1 thread). */
+/* A klt3 row: codes of any width, each read from the two bytes it may span. */
+static void decode_klt(const codec_t *c, const uint8_t *row, int dim, float *out) {
+    const float d = f16_to_f32(row);
+    const uint8_t *body = row + 2;
+    for (int j = 0; j < dim; j++) {
+        const uint32_t p = (uint32_t)c->klt_plan[j];
+        const uint32_t word = body[p & 511] | (uint32_t)body[(p >> 9) & 511] << 8;
+        out[j] = d * c->klt_levels[(size_t)j * KLT_LEVELS + ((word >> ((p >> 18) & 7)) & (p >> 21))];
+    }
+}
+
+/* The codec as one KV head reads it: a klt3 codec's plan and levels moved to that head's. */
+static const codec_t *codec_for_head(const codec_t *c, int64_t head, int dim, codec_t *local) {
+    if (c->kind != CODEC_KLT) return c;
+    *local = *c;
+    local->klt_plan += head * dim;
+    local->klt_levels += head * dim * KLT_LEVELS;
+    return local;
+}
+
 static inline __attribute__((always_inline)) void decode_row(const codec_t *c, const uint8_t *row, int dim, float *out) {
     if (c->kind <= CODEC_BF16) {
         decode_floats(c, row, dim, out);
+        return;
+    }
+    if (c->kind == CODEC_KLT) {
+        decode_klt(c, row, dim, out);
         return;
     }
     for (int b = 0; b < dim / c->block_values; b++)
@@ -356,6 +391,7 @@ enum { DEC_F32, DEC_F16, DEC_BF16, DEC_Q8, DEC_NIBBLE, DEC_PACKED4, DEC_PACKED3,
 
 static int fused_kind(const codec_t *c) {
     if (c->kind <= CODEC_BF16) return c->kind;                 /* DEC_F32, DEC_F16, DEC_BF16 */
+    if (c->kind == CODEC_KLT) return DEC_NONE;
     if (ggml_extra(c)) {                                       /* q4_1, q5_0, q5_1 */
         if (c->kind != CODEC_NIBBLE || c->block_values != 32) return DEC_NONE;
         for (int k = 0; k < 1 << c->bits; k++)         /* the fused loop computes lut[code] as lut[0] + code */
@@ -822,6 +858,9 @@ static void attend_span(const pages_t *p, const codec_t *ck, const codec_t *cv, 
 #endif
     float *rows = fk == DEC_NONE || fv == DEC_NONE      /* the buffered loops' decoded rows */
                       ? aligned_alloc(64, sizeof(float) * (size_t)(tiled ? TILE * dim : MAX_DIM)) : NULL;
+    codec_t k_head, v_head;
+    ck = codec_for_head(ck, head, dim, &k_head);
+    cv = codec_for_head(cv, head, dim, &v_head);
     for (int64_t start = t0; start < t1; start += TILE) {
         int n = (int)(t1 - start < TILE ? t1 - start : TILE);
         const uint8_t *k_rows[TILE], *v_rows[TILE];

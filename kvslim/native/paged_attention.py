@@ -4,8 +4,10 @@
 sum) of one query position per sequence over its packed pages, so the caller can fold in
 more keys (the f16 window) and normalise as the torch path does. Formats are described to
 the kernel by a codec: their rows are float, or blocks of [f16 scale][codes] whose values
-are scale * table[code] (+ an f16 offset, with a 5th code bit: ggml's q4_1/q5_x); a format
-without such a description (the QJL turbo variants) keeps the torch path.
+are scale * table[code] (+ an f16 offset, with a 5th code bit: ggml's q4_1/q5_x), or klt3's
+transform-coded rows (per KV head: each direction's code position in the row and its levels, from
+the layer's calibration); a format without such a description (the QJL turbo variants) keeps the
+torch path.
 """
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ import torch
 from . import build
 
 SOURCE = "paged_attention.c"
-F32, F16, BF16, Q8, NIBBLE, PACKED = range(6)      # the kernel's codec kinds
+F32, F16, BF16, Q8, NIBBLE, PACKED, KLT = range(7)  # the kernel's codec kinds
+KLT_LEVELS = 256                                   # paged_attention.c's levels per klt direction
 TILE = 32                                          # keys per tile in the kernel
 MAX_DIM, MAX_ROWS = 512, 64
 SPAN = 512                                         # keys per work item (paged_attention.c's SPAN): fixed, so that
@@ -29,7 +32,7 @@ class Codec(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int32), ("bits", ctypes.c_int32), ("block_values", ctypes.c_int32),
                 ("block_bytes", ctypes.c_int32), ("lut", ctypes.c_void_p), ("header_bytes", ctypes.c_int32),
                 ("sub_values", ctypes.c_int32), ("sub_bits", ctypes.c_int32), ("ladder", ctypes.c_void_p),
-                ("offset_at", ctypes.c_int32)]
+                ("offset_at", ctypes.c_int32), ("klt_plan", ctypes.c_void_p), ("klt_levels", ctypes.c_void_p)]
 
 
 @dataclass(frozen=True)
@@ -45,11 +48,14 @@ class CodecFields:
     sub_bits: int = 0
     ladder: torch.Tensor | None = None       # the rungs' factors, zero-padded to 32
     offset_at: int = 0                       # byte of an f16 added to each value (q4_1, q5_1; 0: none)
+    klt_plan: torch.Tensor | None = None     # KLT: (heads, dim) int32, each code's place (paged_attention.c)
+    klt_levels: torch.Tensor | None = None   # KLT: (heads, dim, KLT_LEVELS) float32
 
     def codec(self) -> Codec:
         pointer = (lambda t: None if t is None else t.data_ptr())
         return Codec(self.kind, self.bits, self.block_values, self.block_bytes, pointer(self.lut),
-                     self.header_bytes, self.sub_values, self.sub_bits, pointer(self.ladder), self.offset_at)
+                     self.header_bytes, self.sub_values, self.sub_bits, pointer(self.ladder), self.offset_at,
+                     pointer(self.klt_plan), pointer(self.klt_levels))
 
 
 def _library(variant: str | None = None):
@@ -78,6 +84,8 @@ def codec_fields(fmt, head_dim: int) -> CodecFields | None:
     per name and role, so they key this cache) for the kernel, or None: the kernel has no
     decoder for it. Reads the format's declared ``kernel_row``, and refuses one whose row size
     is not what that declaration gives (a layout the declaration does not describe)."""
+    if fmt.calibrated:
+        return _klt_fields(fmt, head_dim)
     row = fmt.kernel_row(head_dim)
     if row is None:
         return None
@@ -89,6 +97,17 @@ def codec_fields(fmt, head_dim: int) -> CodecFields | None:
     n = fields.block_values
     whole = head_dim % n == 0 and fmt.row_bytes(head_dim) == head_dim // n * fields.block_bytes
     return fields if whole else None
+
+
+def _klt_fields(fmt, head_dim: int) -> CodecFields | None:
+    """A bound klt3 format's rows: the positions of every code in a row and the levels, per KV head,
+    from the tables its torch decoder reads (``KLTFormat._tables``); None while unbound."""
+    if fmt.cal is None or head_dim != fmt.cal.head_dim:
+        return None
+    t = fmt._tables("cpu")
+    plan = t.lo_byte | t.hi_byte << 9 | t.shift.long() << 18 | t.mask.long() << 21
+    return CodecFields(KLT, 0, head_dim, fmt.row_bytes(head_dim), header_bytes=2,
+                       klt_plan=plan.to(torch.int32).contiguous(), klt_levels=t.levels.float().contiguous())
 
 
 @lru_cache(maxsize=None)

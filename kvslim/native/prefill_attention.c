@@ -75,8 +75,10 @@ static void fetch16(const rows_t *src, int64_t head, int64_t n_keys, int64_t j0,
     }
     const uint8_t *k_rows[16], *v_rows[16];
     tile_rows(src->pages, head, 0, j0, n, k_rows, v_rows);
+    codec_t local;
+    const codec_t *codec = codec_for_head(src->codec, head, dim, &local);
     for (int i = 0; i < n; i++)
-        decode_row(src->codec, src->value_side ? v_rows[i] : k_rows[i], dim, out + (size_t)i * dim);
+        decode_row(codec, src->value_side ? v_rows[i] : k_rows[i], dim, out + (size_t)i * dim);
 }
 
 /* Keys [j0, j0 + n) of one head into 16-key groups of word pairs (n padded to KT with zeros). */
