@@ -266,3 +266,13 @@ def test_overflowing_values_flag_the_sequence_as_the_torch_step_does(hybrid):
     finally:
         weight.copy_(saved)
     assert cache.take_overflow() == [0]
+
+
+def test_klt3_values_decode_in_the_c_step():
+    """klt3 V rows (the bundled model's calibration: each KV head coded in its own basis) are
+    encoded, attended and taken back out of their basis by the C step, per head."""
+    model, _, _ = load_model(None, "f32")
+    assert model.kv_calibration is not None
+    for type_k in ("nl4s", "q8_0"):
+        worst, same = run_both(model, type_k, "klt3")
+        assert worst < 1e-4 and same

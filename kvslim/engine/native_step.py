@@ -12,8 +12,8 @@ with a shared expert, GQA attention with optional output gate, q/k norms and par
 Gated DeltaNet); every weight type of ``block_linear.c``
 and f32/f16/bf16 matrices (activations are float32 whatever the weights' dtype, as in
 llama.cpp: a bf16 model decodes as ``--dtype f32 --weights bf16`` would); K/V formats
-f32/f16/bf16, q8_0/q4_0/iq4_nl (rotated or not), TurboQuant's MSE variants and the nl grids
-(nl4, nl3, nl4s, nl3s); any number of sequences, in calls of MAX_BATCH. The torch model is the reference (``tests/test_native_step.py``).
+f32/f16/bf16, q8_0/q4_0/q4_1/q5_0/q5_1/iq4_nl (rotated or not), TurboQuant's MSE variants, the nl
+grids (nl4, nl3, nl4s, nl3s) and klt3 V rows (each KV head in its calibrated basis); any number of sequences, in calls of MAX_BATCH. The torch model is the reference (``tests/test_native_step.py``).
 """
 from __future__ import annotations
 
@@ -152,7 +152,7 @@ def _stacked(param: torch.Tensor, kind, keep: Keep) -> tuple[Mat, int]:
 def _attention(layer: Layer, attn, kv: KVCache, keep: Keep, zc: bool, eps: float) -> None:
     if type(attn) is not Attention or not isinstance(kv, KVCache):
         raise Unsupported(f"a {type(attn).__name__} mixer")
-    if not kv.static_decode:
+    if kv.f16_window:
         raise Unsupported("an f16 window (its tokens move on the host)")
     layer.mixer = 0
     layer.q, layer.k, layer.v, layer.o = (matrix(m, keep) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj))

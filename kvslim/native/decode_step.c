@@ -136,8 +136,8 @@ static void attention(const model_t *m, const layer_t *L, int64_t B, const int64
         const int64_t at = page * L->page_size + pos[s] % L->page_size;
         int bad = 0;
         for (int j = 0; j < Hk; j++) {                     /* the token's K/V rows into the pool */
-            bad |= encode_row(L->ek, ks + j * D, D, L->k_pool + (j * (L->pool_pages * L->page_size) + at) * L->k_row_bytes);
-            bad |= encode_row(L->ev, vs + j * D, D, L->v_pool + (j * (L->pool_pages * L->page_size) + at) * L->v_row_bytes);
+            bad |= encode_row_head(L->ek, j, ks + j * D, D, L->k_pool + (j * (L->pool_pages * L->page_size) + at) * L->k_row_bytes);
+            bad |= encode_row_head(L->ev, j, vs + j * D, D, L->v_pool + (j * (L->pool_pages * L->page_size) + at) * L->v_row_bytes);
         }
         if (bad) L->overflow[slots[s]] = 1;
         for (int hh = 0; hh < H; hh++) {                   /* the query: norm, RoPE, scale, K's code domain */
@@ -145,7 +145,7 @@ static void attention(const model_t *m, const layer_t *L, int64_t B, const int64
             if (L->q_norm) rmsnorm(qh, L->q_norm, D, m->eps, m->zero_centered, qh);
             rope(qh, m->rot_dim, m->inv_freq, pos[s]);
             for (int i = 0; i < D; i++) tmp[i] = qh[i] * scale;
-            to_code_domain(L->ek, tmp, qg + (((int64_t)(hh / G) * B + s) * G + hh % G) * D, D);
+            to_code_domain_head(L->ek, hh / G, tmp, qg + (((int64_t)(hh / G) * B + s) * G + hh % G) * D, D);
         }
         n_keys[s] = pos[s] + 1;
         memcpy(table + s * L->table_stride, L->table + slots[s] * L->table_stride, sizeof(int32_t) * (size_t)L->table_stride);
@@ -159,7 +159,7 @@ static void attention(const model_t *m, const layer_t *L, int64_t B, const int64
             float y[MAX_DIM], *o = att + (s * H + hh) * D;
             const float inv_l = 1.0f / ml[Hk * B * G + row];
             for (int i = 0; i < D; i++) y[i] = acc[row * D + i] * inv_l;
-            from_code_domain(L->ev, y, o, D);
+            from_code_domain_head(L->ev, hh / G, y, o, D);     /* klt3: its KV head's basis */
             if (L->gated)
                 for (int i = 0; i < D; i++) o[i] *= sigmoid(q[(s * H + hh) * qw + D + i]);
         }

@@ -18,6 +18,9 @@
  *              [f16 d][codes packed]
  *   ENC_GRID_SUB  the nls rows: per block of 128 one scale and per 16 values a 2-bit rung of
  *              the ladder, chosen by squared error and refit twice, [f16 d][rungs][codes]
+ *   ENC_KLT    klt3, the calibrated transform-coded V rows (kvslim/formats/klt.py): per KV head
+ *              its own basis, mean, spreads, bits and grids, so the row's head is an argument
+ *              (encode_row_head); [f16 row scale][each direction's code, bits[e] wide, LSB first]
  * Each encoder also computes the token's overflow flag as the torch hot path does: NaN or inf,
  * or past what the fp16 fields can hold.
  */
@@ -28,9 +31,10 @@
 #define ENC_MAX_DIM 512
 
 enum { ENC_FLOAT = 0, ENC_Q8_0 = 1, ENC_Q4_0 = 2, ENC_TURBO = 3, ENC_GRID = 4, ENC_GRID_SUB = 5, ENC_IQ4_NL = 6,
-       ENC_Q4_1 = 7, ENC_Q5_0 = 8, ENC_Q5_1 = 9 };
+       ENC_Q4_1 = 7, ENC_Q5_0 = 8, ENC_Q5_1 = 9, ENC_KLT = 10 };
 #define GRID_SUB 16               /* nls: values per rung */
 #define GRID_MAX_TRIES 32         /* grids: candidate scales (kv_encode.py refuses more) */
+#define KLT_MIDS 255              /* klt: midpoints per direction (8-bit codes at most) */
 enum { FLOAT_F32 = 0, FLOAT_F16 = 1, FLOAT_BF16 = 2 };
 
 typedef struct {
@@ -47,6 +51,14 @@ typedef struct {
     int32_t n_tries;         /* grids: candidate scales */
     const float *tries;      /* grids: their factors of amax / max|grid| */
     const float *ladder;     /* nls: the 4 rung factors */
+    int32_t klt_heads;       /* klt: KV heads (H); the tables below are per head */
+    int32_t klt_bits_total;  /* klt: code bits per row, the same for every head (a multiple of 8) */
+    const float *klt_basis;  /* (H, D, D): basis[h][d][e], row -> code direction e */
+    const float *klt_synthesis; /* (H, D, D): synthesis[h][e][d], code direction -> row */
+    const float *klt_mean;   /* (H, D), in the row's domain */
+    const float *klt_spread; /* (H, D): each direction's standard deviation */
+    const float *klt_mids;   /* (H, D, KLT_MIDS): grid midpoints, ascending (+inf past 2^bits - 1) */
+    const uint8_t *klt_bits; /* (H, D): bits of each direction's code, 0 to 8 */
 } enc_t;
 
 static void store_f16(uint8_t *p, float v) {
@@ -386,7 +398,8 @@ static void encode_grid_blocks(const enc_t *e, const float *y, int dim, uint8_t 
     }
 }
 
-/* Encode one row x (dim) into out (the format's row bytes); returns the row's overflow flag. */
+/* Encode one row x (dim) into out (the format's row bytes); returns the row's overflow flag. Every
+ * kind but ENC_KLT, whose tables are per head (encode_row_head). */
 static int encode_row(const enc_t *e, const float *x, int dim, uint8_t *out) {
     if (e->kind == ENC_TURBO) return encode_turbo(e, x, dim, out);
     float y[ENC_MAX_DIM];
@@ -415,6 +428,103 @@ static int encode_row(const enc_t *e, const float *x, int dim, uint8_t *out) {
     return bad;
 }
 
+/* ----- klt3: per-head transform coding ------------------------------------------------- */
+/* y = (x - mean) @ basis with one head's tables (its code domain). Each row of the basis is added
+ * into all dim sums at once: the inner loop runs along e, contiguous, and vectorises, where a dot
+ * product per e would walk the basis by columns. */
+static void klt_project(const float *basis, const float *mean, const float *x, float *y, int dim) {
+    for (int j = 0; j < dim; j++) y[j] = 0.0f;
+    for (int d = 0; d < dim; d++) {
+        const float c = x[d] - mean[d], *b = basis + (size_t)d * dim;
+        for (int j = 0; j < dim; j++) y[j] += c * b[j];
+    }
+}
+
+/* x = y @ synthesis + mean: back out of the code domain (affine, as KLTFormat.from_code_domain). */
+static void klt_synthesize(const float *synthesis, const float *mean, const float *y, float *x, int dim) {
+    for (int d = 0; d < dim; d++) x[d] = 0.0f;
+    for (int j = 0; j < dim; j++) {
+        const float c = y[j], *s = synthesis + (size_t)j * dim;
+        for (int d = 0; d < dim; d++) x[d] += c * s[d];
+    }
+    for (int d = 0; d < dim; d++) x[d] += mean[d];
+}
+
+/* torch.searchsorted(mids, u) (left) among a direction's 2^bits - 1 midpoints: a branch-free lower
+ * bound, one halving step per code bit, so the +inf midpoints past them are never read. The test
+ * is torch's "not mid >= u": NaN goes past every midpoint, to 2^bits - 1, which is what the torch
+ * encoder's bytes hold once its code 255 is cut to the direction's bits. */
+static inline int klt_code(const float *mids, int bits, float u) {
+    int c = 0;
+    for (int step = (1 << bits) >> 1; step > 0; step >>= 1) c += !(mids[c + step - 1] >= u) ? step : 0;
+    return c;
+}
+
+/* One row of KV head `head`, as KLTFormat._encode: z = (x - mean) @ basis / spread, the fp16 RMS of
+ * its coded directions as the row scale, each direction's code of z / scale, packed from bit 0.
+ * Returns KLTFormat._bad_rows' flag: a non-finite value in x, or a non-finite scale. */
+static int encode_klt(const enc_t *e, int head, const float *x, int dim, uint8_t *out) {
+    const size_t hd = (size_t)head * dim;
+    const float *spread = e->klt_spread + hd, *mids = e->klt_mids + hd * KLT_MIDS;
+    const uint8_t *bits = e->klt_bits + hd;
+    float z[ENC_MAX_DIM], ss = 0.0f;
+    int live = 0, bad = 0;
+    klt_project(e->klt_basis + hd * dim, e->klt_mean + hd, x, z, dim);
+    for (int j = 0; j < dim; j++) {
+        z[j] /= spread[j];
+        ss += z[j] * z[j] * (float)(bits[j] > 0);       /* times 0, not skipped: inf * 0 is NaN in torch too */
+        live += bits[j] > 0;
+        bad |= !isfinite(x[j]);
+    }
+    const float scale = half_round(sqrtf(ss / (float)(live > 0 ? live : 1)));
+    const float div = scale > 0.0f ? scale : 1.0f;        /* NaN and 0: 1, as torch.where(scale > 0, ...) */
+    store_f16(out, scale);
+    uint8_t *p = out + 2;
+    uint32_t acc = 0;                                      /* fewer than 8 pending bits + a code of 8 */
+    int fill = 0;
+    for (int j = 0; j < dim; j++) {
+        acc |= (uint32_t)klt_code(mids + (size_t)j * KLT_MIDS, bits[j], z[j] / div) << fill;
+        for (fill += bits[j]; fill >= 8; fill -= 8) *p++ = (uint8_t)acc, acc >>= 8;
+    }
+    return bad | !isfinite(scale);
+}
+
+/* Encode one row x (dim) of KV head `head` (0 ..; only ENC_KLT reads it) into out; returns the row's
+ * overflow flag. */
+int encode_row_head(const enc_t *e, int head, const float *x, int dim, uint8_t *out) {
+    return e->kind == ENC_KLT ? encode_klt(e, head, x, dim, out) : encode_row(e, x, dim, out);
+}
+
+/* Into a format's code domain and back out of it, for a row of KV head `head`. */
+static void to_code_domain_head(const enc_t *e, int head, const float *x, float *y, int dim) {
+    const size_t hd = (size_t)head * dim;
+    if (e->kind == ENC_KLT) klt_project(e->klt_basis + hd * dim, e->klt_mean + hd, x, y, dim);
+    else to_code_domain(e, x, y, dim);
+}
+
+static void from_code_domain_head(const enc_t *e, int head, const float *y, float *x, int dim) {
+    const size_t hd = (size_t)head * dim;
+    if (e->kind == ENC_KLT) klt_synthesize(e->klt_synthesis + hd * dim, e->klt_mean + hd, y, x, dim);
+    else from_code_domain(e, y, x, dim);
+}
+
+/* The KV head of row r of a flat (N, H, D) batch: klt's tables are per head, the others' shared. */
+static inline int row_head(const enc_t *e, int64_t r) {
+    return e->kind == ENC_KLT ? (int)(r % e->klt_heads) : 0;
+}
+
+/* Rows (n, dim) into the format's code domain (inverse: back out of it), rows as row_head reads
+ * them: the per-head transforms of the decode step, for the parity tests. Returns 0 (1: a row past
+ * ENC_MAX_DIM, or klt without heads). */
+int kvslim_code_domain_rows(const enc_t *e, const float *x, int64_t n, int dim, int inverse, float *y) {
+    if (dim > ENC_MAX_DIM || (e->kind == ENC_KLT && e->klt_heads < 1)) return 1;
+    for (int64_t r = 0; r < n; r++) {
+        if (inverse) from_code_domain_head(e, row_head(e, r), x + r * dim, y + r * dim, dim);
+        else to_code_domain_head(e, row_head(e, r), x + r * dim, y + r * dim, dim);
+    }
+    return 0;
+}
+
 /* torch.bucketize(v, bounds) (right=False): out[i] = how many of the nb ascending bounds are < v[i]
  * (NaN: nb, where torch sorts it: counted as "not <= b"). Counted bound by bound over a chunk of values, branch-free
  * and vectorised: torch's binary search spent 1.1 ms on a 512-token chunk's 262,144 turbo values. */
@@ -434,11 +544,13 @@ int kvslim_bucketize(const float *v, int64_t n, const float *bounds, int nb, int
 }
 
 /* Rows (n, dim) -> out (n, row_bytes), flags (n): the cache's prompt path on the CPU and the
- * parity tests (kvslim/native/kv_encode.py). Rows are independent: split across threads. */
+ * parity tests (kvslim/native/kv_encode.py). Rows are independent: split across threads. For
+ * ENC_KLT the rows are (N, H, D) flattened: row r is of head r % H (row_head). */
 int kvslim_encode_rows(const enc_t *e, const float *x, int64_t n, int dim, int64_t row_bytes, uint8_t *out,
                        uint8_t *flags, int n_threads) {
-    if (dim > ENC_MAX_DIM) return 1;
+    if (dim > ENC_MAX_DIM || (e->kind == ENC_KLT && e->klt_heads < 1)) return 1;
     #pragma omp parallel for num_threads(n_threads) schedule(static) if (n * dim >= 16384)
-    for (int64_t r = 0; r < n; r++) flags[r] = (uint8_t)encode_row(e, x + r * dim, dim, out + r * row_bytes);
+    for (int64_t r = 0; r < n; r++)
+        flags[r] = (uint8_t)encode_row_head(e, row_head(e, r), x + r * dim, dim, out + r * row_bytes);
     return 0;
 }

@@ -28,7 +28,9 @@
  *                of the row's codes, direction j's `bits[j]` wide], value j = d * levels[j][code j].
  *                Bit widths and levels are the calibration's, per KV head: `klt_plan` and
  *                `klt_levels` hold every head's, and the work item takes its head's
- *                (codec_for_head). Decoded by the buffered loops only.
+ *                (codec_for_head). A head's levels are packed, 2^bits[j] per direction (~1K
+ *                floats at 2.6 bits, in L1; 256 per direction were 128 KB a head and ran at a
+ *                third of the speed). Decoded by the buffered loops only.
  */
 #include <math.h>
 #include <stdint.h>
@@ -36,7 +38,6 @@
 #include <string.h>
 
 enum { CODEC_F32 = 0, CODEC_F16 = 1, CODEC_BF16 = 2, CODEC_Q8 = 3, CODEC_NIBBLE = 4, CODEC_PACKED = 5, CODEC_KLT = 6 };
-#define KLT_LEVELS 256
 #define TILE 32
 /* Keys per work item. Fixed, not fitted to the batch or the threads: where a sequence's keys
  * are cut into spans sets the order its sums are added in, so a fixed cut gives a sequence the
@@ -53,11 +54,12 @@ typedef struct {
     int32_t sub_values, sub_bits;
     const float *ladder;         /* 2^sub_bits factors: sub-block i's scale is d * ladder[rung i] */
     int32_t offset_at;           /* byte of an f16 added to every value (ggml q4_1/q5_1); 0: none */
-    /* CODEC_KLT, (heads, dim) each: where direction j's code lies in the stream after the scale,
-     * lo | hi << 9 | shift << 18 | mask << 21 (the code = (body[lo] | body[hi] << 8) >> shift & mask),
-     * and its levels (heads, dim, KLT_LEVELS) */
+    /* CODEC_KLT: per (head, direction j), lo | shift << 9 | bits << 12 | level << 16: the code is
+     * bits wide from bit `shift` of byte lo of the stream after the scale (reaching into byte lo + 1
+     * at most), its value klt_levels[level + code]; each head's levels start at head * klt_stride */
     const int32_t *klt_plan;
     const float *klt_levels;
+    int32_t klt_stride;
 } codec_t;
 
 static float f16_to_f32(const uint8_t *p) {
@@ -205,14 +207,17 @@ static inline __attribute__((always_inline)) void decode_block(const codec_t *c,
 
 /* Inlined: the kind checks then leave the block loop, and the row of blocks costs no calls
  * (q8_0, four blocks a row: 2.86 -> 2.42 ms a layer at 16K, 1 thread). */
-/* A klt3 row: codes of any width, each read from the two bytes it may span. */
+/* A klt3 row: codes of any width, each read from the two bytes it may span (the last byte's
+ * code ends in it: its second byte is itself). */
 static void decode_klt(const codec_t *c, const uint8_t *row, int dim, float *out) {
     const float d = f16_to_f32(row);
     const uint8_t *body = row + 2;
+    const uint32_t last = (uint32_t)c->block_bytes - 3;
     for (int j = 0; j < dim; j++) {
-        const uint32_t p = (uint32_t)c->klt_plan[j];
-        const uint32_t word = body[p & 511] | (uint32_t)body[(p >> 9) & 511] << 8;
-        out[j] = d * c->klt_levels[(size_t)j * KLT_LEVELS + ((word >> ((p >> 18) & 7)) & (p >> 21))];
+        const uint32_t p = (uint32_t)c->klt_plan[j], lo = p & 511;
+        const uint32_t word = body[lo] | (uint32_t)body[lo < last ? lo + 1 : lo] << 8;
+        const uint32_t code = (word >> ((p >> 9) & 7)) & ((1u << ((p >> 12) & 15)) - 1);
+        out[j] = d * c->klt_levels[(p >> 16) + code];
     }
 }
 
@@ -221,7 +226,7 @@ static const codec_t *codec_for_head(const codec_t *c, int64_t head, int dim, co
     if (c->kind != CODEC_KLT) return c;
     *local = *c;
     local->klt_plan += head * dim;
-    local->klt_levels += head * dim * KLT_LEVELS;
+    local->klt_levels += head * c->klt_stride;
     return local;
 }
 

@@ -21,7 +21,6 @@ from . import build
 
 SOURCE = "paged_attention.c"
 F32, F16, BF16, Q8, NIBBLE, PACKED, KLT = range(7)  # the kernel's codec kinds
-KLT_LEVELS = 256                                   # paged_attention.c's levels per klt direction
 TILE = 32                                          # keys per tile in the kernel
 MAX_DIM, MAX_ROWS = 512, 64
 SPAN = 512                                         # keys per work item (paged_attention.c's SPAN): fixed, so that
@@ -32,7 +31,8 @@ class Codec(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int32), ("bits", ctypes.c_int32), ("block_values", ctypes.c_int32),
                 ("block_bytes", ctypes.c_int32), ("lut", ctypes.c_void_p), ("header_bytes", ctypes.c_int32),
                 ("sub_values", ctypes.c_int32), ("sub_bits", ctypes.c_int32), ("ladder", ctypes.c_void_p),
-                ("offset_at", ctypes.c_int32), ("klt_plan", ctypes.c_void_p), ("klt_levels", ctypes.c_void_p)]
+                ("offset_at", ctypes.c_int32), ("klt_plan", ctypes.c_void_p), ("klt_levels", ctypes.c_void_p),
+                ("klt_stride", ctypes.c_int32)]
 
 
 @dataclass(frozen=True)
@@ -49,13 +49,14 @@ class CodecFields:
     ladder: torch.Tensor | None = None       # the rungs' factors, zero-padded to 32
     offset_at: int = 0                       # byte of an f16 added to each value (q4_1, q5_1; 0: none)
     klt_plan: torch.Tensor | None = None     # KLT: (heads, dim) int32, each code's place (paged_attention.c)
-    klt_levels: torch.Tensor | None = None   # KLT: (heads, dim, KLT_LEVELS) float32
+    klt_levels: torch.Tensor | None = None   # KLT: (heads, klt_stride) float32, 2^bits levels per direction
+    klt_stride: int = 0
 
     def codec(self) -> Codec:
         pointer = (lambda t: None if t is None else t.data_ptr())
         return Codec(self.kind, self.bits, self.block_values, self.block_bytes, pointer(self.lut),
                      self.header_bytes, self.sub_values, self.sub_bits, pointer(self.ladder), self.offset_at,
-                     pointer(self.klt_plan), pointer(self.klt_levels))
+                     pointer(self.klt_plan), pointer(self.klt_levels), self.klt_stride)
 
 
 def _library(variant: str | None = None):
@@ -105,9 +106,19 @@ def _klt_fields(fmt, head_dim: int) -> CodecFields | None:
     if fmt.cal is None or head_dim != fmt.cal.head_dim:
         return None
     t = fmt._tables("cpu")
-    plan = t.lo_byte | t.hi_byte << 9 | t.shift.long() << 18 | t.mask.long() << 21
+    bits = fmt.cal.tables[fmt.name][0].long()                           # (H, D)
+    count = 1 << bits                                                   # levels a direction uses
+    first = torch.cumsum(count, -1) - count                             # where its levels start
+    stride = int(count.sum(-1).max())
+    if stride >= 1 << 15 or fmt.row_bytes(head_dim) - 2 > 512:      # past the plan's 16-bit offset, 9-bit byte
+        return None
+    levels = torch.zeros(bits.shape[0], stride)
+    for h in range(bits.shape[0]):
+        levels[h] = torch.cat([t.levels[h, j, :n] for j, n in enumerate(count[h].tolist())] +
+                              [torch.zeros(stride - int(count[h].sum()))])
+    plan = t.lo_byte | t.shift.long() << 9 | bits << 12 | first << 16
     return CodecFields(KLT, 0, head_dim, fmt.row_bytes(head_dim), header_bytes=2,
-                       klt_plan=plan.to(torch.int32).contiguous(), klt_levels=t.levels.float().contiguous())
+                       klt_plan=plan.to(torch.int32).contiguous(), klt_levels=levels.contiguous(), klt_stride=stride)
 
 
 @lru_cache(maxsize=None)
