@@ -109,7 +109,7 @@ def _klt_fields(fmt, head_dim: int) -> CodecFields | None:
     bits = fmt.cal.tables[fmt.name][0].long()                           # (H, D)
     count = 1 << bits                                                   # levels a direction uses
     first = torch.cumsum(count, -1) - count                             # where its levels start
-    stride = int(count.sum(-1).max())
+    stride = int(count.sum(-1).max()) + 32                             # the C loads 32 levels from any start
     if stride >= 1 << 15 or fmt.row_bytes(head_dim) - 2 > 512:      # past the plan's 16-bit offset, 9-bit byte
         return None
     levels = torch.zeros(bits.shape[0], stride)
