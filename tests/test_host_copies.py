@@ -22,6 +22,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from kvslim.devices import to_device
+from kvslim.formats.klt import KVCalibration, random_calibration
 from kvslim.models import Batch, DecodeBatch, build_on_meta, config_from_dict
 from kvslim.models.layers import Experts
 
@@ -104,7 +105,7 @@ def _step(model, cache, decode_batch: bool, i: int, watch=None) -> None:
 
 @pytest.mark.parametrize("kind", sorted(CONFIGS))
 @pytest.mark.parametrize("type_k,type_v,window", [("f16", "f16", 0), ("q8_0", "turbo4", 0), ("turbo3", "q5_0", 0),
-                                                  ("iq4_nl", "q4_0", 8)])
+                                                  ("iq4_nl", "q4_0", 8), ("q8_0", "klt3", 0)])
 @pytest.mark.parametrize("decode_batch", [True, False], ids=["decode-step", "flat-batch"])
 def test_forward_sends_no_host_data_synchronously(kind, type_k, type_v, window, decode_batch, monkeypatch):
     if decode_batch and window:
@@ -112,7 +113,11 @@ def test_forward_sends_no_host_data_synchronously(kind, type_k, type_v, window, 
     # a mixture routes on the device where the GPU path does (Experts.groups: CUDA); the meta
     # device stands for it here
     monkeypatch.setattr(Experts, "groups", lambda self, x, experts: True)
-    model = build_on_meta(config_from_dict(CONFIGS[kind]))
+    klt = type_v == "klt3"                     # rows of 64 at least, and a calibration on random rows
+    model = build_on_meta(config_from_dict({**CONFIGS[kind], **({"head_dim": 64} if klt else {})}))
+    if klt:
+        c = model.config
+        model.kv_calibration = KVCalibration([random_calibration("klt3", c.num_key_value_heads, c.head_dim)] * 4)
     cache = model.make_cache(256, 2, type_k, type_v, device="meta", page_size=16, f16_window=window)
     with torch.inference_mode():
         model.run(Batch.build([(0, list(range(3, 13)), 0), (1, [4, 5, 6, 7], 0)], device="meta"), cache)

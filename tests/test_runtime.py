@@ -200,7 +200,7 @@ def test_an_op_missing_on_mps_is_named(capsys, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("type_k,type_v", [("f16", "f16"), ("q8_0", "turbo4"), ("turbo3", "q4_0")])
+@pytest.mark.parametrize("type_k,type_v", [("f16", "f16"), ("q8_0", "turbo4"), ("turbo3", "q4_0"), ("nl4s", "klt3")])
 def test_cuda_matches_cpu_end_to_end(type_k, type_v):
     ids = list(range(3, 300))
     cpu = kvslim.load(ctx=512, cache_type_k=type_k, cache_type_v=type_v, dtype="f32", device="cpu")
