@@ -812,14 +812,49 @@ static void score_tile(const codec_t *ck, const uint8_t *const *k_rows, int n, c
     }
 }
 
-#ifdef KVSLIM_AVX512
+#ifdef KVSLIM_AVX2
 /* klt3 values of a tile, direction by direction: acc_r[j] += sum_t w[r][t] * d_t * levels_j[code_tj].
  * A row-by-row decode gathers each code's level from its own direction's table; here one
- * direction's 32 codes (one per key) share a table, held in registers: up to 5 bits a permute,
- * wider a gather. Each code's bytes are gathered from the tile's streams, copied side by side;
- * eight directions' sums over the keys are reduced together (hsum8). nl4s/klt3 tg64 at depth 4096
- * on the bundled model: 732 -> 863 t/s. */
+ * direction's 32 codes (one per key) share a table, held in registers (AVX-512: up to 5 bits in a
+ * permute; AVX2: up to 4), wider a gather. Each code's bytes are gathered from the tile's streams,
+ * copied side by side; eight directions' sums over the keys are reduced together (hsum8).
+ * nl4s/klt3 tg64 at depth 4096 on the bundled model, against the row-by-row decode: 732 -> 860-940
+ * t/s in the AVX-512 build, 686 -> 712 in the AVX2 build (single runs, noisy). */
 #define KLT_STRIDE_MAX (MAX_DIM + 4)
+
+/* One direction's values for the tile's 32 keys, 8 keys a vector: p its plan entry, `at` each key's
+ * stream start. */
+static inline void klt_direction(const codec_t *c, uint32_t p, const uint8_t *streams, const __m256i at[4],
+                                 __m256 v[4]) {
+    const uint32_t bits = (p >> 12) & 15;
+    const float *table = c->klt_levels + (p >> 16);
+#ifdef KVSLIM_AVX512
+    const __m512i lo = _mm512_set1_epi32((int)(p & 511)), shift = _mm512_set1_epi32((int)((p >> 9) & 7));
+    const __m512i mask = _mm512_set1_epi32((1 << bits) - 1);
+    for (int half = 0; half < 2; half++) {
+        const __m512i keys = _mm512_inserti64x4(_mm512_castsi256_si512(at[2 * half]), at[2 * half + 1], 1);
+        const __m512i code = _mm512_and_si512(
+            _mm512_srlv_epi32(_mm512_i32gather_epi32(_mm512_add_epi32(keys, lo), streams, 1), shift), mask);
+        const __m512 x = bits <= 4 ? _mm512_permutexvar_ps(code, _mm512_loadu_ps(table))
+                       : bits == 5 ? _mm512_permutex2var_ps(_mm512_loadu_ps(table), code, _mm512_loadu_ps(table + 16))
+                                   : _mm512_i32gather_ps(code, table, 4);
+        v[2 * half] = _mm512_castps512_ps256(x);
+        v[2 * half + 1] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));
+    }
+#else
+    const __m256i lo = _mm256_set1_epi32((int)(p & 511)), shift = _mm256_set1_epi32((int)((p >> 9) & 7));
+    const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
+    const __m256 low = _mm256_loadu_ps(table), high = _mm256_loadu_ps(table + 8);
+    for (int g = 0; g < 4; g++) {
+        const __m256i code = _mm256_and_si256(
+            _mm256_srlv_epi32(_mm256_i32gather_epi32((const int *)streams, _mm256_add_epi32(at[g], lo), 1), shift), mask);
+        v[g] = bits <= 3 ? _mm256_permutevar8x32_ps(low, code)
+             : bits == 4 ? lut16(code, low, high)
+                         : _mm256_i32gather_ps(table, code, 4);
+    }
+#endif
+}
+
 static void sum_klt(const codec_t *c, const uint8_t *const *v_rows, int n, float w[][TILE], int n_rows, int dim,
                     float *acc) {
     const int body = c->block_bytes - 2, stride = (body + 4 + 3) & ~3;    /* + 4: a gather reads 4 bytes */
@@ -829,30 +864,18 @@ static void sum_klt(const codec_t *c, const uint8_t *const *v_rows, int n, float
     for (int t = 0; t < n; t++) d[t] = f16_to_f32(v_rows[t]), memcpy(streams + t * stride, v_rows[t] + 2, body);
     for (int r = 0; r < n_rows; r++)                            /* past n: 0, whatever the scores hold */
         for (int t = 0; t < TILE; t++) wt[r][t] = t < n ? w[r][t] * d[t] : 0.0f;
-    const __m512i first = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                             _mm512_set1_epi32(stride));
-    const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(16 * stride));
+    __m256i at[4];
+    for (int g = 0; g < 4; g++)
+        at[g] = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(stride)),
+        at[g] = _mm256_add_epi32(at[g], _mm256_set1_epi32(8 * g * stride));
     for (int j0 = 0; j0 < dim; j0 += 8) {
-        __m512 v[8][2];
-        for (int k = 0; k < 8; k++) {                          /* direction j0 + k for the 32 keys */
-            const uint32_t p = (uint32_t)c->klt_plan[j0 + k], bits = (p >> 12) & 15;
-            const __m512i lo = _mm512_set1_epi32((int)(p & 511)), shift = _mm512_set1_epi32((int)((p >> 9) & 7));
-            const __m512i mask = _mm512_set1_epi32((1 << bits) - 1);
-            const float *table = c->klt_levels + (p >> 16);
-            for (int half = 0; half < 2; half++) {
-                const __m512i at = _mm512_add_epi32(half ? second : first, lo);
-                const __m512i code = _mm512_and_si512(_mm512_srlv_epi32(_mm512_i32gather_epi32(at, streams, 1), shift), mask);
-                v[k][half] = bits <= 4 ? _mm512_permutexvar_ps(code, _mm512_loadu_ps(table))
-                           : bits == 5 ? _mm512_permutex2var_ps(_mm512_loadu_ps(table), code, _mm512_loadu_ps(table + 16))
-                                       : _mm512_i32gather_ps(code, table, 4);
-            }
-        }
+        __m256 v[8][4];
+        for (int k = 0; k < 8; k++) klt_direction(c, (uint32_t)c->klt_plan[j0 + k], streams, at, v[k]);
         for (int r = 0; r < n_rows; r++) {
-            const __m512 w0 = _mm512_loadu_ps(wt[r]), w1 = _mm512_loadu_ps(wt[r] + 16);
             __m256 s[8];
             for (int k = 0; k < 8; k++) {
-                const __m512 x = _mm512_fmadd_ps(v[k][1], w1, _mm512_mul_ps(v[k][0], w0));
-                s[k] = _mm256_add_ps(_mm512_castps512_ps256(x), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+                s[k] = _mm256_mul_ps(v[k][0], _mm256_loadu_ps(wt[r]));
+                for (int g = 1; g < 4; g++) s[k] = _mm256_fmadd_ps(v[k][g], _mm256_loadu_ps(wt[r] + 8 * g), s[k]);
             }
             float *a = acc + (size_t)r * dim + j0;
             _mm256_storeu_ps(a, _mm256_add_ps(_mm256_loadu_ps(a), hsum8(s)));
@@ -864,13 +887,11 @@ static void sum_klt(const codec_t *c, const uint8_t *const *v_rows, int n, float
 /* acc_r += sum_j w[r][j] * value_j over the tile, the same two ways. */
 static void sum_tile(const codec_t *cv, const uint8_t *const *v_rows, int n, float w[][TILE], int n_rows, int dim,
                      float *rows, int tiled, float *acc) {
-#ifdef KVSLIM_AVX512
+#ifdef KVSLIM_AVX2
     if (cv->kind == CODEC_KLT && dim % 8 == 0) {
         sum_klt(cv, v_rows, n, w, n_rows, dim, acc);
         return;
     }
-#endif
-#ifdef KVSLIM_AVX2
     if (tiled) {
         for (int j = 0; j < n; j++) decode_row(cv, v_rows[j], dim, rows + (size_t)j * dim);
         tile_values(rows, n, dim, w, n_rows, acc);
