@@ -816,25 +816,28 @@ static void score_tile(const codec_t *ck, const uint8_t *const *k_rows, int n, c
 /* klt3 values of a tile, direction by direction: acc_r[j] += sum_t w[r][t] * d_t * levels_j[code_tj].
  * A row-by-row decode gathers each code's level from its own direction's table; here one
  * direction's 32 codes (one per key) share a table, held in registers (AVX-512: up to 5 bits in a
- * permute; AVX2: up to 4), wider a gather. Each code's bytes are gathered from the tile's streams,
- * copied side by side; eight directions' sums over the keys are reduced together (hsum8).
- * nl4s/klt3 tg64 at depth 4096 on the bundled model, against the row-by-row decode: 732 -> 860-940
- * t/s in the AVX-512 build, 686 -> 712 in the AVX2 build (single runs, noisy). */
-#define KLT_STRIDE_MAX (MAX_DIM + 4)
+ * permute; AVX2: up to 4), wider a gather. The tile's streams are transposed to words first (word i
+ * of every key side by side), so a direction's codes are two vector loads and shifts, not a gather
+ * of each key's bytes; eight directions' sums over the keys are reduced together (hsum8).
+ * nl4s/klt3 tg64 at depth 4096 on the bundled model, against the row-by-row decode: 732 -> 1,310 t/s
+ * in the AVX-512 build, 686 -> 1,061 in the AVX2 build (single runs, noisy; gathering each key's
+ * bytes instead of transposing gave 943). */
+#define KLT_WORDS_MAX (MAX_DIM / 4 + 2)    /* a row's codes (at most MAX_DIM bytes) as words, and a zero word */
 
-/* One direction's values for the tile's 32 keys, 8 keys a vector: p its plan entry, `at` each key's
- * stream start. */
-static inline void klt_direction(const codec_t *c, uint32_t p, const uint8_t *streams, const __m256i at[4],
-                                 __m256 v[4]) {
-    const uint32_t bits = (p >> 12) & 15;
+/* One direction's values for the tile's 32 keys, 8 keys a vector. Its code is bits [bit, bit + bits)
+ * of the stream: in word bit / 32 and maybe the next. words[i][t]: word i of key t's stream (vector
+ * shifts by 32 give 0, so a code within one word takes nothing from the next). */
+static inline void klt_direction(const codec_t *c, uint32_t p, const uint32_t words[][TILE], __m256 v[4]) {
+    const uint32_t bits = (p >> 12) & 15, bit = (p & 511) * 8 + ((p >> 9) & 7), off = bit & 31;
+    const uint32_t *first = words[bit >> 5], *next = words[(bit >> 5) + 1];
     const float *table = c->klt_levels + (p >> 16);
 #ifdef KVSLIM_AVX512
-    const __m512i lo = _mm512_set1_epi32((int)(p & 511)), shift = _mm512_set1_epi32((int)((p >> 9) & 7));
+    const __m512i right = _mm512_set1_epi32((int)off), left = _mm512_set1_epi32((int)(32 - off));
     const __m512i mask = _mm512_set1_epi32((1 << bits) - 1);
     for (int half = 0; half < 2; half++) {
-        const __m512i keys = _mm512_inserti64x4(_mm512_castsi256_si512(at[2 * half]), at[2 * half + 1], 1);
-        const __m512i code = _mm512_and_si512(
-            _mm512_srlv_epi32(_mm512_i32gather_epi32(_mm512_add_epi32(keys, lo), streams, 1), shift), mask);
+        const __m512i code = _mm512_and_si512(mask, _mm512_or_si512(
+            _mm512_srlv_epi32(_mm512_loadu_si512(first + 16 * half), right),
+            _mm512_sllv_epi32(_mm512_loadu_si512(next + 16 * half), left)));
         const __m512 x = bits <= 4 ? _mm512_permutexvar_ps(code, _mm512_loadu_ps(table))
                        : bits == 5 ? _mm512_permutex2var_ps(_mm512_loadu_ps(table), code, _mm512_loadu_ps(table + 16))
                                    : _mm512_i32gather_ps(code, table, 4);
@@ -842,12 +845,13 @@ static inline void klt_direction(const codec_t *c, uint32_t p, const uint8_t *st
         v[2 * half + 1] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));
     }
 #else
-    const __m256i lo = _mm256_set1_epi32((int)(p & 511)), shift = _mm256_set1_epi32((int)((p >> 9) & 7));
+    const __m256i right = _mm256_set1_epi32((int)off), left = _mm256_set1_epi32((int)(32 - off));
     const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
     const __m256 low = _mm256_loadu_ps(table), high = _mm256_loadu_ps(table + 8);
     for (int g = 0; g < 4; g++) {
-        const __m256i code = _mm256_and_si256(
-            _mm256_srlv_epi32(_mm256_i32gather_epi32((const int *)streams, _mm256_add_epi32(at[g], lo), 1), shift), mask);
+        const __m256i code = _mm256_and_si256(mask, _mm256_or_si256(
+            _mm256_srlv_epi32(_mm256_loadu_si256((const __m256i *)(first + 8 * g)), right),
+            _mm256_sllv_epi32(_mm256_loadu_si256((const __m256i *)(next + 8 * g)), left)));
         v[g] = bits <= 3 ? _mm256_permutevar8x32_ps(low, code)
              : bits == 4 ? lut16(code, low, high)
                          : _mm256_i32gather_ps(table, code, 4);
@@ -857,20 +861,19 @@ static inline void klt_direction(const codec_t *c, uint32_t p, const uint8_t *st
 
 static void sum_klt(const codec_t *c, const uint8_t *const *v_rows, int n, float w[][TILE], int n_rows, int dim,
                     float *acc) {
-    const int body = c->block_bytes - 2, stride = (body + 4 + 3) & ~3;    /* + 4: a gather reads 4 bytes */
-    uint8_t streams[TILE * KLT_STRIDE_MAX];
+    const int body = c->block_bytes - 2, n_words = (body + 3) / 4;
+    uint32_t words[KLT_WORDS_MAX][TILE];                       /* the streams, transposed; then a zero word */
     float d[TILE] = {0}, wt[MAX_ROWS][TILE];
-    memset(streams, 0, (size_t)TILE * stride);
-    for (int t = 0; t < n; t++) d[t] = f16_to_f32(v_rows[t]), memcpy(streams + t * stride, v_rows[t] + 2, body);
+    for (int t = 0; t < TILE; t++) {
+        uint32_t row[KLT_WORDS_MAX] = {0};
+        if (t < n) d[t] = f16_to_f32(v_rows[t]), memcpy(row, v_rows[t] + 2, body);
+        for (int i = 0; i <= n_words; i++) words[i][t] = row[i];
+    }
     for (int r = 0; r < n_rows; r++)                            /* past n: 0, whatever the scores hold */
         for (int t = 0; t < TILE; t++) wt[r][t] = t < n ? w[r][t] * d[t] : 0.0f;
-    __m256i at[4];
-    for (int g = 0; g < 4; g++)
-        at[g] = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(stride)),
-        at[g] = _mm256_add_epi32(at[g], _mm256_set1_epi32(8 * g * stride));
     for (int j0 = 0; j0 < dim; j0 += 8) {
         __m256 v[8][4];
-        for (int k = 0; k < 8; k++) klt_direction(c, (uint32_t)c->klt_plan[j0 + k], streams, at, v[k]);
+        for (int k = 0; k < 8; k++) klt_direction(c, (uint32_t)c->klt_plan[j0 + k], words, v[k]);
         for (int r = 0; r < n_rows; r++) {
             __m256 s[8];
             for (int k = 0; k < 8; k++) {
