@@ -118,3 +118,21 @@ def test_compiled_code_goes_to_kvslims_cache_unless_the_user_chose(monkeypatch, 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     decode_step.use_cache_dir()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+
+
+def test_klt3_rides_the_decode_batch_and_the_compiled_step():
+    """A calibrated V format is bound per layer: the paged_decode op finds each layer's by the name
+    registered for it, so the DecodeBatch step (and a traced one) match the flat batch with klt3."""
+    model, _, _ = load_model(None, "f32")
+    prompts = [list(range(5, 22)), list(range(30, 39))]
+    ref_cache, logits = filled(model, "nl4s", "klt3", prompts)
+    new_cache, _ = filled(model, "nl4s", "klt3", prompts)
+    assert new_cache.static_decode
+    reference = DecodeStep(model, ref_cache, compile=False, native=False)
+    traced = DecodeStep(model, new_cache, compile=True, backend="aot_eager", native=False)
+    slots, positions = [1, 0], [len(prompts[1]), len(prompts[0])]
+    tokens = [int(logits[s].argmax()) for s in slots]
+    for _ in range(4):
+        want, got = reference(slots, tokens, positions), traced(slots, tokens, positions)
+        assert (got - want).abs().max() < 2e-4
+        tokens, positions = [int(t) for t in want.argmax(-1)], [p + 1 for p in positions]

@@ -16,6 +16,7 @@ decoders and does plain softmax attention: the parity tests' oracle.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
@@ -93,8 +94,29 @@ def attend_decode_static(cache, batch, q: torch.Tensor, scale: float | None = No
     qg = _group(cache, q.unsqueeze(1), scale).transpose(0, 1).contiguous()     # (Hkv, B, G, D), scaled
     table = cache.block_table.index_select(0, batch.slots)[:, :batch.n_pages]  # (B, P)
     out = torch.ops.kvslim.paged_decode(qg, cache.k_pool, cache.v_pool, table, batch.positions,
-                                        cache.fmt_k.name, cache.fmt_v.name)     # (Hkv, B, G, D)
+                                        op_name(cache.fmt_k), op_name(cache.fmt_v))     # (Hkv, B, G, D)
     return out.transpose(0, 1).reshape(n_seq, n_heads, dim)
+
+
+# Bound calibrated formats (klt3: a calibration per layer) by the name the paged_decode op carries:
+# an op takes strings, not objects, and the table's name alone does not say which layer's basis.
+_BOUND: "weakref.WeakValueDictionary[str, object]" = weakref.WeakValueDictionary()
+
+
+def op_name(fmt) -> str:
+    """The name a format travels by through ``kvslim::paged_decode``: its table name, or for a bound
+    calibrated format a name registered here for that object."""
+    if not fmt.calibrated:
+        return fmt.name
+    name = f"{fmt.name}@{id(fmt):x}"
+    _BOUND[name] = fmt
+    return name
+
+
+def _op_format(name: str, role: str):
+    from .. import formats                                           # formats import nothing from here
+    bound = _BOUND.get(name)
+    return bound if bound is not None else formats.get(name, role=role)
 
 
 @torch.library.custom_op("kvslim::paged_decode", mutates_args=())
@@ -103,8 +125,7 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ta
     """q (Hkv, B, G, D) float32 scaled, model domain; pools (Hkv, pages, page_size, row bytes);
     table (B, P) pages to read; a key is seen when its position <= the query's position.
     Block-wise online softmax over the pages, as ``attend_pages``."""
-    from .. import formats                                           # formats import nothing from here
-    fmt_k, fmt_v = formats.get(type_k, role="k"), formats.get(type_v, role="v")
+    fmt_k, fmt_v = _op_format(type_k, "k"), _op_format(type_v, "v")
     acc = _scan_decode(fmt_k, fmt_v, k_pool, v_pool, table, fmt_k.to_code_domain(q), positions + 1)
     return fmt_v.from_code_domain(acc.result())
 

@@ -221,9 +221,8 @@ class KVCache:
     # ----- decode steps whose host work is done apart (the compiled path) -------------
     @property
     def static_decode(self) -> bool:
-        """Whether a DecodeBatch can write here (the f16 window's moves are host-driven; the
-        compiled step's attention op names its formats, so a calibrated one cannot ride it)."""
-        return self.f16_window == 0 and not self.fmt_v.calibrated
+        """Whether a DecodeBatch can write here (the f16 window's moves are host-driven)."""
+        return self.f16_window == 0
 
     def prepare_decode(self, slots: list[int], positions: list[int]) -> None:
         """Host half of a decode step, one token per slot at ``positions`` (checked against the

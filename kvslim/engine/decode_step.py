@@ -55,11 +55,12 @@ def prime_formats(cache) -> None:
     """Build the K/V formats' constants (codebooks, rotations, tables) eagerly, once: traced,
     their construction (a Lloyd-Max iteration, say) would be unrolled into the graph."""
     for layer in cache.kv_layers:
-        x = torch.zeros(1, layer.n_kv_heads, layer.head_dim, device=layer.device)
+        x = torch.zeros(1, layer.n_kv_heads, layer.head_dim, device=layer.device)     # a token's rows
         for fmt in (layer.fmt_k, layer.fmt_v):
             codes, _ = fmt.encode_flagged(x)
-            fmt.decode_code_domain_scaled(codes, layer.head_dim)
-            fmt.from_code_domain(fmt.to_code_domain(x))
+            heads_first = codes.transpose(0, 1)                     # the attention hooks' layout (klt3's heads)
+            fmt.decode_code_domain_scaled(heads_first, layer.head_dim)
+            fmt.from_code_domain(fmt.to_code_domain(x.transpose(0, 1)))
 
 
 def use_cache_dir() -> None:
