@@ -831,6 +831,10 @@ static inline void klt_direction(const codec_t *c, uint32_t p, const uint32_t wo
     const uint32_t bits = (p >> 12) & 15, bit = (p & 511) * 8 + ((p >> 9) & 7), off = bit & 31;
     const uint32_t *first = words[bit >> 5], *next = words[(bit >> 5) + 1];
     const float *table = c->klt_levels + (p >> 16);
+    if (bits == 0) {                                           /* a fifth of the directions: one level */
+        v[0] = v[1] = v[2] = v[3] = _mm256_set1_ps(table[0]);
+        return;
+    }
 #ifdef KVSLIM_AVX512
     const __m512i right = _mm512_set1_epi32((int)off), left = _mm512_set1_epi32((int)(32 - off));
     const __m512i mask = _mm512_set1_epi32((1 << bits) - 1);
@@ -838,9 +842,14 @@ static inline void klt_direction(const codec_t *c, uint32_t p, const uint32_t wo
         const __m512i code = _mm512_and_si512(mask, _mm512_or_si512(
             _mm512_srlv_epi32(_mm512_loadu_si512(first + 16 * half), right),
             _mm512_sllv_epi32(_mm512_loadu_si512(next + 16 * half), left)));
-        const __m512 x = bits <= 4 ? _mm512_permutexvar_ps(code, _mm512_loadu_ps(table))
-                       : bits == 5 ? _mm512_permutex2var_ps(_mm512_loadu_ps(table), code, _mm512_loadu_ps(table + 16))
-                                   : _mm512_i32gather_ps(code, table, 4);
+        __m512 x;
+        if (bits <= 4) x = _mm512_permutexvar_ps(code, _mm512_loadu_ps(table));
+        else if (bits == 5) x = _mm512_permutex2var_ps(_mm512_loadu_ps(table), code, _mm512_loadu_ps(table + 16));
+        else if (bits == 6)                                     /* two 32-entry halves, chosen by bit 5 */
+            x = _mm512_mask_blend_ps(_mm512_test_epi32_mask(code, _mm512_set1_epi32(32)),
+                                     _mm512_permutex2var_ps(_mm512_loadu_ps(table), code, _mm512_loadu_ps(table + 16)),
+                                     _mm512_permutex2var_ps(_mm512_loadu_ps(table + 32), code, _mm512_loadu_ps(table + 48)));
+        else x = _mm512_i32gather_ps(code, table, 4);
         v[2 * half] = _mm512_castps512_ps256(x);
         v[2 * half + 1] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));
     }
