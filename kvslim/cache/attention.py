@@ -94,7 +94,7 @@ def attend_decode_static(cache, batch, q: torch.Tensor, scale: float | None = No
     qg = _group(cache, q.unsqueeze(1), scale).transpose(0, 1).contiguous()     # (Hkv, B, G, D), scaled
     table = cache.block_table.index_select(0, batch.slots)[:, :batch.n_pages]  # (B, P)
     out = torch.ops.kvslim.paged_decode(qg, cache.k_pool, cache.v_pool, table, batch.positions,
-                                        op_name(cache.fmt_k), op_name(cache.fmt_v))     # (Hkv, B, G, D)
+                                        *cache.op_names)                                 # (Hkv, B, G, D)
     return out.transpose(0, 1).reshape(n_seq, n_heads, dim)
 
 
@@ -105,7 +105,8 @@ _BOUND: "weakref.WeakValueDictionary[str, object]" = weakref.WeakValueDictionary
 
 def op_name(fmt) -> str:
     """The name a format travels by through ``kvslim::paged_decode``: its table name, or for a bound
-    calibrated format a name registered here for that object."""
+    calibrated format a name registered here for that object. Called when a cache is made
+    (``KVCache.op_names``): registering inside a traced step would break its graph."""
     if not fmt.calibrated:
         return fmt.name
     name = f"{fmt.name}@{id(fmt):x}"

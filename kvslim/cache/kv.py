@@ -29,6 +29,7 @@ from .. import formats, gpu
 from ..formats.base import ceil_div, check_float_input
 from ..gpu import kv_append
 from ..native import kv_encode
+from .attention import op_name
 from .spec import KVLayerSpec
 
 DEFAULT_PAGE_SIZE = 256
@@ -49,6 +50,7 @@ class KVCache:
             raise ValueError(f"{self.fmt_k.name} is a V cache type (-ctv): keys coded in a calibrated basis "
                              f"lose to nl3s on text unlike the calibration's; for K use nl4s, q4_0 or turbo4")
         self.fmt_v = self.fmt_v.bind(calibration)              # calibrated formats take their layer's part
+        self.op_names = (op_name(self.fmt_k), op_name(self.fmt_v))        # what the DecodeBatch op calls them
         self.pages_per_slot = ceil_div(ctx, page_size)
         self.n_pages = n_slots * self.pages_per_slot
         self.null_page = self.n_pages
