@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_decode import copy_gbps  # noqa: E402
 from kvslim import weights as W  # noqa: E402
 from kvslim.cache import CacheConfig, KVCache, RecurrentStateCache  # noqa: E402
+from kvslim.devices import synchronize  # noqa: E402
 from kvslim.engine.decode_step import DecodeStep  # noqa: E402
 from kvslim.loading.instantiate import instantiate, quantizable  # noqa: E402
 from kvslim.models import Batch, build_on_meta, config_from_dict  # noqa: E402
@@ -124,19 +125,14 @@ def fill_to(cache, depth: int, device, gen: torch.Generator) -> None:
                 layer.advance(slot, depth)
 
 
-def sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_prefill(model, cache, n_prompt: int, vocab: int, device) -> float:
     """Tokens/s of an ``n_prompt`` prompt into slot 0 from depth 0, in ubatches of 512."""
     tokens = torch.randint(vocab, (n_prompt,)).tolist()
-    sync(device)
+    synchronize(device)
     t0 = time.perf_counter()
     for start in range(0, n_prompt, 512):
         model(Batch.build([(0, tokens[start:start + 512], start)], device=device), cache)
-    sync(device)
+    synchronize(device)
     return n_prompt / (time.perf_counter() - t0)
 
 
@@ -144,11 +140,11 @@ def time_decode(step: DecodeStep, n_slots: int, depth: int, n_gen: int, vocab: i
     """Tokens/s summed over the slots: ``n_gen`` steps, each one token for every slot."""
     slots = list(range(n_slots))
     step(slots, [1] * n_slots, [depth] * n_slots)                      # warm-up (first launches)
-    sync(device)
+    synchronize(device)
     t0 = time.perf_counter()
     for i in range(1, n_gen + 1):
         step(slots, torch.randint(vocab, (n_slots,)).tolist(), [depth + i] * n_slots)
-    sync(device)
+    synchronize(device)
     return n_slots * n_gen / (time.perf_counter() - t0)
 
 

@@ -1,4 +1,4 @@
-"""Host values onto the device without stalling it.
+"""Host values onto the device without stalling it, and waiting for a device on purpose.
 
 ``torch.tensor(values, device="cuda")`` copies from pageable host memory, and CUDA makes such a
 copy synchronous: the host waits until every kernel queued before it has run. Done per layer,
@@ -19,3 +19,13 @@ def to_device(values, device: torch.device | str, dtype: torch.dtype = torch.lon
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait until ``device`` has run its queued work (a no-op on the CPU): before a clock is read,
+    a GPU runs behind the host, and the time would be the launches', not the work's."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()

@@ -10,6 +10,8 @@ import ctypes
 
 import torch
 
+from ..devices import synchronize
+
 
 def rss_kib(field: str = "VmRSS") -> int:
     try:
@@ -60,13 +62,13 @@ class PeakDevice:
         self.peak_bytes, self.extra_bytes = -1, -1
 
     def __enter__(self):
-        torch.cuda.synchronize(self.device)
+        synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         self._before = torch.cuda.memory_allocated(self.device)
         return self
 
     def __exit__(self, *exc):
-        torch.cuda.synchronize(self.device)
+        synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         self.peak_bytes = max(self.peak_bytes, peak)
         self.extra_bytes = max(self.extra_bytes, peak - self._before)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import CacheConfig
+from ..devices import synchronize
 from ..engine.decode_step import DecodeStep
 from ..models import Batch
 from ..models.base import CausalLM
@@ -48,14 +49,6 @@ class FilledCache:
         self.device = config.device
         self.depth, self.checkpoints = 0, None
         self.gen = torch.Generator().manual_seed(seed)
-
-    def sync(self) -> None:
-        """Wait for the device's queued work: a GPU runs behind the host, so a clock read
-        without this would time the launches, not the work."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        elif self.device.type == "mps":
-            torch.mps.synchronize()
 
     def random_tokens(self, n: int) -> list[int]:
         return torch.randint(0, self.model.config.vocab_size, (n,), generator=self.gen).tolist()
@@ -93,23 +86,23 @@ class FilledCache:
 def time_pp(fc: FilledCache, n: int) -> float:
     """Seconds to prefill ``n`` tokens into slot 0 (chunks of n_ubatch)."""
     tokens = fc.random_tokens(n)
-    fc.sync()
+    synchronize(fc.device)
     t0 = time.perf_counter()
     for start in range(0, n, fc.n_ubatch):
         fc.model(fc.batch([(0, tokens[start:start + fc.n_ubatch], fc.depth + start)]), fc.caches)
-    fc.sync()
+    synchronize(fc.device)
     return time.perf_counter() - t0
 
 
 def time_tg(fc: FilledCache, n: int) -> float:
     """Seconds to decode ``n`` tokens in every slot, all slots in one forward per step."""
     tokens = [fc.random_tokens(n) for _ in range(fc.n_parallel)]
-    fc.sync()
+    synchronize(fc.device)
     t0 = time.perf_counter()
     slots = list(range(fc.n_parallel))
     for step in range(n):
         fc.decode(slots, [tokens[s][step] for s in slots], [fc.depth + step] * fc.n_parallel)
-    fc.sync()
+    synchronize(fc.device)
     return time.perf_counter() - t0
 
 

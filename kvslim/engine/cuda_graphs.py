@@ -31,6 +31,8 @@ from contextlib import contextmanager
 
 import torch
 
+from ..devices import to_device
+
 log = logging.getLogger(__name__)
 
 
@@ -76,8 +78,7 @@ class GraphedDecode:
         if not 0 < n <= self._inputs.shape[1]:
             raise ValueError(f"a graphed decode step takes 1..{self._inputs.shape[1]} sequences, got {n}")
         key = (n, page_bucket(n_pages, self.max_pages))
-        host = torch.tensor([tokens, positions, slots], dtype=torch.long)
-        self._inputs[:, :n].copy_(host.pin_memory() if self.device.type == "cuda" else host, non_blocking=True)
+        self._inputs[:, :n].copy_(to_device([tokens, positions, slots], self.device))   # into the static buffer
         args = (self._inputs[0, :n], self._inputs[1, :n], self._inputs[2, :n], key[1])
         if self.why_eager is not None:
             return self.forward(*args)

@@ -152,7 +152,7 @@ def _stacked(param: torch.Tensor, kind, keep: Keep) -> tuple[Mat, int]:
 def _attention(layer: Layer, attn, kv: KVCache, keep: Keep, zc: bool, eps: float) -> None:
     if type(attn) is not Attention or not isinstance(kv, KVCache):
         raise Unsupported(f"a {type(attn).__name__} mixer")
-    if kv.f16_window:
+    if not kv.static_decode:
         raise Unsupported("an f16 window (its tokens move on the host)")
     layer.mixer = 0
     layer.q, layer.k, layer.v, layer.o = (matrix(m, keep) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj))

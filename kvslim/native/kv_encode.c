@@ -52,7 +52,6 @@ typedef struct {
     const float *tries;      /* grids: their factors of amax / max|grid| */
     const float *ladder;     /* nls: the 4 rung factors */
     int32_t klt_heads;       /* klt: KV heads (H); the tables below are per head */
-    int32_t klt_bits_total;  /* klt: code bits per row, the same for every head (a multiple of 8) */
     const float *klt_basis;  /* (H, D, D): basis[h][d][e], row -> code direction e */
     const float *klt_synthesis; /* (H, D, D): synthesis[h][e][d], code direction -> row */
     const float *klt_mean;   /* (H, D), in the row's domain */

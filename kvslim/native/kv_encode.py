@@ -48,7 +48,7 @@ class Enc(ctypes.Structure):
     _fields_ = [("kind", I32), ("float_type", I32), ("rot", I32), ("bits", I32), ("hadamard", I32),
                 ("rot_m", P), ("boundaries", P), ("centroids", P), ("limit", ctypes.c_float),
                 ("block", I32), ("n_tries", I32), ("tries", P), ("ladder", P),
-                ("klt_heads", I32), ("klt_bits_total", I32), ("klt_basis", P), ("klt_synthesis", P),
+                ("klt_heads", I32), ("klt_basis", P), ("klt_synthesis", P),
                 ("klt_mean", P), ("klt_spread", P), ("klt_mids", P), ("klt_bits", P)]
 
 
@@ -146,7 +146,7 @@ def _klt_encoder(fmt, head_dim: int, keep: Keep) -> Enc:
     if t.mids.shape[-1] != ENC_KLT_MIDS:
         raise Unsupported(f"K/V format {fmt.name} with {t.mids.shape[-1] + 1} levels a direction (C takes 256)")
     bits = keep(fmt.cal.tables[fmt.name][0].to(torch.uint8).contiguous())
-    return Enc(kind=ENC_KLT, klt_heads=fmt.cal.n_heads, klt_bits_total=t.n_bits, klt_basis=keep.ptr(t.basis),
+    return Enc(kind=ENC_KLT, klt_heads=fmt.cal.n_heads, klt_basis=keep.ptr(t.basis),
                klt_synthesis=keep.ptr(t.synthesis), klt_mean=keep.ptr(t.mean), klt_spread=keep.ptr(t.spread),
                klt_mids=keep.ptr(t.mids), klt_bits=bits.data_ptr())
 

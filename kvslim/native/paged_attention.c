@@ -208,32 +208,13 @@ static inline __attribute__((always_inline)) void decode_block(const codec_t *c,
 /* Inlined: the kind checks then leave the block loop, and the row of blocks costs no calls
  * (q8_0, four blocks a row: 2.86 -> 2.42 ms a layer at 16K, 1 thread). */
 /* A klt3 row: codes of any width, each read from the two bytes it may span (the last byte's
- * code ends in it: its second byte is itself). */
+ * code ends in it: its second byte is itself). The reference of sum_klt, which sums V in AVX2
+ * and AVX-512 builds; this serves the portable build and the bf16 prefill kernel. */
 static void decode_klt(const codec_t *c, const uint8_t *row, int dim, float *out) {
     const float d = f16_to_f32(row);
     const uint8_t *body = row + 2;
     const uint32_t last = (uint32_t)c->block_bytes - 3;
-    int j = 0;
-#ifdef KVSLIM_AVX2
-    /* 8 codes at a time: each code's 4 bytes gathered from a copy of the stream padded with zeros
-     * (a gather reads 4 bytes, past the row's end at its last code), shifted and masked, then its
-     * level gathered: nl4s/klt3 decode at depth 4096 on the bundled model 581 -> 732 t/s. */
-    uint8_t padded[MAX_DIM + 4] = {0};
-    memcpy(padded, body, last + 1);
-    const __m256i one = _mm256_set1_epi32(1), low9 = _mm256_set1_epi32(511), low3 = _mm256_set1_epi32(7),
-                  low4 = _mm256_set1_epi32(15);
-    const __m256 vd = _mm256_set1_ps(d);
-    for (; j + 8 <= dim; j += 8) {
-        const __m256i p = _mm256_loadu_si256((const __m256i *)(c->klt_plan + j));
-        const __m256i word = _mm256_i32gather_epi32((const int *)padded, _mm256_and_si256(p, low9), 1);
-        const __m256i shift = _mm256_and_si256(_mm256_srli_epi32(p, 9), low3);
-        const __m256i mask = _mm256_sub_epi32(_mm256_sllv_epi32(one, _mm256_and_si256(_mm256_srli_epi32(p, 12), low4)), one);
-        const __m256i code = _mm256_and_si256(_mm256_srlv_epi32(word, shift), mask);
-        const __m256 level = _mm256_i32gather_ps(c->klt_levels, _mm256_add_epi32(_mm256_srli_epi32(p, 16), code), 4);
-        _mm256_storeu_ps(out + j, _mm256_mul_ps(vd, level));
-    }
-#endif
-    for (; j < dim; j++) {
+    for (int j = 0; j < dim; j++) {
         const uint32_t p = (uint32_t)c->klt_plan[j], lo = p & 511;
         const uint32_t word = body[lo] | (uint32_t)body[lo < last ? lo + 1 : lo] << 8;
         const uint32_t code = (word >> ((p >> 9) & 7)) & ((1u << ((p >> 12) & 15)) - 1);
@@ -874,7 +855,8 @@ static void sum_klt(const codec_t *c, const uint8_t *const *v_rows, int n, float
     uint32_t words[KLT_WORDS_MAX][TILE];                       /* the streams, transposed; then a zero word */
     float d[TILE] = {0}, wt[MAX_ROWS][TILE];
     for (int t = 0; t < TILE; t++) {
-        uint32_t row[KLT_WORDS_MAX] = {0};
+        uint32_t row[KLT_WORDS_MAX];
+        memset(row, 0, sizeof(uint32_t) * (size_t)(n_words + 1));        /* this row's words, not the buffer */
         if (t < n) d[t] = f16_to_f32(v_rows[t]), memcpy(row, v_rows[t] + 2, body);
         for (int i = 0; i <= n_words; i++) words[i][t] = row[i];
     }
