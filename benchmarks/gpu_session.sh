@@ -177,11 +177,32 @@ all() {
     echo "all: $SECONDS s"
 }
 
+# Here, without a GPU: the whole suite under the device image's torch and Triton (torch 2.11's
+# CUDA build runs on the CPU; Triton 3.6 interprets the kernels and lowers them for sm_90). The
+# suite otherwise only ever meets this machine's torch 2.13 and Triton 3.9, and the GPU call is
+# too short to find version bugs in. Session 26 found one: inductor under torch 2.11 refused
+# fp16_bytes' byte view in a compiled decode step. numpy < 2.4: Triton 3.6's interpreter turns
+# 1-element arrays into ints, which numpy 2.4 refuses. About 5 GB of wheels the first time.
+#   bash benchmarks/gpu_session.sh image [pytest arguments]
+image() {
+    local venv=${IMAGE_VENV:-/tmp/kvslim-image-venv}
+    if [ ! -x "$venv/bin/python" ]; then
+        python3 -m venv "$venv" || return 1
+        # the project's own dependencies at this venv's versions, then the image's torch and Triton
+        .venv/bin/pip freeze --exclude-editable | grep -viE '^(torch|triton|numpy|nvidia-|cuda-)' > "$venv/freeze.txt"
+        "$venv/bin/pip" install -q --no-deps -r "$venv/freeze.txt" || return 1
+        "$venv/bin/pip" install -q torch==2.11.0 triton==3.6.0 'numpy<2.4' || return 1
+    fi
+    "$venv/bin/python" -c "import torch, triton, numpy; print('torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy.__version__)"
+    PYTHONPATH="$PWD" "$venv/bin/python" -m pytest -p no:cacheprovider -o addopts= -q "$@"
+}
+
 case "${1:-}" in
     prepare) prepare ;;
+    image) shift; image "$@" ;;
     all) all ;;
     tests) tests ;;
     kernels) kernels ;;
     model) model ;;
-    *) echo "usage: $0 prepare|all|tests|kernels|model" >&2; exit 2 ;;
+    *) echo "usage: $0 prepare|image|all|tests|kernels|model" >&2; exit 2 ;;
 esac

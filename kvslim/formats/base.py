@@ -385,8 +385,10 @@ def bucketize(v: torch.Tensor, boundaries: torch.Tensor) -> torch.Tensor:
 
 
 def fp16_bytes(v: torch.Tensor) -> torch.Tensor:
-    """fp32 (...,) -> (..., 2) uint8, little-endian IEEE half (round to nearest even)."""
-    return v.to(torch.float16).contiguous().view(torch.uint8).reshape(*v.shape, 2)
+    """fp32 (...,) -> (..., 2) uint8, little-endian IEEE half (round to nearest even).
+    Flattened before the byte view: inductor may lay an (N, 1) result out with strides (1, N),
+    which counts as contiguous, and torch 2.11 (the GPU image's) then refuses the view."""
+    return v.to(torch.float16).reshape(-1).view(torch.uint8).reshape(*v.shape, 2)
 
 
 def fp16_from_bytes(b: torch.Tensor) -> torch.Tensor:
