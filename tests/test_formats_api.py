@@ -119,6 +119,17 @@ def test_ggml_error_within_half_a_step(name, seed, scale):
     assert bool(((x - y).abs() <= rng / steps * 1.01 + 1e-6).all())
 
 
+def test_fp16_bytes_of_a_column_laid_out_column_first():
+    """An (N, 1) tensor with strides (1, N) counts as contiguous, so ``.contiguous()`` keeps that
+    layout and a byte view of it is refused. inductor made such a layout for turbo's row scales
+    in a compiled decode step; torch 2.11 (the GPU image's) then refused the step."""
+    from kvslim.formats.base import fp16_bytes, fp16_from_bytes
+    scales = torch.empty_strided((4, 1), (1, 4)).copy_(torch.tensor([[0.5], [-2.0], [1e-3], [6e4]]))
+    packed = fp16_bytes(scales)
+    assert packed.shape == (4, 1, 2) and packed.dtype == torch.uint8
+    assert torch.equal(fp16_from_bytes(packed), scales.to(torch.float16).float())
+
+
 def test_encode_works_on_the_tensor_device_and_keeps_it():
     x = torch.randn(4, 128, dtype=torch.float64)
     for name in ("q8_0", "turbo3", "bf16"):
