@@ -30,10 +30,10 @@ def filled(model, type_k, type_v, prompts, n_slots=None, **options):
     return cache, logits
 
 
-def run_both(model, type_k, type_v, steps=10):
+def run_both(model, type_k, type_v, steps=10, **options):
     """The C step and the eager step from the same prefilled caches: worst logit gap, tokens equal."""
     prompts = [list(range(5, 22)), list(range(30, 39)), list(range(50, 75))]     # lengths cross page edges
-    (ca, logits), (cb, _) = filled(model, type_k, type_v, prompts), filled(model, type_k, type_v, prompts)
+    (ca, logits), (cb, _) = (filled(model, type_k, type_v, prompts, **options) for _ in range(2))
     native, eager = DecodeStep(model, ca, compile=False), DecodeStep(model, cb, compile=False, native=False)
     assert native.native is not None, native.why_not_native
     slots = [2, 0, 1]                                                             # not in slot order
@@ -45,6 +45,8 @@ def run_both(model, type_k, type_v, steps=10):
         same &= torch.equal(got.argmax(-1), want.argmax(-1))
         tokens, positions = [int(t) for t in want.argmax(-1)], [p + 1 for p in positions]
     assert [ca.offset(s) for s in range(3)] == [cb.offset(s) for s in range(3)]
+    for a, b in zip(ca.kv_layers, cb.kv_layers):                                 # the same tokens packed
+        assert [a.n_packed(s) for s in range(3)] == [b.n_packed(s) for s in range(3)]
     return worst, same
 
 
@@ -121,7 +123,8 @@ def test_what_it_does_not_implement_is_refused_with_the_reason(tiny_folder, kind
 
 def test_refusals_keep_the_torch_step(hybrid):
     model = hybrid[0]
-    cases = {"attention backend reference": dict(backend="reference"), "f16 window": dict(f16_window=4)}
+    cases = {"attention backend reference": dict(backend="reference"),
+             "f16 window of 4097": dict(f16_window=native_step.MAX_WINDOW + 1)}
     for why, options in cases.items():
         step = DecodeStep(model, model.make_cache(32, 1, "q8_0", "q8_0", **options), compile=False)
         assert step.native is None and why in step.why_not_native
@@ -276,3 +279,39 @@ def test_klt3_values_decode_in_the_c_step():
     for type_k in ("nl4s", "q8_0"):
         worst, same = run_both(model, type_k, "klt3")
         assert worst < 1e-4 and same
+
+
+@pytest.mark.parametrize("type_k,type_v,window", [("q8_0", "q4_0", 4), ("turbo4", "turbo3", 32), ("f16", "q8_0", 20),
+                                                  ("q4_0", "iq4_nl-norot", 1)])
+def test_an_f16_window_decodes_in_the_c_step(hybrid, type_k, type_v, window):
+    """The newest tokens in f16 (KIVI's residual): a window of 4 is full from the prompts on and
+    packs a token every step; one of 32 is larger than two prompts (17 and 9 tokens) and smaller
+    than the third (25), so windows fill up, and then pack, during the 10 steps; 20 sits between.
+    Window keys are scored in the model domain by the C step, as by the torch step."""
+    worst, same = run_both(hybrid[0], type_k, type_v, f16_window=window)
+    assert worst < 1e-4 and same
+
+
+def test_an_f16_window_with_klt3_values_in_the_c_step():
+    """klt3's per-head basis: the pages' output leaves it before the window's values join."""
+    model, _, _ = load_model(None, "f32")
+    worst, same = run_both(model, "nl4s", "klt3", f16_window=16)
+    assert worst < 1e-4 and same
+
+
+def test_an_f16_window_after_a_trim_into_the_pages(tiny_folder):
+    """A trim past the window's start empties the window; the C step then refills it from there,
+    over pages that end mid-page (a dense model: rewinding a hybrid needs a DeltaNet checkpoint)."""
+    model, _, _ = load_model(tiny_folder("llama")[0], "f32")
+    prompt = list(range(5, 45))
+    (ca, first), (cb, _) = (filled(model, "q8_0", "turbo4", [prompt], f16_window=8) for _ in range(2))
+    for c in (ca, cb):
+        c.rewind(0, 27)
+    native, eager = DecodeStep(model, ca, compile=False), DecodeStep(model, cb, compile=False, native=False)
+    assert native.native is not None
+    token = 7
+    for pos in range(27, 42):
+        got, want = native([0], [token], [pos]), eager([0], [token], [pos])
+        assert float((got - want).abs().max() / want.abs().max()) < 1e-4
+        assert ca.kv_layers[0].window_len(0) == cb.kv_layers[0].window_len(0)
+        token = int(want.argmax())

@@ -95,12 +95,12 @@ def test_the_48_gb_claim_is_refuted():
 
 @pytest.mark.parametrize("model_type,extra", [("qwen3_5_text", LINEAR), ("qwen3_5_moe_text", {**LINEAR, **MOE}),
                                               ("llama", {})])
-@pytest.mark.parametrize("type_k,type_v", [("f16", "f16"), ("q8_0", "turbo3")])
-def test_planned_bytes_equal_what_the_cache_allocates(model_type, extra, type_k, type_v):
+@pytest.mark.parametrize("type_k,type_v,window", [("f16", "f16", 0), ("q8_0", "turbo3", 0), ("q8_0", "turbo3", 16)])
+def test_planned_bytes_equal_what_the_cache_allocates(model_type, extra, type_k, type_v, window):
     d = dict(model_type=model_type, **TINY, **extra)
     model = plan.Model("tiny", models.config_from_dict(d), "hf")
-    req = plan.Request(ctx=600, n_slots=2, type_k=type_k, type_v=type_v)     # 300 per slot: 2 pages each
-    caches = models.build(model.config).make_cache(req.ctx_per_slot, req.n_slots, type_k, type_v)
+    req = plan.Request(ctx=600, n_slots=2, type_k=type_k, type_v=type_v, f16_window=window)   # 300 a slot: 2 pages
+    caches = models.build(model.config).make_cache(req.ctx_per_slot, req.n_slots, type_k, type_v, f16_window=window)
     gen = torch.Generator().manual_seed(0)
     for cache in caches:
         if isinstance(cache, KVCache):

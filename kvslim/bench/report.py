@@ -22,7 +22,7 @@ def record(facts: dict, test, case: dict, result: dict) -> dict:
     return {**facts, "n_prompt": test.n_tokens if test.kind == "pp" else 0,
             "n_gen": test.n_tokens if test.kind == "tg" else 0, "n_depth": test.n_depth,
             "n_parallel": case["n_parallel"], "type_k": case["type_k"], "type_v": case["type_v"],
-            "n_ubatch": case["n_ubatch"], "test": test.label,
+            "n_ubatch": case["n_ubatch"], "f16_window": case.get("f16_window", 0), "test": test.label,
             "decode_path": case["decode"] if test.kind == "tg" else "",   # kvslim's own: which step decoded
             **result}
 
@@ -31,16 +31,19 @@ def markdown(records: list[dict]) -> str:
     """llama-bench's table; type_k/type_v columns only when some run is not f16, np when > 1."""
     show_types = any(r["type_k"] != "f16" or r["type_v"] != "f16" for r in records)
     show_np = any(r["n_parallel"] > 1 for r in records)
+    show_window = any(r.get("f16_window") for r in records)
     on_gpu = any("peak_gpu_bytes" in r for r in records)
     peak_key = "peak_gpu_bytes" if on_gpu else "peak_rss_bytes"
     headers = ["model", "size", "params", "backend", "threads"] + (["type_k", "type_v"] if show_types else []) \
-        + (["np"] if show_np else []) + ["test", "t/s", "KV", "peak GPU" if on_gpu else "peak RSS"]
+        + (["np"] if show_np else []) + (["f16 window"] if show_window else []) \
+        + ["test", "t/s", "KV", "peak GPU" if on_gpu else "peak RSS"]
     rows = []
     for r in records:
         row = [r["model_type"], human_bytes(r["model_size"]), f"{r['model_n_params'] / 1e6:.2f} M", r["backend"],
                r["n_threads"]]
         row += [r["type_k"], r["type_v"]] if show_types else []
         row += [r["n_parallel"]] if show_np else []
+        row += [r.get("f16_window", 0)] if show_window else []
         row += [r["test"], f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f}", human_bytes(r["kv_bytes"]),
                 human_bytes(r[peak_key]) if r.get(peak_key, -1) >= 0 else "n/a"]
         rows.append(row)

@@ -138,7 +138,7 @@ class KVCache:
     @property
     def window_bytes(self) -> int:
         """One slot's f16 window, K and V."""
-        return 2 * self.f16_window * self.n_kv_heads * self.head_dim * 2
+        return self.spec.window_bytes(self.f16_window)
 
     @property
     def nbytes(self) -> int:
@@ -228,15 +228,23 @@ class KVCache:
 
     def prepare_decode(self, slots: list[int], positions: list[int]) -> None:
         """Host half of a decode step, one token per slot at ``positions`` (checked against the
-        lengths once, by ``ModelCache.prepare_decode``): room checked, pages reserved."""
+        lengths once, by ``ModelCache.prepare_decode``): room checked, pages reserved. With an f16
+        window (the C step's), the page is the one its oldest token leaves into, if it is full."""
         for slot, pos in zip(slots, positions):
             self._check_room(slot, 1)
-            self._reserve(slot, pos + 1)
+            if not self.f16_window:
+                self._reserve(slot, pos + 1)
+            elif self._win_len[slot] == self.f16_window:
+                self._reserve(slot, self._packed[slot] + 1)
 
     def commit_decode(self, slots: list[int]) -> None:
-        """After the step's device work: each slot holds one more token."""
+        """After the step's device work: each slot holds one more token (in the window while it
+        has room, else one more in the pages)."""
         for slot in slots:
-            self._packed[slot] += 1
+            if self.f16_window and self._win_len[slot] < self.f16_window:
+                self._win_len[slot] += 1
+            else:
+                self._packed[slot] += 1
 
     def _flag(self, k, v, slots) -> None:
         self._raise_flags(self.fmt_k.overflow_flag(k) | self.fmt_v.overflow_flag(v), slots)

@@ -41,9 +41,14 @@ class KVLayerSpec:
         """K plus V bytes for one token of one sequence, all KV heads."""
         return self.n_kv_heads * (self.k_row_bytes + self.v_row_bytes)
 
-    def bytes_for(self, n_tokens: int, page_size: int = 1) -> int:
-        """Allocated bytes for ``n_tokens`` of one sequence stored in pages of ``page_size``."""
-        return ceil_div(n_tokens, page_size) * page_size * self.bytes_per_token
+    def bytes_for(self, n_tokens: int, page_size: int = 1, f16_window: int = 0) -> int:
+        """Allocated bytes for ``n_tokens`` of one sequence stored in pages of ``page_size``,
+        plus its f16 window's (``window_bytes``): the pages are sized for the whole context."""
+        return ceil_div(n_tokens, page_size) * page_size * self.bytes_per_token + self.window_bytes(f16_window)
+
+    def window_bytes(self, f16_window: int) -> int:
+        """One sequence's f16 window: ``f16_window`` tokens of K and V, 2 bytes a value."""
+        return 2 * f16_window * self.n_kv_heads * self.head_dim * 2
 
 
 @dataclass(frozen=True)
@@ -75,10 +80,11 @@ class StateLayerSpec:
         return (conv + rec) * STATE_DTYPE_BYTES
 
 
-def layout_bytes(layout, ctx_per_slot: int, n_slots: int, page_size: int = 1) -> tuple[int, int]:
+def layout_bytes(layout, ctx_per_slot: int, n_slots: int, page_size: int = 1, f16_window: int = 0) -> tuple[int, int]:
     """(KV bytes, state bytes) of a model's cache ``layout`` for ``n_slots`` sequences of
-    ``ctx_per_slot`` tokens in pages of ``page_size``: what the caches preallocate (checked
-    against free memory before allocating) and what the planner plans, from one formula."""
-    kv = sum(s.bytes_for(ctx_per_slot, page_size) for s in layout if isinstance(s, KVLayerSpec))
+    ``ctx_per_slot`` tokens in pages of ``page_size`` (and f16 windows of ``f16_window`` tokens):
+    what the caches preallocate (checked against free memory before allocating) and what the
+    planner plans, from one formula."""
+    kv = sum(s.bytes_for(ctx_per_slot, page_size, f16_window) for s in layout if isinstance(s, KVLayerSpec))
     state = sum(s.bytes_per_slot for s in layout if isinstance(s, StateLayerSpec))
     return n_slots * kv, n_slots * state

@@ -13,7 +13,8 @@ Gated DeltaNet); every weight type of ``block_linear.c``
 and f32/f16/bf16 matrices (activations are float32 whatever the weights' dtype, as in
 llama.cpp: a bf16 model decodes as ``--dtype f32 --weights bf16`` would); K/V formats
 f32/f16/bf16, q8_0/q4_0/q4_1/q5_0/q5_1/iq4_nl (rotated or not), TurboQuant's MSE variants, the nl
-grids (nl4, nl3, nl4s, nl3s) and klt3 V rows (each KV head in its calibrated basis); any number of sequences, in calls of MAX_BATCH. The torch model is the reference (``tests/test_native_step.py``).
+grids (nl4, nl3, nl4s, nl3s) and klt3 V rows (each KV head in its calibrated basis), with or without
+an f16 window of the newest tokens; any number of sequences, in calls of MAX_BATCH. The torch model is the reference (``tests/test_native_step.py``).
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ FLOAT_CODES = {torch.float32: 32, torch.float16: 16, torch.bfloat16: 17}   # blo
 MAX_BATCH = block_linear.MAX_ROWS
 MAX_DIM = native_attention.MAX_DIM
 MAX_EXPERTS, MAX_TOP_K = 512, 64     # decode_step.c's routing buffers
+MAX_WINDOW = 4096                    # an f16 window's scores sit on decode_step.c's stack
 P = ctypes.c_void_p
 I32, I64 = ctypes.c_int32, ctypes.c_int64
 
@@ -54,6 +56,7 @@ class Layer(ctypes.Structure):
                 ("k_pool", P), ("v_pool", P), ("overflow", P),
                 ("pool_pages", I64), ("page_size", I64), ("k_row_bytes", I64), ("v_row_bytes", I64),
                 ("table_stride", I64), ("table", P), ("ck", P), ("cv", P), ("ek", P), ("ev", P),
+                ("f16_window", I32), ("win_k", P), ("win_v", P),
                 ("qkv", Mat), ("z", Mat), ("b", Mat), ("a", Mat), ("out", Mat), ("fused_qkvz", I32),
                 ("n_k", I32), ("n_v", I32), ("dk", I32), ("dv", I32), ("conv_k", I32),
                 ("conv_w", P), ("dt_bias", P), ("a_log", P), ("gnorm", P), ("conv_state", P), ("rec_state", P),
@@ -72,7 +75,7 @@ def _library():
     lib = build.library(SOURCE)
     if lib is not None and lib.kvslim_decode_step.argtypes is None:
         lib.kvslim_decode_step.restype = ctypes.c_int
-        lib.kvslim_decode_step.argtypes = [ctypes.POINTER(Model), I64, P, P, P, P]
+        lib.kvslim_decode_step.argtypes = [ctypes.POINTER(Model), I64, P, P, P, P, P]
     return lib
 
 
@@ -152,8 +155,8 @@ def _stacked(param: torch.Tensor, kind, keep: Keep) -> tuple[Mat, int]:
 def _attention(layer: Layer, attn, kv: KVCache, keep: Keep, zc: bool, eps: float) -> None:
     if type(attn) is not Attention or not isinstance(kv, KVCache):
         raise Unsupported(f"a {type(attn).__name__} mixer")
-    if not kv.static_decode:
-        raise Unsupported("an f16 window (its tokens move on the host)")
+    if kv.f16_window > MAX_WINDOW:
+        raise Unsupported(f"an f16 window of {kv.f16_window} tokens (the C step takes up to {MAX_WINDOW})")
     layer.mixer = 0
     layer.q, layer.k, layer.v, layer.o = (matrix(m, keep) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj))
     layer.n_heads, layer.n_kv, layer.head_dim, layer.gated = attn.n_heads, attn.n_kv_heads, attn.head_dim, attn.gated
@@ -169,6 +172,8 @@ def _attention(layer: Layer, attn, kv: KVCache, keep: Keep, zc: bool, eps: float
     layer.ck, layer.cv = (ctypes.addressof(c) for c in codecs)
     ek, ev = keep(encoder(kv.fmt_k, kv.head_dim, keep)), keep(encoder(kv.fmt_v, kv.head_dim, keep))
     layer.ek, layer.ev = ctypes.addressof(ek), ctypes.addressof(ev)
+    if kv.f16_window:
+        layer.f16_window, layer.win_k, layer.win_v = kv.f16_window, kv.win_k.data_ptr(), kv.win_v.data_ptr()
 
 
 def _delta_net(layer: Layer, net, state: RecurrentStateCache, keep: Keep, eps: float) -> None:
@@ -243,9 +248,10 @@ class NativeStep:
     """``step(slots, tokens, positions)`` -> float32 logits (B, vocab), caches advanced by one,
     through ``decode_step.c``. The caller does the caches' host work (prepare/commit)."""
 
-    def __init__(self, description: Model, keep: Keep, lib):
+    def __init__(self, description: Model, keep: Keep, lib, window=None):
         self.description, self.keep, self.lib = description, keep, lib
         self.vocab = description.vocab
+        self.window = window            # a KVCache with an f16 window: its lengths go to the step (all agree)
 
     @classmethod
     def build(cls, model, cache) -> tuple["NativeStep | None", str]:
@@ -255,7 +261,8 @@ class NativeStep:
             return None, "no C compiler, or KVSLIM_NATIVE=0"
         keep = Keep()
         try:
-            return cls(keep(describe(model, cache, keep)), keep, lib), ""
+            window = next((kv for kv in cache.kv_layers if kv.f16_window), None)
+            return cls(keep(describe(model, cache, keep)), keep, lib, window), ""
         except Unsupported as why:
             return None, str(why)
 
@@ -268,11 +275,13 @@ class NativeStep:
         if len(slots) > MAX_BATCH:
             return torch.cat([self(slots[i:i + MAX_BATCH], tokens[i:i + MAX_BATCH], positions[i:i + MAX_BATCH])
                               for i in range(0, len(slots), MAX_BATCH)])
-        args = torch.tensor([tokens, positions, slots], dtype=torch.int64)
+        windows = [self.window.window_len(s) for s in slots] if self.window is not None else [0] * len(slots)
+        args = torch.tensor([tokens, positions, slots, windows], dtype=torch.int64)
         logits = torch.empty(len(slots), self.vocab, dtype=torch.float32)
         self.description.n_threads = torch.get_num_threads()
         status = self.lib.kvslim_decode_step(ctypes.byref(self.description), len(slots), args[0].data_ptr(),
-                                             args[1].data_ptr(), args[2].data_ptr(), logits.data_ptr())
+                                             args[1].data_ptr(), args[2].data_ptr(), args[3].data_ptr(),
+                                             logits.data_ptr())
         if status:
             raise ValueError(f"the native step refused a batch of {len(slots)}")
         return logits

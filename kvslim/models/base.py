@@ -86,7 +86,7 @@ class CausalLM(nn.Module):
         config = ctx if isinstance(ctx, CacheConfig) else CacheConfig(
             ctx, n_slots, type_k, type_v, device=device or self.model.embed_tokens.weight.device, **kv_options)
         layout = self.config.cache_layout(config.type_k.name, config.type_v.name)
-        check_room(config, sum(layout_bytes(layout, config.ctx, config.n_slots, config.page_size)))
+        check_room(config, sum(layout_bytes(layout, config.ctx, config.n_slots, config.page_size, config.f16_window)))
         layers = []
         for spec in layout:
             if isinstance(spec, KVLayerSpec):

@@ -15,6 +15,10 @@
  *          DeltaNet (causal conv state, gated delta rule state updated in place).
  * Weights are block_linear.c's types (f32 rows included). Host work (page reservation, lengths)
  * stays in Python around the call, as for the compiled step.
+ * An f16 window (the newest W tokens of a slot kept in f16, KIVI's residual) is kept as the torch
+ * cache keeps it: oldest first; when it is full, its oldest token is encoded into the pages and the
+ * rest move down a row. Window keys are scored in the model domain; the pages' softmax state is
+ * taken out of V's code domain and merged with the window's there.
  */
 #include "block_linear.c"
 #include "paged_attention.c"
@@ -46,6 +50,8 @@ typedef struct {
     const int32_t *table;
     const codec_t *ck, *cv;
     const enc_t *ek, *ev;                 /* K's rotation is the query's way into its code domain */
+    int32_t f16_window;                   /* newest tokens per slot kept in f16 before they are packed */
+    uint8_t *win_k, *win_v;               /* (slots, f16_window, n_kv, head_dim) f16, oldest first */
     /* gated delta net: qkv, z, b, a; or (fused_qkvz, Qwen3-Next) qkvz in `qkv` and ba in `b`,
      * grouped per key head: [q | k | its value heads' v | their z], [b | a] */
     mat_t qkv, z, b, a, out;
@@ -113,14 +119,71 @@ static void embed_row(const mat_t *e, int64_t token, float *out) {
 }
 
 /* ----- attention ---------------------------------------------------------------------------- */
+/* Move slot's window along by the token (k, v), (Hk, D) each: when the window holds W tokens, the
+ * oldest is encoded into the pool at packed position `packed` first. Returns the window's new
+ * length and raises `bad` as the pool's encoders would for every row that enters the cache. */
+static int64_t window_push(const layer_t *L, int64_t slot, int64_t packed, int64_t len, const float *k, const float *v,
+                           int *bad) {
+    const int Hk = L->n_kv, D = L->head_dim;
+    const size_t row = (size_t)Hk * D * 2, slot_bytes = row * (size_t)L->f16_window;
+    uint8_t *wk = L->win_k + slot * slot_bytes, *wv = L->win_v + slot * slot_bytes;
+    uint8_t scratch[2 * MAX_DIM * 4 + 64];
+    float x[MAX_DIM];
+    for (int j = 0; j < Hk; j++) {                         /* the flags of the formats the token will take */
+        *bad |= encode_row_head(L->ek, j, k + j * D, D, scratch);
+        *bad |= encode_row_head(L->ev, j, v + j * D, D, scratch);
+    }
+    if (len == L->f16_window) {                            /* full: the oldest goes into the pages */
+        const int64_t page = L->table[slot * L->table_stride + packed / L->page_size];
+        const int64_t at = page * L->page_size + packed % L->page_size;
+        for (int j = 0; j < Hk; j++) {
+            for (int i = 0; i < D; i++) x[i] = f16_to_f32(wk + ((size_t)j * D + i) * 2);
+            *bad |= encode_row_head(L->ek, j, x, D, L->k_pool + (j * (L->pool_pages * L->page_size) + at) * L->k_row_bytes);
+            for (int i = 0; i < D; i++) x[i] = f16_to_f32(wv + ((size_t)j * D + i) * 2);
+            *bad |= encode_row_head(L->ev, j, x, D, L->v_pool + (j * (L->pool_pages * L->page_size) + at) * L->v_row_bytes);
+        }
+        memmove(wk, wk + row, row * (size_t)(len - 1));
+        memmove(wv, wv + row, row * (size_t)(len - 1));
+        len--;
+    }
+    for (int64_t i = 0; i < (int64_t)Hk * D; i++) {
+        store_f16(wk + (size_t)len * row + 2 * (size_t)i, k[i]);
+        store_f16(wv + (size_t)len * row + 2 * (size_t)i, v[i]);
+    }
+    return len + 1;
+}
+
+/* Fold slot's n window tokens (KV head j) into a query row's normalised output o, given the pages'
+ * max m and denominator l (l = 0: no pages). qm: the scaled query in the model domain. */
+static void window_merge(const layer_t *L, int64_t slot, int64_t n, int j, const float *qm, float m, float l, float *o) {
+    const int Hk = L->n_kv, D = L->head_dim;
+    const size_t row = (size_t)Hk * D * 2, slot_bytes = row * (size_t)L->f16_window;
+    const uint8_t *wk = L->win_k + slot * slot_bytes + (size_t)j * D * 2, *wv = L->win_v + slot * slot_bytes + (size_t)j * D * 2;
+    float score[L->f16_window > 0 ? L->f16_window : 1], top = l > 0.0f ? m : -INFINITY;
+    for (int64_t t = 0; t < n; t++) {
+        float dot = 0.0f;
+        for (int i = 0; i < D; i++) dot += qm[i] * f16_to_f32(wk + t * row + 2 * (size_t)i);
+        score[t] = dot, top = dot > top ? dot : top;
+    }
+    float total = l > 0.0f ? l * expf(m - top) : 0.0f;
+    for (int i = 0; i < D; i++) o[i] *= total;             /* the pages' normalised output, reweighted */
+    for (int64_t t = 0; t < n; t++) {
+        const float p = expf(score[t] - top);
+        total += p;
+        for (int i = 0; i < D; i++) o[i] += p * f16_to_f32(wv + t * row + 2 * (size_t)i);
+    }
+    for (int i = 0; i < D; i++) o[i] /= total;
+}
+
 static void attention(const model_t *m, const layer_t *L, int64_t B, const int64_t *pos, const int64_t *slots,
-                      const float *h, float *out) {
+                      const int64_t *win_len, const float *h, float *out) {
     const int H = L->n_heads, Hk = L->n_kv, D = L->head_dim, G = H / Hk, qw = L->gated ? 2 * D : D;
     float *q = malloc(sizeof(float) * (size_t)(B * H * qw)), *k = malloc(sizeof(float) * (size_t)(B * Hk * D));
     float *v = malloc(sizeof(float) * (size_t)(B * Hk * D)), *qg = malloc(sizeof(float) * (size_t)(Hk * B * G * D));
     float *ml = malloc(sizeof(float) * (size_t)(2 * Hk * B * G)), *acc = malloc(sizeof(float) * (size_t)(Hk * B * G * D));
     float *att = malloc(sizeof(float) * (size_t)(B * H * D));
-    int64_t *n_keys = malloc(sizeof(int64_t) * (size_t)B);
+    int64_t *n_keys = malloc(sizeof(int64_t) * (size_t)B), *n_win = calloc((size_t)B, sizeof(int64_t));
+    float *qm = L->f16_window ? malloc(sizeof(float) * (size_t)(B * H * D)) : NULL;   /* queries, model domain */
     int32_t *table = malloc(sizeof(int32_t) * (size_t)(B * L->table_stride));
     linear(&L->q, h, B, q, m->n_threads);
     linear(&L->k, h, B, k, m->n_threads);
@@ -132,12 +195,19 @@ static void attention(const model_t *m, const layer_t *L, int64_t B, const int64
             if (L->k_norm) rmsnorm(ks + j * D, L->k_norm, D, m->eps, m->zero_centered, ks + j * D);
             rope(ks + j * D, m->rot_dim, m->inv_freq, pos[s]);
         }
-        const int64_t page = L->table[slots[s] * L->table_stride + pos[s] / L->page_size];
-        const int64_t at = page * L->page_size + pos[s] % L->page_size;
         int bad = 0;
-        for (int j = 0; j < Hk; j++) {                     /* the token's K/V rows into the pool */
-            bad |= encode_row_head(L->ek, j, ks + j * D, D, L->k_pool + (j * (L->pool_pages * L->page_size) + at) * L->k_row_bytes);
-            bad |= encode_row_head(L->ev, j, vs + j * D, D, L->v_pool + (j * (L->pool_pages * L->page_size) + at) * L->v_row_bytes);
+        n_keys[s] = pos[s] + 1;
+        if (L->f16_window) {                               /* the token into the window */
+            const int64_t packed = pos[s] - win_len[s];
+            n_win[s] = window_push(L, slots[s], packed, win_len[s], ks, vs, &bad);
+            n_keys[s] = packed + (win_len[s] == L->f16_window);
+        } else {                                           /* the token's K/V rows into the pool */
+            const int64_t page = L->table[slots[s] * L->table_stride + pos[s] / L->page_size];
+            const int64_t at = page * L->page_size + pos[s] % L->page_size;
+            for (int j = 0; j < Hk; j++) {
+                bad |= encode_row_head(L->ek, j, ks + j * D, D, L->k_pool + (j * (L->pool_pages * L->page_size) + at) * L->k_row_bytes);
+                bad |= encode_row_head(L->ev, j, vs + j * D, D, L->v_pool + (j * (L->pool_pages * L->page_size) + at) * L->v_row_bytes);
+            }
         }
         if (bad) L->overflow[slots[s]] = 1;
         for (int hh = 0; hh < H; hh++) {                   /* the query: norm, RoPE, scale, K's code domain */
@@ -145,9 +215,9 @@ static void attention(const model_t *m, const layer_t *L, int64_t B, const int64
             if (L->q_norm) rmsnorm(qh, L->q_norm, D, m->eps, m->zero_centered, qh);
             rope(qh, m->rot_dim, m->inv_freq, pos[s]);
             for (int i = 0; i < D; i++) tmp[i] = qh[i] * scale;
+            if (qm) memcpy(qm + (s * H + hh) * D, tmp, sizeof(float) * (size_t)D);
             to_code_domain_head(L->ek, hh / G, tmp, qg + (((int64_t)(hh / G) * B + s) * G + hh % G) * D, D);
         }
-        n_keys[s] = pos[s] + 1;
         memcpy(table + s * L->table_stride, L->table + slots[s] * L->table_stride, sizeof(int32_t) * (size_t)L->table_stride);
     }
     kvslim_paged_decode(L->ck, L->cv, qg, L->k_pool, L->v_pool, L->pool_pages, L->page_size, L->k_row_bytes,
@@ -157,14 +227,19 @@ static void attention(const model_t *m, const layer_t *L, int64_t B, const int64
         for (int hh = 0; hh < H; hh++) {                   /* normalise, back from V's code domain, gate */
             const int64_t row = ((int64_t)(hh / G) * B + s) * G + hh % G;
             float y[MAX_DIM], *o = att + (s * H + hh) * D;
-            const float inv_l = 1.0f / ml[Hk * B * G + row];
-            for (int i = 0; i < D; i++) y[i] = acc[row * D + i] * inv_l;
-            from_code_domain_head(L->ev, hh / G, y, o, D);     /* klt3: its KV head's basis */
+            const float l = ml[Hk * B * G + row], inv_l = 1.0f / l;
+            if (l > 0.0f) {
+                for (int i = 0; i < D; i++) y[i] = acc[row * D + i] * inv_l;
+                from_code_domain_head(L->ev, hh / G, y, o, D);     /* klt3: its KV head's basis */
+            } else {
+                memset(o, 0, sizeof(float) * (size_t)D);         /* no packed keys yet: the window alone */
+            }
+            if (qm) window_merge(L, slots[s], n_win[s], hh / G, qm + (s * H + hh) * D, ml[row], l, o);
             if (L->gated)
                 for (int i = 0; i < D; i++) o[i] *= sigmoid(q[(s * H + hh) * qw + D + i]);
         }
     linear(&L->o, att, B, out, m->n_threads);
-    free(q), free(k), free(v), free(qg), free(ml), free(acc), free(att), free(n_keys), free(table);
+    free(q), free(k), free(v), free(qg), free(ml), free(acc), free(att), free(n_keys), free(n_win), free(qm), free(table);
 }
 
 /* ----- gated delta net ------------------------------------------------------------------- */
@@ -326,9 +401,10 @@ static void moe(const model_t *m, const layer_t *L, int64_t B, const float *h, f
     free(logits), free(gu), free(y), free(acc);
 }
 
-/* tokens, positions, slots (B); logits (B, vocab). Returns 0, or 1 when a size is past the limits. */
+/* tokens, positions, slots, and each slot's f16 window length before the step (B); logits (B, vocab).
+ * Returns 0, or 1 when a size is past the limits. */
 int kvslim_decode_step(const model_t *m, int64_t B, const int64_t *tokens, const int64_t *positions,
-                       const int64_t *slots, float *logits) {
+                       const int64_t *slots, const int64_t *win_len, float *logits) {
     if (B < 1 || B > MAX_M) return 1;
     const int n = m->hidden;
     float *x = malloc(sizeof(float) * (size_t)(B * n)), *h = malloc(sizeof(float) * (size_t)(B * n));
@@ -339,7 +415,7 @@ int kvslim_decode_step(const model_t *m, int64_t B, const int64_t *tokens, const
     for (int li = 0; li < m->n_layers; li++) {
         const layer_t *L = m->layers + li;
         for (int64_t s = 0; s < B; s++) rmsnorm(x + s * n, L->in_norm, n, m->eps, m->zero_centered, h + s * n);
-        if (L->mixer == MIXER_ATTENTION) attention(m, L, B, positions, slots, h, y);
+        if (L->mixer == MIXER_ATTENTION) attention(m, L, B, positions, slots, win_len, h, y);
         else delta_net(m, L, B, slots, h, y);
         for (int64_t i = 0; i < B * n; i++) x[i] += y[i];
         for (int64_t s = 0; s < B; s++) rmsnorm(x + s * n, L->post_norm, n, m->eps, m->zero_centered, h + s * n);

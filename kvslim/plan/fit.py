@@ -63,9 +63,10 @@ def cache_layout(c, type_k: str, type_v: str, tp: int = 1) -> list[KVLayerSpec |
 
 
 def kv_bytes(c, ctx_per_slot: int, n_slots: int, type_k: str, type_v: str,
-             page_size: int = DEFAULT_PAGE_SIZE, tp: int = 1) -> int:
-    """KV cache bytes: every attention layer's ``bytes_for`` the slot's context, times the slots."""
-    return layout_bytes(cache_layout(c, type_k, type_v, tp), ctx_per_slot, n_slots, page_size)[0]
+             page_size: int = DEFAULT_PAGE_SIZE, tp: int = 1, f16_window: int = 0) -> int:
+    """KV cache bytes: every attention layer's ``bytes_for`` the slot's context (and f16 window),
+    times the slots."""
+    return layout_bytes(cache_layout(c, type_k, type_v, tp), ctx_per_slot, n_slots, page_size, f16_window)[0]
 
 
 def state_bytes(c, n_slots: int, tp: int = 1) -> int:
@@ -110,6 +111,7 @@ class Request:
     depth: int | None = None          # tokens in the cache when decoding; None: a full slot
     n_ubatch: int = DEFAULT_UBATCH    # -ub
     page_size: int = DEFAULT_PAGE_SIZE
+    f16_window: int = 0               # --f16-window: newest tokens per slot kept in f16
 
     @property
     def ctx_per_slot(self) -> int:
@@ -127,6 +129,8 @@ class Request:
             raise ValueError(f"-c {self.ctx} leaves no context for each of the {self.n_slots} slots")
         if self.n_ubatch < 1 or self.page_size < 1:
             raise ValueError("-ub and the page size must be at least 1")
+        if self.f16_window < 0:
+            raise ValueError(f"--f16-window must be 0 or more, got {self.f16_window}")
         if not 0 <= self.decode_depth <= self.ctx_per_slot:
             raise ValueError(f"--depth {self.depth} must be between 0 and the slot context {self.ctx_per_slot}")
         check_weight_quant(model, self.weight_quant)
@@ -152,7 +156,8 @@ def breakdown(model: Model, req: Request) -> Breakdown:
     """WeightSize, KV cache, recurrent state and compute workspace for ``req``, per GPU."""
     c = model.config
     return Breakdown(weight_size(model, req.weight_quant, req.tp).per_gpu,
-                     kv_bytes(c, req.ctx_per_slot, req.n_slots, req.type_k, req.type_v, req.page_size, req.tp),
+                     kv_bytes(c, req.ctx_per_slot, req.n_slots, req.type_k, req.type_v, req.page_size, req.tp,
+                              req.f16_window),
                      state_bytes(c, req.n_slots, req.tp), compute_bytes(c, req.ctx, req.n_ubatch))
 
 

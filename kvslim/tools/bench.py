@@ -103,12 +103,13 @@ def run_all(model, facts, pairs, tests, nps, args) -> list[dict]:
                file=sys.stderr)
     records = []
     for (type_k, type_v), n_par in itertools.product(pairs, nps):
-        cache = CacheConfig(ctx, n_par, type_k, type_v, backend=args.attn_backend,
+        cache = CacheConfig(ctx, n_par, type_k, type_v, backend=args.attn_backend, f16_window=args.f16_window,
                             device=model.model.embed_tokens.weight.device)
         fc = FilledCache(model, ctx, n_par, type_k, type_v, args.ubatch_size, cache_config=cache,
                          compile=args.compile, native=getattr(args, "native", True),
                          cuda_graphs=getattr(args, "cuda_graphs", False))
-        case = {"type_k": type_k, "type_v": type_v, "n_parallel": n_par, "n_ubatch": args.ubatch_size}
+        case = {"type_k": type_k, "type_v": type_v, "n_parallel": n_par, "n_ubatch": args.ubatch_size,
+                "f16_window": args.f16_window}
         for test in tests:
             if test.kind == "pp" and n_par > 1:
                 continue                                             # -np applies to decode

@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-d", "--depth", type=int, default=None,
                    help="cached tokens for the decode ceiling (default: a full slot)")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel over N GPUs of --gpu")
+    p.add_argument("--f16-window", type=int, default=0,
+                   help="newest tokens per slot kept in f16 before they are packed (counted in the KV bytes)")
     p.add_argument("-ub", "--ubatch-size", type=int, default=plan.DEFAULT_UBATCH,
                    help="tokens per compute pass (sizes the compute workspace)")
     p.add_argument("-o", "--output", choices=["md", "json"], default="md")
@@ -99,7 +101,7 @@ def requests(args, model: plan.Model) -> list[plan.Request]:
     quants = [plan.check_weight_quant(model, q) for q in quants.split(",") if q.strip()]
     combos = itertools.product(quants, parse_counts(args.parallel, "-np"), contexts,
                                parse_types(args.cache_type_k, "-ctk"), parse_types(args.cache_type_v, "-ctv"))
-    return [plan.Request(ctx, n_slots, k, v, wq, args.tp, args.depth, args.ubatch_size)
+    return [plan.Request(ctx, n_slots, k, v, wq, args.tp, args.depth, args.ubatch_size, f16_window=args.f16_window)
             for wq, n_slots, ctx, k, v in combos]
 
 
