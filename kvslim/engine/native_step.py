@@ -258,7 +258,7 @@ class NativeStep:
         """(the step, "") or (None, why not)."""
         lib = _library()
         if lib is None:
-            return None, "no C compiler, or KVSLIM_NATIVE=0"
+            return None, build.why_not(SOURCE)
         keep = Keep()
         try:
             window = next((kv for kv in cache.kv_layers if kv.f16_window), None)

@@ -28,6 +28,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "half.c"
 
 #define QK 32
 #define MAX_M 8
@@ -45,9 +46,7 @@ typedef struct {
 } group_t;
 
 static float f16(const uint8_t *p) {
-    _Float16 v;
-    memcpy(&v, p, 2);
-    return (float)v;
+    return half_to_float(p);
 }
 
 /* Row bytes per group of 32 values (a super-block's share for the K types); 0: unknown type. */

@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import warnings
 from functools import lru_cache
 from pathlib import Path
 
@@ -20,7 +21,9 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 VARIANTS = {                  # the tests hold every build the machine can run to the same results
     "native": FLAGS,
     "avx2": FLAGS + ["-mno-avx512f"],                      # the AVX2 paths where the machine has AVX-512
-    "portable": ["-O2", "-fopenmp", "-shared", "-fPIC"],   # no AVX paths: the plain C loops
+    # no AVX paths and no _Float16: the plain C loops and half.c's software conversions, as an
+    # older compiler (clang 14 on x86) builds them
+    "portable": ["-O2", "-fopenmp", "-DKVSLIM_SOFT_HALF", "-shared", "-fPIC"],
 }
 
 
@@ -49,34 +52,83 @@ def default_variant() -> str:
 @lru_cache(maxsize=None)
 def library(source_name: str, variant: str | None = None) -> ctypes.CDLL | None:
     """The loaded library built from ``source_name`` (a .c file beside this module), or None
-    (``KVSLIM_NATIVE=0``, no compiler, or a failed build). ``variant``: a key of VARIANTS
-    (default: ``default_variant()``); the tests build "avx2" and "portable" too, so every path
-    of the C files is checked."""
+    (``KVSLIM_NATIVE=0``, no compiler, or a failed build: ``why_not(source_name)`` says which).
+    ``variant``: a key of VARIANTS (default: ``default_variant()``); the tests build "avx2" and
+    "portable" too, so every path of the C files is checked."""
     cc = compiler()
     if not enabled() or cc is None:
+        NOTES[source_name] = "KVSLIM_NATIVE=0" if not enabled() else "no C compiler (cc, gcc or clang; or set CC)"
         return None
     flags = VARIANTS[variant or default_variant()]
     source = Path(__file__).with_name(source_name)
     text = b"".join(path.read_bytes() for path in [source, *sorted(source.parent.glob("*.c"))])  # includes too
     digest = hashlib.sha256(text + cc.encode() + " ".join(flags).encode()).hexdigest()[:16]
     target = cache_dir() / f"kvslim_{source.stem}_{digest}.so"
-    if not target.exists() and not _build(cc, flags, source, target):
+    note = target.with_suffix(".note")                  # a fallback's reason, kept beside its library
+    if not target.exists() and not _build(cc, flags, source, target, note, source_name):
         return None
+    if note.exists() and source_name not in NOTES:
+        NOTES[source_name] = note.read_text()
     return ctypes.CDLL(str(target))
 
 
-def _build(cc: str, flags: list[str], source: Path, target: Path) -> bool:
+# Why a library was built with fewer flags than asked, or not at all, by source name.
+NOTES: dict[str, str] = {}
+_WARNED: set[str] = set()
+
+
+def why_not(source_name: str) -> str:
+    """Why ``library(source_name)`` returned None (after it did)."""
+    return NOTES.get(source_name, "the C build failed")
+
+
+def fallbacks(flags: list[str]) -> list[list[str]]:
+    """The flag sets tried in turn. Apple's clang refuses -fopenmp (OpenMP needs Homebrew's
+    libomp there): the kernels then build single-threaded (the pragmas are ignored; the C code
+    calls no omp_* function) rather than leaving the CPU to the torch steps, 5-10x slower.
+    A compiler that refuses -march=native drops it too."""
+    tries = [flags]
+    for dropped in ({"-march=native"}, {"-fopenmp"}, {"-march=native", "-fopenmp"}):
+        fewer = [f for f in flags if f not in dropped]
+        if fewer not in tries:
+            tries.append(fewer)
+    return tries
+
+
+def _build(cc: str, flags: list[str], source: Path, target: Path, note: Path, source_name: str) -> bool:
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
-        partial = Path(tmp.name)
-    done = subprocess.run([cc, *flags, str(source), "-o", str(partial)], capture_output=True, text=True)
-    if done.returncode != 0:
+    errors = []
+    for attempt in fallbacks(flags):
+        with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
+            partial = Path(tmp.name)
+        done = subprocess.run([cc, *attempt, str(source), "-o", str(partial)], capture_output=True, text=True)
+        if done.returncode == 0:
+            if errors:
+                dropped = " ".join(f for f in flags if f not in attempt)
+                text = f"built without {dropped} ({errors[0]})" + \
+                    ("; one thread: install an OpenMP runtime (libomp) for more" if "-fopenmp" in dropped else "")
+                note.write_text(text)
+                NOTES[source_name] = text
+                if text not in _WARNED:                     # once a process, not once per C file
+                    _WARNED.add(text)
+                    warnings.warn(f"kvslim: the C kernels were {text}", stacklevel=3)
+            partial.replace(target)
+            return True
         partial.unlink(missing_ok=True)
-        return False
-    partial.replace(target)
-    return True
+        errors.append(_first_error(done.stderr) or f"{cc} exited {done.returncode}")
+    NOTES[source_name] = f"the C build failed: {errors[0]}"
+    return False
+
+
+def _first_error(stderr: str) -> str:
+    """The compiler's or linker's first complaint (what a user can act on): "unsupported option
+    '-fopenmp'", "cannot find -lomp"."""
+    marks = ("error", "cannot find", "unsupported", "not supported")
+    lines = [line.strip() for line in stderr.splitlines() if any(m in line.lower() for m in marks)]
+    return (lines or [""])[0][:200]
 
 
 def clear() -> None:
-    """Forget loaded libraries (tests flip ``KVSLIM_NATIVE``)."""
+    """Forget loaded libraries and their notes (tests flip ``KVSLIM_NATIVE``)."""
     library.cache_clear()
+    NOTES.clear()

@@ -27,6 +27,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include "half.c"
 
 #define ENC_MAX_DIM 512
 
@@ -61,8 +62,7 @@ typedef struct {
 } enc_t;
 
 static void store_f16(uint8_t *p, float v) {
-    _Float16 h = (_Float16)v;
-    memcpy(p, &h, 2);
+    float_to_half(p, v);
 }
 
 static void store_bf16(uint8_t *p, float v) {
@@ -302,10 +302,6 @@ static inline void nearest_codes(const enc_t *e, const float *x, float div, int 
         const float mid = e->boundaries[j];
         for (int i = 0; i < n; i++) codes[i] += mid < v[i];
     }
-}
-
-static inline float half_round(float v) {
-    return (float)(_Float16)v;
 }
 
 /* grid.search_scale for one block of n values: codes into `codes`, returns d. */

@@ -36,6 +36,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "half.c"
 
 enum { CODEC_F32 = 0, CODEC_F16 = 1, CODEC_BF16 = 2, CODEC_Q8 = 3, CODEC_NIBBLE = 4, CODEC_PACKED = 5, CODEC_KLT = 6 };
 #define TILE 32
@@ -63,9 +64,7 @@ typedef struct {
 } codec_t;
 
 static float f16_to_f32(const uint8_t *p) {
-    _Float16 v;
-    memcpy(&v, p, 2);
-    return (float)v;
+    return half_to_float(p);
 }
 
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
