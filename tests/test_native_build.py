@@ -99,3 +99,17 @@ def test_the_c_files_compile_for_arm64(source, tmp_path):
                            "-fopenmp", "-Wall", "-Werror=implicit-function-declaration", "-shared", "-fPIC",
                            str(folder / source), "-o", str(tmp_path / "lib.so")], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_mac_with_homebrew_libomp_tries_it_before_one_thread(tmp_path, monkeypatch):
+    (tmp_path / "include").mkdir()
+    (tmp_path / "include" / "omp.h").write_text("")
+    find = build.homebrew_libomp
+    monkeypatch.setattr(build.sys, "platform", "darwin")
+    assert find(roots=("/nonexistent", str(tmp_path))) == str(tmp_path)
+    monkeypatch.setattr(build, "homebrew_libomp", lambda: str(tmp_path))
+    tries = build.fallbacks(build.FLAGS)
+    assert tries[0] == build.FLAGS and "-lomp" in tries[1] and "-Xpreprocessor" in tries[1]
+    assert "-fopenmp" not in tries[-1] and "-march=native" not in tries[-1]
+    monkeypatch.setattr(build.sys, "platform", "linux")
+    assert find(roots=(str(tmp_path),)) is None

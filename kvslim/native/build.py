@@ -12,6 +12,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import warnings
 from functools import lru_cache
@@ -88,11 +89,23 @@ def fallbacks(flags: list[str]) -> list[list[str]]:
     calls no omp_* function) rather than leaving the CPU to the torch steps, 5-10x slower.
     A compiler that refuses -march=native drops it too."""
     tries = [flags]
+    omp = homebrew_libomp()
+    if omp is not None and "-fopenmp" in flags:         # Apple's clang takes OpenMP this way
+        tries.append([f for f in flags if f != "-fopenmp"]
+                     + ["-Xpreprocessor", "-fopenmp", f"-I{omp}/include", f"-L{omp}/lib", "-lomp"])
     for dropped in ({"-march=native"}, {"-fopenmp"}, {"-march=native", "-fopenmp"}):
         fewer = [f for f in flags if f not in dropped]
         if fewer not in tries:
             tries.append(fewer)
     return tries
+
+
+def homebrew_libomp(roots=("/opt/homebrew/opt/libomp", "/usr/local/opt/libomp")) -> str | None:
+    """Homebrew's libomp on a Mac (``brew install libomp``; Apple silicon's prefix, then Intel's),
+    or None."""
+    if sys.platform != "darwin":
+        return None
+    return next((root for root in roots if Path(root, "include", "omp.h").exists()), None)
 
 
 def _build(cc: str, flags: list[str], source: Path, target: Path, note: Path, source_name: str) -> bool:
