@@ -27,10 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvslim.bench import FilledCache, Test, measure  # noqa: E402
 from kvslim.cache import CacheConfig  # noqa: E402
 from kvslim.engine import load  # noqa: E402
-from kvslim.loading import convert_hf_to_gguf, default_model, load_model  # noqa: E402
+from kvslim.loading import default_model, load_model  # noqa: E402
 from kvslim.models.matmul_precision import prompt_mode  # noqa: E402
 from kvslim.tables import markdown_table  # noqa: E402
 from kvslim.tools.bench import int_list  # noqa: E402
+from kvslim.tools.convert import LLAMA_QUANTIZE, convert  # noqa: E402
 
 PROMPT = "It is a truth universally acknowledged, that a single man in possession of a good fortune"
 
@@ -88,8 +89,15 @@ class LlamaCppRun:
 
 def kvslim_weights(gguf_type: str) -> str | None:
     """The type kvslim keeps the matrices in: the GGUF's, so both engines read the same bytes
-    per token (f32 compute either way); an f32 GGUF is kvslim's dense f32 model."""
-    return None if gguf_type == "f32" else gguf_type
+    per token (f32 compute either way); an f32 GGUF is kvslim's dense f32 model. K-quant mixes
+    (q4_k = Q4_K_M, ...) are made by llama.cpp's quantizer, and kvslim reads that same file."""
+    return None if gguf_type == "f32" or gguf_type in LLAMA_QUANTIZE else gguf_type
+
+
+def kvslim_source(gguf_type: str, model_path: Path, gguf: Path) -> Path:
+    """What kvslim loads: the folder (quantized at load to the GGUF's type), or for K-quant
+    mixes the GGUF itself."""
+    return gguf if gguf_type in LLAMA_QUANTIZE else model_path
 
 
 def greedy_check(peer, gguf: Path, model_path, n: int, threads: int, weights: str | None
@@ -115,7 +123,8 @@ def main() -> int:
     ap.add_argument("--types", default="f16,q8_0,q4_0", help="K=V cache types to compare")
     ap.add_argument("--gguf-type", default="f16",
                     help="weight type of the exported GGUF; kvslim keeps its matrices in the same type "
-                         "(f16, bf16, q8_0, q4_0; f32: dense)")
+                         "(f16, bf16, q8_0, q4_0; f32: dense; q4_k, q5_k, q6_k: llama-quantize's mixes, "
+                         "which kvslim reads from the same file)")
     ap.add_argument("--greedy-tokens", type=int, default=32)
     ap.add_argument("--compile", action="store_true", help="kvslim decodes through torch.compile (--compile)")
     ap.add_argument("--attn-backend", default="torch",
@@ -131,17 +140,18 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     model_path = Path(args.model) if args.model else default_model()
     gguf = Path(tempfile.mkdtemp()) / f"{model_path.name}-{args.gguf_type}.gguf"
-    convert_hf_to_gguf(model_path, gguf, args.gguf_type)
+    convert(model_path, gguf, args.gguf_type, args.threads)
+    source = kvslim_source(args.gguf_type, model_path, gguf)
     print(f"exported {gguf} ({gguf.stat().st_size / 2**20:.1f} MiB)")
     print(f"kvslim weights: {kvslim_weights(args.gguf_type) or 'f32 (dense)'}, f32 compute; prompts' f32 matmuls: "
           f"{prompt_mode()} (KVSLIM_F32_MATMUL=ieee for plain float32)")
-    ours, theirs = greedy_check(peer, gguf, model_path, args.greedy_tokens, args.threads,
+    ours, theirs = greedy_check(peer, gguf, source, args.greedy_tokens, args.threads,
                                 kvslim_weights(args.gguf_type))
     same = sum(a == b for a, b in zip(ours, theirs))
     print(f"greedy tokens at f16: kvslim {len(ours)}, llama.cpp {len(theirs)}, identical prefix "
           f"{next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))}, "
           f"same positions {same}")
-    rows = run_both(peer, gguf, model_path, args)
+    rows = run_both(peer, gguf, source, args)
     backends = args.attn_backend.split(",")
     heads = [f"kvslim {b} t/s" if len(backends) > 1 else "kvslim t/s" for b in backends]
     ratios = [f"{b} / llama.cpp" if len(backends) > 1 else "kvslim / llama.cpp" for b in backends]

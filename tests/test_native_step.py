@@ -315,3 +315,17 @@ def test_an_f16_window_after_a_trim_into_the_pages(tiny_folder):
         assert float((got - want).abs().max() / want.abs().max()) < 1e-4
         assert ca.kv_layers[0].window_len(0) == cb.kv_layers[0].window_len(0)
         token = int(want.argmax())
+
+
+def test_a_quantized_qwen35_gguf_decodes_in_the_c_step(hybrid, tmp_path):
+    """llama.cpp's GGUFs of Qwen3.5 order a DeltaNet's value heads their own way, and quantized
+    blocks cannot be re-ordered, so those matrices gather their input (``input_index``). The C
+    step refused them, and every quantized Qwen3.5 GGUF decoded through the torch step (287
+    against 3,178 t/s for llama.cpp on the bundled model's Q4_K_M); it gathers them now."""
+    from kvslim.loading import convert_hf_to_gguf
+    gguf = convert_hf_to_gguf(hybrid[3], tmp_path / "tiny-q8_0.gguf", "q8_0")
+    model, _, _ = load_model(gguf, "f32")
+    permuted = [m for m in model.modules() if getattr(m, "input_index", None) is not None]
+    assert permuted                                                  # the case this test is about
+    worst, same = run_both(model, "q8_0", "turbo4")
+    assert worst < 1e-4 and same

@@ -46,7 +46,7 @@ I32, I64 = ctypes.c_int32, ctypes.c_int64
 
 
 class Mat(ctypes.Structure):
-    _fields_ = [("type", I32), ("rows", I64), ("cols", I64), ("data", P), ("bias", P)]
+    _fields_ = [("type", I32), ("rows", I64), ("cols", I64), ("data", P), ("bias", P), ("perm", P)]
 
 
 class Layer(ctypes.Structure):
@@ -83,12 +83,15 @@ def _library():
 def matrix(module, keep: Keep, bias: torch.Tensor | None = None) -> Mat:
     """A linear layer's (or an embedding table's) weight as the C step reads it."""
     from ..weights.modules import _QuantWeight
+    perm = None
     if isinstance(module, _QuantWeight):
         name = module.wtype.name
-        if name not in block_linear.TYPE_CODES or module.input_index is not None:
-            raise Unsupported(f"{name} weights{' with permuted columns' if module.input_index is not None else ''}")
+        if name not in block_linear.TYPE_CODES:
+            raise Unsupported(f"{name} weights")
         rows = module.weight.shape[0]
         data, code, cols = module.weight, block_linear.TYPE_CODES[name], module.cols
+        if module.input_index is not None:                  # a GGUF's column order: gathered in C
+            perm = keep(module.input_index.to(torch.int64).contiguous()).data_ptr()
     elif type(module) in (nn.Linear, nn.Embedding) and module.weight.dtype in FLOAT_CODES:
         data, code = module.weight, FLOAT_CODES[module.weight.dtype]        # read as stored, no copy
         rows, cols = data.shape
@@ -98,7 +101,7 @@ def matrix(module, keep: Keep, bias: torch.Tensor | None = None) -> Mat:
         raise Unsupported(f"{cols} input features (not whole blocks of {block_linear.QK})")
     if bias is None:
         bias = getattr(module, "bias", None)
-    return Mat(code, rows, cols, keep(data.detach().contiguous()).data_ptr(), keep.ptr(bias))
+    return Mat(code, rows, cols, keep(data.detach().contiguous()).data_ptr(), keep.ptr(bias), perm)
 
 
 def _norm(norm, keep: Keep, want_zero_centered: bool, eps: float) -> int:

@@ -22,8 +22,9 @@
  *   Q6_K   [ql 128 B][qh 64 B][16 x int8 scales][d]: q = (4 low bits | 2 high bits << 4) - 32,
  *          one scale per 16 values (s0 and s1 differ)
  *   F16 / BF16 / F32  plain rows (s = 1)
- * With AVX2 + F16C + FMA the hot types (Q8_0, Q4_0, F16, BF16) unpack with intrinsics;
- * the others decode a group's codes in C and share the vector dot products.
+ * With AVX2 + F16C + FMA the hot types (Q8_0, Q4_0, F16, BF16, and the K-quants Q4_K, Q5_K,
+ * Q6_K) unpack with intrinsics; the others decode a group's codes in C and share the vector dot
+ * products.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -335,6 +336,122 @@ static inline int fast_types(int type) {     /* the types written out above */
     return type == TYPE_Q8_0 || type == TYPE_Q4_0 || type == TYPE_F16 || type == TYPE_BF16 || type == TYPE_F32;
 }
 
+/* The K-quants (what most GGUFs in use are made of: Q4_K_M is Q4_K and Q6_K) written out too.
+ * Through decode_group's scalar unpacking a Q4_K row cost 5-7x a Q4_0 row of the same shape.
+ * Half a super-block (128 values, 4 groups) at a time: its scales once (d and dmin converted
+ * once, the six-bit scales and mins unpacked with constant group numbers), each byte of codes
+ * widened once for the groups that share it (Q4_K's low and high nibbles, Q6_K's four groups
+ * per 32 bytes of ql and qh), then every value is s * q + o in one FMA: the minimum joins the
+ * values, instead of a scalar sum per group whose chain of adds cost more than its vectors. */
+static inline __attribute__((always_inline)) void k_scales(int type, const uint8_t *sb, float s0[8], float s1[8],
+                                                           float o[8]) {
+    if (type == TYPE_Q6_K) {
+        const int8_t *scales = (const int8_t *)(sb + 192);
+        const float d = f16(sb + 208);
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) s0[j] = d * (float)scales[2 * j], s1[j] = d * (float)scales[2 * j + 1], o[j] = 0.0f;
+        return;
+    }
+    const float d = f16(sb), dmin = f16(sb + 2);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) {
+        int scale, min;
+        scale_min_k4(sb + 4, j, &scale, &min);
+        s0[j] = s1[j] = d * (float)scale;
+        o[j] = -dmin * (float)min;
+    }
+}
+
+/* Codes of one half super-block of a K type. V: the width's vector of floats, VI of int32, W
+ * lanes; WIDEN(p) widens W bytes at p to int32 lanes; OPS: and/or/shifts/sub/set1/cvt/mul/fma of
+ * the width. Writes v[4 groups x 32 / W] = s * q + o, group by group. */
+#define DEFINE_K_HALF(SUFFIX, V, VI, W, WIDEN, AND, OR, SRLI, SLLI, SUB, SET1I, CVT, MUL, FMA, SET1)                \
+    static inline __attribute__((always_inline)) void k_half##SUFFIX(int type, const uint8_t *sb, int half,    \
+                                                                     const float *s0, const float *s1,         \
+                                                                     const float *o, V *v) {                   \
+        enum { PER = 32 / W };                                      /* vectors a group */                     \
+        const VI m4 = SET1I(0x0F);                                                                             \
+        if (type == TYPE_Q6_K) {                                                                               \
+            const uint8_t *ql = sb + 64 * half, *qh = sb + 128 + 32 * half;                                    \
+            VI l[2 * PER], hb[PER];                                                                            \
+            for (int c = 0; c < 2 * PER; c++) l[c] = WIDEN(ql + W * c);                                        \
+            for (int c = 0; c < PER; c++) hb[c] = WIDEN(qh + W * c);                                           \
+            _Pragma("GCC unroll 4") for (int g = 0; g < 4; g++) {                                              \
+                const int j = 4 * half + g;                                                                    \
+                for (int c = 0; c < PER; c++) {                                                                \
+                    const VI q = SUB(OR(AND(SRLI(l[PER * (g % 2) + c], 4 * (g / 2)), m4),                      \
+                                        SLLI(AND(SRLI(hb[c], 2 * g), SET1I(3)), 4)), SET1I(32));               \
+                    v[PER * g + c] = MUL(CVT(q), SET1(c < PER / 2 ? s0[j] : s1[j]));                          \
+                }                                                                                              \
+            }                                                                                                  \
+            return;                                                                                            \
+        }                                                                                                      \
+        const uint8_t *qs = sb + (type == TYPE_Q4_K ? 16 : 48) + 64 * half;                                    \
+        VI hb[PER];                                                                                            \
+        if (type == TYPE_Q5_K)                                                                                 \
+            for (int c = 0; c < PER; c++) hb[c] = WIDEN(sb + 16 + W * c);                                      \
+        _Pragma("GCC unroll 2") for (int p = 0; p < 2; p++) {          /* 32 bytes: groups 2p and 2p + 1 */    \
+            VI a[PER];                                                                                         \
+            for (int c = 0; c < PER; c++) a[c] = WIDEN(qs + 32 * p + W * c);                                   \
+            _Pragma("GCC unroll 2") for (int odd = 0; odd < 2; odd++) {                                        \
+                const int g = 2 * p + odd, j = 4 * half + g;                                                   \
+                for (int c = 0; c < PER; c++) {                                                                \
+                    VI q = AND(SRLI(a[c], 4 * odd), m4);                                                       \
+                    if (type == TYPE_Q5_K) q = OR(q, SLLI(AND(SRLI(hb[c], j), SET1I(1)), 4));                  \
+                    v[PER * g + c] = FMA(CVT(q), SET1(s0[j]), SET1(o[j]));                                     \
+                }                                                                                              \
+            }                                                                                                  \
+        }                                                                                                      \
+    }
+
+/* y[i * n] = row . x[i] for K-type rows; groups alternate between two accumulators, for one
+ * activation row and for several alike (a sequence's output does not depend on its batch). */
+#define DEFINE_ROWS_TIMES_K(SUFFIX, V, W, ZERO, LOAD, FMA, ADD, HSUM)                                          \
+    static inline __attribute__((always_inline)) void rows_times_k_typed##SUFFIX(                              \
+        int type, const uint8_t *row, const float *x, int64_t m, int64_t k, float *y, int64_t n) {            \
+        enum { PER = 32 / W };                                                                                 \
+        V acc[2][MAX_M], v[4 * PER];                                                                           \
+        for (int64_t i = 0; i < m; i++) acc[0][i] = acc[1][i] = ZERO();                                        \
+        const int64_t sb_bytes = group_bytes_x8(type);                                                         \
+        for (int64_t b = 0; b < k / 256; b++) {                                                                \
+            const uint8_t *sb = row + b * sb_bytes;                                                            \
+            float s0[8], s1[8], o[8];                                                                          \
+            k_scales(type, sb, s0, s1, o);                                                                     \
+            for (int half = 0; half < 2; half++) {                                                             \
+                k_half##SUFFIX(type, sb, half, s0, s1, o, v);                                                  \
+                for (int64_t i = 0; i < m; i++) {                                                              \
+                    const float *xh = x + i * k + b * 256 + 128 * half;                                        \
+                    for (int g = 0; g < 4; g++) {                                                              \
+                        V a = acc[g & 1][i];                                                                   \
+                        for (int c = 0; c < PER; c++) a = FMA(v[PER * g + c], LOAD(xh + 32 * g + W * c), a);   \
+                        acc[g & 1][i] = a;                                                                     \
+                    }                                                                                          \
+                }                                                                                              \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int64_t i = 0; i < m; i++) y[i * n] = HSUM(ADD(acc[0][i], acc[1][i]));                            \
+    }                                                                                                          \
+    static inline __attribute__((always_inline)) void rows_times_k##SUFFIX(                                     \
+        int type, const uint8_t *row, const float *x, int64_t m, int64_t k, float *y, int64_t n) {            \
+        switch (type) {                                                                                        \
+            case TYPE_Q4_K: rows_times_k_typed##SUFFIX(TYPE_Q4_K, row, x, m, k, y, n); break;                   \
+            case TYPE_Q5_K: rows_times_k_typed##SUFFIX(TYPE_Q5_K, row, x, m, k, y, n); break;                   \
+            default: rows_times_k_typed##SUFFIX(TYPE_Q6_K, row, x, m, k, y, n);                                 \
+        }                                                                                                      \
+    }
+
+static inline __m256i widen8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+static inline __m256i srli8(__m256i a, int n) { return _mm256_srli_epi32(a, n); }
+static inline __m256i slli8(__m256i a, int n) { return _mm256_slli_epi32(a, n); }
+
+DEFINE_K_HALF(8, __m256, __m256i, 8, widen8, _mm256_and_si256, _mm256_or_si256, srli8, slli8, _mm256_sub_epi32,
+              _mm256_set1_epi32, _mm256_cvtepi32_ps, _mm256_mul_ps, _mm256_fmadd_ps, _mm256_set1_ps)
+DEFINE_ROWS_TIMES_K(8, __m256, 8, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_fmadd_ps, _mm256_add_ps, hsum)
+
+static inline int k_types(int type) {
+    return type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K;
+}
+
 #if defined(__AVX512F__)
 /* The same loops 16 wide: a group is two vectors instead of four, so a group costs half the
  * unpacks, multiplies and adds. The sums' order is still the same for one activation row and
@@ -375,6 +492,17 @@ static inline __attribute__((always_inline)) __m512 group_into16(const __m512 v[
 
 DEFINE_ROWS_TIMES(16, __m512, 2, _mm512_setzero_ps, group_values16, group_into16, _mm512_add_ps,
                   _mm512_reduce_add_ps)
+
+/* The K types 16 wide: a group's halves are one vector each (Q6_K's two scales, one each). */
+static inline __m512i widen16(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline __m512i srli16(__m512i a, int n) { return _mm512_srli_epi32(a, n); }
+static inline __m512i slli16(__m512i a, int n) { return _mm512_slli_epi32(a, n); }
+
+DEFINE_K_HALF(16, __m512, __m512i, 16, widen16, _mm512_and_si512, _mm512_or_si512, srli16, slli16,
+              _mm512_sub_epi32, _mm512_set1_epi32, _mm512_cvtepi32_ps, _mm512_mul_ps, _mm512_fmadd_ps,
+              _mm512_set1_ps)
+DEFINE_ROWS_TIMES_K(16, __m512, 16, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_fmadd_ps, _mm512_add_ps,
+                    _mm512_reduce_add_ps)
 #define KVSLIM_AVX512 1
 #endif
 
@@ -416,7 +544,7 @@ int kvslim_block_linear(int type, const float *x, const uint8_t *w, float *y, in
     const int64_t row_bytes = k / QK * group_bytes_x8(type) / 8;
 #ifdef KVSLIM_AVX2
     float *xsum = NULL;
-    if (has_offset(type)) {
+    if (has_offset(type) && !k_types(type)) {
         if (!(xsum = malloc((size_t)(m * (k / QK)) * sizeof(float)))) return 1;
         for (int64_t i = 0; i < m * (k / QK); i++) {
             float s = 0.0f;
@@ -429,9 +557,13 @@ int kvslim_block_linear(int type, const float *x, const uint8_t *w, float *y, in
 #ifdef KVSLIM_AVX512
         if (m == 1 && fast_types(type)) rows_times_fast16(type, w + r * row_bytes, x, 1, k, y + r, n);
         else if (fast_types(type)) rows_times_fast16(type, w + r * row_bytes, x, m, k, y + r, n);
+        else if (m == 1 && k_types(type)) rows_times_k16(type, w + r * row_bytes, x, 1, k, y + r, n);
+        else if (k_types(type)) rows_times_k16(type, w + r * row_bytes, x, m, k, y + r, n);
 #else
         if (m == 1 && fast_types(type)) rows_times_fast8(type, w + r * row_bytes, x, 1, k, y + r, n);  /* m a constant */
         else if (fast_types(type)) rows_times_fast8(type, w + r * row_bytes, x, m, k, y + r, n);
+        else if (m == 1 && k_types(type)) rows_times_k8(type, w + r * row_bytes, x, 1, k, y + r, n);
+        else if (k_types(type)) rows_times_k8(type, w + r * row_bytes, x, m, k, y + r, n);
 #endif
         else row_times_rows(type, w + r * row_bytes, x, xsum, m, k, y + r, n);
     }

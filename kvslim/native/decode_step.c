@@ -30,6 +30,9 @@ typedef struct {            /* y = x @ W.T (+ bias) */
     int64_t rows, cols;
     const uint8_t *data;
     const float *bias;      /* NULL: none */
+    const int64_t *perm;    /* NULL, or (cols,): the input's features in the file's column order
+                             * (llama.cpp's GGUFs of Qwen3.5 order a DeltaNet's value heads their
+                             * own way, and quantized blocks cannot be re-ordered) */
 } mat_t;
 
 enum { MIXER_ATTENTION = 0, MIXER_DELTA_NET = 1 };
@@ -79,7 +82,15 @@ typedef struct {
 
 /* ----- small pieces ------------------------------------------------------------------- */
 static void linear(const mat_t *w, const float *x, int64_t m, float *y, int n_threads) {
+    float *gathered = NULL;
+    if (w->perm) {                                       /* x[:, perm]: as the torch module gathers */
+        gathered = malloc(sizeof(float) * (size_t)(m * w->cols));
+        for (int64_t i = 0; i < m; i++)
+            for (int64_t c = 0; c < w->cols; c++) gathered[i * w->cols + c] = x[i * w->cols + w->perm[c]];
+        x = gathered;
+    }
     kvslim_block_linear(w->type, x, w->data, y, m, w->rows, w->cols, n_threads);
+    free(gathered);
     if (w->bias)
         for (int64_t i = 0; i < m; i++)
             for (int64_t r = 0; r < w->rows; r++) y[i * w->rows + r] += w->bias[r];
