@@ -329,3 +329,24 @@ def test_a_quantized_qwen35_gguf_decodes_in_the_c_step(hybrid, tmp_path):
     assert permuted                                                  # the case this test is about
     worst, same = run_both(model, "q8_0", "turbo4")
     assert worst < 1e-4 and same
+
+
+@pytest.mark.parametrize("wtype", ["q4_k", "q3_k", "q2_k", "iq4_xs"])
+def test_llama_quantize_mixes_decode_in_the_c_step(wtype, tmp_path):
+    """The bundled model through llama.cpp's own quantizer (Q4_K_M, Q3_K_M, Q2_K and IQ4_XS
+    mixes, read back as llama.cpp wrote them): every matrix stays in its file's type, and the C
+    step matches the eager step over them."""
+    from kvslim import peer
+    from kvslim.loading import default_model
+    from kvslim.tools.convert import convert
+    from kvslim.weights.modules import _QuantWeight
+    try:
+        peer.binding()
+    except peer.PeerUnavailable as err:
+        pytest.skip(f"no llama.cpp to quantize with: {err}")
+    gguf = convert(default_model(), tmp_path / f"bundled-{wtype}.gguf", wtype)
+    model, _, _ = load_model(gguf, "f32")
+    kinds = {m.wtype.name for m in model.modules() if isinstance(m, _QuantWeight)}
+    assert wtype in kinds, kinds
+    worst, same = run_both(model, "q8_0", "q8_0", steps=6)
+    assert worst < 1e-4 and same

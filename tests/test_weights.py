@@ -71,7 +71,7 @@ def test_table_sizes_match_ggml():
         assert (t.block_size, t.block_bytes) == gguf.GGML_QUANT_SIZES[t.ggml_type], t.name
     assert W.get("Q4_K").bits_per_value == 4.5
     with pytest.raises(ValueError, match="valid: q8_0"):
-        W.get("q3_k")
+        W.get("iq3_xxs")
 
 
 @pytest.mark.parametrize("name", W.names())

@@ -6,9 +6,9 @@
  * parity tests hold this one to (against gguf.quants).
  *
  * A row is walked in groups of 32 values. Every type's group is
- *     value[l] = s0 * q[l] + o   (l < 16),   s1 * q[l] + o   (l >= 16)
- * with small integer codes q, so a group's contribution to y is
- *     s0 * (q[:16] . x[:16]) + s1 * (q[16:] . x[16:]) + o * sum(x)
+ *     value[l] = s0 * q[l] + o0   (l < 16),   s1 * q[l] + o1   (l >= 16)
+ * with small integer codes q (o0 = o1 but for Q2_K), so a group's contribution to y is
+ *     s0 * (q[:16] . x[:16]) + s1 * (q[16:] . x[16:]) + o0 * sum(x[:16]) + o1 * sum(x[16:])
  * and the scales multiply sums, not values. Layouts (ggml, little-endian, f16 scales):
  *   Q8_0   [d][32 x int8]                      s = d, q = int8
  *   Q4_0   [d][16 B: byte j = q_j | q_j+16<<4]  s = d, q = nibble - 8
@@ -21,6 +21,12 @@
  *   Q5_K   Q4_K plus [qh 32 B]: bit j of qh[l] is bit 4 of group j's value l
  *   Q6_K   [ql 128 B][qh 64 B][16 x int8 scales][d]: q = (4 low bits | 2 high bits << 4) - 32,
  *          one scale per 16 values (s0 and s1 differ)
+ *   Q3_K   [hmask 32 B][qs 64 B][12 B: 16 six-bit scales][d]: q = 2 bits of qs - (bit j of hmask ?
+ *          0 : 4), s = d * (scale - 32) per 16 values
+ *   Q2_K   [16 B: 4-bit scale | 4-bit min per 16 values][qs 64 B][d][dmin]: q = 2 bits,
+ *          s = d * scale, o = -dmin * min per 16 values
+ *   IQ4_XS [d][scales_h 2 B][scales_l 4 B][qs 128 B]: q = kvalues[nibble] (IQ4_NL's grid),
+ *          s = d * (6-bit scale - 32) per 32 values
  *   F16 / BF16 / F32  plain rows (s = 1)
  * With AVX2 + F16C + FMA the hot types (Q8_0, Q4_0, F16, BF16, and the K-quants Q4_K, Q5_K,
  * Q6_K) unpack with intrinsics; the others decode a group's codes in C and share the vector dot
@@ -36,14 +42,15 @@
 
 enum {
     TYPE_Q4_0 = 4, TYPE_Q8_0 = 8, TYPE_F16 = 16, TYPE_BF16 = 17, TYPE_F32 = 32, TYPE_Q4_1 = 41, TYPE_IQ4_NL = 44,
-    TYPE_Q5_0 = 50, TYPE_Q5_1 = 51, TYPE_Q4_K = 104, TYPE_Q5_K = 105, TYPE_Q6_K = 106
+    TYPE_Q5_0 = 50, TYPE_Q5_1 = 51, TYPE_Q2_K = 102, TYPE_Q3_K = 103, TYPE_Q4_K = 104, TYPE_Q5_K = 105,
+    TYPE_Q6_K = 106, TYPE_IQ4_XS = 144
 };
 
 static const int8_t IQ4NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 typedef struct {
     float q[QK];        /* codes as floats */
-    float s0, s1, o;    /* scale of values 0-15, of 16-31, offset of all */
+    float s0, s1, o0, o1;   /* scale and offset of values 0-15, of 16-31 */
 } group_t;
 
 static float f16(const uint8_t *p) {
@@ -63,12 +70,16 @@ static int64_t group_bytes_x8(int type) {     /* times 8, so the K types' 144/8 
         case TYPE_Q4_K: return 144;
         case TYPE_Q5_K: return 176;
         case TYPE_Q6_K: return 210;
+        case TYPE_Q3_K: return 110;
+        case TYPE_Q2_K: return 84;
+        case TYPE_IQ4_XS: return 136;
         default: return 0;
     }
 }
 
 static int super_blocks(int type) {
-    return type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K;
+    return type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K || type == TYPE_Q3_K || type == TYPE_Q2_K
+        || type == TYPE_IQ4_XS;
 }
 
 static void nibbles(const uint8_t *qs, float *q, int offset) {
@@ -98,7 +109,45 @@ static void scale_min_k4(const uint8_t *sc, int j, int *scale, int *min) {
     }
 }
 
+/* Q3_K: scale i (0-15) of the 12 packed bytes: 4 low bits from byte i % 8 (nibble i / 8), 2 high
+ * bits from byte 8 + i % 4 (pair i / 4); stored plus 32. */
+static int scale_q3_k(const uint8_t *sc, int i) {
+    return (((sc[i % 8] >> (4 * (i / 8))) & 0x0F) | (((sc[8 + i % 4] >> (2 * (i / 4))) & 3) << 4)) - 32;
+}
+
+/* IQ4_XS: group j's 6-bit scale (4 low bits in scales_l, 2 high in scales_h), stored plus 32. */
+static int scale_iq4_xs(const uint8_t *sb, int j) {
+    const int high = (sb[2] | sb[3] << 8) >> (2 * j) & 3;
+    return (((sb[4 + j / 2] >> (4 * (j % 2))) & 0x0F) | high << 4) - 32;
+}
+
 static void decode_k_group(int type, const uint8_t *sb, int j, group_t *g) {
+    g->o0 = g->o1 = 0.0f;
+    if (type == TYPE_Q2_K || type == TYPE_Q3_K) {      /* 2-bit codes: halves of 128, 32 B of qs each */
+        const uint8_t *qs = sb + (type == TYPE_Q2_K ? 16 : 32) + 32 * (j / 4);
+        const int shift = 2 * (j % 4);
+        for (int l = 0; l < QK; l++) {
+            int q = (qs[l] >> shift) & 3;
+            if (type == TYPE_Q3_K) q -= (sb[l] >> j) & 1 ? 0 : 4;      /* hmask: bit j of byte l */
+            g->q[l] = (float)q;
+        }
+        if (type == TYPE_Q3_K) {
+            const float d = f16(sb + 108);
+            g->s0 = d * (float)scale_q3_k(sb + 96, 2 * j);
+            g->s1 = d * (float)scale_q3_k(sb + 96, 2 * j + 1);
+        } else {
+            const float d = f16(sb + 80), dmin = f16(sb + 82);
+            g->s0 = d * (float)(sb[2 * j] & 0x0F), g->o0 = -(dmin * (float)(sb[2 * j] >> 4));
+            g->s1 = d * (float)(sb[2 * j + 1] & 0x0F), g->o1 = -(dmin * (float)(sb[2 * j + 1] >> 4));
+        }
+        return;
+    }
+    if (type == TYPE_IQ4_XS) {
+        const uint8_t *qs = sb + 8 + 16 * j;
+        for (int l = 0; l < 16; l++) g->q[l] = IQ4NL_VALUES[qs[l] & 0x0F], g->q[l + 16] = IQ4NL_VALUES[qs[l] >> 4];
+        g->s0 = g->s1 = f16(sb) * (float)scale_iq4_xs(sb, j);
+        return;
+    }
     if (type == TYPE_Q6_K) {                 /* halves of 128: ql 64 B, qh 32 B each */
         const uint8_t *ql = sb + 64 * (j / 4) + 32 * (j % 2), *qh = sb + 128 + 32 * (j / 4);
         const int low_shift = 4 * ((j / 2) % 2), high_shift = 2 * (j % 4);
@@ -108,7 +157,6 @@ static void decode_k_group(int type, const uint8_t *sb, int j, group_t *g) {
             g->q[l] = (float)((int)(((ql[l] >> low_shift) & 0x0F) | (((qh[l] >> high_shift) & 3) << 4)) - 32);
         g->s0 = d * scales[2 * j];
         g->s1 = d * scales[2 * j + 1];
-        g->o = 0.0f;
         return;
     }
     const float d = f16(sb), dmin = f16(sb + 2);
@@ -122,7 +170,7 @@ static void decode_k_group(int type, const uint8_t *sb, int j, group_t *g) {
         g->q[l] = (float)q;
     }
     g->s0 = g->s1 = d * (float)scale;
-    g->o = -dmin * (float)min;
+    g->o0 = g->o1 = -dmin * (float)min;
 }
 
 /* Group `index` of a row, for every type: the portable path and the reference of the fast one. */
@@ -132,14 +180,14 @@ static void decode_group(int type, const uint8_t *row, int64_t index, group_t *g
         return;
     }
     const uint8_t *b = row + index * (group_bytes_x8(type) / 8);
-    g->o = 0.0f;
+    g->o0 = g->o1 = 0.0f;
     g->s0 = g->s1 = type == TYPE_F16 || type == TYPE_BF16 || type == TYPE_F32 ? 1.0f : f16(b);
     switch (type) {
         case TYPE_Q8_0: for (int l = 0; l < QK; l++) g->q[l] = (float)(int8_t)b[2 + l]; break;
         case TYPE_Q4_0: nibbles(b + 2, g->q, -8); break;
-        case TYPE_Q4_1: nibbles(b + 4, g->q, 0); g->o = f16(b + 2); break;
+        case TYPE_Q4_1: nibbles(b + 4, g->q, 0); g->o0 = g->o1 = f16(b + 2); break;
         case TYPE_Q5_0: nibbles_high_bit(b + 2, b + 6, g->q, -16); break;
-        case TYPE_Q5_1: nibbles_high_bit(b + 4, b + 8, g->q, 0); g->o = f16(b + 2); break;
+        case TYPE_Q5_1: nibbles_high_bit(b + 4, b + 8, g->q, 0); g->o0 = g->o1 = f16(b + 2); break;
         case TYPE_IQ4_NL:
             for (int l = 0; l < 16; l++) {
                 g->q[l] = IQ4NL_VALUES[b[2 + l] & 0x0F];
@@ -166,10 +214,10 @@ __attribute__((unused)) static float dot_portable(int type, const uint8_t *row, 
     for (int64_t index = 0; index < k / QK; index++) {
         decode_group(type, row, index, &g);
         const float *xg = x + index * QK;
-        float lo = 0.0f, hi = 0.0f, sum = 0.0f;
+        float lo = 0.0f, hi = 0.0f, sum_lo = 0.0f, sum_hi = 0.0f;
         for (int l = 0; l < 16; l++) lo += g.q[l] * xg[l], hi += g.q[l + 16] * xg[l + 16];
-        for (int l = 0; l < QK; l++) sum += xg[l];
-        total += g.s0 * lo + g.s1 * hi + g.o * sum;
+        for (int l = 0; l < 16; l++) sum_lo += xg[l], sum_hi += xg[l + 16];
+        total += g.s0 * lo + g.s1 * hi + g.o0 * sum_lo + g.o1 * sum_hi;
     }
     return total;
 }
@@ -210,7 +258,7 @@ static inline void unpack_group(int type, const uint8_t *row, int64_t index, __m
         group_t g;
         decode_group(type, row, index, &g);
         for (int j = 0; j < 4; j++) v[j] = _mm256_loadu_ps(g.q + 8 * j);
-        *s0 = g.s0, *s1 = g.s1, *o = g.o;
+        *s0 = g.s0, *s1 = g.s1, *o = g.o0;          /* the types here have one offset a group */
     }
 }
 
@@ -344,31 +392,51 @@ static inline int fast_types(int type) {     /* the types written out above */
  * per 32 bytes of ql and qh), then every value is s * q + o in one FMA: the minimum joins the
  * values, instead of a scalar sum per group whose chain of adds cost more than its vectors. */
 static inline __attribute__((always_inline)) void k_scales(int type, const uint8_t *sb, float s0[8], float s1[8],
-                                                           float o[8]) {
+                                                           float o0[8], float o1[8]) {
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) o0[j] = o1[j] = 0.0f;
     if (type == TYPE_Q6_K) {
         const int8_t *scales = (const int8_t *)(sb + 192);
         const float d = f16(sb + 208);
 #pragma GCC unroll 8
-        for (int j = 0; j < 8; j++) s0[j] = d * (float)scales[2 * j], s1[j] = d * (float)scales[2 * j + 1], o[j] = 0.0f;
-        return;
-    }
-    const float d = f16(sb), dmin = f16(sb + 2);
+        for (int j = 0; j < 8; j++) s0[j] = d * (float)scales[2 * j], s1[j] = d * (float)scales[2 * j + 1];
+    } else if (type == TYPE_Q3_K) {
+        const float d = f16(sb + 108);
 #pragma GCC unroll 8
-    for (int j = 0; j < 8; j++) {
-        int scale, min;
-        scale_min_k4(sb + 4, j, &scale, &min);
-        s0[j] = s1[j] = d * (float)scale;
-        o[j] = -dmin * (float)min;
+        for (int j = 0; j < 8; j++)
+            s0[j] = d * (float)scale_q3_k(sb + 96, 2 * j), s1[j] = d * (float)scale_q3_k(sb + 96, 2 * j + 1);
+    } else if (type == TYPE_Q2_K) {
+        const float d = f16(sb + 80), dmin = f16(sb + 82);
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) {
+            s0[j] = d * (float)(sb[2 * j] & 0x0F), o0[j] = -(dmin * (float)(sb[2 * j] >> 4));
+            s1[j] = d * (float)(sb[2 * j + 1] & 0x0F), o1[j] = -(dmin * (float)(sb[2 * j + 1] >> 4));
+        }
+    } else if (type == TYPE_IQ4_XS) {
+        const float d = f16(sb);
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) s0[j] = s1[j] = d * (float)scale_iq4_xs(sb, j);
+    } else {
+        const float d = f16(sb), dmin = f16(sb + 2);
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) {
+            int scale, min;
+            scale_min_k4(sb + 4, j, &scale, &min);
+            s0[j] = s1[j] = d * (float)scale;
+            o0[j] = o1[j] = -dmin * (float)min;
+        }
     }
 }
 
 /* Codes of one half super-block of a K type. V: the width's vector of floats, VI of int32, W
- * lanes; WIDEN(p) widens W bytes at p to int32 lanes; OPS: and/or/shifts/sub/set1/cvt/mul/fma of
- * the width. Writes v[4 groups x 32 / W] = s * q + o, group by group. */
-#define DEFINE_K_HALF(SUFFIX, V, VI, W, WIDEN, AND, OR, SRLI, SLLI, SUB, SET1I, CVT, MUL, FMA, SET1)                \
+ * lanes; WIDEN(p) widens W bytes at p to int32 lanes; LUT(idx) looks 16 int32 indices up in
+ * IQ4_NL's grid as floats; OPS: and/or/shifts/sub/set1/cvt/mul/fma of the width. Writes
+ * v[4 groups x 32 / W] = s * q + o, group by group (the first half of a group's vectors take
+ * s0 and o0, the second s1 and o1). */
+#define DEFINE_K_HALF(SUFFIX, V, VI, W, WIDEN, LUT, AND, OR, SRLI, SLLI, SUB, SET1I, CVT, MUL, FMA, SET1)     \
     static inline __attribute__((always_inline)) void k_half##SUFFIX(int type, const uint8_t *sb, int half,    \
                                                                      const float *s0, const float *s1,         \
-                                                                     const float *o, V *v) {                   \
+                                                                     const float *o0, const float *o1, V *v) { \
         enum { PER = 32 / W };                                      /* vectors a group */                     \
         const VI m4 = SET1I(0x0F);                                                                             \
         if (type == TYPE_Q6_K) {                                                                               \
@@ -386,6 +454,35 @@ static inline __attribute__((always_inline)) void k_scales(int type, const uint8
             }                                                                                                  \
             return;                                                                                            \
         }                                                                                                      \
+        if (type == TYPE_Q2_K || type == TYPE_Q3_K) {       /* 32 B of 2-bit codes serve 4 groups */          \
+            const uint8_t *qs = sb + (type == TYPE_Q2_K ? 16 : 32) + 32 * half;                                \
+            VI a[PER], hb[PER];                                                                                \
+            for (int c = 0; c < PER; c++) a[c] = WIDEN(qs + W * c);                                            \
+            if (type == TYPE_Q3_K)                                                                             \
+                for (int c = 0; c < PER; c++) hb[c] = WIDEN(sb + W * c);                  /* hmask */          \
+            _Pragma("GCC unroll 4") for (int g = 0; g < 4; g++) {                                              \
+                const int j = 4 * half + g;                                                                    \
+                for (int c = 0; c < PER; c++) {                                                                \
+                    VI q = AND(SRLI(a[c], 2 * g), SET1I(3));                                                   \
+                    if (type == TYPE_Q3_K)                  /* (q | bit j << 2) - 4: minus 4 without the bit */ \
+                        q = SUB(OR(q, SLLI(AND(SRLI(hb[c], j), SET1I(1)), 2)), SET1I(4));                      \
+                    const int second = c >= PER / 2;                                                           \
+                    v[PER * g + c] = FMA(CVT(q), SET1(second ? s1[j] : s0[j]), SET1(second ? o1[j] : o0[j])); \
+                }                                                                                              \
+            }                                                                                                  \
+            return;                                                                                            \
+        }                                                                                                      \
+        if (type == TYPE_IQ4_XS) {                          /* a group's 16 B: low nibbles, then high */      \
+            _Pragma("GCC unroll 4") for (int g = 0; g < 4; g++) {                                              \
+                const int j = 4 * half + g;                                                                    \
+                for (int c = 0; c < PER; c++) {                                                                \
+                    const VI b = WIDEN(sb + 8 + 16 * j + (W * c) % 16);                                        \
+                    const VI q = c < PER / 2 ? AND(b, m4) : SRLI(b, 4);                                        \
+                    v[PER * g + c] = MUL(LUT(q), SET1(s0[j]));                                                 \
+                }                                                                                              \
+            }                                                                                                  \
+            return;                                                                                            \
+        }                                                                                                      \
         const uint8_t *qs = sb + (type == TYPE_Q4_K ? 16 : 48) + 64 * half;                                    \
         VI hb[PER];                                                                                            \
         if (type == TYPE_Q5_K)                                                                                 \
@@ -398,7 +495,7 @@ static inline __attribute__((always_inline)) void k_scales(int type, const uint8
                 for (int c = 0; c < PER; c++) {                                                                \
                     VI q = AND(SRLI(a[c], 4 * odd), m4);                                                       \
                     if (type == TYPE_Q5_K) q = OR(q, SLLI(AND(SRLI(hb[c], j), SET1I(1)), 4));                  \
-                    v[PER * g + c] = FMA(CVT(q), SET1(s0[j]), SET1(o[j]));                                     \
+                    v[PER * g + c] = FMA(CVT(q), SET1(s0[j]), SET1(o0[j]));                                    \
                 }                                                                                              \
             }                                                                                                  \
         }                                                                                                      \
@@ -415,10 +512,10 @@ static inline __attribute__((always_inline)) void k_scales(int type, const uint8
         const int64_t sb_bytes = group_bytes_x8(type);                                                         \
         for (int64_t b = 0; b < k / 256; b++) {                                                                \
             const uint8_t *sb = row + b * sb_bytes;                                                            \
-            float s0[8], s1[8], o[8];                                                                          \
-            k_scales(type, sb, s0, s1, o);                                                                     \
+            float s0[8], s1[8], o0[8], o1[8];                                                                  \
+            k_scales(type, sb, s0, s1, o0, o1);                                                                \
             for (int half = 0; half < 2; half++) {                                                             \
-                k_half##SUFFIX(type, sb, half, s0, s1, o, v);                                                  \
+                k_half##SUFFIX(type, sb, half, s0, s1, o0, o1, v);                                             \
                 for (int64_t i = 0; i < m; i++) {                                                              \
                     const float *xh = x + i * k + b * 256 + 128 * half;                                        \
                     for (int g = 0; g < 4; g++) {                                                              \
@@ -436,6 +533,9 @@ static inline __attribute__((always_inline)) void k_scales(int type, const uint8
         switch (type) {                                                                                        \
             case TYPE_Q4_K: rows_times_k_typed##SUFFIX(TYPE_Q4_K, row, x, m, k, y, n); break;                   \
             case TYPE_Q5_K: rows_times_k_typed##SUFFIX(TYPE_Q5_K, row, x, m, k, y, n); break;                   \
+            case TYPE_Q3_K: rows_times_k_typed##SUFFIX(TYPE_Q3_K, row, x, m, k, y, n); break;                   \
+            case TYPE_Q2_K: rows_times_k_typed##SUFFIX(TYPE_Q2_K, row, x, m, k, y, n); break;                   \
+            case TYPE_IQ4_XS: rows_times_k_typed##SUFFIX(TYPE_IQ4_XS, row, x, m, k, y, n); break;               \
             default: rows_times_k_typed##SUFFIX(TYPE_Q6_K, row, x, m, k, y, n);                                 \
         }                                                                                                      \
     }
@@ -443,13 +543,19 @@ static inline __attribute__((always_inline)) void k_scales(int type, const uint8
 static inline __m256i widen8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
 static inline __m256i srli8(__m256i a, int n) { return _mm256_srli_epi32(a, n); }
 static inline __m256i slli8(__m256i a, int n) { return _mm256_slli_epi32(a, n); }
+static inline __m256 iq4nl_lut8(__m256i idx) {     /* two 8-entry permutes, chosen by bit 3 */
+    const __m256 lo = _mm256_setr_ps(-127, -104, -83, -65, -49, -35, -22, -10);
+    const __m256 hi = _mm256_setr_ps(1, 13, 25, 38, 53, 69, 89, 113);
+    const __m256 pick = _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28));       /* bit 3 to the sign */
+    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, idx), _mm256_permutevar8x32_ps(hi, idx), pick);
+}
 
-DEFINE_K_HALF(8, __m256, __m256i, 8, widen8, _mm256_and_si256, _mm256_or_si256, srli8, slli8, _mm256_sub_epi32,
+DEFINE_K_HALF(8, __m256, __m256i, 8, widen8, iq4nl_lut8, _mm256_and_si256, _mm256_or_si256, srli8, slli8, _mm256_sub_epi32,
               _mm256_set1_epi32, _mm256_cvtepi32_ps, _mm256_mul_ps, _mm256_fmadd_ps, _mm256_set1_ps)
 DEFINE_ROWS_TIMES_K(8, __m256, 8, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_fmadd_ps, _mm256_add_ps, hsum)
 
 static inline int k_types(int type) {
-    return type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K;
+    return super_blocks(type);
 }
 
 #if defined(__AVX512F__)
@@ -497,8 +603,12 @@ DEFINE_ROWS_TIMES(16, __m512, 2, _mm512_setzero_ps, group_values16, group_into16
 static inline __m512i widen16(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
 static inline __m512i srli16(__m512i a, int n) { return _mm512_srli_epi32(a, n); }
 static inline __m512i slli16(__m512i a, int n) { return _mm512_slli_epi32(a, n); }
+static inline __m512 iq4nl_lut16(__m512i idx) {
+    const __m512 grid = _mm512_setr_ps(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+    return _mm512_permutexvar_ps(idx, grid);
+}
 
-DEFINE_K_HALF(16, __m512, __m512i, 16, widen16, _mm512_and_si512, _mm512_or_si512, srli16, slli16,
+DEFINE_K_HALF(16, __m512, __m512i, 16, widen16, iq4nl_lut16, _mm512_and_si512, _mm512_or_si512, srli16, slli16,
               _mm512_sub_epi32, _mm512_set1_epi32, _mm512_cvtepi32_ps, _mm512_mul_ps, _mm512_fmadd_ps,
               _mm512_set1_ps)
 DEFINE_ROWS_TIMES_K(16, __m512, 16, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_fmadd_ps, _mm512_add_ps,
@@ -521,8 +631,8 @@ static void dequantize_row(int type, const uint8_t *row, int64_t k, float *out) 
     for (int64_t index = 0; index < k / QK; index++) {
         decode_group(type, row, index, &g);
         float *o = out + index * QK;
-        for (int l = 0; l < 16; l++) o[l] = g.s0 * g.q[l] + g.o;
-        for (int l = 16; l < QK; l++) o[l] = g.s1 * g.q[l] + g.o;
+        for (int l = 0; l < 16; l++) o[l] = g.s0 * g.q[l] + g.o0;
+        for (int l = 16; l < QK; l++) o[l] = g.s1 * g.q[l] + g.o1;
     }
 }
 

@@ -15,7 +15,8 @@ from . import build
 
 SOURCE = "block_linear.c"
 TYPE_CODES = {"q4_0": 4, "q8_0": 8, "f16": 16, "bf16": 17, "q4_1": 41, "iq4_nl": 44, "q5_0": 50, "q5_1": 51,
-              "q4_k": 104, "q5_k": 105, "q6_k": 106}      # the types block_linear.c implements
+              "q2_k": 102, "q3_k": 103, "q4_k": 104, "q5_k": 105, "q6_k": 106,
+              "iq4_xs": 144}                                # the types block_linear.c implements
 QK = 32                                      # its rows are whole blocks of 32 values
 MAX_ROWS = 8                                 # more activation rows: torch's matmul over decoded steps wins
 

@@ -5,9 +5,9 @@ f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1 and iq4_nl are written by kvslim's 
 GGUF writer (ggml's reference quantizers via the gguf package; iq4_nl via kvslim's
 encoder): every weight matrix gets the type, except the tensors llama.cpp's converter
 keeps in F32 (norms, biases, router, conv1d) and rows that are not whole blocks (F16).
-q4_k, q5_k and q6_k have no encoder in Python: they are made by llama.cpp's own
-quantizer (llama-quantize's Q4_K_M, Q5_K_M and Q6_K mixes) from an f32 export, which
-needs the peer (pip install 'kvslim[peer]').
+q2_k, q3_k, q4_k, q5_k, q6_k and iq4_xs have no encoder in Python: they are made by
+llama.cpp's own quantizer (llama-quantize's Q2_K, Q3_K_M, Q4_K_M, Q5_K_M, Q6_K and IQ4_XS
+mixes) from an f32 export, which needs the peer (pip install 'kvslim[peer]').
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from ..loading import convert_hf_to_gguf
 from ..tables import human_bytes
 
 # --type -> llama.cpp file type its quantizer makes (llama-quantize: "Q4_K" = Q4_K_M, "Q5_K" = Q5_K_M)
-LLAMA_QUANTIZE = {"q4_k": "q4_k_m", "q5_k": "q5_k_m", "q6_k": "q6_k"}
+LLAMA_QUANTIZE = {"q4_k": "q4_k_m", "q5_k": "q5_k_m", "q6_k": "q6_k", "q3_k": "q3_k_m", "q2_k": "q2_k",
+                  "iq4_xs": "iq4_xs"}
 TYPES = [*writer.QTYPE, *LLAMA_QUANTIZE]
 
 

@@ -1,4 +1,5 @@
-"""Torch decoders for ggml's K-quants (Q4_K, Q5_K, Q6_K): 256-value super-blocks.
+"""Torch decoders for ggml's K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) and IQ4_XS: 256-value
+super-blocks.
 
 Each takes (N, block_bytes) uint8 and returns (N, 256) float32, bit-identical to
 ``gguf.quants.dequantize`` (and so to ggml's ``dequantize_row_*``): every product is
@@ -69,3 +70,49 @@ def decode_q6_k(f: dict[str, torch.Tensor]) -> torch.Tensor:
     q = ((low | (high << 4)).view(torch.int8) - 32).view(n, QK_K // 16, 16)
     scale = fp16_from_bytes(f["d"]).view(n, 1) * f["scales"].view(torch.int8).float()   # (N, 16)
     return (scale.unsqueeze(-1) * q.float()).reshape(n, QK_K)
+
+
+def decode_q3_k(f: dict[str, torch.Tensor]) -> torch.Tensor:
+    """2-bit codes in two halves of 128 (32 bytes of qs each, 4 shifts), minus 4 where the hmask
+    bit is clear (bit b of hmask[l] belongs to sub-block b); a six-bit scale (stored plus 32) per
+    16 values: 4 low bits from bytes 0-7, 2 high bits from bytes 8-11."""
+    qs, hmask, sc = f["qs"], f["hmask"], f["scales"]
+    n = qs.shape[0]
+    low = _bits(sc[:, :8].reshape(n, 1, 8), [0, 4], 0x0F).reshape(n, 16)
+    high = _bits(sc[:, 8:].reshape(n, 1, 4), [0, 2, 4, 6], 0x03).reshape(n, 16)
+    scale = ((low | (high << 4)).view(torch.int8) - 32).float()
+    dl = (fp16_from_bytes(f["d"]).view(n, 1) * scale).view(n, 16, 1)
+    ql = _bits(qs.view(n, 2, SUB), [0, 2, 4, 6], 0x03).reshape(n, 16, 16)
+    qh = _bits(hmask.view(n, 1, SUB), list(range(8)), 0x01).reshape(n, 16, 16) ^ 1
+    q = (ql.view(torch.int8) - (qh << 2).view(torch.int8)).float()
+    return (dl * q).reshape(n, QK_K)
+
+
+def decode_q2_k(f: dict[str, torch.Tensor]) -> torch.Tensor:
+    """2-bit codes as Q3_K's; per 16 values a byte of 4-bit scale (low) and 4-bit min (high):
+    value = (d * scale) * q - dmin * min."""
+    qs, sc = f["qs"], f["scales"]
+    n = qs.shape[0]
+    dl = (fp16_from_bytes(f["d"]).view(n, 1) * (sc & 0x0F).float()).view(n, 16, 1)
+    ml = (fp16_from_bytes(f["dmin"]).view(n, 1) * (sc >> 4).float()).view(n, 16, 1)
+    q = _bits(qs.view(n, 2, SUB), [0, 2, 4, 6], 0x03).reshape(n, 16, 16).float()
+    return (dl * q - ml).reshape(n, QK_K)
+
+
+IQ4NL_GRID = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+def decode_iq4_xs(f: dict[str, torch.Tensor]) -> torch.Tensor:
+    """IQ4_NL's grid in super-blocks: per 32 values a six-bit scale (stored plus 32; 4 low bits
+    in scales_l, 2 high in the 16-bit scales_h) and 16 bytes of indices, low nibbles first."""
+    qs, lo, hi = f["qs"], f["scales_l"], f["scales_h"]
+    n = qs.shape[0]
+    low = _bits(lo.view(n, 1, 4), [0, 4], 0x0F).transpose(2, 3).reshape(n, 8)          # byte j // 2, nibble j % 2
+    high16 = hi[:, 0].to(torch.int32) | (hi[:, 1].to(torch.int32) << 8)                          # (N,)
+    shifts = cached_on(qs.device, ("iq4_xs shifts",), lambda: torch.arange(0, 16, 2, dtype=torch.int32))
+    high = ((high16.view(n, 1) >> shifts) & 3).to(torch.uint8)                                # (N, 8)
+    scale = ((low | (high << 4)).view(torch.int8) - 32).float()
+    dl = (fp16_from_bytes(f["d"]).view(n, 1) * scale).view(n, 8, 1)
+    idx = _bits(qs.view(n, 8, 16), [0, 4], 0x0F).reshape(n, 8, 32).long()
+    grid = cached_on(qs.device, ("iq4_nl grid f32",), lambda: torch.tensor(IQ4NL_GRID, dtype=torch.float32))
+    return (dl * grid[idx]).reshape(n, QK_K)

@@ -109,6 +109,12 @@ TABLE: tuple[WeightType, ...] = (
                kquants.decode_q5_k, "5-bit codes, 6-bit scale and min per 32 values"),
     WeightType("q4_k", _T.Q4_K, QK_K, (("d", 2), ("dmin", 2), ("scales", 12), ("qs", QK_K // 2)),
                kquants.decode_q4_k, "4-bit codes, 6-bit scale and min per 32 values"),
+    WeightType("q3_k", _T.Q3_K, QK_K, (("hmask", QK_K // 8), ("qs", QK_K // 4), ("scales", 12), ("d", 2)),
+               kquants.decode_q3_k, "3-bit codes, 6-bit scale per 16 values, fp16 super-scale"),
+    WeightType("q2_k", _T.Q2_K, QK_K, (("scales", QK_K // 16), ("qs", QK_K // 4), ("d", 2), ("dmin", 2)),
+               kquants.decode_q2_k, "2-bit codes, 4-bit scale and min per 16 values"),
+    WeightType("iq4_xs", _T.IQ4_XS, QK_K, (("d", 2), ("scales_h", 2), ("scales_l", QK_K // 64), ("qs", QK_K // 2)),
+               kquants.decode_iq4_xs, "4-bit indices into IQ4_NL's grid, 6-bit scale per 32 values"),
     # Float matrices inside a quantized file (rows that are not whole blocks) stay as stored too.
     _float("f32", _T.F32, torch.float32),
     _float("f16", _T.F16, torch.float16),
