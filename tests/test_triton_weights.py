@@ -24,8 +24,9 @@ from .triton_harness import compile_for_sm90, compiled_process, run_interpreted
 
 pytestmark = pytest.mark.skipif(not gpu.available(), reason="triton is not installed: no GPU kernel to check")
 
-TYPES = ["q8_0", "q4_0", "q4_k", "q5_k", "q6_k"]
-COLS = {"q8_0": 288, "q4_0": 288, "q4_k": 512, "q5_k": 512, "q6_k": 512}   # 288: not whole GEMV steps
+TYPES = ["q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "iq4_xs"]
+COLS = {"q8_0": 288, "q4_0": 288, "q4_k": 512, "q5_k": 512, "q6_k": 512, "q3_k": 512, "q2_k": 512,
+        "iq4_xs": 512}                                                    # 288: not whole GEMV steps
 # ("gemv", type, M, N, K, split_k or None) and ("gemm", type, M, N, K, dot)
 GEMV = [("gemv", t, m, n, COLS[t], split) for t in TYPES
         for m, n, split in ((1, 64, None), (5, 40, None), (16, 33, 1))]
@@ -139,7 +140,7 @@ def test_cpu_tensors_without_the_interpreter_are_refused():
 def test_supported_types():
     T = gguf.GGMLQuantizationType
     assert [gpu.supports(weights.get(t).ggml_type) for t in TYPES] == [True] * len(TYPES)
-    assert not any(gpu.supports(t) for t in (T.Q5_0, T.Q4_1, T.IQ4_NL, T.F16, T.Q2_K))
+    assert not any(gpu.supports(t) for t in (T.Q5_0, T.Q4_1, T.IQ4_NL, T.F16, T.IQ3_XXS))
 
 
 def test_bad_calls_raise_before_any_kernel():
@@ -325,7 +326,7 @@ def test_compiled_kernels_on_cuda_match_gguf_dequantize(case):
 POINTERS = {"x_ptr": "*fp32", "w_ptr": "*u8", "y_ptr": "*fp32"}
 
 
-@pytest.mark.parametrize("name,rows", [("q8_0", 1), ("q4_k", 4), ("q6_k", 16)])
+@pytest.mark.parametrize("name,rows", [("q8_0", 1), ("q4_k", 4), ("q6_k", 16), ("q3_k", 1), ("iq4_xs", 4)])
 def test_gemv_compiles_for_an_h100_without_one(name, rows):
     """The interpreter cannot say whether ptxas takes it: lower it for sm_90 with the launcher's config."""
     from kvslim.gpu import _quant_matmul_kernel as kernel
@@ -335,7 +336,8 @@ def test_gemv_compiles_for_an_h100_without_one(name, rows):
     assert compile_for_sm90(kernel.quant_gemv, POINTERS, constexprs, num_warps).asm["cubin"]
 
 
-@pytest.mark.parametrize("name,dot", [("q4_0", "fp16"), ("q5_k", "bf16"), ("q6_k", "bf16")])
+@pytest.mark.parametrize("name,dot", [("q4_0", "fp16"), ("q5_k", "bf16"), ("q6_k", "bf16"), ("q2_k", "bf16"),
+                                      ("iq4_xs", "fp16")])
 def test_gemm_compiles_for_an_h100_without_one(name, dot):
     """The prefill GEMM's tensor-core tl.dot at M = 512, x in the dot's own half type."""
     from kvslim.gpu import _quant_matmul_kernel as kernel

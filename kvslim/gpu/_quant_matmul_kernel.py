@@ -27,9 +27,16 @@ from ._codecs import f16_at
 # ggml type ids (gguf.GGMLQuantizationType), the kernels' TYPE
 Q4_0 = tl.constexpr(2)
 Q8_0 = tl.constexpr(8)
+Q2_K = tl.constexpr(10)
+Q3_K = tl.constexpr(11)
 Q4_K = tl.constexpr(12)
 Q5_K = tl.constexpr(13)
 Q6_K = tl.constexpr(14)
+IQ4_XS = tl.constexpr(23)
+# IQ4_NL's grid plus 128 as bytes, 8 to an int64 (low byte first): a value's grid entry is one
+# shift and mask of a constant, not a table in memory
+GRID_LO = tl.constexpr(0x76_6A_5D_4F_3F_2D_18_01)                  # 1, 24, 45, 63, 79, 93, 106, 118
+GRID_HI = tl.constexpr(0xF1_D9_C5_B5_A6_99_8D_81 - (1 << 64))      # 129, 141, 153, 166, 181, 197, 217, 241
 DENSE = tl.constexpr(-1)        # not a ggml type: plain float rows (the grouped GEMM of dense experts)
 
 # dot name -> (operand dtype, tl.dot input_precision); products accumulate in float32 in all four
@@ -107,6 +114,49 @@ def _k4_values(row, c, mask, TYPE: tl.constexpr):
 
 
 @triton.jit
+def _k2_values(row, c, mask, TYPE: tl.constexpr):
+    """Q2_K [16 scale|min bytes][qs 64][d][dmin] and Q3_K [hmask 32][qs 64][12 scales][d]: in each
+    half of 128, value r takes 2 bits (shift 2(r // 32)) of qs[32 half + r % 32]; Q3_K subtracts
+    4 where bit (4 half + r // 32) of hmask[r % 32] is clear. One scale per 16 values: Q2_K's
+    4-bit scale and min, (d * scale) * q - dmin * min; Q3_K's six bits less 32, (d * scale) * q."""
+    if TYPE == Q2_K:
+        sb = row + (c // 256) * 84
+        qs = sb + 16
+    else:
+        sb = row + (c // 256) * 110
+        qs = sb + 32
+    i = c % 256
+    half, r = i // 128, i % 128
+    q = (_byte(qs + 32 * half + r % 32, mask) >> (2 * (r // 32))) & 3
+    s = i // 16
+    if TYPE == Q2_K:
+        sc = _byte(sb + s, mask)
+        return (f16_at(sb + 80, mask) * (sc & 0x0F).to(tl.float32)) * q.to(tl.float32) \
+            - f16_at(sb + 82, mask) * (sc >> 4).to(tl.float32)
+    bit = (_byte(sb + r % 32, mask) >> (4 * half + r // 32)) & 1
+    q = q - 4 * (1 - bit)
+    scale = ((_byte(sb + 96 + s % 8, mask) >> (4 * (s // 8))) & 0x0F) \
+        | (((_byte(sb + 104 + s % 4, mask) >> (2 * (s // 4))) & 3) << 4)
+    return (f16_at(sb + 108, mask) * (scale - 32).to(tl.float32)) * q.to(tl.float32)
+
+
+@triton.jit
+def _iq4_xs_values(row, c, mask):
+    """[d][scales_h 2][scales_l 4][qs 128]: sub-block g of 32 takes the low (l < 16) or high
+    nibble of qs[16 g + l % 16] into IQ4_NL's grid; (d * (scale - 32)) * grid, the six-bit scale
+    4 bits from scales_l[g // 2] (nibble g % 2) and 2 from scales_h (bits 2g)."""
+    sb = row + (c // 256) * 136
+    i = c % 256
+    g, l = i // 32, i % 32
+    n = ((_byte(sb + 8 + 16 * g + l % 16, mask) >> (4 * (l // 16))) & 0x0F).to(tl.int64)
+    packed = tl.where(n < 8, GRID_LO, GRID_HI)
+    grid = ((packed >> (8 * (n % 8))) & 0xFF) - 128
+    high = ((_byte(sb + 2, mask) | (_byte(sb + 3, mask) << 8)) >> (2 * g)) & 3
+    scale = ((_byte(sb + 4 + g // 2, mask) >> (4 * (g % 2))) & 0x0F) | (high << 4)
+    return (f16_at(sb, mask) * (scale - 32).to(tl.float32)) * grid.to(tl.float32)
+
+
+@triton.jit
 def _dequantize_tile(w_ptr, rows, cols, row_bytes, N, K, TYPE: tl.constexpr):
     """rows (BN,) output features, cols (BK,) input features -> (BN, BK) float32 values of W;
     0 outside (N, K), so padding adds 0 * 0, never NaN from stray bytes."""
@@ -117,6 +167,10 @@ def _dequantize_tile(w_ptr, rows, cols, row_bytes, N, K, TYPE: tl.constexpr):
         v = _q6_k_values(row, c, mask)
     elif TYPE == Q4_K or TYPE == Q5_K:
         v = _k4_values(row, c, mask, TYPE)
+    elif TYPE == Q2_K or TYPE == Q3_K:
+        v = _k2_values(row, c, mask, TYPE)
+    elif TYPE == IQ4_XS:
+        v = _iq4_xs_values(row, c, mask)
     else:
         v = _legacy_values(row, c, mask, TYPE)
     return tl.where(mask, v, 0.0)

@@ -33,7 +33,7 @@ from . import available, pow2
 from . import runs_on as gpu_runs_on
 
 _T = gguf.GGMLQuantizationType
-SUPPORTED = (_T.Q8_0, _T.Q4_0, _T.Q4_K, _T.Q5_K, _T.Q6_K)
+SUPPORTED = (_T.Q8_0, _T.Q4_0, _T.Q2_K, _T.Q3_K, _T.Q4_K, _T.Q5_K, _T.Q6_K, _T.IQ4_XS)
 MAX_GEMV_ROWS = 16            # more rows of x: the tensor-core GEMM
 GEMV_PROGRAMS = 264           # split K until a GEMV launches about this many programs (2 per H100 SM)
 GEMV_TILE = 2048              # BLOCK_N * BLOCK_K: W values one GEMV step dequantizes (in registers)
