@@ -225,6 +225,35 @@ def test_prefix_reuse_gives_the_same_tokens_as_a_fresh_start(tiny_folder, kind):
     assert third.generated == _greedy(fresh, edited).generated
 
 
+@pytest.mark.parametrize("kind", ["qwen3_5", "llama"])
+def test_an_f16_window_in_the_c_step_through_prefix_reuse(tiny_folder, kind):
+    """--f16-window N with the C step: two requests at once, a conversation that reuses its
+    cache and a prompt edited inside the first (a trim into the pages, or a DeltaNet checkpoint
+    restored) give the torch step's tokens (the same caches, decoded eagerly)."""
+    from kvslim.engine import Engine, EngineConfig
+    from kvslim.loading import load_model
+
+    model, tok, _ = load_model(tiny_folder(kind)[0], "f32")
+    engines = [Engine(model, tok, EngineConfig.build(256, 2, "q8_0", "turbo4", n_ubatch=16, prefix_cache=True,
+                                                     checkpoint_interval=16, f16_window=12, native=native))
+               for native in (True, False)]
+    assert engines[0].decode_step.path == "native" and engines[1].decode_step.path == "eager"
+    turn1 = list(range(10, 60))
+    together = []
+    for engine in engines:
+        pair = [engine.submit(p, 20, SamplingParams(temperature=0)) for p in (turn1, list(range(90, 97)))]
+        engine.run(pair)
+        for seq in pair:
+            engine.release(seq)
+        together.append([seq.generated for seq in pair])
+    assert together[0] == together[1]
+    first = together[0][0]
+    for prompt in (turn1 + first + list(range(70, 90)), turn1[:37] + [7, 7, 7] + turn1[40:]):
+        got, want = (_greedy(engine, prompt, 16) for engine in engines)
+        assert got.cached_tokens == want.cached_tokens > 0
+        assert got.generated == want.generated
+
+
 def test_kvslim_load_reads_gguf_like_the_folder(tiny_folder, tmp_path):
     from kvslim.loading import convert_hf_to_gguf
 
