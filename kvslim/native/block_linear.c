@@ -391,41 +391,79 @@ static inline int fast_types(int type) {     /* the types written out above */
  * widened once for the groups that share it (Q4_K's low and high nibbles, Q6_K's four groups
  * per 32 bytes of ql and qh), then every value is s * q + o in one FMA: the minimum joins the
  * values, instead of a scalar sum per group whose chain of adds cost more than its vectors. */
+/* 8 bytes as floats times d (one vector), stored at out. */
+static inline __attribute__((always_inline)) void bytes_times(const uint8_t *b, float d, float *out) {
+    _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b))),
+                                        _mm256_set1_ps(d)));
+}
+
+/* 8 signed bytes less 32 as floats times d. */
+static inline __attribute__((always_inline)) void bytes_less_32_times(const uint8_t *b, float d, float *out) {
+    const __m256i v = _mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b)), _mm256_set1_epi32(32));
+    _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(d)));
+}
+
+/* A super-block's scales and offsets per group: s0/o0 for its values 0-15, s1/o1 for 16-31.
+ * The six-bit fields are unpacked a 32-bit word (4 fields) at a time, and turned into floats 8 at
+ * a time: one group's scalar unpacking cost more than its vector work. */
 static inline __attribute__((always_inline)) void k_scales(int type, const uint8_t *sb, float s0[8], float s1[8],
                                                            float o0[8], float o1[8]) {
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; j++) o0[j] = o1[j] = 0.0f;
-    if (type == TYPE_Q6_K) {
-        const int8_t *scales = (const int8_t *)(sb + 192);
-        const float d = f16(sb + 208);
-#pragma GCC unroll 8
-        for (int j = 0; j < 8; j++) s0[j] = d * (float)scales[2 * j], s1[j] = d * (float)scales[2 * j + 1];
+    float per16[16], mins16[16];
+    uint32_t w[4];
+    if (type == TYPE_Q4_K || type == TYPE_Q5_K) {
+        /* 12 bytes S: scale j < 4 is S[j] & 63, min S[j + 4] & 63; for j >= 4 the low (scale) or
+         * high (min) nibble of S[j + 4], with the top two bits of S[j - 4] (scale) or S[j] (min) */
+        uint32_t in[3];
+        memcpy(in, sb + 4, 12);
+        w[0] = in[0] & 0x3F3F3F3Fu;                                                  /* scales 0-3 */
+        w[1] = (in[2] & 0x0F0F0F0Fu) | ((in[0] >> 6) & 0x03030303u) << 4;            /* scales 4-7 */
+        w[2] = in[1] & 0x3F3F3F3Fu;                                                  /* mins 0-3 */
+        w[3] = ((in[2] >> 4) & 0x0F0F0F0Fu) | ((in[1] >> 6) & 0x03030303u) << 4;     /* mins 4-7 */
+        const uint8_t *b = (const uint8_t *)w;
+        bytes_times(b, f16(sb), s0);
+        bytes_times(b + 8, -f16(sb + 2), o0);
+        memcpy(s1, s0, 8 * sizeof(float));
+        memcpy(o1, o0, 8 * sizeof(float));
+        return;
+    }
+    if (type == TYPE_IQ4_XS) {                                  /* 4 low bits in scales_l, 2 in scales_h */
+        uint32_t lo;
+        memcpy(&lo, sb + 4, 4);
+        const uint32_t hi = (uint32_t)(sb[2] | sb[3] << 8);
+        uint8_t b[8];
+        for (int j = 0; j < 8; j++) b[j] = (uint8_t)(((lo >> (4 * j)) & 0x0F) | ((hi >> (2 * j)) & 3) << 4);
+        bytes_less_32_times(b, f16(sb), s0);
+        memcpy(s1, s0, 8 * sizeof(float));
+        memset(o0, 0, 8 * sizeof(float)), memset(o1, 0, 8 * sizeof(float));
+        return;
+    }
+    if (type == TYPE_Q6_K) {                                    /* int8 scales, one per 16 values */
+        const __m128i sc = _mm_loadu_si128((const __m128i *)(sb + 192));
+        const __m256 d = _mm256_set1_ps(f16(sb + 208));
+        _mm256_storeu_ps(per16, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)), d));
+        _mm256_storeu_ps(per16 + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))), d));
+        memset(mins16, 0, sizeof mins16);
     } else if (type == TYPE_Q3_K) {
+        /* scale i: 4 low bits from byte i % 8 (nibble i / 8), 2 high bits from byte 8 + i % 4
+         * (pair i / 4), less 32: word k holds scales 4k..4k+3 */
+        uint32_t in[3];
+        memcpy(in, sb + 96, 12);
+        for (int k = 0; k < 4; k++)
+            w[k] = ((in[k % 2] >> (4 * (k / 2))) & 0x0F0F0F0Fu) | ((in[2] >> (2 * k)) & 0x03030303u) << 4;
         const float d = f16(sb + 108);
-#pragma GCC unroll 8
-        for (int j = 0; j < 8; j++)
-            s0[j] = d * (float)scale_q3_k(sb + 96, 2 * j), s1[j] = d * (float)scale_q3_k(sb + 96, 2 * j + 1);
-    } else if (type == TYPE_Q2_K) {
-        const float d = f16(sb + 80), dmin = f16(sb + 82);
-#pragma GCC unroll 8
-        for (int j = 0; j < 8; j++) {
-            s0[j] = d * (float)(sb[2 * j] & 0x0F), o0[j] = -(dmin * (float)(sb[2 * j] >> 4));
-            s1[j] = d * (float)(sb[2 * j + 1] & 0x0F), o1[j] = -(dmin * (float)(sb[2 * j + 1] >> 4));
-        }
-    } else if (type == TYPE_IQ4_XS) {
-        const float d = f16(sb);
-#pragma GCC unroll 8
-        for (int j = 0; j < 8; j++) s0[j] = s1[j] = d * (float)scale_iq4_xs(sb, j);
-    } else {
-        const float d = f16(sb), dmin = f16(sb + 2);
-#pragma GCC unroll 8
-        for (int j = 0; j < 8; j++) {
-            int scale, min;
-            scale_min_k4(sb + 4, j, &scale, &min);
-            s0[j] = s1[j] = d * (float)scale;
-            o0[j] = o1[j] = -dmin * (float)min;
+        bytes_less_32_times((const uint8_t *)w, d, per16);
+        bytes_less_32_times((const uint8_t *)w + 8, d, per16 + 8);
+        memset(mins16, 0, sizeof mins16);
+    } else {                                                    /* Q2_K: scale | min << 4 per 16 values */
+        const __m128i b = _mm_loadu_si128((const __m128i *)sb);
+        const __m256 d = _mm256_set1_ps(f16(sb + 80)), dmin = _mm256_set1_ps(-f16(sb + 82));
+        for (int h = 0; h < 2; h++) {
+            const __m256i v = _mm256_cvtepu8_epi32(h ? _mm_srli_si128(b, 8) : b);
+            _mm256_storeu_ps(per16 + 8 * h, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15))), d));
+            _mm256_storeu_ps(mins16 + 8 * h, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), dmin));
         }
     }
+    for (int j = 0; j < 8; j++) s0[j] = per16[2 * j], s1[j] = per16[2 * j + 1], o0[j] = mins16[2 * j], o1[j] = mins16[2 * j + 1];
 }
 
 /* Codes of one half super-block of a K type. V: the width's vector of floats, VI of int32, W
