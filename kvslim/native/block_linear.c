@@ -466,74 +466,51 @@ static inline __attribute__((always_inline)) void k_scales(int type, const uint8
     for (int j = 0; j < 8; j++) s0[j] = per16[2 * j], s1[j] = per16[2 * j + 1], o0[j] = mins16[2 * j], o1[j] = mins16[2 * j + 1];
 }
 
-/* Codes of one half super-block of a K type. V: the width's vector of floats, VI of int32, W
- * lanes; WIDEN(p) widens W bytes at p to int32 lanes; LUT(idx) looks 16 int32 indices up in
- * IQ4_NL's grid as floats; OPS: and/or/shifts/sub/set1/cvt/mul/fma of the width. Writes
- * v[4 groups x 32 / W] = s * q + o, group by group (the first half of a group's vectors take
- * s0 and o0, the second s1 and o1). */
-#define DEFINE_K_HALF(SUFFIX, V, VI, W, WIDEN, LUT, AND, OR, SRLI, SLLI, SUB, SET1I, CVT, MUL, FMA, SET1)     \
-    static inline __attribute__((always_inline)) void k_half##SUFFIX(int type, const uint8_t *sb, int half,    \
-                                                                     const float *s0, const float *s1,         \
-                                                                     const float *o0, const float *o1, V *v) { \
+/* Values of N consecutive groups (from group j0) of a K-type super-block. V: the width's vector
+ * of floats, VI of int32, W lanes; WIDEN(p) widens W bytes at p to int32 lanes; LUT(idx) looks
+ * int32 indices up in IQ4_NL's grid as floats; OPS: and/or/shifts/sub/set1/cvt/mul/fma of the
+ * width. Writes v[N x 32 / W] = s * q + o, group by group (the first half of a group's vectors
+ * take s0 and o0, the second s1 and o1). Each group widens its own bytes; groups that share
+ * bytes (Q4_K's nibble pairs, the 2-bit types' four shifts) are unrolled together, so the
+ * compiler widens each byte once. */
+#define DEFINE_K_GROUPS(SUFFIX, V, VI, W, WIDEN, LUT, AND, OR, SRLI, SLLI, SUB, SET1I, CVT, MUL, FMA, SET1)   \
+    static inline __attribute__((always_inline)) void k_groups##SUFFIX(int type, const uint8_t *sb, int j0,     \
+                                                                       int N, const float *s0, const float *s1,\
+                                                                       const float *o0, const float *o1, V *v) {\
         enum { PER = 32 / W };                                      /* vectors a group */                     \
         const VI m4 = SET1I(0x0F);                                                                             \
-        if (type == TYPE_Q6_K) {                                                                               \
-            const uint8_t *ql = sb + 64 * half, *qh = sb + 128 + 32 * half;                                    \
-            VI l[2 * PER], hb[PER];                                                                            \
-            for (int c = 0; c < 2 * PER; c++) l[c] = WIDEN(ql + W * c);                                        \
-            for (int c = 0; c < PER; c++) hb[c] = WIDEN(qh + W * c);                                           \
-            _Pragma("GCC unroll 4") for (int g = 0; g < 4; g++) {                                              \
-                const int j = 4 * half + g;                                                                    \
-                for (int c = 0; c < PER; c++) {                                                                \
+        if (type == TYPE_Q6_K) {            /* half j0 / 4 at once (N = 4): each byte widened once */         \
+            const int half = j0 / 4;                                                                           \
+            VI l[2 * PER], h[PER];                                                                             \
+            for (int c = 0; c < 2 * PER; c++) l[c] = WIDEN(sb + 64 * half + W * c);                            \
+            for (int c = 0; c < PER; c++) h[c] = WIDEN(sb + 128 + 32 * half + W * c);                          \
+            _Pragma("GCC unroll 4") for (int g = 0; g < 4; g++)                                                \
+                for (int c = 0; c < PER; c++) {       /* ql: nibble g / 2 of byte 32 (g % 2) + l */            \
                     const VI q = SUB(OR(AND(SRLI(l[PER * (g % 2) + c], 4 * (g / 2)), m4),                      \
-                                        SLLI(AND(SRLI(hb[c], 2 * g), SET1I(3)), 4)), SET1I(32));               \
-                    v[PER * g + c] = MUL(CVT(q), SET1(c < PER / 2 ? s0[j] : s1[j]));                          \
+                                        SLLI(AND(SRLI(h[c], 2 * g), SET1I(3)), 4)), SET1I(32));                \
+                    v[PER * g + c] = MUL(CVT(q), SET1(c >= PER / 2 ? s1[j0 + g] : s0[j0 + g]));                \
                 }                                                                                              \
-            }                                                                                                  \
             return;                                                                                            \
         }                                                                                                      \
-        if (type == TYPE_Q2_K || type == TYPE_Q3_K) {       /* 32 B of 2-bit codes serve 4 groups */          \
-            const uint8_t *qs = sb + (type == TYPE_Q2_K ? 16 : 32) + 32 * half;                                \
-            VI a[PER], hb[PER];                                                                                \
-            for (int c = 0; c < PER; c++) a[c] = WIDEN(qs + W * c);                                            \
-            if (type == TYPE_Q3_K)                                                                             \
-                for (int c = 0; c < PER; c++) hb[c] = WIDEN(sb + W * c);                  /* hmask */          \
-            _Pragma("GCC unroll 4") for (int g = 0; g < 4; g++) {                                              \
-                const int j = 4 * half + g;                                                                    \
-                for (int c = 0; c < PER; c++) {                                                                \
-                    VI q = AND(SRLI(a[c], 2 * g), SET1I(3));                                                   \
-                    if (type == TYPE_Q3_K)                  /* (q | bit j << 2) - 4: minus 4 without the bit */ \
-                        q = SUB(OR(q, SLLI(AND(SRLI(hb[c], j), SET1I(1)), 2)), SET1I(4));                      \
-                    const int second = c >= PER / 2;                                                           \
-                    v[PER * g + c] = FMA(CVT(q), SET1(second ? s1[j] : s0[j]), SET1(second ? o1[j] : o0[j])); \
-                }                                                                                              \
-            }                                                                                                  \
-            return;                                                                                            \
-        }                                                                                                      \
-        if (type == TYPE_IQ4_XS) {                          /* a group's 16 B: low nibbles, then high */      \
-            _Pragma("GCC unroll 4") for (int g = 0; g < 4; g++) {                                              \
-                const int j = 4 * half + g;                                                                    \
-                for (int c = 0; c < PER; c++) {                                                                \
+        _Pragma("GCC unroll 4") for (int t = 0; t < N; t++) {                                                  \
+            const int j = j0 + t, half = j / 4, g = j % 4;                                                     \
+            for (int c = 0; c < PER; c++) {                                                                    \
+                const int second = c >= PER / 2;                                                               \
+                VI q;                                                                                          \
+                if (type == TYPE_Q2_K || type == TYPE_Q3_K) {                /* 2 bits, shift 2g */           \
+                    const VI a = WIDEN(sb + (type == TYPE_Q2_K ? 16 : 32) + 32 * half + W * c);                \
+                    q = AND(SRLI(a, 2 * g), SET1I(3));                                                         \
+                    if (type == TYPE_Q3_K)          /* (q | bit j of hmask << 2) - 4: minus 4 without it */    \
+                        q = SUB(OR(q, SLLI(AND(SRLI(WIDEN(sb + W * c), j), SET1I(1)), 2)), SET1I(4));          \
+                    v[PER * t + c] = FMA(CVT(q), SET1(second ? s1[j] : s0[j]), SET1(second ? o1[j] : o0[j])); \
+                } else if (type == TYPE_IQ4_XS) {      /* a group's 16 B: low nibbles, then high */          \
                     const VI b = WIDEN(sb + 8 + 16 * j + (W * c) % 16);                                        \
-                    const VI q = c < PER / 2 ? AND(b, m4) : SRLI(b, 4);                                        \
-                    v[PER * g + c] = MUL(LUT(q), SET1(s0[j]));                                                 \
-                }                                                                                              \
-            }                                                                                                  \
-            return;                                                                                            \
-        }                                                                                                      \
-        const uint8_t *qs = sb + (type == TYPE_Q4_K ? 16 : 48) + 64 * half;                                    \
-        VI hb[PER];                                                                                            \
-        if (type == TYPE_Q5_K)                                                                                 \
-            for (int c = 0; c < PER; c++) hb[c] = WIDEN(sb + 16 + W * c);                                      \
-        _Pragma("GCC unroll 2") for (int p = 0; p < 2; p++) {          /* 32 bytes: groups 2p and 2p + 1 */    \
-            VI a[PER];                                                                                         \
-            for (int c = 0; c < PER; c++) a[c] = WIDEN(qs + 32 * p + W * c);                                   \
-            _Pragma("GCC unroll 2") for (int odd = 0; odd < 2; odd++) {                                        \
-                const int g = 2 * p + odd, j = 4 * half + g;                                                   \
-                for (int c = 0; c < PER; c++) {                                                                \
-                    VI q = AND(SRLI(a[c], 4 * odd), m4);                                                       \
-                    if (type == TYPE_Q5_K) q = OR(q, SLLI(AND(SRLI(hb[c], j), SET1I(1)), 4));                  \
-                    v[PER * g + c] = FMA(CVT(q), SET1(s0[j]), SET1(o0[j]));                                    \
+                    v[PER * t + c] = MUL(LUT(second ? SRLI(b, 4) : AND(b, m4)), SET1(s0[j]));                  \
+                } else {                                /* Q4_K / Q5_K: nibble j % 2 of 32 B per pair */       \
+                    const VI a = WIDEN(sb + (type == TYPE_Q4_K ? 16 : 48) + 32 * (j / 2) + W * c);             \
+                    q = AND(SRLI(a, 4 * (j % 2)), m4);                                                         \
+                    if (type == TYPE_Q5_K) q = OR(q, SLLI(AND(SRLI(WIDEN(sb + 16 + W * c), j), SET1I(1)), 4)); \
+                    v[PER * t + c] = FMA(CVT(q), SET1(s0[j]), SET1(o0[j]));                                    \
                 }                                                                                              \
             }                                                                                                  \
         }                                                                                                      \
@@ -541,10 +518,13 @@ static inline __attribute__((always_inline)) void k_scales(int type, const uint8
 
 /* y[i * n] = row . x[i] for K-type rows; groups alternate between two accumulators, for one
  * activation row and for several alike (a sequence's output does not depend on its batch). */
-#define DEFINE_ROWS_TIMES_K(SUFFIX, V, W, ZERO, LOAD, FMA, ADD, HSUM)                                          \
+#define DEFINE_ROWS_TIMES_K(SUFFIX, V, W, N, ZERO, LOAD, FMA, ADD, HSUM)                                       \
     static inline __attribute__((always_inline)) void rows_times_k_typed##SUFFIX(                              \
         int type, const uint8_t *row, const float *x, int64_t m, int64_t k, float *y, int64_t n) {            \
         enum { PER = 32 / W };                                                                                 \
+        /* N groups a pass, so that their values stay in registers; Q6_K takes 4 at once in any width: \
+         * its ql bytes serve groups g and g + 2, its qh bytes all four (measured faster) */                 \
+        const int per_pass = type == TYPE_Q6_K ? 4 : N;                                                        \
         V acc[2][MAX_M], v[4 * PER];                                                                           \
         for (int64_t i = 0; i < m; i++) acc[0][i] = acc[1][i] = ZERO();                                        \
         const int64_t sb_bytes = group_bytes_x8(type);                                                         \
@@ -552,14 +532,14 @@ static inline __attribute__((always_inline)) void k_scales(int type, const uint8
             const uint8_t *sb = row + b * sb_bytes;                                                            \
             float s0[8], s1[8], o0[8], o1[8];                                                                  \
             k_scales(type, sb, s0, s1, o0, o1);                                                                \
-            for (int half = 0; half < 2; half++) {                                                             \
-                k_half##SUFFIX(type, sb, half, s0, s1, o0, o1, v);                                             \
+            for (int j0 = 0; j0 < 8; j0 += per_pass) {                                                         \
+                k_groups##SUFFIX(type, sb, j0, per_pass, s0, s1, o0, o1, v);                                   \
                 for (int64_t i = 0; i < m; i++) {                                                              \
-                    const float *xh = x + i * k + b * 256 + 128 * half;                                        \
-                    for (int g = 0; g < 4; g++) {                                                              \
-                        V a = acc[g & 1][i];                                                                   \
-                        for (int c = 0; c < PER; c++) a = FMA(v[PER * g + c], LOAD(xh + 32 * g + W * c), a);   \
-                        acc[g & 1][i] = a;                                                                     \
+                    const float *xs = x + i * k + b * 256 + 32 * j0;                                           \
+                    for (int t = 0; t < per_pass; t++) {                                                       \
+                        V a = acc[(j0 + t) & 1][i];                                                            \
+                        for (int c = 0; c < PER; c++) a = FMA(v[PER * t + c], LOAD(xs + 32 * t + W * c), a);   \
+                        acc[(j0 + t) & 1][i] = a;                                                              \
                     }                                                                                          \
                 }                                                                                              \
             }                                                                                                  \
@@ -588,9 +568,9 @@ static inline __m256 iq4nl_lut8(__m256i idx) {     /* two 8-entry permutes, chos
     return _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, idx), _mm256_permutevar8x32_ps(hi, idx), pick);
 }
 
-DEFINE_K_HALF(8, __m256, __m256i, 8, widen8, iq4nl_lut8, _mm256_and_si256, _mm256_or_si256, srli8, slli8, _mm256_sub_epi32,
+DEFINE_K_GROUPS(8, __m256, __m256i, 8, widen8, iq4nl_lut8, _mm256_and_si256, _mm256_or_si256, srli8, slli8, _mm256_sub_epi32,
               _mm256_set1_epi32, _mm256_cvtepi32_ps, _mm256_mul_ps, _mm256_fmadd_ps, _mm256_set1_ps)
-DEFINE_ROWS_TIMES_K(8, __m256, 8, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_fmadd_ps, _mm256_add_ps, hsum)
+DEFINE_ROWS_TIMES_K(8, __m256, 8, 2, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_fmadd_ps, _mm256_add_ps, hsum)
 
 static inline int k_types(int type) {
     return super_blocks(type);
@@ -646,10 +626,10 @@ static inline __m512 iq4nl_lut16(__m512i idx) {
     return _mm512_permutexvar_ps(idx, grid);
 }
 
-DEFINE_K_HALF(16, __m512, __m512i, 16, widen16, iq4nl_lut16, _mm512_and_si512, _mm512_or_si512, srli16, slli16,
+DEFINE_K_GROUPS(16, __m512, __m512i, 16, widen16, iq4nl_lut16, _mm512_and_si512, _mm512_or_si512, srli16, slli16,
               _mm512_sub_epi32, _mm512_set1_epi32, _mm512_cvtepi32_ps, _mm512_mul_ps, _mm512_fmadd_ps,
               _mm512_set1_ps)
-DEFINE_ROWS_TIMES_K(16, __m512, 16, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_fmadd_ps, _mm512_add_ps,
+DEFINE_ROWS_TIMES_K(16, __m512, 16, 4, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_fmadd_ps, _mm512_add_ps,
                     _mm512_reduce_add_ps)
 #define KVSLIM_AVX512 1
 #endif
