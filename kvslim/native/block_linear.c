@@ -492,18 +492,30 @@ static inline __attribute__((always_inline)) void k_scales(int type, const uint8
                 }                                                                                              \
             return;                                                                                            \
         }                                                                                                      \
+        if (type == TYPE_Q2_K || type == TYPE_Q3_K) {  /* half j0 / 4 at once (N = 4): 32 B of 2-bit codes */ \
+            const int half = j0 / 4;                                                                           \
+            VI a[PER], hm[PER];                                                                                \
+            for (int c = 0; c < PER; c++) a[c] = WIDEN(sb + (type == TYPE_Q2_K ? 16 : 32) + 32 * half + W * c); \
+            if (type == TYPE_Q3_K)                                                                             \
+                for (int c = 0; c < PER; c++) hm[c] = WIDEN(sb + W * c);                      /* hmask */      \
+            _Pragma("GCC unroll 4") for (int g = 0; g < 4; g++) {                                              \
+                const int j = j0 + g;                                                                          \
+                for (int c = 0; c < PER; c++) {                                                                \
+                    VI q = AND(SRLI(a[c], 2 * g), SET1I(3));                                                   \
+                    if (type == TYPE_Q3_K)          /* (q | bit j of hmask << 2) - 4: minus 4 without it */    \
+                        q = SUB(OR(q, SLLI(AND(SRLI(hm[c], j), SET1I(1)), 2)), SET1I(4));                      \
+                    const int second = c >= PER / 2;                                                           \
+                    v[PER * g + c] = FMA(CVT(q), SET1(second ? s1[j] : s0[j]), SET1(second ? o1[j] : o0[j])); \
+                }                                                                                              \
+            }                                                                                                  \
+            return;                                                                                            \
+        }                                                                                                      \
         _Pragma("GCC unroll 4") for (int t = 0; t < N; t++) {                                                  \
-            const int j = j0 + t, half = j / 4, g = j % 4;                                                     \
+            const int j = j0 + t;                                                                              \
             for (int c = 0; c < PER; c++) {                                                                    \
                 const int second = c >= PER / 2;                                                               \
                 VI q;                                                                                          \
-                if (type == TYPE_Q2_K || type == TYPE_Q3_K) {                /* 2 bits, shift 2g */           \
-                    const VI a = WIDEN(sb + (type == TYPE_Q2_K ? 16 : 32) + 32 * half + W * c);                \
-                    q = AND(SRLI(a, 2 * g), SET1I(3));                                                         \
-                    if (type == TYPE_Q3_K)          /* (q | bit j of hmask << 2) - 4: minus 4 without it */    \
-                        q = SUB(OR(q, SLLI(AND(SRLI(WIDEN(sb + W * c), j), SET1I(1)), 2)), SET1I(4));          \
-                    v[PER * t + c] = FMA(CVT(q), SET1(second ? s1[j] : s0[j]), SET1(second ? o1[j] : o0[j])); \
-                } else if (type == TYPE_IQ4_XS) {      /* a group's 16 B: low nibbles, then high */          \
+                if (type == TYPE_IQ4_XS) {             /* a group's 16 B: low nibbles, then high */          \
                     const VI b = WIDEN(sb + 8 + 16 * j + (W * c) % 16);                                        \
                     v[PER * t + c] = MUL(LUT(second ? SRLI(b, 4) : AND(b, m4)), SET1(s0[j]));                  \
                 } else {                                /* Q4_K / Q5_K: nibble j % 2 of 32 B per pair */       \
@@ -522,9 +534,9 @@ static inline __attribute__((always_inline)) void k_scales(int type, const uint8
     static inline __attribute__((always_inline)) void rows_times_k_typed##SUFFIX(                              \
         int type, const uint8_t *row, const float *x, int64_t m, int64_t k, float *y, int64_t n) {            \
         enum { PER = 32 / W };                                                                                 \
-        /* N groups a pass, so that their values stay in registers; Q6_K takes 4 at once in any width: \
-         * its ql bytes serve groups g and g + 2, its qh bytes all four (measured faster) */                 \
-        const int per_pass = type == TYPE_Q6_K ? 4 : N;                                                        \
+        /* N groups a pass, so that their values stay in registers; Q6_K, Q3_K and Q2_K take a half (4  \
+         * groups) at once in any width, as their bytes serve several groups (measured faster) */            \
+        const int per_pass = type == TYPE_Q6_K || type == TYPE_Q3_K || type == TYPE_Q2_K ? 4 : N;              \
         V acc[2][MAX_M], v[4 * PER];                                                                           \
         for (int64_t i = 0; i < m; i++) acc[0][i] = acc[1][i] = ZERO();                                        \
         const int64_t sb_bytes = group_bytes_x8(type);                                                         \
