@@ -350,3 +350,40 @@ def test_llama_quantize_mixes_decode_in_the_c_step(wtype, tmp_path):
     assert wtype in kinds, kinds
     worst, same = run_both(model, "q8_0", "q8_0", steps=6)
     assert worst < 1e-4 and same
+
+
+@pytest.fixture(scope="module")
+def moe_folder(tmp_path_factory):
+    """A Qwen3.5-MoE text model whose matrices are whole K-quant super-blocks (hidden 256), so
+    that llama-quantize's mixes give its experts K types (the tiny test models' rows are too short)."""
+    tf = pytest.importorskip("transformers")
+    from .conftest import randomize, write_tiny_tokenizer
+    config = tf.Qwen3_5MoeTextConfig(
+        vocab_size=512, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64, intermediate_size=256, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=256, shared_expert_intermediate_size=256)
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("moe256")
+    randomize(tf.Qwen3_5MoeForCausalLM(config).eval()).save_pretrained(folder)
+    write_tiny_tokenizer(folder, config.vocab_size)
+    return folder
+
+
+@pytest.mark.parametrize("wtype", ["q4_k", "iq4_xs"])
+def test_a_mixture_gguf_of_k_quant_experts_decodes_in_the_c_step(moe_folder, wtype, tmp_path):
+    """Qwen3.6-35B-A3B's shape in small: routed experts kept in the file's K types, the shared
+    expert and its gate, through the C step against the eager step (an f16 cache: with q8_0 keys,
+    a 1-ulp difference can round a key to another code, 1.5e-4 of the logits here)."""
+    from kvslim import peer
+    from kvslim.tools.convert import convert
+    from kvslim.weights.modules import QuantExperts
+    try:
+        peer.binding()
+    except peer.PeerUnavailable as err:
+        pytest.skip(f"no llama.cpp to quantize with: {err}")
+    model, _, _ = load_model(convert(moe_folder, tmp_path / f"moe-{wtype}.gguf", wtype), "f32")
+    experts = [m for m in model.modules() if isinstance(m, QuantExperts)]
+    assert experts and {e.gate_up_type[0].name for e in experts} == {wtype}
+    worst, same = run_both(model, "f16", "f16", steps=6)
+    assert worst < 1e-4 and same
