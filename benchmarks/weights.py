@@ -224,7 +224,7 @@ def int4pack(w: W.QuantTensor):
 def with_step(step_bytes: int):
     def run(w: W.QuantTensor):
         def call(x):
-            matmul.STEP_BYTES = step_bytes
+            matmul.STEP_BYTES, matmul.STEP_MACS = step_bytes, 1
             return W.quant_linear(x, w)
         return call
     return run
@@ -256,7 +256,7 @@ def matmul_table(args) -> None:
     processes falls on all of them alike."""
     folder = Path(args.model) if args.model else default_model()
     out_dir = Path(args.out_dir or tempfile.mkdtemp())
-    default_step = matmul.STEP_BYTES
+    default_step = matmul.STEP_BYTES, matmul.STEP_MACS
     cases = {}
     for kind in ("q8_0", "q4_0"):
         model, _, _ = load_model(make_gguf(folder, out_dir, kind))
@@ -272,7 +272,7 @@ def matmul_table(args) -> None:
             for n in (1, 512):
                 if not (key[1].startswith("int4") and n > 1):         # float32 int4pack: seconds per forward
                     samples[key][n].append(forward_ms(fns, n))
-    matmul.STEP_BYTES = default_step
+    matmul.STEP_BYTES, matmul.STEP_MACS = default_step
     rows = [[kind, name, *(summary(samples[kind, name][n][1:]) for n in (1, 512))] for kind, name in cases]
     headers = ["weights", "path", "@1 tok: ms (min-max), page faults", "@512 tok: ms (min-max), page faults"]
     print(markdown_table(headers, rows, ["l", "l", "r", "r"]))

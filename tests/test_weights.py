@@ -103,6 +103,7 @@ def test_quant_linear_matches_reference(name, monkeypatch):
     w = random_matrix(wtype, 40, cols, seed=2)
     bias = torch.randn(40)
     monkeypatch.setattr(matmul, "STEP_BYTES", 4 * cols * 7)           # several steps, a ragged last one
+    monkeypatch.setattr(matmul, "STEP_MACS", 1)
     for rows in (5, 20):                                                 # decode's C GEMV (if built); a prompt's steps
         x = torch.randn(rows, cols)
         assert close(W.quant_linear(x, w, bias), W.reference_linear(x, w, bias), MATMUL_TOL), rows
@@ -340,3 +341,11 @@ def test_run_reports_weights_and_rss(tiny_folder, capsys):
                      "-c", "64", "-o", "json"]) == 0
     record = json.loads(capsys.readouterr().out)
     assert 0 < record["weights_bytes"] < record["rss_bytes"]
+
+
+def test_a_few_tokens_take_larger_steps():
+    """A mixture's expert sees a few dozen of a prompt's tokens: its steps grow so that each
+    matmul has STEP_MACS of work, where a dense prompt's stay STEP_BYTES."""
+    w = random_matrix(W.get("q4_k"), 2048, 2048)
+    assert matmul.rows_per_step(w, 512) == matmul.STEP_BYTES // (4 * 2048) == 32
+    assert matmul.rows_per_step(w, 32) == 512
