@@ -353,7 +353,7 @@ def test_llama_quantize_mixes_decode_in_the_c_step(wtype, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def moe_folder(tmp_path_factory):
+def moe256_folder(tmp_path_factory):
     """A Qwen3.5-MoE text model whose matrices are whole K-quant super-blocks (hidden 256), so
     that llama-quantize's mixes give its experts K types (the tiny test models' rows are too short)."""
     tf = pytest.importorskip("transformers")
@@ -371,7 +371,7 @@ def moe_folder(tmp_path_factory):
 
 
 @pytest.mark.parametrize("wtype", ["q4_k", "iq4_xs"])
-def test_a_mixture_gguf_of_k_quant_experts_decodes_in_the_c_step(moe_folder, wtype, tmp_path):
+def test_a_mixture_gguf_of_k_quant_experts_decodes_in_the_c_step(moe256_folder, wtype, tmp_path):
     """Qwen3.6-35B-A3B's shape in small: routed experts kept in the file's K types, the shared
     expert and its gate, through the C step against the eager step (an f16 cache: with q8_0 keys,
     a 1-ulp difference can round a key to another code, 1.5e-4 of the logits here)."""
@@ -382,7 +382,7 @@ def test_a_mixture_gguf_of_k_quant_experts_decodes_in_the_c_step(moe_folder, wty
         peer.binding()
     except peer.PeerUnavailable as err:
         pytest.skip(f"no llama.cpp to quantize with: {err}")
-    model, _, _ = load_model(convert(moe_folder, tmp_path / f"moe-{wtype}.gguf", wtype), "f32")
+    model, _, _ = load_model(convert(moe256_folder, tmp_path / f"moe-{wtype}.gguf", wtype), "f32")
     experts = [m for m in model.modules() if isinstance(m, QuantExperts)]
     assert experts and {e.gate_up_type[0].name for e in experts} == {wtype}
     worst, same = run_both(model, "f16", "f16", steps=6)
