@@ -473,23 +473,22 @@ static inline __attribute__((always_inline)) void k_scales(int type, const uint8
  * take s0 and o0, the second s1 and o1). Each group widens its own bytes; groups that share
  * bytes (Q4_K's nibble pairs, the 2-bit types' four shifts) are unrolled together, so the
  * compiler widens each byte once. */
-#define DEFINE_K_GROUPS(SUFFIX, V, VI, W, WIDEN, LUT, AND, OR, SRLI, SLLI, SUB, SET1I, CVT, MUL, FMA, SET1)   \
+#define DEFINE_K_GROUPS(SUFFIX, V, VI, W, WIDEN, BYTES_AT, LUT, AND, OR, SRLI, SLLI, SUB, SET1I, CVT, MUL, FMA, SET1) \
     static inline __attribute__((always_inline)) void k_groups##SUFFIX(int type, const uint8_t *sb, int j0,     \
                                                                        int N, const float *s0, const float *s1,\
                                                                        const float *o0, const float *o1, V *v) {\
         enum { PER = 32 / W };                                      /* vectors a group */                     \
         const VI m4 = SET1I(0x0F);                                                                             \
-        if (type == TYPE_Q6_K) {            /* half j0 / 4 at once (N = 4): each byte widened once */         \
+        if (type == TYPE_Q6_K) {  /* half j0 / 4 at once (N = 4): codes made as bytes, 32 at a time */     \
             const int half = j0 / 4;                                                                           \
-            VI l[2 * PER], h[PER];                                                                             \
-            for (int c = 0; c < 2 * PER; c++) l[c] = WIDEN(sb + 64 * half + W * c);                            \
-            for (int c = 0; c < PER; c++) h[c] = WIDEN(sb + 128 + 32 * half + W * c);                          \
-            _Pragma("GCC unroll 4") for (int g = 0; g < 4; g++)                                                \
-                for (int c = 0; c < PER; c++) {       /* ql: nibble g / 2 of byte 32 (g % 2) + l */            \
-                    const VI q = SUB(OR(AND(SRLI(l[PER * (g % 2) + c], 4 * (g / 2)), m4),                      \
-                                        SLLI(AND(SRLI(h[c], 2 * g), SET1I(3)), 4)), SET1I(32));                \
-                    v[PER * g + c] = MUL(CVT(q), SET1(c >= PER / 2 ? s1[j0 + g] : s0[j0 + g]));                \
-                }                                                                                              \
+            const __m256i lo[2] = {_mm256_loadu_si256((const __m256i *)(sb + 64 * half)),                      \
+                                   _mm256_loadu_si256((const __m256i *)(sb + 64 * half + 32))};                \
+            const __m256i hi = _mm256_loadu_si256((const __m256i *)(sb + 128 + 32 * half));                    \
+            _Pragma("GCC unroll 4") for (int g = 0; g < 4; g++) {   /* ql: nibble g / 2 of byte 32 (g % 2) + l */ \
+                const __m256i q = q6_k_bytes(lo[g % 2], hi, g);                                                \
+                for (int c = 0; c < PER; c++)                                                                  \
+                    v[PER * g + c] = MUL(CVT(BYTES_AT(q, c)), SET1(c >= PER / 2 ? s1[j0 + g] : s0[j0 + g]));   \
+            }                                                                                                  \
             return;                                                                                            \
         }                                                                                                      \
         if (type == TYPE_Q2_K || type == TYPE_Q3_K) {  /* half j0 / 4 at once (N = 4): 32 B of 2-bit codes */ \
@@ -570,6 +569,22 @@ static inline __attribute__((always_inline)) void k_scales(int type, const uint8
         }                                                                                                      \
     }
 
+/* Q6_K's 32 codes of group g of a half, as signed bytes: the low nibble (g / 2) of lo, bits
+ * 2g of hi on top, less 32. Byte-wide operations do a group's 32 values at once; widening
+ * each value first cost 3x the operations. */
+static inline __m256i q6_k_bytes(__m256i lo, __m256i hi, int g) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x30);
+    const __m256i low = _mm256_and_si256(_mm256_srli_epi16(lo, 4 * (g / 2)), m4);
+    const __m256i high = _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(hi, 2 * g), 4), m2);
+    return _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
+}
+
+/* Signed bytes 8c..8c+7 of q as 8 int32 lanes. */
+static inline __m256i bytes_at8(__m256i q, int c) {
+    const __m128i lane = c < 2 ? _mm256_castsi256_si128(q) : _mm256_extracti128_si256(q, 1);
+    return _mm256_cvtepi8_epi32(c % 2 ? _mm_srli_si128(lane, 8) : lane);
+}
+
 static inline __m256i widen8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
 static inline __m256i srli8(__m256i a, int n) { return _mm256_srli_epi32(a, n); }
 static inline __m256i slli8(__m256i a, int n) { return _mm256_slli_epi32(a, n); }
@@ -580,7 +595,7 @@ static inline __m256 iq4nl_lut8(__m256i idx) {     /* two 8-entry permutes, chos
     return _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, idx), _mm256_permutevar8x32_ps(hi, idx), pick);
 }
 
-DEFINE_K_GROUPS(8, __m256, __m256i, 8, widen8, iq4nl_lut8, _mm256_and_si256, _mm256_or_si256, srli8, slli8, _mm256_sub_epi32,
+DEFINE_K_GROUPS(8, __m256, __m256i, 8, widen8, bytes_at8, iq4nl_lut8, _mm256_and_si256, _mm256_or_si256, srli8, slli8, _mm256_sub_epi32,
               _mm256_set1_epi32, _mm256_cvtepi32_ps, _mm256_mul_ps, _mm256_fmadd_ps, _mm256_set1_ps)
 DEFINE_ROWS_TIMES_K(8, __m256, 8, 2, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_fmadd_ps, _mm256_add_ps, hsum)
 
@@ -633,12 +648,17 @@ DEFINE_ROWS_TIMES(16, __m512, 2, _mm512_setzero_ps, group_values16, group_into16
 static inline __m512i widen16(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
 static inline __m512i srli16(__m512i a, int n) { return _mm512_srli_epi32(a, n); }
 static inline __m512i slli16(__m512i a, int n) { return _mm512_slli_epi32(a, n); }
+/* Signed bytes 16c..16c+15 of q as 16 int32 lanes. */
+static inline __m512i bytes_at16(__m256i q, int c) {
+    return _mm512_cvtepi8_epi32(c ? _mm256_extracti128_si256(q, 1) : _mm256_castsi256_si128(q));
+}
+
 static inline __m512 iq4nl_lut16(__m512i idx) {
     const __m512 grid = _mm512_setr_ps(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
     return _mm512_permutexvar_ps(idx, grid);
 }
 
-DEFINE_K_GROUPS(16, __m512, __m512i, 16, widen16, iq4nl_lut16, _mm512_and_si512, _mm512_or_si512, srli16, slli16,
+DEFINE_K_GROUPS(16, __m512, __m512i, 16, widen16, bytes_at16, iq4nl_lut16, _mm512_and_si512, _mm512_or_si512, srli16, slli16,
               _mm512_sub_epi32, _mm512_set1_epi32, _mm512_cvtepi32_ps, _mm512_mul_ps, _mm512_fmadd_ps,
               _mm512_set1_ps)
 DEFINE_ROWS_TIMES_K(16, __m512, 16, 4, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_fmadd_ps, _mm512_add_ps,
