@@ -509,6 +509,18 @@ static inline __attribute__((always_inline)) void k_scales(int type, const uint8
             }                                                                                                  \
             return;                                                                                            \
         }                                                                                                      \
+        if (type == TYPE_Q5_K) {                    /* codes as bytes: a nibble, bit j of qh on top */        \
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(sb + 16));                                 \
+            _Pragma("GCC unroll 4") for (int t = 0; t < N; t++) {                                              \
+                const int j = j0 + t;                                                                          \
+                const __m256i qs = _mm256_loadu_si256((const __m256i *)(sb + 48 + 32 * (j / 2)));              \
+                const __m256i q = _mm256_or_si256(                                                             \
+                    _mm256_and_si256(_mm256_srli_epi16(qs, 4 * (j % 2)), _mm256_set1_epi8(0x0F)),              \
+                    _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, j), 4), _mm256_set1_epi8(0x10))); \
+                for (int c = 0; c < PER; c++) v[PER * t + c] = FMA(CVT(BYTES_AT(q, c)), SET1(s0[j]), SET1(o0[j])); \
+            }                                                                                                  \
+            return;                                                                                            \
+        }                                                                                                      \
         _Pragma("GCC unroll 4") for (int t = 0; t < N; t++) {                                                  \
             const int j = j0 + t;                                                                              \
             for (int c = 0; c < PER; c++) {                                                                    \
