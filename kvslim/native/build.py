@@ -4,6 +4,10 @@ ctypes rather than a torch extension: a plain C file builds in a second, where o
 includes torch's headers takes a minute. The library is keyed by a hash of the source
 (and of the files it includes: every C file here) and the compiler, so an edit rebuilds it, and is written to a temporary name first, so
 concurrent first uses never load half a file.
+
+Where the compiler lacks what FLAGS asks (Apple's clang has no OpenMP; some compilers refuse
+-march=native), ``fallbacks`` builds with less, says so once, and keeps the reason beside the
+library (``NOTES``); a build that fails every way leaves its reason in ``why_not``.
 """
 from __future__ import annotations
 
