@@ -110,7 +110,7 @@ class DecodeStep:
         if self.device.type != "cuda":
             return None, f"CUDA graphs need a CUDA device, the model is on {self.device}"
         if not self.cache.static_decode:
-            return None, "the f16 window or a calibrated V format keeps decode steps eager"
+            return None, "the f16 window keeps decode steps eager (its tokens move on the host)"
         max_pages = max((kv.pages_per_slot for kv in self.cache.kv_layers), default=2)
         return GraphedDecode(self._fn or self._forward, self.device, self.cache.n_slots, max_pages), ""
 

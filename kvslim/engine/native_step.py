@@ -40,7 +40,6 @@ FLOAT_CODES = {torch.float32: 32, torch.float16: 16, torch.bfloat16: 17}   # blo
 MAX_BATCH = block_linear.MAX_ROWS
 MAX_DIM = native_attention.MAX_DIM
 MAX_EXPERTS, MAX_TOP_K = 512, 64     # decode_step.c's routing buffers
-MAX_WINDOW = 4096                    # an f16 window's scores sit on decode_step.c's stack
 P = ctypes.c_void_p
 I32, I64 = ctypes.c_int32, ctypes.c_int64
 
@@ -158,8 +157,6 @@ def _stacked(param: torch.Tensor, kind, keep: Keep) -> tuple[Mat, int]:
 def _attention(layer: Layer, attn, kv: KVCache, keep: Keep, zc: bool, eps: float) -> None:
     if type(attn) is not Attention or not isinstance(kv, KVCache):
         raise Unsupported(f"a {type(attn).__name__} mixer")
-    if kv.f16_window > MAX_WINDOW:
-        raise Unsupported(f"an f16 window of {kv.f16_window} tokens (the C step takes up to {MAX_WINDOW})")
     layer.mixer = 0
     layer.q, layer.k, layer.v, layer.o = (matrix(m, keep) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj))
     layer.n_heads, layer.n_kv, layer.head_dim, layer.gated = attn.n_heads, attn.n_kv_heads, attn.head_dim, attn.gated

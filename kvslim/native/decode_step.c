@@ -165,21 +165,23 @@ static int64_t window_push(const layer_t *L, int64_t slot, int64_t packed, int64
 }
 
 /* Fold slot's n window tokens (KV head j) into a query row's normalised output o, given the pages'
- * max m and denominator l (l = 0: no pages). qm: the scaled query in the model domain. */
+ * max m and denominator l (l = 0: no pages). qm: the scaled query in the model domain. One pass,
+ * rescaling as the running max grows (flash attention's merge), so no window size is too long. */
 static void window_merge(const layer_t *L, int64_t slot, int64_t n, int j, const float *qm, float m, float l, float *o) {
     const int Hk = L->n_kv, D = L->head_dim;
     const size_t row = (size_t)Hk * D * 2, slot_bytes = row * (size_t)L->f16_window;
     const uint8_t *wk = L->win_k + slot * slot_bytes + (size_t)j * D * 2, *wv = L->win_v + slot * slot_bytes + (size_t)j * D * 2;
-    float score[L->f16_window > 0 ? L->f16_window : 1], top = l > 0.0f ? m : -INFINITY;
+    float top = l > 0.0f ? m : -INFINITY, total = l > 0.0f ? l : 0.0f;
+    for (int i = 0; i < D; i++) o[i] *= total;             /* the pages' sum, unnormalised */
     for (int64_t t = 0; t < n; t++) {
         float dot = 0.0f;
         for (int i = 0; i < D; i++) dot += qm[i] * f16_to_f32(wk + t * row + 2 * (size_t)i);
-        score[t] = dot, top = dot > top ? dot : top;
-    }
-    float total = l > 0.0f ? l * expf(m - top) : 0.0f;
-    for (int i = 0; i < D; i++) o[i] *= total;             /* the pages' normalised output, reweighted */
-    for (int64_t t = 0; t < n; t++) {
-        const float p = expf(score[t] - top);
+        if (dot > top) {                                   /* a new max: what is summed so far shrinks */
+            const float shrink = expf(top - dot);
+            for (int i = 0; i < D; i++) o[i] *= shrink;
+            total *= shrink, top = dot;
+        }
+        const float p = expf(dot - top);
         total += p;
         for (int i = 0; i < D; i++) o[i] += p * f16_to_f32(wv + t * row + 2 * (size_t)i);
     }
