@@ -384,13 +384,13 @@ static inline int fast_types(int type) {     /* the types written out above */
     return type == TYPE_Q8_0 || type == TYPE_Q4_0 || type == TYPE_F16 || type == TYPE_BF16 || type == TYPE_F32;
 }
 
-/* The K-quants (what most GGUFs in use are made of: Q4_K_M is Q4_K and Q6_K) written out too.
- * Through decode_group's scalar unpacking a Q4_K row cost 5-7x a Q4_0 row of the same shape.
- * Half a super-block (128 values, 4 groups) at a time: its scales once (d and dmin converted
- * once, the six-bit scales and mins unpacked with constant group numbers), each byte of codes
- * widened once for the groups that share it (Q4_K's low and high nibbles, Q6_K's four groups
- * per 32 bytes of ql and qh), then every value is s * q + o in one FMA: the minimum joins the
- * values, instead of a scalar sum per group whose chain of adds cost more than its vectors. */
+/* The super-block types (the K-quants and IQ4_XS: what most GGUFs in use are made of; Q4_K_M is
+ * Q4_K and Q6_K) written out too. Through decode_group's scalar unpacking a Q4_K row cost 5-7x a
+ * Q4_0 row of the same shape. A super-block's scales are unpacked once (k_scales), its groups'
+ * values made a few groups at a time (k_groups), every value s * q + o in one FMA: the minimum
+ * joins the values, instead of a scalar sum per group whose chain of adds cost more than its
+ * vectors. decode_k_group is the reference these loops are held to. */
+
 /* 8 bytes as floats times d (one vector), stored at out. */
 static inline __attribute__((always_inline)) void bytes_times(const uint8_t *b, float d, float *out) {
     _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b))),
@@ -426,7 +426,7 @@ static inline __attribute__((always_inline)) void k_scales(int type, const uint8
         memcpy(o1, o0, 8 * sizeof(float));
         return;
     }
-    if (type == TYPE_IQ4_XS) {                                  /* 4 low bits in scales_l, 2 in scales_h */
+    if (type == TYPE_IQ4_XS) {         /* scale_iq4_xs's fields from two words (calling it per group: 1.2x slower) */
         uint32_t lo;
         memcpy(&lo, sb + 4, 4);
         const uint32_t hi = (uint32_t)(sb[2] | sb[3] << 8);
@@ -467,12 +467,13 @@ static inline __attribute__((always_inline)) void k_scales(int type, const uint8
 }
 
 /* Values of N consecutive groups (from group j0) of a K-type super-block. V: the width's vector
- * of floats, VI of int32, W lanes; WIDEN(p) widens W bytes at p to int32 lanes; LUT(idx) looks
- * int32 indices up in IQ4_NL's grid as floats; OPS: and/or/shifts/sub/set1/cvt/mul/fma of the
- * width. Writes v[N x 32 / W] = s * q + o, group by group (the first half of a group's vectors
- * take s0 and o0, the second s1 and o1). Each group widens its own bytes; groups that share
- * bytes (Q4_K's nibble pairs, the 2-bit types' four shifts) are unrolled together, so the
- * compiler widens each byte once. */
+ * of floats, VI of int32, W lanes; WIDEN(p) widens W bytes at p to int32 lanes; BYTES_AT(q, c)
+ * widens vector c's bytes of a group made as 32 bytes; LUT(idx) looks int32 indices up in
+ * IQ4_NL's grid as floats; OPS: and/or/shifts/sub/set1/cvt/mul/fma of the width. Writes
+ * v[N x 32 / W] = s * q + o, group by group (the first half of a group's vectors take s0 and
+ * o0, the second s1 and o1). How each type makes its codes was measured: Q6_K and Q5_K as bytes
+ * first (32 values per operation), Q2_K and Q3_K widened once per half super-block (their 32
+ * bytes serve 4 groups), Q4_K and IQ4_XS widened per group (byte-first measured no faster). */
 #define DEFINE_K_GROUPS(SUFFIX, V, VI, W, WIDEN, BYTES_AT, LUT, AND, OR, SRLI, SLLI, SUB, SET1I, CVT, MUL, FMA, SET1) \
     static inline __attribute__((always_inline)) void k_groups##SUFFIX(int type, const uint8_t *sb, int j0,     \
                                                                        int N, const float *s0, const float *s1,\
@@ -524,16 +525,12 @@ static inline __attribute__((always_inline)) void k_scales(int type, const uint8
         _Pragma("GCC unroll 4") for (int t = 0; t < N; t++) {                                                  \
             const int j = j0 + t;                                                                              \
             for (int c = 0; c < PER; c++) {                                                                    \
-                const int second = c >= PER / 2;                                                               \
-                VI q;                                                                                          \
                 if (type == TYPE_IQ4_XS) {             /* a group's 16 B: low nibbles, then high */          \
                     const VI b = WIDEN(sb + 8 + 16 * j + (W * c) % 16);                                        \
-                    v[PER * t + c] = MUL(LUT(second ? SRLI(b, 4) : AND(b, m4)), SET1(s0[j]));                  \
-                } else {                                /* Q4_K / Q5_K: nibble j % 2 of 32 B per pair */       \
-                    const VI a = WIDEN(sb + (type == TYPE_Q4_K ? 16 : 48) + 32 * (j / 2) + W * c);             \
-                    q = AND(SRLI(a, 4 * (j % 2)), m4);                                                         \
-                    if (type == TYPE_Q5_K) q = OR(q, SLLI(AND(SRLI(WIDEN(sb + 16 + W * c), j), SET1I(1)), 4)); \
-                    v[PER * t + c] = FMA(CVT(q), SET1(s0[j]), SET1(o0[j]));                                    \
+                    v[PER * t + c] = MUL(LUT(c >= PER / 2 ? SRLI(b, 4) : AND(b, m4)), SET1(s0[j]));            \
+                } else {                                /* Q4_K: nibble j % 2 of 32 B per pair */              \
+                    const VI a = WIDEN(sb + 16 + 32 * (j / 2) + W * c);                                        \
+                    v[PER * t + c] = FMA(CVT(AND(SRLI(a, 4 * (j % 2)), m4)), SET1(s0[j]), SET1(o0[j]));        \
                 }                                                                                              \
             }                                                                                                  \
         }                                                                                                      \
