@@ -52,6 +52,14 @@ def random_blocks(wtype: W.WeightType, n: int, seed: int = 0) -> np.ndarray:
     for name, size in wtype.fields:
         if name in SCALE_FIELDS:
             raw[:, at:at + 2] = rng.normal(0, 0.02, n).astype(np.float16).view(np.uint8).reshape(n, 2)
+        if name == "e":                                   # MXFP4's exponent: 2^(e - 128) near 0.01
+            raw[:, at] = rng.integers(118, 124, n)
+        if name == "scales" and wtype.name == "iq1_m":    # the fp16 scale is the words' top nibbles
+            d = rng.normal(0, 0.02, n).astype(np.float16).view(np.uint16).astype(np.uint16)
+            words = raw[:, at:at + 8].copy().view(np.uint16) & 0x0FFF
+            for i in range(4):
+                words[:, i] |= ((d >> (4 * i)) & 0xF) << 12
+            raw[:, at:at + 8] = words.view(np.uint8)
         at += size
     return raw
 
@@ -71,7 +79,7 @@ def test_table_sizes_match_ggml():
         assert (t.block_size, t.block_bytes) == gguf.GGML_QUANT_SIZES[t.ggml_type], t.name
     assert W.get("Q4_K").bits_per_value == 4.5
     with pytest.raises(ValueError, match="valid: q8_0"):
-        W.get("iq3_xxs")
+        W.get("tq1_0")
 
 
 @pytest.mark.parametrize("name", W.names())
@@ -310,15 +318,23 @@ def test_bundled_q8_0_picks_f16s_greedy_tokens_except_near_ties(tmp_path):
     assert (q8 - f16).abs().max() < 0.3
 
 
-def test_unsupported_type_refused(tiny_folder, tmp_path, monkeypatch):
+def test_mxfp4_file_loads_packed_and_unknown_types_are_refused(tiny_folder, tmp_path, monkeypatch):
+    """gguf.quants writes MXFP4 (the types it cannot write are all in the table now): the file
+    loads packed, as its dequantized twin; with MXFP4 taken out of the table the load is refused
+    with the tensor and the supported types named, and --allow-dequant expands it."""
     folder, _ = tiny_folder("llama")
     monkeypatch.setitem(gguf_writer.QTYPE, "mxfp4", gguf.GGMLQuantizationType.MXFP4)
     monkeypatch.setitem(gguf_writer.FILE_TYPE, "mxfp4", gguf.LlamaFileType.MOSTLY_MXFP4_MOE)
     path = convert_hf_to_gguf(folder, tmp_path / "mxfp4.gguf", "mxfp4")
+    packed = load_model(path)[0]
+    assert any(isinstance(m, W.QuantLinear) and m.quant.wtype.name == "mxfp4" for m in packed.modules())
+    ids = list(range(3, 19))
+    monkeypatch.setattr(W.types, "_BY_GGML", {k: v for k, v in W.types._BY_GGML.items() if v.name != "mxfp4"})
     with pytest.raises(ValueError, match=r"blk\.0\..*\(MXFP4\).*supported quantized weight types: Q8_0.*allow-dequant"):
         load_model(path)
     model, _, _ = load_model(path, allow_dequant=True)
     assert not any(isinstance(m, W.QuantLinear) for m in model.modules())
+    assert close(logits_of(packed, ids), logits_of(model, ids), LOGIT_TOL)
 
 
 # ----- quantizing a Hugging Face folder at load -------------------------------------------

@@ -17,7 +17,7 @@ import gguf
 import torch
 
 from ..formats import ggml
-from . import kquants
+from . import iquants, kquants
 
 _T = gguf.GGMLQuantizationType
 QK = ggml.QK                 # 32 values per block (the legacy types)
@@ -115,6 +115,25 @@ TABLE: tuple[WeightType, ...] = (
                kquants.decode_q2_k, "2-bit codes, 4-bit scale and min per 16 values"),
     WeightType("iq4_xs", _T.IQ4_XS, QK_K, (("d", 2), ("scales_h", 2), ("scales_l", QK_K // 64), ("qs", QK_K // 2)),
                kquants.decode_iq4_xs, "4-bit indices into IQ4_NL's grid, 6-bit scale per 32 values"),
+    # The grid i-quants (iquants): indices into fixed lattices, sign bits, a scale per 16 or 32 values
+    WeightType("iq3_s", _T.IQ3_S, QK_K, (("d", 2), ("qs", QK_K // 4), ("qh", QK_K // 32), ("signs", QK_K // 8),
+                                         ("scales", QK_K // 64)),
+               iquants.decode_iq3_s, "9-bit indices into a 4-value grid, sign bits, 4-bit scale per 32 values"),
+    WeightType("iq3_xxs", _T.IQ3_XXS, QK_K, (("d", 2), ("qs", QK_K // 4), ("scales", QK_K // 8)),
+               iquants.decode_iq3_xxs, "8-bit indices into a 4-value grid, 7 sign bits per 8, 4-bit scale per 32"),
+    WeightType("iq2_s", _T.IQ2_S, QK_K, (("d", 2), ("qs", QK_K // 8), ("signs", QK_K // 8), ("qh", QK_K // 32),
+                                         ("scales", QK_K // 32)),
+               iquants.decode_iq2_s, "10-bit indices into an 8-value grid, sign bits, 4-bit scale per 16 values"),
+    WeightType("iq2_xs", _T.IQ2_XS, QK_K, (("d", 2), ("qs", QK_K // 4), ("scales", QK_K // 32)),
+               iquants.decode_iq2_xs, "9-bit indices into an 8-value grid, 7 sign bits per 8, 4-bit scale per 16"),
+    WeightType("iq2_xxs", _T.IQ2_XXS, QK_K, (("d", 2), ("qs", QK_K // 4)),
+               iquants.decode_iq2_xxs, "8-bit indices into an 8-value grid, 7 sign bits per 8, 4-bit scale per 32"),
+    WeightType("iq1_m", _T.IQ1_M, QK_K, (("qs", QK_K // 8), ("qh", QK_K // 16), ("scales", QK_K // 32)),
+               iquants.decode_iq1_m, "11-bit indices into a ternary grid, 3-bit scale per 16 values"),
+    WeightType("iq1_s", _T.IQ1_S, QK_K, (("d", 2), ("qs", QK_K // 8), ("qh", QK_K // 16)),
+               iquants.decode_iq1_s, "11-bit indices into a ternary grid, 3-bit scale per 32 values"),
+    WeightType("mxfp4", _T.MXFP4, QK, (("e", 1), ("qs", QK // 2)),
+               iquants.decode_mxfp4, "e8m0 shared exponent, 4-bit e2m1 values (OCP microscaling)"),
     # Float matrices inside a quantized file (rows that are not whole blocks) stay as stored too.
     _float("f32", _T.F32, torch.float32),
     _float("f16", _T.F16, torch.float16),
