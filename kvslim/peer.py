@@ -228,9 +228,13 @@ def open_peer(path: str | Path, n_ctx: int = 4096, type_k: str = "f16", type_v: 
     return binding().open(Path(path), n_ctx, type_k, type_v, n_threads, n_batch, flash_attn, all_logits)
 
 
-def quantize(src: str | Path, dst: str | Path, ftype: str, n_threads: int = 2) -> Path:
-    """llama-quantize: ``ftype`` is a llama.cpp file type such as q4_k_m, q6_k, q8_0."""
-    return binding().quantize(Path(src), Path(dst), ftype, n_threads)
+def quantize(src: str | Path, dst: str | Path, ftype: str, n_threads: int = 2,
+             imatrix: dict[str, np.ndarray] | None = None) -> Path:
+    """llama-quantize: ``ftype`` is a llama.cpp file type such as q4_k_m, q6_k, iq2_xxs.
+    ``imatrix``: an importance per input column for each tensor name (experts: their columns,
+    expert after expert), as llama-imatrix's file holds; llama.cpp refuses IQ1 and IQ2 types
+    without one."""
+    return binding().quantize(Path(src), Path(dst), ftype, n_threads, imatrix)
 
 
 class PeerContext:
@@ -309,11 +313,20 @@ class _PySync:
         except AttributeError:
             raise ValueError(f"llama.cpp has no {prefix}{name.upper()}") from None
 
-    def quantize(self, src: Path, dst: Path, ftype: str, n_threads: int) -> Path:
+    def quantize(self, src: Path, dst: Path, ftype: str, n_threads: int, imatrix=None) -> Path:
         params = self.lib.llama_model_quantize_default_params()
         params.ftype = self.constant("LLAMA_FTYPE_MOSTLY_", ftype)
         params.nthread = n_threads
         pp = self.ffi.new("struct llama_model_quantize_params *", params)
+        keep = []                                # the C strings and arrays live until the call returns
+        if imatrix:                              # an array of {name, data, size}, ended by a NULL name
+            entries = self.ffi.new("struct llama_model_imatrix_data[]", len(imatrix) + 1)
+            for i, (name, values) in enumerate(imatrix.items()):
+                values = np.ascontiguousarray(values, dtype=np.float32)
+                c_name, c_data = self.ffi.new("char[]", name.encode()), self.ffi.from_buffer("float[]", values)
+                keep += [c_name, c_data, values]
+                entries[i].name, entries[i].data, entries[i].size = c_name, c_data, values.size
+            pp.imatrix = entries
         if self.lib.llama_model_quantize(str(src).encode(), str(dst).encode(), pp) != 0:
             raise RuntimeError(f"llama.cpp could not quantize {src} to {ftype}")
         return dst
@@ -411,7 +424,9 @@ class _LlamaCppPython:
         return _LlamaCppPythonContext(self.llama_cpp, path, n_ctx, type_k, type_v, n_threads, n_batch,
                                       flash_attn, all_logits)
 
-    def quantize(self, src: Path, dst: Path, ftype: str, n_threads: int) -> Path:
+    def quantize(self, src: Path, dst: Path, ftype: str, n_threads: int, imatrix=None) -> Path:
+        if imatrix:
+            raise PeerUnavailable("an importance matrix needs llama-cpp-py-sync's binding")
         lc = self.llama_cpp
         params = lc.llama_model_quantize_default_params()
         params.ftype = getattr(lc, f"LLAMA_FTYPE_MOSTLY_{ftype.upper()}")

@@ -97,7 +97,7 @@ def test_the_c_files_compile_for_arm64(source, tmp_path):
     folder = Path(build.__file__).parent
     done = subprocess.run(["aarch64-linux-gnu-gcc", *build.VARIANTS["portable"][:1], "-march=armv8.2-a+fp16",
                            "-fopenmp", "-Wall", "-Werror=implicit-function-declaration", "-shared", "-fPIC",
-                           str(folder / source), "-o", str(tmp_path / "lib.so")], capture_output=True, text=True)
+                           f"-I{build.include_dir()}", str(folder / source), "-o", str(tmp_path / "lib.so")], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
 
 

@@ -386,3 +386,53 @@ def test_a_mixture_gguf_of_k_quant_experts_decodes_in_the_c_step(moe256_folder, 
     assert experts and {e.gate_up_type[0].name for e in experts} == {wtype}
     worst, same = run_both(model, "f16", "f16", steps=6)
     assert worst < 1e-4 and same
+
+
+def quantized_by_llama_cpp(source, out, ftype):
+    """``source`` (an f32 GGUF) through llama.cpp's quantizer as ``ftype``, with an importance
+    matrix of ones (llama.cpp refuses IQ1 and IQ2 without one; these tests check decoding, not
+    the quantizer's quality)."""
+    import gguf as gguf_py
+    import numpy as np
+    from kvslim import peer
+    try:
+        peer.binding()
+    except peer.PeerUnavailable as err:
+        pytest.skip(f"no llama.cpp to quantize with: {err}")
+    ones = {t.name: np.ones(int(np.prod(t.shape)) // int(t.shape[1]), np.float32)   # columns x experts
+            for t in gguf_py.GGUFReader(source).tensors if len(t.shape) >= 2}
+    return peer.quantize(source, out, ftype, 2, ones)
+
+
+@pytest.fixture(scope="module")
+def bundled_f32(tmp_path_factory):
+    from kvslim.loading import convert_hf_to_gguf, default_model
+    return convert_hf_to_gguf(default_model(), tmp_path_factory.mktemp("bundled") / "f32.gguf", "f32")
+
+
+# llama.cpp's mixes that between them hold every grid i-quant
+@pytest.mark.parametrize("ftype,types", [("iq1_s", {"iq1_s", "iq2_xxs"}), ("iq1_m", {"iq1_m"}), ("iq2_xs", {"iq2_xs"}),
+                                         ("iq2_m", {"iq2_s", "iq3_s"}), ("iq3_xxs", {"iq3_xxs"})])
+def test_i_quant_mixes_decode_in_the_c_step(bundled_f32, ftype, types, tmp_path):
+    """The bundled model as llama.cpp's IQ1/IQ2/IQ3 files (what fits a 35B mixture or an 80B
+    Qwen3-Next in 24-32 GB): every matrix stays in its file's type, and the C step matches the
+    eager step over them."""
+    from kvslim.weights.modules import _QuantWeight
+    model, _, _ = load_model(quantized_by_llama_cpp(bundled_f32, tmp_path / f"{ftype}.gguf", ftype), "f32")
+    kinds = {m.wtype.name for m in model.modules() if isinstance(m, _QuantWeight)}
+    assert types <= kinds, kinds
+    worst, same = run_both(model, "q8_0", "q8_0", steps=6)
+    assert worst < 1e-4 and same
+
+
+def test_mxfp4_experts_decode_in_the_c_step(moe256_folder, tmp_path):
+    """llama.cpp's MXFP4_MOE mix (gpt-oss's format, offered for any mixture): the routed experts
+    in MXFP4, through the C step against the eager step."""
+    from kvslim.loading import convert_hf_to_gguf
+    from kvslim.weights.modules import QuantExperts
+    source = convert_hf_to_gguf(moe256_folder, tmp_path / "f32.gguf", "f32")
+    model, _, _ = load_model(quantized_by_llama_cpp(source, tmp_path / "mxfp4.gguf", "mxfp4_moe"), "f32")
+    experts = [m for m in model.modules() if isinstance(m, QuantExperts)]
+    assert experts and {e.gate_up_type[0].name for e in experts} == {"mxfp4"}
+    worst, same = run_both(model, "f16", "f16", steps=6)
+    assert worst < 1e-4 and same

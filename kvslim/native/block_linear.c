@@ -27,6 +27,9 @@
  *          s = d * scale, o = -dmin * min per 16 values
  *   IQ4_XS [d][scales_h 2 B][scales_l 4 B][qs 128 B]: q = kvalues[nibble] (IQ4_NL's grid),
  *          s = d * (6-bit scale - 32) per 32 values
+ *   MXFP4  [e8m0 exponent][16 B nibbles]          s = 2^(e - 128), q = MXFP4_VALUES[nibble] (e2m1, doubled)
+ *   The grid i-quants, 256-value super-blocks: q = a lattice entry's values (iq_grids.h, generated
+ *   from gguf.quants at build time) times sign bits; see decode_iq_group for each layout.
  *   F16 / BF16 / F32  plain rows (s = 1)
  * With AVX2 + F16C + FMA the hot types (Q8_0, Q4_0, F16, BF16, and the K-quants Q4_K, Q5_K,
  * Q6_K) unpack with intrinsics; the others decode a group's codes in C and share the vector dot
@@ -36,6 +39,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "half.c"
+#include "iq_grids.h"
 
 #define QK 32
 #define MAX_M 8
@@ -43,7 +47,8 @@
 enum {
     TYPE_Q4_0 = 4, TYPE_Q8_0 = 8, TYPE_F16 = 16, TYPE_BF16 = 17, TYPE_F32 = 32, TYPE_Q4_1 = 41, TYPE_IQ4_NL = 44,
     TYPE_Q5_0 = 50, TYPE_Q5_1 = 51, TYPE_Q2_K = 102, TYPE_Q3_K = 103, TYPE_Q4_K = 104, TYPE_Q5_K = 105,
-    TYPE_Q6_K = 106, TYPE_IQ4_XS = 144
+    TYPE_Q6_K = 106, TYPE_IQ4_XS = 144, TYPE_IQ1_S = 181, TYPE_IQ1_M = 182, TYPE_IQ2_XXS = 121, TYPE_IQ2_XS = 122,
+    TYPE_IQ2_S = 123, TYPE_IQ3_XXS = 131, TYPE_IQ3_S = 133, TYPE_MXFP4 = 204
 };
 
 static const int8_t IQ4NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -73,13 +78,26 @@ static int64_t group_bytes_x8(int type) {     /* times 8, so the K types' 144/8 
         case TYPE_Q3_K: return 110;
         case TYPE_Q2_K: return 84;
         case TYPE_IQ4_XS: return 136;
+        case TYPE_MXFP4: return 8 * 17;
+        case TYPE_IQ2_XXS: return 66;           /* the grid types: a super-block's bytes (8 groups) */
+        case TYPE_IQ2_XS: return 74;
+        case TYPE_IQ2_S: return 82;
+        case TYPE_IQ3_XXS: return 98;
+        case TYPE_IQ3_S: return 110;
+        case TYPE_IQ1_S: return 50;
+        case TYPE_IQ1_M: return 56;
         default: return 0;
     }
 }
 
+static int grid_types(int type) {
+    return type == TYPE_IQ2_XXS || type == TYPE_IQ2_XS || type == TYPE_IQ2_S || type == TYPE_IQ3_XXS
+        || type == TYPE_IQ3_S || type == TYPE_IQ1_S || type == TYPE_IQ1_M;
+}
+
 static int super_blocks(int type) {
     return type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K || type == TYPE_Q3_K || type == TYPE_Q2_K
-        || type == TYPE_IQ4_XS;
+        || type == TYPE_IQ4_XS || grid_types(type);
 }
 
 static void nibbles(const uint8_t *qs, float *q, int offset) {
@@ -173,14 +191,133 @@ static void decode_k_group(int type, const uint8_t *sb, int j, group_t *g) {
     g->o0 = g->o1 = -dmin * (float)min;
 }
 
+static uint32_t u32_at(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+static uint16_t u16_at(const uint8_t *p) {
+    return (uint16_t)(p[0] | p[1] << 8);
+}
+
+/* Lattice entry `values` (n of them) times the sign bits of `signs` (bit l set: value l
+ * negative), as codes at q. */
+static void signed_entry(const int8_t *values, int n, int signs, float *q) {
+    for (int l = 0; l < n; l++) {
+        const int minus = -((signs >> l) & 1);                 /* no branch: the signs are random */
+        q[l] = (float)((values[l] ^ minus) - minus);
+    }
+}
+
+/* IQ2_XS / IQ2_S: a scale nibble per 16 values, d * (0.5 + s) * 0.25 (gguf's order). */
+static void iq2_scales(float d, uint8_t sc, group_t *g) {
+    g->s0 = d * (0.5f + (float)(sc & 0x0F)) * 0.25f;
+    g->s1 = d * (0.5f + (float)(sc >> 4)) * 0.25f;
+}
+
+/* IQ1_S / IQ1_M: entry k's codes are the ternary lattice values plus delta (+-1/8). */
+static void iq1_entry(int index, float delta, float *q) {
+    for (int l = 0; l < 8; l++) q[l] = (float)IQ1S_GRID[index][l] + delta;
+}
+
+/* IQ1_M's scales of group j: d * (2s + 1) per 16 values, its fp16 d made of the top nibbles of
+ * the 4 scale words. */
+static void iq1_m_scales(const uint8_t *sb, int j, float *s0, float *s1) {
+    const uint16_t w[4] = {u16_at(sb + 48), u16_at(sb + 50), u16_at(sb + 52), u16_at(sb + 54)};
+    const uint16_t bits = (uint16_t)(w[0] >> 12 | (w[1] >> 12) << 4 | (w[2] >> 12) << 8 | (w[3] >> 12) << 12);
+    const uint8_t d_bytes[2] = {(uint8_t)(bits & 0xFF), (uint8_t)(bits >> 8)};
+    const float d = half_to_float(d_bytes);
+    *s0 = d * (float)(2 * ((w[j / 2] >> (6 * (j % 2))) & 7) + 1);
+    *s1 = d * (float)(2 * ((w[j / 2] >> (6 * (j % 2) + 3)) & 7) + 1);
+}
+
+/* Group j (32 values) of a grid i-quant's super-block sb. Layouts (after the fp16 d, but IQ1_M):
+ *   IQ2_XXS [qs 64 B]: per group two words, 4 grid indices (8 values each) then 4 x 7 sign bits
+ *           (through KSIGNS) and a 4-bit scale on top: s = d * (0.5 + s) * 0.25
+ *   IQ2_XS  [qs 32 x u16: 9-bit index | 7 sign bits << 9][8 B: a scale nibble per 16 values]
+ *   IQ2_S   [qs 32 B][signs 32 B][qh 8 B: 2 high index bits per entry][8 B scale nibbles]
+ *   IQ3_XXS [qs 64 B: an index per 4 values][8 words: 4 x 7 sign bits, 4-bit scale]: s = d * (0.5 + s) * 0.5
+ *   IQ3_S   [qs 64 B][qh 8 B: the 9th index bit][signs 32 B][4 B scale nibbles]: s = d * (1 + 2s)
+ *   IQ1_S   [qs 32 B][8 x u16: 3 high index bits per entry, 3-bit scale, delta sign]: s = d * (2s + 1),
+ *           q = lattice value +- 1/8
+ *   IQ1_M   [qs 32 B][qh 16 B: a nibble per entry, 3 index bits and the delta sign][4 x u16: 3-bit
+ *           scales per 16 values, the fp16 d in their top nibbles] */
+static void decode_iq_group(int type, const uint8_t *sb, int j, group_t *g) {
+    g->o0 = g->o1 = 0.0f;
+    if (type == TYPE_IQ1_M) {
+        iq1_m_scales(sb, j, &g->s0, &g->s1);
+        for (int k = 0; k < 4; k++) {
+            const int nib = (sb[32 + 2 * j + k / 2] >> (4 * (k % 2))) & 0x0F;
+            iq1_entry(sb[4 * j + k] | (nib & 7) << 8, nib & 8 ? -0.125f : 0.125f, g->q + 8 * k);
+        }
+        return;
+    }
+    const float d = f16(sb);
+    const uint8_t *qs = sb + 2;
+    switch (type) {
+        case TYPE_IQ2_XXS: {
+            const uint32_t signs = u32_at(qs + 8 * j + 4);
+            g->s0 = g->s1 = d * (0.5f + (float)(signs >> 28)) * 0.25f;
+            for (int k = 0; k < 4; k++) signed_entry(IQ2XXS_GRID[qs[8 * j + k]], 8, KSIGNS[(signs >> (7 * k)) & 127], g->q + 8 * k);
+            break;
+        }
+        case TYPE_IQ2_XS:
+            iq2_scales(d, sb[66 + j], g);
+            for (int k = 0; k < 4; k++) {
+                const uint16_t w = u16_at(qs + 8 * j + 2 * k);
+                signed_entry(IQ2XS_GRID[w & 511], 8, KSIGNS[w >> 9], g->q + 8 * k);
+            }
+            break;
+        case TYPE_IQ2_S:
+            iq2_scales(d, sb[74 + j], g);
+            for (int k = 0; k < 4; k++)
+                signed_entry(IQ2S_GRID[qs[4 * j + k] | ((sb[66 + j] >> (2 * k)) & 3) << 8], 8, sb[34 + 4 * j + k], g->q + 8 * k);
+            break;
+        case TYPE_IQ3_XXS: {
+            const uint32_t signs = u32_at(sb + 66 + 4 * j);
+            g->s0 = g->s1 = d * (0.5f + (float)(signs >> 28)) * 0.5f;
+            for (int k = 0; k < 8; k++)
+                signed_entry(IQ3XXS_GRID[qs[8 * j + k]], 4, KSIGNS[(signs >> (7 * (k / 2))) & 127] >> (4 * (k % 2)), g->q + 4 * k);
+            break;
+        }
+        case TYPE_IQ3_S:
+            g->s0 = g->s1 = d * (float)(1 + 2 * ((sb[106 + j / 2] >> (4 * (j % 2))) & 0x0F));
+            for (int k = 0; k < 8; k++)
+                signed_entry(IQ3S_GRID[qs[8 * j + k] | ((sb[66 + j] >> k) & 1) << 8], 4, sb[74 + 4 * j + k / 2] >> (4 * (k % 2)),
+                             g->q + 4 * k);
+            break;
+        default: {                                                  /* IQ1_S */
+            const uint16_t w = u16_at(sb + 34 + 2 * j);
+            g->s0 = g->s1 = d * (float)(2 * ((w >> 12) & 7) + 1);
+            for (int k = 0; k < 4; k++) iq1_entry(qs[4 * j + k] | ((w >> (3 * k)) & 7) << 8, w & 0x8000 ? -0.125f : 0.125f, g->q + 8 * k);
+        }
+    }
+}
+
+/* MXFP4's shared exponent as 2^(e - 128) (the values are stored doubled); e < 2 a subnormal. */
+static float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float v;
+    memcpy(&v, &bits, 4);
+    return v;
+}
+
 /* Group `index` of a row, for every type: the portable path and the reference of the fast one. */
 static void decode_group(int type, const uint8_t *row, int64_t index, group_t *g) {
     if (super_blocks(type)) {
-        decode_k_group(type, row + (index / 8) * (group_bytes_x8(type)), (int)(index % 8), g);
+        const uint8_t *sb = row + (index / 8) * (group_bytes_x8(type));
+        if (grid_types(type)) decode_iq_group(type, sb, (int)(index % 8), g);
+        else decode_k_group(type, sb, (int)(index % 8), g);
         return;
     }
     const uint8_t *b = row + index * (group_bytes_x8(type) / 8);
     g->o0 = g->o1 = 0.0f;
+    if (type == TYPE_MXFP4) {
+        g->s0 = g->s1 = e8m0_half(b[0]);
+        for (int l = 0; l < 16; l++) g->q[l] = MXFP4_VALUES[b[1 + l] & 0x0F], g->q[l + 16] = MXFP4_VALUES[b[1 + l] >> 4];
+        return;
+    }
     g->s0 = g->s1 = type == TYPE_F16 || type == TYPE_BF16 || type == TYPE_F32 ? 1.0f : f16(b);
     switch (type) {
         case TYPE_Q8_0: for (int l = 0; l < QK; l++) g->q[l] = (float)(int8_t)b[2 + l]; break;
@@ -609,8 +746,185 @@ DEFINE_K_GROUPS(8, __m256, __m256i, 8, widen8, bytes_at8, iq4nl_lut8, _mm256_and
 DEFINE_ROWS_TIMES_K(8, __m256, 8, 2, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_fmadd_ps, _mm256_add_ps, hsum)
 
 static inline int k_types(int type) {
-    return super_blocks(type);
+    return super_blocks(type) && !grid_types(type);
 }
+
+/* The grid i-quants and MXFP4 written out: a group's 32 codes are made as signed bytes in one
+ * vector (lattice entries are whole words of bytes; 32 sign bits become a byte mask), then
+ * widened as the other types' values are. Through decode_group's scalar codes their GEMVs cost
+ * 10-14x a Q4_0 row's. decode_iq_group (and decode_group for MXFP4) is the reference. */
+static inline int code_types(int type) {
+    return grid_types(type) || type == TYPE_MXFP4;
+}
+
+/* 0xFF in byte l where bit l of m is set. */
+static inline __m256i bits_to_bytes(uint32_t m) {
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)m), spread);   /* byte l: byte l / 8 of m */
+    return _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+}
+
+static inline uint64_t entry8(const int8_t *values) {
+    uint64_t v;
+    memcpy(&v, values, 8);
+    return v;
+}
+
+static inline uint32_t entry4(const int8_t *values) {
+    uint32_t v;
+    memcpy(&v, values, 4);
+    return v;
+}
+
+/* q negated where bit l of signs is set. */
+static inline __m256i with_signs(__m256i q, uint32_t signs) {
+    return _mm256_sign_epi8(q, _mm256_or_si256(bits_to_bytes(signs), _mm256_set1_epi8(1)));
+}
+
+static inline uint32_t ksigns4(uint32_t w) {       /* 4 x 7 sign bits through KSIGNS: 32 sign bits */
+    return (uint32_t)KSIGNS[w & 127] | (uint32_t)KSIGNS[(w >> 7) & 127] << 8 | (uint32_t)KSIGNS[(w >> 14) & 127] << 16
+         | (uint32_t)KSIGNS[(w >> 21) & 127] << 24;
+}
+
+/* IQ1's codes times 8, so they stay integers: 8 * lattice value +- 1 (the delta's sign per entry,
+ * given as 0 or -1 bytes), with the scale divided by 8 (exact). */
+static inline __m256i iq1_codes(__m256i grid, const int minus[4]) {
+    const __m256i g8 = _mm256_slli_epi16(grid, 3);                       /* bytes -1, 0, 1 -> -8, 0, 8 */
+    const __m256i fix = _mm256_and_si256(g8, _mm256_set1_epi8((char)0xF8));  /* the carry of -8 into the next byte */
+    const __m256i m = _mm256_setr_epi64x(minus[0], minus[1], minus[2], minus[3]);
+    return _mm256_add_epi8(fix, _mm256_or_si256(m, _mm256_set1_epi8(1)));      /* -1 or +1 per entry */
+}
+
+/* Group `index` of a row as 32 signed byte codes, and its scales s0 (values 0-15), s1 (16-31). */
+static inline __attribute__((always_inline)) __m256i group_codes(int type, const uint8_t *row, int64_t index,
+                                                                 float *s0, float *s1) {
+    if (type == TYPE_MXFP4) {
+        const uint8_t *b = row + index * 17;
+        const __m128i table = _mm_loadu_si128((const __m128i *)MXFP4_VALUES);
+        const __m128i qs = _mm_loadu_si128((const __m128i *)(b + 1)), m4 = _mm_set1_epi8(0x0F);
+        *s0 = *s1 = e8m0_half(b[0]);
+        return _mm256_set_m128i(_mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(qs, 4), m4)),
+                                _mm_shuffle_epi8(table, _mm_and_si128(qs, m4)));
+    }
+    const uint8_t *sb = row + (index / 8) * group_bytes_x8(type);
+    const int j = (int)(index % 8);
+    const uint8_t *qs = sb + 2;
+    float d = type == TYPE_IQ1_M ? 0.0f : f16(sb);
+    switch (type) {
+        case TYPE_IQ2_XXS: {
+            const uint32_t w = u32_at(qs + 8 * j + 4);
+            *s0 = *s1 = d * (0.5f + (float)(w >> 28)) * 0.25f;
+            const uint8_t *i = qs + 8 * j;
+            return with_signs(_mm256_setr_epi64x((long long)entry8(IQ2XXS_GRID[i[0]]), (long long)entry8(IQ2XXS_GRID[i[1]]),
+                                                 (long long)entry8(IQ2XXS_GRID[i[2]]), (long long)entry8(IQ2XXS_GRID[i[3]])),
+                              ksigns4(w));
+        }
+        case TYPE_IQ2_XS: {
+            uint16_t w[4];
+            memcpy(w, qs + 8 * j, 8);
+            group_t g;
+            iq2_scales(d, sb[66 + j], &g);
+            *s0 = g.s0, *s1 = g.s1;
+            const uint32_t signs = (uint32_t)KSIGNS[w[0] >> 9] | (uint32_t)KSIGNS[w[1] >> 9] << 8
+                                 | (uint32_t)KSIGNS[w[2] >> 9] << 16 | (uint32_t)KSIGNS[w[3] >> 9] << 24;
+            return with_signs(_mm256_setr_epi64x((long long)entry8(IQ2XS_GRID[w[0] & 511]), (long long)entry8(IQ2XS_GRID[w[1] & 511]),
+                                                 (long long)entry8(IQ2XS_GRID[w[2] & 511]), (long long)entry8(IQ2XS_GRID[w[3] & 511])),
+                              signs);
+        }
+        case TYPE_IQ2_S: {
+            group_t g;
+            iq2_scales(d, sb[74 + j], &g);
+            *s0 = g.s0, *s1 = g.s1;
+            const uint8_t *i = qs + 4 * j;
+            const int h = sb[66 + j];
+            return with_signs(_mm256_setr_epi64x((long long)entry8(IQ2S_GRID[i[0] | (h & 3) << 8]),
+                                                 (long long)entry8(IQ2S_GRID[i[1] | (h >> 2 & 3) << 8]),
+                                                 (long long)entry8(IQ2S_GRID[i[2] | (h >> 4 & 3) << 8]),
+                                                 (long long)entry8(IQ2S_GRID[i[3] | (h >> 6) << 8])),
+                              u32_at(sb + 34 + 4 * j));
+        }
+        case TYPE_IQ3_XXS: {
+            const uint32_t w = u32_at(sb + 66 + 4 * j);
+            *s0 = *s1 = d * (0.5f + (float)(w >> 28)) * 0.5f;
+            const uint8_t *i = qs + 8 * j;
+            return with_signs(_mm256_setr_epi32((int)entry4(IQ3XXS_GRID[i[0]]), (int)entry4(IQ3XXS_GRID[i[1]]),
+                                                (int)entry4(IQ3XXS_GRID[i[2]]), (int)entry4(IQ3XXS_GRID[i[3]]),
+                                                (int)entry4(IQ3XXS_GRID[i[4]]), (int)entry4(IQ3XXS_GRID[i[5]]),
+                                                (int)entry4(IQ3XXS_GRID[i[6]]), (int)entry4(IQ3XXS_GRID[i[7]])),
+                              ksigns4(w));
+        }
+        case TYPE_IQ3_S: {
+            *s0 = *s1 = d * (float)(1 + 2 * ((sb[106 + j / 2] >> (4 * (j % 2))) & 0x0F));
+            const uint8_t *i = qs + 8 * j;
+            const int h = sb[66 + j];
+            int e[8];
+            for (int k = 0; k < 8; k++) e[k] = (int)entry4(IQ3S_GRID[i[k] | ((h >> k) & 1) << 8]);
+            return with_signs(_mm256_setr_epi32(e[0], e[1], e[2], e[3], e[4], e[5], e[6], e[7]), u32_at(sb + 74 + 4 * j));
+        }
+        case TYPE_IQ1_S: {
+            const uint16_t w = u16_at(sb + 34 + 2 * j);
+            *s0 = *s1 = d * (float)(2 * ((w >> 12) & 7) + 1) * 0.125f;
+            const uint8_t *i = qs + 4 * j;
+            const int minus[4] = {-(w >> 15), -(w >> 15), -(w >> 15), -(w >> 15)};
+            return iq1_codes(_mm256_setr_epi64x((long long)entry8(IQ1S_GRID[i[0] | (w & 7) << 8]),
+                                                (long long)entry8(IQ1S_GRID[i[1] | (w >> 3 & 7) << 8]),
+                                                (long long)entry8(IQ1S_GRID[i[2] | (w >> 6 & 7) << 8]),
+                                                (long long)entry8(IQ1S_GRID[i[3] | (w >> 9 & 7) << 8])), minus);
+        }
+        default: {                                                         /* IQ1_M */
+            iq1_m_scales(sb, j, s0, s1);
+            *s0 *= 0.125f, *s1 *= 0.125f;
+            const uint8_t *i = sb + 4 * j, *qh = sb + 32 + 2 * j;
+            const int n[4] = {qh[0] & 0x0F, qh[0] >> 4, qh[1] & 0x0F, qh[1] >> 4};
+            const int minus[4] = {-(n[0] >> 3), -(n[1] >> 3), -(n[2] >> 3), -(n[3] >> 3)};
+            return iq1_codes(_mm256_setr_epi64x((long long)entry8(IQ1S_GRID[i[0] | (n[0] & 7) << 8]),
+                                                (long long)entry8(IQ1S_GRID[i[1] | (n[1] & 7) << 8]),
+                                                (long long)entry8(IQ1S_GRID[i[2] | (n[2] & 7) << 8]),
+                                                (long long)entry8(IQ1S_GRID[i[3] | (n[3] & 7) << 8])), minus);
+        }
+    }
+}
+
+/* Rows times code-type groups, for any width: INTO(codes, s0, s1, x's group, acc); groups alternate
+ * between two accumulators, for one activation row and for several alike. */
+#define DEFINE_ROWS_TIMES_CODES(SUFFIX, VEC, ZERO, INTO, ADD, HSUM)                                              \
+    static inline __attribute__((always_inline)) void rows_times_codes_typed##SUFFIX(                          \
+        int type, const uint8_t *row, const float *x, int64_t m, int64_t k, float *y, int64_t n) {            \
+        VEC acc[2][MAX_M];                                                                                     \
+        for (int64_t i = 0; i < m; i++) acc[0][i] = acc[1][i] = ZERO();                                        \
+        for (int64_t g = 0; g < k / QK; g++) {                                                                 \
+            float s0, s1;                                                                                      \
+            const __m256i q = group_codes(type, row, g, &s0, &s1);                                             \
+            for (int64_t i = 0; i < m; i++) acc[g & 1][i] = INTO(q, s0, s1, x + i * k + g * QK, acc[g & 1][i]); \
+        }                                                                                                      \
+        for (int64_t i = 0; i < m; i++) y[i * n] = HSUM(ADD(acc[0][i], acc[1][i]));                            \
+    }                                                                                                          \
+    static inline __attribute__((always_inline)) void rows_times_codes##SUFFIX(                                 \
+        int type, const uint8_t *row, const float *x, int64_t m, int64_t k, float *y, int64_t n) {            \
+        switch (type) {                                                                                        \
+            case TYPE_IQ2_XXS: rows_times_codes_typed##SUFFIX(TYPE_IQ2_XXS, row, x, m, k, y, n); break;        \
+            case TYPE_IQ2_XS: rows_times_codes_typed##SUFFIX(TYPE_IQ2_XS, row, x, m, k, y, n); break;          \
+            case TYPE_IQ2_S: rows_times_codes_typed##SUFFIX(TYPE_IQ2_S, row, x, m, k, y, n); break;            \
+            case TYPE_IQ3_XXS: rows_times_codes_typed##SUFFIX(TYPE_IQ3_XXS, row, x, m, k, y, n); break;        \
+            case TYPE_IQ3_S: rows_times_codes_typed##SUFFIX(TYPE_IQ3_S, row, x, m, k, y, n); break;            \
+            case TYPE_IQ1_S: rows_times_codes_typed##SUFFIX(TYPE_IQ1_S, row, x, m, k, y, n); break;            \
+            case TYPE_IQ1_M: rows_times_codes_typed##SUFFIX(TYPE_IQ1_M, row, x, m, k, y, n); break;            \
+            default: rows_times_codes_typed##SUFFIX(TYPE_MXFP4, row, x, m, k, y, n);                            \
+        }                                                                                                      \
+    }
+
+static inline __attribute__((always_inline)) __m256 codes_into8(__m256i q, float s0, float s1, const float *xg,
+                                                                __m256 acc) {
+    __m256 lo = _mm256_mul_ps(_mm256_cvtepi32_ps(bytes_at8(q, 0)), _mm256_loadu_ps(xg));
+    lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(bytes_at8(q, 1)), _mm256_loadu_ps(xg + 8), lo);
+    __m256 hi = _mm256_mul_ps(_mm256_cvtepi32_ps(bytes_at8(q, 2)), _mm256_loadu_ps(xg + 16));
+    hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(bytes_at8(q, 3)), _mm256_loadu_ps(xg + 24), hi);
+    return _mm256_fmadd_ps(_mm256_set1_ps(s1), hi, _mm256_fmadd_ps(_mm256_set1_ps(s0), lo, acc));
+}
+
+DEFINE_ROWS_TIMES_CODES(8, __m256, _mm256_setzero_ps, codes_into8, _mm256_add_ps, hsum)
 
 #if defined(__AVX512F__)
 /* The same loops 16 wide: a group is two vectors instead of four, so a group costs half the
@@ -672,6 +986,15 @@ DEFINE_K_GROUPS(16, __m512, __m512i, 16, widen16, bytes_at16, iq4nl_lut16, _mm51
               _mm512_set1_ps)
 DEFINE_ROWS_TIMES_K(16, __m512, 16, 4, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_fmadd_ps, _mm512_add_ps,
                     _mm512_reduce_add_ps)
+
+static inline __attribute__((always_inline)) __m512 codes_into16(__m256i q, float s0, float s1, const float *xg,
+                                                                 __m512 acc) {
+    const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(bytes_at16(q, 0)), _mm512_loadu_ps(xg));
+    const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(bytes_at16(q, 1)), _mm512_loadu_ps(xg + 16));
+    return _mm512_fmadd_ps(_mm512_set1_ps(s1), hi, _mm512_fmadd_ps(_mm512_set1_ps(s0), lo, acc));
+}
+
+DEFINE_ROWS_TIMES_CODES(16, __m512, _mm512_setzero_ps, codes_into16, _mm512_add_ps, _mm512_reduce_add_ps)
 #define KVSLIM_AVX512 1
 #endif
 
@@ -728,11 +1051,15 @@ int kvslim_block_linear(int type, const float *x, const uint8_t *w, float *y, in
         else if (fast_types(type)) rows_times_fast16(type, w + r * row_bytes, x, m, k, y + r, n);
         else if (m == 1 && k_types(type)) rows_times_k16(type, w + r * row_bytes, x, 1, k, y + r, n);
         else if (k_types(type)) rows_times_k16(type, w + r * row_bytes, x, m, k, y + r, n);
+        else if (m == 1 && code_types(type)) rows_times_codes16(type, w + r * row_bytes, x, 1, k, y + r, n);
+        else if (code_types(type)) rows_times_codes16(type, w + r * row_bytes, x, m, k, y + r, n);
 #else
         if (m == 1 && fast_types(type)) rows_times_fast8(type, w + r * row_bytes, x, 1, k, y + r, n);  /* m a constant */
         else if (fast_types(type)) rows_times_fast8(type, w + r * row_bytes, x, m, k, y + r, n);
         else if (m == 1 && k_types(type)) rows_times_k8(type, w + r * row_bytes, x, 1, k, y + r, n);
         else if (k_types(type)) rows_times_k8(type, w + r * row_bytes, x, m, k, y + r, n);
+        else if (m == 1 && code_types(type)) rows_times_codes8(type, w + r * row_bytes, x, 1, k, y + r, n);
+        else if (code_types(type)) rows_times_codes8(type, w + r * row_bytes, x, m, k, y + r, n);
 #endif
         else row_times_rows(type, w + r * row_bytes, x, xsum, m, k, y + r, n);
     }

@@ -2,7 +2,9 @@
 
 ctypes rather than a torch extension: a plain C file builds in a second, where one that
 includes torch's headers takes a minute. The library is keyed by a hash of the source
-(and of the files it includes: every C file here) and the compiler, so an edit rebuilds it, and is written to a temporary name first, so
+(and of the files it includes: every C file here, and the headers made at build time from
+data the dependencies hold: the i-quants' grids) and the compiler, so an edit rebuilds it, and is
+written to a temporary name first, so
 concurrent first uses never load half a file.
 
 Where the compiler lacks what FLAGS asks (Apple's clang has no OpenMP; some compilers refuse
@@ -67,10 +69,12 @@ def library(source_name: str, variant: str | None = None) -> ctypes.CDLL | None:
     flags = VARIANTS[variant or default_variant()]
     source = Path(__file__).with_name(source_name)
     text = b"".join(path.read_bytes() for path in [source, *sorted(source.parent.glob("*.c"))])  # includes too
+    include = include_dir()
+    text += include.name.encode()                        # the generated headers' digest
     digest = hashlib.sha256(text + cc.encode() + " ".join(flags).encode()).hexdigest()[:16]
     target = cache_dir() / f"kvslim_{source.stem}_{digest}.so"
     note = target.with_suffix(".note")                  # a fallback's reason, kept beside its library
-    if not target.exists() and not _build(cc, flags, source, target, note, source_name):
+    if not target.exists() and not _build(cc, flags, source, target, note, source_name, include):
         return None
     if note.exists() and source_name not in NOTES:
         NOTES[source_name] = note.read_text()
@@ -112,13 +116,39 @@ def homebrew_libomp(roots=("/opt/homebrew/opt/libomp", "/usr/local/opt/libomp"))
     return next((root for root in roots if Path(root, "include", "omp.h").exists()), None)
 
 
-def _build(cc: str, flags: list[str], source: Path, target: Path, note: Path, source_name: str) -> bool:
+def generated_headers() -> dict[str, str]:
+    """Headers made at build time from data kvslim's dependencies hold, by file name: the
+    i-quants' lattices (thousands of entries) come from gguf.quants, as the torch decoders'
+    do, instead of a second copy kept in this folder."""
+    from ..weights import iquants                         # here: the weights package imports this one
+    return {"iq_grids.h": iquants.c_header()}
+
+
+def include_dir() -> Path:
+    """The folder of ``generated_headers()`` (an -I of every build), named by their digest and
+    written once through temporary names."""
+    headers = generated_headers()
+    digest = hashlib.sha256("".join(name + text for name, text in sorted(headers.items())).encode()).hexdigest()[:16]
+    folder = cache_dir() / f"include_{digest}"
+    for name, text in headers.items():
+        path = folder / name
+        if not path.exists():
+            folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as tmp:
+                tmp.write(text)
+            Path(tmp.name).replace(path)
+    return folder
+
+
+def _build(cc: str, flags: list[str], source: Path, target: Path, note: Path, source_name: str,
+           include: Path) -> bool:
     target.parent.mkdir(parents=True, exist_ok=True)
     errors = []
     for attempt in fallbacks(flags):
         with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
             partial = Path(tmp.name)
-        done = subprocess.run([cc, *attempt, str(source), "-o", str(partial)], capture_output=True, text=True)
+        done = subprocess.run([cc, *attempt, f"-I{include}", str(source), "-o", str(partial)], capture_output=True,
+                              text=True)
         if done.returncode == 0:
             if errors:
                 dropped = " ".join(f for f in flags if f not in attempt)
