@@ -1,11 +1,10 @@
 """Compile a C file of this package into a shared library once, and load it.
 
 ctypes rather than a torch extension: a plain C file builds in a second, where one that
-includes torch's headers takes a minute. The library is keyed by a hash of the source
-(and of the files it includes: every C file here, and the headers made at build time from
-data the dependencies hold: the i-quants' grids) and the compiler, so an edit rebuilds it, and is
-written to a temporary name first, so
-concurrent first uses never load half a file.
+includes torch's headers takes a minute. The library is keyed by a hash of the source, of the
+files it includes (every C file here, and the headers made at build time from data the
+dependencies hold: the i-quants' grids) and of the compiler, so an edit rebuilds it; it is
+written to a temporary name first, so concurrent first uses never load half a file.
 
 Where the compiler lacks what FLAGS asks (Apple's clang has no OpenMP; some compilers refuse
 -march=native), ``fallbacks`` builds with less, says so once, and keeps the reason beside the
