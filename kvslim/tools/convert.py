@@ -5,9 +5,12 @@ f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1 and iq4_nl are written by kvslim's 
 GGUF writer (ggml's reference quantizers via the gguf package; iq4_nl via kvslim's
 encoder): every weight matrix gets the type, except the tensors llama.cpp's converter
 keeps in F32 (norms, biases, router, conv1d) and rows that are not whole blocks (F16).
-q2_k, q3_k, q4_k, q5_k, q6_k and iq4_xs have no encoder in Python: they are made by
-llama.cpp's own quantizer (llama-quantize's Q2_K, Q3_K_M, Q4_K_M, Q5_K_M, Q6_K and IQ4_XS
-mixes) from an f32 export, which needs the peer (pip install 'kvslim[peer]').
+q2_k, q3_k, q4_k, q5_k, q6_k, iq4_xs and the i-quants (iq3_s, iq3_xxs, iq2_s, iq2_xs,
+iq2_xxs, iq1_m, iq1_s) have no encoder in Python: they are made by llama.cpp's own quantizer
+(llama-quantize's Q2_K, Q3_K_M, Q4_K_M, Q5_K_M, Q6_K, IQ4_XS, IQ3_S, IQ3_XXS, IQ2_M, IQ2_XS,
+IQ2_XXS, IQ1_M and IQ1_S mixes) from an f32 export, which needs the peer (pip install
+'kvslim[peer]'). llama.cpp refuses IQ1 and IQ2 without an importance matrix: pass the file
+llama-imatrix wrote (--imatrix, its GGUF format), computed on the same model.
 """
 from __future__ import annotations
 
@@ -16,13 +19,18 @@ import tempfile
 import time
 from pathlib import Path
 
+import gguf
+import numpy as np
+
 from ..gguf import writer
 from ..loading import convert_hf_to_gguf
 from ..tables import human_bytes
 
 # --type -> llama.cpp file type its quantizer makes (llama-quantize: "Q4_K" = Q4_K_M, "Q5_K" = Q5_K_M)
 LLAMA_QUANTIZE = {"q4_k": "q4_k_m", "q5_k": "q5_k_m", "q6_k": "q6_k", "q3_k": "q3_k_m", "q2_k": "q2_k",
-                  "iq4_xs": "iq4_xs"}
+                  "iq4_xs": "iq4_xs", "iq3_s": "iq3_s", "iq3_xxs": "iq3_xxs", "iq2_s": "iq2_m", "iq2_xs": "iq2_xs",
+                  "iq2_xxs": "iq2_xxs", "iq1_m": "iq1_m", "iq1_s": "iq1_s"}
+NEEDS_IMATRIX = {"iq2_s", "iq2_xs", "iq2_xxs", "iq1_m", "iq1_s"}     # llama.cpp's quantizer refuses them without
 TYPES = [*writer.QTYPE, *LLAMA_QUANTIZE]
 
 
@@ -33,16 +41,48 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--outfile", default=None, help="output .gguf (default: ./<folder>-<type>.gguf)")
     p.add_argument("--type", "--outtype", dest="type", default="f16", help=f"weight type: {', '.join(TYPES)}")
     p.add_argument("-t", "--threads", type=int, default=2, help="threads for llama.cpp's quantizer (K-quants)")
+    p.add_argument("--imatrix", default=None, metavar="FILE",
+                   help="importance matrix for llama.cpp's quantizer (llama-imatrix's GGUF file); needed by "
+                        + ", ".join(sorted(NEEDS_IMATRIX)))
     return p
 
 
-def convert(folder: Path, out: Path, out_type: str, threads: int = 2) -> Path:
+def read_imatrix(path: Path) -> dict[str, np.ndarray]:
+    """llama-imatrix's GGUF file -> {tensor name: mean squared input per column}: for each
+    tensor, ``<name>.in_sum2`` (columns x experts) over ``<name>.counts`` (tokens per expert), as
+    llama-quantize reads it (an expert that saw no token gets ones)."""
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--imatrix {path}: not a GGUF importance matrix ({err})") from None
+    tensors = {t.name: np.asarray(t.data, dtype=np.float32) for t in reader.tensors}
+    out = {}
+    for key, sums in tensors.items():
+        if not key.endswith(".in_sum2"):
+            continue
+        name = key[:-len(".in_sum2")]
+        if name + ".counts" not in tensors:
+            raise ValueError(f"--imatrix {path}: {name}.in_sum2 has no {name}.counts")
+        counts = tensors[name + ".counts"].reshape(-1, 1)
+        sums = sums.reshape(counts.shape[0], -1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            out[name] = np.where(counts > 0, sums / counts, 1.0).astype(np.float32).reshape(-1)
+    if not out:
+        raise ValueError(f"--imatrix {path}: no <tensor>.in_sum2 entries (llama-imatrix's GGUF format expected)")
+    return out
+
+
+def convert(folder: Path, out: Path, out_type: str, threads: int = 2, imatrix: Path | None = None) -> Path:
     """Write ``folder`` as a GGUF of ``out_type``; returns ``out``."""
     if out_type in writer.QTYPE:
         return convert_hf_to_gguf(folder, out, out_type)
     if out_type not in LLAMA_QUANTIZE:
         raise ValueError(f"--type {out_type!r} cannot be written; supported: {', '.join(TYPES)} "
                          "(other llama.cpp types: convert to f16, then run llama-quantize)")
+    if out_type in NEEDS_IMATRIX and imatrix is None:
+        raise ValueError(f"--type {out_type} needs --imatrix FILE: llama.cpp's quantizer refuses IQ1 and IQ2 "
+                         "without an importance matrix (llama-imatrix -m <model f16.gguf> -f <text> -o FILE)")
+    importance = read_imatrix(imatrix) if imatrix is not None else None
     from .. import peer
     try:
         peer.binding()
@@ -51,7 +91,7 @@ def convert(folder: Path, out: Path, out_type: str, threads: int = 2) -> Path:
                          f"({err}); install it with pip install 'kvslim[peer]'") from None
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         source = convert_hf_to_gguf(folder, Path(tmp) / "f32.gguf", "f32")
-        return peer.quantize(source, out, LLAMA_QUANTIZE[out_type], threads)
+        return peer.quantize(source, out, LLAMA_QUANTIZE[out_type], threads, importance)
 
 
 def main(argv: list[str]) -> int:
@@ -65,6 +105,6 @@ def main(argv: list[str]) -> int:
         raise ValueError(f"{out}: the output file should end in .gguf")
     out.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    convert(folder, out, out_type, args.threads)
+    convert(folder, out, out_type, args.threads, Path(args.imatrix) if args.imatrix else None)
     print(f"wrote {out} ({out_type}, {human_bytes(out.stat().st_size)}) in {time.perf_counter() - start:.1f} s")
     return 0
