@@ -1,11 +1,13 @@
 """The Triton quantized GEMV/GEMM (kvslim/gpu/quant_matmul.py) against gguf.quants, on the CPU.
 
-Weights are GGUF blocks: Q8_0 and Q4_0 from ``gguf.quants.quantize``; the K-quants (which
-gguf.quants cannot quantize) random bytes with sane fp16 super-scales, so every code, 6-bit
-scale and min pattern occurs. The reference is ``gguf.quants.dequantize`` then a float64
-matmul. The kernels run under Triton's interpreter in one child process (tests/triton_harness.py);
-the references run here. What the interpreter cannot check (bf16 tl.dot, which it computes
-wrongly; compilation; tf32; speed) is left to the sm_90 compile tests and the CUDA test.
+Weights are GGUF blocks: Q8_0 and Q4_0 from ``gguf.quants.quantize``; the K-quants, the grid
+i-quants and MXFP4 (which gguf.quants cannot quantize) random bytes with sane fp16 super-scales
+(MXFP4: exponents near 1, some subnormal), so every code, grid index, sign, scale and min pattern
+occurs. The reference is ``gguf.quants.dequantize`` then a float64 matmul, and each type's values
+themselves, bit for bit (the exact GEMM of an identity). The kernels run under Triton's
+interpreter in one child process (tests/triton_harness.py); the references run here. What the
+interpreter cannot check (bf16 tl.dot, which it computes wrongly; compilation; tf32; speed) is
+left to the sm_90 compile tests and the CUDA test.
 """
 from __future__ import annotations
 
@@ -24,14 +26,19 @@ from .triton_harness import compile_for_sm90, compiled_process, run_interpreted
 
 pytestmark = pytest.mark.skipif(not gpu.available(), reason="triton is not installed: no GPU kernel to check")
 
-TYPES = ["q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "iq4_xs"]
-COLS = {"q8_0": 288, "q4_0": 288, "q4_k": 512, "q5_k": 512, "q6_k": 512, "q3_k": 512, "q2_k": 512,
-        "iq4_xs": 512}                                                    # 288: not whole GEMV steps
+TYPES = ["q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "iq4_xs",
+         "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m", "mxfp4"]
+COLS = {t: 288 if weights.get(t).block_size == 32 else 512 for t in TYPES}   # 288: not whole GEMV steps
 # ("gemv", type, M, N, K, split_k or None) and ("gemm", type, M, N, K, dot)
-GEMV = [("gemv", t, m, n, COLS[t], split) for t in TYPES
-        for m, n, split in ((1, 64, None), (5, 40, None), (16, 33, 1))]
+GEMV_SHAPES = ((1, 64, None), (5, 40, None), (16, 33, 1))
+GRID_TYPES = TYPES[TYPES.index("iq2_xxs"):]            # the grid i-quants and MXFP4
+# the grid types take one GEMV shape each, in turn (their values are checked bit for bit below)
+GEMV = [("gemv", t, m, n, COLS[t], split) for t in TYPES if t not in GRID_TYPES for m, n, split in GEMV_SHAPES]
+GEMV += [("gemv", t, m, n, COLS[t], split) for t, (m, n, split) in zip(GRID_TYPES, GEMV_SHAPES * 3)]
 GEMM = [("gemm", t, m, n, COLS[t], dot) for t in TYPES for m, n, dot in ((33, 64, "ieee"), (40, 40, "fp16"))]
 GEMM += [("gemm", "q6_k", 130, 32, 256, "ieee")]                       # two M tiles of 128
+# ("values", type, K, N, K, "ieee"): the exact GEMM of the K x K identity gives W's values themselves
+VALUES = [("values", t, 256, 32, 256, "ieee") for t in TYPES]
 # ("linear", type, x's leading shape, N, K, bias?, reordered columns?)
 LINEAR = [("linear", "q4_k", (1, 1), 48, 256, False, False), ("linear", "q8_0", (2, 9), 32, 256, True, False),
           ("linear", "q5_k", (3,), 32, 256, True, True)]
@@ -45,13 +52,21 @@ def _weight(name: str, n: int, k: int, seed: int) -> QuantTensor:
     gen = np.random.default_rng(seed)
     if name in ("q8_0", "q4_0"):
         raw = gguf.quants.quantize(gen.standard_normal((n, k), dtype=np.float32), wtype.ggml_type)
-    else:                                            # random codes and 6-bit scales; fp16 scales set below
+    else:                                            # random codes and small scales; fp16 scales set below
         raw = gen.integers(0, 256, (n * k // wtype.block_size, wtype.block_bytes), dtype=np.uint8)
         at = 0
         for field, size in wtype.fields:
             if field in ("d", "dmin"):
                 scale = gen.uniform(0.002, 0.02, raw.shape[0]).astype(np.float16)
                 raw[:, at:at + size] = scale.view(np.uint8).reshape(-1, 2)
+            elif name == "iq1_m" and field == "scales":         # its d: the top nibbles of the 4 scale words
+                scale = gen.uniform(0.002, 0.02, raw.shape[0]).astype(np.float16).view(np.uint16)
+                for word in range(4):
+                    top = ((scale >> (4 * word)) & 0x0F).astype(np.uint8)
+                    raw[:, at + 2 * word + 1] = (raw[:, at + 2 * word + 1] & 0x0F) | (top << 4)
+            elif field == "e":                                  # MXFP4: 2^(e - 128) from 2^-9 to 2; e < 2 subnormal
+                raw[:, at] = gen.integers(119, 130, raw.shape[0])
+                raw[::7, at] = gen.integers(0, 2, raw[::7].shape[0])
             at += size
     return QuantTensor(torch.from_numpy(np.ascontiguousarray(raw).reshape(n, -1)), wtype, k)
 
@@ -61,7 +76,7 @@ def _inputs(case, seed: int):
     kind, name, lead, n, k = case[:5]
     w = _weight(name, n, k, seed)
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(*(lead if kind == "linear" else (lead,)), k, generator=gen)
+    x = torch.eye(k) if kind == "values" else torch.randn(*(lead if kind == "linear" else (lead,)), k, generator=gen)
     bias = torch.randn(n, generator=gen) if kind == "linear" and case[5] else None
     if kind == "linear" and case[6]:
         w = w.index_select(1, torch.randperm(k, generator=gen))      # columns no longer whole blocks
@@ -71,7 +86,7 @@ def _inputs(case, seed: int):
 def _run(case, x, w, bias):
     if case[0] == "gemv":
         return gpu.gemv(x, w.data, w.wtype.ggml_type, split_k=case[5])
-    if case[0] == "gemm":
+    if case[0] in ("gemm", "values"):
         return gpu.gemm(x, w.data, w.wtype.ggml_type, dot=case[5])
     return weights.quant_linear(x, w, bias)               # its float32 GEMM is exact ("ieee") at torch's default
 
@@ -85,7 +100,7 @@ def _results_in_child(cases, path: Path) -> None:
     torch.save(out, path)
 
 
-CASES = GEMV + GEMM + LINEAR
+CASES = GEMV + GEMM + VALUES + LINEAR
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +136,16 @@ def test_gemm_matches_gguf_dequantize(interpreted, case):
     _check(case, interpreted["y"][case], CASES.index(case))
 
 
+@pytest.mark.parametrize("case", VALUES, ids=lambda c: c[1])
+def test_dequantized_values_are_gguf_dequantize_bit_for_bit(interpreted, case):
+    """Every value of W as the kernels dequantize it equals gguf.quants' (products in its order;
+    the exact dot of an identity row adds only zeros): 32 rows of 256 values, every grid index,
+    sign and scale pattern, MXFP4's subnormal exponents."""
+    w, _, _ = _inputs(case, CASES.index(case))
+    want = torch.from_numpy(gguf.quants.dequantize(w.data.numpy(), w.wtype.ggml_type))
+    assert torch.equal(interpreted["y"][case].T, want)
+
+
 @pytest.mark.parametrize("case", LINEAR, ids=lambda c: f"{c[1]}-{'x'.join(map(str, c[2]))}")
 def test_linear_matches_reference_linear(interpreted, case):
     """Through ``weights.quant_linear`` (the kernels on): GEMV for a decode token, GEMM for 18 rows,
@@ -140,7 +165,7 @@ def test_cpu_tensors_without_the_interpreter_are_refused():
 def test_supported_types():
     T = gguf.GGMLQuantizationType
     assert [gpu.supports(weights.get(t).ggml_type) for t in TYPES] == [True] * len(TYPES)
-    assert not any(gpu.supports(t) for t in (T.Q5_0, T.Q4_1, T.IQ4_NL, T.F16, T.IQ3_XXS))
+    assert not any(gpu.supports(t) for t in (T.Q5_0, T.Q4_1, T.IQ4_NL, T.F16, T.TQ1_0, T.NVFP4))
 
 
 def test_bad_calls_raise_before_any_kernel():
@@ -169,6 +194,8 @@ def test_split_count_fills_the_gpu_and_keeps_a_chunk_per_split():
 # expert GEMV, beyond it the grouped GEMM (the last three: 16 and 32 slots a tile, empty experts)
 EXPERT_CASES = [("q8_0", 5, 40, 288, 7), ("q4_0", 2, 9, 96, 3), ("q4_k", 3, 16, 512, 4), ("q6_k", 4, 24, 512, 6),
                 ("q4_0", 6, 40, 96, 150), ("q5_k", 3, 70, 256, 140), ("q8_0", 9, 24, 64, 300)]
+# the grid types: each in the expert GEMV and in the grouped GEMM
+EXPERT_CASES += [(t, 3, 16, 256, 5) for t in GRID_TYPES] + [(t, 2, 24, 256, 130) for t in GRID_TYPES]
 
 
 def _expert_inputs(case, seed: int):
@@ -323,10 +350,12 @@ def test_compiled_kernels_on_cuda_match_gguf_dequantize(case):
     _check(case, got, CASES.index(case) if case in CASES else 0)
 
 
-POINTERS = {"x_ptr": "*fp32", "w_ptr": "*u8", "y_ptr": "*fp32"}
+POINTERS = {"x_ptr": "*fp32", "w_ptr": "*u8", "grid_ptr": "*i8", "y_ptr": "*fp32"}
 
 
-@pytest.mark.parametrize("name,rows", [("q8_0", 1), ("q4_k", 4), ("q6_k", 16), ("q3_k", 1), ("iq4_xs", 4)])
+@pytest.mark.parametrize("name,rows", [("q8_0", 1), ("q4_k", 4), ("q6_k", 16), ("q3_k", 1), ("iq4_xs", 4),
+                                       ("iq2_xxs", 1), ("iq2_xs", 4), ("iq2_s", 1), ("iq3_xxs", 16), ("iq3_s", 1),
+                                       ("iq1_s", 4), ("iq1_m", 1), ("mxfp4", 16)])
 def test_gemv_compiles_for_an_h100_without_one(name, rows):
     """The interpreter cannot say whether ptxas takes it: lower it for sm_90 with the launcher's config."""
     from kvslim.gpu import _quant_matmul_kernel as kernel
@@ -337,7 +366,7 @@ def test_gemv_compiles_for_an_h100_without_one(name, rows):
 
 
 @pytest.mark.parametrize("name,dot", [("q4_0", "fp16"), ("q5_k", "bf16"), ("q6_k", "bf16"), ("q2_k", "bf16"),
-                                      ("iq4_xs", "fp16")])
+                                      ("iq4_xs", "fp16")] + [(t, "bf16") for t in GRID_TYPES])
 def test_gemm_compiles_for_an_h100_without_one(name, dot):
     """The prefill GEMM's tensor-core tl.dot at M = 512, x in the dot's own half type."""
     from kvslim.gpu import _quant_matmul_kernel as kernel
@@ -349,7 +378,7 @@ def test_gemm_compiles_for_an_h100_without_one(name, dot):
     assert compile_for_sm90(kernel.quant_gemm, pointers, constexprs, num_warps).asm["cubin"]
 
 
-@pytest.mark.parametrize("name", ["q4_0", "q4_k", "q6_k"])
+@pytest.mark.parametrize("name", ["q4_0", "q4_k", "q6_k"] + GRID_TYPES)
 def test_grouped_expert_gemv_compiles_for_an_h100_without_one(name):
     """The expert GEMV with the launcher's blocks, lowered for sm_90 (the interpreter cannot say
     whether ptxas takes the id-indexed pointer arithmetic)."""
@@ -360,7 +389,8 @@ def test_grouped_expert_gemv_compiles_for_an_h100_without_one(name):
     assert compile_for_sm90(kernel.quant_gemv_experts, pointers, constexprs, config["num_warps"]).asm["cubin"]
 
 
-@pytest.mark.parametrize("name,dot", [("q4_0", "bf16"), ("q4_k", "bf16"), ("q6_k", "fp16")])
+@pytest.mark.parametrize("name,dot", [("q4_0", "bf16"), ("q4_k", "bf16"), ("q6_k", "fp16")]
+                         + [(t, "bf16") for t in GRID_TYPES])
 def test_grouped_expert_gemm_compiles_for_an_h100_without_one(name, dot):
     """The prompt's grouped GEMM at 16 slots a tile (a 512-token batch over 256 experts at top-8)."""
     from kvslim.gpu import _quant_matmul_kernel as kernel
@@ -378,7 +408,8 @@ def test_dense_grouped_gemm_compiles_for_an_h100_without_one():
     config = gpu.gemm_config(gpu.experts_block_m(4096, 256))
     num_warps = config.pop("num_warps")
     dtype, precision = kernel.DOTS["bf16"]
-    pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "pairs_ptr": "*i32", "tile_expert_ptr": "*i32", "y_ptr": "*fp32"}
+    pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "grid_ptr": "*i8", "pairs_ptr": "*i32", "tile_expert_ptr": "*i32",
+                "y_ptr": "*fp32"}
     constexprs = dict(config, TYPE=kernel.DENSE.value, DOT_DTYPE=dtype, PRECISION=precision)
     assert compile_for_sm90(kernel.quant_gemm_experts, pointers, constexprs, num_warps).asm["cubin"]
 

@@ -3,7 +3,11 @@
 W (N, K) stays its GGUF bytes: (N, row_bytes) uint8, one row of blocks per output feature, as
 the file stores it. ``_dequantize_tile`` turns a (rows x columns) tile of it into float32 in
 registers, each value addressing its own code, scale and min bytes (the layouts are those of
-``block_linear.c`` and ``gguf.quants``; TYPE is the ggml type id). The kernels using it:
+``block_linear.c`` and ``gguf.quants``; TYPE is the ggml type id). Types: Q8_0, Q4_0, Q2_K-Q6_K,
+IQ4_XS, the grid i-quants IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, and MXFP4. The
+i-quants' lattices (256-2048 entries of 4 or 8 values: too many for constexprs) come as a small
+int8 tensor, ``grid_ptr`` (``quant_matmul.grid_table``; a 1-byte dummy for the other types), and
+each value loads its own entry's byte. The kernels using it:
 
 - ``quant_gemv`` (decode, M <= 16 rows of x): one program per (BLOCK_N outputs, split of K);
   products summed in float32 on the CUDA cores, no tensor cores (M is too small to fill them).
@@ -33,6 +37,14 @@ Q4_K = tl.constexpr(12)
 Q5_K = tl.constexpr(13)
 Q6_K = tl.constexpr(14)
 IQ4_XS = tl.constexpr(23)
+IQ2_XXS = tl.constexpr(16)
+IQ2_XS = tl.constexpr(17)
+IQ2_S = tl.constexpr(22)
+IQ3_XXS = tl.constexpr(18)
+IQ3_S = tl.constexpr(21)
+IQ1_S = tl.constexpr(19)
+IQ1_M = tl.constexpr(29)
+MXFP4 = tl.constexpr(39)
 # IQ4_NL's grid plus 128 as bytes, 8 to an int64 (low byte first): a value's grid entry is one
 # shift and mask of a constant, not a table in memory
 GRID_LO = tl.constexpr(0x76_6A_5D_4F_3F_2D_18_01)                  # 1, 24, 45, 63, 79, 93, 106, 118
@@ -157,9 +169,141 @@ def _iq4_xs_values(row, c, mask):
 
 
 @triton.jit
-def _dequantize_tile(w_ptr, rows, cols, row_bytes, N, K, TYPE: tl.constexpr):
+def _grid_at(grid_ptr, idx, WIDTH: tl.constexpr, j, mask):
+    """Value j of entry idx of an i-quant's lattice: int8, WIDTH values an entry, row-major."""
+    return tl.load(grid_ptr + idx * WIDTH + j, mask=mask, other=0).to(tl.float32)
+
+
+@triton.jit
+def _ksign(bits, l):
+    """Bit l (0-7) of ``iquants.ksigns()[bits]``: 7 stored sign bits, the eighth their parity
+    (the quantizer keeps the count of minus signs even). Computed in registers, not a table."""
+    parity = bits ^ (bits >> 4)
+    parity = parity ^ (parity >> 2)
+    parity = parity ^ (parity >> 1)
+    return ((bits | ((parity & 1) << 7)) >> l) & 1
+
+
+@triton.jit
+def _xxs_word(word, sub, l, mask):
+    """IQ2_XXS/IQ3_XXS: the little-endian 32-bit word at ``word`` holds a 7-bit sign index for
+    each 8 values (sub 0-3 at bit 7 sub) and the 4-bit scale in bits 28-31. Returns value l's
+    sign bit (``_ksign``) and the scale; the index's 7 bits come from the two bytes they span."""
+    at = word + (7 * sub) // 8
+    bits = ((_byte(at, mask) | (_byte(at + 1, mask) << 8)) >> ((7 * sub) % 8)) & 0x7F
+    return _ksign(bits, l), _byte(word + 3, mask) >> 4
+
+
+@triton.jit
+def _iq2_values(row, c, mask, grid_ptr, TYPE: tl.constexpr):
+    """IQ2_XXS [d][qs 64], IQ2_XS [d][qs 64][scales 8] and IQ2_S [d][qs 32][signs 32][qh 8][scales 8]:
+    each 8 values (entry e = i // 8) one entry of an 8-value lattice, a sign per value and a 4-bit
+    scale s; value = d * (0.5 + s) * 0.25 * grid * sign, gguf.quants' order (the sign exact).
+    XXS: per 32 values 8 bytes, the 4 entries' indices then ``_xxs_word``'s word (s per 32).
+    XS: per entry a 16-bit word, 9 bits of index and a 7-bit sign index; S: the index's 2 high
+    bits in qh[e // 4] (bits 2(e % 4)), a sign byte per entry. XS, S: s a nibble per 16 values."""
+    i = c % 256
+    e, l = i // 8, i % 8
+    if TYPE == IQ2_XXS:
+        sb = row + (c // 256) * 66
+        group = sb + 2 + 8 * (i // 32)
+        idx = _byte(group + e % 4, mask)
+        minus, s = _xxs_word(group + 4, e % 4, l, mask)
+    else:
+        if TYPE == IQ2_XS:
+            sb = row + (c // 256) * 74
+            high = _byte(sb + 3 + 2 * e, mask)
+            idx = _byte(sb + 2 + 2 * e, mask) | ((high & 1) << 8)
+            minus = _ksign(high >> 1, l)
+            scales = sb + 66
+        else:
+            sb = row + (c // 256) * 82
+            idx = _byte(sb + 2 + e, mask) | (((_byte(sb + 66 + e // 4, mask) >> (2 * (e % 4))) & 3) << 8)
+            minus = (_byte(sb + 34 + e, mask) >> l) & 1
+            scales = sb + 74
+        s = (_byte(scales + i // 32, mask) >> (4 * (i // 16 % 2))) & 0x0F
+    v = f16_at(sb, mask) * (0.5 + s.to(tl.float32)) * 0.25 * _grid_at(grid_ptr, idx, 8, l, mask)
+    return tl.where(minus != 0, -v, v)
+
+
+@triton.jit
+def _iq3_values(row, c, mask, grid_ptr, TYPE: tl.constexpr):
+    """IQ3_XXS [d][qs 64][scales 32] and IQ3_S [d][qs 64][qh 8][signs 32][scales 4]: each 4 values
+    (entry e = i // 4) one entry of a 4-value lattice, index qs[e] (IQ3_S: bit e % 8 of qh[e // 8]
+    as bit 8), a sign per value and a 4-bit scale s per 32. XXS: ``_xxs_word``'s word per 32
+    values, d * (0.5 + s) * 0.5 * grid * sign; S: a sign bit per value, s a nibble of
+    scales[i // 64], d * (1 + 2s) * grid * sign (gguf.quants' order)."""
+    i = c % 256
+    e = i // 4
+    if TYPE == IQ3_XXS:
+        sb = row + (c // 256) * 98
+        idx = _byte(sb + 2 + e, mask)
+        minus, s = _xxs_word(sb + 66 + 4 * (i // 32), i % 32 // 8, i % 8, mask)
+        db = f16_at(sb, mask) * (0.5 + s.to(tl.float32)) * 0.5
+    else:
+        sb = row + (c // 256) * 110
+        idx = _byte(sb + 2 + e, mask) | (((_byte(sb + 66 + e // 8, mask) >> (e % 8)) & 1) << 8)
+        minus = (_byte(sb + 74 + i // 8, mask) >> (i % 8)) & 1
+        s = (_byte(sb + 106 + i // 64, mask) >> (4 * (i // 32 % 2))) & 0x0F
+        db = f16_at(sb, mask) * (1 + 2 * s).to(tl.float32)
+    v = db * _grid_at(grid_ptr, idx, 4, i % 4, mask)
+    return tl.where(minus != 0, -v, v)
+
+
+@triton.jit
+def _iq1_values(row, c, mask, grid_ptr, TYPE: tl.constexpr):
+    """IQ1_S [d][qs 32][qh 16] and IQ1_M [qs 32][qh 16][scales 8]: each 8 values (entry e = i // 8)
+    an 11-bit index, qs[e] and 3 high bits, into a ternary lattice shifted by +-1/8:
+    value = (d * (2s + 1)) * (grid + delta). IQ1_S: per 32 values a 16-bit qh word, the high bits
+    of its 4 entries at bits 3(e % 4), s in bits 12-14, delta's sign in bit 15. IQ1_M: a qh nibble
+    per entry (high bits, then delta's sign); a 3-bit s per 16 values, four to a 16-bit scale
+    word at bits 3k, whose top nibbles, in order, make the fp16 d (``iquants.iq1_m_d``)."""
+    i = c % 256
+    e = i // 8
+    if TYPE == IQ1_S:
+        sb = row + (c // 256) * 50
+        qs = sb + 2
+        word = _byte(sb + 34 + 2 * (i // 32), mask) | (_byte(sb + 35 + 2 * (i // 32), mask) << 8)
+        high, s, minus = (word >> (3 * (e % 4))) & 7, (word >> 12) & 7, word >> 15
+        d = f16_at(sb, mask)
+    else:
+        sb = row + (c // 256) * 56
+        qs = sb
+        nibble = (_byte(sb + 32 + e // 2, mask) >> (4 * (e % 2))) & 0x0F
+        high, minus = nibble & 7, nibble >> 3
+        t = i // 16
+        word = _byte(sb + 48 + 2 * (t // 4), mask) | (_byte(sb + 49 + 2 * (t // 4), mask) << 8)
+        s = (word >> (3 * (t % 4))) & 7
+        top = sb + 49                                   # the high bytes of the four scale words
+        bits = (_byte(top, mask) >> 4) | (_byte(top + 2, mask) & 0xF0) | ((_byte(top + 4, mask) & 0xF0) << 4) \
+            | ((_byte(top + 6, mask) & 0xF0) << 8)
+        d = bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    idx = _byte(qs + e, mask) | (high << 8)
+    delta = tl.where(minus != 0, -0.125, 0.125)
+    return (d * (2 * s + 1).to(tl.float32)) * (_grid_at(grid_ptr, idx, 8, i % 8, mask) + delta)
+
+
+@triton.jit
+def _mxfp4_values(row, c, mask):
+    """[e][qs 16]: value j takes the low (j < 16) or high nibble of qs[j % 16], an e2m1 code:
+    bit 3 the sign, then 2 exponent bits and a mantissa bit, doubled as gguf.quants stores them
+    (m < 2: m; else (2 + mantissa) << (exponent - 1): 0 1 2 3 4 6 8 12). Times e8m0's 2^(e - 128)
+    (the doubling's half) as float32 bits, a subnormal for e < 2 (``iquants.e8m0_half``)."""
+    block = row + (c // 32) * 17
+    j = c % 32
+    code = (_byte(block + 1 + j % 16, mask) >> (4 * (j // 16))) & 0x0F
+    m = code & 7
+    magnitude = tl.where(m < 2, m, (2 | (m & 1)) << ((m >> 1) - 1))
+    e = _byte(block, mask)
+    scale = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
+    return scale * tl.where(code >= 8, -magnitude, magnitude).to(tl.float32)
+
+
+@triton.jit
+def _dequantize_tile(w_ptr, grid_ptr, rows, cols, row_bytes, N, K, TYPE: tl.constexpr):
     """rows (BN,) output features, cols (BK,) input features -> (BN, BK) float32 values of W;
-    0 outside (N, K), so padding adds 0 * 0, never NaN from stray bytes."""
+    0 outside (N, K), so padding adds 0 * 0, never NaN from stray bytes. grid_ptr: the
+    i-quants' lattice (int8), unread by the other types."""
     mask = (rows < N)[:, None] & (cols < K)[None, :]
     row = w_ptr + rows.to(tl.int64)[:, None] * row_bytes                # (BN, 1) byte pointers: W can pass 2 GiB
     c = cols[None, :]
@@ -171,13 +315,21 @@ def _dequantize_tile(w_ptr, rows, cols, row_bytes, N, K, TYPE: tl.constexpr):
         v = _k2_values(row, c, mask, TYPE)
     elif TYPE == IQ4_XS:
         v = _iq4_xs_values(row, c, mask)
+    elif TYPE == IQ2_XXS or TYPE == IQ2_XS or TYPE == IQ2_S:
+        v = _iq2_values(row, c, mask, grid_ptr, TYPE)
+    elif TYPE == IQ3_XXS or TYPE == IQ3_S:
+        v = _iq3_values(row, c, mask, grid_ptr, TYPE)
+    elif TYPE == IQ1_S or TYPE == IQ1_M:
+        v = _iq1_values(row, c, mask, grid_ptr, TYPE)
+    elif TYPE == MXFP4:
+        v = _mxfp4_values(row, c, mask)
     else:
         v = _legacy_values(row, c, mask, TYPE)
     return tl.where(mask, v, 0.0)
 
 
 @triton.jit
-def quant_gemv(x_ptr, w_ptr, y_ptr, M, N, K, row_bytes, chunks_per_split,
+def quant_gemv(x_ptr, w_ptr, grid_ptr, y_ptr, M, N, K, row_bytes, chunks_per_split,
                TYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program (tile of BLOCK_N outputs, split s): y[s, m, n] = x[m, K_s] . W[n, K_s] for its
     chunks K_s of BLOCK_K columns. x (M, K) contiguous; y (splits, M, N) float32."""
@@ -190,7 +342,7 @@ def quant_gemv(x_ptr, w_ptr, y_ptr, M, N, K, row_bytes, chunks_per_split,
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for chunk in range(first, last):
         cols = chunk * BLOCK_K + tl.arange(0, BLOCK_K)
-        w = _dequantize_tile(w_ptr, rows, cols, row_bytes, N, K, TYPE)                     # (BN, BK)
+        w = _dequantize_tile(w_ptr, grid_ptr, rows, cols, row_bytes, N, K, TYPE)           # (BN, BK)
         x = tl.load(x_ptr + m[:, None] * K + cols[None, :], mask=(m < M)[:, None] & (cols < K)[None, :],
                     other=0.0).to(tl.float32)                                           # (BM, BK)
         acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)                           # (BM, BN)
@@ -199,7 +351,7 @@ def quant_gemv(x_ptr, w_ptr, y_ptr, M, N, K, row_bytes, chunks_per_split,
 
 
 @triton.jit
-def quant_gemm(x_ptr, w_ptr, y_ptr, M, N, K, row_bytes,
+def quant_gemm(x_ptr, w_ptr, grid_ptr, y_ptr, M, N, K, row_bytes,
                TYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
     """Program (M tile, N tile): y = x @ W^T over all of K. M tiles vary fastest, so programs
@@ -211,14 +363,14 @@ def quant_gemm(x_ptr, w_ptr, y_ptr, M, N, K, row_bytes,
     for start in range(0, K, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
         x = tl.load(x_row + cols[None, :], mask=(m < M)[:, None] & (cols < K)[None, :], other=0.0)
-        w = _dequantize_tile(w_ptr, rows, cols, row_bytes, N, K, TYPE)                     # (BN, BK)
+        w = _dequantize_tile(w_ptr, grid_ptr, rows, cols, row_bytes, N, K, TYPE)           # (BN, BK)
         acc = tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), acc, input_precision=PRECISION)
     out = y_ptr + m.to(tl.int64)[:, None] * N + rows[None, :]
     tl.store(out, acc, mask=(m < M)[:, None] & (rows < N)[None, :])
 
 
 @triton.jit
-def quant_gemv_experts(x_ptr, w_ptr, ids_ptr, y_ptr, N, K, row_bytes, expert_bytes,
+def quant_gemv_experts(x_ptr, w_ptr, grid_ptr, ids_ptr, y_ptr, N, K, row_bytes, expert_bytes,
                        TYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program (tile of BLOCK_N outputs, pair p): y[p, n] = x[p] . W[ids[p], n] over all of K,
     the expert's matrix found from its id in device memory (no host round trip to learn which
@@ -230,14 +382,15 @@ def quant_gemv_experts(x_ptr, w_ptr, ids_ptr, y_ptr, N, K, row_bytes, expert_byt
     acc = tl.zeros([BLOCK_N], tl.float32)
     for start in range(0, K, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
-        w = _dequantize_tile(w_expert, rows, cols, row_bytes, N, K, TYPE)                  # (BN, BK)
+        w = _dequantize_tile(w_expert, grid_ptr, rows, cols, row_bytes, N, K, TYPE)        # (BN, BK)
         x = tl.load(x_ptr + p * K + cols, mask=cols < K, other=0.0).to(tl.float32)       # (BK,)
         acc += tl.sum(w * x[None, :], axis=1)
     tl.store(y_ptr + p * N + rows, acc, mask=rows < N)
 
 
 @triton.jit
-def quant_gemm_experts(x_ptr, w_ptr, pairs_ptr, tile_expert_ptr, y_ptr, N, K, row_bytes, expert_bytes, n_experts,
+def quant_gemm_experts(x_ptr, w_ptr, grid_ptr, pairs_ptr, tile_expert_ptr, y_ptr,
+                       N, K, row_bytes, expert_bytes, n_experts,
                        TYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
     """Program (M tile t, N tile): the grouped GEMM of a mixture's prompt. The (token, expert)
@@ -264,7 +417,7 @@ def quant_gemm_experts(x_ptr, w_ptr, pairs_ptr, tile_expert_ptr, y_ptr, N, K, ro
             w = tl.load(w_expert + rows.to(tl.int64)[:, None] * row_bytes + cols[None, :],
                         mask=(rows < N)[:, None] & (cols < K)[None, :], other=0.0)
         else:
-            w = _dequantize_tile(w_expert, rows, cols, row_bytes, N, K, TYPE)              # (BN, BK)
+            w = _dequantize_tile(w_expert, grid_ptr, rows, cols, row_bytes, N, K, TYPE)    # (BN, BK)
         acc = tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), acc, input_precision=PRECISION)
     out = y_ptr + tl.where(valid, p, 0).to(tl.int64)[:, None] * N + rows[None, :]
     tl.store(out, acc, mask=valid[:, None] & (rows < N)[None, :])

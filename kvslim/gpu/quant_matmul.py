@@ -1,7 +1,10 @@
 """y = x @ W^T in Triton with W kept as its GGUF blocks on the GPU: ``block_linear.c``'s job on a GPU.
 
 W is a ``kvslim.weights.QuantTensor``'s ``data``, (N, row_bytes) uint8 in the file's layout, copied to the
-device as is; no dequantized copy of it is ever stored. Two kernels (``_quant_matmul_kernel``):
+device as is; no dequantized copy of it is ever stored. Types (``SUPPORTED``): Q8_0, Q4_0,
+Q2_K-Q6_K, IQ4_XS, the grid i-quants (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S: their
+lattices reach the kernels as ``grid_table``'s int8 tensors) and MXFP4. The kernels
+(``_quant_matmul_kernel``):
 
 - ``gemv`` for decode (M <= MAX_GEMV_ROWS rows of x): W's bytes are read once and the values
   dequantized in registers; float32 products on the CUDA cores. Split-K: when W has too few
@@ -29,11 +32,13 @@ from typing import NamedTuple
 import gguf
 import torch
 
+from ..formats.base import cached_on
 from . import available, pow2
 from . import runs_on as gpu_runs_on
 
 _T = gguf.GGMLQuantizationType
-SUPPORTED = (_T.Q8_0, _T.Q4_0, _T.Q2_K, _T.Q3_K, _T.Q4_K, _T.Q5_K, _T.Q6_K, _T.IQ4_XS)
+GRIDDED = (_T.IQ2_XXS, _T.IQ2_XS, _T.IQ2_S, _T.IQ3_XXS, _T.IQ3_S, _T.IQ1_S, _T.IQ1_M)   # values index a lattice
+SUPPORTED = (_T.Q8_0, _T.Q4_0, _T.Q2_K, _T.Q3_K, _T.Q4_K, _T.Q5_K, _T.Q6_K, _T.IQ4_XS, *GRIDDED, _T.MXFP4)
 MAX_GEMV_ROWS = 16            # more rows of x: the tensor-core GEMM
 GEMV_PROGRAMS = 264           # split K until a GEMV launches about this many programs (2 per H100 SM)
 GEMV_TILE = 2048              # BLOCK_N * BLOCK_K: W values one GEMV step dequantizes (in registers)
@@ -52,6 +57,20 @@ def supports(ggml_type) -> bool:
     return ggml_type in SUPPORTED
 
 
+def grid_table(ggml_type, device) -> torch.Tensor:
+    """The kernels' ``grid_ptr`` for ``ggml_type``: its lattice (``weights.iquants.grid``; IQ1_M's
+    is IQ1_S's) flattened to int8, built once per device; one zero byte for a type without one
+    (the kernels never read it). 256-2048 entries of 4 or 8 values: 1-16 KB, cache-resident."""
+    name = ggml_type.name.lower() if ggml_type in GRIDDED else None
+
+    def build() -> torch.Tensor:
+        if name is None:
+            return torch.zeros(1, dtype=torch.int8)
+        from ..weights import iquants                   # kvslim.weights imports this module
+        return torch.from_numpy(iquants.grid(name).reshape(-1).copy())
+    return cached_on(device, ("quant_matmul grid", name), build)
+
+
 def runs_on(x: torch.Tensor) -> bool:
     """Whether these kernels can run on x's device here (``kvslim.gpu.runs_on``)."""
     return available() and gpu_runs_on(_kernel(), x.device)
@@ -61,7 +80,8 @@ def gemv_config(n_rows: int) -> dict:
     """Blocks and warps of the GEMV for M = n_rows: 256 columns (one K-quant super-block) per
     step while few rows, then fewer outputs per program. Each value of W's tile holds its own
     64-bit byte pointers: ptxas for sm_90 spilled kilobytes at 32 x 256 values (M = 1), none at
-    8 x 256 (96-118 registers; 48-80 from M = 4 on). Not timed on a GPU yet."""
+    8 x 256 (96-118 registers; 48-80 from M = 4 on; the grid i-quants and MXFP4 80-122, then
+    47-80). Not timed on a GPU yet."""
     block_m = pow2(n_rows)
     block_k = 256 if block_m <= 2 else 128
     block_n = max(4, min(GEMV_TILE // block_k, GEMV_PRODUCTS // (block_m * block_k)))
@@ -71,7 +91,9 @@ def gemv_config(n_rows: int) -> dict:
 def gemm_config(n_rows: int) -> dict:
     """Blocks and warps of the GEMM: W's dequantized tile is reused by BLOCK_M rows of x, so
     BLOCK_M is the larger side. ptxas for sm_90 spilled at 128 x 64 x 64 (8 warps) and none at
-    BLOCK_K = 32 (179-218 registers for the K-quants). Not timed on a GPU yet."""
+    BLOCK_K = 32 (179-218 registers for the K-quants, 180-227 for the grid i-quants and MXFP4;
+    the grouped GEMM's 16-slot tiles take up to 254-255, Q4_K and IQ4_XS as IQ2_S and IQ3_S, and
+    do not spill either: the cubins' resource usage, Triton 3.9). Not timed on a GPU yet."""
     block_m = min(128, max(16, pow2(n_rows)))
     return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=32, num_warps=8 if block_m >= 128 else 4)
 
@@ -120,8 +142,8 @@ def gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type, split_k: int | None =
     splits = -(-chunks // per_split)                     # no split left without a chunk
     parts = torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
     grid = (-(-n // config["BLOCK_N"]), splits)
-    _kernel().quant_gemv[grid](x.contiguous(), blocks.contiguous(), parts, m, n, k, blocks.shape[1], per_split,
-                               TYPE=int(ggml_type), **config)
+    _kernel().quant_gemv[grid](x.contiguous(), blocks.contiguous(), grid_table(ggml_type, x.device), parts,
+                               m, n, k, blocks.shape[1], per_split, TYPE=int(ggml_type), **config)
     return parts[0] if splits == 1 else parts.sum(0)
 
 
@@ -134,7 +156,8 @@ def gemv_experts(x: torch.Tensor, blocks: torch.Tensor, ids: torch.Tensor, ggml_
     config = gemv_config(1)
     y = torch.empty(p, n, device=x.device, dtype=torch.float32)
     grid = (-(-n // config["BLOCK_N"]), p)
-    _kernel().quant_gemv_experts[grid](x.contiguous(), blocks.contiguous(), ids.to(torch.int32).contiguous(), y,
+    _kernel().quant_gemv_experts[grid](x.contiguous(), blocks.contiguous(), grid_table(ggml_type, x.device),
+                                       ids.to(torch.int32).contiguous(), y,
                                        n, k, blocks.shape[2], blocks.shape[1] * blocks.shape[2],
                                        TYPE=int(ggml_type), BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
                                        num_warps=config["num_warps"])
@@ -201,7 +224,8 @@ def gemm_experts(x: torch.Tensor, weight: torch.Tensor, route_: Route, ggml_type
     y = torch.empty(x.shape[0], n, device=x.device, dtype=torch.float32)
     dtype, precision = _dot_operands(dot, x.dtype)
     grid = (route_.tile_expert.numel(), -(-n // config["BLOCK_N"]))
-    _kernel().quant_gemm_experts[grid](x.contiguous(), weight.contiguous(), route_.pairs, route_.tile_expert, y,
+    _kernel().quant_gemm_experts[grid](x.contiguous(), weight.contiguous(), grid_table(ggml_type, x.device),
+                                       route_.pairs, route_.tile_expert, y,
                                        n, x.shape[1], row_stride, n * row_stride, route_.n_experts, TYPE=type_code,
                                        DOT_DTYPE=dtype, PRECISION=precision, **config)
     return y
@@ -245,8 +269,9 @@ def gemm(x: torch.Tensor, blocks: torch.Tensor, ggml_type, dot: str | None = Non
     config = gemm_config(m)
     y = torch.empty(m, n, device=x.device, dtype=torch.float32)
     grid = (-(-m // config["BLOCK_M"]), -(-n // config["BLOCK_N"]))
-    _kernel().quant_gemm[grid](x.contiguous(), blocks.contiguous(), y, m, n, k, blocks.shape[1],
-                            TYPE=int(ggml_type), DOT_DTYPE=dtype, PRECISION=precision, **config)
+    _kernel().quant_gemm[grid](x.contiguous(), blocks.contiguous(), grid_table(ggml_type, x.device), y,
+                               m, n, k, blocks.shape[1], TYPE=int(ggml_type), DOT_DTYPE=dtype, PRECISION=precision,
+                               **config)
     return y
 
 
