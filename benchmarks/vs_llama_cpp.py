@@ -124,7 +124,9 @@ def main() -> int:
     ap.add_argument("--gguf-type", default="f16",
                     help="weight type of the exported GGUF; kvslim keeps its matrices in the same type "
                          "(f16, bf16, q8_0, q4_0; f32: dense; q4_k, q5_k, q6_k: llama-quantize's mixes, "
-                         "which kvslim reads from the same file)")
+                         "which kvslim reads from the same file; iq3_s, iq3_xxs, and with --imatrix iq2_*, "
+                         "iq1_*: llama.cpp's i-quant mixes)")
+    ap.add_argument("--imatrix", default=None, help="llama-imatrix's GGUF file, for the IQ1/IQ2 mixes")
     ap.add_argument("--greedy-tokens", type=int, default=32)
     ap.add_argument("--compile", action="store_true", help="kvslim decodes through torch.compile (--compile)")
     ap.add_argument("--attn-backend", default="torch",
@@ -140,10 +142,10 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     model_path = Path(args.model) if args.model else default_model()
     gguf = Path(tempfile.mkdtemp()) / f"{model_path.name}-{args.gguf_type}.gguf"
-    convert(model_path, gguf, args.gguf_type, args.threads)
+    convert(model_path, gguf, args.gguf_type, args.threads, Path(args.imatrix) if args.imatrix else None)
     source = kvslim_source(args.gguf_type, model_path, gguf)
     print(f"exported {gguf} ({gguf.stat().st_size / 2**20:.1f} MiB)")
-    print(f"kvslim weights: {kvslim_weights(args.gguf_type) or 'f32 (dense)'}, f32 compute; prompts' f32 matmuls: "
+    print(f"kvslim weights: {kvslim_weights(args.gguf_type) or ('as the file stores them' if args.gguf_type in LLAMA_QUANTIZE else 'f32 (dense)')}, f32 compute; prompts' f32 matmuls: "
           f"{prompt_mode()} (KVSLIM_F32_MATMUL=ieee for plain float32)")
     ours, theirs = greedy_check(peer, gguf, source, args.greedy_tokens, args.threads,
                                 kvslim_weights(args.gguf_type))

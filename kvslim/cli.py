@@ -15,6 +15,7 @@ COMMANDS = {
     "bench": ("bench", "llama-bench-style pp/tg speed at depth, swept over K/V types"),
     "serve": ("serve", "OpenAI-compatible server: parallel slots, streaming, prefix reuse"),
     "convert": ("convert", "Hugging Face folder -> GGUF (f16, bf16, q8_0, q4_0, ..., K-quants via llama.cpp)"),
+    "imatrix": ("imatrix", "a model's importance matrix on text, for llama.cpp's quantizer (IQ1/IQ2 need one)"),
 }
 
 

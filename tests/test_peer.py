@@ -236,60 +236,6 @@ def test_k_quants_come_from_llama_cpp_s_quantizer(hf_folder, tmp_path):
     assert len(kvslim_greedy(out, PROMPT, 4)[0]) > 0                 # kvslim loads llama.cpp's file
 
 
-def write_imatrix(path, tensors, rng) -> dict[str, np.ndarray]:
-    """An importance matrix in llama-imatrix's GGUF layout for ``tensors`` (name -> (columns,
-    experts)): random sums of squares over per-expert token counts, one expert with none.
-    Returns what llama-quantize would read from it."""
-    import gguf
-    w = gguf.GGUFWriter(str(path), arch="imatrix")
-    w.add_type("imatrix")
-    w.add_array("imatrix.datasets", ["kvslim test"])
-    w.add_uint32("imatrix.chunk_count", 3)
-    w.add_uint32("imatrix.chunk_size", 512)
-    want = {}
-    for name, (cols, experts) in tensors.items():
-        sums = rng.uniform(0.5, 4.0, (experts, cols)).astype(np.float32)
-        counts = rng.integers(1, 20, (1, experts)).astype(np.float32)
-        if experts > 1:
-            counts[0, 1] = 0                             # an expert no calibration token chose
-        w.add_tensor(f"{name}.in_sum2", sums)
-        w.add_tensor(f"{name}.counts", counts)
-        want[name] = np.where(counts.reshape(-1, 1) > 0, sums / np.maximum(counts.reshape(-1, 1), 1), 1.0).reshape(-1)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return want
-
-
-@needs_peer
-def test_i_quants_come_from_llama_cpp_with_an_importance_matrix(tmp_path):
-    """--type iq2_xxs with --imatrix: llama-imatrix's GGUF file read as llama-quantize reads it,
-    handed to llama.cpp's quantizer, and the file it writes loads in kvslim with its IQ2_XXS
-    matrices packed."""
-    import gguf
-    from kvslim.cli import main
-    from kvslim.loading import convert_hf_to_gguf, default_model, load_model
-    from kvslim.tools.convert import read_imatrix
-    from kvslim.weights.modules import _QuantWeight
-    source = gguf.GGUFReader(str(convert_hf_to_gguf(default_model(), tmp_path / "f32.gguf", "f32")))
-    shapes = {t.name: (int(t.shape[0]), int(t.shape[2]) if len(t.shape) > 2 else 1)
-              for t in source.tensors if len(t.shape) >= 2}
-    shapes["blk.0.ffn_up_exps.weight"] = (64, 4)             # an expert tensor's layout (not in this model)
-    want = write_imatrix(tmp_path / "imatrix.gguf", shapes, np.random.default_rng(0))
-    got = read_imatrix(tmp_path / "imatrix.gguf")
-    assert got.keys() == want.keys() and all(np.allclose(got[k], want[k]) for k in want)
-    assert (got["blk.0.ffn_up_exps.weight"][64:128] == 1).all()
-    out = tmp_path / "iq2_xxs.gguf"
-    assert main(["convert", str(default_model()), "-o", str(out), "--type", "iq2_xxs",
-                 "--imatrix", str(tmp_path / "imatrix.gguf")]) == 0
-    assert gguf.GGUFReader(str(out)).get_field("general.file_type").contents() == gguf.LlamaFileType.MOSTLY_IQ2_XXS
-    kinds = {m.wtype.name for m in load_model(out)[0].modules() if isinstance(m, _QuantWeight)}
-    assert "iq2_xxs" in kinds
-    assert main(["convert", str(default_model()), "-o", str(out), "--type", "iq2_xxs",
-                 "--imatrix", str(tmp_path / "f32.gguf")]) == 2                      # a model, not an imatrix
-
-
 # ----- the fallback binding: llama-cpp-python -------------------------------------------------
 @pytest.fixture
 def llama_cpp_python(monkeypatch):

@@ -9,8 +9,9 @@ q2_k, q3_k, q4_k, q5_k, q6_k, iq4_xs and the i-quants (iq3_s, iq3_xxs, iq2_s, iq
 iq2_xxs, iq1_m, iq1_s) have no encoder in Python: they are made by llama.cpp's own quantizer
 (llama-quantize's Q2_K, Q3_K_M, Q4_K_M, Q5_K_M, Q6_K, IQ4_XS, IQ3_S, IQ3_XXS, IQ2_M, IQ2_XS,
 IQ2_XXS, IQ1_M and IQ1_S mixes) from an f32 export, which needs the peer (pip install
-'kvslim[peer]'). llama.cpp refuses IQ1 and IQ2 without an importance matrix: pass the file
-llama-imatrix wrote (--imatrix, its GGUF format), computed on the same model.
+'kvslim[peer]'). llama.cpp refuses IQ1 and IQ2 without an importance matrix: --imatrix FILE
+(llama-imatrix's or ``kvslim imatrix``'s GGUF file) gives one; without it, these types get one
+measured first on kvslim's held-out calibration text (``kvslim imatrix``'s default).
 """
 from __future__ import annotations
 
@@ -19,12 +20,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import gguf
 import numpy as np
 
+from ..gguf import imatrix as gguf_imatrix
 from ..gguf import writer
 from ..loading import convert_hf_to_gguf
 from ..tables import human_bytes
+from .imatrix import measure_to_file
 
 # --type -> llama.cpp file type its quantizer makes (llama-quantize: "Q4_K" = Q4_K_M, "Q5_K" = Q5_K_M)
 LLAMA_QUANTIZE = {"q4_k": "q4_k_m", "q5_k": "q5_k_m", "q6_k": "q6_k", "q3_k": "q3_k_m", "q2_k": "q2_k",
@@ -42,34 +44,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--type", "--outtype", dest="type", default="f16", help=f"weight type: {', '.join(TYPES)}")
     p.add_argument("-t", "--threads", type=int, default=2, help="threads for llama.cpp's quantizer (K-quants)")
     p.add_argument("--imatrix", default=None, metavar="FILE",
-                   help="importance matrix for llama.cpp's quantizer (llama-imatrix's GGUF file); needed by "
-                        + ", ".join(sorted(NEEDS_IMATRIX)))
+                   help="importance matrix for llama.cpp's quantizer (llama-imatrix's or kvslim imatrix's GGUF "
+                        "file); without it " + ", ".join(sorted(NEEDS_IMATRIX)) + " measure one first")
     return p
 
 
 def read_imatrix(path: Path) -> dict[str, np.ndarray]:
-    """llama-imatrix's GGUF file -> {tensor name: mean squared input per column}: for each
-    tensor, ``<name>.in_sum2`` (columns x experts) over ``<name>.counts`` (tokens per expert), as
-    llama-quantize reads it (an expert that saw no token gets ones)."""
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except (OSError, ValueError) as err:
-        raise ValueError(f"--imatrix {path}: not a GGUF importance matrix ({err})") from None
-    tensors = {t.name: np.asarray(t.data, dtype=np.float32) for t in reader.tensors}
-    out = {}
-    for key, sums in tensors.items():
-        if not key.endswith(".in_sum2"):
-            continue
-        name = key[:-len(".in_sum2")]
-        if name + ".counts" not in tensors:
-            raise ValueError(f"--imatrix {path}: {name}.in_sum2 has no {name}.counts")
-        counts = tensors[name + ".counts"].reshape(-1, 1)
-        sums = sums.reshape(counts.shape[0], -1)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            out[name] = np.where(counts > 0, sums / counts, 1.0).astype(np.float32).reshape(-1)
-    if not out:
-        raise ValueError(f"--imatrix {path}: no <tensor>.in_sum2 entries (llama-imatrix's GGUF format expected)")
-    return out
+    """An importance matrix file -> {tensor name: mean squared input per column}, as
+    llama-quantize reads it."""
+    return {name: imp.means() for name, imp in gguf_imatrix.read(path).items()}
 
 
 def convert(folder: Path, out: Path, out_type: str, threads: int = 2, imatrix: Path | None = None) -> Path:
@@ -79,9 +62,6 @@ def convert(folder: Path, out: Path, out_type: str, threads: int = 2, imatrix: P
     if out_type not in LLAMA_QUANTIZE:
         raise ValueError(f"--type {out_type!r} cannot be written; supported: {', '.join(TYPES)} "
                          "(other llama.cpp types: convert to f16, then run llama-quantize)")
-    if out_type in NEEDS_IMATRIX and imatrix is None:
-        raise ValueError(f"--type {out_type} needs --imatrix FILE: llama.cpp's quantizer refuses IQ1 and IQ2 "
-                         "without an importance matrix (llama-imatrix -m <model f16.gguf> -f <text> -o FILE)")
     importance = read_imatrix(imatrix) if imatrix is not None else None
     from .. import peer
     try:
@@ -90,6 +70,10 @@ def convert(folder: Path, out: Path, out_type: str, threads: int = 2, imatrix: P
         raise ValueError(f"--type {out_type} is made by llama.cpp's quantizer, which is not available "
                          f"({err}); install it with pip install 'kvslim[peer]'") from None
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        if importance is None and out_type in NEEDS_IMATRIX:       # llama.cpp refuses these without one
+            print(f"--type {out_type}: no --imatrix given; measuring one (kvslim imatrix's defaults)")
+            made = measure_to_file(folder, Path(tmp) / "imatrix.gguf", None, 512, 64)
+            importance = read_imatrix(made)
         source = convert_hf_to_gguf(folder, Path(tmp) / "f32.gguf", "f32")
         return peer.quantize(source, out, LLAMA_QUANTIZE[out_type], threads, importance)
 

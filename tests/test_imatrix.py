@@ -1,0 +1,106 @@
+"""Importance matrices (``kvslim/gguf/imatrix.py``, ``kvslim imatrix``): measured per parameter,
+carried into the GGUF writer's names and column order, written and read in llama-imatrix's
+format, and taken by llama.cpp's quantizer (the oracle for their names and sizes)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvslim import peer
+from kvslim.gguf import imatrix
+from kvslim.gguf.writer import LAYER, check_export, layer_tensors
+from kvslim.loading import default_model, load_model, read_config
+
+from .test_native_step import moe256_folder  # noqa: F401 (fixture)
+
+needs_peer = pytest.mark.skipif(not peer.available(), reason="no llama.cpp binding (pip install 'kvslim[peer]')")
+CHUNKS = [list(range(3, 40)), list(range(50, 70))]
+
+
+def weighted_total(imp: imatrix.Importance, w: torch.Tensor) -> float:
+    """sum over columns of importance x the column's sum of squared weights (per expert): the
+    same number in any layout whose columns carry their own importance."""
+    w = w.double().reshape(imp.sums.shape[0], -1, imp.sums.shape[1])
+    return float((imp.sums * (w ** 2).sum(1).numpy()).sum())
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe", "qwen3_next", "llama", "gemma"])
+def test_measured_importance_follows_the_writers_layout(tiny_folder, kind):
+    folder, _ = tiny_folder(kind)
+    model, _, _ = load_model(folder, "f32")
+    collected = imatrix.collect(model, CHUNKS)
+    arch, config = check_export(read_config(folder), "f32")
+    params = dict(model.named_parameters())
+    tokens = sum(len(c) for c in CHUNKS)
+    linears = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)} - {"lm_head.weight"}
+    assert linears <= collected.keys()
+    permuted = 0
+    for name, imp in collected.items():
+        w = params[name].detach()
+        if imp.sums.shape[0] == 1:
+            assert imp.counts.tolist() == [tokens], name
+        else:                                           # each token reaches top_k experts
+            assert imp.counts.sum() == tokens * config.num_experts_per_tok and imp.sums.shape[0] == w.shape[0]
+        parts = dict(layer_tensors(arch, config, LAYER.match(name)[2], w.float().clone()))
+        entries = imatrix.to_gguf(arch, config, {name: imp})
+        layer = LAYER.match(name)[1]
+        assert entries.keys() == {f"blk.{layer}.{s}" for s in parts}, name
+        hf = weighted_total(imp, w)
+        assert np.isclose(sum(weighted_total(entries[f"blk.{layer}.{s}"], t) for s, t in parts.items()), hf,
+                          rtol=1e-5), name
+        permuted += any(not np.array_equal(e.sums.astype(np.float32), imp.sums.astype(np.float32))
+                        for e in entries.values())
+    if kind in ("qwen3_5", "qwen3_5_moe"):              # llama.cpp's order of the DeltaNet's value heads
+        assert permuted > 0
+
+
+def test_the_file_format_round_trips_as_llama_quantize_reads_it(tmp_path):
+    rng = np.random.default_rng(0)
+    entries = {"blk.0.ffn_up.weight": imatrix.Importance(rng.uniform(1, 4, (1, 64)), np.array([30.0])),
+               "blk.0.ffn_up_exps.weight": imatrix.Importance(rng.uniform(1, 4, (3, 64)), np.array([5.0, 0.0, 2.0]))}
+    path = imatrix.write(tmp_path / "imatrix.gguf", entries, ["some text"], 2, 512)
+    back = imatrix.read(path)
+    assert back.keys() == entries.keys()
+    for name, e in entries.items():
+        assert np.allclose(back[name].sums, e.sums) and np.array_equal(back[name].counts, e.counts)
+    means = back["blk.0.ffn_up_exps.weight"].means().reshape(3, 64)
+    assert np.allclose(means[0], entries["blk.0.ffn_up_exps.weight"].sums[0] / 5)
+    assert (means[1] == 1).all()                        # an expert no token chose: no preference
+    with pytest.raises(ValueError, match="not a GGUF importance matrix"):
+        imatrix.read(tmp_path / "missing.gguf")
+
+
+@needs_peer
+def test_llama_cpp_quantizes_a_mixture_to_iq2_xxs_with_the_measured_matrix(moe256_folder, tmp_path):  # noqa: F811
+    """llama.cpp refuses a very-low-bit tensor without its entry and checks each entry's size
+    (columns x experts): the measured matrix passes, and kvslim loads the result packed."""
+    from kvslim.loading import convert_hf_to_gguf
+    from kvslim.weights.modules import QuantExperts
+    entries, ran = imatrix.measure(moe256_folder, "The quick brown fox. " * 200, n_ctx=64, max_chunks=4)
+    assert ran == 4
+    source = convert_hf_to_gguf(moe256_folder, tmp_path / "f32.gguf", "f32")
+    out = peer.quantize(source, tmp_path / "iq2_xxs.gguf", "iq2_xxs", 2, {k: e.means() for k, e in entries.items()})
+    experts = [m for m in load_model(out)[0].modules() if isinstance(m, QuantExperts)]
+    assert experts and {e.gate_up_type[0].name for e in experts} == {"iq2_xxs"}
+
+
+@needs_peer
+def test_the_tools(tmp_path, capsys):
+    """``kvslim imatrix`` writes the file; ``kvslim convert --type iq2_xxs`` takes it, or measures
+    one itself; bad arguments are named."""
+    import gguf
+    from kvslim.cli import main
+    path = tmp_path / "imatrix.gguf"
+    assert main(["imatrix", str(default_model()), "-o", str(path), "-c", "128", "--chunks", "3"]) == 0
+    assert "3 chunks of 128 tokens of kvslim held-out classics+bible" in capsys.readouterr().out
+    assert len(imatrix.read(path)) > 20
+    for extra in (["--imatrix", str(path)], []):
+        out = tmp_path / "iq2_xxs.gguf"
+        assert main(["convert", str(default_model()), "-o", str(out), "--type", "iq2_xxs", *extra]) == 0
+        assert ("measuring one" in capsys.readouterr().out) == (not extra)
+        assert gguf.GGUFReader(str(out)).get_field("general.file_type").contents() == gguf.LlamaFileType.MOSTLY_IQ2_XXS
+    assert main(["imatrix", str(default_model()), "-f", str(tmp_path / "none.txt")]) == 2
+    assert "no such calibration text file" in capsys.readouterr().err
+    assert main(["convert", str(default_model()), "-o", str(out), "--type", "iq2_xxs", "--imatrix", str(out)]) == 2
+    assert "no <tensor>.in_sum2 entries" in capsys.readouterr().err
