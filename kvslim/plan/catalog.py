@@ -143,35 +143,56 @@ def model(name: str) -> CatalogModel:
 
 
 # ----- weight types and llama.cpp's quantization mixes ------------------------------------
-# (values per block, bytes per block) from ggml's block structs (ggml-common.h):
-# q8_0 = fp16 d + 32 int8; q4_0 = fp16 d + 16 nibble bytes; q4_1/q5_0/q5_1 add a min
-# or high bits; the k-quants pack 256 values: q6_K 210 B (6.5625 bits), q5_K 176 B
-# (5.5), q4_K 144 B (4.5), q3_K 110 B (3.4375).
-WEIGHT_TYPES: dict[str, tuple[int, int]] = {
-    "f32": (1, 4), "f16": (1, 2), "bf16": (1, 2),
-    "q8_0": (32, 34), "q5_1": (32, 24), "q5_0": (32, 22), "q4_1": (32, 20), "q4_0": (32, 18),
-    "q6_k": (256, 210), "q5_k": (256, 176), "q4_k": (256, 144), "q3_k": (256, 110),
-}
-# llama-quantize's fallback when a row length is not a multiple of the k-quant block.
-WEIGHT_FALLBACK = {"q6_k": "q8_0", "q5_k": "q5_1", "q4_k": "q5_0", "q3_k": "q4_0"}
+def _weight_types() -> dict[str, tuple[int, int]]:
+    """(values per block, bytes per block) of every ggml type: kvslim's weight table, itself
+    checked against gguf's sizes (tests/test_weights.py)."""
+    from ..weights.types import TABLE
+    return {t.name: (t.block_size, t.block_bytes) for t in TABLE}
+
+
+WEIGHT_TYPES: dict[str, tuple[int, int]] = _weight_types()
+# llama-quantize's fallback when a row length is not a multiple of the type's block
+# (llama-quant.cpp's tensor_type_fallback): the 256-value i-quants take IQ4_NL.
+WEIGHT_FALLBACK = {"q6_k": "q8_0", "q5_k": "q5_1", "q4_k": "q5_0", "q3_k": "q4_0", "q2_k": "q4_0",
+                   **dict.fromkeys(("iq4_xs", "iq3_s", "iq3_xxs", "iq2_s", "iq2_xs", "iq2_xxs", "iq1_m", "iq1_s"),
+                                   "iq4_nl")}
 
 
 @dataclass(frozen=True)
 class WeightMix:
-    """A llama-quantize file type: the default tensor type, the output tensor's type and the
-    per-role overrides (role, layer rule, type), first match wins. Roles and rules follow
-    llama.cpp's ``llama_tensor_get_type``: ``attn_v`` covers attn_v and the fused attn_qkv of
-    DeltaNet layers, counted in layer order; ``ffn_down`` covers dense, expert and shared-expert
-    down projections of a layer."""
+    """A llama-quantize file type: the default tensor type, the output tensor's type, the token
+    embedding's when it is not tied to the output (None: the default) and the per-role
+    overrides (role, rule, type), first match wins.
+    Roles and rules follow llama.cpp's ``llama_tensor_get_type``: ``attn_v`` covers attn_v and
+    the fused attn_qkv of DeltaNet layers, counted in layer order; ``ffn_down`` covers dense,
+    expert and shared-expert down projections of a layer. Rules are keys of
+    ``weight_size.RULES``."""
 
     base: str
     output: str
     rules: tuple[tuple[str, str, str], ...] = ()
+    token_embd: str | None = None
 
 
-# Weight quantizations a user can ask for, widest first (suggestions walk this order).
-# The rules for 8-expert models (Mixtral) and imatrix-dependent tweaks are not modelled.
+# Weight quantizations a user can ask for, widest first (suggestions walk this order). Each is
+# checked tensor by tensor against llama-quantize's own files (tests/test_plan_mixes.py). Not
+# modelled: the rules for 8-expert models (Mixtral's Q8_0 attn_v), and files made without an
+# importance matrix where llama.cpp then differs (IQ3_XXS's attn_v and ffn_down, IQ4_XS's first
+# ffn_down layers): the i-quant files people download are made with one.
 _MORE_BITS_Q6 = (("attn_v", "more_bits", "q6_k"), ("ffn_down", "more_bits", "q6_k"))
+
+
+def _iq12(base: str, attn_v: str, ffn_down: str, attn_output: str | None, token_embd: str) -> WeightMix:
+    """llama.cpp's IQ1_*/IQ2_* mixes: attn_v at Q4_K with GQA >= 4 or >= 4 experts, else
+    ``attn_v``; the first eighth of the ffn_down tensors (counted, shared experts included) at
+    ``ffn_down``; the output at Q5_K."""
+    rules = (("attn_v", "gqa4_or_experts4", "q4_k"), ("attn_v", "all", attn_v),
+             ("ffn_down", "first_eighth_counted", ffn_down))
+    if attn_output:
+        rules += (("attn_output", "all", attn_output),)
+    return WeightMix(base, "q5_k", rules, token_embd)
+
+
 WEIGHT_QUANTS: dict[str, WeightMix] = {
     "f32": WeightMix("f32", "f32"),
     "f16": WeightMix("f16", "f16"),
@@ -181,10 +202,36 @@ WEIGHT_QUANTS: dict[str, WeightMix] = {
     "q5_k_m": WeightMix("q5_k", "q6_k", _MORE_BITS_Q6),
     "q4_k_m": WeightMix("q4_k", "q6_k", _MORE_BITS_Q6),
     "q4_0": WeightMix("q4_0", "q6_k"),
+    "iq4_xs": WeightMix("iq4_xs", "q6_k", (("attn_v", "gqa4", "q5_k"),)),
     "q3_k_m": WeightMix("q3_k", "q6_k", (("attn_v", "first_two", "q5_k"), ("attn_v", "all", "q4_k"),
                                          ("ffn_down", "first_sixteenth", "q5_k"), ("ffn_down", "all", "q4_k"),
                                          ("attn_output", "all", "q4_k"))),
+    "iq3_m": WeightMix("iq3_s", "q6_k", (("attn_v", "all", "q4_k"), ("ffn_down", "first_eighth", "q4_k"),
+                                         ("attn_output", "all", "q4_k"))),
+    "iq3_s": WeightMix("iq3_s", "q6_k", (("attn_v", "gqa4", "q4_k"),)),
+    "iq3_xxs": WeightMix("iq3_xxs", "q5_k", (("attn_v", "gqa4", "q4_k"), ("attn_k", "all", "iq2_s"),
+                                             ("attn_q", "all", "iq2_s"), ("attn_output", "all", "iq3_s")),
+                         token_embd="iq3_s"),
+    "q2_k": WeightMix("q2_k", "q6_k", (("attn_v", "gqa4", "q4_k"), ("attn_v", "all", "q3_k"),
+                                       ("ffn_down", "all", "q3_k"), ("attn_output", "all", "q3_k"))),
+    "iq2_m": _iq12("iq2_s", "iq3_s", "iq3_s", "iq3_s", "iq3_s"),
+    "iq2_s": _iq12("iq2_xs", "iq3_s", "iq3_s", "iq3_s", "iq3_s"),
+    "iq2_xs": _iq12("iq2_xs", "q2_k", "q2_k", None, "q2_k"),
+    "iq2_xxs": _iq12("iq2_xxs", "q2_k", "q2_k", None, "q2_k"),
+    "iq1_m": _iq12("iq1_m", "q2_k", "q2_k", "iq2_xxs", "q2_k"),
+    "iq1_s": _iq12("iq1_s", "q2_k", "q2_k", "iq2_xxs", "q2_k"),
 }
+
+# Suggestions walk WEIGHT_QUANTS down to this mix and no further: below ~3 bits a weight the
+# quality loss is large (the bundled model's IQ2_XXS: mean KLD 0.105 against IQ3_XXS's 0.030,
+# docs/vs-llama-cpp.md), a choice to make knowingly with -wq rather than to be offered.
+LOWEST_SUGGESTED_QUANT = "iq3_xxs"
+
+
+def suggested_quants() -> list[str]:
+    names = list(WEIGHT_QUANTS)
+    return names[:names.index(LOWEST_SUGGESTED_QUANT) + 1]
+
 
 # ----- cache types in other engines -----------------------------------------------------
 # vLLM takes one --kv-cache-dtype for K and V. "auto" is the model's dtype (bf16:

@@ -84,7 +84,7 @@ def _smaller_context(model: Model, req: Request, target: Target) -> Suggestion |
 def _smaller_weights(model: Model, req: Request, target: Target) -> Suggestion | None:
     """The widest weight quantization, smaller than the request's, that fits."""
     now = weight_size(model, req.weight_quant, req.tp).per_gpu
-    for name in catalog.WEIGHT_QUANTS:
+    for name in catalog.suggested_quants():
         if weight_size(model, name, req.tp).per_gpu < now:
             hit = _try(model, dataclasses.replace(req, weight_quant=name), target, "weights", f"-wq {name}")
             if hit:
@@ -111,7 +111,7 @@ def _smaller_weights_and_context(model: Model, req: Request, target: Target) -> 
     """The widest smaller weight quantization that fits a useful context (llama.cpp's default
     4096 per slot, or the request's if shorter), with the longest such context."""
     now, useful = weight_size(model, req.weight_quant, req.tp).per_gpu, min(req.ctx, MIN_USEFUL_CTX * req.n_slots)
-    for name in catalog.WEIGHT_QUANTS:
+    for name in catalog.suggested_quants():
         smaller = dataclasses.replace(req, weight_quant=name, depth=None)
         if weight_size(model, name, req.tp).per_gpu < now and largest_context(model, smaller, target) >= useful:
             ctx = largest_context(model, smaller, target)
