@@ -25,8 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvslim import peer  # noqa: E402
 from kvslim.data import HELDOUT_TEXT  # noqa: E402
-from kvslim.gguf import imatrix  # noqa: E402
-from kvslim.loading import convert_hf_to_gguf, default_model, load_model  # noqa: E402
+from kvslim.loading import convert_hf_to_gguf, default_model, load_model, measure_importance  # noqa: E402
 from kvslim.models import Batch  # noqa: E402
 from kvslim.tools.imatrix import calibration_text  # noqa: E402
 
@@ -67,7 +66,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp())
     source = convert_hf_to_gguf(folder, tmp / "f32.gguf", "f32")
     text, name = calibration_text(None)
-    entries, ran = imatrix.measure(folder, text, args.ctx_size, args.calibration_chunks)
+    entries, ran = measure_importance(folder, text, args.ctx_size, args.calibration_chunks)
     print(f"importance measured on {ran} chunks of {args.ctx_size} tokens of {name}")
     rng = np.random.default_rng(0)
     matrices = {"measured": {k: e.means() for k, e in entries.items()},

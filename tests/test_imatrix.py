@@ -10,7 +10,7 @@ import torch
 from kvslim import peer
 from kvslim.gguf import imatrix
 from kvslim.gguf.writer import LAYER, check_export, layer_tensors
-from kvslim.loading import default_model, load_model, read_config
+from kvslim.loading import default_model, load_model, measure_importance, read_config
 
 from .test_native_step import moe256_folder  # noqa: F401 (fixture)
 
@@ -77,7 +77,7 @@ def test_llama_cpp_quantizes_a_mixture_to_iq2_xxs_with_the_measured_matrix(moe25
     (columns x experts): the measured matrix passes, and kvslim loads the result packed."""
     from kvslim.loading import convert_hf_to_gguf
     from kvslim.weights.modules import QuantExperts
-    entries, ran = imatrix.measure(moe256_folder, "The quick brown fox. " * 200, n_ctx=64, max_chunks=4)
+    entries, ran = measure_importance(moe256_folder, "The quick brown fox. " * 200, n_ctx=64, max_chunks=4)
     assert ran == 4
     source = convert_hf_to_gguf(moe256_folder, tmp_path / "f32.gguf", "f32")
     out = peer.quantize(source, tmp_path / "iq2_xxs.gguf", "iq2_xxs", 2, {k: e.means() for k, e in entries.items()})

@@ -15,6 +15,8 @@ binary is not in the llama.cpp wheel kvslim's peer uses, so kvslim measures it i
 - ``read`` / ``write`` speak llama-imatrix's GGUF format (``<tensor>.in_sum2``, columns x
   experts, and ``<tensor>.counts``, tokens per expert), so files go both ways between kvslim
   and llama.cpp's tools.
+
+``kvslim.loading.measure_importance`` runs the three for a Hugging Face folder and a text.
 """
 from __future__ import annotations
 
@@ -159,7 +161,8 @@ def to_gguf(arch: str, config, collected: dict[str, Importance]) -> dict[str, Im
     """Parameter names -> GGUF tensor names, columns in the file's order, through the writer's
     ``layer_tensors``/``GLOBAL_TENSORS`` (whatever it does to a matrix's rows and columns it
     does to a probe whose every row is the importance); a ValueError if a tensor comes back
-    with rows that differ (a convention that mixes columns, which an importance cannot follow)."""
+    with rows that differ (a convention that changes values, not only the layout: the probe
+    could not be read back)."""
     from . import names as N
     from .writer import LAYER, layer_tensors
     out = {}
@@ -178,22 +181,8 @@ def to_gguf(arch: str, config, collected: dict[str, Importance]) -> dict[str, Im
         for gguf_name, t in mapped:
             t = t.reshape(imp.sums.shape[0], -1, t.shape[-1])
             if not bool((t == t[:, :1]).all()):
-                raise ValueError(f"{gguf_name}: the GGUF writer mixes its columns; no importance can follow it")
+                raise ValueError(f"{gguf_name}: the GGUF writer changes this matrix's values, not only its layout; "
+                                 "its importance cannot be carried through")
             out[gguf_name] = Importance(t[:, 0].double().numpy().copy(), imp.counts.copy())
     return out
 
-
-
-def measure(folder: str | Path, text: str, n_ctx: int = 512, max_chunks: int = 64) -> tuple[dict[str, Importance], int]:
-    """The importance of a Hugging Face folder's matrices on ``text``, by GGUF tensor name: the
-    text's tokens in chunks of ``n_ctx`` (at most ``max_chunks``), each from position 0, as
-    llama-imatrix runs them. Returns (entries, chunks run)."""
-    from ..loading import load_model, read_config
-    from .writer import check_export
-    arch, config = check_export(read_config(Path(folder)), "f32")
-    model, tokenizer, _ = load_model(folder, "f32")
-    ids = tokenizer.encode(text, add_special=False)
-    chunks = [ids[i:i + n_ctx] for i in range(0, len(ids) - n_ctx + 1, n_ctx)][:max_chunks]
-    if not chunks:
-        raise ValueError(f"the calibration text has {len(ids)} tokens: fewer than one chunk of {n_ctx}")
-    return to_gguf(arch, config, collect(model, chunks)), len(chunks)

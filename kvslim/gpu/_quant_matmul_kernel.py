@@ -176,7 +176,7 @@ def _grid_at(grid_ptr, idx, WIDTH: tl.constexpr, j, mask):
 
 @triton.jit
 def _ksign(bits, l):
-    """Bit l (0-7) of ``iquants.ksigns()[bits]``: 7 stored sign bits, the eighth their parity
+    """Bit l (0-7) of ``native.lattices.ksigns()[bits]``: 7 stored sign bits, the eighth their parity
     (the quantizer keeps the count of minus signs even). Computed in registers, not a table."""
     parity = bits ^ (bits >> 4)
     parity = parity ^ (parity >> 2)

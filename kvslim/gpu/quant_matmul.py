@@ -58,7 +58,7 @@ def supports(ggml_type) -> bool:
 
 
 def grid_table(ggml_type, device) -> torch.Tensor:
-    """The kernels' ``grid_ptr`` for ``ggml_type``: its lattice (``weights.iquants.grid``; IQ1_M's
+    """The kernels' ``grid_ptr`` for ``ggml_type``: its lattice (``native.lattices.grid``; IQ1_M's
     is IQ1_S's) flattened to int8, built once per device; one zero byte for a type without one
     (the kernels never read it). 256-2048 entries of 4 or 8 values: 1-16 KB, cache-resident."""
     name = ggml_type.name.lower() if ggml_type in GRIDDED else None
@@ -66,8 +66,8 @@ def grid_table(ggml_type, device) -> torch.Tensor:
     def build() -> torch.Tensor:
         if name is None:
             return torch.zeros(1, dtype=torch.int8)
-        from ..weights import iquants                   # kvslim.weights imports this module
-        return torch.from_numpy(iquants.grid(name).reshape(-1).copy())
+        from ..native import lattices
+        return torch.from_numpy(lattices.grid(name).reshape(-1).copy())
     return cached_on(device, ("quant_matmul grid", name), build)
 
 

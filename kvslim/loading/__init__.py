@@ -100,6 +100,21 @@ def convert_hf_to_gguf(folder: str | Path, out_path: str | Path, out_type: str =
     return write_gguf(config, read_state_dict(folder), folder, out_path, out_type)
 
 
+def measure_importance(folder: str | Path, text: str, n_ctx: int = 512, max_chunks: int = 64):
+    """The importance of a Hugging Face folder's matrices on ``text``, by GGUF tensor name
+    (``kvslim.gguf.imatrix``): the text's tokens in chunks of ``n_ctx`` (at most ``max_chunks``),
+    each from position 0, as llama-imatrix runs them. Returns (entries, chunks run)."""
+    from ..gguf import imatrix
+    from ..gguf.writer import check_export
+    arch, config = check_export(read_config(Path(folder)), "f32")
+    model, tokenizer, _ = load_model(folder, "f32")
+    ids = tokenizer.encode(text, add_special=False)
+    chunks = [ids[i:i + n_ctx] for i in range(0, len(ids) - n_ctx + 1, n_ctx)][:max_chunks]
+    if not chunks:
+        raise ValueError(f"the calibration text has {len(ids)} tokens: fewer than one chunk of {n_ctx}")
+    return imatrix.to_gguf(arch, config, imatrix.collect(model, chunks)), len(chunks)
+
+
 def check_weights(name: str) -> str:
     """A ``--weights`` value, or a ValueError listing the valid ones."""
     from ..weights import encodable_names

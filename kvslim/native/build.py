@@ -119,8 +119,8 @@ def generated_headers() -> dict[str, str]:
     """Headers made at build time from data kvslim's dependencies hold, by file name: the
     i-quants' lattices (thousands of entries) come from gguf.quants, as the torch decoders'
     do, instead of a second copy kept in this folder."""
-    from ..weights import iquants                         # here: the weights package imports this one
-    return {"iq_grids.h": iquants.c_header()}
+    from . import lattices                                # imports gguf: only when a library builds
+    return {"iq_grids.h": lattices.c_header()}
 
 
 def include_dir() -> Path:

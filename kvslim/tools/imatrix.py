@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..data import TEXT
 from ..gguf import imatrix
+from ..loading import measure_importance
 
 CALIBRATION_FILES = (TEXT / "classics-heldout.txt", TEXT / "bible-heldout.txt")
 
@@ -46,7 +47,7 @@ def measure_to_file(folder: Path, out: Path, text_path: str | Path | None, n_ctx
         raise ValueError(f"-c and --chunks must be positive (got {n_ctx} and {chunks})")
     text, name = calibration_text(text_path)
     start = time.perf_counter()
-    entries, ran = imatrix.measure(folder, text, n_ctx, chunks)
+    entries, ran = measure_importance(folder, text, n_ctx, chunks)
     imatrix.write(out, entries, [name], ran, n_ctx)
     print(f"wrote {out}: {len(entries)} matrices, {ran} chunks of {n_ctx} tokens of {name} "
           f"in {time.perf_counter() - start:.1f} s")
