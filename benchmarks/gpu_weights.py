@@ -105,7 +105,7 @@ def _speed(m: int, n: int, k: int, weight_bytes: int, ms: float) -> str:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("-t", "--types", default="q8_0,q4_0,q4_k,q5_k,q6_k")
+    parser.add_argument("-t", "--types", default="q8_0,q4_0,q4_k,q5_k,q6_k,iq3_xxs,iq2_xxs")
     parser.add_argument("-s", "--shapes", default="4096x4096,14336x4096,4096x14336", help="N x K of W")
     parser.add_argument("-m", "--gemm-rows", type=int, default=512)
     parser.add_argument("-r", "--runs", type=int, default=20)
