@@ -232,7 +232,7 @@ def quantize(src: str | Path, dst: str | Path, ftype: str, n_threads: int = 2,
              imatrix: dict[str, np.ndarray] | None = None) -> Path:
     """llama-quantize: ``ftype`` is a llama.cpp file type such as q4_k_m, q6_k, iq2_xxs.
     ``imatrix``: an importance per input column for each tensor name (experts: their columns,
-    expert after expert), as llama-imatrix's file holds; llama.cpp refuses IQ1 and IQ2 types
+    expert after expert), as llama-imatrix's file holds; llama.cpp refuses IQ1, IQ2 and IQ3_XXS
     without one."""
     return binding().quantize(Path(src), Path(dst), ftype, n_threads, imatrix)
 

@@ -369,7 +369,7 @@ def moe256_folder(tmp_path_factory):
     return folder
 
 
-@pytest.mark.parametrize("wtype", ["q4_k", "iq4_xs"])
+@pytest.mark.parametrize("wtype", ["q4_k", "iq4_xs", "iq3_xxs", "iq2_xxs"])      # iq2_xxs: convert measures an imatrix
 def test_a_mixture_gguf_of_k_quant_experts_decodes_in_the_c_step(moe256_folder, wtype, tmp_path):
     """Qwen3.6-35B-A3B's shape in small: routed experts kept in the file's K types, the shared
     expert and its gate, through the C step against the eager step (an f16 cache: with q8_0 keys,

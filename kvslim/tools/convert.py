@@ -9,7 +9,7 @@ q2_k, q3_k, q4_k, q5_k, q6_k, iq4_xs and the i-quants (iq3_s, iq3_xxs, iq2_s, iq
 iq2_xxs, iq1_m, iq1_s) have no encoder in Python: they are made by llama.cpp's own quantizer
 (llama-quantize's Q2_K, Q3_K_M, Q4_K_M, Q5_K_M, Q6_K, IQ4_XS, IQ3_S, IQ3_XXS, IQ2_M, IQ2_XS,
 IQ2_XXS, IQ1_M and IQ1_S mixes) from an f32 export, which needs the peer (pip install
-'kvslim[peer]'). llama.cpp refuses IQ1 and IQ2 without an importance matrix: --imatrix FILE
+'kvslim[peer]'). llama.cpp refuses IQ1, IQ2 and IQ3_XXS without an importance matrix: --imatrix FILE
 (llama-imatrix's or ``kvslim imatrix``'s GGUF file) gives one; without it, these types get one
 measured first on kvslim's held-out calibration text (``kvslim imatrix``'s default).
 """
@@ -32,7 +32,9 @@ from .imatrix import measure_to_file
 LLAMA_QUANTIZE = {"q4_k": "q4_k_m", "q5_k": "q5_k_m", "q6_k": "q6_k", "q3_k": "q3_k_m", "q2_k": "q2_k",
                   "iq4_xs": "iq4_xs", "iq3_s": "iq3_s", "iq3_xxs": "iq3_xxs", "iq2_s": "iq2_m", "iq2_xs": "iq2_xs",
                   "iq2_xxs": "iq2_xxs", "iq1_m": "iq1_m", "iq1_s": "iq1_s"}
-NEEDS_IMATRIX = {"iq2_s", "iq2_xs", "iq2_xxs", "iq1_m", "iq1_s"}     # llama.cpp's quantizer refuses them without
+# llama.cpp's quantizer refuses these without an importance matrix (IQ3_XXS: its mix puts attn_q
+# and attn_k in IQ2_S, which needs one)
+NEEDS_IMATRIX = {"iq3_xxs", "iq2_s", "iq2_xs", "iq2_xxs", "iq1_m", "iq1_s"}
 TYPES = [*writer.QTYPE, *LLAMA_QUANTIZE]
 
 

@@ -1,7 +1,7 @@
 """``kvslim imatrix``: a model's importance matrix on text, as llama-imatrix writes it.
 
 llama.cpp's quantizer weighs each column's rounding error by the mean square of the inputs it
-multiplies; IQ1 and IQ2 files cannot be made without that, and lower-bit K-quants gain from it.
+multiplies; IQ1, IQ2 and IQ3_XXS files cannot be made without that, and lower-bit K-quants gain from it.
 The file this writes is llama-imatrix's GGUF format: ``kvslim convert --imatrix FILE`` and
 llama-quantize --imatrix both read it. Without -f, the text is the held-out classics and Bible
 text that ships with kvslim (none of it is in kvslim's perplexity text, the Austen chapters).
