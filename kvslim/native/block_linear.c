@@ -31,9 +31,10 @@
  *   The grid i-quants, 256-value super-blocks: q = a lattice entry's values (iq_grids.h, generated
  *   from gguf.quants at build time) times sign bits; see decode_iq_group for each layout.
  *   F16 / BF16 / F32  plain rows (s = 1)
- * With AVX2 + F16C + FMA the hot types (Q8_0, Q4_0, F16, BF16, and the K-quants Q4_K, Q5_K,
- * Q6_K) unpack with intrinsics; the others decode a group's codes in C and share the vector dot
- * products.
+ * With AVX2 + F16C + FMA the hot types (Q8_0, Q4_0, F16, BF16), the K-quants and IQ4_XS unpack
+ * with intrinsics, the grid i-quants and MXFP4 make a group's codes as 32 signed bytes
+ * (group_codes); the others (Q4_1, Q5_0, Q5_1, IQ4_NL) decode a group's codes in C and share the
+ * vector dot products.
  */
 #include <stdint.h>
 #include <stdlib.h>

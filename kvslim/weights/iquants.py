@@ -20,6 +20,8 @@ from ..formats.base import cached_on, fp16_from_bytes
 from ..native.lattices import MXFP4_VALUES, grid, ksigns
 
 IQ1_DELTA = 0.125                        # IQ1_S/IQ1_M: every grid value is shifted by +-1/8
+
+
 def _grid_on(device, name: str) -> torch.Tensor:
     return cached_on(device, ("iq grid f32", name), lambda: torch.from_numpy(grid(name).astype(np.float32)))
 
