@@ -28,6 +28,8 @@
  *   IQ4_XS [d][scales_h 2 B][scales_l 4 B][qs 128 B]: q = kvalues[nibble] (IQ4_NL's grid),
  *          s = d * (6-bit scale - 32) per 32 values
  *   MXFP4  [e8m0 exponent][16 B nibbles]          s = 2^(e - 128), q = MXFP4_VALUES[nibble] (e2m1, doubled)
+ *   NVFP4  64 values: [4 x e4m3 scales][32 B: 8 per 16 values, low nibbles 0-7, high 8-15]: q as
+ *          MXFP4's, s = scale / 2 per 16 values (s0 and s1 differ)
  *   The grid i-quants, 256-value super-blocks: q = a lattice entry's values (iq_grids.h, generated
  *   from gguf.quants at build time) times sign bits; see decode_iq_group for each layout.
  *   F16 / BF16 / F32  plain rows (s = 1)
@@ -49,7 +51,7 @@ enum {
     TYPE_Q4_0 = 4, TYPE_Q8_0 = 8, TYPE_F16 = 16, TYPE_BF16 = 17, TYPE_F32 = 32, TYPE_Q4_1 = 41, TYPE_IQ4_NL = 44,
     TYPE_Q5_0 = 50, TYPE_Q5_1 = 51, TYPE_Q2_K = 102, TYPE_Q3_K = 103, TYPE_Q4_K = 104, TYPE_Q5_K = 105,
     TYPE_Q6_K = 106, TYPE_IQ4_XS = 144, TYPE_IQ1_S = 181, TYPE_IQ1_M = 182, TYPE_IQ2_XXS = 121, TYPE_IQ2_XS = 122,
-    TYPE_IQ2_S = 123, TYPE_IQ3_XXS = 131, TYPE_IQ3_S = 133, TYPE_MXFP4 = 204
+    TYPE_IQ2_S = 123, TYPE_IQ3_XXS = 131, TYPE_IQ3_S = 133, TYPE_MXFP4 = 204, TYPE_NVFP4 = 240
 };
 
 static const int8_t IQ4NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -80,6 +82,7 @@ static int64_t group_bytes_x8(int type) {     /* times 8, so the K types' 144/8 
         case TYPE_Q2_K: return 84;
         case TYPE_IQ4_XS: return 136;
         case TYPE_MXFP4: return 8 * 17;
+        case TYPE_NVFP4: return 8 * 18;         /* 36 bytes per 64 values */
         case TYPE_IQ2_XXS: return 66;           /* the grid types: a super-block's bytes (8 groups) */
         case TYPE_IQ2_XS: return 74;
         case TYPE_IQ2_S: return 82;
@@ -94,6 +97,13 @@ static int64_t group_bytes_x8(int type) {     /* times 8, so the K types' 144/8 
 static int grid_types(int type) {
     return type == TYPE_IQ2_XXS || type == TYPE_IQ2_XS || type == TYPE_IQ2_S || type == TYPE_IQ3_XXS
         || type == TYPE_IQ3_S || type == TYPE_IQ1_S || type == TYPE_IQ1_M;
+}
+
+static int super_blocks(int type);
+
+/* Values per block: a row must be whole blocks. */
+static int64_t block_values(int type) {
+    return super_blocks(type) ? 256 : type == TYPE_NVFP4 ? 64 : QK;
 }
 
 static int super_blocks(int type) {
@@ -304,6 +314,24 @@ static float e8m0_half(uint8_t e) {
     return v;
 }
 
+/* NVFP4's unsigned e4m3 scale, halved (the values are stored doubled): UE4M3_HALF (iq_grids.h)
+ * holds gguf.quants' value for each of the 256 bytes (0x7F, NaN's pattern, reads as 0 there). */
+static float ue4m3_half(uint8_t b) {
+    return UE4M3_HALF[b];
+}
+
+/* Group h (0, 1) of an NVFP4 block: sub-blocks 2h and 2h + 1, each 8 bytes of nibbles. */
+static void decode_nvfp4_group(const uint8_t *b, int h, group_t *g) {
+    g->s0 = ue4m3_half(b[2 * h]), g->s1 = ue4m3_half(b[2 * h + 1]);
+    for (int half = 0; half < 2; half++) {
+        const uint8_t *qs = b + 4 + 16 * h + 8 * half;
+        for (int l = 0; l < 8; l++) {
+            g->q[16 * half + l] = MXFP4_VALUES[qs[l] & 0x0F];
+            g->q[16 * half + 8 + l] = MXFP4_VALUES[qs[l] >> 4];
+        }
+    }
+}
+
 /* Group `index` of a row, for every type: the portable path and the reference of the fast one. */
 static void decode_group(int type, const uint8_t *row, int64_t index, group_t *g) {
     if (super_blocks(type)) {
@@ -312,8 +340,12 @@ static void decode_group(int type, const uint8_t *row, int64_t index, group_t *g
         else decode_k_group(type, sb, (int)(index % 8), g);
         return;
     }
-    const uint8_t *b = row + index * (group_bytes_x8(type) / 8);
     g->o0 = g->o1 = 0.0f;
+    if (type == TYPE_NVFP4) {
+        decode_nvfp4_group(row + (index / 2) * 36, (int)(index % 2), g);
+        return;
+    }
+    const uint8_t *b = row + index * (group_bytes_x8(type) / 8);
     if (type == TYPE_MXFP4) {
         g->s0 = g->s1 = e8m0_half(b[0]);
         for (int l = 0; l < 16; l++) g->q[l] = MXFP4_VALUES[b[1 + l] & 0x0F], g->q[l + 16] = MXFP4_VALUES[b[1 + l] >> 4];
@@ -755,7 +787,7 @@ static inline int k_types(int type) {
  * widened as the other types' values are. Through decode_group's scalar codes their GEMVs cost
  * 10-14x a Q4_0 row's. decode_iq_group (and decode_group for MXFP4) is the reference. */
 static inline int code_types(int type) {
-    return grid_types(type) || type == TYPE_MXFP4;
+    return grid_types(type) || type == TYPE_MXFP4 || type == TYPE_NVFP4;
 }
 
 /* 0xFF in byte l where bit l of m is set. */
@@ -805,13 +837,22 @@ static inline __m256i iq1_codes(__m256i grid, const int minus[4]) {
 /* Group `index` of a row as 32 signed byte codes, and its scales s0 (values 0-15), s1 (16-31). */
 static inline __attribute__((always_inline)) __m256i group_codes(int type, const uint8_t *row, int64_t index,
                                                                  float *s0, float *s1) {
-    if (type == TYPE_MXFP4) {
-        const uint8_t *b = row + index * 17;
-        const __m128i table = _mm_loadu_si128((const __m128i *)MXFP4_VALUES);
-        const __m128i qs = _mm_loadu_si128((const __m128i *)(b + 1)), m4 = _mm_set1_epi8(0x0F);
-        *s0 = *s1 = e8m0_half(b[0]);
-        return _mm256_set_m128i(_mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(qs, 4), m4)),
-                                _mm_shuffle_epi8(table, _mm_and_si128(qs, m4)));
+    if (type == TYPE_MXFP4 || type == TYPE_NVFP4) {           /* e2m1 codes: a 16-entry byte lookup */
+        const __m128i table = _mm_loadu_si128((const __m128i *)MXFP4_VALUES), m4 = _mm_set1_epi8(0x0F);
+        if (type == TYPE_MXFP4) {
+            const uint8_t *b = row + index * 17;
+            const __m128i qs = _mm_loadu_si128((const __m128i *)(b + 1));
+            *s0 = *s1 = e8m0_half(b[0]);
+            return _mm256_set_m128i(_mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(qs, 4), m4)),
+                                    _mm_shuffle_epi8(table, _mm_and_si128(qs, m4)));
+        }
+        const uint8_t *b = row + (index / 2) * 36;           /* NVFP4: sub-blocks of 8 bytes, low then high */
+        const int h = (int)(index % 2);
+        const __m128i qs = _mm_loadu_si128((const __m128i *)(b + 4 + 16 * h));
+        const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(qs, m4));
+        const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(qs, 4), m4));
+        *s0 = ue4m3_half(b[2 * h]), *s1 = ue4m3_half(b[2 * h + 1]);
+        return _mm256_set_m128i(_mm_unpackhi_epi64(lo, hi), _mm_unpacklo_epi64(lo, hi));
     }
     const uint8_t *sb = row + (index / 8) * group_bytes_x8(type);
     const int j = (int)(index % 8);
@@ -933,7 +974,8 @@ static inline __attribute__((always_inline)) __m256i group_codes(int type, const
             case TYPE_IQ3_S: rows_times_codes_typed##SUFFIX(TYPE_IQ3_S, row, x, m, k, y, n); break;            \
             case TYPE_IQ1_S: rows_times_codes_typed##SUFFIX(TYPE_IQ1_S, row, x, m, k, y, n); break;            \
             case TYPE_IQ1_M: rows_times_codes_typed##SUFFIX(TYPE_IQ1_M, row, x, m, k, y, n); break;            \
-            default: rows_times_codes_typed##SUFFIX(TYPE_MXFP4, row, x, m, k, y, n);                            \
+            case TYPE_MXFP4: rows_times_codes_typed##SUFFIX(TYPE_MXFP4, row, x, m, k, y, n); break;            \
+            default: rows_times_codes_typed##SUFFIX(TYPE_NVFP4, row, x, m, k, y, n);                            \
         }                                                                                                      \
     }
 
@@ -1041,8 +1083,7 @@ static void dequantize_row(int type, const uint8_t *row, int64_t k, float *out) 
 }
 
 int kvslim_dequantize_rows(int type, const uint8_t *w, float *out, int64_t n, int64_t k, int n_threads) {
-    const int64_t per_block = super_blocks(type) ? 256 : QK;
-    if (!group_bytes_x8(type) || k % per_block) return 1;
+    if (!group_bytes_x8(type) || k % block_values(type)) return 1;
     const int64_t row_bytes = k / QK * group_bytes_x8(type) / 8;
     #pragma omp parallel for num_threads(n_threads) schedule(static)
     for (int64_t r = 0; r < n; r++) dequantize_row(type, w + r * row_bytes, k, out + r * k);
@@ -1053,8 +1094,7 @@ int kvslim_dequantize_rows(int type, const uint8_t *w, float *out, int64_t n, in
  * Returns 0, or 1 for a type it does not know, k not whole blocks, or m > MAX_M. */
 int kvslim_block_linear(int type, const float *x, const uint8_t *w, float *y, int64_t m, int64_t n, int64_t k,
                         int n_threads) {
-    const int64_t per_block = super_blocks(type) ? 256 : QK;
-    if (!group_bytes_x8(type) || k % per_block || m > MAX_M) return 1;
+    if (!group_bytes_x8(type) || k % block_values(type) || m > MAX_M) return 1;
     const int64_t row_bytes = k / QK * group_bytes_x8(type) / 8;
 #ifdef KVSLIM_AVX2
     float *xsum = NULL;

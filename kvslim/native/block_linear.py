@@ -17,7 +17,7 @@ SOURCE = "block_linear.c"
 TYPE_CODES = {"q4_0": 4, "q8_0": 8, "f16": 16, "bf16": 17, "q4_1": 41, "iq4_nl": 44, "q5_0": 50, "q5_1": 51,
               "q2_k": 102, "q3_k": 103, "q4_k": 104, "q5_k": 105, "q6_k": 106,
               "iq4_xs": 144, "iq1_s": 181, "iq1_m": 182, "iq2_xxs": 121, "iq2_xs": 122, "iq2_s": 123, "iq3_xxs": 131,
-              "iq3_s": 133, "mxfp4": 204}                   # the types block_linear.c implements
+              "iq3_s": 133, "mxfp4": 204, "nvfp4": 240}     # the types block_linear.c implements
 QK = 32                                      # its rows are whole blocks of 32 values
 MAX_ROWS = 8                                 # more activation rows: torch's matmul over decoded steps wins
 
@@ -49,7 +49,7 @@ def supports(wtype_name: str, x: torch.Tensor) -> bool:
 # f16/bf16: torch's cast is faster. The others: 4-12x torch's decoders on 128 rows of 2048 (the K-quants,
 # IQ4_XS, the grid i-quants, MXFP4)
 DEQUANTIZED = {"q4_0", "q8_0", "q4_1", "iq4_nl", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs",
-               "iq1_s", "iq1_m", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "mxfp4"}
+               "iq1_s", "iq1_m", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "mxfp4", "nvfp4"}
 
 
 def dequantizes(wtype_name: str, blocks: torch.Tensor) -> bool:

@@ -1,4 +1,4 @@
-"""The i-quants' lattices and sign table, read once from ``gguf.quants`` (the pinned GGUF package):
+"""The i-quants' lattices and sign table (and NVFP4's scale values), read once from ``gguf.quants`` (the pinned GGUF package):
 the torch decoders (``weights/iquants.py``), the Triton kernels (``gpu/quant_matmul.py``) and the C
 build (``iq_grids.h``, written by ``build.py`` from ``c_header()``) all take them from here, so no
 copy of thousands of entries lives in this repository. Here, below the other parts of the package,
@@ -34,6 +34,13 @@ def ksigns() -> np.ndarray:
     return (i | parity << 7).astype(np.uint8)
 
 
+@cache
+def ue4m3_halves() -> np.ndarray:
+    """NVFP4's scale byte -> its value halved (the codes are stored doubled), for all 256
+    bytes, as gguf.quants decodes them."""
+    return gq.NVFP4.ue4m3_to_fp32(np.arange(256, dtype=np.uint8)).astype(np.float32)
+
+
 C_GRIDS = {"iq2_xxs": "IQ2XXS_GRID", "iq2_xs": "IQ2XS_GRID", "iq2_s": "IQ2S_GRID", "iq3_xxs": "IQ3XXS_GRID",
            "iq3_s": "IQ3S_GRID", "iq1_s": "IQ1S_GRID"}
 
@@ -49,4 +56,6 @@ def c_header() -> str:
         lines.append(f"static const int8_t {symbol}[{g.shape[0]}][{g.shape[1]}] = {{{rows}}};")
     lines.append(f"static const uint8_t KSIGNS[128] = {{{','.join(str(int(v)) for v in ksigns())}}};")
     lines.append(f"static const int8_t MXFP4_VALUES[16] = {{{','.join(str(v) for v in MXFP4_VALUES)}}};")
+    halves = ",".join(float(v).hex() + "f" for v in ue4m3_halves())     # hex floats: exact
+    lines.append(f"static const float UE4M3_HALF[256] = {{{halves}}};")
     return "\n".join(lines) + "\n"

@@ -1,5 +1,5 @@
 """Torch decoders for ggml's grid i-quants (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS,
-IQ3_S) and MXFP4.
+IQ3_S) and the 4-bit float types MXFP4 and NVFP4.
 
 The 2- and 3-bit files that fit a 35B mixture or an 80B Qwen3-Next into 24-32 GB are made of
 these. An i-quant stores, per 4 or 8 values, an index into a fixed grid of small magnitudes
@@ -161,3 +161,23 @@ def decode_mxfp4(f) -> torch.Tensor:
     codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1)
     return e8m0_half(f["e"]).view(n, 1) * table[codes]
 
+
+
+def ue4m3_half(b: torch.Tensor) -> torch.Tensor:
+    """NVFP4's unsigned e4m3 scale bytes as float32, halved (the values are stored doubled):
+    exponent bias 7, subnormal below exponent 1; 0 and 0x7F (NaN's pattern) read as 0."""
+    b = b.to(torch.int32)
+    exp, man = (b >> 3) & 0xF, (b & 7).float()
+    normal = (1.0 + man / 8.0) * torch.exp2((exp - 7).float())
+    value = torch.where(exp == 0, man * 2.0 ** -9, normal)
+    return torch.where((b == 0) | (b == 0x7F), 0.0, value * 0.5)
+
+
+def decode_nvfp4(f) -> torch.Tensor:
+    """64 values: four e4m3 scales (one per 16 values), then 32 bytes of e2m1 codes, 8 per
+    16 values: a sub-block's low nibbles are its values 0-7, the high nibbles 8-15."""
+    n = f["qs"].shape[0]
+    table = cached_on(f["qs"].device, ("mxfp4 values",), lambda: torch.tensor(MXFP4_VALUES, dtype=torch.float32))
+    qs = f["qs"].to(torch.int64).view(n, 4, 8)
+    codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1)                          # (N, 4, 16)
+    return (ue4m3_half(f["scales"]).view(n, 4, 1) * table[codes]).reshape(n, 64)

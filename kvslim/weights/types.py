@@ -134,6 +134,8 @@ TABLE: tuple[WeightType, ...] = (
                iquants.decode_iq1_s, "11-bit indices into a ternary grid, 3-bit scale per 32 values"),
     WeightType("mxfp4", _T.MXFP4, QK, (("e", 1), ("qs", QK // 2)),
                iquants.decode_mxfp4, "e8m0 shared exponent, 4-bit e2m1 values (OCP microscaling)"),
+    WeightType("nvfp4", _T.NVFP4, 2 * QK, (("scales", 4), ("qs", QK)),
+               iquants.decode_nvfp4, "4-bit e2m1 values, an e4m3 scale per 16 (NVIDIA's FP4)"),
     # Float matrices inside a quantized file (rows that are not whole blocks) stay as stored too.
     _float("f32", _T.F32, torch.float32),
     _float("f16", _T.F16, torch.float16),
