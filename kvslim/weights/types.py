@@ -5,7 +5,7 @@ A row names the type, its ggml id, values per block and the block's byte layout
 Decoders map (N, block_bytes) uint8 -> (N, block_size) float32, bit-identical to
 ``gguf.quants.dequantize``; the 32-value types reuse ``kvslim.formats.ggml``'s
 codecs (which also encode, byte-identical to ggml's reference quantizers), the
-K-quants decode with ``kquants``. Unknown names and unsupported GGUF types raise
+K-quants decode with ``kquants``, the i-quants and the 4-bit float types with ``iquants``. Unknown names and unsupported GGUF types raise
 errors that list what is supported.
 """
 from __future__ import annotations
