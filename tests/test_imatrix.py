@@ -67,8 +67,31 @@ def test_the_file_format_round_trips_as_llama_quantize_reads_it(tmp_path):
     means = back["blk.0.ffn_up_exps.weight"].means().reshape(3, 64)
     assert np.allclose(means[0], entries["blk.0.ffn_up_exps.weight"].sums[0] / 5)
     assert (means[1] == 1).all()                        # an expert no token chose: no preference
-    with pytest.raises(ValueError, match="not a GGUF importance matrix"):
+    with pytest.raises(ValueError, match="no such importance matrix file"):
         imatrix.read(tmp_path / "missing.gguf")
+
+
+def test_the_legacy_dat_format_reads_as_llama_quantize_reads_it(tmp_path):
+    """imatrix.dat: sums of squares over calls per tensor (llama-quantize divides them), and an
+    optional trailer; a truncated or foreign file is refused by name."""
+    import struct
+    rng = np.random.default_rng(1)
+    sums = {"blk.0.attn_q.weight": rng.uniform(1, 9, 64).astype(np.float32),
+            "blk.1.ffn_down_exps.weight": rng.uniform(1, 9, 3 * 32).astype(np.float32)}
+    body = struct.pack("<i", len(sums))
+    for name, values in sums.items():
+        body += struct.pack("<i", len(name)) + name.encode() + struct.pack("<ii", 40, values.size) + values.tobytes()
+    body += struct.pack("<ii", 10, 4) + b"wiki"                     # chunks and dataset name
+    (tmp_path / "imatrix.dat").write_bytes(body)
+    got = imatrix.read(tmp_path / "imatrix.dat")
+    assert got.keys() == sums.keys()
+    assert all(np.allclose(got[k].means(), v / 40) for k, v in sums.items())
+    (tmp_path / "cut.dat").write_bytes(body[:40])
+    with pytest.raises(ValueError, match="ends inside entry"):
+        imatrix.read(tmp_path / "cut.dat")
+    (tmp_path / "text.dat").write_text("not an importance matrix at all")
+    with pytest.raises(ValueError, match="not an importance matrix"):
+        imatrix.read(tmp_path / "text.dat")
 
 
 @needs_peer

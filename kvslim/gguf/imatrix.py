@@ -14,7 +14,7 @@ binary is not in the llama.cpp wheel kvslim's peer uses, so kvslim measures it i
   vector, and each GGUF tensor it yields must come back with identical rows;
 - ``read`` / ``write`` speak llama-imatrix's GGUF format (``<tensor>.in_sum2``, columns x
   experts, and ``<tensor>.counts``, tokens per expert), so files go both ways between kvslim
-  and llama.cpp's tools.
+  and llama.cpp's tools; ``read`` also takes the legacy ``imatrix.dat`` format.
 
 ``kvslim.loading.measure_importance`` runs the three for a Hugging Face folder and a text.
 """
@@ -46,8 +46,15 @@ class Importance:
 
 
 def read(path: str | Path) -> dict[str, Importance]:
-    """llama-imatrix's GGUF file -> {tensor name: Importance}; a ValueError naming the problem
-    for anything else."""
+    """llama-imatrix's file -> {tensor name: Importance}: its GGUF format, or the legacy binary
+    one (``imatrix.dat``, as many published matrices still are); a ValueError naming the
+    problem for anything else."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: no such importance matrix file")
+    with path.open("rb") as f:
+        if f.read(4) != b"GGUF":
+            return read_legacy(path)
     try:
         reader = gguf.GGUFReader(str(path))
     except (OSError, ValueError) as err:
@@ -64,6 +71,36 @@ def read(path: str | Path) -> dict[str, Importance]:
         out[name] = Importance(sums.reshape(counts.size, -1), counts)
     if not out:
         raise ValueError(f"{path}: no <tensor>{SUMS} entries (llama-imatrix's GGUF format expected)")
+    return out
+
+
+def read_legacy(path: Path) -> dict[str, Importance]:
+    """The legacy binary format: int32 entry count; per entry an int32 name length, the name,
+    int32 calls (chunks' tokens seen) and int32 value count, then the float32 sums of squares
+    (an expert tensor's columns, expert after expert, under one count); an optional trailer
+    (chunks, dataset name) is not needed here."""
+    data = path.read_bytes()
+    at, out = 0, {}
+
+    def take(n: int) -> bytes:
+        nonlocal at
+        if at + n > len(data):
+            raise ValueError(f"{path}: not an importance matrix (GGUF or llama-imatrix's legacy .dat): "
+                             f"it ends inside entry {len(out) + 1}")
+        at += n
+        return data[at - n:at]
+
+    (count,) = np.frombuffer(take(4), np.int32)
+    if not 0 < count < 1 << 20:
+        raise ValueError(f"{path}: not an importance matrix (GGUF or llama-imatrix's legacy .dat)")
+    for _ in range(count):
+        (length,) = np.frombuffer(take(4), np.int32)
+        if not 0 < length < 1 << 12:
+            raise ValueError(f"{path}: entry {len(out) + 1} has a name of {length} bytes; not an importance matrix")
+        name = take(int(length)).decode("utf-8", "replace")
+        calls, n_values = np.frombuffer(take(8), np.int32)
+        sums = np.frombuffer(take(4 * int(n_values)), np.float32).astype(np.float64)
+        out[name] = Importance(sums.reshape(1, -1), np.array([float(calls)]))
     return out
 
 

@@ -10,7 +10,7 @@ iq2_xxs, iq1_m, iq1_s) have no encoder in Python: they are made by llama.cpp's o
 (llama-quantize's Q2_K, Q3_K_M, Q4_K_M, Q5_K_M, Q6_K, IQ4_XS, IQ3_S, IQ3_XXS, IQ2_M, IQ2_XS,
 IQ2_XXS, IQ1_M and IQ1_S mixes) from an f32 export, which needs the peer (pip install
 'kvslim[peer]'). llama.cpp refuses IQ1, IQ2 and IQ3_XXS without an importance matrix: --imatrix FILE
-(llama-imatrix's or ``kvslim imatrix``'s GGUF file) gives one; without it, these types get one
+(llama-imatrix's GGUF or legacy .dat file, or ``kvslim imatrix``'s) gives one; without it, these types get one
 measured first on kvslim's held-out calibration text (``kvslim imatrix``'s default).
 """
 from __future__ import annotations
@@ -46,8 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--type", "--outtype", dest="type", default="f16", help=f"weight type: {', '.join(TYPES)}")
     p.add_argument("-t", "--threads", type=int, default=2, help="threads for llama.cpp's quantizer (K-quants)")
     p.add_argument("--imatrix", default=None, metavar="FILE",
-                   help="importance matrix for llama.cpp's quantizer (llama-imatrix's or kvslim imatrix's GGUF "
-                        "file); without it " + ", ".join(sorted(NEEDS_IMATRIX)) + " measure one first")
+                   help="importance matrix for llama.cpp's quantizer (llama-imatrix's GGUF or legacy .dat file, "
+                        "or kvslim imatrix's); without it " + ", ".join(sorted(NEEDS_IMATRIX)) + " measure one first")
     return p
 
 
