@@ -1,13 +1,13 @@
 """The Triton quantized GEMV/GEMM (kvslim/gpu/quant_matmul.py) against gguf.quants, on the CPU.
 
 Weights are GGUF blocks: Q8_0 and Q4_0 from ``gguf.quants.quantize``; the K-quants, the grid
-i-quants and MXFP4 (which gguf.quants cannot quantize) random bytes with sane fp16 super-scales
-(MXFP4: exponents near 1, some subnormal), so every code, grid index, sign, scale and min pattern
-occurs. The reference is ``gguf.quants.dequantize`` then a float64 matmul, and each type's values
-themselves, bit for bit (the exact GEMM of an identity). The kernels run under Triton's
-interpreter in one child process (tests/triton_harness.py); the references run here. What the
-interpreter cannot check (bf16 tl.dot, which it computes wrongly; compilation; tf32; speed) is
-left to the sm_90 compile tests and the CUDA test.
+i-quants, MXFP4 and NVFP4 random bytes with sane fp16 super-scales (MXFP4: exponents near 1, some
+subnormal; NVFP4: each of the 256 e4m3 scale bytes in turn), so every code, grid index, sign,
+scale and min pattern occurs. The reference is ``gguf.quants.dequantize`` then a float64 matmul,
+and each type's values themselves, bit for bit (the exact GEMM of an identity). The kernels run
+under Triton's interpreter in one child process (tests/triton_harness.py); the references run
+here. What the interpreter cannot check (bf16 tl.dot, which it computes wrongly; compilation;
+tf32; speed) is left to the sm_90 compile tests and the CUDA test.
 """
 from __future__ import annotations
 
@@ -27,14 +27,17 @@ from .triton_harness import compile_for_sm90, compiled_process, run_interpreted
 pytestmark = pytest.mark.skipif(not gpu.available(), reason="triton is not installed: no GPU kernel to check")
 
 TYPES = ["q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "iq4_xs",
-         "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m", "mxfp4"]
-COLS = {t: 288 if weights.get(t).block_size == 32 else 512 for t in TYPES}   # 288: not whole GEMV steps
+         "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m", "mxfp4", "nvfp4"]
+# blocks of 32, 64 (NVFP4) or 256 values; 288 and 320: not whole GEMV steps of 128 or 256
+COLS = {t: {32: 288, 64: 320}.get(weights.get(t).block_size, 512) for t in TYPES}
 # ("gemv", type, M, N, K, split_k or None) and ("gemm", type, M, N, K, dot)
 GEMV_SHAPES = ((1, 64, None), (5, 40, None), (16, 33, 1))
-GRID_TYPES = TYPES[TYPES.index("iq2_xxs"):]            # the grid i-quants and MXFP4
-# the grid types take one GEMV shape each, in turn (their values are checked bit for bit below)
-GEMV = [("gemv", t, m, n, COLS[t], split) for t in TYPES if t not in GRID_TYPES for m, n, split in GEMV_SHAPES]
-GEMV += [("gemv", t, m, n, COLS[t], split) for t, (m, n, split) in zip(GRID_TYPES, GEMV_SHAPES * 3)]
+GRID_TYPES = TYPES[TYPES.index("iq2_xxs"):]            # the grid i-quants, MXFP4 and NVFP4
+# the grid types take one GEMV shape each, in turn (their values are checked bit for bit below),
+# but NVFP4, the one type of 64-value blocks, takes all three
+ROTATED = [t for t in GRID_TYPES if t != "nvfp4"]
+GEMV = [("gemv", t, m, n, COLS[t], split) for t in TYPES if t not in ROTATED for m, n, split in GEMV_SHAPES]
+GEMV += [("gemv", t, m, n, COLS[t], split) for t, (m, n, split) in zip(ROTATED, GEMV_SHAPES * 3)]
 GEMM = [("gemm", t, m, n, COLS[t], dot) for t in TYPES for m, n, dot in ((33, 64, "ieee"), (40, 40, "fp16"))]
 GEMM += [("gemm", "q6_k", 130, 32, 256, "ieee")]                       # two M tiles of 128
 # ("values", type, K, N, K, "ieee"): the exact GEMM of the K x K identity gives W's values themselves
@@ -67,6 +70,8 @@ def _weight(name: str, n: int, k: int, seed: int) -> QuantTensor:
             elif field == "e":                                  # MXFP4: 2^(e - 128) from 2^-9 to 2; e < 2 subnormal
                 raw[:, at] = gen.integers(119, 130, raw.shape[0])
                 raw[::7, at] = gen.integers(0, 2, raw[::7].shape[0])
+            elif name == "nvfp4" and field == "scales":        # e4m3: every byte in turn (0, 0x7F, subnormals, bit 7)
+                raw[:, at:at + size] = gen.permutation(np.arange(raw.shape[0] * size) % 256).reshape(-1, size)
             at += size
     return QuantTensor(torch.from_numpy(np.ascontiguousarray(raw).reshape(n, -1)), wtype, k)
 
@@ -140,7 +145,7 @@ def test_gemm_matches_gguf_dequantize(interpreted, case):
 def test_dequantized_values_are_gguf_dequantize_bit_for_bit(interpreted, case):
     """Every value of W as the kernels dequantize it equals gguf.quants' (products in its order;
     the exact dot of an identity row adds only zeros): 32 rows of 256 values, every grid index,
-    sign and scale pattern, MXFP4's subnormal exponents."""
+    sign and scale pattern, MXFP4's subnormal exponents, each of NVFP4's 256 scale bytes twice."""
     w, _, _ = _inputs(case, CASES.index(case))
     want = torch.from_numpy(gguf.quants.dequantize(w.data.numpy(), w.wtype.ggml_type))
     assert torch.equal(interpreted["y"][case].T, want)
@@ -165,7 +170,7 @@ def test_cpu_tensors_without_the_interpreter_are_refused():
 def test_supported_types():
     T = gguf.GGMLQuantizationType
     assert [gpu.supports(weights.get(t).ggml_type) for t in TYPES] == [True] * len(TYPES)
-    assert not any(gpu.supports(t) for t in (T.Q5_0, T.Q4_1, T.IQ4_NL, T.F16, T.TQ1_0, T.NVFP4))
+    assert not any(gpu.supports(t) for t in (T.Q5_0, T.Q4_1, T.IQ4_NL, T.F16, T.TQ1_0, T.TQ2_0))
 
 
 def test_bad_calls_raise_before_any_kernel():
@@ -355,7 +360,7 @@ POINTERS = {"x_ptr": "*fp32", "w_ptr": "*u8", "grid_ptr": "*i8", "y_ptr": "*fp32
 
 @pytest.mark.parametrize("name,rows", [("q8_0", 1), ("q4_k", 4), ("q6_k", 16), ("q3_k", 1), ("iq4_xs", 4),
                                        ("iq2_xxs", 1), ("iq2_xs", 4), ("iq2_s", 1), ("iq3_xxs", 16), ("iq3_s", 1),
-                                       ("iq1_s", 4), ("iq1_m", 1), ("mxfp4", 16)])
+                                       ("iq1_s", 4), ("iq1_m", 1), ("mxfp4", 16), ("nvfp4", 1)])
 def test_gemv_compiles_for_an_h100_without_one(name, rows):
     """The interpreter cannot say whether ptxas takes it: lower it for sm_90 with the launcher's config."""
     from kvslim.gpu import _quant_matmul_kernel as kernel

@@ -4,8 +4,8 @@ W (N, K) stays its GGUF bytes: (N, row_bytes) uint8, one row of blocks per outpu
 the file stores it. ``_dequantize_tile`` turns a (rows x columns) tile of it into float32 in
 registers, each value addressing its own code, scale and min bytes (the layouts are those of
 ``block_linear.c`` and ``gguf.quants``; TYPE is the ggml type id). Types: Q8_0, Q4_0, Q2_K-Q6_K,
-IQ4_XS, the grid i-quants IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, and MXFP4. The
-i-quants' lattices (256-2048 entries of 4 or 8 values: too many for constexprs) come as a small
+IQ4_XS, the grid i-quants IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, MXFP4 and NVFP4.
+The i-quants' lattices (256-2048 entries of 4 or 8 values: too many for constexprs) come as a small
 int8 tensor, ``grid_ptr`` (``quant_matmul.grid_table``; a 1-byte dummy for the other types), and
 each value loads its own entry's byte. The kernels using it:
 
@@ -45,6 +45,7 @@ IQ3_S = tl.constexpr(21)
 IQ1_S = tl.constexpr(19)
 IQ1_M = tl.constexpr(29)
 MXFP4 = tl.constexpr(39)
+NVFP4 = tl.constexpr(40)
 # IQ4_NL's grid plus 128 as bytes, 8 to an int64 (low byte first): a value's grid entry is one
 # shift and mask of a constant, not a table in memory
 GRID_LO = tl.constexpr(0x76_6A_5D_4F_3F_2D_18_01)                  # 1, 24, 45, 63, 79, 93, 106, 118
@@ -284,19 +285,43 @@ def _iq1_values(row, c, mask, grid_ptr, TYPE: tl.constexpr):
 
 
 @triton.jit
+def _e2m1(code):
+    """A 4-bit e2m1 code as float32, doubled as gguf.quants stores MXFP4's and NVFP4's: bit 3 the
+    sign, then 2 exponent bits and a mantissa bit; m < 2: m, else (2 + mantissa) << (exponent - 1):
+    0 1 2 3 4 6 8 12. Computed in registers, not a table."""
+    m = code & 7
+    magnitude = tl.where(m < 2, m, (2 | (m & 1)) << ((m >> 1) - 1))
+    return tl.where(code >= 8, -magnitude, magnitude).to(tl.float32)
+
+
+@triton.jit
 def _mxfp4_values(row, c, mask):
-    """[e][qs 16]: value j takes the low (j < 16) or high nibble of qs[j % 16], an e2m1 code:
-    bit 3 the sign, then 2 exponent bits and a mantissa bit, doubled as gguf.quants stores them
-    (m < 2: m; else (2 + mantissa) << (exponent - 1): 0 1 2 3 4 6 8 12). Times e8m0's 2^(e - 128)
-    (the doubling's half) as float32 bits, a subnormal for e < 2 (``iquants.e8m0_half``)."""
+    """[e][qs 16]: value j takes the low (j < 16) or high nibble of qs[j % 16], an ``_e2m1`` code;
+    value = scale * code, the scale e8m0's 2^(e - 128) (the doubling's half) as float32 bits, a
+    subnormal for e < 2 (``iquants.e8m0_half``)."""
     block = row + (c // 32) * 17
     j = c % 32
     code = (_byte(block + 1 + j % 16, mask) >> (4 * (j // 16))) & 0x0F
-    m = code & 7
-    magnitude = tl.where(m < 2, m, (2 | (m & 1)) << ((m >> 1) - 1))
     e = _byte(block, mask)
     scale = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
-    return scale * tl.where(code >= 8, -magnitude, magnitude).to(tl.float32)
+    return scale * _e2m1(code)
+
+
+@triton.jit
+def _nvfp4_values(row, c, mask):
+    """[scales 4][qs 32], 64 values: sub-block s = j // 16 has scale byte s and qs[8s..8s+7], its
+    values 0-7 their low nibbles, 8-15 their high nibbles (``_e2m1`` codes); value = scale * code.
+    The scale is an unsigned e4m3 byte halved (``iquants.ue4m3_half``): bias 7, so with its low 7
+    bits b as float32 bits (b << 20) + (119 << 23); exponent 0: the subnormal man * 2^-10; bytes
+    0 and 0x7F read as 0, bit 7 ignored otherwise (0xFF is 240), as gguf.quants reads them."""
+    block = row + (c // 64) * 36
+    j = c % 64
+    s, t = j // 16, j % 16
+    code = (_byte(block + 4 + 8 * s + t % 8, mask) >> (4 * (t // 8))) & 0x0F
+    b = _byte(block + s, mask)
+    normal = (((b & 0x7F) << 20) + (119 << 23)).to(tl.float32, bitcast=True)
+    scale = tl.where(((b >> 3) & 0x0F) == 0, (b & 7).to(tl.float32) * 0.0009765625, normal)
+    return tl.where(b == 0x7F, 0.0, scale) * _e2m1(code)
 
 
 @triton.jit
@@ -323,6 +348,8 @@ def _dequantize_tile(w_ptr, grid_ptr, rows, cols, row_bytes, N, K, TYPE: tl.cons
         v = _iq1_values(row, c, mask, grid_ptr, TYPE)
     elif TYPE == MXFP4:
         v = _mxfp4_values(row, c, mask)
+    elif TYPE == NVFP4:
+        v = _nvfp4_values(row, c, mask)
     else:
         v = _legacy_values(row, c, mask, TYPE)
     return tl.where(mask, v, 0.0)

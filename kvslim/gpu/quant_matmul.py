@@ -3,8 +3,9 @@
 W is a ``kvslim.weights.QuantTensor``'s ``data``, (N, row_bytes) uint8 in the file's layout, copied to the
 device as is; no dequantized copy of it is ever stored. Types (``SUPPORTED``): Q8_0, Q4_0,
 Q2_K-Q6_K, IQ4_XS, the grid i-quants (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S: their
-lattices reach the kernels as ``grid_table``'s int8 tensors) and MXFP4. The kernels
-(``_quant_matmul_kernel``):
+lattices reach the kernels as ``grid_table``'s int8 tensors), MXFP4 and NVFP4 (blocks of 64
+values; each value addresses its own bytes, so no step or split depends on a block's size). The
+kernels (``_quant_matmul_kernel``):
 
 - ``gemv`` for decode (M <= MAX_GEMV_ROWS rows of x): W's bytes are read once and the values
   dequantized in registers; float32 products on the CUDA cores. Split-K: when W has too few
@@ -38,7 +39,7 @@ from . import runs_on as gpu_runs_on
 
 _T = gguf.GGMLQuantizationType
 GRIDDED = (_T.IQ2_XXS, _T.IQ2_XS, _T.IQ2_S, _T.IQ3_XXS, _T.IQ3_S, _T.IQ1_S, _T.IQ1_M)   # values index a lattice
-SUPPORTED = (_T.Q8_0, _T.Q4_0, _T.Q2_K, _T.Q3_K, _T.Q4_K, _T.Q5_K, _T.Q6_K, _T.IQ4_XS, *GRIDDED, _T.MXFP4)
+SUPPORTED = (_T.Q8_0, _T.Q4_0, _T.Q2_K, _T.Q3_K, _T.Q4_K, _T.Q5_K, _T.Q6_K, _T.IQ4_XS, *GRIDDED, _T.MXFP4, _T.NVFP4)
 MAX_GEMV_ROWS = 16            # more rows of x: the tensor-core GEMM
 GEMV_PROGRAMS = 264           # split K until a GEMV launches about this many programs (2 per H100 SM)
 GEMV_TILE = 2048              # BLOCK_N * BLOCK_K: W values one GEMV step dequantizes (in registers)
@@ -80,8 +81,8 @@ def gemv_config(n_rows: int) -> dict:
     """Blocks and warps of the GEMV for M = n_rows: 256 columns (one K-quant super-block) per
     step while few rows, then fewer outputs per program. Each value of W's tile holds its own
     64-bit byte pointers: ptxas for sm_90 spilled kilobytes at 32 x 256 values (M = 1), none at
-    8 x 256 (96-118 registers; 48-80 from M = 4 on; the grid i-quants and MXFP4 80-122, then
-    47-80). Not timed on a GPU yet."""
+    8 x 256 (96-118 registers; 48-80 from M = 4 on; the grid i-quants, MXFP4 and NVFP4 80-122,
+    then 47-80). Not timed on a GPU yet."""
     block_m = pow2(n_rows)
     block_k = 256 if block_m <= 2 else 128
     block_n = max(4, min(GEMV_TILE // block_k, GEMV_PRODUCTS // (block_m * block_k)))
@@ -91,7 +92,7 @@ def gemv_config(n_rows: int) -> dict:
 def gemm_config(n_rows: int) -> dict:
     """Blocks and warps of the GEMM: W's dequantized tile is reused by BLOCK_M rows of x, so
     BLOCK_M is the larger side. ptxas for sm_90 spilled at 128 x 64 x 64 (8 warps) and none at
-    BLOCK_K = 32 (179-218 registers for the K-quants, 180-227 for the grid i-quants and MXFP4;
+    BLOCK_K = 32 (179-218 registers for the K-quants, 180-227 for the grid i-quants, MXFP4 and NVFP4;
     the grouped GEMM's 16-slot tiles take up to 254-255, Q4_K and IQ4_XS as IQ2_S and IQ3_S, and
     do not spill either: the cubins' resource usage, Triton 3.9). Not timed on a GPU yet."""
     block_m = min(128, max(16, pow2(n_rows)))
