@@ -161,8 +161,8 @@ WEIGHT_FALLBACK = {"q6_k": "q8_0", "q5_k": "q5_1", "q4_k": "q5_0", "q3_k": "q4_0
 @dataclass(frozen=True)
 class WeightMix:
     """A llama-quantize file type: the default tensor type, the output tensor's type, the token
-    embedding's when it is not tied to the output (None: the default) and the per-role
-    overrides (role, rule, type), first match wins.
+    embedding's when it is not tied to the output (None: the default), the per-role overrides
+    (role, rule, type), first match wins, and the routed experts' type if it is their own.
     Roles and rules follow llama.cpp's ``llama_tensor_get_type``: ``attn_v`` covers attn_v and
     the fused attn_qkv of DeltaNet layers, counted in layer order; ``ffn_down`` covers dense,
     expert and shared-expert down projections of a layer. Rules are keys of
@@ -172,6 +172,7 @@ class WeightMix:
     output: str
     rules: tuple[tuple[str, str, str], ...] = ()
     token_embd: str | None = None
+    experts: str | None = None        # the routed experts' type, whatever the rules (MXFP4_MOE)
 
 
 # Weight quantizations a user can ask for, widest first (suggestions walk this order). Each is
@@ -201,6 +202,7 @@ WEIGHT_QUANTS: dict[str, WeightMix] = {
     "q6_k": WeightMix("q6_k", "q6_k"),
     "q5_k_m": WeightMix("q5_k", "q6_k", _MORE_BITS_Q6),
     "q4_k_m": WeightMix("q4_k", "q6_k", _MORE_BITS_Q6),
+    "mxfp4_moe": WeightMix("q8_0", "q8_0", experts="mxfp4"),   # a dense model's is its q8_0
     "q4_0": WeightMix("q4_0", "q6_k"),
     "iq4_xs": WeightMix("iq4_xs", "q6_k", (("attn_v", "gqa4", "q5_k"),)),
     "q3_k_m": WeightMix("q3_k", "q6_k", (("attn_v", "first_two", "q5_k"), ("attn_v", "all", "q4_k"),

@@ -60,6 +60,8 @@ def tensor_types(tensors: list[WeightTensor], mix: catalog.WeightMix, n_gqa: int
             out.append("f32")
         elif t.role == "output" or (tied and t.role == "token_embd"):
             out.append(fit_type(mix.output, t.cols))
+        elif mix.experts and t.experts > 1:
+            out.append(fit_type(mix.experts, t.cols))
         elif t.role == "token_embd":
             out.append(fit_type(mix.token_embd or mix.base, t.cols))
         else:
