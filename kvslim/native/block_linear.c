@@ -825,12 +825,15 @@ static inline uint32_t ksigns4(uint32_t w) {       /* 4 x 7 sign bits through KS
          | (uint32_t)KSIGNS[(w >> 21) & 127] << 24;
 }
 
-/* IQ1's codes times 8, so they stay integers: 8 * lattice value +- 1 (the delta's sign per entry,
- * given as 0 or -1 bytes), with the scale divided by 8 (exact). */
-static inline __m256i iq1_codes(__m256i grid, const int minus[4]) {
+/* IQ1's codes times 8, so they stay integers: 8 * lattice value +- 1 (bit k of `minus`: entry k's
+ * delta is negative), with the scale divided by 8 (exact). */
+static inline __m256i iq1_codes(__m256i grid, uint32_t minus) {
     const __m256i g8 = _mm256_slli_epi16(grid, 3);                       /* bytes -1, 0, 1 -> -8, 0, 8 */
     const __m256i fix = _mm256_and_si256(g8, _mm256_set1_epi8((char)0xF8));  /* the carry of -8 into the next byte */
-    const __m256i m = _mm256_setr_epi64x(minus[0], minus[1], minus[2], minus[3]);
+    const uint32_t bytes = ((minus * 0x00204081u) & 0x01010101u) * 0xFF;     /* bit k -> byte k all ones */
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i m = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bytes), spread);   /* entry k's 8 bytes */
     return _mm256_add_epi8(fix, _mm256_or_si256(m, _mm256_set1_epi8(1)));      /* -1 or +1 per entry */
 }
 
@@ -916,7 +919,7 @@ static inline __attribute__((always_inline)) __m256i group_codes(int type, const
             const uint16_t w = u16_at(sb + 34 + 2 * j);
             *s0 = *s1 = d * (float)(2 * ((w >> 12) & 7) + 1) * 0.125f;
             const uint8_t *i = qs + 4 * j;
-            const int minus[4] = {-(w >> 15), -(w >> 15), -(w >> 15), -(w >> 15)};
+            const uint32_t minus = w >> 15 ? 0xF : 0;
             return iq1_codes(_mm256_setr_epi64x((long long)entry8(IQ1S_GRID[i[0] | (w & 7) << 8]),
                                                 (long long)entry8(IQ1S_GRID[i[1] | (w >> 3 & 7) << 8]),
                                                 (long long)entry8(IQ1S_GRID[i[2] | (w >> 6 & 7) << 8]),
@@ -932,7 +935,7 @@ static inline __attribute__((always_inline)) __m256i group_codes(int type, const
             *s1 = dm * (float)(2 * ((sc >> (shift + 3)) & 7) + 1);
             const uint8_t *i = sb + 4 * j, *qh = sb + 32 + 2 * j;
             const int n[4] = {qh[0] & 0x0F, qh[0] >> 4, qh[1] & 0x0F, qh[1] >> 4};
-            const int minus[4] = {-(n[0] >> 3), -(n[1] >> 3), -(n[2] >> 3), -(n[3] >> 3)};
+            const uint32_t minus = (uint32_t)(n[0] >> 3 | (n[1] >> 3) << 1 | (n[2] >> 3) << 2 | (n[3] >> 3) << 3);
             return iq1_codes(_mm256_setr_epi64x((long long)entry8(IQ1S_GRID[i[0] | (n[0] & 7) << 8]),
                                                 (long long)entry8(IQ1S_GRID[i[1] | (n[1] & 7) << 8]),
                                                 (long long)entry8(IQ1S_GRID[i[2] | (n[2] & 7) << 8]),
