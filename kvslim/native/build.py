@@ -115,6 +115,7 @@ def homebrew_libomp(roots=("/opt/homebrew/opt/libomp", "/usr/local/opt/libomp"))
     return next((root for root in roots if Path(root, "include", "omp.h").exists()), None)
 
 
+@lru_cache(maxsize=None)                                 # 7 ms of text, the same for every library
 def generated_headers() -> dict[str, str]:
     """Headers made at build time from data kvslim's dependencies hold, by file name: the
     i-quants' lattices (thousands of entries) come from gguf.quants, as the torch decoders'

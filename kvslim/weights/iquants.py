@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ..formats.base import cached_on, fp16_from_bytes
-from ..native.lattices import MXFP4_VALUES, grid, ksigns
+from ..native.lattices import MXFP4_VALUES, grid, ksigns, ue4m3_halves
 
 IQ1_DELTA = 0.125                        # IQ1_S/IQ1_M: every grid value is shifted by +-1/8
 
@@ -26,10 +26,19 @@ def _grid_on(device, name: str) -> torch.Tensor:
     return cached_on(device, ("iq grid f32", name), lambda: torch.from_numpy(grid(name).astype(np.float32)))
 
 
+def _fields(x: torch.Tensor, shifts: tuple[int, ...], mask: int) -> torch.Tensor:
+    """(...,) integers -> (..., len(shifts)) int64: ``(x >> s) & mask`` for each shift."""
+    s = cached_on(x.device, ("iq shifts", shifts), lambda: torch.tensor(shifts, dtype=torch.int64))
+    return (x.to(torch.int64).unsqueeze(-1) >> s) & mask
+
+
+BITS = tuple(range(8))
+SIGN_INDICES = (0, 7, 14, 21)            # the 4 x 7-bit sign indices of an XXS word
+
+
 def _signs_from_bytes(b: torch.Tensor) -> torch.Tensor:
     """(...,) sign bytes -> (..., 8) float32 +-1: bit l set makes value l negative."""
-    bits = (b.to(torch.int32).unsqueeze(-1) >> torch.arange(8, device=b.device, dtype=torch.int32)) & 1
-    return 1.0 - 2.0 * bits.float()
+    return 1.0 - 2.0 * _fields(b, BITS, 1).float()
 
 
 def _signs_from_index(idx: torch.Tensor) -> torch.Tensor:
@@ -46,7 +55,7 @@ def _words(b: torch.Tensor, width: int) -> torch.Tensor:
 
 def _nibbles(b: torch.Tensor) -> torch.Tensor:
     """(N, k) bytes -> (N, 2k): low then high nibble of each byte."""
-    return torch.stack([b & 0x0F, b >> 4], dim=-1).reshape(b.shape[0], -1).to(torch.int64)
+    return _fields(b, (0, 4), 0x0F).reshape(b.shape[0], -1)
 
 
 def _lookup(name: str, idx: torch.Tensor) -> torch.Tensor:
@@ -65,7 +74,7 @@ def decode_iq2_xxs(f) -> torch.Tensor:
     words = _words(f["qs"], 4).view(-1, 8, 2)
     n = words.shape[0]
     db = (_d(f) * (0.5 + (words[..., 1] >> 28).float()) * 0.25).view(n, 8, 1, 1)
-    signs = _signs_from_index((words[..., 1:] >> torch.tensor([0, 7, 14, 21], device=words.device)) & 0x7F)
+    signs = _signs_from_index(_fields(words[..., 1], SIGN_INDICES, 0x7F))
     values = _lookup("iq2_xxs", f["qs"].reshape(n, 8, 8)[..., :4].to(torch.int64))
     return (db * values * signs).reshape(n, -1)
 
@@ -82,7 +91,7 @@ def decode_iq2_xs(f) -> torch.Tensor:
 def decode_iq2_s(f) -> torch.Tensor:
     """10-bit grid indices (a byte of qs, 2 bits of qh), a sign byte per 8 values, 4-bit scales."""
     n = f["qs"].shape[0]
-    high = (f["qh"].to(torch.int64).unsqueeze(-1) >> torch.tensor([0, 2, 4, 6], device=f["qh"].device)) & 3
+    high = _fields(f["qh"], (0, 2, 4, 6), 3)
     idx = f["qs"].to(torch.int64) | (high.reshape(n, -1) << 8)
     db = (_d(f) * (0.5 + _nibbles(f["scales"]).float()) * 0.25).view(n, 16, 1, 1)
     values = _lookup("iq2_s", idx).view(n, 16, 2, 8)
@@ -95,7 +104,7 @@ def decode_iq3_xxs(f) -> torch.Tensor:
     words = _words(f["scales"], 4)                                           # (N, 8)
     n = words.shape[0]
     db = (_d(f) * (0.5 + (words >> 28).float()) * 0.5).view(n, 8, 1, 1)
-    signs = _signs_from_index((words.unsqueeze(-1) >> torch.tensor([0, 7, 14, 21], device=words.device)) & 0x7F)
+    signs = _signs_from_index(_fields(words, SIGN_INDICES, 0x7F))
     values = _lookup("iq3_xxs", f["qs"].to(torch.int64)).view(n, 8, 4, 8)
     return (db * values * signs).reshape(n, -1)
 
@@ -104,7 +113,7 @@ def decode_iq3_s(f) -> torch.Tensor:
     """9-bit grid indices (a byte of qs, a bit of qh), a sign byte per 8 values, and per 32
     values a 4-bit scale: value = d * (1 + 2s) * grid * sign."""
     n = f["qs"].shape[0]
-    high = (f["qh"].to(torch.int64).unsqueeze(-1) >> torch.arange(8, device=f["qh"].device)) & 1
+    high = _fields(f["qh"], BITS, 1)
     idx = f["qs"].to(torch.int64) | (high.reshape(n, -1) << 8)
     db = (_d(f) * (1 + 2 * _nibbles(f["scales"])).float()).view(n, 8, 1, 1)
     values = _lookup("iq3_s", idx).view(n, 8, 4, 8)
@@ -118,7 +127,7 @@ def decode_iq1_s(f) -> torch.Tensor:
     n = qh.shape[0]
     dl = (_d(f) * (2 * ((qh >> 12) & 7) + 1).float()).view(n, 8, 1, 1)
     delta = torch.where((qh & 0x8000) == 0, IQ1_DELTA, -IQ1_DELTA).view(n, 8, 1, 1)
-    high = (qh.unsqueeze(-1) >> torch.tensor([0, 3, 6, 9], device=qh.device)) & 7
+    high = _fields(qh, (0, 3, 6, 9), 7)
     idx = f["qs"].to(torch.int64) | (high.reshape(n, -1) << 8)
     values = _lookup("iq1_s", idx).view(n, 8, 4, 8)
     return (dl * (values + delta)).reshape(n, -1)
@@ -136,7 +145,7 @@ def decode_iq1_m(f) -> torch.Tensor:
     make the fp16 super-scale) and a delta sign per 8 values (bit 3 of each qh nibble)."""
     words = _words(f["scales"], 2)                                           # (N, 4)
     n = words.shape[0]
-    sc = (words.unsqueeze(-1) >> torch.tensor([0, 3, 6, 9], device=words.device)) & 7
+    sc = _fields(words, (0, 3, 6, 9), 7)
     dl = (iq1_m_d(f["scales"]) * (2 * sc.reshape(n, 16) + 1).float()).view(n, 8, 2, 1, 1)
     qh = _nibbles(f["qh"])                                                   # (N, 32): one per grid entry
     idx = f["qs"].to(torch.int64) | ((qh & 7) << 8)
@@ -153,31 +162,28 @@ def e8m0_half(e: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
+def _e2m1(qs: torch.Tensor) -> torch.Tensor:
+    """(..., k) bytes of e2m1 codes -> (..., 2k) float32 values (doubled, as ggml keeps them):
+    each row's low nibbles, then its high nibbles."""
+    table = cached_on(qs.device, ("e2m1 values",), lambda: torch.tensor(MXFP4_VALUES, dtype=torch.float32))
+    qs = qs.to(torch.int64)
+    return table[torch.cat([qs & 0x0F, qs >> 4], dim=-1)]
+
+
 def decode_mxfp4(f) -> torch.Tensor:
     """32 values: an e8m0 exponent, then 16 bytes of e2m1 codes, low nibbles first."""
-    n = f["qs"].shape[0]
-    table = cached_on(f["qs"].device, ("mxfp4 values",), lambda: torch.tensor(MXFP4_VALUES, dtype=torch.float32))
-    qs = f["qs"].to(torch.int64)
-    codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1)
-    return e8m0_half(f["e"]).view(n, 1) * table[codes]
-
+    return e8m0_half(f["e"]).view(-1, 1) * _e2m1(f["qs"])
 
 
 def ue4m3_half(b: torch.Tensor) -> torch.Tensor:
     """NVFP4's unsigned e4m3 scale bytes as float32, halved (the values are stored doubled):
-    exponent bias 7, subnormal below exponent 1; 0 and 0x7F (NaN's pattern) read as 0."""
-    b = b.to(torch.int32)
-    exp, man = (b >> 3) & 0xF, (b & 7).float()
-    normal = (1.0 + man / 8.0) * torch.exp2((exp - 7).float())
-    value = torch.where(exp == 0, man * 2.0 ** -9, normal)
-    return torch.where((b == 0) | (b == 0x7F), 0.0, value * 0.5)
+    ``lattices.ue4m3_halves``' table, gguf.quants' own values, which the C kernels read too."""
+    table = cached_on(b.device, ("ue4m3 halves",), lambda: torch.from_numpy(ue4m3_halves()))
+    return table[b.long()]
 
 
 def decode_nvfp4(f) -> torch.Tensor:
     """64 values: four e4m3 scales (one per 16 values), then 32 bytes of e2m1 codes, 8 per
     16 values: a sub-block's low nibbles are its values 0-7, the high nibbles 8-15."""
     n = f["qs"].shape[0]
-    table = cached_on(f["qs"].device, ("mxfp4 values",), lambda: torch.tensor(MXFP4_VALUES, dtype=torch.float32))
-    qs = f["qs"].to(torch.int64).view(n, 4, 8)
-    codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1)                          # (N, 4, 16)
-    return (ue4m3_half(f["scales"]).view(n, 4, 1) * table[codes]).reshape(n, 64)
+    return (ue4m3_half(f["scales"]).view(n, 4, 1) * _e2m1(f["qs"].view(n, 4, 8))).reshape(n, 64)
