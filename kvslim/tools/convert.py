@@ -74,8 +74,7 @@ def convert(folder: Path, out: Path, out_type: str, threads: int = 2, imatrix: P
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         if importance is None and out_type in NEEDS_IMATRIX:       # llama.cpp refuses these without one
             print(f"--type {out_type}: no --imatrix given; measuring one (kvslim imatrix's defaults)")
-            made = measure_to_file(folder, Path(tmp) / "imatrix.gguf", None, 512, 64)
-            importance = read_imatrix(made)
+            importance = {name: e.means() for name, e in measure_to_file(folder, None, None, 512, 64).items()}
         source = convert_hf_to_gguf(folder, Path(tmp) / "f32.gguf", "f32")
         return peer.quantize(source, out, LLAMA_QUANTIZE[out_type], threads, importance)
 

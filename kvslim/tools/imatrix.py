@@ -41,17 +41,20 @@ def calibration_text(path: str | Path | None) -> tuple[str, str]:
     return path.read_text(encoding="utf-8", errors="replace"), path.name
 
 
-def measure_to_file(folder: Path, out: Path, text_path: str | Path | None, n_ctx: int, chunks: int) -> Path:
-    """Measure and write the file; prints what was run."""
+def measure_to_file(folder: Path, out: Path | None, text_path: str | Path | None, n_ctx: int,
+                    chunks: int) -> dict[str, imatrix.Importance]:
+    """Measure, write the file (unless ``out`` is None: ``kvslim convert`` hands the entries
+    straight to the quantizer), print what was run; returns the entries."""
     if n_ctx < 1 or chunks < 1:
         raise ValueError(f"-c and --chunks must be positive (got {n_ctx} and {chunks})")
     text, name = calibration_text(text_path)
     start = time.perf_counter()
     entries, ran = measure_importance(folder, text, n_ctx, chunks)
-    imatrix.write(out, entries, [name], ran, n_ctx)
-    print(f"wrote {out}: {len(entries)} matrices, {ran} chunks of {n_ctx} tokens of {name} "
-          f"in {time.perf_counter() - start:.1f} s")
-    return out
+    if out is not None:
+        imatrix.write(out, entries, [name], ran, n_ctx)
+    print(f"{'wrote ' + str(out) if out else 'measured'}: {len(entries)} matrices, {ran} chunks of {n_ctx} tokens "
+          f"of {name} in {time.perf_counter() - start:.1f} s")
+    return entries
 
 
 def main(argv: list[str]) -> int:
