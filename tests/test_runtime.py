@@ -104,12 +104,22 @@ def test_one_failing_sequence_leaves_the_others_identical(hybrid):
     engine = Engine(model, tok, config, eos)
     seqs = [engine.submit(p, 8, SamplingParams(temperature=0)) for p in prompts]
 
-    def explode(logits, history):
-        raise ValueError("temperature overflowed")
+    class Broken:                                   # a grammar that fails at its second token
+        calls = 0
 
-    seqs[1].sampler = explode
+        def allowed(self, n_vocab):
+            self.calls += 1
+            if self.calls == 2:
+                raise ValueError("the grammar broke")
+            return torch.ones(n_vocab, dtype=torch.bool)
+
+        def accept(self, token):
+            pass
+
+    seqs[1].sampler.constraint = Broken()
     engine.run(seqs)
-    assert seqs[1].finish_reason == "error" and "temperature overflowed" in seqs[1].error
+    assert seqs[1].finish_reason == "error" and "the grammar broke" in seqs[1].error
+    assert len(seqs[1].generated) == 1
     assert [seqs[0].generated, seqs[2].generated] == expected
     for s in seqs:
         engine.release(s)
@@ -123,15 +133,14 @@ def test_a_reply_has_the_same_logits_whatever_else_the_engine_runs(hybrid):
     model, tok, eos = hybrid
     config = EngineConfig.build(128, 2, "q8_0", "turbo4", device="cpu", n_ubatch=16)
 
-    def recorder(seen):
-        def greedy(logits, history):
-            seen.append(logits.clone())
-            return int(logits.argmax())
-        return greedy
-
     def submit(engine, prompt, seen):
         seq = engine.submit(prompt, 10, SamplingParams(temperature=0))
-        seq.sampler = recorder(seen)
+        sample = engine._sample
+
+        def recording(rows, logits):                # each row the sampler sees, for this sequence
+            seen.extend(logits[row].clone() for s, row in rows if s is seq)
+            sample(rows, logits)
+        engine._sample = recording
         return seq
 
     first, second = list(range(10, 30)), list(range(40, 80))

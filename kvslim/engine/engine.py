@@ -15,13 +15,14 @@ from typing import Iterator
 
 import torch
 
+from ..devices import to_device
 from ..models import Batch
 from ..models.base import CausalLM
 from ..tokenizer import Tokenizer
 from .config import EngineConfig
 from .decode_step import DecodeStep
 from .prefix import PrefixCache
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, sample_rows
 from .text import TextStream
 
 
@@ -199,9 +200,9 @@ class Engine:
             raise ContextLengthExceeded(len(prompt), self.ctx)
         if not self._free:
             raise RuntimeError("no free slot: all n_parallel sequences are busy")
-        seq = Sequence(self._next_id, list(prompt), max_tokens, Sampler(sampling),
-                       TextStream(self.tokenizer, stop or []), tokens=list(prompt),
-                       ignore_eos=bool(sampling and sampling.ignore_eos))
+        ignore_eos = bool(sampling and sampling.ignore_eos)          # as llama-server: EOG tokens never drawn
+        seq = Sequence(self._next_id, list(prompt), max_tokens, Sampler(sampling, banned=self.eog_ids if ignore_eos else ()),
+                       TextStream(self.tokenizer, stop or []), tokens=list(prompt), ignore_eos=ignore_eos)
         self._next_id += 1
         self._assign_slot(seq)
         seq.leader = next((s for s in self.running if s.leader is None and not s.done and s.prompt == seq.prompt
@@ -242,7 +243,7 @@ class Engine:
         logits = self._forward(plan)
         bad = set(self.cache.take_overflow())                       # the one host read of the step
         elapsed = time.perf_counter() - t0
-        advanced = []                                               # got a token, or ended with an error
+        advanced, rows = [], []                                     # got a token, or ended with an error
         for row, (seq, chunk) in enumerate(plan):
             self._account(seq, chunk, elapsed)
             if seq.slot in bad:
@@ -250,22 +251,29 @@ class Engine:
                 advanced.append(seq)
             elif not seq.pending:                                   # everything read: predict
                 for follower in [s for s in self.running if s.leader is seq]:
-                    self._fork(seq, follower, logits[row])
-                    advanced.append(follower)
-                self._sample(seq, logits[row])
-                advanced.append(seq)
-        return advanced
+                    self._fork(seq, follower)
+                    rows.append((follower, row))
+                rows.append((seq, row))
+        self._sample(rows, logits)
+        return advanced + [seq for seq, _ in rows]
 
-    def _sample(self, seq: Sequence, logits: torch.Tensor) -> None:
-        try:
-            if seq.ignore_eos and self.eog_ids:                     # as llama-server: EOG logits to -inf
-                logits = logits.index_fill(0, torch.tensor(sorted(self.eog_ids)), float("-inf"))
-            self._accept(seq, seq.sampler(logits, seq.tokens))
-        except Exception as err:                                    # any failure ends this request alone
-            self._fail(seq, f"sampling failed: {type(err).__name__}: {err}")
+    def _sample(self, rows: list[tuple[Sequence, int]], logits: torch.Tensor) -> None:
+        """Every predicting sequence's next token in one pass (a follower samples from its leader's row)."""
+        if not rows:
+            return
+        index = [row for _, row in rows]
+        picked = logits if index == list(range(logits.shape[0])) else logits[to_device(index, logits.device)]
+        tokens = sample_rows([seq.sampler for seq, _ in rows], picked, [seq.tokens for seq, _ in rows])
+        for (seq, _), token in zip(rows, tokens):
+            try:
+                if isinstance(token, Exception):
+                    raise token
+                self._accept(seq, token)
+            except Exception as err:                                # a failure ends this request alone
+                self._fail(seq, f"sampling failed: {type(err).__name__}: {err}")
 
-    def _fork(self, leader: Sequence, seq: Sequence, logits: torch.Tensor) -> None:
-        """``seq`` (same prompt) takes a copy of the leader's cache and samples its own first
+    def _fork(self, leader: Sequence, seq: Sequence) -> None:
+        """``seq`` (same prompt) takes a copy of the leader's cache; it samples its own first
         token from the leader's last logits: the distribution it would have computed itself."""
         self.cache.copy_slot(leader.slot, seq.slot)
         seq.leader = None
@@ -273,7 +281,6 @@ class Engine:
         seq.prompt_s = leader.prompt_s
         if self.prefix is not None:
             self._checkpoint_prompt(seq)
-        self._sample(seq, logits)
 
     def _forward(self, plan: list[tuple[Sequence, list[int]]]) -> torch.Tensor:
         """Logits of each plan entry's last token. With a native or compiled decode step, the
