@@ -77,7 +77,7 @@ setup() {
 
 # The tests that need CUDA (or compile for an H100), picked by name with -k: the model files'
 # CUDA tests run with and without the kernels; the kernel files' tests call the kernels directly.
-MODEL_TESTS="tests/test_runtime.py tests/test_formats_api.py tests/test_models.py tests/test_graph_decode.py"
+MODEL_TESTS="tests/test_runtime.py tests/test_sampling.py tests/test_formats_api.py tests/test_models.py tests/test_graph_decode.py"
 KERNEL_TESTS="tests/test_triton_attention.py tests/test_triton_prefill.py tests/test_triton_append.py
     tests/test_triton_weights.py tests/test_gpu_delta_rule.py"
 PYTEST="-m pytest -p no:cacheprovider -o addopts= -rs -q"
@@ -171,7 +171,8 @@ all() {
         --pairs f16/f16,q8_0/turbo4,turbo3/turbo3 2>&1 | tee "$OUT/e2e.md"
     bench_bundled 60 | tee "$OUT/model.md"
     # shortened lists: each script prints its table at the end, so one cut by timeout prints nothing
-    { timeout -k 10 "$(left 60)" $PY benchmarks/gpu_prefill.py -p f16/f16,q8_0/turbo4,turbo3/turbo3 -r 5
+    { timeout -k 10 "$(left 30)" $PY benchmarks/sampling.py --device cuda --runs 20
+      timeout -k 10 "$(left 60)" $PY benchmarks/gpu_prefill.py -p f16/f16,q8_0/turbo4,turbo3/turbo3 -r 5
       timeout -k 10 "$(left 60)" $PY benchmarks/gpu_weights.py -t q4_0,q4_k -s 8192x2048,2048x4096 -r 10; } \
         2>&1 | tee "$OUT/kernels.md"
     echo "all: $SECONDS s"

@@ -116,3 +116,18 @@ def test_a_bad_row_fails_alone_with_a_clear_error():
     assert isinstance(tokens[2], ValueError) and "exclude every token" in str(tokens[2])
     with pytest.raises(ValueError, match="NaN or infinite"):
         Sampler(SamplingParams(temperature=0))(logits[1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_rows_sample_as_on_the_cpu():
+    """The shortlists made on the GPU give the CPU's distributions and, seeded, its tokens."""
+    logits = peaked_logits(13, rows=4)
+    params = [SamplingParams(temperature=0), SamplingParams(seed=1, repeat_penalty=1.2),
+              SamplingParams(top_k=0, seed=2, logprobs=2), SamplingParams(top_k=0, min_p=0.0, top_p=0.9, seed=3)]
+    histories = [[1], [2, 2, 3], [], [4]]
+    on_cpu, on_gpu = [Sampler(p) for p in params], [Sampler(p) for p in params]
+    for _ in range(10):
+        assert sample_rows(on_gpu, logits.cuda(), histories) == sample_rows(on_cpu, logits, histories)
+    for i, s in enumerate(on_cpu):
+        assert torch.allclose(s.distribution(logits[i].cuda(), histories[i]),
+                              distribution_reference(s, logits[i], histories[i]), atol=1e-5)
