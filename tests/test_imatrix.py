@@ -55,6 +55,27 @@ def test_measured_importance_follows_the_writers_layout(tiny_folder, kind):
         assert permuted > 0
 
 
+def test_each_expert_gets_the_inputs_of_the_tokens_routed_to_it(tiny_folder):
+    """An expert's gate_up entry sums x^2 over exactly the tokens its router sent to it (seen
+    here by a hook on the routers, apart from the recording)."""
+    model, _, _ = load_model(tiny_folder("qwen3_5_moe")[0], "f32")
+    routed = {}
+    hooks = [m.register_forward_hook(lambda mod, args, out, n=name: routed.setdefault(n, []).append((args[0], out[1])))
+             for name, m in model.named_modules() if name.endswith("mlp.gate")]
+    collected = imatrix.collect(model, CHUNKS)
+    for h in hooks:
+        h.remove()
+    assert len(routed) == model.config.num_hidden_layers
+    for name, calls in routed.items():
+        x = torch.cat([c[0].reshape(-1, c[0].shape[-1]) for c in calls]).double()
+        experts = torch.cat([c[1].reshape(-1, c[1].shape[-1]) for c in calls])
+        imp = collected[name.removesuffix("gate") + "experts.gate_up_proj"]
+        for e in range(imp.sums.shape[0]):
+            chosen = (experts == e).any(-1)
+            assert imp.counts[e] == int(chosen.sum())
+            assert np.allclose(imp.sums[e], (x[chosen] ** 2).sum(0).numpy(), rtol=1e-6), (name, e)
+
+
 def test_the_file_format_round_trips_as_llama_quantize_reads_it(tmp_path):
     rng = np.random.default_rng(0)
     entries = {"blk.0.ffn_up.weight": imatrix.Importance(rng.uniform(1, 4, (1, 64)), np.array([30.0])),
@@ -108,6 +129,35 @@ def test_llama_cpp_quantizes_a_mixture_to_iq2_xxs_with_the_measured_matrix(moe25
     assert experts and {e.gate_up_type[0].name for e in experts} == {"iq2_xxs"}
 
 
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
+def test_a_gguf_measures_as_its_checkpoint(tiny_folder, tmp_path, kind):
+    """llama-imatrix runs a GGUF, and so does kvslim: an F32 file gives its checkpoint's entries
+    exactly (tokenizer, names, layouts); a Q8_0 file runs with its matrices and experts packed,
+    and its inputs are those of the same weights dequantized into float layers."""
+    from kvslim.gguf.reader import read_model
+    from kvslim.loading import config_from_dict, convert_hf_to_gguf, instantiate
+    from kvslim.weights.modules import QuantExperts, QuantLinear
+    folder, _ = tiny_folder(kind)
+    text = "The quick brown fox jumps over the lazy dog, and the dog sleeps on. " * 40
+    ref, _ = measure_importance(folder, text, n_ctx=64, max_chunks=3)
+    got, ran = measure_importance(convert_hf_to_gguf(folder, tmp_path / "f32.gguf", "f32"), text, n_ctx=64, max_chunks=3)
+    assert ran == 3 and got.keys() == ref.keys()
+    assert all(np.array_equal(got[k].sums, e.sums) and np.array_equal(got[k].counts, e.counts) for k, e in ref.items())
+
+    path = convert_hf_to_gguf(folder, tmp_path / "q8_0.gguf", "q8_0")
+    packed = load_model(path, "f32")[0]
+    assert any(isinstance(m, QuantLinear) for m in packed.modules())
+    assert (kind == "qwen3_5_moe") == any(isinstance(m, QuantExperts) for m in packed.modules())
+    config, state, _, _ = read_model(path, torch.float32)                        # every tensor dequantized
+    dense = instantiate(config_from_dict(config), state, torch.float32, "cpu")
+    assert not any(isinstance(m, (QuantLinear, QuantExperts)) for m in dense.modules())
+    a, b = imatrix.collect(packed, CHUNKS), imatrix.collect(dense, CHUNKS)
+    assert a.keys() == b.keys() and len(a) > 10
+    for name, e in b.items():
+        assert np.array_equal(a[name].counts, e.counts), name
+        assert np.linalg.norm(a[name].sums - e.sums) <= 1e-4 * np.linalg.norm(e.sums), name   # float rounding
+
+
 @needs_peer
 def test_the_tools(tmp_path, capsys):
     """``kvslim imatrix`` writes the file; ``kvslim convert --type iq2_xxs`` takes it, or measures
@@ -125,5 +175,9 @@ def test_the_tools(tmp_path, capsys):
         assert gguf.GGUFReader(str(out)).get_field("general.file_type").contents() == gguf.LlamaFileType.MOSTLY_IQ2_XXS
     assert main(["imatrix", str(default_model()), "-f", str(tmp_path / "none.txt")]) == 2
     assert "no such calibration text file" in capsys.readouterr().err
+    assert main(["imatrix", str(out), "-o", str(tmp_path / "from-gguf.gguf"), "-c", "128", "--chunks", "2"]) == 0
+    assert len(imatrix.read(tmp_path / "from-gguf.gguf")) == len(imatrix.read(path))   # an IQ2_XXS file runs packed
+    assert main(["imatrix", str(tmp_path / "none.gguf")]) == 2
+    assert "no such file or folder" in capsys.readouterr().err
     assert main(["convert", str(default_model()), "-o", str(out), "--type", "iq2_xxs", "--imatrix", str(out)]) == 2
     assert "no <tensor>.in_sum2 entries" in capsys.readouterr().err

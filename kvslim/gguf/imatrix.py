@@ -145,37 +145,37 @@ class _Recorder:
 
 
 def _record_experts(module: nn.Module, name: str, rec: _Recorder):
-    """Replace ``module.expert`` (the per-expert reference path every routing reaches on the
-    CPU) with one that records each expert's inputs: x for gate_up, silu(gate) * up for down."""
-    n_experts, gate_up_rows = module.gate_up_proj.shape[:2]
-    down_rows = module.down_proj.shape[1]
+    """Have ``module.project`` (each expert's products on the per-expert reference path, which
+    every routing takes while this runs) record its inputs: x for gate_up, silu(gate) * up for down."""
+    n_experts = module.gate_up_proj.shape[0]
+    rows = {m: getattr(module, f"{m}_proj").shape[1] for m in ("gate_up", "down")}
+    project = module.project
 
-    def expert(e: int, x: torch.Tensor) -> torch.Tensor:
-        gate, up = torch.nn.functional.linear(x, module.gate_up_proj[e]).chunk(2, dim=-1)
-        h = torch.nn.functional.silu(gate) * up
-        rec.add(f"{name}.gate_up_proj", x, gate_up_rows, e, n_experts)
-        rec.add(f"{name}.down_proj", h, down_rows, e, n_experts)
-        return torch.nn.functional.linear(h, module.down_proj[e])
-    module.expert = expert
+    def recording(e: int, matrix: str, x: torch.Tensor) -> torch.Tensor:
+        rec.add(f"{name}.{matrix}_proj", x, rows[matrix], e, n_experts)
+        return project(e, matrix, x)
+    module.project = recording
     module.groups = lambda x, experts: False
 
 
 def collect(model: nn.Module, chunks: list[list[int]], skip: tuple[str, ...] = ("lm_head",)) -> dict[str, Importance]:
-    """Run ``model`` (a dense kvslim model on the CPU) over each chunk of token ids from
-    position 0, and return the importance of every linear layer's and expert's input, by the
-    checkpoint's parameter names. ``skip``: layers left out (llama-imatrix leaves the output
-    matrix out by default). Fused projections are unfused for the run, so each matrix is seen."""
+    """Run ``model`` (a kvslim model on the CPU, float or quantized weights) over each chunk of
+    token ids from position 0, and return the importance of every linear layer's and expert's
+    input, by the checkpoint's parameter names. ``skip``: layers left out (llama-imatrix leaves
+    the output matrix out by default). Fused projections are unfused for the run, so each
+    matrix is seen."""
     from ..models import Batch
+    from ..weights.modules import QuantLinear
     rec = _Recorder()
     hooks, fused = [], {}
     for name, module in model.named_modules():
         if getattr(module, "fused", None) is not None:
             fused[module] = module.fused
             module.fused = None
-        if isinstance(module, nn.Linear) and not any(name.endswith(s) for s in skip):
+        if isinstance(module, (nn.Linear, QuantLinear)) and not any(name.endswith(s) for s in skip):
             hooks.append(module.register_forward_pre_hook(
                 lambda m, args, n=f"{name}.weight": rec.add(n, args[0], m.out_features)))
-        if hasattr(module, "gate_up_proj") and hasattr(module, "expert"):
+        if hasattr(module, "gate_up_proj") and hasattr(module, "project"):
             _record_experts(module, name, rec)
     try:
         with torch.inference_mode():
@@ -188,7 +188,7 @@ def collect(model: nn.Module, chunks: list[list[int]], skip: tuple[str, ...] = (
         for module, f in fused.items():
             module.fused = f
         for module in model.modules():
-            for attr in ("expert", "groups"):
+            for attr in ("project", "groups"):
                 if attr in vars(module):
                     delattr(module, attr)
     return rec.result()

@@ -100,14 +100,17 @@ def convert_hf_to_gguf(folder: str | Path, out_path: str | Path, out_type: str =
     return write_gguf(config, read_state_dict(folder), folder, out_path, out_type)
 
 
-def measure_importance(folder: str | Path, text: str, n_ctx: int = 512, max_chunks: int = 64):
-    """The importance of a Hugging Face folder's matrices on ``text``, by GGUF tensor name
+def measure_importance(path: str | Path, text: str, n_ctx: int = 512, max_chunks: int = 64):
+    """The importance of a model's matrices on ``text``, by GGUF tensor name
     (``kvslim.gguf.imatrix``): the text's tokens in chunks of ``n_ctx`` (at most ``max_chunks``),
-    each from position 0, as llama-imatrix runs them. Returns (entries, chunks run)."""
+    each from position 0, as llama-imatrix runs them. ``path``: a Hugging Face folder, or a
+    GGUF file (run with its weights as stored, as llama-imatrix does). Returns (entries, chunks run)."""
     from ..gguf import imatrix
+    from ..gguf import reader
     from ..gguf.writer import check_export
-    arch, config = check_export(read_config(Path(folder)), "f32")
-    model, tokenizer, _ = load_model(folder, "f32")
+    path = _model_path(path)
+    arch, config = check_export(read_config(path) if path.is_dir() else reader.read_config(path), "f32")
+    model, tokenizer, _ = load_model(path, "f32", allow_dequant=True)
     ids = tokenizer.encode(text, add_special=False)
     chunks = [ids[i:i + n_ctx] for i in range(0, len(ids) - n_ctx + 1, n_ctx)][:max_chunks]
     if not chunks:

@@ -232,8 +232,12 @@ class Experts(nn.Module):
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``e``'s SwiGLU on the tokens routed to it: (n, H) -> (n, H)."""
-        gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj[e])
+        gate, up = self.project(e, "gate_up", x).chunk(2, dim=-1)
+        return self.project(e, "down", F.silu(gate) * up)
+
+    def project(self, e: int, matrix: str, x: torch.Tensor) -> torch.Tensor:
+        """x times expert ``e``'s ``matrix`` ("gate_up" or "down")."""
+        return F.linear(x, getattr(self, f"{matrix}_proj")[e])
 
 
 class SparseMoE(nn.Module):

@@ -22,7 +22,7 @@ CALIBRATION_FILES = (TEXT / "classics-heldout.txt", TEXT / "bible-heldout.txt")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvslim imatrix", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", help="Hugging Face folder (config.json, *.safetensors, tokenizer.json)")
+    p.add_argument("model", help="Hugging Face folder (config.json, *.safetensors, tokenizer.json) or GGUF file")
     p.add_argument("-f", "--file", default=None, help="calibration text (default: kvslim's held-out classics and Bible)")
     p.add_argument("-o", "--output", "--output-file", dest="output", default="imatrix.gguf",
                    help="output file (llama-imatrix's GGUF format; default imatrix.gguf)")
@@ -41,7 +41,7 @@ def calibration_text(path: str | Path | None) -> tuple[str, str]:
     return path.read_text(encoding="utf-8", errors="replace"), path.name
 
 
-def measure_to_file(folder: Path, out: Path | None, text_path: str | Path | None, n_ctx: int,
+def measure_to_file(model: Path, out: Path | None, text_path: str | Path | None, n_ctx: int,
                     chunks: int) -> dict[str, imatrix.Importance]:
     """Measure, write the file (unless ``out`` is None: ``kvslim convert`` hands the entries
     straight to the quantizer), print what was run; returns the entries."""
@@ -49,7 +49,7 @@ def measure_to_file(folder: Path, out: Path | None, text_path: str | Path | None
         raise ValueError(f"-c and --chunks must be positive (got {n_ctx} and {chunks})")
     text, name = calibration_text(text_path)
     start = time.perf_counter()
-    entries, ran = measure_importance(folder, text, n_ctx, chunks)
+    entries, ran = measure_importance(model, text, n_ctx, chunks)
     if out is not None:
         imatrix.write(out, entries, [name], ran, n_ctx)
     print(f"{'wrote ' + str(out) if out else 'measured'}: {len(entries)} matrices, {ran} chunks of {n_ctx} tokens "
@@ -59,8 +59,5 @@ def measure_to_file(folder: Path, out: Path | None, text_path: str | Path | None
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    folder = Path(args.model)
-    if not folder.is_dir():
-        raise ValueError(f"{folder}: not a Hugging Face model folder")
-    measure_to_file(folder, Path(args.output), args.file, args.ctx_size, args.chunks)
+    measure_to_file(Path(args.model), Path(args.output), args.file, args.ctx_size, args.chunks)
     return 0

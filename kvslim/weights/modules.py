@@ -10,7 +10,6 @@ multiplies by the same blocks.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import gpu
@@ -91,9 +90,8 @@ class QuantExperts(Experts):
     def _matrix(param: nn.Parameter, kind: tuple | None, e: int):
         return param[e] if kind is None else QuantTensor(param[e], *kind)
 
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self._matrix(self.gate_up_proj, self.gate_up_type, e)).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self._matrix(self.down_proj, self.down_type, e))
+    def project(self, e: int, matrix: str, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self._matrix(getattr(self, f"{matrix}_proj"), getattr(self, f"{matrix}_type"), e))
 
     def groups(self, x: torch.Tensor, experts: torch.Tensor) -> bool:
         """The grouped kernels serve every call when they are on and decode both types: the
