@@ -796,12 +796,18 @@ static inline int k_types(int type) {
     return super_blocks(type) && !grid_types(type);
 }
 
+/* The 32-value blocks with a 16-bit scale and nibbles: Q4_1, Q5_0, Q5_1, IQ4_NL. Through
+ * decode_group's scalar codes their GEMVs cost 10-15x a Q4_0 row's; they are code types (below). */
+static inline int block32_types(int type) {
+    return type == TYPE_Q4_1 || type == TYPE_Q5_0 || type == TYPE_Q5_1 || type == TYPE_IQ4_NL;
+}
+
 /* The grid i-quants and MXFP4 written out: a group's 32 codes are made as signed bytes in one
  * vector (lattice entries are whole words of bytes; 32 sign bits become a byte mask), then
  * widened as the other types' values are. Through decode_group's scalar codes their GEMVs cost
  * 10-14x a Q4_0 row's. decode_iq_group (and decode_group for MXFP4) is the reference. */
 static inline int code_types(int type) {
-    return grid_types(type) || type == TYPE_MXFP4 || type == TYPE_NVFP4;
+    return grid_types(type) || block32_types(type) || type == TYPE_MXFP4 || type == TYPE_NVFP4;
 }
 
 /* 0xFF in byte l where bit l of m is set. */
@@ -851,9 +857,36 @@ static inline __m256i iq1_codes(__m256i grid, uint32_t minus) {
     return _mm256_add_epi8(fix, _mm256_or_si256(m, _mm256_set1_epi8(1)));      /* -1 or +1 per entry */
 }
 
+/* 16 added to byte l of q where bit l of bits is set (Q5's fifth bit). */
+static inline __m256i with_bit4(__m256i q, uint32_t bits) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    return _mm256_mask_add_epi8(q, (__mmask32)bits, q, _mm256_set1_epi8(16));
+#else
+    return _mm256_or_si256(q, _mm256_and_si256(bits_to_bytes(bits), _mm256_set1_epi8(16)));
+#endif
+}
+
+/* A block32 type's block b as 32 signed byte codes (values 0-15 from the low nibbles, 16-31 from
+ * the high ones, as nibbles() reads them) and its scale; Q4_1 and Q5_1's minimum is added after
+ * the dot product, times the group's sum of x (add_offsets). */
+static inline __attribute__((always_inline)) __m256i block32_codes(int type, const uint8_t *b, float *s0, float *s1) {
+    *s0 = *s1 = f16(b);
+    const int qs_at = type == TYPE_Q4_1 ? 4 : type == TYPE_Q5_0 ? 6 : type == TYPE_Q5_1 ? 8 : 2;
+    const __m128i qs = _mm_loadu_si128((const __m128i *)(b + qs_at)), m4 = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(qs, m4), hi = _mm_and_si128(_mm_srli_epi16(qs, 4), m4);
+    if (type == TYPE_IQ4_NL) {                                           /* the grid is 16 signed bytes */
+        const __m128i grid = _mm_loadu_si128((const __m128i *)IQ4NL_VALUES);
+        return _mm256_set_m128i(_mm_shuffle_epi8(grid, hi), _mm_shuffle_epi8(grid, lo));
+    }
+    __m256i q = _mm256_set_m128i(hi, lo);
+    if (type == TYPE_Q5_0 || type == TYPE_Q5_1) q = with_bit4(q, u32_at(b + qs_at - 4));
+    return type == TYPE_Q5_0 ? _mm256_sub_epi8(q, _mm256_set1_epi8(16)) : q;
+}
+
 /* Group `index` of a row as 32 signed byte codes, and its scales s0 (values 0-15), s1 (16-31). */
 static inline __attribute__((always_inline)) __m256i group_codes(int type, const uint8_t *row, int64_t index,
                                                                  float *s0, float *s1) {
+    if (block32_types(type)) return block32_codes(type, row + index * (group_bytes_x8(type) / 8), s0, s1);
     if (type == TYPE_MXFP4 || type == TYPE_NVFP4) {           /* e2m1 codes: a 16-entry byte lookup */
         const __m128i table = _mm_loadu_si128((const __m128i *)MXFP4_VALUES), m4 = _mm_set1_epi8(0x0F);
         if (type == TYPE_MXFP4) {
@@ -970,6 +1003,10 @@ typedef struct { __m256i q; float s0, s1; } codes_t;
             case TYPE_IQ1_S: rows_times_codes_typed##SUFFIX(TYPE_IQ1_S, row, x, m, k, y, n); break;            \
             case TYPE_IQ1_M: rows_times_codes_typed##SUFFIX(TYPE_IQ1_M, row, x, m, k, y, n); break;            \
             case TYPE_MXFP4: rows_times_codes_typed##SUFFIX(TYPE_MXFP4, row, x, m, k, y, n); break;            \
+            case TYPE_Q4_1: rows_times_codes_typed##SUFFIX(TYPE_Q4_1, row, x, m, k, y, n); break;              \
+            case TYPE_Q5_0: rows_times_codes_typed##SUFFIX(TYPE_Q5_0, row, x, m, k, y, n); break;              \
+            case TYPE_Q5_1: rows_times_codes_typed##SUFFIX(TYPE_Q5_1, row, x, m, k, y, n); break;              \
+            case TYPE_IQ4_NL: rows_times_codes_typed##SUFFIX(TYPE_IQ4_NL, row, x, m, k, y, n); break;          \
             default: rows_times_codes_typed##SUFFIX(TYPE_NVFP4, row, x, m, k, y, n);                            \
         }                                                                                                      \
     }
@@ -1089,6 +1126,19 @@ int kvslim_dequantize_rows(int type, const uint8_t *w, float *out, int64_t n, in
     return 0;
 }
 
+#ifdef KVSLIM_AVX2
+/* Q4_1 and Q5_1's minimum per group (the 16 bits after its scale) times the group's sum of x,
+ * added to the codes' dot product of each activation row. */
+static void add_offsets(int type, const uint8_t *row, const float *xsum, int64_t m, int64_t k, float *y, int64_t n) {
+    const int64_t block = group_bytes_x8(type) / 8, n_groups = k / QK;
+    for (int64_t i = 0; i < m; i++) {
+        float s = 0.0f;
+        for (int64_t g = 0; g < n_groups; g++) s += f16(row + g * block + 2) * xsum[i * n_groups + g];
+        y[i * n] += s;
+    }
+}
+#endif
+
 /* x (m, k) float32 contiguous; w (n, row_bytes) rows of `type`; y (m, n) float32.
  * Returns 0, or 1 for a type it does not know, k not whole blocks, or m > MAX_M. */
 int kvslim_block_linear(int type, const float *x, const uint8_t *w, float *y, int64_t m, int64_t n, int64_t k,
@@ -1096,7 +1146,7 @@ int kvslim_block_linear(int type, const float *x, const uint8_t *w, float *y, in
     if (!group_bytes_x8(type) || k % block_values(type) || m > MAX_M) return 1;
     const int64_t row_bytes = k / QK * group_bytes_x8(type) / 8;
 #ifdef KVSLIM_AVX2
-    float *xsum = NULL;
+    float *xsum = NULL;                 /* each group's sum of x, for the types with a minimum per group */
     if (has_offset(type) && !k_types(type)) {
         if (!(xsum = malloc((size_t)(m * (k / QK)) * sizeof(float)))) return 1;
         for (int64_t i = 0; i < m * (k / QK); i++) {
@@ -1123,6 +1173,7 @@ int kvslim_block_linear(int type, const float *x, const uint8_t *w, float *y, in
         else if (code_types(type)) rows_times_codes8(type, w + r * row_bytes, x, m, k, y + r, n);
 #endif
         else row_times_rows(type, w + r * row_bytes, x, xsum, m, k, y + r, n);
+        if (xsum && code_types(type)) add_offsets(type, w + r * row_bytes, xsum, m, k, y + r, n);
     }
     free(xsum);
 #else
