@@ -398,42 +398,6 @@ __attribute__((unused)) static float dot_portable(int type, const uint8_t *row, 
 #include <immintrin.h>
 #define KVSLIM_AVX2 1
 
-/* Codes of one group into v[0..3] (8 floats each) and its scales; intrinsics for the hot
- * types, the C decoder for the rest. */
-static inline void unpack_group(int type, const uint8_t *row, int64_t index, __m256 v[4], float *s0, float *s1,
-                                float *o) {
-    const uint8_t *b = row + index * (group_bytes_x8(type) / 8);
-    *o = 0.0f;
-    if (type == TYPE_Q8_0) {
-        for (int j = 0; j < 4; j++)
-            v[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * j))));
-        *s0 = *s1 = f16(b);
-    } else if (type == TYPE_Q4_0) {
-        const __m256i m4 = _mm256_set1_epi32(0x0F), eight = _mm256_set1_epi32(8);
-        for (int j = 0; j < 2; j++) {                   /* bytes 8j..8j+7: values 8j.. (low), 16+8j.. (high) */
-            __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * j)));
-            v[j] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(q, m4), eight));
-            v[j + 2] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(q, 4), eight));
-        }
-        *s0 = *s1 = f16(b);
-    } else if (type == TYPE_F16 || type == TYPE_BF16) {
-        for (int j = 0; j < 4; j++) {
-            __m128i h = _mm_loadu_si128((const __m128i *)(b + 16 * j));
-            v[j] = type == TYPE_F16 ? _mm256_cvtph_ps(h)
-                                    : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-        }
-        *s0 = *s1 = 1.0f;
-    } else if (type == TYPE_F32) {
-        for (int j = 0; j < 4; j++) v[j] = _mm256_loadu_ps((const float *)b + 8 * j);
-        *s0 = *s1 = 1.0f;
-    } else {
-        group_t g;
-        decode_group(type, row, index, &g);
-        for (int j = 0; j < 4; j++) v[j] = _mm256_loadu_ps(g.q + 8 * j);
-        *s0 = g.s0, *s1 = g.s1, *o = g.o0;          /* the types here have one offset a group */
-    }
-}
-
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -441,31 +405,8 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* y[i * n] = row . x[i] for the m activation rows; xsum (m, k/32): each group's sum of x. */
-static void row_times_rows(int type, const uint8_t *row, const float *x, const float *xsum, int64_t m, int64_t k,
-                           float *y, int64_t n) {
-    __m256 acc[MAX_M];
-    float offsets[MAX_M] = {0};
-    for (int64_t i = 0; i < m; i++) acc[i] = _mm256_setzero_ps();
-    for (int64_t index = 0; index < k / QK; index++) {
-        __m256 v[4];
-        float s0, s1, o;
-        unpack_group(type, row, index, v, &s0, &s1, &o);
-        const __m256 d0 = _mm256_set1_ps(s0), d1 = _mm256_set1_ps(s1);
-        for (int64_t i = 0; i < m; i++) {
-            const float *xg = x + i * k + index * QK;
-            __m256 lo = _mm256_mul_ps(v[0], _mm256_loadu_ps(xg));
-            lo = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xg + 8), lo);
-            __m256 hi = _mm256_mul_ps(v[2], _mm256_loadu_ps(xg + 16));
-            hi = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xg + 24), hi);
-            acc[i] = _mm256_fmadd_ps(d1, hi, _mm256_fmadd_ps(d0, lo, acc[i]));
-            if (xsum) offsets[i] += o * xsum[i * (k / QK) + index];
-        }
-    }
-    for (int64_t i = 0; i < m; i++) y[i * n] = hsum(acc[i]) + offsets[i];
-}
-/* The hot types written out (one activation row or several): through unpack_group's generic
- * interface gcc kept each group's four vectors on the stack and compared the f16 scales in
+/* The hot types written out (one activation row or several): through a generic group decoder
+ * gcc kept each group's four vectors on the stack and compared the f16 scales in
  * software, ~17 cycles a group for q8_0 and q4_0 alike. Here the scale is one F16C conversion
  * and consecutive groups go to two accumulators. */
 static inline __m256 scale_of(const uint8_t *b) {
@@ -655,7 +596,8 @@ static inline __attribute__((always_inline)) void k_scales(int type, const uint8
  * widens vector c's bytes of a group made as 32 bytes; LUT(idx) looks int32 indices up in
  * IQ4_NL's grid as floats; OPS: and/or/shifts/sub/set1/cvt/mul/fma of the width. Writes
  * v[N x 32 / W] = s * q + o, group by group (the first half of a group's vectors take s0 and
- * o0, the second s1 and o1). How each type makes its codes was measured: Q6_K and Q5_K as bytes
+ * o0, the second s1 and o1); for Q4_K and Q5_K the codes q alone (the loop applies the scale
+ * per group, and the minimum through the group's sum of x: K_MINIMUM). How each type makes its codes was measured: Q6_K and Q5_K as bytes
  * first (32 values per operation), Q2_K and Q3_K widened once per half super-block (their 32
  * bytes serve 4 groups), Q4_K and IQ4_XS widened per group (byte-first measured no faster). */
 #define DEFINE_K_GROUPS(SUFFIX, V, VI, W, WIDEN, BYTES_AT, LUT, AND, OR, SRLI, SLLI, SUB, SET1I, CVT, MUL, FMA, SET1) \
@@ -702,7 +644,7 @@ static inline __attribute__((always_inline)) void k_scales(int type, const uint8
                 const __m256i q = _mm256_or_si256(                                                             \
                     _mm256_and_si256(_mm256_srli_epi16(qs, 4 * (j % 2)), _mm256_set1_epi8(0x0F)),              \
                     _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, j), 4), _mm256_set1_epi8(0x10))); \
-                for (int c = 0; c < PER; c++) v[PER * t + c] = FMA(CVT(BYTES_AT(q, c)), SET1(s0[j]), SET1(o0[j])); \
+                for (int c = 0; c < PER; c++) v[PER * t + c] = CVT(BYTES_AT(q, c));                             \
             }                                                                                                  \
             return;                                                                                            \
         }                                                                                                      \
@@ -714,23 +656,32 @@ static inline __attribute__((always_inline)) void k_scales(int type, const uint8
                     v[PER * t + c] = MUL(LUT(c >= PER / 2 ? SRLI(b, 4) : AND(b, m4)), SET1(s0[j]));            \
                 } else {                                /* Q4_K: nibble j % 2 of 32 B per pair */              \
                     const VI a = WIDEN(sb + 16 + 32 * (j / 2) + W * c);                                        \
-                    v[PER * t + c] = FMA(CVT(AND(SRLI(a, 4 * (j % 2)), m4)), SET1(s0[j]), SET1(o0[j]));        \
+                    v[PER * t + c] = CVT(AND(SRLI(a, 4 * (j % 2)), m4));                                       \
                 }                                                                                              \
             }                                                                                                  \
         }                                                                                                      \
     }
 
+/* Q4_K and Q5_K: values s * q + o per group, summed as s * (q . x) + o * (sum of x): the
+ * minimum costs one 8-wide FMA a super-block (its 8 groups' minima times their sums of x, from
+ * xsum) instead of an FMA on every vector of values. 2048 x 2048 GEMV, one row: Q4_K 96 -> 83 us,
+ * Q5_K 104 -> 87 (AVX-512; AVX2 132 -> 111, 153 -> 131). */
+#define K_MINIMUM(type) ((type) == TYPE_Q4_K || (type) == TYPE_Q5_K)
+
 /* y[i * n] = row . x[i] for K-type rows; groups alternate between two accumulators, for one
- * activation row and for several alike (a sequence's output does not depend on its batch). */
-#define DEFINE_ROWS_TIMES_K(SUFFIX, V, W, N, ZERO, LOAD, FMA, ADD, HSUM)                                       \
+ * activation row and for several alike (a sequence's output does not depend on its batch).
+ * xsum (m, k / 32): each group's sum of x (K_MINIMUM types). */
+#define DEFINE_ROWS_TIMES_K(SUFFIX, V, W, N, ZERO, LOAD, MUL, FMA, SET1, ADD, HSUM)                            \
     static inline __attribute__((always_inline)) void rows_times_k_typed##SUFFIX(                              \
-        int type, const uint8_t *row, const float *x, int64_t m, int64_t k, float *y, int64_t n) {            \
+        int type, const uint8_t *row, const float *x, const float *xsum, int64_t m, int64_t k, float *y,      \
+        int64_t n) {                                                                                           \
         enum { PER = 32 / W };                                                                                 \
         /* N groups a pass, so that their values stay in registers; Q6_K, Q3_K and Q2_K take a half (4  \
          * groups) at once in any width, as their bytes serve several groups (measured faster) */            \
         const int per_pass = type == TYPE_Q6_K || type == TYPE_Q3_K || type == TYPE_Q2_K ? 4 : N;              \
         V acc[2][MAX_M], v[4 * PER];                                                                           \
-        for (int64_t i = 0; i < m; i++) acc[0][i] = acc[1][i] = ZERO();                                        \
+        __m256 minima[MAX_M];                                                                                  \
+        for (int64_t i = 0; i < m; i++) acc[0][i] = acc[1][i] = ZERO(), minima[i] = _mm256_setzero_ps();       \
         const int64_t sb_bytes = group_bytes_x8(type);                                                         \
         for (int64_t b = 0; b < k / 256; b++) {                                                                \
             const uint8_t *sb = row + b * sb_bytes;                                                            \
@@ -742,23 +693,35 @@ static inline __attribute__((always_inline)) void k_scales(int type, const uint8
                     const float *xs = x + i * k + b * 256 + 32 * j0;                                           \
                     for (int t = 0; t < per_pass; t++) {                                                       \
                         V a = acc[(j0 + t) & 1][i];                                                            \
-                        for (int c = 0; c < PER; c++) a = FMA(v[PER * t + c], LOAD(xs + 32 * t + W * c), a);   \
+                        if (K_MINIMUM(type)) {                                                                 \
+                            V p = MUL(v[PER * t], LOAD(xs + 32 * t));                                          \
+                            for (int c = 1; c < PER; c++) p = FMA(v[PER * t + c], LOAD(xs + 32 * t + W * c), p); \
+                            a = FMA(SET1(s0[j0 + t]), p, a);                                                   \
+                        } else {                                                                               \
+                            for (int c = 0; c < PER; c++) a = FMA(v[PER * t + c], LOAD(xs + 32 * t + W * c), a); \
+                        }                                                                                      \
                         acc[(j0 + t) & 1][i] = a;                                                              \
                     }                                                                                          \
                 }                                                                                              \
             }                                                                                                  \
+            if (K_MINIMUM(type))                                                                               \
+                for (int64_t i = 0; i < m; i++)                                                                \
+                    minima[i] = _mm256_fmadd_ps(_mm256_loadu_ps(o0), _mm256_loadu_ps(xsum + i * (k / QK) + 8 * b), \
+                                                minima[i]);                                                    \
         }                                                                                                      \
-        for (int64_t i = 0; i < m; i++) y[i * n] = HSUM(ADD(acc[0][i], acc[1][i]));                            \
+        for (int64_t i = 0; i < m; i++)                                                                        \
+            y[i * n] = HSUM(ADD(acc[0][i], acc[1][i])) + (K_MINIMUM(type) ? hsum(minima[i]) : 0.0f);           \
     }                                                                                                          \
     static inline __attribute__((always_inline)) void rows_times_k##SUFFIX(                                     \
-        int type, const uint8_t *row, const float *x, int64_t m, int64_t k, float *y, int64_t n) {            \
+        int type, const uint8_t *row, const float *x, const float *xsum, int64_t m, int64_t k, float *y,      \
+        int64_t n) {                                                                                           \
         switch (type) {                                                                                        \
-            case TYPE_Q4_K: rows_times_k_typed##SUFFIX(TYPE_Q4_K, row, x, m, k, y, n); break;                   \
-            case TYPE_Q5_K: rows_times_k_typed##SUFFIX(TYPE_Q5_K, row, x, m, k, y, n); break;                   \
-            case TYPE_Q3_K: rows_times_k_typed##SUFFIX(TYPE_Q3_K, row, x, m, k, y, n); break;                   \
-            case TYPE_Q2_K: rows_times_k_typed##SUFFIX(TYPE_Q2_K, row, x, m, k, y, n); break;                   \
-            case TYPE_IQ4_XS: rows_times_k_typed##SUFFIX(TYPE_IQ4_XS, row, x, m, k, y, n); break;               \
-            default: rows_times_k_typed##SUFFIX(TYPE_Q6_K, row, x, m, k, y, n);                                 \
+            case TYPE_Q4_K: rows_times_k_typed##SUFFIX(TYPE_Q4_K, row, x, xsum, m, k, y, n); break;             \
+            case TYPE_Q5_K: rows_times_k_typed##SUFFIX(TYPE_Q5_K, row, x, xsum, m, k, y, n); break;             \
+            case TYPE_Q3_K: rows_times_k_typed##SUFFIX(TYPE_Q3_K, row, x, xsum, m, k, y, n); break;             \
+            case TYPE_Q2_K: rows_times_k_typed##SUFFIX(TYPE_Q2_K, row, x, xsum, m, k, y, n); break;             \
+            case TYPE_IQ4_XS: rows_times_k_typed##SUFFIX(TYPE_IQ4_XS, row, x, xsum, m, k, y, n); break;         \
+            default: rows_times_k_typed##SUFFIX(TYPE_Q6_K, row, x, xsum, m, k, y, n);                           \
         }                                                                                                      \
     }
 
@@ -790,7 +753,8 @@ static inline __m256 iq4nl_lut8(__m256i idx) {     /* two 8-entry permutes, chos
 
 DEFINE_K_GROUPS(8, __m256, __m256i, 8, widen8, bytes_at8, iq4nl_lut8, _mm256_and_si256, _mm256_or_si256, srli8, slli8, _mm256_sub_epi32,
               _mm256_set1_epi32, _mm256_cvtepi32_ps, _mm256_mul_ps, _mm256_fmadd_ps, _mm256_set1_ps)
-DEFINE_ROWS_TIMES_K(8, __m256, 8, 2, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_fmadd_ps, _mm256_add_ps, hsum)
+DEFINE_ROWS_TIMES_K(8, __m256, 8, 2, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_mul_ps, _mm256_fmadd_ps, _mm256_set1_ps,
+                    _mm256_add_ps, hsum)
 
 static inline int k_types(int type) {
     return super_blocks(type) && !grid_types(type);
@@ -1083,8 +1047,8 @@ static inline __m512 iq4nl_lut16(__m512i idx) {
 DEFINE_K_GROUPS(16, __m512, __m512i, 16, widen16, bytes_at16, iq4nl_lut16, _mm512_and_si512, _mm512_or_si512, srli16, slli16,
               _mm512_sub_epi32, _mm512_set1_epi32, _mm512_cvtepi32_ps, _mm512_mul_ps, _mm512_fmadd_ps,
               _mm512_set1_ps)
-DEFINE_ROWS_TIMES_K(16, __m512, 16, 4, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_fmadd_ps, _mm512_add_ps,
-                    _mm512_reduce_add_ps)
+DEFINE_ROWS_TIMES_K(16, __m512, 16, 4, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_mul_ps, _mm512_fmadd_ps, _mm512_set1_ps,
+                    _mm512_add_ps, _mm512_reduce_add_ps)
 
 static inline __attribute__((always_inline)) __m512 codes_into16(__m256i q, float s0, float s1, const float *xg,
                                                                  __m512 acc) {
@@ -1147,7 +1111,7 @@ int kvslim_block_linear(int type, const float *x, const uint8_t *w, float *y, in
     const int64_t row_bytes = k / QK * group_bytes_x8(type) / 8;
 #ifdef KVSLIM_AVX2
     float *xsum = NULL;                 /* each group's sum of x, for the types with a minimum per group */
-    if (has_offset(type) && !k_types(type)) {
+    if (has_offset(type)) {
         if (!(xsum = malloc((size_t)(m * (k / QK)) * sizeof(float)))) return 1;
         for (int64_t i = 0; i < m * (k / QK); i++) {
             float s = 0.0f;
@@ -1160,19 +1124,20 @@ int kvslim_block_linear(int type, const float *x, const uint8_t *w, float *y, in
 #ifdef KVSLIM_AVX512
         if (m == 1 && fast_types(type)) rows_times_fast16(type, w + r * row_bytes, x, 1, k, y + r, n);
         else if (fast_types(type)) rows_times_fast16(type, w + r * row_bytes, x, m, k, y + r, n);
-        else if (m == 1 && k_types(type)) rows_times_k16(type, w + r * row_bytes, x, 1, k, y + r, n);
-        else if (k_types(type)) rows_times_k16(type, w + r * row_bytes, x, m, k, y + r, n);
+        else if (m == 1 && k_types(type)) rows_times_k16(type, w + r * row_bytes, x, xsum, 1, k, y + r, n);
+        else if (k_types(type)) rows_times_k16(type, w + r * row_bytes, x, xsum, m, k, y + r, n);
         else if (m == 1 && code_types(type)) rows_times_codes16(type, w + r * row_bytes, x, 1, k, y + r, n);
         else if (code_types(type)) rows_times_codes16(type, w + r * row_bytes, x, m, k, y + r, n);
 #else
         if (m == 1 && fast_types(type)) rows_times_fast8(type, w + r * row_bytes, x, 1, k, y + r, n);  /* m a constant */
         else if (fast_types(type)) rows_times_fast8(type, w + r * row_bytes, x, m, k, y + r, n);
-        else if (m == 1 && k_types(type)) rows_times_k8(type, w + r * row_bytes, x, 1, k, y + r, n);
-        else if (k_types(type)) rows_times_k8(type, w + r * row_bytes, x, m, k, y + r, n);
+        else if (m == 1 && k_types(type)) rows_times_k8(type, w + r * row_bytes, x, xsum, 1, k, y + r, n);
+        else if (k_types(type)) rows_times_k8(type, w + r * row_bytes, x, xsum, m, k, y + r, n);
         else if (m == 1 && code_types(type)) rows_times_codes8(type, w + r * row_bytes, x, 1, k, y + r, n);
         else if (code_types(type)) rows_times_codes8(type, w + r * row_bytes, x, m, k, y + r, n);
 #endif
-        else row_times_rows(type, w + r * row_bytes, x, xsum, m, k, y + r, n);
+        else                                                    /* every type has a loop above */
+            for (int64_t i = 0; i < m; i++) y[i * n + r] = dot_portable(type, w + r * row_bytes, x + i * k, k);
         if (xsum && code_types(type)) add_offsets(type, w + r * row_bytes, xsum, m, k, y + r, n);
     }
     free(xsum);
