@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+import kvslim
 from kvslim.gguf import file_type, read_config, read_model, tensor_bytes, weight_types, writer
 from kvslim.gguf import names as N
 from kvslim.loading import convert_hf_to_gguf
@@ -446,3 +447,49 @@ def test_mtp_block_is_neither_loaded_nor_counted(exported, tmp_path):
     assert tensor_bytes(mtp_path) == tensor_bytes(path)            # the planner's weight bytes
     assert read_config(mtp_path)["num_hidden_layers"] == read_config(path)["num_hidden_layers"]
     assert torch.equal(gguf_logits(mtp_path), gguf_logits(path))
+
+
+# ----- split files -----------------------------------------------------------------
+def test_a_split_model_loads_from_any_part_as_one_file(exported, tmp_path, capsys):
+    """llama.cpp's split layout (``<stem>-0000i-of-0000N.gguf``, metadata in the first part):
+    written by ``kvslim convert --split-max-tensors``, read from any part with the one file's
+    logits, sizes and types; the quantized matrices stay memory-mapped from their own part."""
+    from kvslim.cli import main
+    folder, single, _ = exported("qwen3_5_moe", "q8_0")
+    assert main(["convert", str(folder), "-o", str(tmp_path / "m.gguf"), "--type", "q8_0",
+                 "--split-max-tensors", "12"]) == 0
+    parts = sorted(tmp_path.glob("m-*-of-*.gguf"))
+    assert len(parts) >= 3 and parts[0].name == f"m-00001-of-{len(parts):05d}.gguf"
+    assert f"and {len(parts) - 1} more parts" in capsys.readouterr().out
+    ids = list(range(3, 30))
+    want = kvslim.load(single, ctx=64, dtype="f32").logits(ids)
+    for part in (parts[0], parts[-1]):
+        assert torch.equal(kvslim.load(part, ctx=64, dtype="f32").logits(ids), want)
+    assert tensor_bytes(parts[1]) == tensor_bytes(single)
+    assert weight_types(parts[0]) == weight_types(single)
+    assert file_type(parts[0]) == file_type(single) == "MOSTLY_Q8_0"
+    assert read_config(parts[2]) == read_config(single)
+
+
+def test_a_split_model_with_a_part_missing_or_renamed_is_refused_by_name(exported, tmp_path):
+    folder, _, _ = exported("qwen3_5", "f32")
+    first = convert_hf_to_gguf(folder, tmp_path / "m.gguf", "f32", split_max_tensors=10)
+    parts = sorted(tmp_path.glob("m-*.gguf"))
+    parts[1].rename(tmp_path / "elsewhere.gguf")
+    with pytest.raises(ValueError, match=rf"{parts[1].name}: missing; the model is split in {len(parts)} files"):
+        kvslim.load(first)
+    (tmp_path / "elsewhere.gguf").rename(tmp_path / "renamed.gguf")
+    with pytest.raises(ValueError, match="not named <prefix>-NNNNN-of-.*cannot be found"):
+        read_config(tmp_path / "renamed.gguf")
+    parts[2].rename(parts[1])                                               # parts 2 and 3 swapped
+    (tmp_path / "renamed.gguf").rename(parts[2])
+    with pytest.raises(ValueError, match=f"{parts[1].name}: its split.no/split.count metadata say it is not part 2"):
+        read_config(first)
+
+
+def test_split_is_refused_for_llama_quantize_types(tmp_path, capsys):
+    from kvslim.cli import main
+    from kvslim.loading import default_model
+    assert main(["convert", str(default_model()), "-o", str(tmp_path / "m.gguf"), "--type", "q4_k",
+                 "--split-max-tensors", "10"]) == 2
+    assert "--split-max-tensors applies to the types kvslim writes itself" in capsys.readouterr().err

@@ -124,6 +124,20 @@ def test_llama_cpp_agrees_on_kvslim_exports(exported_f32, kind):
 
 
 @needs_peer
+def test_llama_cpp_loads_kvslim_split_files(tmp_path):
+    """A model kvslim writes split in several files is one llama.cpp opens from its first
+    part, with the single file's logits."""
+    from kvslim.loading import convert_hf_to_gguf, default_model
+    single = convert_hf_to_gguf(default_model(), tmp_path / "one.gguf", "q8_0")
+    first = convert_hf_to_gguf(default_model(), tmp_path / "split.gguf", "q8_0", split_max_tensors=25)
+    assert first.name.startswith("split-00001-of-") and len(list(tmp_path.glob("split-*"))) > 2
+    prompt = list(range(10, 40))
+    _, want = peer_greedy(single, prompt, 1)
+    _, got = peer_greedy(first, prompt, 1)
+    assert np.array_equal(got, want)
+
+
+@needs_peer
 def test_state_save_and_restore_repeat_the_logits(exported_f32):
     with peer.open_peer(exported_f32("qwen3_5"), n_ctx=64, n_threads=1) as ctx:
         ctx.eval(PROMPT)

@@ -8,6 +8,8 @@ Quantized tensors are dequantized to float32, or with ``keep_quantized`` stay gg
 blocks (``kvslim.weights.QuantTensor``, memory-mapped from the file unless a layout
 convention had to copy them): the conventions on matrices are moves of whole rows
 (or whole blocks), so they are applied to the blocks without touching a value.
+A model split in several files (llama-gguf-split's ``-00001-of-0000N.gguf`` parts) reads as one,
+from any of its parts (``open_gguf``).
 """
 from __future__ import annotations
 
@@ -27,9 +29,22 @@ _T = gguf.GGMLQuantizationType
 _FLOAT = (_T.F32, _T.F16, _T.BF16)
 
 
-def open_gguf(path: str | Path) -> gguf.GGUFReader:
-    """A reader for ``path``, or a ValueError that says why it is not a usable GGUF."""
-    path = Path(path)
+# llama.cpp's split files (llama-gguf-split, convert_hf_to_gguf.py --split-max-tensors/-size):
+# <prefix>-00001-of-00003.gguf ...; the first holds the metadata, every part some of the tensors.
+SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+def open_gguf(path: str | Path) -> "GGUFModel":
+    """The model in ``path`` (one GGUF file, or any part of a split one), or a ValueError that
+    says why it is not a usable GGUF."""
+    first = _open_one(Path(path))
+    count = _value(first, "split.count", 0)
+    if count <= 1:
+        return GGUFModel([(Path(path), first)])
+    return GGUFModel(_open_parts(Path(path), count))
+
+
+def _open_one(path: Path) -> gguf.GGUFReader:
     if not path.is_file():
         raise ValueError(f"{path}: no such file")
     try:
@@ -38,12 +53,52 @@ def open_gguf(path: str | Path) -> gguf.GGUFReader:
         raise ValueError(f"{path}: not a GGUF file ({err})") from None
 
 
-def _value(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+def _open_parts(path: Path, count: int) -> list[tuple[Path, gguf.GGUFReader]]:
+    """Every part of a split model, in order, from any one of them; each checked to be the part
+    its name says, and the tensors counted against the first part's split.tensors.count."""
+    m = SPLIT_NAME.match(path.name)
+    if m is None or int(m["count"]) != count:
+        raise ValueError(f"{path}: part of a GGUF split in {count} files, but not named "
+                         f"<prefix>-NNNNN-of-{count:05d}.gguf, so its other parts cannot be found")
+    parts = []
+    for no in range(1, count + 1):
+        part = path.with_name(f"{m['prefix']}-{no:05d}-of-{count:05d}.gguf")
+        if not part.is_file():
+            raise ValueError(f"{part}: missing; the model is split in {count} files and needs all of them")
+        reader = _open_one(part)
+        if _value(reader, "split.no", -1) != no - 1 or _value(reader, "split.count", 0) != count:
+            raise ValueError(f"{part}: its split.no/split.count metadata say it is not part {no} of {count}")
+        parts.append((part, reader))
+    expected = _value(parts[0][1], "split.tensors.count")
+    found = sum(len(r.tensors) for _, r in parts)
+    if expected is not None and found != expected:
+        raise ValueError(f"{path}: the {count} parts hold {found} tensors, the first part says {expected}")
+    return parts
+
+
+class GGUFModel:
+    """A GGUF model read as one file: metadata from the (first) file, tensors from every part,
+    each with the file it lives in (``path_of``), since its blocks are memory-mapped from it."""
+
+    def __init__(self, parts: list[tuple[Path, gguf.GGUFReader]]):
+        self.paths = [p for p, _ in parts]
+        self.first = parts[0][1]
+        self.tensors = [t for _, r in parts for t in r.tensors]
+        self._file = {t.name: p for p, r in parts for t in r.tensors}
+
+    def get_field(self, key: str):
+        return self.first.get_field(key)
+
+    def path_of(self, tensor) -> Path:
+        return self._file[tensor.name]
+
+
+def _value(reader, key: str, default: Any = None) -> Any:
     field = reader.get_field(key)
     return default if field is None else field.contents()
 
 
-def architecture(reader: gguf.GGUFReader) -> str:
+def architecture(reader: GGUFModel) -> str:
     arch = _value(reader, "general.architecture")
     if arch not in N.HF_MODEL_TYPE:
         raise ValueError(f"GGUF architecture {arch!r} is not supported; "
@@ -57,7 +112,7 @@ def read_config(path: str | Path) -> dict:
     return gguf_config(open_gguf(path))
 
 
-def gguf_config(reader: gguf.GGUFReader) -> dict:
+def gguf_config(reader: GGUFModel) -> dict:
     arch = architecture(reader)
     key = _ArchKeys(reader, arch)
     hidden, heads = key.int("embedding_length"), key.int("attention.head_count")
@@ -91,7 +146,7 @@ class _ArchKeys:
     per layer) collapse to their largest entry; floats come back at float32 precision
     written the short way (1e-06, not 9.99999997e-07)."""
 
-    def __init__(self, reader: gguf.GGUFReader, arch: str):
+    def __init__(self, reader: GGUFModel, arch: str):
         self.reader, self.arch = reader, arch
 
     def get(self, name: str, default: Any = None) -> Any:
@@ -110,7 +165,7 @@ class _ArchKeys:
         return default if value is None else float(str(np.float32(value)))
 
 
-def _vocab_size(reader: gguf.GGUFReader) -> int:
+def _vocab_size(reader: GGUFModel) -> int:
     for t in reader.tensors:
         if t.name == "token_embd.weight":
             return int(t.shape[1])                                 # ggml ne = {hidden, vocab}
@@ -213,7 +268,7 @@ def read_model(path: str | Path, dtype: torch.dtype | None = None, keep_quantize
     if keep_quantized and not allow_dequant:
         _refuse_unsupported(stored.values())
     quantized_file = any(t.tensor_type not in _FLOAT for t in stored.values())
-    loaded = {name: _load_blocks(path, t) if keep_quantized and _keeps_blocks(t, quantized_file) else _load(t)
+    loaded = {name: _load_blocks(reader.path_of(t), t) if keep_quantized and _keeps_blocks(t, quantized_file) else _load(t)
               for name, t in stored.items()}
     state = hf_state_dict(arch, config, loaded)
     if dtype is not None:
@@ -392,7 +447,7 @@ def _ramp_ends(x: np.ndarray, s: np.ndarray, eps: float = 1e-5) -> tuple[float, 
 
 
 # ----- tokenizer ----------------------------------------------------------------
-def read_tokenizer(reader: gguf.GGUFReader):
+def read_tokenizer(reader: GGUFModel):
     """(tokenizers.Tokenizer, tokenizer_config dict) from the tokenizer.* metadata.
 
     Only llama.cpp's "gpt2" model (byte-level BPE) is supported: tokens are stored in
@@ -443,7 +498,7 @@ def _add_tokens(tokenizer, tokens: list[str], types: list[int]) -> None:
     tokenizer.add_tokens(user)
 
 
-def _special_tokens(reader: gguf.GGUFReader, tokens: list[str]) -> dict[str, tuple[str, int]]:
+def _special_tokens(reader: GGUFModel, tokens: list[str]) -> dict[str, tuple[str, int]]:
     out = {}
     for kind in ("bos", "eos", "padding", "unknown"):
         i = _value(reader, f"tokenizer.ggml.{kind}_token_id")
@@ -452,7 +507,7 @@ def _special_tokens(reader: gguf.GGUFReader, tokens: list[str]) -> dict[str, tup
     return out
 
 
-def _post_processor(tokenizer, special: dict[str, tuple[str, int]], reader: gguf.GGUFReader) -> None:
+def _post_processor(tokenizer, special: dict[str, tuple[str, int]], reader: GGUFModel) -> None:
     """BOS / EOS added on encode exactly when the file's add_bos_token / add_eos_token say so."""
     from tokenizers import processors
     before = [special["bos"]] if _value(reader, "tokenizer.ggml.add_bos_token") and "bos" in special else []
@@ -466,7 +521,7 @@ def _post_processor(tokenizer, special: dict[str, tuple[str, int]], reader: gguf
         single=first, pair=first + second, special_tokens=sorted(set(before + after), key=lambda p: p[1]))
 
 
-def _tokenizer_config(reader: gguf.GGUFReader, special: dict[str, tuple[str, int]]) -> dict:
+def _tokenizer_config(reader: GGUFModel, special: dict[str, tuple[str, int]]) -> dict:
     """The tokenizer_config.json keys that matter to generation."""
     return {
         "chat_template": _value(reader, "tokenizer.chat_template"),

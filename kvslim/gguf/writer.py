@@ -40,7 +40,7 @@ DEFAULT_MROPE_SECTIONS = [11, 11, 10, 0]
 
 
 def write_gguf(hf_config: dict, state_dict: dict[str, torch.Tensor], tokenizer_dir: str | Path,
-               out_path: str | Path, out_type: str = "f16") -> Path:
+               out_path: str | Path, out_type: str = "f16", split_max_tensors: int = 0) -> Path:
     """Write a checkpoint to ``out_path`` as a GGUF llama.cpp can load.
 
     Args:
@@ -50,10 +50,15 @@ def write_gguf(hf_config: dict, state_dict: dict[str, torch.Tensor], tokenizer_d
         out_type: a key of ``QTYPE`` (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl); every
             matrix but those the converter keeps F32 gets that type (llama-quantize --pure),
             rows not made of whole blocks F16.
-    Returns: ``out_path``. ``kvslim.loading.convert_hf_to_gguf`` does this for a folder.
+        split_max_tensors: above 0, split the model into files of at most this many tensors, as
+            llama.cpp's converter and llama-gguf-split do (``<stem>-00001-of-0000N.gguf``, ...).
+    Returns: the file written (the first part of a split). ``kvslim.loading.convert_hf_to_gguf``
+    does this for a folder.
     """
     arch, config = check_export(hf_config, out_type)
-    writer = gguf.GGUFWriter(str(out_path), arch)
+    if split_max_tensors < 0:
+        raise ValueError(f"split_max_tensors must be 0 (no split) or positive, got {split_max_tensors}")
+    writer = gguf.GGUFWriter(str(out_path), arch, split_max_tensors=split_max_tensors)
     _write_hparams(writer, arch, config, text_config(hf_config), out_type)
     _write_vocab(writer, Path(tokenizer_dir), config.vocab_size)
     for name, array in gguf_tensors(arch, config, state_dict):
@@ -62,7 +67,7 @@ def write_gguf(hf_config: dict, state_dict: dict[str, torch.Tensor], tokenizer_d
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return Path(out_path)
+    return writer.format_shard_names(Path(out_path))[0]
 
 
 def check_export(hf_config: dict, out_type: str):

@@ -89,15 +89,18 @@ def _with_calibration(loaded: tuple, cal_path: Path) -> tuple:
     return loaded
 
 
-def convert_hf_to_gguf(folder: str | Path, out_path: str | Path, out_type: str = "f16") -> Path:
+def convert_hf_to_gguf(folder: str | Path, out_path: str | Path, out_type: str = "f16",
+                       split_max_tensors: int = 0) -> Path:
     """Export a Hugging Face folder (config.json, safetensors, tokenizer.json) to ``out_path`` as
-    a GGUF llama.cpp can load, with matrices in ``out_type`` (see ``kvslim.gguf.writer.write_gguf``)."""
+    a GGUF llama.cpp can load, with matrices in ``out_type``, split into files of at most
+    ``split_max_tensors`` tensors when that is positive (see ``kvslim.gguf.writer.write_gguf``).
+    Returns the file written (a split's first part)."""
     from ..gguf.writer import check_export, write_gguf
 
     folder = Path(folder)
     config = read_config(folder)
     check_export(config, out_type)                  # before reading any weights
-    return write_gguf(config, read_state_dict(folder), folder, out_path, out_type)
+    return write_gguf(config, read_state_dict(folder), folder, out_path, out_type, split_max_tensors)
 
 
 def measure_importance(path: str | Path, text: str, n_ctx: int = 512, max_chunks: int = 64):

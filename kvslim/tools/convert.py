@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--outfile", default=None, help="output .gguf (default: ./<folder>-<type>.gguf)")
     p.add_argument("--type", "--outtype", dest="type", default="f16", help=f"weight type: {', '.join(TYPES)}")
     p.add_argument("-t", "--threads", type=int, default=2, help="threads for llama.cpp's quantizer (K-quants)")
+    p.add_argument("--split-max-tensors", type=int, default=0, metavar="N",
+                   help="split the model into files of at most N tensors (<out>-00001-of-0000K.gguf, ...), as "
+                        "llama.cpp's converter does; for the types kvslim writes itself")
     p.add_argument("--imatrix", default=None, metavar="FILE",
                    help="importance matrix for llama.cpp's quantizer (llama-imatrix's GGUF or legacy .dat file, "
                         "or kvslim imatrix's); without it " + ", ".join(sorted(NEEDS_IMATRIX)) + " measure one first")
@@ -57,13 +60,17 @@ def read_imatrix(path: Path) -> dict[str, np.ndarray]:
     return {name: imp.means() for name, imp in gguf_imatrix.read(path).items()}
 
 
-def convert(folder: Path, out: Path, out_type: str, threads: int = 2, imatrix: Path | None = None) -> Path:
-    """Write ``folder`` as a GGUF of ``out_type``; returns ``out``."""
+def convert(folder: Path, out: Path, out_type: str, threads: int = 2, imatrix: Path | None = None,
+            split_max_tensors: int = 0) -> Path:
+    """Write ``folder`` as a GGUF of ``out_type``; returns the file written (a split's first part)."""
     if out_type in writer.QTYPE:
-        return convert_hf_to_gguf(folder, out, out_type)
+        return convert_hf_to_gguf(folder, out, out_type, split_max_tensors)
     if out_type not in LLAMA_QUANTIZE:
         raise ValueError(f"--type {out_type!r} cannot be written; supported: {', '.join(TYPES)} "
                          "(other llama.cpp types: convert to f16, then run llama-quantize)")
+    if split_max_tensors:
+        raise ValueError(f"--split-max-tensors applies to the types kvslim writes itself ({', '.join(writer.QTYPE)}); "
+                         f"--type {out_type} is made by llama.cpp's quantizer: split its file with llama-gguf-split")
     importance = read_imatrix(imatrix) if imatrix is not None else None
     from .. import peer
     try:
@@ -90,6 +97,10 @@ def main(argv: list[str]) -> int:
         raise ValueError(f"{out}: the output file should end in .gguf")
     out.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    convert(folder, out, out_type, args.threads, Path(args.imatrix) if args.imatrix else None)
-    print(f"wrote {out} ({out_type}, {human_bytes(out.stat().st_size)}) in {time.perf_counter() - start:.1f} s")
+    first = convert(folder, out, out_type, args.threads, Path(args.imatrix) if args.imatrix else None,
+                    args.split_max_tensors)
+    parts = sorted(first.parent.glob(first.name.replace("-00001-of-", "-*-of-"))) if first != out else [out]
+    size = human_bytes(sum(p.stat().st_size for p in parts))
+    print(f"wrote {first}{f' and {len(parts) - 1} more parts' if len(parts) > 1 else ''} ({out_type}, {size}) "
+          f"in {time.perf_counter() - start:.1f} s")
     return 0
