@@ -172,6 +172,7 @@ all() {
     bench_bundled 60 | tee "$OUT/model.md"
     # shortened lists: each script prints its table at the end, so one cut by timeout prints nothing
     { timeout -k 10 "$(left 30)" $PY benchmarks/sampling.py --device cuda --runs 20
+      timeout -k 10 "$(left 40)" $PY benchmarks/speculative.py --device cuda -r 2
       timeout -k 10 "$(left 60)" $PY benchmarks/gpu_prefill.py -p f16/f16,q8_0/turbo4,turbo3/turbo3 -r 5
       timeout -k 10 "$(left 60)" $PY benchmarks/gpu_weights.py -t q4_0,q4_k -s 8192x2048,2048x4096 -r 10; } \
         2>&1 | tee "$OUT/kernels.md"

@@ -53,6 +53,8 @@ class EngineConfig:
         native: decode steps in C where the model, weights and K/V formats allow (``native_step.py``);
             else the compiled or eager step.
         cuda_graphs: on a CUDA device, decode steps replayed from CUDA graphs (``cuda_graphs.py``).
+        draft_max: speculative decoding from prompt-lookup drafts of up to this many tokens
+            (``speculative.py``; llama.cpp's --draft-max); 0: off.
     """
 
     cache: CacheConfig
@@ -64,10 +66,13 @@ class EngineConfig:
     compile: bool = False
     native: bool = True
     cuda_graphs: bool = False
+    draft_max: int = 0
 
     def __post_init__(self):
         if self.n_ubatch < 1:
             raise ValueError(f"n_ubatch (-ub) must be at least 1, got {self.n_ubatch}")
+        if self.draft_max < 0:
+            raise ValueError(f"draft_max (--draft-max) must be 0 (off) or positive, got {self.draft_max}")
 
     @classmethod
     def build(cls, ctx: int = 4096, n_parallel: int = 1, type_k="f16", type_v="f16", *, page_size: int | None = None,

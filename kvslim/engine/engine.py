@@ -23,6 +23,7 @@ from .config import EngineConfig
 from .decode_step import DecodeStep
 from .prefix import PrefixCache
 from .sampling import Sampler, SamplingParams, sample_rows
+from .speculative import PromptLookup
 from .text import TextStream
 
 
@@ -53,6 +54,9 @@ class Sequence:
     state_bytes: int = 0
     error: str | None = None                               # why it ended, when finish_reason is "error"
     ignore_eos: bool = False                               # end-of-generation tokens are never sampled
+    lookup: PromptLookup | None = field(default=None, repr=False)   # drafts, with speculative decoding
+    n_drafted: int = 0                                     # draft tokens proposed, and kept
+    n_draft_accepted: int = 0
     # A sequence submitted with the same prompt as one still reading it waits for that one and
     # then takes a copy of its cache and its last logits: n choices read their prompt once.
     leader: "Sequence | None" = field(default=None, repr=False)
@@ -71,11 +75,14 @@ class Sequence:
 
     def timings(self) -> dict:
         n_gen = len(self.generated)
-        return {"prompt_n": len(self.prompt), "prompt_ms": 1000 * self.prompt_s,
-                "prompt_per_second": len(self.prompt) / self.prompt_s if self.prompt_s else 0.0,
-                "predicted_n": n_gen, "predicted_ms": 1000 * self.gen_s,
-                # the first token comes from the prefill's logits; decode steps made the rest
-                "predicted_per_second": (n_gen - 1) / self.gen_s if self.gen_s and n_gen > 1 else 0.0}
+        out = {"prompt_n": len(self.prompt), "prompt_ms": 1000 * self.prompt_s,
+               "prompt_per_second": len(self.prompt) / self.prompt_s if self.prompt_s else 0.0,
+               "predicted_n": n_gen, "predicted_ms": 1000 * self.gen_s,
+               # the first token comes from the prefill's logits; decode steps made the rest
+               "predicted_per_second": (n_gen - 1) / self.gen_s if self.gen_s and n_gen > 1 else 0.0}
+        if self.n_drafted:                                 # llama-server's names
+            out.update(draft_n=self.n_drafted, draft_n_accepted=self.n_draft_accepted)
+        return out
 
 
 class Engine:
@@ -239,6 +246,17 @@ class Engine:
         plan = self._plan()
         if not plan:
             return []
+        drafts = self._drafts(plan)
+        if drafts:
+            drafting = {id(seq) for seq, _ in drafts}
+            plan = [(seq, chunk) for seq, chunk in plan if id(seq) not in drafting]
+        advanced = self._step_plan(plan) if plan else []
+        for seq, draft in drafts:
+            self._speculate(seq, draft)
+            advanced.append(seq)
+        return advanced
+
+    def _step_plan(self, plan: list[tuple[Sequence, list[int]]]) -> list[Sequence]:
         t0 = time.perf_counter()
         logits = self._forward(plan)
         bad = set(self.cache.take_overflow())                       # the one host read of the step
@@ -256,6 +274,65 @@ class Engine:
                 rows.append((seq, row))
         self._sample(rows, logits)
         return advanced + [seq for seq, _ in rows]
+
+    # ----- speculative decoding (speculative.py) ---------------------------------------
+    def _drafts(self, plan: list[tuple[Sequence, list[int]]]) -> list[tuple[Sequence, list[int]]]:
+        """(sequence, draft) for the decoding sequences whose context offers a prompt-lookup draft,
+        no longer than their max_tokens and the context leave room for."""
+        if not self.config.draft_max:
+            return []
+        out = []
+        for seq, _ in plan:
+            room = min(self.config.draft_max, seq.max_tokens - len(seq.generated) - 1, self.ctx - seq.n_cached - 2)
+            if len(seq.pending) != 1 or room < 1:
+                continue
+            seq.lookup = seq.lookup or PromptLookup()
+            draft = seq.lookup.draft(seq.tokens, room)
+            if draft:
+                out.append((seq, draft))
+        return out
+
+    def _speculate(self, seq: Sequence, draft: list[int]) -> None:
+        """One forward over the pending token and ``draft``; the sampler draws from each
+        position's logits in turn, and the draft's tokens stand while it draws them. The cache
+        then holds the pending token and the kept draft tokens: attention is trimmed, DeltaNet
+        state goes back to a checkpoint taken before and reads the kept tokens again."""
+        n0, chunk = seq.n_cached, seq.pending + draft
+        checkpoint = self.cache.checkpoint(seq.slot) if self.cache.recurrent else None
+        t0 = time.perf_counter()
+        logits = self.model(Batch.build([(seq.slot, chunk, n0)], device=self.device), self.cache, all_logits=True)
+        if seq.slot in self.cache.take_overflow():
+            self._fail(seq, "the model produced NaN or infinite keys/values for this sequence")
+            return
+        drawn = []
+        for j in range(len(chunk)):
+            token = sample_rows([seq.sampler], logits[j:j + 1], [seq.tokens + drawn])[0]
+            if isinstance(token, Exception):
+                self._fail(seq, f"sampling failed: {type(token).__name__}: {token}")
+                return
+            drawn.append(token)
+            if j == len(draft) or token != draft[j]:
+                break
+        seq.n_drafted += len(draft)
+        for i, token in enumerate(drawn):
+            seq.n_cached = n0 + 1 + i                 # the tokens the cache should hold when this one is drawn
+            seq.n_draft_accepted += i < len(draft) and token == draft[i]
+            self._accept(seq, token, record=False)
+            if seq.done:
+                break
+        if seq.n_cached < n0 + len(chunk):
+            self._rewind_draft(seq, n0, chunk, checkpoint)
+        seq.gen_s += time.perf_counter() - t0
+        if seq.done and self.prefix is not None:
+            self.prefix.record(seq.slot, seq.tokens[:seq.n_cached], checkpoint=True)
+
+    def _rewind_draft(self, seq: Sequence, n0: int, chunk: list[int], checkpoint) -> None:
+        """The cache back to ``seq.n_cached`` tokens after a forward over ``chunk`` from ``n0``."""
+        if checkpoint is None:
+            self.cache.rewind(seq.slot, seq.n_cached)
+            return
+        self.cache.rewind(seq.slot, n0, checkpoint)
+        self.model(Batch.build([(seq.slot, chunk[:seq.n_cached - n0], n0)], device=self.device), self.cache)
 
     def _sample(self, rows: list[tuple[Sequence, int]], logits: torch.Tensor) -> None:
         """Every predicting sequence's next token in one pass (a follower samples from its leader's row)."""
@@ -344,7 +421,7 @@ class Engine:
             budget -= len(chunk)
         return plan
 
-    def _accept(self, seq: Sequence, token: int) -> None:
+    def _accept(self, seq: Sequence, token: int, record: bool = True) -> None:
         seq.tokens.append(token)
         if token in self.eog_ids:
             seq.tokens.pop()                                        # the EOG token is not part of the text
@@ -356,7 +433,7 @@ class Engine:
         if seq.done:
             seq.text.finish()
             self._record_memory(seq)
-            if self.prefix is not None:                             # end of a reply: a message boundary
+            if self.prefix is not None and record:                  # end of a reply: a message boundary
                 self.prefix.record(seq.slot, seq.tokens[:seq.n_cached], checkpoint=True)
 
     def _checkpoint_prompt(self, seq: Sequence) -> None:

@@ -1,4 +1,5 @@
-"""The engine flags every tool shares (--device, --attn-backend, --compile, --cuda-graphs, --native, --f16-window) and the one place where
+"""The engine flags every tool shares (--device, --attn-backend, --compile, --cuda-graphs, --native, --f16-window),
+the generating tools' --draft-max, and the one place where
 parsed arguments become an :class:`EngineConfig`."""
 from __future__ import annotations
 
@@ -30,6 +31,13 @@ def add_device_args(p: argparse.ArgumentParser) -> None:
                         "(--no-native: the torch steps, compiled with --compile)")
 
 
+def add_draft_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft-max", "--draft", type=int, default=0, metavar="N",
+                   help="speculative decoding with prompt-lookup drafts of up to N tokens (what followed the "
+                        "context's last 2-3 tokens where they appeared before; vLLM's ngram method): faster "
+                        "wherever the reply repeats its input, as code edits do; 0: off (default)")
+
+
 def engine_config(args, *, ctx: int | None = None, n_parallel: int = 1, type_k: str | None = None,
                   type_v: str | None = None, **engine) -> EngineConfig:
     """An EngineConfig from a tool's parsed flags; keywords override what the flags say."""
@@ -40,4 +48,5 @@ def engine_config(args, *, ctx: int | None = None, n_parallel: int = 1, type_k: 
         device=getattr(args, "device", None), backend=getattr(args, "attn_backend", "torch"),
         f16_window=getattr(args, "f16_window", 0),
         n_ubatch=args.ubatch_size, compile=getattr(args, "compile", False),
-        native=getattr(args, "native", True), cuda_graphs=getattr(args, "cuda_graphs", False), **engine)
+        native=getattr(args, "native", True), cuda_graphs=getattr(args, "cuda_graphs", False),
+        **{"draft_max": getattr(args, "draft_max", 0), **engine})

@@ -10,7 +10,7 @@ from ..engine import load
 from ..tables import human_bytes, to_json
 from ..weights import weight_bytes
 from .common import add_model_args, add_sampling_args, load_kwargs, sampling_kwargs, warn_context
-from .engine_args import engine_config
+from .engine_args import add_draft_args, engine_config
 
 __all__ = ["add_model_args", "add_sampling_args", "sampling_kwargs", "build_parser", "main"]
 
@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvslim run", description=__doc__)
     add_model_args(p)
     add_sampling_args(p)
+    add_draft_args(p)
     p.add_argument("-p", "--prompt", default=None, help="prompt text")
     p.add_argument("-f", "--file", default=None, help="read the prompt from a file")
     p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (-1: until the context is full)")

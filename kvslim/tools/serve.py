@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..server import serve
 from .common import add_model_args, warn_context
-from .engine_args import engine_config
+from .engine_args import add_draft_args, engine_config
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     backend.default = "bf16"      # prompt attention ~2x faster at depth for a KLD of ~1e-6 (docs/speed.md)
     backend.help += "; default bf16: prompts' attention with bf16 operands where the CPU has AVX512_BF16"
     p.add_argument("-np", "--parallel", type=int, default=4, help="sequences decoded together (slots)")
+    add_draft_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--api-key", default=None,
