@@ -71,3 +71,11 @@ def test_bad_draft_max_is_refused():
     with pytest.raises(ValueError, match=r"draft_max \(--draft-max\) must be 0 \(off\) or positive, got -1"):
         EngineConfig.build(64, 1, draft_max=-1)
     assert SamplingParams(temperature=0).greedy
+
+
+def test_run_and_serve_take_draft_max():
+    from kvslim.tools import run, serve
+    from kvslim.tools.engine_args import engine_config
+    for tool in (run, serve):
+        args = tool.build_parser().parse_args(["--draft-max", "6"])
+        assert engine_config(args, ctx=64, n_parallel=1).draft_max == 6
