@@ -304,9 +304,10 @@ class Engine:
         if seq.slot in self.cache.take_overflow():
             self._fail(seq, "the model produced NaN or infinite keys/values for this sequence")
             return
-        drawn = []
+        drawn, window = [], seq.sampler.params.repeat_last_n          # what penalties can see of the history
+        recent = seq.tokens[-window:] if window else []
         for j in range(len(chunk)):
-            token = sample_rows([seq.sampler], logits[j:j + 1], [seq.tokens + drawn])[0]
+            token = sample_rows([seq.sampler], logits[j:j + 1], [recent + drawn])[0]
             if isinstance(token, Exception):
                 self._fail(seq, f"sampling failed: {type(token).__name__}: {token}")
                 return
