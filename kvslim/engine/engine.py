@@ -27,6 +27,13 @@ from .speculative import PromptLookup
 from .text import TextStream
 
 
+OVERFLOW = "the model produced NaN or infinite keys/values for this sequence"
+
+
+def sampling_failed(err: Exception) -> str:
+    return f"sampling failed: {type(err).__name__}: {err}"
+
+
 class ContextLengthExceeded(ValueError):
     def __init__(self, n_prompt: int, ctx: int):
         super().__init__(f"the prompt has {n_prompt} tokens but the context holds {ctx}; "
@@ -265,7 +272,7 @@ class Engine:
         for row, (seq, chunk) in enumerate(plan):
             self._account(seq, chunk, elapsed)
             if seq.slot in bad:
-                self._fail(seq, "the model produced NaN or infinite keys/values for this sequence")
+                self._fail(seq, OVERFLOW)
                 advanced.append(seq)
             elif not seq.pending:                                   # everything read: predict
                 for follower in [s for s in self.running if s.leader is seq]:
@@ -302,14 +309,14 @@ class Engine:
         t0 = time.perf_counter()
         logits = self.model(Batch.build([(seq.slot, chunk, n0)], device=self.device), self.cache, all_logits=True)
         if seq.slot in self.cache.take_overflow():
-            self._fail(seq, "the model produced NaN or infinite keys/values for this sequence")
+            self._fail(seq, OVERFLOW)
             return
         drawn, window = [], seq.sampler.params.repeat_last_n          # what penalties can see of the history
         recent = seq.tokens[-window:] if window else []
         for j in range(len(chunk)):
             token = sample_rows([seq.sampler], logits[j:j + 1], [recent + drawn])[0]
             if isinstance(token, Exception):
-                self._fail(seq, f"sampling failed: {type(token).__name__}: {token}")
+                self._fail(seq, sampling_failed(token))
                 return
             drawn.append(token)
             if j == len(draft) or token != draft[j]:
@@ -348,7 +355,7 @@ class Engine:
                     raise token
                 self._accept(seq, token)
             except Exception as err:                                # a failure ends this request alone
-                self._fail(seq, f"sampling failed: {type(err).__name__}: {err}")
+                self._fail(seq, sampling_failed(err))
 
     def _fork(self, leader: Sequence, seq: Sequence) -> None:
         """``seq`` (same prompt) takes a copy of the leader's cache; it samples its own first

@@ -142,7 +142,7 @@ class Shortlist:
     ids: torch.Tensor                   # (n,) long
     logits: torch.Tensor                # (n,) float32: masked and penalized
     log_z: float
-    raw: torch.Tensor | None = None     # (n,) the model's logits (bans applied), for logprobs
+    raw: torch.Tensor                   # (n,) the model's logits (bans applied), for logprobs
     raw_lse: float = 0.0
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
 
@@ -225,7 +225,7 @@ def _penalty_entries(samplers: Sequence[Sampler], histories: Sequence[Sequence[i
         p = s.params
         if not p.repeat_last_n or (p.repeat_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty):
             continue
-        for token, count in Counter(list(history)[-p.repeat_last_n:]).items():
+        for token, count in Counter(history[-p.repeat_last_n:]).items():      # the window, not a copy of all
             entries.append((r, token, count, p.repeat_penalty, p.frequency_penalty, p.presence_penalty))
     return entries
 

@@ -24,6 +24,7 @@ import numpy as np
 
 from ..gguf import imatrix as gguf_imatrix
 from ..gguf import writer
+from ..gguf.reader import open_gguf
 from ..loading import convert_hf_to_gguf
 from ..tables import human_bytes
 from .imatrix import measure_to_file
@@ -99,7 +100,7 @@ def main(argv: list[str]) -> int:
     start = time.perf_counter()
     first = convert(folder, out, out_type, args.threads, Path(args.imatrix) if args.imatrix else None,
                     args.split_max_tensors)
-    parts = sorted(first.parent.glob(first.name.replace("-00001-of-", "-*-of-"))) if first != out else [out]
+    parts = open_gguf(first).paths                               # every part of a split
     size = human_bytes(sum(p.stat().st_size for p in parts))
     print(f"wrote {first}{f' and {len(parts) - 1} more parts' if len(parts) > 1 else ''} ({out_type}, {size}) "
           f"in {time.perf_counter() - start:.1f} s")
