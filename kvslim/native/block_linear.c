@@ -376,7 +376,9 @@ static void decode_group(int type, const uint8_t *row, int64_t index, group_t *g
     }
 }
 
-__attribute__((unused)) static int has_offset(int type) {
+/* The types with a minimum per group (values s * q + o): their dot products add o times the
+ * group's sum of x (xsum in kvslim_block_linear). */
+static inline int has_offset(int type) {
     return type == TYPE_Q4_1 || type == TYPE_Q5_1 || type == TYPE_Q4_K || type == TYPE_Q5_K;
 }
 
@@ -597,7 +599,7 @@ static inline __attribute__((always_inline)) void k_scales(int type, const uint8
  * IQ4_NL's grid as floats; OPS: and/or/shifts/sub/set1/cvt/mul/fma of the width. Writes
  * v[N x 32 / W] = s * q + o, group by group (the first half of a group's vectors take s0 and
  * o0, the second s1 and o1); for Q4_K and Q5_K the codes q alone (the loop applies the scale
- * per group, and the minimum through the group's sum of x: K_MINIMUM). How each type makes its codes was measured: Q6_K and Q5_K as bytes
+ * per group, and the minimum through the group's sum of x: has_offset). How each type makes its codes was measured: Q6_K and Q5_K as bytes
  * first (32 values per operation), Q2_K and Q3_K widened once per half super-block (their 32
  * bytes serve 4 groups), Q4_K and IQ4_XS widened per group (byte-first measured no faster). */
 #define DEFINE_K_GROUPS(SUFFIX, V, VI, W, WIDEN, BYTES_AT, LUT, AND, OR, SRLI, SLLI, SUB, SET1I, CVT, MUL, FMA, SET1) \
@@ -665,12 +667,11 @@ static inline __attribute__((always_inline)) void k_scales(int type, const uint8
 /* Q4_K and Q5_K: values s * q + o per group, summed as s * (q . x) + o * (sum of x): the
  * minimum costs one 8-wide FMA a super-block (its 8 groups' minima times their sums of x, from
  * xsum) instead of an FMA on every vector of values. 2048 x 2048 GEMV, one row: Q4_K 96 -> 83 us,
- * Q5_K 104 -> 87 (AVX-512; AVX2 132 -> 111, 153 -> 131). */
-#define K_MINIMUM(type) ((type) == TYPE_Q4_K || (type) == TYPE_Q5_K)
+ * Q5_K 104 -> 87 (AVX-512; AVX2 132 -> 111, 153 -> 131). Among the K types these are has_offset's. */
 
 /* y[i * n] = row . x[i] for K-type rows; groups alternate between two accumulators, for one
  * activation row and for several alike (a sequence's output does not depend on its batch).
- * xsum (m, k / 32): each group's sum of x (K_MINIMUM types). */
+ * xsum (m, k / 32): each group's sum of x (has_offset types). */
 #define DEFINE_ROWS_TIMES_K(SUFFIX, V, W, N, ZERO, LOAD, MUL, FMA, SET1, ADD, HSUM)                            \
     static inline __attribute__((always_inline)) void rows_times_k_typed##SUFFIX(                              \
         int type, const uint8_t *row, const float *x, const float *xsum, int64_t m, int64_t k, float *y,      \
@@ -693,7 +694,7 @@ static inline __attribute__((always_inline)) void k_scales(int type, const uint8
                     const float *xs = x + i * k + b * 256 + 32 * j0;                                           \
                     for (int t = 0; t < per_pass; t++) {                                                       \
                         V a = acc[(j0 + t) & 1][i];                                                            \
-                        if (K_MINIMUM(type)) {                                                                 \
+                        if (has_offset(type)) {                                                                 \
                             V p = MUL(v[PER * t], LOAD(xs + 32 * t));                                          \
                             for (int c = 1; c < PER; c++) p = FMA(v[PER * t + c], LOAD(xs + 32 * t + W * c), p); \
                             a = FMA(SET1(s0[j0 + t]), p, a);                                                   \
@@ -704,13 +705,13 @@ static inline __attribute__((always_inline)) void k_scales(int type, const uint8
                     }                                                                                          \
                 }                                                                                              \
             }                                                                                                  \
-            if (K_MINIMUM(type))                                                                               \
+            if (has_offset(type))                                                                               \
                 for (int64_t i = 0; i < m; i++)                                                                \
                     minima[i] = _mm256_fmadd_ps(_mm256_loadu_ps(o0), _mm256_loadu_ps(xsum + i * (k / QK) + 8 * b), \
                                                 minima[i]);                                                    \
         }                                                                                                      \
         for (int64_t i = 0; i < m; i++)                                                                        \
-            y[i * n] = HSUM(ADD(acc[0][i], acc[1][i])) + (K_MINIMUM(type) ? hsum(minima[i]) : 0.0f);           \
+            y[i * n] = HSUM(ADD(acc[0][i], acc[1][i])) + (has_offset(type) ? hsum(minima[i]) : 0.0f);           \
     }                                                                                                          \
     static inline __attribute__((always_inline)) void rows_times_k##SUFFIX(                                     \
         int type, const uint8_t *row, const float *x, const float *xsum, int64_t m, int64_t k, float *y,      \
