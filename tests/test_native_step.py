@@ -31,7 +31,16 @@ def filled(model, type_k, type_v, prompts, n_slots=None, **options):
 
 
 def run_both(model, type_k, type_v, steps=10, **options):
-    """The C step and the eager step from the same prefilled caches: worst logit gap, tokens equal."""
+    """The C step and the eager step from the same prefilled caches: worst logit gap, tokens equal.
+    With float activations: the K-quants' default 8-bit ones make the GEMV a step function of its
+    input, so the two steps' 1e-6 differences would round an activation apart now and then
+    (both steps call the same GEMV: test_k_quant_matrices_take_8_bit_activations_in_both_steps)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVSLIM_Q8_ACTIVATIONS", "0")
+        return _run_both(model, type_k, type_v, steps, **options)
+
+
+def _run_both(model, type_k, type_v, steps, **options):
     prompts = [list(range(5, 22)), list(range(30, 39)), list(range(50, 75))]     # lengths cross page edges
     (ca, logits), (cb, _) = (filled(model, type_k, type_v, prompts, **options) for _ in range(2))
     native, eager = DecodeStep(model, ca, compile=False), DecodeStep(model, cb, compile=False, native=False)
@@ -408,6 +417,33 @@ def quantized_by_llama_cpp(source, out, ftype):
 def bundled_f32(tmp_path_factory):
     from kvslim.loading import convert_hf_to_gguf, default_model
     return convert_hf_to_gguf(default_model(), tmp_path_factory.mktemp("bundled") / "f32.gguf", "f32")
+
+
+def test_k_quant_matrices_take_8_bit_activations_in_both_steps(bundled_f32, tmp_path):
+    """Where the GEMV rounds activations to 8 bits (the K-quants, by default) the C step's matrices
+    say so too, and one sequence's step gives the eager step's logits; KVSLIM_Q8_ACTIVATIONS=0
+    turns it off in both."""
+    from kvslim.native import block_linear
+    if not block_linear.q8_activations("q4_k"):
+        pytest.skip("this build multiplies float activations")
+    model, _, _ = load_model(quantized_by_llama_cpp(bundled_f32, tmp_path / "q4_k_m.gguf", "q4_k_m"), "f32")
+    logits, flags = {}, {}
+    for switch in ("1", "0"):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("KVSLIM_Q8_ACTIVATIONS", switch)
+            for native in (True, False):
+                cache, prompt_logits = filled(model, "q8_0", "q8_0", [list(range(5, 22))])
+                step = DecodeStep(model, cache, compile=False, native=native)
+                logits[switch, native] = step([0], [int(prompt_logits[0].argmax())], [17])
+                if native:
+                    d = step.native.description
+                    layers = (native_step.Layer * d.n_layers).from_address(d.layers)
+                    flags[switch] = {(m.type, m.q8) for layer in layers for m in (layer.gate, layer.up, layer.down)}
+    codes = block_linear.TYPE_CODES
+    assert {(codes["q4_k"], 1), (codes["q6_k"], 1)} <= flags["1"] and {q8 for _, q8 in flags["0"]} == {0}
+    gap = float((logits["1", True] - logits["1", False]).abs().max() / logits["1", False].abs().max())
+    moved = float((logits["1", True] - logits["0", True]).abs().max() / logits["0", True].abs().max())
+    assert gap < 1e-4 < moved
 
 
 # llama.cpp's mixes that between them hold every grid i-quant

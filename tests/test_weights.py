@@ -20,7 +20,7 @@ from kvslim.gguf import writer as gguf_writer
 from kvslim.loading import convert_hf_to_gguf, load_model
 from kvslim.loading.instantiate import instantiate
 from kvslim.models import Batch, config_from_dict
-from kvslim.weights import matmul
+from kvslim.weights import activations, matmul
 
 LOGIT_TOL = 5e-4         # float32, different summation orders through a few layers
 MATMUL_TOL = 1e-4        # relative to the output's scale
@@ -112,6 +112,7 @@ def test_quant_linear_matches_reference(name, monkeypatch):
     bias = torch.randn(40)
     monkeypatch.setattr(matmul, "STEP_BYTES", 4 * cols * 7)           # several steps, a ragged last one
     monkeypatch.setattr(matmul, "STEP_MACS", 1)
+    monkeypatch.setenv("KVSLIM_Q8_ACTIVATIONS", "0")                    # test_q8_activations_match_their_reference
     for rows in (5, 20):                                                 # decode's C GEMV (if built); a prompt's steps
         x = torch.randn(rows, cols)
         assert close(W.quant_linear(x, w, bias), W.reference_linear(x, w, bias), MATMUL_TOL), rows
@@ -146,9 +147,8 @@ def test_native_block_linear_matches_reference(name, monkeypatch):
         x = torch.randn(rows, cols)
         x[0, :32] = 0.0                                                   # a group of zero activations
         want = W.reference_linear(x, w)
-        assert close(W.native.block_linear(x, w.data, name), want, MATMUL_TOL)
-        for variant in ("avx2", "portable"):                             # 8-wide loops on an AVX-512 CPU; plain C
-            assert close(W.native.block_linear(x, w.data, name, variant=variant), want, MATMUL_TOL), variant
+        for variant in (None, "avx2", "portable"):                       # 8-wide loops on an AVX-512 CPU; plain C
+            assert close(W.native.block_linear(x, w.data, name, variant=variant, q8=False), want, MATMUL_TOL), variant
     assert W.native.supports(name, torch.randn(8, cols)) and not W.native.supports(name, torch.randn(9, cols))
     monkeypatch.setenv("KVSLIM_NATIVE", "0")
     native_build.clear()
@@ -169,11 +169,56 @@ def test_native_block_linear_gives_a_row_the_same_bits_in_any_batch(name):
     w = random_matrix(W.get(name), 33, cols, seed=6)
     x = torch.randn(8, cols)
     for variant in (None, "avx2"):                                       # the 16-wide loops and the 8-wide
-        torch.set_num_threads(1)
-        alone = torch.cat([W.native.block_linear(x[i:i + 1].contiguous(), w.data, name, variant) for i in range(8)])
-        torch.set_num_threads(2)
-        for rows in (2, 5, 8):
-            assert torch.equal(W.native.block_linear(x[:rows].contiguous(), w.data, name, variant), alone[:rows])
+        for q8 in (False, True):                                         # float activations, 8-bit ones
+            torch.set_num_threads(1)
+            alone = torch.cat([W.native.block_linear(x[i:i + 1].contiguous(), w.data, name, variant, q8)
+                               for i in range(8)])
+            torch.set_num_threads(2)
+            for rows in (2, 5, 8):
+                assert torch.equal(W.native.block_linear(x[:rows].contiguous(), w.data, name, variant, q8), alone[:rows])
+
+
+@pytest.mark.parametrize("name", activations.TYPES)
+def test_q8_activations_match_their_reference(name, monkeypatch):
+    """The K-quants' GEMV with 8-bit activations (llama.cpp's Q8_K) against its torch reference
+    (same activation bytes, exact integer sums): equal but for the float sums' order; within ~1%
+    of the float activations' result; a zero block, a NaN and an infinity handled."""
+    if not W.native.available():
+        pytest.skip("no C compiler: quant_linear keeps the torch path")
+    wtype = W.get(name)
+    w = random_matrix(wtype, 67, 768, seed=8)
+    for rows, threads in ((1, 1), (3, 2), (8, 2)):
+        torch.set_num_threads(threads)
+        x = torch.randn(rows, 768) * torch.logspace(-2, 1, rows).unsqueeze(1)      # rows of different scales
+        x[0, 256:512] = 0.0                                                          # an all-zero Q8_K block
+        want, floats = activations.q8_block_linear_reference(x, w.data, wtype), W.reference_linear(x, w)
+        for variant in (None, "avx2"):
+            assert W.native.q8_activations(name, variant)
+            got = W.native.block_linear(x, w.data, name, variant=variant)           # the default: 8-bit
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max())), variant
+            scale = floats.abs().amax(1, keepdim=True)
+            assert ((got - floats).abs() / scale).max() < 0.03, variant
+            assert ((got - floats).abs() / scale).max() > 1e-4, variant              # it did round x
+    x = torch.randn(2, 768)
+    x[0, 300], x[1, 700] = float("nan"), float("inf")
+    got = W.native.block_linear(x, w.data, name)
+    assert got[0].isnan().all() and got[1].isnan().all()
+    assert not W.native.q8_activations(name, "portable") and not W.native.q8_activations("q8_0")
+    monkeypatch.setenv("KVSLIM_Q8_ACTIVATIONS", "0")
+    assert not W.native.q8_activations(name)
+
+
+def test_q8_reference_rounds_like_ggml_q8_k():
+    """quantize_q8k: 127 steps of max |x| / 127 per 256 values, half to even, and the values it
+    stands for within half a step."""
+    x = torch.randn(3, 512)
+    x[1, :256] = 0.0
+    d, q = activations.quantize_q8k(x)
+    assert q.dtype == torch.int8 and d.shape == (3, 2) and q.shape == (3, 2, 256)
+    assert d[1, 0] == 0 and not q[1, 0].any()
+    assert (q.abs().amax(-1)[d > 0] == 127).all()
+    err = (d.unsqueeze(-1) * q.float() - x.view(3, 2, 256)).abs()
+    assert (err <= d.unsqueeze(-1) / 2 * (1 + 1e-6)).all()
 
 
 def test_column_reorder_moves_blocks_or_gathers_inputs():

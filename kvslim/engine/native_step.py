@@ -45,7 +45,7 @@ I32, I64 = ctypes.c_int32, ctypes.c_int64
 
 
 class Mat(ctypes.Structure):
-    _fields_ = [("type", I32), ("rows", I64), ("cols", I64), ("data", P), ("bias", P), ("perm", P)]
+    _fields_ = [("type", I32), ("rows", I64), ("cols", I64), ("data", P), ("bias", P), ("perm", P), ("q8", I32)]
 
 
 class Layer(ctypes.Structure):
@@ -100,7 +100,8 @@ def matrix(module, keep: Keep, bias: torch.Tensor | None = None) -> Mat:
         raise Unsupported(f"{cols} input features (not whole blocks of {block_linear.QK})")
     if bias is None:
         bias = getattr(module, "bias", None)
-    return Mat(code, rows, cols, keep(data.detach().contiguous()).data_ptr(), keep.ptr(bias), perm)
+    q8 = isinstance(module, _QuantWeight) and block_linear.q8_activations(name)
+    return Mat(code, rows, cols, keep(data.detach().contiguous()).data_ptr(), keep.ptr(bias), perm, q8)
 
 
 def _norm(norm, keep: Keep, want_zero_centered: bool, eps: float) -> int:
@@ -151,7 +152,8 @@ def _stacked(param: torch.Tensor, kind, keep: Keep) -> tuple[Mat, int]:
         code = block_linear.TYPE_CODES[wtype.name]
     if cols % block_linear.QK:
         raise Unsupported(f"experts with {cols} input features (not whole blocks of {block_linear.QK})")
-    return Mat(code, data.shape[1], cols, data.data_ptr(), None), data[0].numel() * data.element_size()
+    q8 = kind is not None and block_linear.q8_activations(kind[0].name)
+    return Mat(code, data.shape[1], cols, data.data_ptr(), None, None, q8), data[0].numel() * data.element_size()
 
 
 def _attention(layer: Layer, attn, kv: KVCache, keep: Keep, zc: bool, eps: float) -> None:

@@ -1063,6 +1063,7 @@ DEFINE_ROWS_TIMES_CODES(16, __m512, _mm512_setzero_ps, CODES_INTO16, _mm512_add_
 #define KVSLIM_AVX512 1
 #endif
 
+#include "block_linear_q8.c"
 #endif
 
 /* Rows of W as float32: out (n, k) = gguf.quants' values of w (n, row_bytes). The prompt's
@@ -1104,13 +1105,43 @@ static void add_offsets(int type, const uint8_t *row, const float *xsum, int64_t
 }
 #endif
 
-/* x (m, k) float32 contiguous; w (n, row_bytes) rows of `type`; y (m, n) float32.
+#ifdef KVSLIM_AVX2
+/* block_linear_q8.c's loops over every row of W; 1 when out of memory. */
+static int block_linear_q8(int type, const float *x, const uint8_t *w, float *y, int64_t m, int64_t n, int64_t k,
+                           int n_threads) {
+    const int64_t row_bytes = k / QK * group_bytes_x8(type) / 8, nb = k / 256;
+    q8k_t *xq = quantize_rows_q8k(x, m, k);
+    if (!xq) return 1;
+    #pragma omp parallel for num_threads(n_threads) schedule(static)
+    for (int64_t r = 0; r < n; r++) {
+        if (m == 1) rows_times_q8k(type, w + r * row_bytes, xq, 1, nb, y + r, n);     /* m a constant */
+        else rows_times_q8k(type, w + r * row_bytes, xq, m, nb, y + r, n);
+    }
+    free(xq);
+    return 0;
+}
+#endif
+
+/* Whether kvslim_block_linear(..., q8_activations = 1) quantizes the activations of `type` in this
+ * build (block_linear_q8.c's types, with AVX2); where not, it multiplies float activations. */
+int kvslim_q8_activations(int type) {
+#ifdef KVSLIM_AVX2
+    return q8_types(type);
+#else
+    (void)type;
+    return 0;
+#endif
+}
+
+/* x (m, k) float32 contiguous; w (n, row_bytes) rows of `type`; y (m, n) float32. q8_activations:
+ * round x to 8 bits per 256 values first, as llama.cpp does, where kvslim_q8_activations(type).
  * Returns 0, or 1 for a type it does not know, k not whole blocks, or m > MAX_M. */
 int kvslim_block_linear(int type, const float *x, const uint8_t *w, float *y, int64_t m, int64_t n, int64_t k,
-                        int n_threads) {
+                        int n_threads, int q8_activations) {
     if (!group_bytes_x8(type) || k % block_values(type) || m > MAX_M) return 1;
     const int64_t row_bytes = k / QK * group_bytes_x8(type) / 8;
 #ifdef KVSLIM_AVX2
+    if (q8_activations && q8_types(type)) return block_linear_q8(type, x, w, y, m, n, k, n_threads);
     float *xsum = NULL;                 /* each group's sum of x, for the types with a minimum per group */
     if (has_offset(type)) {
         if (!(xsum = malloc((size_t)(m * (k / QK)) * sizeof(float)))) return 1;

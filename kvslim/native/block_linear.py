@@ -8,6 +8,8 @@ once and unpacks it in registers.
 from __future__ import annotations
 
 import ctypes
+import os
+from functools import lru_cache
 
 import torch
 
@@ -27,7 +29,9 @@ def _library(variant: str | None = None):
     if lib is not None and lib.kvslim_block_linear.argtypes is None:
         lib.kvslim_block_linear.restype = ctypes.c_int
         lib.kvslim_block_linear.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+                                            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+        lib.kvslim_q8_activations.restype = ctypes.c_int
+        lib.kvslim_q8_activations.argtypes = [ctypes.c_int]
         lib.kvslim_dequantize_rows.restype = ctypes.c_int
         lib.kvslim_dequantize_rows.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                                ctypes.c_int64, ctypes.c_int]
@@ -37,6 +41,20 @@ def _library(variant: str | None = None):
 @torch._dynamo.assume_constant_result      # traced: decided once, not a graph break on ctypes
 def available() -> bool:
     return _library() is not None
+
+
+def q8_activations(wtype_name: str, variant: str | None = None) -> bool:
+    """Whether decode's GEMV over ``wtype_name`` rounds the activations to 8 bits per 256 values
+    first (ggml's Q8_K, as llama.cpp's CPU backend does for the K-quants): 1.5-2x faster, the
+    outputs within ~1% of the float ones (``weights/activations.py`` is its reference).
+    ``KVSLIM_Q8_ACTIVATIONS=0`` keeps float activations everywhere."""
+    return _q8_activations(wtype_name, variant or build.default_variant(), os.environ.get("KVSLIM_Q8_ACTIVATIONS", "1"))
+
+
+@lru_cache(maxsize=None)
+def _q8_activations(wtype_name: str, variant: str, switch: str) -> bool:
+    lib = _library(variant)
+    return switch != "0" and lib is not None and bool(lib.kvslim_q8_activations(TYPE_CODES[wtype_name]))
 
 
 def supports(wtype_name: str, x: torch.Tensor) -> bool:
@@ -71,17 +89,21 @@ def _(x, blocks, wtype_name):
     return x.new_empty(x.shape[0], blocks.shape[0])
 
 
-def block_linear(x: torch.Tensor, blocks: torch.Tensor, wtype_name: str, variant: str | None = None) -> torch.Tensor:
+def block_linear(x: torch.Tensor, blocks: torch.Tensor, wtype_name: str, variant: str | None = None,
+                 q8: bool | None = None) -> torch.Tensor:
     """x (m, k) float32 @ W.T for W (n, row_bytes) uint8 blocks of ``wtype_name`` -> (m, n).
     ``variant``: a build of ``build.VARIANTS`` (tests: "avx2" runs the 8-wide loops on a CPU with
-    AVX-512, "portable" the plain C)."""
+    AVX-512, "portable" the plain C). ``q8``: round x to 8 bits first where the build can
+    (default: ``q8_activations``)."""
+    if q8 is None:
+        q8 = q8_activations(wtype_name, variant)
     x = x.contiguous()
     blocks = blocks.contiguous()
     m, k = x.shape
     n = blocks.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
     status = _library(variant).kvslim_block_linear(TYPE_CODES[wtype_name], x.data_ptr(), blocks.data_ptr(), y.data_ptr(),
-                                            m, n, k, torch.get_num_threads())
+                                            m, n, k, torch.get_num_threads(), int(q8))
     if status:
         raise ValueError(f"native block_linear refused {wtype_name} with {k} input features")
     return y

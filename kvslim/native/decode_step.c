@@ -33,6 +33,7 @@ typedef struct {            /* y = x @ W.T (+ bias) */
     const int64_t *perm;    /* NULL, or (cols,): the input's features in the file's column order
                              * (llama.cpp's GGUFs of Qwen3.5 order a DeltaNet's value heads their
                              * own way, and quantized blocks cannot be re-ordered) */
+    int32_t q8;             /* round x to 8 bits first (block_linear.q8_activations) */
 } mat_t;
 
 enum { MIXER_ATTENTION = 0, MIXER_DELTA_NET = 1 };
@@ -89,7 +90,7 @@ static void linear(const mat_t *w, const float *x, int64_t m, float *y, int n_th
             for (int64_t c = 0; c < w->cols; c++) gathered[i * w->cols + c] = x[i * w->cols + w->perm[c]];
         x = gathered;
     }
-    kvslim_block_linear(w->type, x, w->data, y, m, w->rows, w->cols, n_threads);
+    kvslim_block_linear(w->type, x, w->data, y, m, w->rows, w->cols, n_threads, w->q8);
     free(gathered);
     if (w->bias)
         for (int64_t i = 0; i < m; i++)

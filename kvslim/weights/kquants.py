@@ -44,30 +44,41 @@ def _affine_subblocks(f: dict[str, torch.Tensor], q: torch.Tensor) -> torch.Tens
     return (scale.unsqueeze(-1) * q.float() - offset.unsqueeze(-1)).reshape(n, QK_K)
 
 
-def decode_q4_k(f: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Each 32 bytes of qs carry two sub-blocks: low nibbles first, then high nibbles."""
+def codes_q4_k(f: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(N, 8, 32) codes 0-15: each 32 bytes of qs carry two sub-blocks, low nibbles first."""
     qs = f["qs"]
-    q = _bits(qs.view(qs.shape[0], -1, SUB), [0, 4], 0x0F)        # (N, 4, 2, 32)
-    return _affine_subblocks(f, q.reshape(qs.shape[0], -1, SUB))
+    return _bits(qs.view(qs.shape[0], -1, SUB), [0, 4], 0x0F).reshape(qs.shape[0], -1, SUB)
+
+
+def codes_q5_k(f: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(N, 8, 32) codes 0-31: Q4_K's nibbles plus a fifth bit, bit j of qh[l] for sub-block j."""
+    qh = f["qh"]
+    high = _bits(qh.view(qh.shape[0], 1, SUB), list(range(8)), 0x01).reshape(qh.shape[0], -1, SUB)
+    return codes_q4_k(f) | (high << 4)
+
+
+def codes_q6_k(f: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(N, 8, 32) codes 0-63, the values' q plus 32: two halves of 128 values; in each, ql's 64
+    bytes give 4 low-nibble groups and qh's 32 bytes the 2-bit tops."""
+    ql, qh = f["ql"], f["qh"]
+    n = ql.shape[0]
+    low = _bits(ql.view(n, 2, 64), [0, 4], 0x0F).reshape(n, -1, SUB)
+    high = _bits(qh.view(n, 2, SUB), [0, 2, 4, 6], 0x03).reshape(n, -1, SUB)
+    return low | (high << 4)
+
+
+def decode_q4_k(f: dict[str, torch.Tensor]) -> torch.Tensor:
+    return _affine_subblocks(f, codes_q4_k(f))
 
 
 def decode_q5_k(f: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Q4_K's nibbles plus a fifth bit: bit j of qh[l] belongs to sub-block j, position l."""
-    qs, qh = f["qs"], f["qh"]
-    n = qs.shape[0]
-    low = _bits(qs.view(n, -1, SUB), [0, 4], 0x0F).reshape(n, -1, SUB)        # (N, 8, 32)
-    high = _bits(qh.view(n, 1, SUB), list(range(8)), 0x01).reshape(n, -1, SUB)
-    return _affine_subblocks(f, low | (high << 4))
+    return _affine_subblocks(f, codes_q5_k(f))
 
 
 def decode_q6_k(f: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Two halves of 128 values; in each, ql's 64 bytes give 4 low-nibble groups and
-    qh's 32 bytes the 2-bit tops; codes are offset by 32; one int8 scale per 16 values."""
-    ql, qh = f["ql"], f["qh"]
-    n = ql.shape[0]
-    low = _bits(ql.view(n, 2, 64), [0, 4], 0x0F).reshape(n, -1, SUB)          # (N, 8, 32)
-    high = _bits(qh.view(n, 2, SUB), [0, 2, 4, 6], 0x03).reshape(n, -1, SUB)
-    q = ((low | (high << 4)).view(torch.int8) - 32).view(n, QK_K // 16, 16)
+    """Codes offset by 32; one int8 scale per 16 values."""
+    n = f["ql"].shape[0]
+    q = (codes_q6_k(f).view(torch.int8) - 32).view(n, QK_K // 16, 16)
     scale = fp16_from_bytes(f["d"]).view(n, 1) * f["scales"].view(torch.int8).float()   # (N, 16)
     return (scale.unsqueeze(-1) * q.float()).reshape(n, QK_K)
 
