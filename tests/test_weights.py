@@ -180,7 +180,7 @@ def test_native_block_linear_gives_a_row_the_same_bits_in_any_batch(name):
 
 @pytest.mark.parametrize("name", activations.TYPES)
 def test_q8_activations_match_their_reference(name, monkeypatch):
-    """The K-quants' GEMV with 8-bit activations (llama.cpp's Q8_K) against its torch reference
+    """The K-quants' GEMV with 8-bit activations (a scale per 32) against its torch reference
     (same activation bytes, exact integer sums): equal but for the float sums' order; within ~1%
     of the float activations' result; a zero block, a NaN and an infinity handled."""
     if not W.native.available():
@@ -190,7 +190,7 @@ def test_q8_activations_match_their_reference(name, monkeypatch):
     for rows, threads in ((1, 1), (3, 2), (8, 2)):
         torch.set_num_threads(threads)
         x = torch.randn(rows, 768) * torch.logspace(-2, 1, rows).unsqueeze(1)      # rows of different scales
-        x[0, 256:512] = 0.0                                                          # an all-zero Q8_K block
+        x[0, 256:320] = 0.0                                                          # all-zero groups
         want, floats = activations.q8_block_linear_reference(x, w.data, wtype), W.reference_linear(x, w)
         for variant in (None, "avx2"):
             assert W.native.q8_activations(name, variant)
@@ -208,16 +208,16 @@ def test_q8_activations_match_their_reference(name, monkeypatch):
     assert not W.native.q8_activations(name)
 
 
-def test_q8_reference_rounds_like_ggml_q8_k():
-    """quantize_q8k: 127 steps of max |x| / 127 per 256 values, half to even, and the values it
+def test_q8_reference_rounds_to_127_steps_per_group():
+    """quantize_q8: 127 steps of max |x| / 127 per 32 values, half to even, and the values it
     stands for within half a step."""
-    x = torch.randn(3, 512)
-    x[1, :256] = 0.0
-    d, q = activations.quantize_q8k(x)
-    assert q.dtype == torch.int8 and d.shape == (3, 2) and q.shape == (3, 2, 256)
+    x = torch.randn(3, 64)
+    x[1, :32] = 0.0
+    d, q = activations.quantize_q8(x)
+    assert q.dtype == torch.int8 and d.shape == (3, 2) and q.shape == (3, 2, 32)
     assert d[1, 0] == 0 and not q[1, 0].any()
     assert (q.abs().amax(-1)[d > 0] == 127).all()
-    err = (d.unsqueeze(-1) * q.float() - x.view(3, 2, 256)).abs()
+    err = (d.unsqueeze(-1) * q.float() - x.view(3, 2, 32)).abs()
     assert (err <= d.unsqueeze(-1) / 2 * (1 + 1e-6)).all()
 
 

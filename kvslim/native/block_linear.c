@@ -1109,15 +1109,15 @@ static void add_offsets(int type, const uint8_t *row, const float *xsum, int64_t
 /* block_linear_q8.c's loops over every row of W; 1 when out of memory. */
 static int block_linear_q8(int type, const float *x, const uint8_t *w, float *y, int64_t m, int64_t n, int64_t k,
                            int n_threads) {
-    const int64_t row_bytes = k / QK * group_bytes_x8(type) / 8, nb = k / 256;
-    q8k_t *xq = quantize_rows_q8k(x, m, k);
-    if (!xq) return 1;
+    const int64_t row_bytes = k / QK * group_bytes_x8(type) / 8;
+    q8_rows_t xq;
+    if (quantize_rows_q8(x, m, k, &xq)) return 1;
     #pragma omp parallel for num_threads(n_threads) schedule(static)
     for (int64_t r = 0; r < n; r++) {
-        if (m == 1) rows_times_q8k(type, w + r * row_bytes, xq, 1, nb, y + r, n);     /* m a constant */
-        else rows_times_q8k(type, w + r * row_bytes, xq, m, nb, y + r, n);
+        if (m == 1) rows_times_q8k(type, w + r * row_bytes, &xq, 1, k, y + r, n);     /* m a constant */
+        else rows_times_q8k(type, w + r * row_bytes, &xq, m, k, y + r, n);
     }
-    free(xq);
+    free(xq.q);
     return 0;
 }
 #endif

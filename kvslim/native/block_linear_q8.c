@@ -21,71 +21,90 @@
 #include <float.h>
 #include <math.h>
 
+/* m activation rows (m, k), k whole groups of 32, as 8-bit codes: values d * q per group. */
 typedef struct {
-    float d;                /* the values are d * q; NaN when the block holds a NaN or an infinity */
-    int8_t q[256];
-    int16_t sums[16];       /* sums of q over each 16 values */
-} q8k_t;
+    int8_t *q;              /* (m, k) */
+    float *d;               /* (m, k / 32); NaN for a group that holds a NaN or an infinity */
+    float *halves;          /* (m, k / 32 * 2): per 256 values, d of groups 0-3 twice, then 4-7 twice */
+    int16_t *sums;          /* (m, k / 16): the sums of q over each 16 values */
+} q8_rows_t;
 
 static inline int q8_types(int type) {
     return type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K;
 }
 
-/* 256 values as d * q, q = round-half-even(x * 127 / max |x|) (|q| <= 127: maddubs' pairs stay
+static inline float hmax(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+/* 32 values as d * q, q = round-half-even(x * 127 / max |x|) (|q| <= 127: maddubs' pairs stay
  * within int16 for codes up to 63). The multiply and the rounding are torch's, so the reference
  * makes the same bytes. A non-finite value makes d NaN: the outputs it reaches are NaN, as with
  * float activations, and the engine's NaN check still sees them. */
-static void quantize_q8k(const float *x, q8k_t *b) {
+static void quantize_group_q8(const float *x, int8_t *q, float *d, int16_t *sums) {
     const __m256 sign = _mm256_set1_ps(-0.0f), big = _mm256_set1_ps(FLT_MAX);
-    __m256 amax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
-    for (int l = 0; l < 256; l += 8) {
-        const __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(x + l));
+    __m256 v[4], amax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+    for (int c = 0; c < 4; c++) {
+        v[c] = _mm256_loadu_ps(x + 8 * c);
+        const __m256 a = _mm256_andnot_ps(sign, v[c]);
         bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, big, _CMP_NLE_UQ));       /* inf, or NaN (unordered) */
         amax = _mm256_max_ps(amax, a);
     }
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    const float top = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+    const float top = hmax(amax);
     if (_mm256_movemask_ps(bad) || top == 0.0f) {
-        b->d = _mm256_movemask_ps(bad) ? NAN : 0.0f;
-        memset(b->q, 0, sizeof b->q), memset(b->sums, 0, sizeof b->sums);
+        *d = _mm256_movemask_ps(bad) ? NAN : 0.0f;
+        memset(q, 0, 32), sums[0] = sums[1] = 0;
         return;
     }
     const __m256 iscale = _mm256_set1_ps(127.0f / top);
-    for (int l = 0; l < 256; l += 32) {
-        __m256i w[4];
-        for (int c = 0; c < 4; c++)
-            w[c] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + l + 8 * c), iscale),
-                                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        /* packs interleave 128-bit lanes: the permute puts the 32 bytes back in order */
-        const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(w[0], w[1]), _mm256_packs_epi32(w[2], w[3]));
-        _mm256_storeu_si256((__m256i *)(b->q + l),
-                            _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-    }
-    for (int s = 0; s < 16; s++) {
-        int sum = 0;
-        for (int l = 0; l < 16; l++) sum += b->q[16 * s + l];
-        b->sums[s] = (int16_t)sum;
-    }
-    b->d = top / 127.0f;
+    __m256i w[4];
+    for (int c = 0; c < 4; c++)
+        w[c] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[c], iscale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    /* packs interleave 128-bit lanes: the permute puts the 32 bytes back in order */
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(w[0], w[1]), _mm256_packs_epi32(w[2], w[3]));
+    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    const __m256i halves = _mm256_add_epi32(w[0], w[1]), halves2 = _mm256_add_epi32(w[2], w[3]);
+    const __m128i s0 = _mm_add_epi32(_mm256_castsi256_si128(halves), _mm256_extracti128_si256(halves, 1));
+    const __m128i s1 = _mm_add_epi32(_mm256_castsi256_si128(halves2), _mm256_extracti128_si256(halves2, 1));
+    const __m128i both = _mm_hadd_epi32(_mm_hadd_epi32(s0, s1), _mm_setzero_si128());
+    sums[0] = (int16_t)_mm_extract_epi32(both, 0), sums[1] = (int16_t)_mm_extract_epi32(both, 1);
+    *d = top / 127.0f;
 }
 
-/* Word j (int16) of each 128-bit lane of S, in every word of that lane. */
-static inline __m256i word_of_lanes(__m256i s, int j) {
-    return _mm256_shuffle_epi8(s, _mm256_set1_epi16((short)((2 * j + 1) << 8 | 2 * j)));
+/* The activation rows as q8_rows_t (one allocation; free(rows->q)); 1 when out of memory. */
+static int quantize_rows_q8(const float *x, int64_t m, int64_t k, q8_rows_t *rows) {
+    const int64_t groups = m * (k / 32);
+    char *mem = malloc((size_t)(m * k + groups * (int64_t)(3 * sizeof(float) + 2 * sizeof(int16_t))));
+    if (!mem) return 1;
+    rows->q = (int8_t *)mem;
+    rows->d = (float *)(mem + m * k);                     /* k is a multiple of 32: aligned enough */
+    rows->halves = rows->d + groups;
+    rows->sums = (int16_t *)(rows->halves + 2 * groups);
+    for (int64_t g = 0; g < groups; g++) quantize_group_q8(x + 32 * g, rows->q + 32 * g, rows->d + g, rows->sums + 2 * g);
+    for (int64_t b = 0; k % 256 == 0 && b < groups / 8; b++)     /* the layout of the super-block loop's halves */
+        for (int l = 0; l < 16; l++) rows->halves[16 * b + l] = rows->d[8 * b + 4 * (l / 8) + l % 4];
+    return 0;
 }
 
-/* A super-block's integer scales and minima: group j's scales are word_of_lanes(*scales, j) (the
- * low lane for its values 0-15, the high lane for 16-31), its minima times the activations' 16
- * sums in madd(sums, *minima); the super-block's value is d * (codes . x) - dmin * (minima . sums). */
-static inline __attribute__((always_inline)) void q8k_scales(int type, const uint8_t *sb, __m256i *scales,
-                                                             __m256i *minima, float *d, float *dmin) {
+/* A super-block's scales as floats in the layout of a half's folded sums (rows_times_q8k_typed):
+ * scales[h] lane g is d times group 4h + g's scale of its first 16 values, lane g + 4 of its
+ * second 16 (Q6_K's differ, the others' are one scale per 32). Its minima times the activations'
+ * 16 sums are madd(sums, *minima), lane j group j's; the super-block's value is the scaled sums
+ * less dmin * dx_j times those. */
+static inline __attribute__((always_inline)) void q8k_scales(int type, const uint8_t *sb, __m256 scales[2],
+                                                             __m256i *minima, float *dmin) {
+    float d;
     if (type == TYPE_Q6_K) {                     /* 16 int8 scales; codes plus 32: the minimum is 32 * scale */
         const __m128i sc = _mm_loadu_si128((const __m128i *)(sb + 192));
-        const __m128i even_odd = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-        *scales = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, even_odd));      /* lanes: s0 s2 .. s14 | s1 .. s15 */
         *minima = _mm256_cvtepi8_epi16(sc);
-        *d = f16(sb + 208), *dmin = 32.0f * *d;
+        d = f16(sb + 208), *dmin = 32.0f * d;
+        const __m256 vd = _mm256_set1_ps(d);
+        /* half h: the first-16 scales of groups 4h..4h+3 (s[8h], s[8h + 2], ...), then their second-16 ones */
+        const __m128i halves[2] = {_mm_shuffle_epi8(sc, _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 0, 0, 0, 0, 0, 0, 0, 0)),
+                                   _mm_shuffle_epi8(sc, _mm_setr_epi8(8, 10, 12, 14, 9, 11, 13, 15, 0, 0, 0, 0, 0, 0, 0, 0))};
+        for (int h = 0; h < 2; h++) scales[h] = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(halves[h])));
         return;
     }
     uint32_t in[3], w[4];                        /* Q4_K / Q5_K: k_scales' six-bit fields */
@@ -95,9 +114,24 @@ static inline __attribute__((always_inline)) void q8k_scales(int type, const uin
     w[2] = in[1] & 0x3F3F3F3Fu;
     w[3] = ((in[2] >> 4) & 0x0F0F0F0Fu) | ((in[1] >> 6) & 0x03030303u) << 4;
     const __m128i fields = _mm_loadu_si128((const __m128i *)w);       /* 8 scales, 8 minima */
-    *scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(fields));
     *minima = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(fields, fields));  /* each minimum for both its 16s */
-    *d = f16(sb), *dmin = f16(sb + 2);
+    d = f16(sb), *dmin = f16(sb + 2);
+    const __m256 vd = _mm256_set1_ps(d);
+    for (int h = 0; h < 2; h++)                  /* scales 4h..4h+3, twice */
+        scales[h] = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set1_epi32((int)w[h]))));
+}
+
+/* 32 unsigned bytes times 32 signed ones, summed in fours: 8 int32 lanes. VNNI does it in one
+ * instruction; AVX2 sums pairs in int16 (no saturation: codes <= 63, |activations| <= 127), then
+ * pairs of those. */
+static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
 }
 
 /* Half h (groups 4h..4h+3) of a super-block as 32 unsigned byte codes per group. */
@@ -126,54 +160,50 @@ static inline __attribute__((always_inline)) void q8k_codes(int type, const uint
     }
 }
 
-/* y[i * n] = row . x_i for m activation rows quantized as nb Q8_K blocks each (x: (m, nb)). A
- * super-block's integer sum is made the same way for one row and for several, so a sequence's
- * output does not depend on its batch. */
-static inline __attribute__((always_inline)) void rows_times_q8k_typed(int type, const uint8_t *row, const q8k_t *x,
-                                                                       int64_t m, int64_t nb, float *y, int64_t n) {
-    __m256 acc[MAX_M];
-    for (int64_t i = 0; i < m; i++) acc[i] = _mm256_setzero_ps();
+/* y[i * n] = row . x_i for m activation rows. A half super-block's four groups are summed in
+ * integers (codes times activations, times the group's scale), their 8 lanes each folded by two
+ * horizontal adds into one vector (lane g and g + 4: group g's first and second 16 values), then
+ * scaled in float by d times each group's activation scale. The same for one row and for several,
+ * so a sequence's output does not depend on its batch. */
+static inline __attribute__((always_inline)) void rows_times_q8k_typed(int type, const uint8_t *row, const q8_rows_t *x,
+                                                                       int64_t m, int64_t k, float *y, int64_t n) {
+    __m256 acc[MAX_M], acc2[MAX_M];
+    for (int64_t i = 0; i < m; i++) acc[i] = acc2[i] = _mm256_setzero_ps();
     const int64_t sb_bytes = group_bytes_x8(type);
-    for (int64_t b = 0; b < nb; b++) {
+    for (int64_t b = 0; b < k / 256; b++) {
         const uint8_t *sb = row + b * sb_bytes;
-        __m256i scales, minima, isum[MAX_M];
-        float d, dmin;
-        q8k_scales(type, sb, &scales, &minima, &d, &dmin);
-        for (int64_t i = 0; i < m; i++) isum[i] = _mm256_setzero_si256();
+        __m256 scales[2];
+        __m256i minima;
+        float dmin;
+        q8k_scales(type, sb, scales, &minima, &dmin);
         for (int h = 0; h < 2; h++) {
             __m256i u[4];
             q8k_codes(type, sb, h, u);
             for (int64_t i = 0; i < m; i++) {
-                const int8_t *xq = x[i * nb + b].q + 128 * h;
-                for (int g = 0; g < 4; g++) {
-                    const __m256i pairs = _mm256_maddubs_epi16(u[g], _mm256_loadu_si256((const __m256i *)(xq + 32 * g)));
-                    isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(pairs, word_of_lanes(scales, 4 * h + g)));
-                }
+                const int8_t *xq = x->q + i * k + 256 * b + 128 * h;
+                __m256i p[4];
+                for (int g = 0; g < 4; g++) p[g] = dot_u8s8(u[g], _mm256_loadu_si256((const __m256i *)(xq + 32 * g)));
+                const __m256i sums = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+                const __m256 dx = _mm256_loadu_ps(x->halves + i * (k / 16) + 16 * b + 8 * h);
+                __m256 *a = h ? &acc2[i] : &acc[i];
+                *a = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sums), dx), scales[h], *a);
             }
         }
         for (int64_t i = 0; i < m; i++) {
-            const q8k_t *xb = x + i * nb + b;
-            const __m256i imin = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)xb->sums), minima);
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_set1_ps(d * xb->d), acc[i]);
-            acc[i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imin), _mm256_set1_ps(dmin * xb->d), acc[i]);
+            const __m256 dx = _mm256_loadu_ps(x->d + i * (k / 32) + 8 * b);       /* groups 0-7's scales */
+            const __m256i imin = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(x->sums + i * (k / 16) + 16 * b)), minima);
+            acc[i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imin), _mm256_mul_ps(_mm256_set1_ps(dmin), dx), acc[i]);
         }
     }
-    for (int64_t i = 0; i < m; i++) y[i * n] = hsum(acc[i]);
+    for (int64_t i = 0; i < m; i++) y[i * n] = hsum(_mm256_add_ps(acc[i], acc2[i]));
 }
 
-static inline __attribute__((always_inline)) void rows_times_q8k(int type, const uint8_t *row, const q8k_t *x,
-                                                                 int64_t m, int64_t nb, float *y, int64_t n) {
+static inline __attribute__((always_inline)) void rows_times_q8k(int type, const uint8_t *row, const q8_rows_t *x,
+                                                                 int64_t m, int64_t k, float *y, int64_t n) {
     switch (type) {                              /* one type per call: its checks leave the loop */
-        case TYPE_Q4_K: rows_times_q8k_typed(TYPE_Q4_K, row, x, m, nb, y, n); break;
-        case TYPE_Q5_K: rows_times_q8k_typed(TYPE_Q5_K, row, x, m, nb, y, n); break;
-        default: rows_times_q8k_typed(TYPE_Q6_K, row, x, m, nb, y, n);
+        case TYPE_Q4_K: rows_times_q8k_typed(TYPE_Q4_K, row, x, m, k, y, n); break;
+        case TYPE_Q5_K: rows_times_q8k_typed(TYPE_Q5_K, row, x, m, k, y, n); break;
+        default: rows_times_q8k_typed(TYPE_Q6_K, row, x, m, k, y, n);
     }
 }
 
-/* The m activation rows (m, k) as Q8_K blocks, or NULL when out of memory. */
-static q8k_t *quantize_rows_q8k(const float *x, int64_t m, int64_t k) {
-    q8k_t *out = malloc((size_t)(m * (k / 256)) * sizeof(q8k_t));
-    if (out)
-        for (int64_t i = 0; i < m * (k / 256); i++) quantize_q8k(x + 256 * i, out + i);
-    return out;
-}

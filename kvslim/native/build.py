@@ -26,7 +26,7 @@ from pathlib import Path
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 VARIANTS = {                  # the tests hold every build the machine can run to the same results
     "native": FLAGS,
-    "avx2": FLAGS + ["-mno-avx512f"],                      # the AVX2 paths where the machine has AVX-512
+    "avx2": FLAGS + ["-mno-avx512f", "-mno-avxvnni"],      # the AVX2 paths (no VNNI) where the machine has more
     # no AVX paths and no _Float16: the plain C loops and half.c's software conversions, as an
     # older compiler (clang 14 on x86) builds them
     "portable": ["-O2", "-fopenmp", "-DKVSLIM_SOFT_HALF", "-shared", "-fPIC"],
