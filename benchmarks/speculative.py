@@ -1,15 +1,14 @@
 """Speculative decoding from prompt-lookup drafts, against decoding one token at a time.
 
-    python benchmarks/speculative.py [-m MODEL] [--draft 4,8] [-n 200] [-r 3] [--device cpu]
+    python benchmarks/speculative.py [-m MODEL] [--draft 4,8] [-n 200] [-r 3] [--device cpu] [--dtype f32]
 
 The prompt is a passage of held-out text followed by its opening again, so that the reply
 tends to copy it (the case drafts are for: code edits, quotes). Printed per setting: generated
 tokens/s (median of -r runs), drafted and kept tokens, and whether the tokens equal the plain
-run's. The plain decode step is the C step where it applies (``--native``) and torch's eager one
-without; drafts are checked by a torch forward over the draft, so they pay off where a forward
-of several tokens costs about what one costs (a GPU, Apple silicon, a model whose weights
-outweigh its compute), not on a small CPU model, whose one-token C step is many times cheaper
-than a torch forward.
+run's (the first row). Each decode step runs the C step where it applies (``--native``; a drafted
+chunk then goes through it as rows of one slot) and torch's eager one without (a drafted chunk
+through a prompt-style forward). A chunk of n tokens costs about one step where the weights'
+bytes outweigh the compute (big models, GPUs); on a small CPU model its GEMVs cost more per row.
 """
 from __future__ import annotations
 
@@ -32,14 +31,16 @@ def main(argv=None) -> None:
     ap.add_argument("-n", type=int, default=200)
     ap.add_argument("-r", type=int, default=3)
     ap.add_argument("--device", default=None)
+    ap.add_argument("--dtype", default="f32", help="f32 (default: the torch and C steps then give the same tokens) or bf16")
     args = ap.parse_args(argv)
     text = (TEXT / "austen-heldout.txt").read_text(encoding="utf-8")[:2400]
     prompt = text[:1200] + "\n\n" + text[:200]
     rows, plain = [], None
-    settings = [(0, True), (0, False)] + [(int(d), True) for d in args.draft.split(",")]
+    drafts = [0] + [int(d) for d in args.draft.split(",")]
+    settings = [(d, native) for native in (True, False) for d in drafts]
     for draft, native in settings:
         config = EngineConfig.build(4096, 1, "f16", "f16", draft_max=draft, native=native, device=args.device)
-        llm = kvslim.load(args.model, dtype="f32", config=config)     # float32: no bf16 ties between paths
+        llm = kvslim.load(args.model, dtype=args.dtype, config=config)
         llm.generate(prompt, max_tokens=8, temperature=0)                               # warm-up
         outs = [llm.generate(prompt, max_tokens=args.n, temperature=0, ignore_eos=True) for _ in range(args.r)]
         tokens = outs[0].token_ids

@@ -64,6 +64,21 @@ def test_prepare_refuses_a_wrong_position_and_changes_nothing(hybrid):
     assert cache.offset(0) == 7
 
 
+def test_a_step_may_take_consecutive_rows_of_one_slot(hybrid):
+    """A drafted chunk through the C step: rows of one slot at consecutive positions from its
+    length; a gap or a repeat is refused; with an f16 window one row per slot."""
+    model, _, _ = hybrid
+    cache, _ = filled(model, "q8_0", "q8_0", [list(range(5, 12))])
+    with pytest.raises(ValueError, match=r"writes position 9 but the cache holds 7 tokens \(and 1 earlier in this step\)"):
+        cache.prepare_decode([0, 0], [7, 9])
+    cache.prepare_decode([0, 0, 0], [7, 8, 9])
+    cache.commit_decode([0, 0, 0])
+    assert cache.offset(0) == 10 and all(kv.n_packed(0) == 10 for kv in cache.kv_layers)
+    windowed = model.make_cache(64, 1, "q8_0", "q8_0", page_size=8, f16_window=4)
+    with pytest.raises(ValueError, match="with an f16 window a decode step takes one token per slot"):
+        windowed.prepare_decode([0, 0], [0, 1])
+
+
 def greedy(model, tok, eos, compile: bool) -> tuple[list[list[int]], Engine, float]:
     engine = Engine(model, tok, EngineConfig.build(256, 2, "q8_0", "turbo4", page_size=16, device="cpu",
                                                    n_ubatch=32, compile=compile, native=False), eos)

@@ -230,8 +230,10 @@ class KVCache:
         """Host half of a decode step, one token per slot at ``positions`` (checked against the
         lengths once, by ``ModelCache.prepare_decode``): room checked, pages reserved. With an f16
         window (the C step's), the page is the one its oldest token leaves into, if it is full."""
+        if self.f16_window and len(set(slots)) < len(slots):
+            raise ValueError("with an f16 window a decode step takes one token per slot")
         for slot, pos in zip(slots, positions):
-            self._check_room(slot, 1)
+            self._check_room(slot, pos + 1 - self.offset(slot))
             if not self.f16_window:
                 self._reserve(slot, pos + 1)
             elif self._win_len[slot] == self.f16_window:

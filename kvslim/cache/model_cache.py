@@ -81,11 +81,16 @@ class ModelCache:
 
     def prepare_decode(self, slots: list[int], positions: list[int]) -> None:
         """Before a DecodeBatch's forward: positions checked once, then every layer reserves
-        room (nothing changes when a check fails)."""
+        room (nothing changes when a check fails). A slot may come several times, at consecutive
+        positions from its length (a drafted chunk through the C step)."""
+        expected = {}
         for slot, pos in zip(slots, positions):
-            if pos != self.offset(slot):
+            want = expected.setdefault(slot, self.offset(slot))
+            if pos != want:
                 raise ValueError(f"slot {slot}: the step writes position {pos} but the cache holds "
-                                 f"{self.offset(slot)} tokens")
+                                 f"{self.offset(slot)} tokens" + (f" (and {want - self.offset(slot)} earlier in this step)"
+                                                                  if want != self.offset(slot) else ""))
+            expected[slot] = want + 1
         for layer in self.layers:
             layer.prepare_decode(slots, positions)
 

@@ -307,7 +307,7 @@ class Engine:
         n0, chunk = seq.n_cached, seq.pending + draft
         checkpoint = self.cache.checkpoint(seq.slot) if self.cache.recurrent else None
         t0 = time.perf_counter()
-        logits = self.model(Batch.build([(seq.slot, chunk, n0)], device=self.device), self.cache, all_logits=True)
+        logits = self.decode_step.chunk(seq.slot, chunk, n0)
         if seq.slot in self.cache.take_overflow():
             self._fail(seq, OVERFLOW)
             return
@@ -340,7 +340,7 @@ class Engine:
             self.cache.rewind(seq.slot, seq.n_cached)
             return
         self.cache.rewind(seq.slot, n0, checkpoint)
-        self.model(Batch.build([(seq.slot, chunk[:seq.n_cached - n0], n0)], device=self.device), self.cache)
+        self.decode_step.chunk(seq.slot, chunk[:seq.n_cached - n0], n0)
 
     def _sample(self, rows: list[tuple[Sequence, int]], logits: torch.Tensor) -> None:
         """Every predicting sequence's next token in one pass (a follower samples from its leader's row)."""

@@ -314,18 +314,21 @@ static void delta_net(const model_t *m, const layer_t *L, int64_t B, const int64
         for (int j = 0; j < 2 * L->n_k; j++) l2normalize(x + j * L->dk, L->dk);   /* q heads, then k heads */
     }
     const float q_scale = 1.0f / sqrtf((float)L->dk);
+    /* threads over heads, rows in order within a head: rows of one slot (a drafted chunk) update
+     * its state one token after the other */
     #pragma omp parallel for num_threads(m->n_threads) schedule(static) if (B * L->n_v * L->dk * L->dv > 65536)
-    for (int64_t item = 0; item < B * L->n_v; item++) {
-        const int64_t s = item / L->n_v;
-        const int hv = (int)(item % L->n_v), hk = hv / rep;
-        const float *x = qkv + s * conv_dim;
-        float q[MAX_DIM];
-        for (int i = 0; i < L->dk; i++) q[i] = x[hk * L->dk + i] * q_scale;
-        const float beta = sigmoid(bb[s * L->n_v + hv]);
-        const float g = -expf(L->a_log[hv]) * softplus(aa[s * L->n_v + hv] + L->dt_bias[hv]);
-        float *S = L->rec_state + ((slots[s] * L->n_v) + hv) * (int64_t)L->dk * L->dv;
-        delta_rule_head(S, q, x + key_dim + hk * L->dk, x + 2 * key_dim + hv * L->dv, g, beta, L->dk, L->dv,
-                        o + s * value_dim + hv * L->dv);
+    for (int hv = 0; hv < L->n_v; hv++) {
+        const int hk = hv / rep;
+        for (int64_t s = 0; s < B; s++) {
+            const float *x = qkv + s * conv_dim;
+            float q[MAX_DIM];
+            for (int i = 0; i < L->dk; i++) q[i] = x[hk * L->dk + i] * q_scale;
+            const float beta = sigmoid(bb[s * L->n_v + hv]);
+            const float g = -expf(L->a_log[hv]) * softplus(aa[s * L->n_v + hv] + L->dt_bias[hv]);
+            float *S = L->rec_state + ((slots[s] * L->n_v) + hv) * (int64_t)L->dk * L->dv;
+            delta_rule_head(S, q, x + key_dim + hk * L->dk, x + 2 * key_dim + hv * L->dv, g, beta, L->dk, L->dv,
+                            o + s * value_dim + hv * L->dv);
+        }
     }
     for (int64_t s = 0; s < B; s++)                         /* gated RMSNorm per value head */
         for (int hv = 0; hv < L->n_v; hv++) {
@@ -416,6 +419,9 @@ static void moe(const model_t *m, const layer_t *L, int64_t B, const float *h, f
 }
 
 /* tokens, positions, slots, and each slot's f16 window length before the step (B); logits (B, vocab).
+ * A slot may take several rows at consecutive positions, in order (a drafted chunk: each row's
+ * K/V are in the pages before any row attends, and a row reads its slot's keys up to its own
+ * position; DeltaNet rows update the state in row order); not with an f16 window.
  * Returns 0, or 1 when a size is past the limits. */
 int kvslim_decode_step(const model_t *m, int64_t B, const int64_t *tokens, const int64_t *positions,
                        const int64_t *slots, const int64_t *win_len, float *logits) {
