@@ -1,12 +1,12 @@
 """8-bit activations in decode's GEMV (the K-quants' default; ``KVSLIM_Q8_ACTIVATIONS=0`` turns
 them off): what they gain in speed and what they change in the model's predictions.
 
-    python benchmarks/q8_activations.py [--gguf FILE] [-n 512] [--runs 31] [--skip-gemv]
+    python benchmarks/q8_activations.py [--gguf FILE | --types q4_k,q8_0,q4_0] [-n 512] [--runs 31] [--skip-gemv]
 
 1. GEMV: one activation row and four, per type, float and 8-bit activations alternated in one
    process (medians; the machine is shared, so read the ratio).
-2. Predictions: a Q4_K_M file (default: the bundled model through llama.cpp's quantizer, which
-   needs the peer) reads N tokens of the held-out Austen text one decode step at a time, once
+2. Predictions: a GGUF (default: the bundled model as Q4_K_M through llama.cpp's quantizer, which
+   needs the peer, as Q8_0 and as Q4_0) reads N tokens of the held-out Austen text one decode step at a time, once
    with float activations and once with 8-bit ones, each with its own cache; per position the
    KL divergence between the two next-token distributions, whether their top-1 agree, and each
    run's perplexity. The prompt's positions (the first one) go through prefill's float GEMM in
@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from kvslim import weights as W  # noqa: E402
+from kvslim.weights.activations import TYPES  # noqa: E402
 from kvslim.loading import default_model, load_model  # noqa: E402
 from kvslim.models import Batch  # noqa: E402
 from kvslim.native import block_linear  # noqa: E402
@@ -49,7 +50,7 @@ def median_us(fn, runs: int) -> float:
 def gemv_rows(runs: int) -> list[list]:
     from test_weights import random_matrix
     rows = []
-    for name in ("q4_k", "q5_k", "q6_k"):
+    for name in [t for t in TYPES if block_linear.q8_activations(t)]:
         for n, k in SHAPES:
             w = random_matrix(W.get(name), n, k, seed=1).data
             for m in (1, 4):
@@ -64,12 +65,12 @@ def gemv_rows(runs: int) -> list[list]:
     return rows
 
 
-def q4_k_m_file(path: str | None) -> Path:
-    if path:
-        return Path(path)
+def bundled_files(types: list[str]) -> list[Path]:
+    """The bundled model as a GGUF of each type (``kvslim convert``'s names: q4_k is llama-quantize's
+    Q4_K_M mix, which needs the peer)."""
     from kvslim.tools.convert import convert
-    out = Path(tempfile.mkdtemp()) / "bundled-q4_k_m.gguf"
-    return convert(default_model(), out, "q4_k")             # llama-quantize's Q4_K_M mix
+    out = Path(tempfile.mkdtemp())
+    return [convert(default_model(), out / f"bundled-{t}.gguf", t) for t in types]
 
 
 def step_logits(model, ids: list[int], q8: str) -> torch.Tensor:
@@ -99,7 +100,8 @@ def prediction_rows(gguf: Path, n: int) -> list[list]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gguf", help="a Q4_K_M (or any K-quant) GGUF; default: the bundled model via llama-quantize")
+    ap.add_argument("--gguf", help="a GGUF to read the text with (default: the bundled model as each --types)")
+    ap.add_argument("--types", default="q4_k,q8_0,q4_0", help="the bundled model's files (q4_k: llama.cpp's Q4_K_M)")
     ap.add_argument("-n", type=int, default=512, help="tokens of text read one decode step at a time")
     ap.add_argument("--runs", type=int, default=31)
     ap.add_argument("--skip-gemv", action="store_true")
@@ -114,7 +116,8 @@ def main() -> None:
                              gemv_rows(args.runs)))
     print(f"\nDecode predictions, {args.n} tokens of {TEXT.name}, float vs 8-bit activations:\n")
     print(markdown_table(["file", "positions", "mean KL", "max KL", "same top-1", "ppl float", "ppl 8-bit"],
-                         prediction_rows(q4_k_m_file(args.gguf), args.n)))
+                         [row for f in ([Path(args.gguf)] if args.gguf else bundled_files(args.types.split(",")))
+                          for row in prediction_rows(f, args.n)]))
 
 
 if __name__ == "__main__":

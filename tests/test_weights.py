@@ -39,6 +39,14 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True)
+def float_activations(monkeypatch):
+    """Float activations in decode's GEMV: this module holds the weights' paths to gguf.quants'
+    values at float tolerance. The 8-bit activations (the default for the K-quants, Q4_0 and
+    IQ4_NL) have their own reference: test_q8_activations_match_their_reference."""
+    monkeypatch.setenv("KVSLIM_Q8_ACTIVATIONS", "0")
+
+
 # ----- random blocks ---------------------------------------------------------------
 def random_blocks(wtype: W.WeightType, n: int, seed: int = 0) -> np.ndarray:
     """(n, block_bytes) random codes with finite fp16 scales (random bytes could be inf/NaN)."""
@@ -112,7 +120,6 @@ def test_quant_linear_matches_reference(name, monkeypatch):
     bias = torch.randn(40)
     monkeypatch.setattr(matmul, "STEP_BYTES", 4 * cols * 7)           # several steps, a ragged last one
     monkeypatch.setattr(matmul, "STEP_MACS", 1)
-    monkeypatch.setenv("KVSLIM_Q8_ACTIVATIONS", "0")                    # test_q8_activations_match_their_reference
     for rows in (5, 20):                                                 # decode's C GEMV (if built); a prompt's steps
         x = torch.randn(rows, cols)
         assert close(W.quant_linear(x, w, bias), W.reference_linear(x, w, bias), MATMUL_TOL), rows
@@ -180,28 +187,37 @@ def test_native_block_linear_gives_a_row_the_same_bits_in_any_batch(name):
 
 @pytest.mark.parametrize("name", activations.TYPES)
 def test_q8_activations_match_their_reference(name, monkeypatch):
-    """The K-quants' GEMV with 8-bit activations (a scale per 32) against its torch reference
-    (same activation bytes, exact integer sums): equal but for the float sums' order; within ~1%
-    of the float activations' result; a zero block, a NaN and an infinity handled."""
+    """The GEMV with 8-bit activations (a scale per 32) against its torch reference (same
+    activation bytes, exact integer sums): equal but for the float sums' order; within ~1% of the
+    float activations' result; zero groups, a row's last partial chunk of 4 groups, a NaN and an
+    infinity handled. Where a build has no 8-bit loop for the type (Q8_0 and IQ4_NL need VNNI) the
+    default is the float one."""
     if not W.native.available():
         pytest.skip("no C compiler: quant_linear keeps the torch path")
+    monkeypatch.setenv("KVSLIM_Q8_ACTIVATIONS", "1")                                 # the default
     wtype = W.get(name)
-    w = random_matrix(wtype, 67, 768, seed=8)
+    cols = 768 if wtype.block_size == 256 else 800                                   # 800: 25 groups
+    w = random_matrix(wtype, 67, cols, seed=8)
+    builds = [v for v in (None, "avx2") if W.native.q8_activations(name, v)]
+    if not builds:
+        pytest.skip(f"no 8-bit {name} loop in this machine's builds")
     for rows, threads in ((1, 1), (3, 2), (8, 2)):
         torch.set_num_threads(threads)
-        x = torch.randn(rows, 768) * torch.logspace(-2, 1, rows).unsqueeze(1)      # rows of different scales
-        x[0, 256:320] = 0.0                                                          # all-zero groups
+        x = torch.randn(rows, cols) * torch.logspace(-2, 1, rows).unsqueeze(1)       # rows of different scales
+        x[0, 256:320] = 0.0                                                           # all-zero groups
         want, floats = activations.q8_block_linear_reference(x, w.data, wtype), W.reference_linear(x, w)
         for variant in (None, "avx2"):
-            assert W.native.q8_activations(name, variant)
-            got = W.native.block_linear(x, w.data, name, variant=variant)           # the default: 8-bit
+            got = W.native.block_linear(x, w.data, name, variant=variant)            # the default
+            if variant not in builds:
+                assert torch.equal(got, W.native.block_linear(x, w.data, name, variant=variant, q8=False))
+                continue
             assert torch.allclose(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max())), variant
             scale = floats.abs().amax(1, keepdim=True)
             assert ((got - floats).abs() / scale).max() < 0.03, variant
             assert ((got - floats).abs() / scale).max() > 1e-4, variant              # it did round x
-    x = torch.randn(2, 768)
+    x = torch.randn(2, cols)
     x[0, 300], x[1, 700] = float("nan"), float("inf")
-    got = W.native.block_linear(x, w.data, name)
+    got = W.native.block_linear(x, w.data, name, variant=builds[0])
     assert got[0].isnan().all() and got[1].isnan().all()
     assert not W.native.q8_activations(name, "portable") and not W.native.q8_activations("q8_0")
     monkeypatch.setenv("KVSLIM_Q8_ACTIVATIONS", "0")

@@ -1114,8 +1114,8 @@ static int block_linear_q8(int type, const float *x, const uint8_t *w, float *y,
     if (quantize_rows_q8(x, m, k, &xq)) return 1;
     #pragma omp parallel for num_threads(n_threads) schedule(static)
     for (int64_t r = 0; r < n; r++) {
-        if (m == 1) rows_times_q8k(type, w + r * row_bytes, &xq, 1, k, y + r, n);     /* m a constant */
-        else rows_times_q8k(type, w + r * row_bytes, &xq, m, k, y + r, n);
+        if (m == 1) rows_times_q8(type, w + r * row_bytes, &xq, 1, k, y + r, n);     /* m a constant */
+        else rows_times_q8(type, w + r * row_bytes, &xq, m, k, y + r, n);
     }
     free(xq.q);
     return 0;

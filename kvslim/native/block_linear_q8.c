@@ -1,19 +1,21 @@
 /* Decode's GEMV with 8-bit activations for the K-quants (Q4_K, Q5_K, Q6_K: what Q4_K_M and Q5_K_M
- * files are made of), the way llama.cpp computes it on a CPU.
+ * files are made of), Q4_0 and IQ4_NL, as llama.cpp computes them on a CPU, but with a scale per
+ * 32 activations where llama.cpp's K-quants take one per 256 (3.7x lower KL from float
+ * activations on the bundled model, at about the same cost for one row).
  *
  * Why: the float loops (block_linear.c) turn every code into a float before multiplying, ~9
  * vector operations per group of 32 on AVX-512, and stayed compute-bound at ~36 GB/s of weights
  * on 2 cores where Q8_0's loop reads 56-78 GB/s. Here each activation row is quantized once per
- * call into blocks of 256 values (ggml's Q8_K: a float scale, 256 int8, the 16 sums of 16), and a
- * super-block's dot product is integer arithmetic: unsigned codes times signed activations summed
- * in pairs (maddubs), times the group's integer scale and summed in pairs again (madd), one float
- * multiply-add per super-block for the scale and one for the minima, which meet the activations'
- * sums of 16 instead of the values. Q6_K's codes are stored plus 32: its -32 is a "minimum" of
- * 32 times the group's scale.
+ * call (int8 codes, a float scale per 32 values, the codes' sums per 16), and the dot products
+ * are integer arithmetic: unsigned weight codes times signed activation codes, summed in fours
+ * (VNNI's vpdpbusd, or AVX2's maddubs + madd); four groups' sums folded into one vector by two
+ * horizontal adds; then scaled in float by the weights' and the activations' scales. Offsets
+ * (K-quant minima, Q6_K's and Q4_0's stored-plus-32 and plus-8 codes) meet the activations'
+ * sums of 16 instead of the values.
  *
- * The result is not the float loops' one: the activations are rounded to 8 bits per block (as in
- * llama.cpp). quantize_q8k and the integer sums are reproduced in torch by
- * kvslim/weights/activations.py, the reference these loops are held to.
+ * The result is not the float loops' one: the activations are rounded to 8 bits. quantize_group_q8
+ * and the integer sums are reproduced in torch by kvslim/weights/activations.py, the reference
+ * these loops are held to.
  *
  * Included by block_linear.c inside its AVX2 section (AVX2 only: one 256-bit form serves the AVX2
  * and AVX-512 builds; Zen 4 runs 512-bit integer operations as two halves anyway).
@@ -21,16 +23,32 @@
 #include <float.h>
 #include <math.h>
 
-/* m activation rows (m, k), k whole groups of 32, as 8-bit codes: values d * q per group. */
+/* m activation rows (m, k), k whole groups of 32, as 8-bit codes: values d * q per group. Rows
+ * are padded with zero groups to whole chunks of 4 groups (128 values): the loops take 4 groups
+ * at a time, and fold their sums into one vector (lane g: group g's first 16 values, g + 4: its
+ * second 16), so per chunk the scales and sums are also kept in that layout. */
 typedef struct {
-    int8_t *q;              /* (m, k) */
-    float *d;               /* (m, k / 32); NaN for a group that holds a NaN or an infinity */
-    float *halves;          /* (m, k / 32 * 2): per 256 values, d of groups 0-3 twice, then 4-7 twice */
-    int16_t *sums;          /* (m, k / 16): the sums of q over each 16 values */
+    int64_t stride;         /* values per padded row: k rounded up to 128 */
+    int8_t *q;              /* (m, stride) */
+    float *d;               /* (m, stride / 32); NaN for a group that holds a NaN or an infinity */
+    int16_t *sums;          /* (m, stride / 16): the sums of q over each 16 values */
+    float *d_fold;          /* (m, stride / 16): per chunk, d of its groups 0-3, twice */
+    int32_t *sums_fold;     /* (m, stride / 16): per chunk, the sums of groups 0-3's first 16, then second 16 */
 } q8_rows_t;
 
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__)
+#define KVSLIM_VNNI 1
+#endif
+
+/* The types whose GEMV takes 8-bit activations in this build. IQ4_NL makes its codes unsigned by
+ * adding 128, up to 241: AVX2's maddubs would saturate their pairs in int16, VNNI sums in int32.
+ * Not Q8_0: its float loop already reads weights at the memory's speed for one row, and its users
+ * ask for near-lossless (greedy tokens as f16 weights give: 8-bit activations changed them). */
 static inline int q8_types(int type) {
-    return type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K;
+#ifdef KVSLIM_VNNI
+    if (type == TYPE_IQ4_NL) return 1;
+#endif
+    return type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K || type == TYPE_Q4_0;
 }
 
 static inline float hmax(__m256 v) {
@@ -75,17 +93,32 @@ static void quantize_group_q8(const float *x, int8_t *q, float *d, int16_t *sums
 
 /* The activation rows as q8_rows_t (one allocation; free(rows->q)); 1 when out of memory. */
 static int quantize_rows_q8(const float *x, int64_t m, int64_t k, q8_rows_t *rows) {
-    const int64_t groups = m * (k / 32);
-    char *mem = malloc((size_t)(m * k + groups * (int64_t)(3 * sizeof(float) + 2 * sizeof(int16_t))));
+    const int64_t stride = (k + 127) / 128 * 128, groups = m * (stride / 32);
+    char *mem = calloc(1, (size_t)(m * stride + groups * (int64_t)(3 * sizeof(float) + 2 * sizeof(int16_t) + 2 * sizeof(int32_t))));
     if (!mem) return 1;
+    rows->stride = stride;
     rows->q = (int8_t *)mem;
-    rows->d = (float *)(mem + m * k);                     /* k is a multiple of 32: aligned enough */
-    rows->halves = rows->d + groups;
-    rows->sums = (int16_t *)(rows->halves + 2 * groups);
-    for (int64_t g = 0; g < groups; g++) quantize_group_q8(x + 32 * g, rows->q + 32 * g, rows->d + g, rows->sums + 2 * g);
-    for (int64_t b = 0; k % 256 == 0 && b < groups / 8; b++)     /* the layout of the super-block loop's halves */
-        for (int l = 0; l < 16; l++) rows->halves[16 * b + l] = rows->d[8 * b + 4 * (l / 8) + l % 4];
+    rows->d = (float *)(mem + m * stride);                 /* stride is a multiple of 128: aligned */
+    rows->d_fold = rows->d + groups;
+    rows->sums_fold = (int32_t *)(rows->d_fold + 2 * groups);
+    rows->sums = (int16_t *)(rows->sums_fold + 2 * groups);
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t g = 0; g < k / 32; g++) {
+            const int64_t at = i * (stride / 32) + g;
+            quantize_group_q8(x + i * k + 32 * g, rows->q + 32 * at, rows->d + at, rows->sums + 2 * at);
+        }
+    for (int64_t c = 0; c < groups / 4; c++)               /* the chunks' folded layouts */
+        for (int l = 0; l < 8; l++) {
+            rows->d_fold[8 * c + l] = rows->d[4 * c + l % 4];
+            rows->sums_fold[8 * c + l] = rows->sums[2 * (4 * c + l % 4) + l / 4];
+        }
     return 0;
+}
+
+/* Four groups' integer sums p[0..3] (8 lanes each) folded into one vector: lane g is group g's
+ * first 16 values, lane g + 4 its second 16. */
+static inline __m256i fold4(const __m256i p[4]) {
+    return _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
 }
 
 /* A super-block's scales as floats in the layout of a half's folded sums (rows_times_q8k_typed):
@@ -180,27 +213,69 @@ static inline __attribute__((always_inline)) void rows_times_q8k_typed(int type,
             __m256i u[4];
             q8k_codes(type, sb, h, u);
             for (int64_t i = 0; i < m; i++) {
-                const int8_t *xq = x->q + i * k + 256 * b + 128 * h;
+                const int8_t *xq = x->q + i * x->stride + 256 * b + 128 * h;
                 __m256i p[4];
                 for (int g = 0; g < 4; g++) p[g] = dot_u8s8(u[g], _mm256_loadu_si256((const __m256i *)(xq + 32 * g)));
-                const __m256i sums = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
-                const __m256 dx = _mm256_loadu_ps(x->halves + i * (k / 16) + 16 * b + 8 * h);
+                const __m256i sums = fold4(p);
+                const __m256 dx = _mm256_loadu_ps(x->d_fold + i * (x->stride / 16) + 16 * b + 8 * h);
                 __m256 *a = h ? &acc2[i] : &acc[i];
                 *a = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sums), dx), scales[h], *a);
             }
         }
         for (int64_t i = 0; i < m; i++) {
-            const __m256 dx = _mm256_loadu_ps(x->d + i * (k / 32) + 8 * b);       /* groups 0-7's scales */
-            const __m256i imin = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(x->sums + i * (k / 16) + 16 * b)), minima);
+            const __m256 dx = _mm256_loadu_ps(x->d + i * (x->stride / 32) + 8 * b);       /* groups 0-7's scales */
+            const __m256i imin = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(x->sums + i * (x->stride / 16) + 16 * b)), minima);
             acc[i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imin), _mm256_mul_ps(_mm256_set1_ps(dmin), dx), acc[i]);
         }
     }
     for (int64_t i = 0; i < m; i++) y[i * n] = hsum(_mm256_add_ps(acc[i], acc2[i]));
 }
 
-static inline __attribute__((always_inline)) void rows_times_q8k(int type, const uint8_t *row, const q8_rows_t *x,
+/* Group g of a 32-value block row as 32 unsigned codes and its scale: value = d * (u - offset),
+ * offset 8 for Q4_0 ([d][16 B: nibble l, nibble l + 16]), 128 for IQ4_NL (Q4_0's nibbles through
+ * its grid, plus 128). */
+static inline __attribute__((always_inline)) __m256i block32_u8(int type, const uint8_t *row, int64_t g, float *d) {
+    const uint8_t *b = row + g * 18;
+    *d = f16(b);
+    const __m128i nib = _mm_loadu_si128((const __m128i *)(b + 2)), m4 = _mm_set1_epi8(0x0F);
+    const __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(nib, 4), m4), _mm_and_si128(nib, m4));
+    if (type == TYPE_Q4_0) return u;
+    const __m256i grid = _mm256_broadcastsi128_si256(_mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141,
+                                                                   (char)153, (char)166, (char)181, (char)197, (char)217, (char)241));
+    return _mm256_shuffle_epi8(grid, u);                    /* IQ4NL_VALUES + 128 */
+}
+
+/* y[i * n] = row . x_i for a row of 32-value blocks: four groups at a time, their sums folded,
+ * less offset times the activations' sums, times the weights' and activations' scales. */
+static inline __attribute__((always_inline)) void rows_times_q8_block32_typed(int type, const uint8_t *row,
+                                                                              const q8_rows_t *x, int64_t m, int64_t k,
+                                                                              float *y, int64_t n) {
+    __m256 acc[MAX_M];
+    for (int64_t i = 0; i < m; i++) acc[i] = _mm256_setzero_ps();
+    const int shift = type == TYPE_Q4_0 ? 3 : 7;            /* times the codes' offset, 8 or 128 */
+    for (int64_t g0 = 0; g0 < k / 32; g0 += 4) {
+        __m256i u[4];
+        float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int j = 0; j < 4; j++)                         /* a row's last chunk: zero codes past its end */
+            u[j] = g0 + j < k / 32 ? block32_u8(type, row, g0 + j, &d[j]) : _mm256_setzero_si256();
+        const __m256 dw = _mm256_setr_ps(d[0], d[1], d[2], d[3], d[0], d[1], d[2], d[3]);
+        for (int64_t i = 0; i < m; i++) {
+            const int8_t *xq = x->q + i * x->stride + 32 * g0;
+            __m256i p[4];
+            for (int j = 0; j < 4; j++) p[j] = dot_u8s8(u[j], _mm256_loadu_si256((const __m256i *)(xq + 32 * j)));
+            const int64_t at = i * (x->stride / 16) + 2 * g0;
+            const __m256i sums = _mm256_sub_epi32(fold4(p), _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(x->sums_fold + at)), shift));
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(dw, _mm256_loadu_ps(x->d_fold + at)), acc[i]);
+        }
+    }
+    for (int64_t i = 0; i < m; i++) y[i * n] = hsum(acc[i]);
+}
+
+static inline __attribute__((always_inline)) void rows_times_q8(int type, const uint8_t *row, const q8_rows_t *x,
                                                                  int64_t m, int64_t k, float *y, int64_t n) {
     switch (type) {                              /* one type per call: its checks leave the loop */
+        case TYPE_Q4_0: rows_times_q8_block32_typed(TYPE_Q4_0, row, x, m, k, y, n); break;
+        case TYPE_IQ4_NL: rows_times_q8_block32_typed(TYPE_IQ4_NL, row, x, m, k, y, n); break;
         case TYPE_Q4_K: rows_times_q8k_typed(TYPE_Q4_K, row, x, m, k, y, n); break;
         case TYPE_Q5_K: rows_times_q8k_typed(TYPE_Q5_K, row, x, m, k, y, n); break;
         default: rows_times_q8k_typed(TYPE_Q6_K, row, x, m, k, y, n);

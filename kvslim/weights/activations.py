@@ -18,12 +18,13 @@ from __future__ import annotations
 import torch
 
 from ..formats.base import fp16_from_bytes
+from ..formats.ggml import IQ4NL_VALUES
 from . import kquants
 from .types import WeightType
 
 QK_K = kquants.QK_K
 GROUP = 32                               # values per activation scale
-TYPES = ("q4_k", "q5_k", "q6_k")         # block_linear_q8.c's
+TYPES = ("q4_k", "q5_k", "q6_k", "q4_0", "iq4_nl")       # block_linear_q8.c's (IQ4_NL: with VNNI)
 
 
 def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,36 +42,48 @@ def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return d, q
 
 
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """(N, 16) bytes -> (N, 32) codes: the low nibbles are values 0-15, the high ones 16-31."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=1).long()
+
+
 def integer_form(wtype: WeightType, blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """(N, block_bytes) super-blocks of a TYPES type -> codes (N, 16, 16) int64 >= 0, scale and
-    minimum (N, 16) int64 per 16 values, d and dmin (N,) float32. Q6_K's codes are stored plus 32:
-    its minimum is 32 times the scale (dmin = 32 d)."""
+    """(N, block_bytes) blocks of a TYPES type -> codes (N, G, 2, 16) int64 per group of 32 and
+    half, scale and minimum (N, G, 2) int64 per half, d and dmin (N,) float32: values
+    d * scale * code - dmin * minimum. Q6_K's codes are stored plus 32: its minimum is 32 times the
+    scale (dmin = 32 d). The 32-value block types have one group, scale 1 and no minimum."""
     f = wtype.split(blocks)
     n = blocks.shape[0]
+    d = fp16_from_bytes(f["d"]).view(n)
+    if wtype.block_size == GROUP:
+        if wtype.name == "q4_0":
+            codes = _nibbles(f["qs"]) - 8
+        else:                                                                   # iq4_nl
+            codes = torch.tensor(IQ4NL_VALUES)[_nibbles(f["qs"])]
+        ones = torch.ones(n, 1, 2, dtype=torch.long)
+        return codes.view(n, 1, 2, 16), ones, 0 * ones, d, torch.zeros_like(d)
     if wtype.name == "q6_k":
-        scale = f["scales"].view(torch.int8).long()
-        d = fp16_from_bytes(f["d"]).view(n)
-        return kquants.codes_q6_k(f).long().view(n, 16, 16), scale, scale, d, 32 * d
+        scale = f["scales"].view(torch.int8).long().view(n, 8, 2)
+        return kquants.codes_q6_k(f).long().view(n, 8, 2, 16), scale, scale, d, 32 * d
     codes = {"q4_k": kquants.codes_q4_k, "q5_k": kquants.codes_q5_k}[wtype.name](f)
-    sc, mn = (v.long().repeat_interleave(2, dim=1) for v in kquants.scale_min_k4(f["scales"]))
-    return codes.long().view(n, 16, 16), sc, mn, fp16_from_bytes(f["d"]).view(n), fp16_from_bytes(f["dmin"]).view(n)
+    sc, mn = (v.long().unsqueeze(-1).expand(n, 8, 2) for v in kquants.scale_min_k4(f["scales"]))
+    return codes.long().view(n, 8, 2, 16), sc, mn, d, fp16_from_bytes(f["dmin"]).view(n)
 
 
 def q8_block_linear_reference(x: torch.Tensor, blocks: torch.Tensor, wtype: WeightType) -> torch.Tensor:
-    """x (m, k) @ W.T with x rounded by ``quantize_q8k``, for W (n, row_bytes) blocks of a TYPES
+    """x (m, k) @ W.T with x rounded by ``quantize_q8``, for W (n, row_bytes) blocks of a TYPES
     type (columns in the blocks' order) -> (m, n) float32; sums exact in integers, scaled in
     float64."""
     if wtype.name not in TYPES:
         raise ValueError(f"8-bit activations are for {', '.join(TYPES)}, not {wtype.name}")
     m, k = x.shape
-    n, nb = blocks.shape[0], k // QK_K
+    n, nb, per = blocks.shape[0], k // wtype.block_size, wtype.block_size // GROUP
     dx, xq = quantize_q8(x)
-    dx, xq = dx.double().view(m, 1, nb, 8, 1), xq.long().view(m, nb, 8, 2, 16)
+    dx, xq = dx.double().view(m, 1, nb, per, 1), xq.long().view(m, nb, per, 2, 16)
     codes, scale, minimum, d, dmin = (t.view(n, nb, *t.shape[1:]) for t in
                                       integer_form(wtype, blocks.reshape(n * nb, wtype.block_bytes)))
-    codes, scale, minimum = codes.view(n, nb, 8, 2, 16), scale.view(n, nb, 8, 2), minimum.view(n, nb, 8, 2)
-    dots = torch.einsum("nbghl,mbghl->mnbgh", codes, xq)                     # (m, n, nb, 8, 2) exact
-    sums = xq.sum(-1).unsqueeze(1)                                           # (m, 1, nb, 8, 2)
+    dots = torch.einsum("nbghl,mbghl->mnbgh", codes, xq)                     # (m, n, nb, G, 2) exact
+    sums = xq.sum(-1).unsqueeze(1)                                           # (m, 1, nb, G, 2)
     d, dmin = d.double().view(1, n, nb, 1, 1), dmin.double().view(1, n, nb, 1, 1)
     y = dx * (d * (dots * scale).double() - dmin * (sums * minimum).double())
     return y.sum((-1, -2, -3)).float()
