@@ -1,5 +1,5 @@
 /* Decode's GEMV with 8-bit activations for the K-quants (Q4_K, Q5_K, Q6_K: what Q4_K_M and Q5_K_M
- * files are made of), Q4_0 and IQ4_NL, as llama.cpp computes them on a CPU, but with a scale per
+ * files are made of), Q4_0, IQ4_NL and IQ4_XS, as llama.cpp computes them on a CPU, but with a scale per
  * 32 activations where llama.cpp's K-quants take one per 256 (3.7x lower KL from float
  * activations on the bundled model, at about the same cost for one row).
  *
@@ -40,13 +40,13 @@ typedef struct {
 #define KVSLIM_VNNI 1
 #endif
 
-/* The types whose GEMV takes 8-bit activations in this build. IQ4_NL makes its codes unsigned by
- * adding 128, up to 241: AVX2's maddubs would saturate their pairs in int16, VNNI sums in int32.
+/* The types whose GEMV takes 8-bit activations in this build. IQ4_NL and IQ4_XS make their codes
+ * unsigned by adding 128, up to 241: AVX2's maddubs would saturate their pairs in int16, VNNI sums in int32.
  * Not Q8_0: its float loop already reads weights at the memory's speed for one row, and its users
  * ask for near-lossless (greedy tokens as f16 weights give: 8-bit activations changed them). */
 static inline int q8_types(int type) {
 #ifdef KVSLIM_VNNI
-    if (type == TYPE_IQ4_NL) return 1;
+    if (type == TYPE_IQ4_NL || type == TYPE_IQ4_XS) return 1;
 #endif
     return type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K || type == TYPE_Q4_0;
 }
@@ -121,6 +121,18 @@ static inline __m256i fold4(const __m256i p[4]) {
     return _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
 }
 
+/* IQ4_NL's grid plus 128 (unsigned codes), as a byte shuffle's table in both lanes. */
+static inline __m256i iq4nl_grid_u8(void) {
+    return _mm256_broadcastsi128_si256(_mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141, (char)153,
+                                                     (char)166, (char)181, (char)197, (char)217, (char)241));
+}
+
+/* 16 bytes of nibbles as 32 byte indices: the low nibbles (values 0-15), then the high ones. */
+static inline __m256i nibbles_u8(const uint8_t *p) {
+    const __m128i nib = _mm_loadu_si128((const __m128i *)p), m4 = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(nib, 4), m4), _mm_and_si128(nib, m4));
+}
+
 /* A super-block's scales as floats in the layout of a half's folded sums (rows_times_q8k_typed):
  * scales[h] lane g is d times group 4h + g's scale of its first 16 values, lane g + 4 of its
  * second 16 (Q6_K's differ, the others' are one scale per 32). Its minima times the activations'
@@ -140,18 +152,40 @@ static inline __attribute__((always_inline)) void q8k_scales(int type, const uin
         for (int h = 0; h < 2; h++) scales[h] = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(halves[h])));
         return;
     }
-    uint32_t in[3], w[4];                        /* Q4_K / Q5_K: k_scales' six-bit fields */
-    memcpy(in, sb + 4, 12);
-    w[0] = in[0] & 0x3F3F3F3Fu;
-    w[1] = (in[2] & 0x0F0F0F0Fu) | ((in[0] >> 6) & 0x03030303u) << 4;
-    w[2] = in[1] & 0x3F3F3F3Fu;
-    w[3] = ((in[2] >> 4) & 0x0F0F0F0Fu) | ((in[1] >> 6) & 0x03030303u) << 4;
-    const __m128i fields = _mm_loadu_si128((const __m128i *)w);       /* 8 scales, 8 minima */
+    if (type == TYPE_IQ4_XS) {                   /* codes plus 128: the minimum is 128 * scale */
+        uint32_t lo;                             /* scale j: nibble j of scales_l, bits 2j of scales_h, less 32 */
+        memcpy(&lo, sb + 4, 4);
+        const __m256i j4 = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), j2 = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+        const __m256i sc = _mm256_sub_epi32(
+            _mm256_or_si256(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)lo), j4), _mm256_set1_epi32(0x0F)),
+                            _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(sb[2] | sb[3] << 8), j2),
+                                                               _mm256_set1_epi32(3)), 4)),
+            _mm256_set1_epi32(32));                                            /* lane j: scale j */
+        *minima = _mm256_or_si256(_mm256_and_si256(sc, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(sc, 16));
+        d = f16(sb), *dmin = 128.0f * d;                                       /* minima: each in both its 16s */
+        const __m256 vd = _mm256_set1_ps(d), scf = _mm256_cvtepi32_ps(sc);
+        scales[0] = _mm256_mul_ps(vd, _mm256_permutevar8x32_ps(scf, _mm256_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3)));
+        scales[1] = _mm256_mul_ps(vd, _mm256_permutevar8x32_ps(scf, _mm256_setr_epi32(4, 5, 6, 7, 4, 5, 6, 7)));
+        return;
+    }
+    /* Q4_K / Q5_K: k_scales' six-bit fields, from words in0..in2 of the 12 bytes: w0 = in0 & 0x3F..
+     * (scales 0-3), w1 = (in2 & 0x0F..) | (in0 >> 6 & 0x03..) << 4 (scales 4-7), w2 = in1 & 0x3F..
+     * (minima 0-3), w3 = (in2 >> 4 & 0x0F..) | (in1 >> 6 & 0x03..) << 4 (minima 4-7), made in a
+     * vector: words written one by one and read back as a vector stall the load (IQ4_XS's scales
+     * so made cost its GEMV 1.5x). The 16-byte load reads 4 bytes of the codes after them. */
+    const __m128i in = _mm_loadu_si128((const __m128i *)(sb + 4));
+    const __m128i a = _mm_shuffle_epi32(in, _MM_SHUFFLE(2, 1, 2, 0)), b = _mm_shuffle_epi32(in, _MM_SHUFFLE(1, 1, 0, 0));
+    const __m128i low6 = _mm_and_si128(a, _mm_set1_epi8(0x3F));
+    const __m128i split = _mm_or_si128(_mm_and_si128(_mm_srlv_epi32(a, _mm_setr_epi32(0, 0, 0, 4)), _mm_set1_epi8(0x0F)),
+                                       _mm_slli_epi32(_mm_and_si128(_mm_srli_epi32(b, 6), _mm_set1_epi8(0x03)), 4));
+    const __m128i fields = _mm_blend_epi32(low6, split, 0xA);          /* 8 scales, 8 minima */
     *minima = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(fields, fields));  /* each minimum for both its 16s */
     d = f16(sb), *dmin = f16(sb + 2);
     const __m256 vd = _mm256_set1_ps(d);
     for (int h = 0; h < 2; h++)                  /* scales 4h..4h+3, twice */
-        scales[h] = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set1_epi32((int)w[h]))));
+        scales[h] = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+            _mm_shuffle_epi8(fields, _mm_setr_epi8(4 * h, 4 * h + 1, 4 * h + 2, 4 * h + 3, 4 * h, 4 * h + 1, 4 * h + 2,
+                                                   4 * h + 3, 0, 0, 0, 0, 0, 0, 0, 0)))));
 }
 
 /* 32 unsigned bytes times 32 signed ones, summed in fours: 8 int32 lanes. VNNI does it in one
@@ -178,6 +212,15 @@ static inline __attribute__((always_inline)) void q8k_codes(int type, const uint
             u[g] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo[g % 2], 4 * (g / 2)), m4),
                                    _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(hi, 2 * g), 4),
                                                     _mm256_set1_epi8(0x30)));
+        return;
+    }
+    if (type == TYPE_IQ4_XS) {                   /* 16 B of grid indices per group: two groups a load */
+        for (int p = 0; p < 2; p++) {
+            const __m256i b = _mm256_loadu_si256((const __m256i *)(sb + 8 + 16 * (4 * h + 2 * p)));
+            const __m256i lo = _mm256_and_si256(b, m4), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m4);
+            u[2 * p] = _mm256_shuffle_epi8(iq4nl_grid_u8(), _mm256_permute2x128_si256(lo, hi, 0x20));
+            u[2 * p + 1] = _mm256_shuffle_epi8(iq4nl_grid_u8(), _mm256_permute2x128_si256(lo, hi, 0x31));
+        }
         return;
     }
     const uint8_t *qs = sb + (type == TYPE_Q4_K ? 16 : 48);
@@ -237,12 +280,8 @@ static inline __attribute__((always_inline)) void rows_times_q8k_typed(int type,
 static inline __attribute__((always_inline)) __m256i block32_u8(int type, const uint8_t *row, int64_t g, float *d) {
     const uint8_t *b = row + g * 18;
     *d = f16(b);
-    const __m128i nib = _mm_loadu_si128((const __m128i *)(b + 2)), m4 = _mm_set1_epi8(0x0F);
-    const __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(nib, 4), m4), _mm_and_si128(nib, m4));
-    if (type == TYPE_Q4_0) return u;
-    const __m256i grid = _mm256_broadcastsi128_si256(_mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141,
-                                                                   (char)153, (char)166, (char)181, (char)197, (char)217, (char)241));
-    return _mm256_shuffle_epi8(grid, u);                    /* IQ4NL_VALUES + 128 */
+    const __m256i u = nibbles_u8(b + 2);
+    return type == TYPE_Q4_0 ? u : _mm256_shuffle_epi8(iq4nl_grid_u8(), u);
 }
 
 /* y[i * n] = row . x_i for a row of 32-value blocks: four groups at a time, their sums folded,
@@ -278,6 +317,7 @@ static inline __attribute__((always_inline)) void rows_times_q8(int type, const 
         case TYPE_IQ4_NL: rows_times_q8_block32_typed(TYPE_IQ4_NL, row, x, m, k, y, n); break;
         case TYPE_Q4_K: rows_times_q8k_typed(TYPE_Q4_K, row, x, m, k, y, n); break;
         case TYPE_Q5_K: rows_times_q8k_typed(TYPE_Q5_K, row, x, m, k, y, n); break;
+        case TYPE_IQ4_XS: rows_times_q8k_typed(TYPE_IQ4_XS, row, x, m, k, y, n); break;
         default: rows_times_q8k_typed(TYPE_Q6_K, row, x, m, k, y, n);
     }
 }

@@ -24,7 +24,7 @@ from .types import WeightType
 
 QK_K = kquants.QK_K
 GROUP = 32                               # values per activation scale
-TYPES = ("q4_k", "q5_k", "q6_k", "q4_0", "iq4_nl")       # block_linear_q8.c's (IQ4_NL: with VNNI)
+TYPES = ("q4_k", "q5_k", "q6_k", "q4_0", "iq4_nl", "iq4_xs")   # block_linear_q8.c's (IQ4_NL, IQ4_XS: with VNNI)
 
 
 def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,6 +62,10 @@ def integer_form(wtype: WeightType, blocks: torch.Tensor) -> tuple[torch.Tensor,
             codes = torch.tensor(IQ4NL_VALUES)[_nibbles(f["qs"])]
         ones = torch.ones(n, 1, 2, dtype=torch.long)
         return codes.view(n, 1, 2, 16), ones, 0 * ones, d, torch.zeros_like(d)
+    if wtype.name == "iq4_xs":
+        codes = torch.tensor(IQ4NL_VALUES)[kquants.iq4_xs_indices(f)]
+        scale = kquants.iq4_xs_scales(f).long().unsqueeze(-1).expand(n, 8, 2)
+        return codes.view(n, 8, 2, 16), scale, 0 * scale, d, torch.zeros_like(d)
     if wtype.name == "q6_k":
         scale = f["scales"].view(torch.int8).long().view(n, 8, 2)
         return kquants.codes_q6_k(f).long().view(n, 8, 2, 16), scale, scale, d, 32 * d

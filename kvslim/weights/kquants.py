@@ -113,17 +113,27 @@ def decode_q2_k(f: dict[str, torch.Tensor]) -> torch.Tensor:
 IQ4NL_GRID = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
-def decode_iq4_xs(f: dict[str, torch.Tensor]) -> torch.Tensor:
-    """IQ4_NL's grid in super-blocks: per 32 values a six-bit scale (stored plus 32; 4 low bits
-    in scales_l, 2 high in the 16-bit scales_h) and 16 bytes of indices, low nibbles first."""
-    qs, lo, hi = f["qs"], f["scales_l"], f["scales_h"]
-    n = qs.shape[0]
-    low = _bits(lo.view(n, 1, 4), [0, 4], 0x0F).transpose(2, 3).reshape(n, 8)          # byte j // 2, nibble j % 2
+def iq4_xs_scales(f: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(N, 8) int8 scales, one per 32 values: six bits stored plus 32, the 4 low ones in
+    scales_l (byte j // 2, nibble j % 2), the 2 high in the 16-bit scales_h."""
+    lo, hi = f["scales_l"], f["scales_h"]
+    n = lo.shape[0]
+    low = _bits(lo.view(n, 1, 4), [0, 4], 0x0F).transpose(2, 3).reshape(n, 8)
     high16 = hi[:, 0].to(torch.int32) | (hi[:, 1].to(torch.int32) << 8)                          # (N,)
-    shifts = cached_on(qs.device, ("iq4_xs shifts",), lambda: torch.arange(0, 16, 2, dtype=torch.int32))
+    shifts = cached_on(lo.device, ("iq4_xs shifts",), lambda: torch.arange(0, 16, 2, dtype=torch.int32))
     high = ((high16.view(n, 1) >> shifts) & 3).to(torch.uint8)                                # (N, 8)
-    scale = ((low | (high << 4)).view(torch.int8) - 32).float()
-    dl = (fp16_from_bytes(f["d"]).view(n, 1) * scale).view(n, 8, 1)
-    idx = _bits(qs.view(n, 8, 16), [0, 4], 0x0F).reshape(n, 8, 32).long()
-    grid = cached_on(qs.device, ("iq4_nl grid f32",), lambda: torch.tensor(IQ4NL_GRID, dtype=torch.float32))
-    return (dl * grid[idx]).reshape(n, QK_K)
+    return (low | (high << 4)).view(torch.int8) - 32
+
+
+def iq4_xs_indices(f: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(N, 8, 32) grid indices: 16 bytes per 32 values, low nibbles first."""
+    qs = f["qs"]
+    return _bits(qs.view(qs.shape[0], 8, 16), [0, 4], 0x0F).reshape(qs.shape[0], 8, 32).long()
+
+
+def decode_iq4_xs(f: dict[str, torch.Tensor]) -> torch.Tensor:
+    """IQ4_NL's grid in super-blocks, a scale per 32 values."""
+    n = f["qs"].shape[0]
+    dl = (fp16_from_bytes(f["d"]).view(n, 1) * iq4_xs_scales(f).float()).view(n, 8, 1)
+    grid = cached_on(f["qs"].device, ("iq4_nl grid f32",), lambda: torch.tensor(IQ4NL_GRID, dtype=torch.float32))
+    return (dl * grid[iq4_xs_indices(f)]).reshape(n, QK_K)
