@@ -159,13 +159,14 @@ class DecodeStep:
         self.cache.commit_decode(slots)
         return logits
 
-    def chunk(self, slot: int, tokens: list[int], start: int) -> torch.Tensor:
+    def chunk(self, slot: int, tokens: list[int], start: int, all_logits: bool = True) -> torch.Tensor:
         """Logits (len(tokens), vocab) for ``tokens`` read into ``slot`` from position ``start``
-        (a drafted chunk to verify). Through the C step as rows of one slot where it serves: the
-        same bits as decoding the tokens one step at a time; else one prompt-style forward."""
+        (a drafted chunk to verify; ``all_logits=False``: a re-read, whose logits only the C step
+        makes). Through the C step as rows of one slot where it serves: the same bits as decoding
+        the tokens one step at a time; else one prompt-style forward."""
         if self.native is not None and self.native.window is None:
             return self([slot] * len(tokens), tokens, list(range(start, start + len(tokens))))
-        return self.model(Batch.build([(slot, tokens, start)], device=self.device), self.cache, all_logits=True)
+        return self.model(Batch.build([(slot, tokens, start)], device=self.device), self.cache, all_logits=all_logits)
 
     def _forward(self, tokens, positions, slots, n_pages: int) -> torch.Tensor:
         return self.model.run(DecodeBatch(tokens, positions, slots, n_pages), self.cache)

@@ -340,7 +340,7 @@ class Engine:
             self.cache.rewind(seq.slot, seq.n_cached)
             return
         self.cache.rewind(seq.slot, n0, checkpoint)
-        self.decode_step.chunk(seq.slot, chunk[:seq.n_cached - n0], n0)
+        self.decode_step.chunk(seq.slot, chunk[:seq.n_cached - n0], n0, all_logits=False)
 
     def _sample(self, rows: list[tuple[Sequence, int]], logits: torch.Tensor) -> None:
         """Every predicting sequence's next token in one pass (a follower samples from its leader's row)."""

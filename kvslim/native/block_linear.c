@@ -1137,7 +1137,7 @@ int kvslim_q8_activations(int type) {
 }
 
 /* x (m, k) float32 contiguous; w (n, row_bytes) rows of `type`; y (m, n) float32. q8_activations:
- * round x to 8 bits per 256 values first, as llama.cpp does, where kvslim_q8_activations(type).
+ * round x to 8 bits (a scale per 32 values) first, as llama.cpp does, where kvslim_q8_activations(type).
  * Returns 0, or 1 for a type it does not know, k not whole blocks, or m > MAX_M. */
 int kvslim_block_linear(int type, const float *x, const uint8_t *w, float *y, int64_t m, int64_t n, int64_t k,
                         int n_threads, int q8_activations) {
