@@ -34,6 +34,7 @@ typedef struct {
     int16_t *sums;          /* (m, stride / 16): the sums of q over each 16 values */
     float *d_fold;          /* (m, stride / 16): per chunk, d of its groups 0-3, twice */
     int32_t *sums_fold;     /* (m, stride / 16): per chunk, the sums of groups 0-3's first 16, then second 16 */
+    int8_t *q_across;       /* m > 1: (m, stride), each chunk's codes transposed (transpose4) */
 } q8_rows_t;
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__)
@@ -91,14 +92,26 @@ static void quantize_group_q8(const float *x, int8_t *q, float *d, int16_t *sums
     *d = top / 127.0f;
 }
 
+/* A chunk's four vectors of 8 dwords (four groups, each dwords 0-3 its first 16 values, 4-7 its
+ * second 16) transposed within 128-bit lanes: out[t] dword g is in[g]'s dword t, dword 4 + g
+ * in[g]'s dword 4 + t. Four chained dot products of transposed codes and transposed activations
+ * then sum each group's half in its own lane: chunk_sums' layout without the horizontal adds. */
+static inline void transpose4(const __m256i in[4], __m256i out[4]) {
+    const __m256i t0 = _mm256_unpacklo_epi32(in[0], in[1]), t1 = _mm256_unpacklo_epi32(in[2], in[3]);
+    const __m256i t2 = _mm256_unpackhi_epi32(in[0], in[1]), t3 = _mm256_unpackhi_epi32(in[2], in[3]);
+    out[0] = _mm256_unpacklo_epi64(t0, t1), out[1] = _mm256_unpackhi_epi64(t0, t1);
+    out[2] = _mm256_unpacklo_epi64(t2, t3), out[3] = _mm256_unpackhi_epi64(t2, t3);
+}
+
 /* The activation rows as q8_rows_t (one allocation; free(rows->q)); 1 when out of memory. */
 static int quantize_rows_q8(const float *x, int64_t m, int64_t k, q8_rows_t *rows) {
     const int64_t stride = (k + 127) / 128 * 128, groups = m * (stride / 32);
-    char *mem = calloc(1, (size_t)(m * stride + groups * (int64_t)(3 * sizeof(float) + 2 * sizeof(int16_t) + 2 * sizeof(int32_t))));
+    char *mem = calloc(1, (size_t)(2 * m * stride + groups * (int64_t)(3 * sizeof(float) + 2 * sizeof(int16_t) + 2 * sizeof(int32_t))));
     if (!mem) return 1;
     rows->stride = stride;
     rows->q = (int8_t *)mem;
-    rows->d = (float *)(mem + m * stride);                 /* stride is a multiple of 128: aligned */
+    rows->q_across = rows->q + m * stride;
+    rows->d = (float *)(mem + 2 * m * stride);             /* stride is a multiple of 128: aligned */
     rows->d_fold = rows->d + groups;
     rows->sums_fold = (int32_t *)(rows->d_fold + 2 * groups);
     rows->sums = (int16_t *)(rows->sums_fold + 2 * groups);
@@ -112,14 +125,15 @@ static int quantize_rows_q8(const float *x, int64_t m, int64_t k, q8_rows_t *row
             rows->d_fold[8 * c + l] = rows->d[4 * c + l % 4];
             rows->sums_fold[8 * c + l] = rows->sums[2 * (4 * c + l % 4) + l / 4];
         }
+    for (int64_t c = 0; m > 1 && c < groups / 4; c++) {    /* several rows: the codes transposed */
+        __m256i v[4], t[4];
+        for (int j = 0; j < 4; j++) v[j] = _mm256_loadu_si256((const __m256i *)(rows->q + 128 * c + 32 * j));
+        transpose4(v, t);
+        for (int j = 0; j < 4; j++) _mm256_storeu_si256((__m256i *)(rows->q_across + 128 * c + 32 * j), t[j]);
+    }
     return 0;
 }
 
-/* Four groups' integer sums p[0..3] (8 lanes each) folded into one vector: lane g is group g's
- * first 16 values, lane g + 4 its second 16. */
-static inline __m256i fold4(const __m256i p[4]) {
-    return _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
-}
 
 /* IQ4_NL's grid plus 128 (unsigned codes), as a byte shuffle's table in both lanes. */
 static inline __m256i iq4nl_grid_u8(void) {
@@ -201,6 +215,35 @@ static inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #endif
 }
 
+/* acc plus dot_u8s8(u, s). */
+static inline __m256i dot_u8s8_add(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, dot_u8s8(u, s));
+#endif
+}
+
+/* A chunk's four groups of codes u times a row's activations, the sums folded into one vector:
+ * lane g is group g's first 16 values, lane g + 4 its second 16. One row (xq, the codes as
+ * stored): a dot product per group, folded by two horizontal adds. Several rows (xt, the
+ * activations transposed, and ut = transpose4(u), made once for all rows): four chained dot
+ * products, no horizontal adds. The integer sums are equal either way, so a row's output does not
+ * depend on its batch. */
+static inline __attribute__((always_inline)) __m256i chunk_sums(const __m256i u[4], const __m256i ut[4],
+                                                                const int8_t *xq, const int8_t *xt, int one_row) {
+    if (one_row) {
+        __m256i p[4];
+        for (int g = 0; g < 4; g++) p[g] = dot_u8s8(u[g], _mm256_loadu_si256((const __m256i *)(xq + 32 * g)));
+        return _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+    }
+    __m256i acc = dot_u8s8(ut[0], _mm256_loadu_si256((const __m256i *)xt));
+    for (int t = 1; t < 4; t++) acc = dot_u8s8_add(acc, ut[t], _mm256_loadu_si256((const __m256i *)(xt + 32 * t)));
+    return acc;
+}
+
 /* Half h (groups 4h..4h+3) of a super-block as 32 unsigned byte codes per group. */
 static inline __attribute__((always_inline)) void q8k_codes(int type, const uint8_t *sb, int h, __m256i u[4]) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
@@ -237,8 +280,7 @@ static inline __attribute__((always_inline)) void q8k_codes(int type, const uint
 }
 
 /* y[i * n] = row . x_i for m activation rows. A half super-block's four groups are summed in
- * integers (codes times activations, times the group's scale), their 8 lanes each folded by two
- * horizontal adds into one vector (lane g and g + 4: group g's first and second 16 values), then
+ * integers (codes times activations: chunk_sums, lane g and g + 4: group g's first and second 16 values), then
  * scaled in float by d times each group's activation scale. The same for one row and for several,
  * so a sequence's output does not depend on its batch. */
 static inline __attribute__((always_inline)) void rows_times_q8k_typed(int type, const uint8_t *row, const q8_rows_t *x,
@@ -253,13 +295,12 @@ static inline __attribute__((always_inline)) void rows_times_q8k_typed(int type,
         float dmin;
         q8k_scales(type, sb, scales, &minima, &dmin);
         for (int h = 0; h < 2; h++) {
-            __m256i u[4];
+            __m256i u[4], ut[4];
             q8k_codes(type, sb, h, u);
+            if (m > 1) transpose4(u, ut);
             for (int64_t i = 0; i < m; i++) {
-                const int8_t *xq = x->q + i * x->stride + 256 * b + 128 * h;
-                __m256i p[4];
-                for (int g = 0; g < 4; g++) p[g] = dot_u8s8(u[g], _mm256_loadu_si256((const __m256i *)(xq + 32 * g)));
-                const __m256i sums = fold4(p);
+                const int64_t at = i * x->stride + 256 * b + 128 * h;
+                const __m256i sums = chunk_sums(u, ut, x->q + at, x->q_across + at, m == 1);
                 const __m256 dx = _mm256_loadu_ps(x->d_fold + i * (x->stride / 16) + 16 * b + 8 * h);
                 __m256 *a = h ? &acc2[i] : &acc[i];
                 *a = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sums), dx), scales[h], *a);
@@ -298,12 +339,12 @@ static inline __attribute__((always_inline)) void rows_times_q8_block32_typed(in
         for (int j = 0; j < 4; j++)                         /* a row's last chunk: zero codes past its end */
             u[j] = g0 + j < k / 32 ? block32_u8(type, row, g0 + j, &d[j]) : _mm256_setzero_si256();
         const __m256 dw = _mm256_setr_ps(d[0], d[1], d[2], d[3], d[0], d[1], d[2], d[3]);
+        __m256i ut[4];
+        if (m > 1) transpose4(u, ut);
         for (int64_t i = 0; i < m; i++) {
-            const int8_t *xq = x->q + i * x->stride + 32 * g0;
-            __m256i p[4];
-            for (int j = 0; j < 4; j++) p[j] = dot_u8s8(u[j], _mm256_loadu_si256((const __m256i *)(xq + 32 * j)));
-            const int64_t at = i * (x->stride / 16) + 2 * g0;
-            const __m256i sums = _mm256_sub_epi32(fold4(p), _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(x->sums_fold + at)), shift));
+            const int64_t codes = i * x->stride + 32 * g0, at = i * (x->stride / 16) + 2 * g0;
+            const __m256i dots = chunk_sums(u, ut, x->q + codes, x->q_across + codes, m == 1);
+            const __m256i sums = _mm256_sub_epi32(dots, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(x->sums_fold + at)), shift));
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(dw, _mm256_loadu_ps(x->d_fold + at)), acc[i]);
         }
     }
