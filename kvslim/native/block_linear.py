@@ -45,8 +45,8 @@ def available() -> bool:
 
 def q8_activations(wtype_name: str, variant: str | None = None) -> bool:
     """Whether decode's GEMV over ``wtype_name`` rounds the activations to 8 bits (a scale per 32
-    values) and multiplies in integers, as llama.cpp's CPU backend does: the K-quants, Q4_0, and
-    with VNNI IQ4_NL and IQ4_XS (``block_linear_q8.c``). 1.2-1.9x faster for one row, the outputs
+    values) and multiplies in integers, as llama.cpp's CPU backend does: the K-quants, Q4_0,
+    IQ4_NL and IQ4_XS, where the build has AVX2 (``block_linear_q8.c``). 1.2-1.9x faster for one row, the outputs
     within ~1% of the float ones (``weights/activations.py`` is its reference).
     ``KVSLIM_Q8_ACTIVATIONS=0`` keeps float activations everywhere."""
     return _q8_activations(wtype_name, variant or build.default_variant(), os.environ.get("KVSLIM_Q8_ACTIVATIONS", "1"))

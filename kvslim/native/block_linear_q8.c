@@ -37,20 +37,26 @@ typedef struct {
     int8_t *q_across;       /* m > 1: (m, stride), each chunk's codes transposed (transpose4) */
 } q8_rows_t;
 
+/* IQ4_NL's and IQ4_XS's grid values (-127..113) are signed. With VNNI they are made unsigned by
+ * adding 128 (up to 241; vpdpbusd sums in int32) and the offset meets the activations' sums;
+ * AVX2's maddubs would saturate such pairs in int16, so without VNNI the codes stay signed and
+ * multiply |code| by the activation with the code's sign (pairs <= 2 * 127 * 127). The same
+ * products either way (IQ4_XS's offset term is applied in float, so its last bits differ). */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__)
-#define KVSLIM_VNNI 1
+#define IQ4_SIGNED 0
+#else
+#define IQ4_SIGNED 1
 #endif
 
-/* The types whose GEMV takes 8-bit activations in this build. IQ4_NL and IQ4_XS make their codes
- * unsigned by adding 128, up to 241: AVX2's maddubs would saturate their pairs in int16, VNNI sums in int32.
- * Not Q8_0: its float loop already reads weights at the memory's speed for one row, and its users
- * ask for near-lossless (greedy tokens as f16 weights give: 8-bit activations changed them). */
+/* The types whose GEMV takes 8-bit activations. Not Q8_0: its float loop already reads weights at
+ * the memory's speed for one row, and its users ask for near-lossless (greedy tokens as f16
+ * weights give: 8-bit activations changed them). */
 static inline int q8_types(int type) {
-#ifdef KVSLIM_VNNI
-    if (type == TYPE_IQ4_NL || type == TYPE_IQ4_XS) return 1;
-#endif
-    return type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K || type == TYPE_Q4_0;
+    return type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K || type == TYPE_Q4_0 || type == TYPE_IQ4_NL
+        || type == TYPE_IQ4_XS;
 }
+
+static inline int signed_codes(int type) { return IQ4_SIGNED && (type == TYPE_IQ4_NL || type == TYPE_IQ4_XS); }
 
 static inline float hmax(__m256 v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -135,10 +141,15 @@ static int quantize_rows_q8(const float *x, int64_t m, int64_t k, q8_rows_t *row
 }
 
 
-/* IQ4_NL's grid plus 128 (unsigned codes), as a byte shuffle's table in both lanes. */
+/* IQ4_NL's grid as a byte shuffle's table in both lanes: plus 128 (unsigned codes), or as it is
+ * (IQ4_SIGNED). */
 static inline __m256i iq4nl_grid_u8(void) {
+#if IQ4_SIGNED
+    return _mm256_broadcastsi128_si256(_mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
+#else
     return _mm256_broadcastsi128_si256(_mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141, (char)153,
                                                      (char)166, (char)181, (char)197, (char)217, (char)241));
+#endif
 }
 
 /* 16 bytes of nibbles as 32 byte indices: the low nibbles (values 0-15), then the high ones. */
@@ -176,7 +187,7 @@ static inline __attribute__((always_inline)) void q8k_scales(int type, const uin
                                                                _mm256_set1_epi32(3)), 4)),
             _mm256_set1_epi32(32));                                            /* lane j: scale j */
         *minima = _mm256_or_si256(_mm256_and_si256(sc, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(sc, 16));
-        d = f16(sb), *dmin = 128.0f * d;                                       /* minima: each in both its 16s */
+        d = f16(sb), *dmin = IQ4_SIGNED ? 0.0f : 128.0f * d;                  /* minima: each in both its 16s */
         const __m256 vd = _mm256_set1_ps(d), scf = _mm256_cvtepi32_ps(sc);
         scales[0] = _mm256_mul_ps(vd, _mm256_permutevar8x32_ps(scf, _mm256_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3)));
         scales[1] = _mm256_mul_ps(vd, _mm256_permutevar8x32_ps(scf, _mm256_setr_epi32(4, 5, 6, 7, 4, 5, 6, 7)));
@@ -215,6 +226,11 @@ static inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #endif
 }
 
+/* Signed codes c times signed activations s, summed in fours (IQ4_SIGNED): |c| times s with c's sign. */
+static inline __m256i dot_s8s8(__m256i c, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(c), _mm256_sign_epi8(s, c)), _mm256_set1_epi16(1));
+}
+
 /* acc plus dot_u8s8(u, s). */
 static inline __m256i dot_u8s8_add(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -233,14 +249,21 @@ static inline __m256i dot_u8s8_add(__m256i acc, __m256i u, __m256i s) {
  * products, no horizontal adds. The integer sums are equal either way, so a row's output does not
  * depend on its batch. */
 static inline __attribute__((always_inline)) __m256i chunk_sums(const __m256i u[4], const __m256i ut[4],
-                                                                const int8_t *xq, const int8_t *xt, int one_row) {
+                                                                const int8_t *xq, const int8_t *xt, int one_row,
+                                                                int is_signed) {
     if (one_row) {
         __m256i p[4];
-        for (int g = 0; g < 4; g++) p[g] = dot_u8s8(u[g], _mm256_loadu_si256((const __m256i *)(xq + 32 * g)));
+        for (int g = 0; g < 4; g++) {
+            const __m256i s = _mm256_loadu_si256((const __m256i *)(xq + 32 * g));
+            p[g] = is_signed ? dot_s8s8(u[g], s) : dot_u8s8(u[g], s);
+        }
         return _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
     }
-    __m256i acc = dot_u8s8(ut[0], _mm256_loadu_si256((const __m256i *)xt));
-    for (int t = 1; t < 4; t++) acc = dot_u8s8_add(acc, ut[t], _mm256_loadu_si256((const __m256i *)(xt + 32 * t)));
+    __m256i acc = _mm256_setzero_si256();
+    for (int t = 0; t < 4; t++) {
+        const __m256i s = _mm256_loadu_si256((const __m256i *)(xt + 32 * t));
+        acc = is_signed ? _mm256_add_epi32(acc, dot_s8s8(ut[t], s)) : dot_u8s8_add(acc, ut[t], s);
+    }
     return acc;
 }
 
@@ -300,7 +323,7 @@ static inline __attribute__((always_inline)) void rows_times_q8k_typed(int type,
             if (m > 1) transpose4(u, ut);
             for (int64_t i = 0; i < m; i++) {
                 const int64_t at = i * x->stride + 256 * b + 128 * h;
-                const __m256i sums = chunk_sums(u, ut, x->q + at, x->q_across + at, m == 1);
+                const __m256i sums = chunk_sums(u, ut, x->q + at, x->q_across + at, m == 1, signed_codes(type));
                 const __m256 dx = _mm256_loadu_ps(x->d_fold + i * (x->stride / 16) + 16 * b + 8 * h);
                 __m256 *a = h ? &acc2[i] : &acc[i];
                 *a = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sums), dx), scales[h], *a);
@@ -332,7 +355,7 @@ static inline __attribute__((always_inline)) void rows_times_q8_block32_typed(in
                                                                               float *y, int64_t n) {
     __m256 acc[MAX_M];
     for (int64_t i = 0; i < m; i++) acc[i] = _mm256_setzero_ps();
-    const int shift = type == TYPE_Q4_0 ? 3 : 7;            /* times the codes' offset, 8 or 128 */
+    const int shift = type == TYPE_Q4_0 ? 3 : 7;            /* times the codes' offset, 8 or 128 (none: signed) */
     for (int64_t g0 = 0; g0 < k / 32; g0 += 4) {
         __m256i u[4];
         float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -343,8 +366,9 @@ static inline __attribute__((always_inline)) void rows_times_q8_block32_typed(in
         if (m > 1) transpose4(u, ut);
         for (int64_t i = 0; i < m; i++) {
             const int64_t codes = i * x->stride + 32 * g0, at = i * (x->stride / 16) + 2 * g0;
-            const __m256i dots = chunk_sums(u, ut, x->q + codes, x->q_across + codes, m == 1);
-            const __m256i sums = _mm256_sub_epi32(dots, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(x->sums_fold + at)), shift));
+            const __m256i dots = chunk_sums(u, ut, x->q + codes, x->q_across + codes, m == 1, signed_codes(type));
+            const __m256i sums = signed_codes(type) ? dots : _mm256_sub_epi32(dots, _mm256_slli_epi32(
+                _mm256_loadu_si256((const __m256i *)(x->sums_fold + at)), shift));
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(dw, _mm256_loadu_ps(x->d_fold + at)), acc[i]);
         }
     }

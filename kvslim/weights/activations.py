@@ -24,7 +24,7 @@ from .types import WeightType
 
 QK_K = kquants.QK_K
 GROUP = 32                               # values per activation scale
-TYPES = ("q4_k", "q5_k", "q6_k", "q4_0", "iq4_nl", "iq4_xs")   # block_linear_q8.c's (IQ4_NL, IQ4_XS: with VNNI)
+TYPES = ("q4_k", "q5_k", "q6_k", "q4_0", "iq4_nl", "iq4_xs")   # block_linear_q8.c's
 
 
 def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
