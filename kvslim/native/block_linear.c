@@ -486,11 +486,61 @@ static inline __attribute__((always_inline)) __m256 group_into(const __m256 v[4]
         for (int64_t i = 0; i < m; i++) y[i * n] = HSUM(ADD(even[i], odd[i]));                                 \
     }
 
+/* DEFINE_GROUP_LOOP for two rows of W at once (row, row + row_bytes -> y[i * n], y[i * n + 1]):
+ * each activation group is loaded once for both. Every accumulator takes the same sums in the
+ * same order as in the one-row loop, so the bits are the same. */
+#define DEFINE_GROUP_LOOP_PAIR(NAME, VEC, GROUP, ZERO, VALUES, INTO, ADD, HSUM)                                \
+    static inline __attribute__((always_inline)) void NAME(                                                    \
+        int type, const uint8_t *row, int64_t row_bytes, const float *x, int64_t m, int64_t k, float *y,      \
+        int64_t n) {                                                                                           \
+        VEC even[MAX_M], odd[MAX_M], even2[MAX_M], odd2[MAX_M];                                                \
+        GROUP a, b;                                                                                            \
+        for (int64_t i = 0; i < m; i++) even[i] = odd[i] = even2[i] = odd2[i] = ZERO();                        \
+        const int64_t n_groups = k / QK;                                                                       \
+        int64_t g = 0;                                                                                         \
+        for (; g + 1 < n_groups; g += 2) {                                                                     \
+            VALUES(type, row, g, a);                                                                           \
+            VALUES(type, row + row_bytes, g, b);                                                               \
+            for (int64_t i = 0; i < m; i++) {                                                                  \
+                even[i] = INTO(a, x + i * k + g * QK, even[i]);                                                \
+                even2[i] = INTO(b, x + i * k + g * QK, even2[i]);                                              \
+            }                                                                                                  \
+            VALUES(type, row, g + 1, a);                                                                       \
+            VALUES(type, row + row_bytes, g + 1, b);                                                           \
+            for (int64_t i = 0; i < m; i++) {                                                                  \
+                odd[i] = INTO(a, x + i * k + (g + 1) * QK, odd[i]);                                            \
+                odd2[i] = INTO(b, x + i * k + (g + 1) * QK, odd2[i]);                                          \
+            }                                                                                                  \
+        }                                                                                                      \
+        if (g < n_groups) {                                                                                    \
+            VALUES(type, row, g, a);                                                                           \
+            VALUES(type, row + row_bytes, g, b);                                                               \
+            for (int64_t i = 0; i < m; i++) {                                                                  \
+                even[i] = INTO(a, x + i * k + g * QK, even[i]);                                                \
+                even2[i] = INTO(b, x + i * k + g * QK, even2[i]);                                              \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int64_t i = 0; i < m; i++)                                                                        \
+            y[i * n] = HSUM(ADD(even[i], odd[i])), y[i * n + 1] = HSUM(ADD(even2[i], odd2[i]));                \
+    }
+
 /* The hot types' groups: NV vectors of values and their scale (VALUES and INTO: the width's
  * group_values / group_into over such a group). */
 #define DEFINE_ROWS_TIMES(SUFFIX, VEC, NV, ZERO, VALUES, INTO, ADD, HSUM)                                      \
     typedef struct { VEC v[NV]; VEC d; } values##SUFFIX##_t;                                                   \
     DEFINE_GROUP_LOOP(rows_times_typed##SUFFIX, VEC, values##SUFFIX##_t, ZERO, VALUES, INTO, ADD, HSUM)       \
+    DEFINE_GROUP_LOOP_PAIR(pair_times_typed##SUFFIX, VEC, values##SUFFIX##_t, ZERO, VALUES, INTO, ADD, HSUM)  \
+    static inline __attribute__((always_inline)) void pair_times_fast##SUFFIX(                                 \
+        int type, const uint8_t *row, int64_t row_bytes, const float *x, int64_t m, int64_t k, float *y,      \
+        int64_t n) {                                                                                           \
+        switch (type) {                                                                                        \
+            case TYPE_Q8_0: pair_times_typed##SUFFIX(TYPE_Q8_0, row, row_bytes, x, m, k, y, n); break;          \
+            case TYPE_Q4_0: pair_times_typed##SUFFIX(TYPE_Q4_0, row, row_bytes, x, m, k, y, n); break;          \
+            case TYPE_F16: pair_times_typed##SUFFIX(TYPE_F16, row, row_bytes, x, m, k, y, n); break;            \
+            case TYPE_BF16: pair_times_typed##SUFFIX(TYPE_BF16, row, row_bytes, x, m, k, y, n); break;          \
+            default: pair_times_typed##SUFFIX(TYPE_F32, row, row_bytes, x, m, k, y, n);                         \
+        }                                                                                                      \
+    }                                                                                                          \
     /* One type per call, so that the type checks leave the loop once inlined. */                             \
     static inline __attribute__((always_inline)) void rows_times_fast##SUFFIX(                                 \
         int type, const uint8_t *row, const float *x, int64_t m, int64_t k, float *y, int64_t n) {            \
@@ -1154,8 +1204,18 @@ int kvslim_block_linear(int type, const float *x, const uint8_t *w, float *y, in
             xsum[i] = s;
         }
     }
+    if (m > 1 && fast_types(type)) {                          /* two rows of W per pass over x */
+        #pragma omp parallel for num_threads(n_threads) schedule(static)
+        for (int64_t r = 0; r < n - 1; r += 2)
+#ifdef KVSLIM_AVX512
+            pair_times_fast16(type, w + r * row_bytes, row_bytes, x, m, k, y + r, n);
+#else
+            pair_times_fast8(type, w + r * row_bytes, row_bytes, x, m, k, y + r, n);
+#endif
+    }
+    const int64_t first = m > 1 && fast_types(type) ? n - n % 2 : 0;     /* the rows left to the loops below */
     #pragma omp parallel for num_threads(n_threads) schedule(static)
-    for (int64_t r = 0; r < n; r++) {
+    for (int64_t r = first; r < n; r++) {
 #ifdef KVSLIM_AVX512
         if (m == 1 && fast_types(type)) rows_times_fast16(type, w + r * row_bytes, x, 1, k, y + r, n);
         else if (fast_types(type)) rows_times_fast16(type, w + r * row_bytes, x, m, k, y + r, n);
