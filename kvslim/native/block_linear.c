@@ -1204,18 +1204,26 @@ int kvslim_block_linear(int type, const float *x, const uint8_t *w, float *y, in
             xsum[i] = s;
         }
     }
-    if (m > 1 && fast_types(type)) {                          /* two rows of W per pass over x */
+    /* Two rows of W per pass over x where x (m rows) is past 32 KB, L1's share: each activation
+     * group is then read from L2 once for both. Smaller, x stays in L1 and the pair's extra
+     * accumulators cost more than they save (the bundled model's drafted chunks, 5 rows of 256-768
+     * values: 1.25x slower through the pair). Either way the bits are the same. */
+    if (m > 1 && fast_types(type) && m * k * (int64_t)sizeof(float) > 32768) {
         #pragma omp parallel for num_threads(n_threads) schedule(static)
-        for (int64_t r = 0; r < n - 1; r += 2)
+        for (int64_t r = 0; r < n; r += 2) {
 #ifdef KVSLIM_AVX512
-            pair_times_fast16(type, w + r * row_bytes, row_bytes, x, m, k, y + r, n);
+            if (r + 1 < n) pair_times_fast16(type, w + r * row_bytes, row_bytes, x, m, k, y + r, n);
+            else rows_times_fast16(type, w + r * row_bytes, x, m, k, y + r, n);
 #else
-            pair_times_fast8(type, w + r * row_bytes, row_bytes, x, m, k, y + r, n);
+            if (r + 1 < n) pair_times_fast8(type, w + r * row_bytes, row_bytes, x, m, k, y + r, n);
+            else rows_times_fast8(type, w + r * row_bytes, x, m, k, y + r, n);
 #endif
+        }
+        free(xsum);
+        return 0;
     }
-    const int64_t first = m > 1 && fast_types(type) ? n - n % 2 : 0;     /* the rows left to the loops below */
     #pragma omp parallel for num_threads(n_threads) schedule(static)
-    for (int64_t r = first; r < n; r++) {
+    for (int64_t r = 0; r < n; r++) {
 #ifdef KVSLIM_AVX512
         if (m == 1 && fast_types(type)) rows_times_fast16(type, w + r * row_bytes, x, 1, k, y + r, n);
         else if (fast_types(type)) rows_times_fast16(type, w + r * row_bytes, x, m, k, y + r, n);
