@@ -489,6 +489,14 @@ static inline __attribute__((always_inline)) __m256 group_into(const __m256 v[4]
 /* DEFINE_GROUP_LOOP for two rows of W at once (row, row + row_bytes -> y[i * n], y[i * n + 1]):
  * each activation group is loaded once for both. Every accumulator takes the same sums in the
  * same order as in the one-row loop, so the bits are the same. */
+/* Group g of both rows (a of row, b of row + row_bytes) into acc and acc2, x's group loaded once. */
+#define PAIR_GROUP(VALUES, INTO, g, acc, acc2)                                                                 \
+    VALUES(type, row, g, a);                                                                                   \
+    VALUES(type, row + row_bytes, g, b);                                                                       \
+    for (int64_t i = 0; i < m; i++) {                                                                          \
+        acc[i] = INTO(a, x + i * k + (g) * QK, acc[i]);                                                        \
+        acc2[i] = INTO(b, x + i * k + (g) * QK, acc2[i]);                                                      \
+    }
 #define DEFINE_GROUP_LOOP_PAIR(NAME, VEC, GROUP, ZERO, VALUES, INTO, ADD, HSUM)                                \
     static inline __attribute__((always_inline)) void NAME(                                                    \
         int type, const uint8_t *row, int64_t row_bytes, const float *x, int64_t m, int64_t k, float *y,      \
@@ -498,30 +506,25 @@ static inline __attribute__((always_inline)) __m256 group_into(const __m256 v[4]
         for (int64_t i = 0; i < m; i++) even[i] = odd[i] = even2[i] = odd2[i] = ZERO();                        \
         const int64_t n_groups = k / QK;                                                                       \
         int64_t g = 0;                                                                                         \
-        for (; g + 1 < n_groups; g += 2) {                                                                     \
-            VALUES(type, row, g, a);                                                                           \
-            VALUES(type, row + row_bytes, g, b);                                                               \
-            for (int64_t i = 0; i < m; i++) {                                                                  \
-                even[i] = INTO(a, x + i * k + g * QK, even[i]);                                                \
-                even2[i] = INTO(b, x + i * k + g * QK, even2[i]);                                              \
-            }                                                                                                  \
-            VALUES(type, row, g + 1, a);                                                                       \
-            VALUES(type, row + row_bytes, g + 1, b);                                                           \
-            for (int64_t i = 0; i < m; i++) {                                                                  \
-                odd[i] = INTO(a, x + i * k + (g + 1) * QK, odd[i]);                                            \
-                odd2[i] = INTO(b, x + i * k + (g + 1) * QK, odd2[i]);                                          \
-            }                                                                                                  \
+        for (; g + 1 < n_groups; g += 2) {  /* unrolled by two: selecting the accumulators per group cost 25% */ \
+            PAIR_GROUP(VALUES, INTO, g, even, even2)                                                           \
+            PAIR_GROUP(VALUES, INTO, g + 1, odd, odd2)                                                         \
         }                                                                                                      \
         if (g < n_groups) {                                                                                    \
-            VALUES(type, row, g, a);                                                                           \
-            VALUES(type, row + row_bytes, g, b);                                                               \
-            for (int64_t i = 0; i < m; i++) {                                                                  \
-                even[i] = INTO(a, x + i * k + g * QK, even[i]);                                                \
-                even2[i] = INTO(b, x + i * k + g * QK, even2[i]);                                              \
-            }                                                                                                  \
+            PAIR_GROUP(VALUES, INTO, g, even, even2)                                                           \
         }                                                                                                      \
         for (int64_t i = 0; i < m; i++)                                                                        \
             y[i * n] = HSUM(ADD(even[i], odd[i])), y[i * n + 1] = HSUM(ADD(even2[i], odd2[i]));                \
+    }
+
+/* FN(T, ...) with T the hot type `type` names, as a constant. */
+#define FAST_TYPE_SWITCH(type, FN, ...)                                                                        \
+    switch (type) {                                                                                            \
+        case TYPE_Q8_0: FN(TYPE_Q8_0, __VA_ARGS__); break;                                                     \
+        case TYPE_Q4_0: FN(TYPE_Q4_0, __VA_ARGS__); break;                                                     \
+        case TYPE_F16: FN(TYPE_F16, __VA_ARGS__); break;                                                       \
+        case TYPE_BF16: FN(TYPE_BF16, __VA_ARGS__); break;                                                     \
+        default: FN(TYPE_F32, __VA_ARGS__);                                                                    \
     }
 
 /* The hot types' groups: NV vectors of values and their scale (VALUES and INTO: the width's
@@ -530,27 +533,15 @@ static inline __attribute__((always_inline)) __m256 group_into(const __m256 v[4]
     typedef struct { VEC v[NV]; VEC d; } values##SUFFIX##_t;                                                   \
     DEFINE_GROUP_LOOP(rows_times_typed##SUFFIX, VEC, values##SUFFIX##_t, ZERO, VALUES, INTO, ADD, HSUM)       \
     DEFINE_GROUP_LOOP_PAIR(pair_times_typed##SUFFIX, VEC, values##SUFFIX##_t, ZERO, VALUES, INTO, ADD, HSUM)  \
+    /* One type per call, so that the type checks leave the loop once inlined. */                             \
     static inline __attribute__((always_inline)) void pair_times_fast##SUFFIX(                                 \
         int type, const uint8_t *row, int64_t row_bytes, const float *x, int64_t m, int64_t k, float *y,      \
         int64_t n) {                                                                                           \
-        switch (type) {                                                                                        \
-            case TYPE_Q8_0: pair_times_typed##SUFFIX(TYPE_Q8_0, row, row_bytes, x, m, k, y, n); break;          \
-            case TYPE_Q4_0: pair_times_typed##SUFFIX(TYPE_Q4_0, row, row_bytes, x, m, k, y, n); break;          \
-            case TYPE_F16: pair_times_typed##SUFFIX(TYPE_F16, row, row_bytes, x, m, k, y, n); break;            \
-            case TYPE_BF16: pair_times_typed##SUFFIX(TYPE_BF16, row, row_bytes, x, m, k, y, n); break;          \
-            default: pair_times_typed##SUFFIX(TYPE_F32, row, row_bytes, x, m, k, y, n);                         \
-        }                                                                                                      \
+        FAST_TYPE_SWITCH(type, pair_times_typed##SUFFIX, row, row_bytes, x, m, k, y, n)                        \
     }                                                                                                          \
-    /* One type per call, so that the type checks leave the loop once inlined. */                             \
     static inline __attribute__((always_inline)) void rows_times_fast##SUFFIX(                                 \
         int type, const uint8_t *row, const float *x, int64_t m, int64_t k, float *y, int64_t n) {            \
-        switch (type) {                                                                                        \
-            case TYPE_Q8_0: rows_times_typed##SUFFIX(TYPE_Q8_0, row, x, m, k, y, n); break;                     \
-            case TYPE_Q4_0: rows_times_typed##SUFFIX(TYPE_Q4_0, row, x, m, k, y, n); break;                     \
-            case TYPE_F16: rows_times_typed##SUFFIX(TYPE_F16, row, x, m, k, y, n); break;                       \
-            case TYPE_BF16: rows_times_typed##SUFFIX(TYPE_BF16, row, x, m, k, y, n); break;                     \
-            default: rows_times_typed##SUFFIX(TYPE_F32, row, x, m, k, y, n);                                    \
-        }                                                                                                      \
+        FAST_TYPE_SWITCH(type, rows_times_typed##SUFFIX, row, x, m, k, y, n)                                   \
     }
 
 #define VALUES8(type, row, g, grp) group_values(type, row, g, (grp).v, &(grp).d)
