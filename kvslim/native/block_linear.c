@@ -486,9 +486,6 @@ static inline __attribute__((always_inline)) __m256 group_into(const __m256 v[4]
         for (int64_t i = 0; i < m; i++) y[i * n] = HSUM(ADD(even[i], odd[i]));                                 \
     }
 
-/* DEFINE_GROUP_LOOP for two rows of W at once (row, row + row_bytes -> y[i * n], y[i * n + 1]):
- * each activation group is loaded once for both. Every accumulator takes the same sums in the
- * same order as in the one-row loop, so the bits are the same. */
 /* Group g of both rows (a of row, b of row + row_bytes) into acc and acc2, x's group loaded once. */
 #define PAIR_GROUP(VALUES, INTO, g, acc, acc2)                                                                 \
     VALUES(type, row, g, a);                                                                                   \
@@ -497,6 +494,9 @@ static inline __attribute__((always_inline)) __m256 group_into(const __m256 v[4]
         acc[i] = INTO(a, x + i * k + (g) * QK, acc[i]);                                                        \
         acc2[i] = INTO(b, x + i * k + (g) * QK, acc2[i]);                                                      \
     }
+/* DEFINE_GROUP_LOOP for two rows of W at once (row, row + row_bytes -> y[i * n], y[i * n + 1]):
+ * each activation group is loaded once for both. Every accumulator takes the same sums in the
+ * same order as in the one-row loop, so the bits are the same. */
 #define DEFINE_GROUP_LOOP_PAIR(NAME, VEC, GROUP, ZERO, VALUES, INTO, ADD, HSUM)                                \
     static inline __attribute__((always_inline)) void NAME(                                                    \
         int type, const uint8_t *row, int64_t row_bytes, const float *x, int64_t m, int64_t k, float *y,      \
