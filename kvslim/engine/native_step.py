@@ -82,12 +82,12 @@ def _library():
 def matrix(module, keep: Keep, bias: torch.Tensor | None = None) -> Mat:
     """A linear layer's (or an embedding table's) weight as the C step reads it."""
     from ..weights.modules import _QuantWeight
-    perm = None
+    perm, q8 = None, False
     if isinstance(module, _QuantWeight):
         name = module.wtype.name
         if name not in block_linear.TYPE_CODES:
             raise Unsupported(f"{name} weights")
-        rows = module.weight.shape[0]
+        rows, q8 = module.weight.shape[0], block_linear.q8_activations(name)
         data, code, cols = module.weight, block_linear.TYPE_CODES[name], module.cols
         if module.input_index is not None:                  # a GGUF's column order: gathered in C
             perm = keep(module.input_index.to(torch.int64).contiguous()).data_ptr()
@@ -100,7 +100,6 @@ def matrix(module, keep: Keep, bias: torch.Tensor | None = None) -> Mat:
         raise Unsupported(f"{cols} input features (not whole blocks of {block_linear.QK})")
     if bias is None:
         bias = getattr(module, "bias", None)
-    q8 = isinstance(module, _QuantWeight) and block_linear.q8_activations(name)
     return Mat(code, rows, cols, keep(data.detach().contiguous()).data_ptr(), keep.ptr(bias), perm, q8)
 
 

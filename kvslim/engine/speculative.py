@@ -5,8 +5,9 @@ already stand in its context. The draft is what followed the latest earlier occu
 context's last few tokens; the engine runs the pending token and the draft through one forward
 and keeps the draft's tokens for as long as the sampler, drawing from those logits, picks
 them (``Engine._speculate``). Every kept token is the one the sampler drew, so the output is
-what decoding one token at a time gives (the same distribution; greedily, the same tokens up to
-the rounding of a prompt-sized forward against a one-token one).
+what decoding one token at a time gives: the same distribution, and with the C step (which reads
+the chunk as rows of one-token steps, ``DecodeStep.chunk``) the same bits; through a prompt-sized
+forward, greedy tokens up to its rounding against a one-token step's.
 """
 from __future__ import annotations
 

@@ -1150,6 +1150,13 @@ static void add_offsets(int type, const uint8_t *row, const float *xsum, int64_t
 #endif
 
 #ifdef KVSLIM_AVX2
+/* The widest loops the build has: name##16 with AVX-512, name##8 with AVX2. */
+#ifdef KVSLIM_AVX512
+#define WIDE(name) name##16
+#else
+#define WIDE(name) name##8
+#endif
+
 /* block_linear_q8.c's loops over every row of W; 1 when out of memory. */
 static int block_linear_q8(int type, const float *x, const uint8_t *w, float *y, int64_t m, int64_t n, int64_t k,
                            int n_threads) {
@@ -1186,6 +1193,18 @@ int kvslim_block_linear(int type, const float *x, const uint8_t *w, float *y, in
     const int64_t row_bytes = k / QK * group_bytes_x8(type) / 8;
 #ifdef KVSLIM_AVX2
     if (q8_activations && q8_types(type)) return block_linear_q8(type, x, w, y, m, n, k, n_threads);
+    /* Two rows of W per pass over x where x (m rows) is past 32 KB, L1's share: each activation
+     * group is then read from L2 once for both. Smaller, x stays in L1 and the pair's extra
+     * accumulators cost more than they save (the bundled model's drafted chunks, 5 rows of 256-768
+     * values: 1.25x slower through the pair). Either way the bits are the same. */
+    if (m > 1 && fast_types(type) && m * k * (int64_t)sizeof(float) > 32768) {
+        #pragma omp parallel for num_threads(n_threads) schedule(static)
+        for (int64_t r = 0; r < n; r += 2) {
+            if (r + 1 < n) WIDE(pair_times_fast)(type, w + r * row_bytes, row_bytes, x, m, k, y + r, n);
+            else WIDE(rows_times_fast)(type, w + r * row_bytes, x, m, k, y + r, n);
+        }
+        return 0;
+    }
     float *xsum = NULL;                 /* each group's sum of x, for the types with a minimum per group */
     if (has_offset(type)) {
         if (!(xsum = malloc((size_t)(m * (k / QK)) * sizeof(float)))) return 1;
@@ -1195,44 +1214,18 @@ int kvslim_block_linear(int type, const float *x, const uint8_t *w, float *y, in
             xsum[i] = s;
         }
     }
-    /* Two rows of W per pass over x where x (m rows) is past 32 KB, L1's share: each activation
-     * group is then read from L2 once for both. Smaller, x stays in L1 and the pair's extra
-     * accumulators cost more than they save (the bundled model's drafted chunks, 5 rows of 256-768
-     * values: 1.25x slower through the pair). Either way the bits are the same. */
-    if (m > 1 && fast_types(type) && m * k * (int64_t)sizeof(float) > 32768) {
-        #pragma omp parallel for num_threads(n_threads) schedule(static)
-        for (int64_t r = 0; r < n; r += 2) {
-#ifdef KVSLIM_AVX512
-            if (r + 1 < n) pair_times_fast16(type, w + r * row_bytes, row_bytes, x, m, k, y + r, n);
-            else rows_times_fast16(type, w + r * row_bytes, x, m, k, y + r, n);
-#else
-            if (r + 1 < n) pair_times_fast8(type, w + r * row_bytes, row_bytes, x, m, k, y + r, n);
-            else rows_times_fast8(type, w + r * row_bytes, x, m, k, y + r, n);
-#endif
-        }
-        free(xsum);
-        return 0;
-    }
     #pragma omp parallel for num_threads(n_threads) schedule(static)
     for (int64_t r = 0; r < n; r++) {
-#ifdef KVSLIM_AVX512
-        if (m == 1 && fast_types(type)) rows_times_fast16(type, w + r * row_bytes, x, 1, k, y + r, n);
-        else if (fast_types(type)) rows_times_fast16(type, w + r * row_bytes, x, m, k, y + r, n);
-        else if (m == 1 && k_types(type)) rows_times_k16(type, w + r * row_bytes, x, xsum, 1, k, y + r, n);
-        else if (k_types(type)) rows_times_k16(type, w + r * row_bytes, x, xsum, m, k, y + r, n);
-        else if (m == 1 && code_types(type)) rows_times_codes16(type, w + r * row_bytes, x, 1, k, y + r, n);
-        else if (code_types(type)) rows_times_codes16(type, w + r * row_bytes, x, m, k, y + r, n);
-#else
-        if (m == 1 && fast_types(type)) rows_times_fast8(type, w + r * row_bytes, x, 1, k, y + r, n);  /* m a constant */
-        else if (fast_types(type)) rows_times_fast8(type, w + r * row_bytes, x, m, k, y + r, n);
-        else if (m == 1 && k_types(type)) rows_times_k8(type, w + r * row_bytes, x, xsum, 1, k, y + r, n);
-        else if (k_types(type)) rows_times_k8(type, w + r * row_bytes, x, xsum, m, k, y + r, n);
-        else if (m == 1 && code_types(type)) rows_times_codes8(type, w + r * row_bytes, x, 1, k, y + r, n);
-        else if (code_types(type)) rows_times_codes8(type, w + r * row_bytes, x, m, k, y + r, n);
-#endif
+        const uint8_t *row = w + r * row_bytes;              /* m == 1 calls: m a constant in the loop */
+        if (m == 1 && fast_types(type)) WIDE(rows_times_fast)(type, row, x, 1, k, y + r, n);
+        else if (fast_types(type)) WIDE(rows_times_fast)(type, row, x, m, k, y + r, n);
+        else if (m == 1 && k_types(type)) WIDE(rows_times_k)(type, row, x, xsum, 1, k, y + r, n);
+        else if (k_types(type)) WIDE(rows_times_k)(type, row, x, xsum, m, k, y + r, n);
+        else if (m == 1 && code_types(type)) WIDE(rows_times_codes)(type, row, x, 1, k, y + r, n);
+        else if (code_types(type)) WIDE(rows_times_codes)(type, row, x, m, k, y + r, n);
         else                                                    /* every type has a loop above */
-            for (int64_t i = 0; i < m; i++) y[i * n + r] = dot_portable(type, w + r * row_bytes, x + i * k, k);
-        if (xsum && code_types(type)) add_offsets(type, w + r * row_bytes, xsum, m, k, y + r, n);
+            for (int64_t i = 0; i < m; i++) y[i * n + r] = dot_portable(type, row, x + i * k, k);
+        if (xsum && code_types(type)) add_offsets(type, row, xsum, m, k, y + r, n);
     }
     free(xsum);
 #else

@@ -8,8 +8,9 @@
  * on 2 cores where Q8_0's loop reads 56-78 GB/s. Here each activation row is quantized once per
  * call (int8 codes, a float scale per 32 values, the codes' sums per 16), and the dot products
  * are integer arithmetic: unsigned weight codes times signed activation codes, summed in fours
- * (VNNI's vpdpbusd, or AVX2's maddubs + madd); four groups' sums folded into one vector by two
- * horizontal adds; then scaled in float by the weights' and the activations' scales. Offsets
+ * (VNNI's vpdpbusd, or AVX2's maddubs + madd); four groups' sums folded into one vector (two
+ * horizontal adds for one row, a transposed layout for several: chunk_sums); then scaled in float
+ * by the weights' and the activations' scales. Offsets
  * (K-quant minima, Q6_K's and Q4_0's stored-plus-32 and plus-8 codes) meet the activations'
  * sums of 16 instead of the values.
  *
@@ -109,22 +110,24 @@ static inline void transpose4(const __m256i in[4], __m256i out[4]) {
     out[2] = _mm256_unpacklo_epi64(t2, t3), out[3] = _mm256_unpackhi_epi64(t2, t3);
 }
 
-/* The activation rows as q8_rows_t (one allocation; free(rows->q)); 1 when out of memory. */
+/* The activation rows as q8_rows_t (one allocation; free(rows->q)); 1 when out of memory. Only
+ * the padding is zeroed: the rest is written. */
 static int quantize_rows_q8(const float *x, int64_t m, int64_t k, q8_rows_t *rows) {
-    const int64_t stride = (k + 127) / 128 * 128, groups = m * (stride / 32);
-    char *mem = calloc(1, (size_t)(2 * m * stride + groups * (int64_t)(3 * sizeof(float) + 2 * sizeof(int16_t) + 2 * sizeof(int32_t))));
+    const int64_t stride = (k + 127) / 128 * 128, groups = m * (stride / 32), across = m > 1 ? m * stride : 0;
+    char *mem = malloc((size_t)(m * stride + across + groups * (int64_t)(3 * sizeof(float) + 2 * sizeof(int16_t) + 2 * sizeof(int32_t))));
     if (!mem) return 1;
     rows->stride = stride;
     rows->q = (int8_t *)mem;
-    rows->q_across = rows->q + m * stride;
-    rows->d = (float *)(mem + 2 * m * stride);             /* stride is a multiple of 128: aligned */
+    rows->q_across = m > 1 ? rows->q + m * stride : NULL;
+    rows->d = (float *)(mem + m * stride + across);       /* stride is a multiple of 128: aligned */
     rows->d_fold = rows->d + groups;
     rows->sums_fold = (int32_t *)(rows->d_fold + 2 * groups);
     rows->sums = (int16_t *)(rows->sums_fold + 2 * groups);
     for (int64_t i = 0; i < m; i++)
-        for (int64_t g = 0; g < k / 32; g++) {
+        for (int64_t g = 0; g < stride / 32; g++) {
             const int64_t at = i * (stride / 32) + g;
-            quantize_group_q8(x + i * k + 32 * g, rows->q + 32 * at, rows->d + at, rows->sums + 2 * at);
+            if (g < k / 32) quantize_group_q8(x + i * k + 32 * g, rows->q + 32 * at, rows->d + at, rows->sums + 2 * at);
+            else memset(rows->q + 32 * at, 0, 32), rows->d[at] = 0.0f, rows->sums[2 * at] = rows->sums[2 * at + 1] = 0;
         }
     for (int64_t c = 0; c < groups / 4; c++)               /* the chunks' folded layouts */
         for (int l = 0; l < 8; l++) {
@@ -141,21 +144,11 @@ static int quantize_rows_q8(const float *x, int64_t m, int64_t k, q8_rows_t *row
 }
 
 
-/* IQ4_NL's grid as a byte shuffle's table in both lanes: plus 128 (unsigned codes), or as it is
- * (IQ4_SIGNED). */
+/* IQ4_NL's grid (block_linear.c's IQ4NL_VALUES) as a byte shuffle's table in both lanes: plus 128
+ * (unsigned codes), or as it is (IQ4_SIGNED). */
 static inline __m256i iq4nl_grid_u8(void) {
-#if IQ4_SIGNED
-    return _mm256_broadcastsi128_si256(_mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
-#else
-    return _mm256_broadcastsi128_si256(_mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141, (char)153,
-                                                     (char)166, (char)181, (char)197, (char)217, (char)241));
-#endif
-}
-
-/* 16 bytes of nibbles as 32 byte indices: the low nibbles (values 0-15), then the high ones. */
-static inline __m256i nibbles_u8(const uint8_t *p) {
-    const __m128i nib = _mm_loadu_si128((const __m128i *)p), m4 = _mm_set1_epi8(0x0F);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(nib, 4), m4), _mm_and_si128(nib, m4));
+    const __m256i grid = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4NL_VALUES));
+    return IQ4_SIGNED ? grid : _mm256_xor_si256(grid, _mm256_set1_epi8((char)0x80));      /* v ^ 0x80 = v + 128 */
 }
 
 /* A super-block's scales as floats in the layout of a half's folded sums (rows_times_q8k_typed):
@@ -338,14 +331,13 @@ static inline __attribute__((always_inline)) void rows_times_q8k_typed(int type,
     for (int64_t i = 0; i < m; i++) y[i * n] = hsum(_mm256_add_ps(acc[i], acc2[i]));
 }
 
-/* Group g of a 32-value block row as 32 unsigned codes and its scale: value = d * (u - offset),
- * offset 8 for Q4_0 ([d][16 B: nibble l, nibble l + 16]), 128 for IQ4_NL (Q4_0's nibbles through
- * its grid, plus 128). */
+/* Group g of a 32-value block row as 32 codes and its scale: value = d * (u - offset). Both types
+ * are [d][16 B of nibbles]: Q4_0's codes are the nibbles (block_linear.c's block32_codes reads
+ * them), offset 8; IQ4_NL's the grid at them, plus 128 (offset 128, none under IQ4_SIGNED). */
 static inline __attribute__((always_inline)) __m256i block32_u8(int type, const uint8_t *row, int64_t g, float *d) {
-    const uint8_t *b = row + g * 18;
-    *d = f16(b);
-    const __m256i u = nibbles_u8(b + 2);
-    return type == TYPE_Q4_0 ? u : _mm256_shuffle_epi8(iq4nl_grid_u8(), u);
+    float s1;
+    const __m256i nibbles = block32_codes(TYPE_Q4_0, row + g * 18, d, &s1);
+    return type == TYPE_Q4_0 ? nibbles : _mm256_shuffle_epi8(iq4nl_grid_u8(), nibbles);
 }
 
 /* y[i * n] = row . x_i for a row of 32-value blocks: four groups at a time, their sums folded,

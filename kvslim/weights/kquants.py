@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..formats.base import cached_on, fp16_from_bytes
+from ..formats.ggml import IQ4NL_VALUES
 
 QK_K = 256           # values per super-block
 SUB = 32             # values per sub-block with its own 6-bit scale (Q4_K, Q5_K)
@@ -110,8 +111,6 @@ def decode_q2_k(f: dict[str, torch.Tensor]) -> torch.Tensor:
     return (dl * q - ml).reshape(n, QK_K)
 
 
-IQ4NL_GRID = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
-
 
 def iq4_xs_scales(f: dict[str, torch.Tensor]) -> torch.Tensor:
     """(N, 8) int8 scales, one per 32 values: six bits stored plus 32, the 4 low ones in
@@ -135,5 +134,5 @@ def decode_iq4_xs(f: dict[str, torch.Tensor]) -> torch.Tensor:
     """IQ4_NL's grid in super-blocks, a scale per 32 values."""
     n = f["qs"].shape[0]
     dl = (fp16_from_bytes(f["d"]).view(n, 1) * iq4_xs_scales(f).float()).view(n, 8, 1)
-    grid = cached_on(f["qs"].device, ("iq4_nl grid f32",), lambda: torch.tensor(IQ4NL_GRID, dtype=torch.float32))
+    grid = cached_on(f["qs"].device, ("iq4_nl grid",), lambda: torch.tensor(IQ4NL_VALUES, dtype=torch.float32))
     return (dl * grid[iq4_xs_indices(f)]).reshape(n, QK_K)
