@@ -102,6 +102,27 @@ def test_sequence_in_another_slot_is_unaffected(tiny_folder):
     assert (got - kvslim_stepwise(model, prompt, steps)).abs().max().item() <= TOL
 
 
+@pytest.mark.parametrize("kind", ["qwen3_5", "llama"])
+def test_fused_projections_follow_the_model_to_a_dtype_or_device(tiny_folder, kind):
+    """``.to()`` converts each linear on its own; the fused matmuls must read the converted weights
+    (a fused tensor left behind on the old device broke every CUDA test of a model moved by .to)."""
+    folder, _ = tiny_folder(kind)
+    model = load_tiny(folder)
+    fused = [m for m in model.modules() if getattr(m, "fused", None) is not None]
+    assert fused
+    prompt, steps = random_tokens(20, 3), random_tokens(4, 4)
+    want = kvslim_stepwise(model, prompt, steps)
+    model.to(torch.float64)
+    for m in fused:
+        f = m.fused
+        assert f.weight.dtype == torch.float64
+        views = [c for c in m.children() if isinstance(c, torch.nn.Linear)
+                 and c.weight.untyped_storage().data_ptr() == f.weight.untyped_storage().data_ptr()]
+        assert len(views) == len(f.sizes)                              # views of the fused tensor again
+    got = kvslim_stepwise(model, prompt, steps)
+    assert (got - want).abs().max().item() < 1e-4
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("kind", TINY_TYPES)
 @pytest.mark.parametrize("type_k,type_v", [("f32", "f32"), ("q8_0", "turbo4")])

@@ -294,7 +294,7 @@ class KVCache:
             page = self._free.pop()
             self.k_pool[:, page].zero_()
             self.v_pool[:, page].zero_()
-            self.block_table[slot, len(pages)] = page
+            self.block_table[slot, len(pages)].fill_(page)      # a Python int set by [] copies from the host and syncs
             pages.append(page)
 
     # ----- reading ------------------------------------------------------------
@@ -344,13 +344,13 @@ class KVCache:
     def _release(self, slot: int, keep: int) -> None:
         pages = self._pages[slot]
         if len(pages) > keep:
-            self.block_table[slot, keep:len(pages)] = self.null_page
+            self.block_table[slot, keep:len(pages)].fill_(self.null_page)
             self._free.extend(reversed(pages[keep:]))
             del pages[keep:]
 
     def clear(self, slot: int) -> None:
         self.trim(slot, 0)
-        self.overflow[slot] = 0
+        self.overflow[slot].fill_(0)
 
     def copy_slot(self, src: int, dst: int) -> None:
         """``dst`` becomes a copy of ``src``: pages copied on the device, window and lengths too."""

@@ -41,6 +41,16 @@ class CausalLM(nn.Module):
             if module is not self and hasattr(module, "fuse_projections"):
                 module.fuse_projections()
 
+    def _apply(self, fn, recurse=True):
+        """``.to(device)``, ``.half()`` and kin convert each linear's weight on its own, which
+        leaves a fused tensor (not a parameter) behind on the old device: fuse again afterwards,
+        from the converted weights, so the fused matmuls read them and they share one tensor."""
+        fused = any(getattr(m, "fused", None) is not None for m in self.modules())
+        out = super()._apply(fn, recurse)
+        if fused:
+            self.fuse_projections()
+        return out
+
     @property
     def output_weight(self) -> torch.Tensor:
         """The output head's weight (with quantized weights: its uint8 blocks; use ``logits``)."""
