@@ -1,6 +1,6 @@
 """Decode attention on a GPU: f16 SDPA, the torch block loop and the Triton kernel on packed pages.
 
-    python benchmarks/gpu_decode.py [-d 32768,131072] [-b 1,8] [-p pairs] [-r 20] [--no-loop]
+    python benchmarks/gpu_decode.py [-d 32768,131072] [-b 1,8] [-p pairs] [-r 20] [--no-loop] [--sweep]
 
 One attention layer shaped like Qwen3.6-35B-A3B's (2 KV heads, 8 query heads each, head_dim
 256), pages of 16 keys handed out shuffled, every sequence at the same depth. For each K/V
@@ -12,6 +12,12 @@ warm-up that compiles the kernel) for
 - ``torch``: the block loop ``attention._scan_decode`` runs without the kernel (its reference);
 - ``triton``: ``kvslim.gpu.paged_decode`` plus the normalisation and V's output transform,
   so it returns what SDPA returns.
+On a GPU each step is timed twice: launched from Python ("eager ms": the host's launches
+included, which at 32K take longer than the kernels) and replayed from a CUDA graph ("ms": the
+GPU's time, as the engine's decode step runs in graphs); ratios and bandwidth use the graph's.
+``--sweep`` times the kernel's launch settings (``paged_prefill.TUNABLE``: keys per block,
+warps, pipelining stages, the dots' precision) and keys per split against one another, each with
+its largest difference from the torch loop's output on the same inputs, to pick defaults from.
 The bandwidth columns count the bytes of K/V the step must read (packed for the kernel, f16 for
 SDPA) over its time, beside a device-to-device copy measured in the same run (bytes read and
 written over time, as FACTS.md quotes it). Figures, not a test: parity is
@@ -85,6 +91,37 @@ def _median_ms(fn, runs: int, device: str) -> float:
     return statistics.median(times)
 
 
+def _graph_ms(fn, runs: int, replays: int = 10) -> float:
+    """Median milliseconds of one ``fn`` replayed from a CUDA graph, ``replays`` per timed sample:
+    the GPU's own time, no host launches in between (how the engine's decode step runs)."""
+    fn()                                                             # compile outside the capture
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):                                    # warm-up on a side stream, as capture wants
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / replays)
+    del graph
+    return statistics.median(times)
+
+
+def _step_ms(fn, runs: int, device: str) -> tuple[float, float]:
+    """(eager ms, graph ms): the second is the first on the CPU's dry run."""
+    eager = _median_ms(fn, runs, device)
+    return eager, _graph_ms(fn, runs) if device.startswith("cuda") else eager
+
+
 def copy_gbps(device: str, mib: int = 1024, runs: int = 10) -> float:
     """Device-to-device copy speed, GB/s counting bytes read and written (FACTS.md's convention)."""
     src = torch.empty(mib * 2**20, dtype=torch.uint8, device=device)
@@ -115,10 +152,10 @@ def sdpa_f16(depth: int, batch: int, device: str):
     raise SystemExit("no SDPA backend takes the f16 baseline's shapes here")
 
 
-def packed_step(fmt_k, fmt_v, q, k_pool, v_pool, table, n_keys):
+def packed_step(fmt_k, fmt_v, q, k_pool, v_pool, table, n_keys, split_keys=gpu.SPLIT_KEYS, tune=None):
     """The kernel's step, finished to what SDPA returns: normalised, in the model domain."""
     def step():
-        _, l, acc = gpu.decode_state(fmt_k, fmt_v, q, k_pool, v_pool, table, n_keys)
+        _, l, acc = gpu.decode_state(fmt_k, fmt_v, q, k_pool, v_pool, table, n_keys, split_keys, tune)
         return fmt_v.from_code_domain(acc / l)
     return step
 
@@ -140,20 +177,55 @@ def _rows(pairs: list[str], depth: int, batch: int, args, copy: float) -> list[l
     def gbps(read, ms):
         return f"{read / ms / 1e6:.0f}", f"{100 * read / ms / 1e6 / copy:.0f}%"
     step, read, backend = sdpa_f16(depth, batch, args.device)
-    base = _median_ms(step, args.runs, args.device)
-    rows = [[f"sdpa f16 ({backend})", depth, batch, "", f"{base:.3f}", "1.00", *gbps(read, base)]]
+    eager, base = _step_ms(step, args.runs, args.device)
+    rows = [[f"sdpa f16 ({backend})", depth, batch, "", f"{eager:.3f}", f"{base:.3f}", "1.00", *gbps(read, base)]]
     del step
     for pair in pairs:
         inputs = _inputs(*pair.split("/"), depth, batch, args.device)
         k_pool, v_pool = inputs[3], inputs[4]
         read = batch * depth * N_KV * (k_pool.shape[3] + v_pool.shape[3])   # packed bytes of K and V
         loop = "" if args.no_loop else f"{_median_ms(loop_step(*inputs), args.runs, args.device):.3f}"
-        ms = _median_ms(packed_step(*inputs), args.runs, args.device)
-        rows.append([pair, depth, batch, loop, f"{ms:.3f}", f"{ms / base:.2f}", *gbps(read, ms)])
+        eager, ms = _step_ms(packed_step(*inputs), args.runs, args.device)
+        rows.append([pair, depth, batch, loop, f"{eager:.3f}", f"{ms:.3f}", f"{ms / base:.2f}", *gbps(read, ms)])
         del inputs, k_pool, v_pool
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
     return rows
+
+
+# The sweep's launch settings: (BLOCK_N, num_warps, num_stages, DOT); the first is the default's.
+VARIANTS = [(16, 8, None, "ieee"), (32, 4, 2, "ieee"), (64, 4, 2, "ieee"), (64, 8, 2, "ieee"), (128, 8, 2, "ieee"),
+            (64, 4, 2, "tf32x3"), (64, 8, 2, "tf32x3"), (128, 8, 2, "tf32x3")]
+SPLITS = (128, 512)
+
+
+def _sweep_rows(pairs: list[str], depth: int, batch: int, args, copy: float) -> None:
+    """Every VARIANT x SPLITS of the kernel at one depth and batch, per pair, printed as a table
+    row each: graph time, bandwidth and the largest difference from the torch loop's normalised
+    output on the same inputs."""
+    def emit(*cells):
+        print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)
+    for pair in pairs:
+        inputs = _inputs(*pair.split("/"), depth, batch, args.device)
+        fmt_v, k_pool, v_pool = inputs[1], inputs[3], inputs[4]
+        read = batch * depth * N_KV * (k_pool.shape[3] + v_pool.shape[3])
+        want = fmt_v.from_code_domain(loop_step(*inputs)().result())
+        for block_n, warps, stages, dot in VARIANTS:
+            tune = {"BLOCK_N": block_n, "num_warps": warps, "DOT": dot, **({"num_stages": stages} if stages else {})}
+            for split in SPLITS:
+                step = packed_step(*inputs, split, tune)
+                try:
+                    err = (step() - want).abs().max().item()
+                    ms = _graph_ms(step, args.runs) if args.device.startswith("cuda") else _median_ms(step, 1, "cpu")
+                except Exception as exc:                             # a setting that does not compile or fit
+                    emit(pair, depth, batch, block_n, warps, stages or "", dot, split, "", "", "",
+                         f"{type(exc).__name__}: {str(exc).splitlines()[0][:60]}")
+                    continue
+                emit(pair, depth, batch, block_n, warps, stages or "", dot, split, f"{ms:.3f}",
+                     f"{read / ms / 1e6:.0f}", f"{100 * read / ms / 1e6 / copy:.0f}%", f"{err:.1e}")
+        del inputs, k_pool, v_pool
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
 
 
 def main(argv=None) -> None:
@@ -164,15 +236,23 @@ def main(argv=None) -> None:
     parser.add_argument("-r", "--runs", type=int, default=20)
     parser.add_argument("--no-loop", action="store_true", help="skip the torch block loop (slow at depth)")
     parser.add_argument("--device", default="cuda", help="cuda[:N]; cpu only with TRITON_INTERPRET=1 (a dry run)")
+    parser.add_argument("--sweep", action="store_true", help="time the kernel's launch settings instead")
     args = parser.parse_args(argv)
     check_device(args.device)
     copy = copy_gbps(args.device, mib=1024 if args.device.startswith("cuda") else 16)
     name = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu (interpreter)"
     print(f"{name}: device-to-device copy {copy:.0f} GB/s (read + written); median of {args.runs}\n")
+    if args.sweep:                      # rows as they come (unaligned): a run cut short keeps its rows
+        print("| K/V | depth | batch | BLOCK_N | warps | stages | dot | split | ms | GB/s read | of copy | max diff |")
+        print("|---|" + "---:|" * 11, flush=True)
+        for d in args.depths.split(","):
+            for b in args.batches.split(","):
+                _sweep_rows(args.pairs.split(","), int(d), int(b), args, copy)
+        return
     rows = [row for d in args.depths.split(",") for b in args.batches.split(",")
             for row in _rows(args.pairs.split(","), int(d), int(b), args, copy)]
-    print(markdown_table(["K/V", "depth", "batch", "torch loop ms", "ms", "x sdpa f16", "GB/s read",
-                          "of copy"], rows, ["l", "r", "r", "r", "r", "r", "r", "r"]))
+    print(markdown_table(["K/V", "depth", "batch", "torch loop ms", "eager ms", "ms", "x sdpa f16", "GB/s read",
+                          "of copy"], rows, ["l", "r", "r", "r", "r", "r", "r", "r", "r"]))
 
 
 if __name__ == "__main__":

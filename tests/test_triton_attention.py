@@ -42,6 +42,9 @@ LONG = ("q8_0", "turbo4", 64, 2, (1100, 5), 32, None)            # several defau
 ODD_PAGES = ("iq4_nl", "q4_0", 64, 3, (50, 7), 12, 32)          # a page size that is not a power of two
 BATCH = ("f16", "q8_0", 64, 4, (150, 37, 70), 16, 64)
 REFUSED = [("turbo4p", "f16")]   # a QJL sketch
+# launch overrides (benchmarks/gpu_decode.py --sweep's kind) on ODD_PAGES: wider key blocks than a
+# page and than a split's tail, another dot precision; they change the schedule, not the sums' terms
+TUNED = [{"BLOCK_N": 64, "num_warps": 4}, {"BLOCK_N": 32, "num_stages": 2, "DOT": "tf32x3"}]
 
 
 def _states_in_child(cases, path: Path) -> None:
@@ -54,6 +57,8 @@ def _states_in_child(cases, path: Path) -> None:
         out["kernels"].append((gpu.supports(*args[:3]), gpu.decode_state(*args, **split)))
     fmt_k, fmt_v, q, k_pool, v_pool, table, n_keys = _case(*BATCH[:4], list(BATCH[4]), page_size=BATCH[5])
     out["alone"] = gpu.decode_state(fmt_k, fmt_v, q[:, :1].contiguous(), k_pool, v_pool, table[:1], n_keys[:1], 64)
+    args = _case(*ODD_PAGES[:4], list(ODD_PAGES[4]), page_size=ODD_PAGES[5])
+    out["tuned"] = [gpu.decode_state(*args, split_keys=ODD_PAGES[6], tune=tune) for tune in TUNED]
     q = torch.zeros(2, 1, 2, 128)
     out["supports"] = [gpu.supports(formats.get(k), formats.get(v), q) for k, v in REFUSED + [("f16", "f16")]]
     out["supports"].append(gpu.supports(formats.get("f16"), formats.get("f16"), torch.zeros(2, 1, 65, 128)))
@@ -95,6 +100,15 @@ def test_default_splits_cut_a_long_sequence(interpreted):
 def test_a_page_size_that_is_not_a_power_of_two(interpreted):
     """Keys find their page by t // page_size, whatever the page size."""
     _against_reference(interpreted, ODD_PAGES)
+
+
+def test_launch_overrides_keep_the_state(interpreted):
+    """Other keys per block, warps, stages or dot precision: the same state as the reference."""
+    args = _case(*ODD_PAGES[:4], list(ODD_PAGES[4]), page_size=ODD_PAGES[5])
+    for got in interpreted["tuned"]:
+        _check(got, _torch_state(*args), args[-1])
+    with pytest.raises(ValueError, match="not a launch setting: BLOCK_M"):
+        paged_prefill._launch_config(formats.get("f16"), formats.get("f16"), 8, 64, {"BLOCK_M": 64})
 
 
 def test_a_sequence_gets_the_same_bits_whatever_its_batch(interpreted):

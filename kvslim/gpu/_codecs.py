@@ -16,17 +16,25 @@ LADDER_AT = tl.constexpr(32)        # where the rungs' factors follow the code v
 
 @triton.jit
 def f16_at(ptr, mask):
-    """Two little-endian bytes at ptr -> float32 (an f16 bit pattern)."""
+    """Two little-endian bytes at ptr -> float32 (an f16 bit pattern), for any byte address."""
     lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
     hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
     return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
+def f16_aligned(ptr, mask):
+    """The f16 at an even byte address ptr -> float32: one 2-byte load, not two byte loads and a
+    shift, and contiguous runs of them vectorise. The KV layouts' f16 fields are all at even
+    offsets of rows of even size (``paged_prefill._fields`` refuses any other)."""
+    return tl.load(ptr.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _float_values(row, d, mask, KIND: tl.constexpr):
     """Float rows: value d of each row. row (N, 1) byte pointers, d (1, BLOCK_D)."""
     if KIND == 1:                                                       # F16
-        x = f16_at(row + 2 * d, mask)
+        x = f16_aligned(row + 2 * d, mask)
     elif KIND == 2:                                                     # BF16: the high half of an f32
         lo = tl.load(row + 2 * d, mask=mask, other=0).to(tl.uint32)
         hi = tl.load(row + 2 * d + 1, mask=mask, other=0).to(tl.uint32)
@@ -76,7 +84,7 @@ def decode_tile(pool, row_off, valid, lut, HEAD_DIM: tl.constexpr, BLOCK_D: tl.c
     else:                                                               # [f16 scale][codes] blocks
         block = row + (d // BLOCK_VALUES) * BLOCK_BYTES
         j = d % BLOCK_VALUES
-        scale = f16_at(block, mask)
+        scale = f16_aligned(block, mask)
         if SUB_VALUES > 0:                                              # rungs never straddle a byte (2-bit)
             bit = SUB_BITS * (j // SUB_VALUES)
             rungs = tl.load(block + 2 + bit // 8, mask=mask, other=0).to(tl.int32)
@@ -93,5 +101,5 @@ def decode_tile(pool, row_off, valid, lut, HEAD_DIM: tl.constexpr, BLOCK_D: tl.c
             code = _block_code(block + HEADER_BYTES, j, mask, KIND, BITS, BLOCK_VALUES)
             x = scale * tl.load(lut + code, mask=mask, other=0.0)
         if OFFSET_AT > 0:                                               # q4_1, q5_1: the block minimum
-            x = x + f16_at(block + OFFSET_AT, mask)
+            x = x + f16_aligned(block + OFFSET_AT, mask)
     return tl.where(mask, x, 0.0)

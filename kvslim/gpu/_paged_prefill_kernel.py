@@ -26,7 +26,7 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
                        n_seq, n_rows, n_pages, page_size, k_row_bytes, v_row_bytes, table_width,
                        n_splits, split_keys,
                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr,
+                       BLOCK_N: tl.constexpr, DOT: tl.constexpr,
                        K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_VALUES: tl.constexpr,
                        K_BYTES: tl.constexpr, K_HEADER: tl.constexpr, K_OFFSET: tl.constexpr,
                        K_SUB: tl.constexpr, K_SUB_BITS: tl.constexpr,
@@ -65,11 +65,11 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
                         K_KIND, K_BITS, K_VALUES, K_BYTES, K_HEADER, K_OFFSET, K_SUB, K_SUB_BITS)
         v = decode_tile(v_pool, slot * v_row_bytes, valid, v_lut, HEAD_DIM, BLOCK_D,
                         V_KIND, V_BITS, V_VALUES, V_BYTES, V_HEADER, V_OFFSET, V_SUB, V_SUB_BITS)
-        # fp32 products, as the torch reference: tf32 would cost ~1e-3 in the scores
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee")         # (BLOCK_M, BLOCK_N)
+        # DOT "ieee" (the default): fp32 products, as the torch reference; tf32 would cost ~1e-3
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT)            # (BLOCK_M, BLOCK_N)
         seen = valid[None, :] & (t[None, :] <= q_pos[:, None])
         scores = tl.where(seen, scores, float("-inf"))
-        m_i, l_i, acc = _fold(m_i, l_i, acc, scores, v)
+        m_i, l_i, acc = _fold(m_i, l_i, acc, scores, v, DOT)
 
     part = (head_seq * n_splits + split) * n_rows + r                  # (BLOCK_M,) rows of this split
     tl.store(m_out + part, m_i, mask=r_live)
@@ -78,7 +78,7 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
 
 
 @triton.jit
-def _fold(m_i, l_i, acc, scores, v):
+def _fold(m_i, l_i, acc, scores, v, DOT: tl.constexpr):
     """One block of masked scores (BLOCK_M, BLOCK_N) and values (BLOCK_N, BLOCK_D) into the state.
     A row may have seen no key yet (its causal limit lies before this block): its max stays
     -inf and it is shifted by 0 instead, so exp gives 0, never NaN (as ``_OnlineSoftmax``)."""
@@ -87,7 +87,7 @@ def _fold(m_i, l_i, acc, scores, v):
     p = tl.exp(scores - m_safe[:, None])
     corr = tl.exp(m_i - m_safe)
     l_i = l_i * corr + tl.sum(p, axis=1)
-    acc = acc * corr[:, None] + tl.dot(p, v, input_precision="ieee")
+    acc = acc * corr[:, None] + tl.dot(p, v, input_precision=DOT)
     return m_new, l_i, acc
 
 

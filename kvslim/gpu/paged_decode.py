@@ -30,13 +30,14 @@ def supports(fmt_k, fmt_v, q: torch.Tensor) -> bool:
 
 
 def decode_state(fmt_k, fmt_v, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                 table: torch.Tensor, n_keys: torch.Tensor, split_keys: int = SPLIT_KEYS
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 table: torch.Tensor, n_keys: torch.Tensor, split_keys: int = SPLIT_KEYS,
+                 tune: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q (Hkv, S, R, D) float32, scaled, in K's code domain; pools (Hkv, pages, page_size, row bytes)
     uint8; table (S, P) int32 pages; n_keys (S,) keys each sequence sees (its first n_keys).
     -> m, l (Hkv, S, R, 1) and acc (Hkv, S, R, D), acc in V's code domain, not normalised; a
-    sequence without keys gets m = -inf, l = 0, acc = 0. ``split_keys``: keys per program.
+    sequence without keys gets m = -inf, l = 0, acc = 0. ``split_keys``: keys per program;
+    ``tune``: launch overrides (``paged_prefill.TUNABLE``).
     The number of splits comes from the table's width: no host sync."""
     n_keys = n_keys.to(device=q.device, dtype=torch.int32)
     q_pos = (n_keys - 1)[:, None].expand(q.shape[1], q.shape[2])      # every row sees all its keys
-    return paged_prefill.prefill_state(fmt_k, fmt_v, q, q_pos, k_pool, v_pool, table, n_keys, split_keys)
+    return paged_prefill.prefill_state(fmt_k, fmt_v, q, q_pos, k_pool, v_pool, table, n_keys, split_keys, tune)

@@ -33,6 +33,8 @@ def _fields(fmt, head_dim: int) -> CodecFields | None:
     fields = codec_fields(fmt, head_dim)
     if fields is None or fields.kind == KLT or (fields.sub_values and 8 % fields.sub_bits):
         return None
+    if any(n % 2 for n in (fields.block_bytes, fields.header_bytes, fields.offset_at)):
+        return None                     # its f16 fields would be misaligned for the 2-byte loads
     return fields
 
 
@@ -67,30 +69,42 @@ def _codec_args(fmt, head_dim: int, prefix: str) -> dict:
             f"{prefix}_SUB": f.sub_values, f"{prefix}_SUB_BITS": f.sub_bits}
 
 
-def _launch_config(fmt_k, fmt_v, n_rows: int, head_dim: int) -> dict:
+# What a caller may override per call (benchmarks/gpu_decode.py --sweep): keys per block, warps,
+# software-pipelining stages and the dots' precision ("ieee": float32 FMAs; "tf32x3": three
+# tensor-core products, float32's accuracy to ~1e-6; "tf32": one, ~1e-3).
+TUNABLE = ("BLOCK_N", "num_warps", "num_stages", "DOT")
+
+
+def _launch_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict | None = None) -> dict:
     """The kernel's constexprs and warps for one call. The query tile and its sum (BLOCK_M x
     head_dim floats each) live in registers beside one block of decoded K and V: ptxas for sm_90
     spills nothing at (rows, warps) = (32, 4) at head_dim 64, (32, 8) at 128 and (16, 8) at 256
     with q8_0 rows, and ~0.6-0.9 KB with 3-bit codes; 64 rows spill kilobytes. A guess from
-    spill counts, not timings; keys per block as the decode kernel."""
+    spill counts, not timings; keys per block as the decode kernel. ``tune``: TUNABLE overrides."""
     block_m = 16 if head_dim > 128 else 32
-    return dict(HEAD_DIM=head_dim, BLOCK_D=pow2(head_dim), BLOCK_M=min(block_m, max(MIN_DOT, pow2(n_rows))),
-                BLOCK_N=32 if head_dim <= 64 else MIN_DOT,
-                **_codec_args(fmt_k, head_dim, "K"), **_codec_args(fmt_v, head_dim, "V"),
-                num_warps=4 if head_dim <= 64 else 8)
+    config = dict(HEAD_DIM=head_dim, BLOCK_D=pow2(head_dim), BLOCK_M=min(block_m, max(MIN_DOT, pow2(n_rows))),
+                  BLOCK_N=32 if head_dim <= 64 else MIN_DOT, DOT="ieee",
+                  **_codec_args(fmt_k, head_dim, "K"), **_codec_args(fmt_v, head_dim, "V"),
+                  num_warps=4 if head_dim <= 64 else 8)
+    unknown = set(tune or ()) - set(TUNABLE)
+    if unknown:
+        raise ValueError(f"not a launch setting: {', '.join(sorted(unknown))} (tunable: {', '.join(TUNABLE)})")
+    return {**config, **(tune or {})}
 
 
 def prefill_state(fmt_k, fmt_v, q_code: torch.Tensor, q_pos: torch.Tensor, k_pool: torch.Tensor,
                   v_pool: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor,
-                  split_keys: int = SPLIT_KEYS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  split_keys: int = SPLIT_KEYS, tune: dict | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q_code (Hkv, S, R, D) float32, scaled, in K's code domain; q_pos (S, R) each row's absolute
     position (it sees keys at positions <= it); pools (Hkv, pages, page_size, row bytes) uint8;
     table (S, P) int32 pages; lengths (S,) packed keys per sequence.
     -> m, l (Hkv, S, R, 1) and acc (Hkv, S, R, D), acc in V's code domain, not normalised; a row
     that sees no key gets m = -inf, l = 0, acc = 0. ``split_keys``: keys per program when R is at
-    most SPLIT_ROWS. The launch's sizes come from the shapes alone: no host sync."""
+    most SPLIT_ROWS; ``tune``: launch overrides (TUNABLE). The launch's sizes come from the shapes
+    alone: no host sync."""
     n_kv, n_seq, n_rows, dim = q_code.shape
-    config = _launch_config(fmt_k, fmt_v, n_rows, dim)
+    config = _launch_config(fmt_k, fmt_v, n_rows, dim, tune)
     page_size = k_pool.shape[2]
     n_tiles = -(-n_rows // config["BLOCK_M"])
     keys = max(1, table.shape[1] * page_size)
