@@ -45,6 +45,27 @@ def precision_report(device: str) -> None:
     print(f"depthwise conv1d on {device}: relative error {((got - exact).norm() / exact.norm()).item():.1e}")
 
 
+def linear_probes(model, rows: int, device: str) -> None:
+    """Every distinct float weight shape of ``model`` (fused projections included): a random
+    (rows, in) input through ``F.linear`` with that weight on ``device``, against float64. Session
+    30 traced the CPU/GPU drift to layer 0's fused projection, with an error of bf16-rounded
+    inputs, while a large probe matmul was exact: this shows which shapes."""
+    from kvslim.models.layers import Fused
+    seen = {}
+    for m in model.modules():
+        for w in [getattr(m, "weight", None)] + [getattr(f, "weight", None) for f in vars(m).values()
+                                                  if isinstance(f, Fused)]:
+            if isinstance(w, torch.Tensor) and w.dim() == 2 and w.is_floating_point():
+                seen.setdefault(tuple(w.shape), w)
+    gen = torch.Generator().manual_seed(1)
+    for shape, w in sorted(seen.items()):
+        x = torch.randn(rows, shape[1], generator=gen)
+        exact = x.double() @ w.detach().cpu().double().t()
+        got = F.linear(x.to(device, w.dtype), w.to(device)).cpu().double()     # the weight's dtype, whatever it is
+        print(f"F.linear ({rows} x {shape[1]}) by ({shape[0]} x {shape[1]})^T, {w.dtype} on {w.device}: "
+              f"relative error {((got - exact).norm() / exact.norm()).item():.1e}")
+
+
 def module_outputs(llm, ids: list[int]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Every module's outputs over one prefill (first tensor of a tuple, calls concatenated), in
     call order, and the logits."""
@@ -71,7 +92,8 @@ def module_outputs(llm, ids: list[int]) -> tuple[dict[str, torch.Tensor], torch.
         return owner, name, original
     from kvslim.cache.kv import KVCache
     from kvslim.models import delta_rule, qwen3_5
-    taps = [tap(qwen3_5, "causal_conv"), tap(KVCache, "forward"),
+    from kvslim.models.layers import Fused
+    taps = [tap(Fused, "__call__", "fused"), tap(qwen3_5, "causal_conv"), tap(KVCache, "forward"),
             tap(delta_rule, "chunk_gated_delta_rule", "delta_chunk"), tap(delta_rule, "_native_chunk", "delta_chunk")]
     try:
         logits = llm.logits(ids).cpu()
@@ -104,6 +126,7 @@ def main(argv=None) -> int:
                 dtype="f32")
     ref, ref_logits = module_outputs(kvslim.load(args.model, device="cpu", **opts), ids)
     llm = kvslim.load(args.model, device=args.device, **opts)
+    linear_probes(llm.engine.model, len(ids), args.device)
     got, logits = module_outputs(llm, ids)
     print(f"\nlogits: max |diff| {(logits - ref_logits).abs().max().item():.3e}, relative {relative(logits, ref_logits):.1e}")
     print("\n| module (or function#call) | relative max diff | |\n|---|---:|---|")

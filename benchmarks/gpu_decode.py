@@ -194,8 +194,13 @@ def _rows(pairs: list[str], depth: int, batch: int, args, copy: float) -> list[l
 
 
 # The sweep's launch settings: (BLOCK_N, num_warps, num_stages, DOT); the first is the default's.
-VARIANTS = [(16, 8, None, "ieee"), (32, 4, 2, "ieee"), (64, 4, 2, "ieee"), (64, 8, 2, "ieee"), (128, 8, 2, "ieee"),
-            (64, 4, 2, "tf32x3"), (64, 8, 2, "tf32x3"), (128, 8, 2, "tf32x3")]
+# Session 30's lease timed the first ones (bigger key blocks were slower or out of shared
+# memory); the rest come from benchmarks/gpu_resources.py's offline report: 16 warps halve
+# f16's registers, "fma" needs ~1/100 of the shared memory of the tl.dot forms (no operand
+# layouts to convert), at 4 keys a block without spilling.
+VARIANTS = [(16, 8, None, "ieee"), (32, 4, 2, "ieee"), (16, 4, None, "ieee"), (16, 16, None, "ieee"),
+            (16, 8, None, "tf32x3"), (4, 8, None, "fma"), (8, 8, None, "fma"), (8, 16, None, "fma"),
+            (16, 8, None, "fma"), (16, 16, None, "fma")]
 SPLITS = (128, 512)
 
 

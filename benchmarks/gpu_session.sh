@@ -179,25 +179,30 @@ all() {
     echo "all: $SECONDS s"
 }
 
-# A second lease, after `all` found what to fix: the torch backend's CUDA tests first (issue 17's
-# `--device cuda`), the CPU/GPU drift diagnosis, the CLI on CUDA, the decode table timed in CUDA
-# graphs, the kernel's launch sweep (rows printed as they come), then the Triton tests one line
-# each (-v: a cut run still says which passed). About 330 s (BUDGET):
-#   run(command="bash benchmarks/gpu_session.sh core", carry=[".whl"], timeout_s=360)
+# A lease after `all` found what to fix (session 30's second call ran this with BUDGET=300): the
+# torch backend's CUDA tests first (issue 17's `--device cuda`; 80 s cut them short in session
+# 30, before their summary), the CPU/GPU drift diagnosis with the model's own matmul shapes,
+# the kernel's launch sweep (rows printed as they come), one kernel launch under Nsight Compute
+# (occupancy, stalls, memory throughput: where its time goes), the decode table in CUDA graphs,
+# the CLI on CUDA, then the Triton tests one line each (-v: a cut run still says which passed):
+#   run(command="bash benchmarks/gpu_session.sh core", carry=[".whl"], timeout_s=480)
 core() {
-    deadline=$((SECONDS + ${BUDGET:-330}))
+    deadline=$((SECONDS + ${BUDGET:-420}))
     setup || exit 1
     # shellcheck disable=SC2086
-    KVSLIM_TRITON=0 timeout -k 5 "$(left 80)" $PY $PYTEST -n 8 --timeout 70 $MODEL_TESTS -k cuda 2>&1 \
+    KVSLIM_TRITON=0 timeout -k 5 "$(left 150)" $PY $PYTEST -rfEs -n 8 --timeout 100 $MODEL_TESTS -k cuda 2>&1 \
         | tee "$OUT/tests-torch.log" | tail -40
-    KVSLIM_TRITON=0 timeout -k 5 "$(left 45)" $PY benchmarks/device_parity.py 2>&1 | tee "$OUT/parity.md" | tail -5
-    { KVSLIM_TRITON=0 timeout -k 5 "$(left 25)" $PY -m kvslim run --device cuda -n 24 --temp 0 -p "Once upon a time"
-      KVSLIM_TRITON=0 timeout -k 5 "$(left 40)" $PY -m kvslim bench --device cuda -p 512 -n 32 -d 0,4096 -r 2; } \
-        2>&1 | tee "$OUT/cli.md" | tail -12
+    KVSLIM_TRITON=0 timeout -k 5 "$(left 45)" $PY benchmarks/device_parity.py 2>&1 | tee "$OUT/parity.md" | head -30
+    KVSLIM_TRITON=1 timeout -k 5 "$(left 100)" $PY benchmarks/gpu_decode.py --sweep -d 131072 -b 1,8 -r 5 \
+        -p f16/f16,turbo4/turbo4 2>&1 | tee "$OUT/sweep.md" | tail -45
+    KVSLIM_TRITON=1 timeout -k 5 "$(left 50)" ncu --section LaunchStats --section Occupancy --section SpeedOfLight \
+        --section WarpStateStats --section MemoryWorkloadAnalysis -k regex:paged_prefill_tile -c 1 \
+        $PY benchmarks/gpu_decode.py -d 131072 -b 8 -r 1 -p turbo4/turbo4 --no-loop 2>&1 | tee "$OUT/ncu.txt" | tail -60
     KVSLIM_TRITON=1 timeout -k 5 "$(left 40)" $PY benchmarks/gpu_decode.py -d 32768,131072 -b 1,8 -r 5 --no-loop \
         -p f16/f16,q8_0/q8_0,turbo4/turbo4,turbo3/turbo3 2>&1 | tee "$OUT/decode.md" | tail -22
-    KVSLIM_TRITON=1 timeout -k 5 "$(left 100)" $PY benchmarks/gpu_decode.py --sweep -d 131072 -b 1,8 -r 5 \
-        -p f16/f16,turbo4/turbo4 2>&1 | tee "$OUT/sweep.md" | tail -40
+    { KVSLIM_TRITON=0 timeout -k 5 "$(left 15)" $PY -m kvslim run --device cuda -n 24 --temp 0 -p "Once upon a time"
+      KVSLIM_TRITON=0 timeout -k 5 "$(left 30)" $PY -m kvslim bench --device cuda -p 512 -n 32 -d 0,4096 -r 2; } \
+        2>&1 | tee "$OUT/cli.md" | tail -12
     # shellcheck disable=SC2086
     KVSLIM_TRITON=1 timeout -k 5 "$(left 170)" $PY $PYTEST -n 12 -v --timeout 150 $KERNEL_TESTS $MODEL_TESTS \
         -k "cuda or fla or h100" > "$OUT/tests-triton.log" 2>&1

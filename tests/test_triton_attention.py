@@ -44,7 +44,8 @@ BATCH = ("f16", "q8_0", 64, 4, (150, 37, 70), 16, 64)
 REFUSED = [("turbo4p", "f16")]   # a QJL sketch
 # launch overrides (benchmarks/gpu_decode.py --sweep's kind) on ODD_PAGES: wider key blocks than a
 # page and than a split's tail, another dot precision; they change the schedule, not the sums' terms
-TUNED = [{"BLOCK_N": 64, "num_warps": 4}, {"BLOCK_N": 32, "num_stages": 2, "DOT": "tf32x3"}]
+TUNED = [{"BLOCK_N": 64, "num_warps": 4}, {"BLOCK_N": 32, "num_stages": 2, "DOT": "tf32x3"},
+         {"BLOCK_N": 8, "DOT": "fma"}]                   # fma: 3 query rows in a tile of 4, 8 keys a block
 
 
 def _states_in_child(cases, path: Path) -> None:
@@ -109,6 +110,9 @@ def test_launch_overrides_keep_the_state(interpreted):
         _check(got, _torch_state(*args), args[-1])
     with pytest.raises(ValueError, match="not a launch setting: BLOCK_M"):
         paged_prefill._launch_config(formats.get("f16"), formats.get("f16"), 8, 64, {"BLOCK_M": 64})
+    with pytest.raises(ValueError, match="DOT='bf16': expected one of ieee"):
+        paged_prefill._launch_config(formats.get("f16"), formats.get("f16"), 8, 64, {"DOT": "bf16"})
+    assert paged_prefill._launch_config(formats.get("f16"), formats.get("f16"), 8, 64, {"DOT": "fma"})["BLOCK_M"] == 8
 
 
 def test_a_sequence_gets_the_same_bits_whatever_its_batch(interpreted):

@@ -153,9 +153,7 @@ def test_compiled_kernel_on_cuda_matches_torch_block_loop(case):
 
 
 SM90 = [("q8_0", "turbo4", 256), ("iq4_nl", "turbo3", 128), ("f16", "bf16", 64)]
-POINTERS = {"q_ptr": "*fp32", "q_pos_ptr": "*i32", "k_pool": "*u8", "v_pool": "*u8", "table_ptr": "*i32",
-            "lengths_ptr": "*i32", "k_lut": "*fp32", "v_lut": "*fp32",
-            "m_out": "*fp32", "l_out": "*fp32", "acc_out": "*fp32"}
+POINTERS = gpu.POINTER_ARGS
 
 
 @pytest.mark.parametrize("name_k,name_v,dim", SM90)

@@ -65,8 +65,7 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
                         K_KIND, K_BITS, K_VALUES, K_BYTES, K_HEADER, K_OFFSET, K_SUB, K_SUB_BITS)
         v = decode_tile(v_pool, slot * v_row_bytes, valid, v_lut, HEAD_DIM, BLOCK_D,
                         V_KIND, V_BITS, V_VALUES, V_BYTES, V_HEADER, V_OFFSET, V_SUB, V_SUB_BITS)
-        # DOT "ieee" (the default): fp32 products, as the torch reference; tf32 would cost ~1e-3
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT)            # (BLOCK_M, BLOCK_N)
+        scores = _scores(q, k, DOT)                                     # (BLOCK_M, BLOCK_N)
         seen = valid[None, :] & (t[None, :] <= q_pos[:, None])
         scores = tl.where(seen, scores, float("-inf"))
         m_i, l_i, acc = _fold(m_i, l_i, acc, scores, v, DOT)
@@ -75,6 +74,29 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
     tl.store(m_out + part, m_i, mask=r_live)
     tl.store(l_out + part, l_i, mask=r_live)
     tl.store(acc_out + part[:, None] * HEAD_DIM + d[None, :], acc, mask=r_live[:, None] & d_live[None, :])
+
+
+@triton.jit
+def _scores(q, k, DOT: tl.constexpr):
+    """q (BLOCK_M, BLOCK_D) against k (BLOCK_N, BLOCK_D). DOT "ieee" (the default): tl.dot in
+    fp32 products, as the torch reference (tf32 would cost ~1e-3); "tf32x3" / "tf32": tensor-core
+    products; "fma": broadcast products summed over D, no tl.dot, so no dimension need be 16
+    (a decode tile keeps its 8 query rows unpadded)."""
+    if DOT == "fma":                    # if/else, not an early return: the compiler reads what follows one
+        out = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+    else:
+        out = tl.dot(q, tl.trans(k), input_precision=DOT)
+    return out
+
+
+@triton.jit
+def _weighted(p, v, DOT: tl.constexpr):
+    """p (BLOCK_M, BLOCK_N) times v (BLOCK_N, BLOCK_D), as ``_scores`` computes products."""
+    if DOT == "fma":
+        out = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+    else:
+        out = tl.dot(p, v, input_precision=DOT)
+    return out
 
 
 @triton.jit
@@ -87,7 +109,7 @@ def _fold(m_i, l_i, acc, scores, v, DOT: tl.constexpr):
     p = tl.exp(scores - m_safe[:, None])
     corr = tl.exp(m_i - m_safe)
     l_i = l_i * corr + tl.sum(p, axis=1)
-    acc = acc * corr[:, None] + tl.dot(p, v, input_precision=DOT)
+    acc = acc * corr[:, None] + _weighted(p, v, DOT)
     return m_new, l_i, acc
 
 

@@ -27,6 +27,13 @@ SPLIT_ROWS = 64           # at most this many rows are split over keys: the per-
 MIN_DOT = 16              # tl.dot's smallest M, N and K: fewer query rows are padded with zeros
 
 
+# The kernel's pointer arguments and their element types (the others are i32 or constexprs): what
+# compiling it without a device needs (tests, benchmarks/gpu_resources.py).
+POINTER_ARGS = {"q_ptr": "*fp32", "q_pos_ptr": "*i32", "k_pool": "*u8", "v_pool": "*u8", "table_ptr": "*i32",
+                "lengths_ptr": "*i32", "k_lut": "*fp32", "v_lut": "*fp32",
+                "m_out": "*fp32", "l_out": "*fp32", "acc_out": "*fp32"}
+
+
 def _fields(fmt, head_dim: int) -> CodecFields | None:
     """The format's layout when this kernel decodes it (every layout the C kernel has but klt3's
     per-head rows, the rungs of the nls rows in bytes of their own: sub_bits dividing 8)."""
@@ -70,9 +77,12 @@ def _codec_args(fmt, head_dim: int, prefix: str) -> dict:
 
 
 # What a caller may override per call (benchmarks/gpu_decode.py --sweep): keys per block, warps,
-# software-pipelining stages and the dots' precision ("ieee": float32 FMAs; "tf32x3": three
-# tensor-core products, float32's accuracy to ~1e-6; "tf32": one, ~1e-3).
+# software-pipelining stages and how products are taken ("ieee": tl.dot in float32 FMAs;
+# "tf32x3": three tensor-core products, float32's accuracy to ~1e-6; "tf32": one, ~1e-3; "fma":
+# broadcast products without tl.dot, whose tiles need not be 16 wide, so a decode tile holds
+# just its query rows).
 TUNABLE = ("BLOCK_N", "num_warps", "num_stages", "DOT")
+DOTS = ("ieee", "tf32x3", "tf32", "fma")
 
 
 def _launch_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict | None = None) -> dict:
@@ -89,7 +99,12 @@ def _launch_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict | None =
     unknown = set(tune or ()) - set(TUNABLE)
     if unknown:
         raise ValueError(f"not a launch setting: {', '.join(sorted(unknown))} (tunable: {', '.join(TUNABLE)})")
-    return {**config, **(tune or {})}
+    config.update(tune or {})
+    if config["DOT"] not in DOTS:
+        raise ValueError(f"DOT={config['DOT']!r}: expected one of {', '.join(DOTS)}")
+    if config["DOT"] == "fma":                                        # no tl.dot: rows unpadded
+        config["BLOCK_M"] = min(block_m, pow2(n_rows))
+    return config
 
 
 def prefill_state(fmt_k, fmt_v, q_code: torch.Tensor, q_pos: torch.Tensor, k_pool: torch.Tensor,

@@ -1,0 +1,87 @@
+"""What the attention kernel asks of an H100 per program, without a GPU: registers, stack, shared memory.
+
+    python benchmarks/gpu_resources.py [-p f16/f16,turbo4/turbo4,q8_0/q8_0] [--rows 8] [--head-dim 256]
+
+Compiles ``paged_prefill_tile`` for sm_90 with Triton's CUDA backend (it needs no device) at
+each launch setting of ``gpu_decode.VARIANTS`` and reads the cubin's resource usage with the
+``cuobjdump`` Triton ships. Registers times threads and shared memory per program decide how
+many programs an SM holds at once (65,536 registers, 228 KB of shared memory), and stack bytes
+are register spills: what a lease's timings then confirm or not (``gpu_decode.py --sweep``).
+Decode's shape by default: one KV head's 8 query rows, head_dim 256 (Qwen3.6-35B-A3B).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.gpu_decode import VARIANTS  # noqa: E402
+from kvslim import formats  # noqa: E402
+from kvslim.gpu import paged_prefill  # noqa: E402
+from kvslim.tables import markdown_table  # noqa: E402
+
+SM90_REGISTERS, SM90_SHARED = 65536, 228 * 1024
+
+
+def usage(name_k: str, name_v: str, rows: int, head_dim: int, tune: dict) -> dict:
+    """Registers per thread, stack bytes per thread, shared bytes and programs per SM of one launch setting."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from kvslim.gpu import _paged_prefill_kernel as kernel
+    config = paged_prefill._launch_config(formats.get(name_k, role="k"), formats.get(name_v, role="v"), rows,
+                                          head_dim, tune)
+    options = {"num_warps": config.pop("num_warps")}
+    if "num_stages" in config:
+        options["num_stages"] = config.pop("num_stages")
+    fn = kernel.paged_prefill_tile
+    signature = {n: paged_prefill.POINTER_ARGS.get(n, "constexpr" if n in config else "i32") for n in fn.arg_names}
+    compiled = triton.compile(triton.compiler.ASTSource(fn, signature, config), target=GPUTarget("cuda", 90, 32),
+                              options=options)
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+        report = subprocess.run([str(tool), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
+    section = report[report.find("Function paged_prefill_tile"):]
+    found = {k: int(v) for k, v in re.findall(r"\b(REG|STACK):(\d+)", section)}
+    threads, shared = 32 * options["num_warps"], compiled.metadata.shared
+    by_regs = SM90_REGISTERS // max(1, found.get("REG", 0) * threads)
+    return {"regs": found.get("REG"), "stack": found.get("STACK"), "shared": shared,
+            "per_sm": min(by_regs, SM90_SHARED // shared if shared else by_regs)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-p", "--pairs", default="f16/f16,q8_0/q8_0,turbo4/turbo4")
+    ap.add_argument("--rows", type=int, default=8, help="query rows per KV head (the GQA group)")
+    ap.add_argument("--head-dim", type=int, default=256)
+    args = ap.parse_args(argv)
+    os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    except ImportError:
+        sys.exit("this triton has no CUDA backend")
+    rows = []
+    for block_n, warps, stages, dot in VARIANTS:
+        tune = {"BLOCK_N": block_n, "num_warps": warps, "DOT": dot, **({"num_stages": stages} if stages else {})}
+        for pair in args.pairs.split(","):
+            try:
+                u = usage(*pair.split("/"), args.rows, args.head_dim, tune)
+            except Exception as exc:                                    # a setting that does not compile
+                rows.append([pair, block_n, warps, stages or "", dot, "", "", "", "", type(exc).__name__])
+                continue
+            rows.append([pair, block_n, warps, stages or "", dot, u["regs"], u["stack"], f"{u['shared'] // 1024} KB",
+                         u["per_sm"], ""])
+    print(markdown_table(["K/V", "BLOCK_N", "warps", "stages", "dot", "registers", "stack B", "shared",
+                          "programs / SM", "error"], rows, ["l"] + ["r"] * 8 + ["l"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
