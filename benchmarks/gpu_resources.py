@@ -61,6 +61,7 @@ def main(argv=None) -> int:
     ap.add_argument("-p", "--pairs", default="f16/f16,q8_0/q8_0,turbo4/turbo4")
     ap.add_argument("--rows", type=int, default=8, help="query rows per KV head (the GQA group)")
     ap.add_argument("--head-dim", type=int, default=256)
+    ap.add_argument("--variants", type=int, default=len(VARIANTS), help="the first N of gpu_decode.VARIANTS (1: the default)")
     args = ap.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)
     try:
@@ -68,7 +69,7 @@ def main(argv=None) -> int:
     except ImportError:
         sys.exit("this triton has no CUDA backend")
     rows = []
-    for block_n, warps, stages, dot in VARIANTS:
+    for block_n, warps, stages, dot in VARIANTS[:args.variants]:
         tune = {"BLOCK_N": block_n, "num_warps": warps, "DOT": dot, **({"num_stages": stages} if stages else {})}
         for pair in args.pairs.split(","):
             try:

@@ -54,6 +54,10 @@ def _block_code(q, j, mask, KIND: tl.constexpr, BITS: tl.constexpr, BLOCK_VALUES
     if KIND == 4:                                                       # NIBBLE: byte i = code i | code i+n/2 << 4
         byte = tl.load(q + j % (BLOCK_VALUES // 2), mask=mask, other=0).to(tl.int32)
         code = (byte >> (4 * (j // (BLOCK_VALUES // 2)))) & 0x0F
+    elif 8 % BITS == 0:                                                 # PACKED 1/2/4/8-bit: never across a byte
+        per_byte: tl.constexpr = 8 // BITS
+        byte = tl.load(q + j // per_byte, mask=mask, other=0).to(tl.int32)
+        code = (byte >> (BITS * (j % per_byte))) & ((1 << BITS) - 1)
     else:                                                               # PACKED: 8 codes per BITS bytes, little-endian
         bit = BITS * (j % 8)
         first = (j // 8) * BITS + bit // 8
@@ -62,6 +66,20 @@ def _block_code(q, j, mask, KIND: tl.constexpr, BITS: tl.constexpr, BLOCK_VALUES
         hi = tl.load(q + tl.minimum(first + 1, last_of_word), mask=mask, other=0).to(tl.int32)
         code = ((lo | (hi << 8)) >> (bit % 8)) & ((1 << BITS) - 1)
     return code
+
+
+@triton.jit
+def _lookup(lut, code, BITS: tl.constexpr):
+    """lut[code] for a tile of codes. Up to 4 bits, a select per table entry (the entries loaded
+    once each, as scalars): a gather would hold a 64-bit address per value, which left the
+    kernel at 255 registers, spilling, with 112 KB of shared memory (benchmarks/gpu_resources.py)."""
+    if BITS <= 4:
+        x = tl.zeros(code.shape, tl.float32)
+        for i in tl.static_range(1 << BITS):
+            x = tl.where(code == i, tl.load(lut + i), x)
+    else:
+        x = tl.load(lut + code)
+    return x
 
 
 @triton.jit
@@ -99,7 +117,7 @@ def decode_tile(pool, row_off, valid, lut, HEAD_DIM: tl.constexpr, BLOCK_D: tl.c
             x = scale * tl.load(lut + (code | (((high >> (j % 8)) & 1) << 4)), mask=mask, other=0.0)
         else:
             code = _block_code(block + HEADER_BYTES, j, mask, KIND, BITS, BLOCK_VALUES)
-            x = scale * tl.load(lut + code, mask=mask, other=0.0)
+            x = scale * _lookup(lut, code, BITS)
         if OFFSET_AT > 0:                                               # q4_1, q5_1: the block minimum
             x = x + f16_aligned(block + OFFSET_AT, mask)
     return tl.where(mask, x, 0.0)

@@ -50,6 +50,9 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
                 mask=r_live[:, None] & d_live[None, :], other=0.0)      # (BLOCK_M, BLOCK_D)
     q_pos = tl.load(q_pos_ptr + s.to(tl.int64) * n_rows + r, mask=r_live, other=-1)   # padding rows see nothing
 
+    # one KV head's pool below 2 GB (the launcher checks): 32-bit row offsets from a 64-bit base
+    k_head = k_pool + h.to(tl.int64) * n_pages * page_size * k_row_bytes
+    v_head = v_pool + h.to(tl.int64) * n_pages * page_size * v_row_bytes
     begin = split * split_keys
     n_keys = tl.minimum(tl.load(lengths_ptr + s), tl.max(q_pos) + 1)   # causal: none past the tile's last row
     end = tl.minimum(begin + split_keys, n_keys)
@@ -60,10 +63,10 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
         t = start + tl.arange(0, BLOCK_N)                               # key positions
         valid = t < end
         page = tl.load(table_ptr + s.to(tl.int64) * table_width + t // page_size, mask=valid, other=0)
-        slot = (h.to(tl.int64) * n_pages + page.to(tl.int64)) * page_size + t % page_size
-        k = decode_tile(k_pool, slot * k_row_bytes, valid, k_lut, HEAD_DIM, BLOCK_D,
+        slot = page * page_size + t % page_size                         # the key's row within its head's pool
+        k = decode_tile(k_head, slot * k_row_bytes, valid, k_lut, HEAD_DIM, BLOCK_D,
                         K_KIND, K_BITS, K_VALUES, K_BYTES, K_HEADER, K_OFFSET, K_SUB, K_SUB_BITS)
-        v = decode_tile(v_pool, slot * v_row_bytes, valid, v_lut, HEAD_DIM, BLOCK_D,
+        v = decode_tile(v_head, slot * v_row_bytes, valid, v_lut, HEAD_DIM, BLOCK_D,
                         V_KIND, V_BITS, V_VALUES, V_BYTES, V_HEADER, V_OFFSET, V_SUB, V_SUB_BITS)
         scores = _scores(q, k, DOT)                                     # (BLOCK_M, BLOCK_N)
         seen = valid[None, :] & (t[None, :] <= q_pos[:, None])
