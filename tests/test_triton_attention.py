@@ -45,7 +45,7 @@ REFUSED = [("turbo4p", "f16")]   # a QJL sketch
 # launch overrides (benchmarks/gpu_decode.py --sweep's kind) on ODD_PAGES: wider key blocks than a
 # page and than a split's tail, another dot precision; they change the schedule, not the sums' terms
 TUNED = [{"BLOCK_N": 64, "num_warps": 4}, {"BLOCK_N": 32, "num_stages": 2, "DOT": "tf32x3"},
-         {"BLOCK_N": 8, "DOT": "fma"}]                   # fma: 3 query rows in a tile of 4, 8 keys a block
+         {"BLOCK_N": 8, "DOT": "fma", "WIDE": True}]     # fma: 3 query rows in a tile of 4, 8 keys a block
 
 
 def _states_in_child(cases, path: Path) -> None:

@@ -26,7 +26,7 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
                        n_seq, n_rows, n_pages, page_size, k_row_bytes, v_row_bytes, table_width,
                        n_splits, split_keys,
                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, DOT: tl.constexpr,
+                       BLOCK_N: tl.constexpr, DOT: tl.constexpr, WIDE: tl.constexpr,
                        K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_VALUES: tl.constexpr,
                        K_BYTES: tl.constexpr, K_HEADER: tl.constexpr, K_OFFSET: tl.constexpr,
                        K_SUB: tl.constexpr, K_SUB_BITS: tl.constexpr,
@@ -50,7 +50,8 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
                 mask=r_live[:, None] & d_live[None, :], other=0.0)      # (BLOCK_M, BLOCK_D)
     q_pos = tl.load(q_pos_ptr + s.to(tl.int64) * n_rows + r, mask=r_live, other=-1)   # padding rows see nothing
 
-    # one KV head's pool below 2 GB (the launcher checks): 32-bit row offsets from a 64-bit base
+    # row offsets in 32 bits from each head's 64-bit base (fewer registers), unless a head's pool
+    # reaches 2 GB (WIDE, set by the launcher)
     k_head = k_pool + h.to(tl.int64) * n_pages * page_size * k_row_bytes
     v_head = v_pool + h.to(tl.int64) * n_pages * page_size * v_row_bytes
     begin = split * split_keys
@@ -64,6 +65,8 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
         valid = t < end
         page = tl.load(table_ptr + s.to(tl.int64) * table_width + t // page_size, mask=valid, other=0)
         slot = page * page_size + t % page_size                         # the key's row within its head's pool
+        if WIDE:
+            slot = slot.to(tl.int64)
         k = decode_tile(k_head, slot * k_row_bytes, valid, k_lut, HEAD_DIM, BLOCK_D,
                         K_KIND, K_BITS, K_VALUES, K_BYTES, K_HEADER, K_OFFSET, K_SUB, K_SUB_BITS)
         v = decode_tile(v_head, slot * v_row_bytes, valid, v_lut, HEAD_DIM, BLOCK_D,

@@ -80,8 +80,9 @@ def _codec_args(fmt, head_dim: int, prefix: str) -> dict:
 # software-pipelining stages and how products are taken ("ieee": tl.dot in float32 FMAs;
 # "tf32x3": three tensor-core products, float32's accuracy to ~1e-6; "tf32": one, ~1e-3; "fma":
 # broadcast products without tl.dot, whose tiles need not be 16 wide, so a decode tile holds
-# just its query rows).
-TUNABLE = ("BLOCK_N", "num_warps", "num_stages", "DOT")
+# just its query rows); WIDE: 64-bit row offsets, which the launcher turns on by itself where
+# a KV head's pool reaches 2 GB.
+TUNABLE = ("BLOCK_N", "num_warps", "num_stages", "DOT", "WIDE")
 DOTS = ("ieee", "tf32x3", "tf32", "fma")
 
 
@@ -93,7 +94,7 @@ def _launch_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict | None =
     spill counts, not timings; keys per block as the decode kernel. ``tune``: TUNABLE overrides."""
     block_m = 16 if head_dim > 128 else 32
     config = dict(HEAD_DIM=head_dim, BLOCK_D=pow2(head_dim), BLOCK_M=min(block_m, max(MIN_DOT, pow2(n_rows))),
-                  BLOCK_N=32 if head_dim <= 64 else MIN_DOT, DOT="ieee",
+                  BLOCK_N=32 if head_dim <= 64 else MIN_DOT, DOT="ieee", WIDE=False,
                   **_codec_args(fmt_k, head_dim, "K"), **_codec_args(fmt_v, head_dim, "V"),
                   num_warps=4 if head_dim <= 64 else 8)
     unknown = set(tune or ()) - set(TUNABLE)
@@ -131,6 +132,7 @@ def prefill_state(fmt_k, fmt_v, q_code: torch.Tensor, q_pos: torch.Tensor, k_poo
     m = torch.empty(n_kv, n_seq, n_splits, n_rows, device=q_code.device)
     l, acc = torch.empty_like(m), torch.empty(n_kv, n_seq, n_splits, n_rows, dim, device=q_code.device)
     luts = [_lut(f, dim, str(q_code.device)) for f in (fmt_k, fmt_v)]
+    config["WIDE"] |= max(k_pool[0].numel(), v_pool[0].numel()) >= 2**31    # a head's pool past 32-bit offsets
     _kernel().paged_prefill_tile[(n_kv, n_seq, n_tiles * n_splits)](
         q_code, q_pos, k_pool.contiguous(), v_pool.contiguous(), table, lengths, *luts, m, l, acc,
         n_seq, n_rows, k_pool.shape[1], page_size, k_pool.shape[3], v_pool.shape[3], table.shape[1],
