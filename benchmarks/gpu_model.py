@@ -148,6 +148,22 @@ def time_decode(step: DecodeStep, n_slots: int, depth: int, n_gen: int, vocab: i
     return n_slots * n_gen / (time.perf_counter() - t0)
 
 
+def profile_decode(step: DecodeStep, depth: int, vocab: int, args, pair: str, rewind) -> None:
+    """A few one-slot decode steps under torch's profiler: the ops and kernels that take the
+    step's time, by device time on a GPU (with CUDA graphs the replayed kernels are what it
+    sees), by CPU time on the CPU's dry run. ``rewind`` takes the slot back to ``depth``."""
+    from torch.profiler import ProfilerActivity, profile
+    time_decode(step, 1, depth, 2, vocab, args.device)                 # graphs captured, kernels compiled
+    rewind()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda(args.device) else [])
+    with profile(activities=activities) as prof:
+        time_decode(step, 1, depth, args.profile, vocab, args.device)
+    rewind()
+    key = "self_cuda_time_total" if on_cuda(args.device) else "self_cpu_time_total"
+    print(f"{pair}, one slot at depth {depth}: {args.profile + 1} decode steps profiled (step: {step.path})")
+    print(prof.key_averages().table(sort_by=key, row_limit=args.profile_rows, max_name_column_width=60), flush=True)
+
+
 def on_cuda(device) -> bool:
     return torch.device(device).type == "cuda"
 
@@ -178,6 +194,8 @@ def run_pair(model, config, plan_model, pair: str, n_slots: int, args, gen, band
         fill_to(cache, depth - filled, args.device, gen)
         filled = depth
         marks = [cache.checkpoint(slot) for slot in range(n_slots)]
+        if args.profile and n_slots == 1 and depth == depths[0]:
+            profile_decode(step, depth, config.vocab_size, args, pair, lambda: cache.rewind(0, depth, marks[0]))
         tps = time_decode(step, n_slots, depth, args.n_gen, config.vocab_size, args.device)
         request = Request(ctx, 1, type_k, type_v, weight_quant=args.weights, depth=depth)
         ceiling = "" if n_slots > 1 else f"{decode_ceiling(plan_model, request, Target('measured', 1 << 50, bandwidth)):.0f}"
@@ -219,6 +237,9 @@ def main(argv=None) -> int:
                     help="decode steps replayed from CUDA graphs (on a CUDA device; --no-cuda-graphs: eager launches)")
     ap.add_argument("--eager", action="store_true",
                     help="decode through the torch step even on the CPU (the path a GPU takes; dry runs)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="profile N one-slot decode steps at the first depth of each pair, and print the top ops")
+    ap.add_argument("--profile-rows", type=int, default=25)
     args = ap.parse_args(argv)
     if args.weights not in catalog.WEIGHT_QUANTS or catalog.WEIGHT_QUANTS[args.weights].base != args.weights:
         ap.error(f"--weights {args.weights}: expected a plain block type the planner knows (q4_0, q8_0, ...)")

@@ -167,7 +167,7 @@ all() {
     KVSLIM_TRITON=1 timeout -k 10 "$(left 100)" $PY benchmarks/gpu_decode.py -d 32768,131072 -b 1,8 -r 10 --no-loop \
         2>&1 | tee "$OUT/decode.md"
     # issue 18's end-to-end figures: the 35B-A3B shape, random q4_0 weights made on the device
-    KVSLIM_TRITON=1 timeout -k 10 "$(left 150)" $PY benchmarks/gpu_model.py -d 0,32768,131072 -np 1,4 -n 8 \
+    KVSLIM_TRITON=1 timeout -k 10 "$(left 150)" $PY benchmarks/gpu_model.py -d 0,32768,131072 -np 1,4 -n 8 --profile 4 \
         --pairs f16/f16,q8_0/turbo4,turbo3/turbo3 2>&1 | tee "$OUT/e2e.md"
     bench_bundled 60 | tee "$OUT/model.md"
     # shortened lists: each script prints its table at the end, so one cut by timeout prints nothing

@@ -68,8 +68,9 @@ def test_gpu_model_benchmark_dry_run_holds_what_the_planner_predicts(capsys):
     gpu_model = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_model)
     assert gpu_model.main(["--device", "cpu", "--shrink", "16", "--layers", "4", "-d", "0,128", "-p", "64",
-                           "-n", "2", "-np", "1,2", "--pairs", "q8_0/turbo4", "--eager"]) == 0
+                           "-n", "2", "-np", "1,2", "--pairs", "q8_0/turbo4", "--eager", "--profile", "2"]) == 0
     out = capsys.readouterr().out
+    assert "q8_0/turbo4, one slot at depth 0: 3 decode steps profiled" in out and "aten::" in out   # --profile
     weights = re.search(r"weights held ([\d,]+) MiB, plan ([\d,]+) MiB \(([-+\d.]+)%\)", out)
     assert weights and abs(float(weights.group(3))) < 5, out
     rows = [line for line in out.splitlines() if line.startswith("| q8_0/turbo4")]
