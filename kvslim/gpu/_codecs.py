@@ -69,11 +69,11 @@ def _block_code(q, j, mask, KIND: tl.constexpr, BITS: tl.constexpr, BLOCK_VALUES
 
 
 @triton.jit
-def _lookup(lut, code, BITS: tl.constexpr):
-    """lut[code] for a tile of codes. Up to 4 bits, a select per table entry (the entries loaded
-    once each, as scalars): a gather would hold a 64-bit address per value, which left the
-    kernel at 255 registers, spilling, with 112 KB of shared memory (benchmarks/gpu_resources.py)."""
-    if BITS <= 4:
+def _lookup(lut, code, BITS: tl.constexpr, SELECT: tl.constexpr):
+    """lut[code] for a tile of codes: with SELECT and up to 4 bits, a select per table entry (the
+    entries loaded as scalars), else a gather, which holds a 64-bit address per value (the
+    launcher picks per side: ``paged_prefill._codec_args``)."""
+    if SELECT and BITS <= 4:
         x = tl.zeros(code.shape, tl.float32)
         for i in tl.static_range(1 << BITS):
             x = tl.where(code == i, tl.load(lut + i), x)
@@ -86,14 +86,14 @@ def _lookup(lut, code, BITS: tl.constexpr):
 def decode_tile(pool, row_off, valid, lut, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  KIND: tl.constexpr, BITS: tl.constexpr, BLOCK_VALUES: tl.constexpr,
                  BLOCK_BYTES: tl.constexpr, HEADER_BYTES: tl.constexpr, OFFSET_AT: tl.constexpr,
-                 SUB_VALUES: tl.constexpr, SUB_BITS: tl.constexpr):
+                 SUB_VALUES: tl.constexpr, SUB_BITS: tl.constexpr, SELECT: tl.constexpr):
     """Rows at byte offsets row_off (N,) of pool -> (N, BLOCK_D) float32 in the code domain;
     zeros where a key is not valid or past HEAD_DIM (so a masked key adds 0 * 0, never NaN).
     ``lut``: the 32 code values, then the ladder's rungs (LADDER_AT on).
     NIBBLE with BITS 5 (ggml q5_x): a u32 of each code's bit 4 precedes the nibbles; OFFSET_AT
     > 0 (q4_1, q5_1): the f16 at that byte of the block is added to every value; SUB_VALUES > 0
     (the nls rows): after the f16 scale, a SUB_BITS-bit rung per SUB_VALUES values, and a value's
-    scale is (scale * ladder[rung])."""
+    scale is (scale * ladder[rung]). SELECT: how the code table is read (``_lookup``)."""
     d = tl.arange(0, BLOCK_D)[None, :]
     mask = valid[:, None] & (d < HEAD_DIM)
     row = pool + row_off[:, None]                                       # (N, 1) pointers
@@ -117,7 +117,7 @@ def decode_tile(pool, row_off, valid, lut, HEAD_DIM: tl.constexpr, BLOCK_D: tl.c
             x = scale * tl.load(lut + (code | (((high >> (j % 8)) & 1) << 4)), mask=mask, other=0.0)
         else:
             code = _block_code(block + HEADER_BYTES, j, mask, KIND, BITS, BLOCK_VALUES)
-            x = scale * _lookup(lut, code, BITS)
+            x = scale * _lookup(lut, code, BITS, SELECT)
         if OFFSET_AT > 0:                                               # q4_1, q5_1: the block minimum
             x = x + f16_aligned(block + OFFSET_AT, mask)
     return tl.where(mask, x, 0.0)

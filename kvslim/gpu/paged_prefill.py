@@ -70,10 +70,15 @@ def _lut(fmt, head_dim: int, device: str) -> torch.Tensor:
 
 
 def _codec_args(fmt, head_dim: int, prefix: str) -> dict:
+    """A side's layout as the kernel's constexprs. SELECT: K's code tables are read by a select
+    per entry, V's by a gather: on the device's Triton 3.6 (cubins for sm_90, decode's launch,
+    benchmarks/gpu_resources.py) that left turbo4/turbo4 at 128 registers without spills where
+    selects on both sides took 144 and gathers on both 255 with 200 B of spills and 112 KB of
+    shared memory, and q8_0/turbo4 at 128 where a V select took 255 with 336 B of spills."""
     f = _fields(fmt, head_dim)
     return {f"{prefix}_KIND": f.kind, f"{prefix}_BITS": f.bits, f"{prefix}_VALUES": f.block_values,
             f"{prefix}_BYTES": f.block_bytes, f"{prefix}_HEADER": f.header_bytes, f"{prefix}_OFFSET": f.offset_at,
-            f"{prefix}_SUB": f.sub_values, f"{prefix}_SUB_BITS": f.sub_bits}
+            f"{prefix}_SUB": f.sub_values, f"{prefix}_SUB_BITS": f.sub_bits, f"{prefix}_SELECT": prefix == "K"}
 
 
 # What a caller may override per call (benchmarks/gpu_decode.py --sweep): keys per block, warps,
