@@ -8,6 +8,9 @@ each launch setting of ``gpu_decode.VARIANTS`` and reads the cubin's resource us
 many programs an SM holds at once (65,536 registers, 228 KB of shared memory), and stack bytes
 are register spills: what a lease's timings then confirm or not (``gpu_decode.py --sweep``).
 Decode's shape by default: one KV head's 8 query rows, head_dim 256 (Qwen3.6-35B-A3B).
+The figures depend on Triton's version (3.6 on the lent GPUs, 3.9 here): run it under the
+device's too, ``PYTHONPATH=$PWD /tmp/kvslim-image-venv/bin/python benchmarks/gpu_resources.py``
+(that venv from ``bash benchmarks/gpu_session.sh image``).
 """
 from __future__ import annotations
 
@@ -68,6 +71,8 @@ def main(argv=None) -> int:
         from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
     except ImportError:
         sys.exit("this triton has no CUDA backend")
+    import triton
+    print(f"Triton {triton.__version__}, sm_90 cubins; {args.rows} query rows, head_dim {args.head_dim}\n")
     rows = []
     for block_n, warps, stages, dot in VARIANTS[:args.variants]:
         tune = {"BLOCK_N": block_n, "num_warps": warps, "DOT": dot, **({"num_stages": stages} if stages else {})}
