@@ -141,9 +141,18 @@ def main(argv=None) -> int:
             first = name
         if i < args.rows or name.count(".") <= 2 or name == first:
             print(f"| {name} | {rel:.1e} | {'<- first above 1e-4' if name == first else ''} |")
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    # plain float32 everywhere, by both of torch's APIs: the per-backend settings (torch >= 2.9,
+    # where cudnn.conv reads "tf32" by default) may win over the legacy flags, and session 30's
+    # lease set only the legacy ones (which changed nothing)
+    b = torch.backends
+    b.cuda.matmul.allow_tf32 = b.cudnn.allow_tf32 = False
+    for backend in (b.cuda.matmul, getattr(b.cudnn, "conv", None), getattr(b.cudnn, "rnn", None)):
+        if hasattr(backend, "fp32_precision"):
+            backend.fp32_precision = "ieee"
     _, no_tf32 = module_outputs(llm, ids)
-    print(f"\nTF32 off everywhere: logits max |diff| {(no_tf32 - ref_logits).abs().max().item():.3e}")
+    print(f"\nfloat32 everywhere (matmul {getattr(b.cuda.matmul, 'fp32_precision', '-')}, cudnn.conv "
+          f"{getattr(getattr(b.cudnn, 'conv', None), 'fp32_precision', '-')}): logits max |diff| "
+          f"{(no_tf32 - ref_logits).abs().max().item():.3e}")
     return 0
 
 
