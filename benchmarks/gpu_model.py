@@ -148,20 +148,43 @@ def time_decode(step: DecodeStep, n_slots: int, depth: int, n_gen: int, vocab: i
     return n_slots * n_gen / (time.perf_counter() - t0)
 
 
-def profile_decode(step: DecodeStep, depth: int, vocab: int, args, pair: str, rewind) -> None:
+def _top_ops(prof, device, rows: int) -> str:
+    key = "self_cuda_time_total" if on_cuda(device) else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
+
+
+def profile_prefill(model, cache, vocab: int, args, pair: str) -> None:
+    """One prompt chunk (an ubatch: 512 tokens, or -p if fewer) into slot 0 under torch's
+    profiler, after one unprofiled (the kernels' compiles); the slot is cleared after each."""
+    from torch.profiler import ProfilerActivity, profile
+    tokens = torch.randint(vocab, (min(512, args.n_prompt),)).tolist()
+    chunk = Batch.build([(0, tokens, 0)], device=args.device)
+    model(chunk, cache)
+    synchronize(args.device)
+    cache.clear(0)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda(args.device) else [])
+    with profile(activities=activities) as prof:
+        model(chunk, cache)
+        synchronize(args.device)
+    cache.clear(0)
+    print(f"{pair}: one {len(tokens)}-token prompt chunk profiled")
+    print(_top_ops(prof, args.device, args.profile_rows), flush=True)
+
+
+def profile_decode(step: DecodeStep, depth: int, vocab: int, args, pair: str, cache, mark) -> None:
     """A few one-slot decode steps under torch's profiler: the ops and kernels that take the
     step's time, by device time on a GPU (with CUDA graphs the replayed kernels are what it
-    sees), by CPU time on the CPU's dry run. ``rewind`` takes the slot back to ``depth``."""
+    sees), by CPU time on the CPU's dry run. Slot 0 goes back to ``depth`` (its checkpoint ``mark``)
+    after each run."""
     from torch.profiler import ProfilerActivity, profile
     time_decode(step, 1, depth, 2, vocab, args.device)                 # graphs captured, kernels compiled
-    rewind()
+    cache.rewind(0, depth, mark)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda(args.device) else [])
     with profile(activities=activities) as prof:
         time_decode(step, 1, depth, args.profile, vocab, args.device)
-    rewind()
-    key = "self_cuda_time_total" if on_cuda(args.device) else "self_cpu_time_total"
+    cache.rewind(0, depth, mark)
     print(f"{pair}, one slot at depth {depth}: {args.profile + 1} decode steps profiled (step: {step.path})")
-    print(prof.key_averages().table(sort_by=key, row_limit=args.profile_rows, max_name_column_width=60), flush=True)
+    print(_top_ops(prof, args.device, args.profile_rows), flush=True)
 
 
 def on_cuda(device) -> bool:
@@ -185,6 +208,8 @@ def run_pair(model, config, plan_model, pair: str, n_slots: int, args, gen, band
     held = allocated(args.device) - before if on_cuda(args.device) else cache.reserved_kv_bytes + cache.state_bytes
     speed = []
     if n_slots == 1:
+        if args.profile:
+            profile_prefill(model, cache, config.vocab_size, args, pair)
         pp = time_prefill(model, cache, args.n_prompt, config.vocab_size, args.device)
         speed.append([pair, n_slots, f"pp{args.n_prompt}", f"{pp:.1f}", "", "eager"])
         cache.clear(0)
@@ -195,7 +220,7 @@ def run_pair(model, config, plan_model, pair: str, n_slots: int, args, gen, band
         filled = depth
         marks = [cache.checkpoint(slot) for slot in range(n_slots)]
         if args.profile and n_slots == 1 and depth == depths[0]:
-            profile_decode(step, depth, config.vocab_size, args, pair, lambda: cache.rewind(0, depth, marks[0]))
+            profile_decode(step, depth, config.vocab_size, args, pair, cache, marks[0])
         tps = time_decode(step, n_slots, depth, args.n_gen, config.vocab_size, args.device)
         request = Request(ctx, 1, type_k, type_v, weight_quant=args.weights, depth=depth)
         ceiling = "" if n_slots > 1 else f"{decode_ceiling(plan_model, request, Target('measured', 1 << 50, bandwidth)):.0f}"
@@ -238,7 +263,8 @@ def main(argv=None) -> int:
     ap.add_argument("--eager", action="store_true",
                     help="decode through the torch step even on the CPU (the path a GPU takes; dry runs)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
-                    help="profile N one-slot decode steps at the first depth of each pair, and print the top ops")
+                    help="profile one prompt chunk (512 tokens) and N one-slot decode steps at the first depth of "
+                         "each pair, and print the top ops")
     ap.add_argument("--profile-rows", type=int, default=25)
     args = ap.parse_args(argv)
     if args.weights not in catalog.WEIGHT_QUANTS or catalog.WEIGHT_QUANTS[args.weights].base != args.weights:

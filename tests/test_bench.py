@@ -71,6 +71,7 @@ def test_gpu_model_benchmark_dry_run_holds_what_the_planner_predicts(capsys):
                            "-n", "2", "-np", "1,2", "--pairs", "q8_0/turbo4", "--eager", "--profile", "2"]) == 0
     out = capsys.readouterr().out
     assert "q8_0/turbo4, one slot at depth 0: 3 decode steps profiled" in out and "aten::" in out   # --profile
+    assert "q8_0/turbo4: one 64-token prompt chunk profiled" in out
     weights = re.search(r"weights held ([\d,]+) MiB, plan ([\d,]+) MiB \(([-+\d.]+)%\)", out)
     assert weights and abs(float(weights.group(3))) < 5, out
     rows = [line for line in out.splitlines() if line.startswith("| q8_0/turbo4")]
