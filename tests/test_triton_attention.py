@@ -45,7 +45,8 @@ REFUSED = [("turbo4p", "f16")]   # a QJL sketch
 # launch overrides (benchmarks/gpu_decode.py --sweep's kind) on ODD_PAGES: wider key blocks than a
 # page and than a split's tail, another dot precision; they change the schedule, not the sums' terms
 TUNED = [{"BLOCK_N": 64, "num_warps": 4}, {"BLOCK_N": 32, "num_stages": 2, "DOT": "tf32x3"},
-         {"BLOCK_N": 8, "DOT": "fma", "WIDE": True}]     # fma: 3 query rows in a tile of 4, 8 keys a block
+         {"BLOCK_N": 8, "DOT": "fma", "WIDE": True},     # fma: 3 query rows in a tile of 4, 8 keys a block
+         {"DOT": "f16"}]                                 # f16 operands: held to a looser bound below
 
 
 def _states_in_child(cases, path: Path) -> None:
@@ -106,8 +107,16 @@ def test_a_page_size_that_is_not_a_power_of_two(interpreted):
 def test_launch_overrides_keep_the_state(interpreted):
     """Other keys per block, warps, stages or dot precision: the same state as the reference."""
     args = _case(*ODD_PAGES[:4], list(ODD_PAGES[4]), page_size=ODD_PAGES[5])
-    for got in interpreted["tuned"]:
-        _check(got, _torch_state(*args), args[-1])
+    want = _torch_state(*args)
+    for tune, got in zip(TUNED, interpreted["tuned"]):
+        if tune.get("DOT") != "f16":
+            _check(got, want, args[-1])
+            continue
+        m, l, acc = got                     # operands rounded to f16 (11 bits): ~1e-3, not 1e-5
+        live = args[-1] > 0
+        assert torch.allclose(m[:, live], want.m[:, live], atol=1e-2, rtol=1e-2)
+        assert torch.allclose(acc[:, live] / l[:, live], want.result()[:, live], atol=1e-2, rtol=1e-2)
+        assert not torch.equal(m[:, live], want.m[:, live])          # it did round: not the float32 path
     with pytest.raises(ValueError, match="not a launch setting: BLOCK_M"):
         paged_prefill._launch_config(formats.get("f16"), formats.get("f16"), 8, 64, {"BLOCK_M": 64})
     with pytest.raises(ValueError, match="DOT='bf16': expected one of ieee"):

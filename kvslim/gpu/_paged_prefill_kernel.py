@@ -86,10 +86,14 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
 def _scores(q, k, DOT: tl.constexpr):
     """q (BLOCK_M, BLOCK_D) against k (BLOCK_N, BLOCK_D). DOT "ieee" (the default): tl.dot in
     fp32 products, as the torch reference (tf32 would cost ~1e-3); "tf32x3" / "tf32": tensor-core
-    products; "fma": broadcast products summed over D, no tl.dot, so no dimension need be 16
-    (a decode tile keeps its 8 query rows unpadded)."""
+    products; "f16": operands rounded to f16, float32 sums, on tensor cores (what llama.cpp's and
+    vLLM's kernels do; opt-in: it moves scores by ~1e-3 relative); "fma": broadcast products
+    summed over D, no tl.dot, so no dimension need be 16 (a decode tile keeps its 8 query rows
+    unpadded)."""
     if DOT == "fma":                    # if/else, not an early return: the compiler reads what follows one
         out = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+    elif DOT == "f16":
+        out = tl.dot(q.to(tl.float16), tl.trans(k.to(tl.float16)))
     else:
         out = tl.dot(q, tl.trans(k), input_precision=DOT)
     return out
@@ -100,6 +104,8 @@ def _weighted(p, v, DOT: tl.constexpr):
     """p (BLOCK_M, BLOCK_N) times v (BLOCK_N, BLOCK_D), as ``_scores`` computes products."""
     if DOT == "fma":
         out = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+    elif DOT == "f16":
+        out = tl.dot(p.to(tl.float16), v.to(tl.float16))
     else:
         out = tl.dot(p, v, input_precision=DOT)
     return out

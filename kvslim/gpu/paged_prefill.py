@@ -83,12 +83,13 @@ def _codec_args(fmt, head_dim: int, prefix: str) -> dict:
 
 # What a caller may override per call (benchmarks/gpu_decode.py --sweep): keys per block, warps,
 # software-pipelining stages and how products are taken ("ieee": tl.dot in float32 FMAs;
-# "tf32x3": three tensor-core products, float32's accuracy to ~1e-6; "tf32": one, ~1e-3; "fma":
+# "tf32x3": three tensor-core products, float32's accuracy to ~1e-6; "tf32": one, ~1e-3; "f16":
+# f16 operands with float32 sums on tensor cores, as llama.cpp and vLLM take them; "fma":
 # broadcast products without tl.dot, whose tiles need not be 16 wide, so a decode tile holds
 # just its query rows); WIDE: 64-bit row offsets, which the launcher turns on by itself where
 # a KV head's pool reaches 2 GB.
 TUNABLE = ("BLOCK_N", "num_warps", "num_stages", "DOT", "WIDE")
-DOTS = ("ieee", "tf32x3", "tf32", "fma")
+DOTS = ("ieee", "tf32x3", "tf32", "f16", "fma")
 
 
 def _launch_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict | None = None) -> dict:
