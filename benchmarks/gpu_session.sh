@@ -192,7 +192,7 @@ core() {
     deadline=$((SECONDS + ${BUDGET:-420}))
     setup || exit 1
     # shellcheck disable=SC2086
-    KVSLIM_TRITON=0 timeout -k 5 "$(left 150)" $PY $PYTEST -rfEs -n 8 --timeout 100 $MODEL_TESTS -k cuda 2>&1 \
+    KVSLIM_TRITON=0 timeout -k 5 "$(left 110)" $PY $PYTEST -rfEs -n 12 --timeout 100 $MODEL_TESTS -k cuda 2>&1 \
         | tee "$OUT/tests-torch.log" | tail -40
     KVSLIM_TRITON=0 timeout -k 5 "$(left 45)" $PY benchmarks/device_parity.py 2>&1 | tee "$OUT/parity.md" | head -30
     KVSLIM_TRITON=1 timeout -k 5 "$(left 100)" $PY benchmarks/gpu_decode.py --sweep -d 131072 -b 1,8 -r 5 \
