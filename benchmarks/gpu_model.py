@@ -126,9 +126,13 @@ def fill_to(cache, depth: int, device, gen: torch.Generator) -> None:
 
 
 def time_prefill(model, cache, n_prompt: int, vocab: int, device) -> float:
-    """Tokens/s of an ``n_prompt`` prompt into slot 0 from depth 0, in ubatches of 512."""
+    """Tokens/s of an ``n_prompt`` prompt into slot 0 from depth 0, in ubatches of 512, after one
+    untimed ubatch (the first pair's kernels compile on first use: session 30's lease read f16's
+    pp4096 at 55.7 t/s, q8_0/turbo4's, timed second, at 459.5)."""
     tokens = torch.randint(vocab, (n_prompt,)).tolist()
+    model(Batch.build([(0, tokens[:512], 0)], device=device), cache)
     synchronize(device)
+    cache.clear(0)
     t0 = time.perf_counter()
     for start in range(0, n_prompt, 512):
         model(Batch.build([(0, tokens[start:start + 512], start)], device=device), cache)
