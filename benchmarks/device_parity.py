@@ -26,6 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvslim  # noqa: E402
 
 
+def norm_error(got: torch.Tensor, exact: torch.Tensor) -> float:
+    """Relative error of ``got`` (any device, any float) against a float64 ``exact``."""
+    got = got.cpu().double()
+    return ((got - exact).norm() / exact.norm()).item()
+
+
 def precision_report(device: str) -> None:
     """torch's float32 settings on ``device`` and measured errors of a matmul and a conv1d."""
     b = torch.backends
@@ -36,13 +42,12 @@ def precision_report(device: str) -> None:
     gen = torch.Generator().manual_seed(0)
     a, w = torch.randn(512, 2048, generator=gen), torch.randn(2048, 2048, generator=gen)
     exact = a.double() @ w.double()
-    got = (a.to(device) @ w.to(device)).cpu().double()
-    print(f"float32 matmul on {device}: relative error {((got - exact).norm() / exact.norm()).item():.1e} "
+    print(f"float32 matmul on {device}: relative error {norm_error(a.to(device) @ w.to(device), exact):.1e} "
           "(ieee ~1e-7, tf32 ~1e-4)")
     x, k = torch.randn(1, 1024, 300, generator=gen), torch.randn(1024, 1, 4, generator=gen)
     exact = F.conv1d(x.double(), k.double(), groups=1024)
-    got = F.conv1d(x.to(device), k.to(device), groups=1024).cpu().double()
-    print(f"depthwise conv1d on {device}: relative error {((got - exact).norm() / exact.norm()).item():.1e}")
+    got = F.conv1d(x.to(device), k.to(device), groups=1024)
+    print(f"depthwise conv1d on {device}: relative error {norm_error(got, exact):.1e}")
 
 
 def linear_probes(model, rows: int, device: str) -> None:
@@ -61,9 +66,9 @@ def linear_probes(model, rows: int, device: str) -> None:
     for shape, w in sorted(seen.items()):
         x = torch.randn(rows, shape[1], generator=gen)
         exact = x.double() @ w.detach().cpu().double().t()
-        got = F.linear(x.to(device, w.dtype), w.to(device)).cpu().double()     # the weight's dtype, whatever it is
+        got = F.linear(x.to(device, w.dtype), w.to(device))                  # the weight's dtype, whatever it is
         print(f"F.linear ({rows} x {shape[1]}) by ({shape[0]} x {shape[1]})^T, {w.dtype} on {w.device}: "
-              f"relative error {((got - exact).norm() / exact.norm()).item():.1e}")
+              f"relative error {norm_error(got, exact):.1e}")
 
 
 def module_outputs(llm, ids: list[int]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:

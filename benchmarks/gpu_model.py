@@ -152,6 +152,12 @@ def time_decode(step: DecodeStep, n_slots: int, depth: int, n_gen: int, vocab: i
     return n_slots * n_gen / (time.perf_counter() - t0)
 
 
+def _profiler(device):
+    """torch's profiler over the host and, on a GPU, the device."""
+    from torch.profiler import ProfilerActivity, profile
+    return profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda(device) else []))
+
+
 def _top_ops(prof, device, rows: int) -> str:
     key = "self_cuda_time_total" if on_cuda(device) else "self_cpu_time_total"
     return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
@@ -160,14 +166,12 @@ def _top_ops(prof, device, rows: int) -> str:
 def profile_prefill(model, cache, vocab: int, args, pair: str) -> None:
     """One prompt chunk (an ubatch: 512 tokens, or -p if fewer) into slot 0 under torch's
     profiler, after one unprofiled (the kernels' compiles); the slot is cleared after each."""
-    from torch.profiler import ProfilerActivity, profile
     tokens = torch.randint(vocab, (min(512, args.n_prompt),)).tolist()
     chunk = Batch.build([(0, tokens, 0)], device=args.device)
     model(chunk, cache)
     synchronize(args.device)
     cache.clear(0)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda(args.device) else [])
-    with profile(activities=activities) as prof:
+    with _profiler(args.device) as prof:
         model(chunk, cache)
         synchronize(args.device)
     cache.clear(0)
@@ -180,11 +184,9 @@ def profile_decode(step: DecodeStep, depth: int, vocab: int, args, pair: str, ca
     step's time, by device time on a GPU (with CUDA graphs the replayed kernels are what it
     sees), by CPU time on the CPU's dry run. Slot 0 goes back to ``depth`` (its checkpoint ``mark``)
     after each run."""
-    from torch.profiler import ProfilerActivity, profile
     time_decode(step, 1, depth, 2, vocab, args.device)                 # graphs captured, kernels compiled
     cache.rewind(0, depth, mark)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda(args.device) else [])
-    with profile(activities=activities) as prof:
+    with _profiler(args.device) as prof:
         time_decode(step, 1, depth, args.profile, vocab, args.device)
     cache.rewind(0, depth, mark)
     print(f"{pair}, one slot at depth {depth}: {args.profile + 1} decode steps profiled (step: {step.path})")

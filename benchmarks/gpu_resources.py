@@ -34,18 +34,15 @@ SM90_REGISTERS, SM90_SHARED = 65536, 228 * 1024
 def usage(name_k: str, name_v: str, rows: int, head_dim: int, tune: dict) -> dict:
     """Registers per thread, stack bytes per thread, shared bytes and programs per SM of one launch setting."""
     import triton
-    from triton.backends.compiler import GPUTarget
 
     from kvslim.gpu import _paged_prefill_kernel as kernel
+    from kvslim.gpu import compile_sm90
     config = paged_prefill._launch_config(formats.get(name_k, role="k"), formats.get(name_v, role="v"), rows,
                                           head_dim, tune)
     options = {"num_warps": config.pop("num_warps")}
     if "num_stages" in config:
         options["num_stages"] = config.pop("num_stages")
-    fn = kernel.paged_prefill_tile
-    signature = {n: paged_prefill.POINTER_ARGS.get(n, "constexpr" if n in config else "i32") for n in fn.arg_names}
-    compiled = triton.compile(triton.compiler.ASTSource(fn, signature, config), target=GPUTarget("cuda", 90, 32),
-                              options=options)
+    compiled = compile_sm90(kernel.paged_prefill_tile, paged_prefill.POINTER_ARGS, config, **options)
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "kernel.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
@@ -68,7 +65,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)
     try:
-        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+        import triton.backends.nvidia.compiler  # noqa: F401
     except ImportError:
         sys.exit("this triton has no CUDA backend")
     import triton

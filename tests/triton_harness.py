@@ -41,18 +41,14 @@ def compiled_process() -> None:
 
 
 def compile_for_sm90(fn, pointers: dict[str, str], constexprs: dict, num_warps: int):
-    """Compile the @triton.jit ``fn`` for an H100 (sm_90) with these constexprs; arguments not
-    named in ``pointers`` or ``constexprs`` are i32. Returns the compiled kernel."""
+    """``kvslim.gpu.compile_sm90`` in a compiled (not interpreted) process; skips where this
+    triton has no CUDA backend. Returns the compiled kernel."""
     compiled_process()
-    import triton
+    from kvslim.gpu import compile_sm90
     try:
-        from triton.backends.compiler import GPUTarget
-        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+        return compile_sm90(fn, pointers, constexprs, num_warps=num_warps)
     except ImportError:
         pytest.skip("this triton has no CUDA backend")
-    signature = {name: pointers.get(name, "constexpr" if name in constexprs else "i32") for name in fn.arg_names}
-    return triton.compile(triton.compiler.ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps})
 
 
 def check_state(got, want, live: torch.Tensor) -> None:

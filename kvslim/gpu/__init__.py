@@ -12,10 +12,10 @@ from functools import lru_cache
 
 import torch
 
-# Whether the kernels (these and fla-core's) serve where they can. Off by default until a GPU
-# run has held them to the torch paths (docs/gpu.md: written and checked under Triton's
-# interpreter, not yet run compiled on a GPU); KVSLIM_TRITON=1 turns them on. Benchmarks flip
-# it in-process to time both paths.
+# Whether the kernels (these and fla-core's) serve where they can. Off by default: session 30's
+# GPU runs (docs/gpu.md) held the attention kernel to the torch loop, but it decodes 5-28x slower
+# than f16 SDPA, and the other kernels' CUDA parity is not yet shown whole; KVSLIM_TRITON=1 turns
+# them on. Benchmarks flip it in-process to time both paths.
 TRITON = os.environ.get("KVSLIM_TRITON", "0") == "1"
 
 
@@ -40,3 +40,18 @@ def runs_on(kernel_module, device: torch.device) -> bool:
     kernel is decorated: the module's ``INTERPRETED``; ``RUNNABLE`` says whether triton.language's
     own functions (decorated when triton was first imported) agree with it."""
     return kernel_module.RUNNABLE and device.type == ("cpu" if kernel_module.INTERPRETED else "cuda")
+
+
+def compile_sm90(fn, pointers: dict[str, str], constexprs: dict, **options):
+    """Compile the @triton.jit ``fn`` for an H100/H200 (sm_90) without a GPU, through Triton's
+    compiler and the ptxas in its wheel: arguments named in ``pointers`` take those types
+    ("*u8", "*fp32", ...), those in ``constexprs`` their values, the rest are i32; ``options``
+    as a launch's (num_warps, num_stages). ImportError where triton has no CUDA backend.
+    The kernel tests use it to catch what the interpreter accepts and the compiler refuses;
+    benchmarks/gpu_resources.py to read a launch's registers and shared memory."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401  (ImportError without it)
+    signature = {name: pointers.get(name, "constexpr" if name in constexprs else "i32") for name in fn.arg_names}
+    return triton.compile(triton.compiler.ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                          options=options)

@@ -94,10 +94,10 @@ DOTS = ("ieee", "tf32x3", "tf32", "f16", "fma")
 
 def _launch_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict | None = None) -> dict:
     """The kernel's constexprs and warps for one call. The query tile and its sum (BLOCK_M x
-    head_dim floats each) live in registers beside one block of decoded K and V: ptxas for sm_90
-    spills nothing at (rows, warps) = (32, 4) at head_dim 64, (32, 8) at 128 and (16, 8) at 256
-    with q8_0 rows, and ~0.6-0.9 KB with 3-bit codes; 64 rows spill kilobytes. A guess from
-    spill counts, not timings; keys per block as the decode kernel. ``tune``: TUNABLE overrides."""
+    head_dim floats each) live in registers beside one block of decoded K and V: (rows, warps) =
+    (32, 4) at head_dim 64, (32, 8) at 128 and (16, 8) at 256, chosen from spill counts
+    (benchmarks/gpu_resources.py); at head_dim 256, 16 keys a block and 8 warps were the
+    fastest that session 30's H200 sweep timed (docs/gpu.md). ``tune``: TUNABLE overrides."""
     block_m = 16 if head_dim > 128 else 32
     config = dict(HEAD_DIM=head_dim, BLOCK_D=pow2(head_dim), BLOCK_M=min(block_m, max(MIN_DOT, pow2(n_rows))),
                   BLOCK_N=32 if head_dim <= 64 else MIN_DOT, DOT="ieee", WIDE=False,
@@ -138,7 +138,8 @@ def prefill_state(fmt_k, fmt_v, q_code: torch.Tensor, q_pos: torch.Tensor, k_poo
     m = torch.empty(n_kv, n_seq, n_splits, n_rows, device=q_code.device)
     l, acc = torch.empty_like(m), torch.empty(n_kv, n_seq, n_splits, n_rows, dim, device=q_code.device)
     luts = [_lut(f, dim, str(q_code.device)) for f in (fmt_k, fmt_v)]
-    config["WIDE"] |= max(k_pool[0].numel(), v_pool[0].numel()) >= 2**31    # a head's pool past 32-bit offsets
+    head_bytes = k_pool.shape[1] * k_pool.shape[2] * max(k_pool.shape[3], v_pool.shape[3])
+    config["WIDE"] |= head_bytes >= 2**31                               # a head's pool past 32-bit offsets
     _kernel().paged_prefill_tile[(n_kv, n_seq, n_tiles * n_splits)](
         q_code, q_pos, k_pool.contiguous(), v_pool.contiguous(), table, lengths, *luts, m, l, acc,
         n_seq, n_rows, k_pool.shape[1], page_size, k_pool.shape[3], v_pool.shape[3], table.shape[1],
