@@ -69,3 +69,31 @@ def test_a_mistyped_switch_is_refused_by_name(hybrid, monkeypatch):
     monkeypatch.setenv("KVSLIM_F32_MATMUL", "IEEE")
     with pytest.raises(ValueError, match="KVSLIM_F32_MATMUL='IEEE': expected one of bf16x3, ieee"):
         hybrid(Batch.build([(0, list(range(3, 23)), 0)]), hybrid.make_cache(64, 1))
+
+
+def test_a_bf16_mode_that_rounds_once_is_not_taken(hybrid, monkeypatch):
+    """On an Intel Xeon with AMX, oneDNN's bf16 mode rounded the inputs to bf16 once (2.3e-3
+    measured there, session 31): a CPU that claims bf16 dot products must also show bf16x3's
+    accuracy before prompts take the mode."""
+    monkeypatch.delenv("KVSLIM_F32_MATMUL", raising=False)
+    monkeypatch.setattr(mp, "native_bf16", lambda: True)
+    monkeypatch.setattr(mp, "product_error", lambda mode: 2.3e-3 if mode == "bf16" else 3e-7)
+    mp.bf16x3_measured.cache_clear()
+    try:
+        assert not mp.bf16x3_measured() and mp.prompt_mode("cpu") == "ieee"
+        assert set(_seen_modes(hybrid, 20)) == {"none"}
+        monkeypatch.setattr(mp, "product_error", lambda mode: 5e-7)     # bf16x3's accuracy: taken
+        mp.bf16x3_measured.cache_clear()
+        assert mp.prompt_mode("cpu") == "bf16x3" and set(_seen_modes(hybrid, 20)) == {"bf16"}
+    finally:
+        mp.bf16x3_measured.cache_clear()
+
+
+def test_the_bound_parts_float32_from_one_bf16_rounding():
+    """The probe's bound sits between plain float32 (measured here) and the same product with its
+    inputs rounded to bf16 once, as the AMX host computed it."""
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(32, 256, generator=gen), torch.randn(256, 32, generator=gen)
+    exact = a.double() @ b.double()
+    rounded = (a.bfloat16().double() @ b.bfloat16().double() - exact).norm() / exact.norm()
+    assert mp.product_error("ieee") < 1e-6 < mp.BF16X3_MAX_ERROR < rounded.item() / 10

@@ -19,6 +19,11 @@ imported kvslim. It applies only where it pays: the CPU, at least MIN_ROWS token
 native bf16 dot products (``avx512_bf16`` or ``amx_bf16``; elsewhere oneDNN would emulate them),
 and no precision chosen by the user (the backend reads "none"). ``KVSLIM_F32_MATMUL=ieee``
 keeps plain float32.
+
+oneDNN does not promise bf16x3: on an Intel Xeon with AMX (the GPU machine's host, session 31)
+the same setting rounds the inputs to bf16 once, a relative error of 2.3e-3 on a (297 x 256) by
+(256 x 776) product, and every CPU forward there drifted by 5e-3 in its logits. So the mode is
+taken only after ``bf16x3_measured`` has seen it keep float32's accuracy on this CPU.
 """
 from __future__ import annotations
 
@@ -42,6 +47,30 @@ def native_bf16() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & set(flags)) and torch.backends.mkldnn.is_available()
 
 
+BF16X3_MAX_ERROR = 1e-5     # bf16x3 measures ~5e-7 on a 256-long dot, one bf16 rounding ~2e-3
+
+
+def product_error(mode: str) -> float:
+    """Relative error against float64 of a fixed (32 x 256) by (256 x 32) float32 product on the
+    CPU with oneDNN's ``fp32_precision`` set to ``mode`` for the call."""
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(32, 256, generator=gen), torch.randn(256, 32, generator=gen)
+    backend, before = torch.backends.mkldnn.matmul, torch.backends.mkldnn.matmul.fp32_precision
+    backend.fp32_precision = mode
+    try:
+        got = (a @ b).double()
+    finally:
+        backend.fp32_precision = before
+    exact = a.double() @ b.double()
+    return ((got - exact).norm() / exact.norm()).item()
+
+
+@lru_cache(maxsize=None)
+def bf16x3_measured() -> bool:
+    """Whether oneDNN's bf16 mode keeps float32's accuracy here (one product, about 1 ms, once)."""
+    return product_error("bf16") < BF16X3_MAX_ERROR
+
+
 MODES = ("bf16x3", "ieee")      # KVSLIM_F32_MATMUL's values
 
 
@@ -52,7 +81,7 @@ def prompt_mode(device: torch.device | str = "cpu") -> str:
     if asked not in MODES:
         raise ValueError(f"KVSLIM_F32_MATMUL={asked!r}: expected one of {', '.join(MODES)}")
     on = (torch.device(device).type == "cpu" and asked == "bf16x3" and native_bf16()
-          and torch.backends.mkldnn.matmul.fp32_precision == "none")
+          and torch.backends.mkldnn.matmul.fp32_precision == "none" and bf16x3_measured())
     return "bf16x3" if on else "ieee"
 
 
