@@ -360,7 +360,7 @@ def test_compiled_kernels_on_cuda_match_gguf_dequantize(case):
 POINTERS = {"x_ptr": "*fp32", "w_ptr": "*u8", "grid_ptr": "*i8", "y_ptr": "*fp32"}
 
 
-@pytest.mark.parametrize("name,rows", [("q8_0", 1), ("q4_k", 4), ("q6_k", 16), ("q3_k", 1), ("iq4_xs", 4),
+@pytest.mark.parametrize("name,rows", [("q8_0", 1), ("q4_0", 1), ("q4_0", 16), ("q4_k", 4), ("q6_k", 16), ("q3_k", 1), ("iq4_xs", 4),
                                        ("iq2_xxs", 1), ("iq2_xs", 4), ("iq2_s", 1), ("iq3_xxs", 16), ("iq3_s", 1),
                                        ("iq1_s", 4), ("iq1_m", 1), ("mxfp4", 16), ("nvfp4", 1)])
 def test_gemv_compiles_for_an_h100_without_one(name, rows):

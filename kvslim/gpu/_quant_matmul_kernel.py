@@ -11,6 +11,9 @@ each value loads its own entry's byte. The kernels using it:
 
 - ``quant_gemv`` (decode, M <= 16 rows of x): one program per (BLOCK_N outputs, split of K);
   products summed in float32 on the CUDA cores, no tensor cores (M is too small to fill them).
+  Q8_0 and Q4_0 read their tile block by block (``_legacy_block_dot``: each byte and scale
+  loaded once; for Q4_0 at M = 1, 18 loads and 440 instructions against the per-value tile's
+  50 and 672 in the sm_90 cubin); the other types take the per-value tile.
 - ``quant_gemm`` (prefill): one program per (BLOCK_M x BLOCK_N) tile of y; each BLOCK_K step
   dequantizes W's tile, casts it and x's tile to DOT_DTYPE and accumulates ``tl.dot`` in float32.
 - ``quant_gemv_experts`` / ``quant_gemm_experts``: the same two for a mixture's routed experts,
@@ -26,7 +29,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from ._codecs import f16_at
+from ._codecs import f16_aligned, f16_at
 
 # ggml type ids (gguf.GGMLQuantizationType), the kernels' TYPE
 Q4_0 = tl.constexpr(2)
@@ -356,6 +359,36 @@ def _dequantize_tile(w_ptr, grid_ptr, rows, cols, row_bytes, N, K, TYPE: tl.cons
 
 
 @triton.jit
+def _legacy_block_dot(x_ptr, w_ptr, m, M, rows, N, K, row_bytes, chunk,
+                      TYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x[m, chunk's columns] . W[rows, the same] for Q8_0 or Q4_0, read block by block -> (BM, BN)
+    float32. The per-value tile (``_legacy_values``) loads each Q4_0 code byte twice and each
+    block's f16 scale once per value, 32 times; here each byte is loaded once, the scale by one
+    2-byte load per block (blocks are 34 or 18 bytes: scales at even addresses), and a Q4_0
+    byte's two nibbles meet x's columns j and j + 16 of their block. K is whole blocks (``_check``)."""
+    NB: tl.constexpr = BLOCK_K // 32
+    SIZE: tl.constexpr = 34 if TYPE == Q8_0 else 18
+    SPAN: tl.constexpr = 32 if TYPE == Q8_0 else 16                   # code bytes per block
+    blk = chunk * NB + tl.arange(0, NB)                                 # (NB,) blocks of the row
+    j = tl.arange(0, SPAN)
+    ok = (rows < N)[:, None] & (blk < K // 32)[None, :]                 # (BN, NB)
+    block = w_ptr + rows.to(tl.int64)[:, None] * row_bytes + blk[None, :] * SIZE
+    d = f16_aligned(block, ok)[:, :, None]                              # (BN, NB, 1)
+    codes = tl.load(block[:, :, None] + 2 + j[None, None, :], mask=ok[:, :, None], other=0)   # (BN, NB, SPAN)
+    x_ok = (m < M)[:, None, None] & (blk < K // 32)[None, :, None]
+    x_at = x_ptr + m[:, None, None] * K + (blk[:, None] * 32 + j[None, :])[None, :, :]       # (BM, NB, SPAN)
+    x = tl.reshape(tl.load(x_at, mask=x_ok, other=0.0).to(tl.float32), (BLOCK_M, NB * SPAN))
+    if TYPE == Q8_0:
+        w = tl.reshape(codes.to(tl.int8, bitcast=True).to(tl.float32) * d, (BLOCK_N, NB * SPAN))
+        return tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    c = codes.to(tl.int32)
+    lo = tl.reshape(((c & 0x0F) - 8).to(tl.float32) * d, (BLOCK_N, NB * SPAN))          # values j
+    hi = tl.reshape(((c >> 4) - 8).to(tl.float32) * d, (BLOCK_N, NB * SPAN))            # values j + 16
+    x_hi = tl.reshape(tl.load(x_at + 16, mask=x_ok, other=0.0).to(tl.float32), (BLOCK_M, NB * SPAN))
+    return tl.sum(x[:, None, :] * lo[None, :, :] + x_hi[:, None, :] * hi[None, :, :], axis=2)
+
+
+@triton.jit
 def quant_gemv(x_ptr, w_ptr, grid_ptr, y_ptr, M, N, K, row_bytes, chunks_per_split,
                TYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program (tile of BLOCK_N outputs, split s): y[s, m, n] = x[m, K_s] . W[n, K_s] for its
@@ -368,11 +401,14 @@ def quant_gemv(x_ptr, w_ptr, grid_ptr, y_ptr, M, N, K, row_bytes, chunks_per_spl
     last = tl.minimum(first + chunks_per_split, tl.cdiv(K, BLOCK_K))
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for chunk in range(first, last):
-        cols = chunk * BLOCK_K + tl.arange(0, BLOCK_K)
-        w = _dequantize_tile(w_ptr, grid_ptr, rows, cols, row_bytes, N, K, TYPE)           # (BN, BK)
-        x = tl.load(x_ptr + m[:, None] * K + cols[None, :], mask=(m < M)[:, None] & (cols < K)[None, :],
-                    other=0.0).to(tl.float32)                                           # (BM, BK)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)                           # (BM, BN)
+        if TYPE == Q8_0 or TYPE == Q4_0:
+            acc += _legacy_block_dot(x_ptr, w_ptr, m, M, rows, N, K, row_bytes, chunk, TYPE, BLOCK_M, BLOCK_N, BLOCK_K)
+        else:
+            cols = chunk * BLOCK_K + tl.arange(0, BLOCK_K)
+            w = _dequantize_tile(w_ptr, grid_ptr, rows, cols, row_bytes, N, K, TYPE)       # (BN, BK)
+            x = tl.load(x_ptr + m[:, None] * K + cols[None, :], mask=(m < M)[:, None] & (cols < K)[None, :],
+                        other=0.0).to(tl.float32)                                       # (BM, BK)
+            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)                       # (BM, BN)
     out = y_ptr + (split * M + m[:, None]) * N + rows[None, :]
     tl.store(out, acc, mask=(m < M)[:, None] & (rows < N)[None, :])
 
@@ -408,10 +444,14 @@ def quant_gemv_experts(x_ptr, w_ptr, grid_ptr, ids_ptr, y_ptr, N, K, row_bytes, 
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_N], tl.float32)
     for start in range(0, K, BLOCK_K):
-        cols = start + tl.arange(0, BLOCK_K)
-        w = _dequantize_tile(w_expert, grid_ptr, rows, cols, row_bytes, N, K, TYPE)        # (BN, BK)
-        x = tl.load(x_ptr + p * K + cols, mask=cols < K, other=0.0).to(tl.float32)       # (BK,)
-        acc += tl.sum(w * x[None, :], axis=1)
+        if TYPE == Q8_0 or TYPE == Q4_0:                                # x's row p as a 1-row M
+            acc += tl.sum(_legacy_block_dot(x_ptr + p * K, w_expert, tl.arange(0, 1), 1, rows, N, K, row_bytes,
+                                            start // BLOCK_K, TYPE, 1, BLOCK_N, BLOCK_K), axis=0)
+        else:
+            cols = start + tl.arange(0, BLOCK_K)
+            w = _dequantize_tile(w_expert, grid_ptr, rows, cols, row_bytes, N, K, TYPE)    # (BN, BK)
+            x = tl.load(x_ptr + p * K + cols, mask=cols < K, other=0.0).to(tl.float32)   # (BK,)
+            acc += tl.sum(w * x[None, :], axis=1)
     tl.store(y_ptr + p * N + rows, acc, mask=rows < N)
 
 
