@@ -198,7 +198,8 @@ def test_split_count_fills_the_gpu_and_keeps_a_chunk_per_split():
 # the routed experts: (type, experts E, outputs N, K, pairs P); up to gpu.MAX_GEMV_PAIRS pairs the
 # expert GEMV, beyond it the grouped GEMM (the last three: 16 and 32 slots a tile, empty experts)
 EXPERT_CASES = [("q8_0", 5, 40, 288, 7), ("q4_0", 2, 9, 96, 3), ("q4_k", 3, 16, 512, 4), ("q6_k", 4, 24, 512, 6),
-                ("q4_0", 6, 40, 96, 150), ("q5_k", 3, 70, 256, 140), ("q8_0", 9, 24, 64, 300)]
+                ("q4_0", 6, 40, 96, 150), ("q5_k", 3, 70, 256, 140), ("q8_0", 9, 24, 64, 300),
+                ("q5_k", 3, 16, 256, 4)]
 # the grid types: each in the expert GEMV and in the grouped GEMM
 EXPERT_CASES += [(t, 3, 16, 256, 5) for t in GRID_TYPES] + [(t, 2, 24, 256, 130) for t in GRID_TYPES]
 
