@@ -7,8 +7,10 @@ For each type and W shape (N outputs x K inputs): the decode GEMV at M = 1 and t
 at M = 512 (``kvslim.gpu.quant_matmul``), against torch's matmul of the same matrix dequantized
 ahead of time to f16 and bf16 (what a GPU runtime without packed weights would hold, at 2 bytes
 a value). x is in the row's dtype; the Triton GEMM's tl.dot takes that dtype too. Median of
-``-r`` CUDA-event timings after a warm-up (which compiles). GB/s: the weight bytes each kernel
-reads (packed blocks, or 2 bytes a value), for the GEMV; TFLOP/s: 2MNK per second, for the GEMM.
+``-r`` CUDA-event timings after a warm-up (which compiles). "per-value ms": the GEMV with every
+value read on its own (``blockwise=False``), the path Q8_0, Q4_0, Q4_K and Q5_K took before
+session 31. GB/s: the weight bytes each kernel reads (packed blocks, or 2 bytes a value), for
+the GEMV; TFLOP/s: 2MNK per second, for the GEMM.
 Weights are random blocks with sane fp16 scales (speed does not depend on the values).
 Figures, not a test: the parity checks are tests/test_triton_weights.py.
 
@@ -39,7 +41,7 @@ from kvslim.tables import markdown_table, to_json  # noqa: E402
 from gpu_decode import _median_ms, check_device  # noqa: E402  (same folder)
 
 DTYPES = {"f16": (torch.float16, "fp16"), "bf16": (torch.bfloat16, "bf16")}   # torch dtype, Triton dot
-HEADERS = ["type", "N x K", "M", "dtype", "triton ms", "torch ms", "triton", "torch"]
+HEADERS = ["type", "N x K", "M", "dtype", "triton ms", "per-value ms", "torch ms", "triton", "torch"]
 
 
 def random_blocks(name: str, n: int, k: int, device: str) -> weights.QuantTensor:
@@ -63,12 +65,14 @@ def _rows(name: str, n: int, k: int, gemm_rows: int, runs: int, device: str) -> 
         dense = w.dequantize().to(dtype)                             # (n, k): torch's side, made ahead of time
         for m in (1, gemm_rows):
             x = torch.randn(m, k, device=device, dtype=dtype)
+            per_value = ""
             if m == 1:
                 triton_ms = _median_ms(lambda: gpu.gemv(x, w.data, ggml_type), runs, device)
+                per_value = f"{_median_ms(lambda: gpu.gemv(x, w.data, ggml_type, blockwise=False), runs, device):.4f}"
             else:
                 triton_ms = _median_ms(lambda: gpu.gemm(x, w.data, ggml_type, dot), runs, device)
             torch_ms = _median_ms(lambda: x @ dense.T, runs, device)
-            rows.append([name, f"{n}x{k}", m, label, f"{triton_ms:.4f}", f"{torch_ms:.4f}",
+            rows.append([name, f"{n}x{k}", m, label, f"{triton_ms:.4f}", per_value, f"{torch_ms:.4f}",
                          _speed(m, n, k, w.nbytes, triton_ms), _speed(m, n, k, 2 * n * k, torch_ms)])
         dense = None                                             # freed before the next dtype's copy
     return rows

@@ -38,6 +38,8 @@ GRID_TYPES = TYPES[TYPES.index("iq2_xxs"):]            # the grid i-quants, MXFP
 ROTATED = [t for t in GRID_TYPES if t != "nvfp4"]
 GEMV = [("gemv", t, m, n, COLS[t], split) for t in TYPES if t not in ROTATED for m, n, split in GEMV_SHAPES]
 GEMV += [("gemv", t, m, n, COLS[t], split) for t, (m, n, split) in zip(ROTATED, GEMV_SHAPES * 3)]
+# the per-value tile of the types that the GEMV reads block by block (their twin path)
+PER_VALUE = [("per-value gemv", t, 5, 40, COLS[t], None) for t in ("q8_0", "q4_0", "q4_k", "q5_k")]
 GEMM = [("gemm", t, m, n, COLS[t], dot) for t in TYPES for m, n, dot in ((33, 64, "ieee"), (40, 40, "fp16"))]
 GEMM += [("gemm", "q6_k", 130, 32, 256, "ieee")]                       # two M tiles of 128
 # ("values", type, K, N, K, "ieee"): the exact GEMM of the K x K identity gives W's values themselves
@@ -89,8 +91,8 @@ def _inputs(case, seed: int):
 
 
 def _run(case, x, w, bias):
-    if case[0] == "gemv":
-        return gpu.gemv(x, w.data, w.wtype.ggml_type, split_k=case[5])
+    if case[0] in ("gemv", "per-value gemv"):
+        return gpu.gemv(x, w.data, w.wtype.ggml_type, split_k=case[5], blockwise=case[0] == "gemv")
     if case[0] in ("gemm", "values"):
         return gpu.gemm(x, w.data, w.wtype.ggml_type, dot=case[5])
     return weights.quant_linear(x, w, bias)               # its float32 GEMM is exact ("ieee") at torch's default
@@ -105,7 +107,7 @@ def _results_in_child(cases, path: Path) -> None:
     torch.save(out, path)
 
 
-CASES = GEMV + GEMM + VALUES + LINEAR
+CASES = GEMV + PER_VALUE + GEMM + VALUES + LINEAR
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +134,13 @@ def _check(case, got: torch.Tensor, seed: int) -> None:
 @pytest.mark.parametrize("case", GEMV, ids=lambda c: f"{c[1]}-m{c[2]}-n{c[3]}-k{c[4]}-split{c[5]}")
 def test_gemv_matches_gguf_dequantize(interpreted, case):
     """M = 1, 5, 16; N not whole tiles; K split by default (several programs' partials summed) or not."""
+    _check(case, interpreted["y"][case], CASES.index(case))
+
+
+@pytest.mark.parametrize("case", PER_VALUE, ids=lambda c: c[1])
+def test_the_blockwise_types_per_value_twin_matches_too(interpreted, case):
+    """Q8_0, Q4_0, Q4_K and Q5_K through the per-value tile (``blockwise=False``), which the
+    GEMV's timings set beside the blockwise reads."""
     _check(case, interpreted["y"][case], CASES.index(case))
 
 

@@ -423,9 +423,11 @@ def _k4_block_dot(x_ptr, w_ptr, m, M, rows, N, K, row_bytes, chunk,
 
 @triton.jit
 def quant_gemv(x_ptr, w_ptr, grid_ptr, y_ptr, M, N, K, row_bytes, chunks_per_split,
-               TYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+               TYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               BLOCKWISE: tl.constexpr = True):
     """Program (tile of BLOCK_N outputs, split s): y[s, m, n] = x[m, K_s] . W[n, K_s] for its
-    chunks K_s of BLOCK_K columns. x (M, K) contiguous; y (splits, M, N) float32."""
+    chunks K_s of BLOCK_K columns. x (M, K) contiguous; y (splits, M, N) float32. BLOCKWISE
+    False: every type through the per-value tile (the blockwise reads' twin, for timings)."""
     tile = tl.program_id(0)
     split = tl.program_id(1)
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -434,9 +436,9 @@ def quant_gemv(x_ptr, w_ptr, grid_ptr, y_ptr, M, N, K, row_bytes, chunks_per_spl
     last = tl.minimum(first + chunks_per_split, tl.cdiv(K, BLOCK_K))
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for chunk in range(first, last):
-        if TYPE == Q8_0 or TYPE == Q4_0:
+        if BLOCKWISE and (TYPE == Q8_0 or TYPE == Q4_0):
             acc += _legacy_block_dot(x_ptr, w_ptr, m, M, rows, N, K, row_bytes, chunk, TYPE, BLOCK_M, BLOCK_N, BLOCK_K)
-        elif TYPE == Q4_K or TYPE == Q5_K:
+        elif BLOCKWISE and (TYPE == Q4_K or TYPE == Q5_K):
             acc += _k4_block_dot(x_ptr, w_ptr, m, M, rows, N, K, row_bytes, chunk, TYPE, BLOCK_M, BLOCK_N, BLOCK_K)
         else:
             cols = chunk * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -469,7 +471,8 @@ def quant_gemm(x_ptr, w_ptr, grid_ptr, y_ptr, M, N, K, row_bytes,
 
 @triton.jit
 def quant_gemv_experts(x_ptr, w_ptr, grid_ptr, ids_ptr, y_ptr, N, K, row_bytes, expert_bytes,
-                       TYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       TYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       BLOCKWISE: tl.constexpr = True):
     """Program (tile of BLOCK_N outputs, pair p): y[p, n] = x[p] . W[ids[p], n] over all of K,
     the expert's matrix found from its id in device memory (no host round trip to learn which
     experts a token chose). x (P, K) contiguous; W (E, N, row_bytes); y (P, N) float32."""
@@ -479,10 +482,10 @@ def quant_gemv_experts(x_ptr, w_ptr, grid_ptr, ids_ptr, y_ptr, N, K, row_bytes, 
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_N], tl.float32)
     for start in range(0, K, BLOCK_K):
-        if TYPE == Q8_0 or TYPE == Q4_0:                                # x's row p as a 1-row M
+        if BLOCKWISE and (TYPE == Q8_0 or TYPE == Q4_0):                # x's row p as a 1-row M
             acc += tl.sum(_legacy_block_dot(x_ptr + p * K, w_expert, tl.arange(0, 1), 1, rows, N, K, row_bytes,
                                             start // BLOCK_K, TYPE, 1, BLOCK_N, BLOCK_K), axis=0)
-        elif TYPE == Q4_K or TYPE == Q5_K:
+        elif BLOCKWISE and (TYPE == Q4_K or TYPE == Q5_K):
             acc += tl.sum(_k4_block_dot(x_ptr + p * K, w_expert, tl.arange(0, 1), 1, rows, N, K, row_bytes,
                                         start // BLOCK_K, TYPE, 1, BLOCK_N, BLOCK_K), axis=0)
         else:

@@ -129,9 +129,11 @@ def _check_experts(x: torch.Tensor, blocks: torch.Tensor, ids: torch.Tensor, ggm
     _check(x, blocks[0], ggml_type)
 
 
-def gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type, split_k: int | None = None) -> torch.Tensor:
+def gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type, split_k: int | None = None,
+         blockwise: bool = True) -> torch.Tensor:
     """x (M, K) float, M <= MAX_GEMV_ROWS; blocks (N, row_bytes) uint8 of ``ggml_type`` ->
-    y (M, N) float32. ``split_k``: splits of K (default ``split_count``)."""
+    y (M, N) float32. ``split_k``: splits of K (default ``split_count``). ``blockwise`` False:
+    Q8_0, Q4_0, Q4_K and Q5_K through the per-value tile too (their blockwise reads' twin)."""
     _check(x, blocks, ggml_type)
     if x.shape[0] > MAX_GEMV_ROWS:
         raise ValueError(f"the GEMV takes at most {MAX_GEMV_ROWS} rows of x, got {x.shape[0]}: use gemm")
@@ -144,7 +146,8 @@ def gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type, split_k: int | None =
     parts = torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
     grid = (-(-n // config["BLOCK_N"]), splits)
     _kernel().quant_gemv[grid](x.contiguous(), blocks.contiguous(), grid_table(ggml_type, x.device), parts,
-                               m, n, k, blocks.shape[1], per_split, TYPE=int(ggml_type), **config)
+                               m, n, k, blocks.shape[1], per_split, TYPE=int(ggml_type), BLOCKWISE=blockwise,
+                               **config)
     return parts[0] if splits == 1 else parts.sum(0)
 
 
