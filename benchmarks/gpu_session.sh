@@ -212,6 +212,29 @@ core() {
     echo "core: $SECONDS s"
 }
 
+# The lease after session 31's (which found the CPU/GPU drift to be oneDNN's bf16 mode on the
+# device's Intel host, now measured before use, and gave quantized caches a code-flip tolerance):
+# the torch backend's CUDA tests (all should pass: issue 17's `--device cuda`), the kernels' and
+# the models' CUDA tests with the kernels on, the GEMV's blockwise reads against the per-value
+# tile (session 31's rewrite, untimed), then the 35B-A3B-shaped model with profiles, as session
+# 31's second call ran it (the GEMV was 47% of a decode step at depth 0), turbo3 added:
+#   run(command="bash benchmarks/gpu_session.sh verify", carry=[".whl"], timeout_s=480)
+verify() {
+    deadline=$((SECONDS + ${BUDGET:-420}))
+    setup || exit 1
+    # shellcheck disable=SC2086
+    KVSLIM_TRITON=0 timeout -k 5 "$(left 100)" $PY $PYTEST -rfEs -n 12 --timeout 90 $MODEL_TESTS -k cuda 2>&1 \
+        | tee "$OUT/tests-torch.log" | tail -15
+    # shellcheck disable=SC2086
+    KVSLIM_TRITON=1 timeout -k 5 "$(left 110)" $PY $PYTEST -rfEs -n 14 --timeout 100 $KERNEL_TESTS $MODEL_TESTS \
+        -k "cuda or fla or h100" 2>&1 | tee "$OUT/tests-triton.log" | tail -15
+    timeout -k 5 "$(left 45)" $PY benchmarks/gpu_weights.py -t q4_0,q4_k,q8_0 -s 4096x2048,2048x4096,512x2048 \
+        -m 512 -r 20 --expert-tokens 1,4 2>&1 | tee "$OUT/weights.md" | tail -30
+    KVSLIM_TRITON=1 timeout -k 5 "$(left 150)" $PY benchmarks/gpu_model.py -d 0,32768 -np 1,4 -n 8 --profile 4 \
+        --pairs f16/f16,q8_0/turbo4,turbo3/turbo3 2>&1 | tee "$OUT/e2e.md" | tail -30
+    echo "verify: $SECONDS s"
+}
+
 # Here, without a GPU: the whole suite under the device image's torch and Triton (torch 2.11's
 # CUDA build runs on the CPU; Triton 3.6 interprets the kernels and lowers them for sm_90). The
 # suite otherwise only ever meets this machine's torch 2.13 and Triton 3.9, and the GPU call is
@@ -237,8 +260,9 @@ case "${1:-}" in
     image) shift; image "$@" ;;
     all) all ;;
     core) core ;;
+    verify) verify ;;
     tests) tests ;;
     kernels) kernels ;;
     model) model ;;
-    *) echo "usage: $0 prepare|image|all|core|tests|kernels|model" >&2; exit 2 ;;
+    *) echo "usage: $0 prepare|image|all|core|verify|tests|kernels|model" >&2; exit 2 ;;
 esac
