@@ -11,9 +11,10 @@ each value loads its own entry's byte. The kernels using it:
 
 - ``quant_gemv`` (decode, M <= 16 rows of x): one program per (BLOCK_N outputs, split of K);
   products summed in float32 on the CUDA cores, no tensor cores (M is too small to fill them).
-  Q8_0 and Q4_0 read their tile block by block (``_legacy_block_dot``: each byte and scale
-  loaded once; for Q4_0 at M = 1, 18 loads and 440 instructions against the per-value tile's
-  50 and 672 in the sm_90 cubin); the other types take the per-value tile.
+  Q8_0, Q4_0, Q4_K, Q5_K and Q6_K read their tile block by block (``_legacy_block_dot``,
+  ``_k4_block_dot``, ``_q6_k_block_dot``: each byte and scale loaded once; for Q4_0 at M = 1,
+  18 loads and 440 instructions against the per-value tile's 50 and 672 in the sm_90 cubin);
+  the other types take the per-value tile.
 - ``quant_gemm`` (prefill): one program per (BLOCK_M x BLOCK_N) tile of y; each BLOCK_K step
   dequantizes W's tile, casts it and x's tile to DOT_DTYPE and accumulates ``tl.dot`` in float32.
 - ``quant_gemv_experts`` / ``quant_gemm_experts``: the same two for a mixture's routed experts,
@@ -422,6 +423,37 @@ def _k4_block_dot(x_ptr, w_ptr, m, M, rows, N, K, row_bytes, chunk,
 
 
 @triton.jit
+def _q6_k_block_dot(x_ptr, w_ptr, m, M, rows, N, K, row_bytes, chunk,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``_legacy_block_dot`` for Q6_K, by halves of 128 values (``_q6_k_values``' layout): in half
+    h, bytes ql[64h + l], ql[64h + 32 + l] and qh[32h + l] (l < 32) hold the values l, l + 32,
+    l + 64 and l + 96: low nibbles then high nibbles, qh's bit pairs 0-1, 2-3, 4-5, 6-7. Three
+    byte loads for four values; each int8 scale (one per 16 values) loaded once per half, each d
+    once. K is whole super-blocks (``_check``)."""
+    NH: tl.constexpr = BLOCK_K // 128
+    hh = chunk * NH + tl.arange(0, NH)                                  # (NH,) halves of the row
+    h = (hh % 2)[None, :, None]
+    l = tl.arange(0, 32)[None, None, :]
+    ok = (rows < N)[:, None] & (hh < K // 128)[None, :]                 # (BN, NH)
+    sb = w_ptr + rows.to(tl.int64)[:, None] * row_bytes + (hh // 2)[None, :] * 210
+    d = f16_aligned(sb + 208, ok)[:, :, None]                           # (BN, NH, 1)
+    sb3, ok3 = sb[:, :, None], ok[:, :, None]
+    ql_a, ql_b = _byte(sb3 + 64 * h + l, ok3), _byte(sb3 + 64 * h + 32 + l, ok3)       # (BN, NH, 32)
+    qh = _byte(sb3 + 128 + 32 * h + l, ok3)
+    x_ok = (m < M)[:, None, None] & (hh < K // 128)[None, :, None]
+    x_at = x_ptr + m[:, None, None] * K + hh[None, :, None] * 128 + l                   # (BM, NH, 32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k in tl.static_range(4):                                        # values l + 32k
+        low = (ql_a if k % 2 == 0 else ql_b) >> (4 * (k // 2))
+        q = (low & 0x0F) | (((qh >> (2 * k)) & 3) << 4)
+        scale = _int8(sb3 + 192 + 8 * h + 2 * k + l // 16, ok3)       # one per 16 values
+        w = tl.reshape((d * scale) * (q - 32).to(tl.float32), (BLOCK_N, NH * 32))
+        x = tl.reshape(tl.load(x_at + 32 * k, mask=x_ok, other=0.0).to(tl.float32), (BLOCK_M, NH * 32))
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    return acc
+
+
+@triton.jit
 def quant_gemv(x_ptr, w_ptr, grid_ptr, y_ptr, M, N, K, row_bytes, chunks_per_split,
                TYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                BLOCKWISE: tl.constexpr = True):
@@ -440,6 +472,8 @@ def quant_gemv(x_ptr, w_ptr, grid_ptr, y_ptr, M, N, K, row_bytes, chunks_per_spl
             acc += _legacy_block_dot(x_ptr, w_ptr, m, M, rows, N, K, row_bytes, chunk, TYPE, BLOCK_M, BLOCK_N, BLOCK_K)
         elif BLOCKWISE and (TYPE == Q4_K or TYPE == Q5_K):
             acc += _k4_block_dot(x_ptr, w_ptr, m, M, rows, N, K, row_bytes, chunk, TYPE, BLOCK_M, BLOCK_N, BLOCK_K)
+        elif BLOCKWISE and TYPE == Q6_K:
+            acc += _q6_k_block_dot(x_ptr, w_ptr, m, M, rows, N, K, row_bytes, chunk, BLOCK_M, BLOCK_N, BLOCK_K)
         else:
             cols = chunk * BLOCK_K + tl.arange(0, BLOCK_K)
             w = _dequantize_tile(w_ptr, grid_ptr, rows, cols, row_bytes, N, K, TYPE)       # (BN, BK)
@@ -488,6 +522,9 @@ def quant_gemv_experts(x_ptr, w_ptr, grid_ptr, ids_ptr, y_ptr, N, K, row_bytes, 
         elif BLOCKWISE and (TYPE == Q4_K or TYPE == Q5_K):
             acc += tl.sum(_k4_block_dot(x_ptr + p * K, w_expert, tl.arange(0, 1), 1, rows, N, K, row_bytes,
                                         start // BLOCK_K, TYPE, 1, BLOCK_N, BLOCK_K), axis=0)
+        elif BLOCKWISE and TYPE == Q6_K:
+            acc += tl.sum(_q6_k_block_dot(x_ptr + p * K, w_expert, tl.arange(0, 1), 1, rows, N, K, row_bytes,
+                                          start // BLOCK_K, 1, BLOCK_N, BLOCK_K), axis=0)
         else:
             cols = start + tl.arange(0, BLOCK_K)
             w = _dequantize_tile(w_expert, grid_ptr, rows, cols, row_bytes, N, K, TYPE)    # (BN, BK)
