@@ -195,6 +195,10 @@ def test_graphs_are_refused_where_they_cannot_run(hybrid):
     model, _, _ = hybrid
     step = DecodeStep(model, model.make_cache(32, 1), compile=False, native=False, cuda_graphs=True)
     assert step.graphed is None and "CUDA device" in step.why_not_graphs and step.path == "eager"
+    default = DecodeStep(model, model.make_cache(32, 1), compile=False, native=False)   # on where CUDA is
+    assert default.graphed is None and "CUDA device" in default.why_not_graphs
+    off = DecodeStep(model, model.make_cache(32, 1), compile=False, native=False, cuda_graphs=False)
+    assert off.why_not_graphs == "turned off (--no-cuda-graphs)"
     with pytest.raises(ValueError, match="1..2 sequences"):
         GraphedDecode(lambda *a: None, "cpu", 2, 4).run([1, 2, 3], [0, 0, 0], [0, 1, 2], 1)
 
@@ -209,6 +213,9 @@ def test_the_flag_reaches_the_engine_config():
     args.ctx_size, args.cache_type_k, args.cache_type_v, args.ubatch_size = 64, "f16", "f16", 32
     assert engine_config(args).cuda_graphs is True
     args = p.parse_args(["--device", "cpu"])
+    args.ctx_size, args.cache_type_k, args.cache_type_v, args.ubatch_size = 64, "f16", "f16", 32
+    assert engine_config(args).cuda_graphs is None                          # the device decides
+    args = p.parse_args(["--no-cuda-graphs", "--device", "cpu"])
     args.ctx_size, args.cache_type_k, args.cache_type_v, args.ubatch_size = 64, "f16", "f16", 32
     assert engine_config(args).cuda_graphs is False
 

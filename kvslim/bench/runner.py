@@ -39,7 +39,7 @@ class FilledCache:
 
     def __init__(self, model: CausalLM, ctx: int, n_parallel: int, type_k: str, type_v: str, n_ubatch: int,
                  seed: int = 0, cache_config: CacheConfig | None = None, compile: bool = False,
-                 native: bool = True, cuda_graphs: bool = False):
+                 native: bool = True, cuda_graphs: bool | None = None):
         self.model, self.n_parallel, self.n_ubatch = model, n_parallel, n_ubatch
         config = cache_config or CacheConfig(ctx, n_parallel, type_k, type_v,
                                              device=model.model.embed_tokens.weight.device)

@@ -52,7 +52,8 @@ class EngineConfig:
         compile: decode steps through ``torch.compile`` (see ``decode_step.py``); prefill stays eager.
         native: decode steps in C where the model, weights and K/V formats allow (``native_step.py``);
             else the compiled or eager step.
-        cuda_graphs: on a CUDA device, decode steps replayed from CUDA graphs (``cuda_graphs.py``).
+        cuda_graphs: decode steps replayed from CUDA graphs (``cuda_graphs.py``); None (the
+            default): where the device is CUDA.
         draft_max: speculative decoding from prompt-lookup drafts of up to this many tokens
             (``speculative.py``; llama.cpp's --draft-max); 0: off.
     """
@@ -65,7 +66,7 @@ class EngineConfig:
     checkpoint_interval: int = 4096
     compile: bool = False
     native: bool = True
-    cuda_graphs: bool = False
+    cuda_graphs: bool | None = None
     draft_max: int = 0
 
     def __post_init__(self):

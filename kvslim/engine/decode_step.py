@@ -81,11 +81,12 @@ class DecodeStep:
     """``step(slots, tokens, positions)`` -> float32 logits (B, vocab), caches advanced by one."""
 
     def __init__(self, model, cache, compile: bool = True, backend: str = "inductor", native: bool = True,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool | None = None):
         """``backend``: torch.compile's; tests use "aot_eager" (the same traced, functionalised
         graph run by eager kernels: checks the tracing in seconds instead of minutes).
         ``native``: use the C step where it applies (``why_not_native`` says why it does not).
-        ``cuda_graphs``: replay the step from CUDA graphs where it can (``why_not_graphs``)."""
+        ``cuda_graphs``: replay the step from CUDA graphs where it can (``why_not_graphs``); None:
+        on a CUDA device (session 31's H200 held the graphed steps' greedy tokens to the eager ones)."""
         self.model, self.cache = model, cache
         self.device = model.model.embed_tokens.weight.device
         self.native, self.why_not_native = None, "turned off (--no-native)"
@@ -101,8 +102,10 @@ class DecodeStep:
             if self.compiled else None
         self._shapes_seen: set[bool] = set()
         self.graphed, self.why_not_graphs = None, "turned off (--no-cuda-graphs)"
-        if cuda_graphs:
+        if cuda_graphs or (cuda_graphs is None and self.device.type == "cuda"):
             self.graphed, self.why_not_graphs = self._graphs()
+        elif cuda_graphs is None:
+            self.why_not_graphs = f"CUDA graphs need a CUDA device, the model is on {self.device}"
 
     def _graphs(self) -> tuple[GraphedDecode | None, str]:
         if self.native is not None:

@@ -107,7 +107,7 @@ def run_all(model, facts, pairs, tests, nps, args) -> list[dict]:
                             device=model.model.embed_tokens.weight.device)
         fc = FilledCache(model, ctx, n_par, type_k, type_v, args.ubatch_size, cache_config=cache,
                          compile=args.compile, native=getattr(args, "native", True),
-                         cuda_graphs=getattr(args, "cuda_graphs", False))
+                         cuda_graphs=getattr(args, "cuda_graphs", None))
         case = {"type_k": type_k, "type_v": type_v, "n_parallel": n_par, "n_ubatch": args.ubatch_size,
                 "f16_window": args.f16_window}
         for test in tests:

@@ -18,10 +18,9 @@ def add_device_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                    help="decode through torch.compile (the first steps compile, cached on disk under "
                         "~/.cache/kvslim/inductor; default: eager)")
-    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=False,
-                   help="on a CUDA device, replay decode steps from CUDA graphs recorded per batch size "
-                        "(one launch a token instead of thousands; default: off until a GPU run has held "
-                        "them to the eager steps)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay decode steps from CUDA graphs recorded per batch size (one launch a token "
+                        "instead of thousands; default: on for CUDA devices)")
     p.add_argument("--f16-window", type=int, default=0, metavar="N",
                    help="keep each sequence's newest N tokens' K and V in f16 and pack a token only when it "
                         "leaves (KIVI's residual; 64 tokens cut nl3s's KLD by 37%% in docs/eval-kld-formats.md; "
@@ -48,5 +47,5 @@ def engine_config(args, *, ctx: int | None = None, n_parallel: int = 1, type_k: 
         device=getattr(args, "device", None), backend=getattr(args, "attn_backend", "torch"),
         f16_window=getattr(args, "f16_window", 0),
         n_ubatch=args.ubatch_size, compile=getattr(args, "compile", False),
-        native=getattr(args, "native", True), cuda_graphs=getattr(args, "cuda_graphs", False),
+        native=getattr(args, "native", True), cuda_graphs=getattr(args, "cuda_graphs", None),
         **{"draft_max": getattr(args, "draft_max", 0), **engine})
