@@ -37,12 +37,13 @@ def usage(name_k: str, name_v: str, rows: int, head_dim: int, tune: dict) -> dic
 
     from kvslim.gpu import _paged_prefill_kernel as kernel
     from kvslim.gpu import compile_sm90
-    config = paged_prefill._launch_config(formats.get(name_k, role="k"), formats.get(name_v, role="v"), rows,
-                                          head_dim, tune)
+    fmt_k, fmt_v = formats.get(name_k, role="k"), formats.get(name_v, role="v")
+    config = paged_prefill._launch_config(fmt_k, fmt_v, rows, head_dim, tune)
     options = {"num_warps": config.pop("num_warps")}
     if "num_stages" in config:
         options["num_stages"] = config.pop("num_stages")
-    compiled = compile_sm90(kernel.paged_prefill_tile, paged_prefill.POINTER_ARGS, config, **options)
+    compiled = compile_sm90(kernel.paged_prefill_tile, paged_prefill.POINTER_ARGS, config,
+                            paged_prefill.aligned_args(fmt_k, fmt_v, head_dim), **options)   # as a launch aligns
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "kernel.cubin"
         cubin.write_bytes(compiled.asm["cubin"])

@@ -8,7 +8,7 @@ at M = 512 (``kvslim.gpu.quant_matmul``), against torch's matmul of the same mat
 ahead of time to f16 and bf16 (what a GPU runtime without packed weights would hold, at 2 bytes
 a value). x is in the row's dtype; the Triton GEMM's tl.dot takes that dtype too. Median of
 ``-r`` CUDA-event timings after a warm-up (which compiles). "per-value ms": the GEMV with every
-value read on its own (``blockwise=False``), the path Q8_0, Q4_0, Q4_K, Q5_K and Q6_K took before
+value read on its own (``blockwise=False``), the path Q8_0, Q4_0 and Q6_K took before
 session 31. GB/s: the weight bytes each kernel reads (packed blocks, or 2 bytes a value), for
 the GEMV; TFLOP/s: 2MNK per second, for the GEMM.
 Weights are random blocks with sane fp16 scales (speed does not depend on the values).

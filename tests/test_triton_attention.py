@@ -13,6 +13,7 @@ speed) waits for a CUDA run: see docs/gpu.md.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -184,6 +185,28 @@ def test_kernel_compiles_for_an_h100_without_one(name_k, name_v, dim, group):
     from kvslim.gpu import _paged_prefill_kernel as kernel
 
     from .test_triton_prefill import POINTERS
-    config = paged_prefill._launch_config(formats.get(name_k, role="k"), formats.get(name_v, role="v"), group, dim)
+    fmt_k, fmt_v = formats.get(name_k, role="k"), formats.get(name_v, role="v")
+    config = paged_prefill._launch_config(fmt_k, fmt_v, group, dim)
     num_warps = config.pop("num_warps")
-    assert compile_for_sm90(kernel.paged_prefill_tile, POINTERS, config, num_warps).asm["cubin"]
+    divisible = paged_prefill.aligned_args(fmt_k, fmt_v, dim)
+    assert compile_for_sm90(kernel.paged_prefill_tile, POINTERS, config, num_warps, divisible).asm["cubin"]
+
+
+@pytest.mark.parametrize("dim", [128, 256])
+def test_f16_rows_load_16_bytes_at_a_time(dim):
+    """f16 K/V rows are read by 16-byte loads (or 16-byte async copies into shared memory), as
+    SDPA's kernels read them, not one 2-byte load per value: the sm_90 PTX of decode's launch,
+    with the alignment a launch knows (pools 16-byte aligned, row sizes multiples of 16). Before
+    session 31 the f16 pointer was typed after the value's offset was added, so no load
+    vectorised (32 two-byte loads a thread per block of 16 keys at head_dim 256)."""
+    from kvslim.gpu import _paged_prefill_kernel as kernel
+
+    from .test_triton_prefill import POINTERS
+    f16 = formats.get("f16", role="k")
+    config = paged_prefill._launch_config(f16, f16, 8, dim)
+    num_warps = config.pop("num_warps")
+    divisible = paged_prefill.aligned_args(f16, f16, dim)
+    ptx = compile_for_sm90(kernel.paged_prefill_tile, POINTERS, config, num_warps, divisible).asm["ptx"]
+    wide = len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32|cp\.async\.\w+\.shared\.global[^;]*, 16;", ptx))
+    narrow = len(re.findall(r"ld\.global(?:\.\w+)*\.b16", ptx))
+    assert wide > 0 and narrow == 0, (wide, narrow)

@@ -40,13 +40,18 @@ def compiled_process() -> None:
         pytest.skip("this process's kernels are interpreted")
 
 
-def compile_for_sm90(fn, pointers: dict[str, str], constexprs: dict, num_warps: int):
+def compile_for_sm90(fn, pointers: dict[str, str], constexprs: dict, num_warps: int, divisible: tuple = ()):
     """``kvslim.gpu.compile_sm90`` in a compiled (not interpreted) process; skips where this
-    triton has no CUDA backend. Returns the compiled kernel."""
+    triton has no CUDA backend. A ``num_stages`` among the constexprs (a launch config's) is
+    passed as the option it is. Returns the compiled kernel."""
     compiled_process()
     from kvslim.gpu import compile_sm90
+    constexprs = dict(constexprs)
+    options = {"num_warps": num_warps}
+    if "num_stages" in constexprs:
+        options["num_stages"] = constexprs.pop("num_stages")
     try:
-        return compile_sm90(fn, pointers, constexprs, num_warps=num_warps)
+        return compile_sm90(fn, pointers, constexprs, divisible, **options)
     except ImportError:
         pytest.skip("this triton has no CUDA backend")
 

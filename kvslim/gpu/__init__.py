@@ -42,16 +42,21 @@ def runs_on(kernel_module, device: torch.device) -> bool:
     return kernel_module.RUNNABLE and device.type == ("cpu" if kernel_module.INTERPRETED else "cuda")
 
 
-def compile_sm90(fn, pointers: dict[str, str], constexprs: dict, **options):
+def compile_sm90(fn, pointers: dict[str, str], constexprs: dict, divisible: tuple = (), **options):
     """Compile the @triton.jit ``fn`` for an H100/H200 (sm_90) without a GPU, through Triton's
     compiler and the ptxas in its wheel: arguments named in ``pointers`` take those types
     ("*u8", "*fp32", ...), those in ``constexprs`` their values, the rest are i32; ``options``
-    as a launch's (num_warps, num_stages). ImportError where triton has no CUDA backend.
+    as a launch's (num_warps, num_stages). As a launch specialises them, the pointers are known
+    16-byte aligned (torch's allocations are) and the ints named in ``divisible`` multiples of
+    16 (a launch marks every int argument that is one): without that, the compiler cannot prove
+    runs of bytes aligned and vectorises no load. ImportError where triton has no CUDA backend.
     The kernel tests use it to catch what the interpreter accepts and the compiler refuses;
     benchmarks/gpu_resources.py to read a launch's registers and shared memory."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401  (ImportError without it)
     signature = {name: pointers.get(name, "constexpr" if name in constexprs else "i32") for name in fn.arg_names}
-    return triton.compile(triton.compiler.ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+             if name in pointers or name in divisible}
+    return triton.compile(triton.compiler.ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                           options=options)

@@ -33,8 +33,8 @@ def f16_aligned(ptr, mask):
 @triton.jit
 def _float_values(row, d, mask, KIND: tl.constexpr):
     """Float rows: value d of each row. row (N, 1) byte pointers, d (1, BLOCK_D)."""
-    if KIND == 1:                                                       # F16
-        x = f16_aligned(row + 2 * d, mask)
+    if KIND == 1:                                                       # F16: typed before d is added,
+        x = tl.load(row.to(tl.pointer_type(tl.float16)) + d, mask=mask, other=0.0).to(tl.float32)  # so d's run vectorises
     elif KIND == 2:                                                     # BF16: the high half of an f32
         lo = tl.load(row + 2 * d, mask=mask, other=0).to(tl.uint32)
         hi = tl.load(row + 2 * d + 1, mask=mask, other=0).to(tl.uint32)

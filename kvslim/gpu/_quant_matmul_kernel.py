@@ -11,10 +11,12 @@ each value loads its own entry's byte. The kernels using it:
 
 - ``quant_gemv`` (decode, M <= 16 rows of x): one program per (BLOCK_N outputs, split of K);
   products summed in float32 on the CUDA cores, no tensor cores (M is too small to fill them).
-  Q8_0, Q4_0, Q4_K, Q5_K and Q6_K read their tile block by block (``_legacy_block_dot``,
-  ``_k4_block_dot``, ``_q6_k_block_dot``: each byte and scale loaded once; for Q4_0 at M = 1,
-  18 loads and 440 instructions against the per-value tile's 50 and 672 in the sm_90 cubin);
-  the other types take the per-value tile.
+  Q8_0, Q4_0 and Q6_K read their tile block by block (``_legacy_block_dot``,
+  ``_q6_k_block_dot``: each byte and scale loaded once); the other types take the per-value
+  tile. sm_90 cubins at M = 1 with a launch's alignment (``compile_sm90``), blockwise against
+  per-value: Q4_0 10 loads / 408 instructions against 49 / 640, Q6_K 28 / 624 against 81 / 984,
+  Q8_0 17 / 424 against 25 / 464. Q4_K and Q5_K gained nothing that way (the compiler already
+  merges their per-value loads into 16-byte ones: 9 loads / 464 instructions for Q4_K).
 - ``quant_gemm`` (prefill): one program per (BLOCK_M x BLOCK_N) tile of y; each BLOCK_K step
   dequantizes W's tile, casts it and x's tile to DOT_DTYPE and accumulates ``tl.dot`` in float32.
 - ``quant_gemv_experts`` / ``quant_gemm_experts``: the same two for a mixture's routed experts,
@@ -390,39 +392,6 @@ def _legacy_block_dot(x_ptr, w_ptr, m, M, rows, N, K, row_bytes, chunk,
 
 
 @triton.jit
-def _k4_block_dot(x_ptr, w_ptr, m, M, rows, N, K, row_bytes, chunk,
-                  TYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``_legacy_block_dot`` for Q4_K and Q5_K: the chunk as groups of 64 values, 32 code bytes
-    whose low nibbles are sub-block 2g and high nibbles sub-block 2g + 1 of the super-block
-    (``_k4_values``' layout); each code byte, each group's scales and its super-block's d and dmin
-    loaded once per group, not once per value. K is whole super-blocks (``_check``)."""
-    NG: tl.constexpr = BLOCK_K // 64
-    SIZE: tl.constexpr = 144 if TYPE == Q4_K else 176
-    QS: tl.constexpr = 16 if TYPE == Q4_K else 48
-    gg = chunk * NG + tl.arange(0, NG)                                  # (NG,) groups of 64 in the row
-    g = gg % 4
-    l = tl.arange(0, 32)
-    ok = (rows < N)[:, None] & (gg < K // 64)[None, :]                  # (BN, NG)
-    sb = w_ptr + rows.to(tl.int64)[:, None] * row_bytes + (gg // 4)[None, :] * SIZE
-    d, dmin = f16_aligned(sb, ok), f16_aligned(sb + 2, ok)
-    sc_lo, min_lo = _scale_min_k4(sb, 2 * g[None, :], ok)
-    sc_hi, min_hi = _scale_min_k4(sb, 2 * g[None, :] + 1, ok)
-    byte = _byte(sb[:, :, None] + QS + 32 * g[None, :, None] + l[None, None, :], ok[:, :, None])  # (BN, NG, 32)
-    q_lo, q_hi = byte & 0x0F, byte >> 4
-    if TYPE == Q5_K:
-        bits = _byte(sb[:, :, None] + 16 + l[None, None, :], ok[:, :, None]) >> (2 * g[None, :, None])
-        q_lo, q_hi = q_lo | ((bits & 1) << 4), q_hi | ((bits & 2) << 3)
-    lo = (d * sc_lo)[:, :, None] * q_lo.to(tl.float32) - (dmin * min_lo)[:, :, None]
-    hi = (d * sc_hi)[:, :, None] * q_hi.to(tl.float32) - (dmin * min_hi)[:, :, None]
-    x_ok = (m < M)[:, None, None] & (gg < K // 64)[None, :, None]
-    x_at = x_ptr + m[:, None, None] * K + (gg[:, None] * 64 + l[None, :])[None, :, :]      # (BM, NG, 32)
-    x_lo = tl.reshape(tl.load(x_at, mask=x_ok, other=0.0).to(tl.float32), (BLOCK_M, NG * 32))
-    x_hi = tl.reshape(tl.load(x_at + 32, mask=x_ok, other=0.0).to(tl.float32), (BLOCK_M, NG * 32))
-    lo, hi = tl.reshape(lo, (BLOCK_N, NG * 32)), tl.reshape(hi, (BLOCK_N, NG * 32))
-    return tl.sum(x_lo[:, None, :] * lo[None, :, :] + x_hi[:, None, :] * hi[None, :, :], axis=2)
-
-
-@triton.jit
 def _q6_k_block_dot(x_ptr, w_ptr, m, M, rows, N, K, row_bytes, chunk,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """``_legacy_block_dot`` for Q6_K, by halves of 128 values (``_q6_k_values``' layout): in half
@@ -470,8 +439,6 @@ def quant_gemv(x_ptr, w_ptr, grid_ptr, y_ptr, M, N, K, row_bytes, chunks_per_spl
     for chunk in range(first, last):
         if BLOCKWISE and (TYPE == Q8_0 or TYPE == Q4_0):
             acc += _legacy_block_dot(x_ptr, w_ptr, m, M, rows, N, K, row_bytes, chunk, TYPE, BLOCK_M, BLOCK_N, BLOCK_K)
-        elif BLOCKWISE and (TYPE == Q4_K or TYPE == Q5_K):
-            acc += _k4_block_dot(x_ptr, w_ptr, m, M, rows, N, K, row_bytes, chunk, TYPE, BLOCK_M, BLOCK_N, BLOCK_K)
         elif BLOCKWISE and TYPE == Q6_K:
             acc += _q6_k_block_dot(x_ptr, w_ptr, m, M, rows, N, K, row_bytes, chunk, BLOCK_M, BLOCK_N, BLOCK_K)
         else:
@@ -519,9 +486,6 @@ def quant_gemv_experts(x_ptr, w_ptr, grid_ptr, ids_ptr, y_ptr, N, K, row_bytes, 
         if BLOCKWISE and (TYPE == Q8_0 or TYPE == Q4_0):                # x's row p as a 1-row M
             acc += tl.sum(_legacy_block_dot(x_ptr + p * K, w_expert, tl.arange(0, 1), 1, rows, N, K, row_bytes,
                                             start // BLOCK_K, TYPE, 1, BLOCK_N, BLOCK_K), axis=0)
-        elif BLOCKWISE and (TYPE == Q4_K or TYPE == Q5_K):
-            acc += tl.sum(_k4_block_dot(x_ptr + p * K, w_expert, tl.arange(0, 1), 1, rows, N, K, row_bytes,
-                                        start // BLOCK_K, TYPE, 1, BLOCK_N, BLOCK_K), axis=0)
         elif BLOCKWISE and TYPE == Q6_K:
             acc += tl.sum(_q6_k_block_dot(x_ptr + p * K, w_expert, tl.arange(0, 1), 1, rows, N, K, row_bytes,
                                           start // BLOCK_K, 1, BLOCK_N, BLOCK_K), axis=0)

@@ -34,6 +34,13 @@ POINTER_ARGS = {"q_ptr": "*fp32", "q_pos_ptr": "*i32", "k_pool": "*u8", "v_pool"
                 "m_out": "*fp32", "l_out": "*fp32", "acc_out": "*fp32"}
 
 
+def aligned_args(fmt_k, fmt_v, head_dim: int) -> tuple[str, ...]:
+    """The row-size arguments a launch marks as multiples of 16 (Triton specialises every such
+    int): what an offline compile (``compile_sm90``) must be told to vectorise as a launch does."""
+    sizes = {"k_row_bytes": fmt_k.row_bytes(head_dim), "v_row_bytes": fmt_v.row_bytes(head_dim)}
+    return tuple(name for name, size in sizes.items() if size % 16 == 0)
+
+
 def _fields(fmt, head_dim: int) -> CodecFields | None:
     """The format's layout when this kernel decodes it (every layout the C kernel has but klt3's
     per-head rows, the rungs of the nls rows in bytes of their own: sub_bits dividing 8)."""
@@ -103,6 +110,12 @@ def _launch_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict | None =
                   BLOCK_N=32 if head_dim <= 64 else MIN_DOT, DOT="ieee", WIDE=False,
                   **_codec_args(fmt_k, head_dim, "K"), **_codec_args(fmt_v, head_dim, "V"),
                   num_warps=4 if head_dim <= 64 else 8)
+    if 1 in (config["K_KIND"], config["V_KIND"]):
+        # f16 rows load 16 bytes at a time, which Triton's software pipelining turns into async
+        # copies staged in registers: 255 registers with 168-184 B of spills and one program per
+        # SM at head_dim 256 (170-201 registers at 64 and 128). Unpipelined: 48-96 registers, no
+        # spills, 4-6 programs per SM (sm_90 cubins, Triton 3.9, benchmarks/gpu_resources.py)
+        config["num_stages"] = 1
     unknown = set(tune or ()) - set(TUNABLE)
     if unknown:
         raise ValueError(f"not a launch setting: {', '.join(sorted(unknown))} (tunable: {', '.join(TUNABLE)})")

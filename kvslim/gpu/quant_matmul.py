@@ -133,7 +133,7 @@ def gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type, split_k: int | None =
          blockwise: bool = True) -> torch.Tensor:
     """x (M, K) float, M <= MAX_GEMV_ROWS; blocks (N, row_bytes) uint8 of ``ggml_type`` ->
     y (M, N) float32. ``split_k``: splits of K (default ``split_count``). ``blockwise`` False:
-    Q8_0, Q4_0, Q4_K, Q5_K and Q6_K through the per-value tile too (their blockwise reads' twin)."""
+    Q8_0, Q4_0 and Q6_K through the per-value tile too (their blockwise reads' twin)."""
     _check(x, blocks, ggml_type)
     if x.shape[0] > MAX_GEMV_ROWS:
         raise ValueError(f"the GEMV takes at most {MAX_GEMV_ROWS} rows of x, got {x.shape[0]}: use gemm")
