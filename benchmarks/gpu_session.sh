@@ -216,21 +216,24 @@ core() {
 # device's Intel host, now measured before use, and gave quantized caches a code-flip tolerance):
 # the torch backend's CUDA tests (all should pass: issue 17's `--device cuda`), the kernels' and
 # the models' CUDA tests with the kernels on, the GEMV's blockwise reads against the per-value
-# tile (session 31's rewrite, untimed), then the 35B-A3B-shaped model with profiles, as session
-# 31's second call ran it (the GEMV was 47% of a decode step at depth 0), turbo3 added:
+# tile, the decode table (f16 rows now load 16 bytes at a time, unpipelined), then the
+# 35B-A3B-shaped model with profiles, as session 31's second call ran it, turbo3 added. Session
+# 31's changes to the kernels are untimed: these are their first figures.
 #   run(command="bash benchmarks/gpu_session.sh verify", carry=[".whl"], timeout_s=480)
 verify() {
     deadline=$((SECONDS + ${BUDGET:-420}))
     setup || exit 1
     # shellcheck disable=SC2086
-    KVSLIM_TRITON=0 timeout -k 5 "$(left 100)" $PY $PYTEST -rfEs -n 12 --timeout 90 $MODEL_TESTS -k cuda 2>&1 \
+    KVSLIM_TRITON=0 timeout -k 5 "$(left 90)" $PY $PYTEST -rfEs -n 12 --timeout 80 $MODEL_TESTS -k cuda 2>&1 \
         | tee "$OUT/tests-torch.log" | tail -15
     # shellcheck disable=SC2086
     KVSLIM_TRITON=1 timeout -k 5 "$(left 110)" $PY $PYTEST -rfEs -n 14 --timeout 100 $KERNEL_TESTS $MODEL_TESTS \
         -k "cuda or fla or h100" 2>&1 | tee "$OUT/tests-triton.log" | tail -15
-    timeout -k 5 "$(left 45)" $PY benchmarks/gpu_weights.py -t q4_0,q4_k,q8_0 -s 4096x2048,2048x4096,512x2048 \
+    timeout -k 5 "$(left 40)" $PY benchmarks/gpu_weights.py -t q4_0,q6_k,q8_0 -s 4096x2048,2048x4096,512x2048 \
         -m 512 -r 20 --expert-tokens 1,4 2>&1 | tee "$OUT/weights.md" | tail -30
-    KVSLIM_TRITON=1 timeout -k 5 "$(left 150)" $PY benchmarks/gpu_model.py -d 0,32768 -np 1,4 -n 8 --profile 4 \
+    KVSLIM_TRITON=1 timeout -k 5 "$(left 40)" $PY benchmarks/gpu_decode.py -d 32768,131072 -b 1,8 -r 5 --no-loop \
+        -p f16/f16,q8_0/q8_0,turbo4/turbo4,turbo3/turbo3 2>&1 | tee "$OUT/decode.md" | tail -22
+    KVSLIM_TRITON=1 timeout -k 5 "$(left 130)" $PY benchmarks/gpu_model.py -d 0,32768 -np 1,4 -n 8 --profile 4 \
         --pairs f16/f16,q8_0/turbo4,turbo3/turbo3 2>&1 | tee "$OUT/e2e.md" | tail -30
     echo "verify: $SECONDS s"
 }
