@@ -181,6 +181,19 @@ all() {
     echo "all: $SECONDS s"
 }
 
+# Two steps `core` and `verify` share: the torch backend's CUDA tests with their failures listed
+# (issue 17's `--device cuda`), and issue 18's decode table in CUDA graphs. $1: seconds at most.
+torch_cuda_tests() {
+    # shellcheck disable=SC2086
+    KVSLIM_TRITON=0 timeout -k 5 "$(left "$1")" $PY $PYTEST -rfEs -n 12 --timeout $(($1 - 10)) $MODEL_TESTS -k cuda \
+        2>&1 | tee "$OUT/tests-torch.log" | tail -40
+}
+
+decode_table() {
+    KVSLIM_TRITON=1 timeout -k 5 "$(left "$1")" $PY benchmarks/gpu_decode.py -d 32768,131072 -b 1,8 -r 5 --no-loop \
+        -p f16/f16,q8_0/q8_0,turbo4/turbo4,turbo3/turbo3 2>&1 | tee "$OUT/decode.md" | tail -22
+}
+
 # A lease after `all` found what to fix (session 30's second call ran this with BUDGET=300): the
 # torch backend's CUDA tests first (issue 17's `--device cuda`; 80 s cut them short in session
 # 30, before their summary), the CPU/GPU drift diagnosis with the model's own matmul shapes,
@@ -191,17 +204,14 @@ all() {
 core() {
     deadline=$((SECONDS + ${BUDGET:-420}))
     setup || exit 1
-    # shellcheck disable=SC2086
-    KVSLIM_TRITON=0 timeout -k 5 "$(left 110)" $PY $PYTEST -rfEs -n 12 --timeout 100 $MODEL_TESTS -k cuda 2>&1 \
-        | tee "$OUT/tests-torch.log" | tail -40
+    torch_cuda_tests 110
     KVSLIM_TRITON=0 timeout -k 5 "$(left 45)" $PY benchmarks/device_parity.py 2>&1 | tee "$OUT/parity.md" | head -30
     KVSLIM_TRITON=1 timeout -k 5 "$(left 100)" $PY benchmarks/gpu_decode.py --sweep -d 131072 -b 1,8 -r 5 \
         -p f16/f16,turbo4/turbo4 2>&1 | tee "$OUT/sweep.md" | tail -45
     KVSLIM_TRITON=1 timeout -k 5 "$(left 50)" ncu --section LaunchStats --section Occupancy --section SpeedOfLight \
         --section WarpStateStats --section MemoryWorkloadAnalysis -k regex:paged_prefill_tile -c 1 \
         $PY benchmarks/gpu_decode.py -d 131072 -b 8 -r 1 -p turbo4/turbo4 --no-loop 2>&1 | tee "$OUT/ncu.txt" | tail -60
-    KVSLIM_TRITON=1 timeout -k 5 "$(left 40)" $PY benchmarks/gpu_decode.py -d 32768,131072 -b 1,8 -r 5 --no-loop \
-        -p f16/f16,q8_0/q8_0,turbo4/turbo4,turbo3/turbo3 2>&1 | tee "$OUT/decode.md" | tail -22
+    decode_table 40
     { KVSLIM_TRITON=0 timeout -k 5 "$(left 15)" $PY -m kvslim run --device cuda -n 24 --temp 0 -p "Once upon a time"
       KVSLIM_TRITON=0 timeout -k 5 "$(left 30)" $PY -m kvslim bench --device cuda -p 512 -n 32 -d 0,4096 -r 2; } \
         2>&1 | tee "$OUT/cli.md" | tail -12
@@ -223,16 +233,13 @@ core() {
 verify() {
     deadline=$((SECONDS + ${BUDGET:-420}))
     setup || exit 1
-    # shellcheck disable=SC2086
-    KVSLIM_TRITON=0 timeout -k 5 "$(left 90)" $PY $PYTEST -rfEs -n 12 --timeout 80 $MODEL_TESTS -k cuda 2>&1 \
-        | tee "$OUT/tests-torch.log" | tail -15
+    torch_cuda_tests 90
     # shellcheck disable=SC2086
     KVSLIM_TRITON=1 timeout -k 5 "$(left 110)" $PY $PYTEST -rfEs -n 14 --timeout 100 $KERNEL_TESTS $MODEL_TESTS \
         -k "cuda or fla or h100" 2>&1 | tee "$OUT/tests-triton.log" | tail -15
     timeout -k 5 "$(left 40)" $PY benchmarks/gpu_weights.py -t q4_0,q6_k,q8_0 -s 4096x2048,2048x4096,512x2048 \
         -m 512 -r 20 --expert-tokens 1,4 2>&1 | tee "$OUT/weights.md" | tail -30
-    KVSLIM_TRITON=1 timeout -k 5 "$(left 40)" $PY benchmarks/gpu_decode.py -d 32768,131072 -b 1,8 -r 5 --no-loop \
-        -p f16/f16,q8_0/q8_0,turbo4/turbo4,turbo3/turbo3 2>&1 | tee "$OUT/decode.md" | tail -22
+    decode_table 40
     KVSLIM_TRITON=1 timeout -k 5 "$(left 130)" $PY benchmarks/gpu_model.py -d 0,32768 -np 1,4 -n 8 --profile 4 \
         --pairs f16/f16,q8_0/turbo4,turbo3/turbo3 2>&1 | tee "$OUT/e2e.md" | tail -30
     echo "verify: $SECONDS s"

@@ -49,12 +49,14 @@ def compile_sm90(fn, pointers: dict[str, str], constexprs: dict, divisible: tupl
     as a launch's (num_warps, num_stages). As a launch specialises them, the pointers are known
     16-byte aligned (torch's allocations are) and the ints named in ``divisible`` multiples of
     16 (a launch marks every int argument that is one): without that, the compiler cannot prove
-    runs of bytes aligned and vectorises no load. ImportError where triton has no CUDA backend.
+    runs of bytes aligned and vectorises no load. Constexprs left out take their defaults, as
+    in a launch (else they would compile as runtime ints). ImportError where triton has no CUDA backend.
     The kernel tests use it to catch what the interpreter accepts and the compiler refuses;
     benchmarks/gpu_resources.py to read a launch's registers and shared memory."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401  (ImportError without it)
+    constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **constexprs}
     signature = {name: pointers.get(name, "constexpr" if name in constexprs else "i32") for name in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
              if name in pointers or name in divisible}

@@ -14,9 +14,10 @@ each value loads its own entry's byte. The kernels using it:
   Q8_0, Q4_0 and Q6_K read their tile block by block (``_legacy_block_dot``,
   ``_q6_k_block_dot``: each byte and scale loaded once); the other types take the per-value
   tile. sm_90 cubins at M = 1 with a launch's alignment (``compile_sm90``), blockwise against
-  per-value: Q4_0 10 loads / 408 instructions against 49 / 640, Q6_K 28 / 624 against 81 / 984,
-  Q8_0 17 / 424 against 25 / 464. Q4_K and Q5_K gained nothing that way (the compiler already
-  merges their per-value loads into 16-byte ones: 9 loads / 464 instructions for Q4_K).
+  per-value: Q4_0 10 loads / 408 instructions against 49 / 648, Q6_K 28 / 624 against 81 / 976,
+  Q8_0 17 / 424 against 25 / 432. Q4_K and Q5_K gained nothing that way (the compiler already
+  merges their per-value loads into 16-byte ones: 9 loads / 336 instructions for Q4_K).
+  Every chunk is one ``_gemv_step``, which the experts' GEMV takes too (as a 1-row M).
 - ``quant_gemm`` (prefill): one program per (BLOCK_M x BLOCK_N) tile of y; each BLOCK_K step
   dequantizes W's tile, casts it and x's tile to DOT_DTYPE and accumulates ``tl.dot`` in float32.
 - ``quant_gemv_experts`` / ``quant_gemm_experts``: the same two for a mixture's routed experts,
@@ -423,6 +424,28 @@ def _q6_k_block_dot(x_ptr, w_ptr, m, M, rows, N, K, row_bytes, chunk,
 
 
 @triton.jit
+def _gemv_step(x_ptr, w_ptr, grid_ptr, m, M, rows, N, K, row_bytes, chunk, TYPE: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKWISE: tl.constexpr):
+    """One BLOCK_K chunk of x[m] . W[rows] -> (BM, BN) float32: Q8_0, Q4_0 and Q6_K block by
+    block where BLOCKWISE, every other type (or all, BLOCKWISE False) through the per-value tile."""
+    if BLOCKWISE and (TYPE == Q8_0 or TYPE == Q4_0):
+        out = _legacy_block_dot(x_ptr, w_ptr, m, M, rows, N, K, row_bytes, chunk, TYPE, BLOCK_M, BLOCK_N, BLOCK_K)
+    elif BLOCKWISE and TYPE == Q6_K:
+        out = _q6_k_block_dot(x_ptr, w_ptr, m, M, rows, N, K, row_bytes, chunk, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        cols = chunk * BLOCK_K + tl.arange(0, BLOCK_K)
+        w = _dequantize_tile(w_ptr, grid_ptr, rows, cols, row_bytes, N, K, TYPE)           # (BN, BK)
+        if BLOCK_M == 1:                # a vector: sm_90 cubins 336 instructions, not 464 (Q4_K)
+            x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)              # (BK,)
+            out = tl.sum(w * x[None, :], axis=1)[None, :]
+        else:
+            x = tl.load(x_ptr + m[:, None] * K + cols[None, :], mask=(m < M)[:, None] & (cols < K)[None, :],
+                        other=0.0).to(tl.float32)                                       # (BM, BK)
+            out = tl.sum(x[:, None, :] * w[None, :, :], axis=2)                        # (BM, BN)
+    return out
+
+
+@triton.jit
 def quant_gemv(x_ptr, w_ptr, grid_ptr, y_ptr, M, N, K, row_bytes, chunks_per_split,
                TYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                BLOCKWISE: tl.constexpr = True):
@@ -437,16 +460,8 @@ def quant_gemv(x_ptr, w_ptr, grid_ptr, y_ptr, M, N, K, row_bytes, chunks_per_spl
     last = tl.minimum(first + chunks_per_split, tl.cdiv(K, BLOCK_K))
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for chunk in range(first, last):
-        if BLOCKWISE and (TYPE == Q8_0 or TYPE == Q4_0):
-            acc += _legacy_block_dot(x_ptr, w_ptr, m, M, rows, N, K, row_bytes, chunk, TYPE, BLOCK_M, BLOCK_N, BLOCK_K)
-        elif BLOCKWISE and TYPE == Q6_K:
-            acc += _q6_k_block_dot(x_ptr, w_ptr, m, M, rows, N, K, row_bytes, chunk, BLOCK_M, BLOCK_N, BLOCK_K)
-        else:
-            cols = chunk * BLOCK_K + tl.arange(0, BLOCK_K)
-            w = _dequantize_tile(w_ptr, grid_ptr, rows, cols, row_bytes, N, K, TYPE)       # (BN, BK)
-            x = tl.load(x_ptr + m[:, None] * K + cols[None, :], mask=(m < M)[:, None] & (cols < K)[None, :],
-                        other=0.0).to(tl.float32)                                       # (BM, BK)
-            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)                       # (BM, BN)
+        acc += _gemv_step(x_ptr, w_ptr, grid_ptr, m, M, rows, N, K, row_bytes, chunk,
+                          TYPE, BLOCK_M, BLOCK_N, BLOCK_K, BLOCKWISE)
     out = y_ptr + (split * M + m[:, None]) * N + rows[None, :]
     tl.store(out, acc, mask=(m < M)[:, None] & (rows < N)[None, :])
 
@@ -482,18 +497,9 @@ def quant_gemv_experts(x_ptr, w_ptr, grid_ptr, ids_ptr, y_ptr, N, K, row_bytes, 
     w_expert = w_ptr + tl.load(ids_ptr + p).to(tl.int64) * expert_bytes
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_N], tl.float32)
-    for start in range(0, K, BLOCK_K):
-        if BLOCKWISE and (TYPE == Q8_0 or TYPE == Q4_0):                # x's row p as a 1-row M
-            acc += tl.sum(_legacy_block_dot(x_ptr + p * K, w_expert, tl.arange(0, 1), 1, rows, N, K, row_bytes,
-                                            start // BLOCK_K, TYPE, 1, BLOCK_N, BLOCK_K), axis=0)
-        elif BLOCKWISE and TYPE == Q6_K:
-            acc += tl.sum(_q6_k_block_dot(x_ptr + p * K, w_expert, tl.arange(0, 1), 1, rows, N, K, row_bytes,
-                                          start // BLOCK_K, 1, BLOCK_N, BLOCK_K), axis=0)
-        else:
-            cols = start + tl.arange(0, BLOCK_K)
-            w = _dequantize_tile(w_expert, grid_ptr, rows, cols, row_bytes, N, K, TYPE)    # (BN, BK)
-            x = tl.load(x_ptr + p * K + cols, mask=cols < K, other=0.0).to(tl.float32)   # (BK,)
-            acc += tl.sum(w * x[None, :], axis=1)
+    for start in range(0, K, BLOCK_K):                                  # x's row p as a 1-row M
+        acc += tl.sum(_gemv_step(x_ptr + p * K, w_expert, grid_ptr, tl.arange(0, 1), 1, rows, N, K, row_bytes,
+                                 start // BLOCK_K, TYPE, 1, BLOCK_N, BLOCK_K, BLOCKWISE), axis=0)
     tl.store(y_ptr + p * N + rows, acc, mask=rows < N)
 
 

@@ -19,7 +19,7 @@ from functools import lru_cache
 
 import torch
 
-from ..native.paged_attention import KLT, CodecFields, codec_fields
+from ..native.paged_attention import F16, KLT, CodecFields, codec_fields
 from . import available, pow2, runs_on
 
 SPLIT_KEYS = 512          # keys per program when rows are few: fixed, so a sequence's bits do not depend on its batch
@@ -110,7 +110,7 @@ def _launch_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict | None =
                   BLOCK_N=32 if head_dim <= 64 else MIN_DOT, DOT="ieee", WIDE=False,
                   **_codec_args(fmt_k, head_dim, "K"), **_codec_args(fmt_v, head_dim, "V"),
                   num_warps=4 if head_dim <= 64 else 8)
-    if 1 in (config["K_KIND"], config["V_KIND"]):
+    if F16 in (config["K_KIND"], config["V_KIND"]):
         # f16 rows load 16 bytes at a time, which Triton's software pipelining turns into async
         # copies staged in registers: 255 registers with 168-184 B of spills and one program per
         # SM at head_dim 256 (170-201 registers at 64 and 128). Unpipelined: 48-96 registers, no
