@@ -68,7 +68,8 @@ def _rows(name: str, n: int, k: int, gemm_rows: int, runs: int, device: str) -> 
             per_value = ""
             if m == 1:
                 triton_ms = _median_ms(lambda: gpu.gemv(x, w.data, ggml_type), runs, device)
-                per_value = f"{_median_ms(lambda: gpu.gemv(x, w.data, ggml_type, blockwise=False), runs, device):.4f}"
+                if ggml_type in gpu.BLOCKWISE:                       # the others have one path
+                    per_value = f"{_median_ms(lambda: gpu.gemv(x, w.data, ggml_type, blockwise=False), runs, device):.4f}"
             else:
                 triton_ms = _median_ms(lambda: gpu.gemm(x, w.data, ggml_type, dot), runs, device)
             torch_ms = _median_ms(lambda: x @ dense.T, runs, device)

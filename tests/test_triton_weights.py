@@ -39,7 +39,7 @@ ROTATED = [t for t in GRID_TYPES if t != "nvfp4"]
 GEMV = [("gemv", t, m, n, COLS[t], split) for t in TYPES if t not in ROTATED for m, n, split in GEMV_SHAPES]
 GEMV += [("gemv", t, m, n, COLS[t], split) for t, (m, n, split) in zip(ROTATED, GEMV_SHAPES * 3)]
 # the per-value tile of the types that the GEMV reads block by block (their twin path)
-PER_VALUE = [("per-value gemv", t, 5, 40, COLS[t], None) for t in ("q8_0", "q4_0", "q6_k")]
+PER_VALUE = [("per-value gemv", t.name.lower(), 5, 40, COLS[t.name.lower()], None) for t in gpu.BLOCKWISE]
 GEMM = [("gemm", t, m, n, COLS[t], dot) for t in TYPES for m, n, dot in ((33, 64, "ieee"), (40, 40, "fp16"))]
 GEMM += [("gemm", "q6_k", 130, 32, 256, "ieee")]                       # two M tiles of 128
 # ("values", type, K, N, K, "ieee"): the exact GEMM of the K x K identity gives W's values themselves

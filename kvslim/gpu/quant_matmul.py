@@ -40,6 +40,7 @@ from . import runs_on as gpu_runs_on
 _T = gguf.GGMLQuantizationType
 GRIDDED = (_T.IQ2_XXS, _T.IQ2_XS, _T.IQ2_S, _T.IQ3_XXS, _T.IQ3_S, _T.IQ1_S, _T.IQ1_M)   # values index a lattice
 SUPPORTED = (_T.Q8_0, _T.Q4_0, _T.Q2_K, _T.Q3_K, _T.Q4_K, _T.Q5_K, _T.Q6_K, _T.IQ4_XS, *GRIDDED, _T.MXFP4, _T.NVFP4)
+BLOCKWISE = (_T.Q8_0, _T.Q4_0, _T.Q6_K)   # the GEMV reads these block by block (``_gemv_step``)
 MAX_GEMV_ROWS = 16            # more rows of x: the tensor-core GEMM
 GEMV_PROGRAMS = 264           # split K until a GEMV launches about this many programs (2 per H100 SM)
 GEMV_TILE = 2048              # BLOCK_N * BLOCK_K: W values one GEMV step dequantizes (in registers)
@@ -133,7 +134,7 @@ def gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type, split_k: int | None =
          blockwise: bool = True) -> torch.Tensor:
     """x (M, K) float, M <= MAX_GEMV_ROWS; blocks (N, row_bytes) uint8 of ``ggml_type`` ->
     y (M, N) float32. ``split_k``: splits of K (default ``split_count``). ``blockwise`` False:
-    Q8_0, Q4_0 and Q6_K through the per-value tile too (their blockwise reads' twin)."""
+    the BLOCKWISE types through the per-value tile too (their blockwise reads' twin)."""
     _check(x, blocks, ggml_type)
     if x.shape[0] > MAX_GEMV_ROWS:
         raise ValueError(f"the GEMV takes at most {MAX_GEMV_ROWS} rows of x, got {x.shape[0]}: use gemm")
