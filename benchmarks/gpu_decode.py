@@ -16,7 +16,7 @@ On a GPU each step is timed twice: launched from Python ("eager ms": the host's 
 included, which at 32K take longer than the kernels) and replayed from a CUDA graph ("ms": the
 GPU's time, as the engine's decode step runs in graphs); ratios and bandwidth use the graph's.
 ``--sweep`` times the kernel's launch settings (``paged_prefill.TUNABLE``: keys per block,
-warps, pipelining stages, the dots' precision) and keys per split against one another, each with
+warps, pipelining stages, the dots' precision, how codes are read) and keys per split against one another, each with
 its largest difference from the torch loop's output on the same inputs, to pick defaults from.
 The bandwidth columns count the bytes of K/V the step must read (packed for the kernel, f16 for
 SDPA) over its time, beside a device-to-device copy measured in the same run (bytes read and
@@ -215,18 +215,20 @@ def _sweep_rows(pairs: list[str], depth: int, batch: int, args, copy: float) -> 
         fmt_v, k_pool, v_pool = inputs[1], inputs[3], inputs[4]
         read = batch * depth * N_KV * (k_pool.shape[3] + v_pool.shape[3])
         want = fmt_v.from_code_domain(loop_step(*inputs)().result())
-        for block_n, warps, stages, dot in VARIANTS:
-            tune = {"BLOCK_N": block_n, "num_warps": warps, "DOT": dot, **({"num_stages": stages} if stages else {})}
+        # every setting reads codes two bytes a load; the default's also as session 31 did (a load per value)
+        for block_n, warps, stages, dot, codecs in [(*v, "units") for v in VARIANTS] + [(*VARIANTS[0], "per-value")]:
+            tune = {"BLOCK_N": block_n, "num_warps": warps, "DOT": dot, "CODECS": codecs,
+                    **({"num_stages": stages} if stages else {})}
             for split in SPLITS:
                 step = packed_step(*inputs, split, tune)
                 try:
                     err = (step() - want).abs().max().item()
                     ms = _graph_ms(step, args.runs) if args.device.startswith("cuda") else _median_ms(step, 1, "cpu")
                 except Exception as exc:                             # a setting that does not compile or fit
-                    emit(pair, depth, batch, block_n, warps, stages or "", dot, split, "", "", "",
+                    emit(pair, depth, batch, block_n, warps, stages or "", dot, codecs, split, "", "", "",
                          f"{type(exc).__name__}: {str(exc).splitlines()[0][:60]}")
                     continue
-                emit(pair, depth, batch, block_n, warps, stages or "", dot, split, f"{ms:.3f}",
+                emit(pair, depth, batch, block_n, warps, stages or "", dot, codecs, split, f"{ms:.3f}",
                      f"{read / ms / 1e6:.0f}", f"{100 * read / ms / 1e6 / copy:.0f}%", f"{err:.1e}")
         del inputs, k_pool, v_pool
         if args.device.startswith("cuda"):
@@ -248,8 +250,8 @@ def main(argv=None) -> None:
     name = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu (interpreter)"
     print(f"{name}: device-to-device copy {copy:.0f} GB/s (read + written); median of {args.runs}\n")
     if args.sweep:                      # rows as they come (unaligned): a run cut short keeps its rows
-        print("| K/V | depth | batch | BLOCK_N | warps | stages | dot | split | ms | GB/s read | of copy | max diff |")
-        print("|---|" + "---:|" * 11, flush=True)
+        print("| K/V | depth | batch | BLOCK_N | warps | stages | dot | codes | split | ms | GB/s read | of copy | max diff |")
+        print("|---|" + "---:|" * 12, flush=True)
         for d in args.depths.split(","):
             for b in args.batches.split(","):
                 _sweep_rows(args.pairs.split(","), int(d), int(b), args, copy)

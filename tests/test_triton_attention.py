@@ -47,7 +47,8 @@ REFUSED = [("turbo4p", "f16")]   # a QJL sketch
 # page and than a split's tail, another dot precision; they change the schedule, not the sums' terms
 TUNED = [{"BLOCK_N": 64, "num_warps": 4}, {"BLOCK_N": 32, "num_stages": 2, "DOT": "tf32x3"},
          {"BLOCK_N": 8, "DOT": "fma", "WIDE": True},     # fma: 3 query rows in a tile of 4, 8 keys a block
-         {"DOT": "f16"}]                                 # f16 operands: held to a looser bound below
+         {"DOT": "f16"},                                 # f16 operands: held to a looser bound below
+         {"CODECS": "per-value"}]                        # session 31's reading: a load per value
 
 
 def _states_in_child(cases, path: Path) -> None:
@@ -123,6 +124,30 @@ def test_launch_overrides_keep_the_state(interpreted):
     with pytest.raises(ValueError, match="DOT='bf16': expected one of ieee"):
         paged_prefill._launch_config(formats.get("f16"), formats.get("f16"), 8, 64, {"DOT": "bf16"})
     assert paged_prefill._launch_config(formats.get("f16"), formats.get("f16"), 8, 64, {"DOT": "fma"})["BLOCK_M"] == 8
+    with pytest.raises(ValueError, match="CODECS='bytes': expected one of units, per-value"):
+        paged_prefill._launch_config(formats.get("f16"), formats.get("f16"), 8, 64, {"CODECS": "bytes"})
+
+
+@pytest.mark.parametrize("name,lookups,phases", [
+    ("q4_0", ("AFFINE", "AFFINE"), 4), ("q4_1", ("AFFINE", "AFFINE"), 4), ("iq4_nl", ("TREE", "GATHER"), 4),
+    ("turbo4", ("MIRROR", "GATHER"), 4), ("turbo2", ("MIRROR", "GATHER"), 8), ("turbo3", ("MIRROR", "GATHER"), 1),
+    ("q8_0", ("GATHER", "GATHER"), 1), ("q5_0", ("AFFINE", "AFFINE"), 1)])
+def test_each_format_reads_its_codes_the_cheapest_exact_way(name, lookups, phases):
+    """The launcher reads a side's code table from its values: integer steps by arithmetic, a
+    mirrored table (turbo's Lloyd-Max) by half a tree of selects on K, and codes that fill their
+    block's bytes two bytes a load (turbo3's 3-bit codes straddle bytes, q5_0's fifth bits sit
+    apart, q8_0's are bytes). The values these reads give are checked against the reference by
+    every parity case; this pins the choice, so that a table or layout change shows up here."""
+    config = paged_prefill._launch_config(formats.get(name, role="k"), formats.get(name, role="v"), 8, 256)
+    want = tuple(getattr(paged_prefill, mode) for mode in lookups)
+    assert (config["K_LOOKUP"], config["V_LOOKUP"]) == want
+    assert config["K_PHASES"] == config["V_PHASES"] == phases
+    per_value = paged_prefill._launch_config(formats.get(name, role="k"), formats.get(name, role="v"), 8, 256,
+                                             {"CODECS": "per-value"})
+    assert (per_value["K_LOOKUP"], per_value["V_LOOKUP"], per_value["K_PHASES"]) == (
+        paged_prefill.SELECT, paged_prefill.GATHER, 1)
+    if paged_prefill._fields(formats.get(name, role="k"), 96) is not None:   # whole blocks, head_dim not a power of 2
+        assert paged_prefill._launch_config(formats.get(name, role="k"), formats.get(name, role="v"), 8, 96)["K_PHASES"] == 1
 
 
 def test_a_sequence_gets_the_same_bits_whatever_its_batch(interpreted):

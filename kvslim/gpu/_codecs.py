@@ -69,35 +69,107 @@ def _block_code(q, j, mask, KIND: tl.constexpr, BITS: tl.constexpr, BLOCK_VALUES
 
 
 @triton.jit
-def _lookup(lut, code, BITS: tl.constexpr, SELECT: tl.constexpr):
-    """lut[code] for a tile of codes: with SELECT and up to 4 bits, a select per table entry (the
-    entries loaded as scalars), else a gather, which holds a 64-bit address per value (the
-    launcher picks per side: ``paged_prefill._codec_args``)."""
-    if SELECT and BITS <= 4:
+def _pick(lut, code, AT: tl.constexpr, BITS: tl.constexpr):
+    """lut[AT + (code mod 2^BITS)]: a binary tree of selects on code's bits, one select per entry
+    (the table's entries are scalars, loaded once)."""
+    if BITS == 0:
+        x = tl.load(lut + AT) + tl.zeros(code.shape, tl.float32)
+    else:
+        HALF: tl.constexpr = 1 << (BITS - 1)
+        top = (code & HALF) != 0
+        x = tl.where(top, _pick(lut, code, AT + HALF, BITS - 1), _pick(lut, code, AT, BITS - 1))
+    return x
+
+
+@triton.jit
+def _lookup(lut, code, BITS: tl.constexpr, LOOKUP: tl.constexpr):
+    """lut[code] for a tile of codes of up to BITS bits, read as LOOKUP says (numbered as
+    ``paged_prefill.GATHER, SELECT, TREE, MIRROR, AFFINE``, chosen there per format from its
+    table's values). GATHER: a load per value (it holds a
+    64-bit address per value); SELECT: a compare and a select per table entry; TREE: a select per
+    entry (``_pick``); MIRROR, for tables with lut[2^BITS - 1 - c] = -lut[c] (Lloyd-Max tables
+    of symmetric distributions): the tree of the lower half, then the sign; AFFINE, for tables
+    with lut[c] = lut[0] + c (lut[1] - lut[0]) exactly (q4_0's c - 8): a convert and an FMA."""
+    if LOOKUP == 1 and BITS <= 4:
         x = tl.zeros(code.shape, tl.float32)
         for i in tl.static_range(1 << BITS):
             x = tl.where(code == i, tl.load(lut + i), x)
+    elif LOOKUP == 2 and BITS <= 4:
+        x = _pick(lut, code, 0, BITS)
+    elif LOOKUP == 3 and BITS <= 4:
+        LAST: tl.constexpr = (1 << BITS) - 1
+        upper = code > (LAST >> 1)
+        y = _pick(lut, tl.where(upper, LAST - code, code), 0, BITS - 1)
+        x = tl.where(upper, -y, y)
+    elif LOOKUP == 4:
+        first = tl.load(lut)
+        x = code.to(tl.float32) * (tl.load(lut + 1) - first) + first
     else:
         x = tl.load(lut + code)
     return x
 
 
 @triton.jit
+def columns(BLOCK_D: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, BLOCK_VALUES: tl.constexpr,
+            BLOCK_BYTES: tl.constexpr, HEADER_BYTES: tl.constexpr, PHASES: tl.constexpr):
+    """The value each column of ``decode_tile``'s tile holds, (BLOCK_D,): column e itself, or with
+    PHASES, column p * W + u (W = BLOCK_D / PHASES) holds code p of the row's 2-byte unit u."""
+    e = tl.arange(0, BLOCK_D)
+    if PHASES > 1:
+        UNITS: tl.constexpr = (BLOCK_BYTES - HEADER_BYTES) // 2          # 2-byte units of codes per block
+        W: tl.constexpr = BLOCK_D // PHASES
+        p = e // W
+        u = e % W
+        w = u % UNITS
+        if KIND == 4:                                                   # NIBBLE: unit w = bytes 2w, 2w + 1
+            j = 2 * w + p // 2 + (BLOCK_VALUES // 2) * (p % 2)
+        else:                                                           # PACKED: codes PHASES w + p
+            j = PHASES * w + p
+        e = (u // UNITS) * BLOCK_VALUES + j
+    return e
+
+
+@triton.jit
+def _phased_tile(row, valid, lut, BLOCK_D: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
+                 BLOCK_BYTES: tl.constexpr, HEADER_BYTES: tl.constexpr, OFFSET_AT: tl.constexpr,
+                 LOOKUP: tl.constexpr, PHASES: tl.constexpr):
+    """``decode_tile`` for 4-, 2- and 1-bit codes in 2-byte units: one load per unit, PHASES codes
+    cut from it, the tile's columns in ``columns``'s order. row (N, 1) byte pointers."""
+    UNITS: tl.constexpr = (BLOCK_BYTES - HEADER_BYTES) // 2
+    W: tl.constexpr = BLOCK_D // PHASES
+    SHIFT: tl.constexpr = 16 // PHASES
+    u = tl.arange(0, W)[None, :]
+    mask = valid[:, None] & (u < W)
+    block = row + (u // UNITS) * BLOCK_BYTES                            # (N, W)
+    units = tl.load((block + HEADER_BYTES).to(tl.pointer_type(tl.uint16)) + u % UNITS, mask=mask, other=0)
+    p = tl.arange(0, PHASES)[None, :, None]
+    code = (units.to(tl.int32)[:, None, :] >> (SHIFT * p)) & ((1 << SHIFT) - 1)    # (N, PHASES, W)
+    x = f16_aligned(block, mask)[:, None, :] * _lookup(lut, code, BITS, LOOKUP)
+    if OFFSET_AT > 0:
+        x = x + f16_aligned(block + OFFSET_AT, mask)[:, None, :]
+    return tl.reshape(x, (x.shape[0], BLOCK_D))
+
+
+@triton.jit
 def decode_tile(pool, row_off, valid, lut, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  KIND: tl.constexpr, BITS: tl.constexpr, BLOCK_VALUES: tl.constexpr,
                  BLOCK_BYTES: tl.constexpr, HEADER_BYTES: tl.constexpr, OFFSET_AT: tl.constexpr,
-                 SUB_VALUES: tl.constexpr, SUB_BITS: tl.constexpr, SELECT: tl.constexpr):
+                 SUB_VALUES: tl.constexpr, SUB_BITS: tl.constexpr, LOOKUP: tl.constexpr,
+                 PHASES: tl.constexpr = 1):
     """Rows at byte offsets row_off (N,) of pool -> (N, BLOCK_D) float32 in the code domain;
     zeros where a key is not valid or past HEAD_DIM (so a masked key adds 0 * 0, never NaN).
     ``lut``: the 32 code values, then the ladder's rungs (LADDER_AT on).
     NIBBLE with BITS 5 (ggml q5_x): a u32 of each code's bit 4 precedes the nibbles; OFFSET_AT
     > 0 (q4_1, q5_1): the f16 at that byte of the block is added to every value; SUB_VALUES > 0
     (the nls rows): after the f16 scale, a SUB_BITS-bit rung per SUB_VALUES values, and a value's
-    scale is (scale * ladder[rung]). SELECT: how the code table is read (``_lookup``)."""
+    scale is (scale * ladder[rung]). LOOKUP: how the code table is read (``_lookup``)."""
     d = tl.arange(0, BLOCK_D)[None, :]
     mask = valid[:, None] & (d < HEAD_DIM)
     row = pool + row_off[:, None]                                       # (N, 1) pointers
-    if KIND <= 2:
+    if PHASES > 1:
+        x = _phased_tile(row, valid, lut, BLOCK_D, KIND, BITS, BLOCK_BYTES, HEADER_BYTES, OFFSET_AT,
+                         LOOKUP, PHASES)
+    elif KIND <= 2:
         x = _float_values(row, d, mask, KIND)
     else:                                                               # [f16 scale][codes] blocks
         block = row + (d // BLOCK_VALUES) * BLOCK_BYTES
@@ -117,7 +189,7 @@ def decode_tile(pool, row_off, valid, lut, HEAD_DIM: tl.constexpr, BLOCK_D: tl.c
             x = scale * tl.load(lut + (code | (((high >> (j % 8)) & 1) << 4)), mask=mask, other=0.0)
         else:
             code = _block_code(block + HEADER_BYTES, j, mask, KIND, BITS, BLOCK_VALUES)
-            x = scale * _lookup(lut, code, BITS, SELECT)
+            x = scale * _lookup(lut, code, BITS, LOOKUP)
         if OFFSET_AT > 0:                                               # q4_1, q5_1: the block minimum
             x = x + f16_aligned(block + OFFSET_AT, mask)
     return tl.where(mask, x, 0.0)

@@ -2,7 +2,9 @@
 
 One program per (KV head, sequence, tile of BLOCK_M query rows, split of keys). It walks the
 keys its tile can see BLOCK_N at a time through the block table, decodes the packed K/V rows
-in registers (``_codecs.decode_tile``), scores the tile's rows against
+in registers (``_codecs.decode_tile``; 4-, 2- and 1-bit codes come two bytes a load, the tile's
+columns then permuted as ``_codecs.columns`` says, so q is read in K's column order and the sum
+stored from V's), scores the tile's rows against
 one read of each key, masks each row at its own causal limit, and keeps an online softmax.
 The rows of a tile may be any query positions (the GQA heads' rows g*T + t share a tile); the
 tile reads keys up to the largest of its positions, and each row masks the rest.
@@ -17,7 +19,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from ._codecs import decode_tile
+from ._codecs import columns, decode_tile
 
 
 @triton.jit
@@ -29,10 +31,11 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
                        BLOCK_N: tl.constexpr, DOT: tl.constexpr, WIDE: tl.constexpr,
                        K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_VALUES: tl.constexpr,
                        K_BYTES: tl.constexpr, K_HEADER: tl.constexpr, K_OFFSET: tl.constexpr,
-                       K_SUB: tl.constexpr, K_SUB_BITS: tl.constexpr, K_SELECT: tl.constexpr,
+                       K_SUB: tl.constexpr, K_SUB_BITS: tl.constexpr, K_LOOKUP: tl.constexpr,
                        V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_VALUES: tl.constexpr,
                        V_BYTES: tl.constexpr, V_HEADER: tl.constexpr, V_OFFSET: tl.constexpr,
-                       V_SUB: tl.constexpr, V_SUB_BITS: tl.constexpr, V_SELECT: tl.constexpr):
+                       V_SUB: tl.constexpr, V_SUB_BITS: tl.constexpr, V_LOOKUP: tl.constexpr,
+                       K_PHASES: tl.constexpr = 1, V_PHASES: tl.constexpr = 1):
     """One (KV head, sequence, row tile, split): the online-softmax state of rows
     [tile * BLOCK_M, next tile) over keys [split * split_keys, next split), where row r sees key
     t < lengths[s] with t <= q_pos[s, r]. q (Hkv, S, R, D) float32 in K's code domain, q_pos
@@ -42,12 +45,13 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
     tile = tl.program_id(2) // n_splits
     split = tl.program_id(2) % n_splits
     r = tile * BLOCK_M + tl.arange(0, BLOCK_M)                          # query rows
-    d = tl.arange(0, BLOCK_D)
+    d_k = columns(BLOCK_D, K_KIND, K_BITS, K_VALUES, K_BYTES, K_HEADER, K_PHASES)   # q's columns in K's tile order
+    d = columns(BLOCK_D, V_KIND, V_BITS, V_VALUES, V_BYTES, V_HEADER, V_PHASES)     # acc's in V's
     r_live = r < n_rows
     d_live = d < HEAD_DIM
     head_seq = h.to(tl.int64) * n_seq + s                               # (h, s) flat, int64: pools can pass 2^31 bytes
-    q = tl.load(q_ptr + (head_seq * n_rows + r[:, None]) * HEAD_DIM + d[None, :],
-                mask=r_live[:, None] & d_live[None, :], other=0.0)      # (BLOCK_M, BLOCK_D)
+    q = tl.load(q_ptr + (head_seq * n_rows + r[:, None]) * HEAD_DIM + d_k[None, :],
+                mask=r_live[:, None] & (d_k < HEAD_DIM)[None, :], other=0.0)      # (BLOCK_M, BLOCK_D)
     q_pos = tl.load(q_pos_ptr + s.to(tl.int64) * n_rows + r, mask=r_live, other=-1)   # padding rows see nothing
 
     # row offsets in 32 bits from each head's 64-bit base (fewer registers), unless a head's pool
@@ -68,9 +72,9 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
         if WIDE:
             slot = slot.to(tl.int64)
         k = decode_tile(k_head, slot * k_row_bytes, valid, k_lut, HEAD_DIM, BLOCK_D,
-                        K_KIND, K_BITS, K_VALUES, K_BYTES, K_HEADER, K_OFFSET, K_SUB, K_SUB_BITS, K_SELECT)
+                        K_KIND, K_BITS, K_VALUES, K_BYTES, K_HEADER, K_OFFSET, K_SUB, K_SUB_BITS, K_LOOKUP, K_PHASES)
         v = decode_tile(v_head, slot * v_row_bytes, valid, v_lut, HEAD_DIM, BLOCK_D,
-                        V_KIND, V_BITS, V_VALUES, V_BYTES, V_HEADER, V_OFFSET, V_SUB, V_SUB_BITS, V_SELECT)
+                        V_KIND, V_BITS, V_VALUES, V_BYTES, V_HEADER, V_OFFSET, V_SUB, V_SUB_BITS, V_LOOKUP, V_PHASES)
         scores = _scores(q, k, DOT)                                     # (BLOCK_M, BLOCK_N)
         seen = valid[None, :] & (t[None, :] <= q_pos[:, None])
         scores = tl.where(seen, scores, float("-inf"))

@@ -19,8 +19,10 @@ from functools import lru_cache
 
 import torch
 
-from ..native.paged_attention import F16, KLT, CodecFields, codec_fields
+from ..native.paged_attention import F16, KLT, NIBBLE, PACKED, CodecFields, codec_fields
 from . import available, pow2, runs_on
+
+GATHER, SELECT, TREE, MIRROR, AFFINE = range(5)      # _codecs._lookup's ways to read a code table
 
 SPLIT_KEYS = 512          # keys per program when rows are few: fixed, so a sequence's bits do not depend on its batch
 SPLIT_ROWS = 64           # at most this many rows are split over keys: the per-split states grow with the rows
@@ -76,16 +78,50 @@ def _lut(fmt, head_dim: int, device: str) -> torch.Tensor:
     return torch.cat(tables).to(device)
 
 
-def _codec_args(fmt, head_dim: int, prefix: str) -> dict:
-    """A side's layout as the kernel's constexprs. SELECT: K's code tables are read by a select
-    per entry, V's by a gather: on the device's Triton 3.6 (cubins for sm_90, decode's launch,
-    benchmarks/gpu_resources.py) that left turbo4/turbo4 at 128 registers without spills where
-    selects on both sides took 144 and gathers on both 255 with 200 B of spills and 112 KB of
-    shared memory, and q8_0/turbo4 at 128 where a V select took 255 with 336 B of spills."""
+def _codec_args(fmt, head_dim: int, prefix: str, codecs: str = "units") -> dict:
+    """A side's layout as the kernel's constexprs, with how it reads its codes: LOOKUP, the way
+    its code table is read (``_lookup_mode``), and PHASES, codes per 2-byte load (``_phases``).
+    ``codecs="per-value"``: session 31's reading, a load per value, K's table by a compare and
+    select per entry, V's by a gather (kept for side-by-side timings: ``gpu_decode.py --sweep``)."""
     f = _fields(fmt, head_dim)
+    if codecs == "per-value":
+        lookup, phases = (SELECT if prefix == "K" else GATHER), 1
+    else:
+        lookup, phases = _lookup_mode(f, prefix), _phases(f, head_dim)
     return {f"{prefix}_KIND": f.kind, f"{prefix}_BITS": f.bits, f"{prefix}_VALUES": f.block_values,
             f"{prefix}_BYTES": f.block_bytes, f"{prefix}_HEADER": f.header_bytes, f"{prefix}_OFFSET": f.offset_at,
-            f"{prefix}_SUB": f.sub_values, f"{prefix}_SUB_BITS": f.sub_bits, f"{prefix}_SELECT": prefix == "K"}
+            f"{prefix}_SUB": f.sub_values, f"{prefix}_SUB_BITS": f.sub_bits, f"{prefix}_LOOKUP": lookup,
+            f"{prefix}_PHASES": phases}
+
+
+def _lookup_mode(f: CodecFields, prefix: str) -> int:
+    """How a side reads its code table (``_codecs._lookup``), from the table's values: AFFINE for
+    integer steps (q4_0's c - 8: a convert and an FMA, exact), else V gathers and K takes a tree
+    of selects, its lower half only for a mirrored table (turbo's Lloyd-Max tables). Counted in
+    sm_90 SASS (Triton 3.9, decode's launch at head_dim 256: docs/gpu.md), against session 31's
+    compare-and-select on K: a gather on K as well held a 64-bit address per value, and a tree
+    on V took more instructions than its gather, with the same programs per SM."""
+    if f.lut is None:
+        return GATHER
+    lut = f.lut[:1 << f.bits].double()
+    step = torch.arange(len(lut), dtype=torch.float64) * (lut[1] - lut[0])
+    if torch.equal(lut, lut.round()) and lut.abs().max() < 2**24 and torch.equal(lut, lut[0] + step):
+        return AFFINE
+    if prefix == "V":
+        return GATHER
+    return MIRROR if torch.equal(lut.flip(0), -lut) else TREE
+
+
+def _phases(f: CodecFields, head_dim: int) -> int:
+    """Codes per 2-byte load where a row's codes can be read a unit at a time: 4-, 2- and 1-bit
+    codes that fill their block's bytes (q4_0, iq4_nl, q4_1, turbo4, turbo2), whole blocks and
+    a power-of-two head_dim (the tile's columns then permute the row's values exactly); else 1,
+    a load per value. A unit is 2 bytes because every block starts with an f16: the rows are
+    2-byte aligned, no more."""
+    codes = (f.kind == NIBBLE and f.bits == 4) or (f.kind == PACKED and f.bits in (1, 2, 4))
+    fills = (f.block_bytes - f.header_bytes) * 8 == f.block_values * f.bits
+    whole = head_dim == pow2(head_dim) and head_dim % f.block_values == 0
+    return 16 // f.bits if codes and fills and whole and not f.sub_values else 1
 
 
 # What a caller may override per call (benchmarks/gpu_decode.py --sweep): keys per block, warps,
@@ -94,8 +130,9 @@ def _codec_args(fmt, head_dim: int, prefix: str) -> dict:
 # f16 operands with float32 sums on tensor cores, as llama.cpp and vLLM take them; "fma":
 # broadcast products without tl.dot, whose tiles need not be 16 wide, so a decode tile holds
 # just its query rows); WIDE: 64-bit row offsets, which the launcher turns on by itself where
-# a KV head's pool reaches 2 GB.
-TUNABLE = ("BLOCK_N", "num_warps", "num_stages", "DOT", "WIDE")
+# a KV head's pool reaches 2 GB; CODECS: "units" (the default) or "per-value" (``_codec_args``).
+CODECS = ("units", "per-value")
+TUNABLE = ("BLOCK_N", "num_warps", "num_stages", "DOT", "WIDE", "CODECS")
 DOTS = ("ieee", "tf32x3", "tf32", "f16", "fma")
 
 
@@ -119,7 +156,13 @@ def _launch_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict | None =
     unknown = set(tune or ()) - set(TUNABLE)
     if unknown:
         raise ValueError(f"not a launch setting: {', '.join(sorted(unknown))} (tunable: {', '.join(TUNABLE)})")
-    config.update(tune or {})
+    tune = dict(tune or {})
+    codecs = tune.pop("CODECS", "units")
+    if codecs not in CODECS:
+        raise ValueError(f"CODECS={codecs!r}: expected one of {', '.join(CODECS)}")
+    if codecs != "units":
+        config.update(_codec_args(fmt_k, head_dim, "K", codecs), **_codec_args(fmt_v, head_dim, "V", codecs))
+    config.update(tune)
     if config["DOT"] not in DOTS:
         raise ValueError(f"DOT={config['DOT']!r}: expected one of {', '.join(DOTS)}")
     if config["DOT"] == "fma":                                        # no tl.dot: rows unpadded
