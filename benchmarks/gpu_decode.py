@@ -185,8 +185,9 @@ def _rows(pairs: list[str], depth: int, batch: int, args, copy: float) -> list[l
         k_pool, v_pool = inputs[3], inputs[4]
         read = batch * depth * N_KV * (k_pool.shape[3] + v_pool.shape[3])   # packed bytes of K and V
         loop = "" if args.no_loop else f"{_median_ms(loop_step(*inputs), args.runs, args.device):.3f}"
-        eager, ms = _step_ms(packed_step(*inputs), args.runs, args.device)
-        rows.append([pair, depth, batch, loop, f"{eager:.3f}", f"{ms:.3f}", f"{ms / base:.2f}", *gbps(read, ms)])
+        tune = None if args.codecs == "units" else {"CODECS": args.codecs}
+        eager, ms = _step_ms(packed_step(*inputs, tune=tune), args.runs, args.device)
+        rows.append([pair if tune is None else f"{pair} ({args.codecs})", depth, batch, loop, f"{eager:.3f}", f"{ms:.3f}", f"{ms / base:.2f}", *gbps(read, ms)])
         del inputs, k_pool, v_pool
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -244,6 +245,8 @@ def main(argv=None) -> None:
     parser.add_argument("--no-loop", action="store_true", help="skip the torch block loop (slow at depth)")
     parser.add_argument("--device", default="cuda", help="cuda[:N]; cpu only with TRITON_INTERPRET=1 (a dry run)")
     parser.add_argument("--sweep", action="store_true", help="time the kernel's launch settings instead")
+    parser.add_argument("--codecs", default="units", choices=("units", "per-value"),
+                        help="how the kernel reads codes (per-value: session 31's reading, for side-by-sides)")
     args = parser.parse_args(argv)
     check_device(args.device)
     copy = copy_gbps(args.device, mib=1024 if args.device.startswith("cuda") else 16)

@@ -228,10 +228,12 @@ core() {
 # the models' CUDA tests with the kernels on, the GEMV's blockwise reads against the per-value
 # tile, the decode table (f16 rows now load 16 bytes at a time, unpipelined), then the
 # 35B-A3B-shaped model with profiles, as session 31's second call ran it, turbo3 added. Session
-# 31's changes to the kernels are untimed: these are their first figures.
-#   run(command="bash benchmarks/gpu_session.sh verify", carry=[".whl"], timeout_s=480)
+# 31's changes to the kernels are untimed: these are their first figures. Session 32 added the
+# attention's two-byte code loads and cheaper code tables, timed beside its per-value reading
+# (BUDGET 460 s by default).
+#   run(command="bash benchmarks/gpu_session.sh verify", carry=[".whl"], timeout_s=520)
 verify() {
-    deadline=$((SECONDS + ${BUDGET:-420}))
+    deadline=$((SECONDS + ${BUDGET:-460}))
     setup || exit 1
     torch_cuda_tests 90
     # shellcheck disable=SC2086
@@ -240,6 +242,9 @@ verify() {
     timeout -k 5 "$(left 40)" $PY benchmarks/gpu_weights.py -t q4_0,q6_k,q8_0 -s 4096x2048,2048x4096,512x2048 \
         -m 512 -r 20 --expert-tokens 1,4 2>&1 | tee "$OUT/weights.md" | tail -30
     decode_table 40
+    # session 32's two-byte code loads against its per-value reading (untimed until here)
+    KVSLIM_TRITON=1 timeout -k 5 "$(left 40)" $PY benchmarks/gpu_decode.py -d 131072 -b 1,8 -r 5 --no-loop \
+        -p turbo4/turbo4,q4_0/q4_0 --codecs per-value 2>&1 | tee "$OUT/decode-per-value.md" | tail -12
     KVSLIM_TRITON=1 timeout -k 5 "$(left 130)" $PY benchmarks/gpu_model.py -d 0,32768 -np 1,4 -n 8 --profile 4 \
         --pairs f16/f16,q8_0/turbo4,turbo3/turbo3 2>&1 | tee "$OUT/e2e.md" | tail -30
     echo "verify: $SECONDS s"
