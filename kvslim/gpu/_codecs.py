@@ -84,12 +84,14 @@ def _pick(lut, code, AT: tl.constexpr, BITS: tl.constexpr):
 @triton.jit
 def _lookup(lut, code, BITS: tl.constexpr, LOOKUP: tl.constexpr):
     """lut[code] for a tile of codes of up to BITS bits, read as LOOKUP says (numbered as
-    ``paged_prefill.GATHER, SELECT, TREE, MIRROR, AFFINE``, chosen there per format from its
+    ``paged_prefill.GATHER, SELECT, TREE, MIRROR, AFFINE, TABLE``, chosen there per format from its
     table's values). GATHER: a load per value (it holds a
     64-bit address per value); SELECT: a compare and a select per table entry; TREE: a select per
     entry (``_pick``); MIRROR, for tables with lut[2^BITS - 1 - c] = -lut[c] (Lloyd-Max tables
     of symmetric distributions): the tree of the lower half, then the sign; AFFINE, for tables
-    with lut[c] = lut[0] + c (lut[1] - lut[0]) exactly (q4_0's c - 8): a convert and an FMA."""
+    with lut[c] = lut[0] + c (lut[1] - lut[0]) exactly (q4_0's c - 8): a convert and an FMA;
+    TABLE: the table loaded once as a tensor and gathered from (``tl.gather``: warp shuffles or
+    shared memory, as the compiler lowers it), no 64-bit address per value."""
     if LOOKUP == 1 and BITS <= 4:
         x = tl.zeros(code.shape, tl.float32)
         for i in tl.static_range(1 << BITS):
@@ -104,6 +106,15 @@ def _lookup(lut, code, BITS: tl.constexpr, LOOKUP: tl.constexpr):
     elif LOOKUP == 4:
         first = tl.load(lut)
         x = code.to(tl.float32) * (tl.load(lut + 1) - first) + first
+    elif LOOKUP == 5:
+        ENTRIES: tl.constexpr = 1 << BITS
+        table = tl.load(lut + tl.arange(0, ENTRIES))
+        if len(code.shape) == 2:                    # tl.gather takes a source of the index's rank
+            src = tl.broadcast_to(table[None, :], (code.shape[0], ENTRIES))
+            x = tl.gather(src, code, 1)
+        else:
+            src = tl.broadcast_to(table[None, None, :], (code.shape[0], code.shape[1], ENTRIES))
+            x = tl.gather(src, code, 2)
     else:
         x = tl.load(lut + code)
     return x

@@ -22,7 +22,7 @@ import torch
 from ..native.paged_attention import F16, KLT, NIBBLE, PACKED, CodecFields, codec_fields
 from . import available, pow2, runs_on
 
-GATHER, SELECT, TREE, MIRROR, AFFINE = range(5)      # _codecs._lookup's ways to read a code table
+GATHER, SELECT, TREE, MIRROR, AFFINE, TABLE = range(6)      # _codecs._lookup's ways to read a code table
 
 SPLIT_KEYS = 512          # keys per program when rows are few: fixed, so a sequence's bits do not depend on its batch
 SPLIT_ROWS = 64           # at most this many rows are split over keys: the per-split states grow with the rows
@@ -87,26 +87,31 @@ def _codec_args(fmt, head_dim: int, prefix: str, codecs: str = "units") -> dict:
     if codecs == "per-value":
         lookup, phases = (SELECT if prefix == "K" else GATHER), 1
     else:
-        lookup, phases = _lookup_mode(f, prefix), _phases(f, head_dim)
+        phases = _phases(f, head_dim)
+        lookup = _lookup_mode(f, prefix, phases)
     return {f"{prefix}_KIND": f.kind, f"{prefix}_BITS": f.bits, f"{prefix}_VALUES": f.block_values,
             f"{prefix}_BYTES": f.block_bytes, f"{prefix}_HEADER": f.header_bytes, f"{prefix}_OFFSET": f.offset_at,
             f"{prefix}_SUB": f.sub_values, f"{prefix}_SUB_BITS": f.sub_bits, f"{prefix}_LOOKUP": lookup,
             f"{prefix}_PHASES": phases}
 
 
-def _lookup_mode(f: CodecFields, prefix: str) -> int:
-    """How a side reads its code table (``_codecs._lookup``), from the table's values: AFFINE for
-    integer steps (q4_0's c - 8: a convert and an FMA, exact), else V gathers and K takes a tree
-    of selects, its lower half only for a mirrored table (turbo's Lloyd-Max tables). Counted in
-    sm_90 SASS (Triton 3.9, decode's launch at head_dim 256: docs/gpu.md), against session 31's
-    compare-and-select on K: a gather on K as well held a 64-bit address per value, and a tree
-    on V took more instructions than its gather, with the same programs per SM."""
+def _lookup_mode(f: CodecFields, prefix: str, phases: int) -> int:
+    """How a side reads its code table (``_codecs._lookup``), from the table's values and how its
+    codes come (``phases``): integer steps (q4_0's c - 8) by arithmetic (AFFINE, exact); codes
+    read in units (4 and 2 bits) from the table held in registers (TABLE, ``tl.gather``); other
+    codes (turbo3's 3 bits), on K by a tree of selects (over half of a mirrored table and a
+    sign: turbo's Lloyd-Max tables), on V by a gather from memory. Counted in sm_90 SASS at
+    decode's launch (docs/gpu.md): under Triton 3.6, TABLE took turbo4/turbo4 from 150 registers
+    (one program per SM) and 1,777 instructions a block of keys to 80 registers (three) and
+    1,374; on 3-bit codes it failed to compile (3.6) or doubled the instructions (3.9)."""
     if f.lut is None:
         return GATHER
     lut = f.lut[:1 << f.bits].double()
     step = torch.arange(len(lut), dtype=torch.float64) * (lut[1] - lut[0])
     if torch.equal(lut, lut.round()) and lut.abs().max() < 2**24 and torch.equal(lut, lut[0] + step):
         return AFFINE
+    if phases > 1:
+        return TABLE
     if prefix == "V":
         return GATHER
     return MIRROR if torch.equal(lut.flip(0), -lut) else TREE
