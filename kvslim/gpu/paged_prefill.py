@@ -78,6 +78,7 @@ def _lut(fmt, head_dim: int, device: str) -> torch.Tensor:
     return torch.cat(tables).to(device)
 
 
+@lru_cache(maxsize=None)                  # per format, not per launch: the table checks run torch ops
 def _codec_args(fmt, head_dim: int, prefix: str, codecs: str = "units") -> dict:
     """A side's layout as the kernel's constexprs, with how it reads its codes: LOOKUP, the way
     its code table is read (``_lookup_mode``), and PHASES, codes per 2-byte load (``_phases``).
