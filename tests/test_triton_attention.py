@@ -130,13 +130,12 @@ def test_launch_overrides_keep_the_state(interpreted):
 
 @pytest.mark.parametrize("name,lookups,phases", [
     ("q4_0", ("AFFINE", "AFFINE"), 4), ("q4_1", ("AFFINE", "AFFINE"), 4), ("iq4_nl", ("TABLE", "TABLE"), 4),
-    ("turbo4", ("TABLE", "TABLE"), 4), ("turbo2", ("TABLE", "TABLE"), 8), ("turbo3", ("MIRROR", "GATHER"), 1),
+    ("turbo4", ("TABLE", "TABLE"), 4), ("turbo2", ("TABLE", "TABLE"), 8), ("turbo3", ("TABLE", "TABLE"), 16),
     ("q8_0", ("GATHER", "GATHER"), 1), ("q5_0", ("AFFINE", "AFFINE"), 1)])
 def test_each_format_reads_its_codes_the_cheapest_exact_way(name, lookups, phases):
-    """Codes that fill their block's bytes are read two bytes a load (turbo3's 3-bit codes
-    straddle bytes, q5_0's fifth bits sit apart, q8_0's are bytes); tables with integer steps by
-    arithmetic, the others of such codes from the table held in registers, and turbo3's by half
-    a tree of selects on K (its table is mirrored) and a gather on V. The values these reads give are checked against the reference by
+    """Codes that fill their block's bytes are read in 2-byte units (turbo3's 16 codes from 3
+    units; q5_0's fifth bits sit apart, q8_0's codes are bytes); tables with integer steps by
+    arithmetic, the others of such codes from the table held in registers. The values these reads give are checked against the reference by
     every parity case; this pins the choice, so that a table or layout change shows up here."""
     config = paged_prefill._launch_config(formats.get(name, role="k"), formats.get(name, role="v"), 8, 256)
     want = tuple(getattr(paged_prefill, mode) for mode in lookups)

@@ -124,37 +124,56 @@ def _lookup(lut, code, BITS: tl.constexpr, LOOKUP: tl.constexpr):
 def columns(BLOCK_D: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, BLOCK_VALUES: tl.constexpr,
             BLOCK_BYTES: tl.constexpr, HEADER_BYTES: tl.constexpr, PHASES: tl.constexpr):
     """The value each column of ``decode_tile``'s tile holds, (BLOCK_D,): column e itself, or with
-    PHASES, column p * W + u (W = BLOCK_D / PHASES) holds code p of the row's 2-byte unit u."""
+    PHASES, column p * W + g (W = BLOCK_D / PHASES) holds code p of the row's group g of 2-byte
+    units (one unit; three for 3-bit codes, 16 codes in 6 bytes)."""
     e = tl.arange(0, BLOCK_D)
     if PHASES > 1:
-        UNITS: tl.constexpr = (BLOCK_BYTES - HEADER_BYTES) // 2          # 2-byte units of codes per block
+        GROUPS: tl.constexpr = (BLOCK_BYTES - HEADER_BYTES) * 8 // (BITS * PHASES)   # per block
         W: tl.constexpr = BLOCK_D // PHASES
         p = e // W
-        u = e % W
-        w = u % UNITS
+        g = e % W
+        w = g % GROUPS
         if KIND == 4:                                                   # NIBBLE: unit w = bytes 2w, 2w + 1
             j = 2 * w + p // 2 + (BLOCK_VALUES // 2) * (p % 2)
         else:                                                           # PACKED: codes PHASES w + p
             j = PHASES * w + p
-        e = (u // UNITS) * BLOCK_VALUES + j
+        e = (g // GROUPS) * BLOCK_VALUES + j
     return e
+
+
+@triton.jit
+def _group_codes(units, mask, p, BITS: tl.constexpr):
+    """Code p (1, PHASES, 1) of each group whose first 2-byte unit is at ``units`` (N, W) u16
+    pointers -> (N, PHASES, W) int32, 0 where ``mask`` is off (nothing is read there). A group is one unit, or three for 3-bit codes: 16 codes in
+    a little-endian 48-bit run, read as two overlapping 32-bit words (units 0-1 and 1-2), so no
+    code crosses the word it is cut from."""
+    if BITS == 3:
+        u0 = tl.load(units, mask=mask, other=0).to(tl.int32)
+        u1 = tl.load(units + 1, mask=mask, other=0).to(tl.int32)
+        u2 = tl.load(units + 2, mask=mask, other=0).to(tl.int32)
+        low = (u0 | (u1 << 16))[:, None, :]                             # bits 0-31: codes 0-9
+        high = (u1 | (u2 << 16))[:, None, :]                            # bits 16-47: codes 10-15
+        code = tl.where(p < 10, low >> tl.minimum(3 * p, 27), high >> tl.maximum(3 * p - 16, 0)) & 7
+    else:
+        code = (tl.load(units, mask=mask, other=0).to(tl.int32)[:, None, :] >> (BITS * p)) & ((1 << BITS) - 1)
+    return code
 
 
 @triton.jit
 def _phased_tile(row, valid, lut, BLOCK_D: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
                  BLOCK_BYTES: tl.constexpr, HEADER_BYTES: tl.constexpr, OFFSET_AT: tl.constexpr,
                  LOOKUP: tl.constexpr, PHASES: tl.constexpr):
-    """``decode_tile`` for 4-, 2- and 1-bit codes in 2-byte units: one load per unit, PHASES codes
-    cut from it, the tile's columns in ``columns``'s order. row (N, 1) byte pointers."""
-    UNITS: tl.constexpr = (BLOCK_BYTES - HEADER_BYTES) // 2
+    """``decode_tile`` for codes read in groups of 2-byte units (4-, 3-, 2- and 1-bit codes that
+    fill their block's bytes): PHASES codes cut from each group's loads, the tile's columns in
+    ``columns``'s order. row (N, 1) byte pointers."""
+    UNITS: tl.constexpr = BITS * PHASES // 16                           # 2-byte units per group
+    GROUPS: tl.constexpr = (BLOCK_BYTES - HEADER_BYTES) // (2 * UNITS)   # groups per block
     W: tl.constexpr = BLOCK_D // PHASES
-    SHIFT: tl.constexpr = 16 // PHASES
-    u = tl.arange(0, W)[None, :]
-    mask = valid[:, None] & (u < W)
-    block = row + (u // UNITS) * BLOCK_BYTES                            # (N, W)
-    units = tl.load((block + HEADER_BYTES).to(tl.pointer_type(tl.uint16)) + u % UNITS, mask=mask, other=0)
-    p = tl.arange(0, PHASES)[None, :, None]
-    code = (units.to(tl.int32)[:, None, :] >> (SHIFT * p)) & ((1 << SHIFT) - 1)    # (N, PHASES, W)
+    g = tl.arange(0, W)[None, :]
+    mask = valid[:, None] & (g < W)                                     # (N, W)
+    block = row + (g // GROUPS) * BLOCK_BYTES
+    first = (block + HEADER_BYTES).to(tl.pointer_type(tl.uint16)) + UNITS * (g % GROUPS)
+    code = _group_codes(first, mask, tl.arange(0, PHASES)[None, :, None], BITS)
     x = f16_aligned(block, mask)[:, None, :] * _lookup(lut, code, BITS, LOOKUP)
     if OFFSET_AT > 0:
         x = x + f16_aligned(block + OFFSET_AT, mask)[:, None, :]

@@ -99,12 +99,12 @@ def _codec_args(fmt, head_dim: int, prefix: str, codecs: str = "units") -> dict:
 def _lookup_mode(f: CodecFields, prefix: str, phases: int) -> int:
     """How a side reads its code table (``_codecs._lookup``), from the table's values and how its
     codes come (``phases``): integer steps (q4_0's c - 8) by arithmetic (AFFINE, exact); codes
-    read in units (4 and 2 bits) from the table held in registers (TABLE, ``tl.gather``); other
-    codes (turbo3's 3 bits), on K by a tree of selects (over half of a mirrored table and a
-    sign: turbo's Lloyd-Max tables), on V by a gather from memory. Counted in sm_90 SASS at
-    decode's launch (docs/gpu.md): under Triton 3.6, TABLE took turbo4/turbo4 from 150 registers
-    (one program per SM) and 1,777 instructions a block of keys to 80 registers (three) and
-    1,374; on 3-bit codes it failed to compile (3.6) or doubled the instructions (3.9)."""
+    read in units from the table held in registers (TABLE, ``tl.gather``); codes read one by one
+    (head_dims that are not powers of two, the nls rows), on K by a tree of selects (over half
+    of a mirrored table and a sign: turbo's Lloyd-Max tables), on V by a gather from memory.
+    Counted in sm_90 SASS at decode's launch (docs/gpu.md): under Triton 3.6, TABLE took
+    turbo4/turbo4 from 150 registers (one program per SM) and 1,777 instructions a block of keys
+    to 80 registers (three) and 1,374; on codes read one by one it failed to compile (3.6, turbo3)."""
     if f.lut is None:
         return GATHER
     lut = f.lut[:1 << f.bits].double()
@@ -119,15 +119,17 @@ def _lookup_mode(f: CodecFields, prefix: str, phases: int) -> int:
 
 
 def _phases(f: CodecFields, head_dim: int) -> int:
-    """Codes per 2-byte load where a row's codes can be read a unit at a time: 4-, 2- and 1-bit
-    codes that fill their block's bytes (q4_0, iq4_nl, q4_1, turbo4, turbo2), whole blocks and
-    a power-of-two head_dim (the tile's columns then permute the row's values exactly); else 1,
-    a load per value. A unit is 2 bytes because every block starts with an f16: the rows are
-    2-byte aligned, no more."""
-    codes = (f.kind == NIBBLE and f.bits == 4) or (f.kind == PACKED and f.bits in (1, 2, 4))
+    """Codes per group of 2-byte loads where a row's codes can be read in units: 4-, 3-, 2- and
+    1-bit codes that fill their block's bytes (q4_0, iq4_nl, q4_1, turbo4, turbo3, turbo2),
+    whole blocks and a power-of-two head_dim (the tile's columns then permute the row's values
+    exactly). A group is one unit (4 codes of 4 bits, 8 of 2, 16 of 1) or three (16 of 3 bits);
+    else 1, a load per value. A unit is 2 bytes because every block starts with an f16: the rows
+    are 2-byte aligned, no more."""
+    codes = (f.kind == NIBBLE and f.bits == 4) or (f.kind == PACKED and f.bits in (1, 2, 3, 4))
     fills = (f.block_bytes - f.header_bytes) * 8 == f.block_values * f.bits
     whole = head_dim == pow2(head_dim) and head_dim % f.block_values == 0
-    return 16 // f.bits if codes and fills and whole and not f.sub_values else 1
+    groups = (f.block_bytes - f.header_bytes) % (6 if f.bits == 3 else 2) == 0   # 16 3-bit codes in 3 units
+    return (16 if f.bits == 3 else 16 // f.bits) if codes and fills and whole and groups and not f.sub_values else 1
 
 
 # What a caller may override per call (benchmarks/gpu_decode.py --sweep): keys per block, warps,
