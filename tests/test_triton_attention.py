@@ -41,6 +41,9 @@ CASES = [(k, v, dim, group, LENGTHS, 16, 64) for i, (k, v) in enumerate(PAIRS)
          for dim, group in (SHAPES[i % 3], SHAPES[(i + 1) % 3])]
 LONG = ("q8_0", "turbo4", 64, 2, (1100, 5), 32, None)            # several default splits
 ODD_PAGES = ("iq4_nl", "q4_0", 64, 3, (50, 7), 12, 32)          # a page size that is not a power of two
+# a head_dim that is not a power of two: codes read one by one, iq4_nl's K table by a tree of
+# selects, turbo4's V table by a gather (the other cases read codes in units)
+ODD_DIM = ("iq4_nl", "turbo4", 96, 2, (40, 9), 16, 32)
 BATCH = ("f16", "q8_0", 64, 4, (150, 37, 70), 16, 64)
 REFUSED = [("turbo4p", "f16")]   # a QJL sketch
 # launch overrides (benchmarks/gpu_decode.py --sweep's kind) on ODD_PAGES: wider key blocks than a
@@ -72,7 +75,7 @@ def _states_in_child(cases, path: Path) -> None:
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
     """Every case's kernel state, computed once by one interpreted child process."""
-    cases = CASES + [LONG, ODD_PAGES, BATCH]
+    cases = CASES + [LONG, ODD_PAGES, BATCH, ODD_DIM]
     out = run_interpreted("tests.test_triton_attention", "_states_in_child", cases, tmp_path_factory.mktemp("triton"))
     out["kernels"] = dict(zip(cases, out["kernels"]))
     return out
@@ -104,6 +107,14 @@ def test_default_splits_cut_a_long_sequence(interpreted):
 def test_a_page_size_that_is_not_a_power_of_two(interpreted):
     """Keys find their page by t // page_size, whatever the page size."""
     _against_reference(interpreted, ODD_PAGES)
+
+
+def test_a_head_dim_that_is_not_a_power_of_two(interpreted):
+    """Codes read one by one (no units) and K's table read by the tree of selects."""
+    fmt_k, fmt_v = formats.get(ODD_DIM[0], role="k"), formats.get(ODD_DIM[1], role="v")
+    config = paged_prefill._launch_config(fmt_k, fmt_v, ODD_DIM[3], ODD_DIM[2])
+    assert (config["K_LOOKUP"], config["V_LOOKUP"], config["K_PHASES"]) == (paged_prefill.TREE, paged_prefill.GATHER, 1)
+    _against_reference(interpreted, ODD_DIM)
 
 
 def test_launch_overrides_keep_the_state(interpreted):

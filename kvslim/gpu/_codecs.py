@@ -144,9 +144,9 @@ def columns(BLOCK_D: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, BLOCK
 @triton.jit
 def _group_codes(units, mask, p, BITS: tl.constexpr):
     """Code p (1, PHASES, 1) of each group whose first 2-byte unit is at ``units`` (N, W) u16
-    pointers -> (N, PHASES, W) int32, 0 where ``mask`` is off (nothing is read there). A group is one unit, or three for 3-bit codes: 16 codes in
-    a little-endian 48-bit run, read as two overlapping 32-bit words (units 0-1 and 1-2), so no
-    code crosses the word it is cut from."""
+    pointers -> (N, PHASES, W) int32, 0 where ``mask`` is off (nothing is read there). A group
+    is one unit, or three for 3-bit codes: 16 codes in a little-endian 48-bit run, read as two
+    overlapping 32-bit words (units 0-1 and 1-2), so no code crosses the word it is cut from."""
     if BITS == 3:
         u0 = tl.load(units, mask=mask, other=0).to(tl.int32)
         u1 = tl.load(units + 1, mask=mask, other=0).to(tl.int32)
@@ -170,7 +170,7 @@ def _phased_tile(row, valid, lut, BLOCK_D: tl.constexpr, KIND: tl.constexpr, BIT
     GROUPS: tl.constexpr = (BLOCK_BYTES - HEADER_BYTES) // (2 * UNITS)   # groups per block
     W: tl.constexpr = BLOCK_D // PHASES
     g = tl.arange(0, W)[None, :]
-    mask = valid[:, None] & (g < W)                                     # (N, W)
+    mask = valid[:, None] & (g < W)                                     # valid, broadcast to (N, W)
     block = row + (g // GROUPS) * BLOCK_BYTES
     first = (block + HEADER_BYTES).to(tl.pointer_type(tl.uint16)) + UNITS * (g % GROUPS)
     code = _group_codes(first, mask, tl.arange(0, PHASES)[None, :, None], BITS)

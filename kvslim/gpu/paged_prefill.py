@@ -125,11 +125,12 @@ def _phases(f: CodecFields, head_dim: int) -> int:
     exactly). A group is one unit (4 codes of 4 bits, 8 of 2, 16 of 1) or three (16 of 3 bits);
     else 1, a load per value. A unit is 2 bytes because every block starts with an f16: the rows
     are 2-byte aligned, no more."""
+    phases = 16 if f.bits == 3 else 16 // f.bits                        # codes per group
+    code_bytes = f.block_bytes - f.header_bytes
     codes = (f.kind == NIBBLE and f.bits == 4) or (f.kind == PACKED and f.bits in (1, 2, 3, 4))
-    fills = (f.block_bytes - f.header_bytes) * 8 == f.block_values * f.bits
+    fills = code_bytes * 8 == f.block_values * f.bits and code_bytes % (phases * f.bits // 8) == 0  # whole groups
     whole = head_dim == pow2(head_dim) and head_dim % f.block_values == 0
-    groups = (f.block_bytes - f.header_bytes) % (6 if f.bits == 3 else 2) == 0   # 16 3-bit codes in 3 units
-    return (16 if f.bits == 3 else 16 // f.bits) if codes and fills and whole and groups and not f.sub_values else 1
+    return phases if codes and fills and whole and not f.sub_values else 1
 
 
 # What a caller may override per call (benchmarks/gpu_decode.py --sweep): keys per block, warps,
