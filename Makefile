@@ -16,8 +16,12 @@ $(STAMP): pyproject.toml requirements/cpu.txt
 demo: $(STAMP)
 	$(BIN)/kvslim demo
 
+# One pytest worker per core (pytest-xdist), a test file per worker at a time: the files'
+# module fixtures (the interpreted kernels' child processes) then run once. TEST_JOBS=0 runs
+# in this process.
+TEST_JOBS ?= auto
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/formats.py
