@@ -116,3 +116,12 @@ def test_gpu_benchmark_dry_runs_reach_their_tables(script, args, rows):
 def test_gpu_benchmarks_refuse_the_cpu_without_the_interpreter():
     done = _gpu_script("gpu_weights.py", [], interpret=False)
     assert done.returncode != 0 and "TRITON_INTERPRET=1" in done.stderr
+
+
+def test_a_short_align_list_drops_no_column():
+    """gpu_weights.py passed one alignment fewer than its columns, which dropped its last column
+    (torch's GB/s) from every table it printed: missing alignments are left-aligned now."""
+    from kvslim.tables import markdown_table
+    head, rule, row = markdown_table(["type", "ms", "GB/s"], [["q4_0", "0.5", "900"]], ["l", "r"]).splitlines()
+    assert [c.strip() for c in head.split("|")[1:-1]] == ["type", "ms", "GB/s"]
+    assert [c.strip() for c in row.split("|")[1:-1]] == ["q4_0", "0.5", "900"] and rule.count("|") == 4

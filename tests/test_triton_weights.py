@@ -199,9 +199,10 @@ def test_bad_calls_raise_before_any_kernel():
 
 def test_split_count_fills_the_gpu_and_keeps_a_chunk_per_split():
     config = gpu.gemv_config(1)
-    assert gpu.split_count(4096, 1024, config) == 2                  # 128 tiles of 8 outputs
+    assert gpu.split_count(4096, 1024, config) == 8                  # 128 tiles of 8 outputs
     assert gpu.split_count(512, 32, config) == 2                     # capped by K's 2 chunks
-    assert gpu.split_count(4096, 4096, config) == 1                  # 512 tiles
+    assert gpu.split_count(4096, 4096, config) == 2                  # 512 tiles
+    assert gpu.split_count(2048, 12288, config) == 1                 # 1,536 tiles: enough
 
 
 # the routed experts: (type, experts E, outputs N, K, pairs P); up to gpu.MAX_GEMV_PAIRS pairs the
@@ -376,7 +377,7 @@ POINTERS = {"x_ptr": "*fp32", "w_ptr": "*u8", "grid_ptr": "*i8", "y_ptr": "*fp32
 def test_gemv_compiles_for_an_h100_without_one(name, rows):
     """The interpreter cannot say whether ptxas takes it: lower it for sm_90 with the launcher's config."""
     from kvslim.gpu import _quant_matmul_kernel as kernel
-    config = gpu.gemv_config(rows)
+    config = gpu.gemv_config(rows, weights.get(name).ggml_type)
     num_warps = config.pop("num_warps")
     constexprs = dict(config, TYPE=int(weights.get(name).ggml_type))
     assert compile_for_sm90(kernel.quant_gemv, POINTERS, constexprs, num_warps).asm["cubin"]
@@ -400,8 +401,9 @@ def test_grouped_expert_gemv_compiles_for_an_h100_without_one(name):
     """The expert GEMV with the launcher's blocks, lowered for sm_90 (the interpreter cannot say
     whether ptxas takes the id-indexed pointer arithmetic)."""
     from kvslim.gpu import _quant_matmul_kernel as kernel
-    config = gpu.gemv_config(1)
-    constexprs = dict(TYPE=int(weights.get(name).ggml_type), BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"])
+    config = gpu.gemv_config(1, weights.get(name).ggml_type)
+    constexprs = dict(TYPE=int(weights.get(name).ggml_type), BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
+                      TERMS=config["TERMS"])
     pointers = dict(POINTERS, ids_ptr="*i32")
     assert compile_for_sm90(kernel.quant_gemv_experts, pointers, constexprs, config["num_warps"]).asm["cubin"]
 

@@ -363,13 +363,28 @@ def _dequantize_tile(w_ptr, grid_ptr, rows, cols, row_bytes, N, K, TYPE: tl.cons
 
 
 @triton.jit
+def _products(x, w, TERMS: tl.constexpr):
+    """x (BM, T) against w (BN, T): the (BM, BN) dot products; with TERMS (BM = 1) the (BN, T)
+    products themselves, which the GEMV sums once after its loop over K instead of once per chunk
+    (a sum across a tile's threads is shuffles and shared memory: 130 of Q4_0's 292 sm_90
+    instructions a chunk at M = 1, Triton 3.9)."""
+    if TERMS:
+        out = x * w
+    else:
+        out = tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    return out
+
+
+@triton.jit
 def _legacy_block_dot(x_ptr, w_ptr, m, M, rows, N, K, row_bytes, chunk,
-                      TYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      TYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      TERMS: tl.constexpr = False):
     """x[m, chunk's columns] . W[rows, the same] for Q8_0 or Q4_0, read block by block -> (BM, BN)
-    float32. The per-value tile (``_legacy_values``) loads each Q4_0 code byte twice and each
-    block's f16 scale once per value, 32 times; here each byte is loaded once, the scale by one
-    2-byte load per block (blocks are 34 or 18 bytes: scales at even addresses), and a Q4_0
-    byte's two nibbles meet x's columns j and j + 16 of their block. K is whole blocks (``_check``)."""
+    float32 (TERMS: the (BN, BLOCK_K) or, Q4_0, (BN, BLOCK_K / 2) products, ``_products``). The
+    per-value tile (``_legacy_values``) loads each Q4_0 code byte twice and each block's f16
+    scale once per value, 32 times; here each byte is loaded once, the scale by one 2-byte load
+    per block (blocks are 34 or 18 bytes: scales at even addresses), and a Q4_0 byte's two
+    nibbles meet x's columns j and j + 16 of their block. K is whole blocks (``_check``)."""
     NB: tl.constexpr = BLOCK_K // 32
     SIZE: tl.constexpr = 34 if TYPE == Q8_0 else 18
     SPAN: tl.constexpr = 32 if TYPE == Q8_0 else 16                   # code bytes per block
@@ -384,22 +399,26 @@ def _legacy_block_dot(x_ptr, w_ptr, m, M, rows, N, K, row_bytes, chunk,
     x = tl.reshape(tl.load(x_at, mask=x_ok, other=0.0).to(tl.float32), (BLOCK_M, NB * SPAN))
     if TYPE == Q8_0:
         w = tl.reshape(codes.to(tl.int8, bitcast=True).to(tl.float32) * d, (BLOCK_N, NB * SPAN))
-        return tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        return _products(x, w, TERMS)
     c = codes.to(tl.int32)
     lo = tl.reshape(((c & 0x0F) - 8).to(tl.float32) * d, (BLOCK_N, NB * SPAN))          # values j
     hi = tl.reshape(((c >> 4) - 8).to(tl.float32) * d, (BLOCK_N, NB * SPAN))            # values j + 16
     x_hi = tl.reshape(tl.load(x_at + 16, mask=x_ok, other=0.0).to(tl.float32), (BLOCK_M, NB * SPAN))
-    return tl.sum(x[:, None, :] * lo[None, :, :] + x_hi[:, None, :] * hi[None, :, :], axis=2)
+    if TERMS:
+        out = x * lo + x_hi * hi
+    else:                                                               # one sum across threads, not two
+        out = tl.sum(x[:, None, :] * lo[None, :, :] + x_hi[:, None, :] * hi[None, :, :], axis=2)
+    return out
 
 
 @triton.jit
 def _q6_k_block_dot(x_ptr, w_ptr, m, M, rows, N, K, row_bytes, chunk,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TERMS: tl.constexpr = False):
     """``_legacy_block_dot`` for Q6_K, by halves of 128 values (``_q6_k_values``' layout): in half
     h, bytes ql[64h + l], ql[64h + 32 + l] and qh[32h + l] (l < 32) hold the values l, l + 32,
     l + 64 and l + 96: low nibbles then high nibbles, qh's bit pairs 0-1, 2-3, 4-5, 6-7. Three
     byte loads for four values; each int8 scale (one per 16 values) loaded once per half, each d
-    once. K is whole super-blocks (``_check``)."""
+    once. K is whole super-blocks (``_check``). TERMS: the (BN, BLOCK_K / 4) products (``_products``)."""
     NH: tl.constexpr = BLOCK_K // 128
     hh = chunk * NH + tl.arange(0, NH)                                  # (NH,) halves of the row
     h = (hh % 2)[None, :, None]
@@ -412,26 +431,33 @@ def _q6_k_block_dot(x_ptr, w_ptr, m, M, rows, N, K, row_bytes, chunk,
     qh = _byte(sb3 + 128 + 32 * h + l, ok3)
     x_ok = (m < M)[:, None, None] & (hh < K // 128)[None, :, None]
     x_at = x_ptr + m[:, None, None] * K + hh[None, :, None] * 128 + l                   # (BM, NH, 32)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if TERMS:
+        acc = tl.zeros([BLOCK_N, NH * 32], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in tl.static_range(4):                                        # values l + 32k
         low = (ql_a if k % 2 == 0 else ql_b) >> (4 * (k // 2))
         q = (low & 0x0F) | (((qh >> (2 * k)) & 3) << 4)
         scale = _int8(sb3 + 192 + 8 * h + 2 * k + l // 16, ok3)       # one per 16 values
         w = tl.reshape((d * scale) * (q - 32).to(tl.float32), (BLOCK_N, NH * 32))
         x = tl.reshape(tl.load(x_at + 32 * k, mask=x_ok, other=0.0).to(tl.float32), (BLOCK_M, NH * 32))
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        acc += _products(x, w, TERMS)
     return acc
 
 
 @triton.jit
 def _gemv_step(x_ptr, w_ptr, grid_ptr, m, M, rows, N, K, row_bytes, chunk, TYPE: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKWISE: tl.constexpr):
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKWISE: tl.constexpr,
+               TERMS: tl.constexpr = 0):
     """One BLOCK_K chunk of x[m] . W[rows] -> (BM, BN) float32: Q8_0, Q4_0 and Q6_K block by
-    block where BLOCKWISE, every other type (or all, BLOCKWISE False) through the per-value tile."""
+    block where BLOCKWISE, every other type (or all, BLOCKWISE False) through the per-value tile.
+    TERMS > 0 (BLOCK_M = 1, the blockwise types): the (BN, TERMS) products instead, unsummed
+    (``_products``; TERMS is ``quant_matmul.terms_width``)."""
     if BLOCKWISE and (TYPE == Q8_0 or TYPE == Q4_0):
-        out = _legacy_block_dot(x_ptr, w_ptr, m, M, rows, N, K, row_bytes, chunk, TYPE, BLOCK_M, BLOCK_N, BLOCK_K)
+        out = _legacy_block_dot(x_ptr, w_ptr, m, M, rows, N, K, row_bytes, chunk, TYPE, BLOCK_M, BLOCK_N, BLOCK_K,
+                                TERMS > 0)
     elif BLOCKWISE and TYPE == Q6_K:
-        out = _q6_k_block_dot(x_ptr, w_ptr, m, M, rows, N, K, row_bytes, chunk, BLOCK_M, BLOCK_N, BLOCK_K)
+        out = _q6_k_block_dot(x_ptr, w_ptr, m, M, rows, N, K, row_bytes, chunk, BLOCK_M, BLOCK_N, BLOCK_K, TERMS > 0)
     else:
         cols = chunk * BLOCK_K + tl.arange(0, BLOCK_K)
         w = _dequantize_tile(w_ptr, grid_ptr, rows, cols, row_bytes, N, K, TYPE)           # (BN, BK)
@@ -448,20 +474,28 @@ def _gemv_step(x_ptr, w_ptr, grid_ptr, m, M, rows, N, K, row_bytes, chunk, TYPE:
 @triton.jit
 def quant_gemv(x_ptr, w_ptr, grid_ptr, y_ptr, M, N, K, row_bytes, chunks_per_split,
                TYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               BLOCKWISE: tl.constexpr = True):
+               BLOCKWISE: tl.constexpr = True, TERMS: tl.constexpr = 0):
     """Program (tile of BLOCK_N outputs, split s): y[s, m, n] = x[m, K_s] . W[n, K_s] for its
     chunks K_s of BLOCK_K columns. x (M, K) contiguous; y (splits, M, N) float32. BLOCKWISE
-    False: every type through the per-value tile (the blockwise reads' twin, for timings)."""
+    False: every type through the per-value tile (the blockwise reads' twin, for timings).
+    TERMS > 0 (M = 1): products kept per column across the chunks, summed once at the end."""
     tile = tl.program_id(0)
     split = tl.program_id(1)
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
     first = split * chunks_per_split
     last = tl.minimum(first + chunks_per_split, tl.cdiv(K, BLOCK_K))
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for chunk in range(first, last):
-        acc += _gemv_step(x_ptr, w_ptr, grid_ptr, m, M, rows, N, K, row_bytes, chunk,
-                          TYPE, BLOCK_M, BLOCK_N, BLOCK_K, BLOCKWISE)
+    if TERMS > 0:
+        terms = tl.zeros([BLOCK_N, TERMS], tl.float32)
+        for chunk in range(first, last):
+            terms += _gemv_step(x_ptr, w_ptr, grid_ptr, m, M, rows, N, K, row_bytes, chunk,
+                                TYPE, BLOCK_M, BLOCK_N, BLOCK_K, BLOCKWISE, TERMS)
+        acc = tl.sum(terms, axis=1)[None, :]
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for chunk in range(first, last):
+            acc += _gemv_step(x_ptr, w_ptr, grid_ptr, m, M, rows, N, K, row_bytes, chunk,
+                              TYPE, BLOCK_M, BLOCK_N, BLOCK_K, BLOCKWISE)
     out = y_ptr + (split * M + m[:, None]) * N + rows[None, :]
     tl.store(out, acc, mask=(m < M)[:, None] & (rows < N)[None, :])
 
@@ -487,19 +521,27 @@ def quant_gemm(x_ptr, w_ptr, grid_ptr, y_ptr, M, N, K, row_bytes,
 
 @triton.jit
 def quant_gemv_experts(x_ptr, w_ptr, grid_ptr, ids_ptr, y_ptr, N, K, row_bytes, expert_bytes,
-                       TYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       TYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TERMS: tl.constexpr,
                        BLOCKWISE: tl.constexpr = True):
     """Program (tile of BLOCK_N outputs, pair p): y[p, n] = x[p] . W[ids[p], n] over all of K,
     the expert's matrix found from its id in device memory (no host round trip to learn which
-    experts a token chose). x (P, K) contiguous; W (E, N, row_bytes); y (P, N) float32."""
+    experts a token chose). x (P, K) contiguous; W (E, N, row_bytes); y (P, N) float32. TERMS
+    > 0: the products kept per column over K and summed once, as ``quant_gemv``'s."""
     tile = tl.program_id(0)
     p = tl.program_id(1).to(tl.int64)
     w_expert = w_ptr + tl.load(ids_ptr + p).to(tl.int64) * expert_bytes
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    for start in range(0, K, BLOCK_K):                                  # x's row p as a 1-row M
-        acc += tl.sum(_gemv_step(x_ptr + p * K, w_expert, grid_ptr, tl.arange(0, 1), 1, rows, N, K, row_bytes,
-                                 start // BLOCK_K, TYPE, 1, BLOCK_N, BLOCK_K, BLOCKWISE), axis=0)
+    if TERMS > 0:
+        terms = tl.zeros([BLOCK_N, TERMS], tl.float32)
+        for start in range(0, K, BLOCK_K):                              # x's row p as a 1-row M
+            terms += _gemv_step(x_ptr + p * K, w_expert, grid_ptr, tl.arange(0, 1), 1, rows, N, K, row_bytes,
+                                start // BLOCK_K, TYPE, 1, BLOCK_N, BLOCK_K, BLOCKWISE, TERMS)
+        acc = tl.sum(terms, axis=1)
+    else:
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        for start in range(0, K, BLOCK_K):
+            acc += tl.sum(_gemv_step(x_ptr + p * K, w_expert, grid_ptr, tl.arange(0, 1), 1, rows, N, K, row_bytes,
+                                     start // BLOCK_K, TYPE, 1, BLOCK_N, BLOCK_K, BLOCKWISE), axis=0)
     tl.store(y_ptr + p * N + rows, acc, mask=rows < N)
 
 

@@ -42,7 +42,11 @@ GRIDDED = (_T.IQ2_XXS, _T.IQ2_XS, _T.IQ2_S, _T.IQ3_XXS, _T.IQ3_S, _T.IQ1_S, _T.I
 SUPPORTED = (_T.Q8_0, _T.Q4_0, _T.Q2_K, _T.Q3_K, _T.Q4_K, _T.Q5_K, _T.Q6_K, _T.IQ4_XS, *GRIDDED, _T.MXFP4, _T.NVFP4)
 BLOCKWISE = (_T.Q8_0, _T.Q4_0, _T.Q6_K)   # the GEMV reads these block by block (``_gemv_step``)
 MAX_GEMV_ROWS = 16            # more rows of x: the tensor-core GEMM
-GEMV_PROGRAMS = 264           # split K until a GEMV launches about this many programs (2 per H100 SM)
+# Split K until a GEMV launches about this many programs: 8 per H100 SM, what the 1-row GEMV's
+# 48-64 registers a thread (128 threads) allow at once. A GEMV is bound by the bytes it has in
+# flight: at 2 programs per SM (264, until session 33) a 2048-output matrix kept ~2.3 KB of
+# Q4_0 blocks in flight per SM, where an H100's bandwidth times its memory latency asks ~25 KB.
+GEMV_PROGRAMS = 1056
 GEMV_TILE = 2048              # BLOCK_N * BLOCK_K: W values one GEMV step dequantizes (in registers)
 GEMV_PRODUCTS = 4096          # BLOCK_M * BLOCK_N * BLOCK_K: the products one GEMV step holds
 MAX_GEMV_PAIRS = 128          # more (token, expert) pairs: the grouped GEMM (a decode batch of 16 at top-8)
@@ -78,16 +82,33 @@ def runs_on(x: torch.Tensor) -> bool:
     return available() and gpu_runs_on(_kernel(), x.device)
 
 
-def gemv_config(n_rows: int) -> dict:
+def terms_width(ggml_type, block_k: int, blockwise: bool = True) -> int:
+    """The columns of a 1-row GEMV step's unsummed products (the kernels' TERMS) for the types
+    read block by block: Q8_0's a value each, Q4_0's byte holds values j and j + 16 of its block
+    (one column for both), Q6_K's three bytes values l, l + 32, l + 64 and l + 96 of its half
+    (one for four). 0 for the per-value tile, which sums each chunk as before: sm_90 cubins,
+    Triton 3.6 (the devices'), instructions a chunk with unsummed products against summed:
+    Q4_0 225 against 326, Q8_0 201 against 338, Q6_K 319 against 572, but Q4_K 1,246 against
+    1,212 and IQ4_XS 1,633 against 1,478 (147 registers against 116)."""
+    if blockwise and ggml_type in BLOCKWISE:
+        return {_T.Q8_0: block_k, _T.Q4_0: block_k // 2, _T.Q6_K: block_k // 4}[ggml_type]
+    return 0
+
+
+def gemv_config(n_rows: int, ggml_type=None, blockwise: bool = True) -> dict:
     """Blocks and warps of the GEMV for M = n_rows: 256 columns (one K-quant super-block) per
     step while few rows, then fewer outputs per program. Each value of W's tile holds its own
     64-bit byte pointers: ptxas for sm_90 spilled kilobytes at 32 x 256 values (M = 1), none at
     8 x 256 (96-118 registers; 48-80 from M = 4 on; the grid i-quants, MXFP4 and NVFP4 80-122,
-    then 47-80). Not timed on a GPU yet."""
+    then 47-80). Not timed on a GPU yet. At one row, TERMS: the width of the products kept
+    unsummed until the end of K (``terms_width``; 0 without ``ggml_type``: summed per chunk)."""
     block_m = pow2(n_rows)
     block_k = 256 if block_m <= 2 else 128
     block_n = max(4, min(GEMV_TILE // block_k, GEMV_PRODUCTS // (block_m * block_k)))
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    config = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    if n_rows == 1:
+        config["TERMS"] = 0 if ggml_type is None else terms_width(ggml_type, block_k, blockwise)
+    return config
 
 
 def gemm_config(n_rows: int) -> dict:
@@ -100,11 +121,11 @@ def gemm_config(n_rows: int) -> dict:
     return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=32, num_warps=8 if block_m >= 128 else 4)
 
 
-def split_count(n_cols: int, n_out: int, config: dict) -> int:
-    """Splits of K for a GEMV: enough programs for GEMV_PROGRAMS, at least one chunk per split."""
+def split_count(n_cols: int, n_out: int, config: dict, programs: int = GEMV_PROGRAMS) -> int:
+    """Splits of K for a GEMV: enough for ``programs`` programs, at least one chunk per split."""
     tiles = -(-n_out // config["BLOCK_N"])
     chunks = -(-n_cols // config["BLOCK_K"])
-    return max(1, min(chunks, GEMV_PROGRAMS // tiles))
+    return max(1, min(chunks, programs // tiles))
 
 
 def _check(x: torch.Tensor, blocks: torch.Tensor, ggml_type) -> None:
@@ -131,15 +152,16 @@ def _check_experts(x: torch.Tensor, blocks: torch.Tensor, ids: torch.Tensor, ggm
 
 
 def gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type, split_k: int | None = None,
-         blockwise: bool = True) -> torch.Tensor:
+         blockwise: bool = True, terms: bool = True) -> torch.Tensor:
     """x (M, K) float, M <= MAX_GEMV_ROWS; blocks (N, row_bytes) uint8 of ``ggml_type`` ->
     y (M, N) float32. ``split_k``: splits of K (default ``split_count``). ``blockwise`` False:
-    the BLOCKWISE types through the per-value tile too (their blockwise reads' twin)."""
+    the BLOCKWISE types through the per-value tile too (their blockwise reads' twin). ``terms``
+    False: at M = 1 too, each chunk's products summed across the tile (the twin of TERMS)."""
     _check(x, blocks, ggml_type)
     if x.shape[0] > MAX_GEMV_ROWS:
         raise ValueError(f"the GEMV takes at most {MAX_GEMV_ROWS} rows of x, got {x.shape[0]}: use gemm")
     (m, k), n = x.shape, blocks.shape[0]
-    config = gemv_config(m)
+    config = gemv_config(m, ggml_type if terms else None, blockwise)
     splits = split_k or split_count(k, n, config)
     chunks = -(-k // config["BLOCK_K"])
     per_split = -(-chunks // splits)
@@ -158,14 +180,14 @@ def gemv_experts(x: torch.Tensor, blocks: torch.Tensor, ids: torch.Tensor, ggml_
     ``ids`` (P,) stays on the device; only the chosen experts' bytes are read."""
     _check_experts(x, blocks, ids, ggml_type)
     (p, k), n = x.shape, blocks.shape[1]
-    config = gemv_config(1)
+    config = gemv_config(1, ggml_type)
     y = torch.empty(p, n, device=x.device, dtype=torch.float32)
     grid = (-(-n // config["BLOCK_N"]), p)
     _kernel().quant_gemv_experts[grid](x.contiguous(), blocks.contiguous(), grid_table(ggml_type, x.device),
                                        ids.to(torch.int32).contiguous(), y,
                                        n, k, blocks.shape[2], blocks.shape[1] * blocks.shape[2],
                                        TYPE=int(ggml_type), BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
-                                       num_warps=config["num_warps"])
+                                       TERMS=config["TERMS"], num_warps=config["num_warps"])
     return y
 
 
