@@ -40,7 +40,7 @@ from . import runs_on as gpu_runs_on
 _T = gguf.GGMLQuantizationType
 GRIDDED = (_T.IQ2_XXS, _T.IQ2_XS, _T.IQ2_S, _T.IQ3_XXS, _T.IQ3_S, _T.IQ1_S, _T.IQ1_M)   # values index a lattice
 SUPPORTED = (_T.Q8_0, _T.Q4_0, _T.Q2_K, _T.Q3_K, _T.Q4_K, _T.Q5_K, _T.Q6_K, _T.IQ4_XS, *GRIDDED, _T.MXFP4, _T.NVFP4)
-BLOCKWISE = (_T.Q8_0, _T.Q4_0, _T.Q6_K)   # the GEMV reads these block by block (``_gemv_step``)
+BLOCKWISE = (_T.Q8_0, _T.Q4_0, _T.Q6_K, _T.Q4_K)   # the GEMV reads these block by block (``_gemv_step``)
 MAX_GEMV_ROWS = 16            # more rows of x: the tensor-core GEMM
 # Split K until a GEMV launches about this many programs: 8 per H100 SM, what the 1-row GEMV's
 # 48-64 registers a thread (128 threads) allow at once. A GEMV is bound by the bytes it has in
@@ -84,14 +84,16 @@ def runs_on(x: torch.Tensor) -> bool:
 
 def terms_width(ggml_type, block_k: int, blockwise: bool = True) -> int:
     """The columns of a 1-row GEMV step's unsummed products (the kernels' TERMS) for the types
-    read block by block: Q8_0's a value each, Q4_0's byte holds values j and j + 16 of its block
-    (one column for both), Q6_K's three bytes values l, l + 32, l + 64 and l + 96 of its half
-    (one for four). 0 for the per-value tile, which sums each chunk as before: sm_90 cubins,
-    Triton 3.6 (the devices'), instructions a chunk with unsummed products against summed:
-    Q4_0 225 against 326, Q8_0 201 against 338, Q6_K 319 against 572, but Q4_K 1,246 against
-    1,212 and IQ4_XS 1,633 against 1,478 (147 registers against 116)."""
+    read block by block: Q8_0's a value each; Q4_0's byte holds values j and j + 16 of its block
+    (one column for both), Q4_K's values 64p + l and 64p + 32 + l of its super-block, Q6_K's
+    three bytes values l, l + 32, l + 64 and l + 96 of its half (one for four). 0 for the
+    per-value tile, which sums each chunk as before. sm_90 cubins, Triton 3.6 (the devices'),
+    instructions a chunk with unsummed products against summed:
+    Q4_0 225 against 326, Q8_0 201 against 338, Q6_K 319 against 572, Q4_K (blockwise) 659
+    against 814; but the per-value Q4_K 1,246 against 1,212 and IQ4_XS 1,633 against 1,478
+    (147 registers against 116)."""
     if blockwise and ggml_type in BLOCKWISE:
-        return {_T.Q8_0: block_k, _T.Q4_0: block_k // 2, _T.Q6_K: block_k // 4}[ggml_type]
+        return {_T.Q8_0: block_k, _T.Q4_0: block_k // 2, _T.Q6_K: block_k // 4, _T.Q4_K: block_k // 2}[ggml_type]
     return 0
 
 
