@@ -43,7 +43,7 @@ SUPPORTED = (_T.Q8_0, _T.Q4_0, _T.Q2_K, _T.Q3_K, _T.Q4_K, _T.Q5_K, _T.Q6_K, _T.I
 BLOCKWISE = (_T.Q8_0, _T.Q4_0, _T.Q6_K, _T.Q4_K)   # the GEMV reads these block by block (``_gemv_step``)
 MAX_GEMV_ROWS = 16            # more rows of x: the tensor-core GEMM
 # Split K until a GEMV launches about this many programs: 8 per H100 SM, what the 1-row GEMV's
-# 48-64 registers a thread (128 threads) allow at once. A GEMV is bound by the bytes it has in
+# 40-64 registers a thread (128 threads; Q4_K 117 under Triton 3.6) allow at once. A GEMV is bound by the bytes it has in
 # flight: at 2 programs per SM (264, until session 33) a 2048-output matrix kept ~2.3 KB of
 # Q4_0 blocks in flight per SM, where an H100's bandwidth times its memory latency asks ~25 KB.
 GEMV_PROGRAMS = 1056
