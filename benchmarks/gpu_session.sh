@@ -239,8 +239,8 @@ verify() {
     # shellcheck disable=SC2086
     KVSLIM_TRITON=1 timeout -k 5 "$(left 110)" $PY $PYTEST -rfEs -n 14 --timeout 100 $KERNEL_TESTS $MODEL_TESTS \
         -k "cuda or fla or h100" 2>&1 | tee "$OUT/tests-triton.log" | tail -15
-    # session 33's GEMV (one sum after K, 8 programs per SM, Q4_K by blocks) beside session 32's
-    timeout -k 5 "$(left 40)" $PY benchmarks/gpu_weights.py -t q4_0,q4_k,q6_k,q8_0 -s 4096x2048,2048x4096 \
+    # session 33's GEMV (one sum after K, 8 programs per SM, Q4_K and Q5_K by blocks) beside session 32's
+    timeout -k 5 "$(left 40)" $PY benchmarks/gpu_weights.py -t q4_0,q4_k,q5_k,q6_k,q8_0 -s 4096x2048,2048x4096 \
         -m 512 -r 10 --expert-tokens 1,4 2>&1 | tee "$OUT/weights.md" | tail -30
     decode_table 40
     # session 32's two-byte code loads against its per-value reading (untimed until here)

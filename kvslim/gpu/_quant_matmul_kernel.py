@@ -11,14 +11,15 @@ each value loads its own entry's byte. The kernels using it:
 
 - ``quant_gemv`` (decode, M <= 16 rows of x): one program per (BLOCK_N outputs, split of K);
   products summed in float32 on the CUDA cores, no tensor cores (M is too small to fill them).
-  Q8_0, Q4_0, Q6_K and Q4_K read their tile block by block (``_legacy_block_dot``,
-  ``_q6_k_block_dot``: each byte and scale loaded once); the other types take the per-value
+  Q8_0, Q4_0, Q6_K, Q4_K and Q5_K read their tile block by block (``_legacy_block_dot``,
+  ``_q6_k_block_dot``, ``_k4_block_dot``: each byte and scale loaded once); the others the per-value
   tile. sm_90 cubins at M = 1 with a launch's alignment (``compile_sm90``), blockwise against
   per-value: Q4_0 10 loads / 408 instructions against 49 / 648, Q6_K 28 / 624 against 81 / 976,
-  Q8_0 17 / 424 against 25 / 432 (Triton 3.9). Q4_K joined in session 33: Triton 3.9 merges
-  its per-value loads into 16-byte ones (9 loads), but the devices' Triton 3.6 does not (114
-  loads, 1,212 instructions a chunk at M = 1; blockwise 67 and 659). At M = 1 the blockwise
-  types keep each chunk's products per column and sum them once after K (TERMS).
+  Q8_0 17 / 424 against 25 / 432 (Triton 3.9). Q4_K and Q5_K joined in session 33: Triton 3.9
+  merges their per-value loads into 16-byte ones (9-10 loads), but the devices' Triton 3.6 does
+  not (114-115 loads, 1,200-1,212 instructions a chunk at M = 1; blockwise Q4_K 67 and 659,
+  Q5_K 12 and 262). At M = 1 the blockwise types keep each chunk's products per column and
+  sum them once after K (TERMS).
   Every chunk is one ``_gemv_step``, which the experts' GEMV takes too (as a 1-row M).
 - ``quant_gemm`` (prefill): one program per (BLOCK_M x BLOCK_N) tile of y; each BLOCK_K step
   dequantizes W's tile, casts it and x's tile to DOT_DTYPE and accumulates ``tl.dot`` in float32.
@@ -448,27 +449,34 @@ def _q6_k_block_dot(x_ptr, w_ptr, m, M, rows, N, K, row_bytes, chunk,
 
 
 @triton.jit
-def _q4_k_block_dot(x_ptr, w_ptr, m, M, rows, N, K, row_bytes, chunk,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TERMS: tl.constexpr = False):
-    """``_legacy_block_dot`` for Q4_K, by groups of 64 values (``_k4_values``' layout): in group
-    p of a super-block, byte qs[32p + l] holds value 64p + l (low nibble, sub-block 2p) and
-    64p + 32 + l (high nibble, sub-block 2p + 1). Each code byte is loaded once, the sub-blocks'
-    scales and mins and the super-block's d and dmin once per group, where the per-value tile
-    loads them for every value (under Triton 3.6, the devices', 114 loads a chunk; 3.9 merges
-    them into 9). K is whole super-blocks (``_check``). TERMS: the (BN, BLOCK_K / 2) products."""
+def _k4_block_dot(x_ptr, w_ptr, m, M, rows, N, K, row_bytes, chunk, TYPE: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TERMS: tl.constexpr = False):
+    """``_legacy_block_dot`` for Q4_K and Q5_K, by groups of 64 values (``_k4_values``' layout): in
+    group p of a super-block, byte qs[32p + l] holds value 64p + l (low nibble, sub-block 2p) and
+    64p + 32 + l (high nibble, sub-block 2p + 1); Q5_K's fifth bits are bits 2p and 2p + 1 of
+    qh[l]. Each code byte is loaded once, the sub-blocks' scales and mins and the super-block's
+    d and dmin once per group, where the per-value tile loads them for every value (under
+    Triton 3.6, the devices', 114 loads a chunk for Q4_K; 3.9 merges them into 9). K is whole
+    super-blocks (``_check``). TERMS: the (BN, BLOCK_K / 2) products."""
+    SIZE: tl.constexpr = 144 if TYPE == Q4_K else 176
+    QS: tl.constexpr = 16 if TYPE == Q4_K else 48                      # Q5_K: qh's 32 bytes first
     NP: tl.constexpr = BLOCK_K // 64
     pp = chunk * NP + tl.arange(0, NP)                                  # (NP,) groups of the row
     p = (pp % 4)[None, :]
     l = tl.arange(0, 32)[None, None, :]
     ok = (rows < N)[:, None] & (pp < K // 64)[None, :]                  # (BN, NP)
-    sb = w_ptr + rows.to(tl.int64)[:, None] * row_bytes + (pp // 4)[None, :] * 144
+    sb = w_ptr + rows.to(tl.int64)[:, None] * row_bytes + (pp // 4)[None, :] * SIZE
     scale_lo, min_lo = _scale_min_k4(sb, 2 * p, ok)
     scale_hi, min_hi = _scale_min_k4(sb, 2 * p + 1, ok)
     d, dmin = f16_aligned(sb, ok), f16_aligned(sb + 2, ok)
-    codes = _byte(sb[:, :, None] + 16 + 32 * p[:, :, None] + l, ok[:, :, None])          # (BN, NP, 32)
-    lo = tl.reshape((d * scale_lo)[:, :, None] * (codes & 0x0F).to(tl.float32) - (dmin * min_lo)[:, :, None],
+    codes = _byte(sb[:, :, None] + QS + 32 * p[:, :, None] + l, ok[:, :, None])          # (BN, NP, 32)
+    q_lo, q_hi = codes & 0x0F, codes >> 4
+    if TYPE == Q5_K:
+        qh = _byte(sb[:, :, None] + 16 + l, ok[:, :, None]) >> (2 * p[:, :, None])
+        q_lo, q_hi = q_lo | ((qh & 1) << 4), q_hi | ((qh & 2) << 3)
+    lo = tl.reshape((d * scale_lo)[:, :, None] * q_lo.to(tl.float32) - (dmin * min_lo)[:, :, None],
                     (BLOCK_N, NP * 32))
-    hi = tl.reshape((d * scale_hi)[:, :, None] * (codes >> 4).to(tl.float32) - (dmin * min_hi)[:, :, None],
+    hi = tl.reshape((d * scale_hi)[:, :, None] * q_hi.to(tl.float32) - (dmin * min_hi)[:, :, None],
                     (BLOCK_N, NP * 32))
     x_ok = (m < M)[:, None, None] & (pp < K // 64)[None, :, None]
     x_at = x_ptr + m[:, None, None] * K + pp[None, :, None] * 64 + l                    # (BM, NP, 32)
@@ -485,8 +493,9 @@ def _q4_k_block_dot(x_ptr, w_ptr, m, M, rows, N, K, row_bytes, chunk,
 def _gemv_step(x_ptr, w_ptr, grid_ptr, m, M, rows, N, K, row_bytes, chunk, TYPE: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKWISE: tl.constexpr,
                TERMS: tl.constexpr = 0):
-    """One BLOCK_K chunk of x[m] . W[rows] -> (BM, BN) float32: Q8_0, Q4_0, Q6_K and Q4_K block by
-    block where BLOCKWISE, every other type (or all, BLOCKWISE False) through the per-value tile.
+    """One BLOCK_K chunk of x[m] . W[rows] -> (BM, BN) float32: Q8_0, Q4_0, Q6_K, Q4_K and Q5_K
+    block by block where BLOCKWISE, every other type (or all, BLOCKWISE False) through the
+    per-value tile.
     TERMS > 0 (BLOCK_M = 1, the blockwise types): the (BN, TERMS) products instead, unsummed
     (``_products``; TERMS is ``quant_matmul.terms_width``)."""
     if BLOCKWISE and (TYPE == Q8_0 or TYPE == Q4_0):
@@ -494,8 +503,9 @@ def _gemv_step(x_ptr, w_ptr, grid_ptr, m, M, rows, N, K, row_bytes, chunk, TYPE:
                                 TERMS > 0)
     elif BLOCKWISE and TYPE == Q6_K:
         out = _q6_k_block_dot(x_ptr, w_ptr, m, M, rows, N, K, row_bytes, chunk, BLOCK_M, BLOCK_N, BLOCK_K, TERMS > 0)
-    elif BLOCKWISE and TYPE == Q4_K:
-        out = _q4_k_block_dot(x_ptr, w_ptr, m, M, rows, N, K, row_bytes, chunk, BLOCK_M, BLOCK_N, BLOCK_K, TERMS > 0)
+    elif BLOCKWISE and (TYPE == Q4_K or TYPE == Q5_K):
+        out = _k4_block_dot(x_ptr, w_ptr, m, M, rows, N, K, row_bytes, chunk, TYPE, BLOCK_M, BLOCK_N, BLOCK_K,
+                            TERMS > 0)
     else:
         cols = chunk * BLOCK_K + tl.arange(0, BLOCK_K)
         w = _dequantize_tile(w_ptr, grid_ptr, rows, cols, row_bytes, N, K, TYPE)           # (BN, BK)

@@ -40,7 +40,7 @@ from . import runs_on as gpu_runs_on
 _T = gguf.GGMLQuantizationType
 GRIDDED = (_T.IQ2_XXS, _T.IQ2_XS, _T.IQ2_S, _T.IQ3_XXS, _T.IQ3_S, _T.IQ1_S, _T.IQ1_M)   # values index a lattice
 SUPPORTED = (_T.Q8_0, _T.Q4_0, _T.Q2_K, _T.Q3_K, _T.Q4_K, _T.Q5_K, _T.Q6_K, _T.IQ4_XS, *GRIDDED, _T.MXFP4, _T.NVFP4)
-BLOCKWISE = (_T.Q8_0, _T.Q4_0, _T.Q6_K, _T.Q4_K)   # the GEMV reads these block by block (``_gemv_step``)
+BLOCKWISE = (_T.Q8_0, _T.Q4_0, _T.Q6_K, _T.Q4_K, _T.Q5_K)   # the GEMV reads these block by block (``_gemv_step``)
 MAX_GEMV_ROWS = 16            # more rows of x: the tensor-core GEMM
 # Split K until a GEMV launches about this many programs: 8 per H100 SM, what the 1-row GEMV's
 # 40-64 registers a thread (128 threads; Q4_K 117 under Triton 3.6) allow at once. A GEMV is bound by the bytes it has in
@@ -93,7 +93,8 @@ def terms_width(ggml_type, block_k: int, blockwise: bool = True) -> int:
     against 814; but the per-value Q4_K 1,246 against 1,212 and IQ4_XS 1,633 against 1,478
     (147 registers against 116)."""
     if blockwise and ggml_type in BLOCKWISE:
-        return {_T.Q8_0: block_k, _T.Q4_0: block_k // 2, _T.Q6_K: block_k // 4, _T.Q4_K: block_k // 2}[ggml_type]
+        return {_T.Q8_0: block_k, _T.Q4_0: block_k // 2, _T.Q6_K: block_k // 4, _T.Q4_K: block_k // 2,
+                _T.Q5_K: block_k // 2}[ggml_type]
     return 0
 
 
