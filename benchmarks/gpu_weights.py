@@ -113,6 +113,13 @@ def _speed(m: int, n: int, k: int, weight_bytes: int, ms: float) -> str:
     return f"{2 * m * n * k / ms / 1e9:.1f} TFLOP/s"
 
 
+def _progress(row: list) -> list:
+    """Each row to stderr as it is measured: a run cut short by a time limit (a lease's) still
+    leaves the rows it timed; the table follows on stdout at the end."""
+    print(" | ".join(map(str, row)), file=sys.stderr, flush=True)
+    return row
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("-t", "--types", default="q8_0,q4_0,q4_k,q5_k,q6_k,iq3_xxs,iq2_xxs")
@@ -126,10 +133,10 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     check_device(args.device)
     kvslim_gpu.TRITON = True                       # the loop's per-expert products take the kernels too
-    rows = [row for name in args.types.split(",") for shape in args.shapes.split(",")
+    rows = [_progress(row) for name in args.types.split(",") for shape in args.shapes.split(",")
             for row in _rows(name, *map(int, shape.split("x")), args.gemm_rows, args.runs, args.device)]
     tokens = [int(n) for n in args.expert_tokens.split(",")]
-    experts = [row for name in args.types.split(",") if args.experts
+    experts = [_progress(row) for name in args.types.split(",") if args.experts
                for row in _expert_rows(name, args.experts, tokens, args.runs, args.device)]
     if args.output == "json":
         print(to_json({"weights": [dict(zip(HEADERS, row)) for row in rows],
