@@ -10,8 +10,9 @@ a value). x is in the row's dtype; the Triton GEMM's tl.dot takes that dtype too
 ``-r`` CUDA-event timings after a warm-up (which compiles). "per-value ms": the GEMV with every
 value read on its own (``blockwise=False``), the path Q8_0, Q4_0 and Q6_K took before
 session 31. "session 32 ms": the GEMV as it was before session 33, each chunk's products summed
-across the tile (``terms=False``) and K split for 264 programs, not GEMV_PROGRAMS. GB/s: the weight bytes each kernel reads (packed blocks, or 2 bytes a value), for
-the GEMV; TFLOP/s: 2MNK per second, for the GEMM.
+across the tile (``terms=False``) and K split for 264 programs, not GEMV_PROGRAMS. GB/s: the
+weight bytes each kernel reads (packed blocks, or 2 bytes a value), for the GEMV; TFLOP/s:
+2MNK per second, for the GEMM.
 Weights are random blocks with sane fp16 scales (speed does not depend on the values).
 Figures, not a test: the parity checks are tests/test_triton_weights.py.
 
@@ -73,8 +74,7 @@ def _rows(name: str, n: int, k: int, gemm_rows: int, runs: int, device: str) -> 
                 if ggml_type in gpu.BLOCKWISE:                       # the others have one path
                     per_value = f"{_median_ms(lambda: gpu.gemv(x, w.data, ggml_type, blockwise=False), runs, device):.4f}"
                 splits = gpu.split_count(k, n, gpu.gemv_config(1), SESSION_32_PROGRAMS)
-                before = _median_ms(lambda: gpu.gemv(x, w.data, ggml_type, splits, terms=False), runs, device)
-                before = f"{before:.4f}"
+                before = f"{_median_ms(lambda: gpu.gemv(x, w.data, ggml_type, splits, terms=False), runs, device):.4f}"
             else:
                 triton_ms = _median_ms(lambda: gpu.gemm(x, w.data, ggml_type, dot), runs, device)
             torch_ms = _median_ms(lambda: x @ dense.T, runs, device)

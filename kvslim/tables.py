@@ -12,7 +12,8 @@ def markdown_table(headers: list[str], rows: list[list], align: list[str] | None
     """A GitHub markdown table like llama-bench prints; align items are 'l' or 'r'."""
     cells = [[str(c) for c in row] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
-    align = list(align or []) + ["l"] * (len(headers) - len(align or []))   # a short list drops no column
+    align = list(align or [])
+    align += ["l"] * (len(headers) - len(align))                      # a short list drops no column
 
     def fmt(row):
         parts = [c.rjust(w) if a == "r" else c.ljust(w) for c, w, a in zip(row, widths, align)]

@@ -520,19 +520,12 @@ def _gemv_step(x_ptr, w_ptr, grid_ptr, m, M, rows, N, K, row_bytes, chunk, TYPE:
 
 
 @triton.jit
-def quant_gemv(x_ptr, w_ptr, grid_ptr, y_ptr, M, N, K, row_bytes, chunks_per_split,
-               TYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               BLOCKWISE: tl.constexpr = True, TERMS: tl.constexpr = 0):
-    """Program (tile of BLOCK_N outputs, split s): y[s, m, n] = x[m, K_s] . W[n, K_s] for its
-    chunks K_s of BLOCK_K columns. x (M, K) contiguous; y (splits, M, N) float32. BLOCKWISE
-    False: every type through the per-value tile (the blockwise reads' twin, for timings).
-    TERMS > 0 (M = 1): products kept per column across the chunks, summed once at the end."""
-    tile = tl.program_id(0)
-    split = tl.program_id(1)
-    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    m = tl.arange(0, BLOCK_M)
-    first = split * chunks_per_split
-    last = tl.minimum(first + chunks_per_split, tl.cdiv(K, BLOCK_K))
+def _gemv_chunks(x_ptr, w_ptr, grid_ptr, m, M, rows, N, K, row_bytes, first, last, TYPE: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKWISE: tl.constexpr,
+                 TERMS: tl.constexpr):
+    """x[m] . W[rows] over chunks [first, last) of BLOCK_K columns -> (BM, BN) float32, each
+    chunk a ``_gemv_step``; with TERMS > 0 (BM = 1) the products kept per column across the
+    chunks and summed once at the end."""
     if TERMS > 0:
         terms = tl.zeros([BLOCK_N, TERMS], tl.float32)
         for chunk in range(first, last):
@@ -544,6 +537,25 @@ def quant_gemv(x_ptr, w_ptr, grid_ptr, y_ptr, M, N, K, row_bytes, chunks_per_spl
         for chunk in range(first, last):
             acc += _gemv_step(x_ptr, w_ptr, grid_ptr, m, M, rows, N, K, row_bytes, chunk,
                               TYPE, BLOCK_M, BLOCK_N, BLOCK_K, BLOCKWISE)
+    return acc
+
+
+@triton.jit
+def quant_gemv(x_ptr, w_ptr, grid_ptr, y_ptr, M, N, K, row_bytes, chunks_per_split,
+               TYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               BLOCKWISE: tl.constexpr = True, TERMS: tl.constexpr = 0):
+    """Program (tile of BLOCK_N outputs, split s): y[s, m, n] = x[m, K_s] . W[n, K_s] for its
+    chunks K_s of BLOCK_K columns. x (M, K) contiguous; y (splits, M, N) float32. BLOCKWISE
+    False: every type through the per-value tile (the blockwise reads' twin, for timings).
+    TERMS > 0 (M = 1): products kept per column across the chunks, summed once (``_gemv_chunks``)."""
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, BLOCK_M)
+    first = split * chunks_per_split
+    last = tl.minimum(first + chunks_per_split, tl.cdiv(K, BLOCK_K))
+    acc = _gemv_chunks(x_ptr, w_ptr, grid_ptr, m, M, rows, N, K, row_bytes, first, last,
+                       TYPE, BLOCK_M, BLOCK_N, BLOCK_K, BLOCKWISE, TERMS)
     out = y_ptr + (split * M + m[:, None]) * N + rows[None, :]
     tl.store(out, acc, mask=(m < M)[:, None] & (rows < N)[None, :])
 
@@ -574,23 +586,14 @@ def quant_gemv_experts(x_ptr, w_ptr, grid_ptr, ids_ptr, y_ptr, N, K, row_bytes, 
     """Program (tile of BLOCK_N outputs, pair p): y[p, n] = x[p] . W[ids[p], n] over all of K,
     the expert's matrix found from its id in device memory (no host round trip to learn which
     experts a token chose). x (P, K) contiguous; W (E, N, row_bytes); y (P, N) float32. TERMS
-    > 0: the products kept per column over K and summed once, as ``quant_gemv``'s."""
+    as ``quant_gemv``'s."""
     tile = tl.program_id(0)
     p = tl.program_id(1).to(tl.int64)
     w_expert = w_ptr + tl.load(ids_ptr + p).to(tl.int64) * expert_bytes
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    if TERMS > 0:
-        terms = tl.zeros([BLOCK_N, TERMS], tl.float32)
-        for start in range(0, K, BLOCK_K):                              # x's row p as a 1-row M
-            terms += _gemv_step(x_ptr + p * K, w_expert, grid_ptr, tl.arange(0, 1), 1, rows, N, K, row_bytes,
-                                start // BLOCK_K, TYPE, 1, BLOCK_N, BLOCK_K, BLOCKWISE, TERMS)
-        acc = tl.sum(terms, axis=1)
-    else:
-        acc = tl.zeros([BLOCK_N], tl.float32)
-        for start in range(0, K, BLOCK_K):
-            acc += tl.sum(_gemv_step(x_ptr + p * K, w_expert, grid_ptr, tl.arange(0, 1), 1, rows, N, K, row_bytes,
-                                     start // BLOCK_K, TYPE, 1, BLOCK_N, BLOCK_K, BLOCKWISE), axis=0)
-    tl.store(y_ptr + p * N + rows, acc, mask=rows < N)
+    acc = _gemv_chunks(x_ptr + p * K, w_expert, grid_ptr, tl.arange(0, 1), 1, rows, N, K, row_bytes,   # a 1-row M
+                       0, tl.cdiv(K, BLOCK_K), TYPE, 1, BLOCK_N, BLOCK_K, BLOCKWISE, TERMS)
+    tl.store(y_ptr + p * N + rows, tl.sum(acc, axis=0), mask=rows < N)
 
 
 @triton.jit

@@ -40,12 +40,18 @@ from . import runs_on as gpu_runs_on
 _T = gguf.GGMLQuantizationType
 GRIDDED = (_T.IQ2_XXS, _T.IQ2_XS, _T.IQ2_S, _T.IQ3_XXS, _T.IQ3_S, _T.IQ1_S, _T.IQ1_M)   # values index a lattice
 SUPPORTED = (_T.Q8_0, _T.Q4_0, _T.Q2_K, _T.Q3_K, _T.Q4_K, _T.Q5_K, _T.Q6_K, _T.IQ4_XS, *GRIDDED, _T.MXFP4, _T.NVFP4)
-BLOCKWISE = (_T.Q8_0, _T.Q4_0, _T.Q6_K, _T.Q4_K, _T.Q5_K)   # the GEMV reads these block by block (``_gemv_step``)
+# The types the GEMV reads block by block (``_gemv_step``), each with the values one column of
+# its 1-row step's unsummed products holds (``terms_width``): Q8_0 a value; a Q4_0, Q4_K or Q5_K
+# byte two (Q4_0's values j and j + 16 of a block, the K-quants' 64p + l and 64p + 32 + l);
+# Q6_K's three bytes four (l, l + 32, l + 64 and l + 96 of its half).
+VALUES_PER_TERM = {_T.Q8_0: 1, _T.Q4_0: 2, _T.Q4_K: 2, _T.Q5_K: 2, _T.Q6_K: 4}
+BLOCKWISE = tuple(VALUES_PER_TERM)
 MAX_GEMV_ROWS = 16            # more rows of x: the tensor-core GEMM
 # Split K until a GEMV launches about this many programs: 8 per H100 SM, what the 1-row GEMV's
-# 40-64 registers a thread (128 threads; Q4_K 117 under Triton 3.6) allow at once. A GEMV is bound by the bytes it has in
-# flight: at 2 programs per SM (264, until session 33) a 2048-output matrix kept ~2.3 KB of
-# Q4_0 blocks in flight per SM, where an H100's bandwidth times its memory latency asks ~25 KB.
+# 40-64 registers a thread (128 threads; Q4_K 117 under Triton 3.6) allow at once. A GEMV is
+# bound by the bytes it has in flight: at 2 programs per SM (264, until session 33) a
+# 2048-output matrix kept ~2.3 KB of Q4_0 blocks in flight per SM, where an H100's bandwidth
+# times its memory latency asks ~25 KB.
 GEMV_PROGRAMS = 1056
 GEMV_TILE = 2048              # BLOCK_N * BLOCK_K: W values one GEMV step dequantizes (in registers)
 GEMV_PRODUCTS = 4096          # BLOCK_M * BLOCK_N * BLOCK_K: the products one GEMV step holds
@@ -84,18 +90,13 @@ def runs_on(x: torch.Tensor) -> bool:
 
 def terms_width(ggml_type, block_k: int, blockwise: bool = True) -> int:
     """The columns of a 1-row GEMV step's unsummed products (the kernels' TERMS) for the types
-    read block by block: Q8_0's a value each; Q4_0's byte holds values j and j + 16 of its block
-    (one column for both), Q4_K's values 64p + l and 64p + 32 + l of its super-block, Q6_K's
-    three bytes values l, l + 32, l + 64 and l + 96 of its half (one for four). 0 for the
-    per-value tile, which sums each chunk as before. sm_90 cubins, Triton 3.6 (the devices'),
-    instructions a chunk with unsummed products against summed:
+    read block by block (``VALUES_PER_TERM``); 0 for the per-value tile, which sums each chunk
+    as before. sm_90 cubins, Triton 3.6 (the devices'), instructions a chunk with unsummed
+    products against summed:
     Q4_0 225 against 326, Q8_0 201 against 338, Q6_K 319 against 572, Q4_K (blockwise) 659
     against 814; but the per-value Q4_K 1,246 against 1,212 and IQ4_XS 1,633 against 1,478
     (147 registers against 116)."""
-    if blockwise and ggml_type in BLOCKWISE:
-        return {_T.Q8_0: block_k, _T.Q4_0: block_k // 2, _T.Q6_K: block_k // 4, _T.Q4_K: block_k // 2,
-                _T.Q5_K: block_k // 2}[ggml_type]
-    return 0
+    return block_k // VALUES_PER_TERM[ggml_type] if blockwise and ggml_type in VALUES_PER_TERM else 0
 
 
 def gemv_config(n_rows: int, ggml_type=None, blockwise: bool = True) -> dict:
