@@ -168,3 +168,20 @@ def test_mixture_model_logits_with_grouped_experts_match_the_loop(tiny_folder, t
     for a, b in zip(got["logits"], want["logits"]):
         torch.testing.assert_close(a, b, atol=1e-4 * b.abs().max().item(), rtol=1e-4)
         assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_every_kernel_launch_names_its_fp_fusion():
+    """Each ``kernel[grid](...)`` in kvslim/gpu says whether Triton may fuse a * b + c (via
+    ``**FP_FUSION`` or ``enable_fp_fusion=``): Triton 3.10 flips the unnamed default, which would
+    change the kernels' rounding and speed silently."""
+    import ast
+    launches, unnamed = 0, []
+    for path in sorted(Path(kvslim.gpu.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
+                launches += 1
+                names = {k.arg for k in node.keywords} | {ast.unparse(k.value) for k in node.keywords if k.arg is None}
+                if not names & {"enable_fp_fusion", "FP_FUSION"}:
+                    unnamed.append(f"{path.name}:{node.lineno}")
+    assert launches >= 6, f"found only {launches} kernel launches: the scan no longer sees them"
+    assert not unnamed, f"kernel launches without enable_fp_fusion: {unnamed}"

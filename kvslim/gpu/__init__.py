@@ -18,6 +18,12 @@ import torch
 # them on. Benchmarks flip it in-process to time both paths.
 TRITON = os.environ.get("KVSLIM_TRITON", "0") == "1"
 
+# Triton fuses a * b + c into one FMA unless a launch says otherwise, and Triton 3.9 warns that
+# 3.10 will stop doing so by default (TRITON_DEFAULT_FP_FUSION). The kernels' parity and their
+# sm_90 figures were taken with fusion, so every launch asks for it by name (the append kernel,
+# which must round as torch does, asks for none) instead of inheriting the installed default.
+FP_FUSION = {"enable_fp_fusion": True}
+
 
 @lru_cache(maxsize=None)
 def available() -> bool:
@@ -46,7 +52,7 @@ def compile_sm90(fn, pointers: dict[str, str], constexprs: dict, divisible: tupl
     """Compile the @triton.jit ``fn`` for an H100/H200 (sm_90) without a GPU, through Triton's
     compiler and the ptxas in its wheel: arguments named in ``pointers`` take those types
     ("*u8", "*fp32", ...), those in ``constexprs`` their values, the rest are i32; ``options``
-    as a launch's (num_warps, num_stages). As a launch specialises them, the pointers are known
+    as a launch's (num_warps, num_stages; FMA fusion on unless one says otherwise). As a launch specialises them, the pointers are known
     16-byte aligned (torch's allocations are) and the ints named in ``divisible`` multiples of
     16 (a launch marks every int argument that is one): without that, the compiler cannot prove
     runs of bytes aligned and vectorises no load. Constexprs left out take their defaults, as
@@ -61,4 +67,4 @@ def compile_sm90(fn, pointers: dict[str, str], constexprs: dict, divisible: tupl
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
              if name in pointers or name in divisible}
     return triton.compile(triton.compiler.ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=options)
+                          options={**FP_FUSION, **options})

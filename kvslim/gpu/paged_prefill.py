@@ -20,7 +20,7 @@ from functools import lru_cache
 import torch
 
 from ..native.paged_attention import F16, KLT, NIBBLE, PACKED, CodecFields, codec_fields
-from . import available, pow2, runs_on
+from . import FP_FUSION, available, pow2, runs_on
 
 GATHER, SELECT, TREE, MIRROR, AFFINE, TABLE = range(6)      # _codecs._lookup's ways to read a code table
 
@@ -208,7 +208,7 @@ def prefill_state(fmt_k, fmt_v, q_code: torch.Tensor, q_pos: torch.Tensor, k_poo
     _kernel().paged_prefill_tile[(n_kv, n_seq, n_tiles * n_splits)](
         q_code, q_pos, k_pool.contiguous(), v_pool.contiguous(), table, lengths, *luts, m, l, acc,
         n_seq, n_rows, k_pool.shape[1], page_size, k_pool.shape[3], v_pool.shape[3], table.shape[1],
-        n_splits, split_keys, **config)
+        n_splits, split_keys, **config, **FP_FUSION)
     if n_splits == 1:                                                   # nothing to merge
         return m[:, :, 0, :, None], l[:, :, 0, :, None], acc[:, :, 0]
     return merge_splits(m, l, acc)

@@ -34,7 +34,7 @@ import gguf
 import torch
 
 from ..formats.base import cached_on
-from . import available, pow2
+from . import FP_FUSION, available, pow2
 from . import runs_on as gpu_runs_on
 
 _T = gguf.GGMLQuantizationType
@@ -174,7 +174,7 @@ def gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type, split_k: int | None =
     grid = (-(-n // config["BLOCK_N"]), splits)
     _kernel().quant_gemv[grid](x.contiguous(), blocks.contiguous(), grid_table(ggml_type, x.device), parts,
                                m, n, k, blocks.shape[1], per_split, TYPE=int(ggml_type), BLOCKWISE=blockwise,
-                               **config)
+                               **config, **FP_FUSION)
     return parts[0] if splits == 1 else parts.sum(0)
 
 
@@ -191,7 +191,7 @@ def gemv_experts(x: torch.Tensor, blocks: torch.Tensor, ids: torch.Tensor, ggml_
                                        ids.to(torch.int32).contiguous(), y,
                                        n, k, blocks.shape[2], blocks.shape[1] * blocks.shape[2],
                                        TYPE=int(ggml_type), BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
-                                       TERMS=config["TERMS"], num_warps=config["num_warps"])
+                                       TERMS=config["TERMS"], num_warps=config["num_warps"], **FP_FUSION)
     return y
 
 
@@ -258,7 +258,7 @@ def gemm_experts(x: torch.Tensor, weight: torch.Tensor, route_: Route, ggml_type
     _kernel().quant_gemm_experts[grid](x.contiguous(), weight.contiguous(), grid_table(ggml_type, x.device),
                                        route_.pairs, route_.tile_expert, y,
                                        n, x.shape[1], row_stride, n * row_stride, route_.n_experts, TYPE=type_code,
-                                       DOT_DTYPE=dtype, PRECISION=precision, **config)
+                                       DOT_DTYPE=dtype, PRECISION=precision, **config, **FP_FUSION)
     return y
 
 
@@ -302,7 +302,7 @@ def gemm(x: torch.Tensor, blocks: torch.Tensor, ggml_type, dot: str | None = Non
     grid = (-(-m // config["BLOCK_M"]), -(-n // config["BLOCK_N"]))
     _kernel().quant_gemm[grid](x.contiguous(), blocks.contiguous(), grid_table(ggml_type, x.device), y,
                                m, n, k, blocks.shape[1], TYPE=int(ggml_type), DOT_DTYPE=dtype, PRECISION=precision,
-                               **config)
+                               **config, **FP_FUSION)
     return y
 
 
