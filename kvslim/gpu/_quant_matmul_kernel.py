@@ -379,6 +379,17 @@ def _products(x, w, TERMS: tl.constexpr):
 
 
 @triton.jit
+def _x_by_rows(x_at, x_ok, rows):
+    """x's values at x_at (1, G, L) as a (BN, G, L) tile, one copy per weight row (repeats hit L1),
+    for the TERMS products: they then take the weight codes' own layout (each thread a run of one
+    row's bytes) and stay 3-D until one reshape. Multiplied as a (1, G, L) tile, whose layout
+    gives each of 128 threads one column of every row, Triton 3.6 made every thread load every
+    row's scales: Q4_K's sm_90 loop 67 global loads and 659 instructions a chunk, against 13
+    and 203 (the 16-row shared-memory conversion gone too)."""
+    return tl.load(x_at + 0 * rows[:, None, None], mask=x_ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _legacy_block_dot(x_ptr, w_ptr, m, M, rows, N, K, row_bytes, chunk,
                       TYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       TERMS: tl.constexpr = False):
@@ -399,17 +410,22 @@ def _legacy_block_dot(x_ptr, w_ptr, m, M, rows, N, K, row_bytes, chunk,
     codes = tl.load(block[:, :, None] + 2 + j[None, None, :], mask=ok[:, :, None], other=0)   # (BN, NB, SPAN)
     x_ok = (m < M)[:, None, None] & (blk < K // 32)[None, :, None]
     x_at = x_ptr + m[:, None, None] * K + (blk[:, None] * 32 + j[None, :])[None, :, :]       # (BM, NB, SPAN)
-    x = tl.reshape(tl.load(x_at, mask=x_ok, other=0.0).to(tl.float32), (BLOCK_M, NB * SPAN))
     if TYPE == Q8_0:
-        w = tl.reshape(codes.to(tl.int8, bitcast=True).to(tl.float32) * d, (BLOCK_N, NB * SPAN))
-        return _products(x, w, TERMS)
+        w = codes.to(tl.int8, bitcast=True).to(tl.float32) * d                          # (BN, NB, SPAN)
+        if TERMS:
+            return tl.reshape(_x_by_rows(x_at, x_ok, rows) * w, (BLOCK_N, NB * SPAN))
+        x = tl.reshape(tl.load(x_at, mask=x_ok, other=0.0).to(tl.float32), (BLOCK_M, NB * SPAN))
+        return _products(x, tl.reshape(w, (BLOCK_N, NB * SPAN)), TERMS)
     c = codes.to(tl.int32)
-    lo = tl.reshape(((c & 0x0F) - 8).to(tl.float32) * d, (BLOCK_N, NB * SPAN))          # values j
-    hi = tl.reshape(((c >> 4) - 8).to(tl.float32) * d, (BLOCK_N, NB * SPAN))            # values j + 16
-    x_hi = tl.reshape(tl.load(x_at + 16, mask=x_ok, other=0.0).to(tl.float32), (BLOCK_M, NB * SPAN))
+    lo = ((c & 0x0F) - 8).to(tl.float32) * d                                           # values j
+    hi = ((c >> 4) - 8).to(tl.float32) * d                                             # values j + 16
     if TERMS:
-        out = x * lo + x_hi * hi
+        out = tl.reshape(_x_by_rows(x_at, x_ok, rows) * lo + _x_by_rows(x_at + 16, x_ok, rows) * hi,
+                         (BLOCK_N, NB * SPAN))
     else:                                                               # one sum across threads, not two
+        x = tl.reshape(tl.load(x_at, mask=x_ok, other=0.0).to(tl.float32), (BLOCK_M, NB * SPAN))
+        x_hi = tl.reshape(tl.load(x_at + 16, mask=x_ok, other=0.0).to(tl.float32), (BLOCK_M, NB * SPAN))
+        lo, hi = tl.reshape(lo, (BLOCK_N, NB * SPAN)), tl.reshape(hi, (BLOCK_N, NB * SPAN))
         out = tl.sum(x[:, None, :] * lo[None, :, :] + x_hi[:, None, :] * hi[None, :, :], axis=2)
     return out
 
@@ -435,16 +451,22 @@ def _q6_k_block_dot(x_ptr, w_ptr, m, M, rows, N, K, row_bytes, chunk,
     x_ok = (m < M)[:, None, None] & (hh < K // 128)[None, :, None]
     x_at = x_ptr + m[:, None, None] * K + hh[None, :, None] * 128 + l                   # (BM, NH, 32)
     if TERMS:
-        acc = tl.zeros([BLOCK_N, NH * 32], tl.float32)
+        acc = tl.zeros([BLOCK_N, NH, 32], tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in tl.static_range(4):                                        # values l + 32k
         low = (ql_a if k % 2 == 0 else ql_b) >> (4 * (k // 2))
         q = (low & 0x0F) | (((qh >> (2 * k)) & 3) << 4)
-        scale = _int8(sb3 + 192 + 8 * h + 2 * k + l // 16, ok3)       # one per 16 values
-        w = tl.reshape((d * scale) * (q - 32).to(tl.float32), (BLOCK_N, NH * 32))
-        x = tl.reshape(tl.load(x_at + 32 * k, mask=x_ok, other=0.0).to(tl.float32), (BLOCK_M, NH * 32))
-        acc += _products(x, w, TERMS)
+        scales = sb3 + 192 + 8 * h + 2 * k                              # one per 16 values: l < 16, l >= 16
+        scale = tl.where(l < 16, _int8(scales, ok3), _int8(scales + 1, ok3))
+        w = (d * scale) * (q - 32).to(tl.float32)                       # (BN, NH, 32)
+        if TERMS:
+            acc += _x_by_rows(x_at + 32 * k, x_ok, rows) * w
+        else:
+            x = tl.reshape(tl.load(x_at + 32 * k, mask=x_ok, other=0.0).to(tl.float32), (BLOCK_M, NH * 32))
+            acc += _products(x, tl.reshape(w, (BLOCK_N, NH * 32)), TERMS)
+    if TERMS:
+        acc = tl.reshape(acc, (BLOCK_N, NH * 32))
     return acc
 
 
@@ -474,17 +496,17 @@ def _k4_block_dot(x_ptr, w_ptr, m, M, rows, N, K, row_bytes, chunk, TYPE: tl.con
     if TYPE == Q5_K:
         qh = _byte(sb[:, :, None] + 16 + l, ok[:, :, None]) >> (2 * p[:, :, None])
         q_lo, q_hi = q_lo | ((qh & 1) << 4), q_hi | ((qh & 2) << 3)
-    lo = tl.reshape((d * scale_lo)[:, :, None] * q_lo.to(tl.float32) - (dmin * min_lo)[:, :, None],
-                    (BLOCK_N, NP * 32))
-    hi = tl.reshape((d * scale_hi)[:, :, None] * q_hi.to(tl.float32) - (dmin * min_hi)[:, :, None],
-                    (BLOCK_N, NP * 32))
+    lo = (d * scale_lo)[:, :, None] * q_lo.to(tl.float32) - (dmin * min_lo)[:, :, None]       # (BN, NP, 32)
+    hi = (d * scale_hi)[:, :, None] * q_hi.to(tl.float32) - (dmin * min_hi)[:, :, None]
     x_ok = (m < M)[:, None, None] & (pp < K // 64)[None, :, None]
     x_at = x_ptr + m[:, None, None] * K + pp[None, :, None] * 64 + l                    # (BM, NP, 32)
-    x = tl.reshape(tl.load(x_at, mask=x_ok, other=0.0).to(tl.float32), (BLOCK_M, NP * 32))
-    x_hi = tl.reshape(tl.load(x_at + 32, mask=x_ok, other=0.0).to(tl.float32), (BLOCK_M, NP * 32))
     if TERMS:
-        out = x * lo + x_hi * hi
+        out = tl.reshape(_x_by_rows(x_at, x_ok, rows) * lo + _x_by_rows(x_at + 32, x_ok, rows) * hi,
+                         (BLOCK_N, NP * 32))
     else:
+        x = tl.reshape(tl.load(x_at, mask=x_ok, other=0.0).to(tl.float32), (BLOCK_M, NP * 32))
+        x_hi = tl.reshape(tl.load(x_at + 32, mask=x_ok, other=0.0).to(tl.float32), (BLOCK_M, NP * 32))
+        lo, hi = tl.reshape(lo, (BLOCK_N, NP * 32)), tl.reshape(hi, (BLOCK_N, NP * 32))
         out = tl.sum(x[:, None, :] * lo[None, :, :] + x_hi[:, None, :] * hi[None, :, :], axis=2)
     return out
 
