@@ -1,6 +1,7 @@
 """Decode attention on a GPU: f16 SDPA, the torch block loop and the Triton kernel on packed pages.
 
     python benchmarks/gpu_decode.py [-d 32768,131072] [-b 1,8] [-p pairs] [-r 20] [--no-loop] [--sweep]
+                                    [--codecs units,per-value] [--dot ieee,f16]
 
 One attention layer shaped like Qwen3.6-35B-A3B's (2 KV heads, 8 query heads each, head_dim
 256), pages of 16 keys handed out shuffled, every sequence at the same depth. For each K/V
@@ -11,7 +12,8 @@ warm-up that compiles the kernel) for
   f16 cache costs, the baseline of issue 18;
 - ``torch``: the block loop ``attention._scan_decode`` runs without the kernel (its reference);
 - ``triton``: ``kvslim.gpu.paged_decode`` plus the normalisation and V's output transform,
-  so it returns what SDPA returns.
+  so it returns what SDPA returns; once per ``--codecs`` x ``--dot`` (the bf16 attention
+  backend's kernels take ``f16``), labelled where they are not the defaults.
 On a GPU each step is timed twice: launched from Python ("eager ms": the host's launches
 included, which at 32K take longer than the kernels) and replayed from a CUDA graph ("ms": the
 GPU's time, as the engine's decode step runs in graphs); ratios and bandwidth use the graph's.
@@ -40,6 +42,7 @@ import kvslim.gpu  # noqa: E402
 from kvslim import formats  # noqa: E402
 from kvslim.cache import attention  # noqa: E402
 from kvslim.gpu import paged_decode as gpu  # noqa: E402
+from kvslim.gpu import paged_prefill as gpu_prefill  # noqa: E402
 from kvslim.tables import markdown_table  # noqa: E402
 
 N_KV, GROUP, HEAD_DIM, PAGE = 2, 8, 256, 16
@@ -185,9 +188,14 @@ def _rows(pairs: list[str], depth: int, batch: int, args, copy: float) -> list[l
         k_pool, v_pool = inputs[3], inputs[4]
         read = batch * depth * N_KV * (k_pool.shape[3] + v_pool.shape[3])   # packed bytes of K and V
         loop = "" if args.no_loop else f"{_median_ms(loop_step(*inputs), args.runs, args.device):.3f}"
-        tune = None if args.codecs == "units" else {"CODECS": args.codecs}
-        eager, ms = _step_ms(packed_step(*inputs, tune=tune), args.runs, args.device)
-        rows.append([pair if tune is None else f"{pair} ({args.codecs})", depth, batch, loop, f"{eager:.3f}", f"{ms:.3f}", f"{ms / base:.2f}", *gbps(read, ms)])
+        for codecs in args.codecs.split(","):
+            for dot in args.dot.split(","):
+                tune = {"CODECS": codecs, "DOT": dot}
+                label = ", ".join(v for v, default in ((codecs, "units"), (dot, "ieee")) if v != default)
+                eager, ms = _step_ms(packed_step(*inputs, tune=tune), args.runs, args.device)
+                rows.append([f"{pair} ({label})" if label else pair, depth, batch, loop, f"{eager:.3f}", f"{ms:.3f}",
+                             f"{ms / base:.2f}", *gbps(read, ms)])
+                loop = ""
         del inputs, k_pool, v_pool
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -245,9 +253,16 @@ def main(argv=None) -> None:
     parser.add_argument("--no-loop", action="store_true", help="skip the torch block loop (slow at depth)")
     parser.add_argument("--device", default="cuda", help="cuda[:N]; cpu only with TRITON_INTERPRET=1 (a dry run)")
     parser.add_argument("--sweep", action="store_true", help="time the kernel's launch settings instead")
-    parser.add_argument("--codecs", default="units", choices=("units", "per-value"),
-                        help="how the kernel reads codes (per-value: session 31's reading, for side-by-sides)")
+    parser.add_argument("--codecs", default="units",
+                        help="how the kernel reads codes, comma-separated: units (the default), per-value "
+                             "(session 31's reading, for side-by-sides)")
+    parser.add_argument("--dot", default="ieee",
+                        help="the kernel's products, comma-separated (paged_prefill.DOTS): ieee (the default), "
+                             "f16 (the bf16 attention backend's)")
     args = parser.parse_args(argv)
+    for flag, given, valid in (("--codecs", args.codecs, gpu_prefill.CODECS), ("--dot", args.dot, gpu_prefill.DOTS)):
+        if set(given.split(",")) - set(valid):
+            parser.error(f"{flag} {given}: each of {', '.join(valid)}")
     check_device(args.device)
     copy = copy_gbps(args.device, mib=1024 if args.device.startswith("cuda") else 16)
     name = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu (interpreter)"

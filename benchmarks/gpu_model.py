@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_model.py [--model qwen3.6-35b-a3b] [--weights q4_0] [-d 0,32768,131072]
         [-np 1,4] [--pairs f16/f16,q8_0/turbo4,turbo3/turbo3] [-p 4096] [-n 32] [--device cuda]
-        [--no-cuda-graphs]
+        [--no-cuda-graphs] [--attn-backend torch|bf16]
     python benchmarks/gpu_model.py --device cpu --shrink 8 --layers 4 -d 0,256 -p 256 -n 4 --eager   # a dry run
 
 The config is the planner's catalog entry (config.json values: dims, layer pattern, experts),
@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_decode import copy_gbps  # noqa: E402
 from kvslim import weights as W  # noqa: E402
 from kvslim.cache import CacheConfig, KVCache, RecurrentStateCache  # noqa: E402
+from kvslim.cache.backends import backend_names  # noqa: E402
 from kvslim.devices import synchronize  # noqa: E402
 from kvslim.engine.decode_step import DecodeStep  # noqa: E402
 from kvslim.loading.instantiate import instantiate, quantizable  # noqa: E402
@@ -210,7 +211,7 @@ def run_pair(model, config, plan_model, pair: str, n_slots: int, args, gen, band
     before = allocated(args.device)
     if on_cuda(args.device):
         torch.cuda.reset_peak_memory_stats(args.device)
-    cache = model.make_cache(CacheConfig(ctx, n_slots, type_k, type_v, device=args.device))
+    cache = model.make_cache(CacheConfig(ctx, n_slots, type_k, type_v, device=args.device, backend=args.attn_backend))
     held = allocated(args.device) - before if on_cuda(args.device) else cache.reserved_kv_bytes + cache.state_bytes
     speed = []
     if n_slots == 1:
@@ -272,6 +273,8 @@ def main(argv=None) -> int:
                     help="profile one prompt chunk (512 tokens) and N one-slot decode steps at the first depth of "
                          "each pair, and print the top ops")
     ap.add_argument("--profile-rows", type=int, default=25)
+    ap.add_argument("--attn-backend", default="torch", choices=backend_names(),
+                    help="the attention backend (bf16: the GPU kernels' products in f16, as kvslim serve runs)")
     args = ap.parse_args(argv)
     if args.weights not in catalog.WEIGHT_QUANTS or catalog.WEIGHT_QUANTS[args.weights].base != args.weights:
         ap.error(f"--weights {args.weights}: expected a plain block type the planner knows (q4_0, q8_0, ...)")
@@ -288,7 +291,8 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name(args.device) if on_cuda(args.device) else "cpu"
     print(f"{args.model} ({config_dict['num_hidden_layers']} layers, hidden {config_dict['hidden_size']}), "
           f"{args.weights} weights made in {time.perf_counter() - t0:.0f} s on {name}; weights held "
-          f"{mib(weights_held)} MiB, plan {mib(plan_weights)} MiB ({pct(weights_held, plan_weights)})\n", flush=True)
+          f"{mib(weights_held)} MiB, plan {mib(plan_weights)} MiB ({pct(weights_held, plan_weights)}); "
+          f"attention backend {args.attn_backend}\n", flush=True)
     bandwidth = copy_gbps(args.device, mib=1024 if on_cuda(args.device) else 64) * 1e9
     print(f"device-to-device copy {bandwidth / 1e9:.0f} GB/s (read + written): the ceilings' bandwidth\n", flush=True)
     gen = torch.Generator(device=args.device).manual_seed(args.seed + 1)

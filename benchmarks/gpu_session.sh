@@ -189,9 +189,9 @@ torch_cuda_tests() {
         2>&1 | tee "$OUT/tests-torch.log" | tail -40
 }
 
-decode_table() {
+decode_table() {    # float32 products beside the bf16 backend's f16 ones (session 34), in one run
     KVSLIM_TRITON=1 timeout -k 5 "$(left "$1")" $PY benchmarks/gpu_decode.py -d 32768,131072 -b 1,8 -r 5 --no-loop \
-        -p f16/f16,q8_0/q8_0,turbo4/turbo4,turbo3/turbo3 2>&1 | tee "$OUT/decode.md" | tail -22
+        -p f16/f16,q8_0/q8_0,turbo4/turbo4,turbo3/turbo3 --dot ieee,f16 2>&1 | tee "$OUT/decode.md" | tail -38
 }
 
 # A lease after `all` found what to fix (session 30's second call ran this with BUDGET=300): the
@@ -229,8 +229,9 @@ core() {
 # tile, the decode table (f16 rows now load 16 bytes at a time, unpipelined), then the
 # 35B-A3B-shaped model with profiles, as session 31's second call ran it, turbo3 added. Session
 # 31's changes to the kernels are untimed: these are their first figures. Session 32 added the
-# attention's two-byte code loads and cheaper code tables, timed beside its per-value reading
-# (BUDGET 460 s by default).
+# attention's two-byte code loads and cheaper code tables, timed beside its per-value reading;
+# session 34 the bf16 backend's f16 products in the decode table, beside the float32 ones, and
+# the GEMV's products in the codes' layout (BUDGET 460 s by default).
 #   run(command="bash benchmarks/gpu_session.sh verify", carry=[".whl"], timeout_s=520)
 verify() {
     deadline=$((SECONDS + ${BUDGET:-460}))
@@ -240,13 +241,13 @@ verify() {
     KVSLIM_TRITON=1 timeout -k 5 "$(left 110)" $PY $PYTEST -rfEs -n 14 --timeout 100 $KERNEL_TESTS $MODEL_TESTS \
         -k "cuda or fla or h100" 2>&1 | tee "$OUT/tests-triton.log" | tail -15
     # session 33's GEMV (one sum after K, 8 programs per SM, Q4_K and Q5_K by blocks) beside session 32's
-    timeout -k 5 "$(left 40)" $PY benchmarks/gpu_weights.py -t q4_0,q4_k,q5_k,q6_k,q8_0 -s 4096x2048,2048x4096 \
+    timeout -k 5 "$(left 35)" $PY benchmarks/gpu_weights.py -t q4_0,q4_k,q5_k,q6_k,q8_0 -s 4096x2048,2048x4096 \
         -m 512 -r 10 --expert-tokens 1,4 2>&1 | tee "$OUT/weights.md" | tail -30
-    decode_table 40
+    decode_table 60
     # session 32's two-byte code loads against its per-value reading (untimed until here)
     KVSLIM_TRITON=1 timeout -k 5 "$(left 40)" $PY benchmarks/gpu_decode.py -d 131072 -b 1,8 -r 5 --no-loop \
         -p turbo4/turbo4,q4_0/q4_0 --codecs per-value 2>&1 | tee "$OUT/decode-per-value.md" | tail -12
-    KVSLIM_TRITON=1 timeout -k 5 "$(left 130)" $PY benchmarks/gpu_model.py -d 0,32768 -np 1,4 -n 8 --profile 4 \
+    KVSLIM_TRITON=1 timeout -k 5 "$(left 125)" $PY benchmarks/gpu_model.py -d 0,32768 -np 1,4 -n 8 --profile 4 \
         --pairs f16/f16,q8_0/turbo4,turbo3/turbo3 2>&1 | tee "$OUT/e2e.md" | tail -30
     echo "verify: $SECONDS s"
 }

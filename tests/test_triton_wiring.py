@@ -105,6 +105,52 @@ def test_model_logits_with_triton_attention_match_the_torch_paths(tmp_path):
             assert torch.equal(a.argmax(-1), b.argmax(-1)), f"{type_k}/{type_v}"
 
 
+def kernel_dots(pair, path: Path) -> None:
+    """The bundled model in the interpreted child, per attention backend (torch, bf16): a 20-token
+    prompt chunk, a decode step in a flat batch and one through a DecodeBatch (the paged_decode
+    op, as CUDA graphs run it); the logits and the DOT each attention kernel launch was given."""
+    from kvslim.devices import to_device
+    from kvslim.gpu import paged_prefill
+    from kvslim.loading import load_model
+    from kvslim.models import Batch, DecodeBatch
+    dots = []
+    inner = paged_prefill.prefill_state
+
+    def seen(*args, **kw):                            # decode_state passes tune as the 10th argument
+        tune = kw["tune"] if "tune" in kw else (args[9] if len(args) > 9 else None)
+        dots.append((tune or {}).get("DOT", "ieee"))
+        return inner(*args, **kw)
+    paged_prefill.prefill_state = seen
+    model, _, _ = load_model(None, torch.float32, torch.device("cpu"))
+    out = {}
+    for backend in ("torch", "bf16"):
+        dots.clear()
+        cache = model.make_cache(64, 1, *pair, backend=backend)
+        rows = [model(Batch.build([(0, PROMPT[:20], 0)]), cache, all_logits=True),
+                model(Batch.build([(0, [STEPS[0]], 20)]), cache)]
+        cache.prepare_decode([0], [21])
+        inputs = [to_device(x, "cpu") for x in ([STEPS[1]], [21], [0])]
+        rows.append(model.run(DecodeBatch(*inputs, 2), cache))
+        cache.commit_decode([0])
+        out[backend] = {"logits": torch.cat(rows), "dots": list(dots)}
+    torch.save(out, path)
+
+
+def test_the_bf16_backend_takes_the_kernels_products_in_f16(tmp_path):
+    """``--attn-backend bf16`` (kvslim serve's default) reaches the GPU kernels: every attention
+    launch, prompt chunk or decode step, eager or through the paged_decode op, takes f16
+    operands on tensor cores; the torch backend keeps float32 products. The logits move by what
+    f16 operands allow, no more."""
+    got = run_interpreted("tests.test_triton_wiring", "kernel_dots", ("q8_0", "turbo4"), tmp_path)
+    # 2 attention layers x (prompt chunk, flat decode step, DecodeBatch step)
+    assert got["torch"]["dots"] == ["ieee"] * 6
+    assert got["bf16"]["dots"] == ["f16"] * 6
+    a, b = got["torch"]["logits"], got["bf16"]["logits"]
+    assert not torch.equal(a, b)
+    torch.testing.assert_close(b, a, atol=0.02, rtol=0)          # measured: 3.8e-3 on logits up to 12
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
 def quant_linear_served(shapes, path: Path) -> None:
     """``kvslim.weights.quant_linear`` in the interpreted child: which kernel served each call."""
     from kvslim import weights

@@ -28,6 +28,11 @@ from ..native import paged_attention as native
 from ..native import prefill_attention as native_prefill
 
 
+# ``dot`` -> the GPU kernels' launch overrides: "bf16" (the bf16 backend) takes their products on
+# tensor cores with f16 operands and float32 sums, as llama.cpp's and vLLM's kernels do (f16 keeps
+# 11 significant bits, more than bf16's 8; session 31's H200 sweep: f16/f16 decode at 131K 1.9x
+# faster than the float32 products, turbo4 1.1-1.2x); "f32" keeps float32 products (FMAs).
+KERNEL_DOTS = {"f32": None, "bf16": {"DOT": "f16"}}
 BLOCK_BUDGET_BYTES = 32 << 20   # float32 bytes one block may hold (decoded K and V, scores)
 MAX_BLOCK_TOKENS = 4096
 
@@ -54,17 +59,18 @@ def attend_batch(cache, batch, q: torch.Tensor, scale: float | None = None, dot:
     """Attention for every row of a flat batch whose K/V are already stored.
 
     q ``(N, n_heads, D)`` -> float32 ``(N, n_heads, D)``. Single-token segments
-    (decode) form one group read together; longer segments (prefill chunks) go alone,
-    with bf16 dot products where ``dot`` is "bf16" and the CPU has them.
+    (decode) form one group read together; longer segments (prefill chunks) go alone.
+    ``dot`` "bf16": half-precision products where a kernel has them (a prompt's rows in the C
+    kernel on CPUs with AVX512_BF16; every row in the GPU kernels, ``KERNEL_DOTS``).
     """
     if batch.prepared:
-        return attend_decode_static(cache, batch, q, scale)
+        return attend_decode_static(cache, batch, q, scale, dot)
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     decode = [seg for seg in batch.segments if seg.length == 1]
     if decode:
         rows = None if len(decode) == len(batch.segments) else to_device([seg.begin for seg in decode], q.device)
         q_dec = q if rows is None else q[rows]
-        o = _attend_decode(cache, [seg.slot for seg in decode], [seg.start_pos for seg in decode], q_dec, scale)
+        o = _attend_decode(cache, [seg.slot for seg in decode], [seg.start_pos for seg in decode], q_dec, scale, dot)
         if rows is None:
             out = o
         else:
@@ -76,16 +82,17 @@ def attend_batch(cache, batch, q: torch.Tensor, scale: float | None = None, dot:
     return out
 
 
-def _attend_decode(cache, slots: list[int], positions: list[int], q: torch.Tensor, scale) -> torch.Tensor:
+def _attend_decode(cache, slots: list[int], positions: list[int], q: torch.Tensor, scale,
+                   dot: str = "f32") -> torch.Tensor:
     """One query token per sequence: q (S, H, D) -> (S, H, D)."""
     n_seq, n_heads, dim = q.shape
     qg = _group(cache, q.unsqueeze(1), scale)                           # (S, Hkv, G, D)
     q_pos = to_device(positions, q.device)[:, None].expand(n_seq, qg.shape[2])
-    out = attend_pages(cache, slots, qg, q_pos, min(positions), one_position=True)
+    out = attend_pages(cache, slots, qg, q_pos, min(positions), one_position=True, dot=dot)
     return out.reshape(n_seq, n_heads, dim)
 
 
-def attend_decode_static(cache, batch, q: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+def attend_decode_static(cache, batch, q: torch.Tensor, scale: float | None = None, dot: str = "f32") -> torch.Tensor:
     """A DecodeBatch's attention: one query per sequence over ``batch.n_pages`` pages of each.
     No host reads outside one opaque op, shapes fixed by (B, n_pages): it traces into a
     compiled step, where the op stays one call (``kvslim::paged_decode``) that reads the
@@ -94,7 +101,7 @@ def attend_decode_static(cache, batch, q: torch.Tensor, scale: float | None = No
     qg = _group(cache, q.unsqueeze(1), scale).transpose(0, 1).contiguous()     # (Hkv, B, G, D), scaled
     table = cache.block_table.index_select(0, batch.slots)[:, :batch.n_pages]  # (B, P)
     out = torch.ops.kvslim.paged_decode(qg, cache.k_pool, cache.v_pool, table, batch.positions,
-                                        *cache.op_names)                                 # (Hkv, B, G, D)
+                                        *cache.op_names, dot)                            # (Hkv, B, G, D)
     return out.transpose(0, 1).reshape(n_seq, n_heads, dim)
 
 
@@ -122,17 +129,17 @@ def _op_format(name: str, role: str):
 
 @torch.library.custom_op("kvslim::paged_decode", mutates_args=())
 def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-                 positions: torch.Tensor, type_k: str, type_v: str) -> torch.Tensor:
+                 positions: torch.Tensor, type_k: str, type_v: str, dot: str = "f32") -> torch.Tensor:
     """q (Hkv, B, G, D) float32 scaled, model domain; pools (Hkv, pages, page_size, row bytes);
     table (B, P) pages to read; a key is seen when its position <= the query's position.
-    Block-wise online softmax over the pages, as ``attend_pages``."""
+    Block-wise online softmax over the pages, as ``attend_pages``; ``dot`` as there."""
     fmt_k, fmt_v = _op_format(type_k, "k"), _op_format(type_v, "v")
-    acc = _scan_decode(fmt_k, fmt_v, k_pool, v_pool, table, fmt_k.to_code_domain(q), positions + 1)
+    acc = _scan_decode(fmt_k, fmt_v, k_pool, v_pool, table, fmt_k.to_code_domain(q), positions + 1, dot=dot)
     return fmt_v.from_code_domain(acc.result())
 
 
 @paged_decode.register_fake
-def _(q, k_pool, v_pool, table, positions, type_k, type_v):
+def _(q, k_pool, v_pool, table, positions, type_k, type_v, dot="f32"):
     return torch.empty_like(q)
 
 
@@ -169,7 +176,9 @@ def attend_pages(cache, slots: list[int], q: torch.Tensor, q_pos: torch.Tensor, 
         one_position: every row of a sequence is at that sequence's newest position (decode),
             so each sees all of its packed keys: the native kernel can serve it.
         dot: "bf16" scores and sums the pages with bf16 operands (float32 sums) in the C kernel
-            where this CPU has AVX512_BF16 (``native.prefill_attention``); "f32" keeps float32.
+            where this CPU has AVX512_BF16 (``native.prefill_attention``; a prompt's rows only),
+            and with f16 operands in the GPU kernels (``KERNEL_DOTS``, decode too); "f32" keeps
+            float32.
     Returns:
         (S, Hkv, R, D) float32 in the model domain.
     """
@@ -181,10 +190,11 @@ def attend_pages(cache, slots: list[int], q: torch.Tensor, q_pos: torch.Tensor, 
     table = cache.block_table[slot_ids, :-(-max(packed) // cache.page_size)]   # pages the longest one uses
     lengths = to_device(packed, q.device)
     if one_position:
-        acc = _scan_decode(cache.fmt_k, cache.fmt_v, cache.k_pool, cache.v_pool, table, q_code, lengths, block_tokens)
+        acc = _scan_decode(cache.fmt_k, cache.fmt_v, cache.k_pool, cache.v_pool, table, q_code, lengths, block_tokens,
+                           dot)
     elif gpu.TRITON and gpu_prefill.supports(cache.fmt_k, cache.fmt_v, q_code):   # rows at their own positions
         acc = _OnlineSoftmax.of(*gpu_prefill.prefill_state(cache.fmt_k, cache.fmt_v, q_code, q_pos, cache.k_pool,
-                                                           cache.v_pool, table, lengths))
+                                                           cache.v_pool, table, lengths, tune=KERNEL_DOTS[dot]))
     else:   # a block that ends by every sequence's end and by the first query's position needs no mask
         acc = _OnlineSoftmax(n_kv, n_seq, n_rows, dim, q.device)
         per_block = _pages_per_block(n_kv, dim, cache.page_size, n_seq, n_rows, block_tokens)
@@ -241,13 +251,16 @@ def _scan_bf16(cache, table: torch.Tensor, q_code: torch.Tensor, q_pos: torch.Te
 
 
 def _scan_decode(fmt_k, fmt_v, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-                 q_code: torch.Tensor, n_keys: torch.Tensor, block_tokens: int | None = None) -> "_OnlineSoftmax":
+                 q_code: torch.Tensor, n_keys: torch.Tensor, block_tokens: int | None = None,
+                 dot: str = "f32") -> "_OnlineSoftmax":
     """The softmax state of one query position per sequence (every row of sequence s sees its first
-    ``n_keys[s]`` keys): from the Triton kernel on a GPU or the C kernel on the CPU where they know
-    both formats (one pass over the packed rows, nothing decoded to memory), else from the torch
-    block loop, which is their reference."""
+    ``n_keys[s]`` keys): from the Triton kernel on a GPU (its products as ``dot`` asks,
+    ``KERNEL_DOTS``) or the C kernel on the CPU where they know both formats (one pass over the
+    packed rows, nothing decoded to memory), else from the torch block loop, which is their
+    reference."""
     if gpu.TRITON and gpu_decode.supports(fmt_k, fmt_v, q_code):
-        return _OnlineSoftmax.of(*gpu_decode.decode_state(fmt_k, fmt_v, q_code, k_pool, v_pool, table, n_keys))
+        return _OnlineSoftmax.of(*gpu_decode.decode_state(fmt_k, fmt_v, q_code, k_pool, v_pool, table, n_keys,
+                                                          tune=KERNEL_DOTS[dot]))
     if native.supports(fmt_k, fmt_v, q_code):
         return _OnlineSoftmax.of(*native.decode_state(fmt_k, fmt_v, q_code, k_pool, v_pool, table, n_keys))
     n_kv, n_seq, n_rows, dim = q_code.shape

@@ -38,11 +38,14 @@ class TorchBackend:
 
 
 class BF16Backend(TorchBackend):
-    """The torch backend, with prompt chunks' attention in the C kernel that rounds the dot
-    products' operands to bf16 (AVX512_BF16; scores, softmax and sums in float32): about
-    2.5x the float32 GEMMs at depth. Decode steps and machines without AVX512_BF16 run as
-    ``torch``. Not the default: rounding keys to 8 significant bits is an error of the size
-    of q8_0's, which the quality tools should not add to the format they measure."""
+    """The torch backend, with half-precision dot products where a kernel has them (scores,
+    softmax and sums stay float32). On the CPU, prompt chunks' attention in the C kernel that
+    rounds the operands to bf16 (AVX512_BF16): about 2.5x the float32 GEMMs at depth; decode
+    steps and machines without AVX512_BF16 run as ``torch``. On a GPU with the Triton kernels,
+    prefill and decode take their products on tensor cores with f16 operands
+    (``attention.KERNEL_DOTS``), as llama.cpp and vLLM do. Not the default: rounding keys to
+    8 significant bits is an error of the size of q8_0's, which the quality tools should not
+    add to the format they measure (``kvslim serve`` takes it)."""
 
     name = "bf16"
 
