@@ -86,7 +86,7 @@ def test_gpu_model_benchmark_dry_run_holds_what_the_planner_predicts(capsys):
 # Triton's interpreter, so that a GPU lease is not spent finding a script that cannot start.
 # (script, arguments, table rows expected)
 GPU_DRY_RUNS = [
-    ("gpu_decode.py", ["-d", "64", "-b", "1", "-r", "1", "-p", "q8_0/turbo4"], 2),
+    ("gpu_decode.py", ["-d", "64", "-b", "1", "-r", "1", "-p", "q8_0/turbo4", "--dot", "ieee,f16"], 3),
     ("gpu_prefill.py", ["-d", "32", "-n", "16", "-p", "q8_0/turbo4", "-r", "1"], 1),
     ("gpu_weights.py", ["-t", "q4_0", "-s", "64x64", "-m", "32", "-r", "1", "--experts", "8x64x32x2",
                         "--expert-tokens", "1,80"], 6),
