@@ -52,18 +52,23 @@ def logits_counted(pairs, path: Path) -> None:
     from kvslim.gpu import kv_append, paged_prefill
     calls = {"prefill": 0, "decode": 0, "append": 0}
 
+    dots = set()
+
     def counted(module, name, key):
         inner = getattr(module, name)
 
         def call(*args, **kw):
             calls[key] += 1
+            if key == "prefill":                     # decode_state passes tune as the 10th argument
+                tune = kw["tune"] if "tune" in kw else (args[9] if len(args) > 9 else None)
+                dots.add((tune or {}).get("DOT", "ieee"))
             return inner(*args, **kw)
         setattr(module, name, call)
     counted(paged_prefill, "prefill_state", "prefill")
     counted(paged_decode, "decode_state", "decode")
     counted(kv_append, "append", "append")
     pools = []
-    torch.save({"logits": logits(pairs, pools), "pools": pools, "calls": calls}, path)
+    torch.save({"logits": logits(pairs, pools), "pools": pools, "calls": calls, "dots": dots}, path)
 
 
 def flipped_rows(got, want, fmt: str) -> int:
@@ -79,6 +84,7 @@ def test_model_logits_with_triton_attention_match_the_torch_paths(tmp_path):
     # launches the one attention kernel through prefill_state too
     calls = got["calls"]
     assert calls["decode"] == 2 * 3 * len(PAIRS) and calls["prefill"] == 2 * (2 * 3 * len(PAIRS))
+    assert got["dots"] == {"ieee"}                  # the torch backend: float32 products
     assert calls["append"] >= 2 * 2 * 6 * len(PAIRS) - 2 * 2 * 6, calls
     # The attention kernels sum in another order, so the second attention layer sees inputs a
     # few ulps apart, and a value near a rounding edge takes the other code. Measured: on the
@@ -105,10 +111,12 @@ def test_model_logits_with_triton_attention_match_the_torch_paths(tmp_path):
             assert torch.equal(a.argmax(-1), b.argmax(-1)), f"{type_k}/{type_v}"
 
 
-def kernel_dots(pair, path: Path) -> None:
-    """The bundled model in the interpreted child, per attention backend (torch, bf16): a 20-token
-    prompt chunk, a decode step in a flat batch and one through a DecodeBatch (the paged_decode
-    op, as CUDA graphs run it); the logits and the DOT each attention kernel launch was given."""
+def backend_forward(args, path: Path | None = None):
+    """The bundled model with K/V types and attention backend ``args``: a 20-token prompt chunk, a
+    decode step in a flat batch and one through a DecodeBatch (the paged_decode op, as CUDA
+    graphs run it). In the interpreted child (``path`` given) the kernels serve it; the DOT each
+    attention kernel launch was given is kept."""
+    type_k, type_v, backend = args
     from kvslim.devices import to_device
     from kvslim.gpu import paged_prefill
     from kvslim.loading import load_model
@@ -121,34 +129,34 @@ def kernel_dots(pair, path: Path) -> None:
         dots.append((tune or {}).get("DOT", "ieee"))
         return inner(*args, **kw)
     paged_prefill.prefill_state = seen
-    model, _, _ = load_model(None, torch.float32, torch.device("cpu"))
-    out = {}
-    for backend in ("torch", "bf16"):
-        dots.clear()
-        cache = model.make_cache(64, 1, *pair, backend=backend)
+    try:
+        model, _, _ = load_model(None, torch.float32, torch.device("cpu"))
+        cache = model.make_cache(64, 1, type_k, type_v, backend=backend)
         rows = [model(Batch.build([(0, PROMPT[:20], 0)]), cache, all_logits=True),
                 model(Batch.build([(0, [STEPS[0]], 20)]), cache)]
         cache.prepare_decode([0], [21])
-        inputs = [to_device(x, "cpu") for x in ([STEPS[1]], [21], [0])]
-        rows.append(model.run(DecodeBatch(*inputs, 2), cache))
+        rows.append(model.run(DecodeBatch(*[to_device(x, "cpu") for x in ([STEPS[1]], [21], [0])], 2), cache))
         cache.commit_decode([0])
-        out[backend] = {"logits": torch.cat(rows), "dots": list(dots)}
-    torch.save(out, path)
+    finally:
+        paged_prefill.prefill_state = inner
+    out = {"logits": torch.cat(rows), "dots": dots}
+    if path is not None:
+        torch.save(out, path)
+    return out
 
 
 def test_the_bf16_backend_takes_the_kernels_products_in_f16(tmp_path):
     """``--attn-backend bf16`` (kvslim serve's default) reaches the GPU kernels: every attention
     launch, prompt chunk or decode step, eager or through the paged_decode op, takes f16
-    operands on tensor cores; the torch backend keeps float32 products. The logits move by what
-    f16 operands allow, no more."""
-    got = run_interpreted("tests.test_triton_wiring", "kernel_dots", ("q8_0", "turbo4"), tmp_path)
-    # 2 attention layers x (prompt chunk, flat decode step, DecodeBatch step)
-    assert got["torch"]["dots"] == ["ieee"] * 6
-    assert got["bf16"]["dots"] == ["f16"] * 6
-    a, b = got["torch"]["logits"], got["bf16"]["logits"]
-    assert not torch.equal(a, b)
-    torch.testing.assert_close(b, a, atol=0.02, rtol=0)          # measured: 3.8e-3 on logits up to 12
-    assert torch.equal(a.argmax(-1), b.argmax(-1))
+    operands on tensor cores (the torch backend's launches keep float32 products:
+    ``logits_counted``). The logits move from the torch backend's here (float32 products) by
+    what f16 operands allow, no more."""
+    got = run_interpreted("tests.test_triton_wiring", "backend_forward", ("q8_0", "turbo4", "bf16"), tmp_path)
+    assert got["dots"] == ["f16"] * 6              # 2 attention layers x (prompt chunk, flat step, DecodeBatch step)
+    want = backend_forward(("q8_0", "turbo4", "torch"))["logits"]
+    assert not torch.equal(got["logits"], want)
+    torch.testing.assert_close(got["logits"], want, atol=0.02, rtol=0)   # measured: 3.8e-3 on logits up to 12
+    assert torch.equal(got["logits"].argmax(-1), want.argmax(-1))
 
 
 def quant_linear_served(shapes, path: Path) -> None:
