@@ -6,11 +6,12 @@ STAMP := $(VENV)/.kvslim-installed
 
 .PHONY: demo test bench clean
 
-$(STAMP): pyproject.toml requirements/cpu.txt
+$(STAMP): pyproject.toml requirements/cpu.txt requirements/fla.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements/cpu.txt
 	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps --upgrade --target $(VENV)/fla -r requirements/fla.txt
 	touch $(STAMP)
 
 demo: $(STAMP)

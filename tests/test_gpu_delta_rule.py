@@ -7,19 +7,24 @@ and dk/dv as the Qwen3.5/3.6 layers use (128).
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from kvslim.gpu import delta_rule as fla
-from kvslim.models.delta_rule import chunk_gated_delta_rule, gated_delta_step, recurrent_gated_delta_rule, rule_for
+from kvslim.models.delta_rule import (chunk_gated_delta_rule, gated_delta_decode, gated_delta_step, l2norm,
+                                     recurrent_gated_delta_rule, rule_for)
+
+from .triton_harness import FLA_PATH, run_interpreted
 
 
 def test_the_cpu_never_takes_fla():
     """fla-core never serves the CPU: prompts take the C recurrence (or, without a compiler, the
     torch chunked form; tests/test_native_delta_rule.py), decode steps the torch step."""
     assert not fla.serves(torch.device("cpu"))
-    chunk, step = rule_for(torch.device("cpu"))
-    assert step is gated_delta_step
+    chunk, decode = rule_for(torch.device("cpu"))
+    assert decode is gated_delta_decode
     assert chunk is not fla.chunk and (chunk is chunk_gated_delta_rule or chunk.__name__ == "_native_chunk")
 
 
@@ -48,11 +53,71 @@ def test_fla_chunk_matches_the_recurrent_reference(t):
     assert torch.allclose(s.cpu(), s_ref, atol=2e-3, rtol=2e-3), (s.cpu() - s_ref).abs().max()
 
 
+def _raw_decode_inputs(b, hk, hv, dk, dv, device, dtype, seed=0):
+    """A decode step's raw inputs as a layer hands them over: q, k not normalised, at the key heads;
+    the gates' pre-activations; the layer's A_log and dt_bias; a float32 state."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(b, hk, dk, generator=gen) * 3 for _ in "qk")
+    v = torch.randn(b, hv, dv, generator=gen)
+    a, rate = torch.randn(b, hv, generator=gen) * 2, torch.randn(b, hv, generator=gen) * 2
+    A_log, dt_bias = torch.randn(hv, generator=gen) * 0.5, torch.randn(hv, generator=gen)
+    state = torch.randn(b, hv, dk, dv, generator=gen) * 0.1
+    inputs = [x.to(dtype) for x in (q, k, v, a, rate)] + [A_log, dt_bias, state]
+    return [x.to(device) for x in inputs]
+
+
+def test_the_torch_decode_normalises_repeats_and_gates_then_steps():
+    """``gated_delta_decode`` (what fla-core's fused launch is held to) is the layer's own
+    sequence: q and k normalised and repeated to the value heads, g and beta from the gates,
+    then ``gated_delta_step``."""
+    q, k, v, a, rate, A_log, dt_bias, state = _raw_decode_inputs(3, 2, 4, 16, 8, "cpu", torch.float32)
+    want_state = state.clone()
+    g = -A_log.exp() * torch.nn.functional.softplus(a + dt_bias)
+    want = gated_delta_step(l2norm(q).repeat_interleave(2, dim=1), l2norm(k).repeat_interleave(2, dim=1), v, g,
+                            torch.sigmoid(rate), want_state)
+    got = gated_delta_decode(q, k, v, a, rate, A_log, dt_bias, state)
+    assert torch.equal(got, want) and torch.equal(state, want_state)
+    assert not torch.equal(state, _raw_decode_inputs(3, 2, 4, 16, 8, "cpu", torch.float32)[-1])   # updated in place
+
+
+def fla_decode_in_child(shapes, path: Path) -> None:
+    """In an interpreted child with fla-core on its path: ``fla.decode`` on CPU tensors, per
+    (batch, key heads, value heads, dk, dv, dtype name), with the inputs it was given."""
+    assert fla.serves(torch.device("cpu")) is False and fla._fla() is not None
+    out = []
+    for i, (b, hk, hv, dk, dv, dtype) in enumerate(shapes):
+        inputs = _raw_decode_inputs(b, hk, hv, dk, dv, "cpu", getattr(torch, dtype), seed=i)
+        o = fla.decode(*inputs)
+        out.append((o, inputs[-1]))
+    torch.save(out, path)
+
+
+def test_fla_decode_matches_the_torch_decode_under_the_interpreter(tmp_path):
+    """fla-core's fused recurrent kernel runs under Triton's interpreter (its chunked prefill does
+    not: it asks for a GPU driver), so CI holds ``fla.decode``'s use of it (the raw inputs, key
+    head h // (Hv / Hk), the gates, the state written back) to ``gated_delta_decode``. fla-core
+    is installed apart (requirements/fla.txt) and put on the child's path only."""
+    if not (FLA_PATH / "fla").is_dir():
+        pytest.skip(f"fla-core is not installed in {FLA_PATH} (make test's setup puts it there)")
+    shapes = [(3, 2, 4, 32, 16, "float32"), (2, 1, 3, 16, 32, "bfloat16")]
+    got = run_interpreted("tests.test_gpu_delta_rule", "fla_decode_in_child", shapes, tmp_path, paths=(FLA_PATH,))
+    for i, ((b, hk, hv, dk, dv, dtype), (o, state)) in enumerate(zip(shapes, got)):
+        inputs = _raw_decode_inputs(b, hk, hv, dk, dv, "cpu", getattr(torch, dtype), seed=i)
+        want = gated_delta_decode(*inputs)
+        assert o.dtype == torch.float32 and o.shape == (b, hv, dv)
+        torch.testing.assert_close(o, want, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(state, inputs[-1], atol=1e-6, rtol=1e-5)
+
+
 @cuda_fla
-def test_fla_step_updates_the_state_in_place_as_the_torch_step():
-    q, k, v, g, beta, state = _inputs(3, 1, 4, 128, 128, "cuda", seed=1)
-    want_state = state.cpu().clone()
-    want = gated_delta_step(q[:, 0].cpu(), k[:, 0].cpu(), v[:, 0].cpu(), g[:, 0].cpu(), beta[:, 0].cpu(), want_state)
-    got = fla.step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
-    assert torch.allclose(got.cpu(), want, atol=2e-3, rtol=2e-3)
-    assert torch.allclose(state.cpu(), want_state, atol=2e-3, rtol=2e-3)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fla_decode_from_raw_inputs_matches_the_torch_decode(dtype):
+    """One fused launch (normalise, read key head h // 2 for value head h, gates, step) against
+    the torch decode on the CPU, with 2 key heads for 4 value heads as Qwen3.5 groups them."""
+    inputs = _raw_decode_inputs(3, 2, 4, 128, 128, "cuda", dtype, seed=1)
+    want_inputs = [x.cpu() for x in inputs]
+    want = gated_delta_decode(*want_inputs)
+    got = fla.decode(*inputs)
+    assert got.dtype == torch.float32
+    assert torch.allclose(got.cpu(), want, atol=2e-3, rtol=2e-3), (got.cpu() - want).abs().max()
+    assert torch.allclose(inputs[-1].cpu(), want_inputs[-1], atol=2e-3, rtol=2e-3)

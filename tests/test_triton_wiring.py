@@ -47,6 +47,13 @@ def logits(pairs, pools: list | None = None):
     return out
 
 
+def _dot_of(args: tuple, kw: dict) -> str:
+    """The DOT a ``paged_prefill.prefill_state`` call asks for (decode_state passes its tune as
+    the 10th argument, attend_pages by name)."""
+    tune = kw["tune"] if "tune" in kw else (args[9] if len(args) > 9 else None)
+    return (tune or {}).get("DOT", "ieee")
+
+
 def logits_counted(pairs, path: Path) -> None:
     """``logits`` in the interpreted child, counting the kernels' calls."""
     from kvslim.gpu import kv_append, paged_prefill
@@ -59,9 +66,8 @@ def logits_counted(pairs, path: Path) -> None:
 
         def call(*args, **kw):
             calls[key] += 1
-            if key == "prefill":                     # decode_state passes tune as the 10th argument
-                tune = kw["tune"] if "tune" in kw else (args[9] if len(args) > 9 else None)
-                dots.add((tune or {}).get("DOT", "ieee"))
+            if key == "prefill":
+                dots.add(_dot_of(args, kw))
             return inner(*args, **kw)
         setattr(module, name, call)
     counted(paged_prefill, "prefill_state", "prefill")
@@ -124,9 +130,8 @@ def backend_forward(args, path: Path | None = None):
     dots = []
     inner = paged_prefill.prefill_state
 
-    def seen(*args, **kw):                            # decode_state passes tune as the 10th argument
-        tune = kw["tune"] if "tune" in kw else (args[9] if len(args) > 9 else None)
-        dots.append((tune or {}).get("DOT", "ieee"))
+    def seen(*args, **kw):
+        dots.append(_dot_of(args, kw))
         return inner(*args, **kw)
     paged_prefill.prefill_state = seen
     try:

@@ -18,15 +18,18 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+# fla-core, installed apart from the venv's packages by `make test`'s setup (requirements/fla.txt)
+FLA_PATH = Path(sys.prefix) / "fla"
 
 
-def run_interpreted(module: str, function: str, args, tmp_dir: Path):
+def run_interpreted(module: str, function: str, args, tmp_dir: Path, paths: tuple = ()):
     """``module.function(args, path)`` in an interpreted child with the kernels switched on
     (KVSLIM_TRITON=1); returns ``torch.load(path)``.
-    ``args`` must survive ``repr`` (plain tuples, lists, strings and numbers)."""
+    ``args`` must survive ``repr`` (plain tuples, lists, strings and numbers); ``paths``: more
+    folders for the child's import path (FLA_PATH)."""
     path = Path(tmp_dir) / f"{function}.pt"
     env = dict(os.environ, TRITON_INTERPRET="1", KVSLIM_TRITON="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([str(ROOT), *map(str, paths), os.environ.get("PYTHONPATH", "")]))
     code = f"import sys; from pathlib import Path; from {module} import {function} as run; " \
            f"run({args!r}, Path(sys.argv[1]))"
     done = subprocess.run([sys.executable, "-c", code, str(path)], cwd=ROOT, env=env, capture_output=True, text=True)

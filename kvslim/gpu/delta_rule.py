@@ -1,15 +1,16 @@
 """Gated DeltaNet on CUDA through fla-core (flash-linear-attention's Triton kernels).
 
 The same contract as kvslim/models/delta_rule.py's torch forms, which stay the reference and
-the fallback: ``chunk(q, k, v, g, beta, state)`` for a prefill segment and ``step(...)`` for one
-decode token per sequence (state updated in place). fla-core is what transformers and vLLM run
-for these layers; it is imported only when a CUDA tensor asks (never in CI, never on the CPU:
+the fallback: ``chunk(q, k, v, g, beta, state)`` for a prefill segment and ``decode(...)`` for
+one decode token per sequence from the layer's raw inputs (state updated in place). fla-core is
+what transformers and vLLM run for these layers; it is imported only when a CUDA tensor asks (never in CI, never on the CPU:
 its kernels do not run under Triton's interpreter), and only with the GPU kernels switched on
 (``kvslim.gpu.TRITON``, KVSLIM_TRITON=1). fla-core 0.6.0's forward kernels work with Triton 3.6 (its
 Hopper check for Triton < 3.7.1 guards a backward kernel only, which inference never calls).
 """
 from __future__ import annotations
 
+import inspect
 from functools import lru_cache
 
 import torch
@@ -17,12 +18,19 @@ import torch
 from .. import gpu
 
 
+# what ``decode`` asks of fla-core's fused recurrent kernel (0.6.0 has them all)
+FUSED_OPTIONS = {"use_qk_l2norm_in_kernel", "use_gate_in_kernel", "A_log", "dt_bias", "use_beta_sigmoid_in_kernel"}
+
+
 @lru_cache(maxsize=None)
 def _fla():
-    """fla's two gated-delta-rule entry points, or None when fla-core does not import."""
+    """fla's two gated-delta-rule entry points, or None when fla-core does not import or its
+    fused recurrent kernel cannot take a layer's raw inputs (FUSED_OPTIONS)."""
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
     except Exception:            # not installed, or its import fails on this torch/triton: keep the torch forms
+        return None
+    if not FUSED_OPTIONS <= set(inspect.signature(fused_recurrent_gated_delta_rule).parameters):
         return None
     return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
@@ -41,12 +49,17 @@ def chunk(q, k, v, g, beta, state):
     return o.float(), final.float()
 
 
-def step(q, k, v, g, beta, state):
-    """One token for B sequences: q, k (B, H, dk); v (B, H, dv); g, beta (B, H); state (B, H, dk, dv)
-    float32, updated in place (as the torch ``gated_delta_step``). Returns o (B, H, dv) float32."""
+def decode(q, k, v, a, b, A_log, dt_bias, state):
+    """``gated_delta_decode``'s contract (kvslim/models/delta_rule.py) in one launch: q, k (B, Hk, dk)
+    as convolved; v (B, Hv, dv); a, b (B, Hv) the gates' pre-activations; state (B, Hv, dk, dv)
+    float32, updated in place. fla-core's fused recurrent kernel L2-normalises q and k, reads key
+    head h // (Hv / Hk) for value head h (no repeated copies) and takes g and beta from a, b,
+    A_log and dt_bias itself: the torch form's ~20 small launches a layer (norms, repeats, the
+    gates' exp, softplus and sigmoid, float copies) become one. Returns o (B, Hv, dv) float32."""
     _, fla_step = _fla()
-    o, final = fla_step(q.float()[:, None], k.float()[:, None], v.float()[:, None], g=g.float()[:, None],
-                        beta=beta.float()[:, None], scale=q.shape[-1] ** -0.5, initial_state=state,
-                        output_final_state=True)
+    o, final = fla_step(q[:, None], k[:, None], v.float()[:, None], g=a[:, None], beta=b[:, None],
+                        scale=q.shape[-1] ** -0.5, initial_state=state, output_final_state=True,
+                        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+                        use_beta_sigmoid_in_kernel=True)
     state.copy_(final)
-    return o[:, 0].float()
+    return o[:, 0]

@@ -9,9 +9,11 @@ reference and the decode path (one token per sequence). ``chunk_gated_delta_rule
 is the prefill path (and ``gated_delta_step`` the in-place decode step): within a chunk of C tokens the updates are condensed with
 the WY/UT transform (one triangular solve) so the work is matmuls, and only the
 chunks are sequential. Both take q and k already L2-normalised, repeated to
-the value heads, and return float32. ``rule_for`` picks, per device, these
-torch forms, fla-core's kernels on a CUDA device (kvslim/gpu/delta_rule.py) or the
-C recurrence for prompts on the CPU (kvslim/native/delta_rule.py), which are held to these.
+the value heads, and return float32; ``gated_delta_decode`` takes a decode step's raw
+inputs (q and k as convolved, the gates' pre-activations) and does the rest. ``rule_for``
+picks, per device, these torch forms, fla-core's kernels on a CUDA device
+(kvslim/gpu/delta_rule.py) or the C recurrence for prompts on the CPU
+(kvslim/native/delta_rule.py), which are held to these.
 """
 from __future__ import annotations
 
@@ -42,6 +44,25 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state):
         s = s + k[:, t, :, :, None] * delta[:, :, None, :]
         out[:, t] = torch.einsum("bhkv,bhk->bhv", s, q[:, t])
     return out, s
+
+
+def gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
+    """A Gated DeltaNet layer's log decay g = -exp(A_log) * softplus(a + dt_bias) and rate
+    beta = sigmoid(b), float32, from the pre-activations a, b (..., Hv)."""
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return g, torch.sigmoid(b.float())
+
+
+def gated_delta_decode(q, k, v, a, b, A_log, dt_bias, state):
+    """A decode step from a layer's raw inputs: q, k (B, Hk, dk) convolved, not yet normalised;
+    v (B, Hv, dv); a, b (B, Hv) the gates' pre-activations (``gates``). q and k are
+    L2-normalised and repeated to the value heads (value head h reads key head h // (Hv / Hk)),
+    then ``gated_delta_step`` updates ``state`` (B, Hv, dk, dv) in place. Returns o (B, Hv, dv)
+    float32. fla-core's fused recurrent kernel does all of it in one launch (gpu/delta_rule.py)."""
+    rep = v.shape[1] // q.shape[1]
+    q, k = (l2norm(x.float()).repeat_interleave(rep, dim=1) for x in (q, k))
+    g, beta = gates(a, b, A_log, dt_bias)
+    return gated_delta_step(q, k, v, g, beta, state)
 
 
 def gated_delta_step(q, k, v, g, beta, state):
@@ -91,14 +112,15 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
 
 
 def rule_for(device: torch.device):
-    """(chunk, step) for layers on ``device``: fla-core's kernels where they serve it; on the CPU
-    the C recurrence for prompts (decode steps run in C already, or in torch when compiled);
-    else the torch forms."""
+    """(chunk, decode) for layers on ``device``: ``chunk`` with ``chunk_gated_delta_rule``'s
+    contract, ``decode`` with ``gated_delta_decode``'s. fla-core's kernels where they serve it;
+    on the CPU the C recurrence for prompts (decode steps run in C already, or in torch when
+    compiled); else the torch forms."""
     if fla.serves(device):
-        return fla.chunk, fla.step
+        return fla.chunk, fla.decode
     if native.serves(device):
-        return _native_chunk, gated_delta_step
-    return chunk_gated_delta_rule, gated_delta_step
+        return _native_chunk, gated_delta_decode
+    return chunk_gated_delta_rule, gated_delta_decode
 
 
 def _native_chunk(q, k, v, g, beta, state):

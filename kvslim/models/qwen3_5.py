@@ -7,13 +7,12 @@ a shared expert. The oracle is transformers' ``modeling_qwen3_5.py``.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .base import CausalLM
 from .batch import Batch
 from .config import HybridConfig
-from .delta_rule import causal_conv, causal_conv_step, l2norm, rule_for
+from .delta_rule import causal_conv, causal_conv_step, gates, l2norm, rule_for
 from .layers import MLP, Attention, DecoderLayer, RMSNormGated, Rope, SparseMoE, fuse
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
@@ -57,12 +56,11 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, batch: Batch, cache) -> torch.Tensor:
         n = x.shape[0]
         qkv, z, b, a = self.project(x)
-        beta = torch.sigmoid(b.float())
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         out = torch.empty(n, self.n_v, self.dv, dtype=torch.float32, device=x.device)
         if batch.is_decode:
-            self._decode(qkv, g, beta, batch, cache, out)
+            self._decode(qkv, a, b, batch, cache, out)
         else:
+            g, beta = gates(a, b, self.A_log, self.dt_bias)
             for seg in batch.segments:
                 self._prefill(qkv, g, beta, seg, cache, out)
         return self.out_proj(self.norm(out.to(x.dtype), z).reshape(n, -1))
@@ -85,15 +83,18 @@ class GatedDeltaNet(nn.Module):
         out[rows], cache.recurrent[seg.slot] = o[0], state[0]
         cache.advance(seg.slot, seg.length)
 
-    def _decode(self, qkv, g, beta, batch, cache, out) -> None:
-        """One token for each sequence, all in one step. Consecutive slots are updated in
+    def _decode(self, qkv, a, b, batch, cache, out) -> None:
+        """One token for each sequence, all in one step, from the raw q, k, v and gate inputs
+        (``gated_delta_decode``: one fla-core launch on a GPU). Consecutive slots are updated in
         place through a view; others are gathered and scattered back."""
         idx = batch.slot_index()
         mixed, cache.conv[idx] = causal_conv_step(qkv, cache.conv[idx], self.conv1d.weight[:, 0])
-        q, k, v = self._split_heads(mixed)
+        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        n = mixed.shape[0]
         state = cache.recurrent[idx]                                # a view when idx is a slice
-        _, step = rule_for(q.device)
-        out[:] = step(q, k, v, g, beta, state)
+        _, decode = rule_for(mixed.device)
+        out[:] = decode(q.reshape(n, self.n_k, self.dk), k.reshape(n, self.n_k, self.dk),
+                        v.reshape(n, self.n_v, self.dv), a, b, self.A_log, self.dt_bias, state)
         if not isinstance(idx, slice):
             cache.recurrent[idx] = state
         if not batch.prepared:                                      # else the caller commits lengths
