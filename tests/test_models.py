@@ -137,6 +137,24 @@ def test_cuda_logits_match_cpu(tiny_folder, kind, type_k, type_v):
     assert_devices_agree(rows["cuda"], rows["cpu"], unquantized)
 
 
+@pytest.mark.parametrize("zero_centered", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_rms_norm_cuda_takes_is_the_model_s_norm(zero_centered, dtype):
+    """On CUDA, RMSNorm and the DeltaNet output norm take torch's fused RMSNorm (one kernel);
+    here (F.rms_norm's composite on the CPU) it must be the norms' own forms: the same weight
+    (1 + w when zero-centred) and eps, float32 to 1e-6, bf16 to one rounding."""
+    from kvslim.models.layers import RMSNorm
+    gen = torch.Generator().manual_seed(3)
+    norm = RMSNorm(256, 1e-6, zero_centered=zero_centered).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(256, generator=gen) * 0.3)
+    x = (torch.randn(5, 4, 256, generator=gen) * torch.logspace(-4, 1, 5)[:, None, None]).to(dtype)   # eps matters
+    want, got = norm(x), norm.fused_norm(x)
+    assert got.dtype == want.dtype == dtype
+    ulp = 1e-6 if dtype == torch.float32 else 2.0 ** -7             # bf16: 8 significant bits
+    assert ((got.float() - want.float()).abs() <= ulp * want.float().abs().clamp(min=1e-3)).all()
+
+
 @pytest.mark.parametrize("t", [1, 5, 64, 100])
 def test_chunked_delta_rule_matches_recurrent_reference(t):
     g = torch.Generator().manual_seed(t)
