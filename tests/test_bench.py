@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvslim import gpu
 from kvslim.bench import FilledCache
@@ -116,6 +117,16 @@ def test_gpu_benchmark_dry_runs_reach_their_tables(script, args, rows):
 def test_gpu_benchmarks_refuse_the_cpu_without_the_interpreter():
     done = _gpu_script("gpu_weights.py", [], interpret=False)
     assert done.returncode != 0 and "TRITON_INTERPRET=1" in done.stderr
+
+
+def test_the_launch_count_says_what_torch_it_needs():
+    """benchmarks/decode_launches.py makes fake CUDA tensors, which a CPU-only torch cannot: it
+    says so in one line (with a CUDA build it counts; docs/gpu.md)."""
+    if torch.backends.cuda.is_built():
+        pytest.skip("this torch has CUDA built in: the script would count")
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_launches.py"
+    done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "no CUDA support built in" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_a_short_align_list_drops_no_column():

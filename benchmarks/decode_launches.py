@@ -1,0 +1,131 @@
+"""The kernels one decode step launches on a GPU, counted without one.
+
+    python benchmarks/decode_launches.py [--model qwen3.6-35b-a3b] [--shrink 8] [--layers 8] [-np 1] [--top 25]
+                                         [--where _to_copy]
+
+Session 31's profile of a 35B-A3B decode step on an H200 found ~3,000 small torch kernels (1-6 us
+each, about a quarter of the step) beside the GEMVs. This counts them where no GPU is lent: the
+catalog model's layers (widths divided by ``--shrink``; the op count does not depend on widths),
+bf16, built on *fake* CUDA tensors (torch's FakeTensorMode: shapes and devices, no memory, no
+device), with the torch attention backend and float weights, and one DecodeBatch step recorded
+by a dispatch mode. Every aten op that is not a view is counted as one launch (composite ops
+by what they run; ``rms_norm`` as the one ``_fused_rms_norm`` it is on CUDA). Not counted: the
+Triton kernels and fla-core's, which do not run on fake tensors (KVSLIM_TRITON=1 replaces the
+attention and the DeltaNet recurrence each by a few launches; a quantized weight's GEMV is one
+launch, as the float matmul counted here). Needs a CUDA build of torch (a CPU-only wheel cannot
+make CUDA tensors, even fake ones): on this repository's machines the device image's, from
+``bash benchmarks/gpu_session.sh image``:
+
+    PYTHONPATH=$PWD /tmp/kvslim-image-venv/bin/python benchmarks/decode_launches.py
+
+A figure, not a test.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+if __name__ == "__main__" and not torch.backends.cuda.is_built():     # before kvslim's imports: a fast refusal
+    sys.exit("this torch has no CUDA support built in (a CPU-only wheel): run it with a CUDA build, "
+             "such as `bash benchmarks/gpu_session.sh image`'s venv")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_model import shrunk_config  # noqa: E402
+from kvslim.cache import CacheConfig  # noqa: E402
+from kvslim.models import DecodeBatch, build, config_from_dict  # noqa: E402
+from kvslim.tables import markdown_table  # noqa: E402
+
+# ops that make no kernel: views, allocations, metadata
+VIEWS = {"view", "_unsafe_view", "as_strided", "slice", "select", "unsqueeze", "squeeze", "permute", "transpose", "t",
+         "expand", "split", "split_with_sizes", "alias", "detach", "unbind", "reshape", "empty", "empty_strided",
+         "chunk", "narrow", "lift_fresh", "device"}
+
+
+class Launches(TorchDispatchMode):
+    """Counts the aten ops that launch a kernel, composite ops by the ops they run."""
+
+    def __init__(self, where: str | None = None):
+        super().__init__()
+        self.ops, self.where, self.sites = Counter(), where, Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name == "rms_norm":                      # CUDA: one _fused_rms_norm (its composite, under a mode, is not)
+            self.ops["_fused_rms_norm"] += 1
+            return func(*args, **kwargs)
+        if func.namespace == "aten" and torch._C._dispatch_has_kernel_for_dispatch_key(
+                func.name(), "CompositeImplicitAutograd"):
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        if name not in VIEWS:
+            self.ops[f"{func.namespace}::{name}"] += 1
+            if name == self.where:
+                self.sites[_caller()] += 1
+        return func(*args, **kwargs)
+
+
+def _caller() -> str:
+    """The innermost kvslim line on the stack: where a counted op comes from."""
+    frames = [f for f in traceback.extract_stack() if "/kvslim/" in f.filename]
+    return f"{frames[-1].filename.split('/kvslim/')[-1]}:{frames[-1].lineno} {frames[-1].line}" if frames else "?"
+
+
+def count(config, n_slots: int, where: str | None = None) -> Launches:
+    """The launches of the second of two decode steps (the first moves constants to the device)."""
+    import kvslim.cache.config as cache_config
+    from kvslim.models import base
+    cache_config.available_memory = lambda device: 1 << 50      # nothing to ask a fake device
+    base.check_room = lambda *args: None
+    with FakeTensorMode(allow_non_fake_inputs=True), torch.device("cuda"), torch.inference_mode():
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            model = build(config)
+        finally:
+            torch.set_default_dtype(torch.float32)
+        cache = model.make_cache(CacheConfig(64, n_slots, "f16", "f16", device="cuda"))
+        slots = list(range(n_slots))
+        for step in range(2):
+            cache.prepare_decode(slots, [step] * n_slots)
+            inputs = [torch.full((n_slots,), v, dtype=torch.long) for v in (5, step)] + [torch.arange(n_slots)]
+            launches = Launches(where)
+            with launches:
+                model.run(DecodeBatch(*inputs, 2), cache)
+            cache.commit_decode(slots)
+    return launches
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen3.6-35b-a3b", help="a `kvslim plan` catalog name")
+    ap.add_argument("--shrink", type=int, default=8, help="divide the widths (the count does not depend on them)")
+    ap.add_argument("--layers", type=int, default=None, help="keep the first N layers (default: all)")
+    ap.add_argument("-np", "--parallel", type=int, default=1, help="sequences in the step")
+    ap.add_argument("--top", type=int, default=25, help="ops listed")
+    ap.add_argument("--where", default=None, metavar="OP", help="list the kvslim lines that launch OP (e.g. _to_copy)")
+    args = ap.parse_args(argv)
+    config = config_from_dict(shrunk_config(args.model, args.shrink, args.layers))
+    launches = count(config, args.parallel, args.where)
+    ops = launches.ops
+    kinds = Counter(config.layer_types) if getattr(config, "layer_types", None) else {"layers": config.num_hidden_layers}
+    print(f"{args.model}: {config.num_hidden_layers} layers ({', '.join(f'{n} {k}' for k, n in kinds.items())}), "
+          f"-np {args.parallel}, torch backend, bf16: {sum(ops.values())} launches a decode step\n")
+    print(markdown_table(["op", "launches"], [[k, v] for k, v in ops.most_common(args.top)], ["l", "r"]))
+    if args.where:
+        print(f"\n{args.where}, by kvslim line:\n")
+        print(markdown_table(["line", "launches"], [[k, v] for k, v in launches.sites.most_common(args.top)],
+                             ["l", "r"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
