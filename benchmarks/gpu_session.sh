@@ -230,8 +230,10 @@ core() {
 # 35B-A3B-shaped model with profiles, as session 31's second call ran it, turbo3 added. Session
 # 31's changes to the kernels are untimed: these are their first figures. Session 32 added the
 # attention's two-byte code loads and cheaper code tables, timed beside its per-value reading;
-# session 34 the bf16 backend's f16 products in the decode table, beside the float32 ones, and
-# the GEMV's products in the codes' layout (BUDGET 460 s by default).
+# session 34 the bf16 backend's f16 products in the decode table, beside the float32 ones, the
+# GEMV's products in the codes' layout, fla-core's fused DeltaNet decode and torch's fused
+# RMSNorm (fewer launches a step), and the end-to-end model under the bf16 backend, as kvslim
+# serve runs it (BUDGET 460 s by default).
 #   run(command="bash benchmarks/gpu_session.sh verify", carry=[".whl"], timeout_s=520)
 verify() {
     deadline=$((SECONDS + ${BUDGET:-460}))
@@ -247,8 +249,9 @@ verify() {
     # session 32's two-byte code loads against its per-value reading (untimed until here)
     KVSLIM_TRITON=1 timeout -k 5 "$(left 40)" $PY benchmarks/gpu_decode.py -d 131072 -b 1,8 -r 5 --no-loop \
         -p turbo4/turbo4,q4_0/q4_0 --codecs per-value 2>&1 | tee "$OUT/decode-per-value.md" | tail -12
+    # as kvslim serve runs it (the bf16 backend: f16 attention products; session 31 ran torch's)
     KVSLIM_TRITON=1 timeout -k 5 "$(left 125)" $PY benchmarks/gpu_model.py -d 0,32768 -np 1,4 -n 8 --profile 4 \
-        --pairs f16/f16,q8_0/turbo4,turbo3/turbo3 2>&1 | tee "$OUT/e2e.md" | tail -30
+        --pairs f16/f16,q8_0/turbo4,turbo3/turbo3 --attn-backend bf16 2>&1 | tee "$OUT/e2e.md" | tail -30
     echo "verify: $SECONDS s"
 }
 
