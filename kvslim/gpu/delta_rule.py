@@ -3,10 +3,12 @@
 The same contract as kvslim/models/delta_rule.py's torch forms, which stay the reference and
 the fallback: ``chunk(q, k, v, g, beta, state)`` for a prefill segment and ``decode(...)`` for
 one decode token per sequence from the layer's raw inputs (state updated in place). fla-core is
-what transformers and vLLM run for these layers; it is imported only when a CUDA tensor asks (never in CI, never on the CPU:
-its kernels do not run under Triton's interpreter), and only with the GPU kernels switched on
-(``kvslim.gpu.TRITON``, KVSLIM_TRITON=1). fla-core 0.6.0's forward kernels work with Triton 3.6 (its
-Hopper check for Triton < 3.7.1 guards a backward kernel only, which inference never calls).
+what transformers and vLLM run for these layers; kvslim imports it only when a CUDA tensor asks
+(never for the CPU) and the GPU kernels are switched on (``kvslim.gpu.TRITON``,
+KVSLIM_TRITON=1). The tests run its decode kernel under Triton's interpreter in a child process
+(tests/test_gpu_delta_rule.py; its chunked kernel asks for a GPU driver there). fla-core
+0.6.0's forward kernels work with Triton 3.6 (its Hopper check for Triton < 3.7.1 guards a
+backward kernel only, which inference never calls).
 """
 from __future__ import annotations
 
