@@ -175,13 +175,21 @@ def loop_step(fmt_k, fmt_v, q, k_pool, v_pool, table, n_keys):
     return step
 
 
+def progress(row: list) -> list:
+    """Each row to stderr as it is measured: a run cut short by a time limit (a lease's) still
+    leaves the rows it timed; the table follows on stdout at the end."""
+    print(" | ".join(map(str, row)), file=sys.stderr, flush=True)
+    return row
+
+
 def _rows(pairs: list[str], depth: int, batch: int, args, copy: float) -> list[list]:
     """One row per K/V pair and the SDPA baseline's, at one depth and batch."""
     def gbps(read, ms):
         return f"{read / ms / 1e6:.0f}", f"{100 * read / ms / 1e6 / copy:.0f}%"
     step, read, backend = sdpa_f16(depth, batch, args.device)
     eager, base = _step_ms(step, args.runs, args.device)
-    rows = [[f"sdpa f16 ({backend})", depth, batch, "", f"{eager:.3f}", f"{base:.3f}", "1.00", *gbps(read, base)]]
+    rows = [progress([f"sdpa f16 ({backend})", depth, batch, "", f"{eager:.3f}", f"{base:.3f}", "1.00",
+                      *gbps(read, base)])]
     del step
     for pair in pairs:
         inputs = _inputs(*pair.split("/"), depth, batch, args.device)
@@ -193,8 +201,8 @@ def _rows(pairs: list[str], depth: int, batch: int, args, copy: float) -> list[l
                 tune = {"CODECS": codecs, "DOT": dot}
                 label = ", ".join(v for v, default in ((codecs, "units"), (dot, "ieee")) if v != default)
                 eager, ms = _step_ms(packed_step(*inputs, tune=tune), args.runs, args.device)
-                rows.append([f"{pair} ({label})" if label else pair, depth, batch, loop, f"{eager:.3f}", f"{ms:.3f}",
-                             f"{ms / base:.2f}", *gbps(read, ms)])
+                rows.append(progress([f"{pair} ({label})" if label else pair, depth, batch, loop, f"{eager:.3f}",
+                                      f"{ms:.3f}", f"{ms / base:.2f}", *gbps(read, ms)]))
                 loop = ""
         del inputs, k_pool, v_pool
         if args.device.startswith("cuda"):

@@ -40,7 +40,7 @@ from kvslim import weights  # noqa: E402
 from kvslim.gpu import quant_matmul as gpu  # noqa: E402
 from kvslim.tables import markdown_table, to_json  # noqa: E402
 
-from gpu_decode import _median_ms, check_device  # noqa: E402  (same folder)
+from gpu_decode import _median_ms, check_device, progress  # noqa: E402  (same folder)
 
 DTYPES = {"f16": (torch.float16, "fp16"), "bf16": (torch.bfloat16, "bf16")}   # torch dtype, Triton dot
 HEADERS = ["type", "N x K", "M", "dtype", "triton ms", "per-value ms", "session 32 ms", "torch ms", "triton", "torch"]
@@ -113,13 +113,6 @@ def _speed(m: int, n: int, k: int, weight_bytes: int, ms: float) -> str:
     return f"{2 * m * n * k / ms / 1e9:.1f} TFLOP/s"
 
 
-def _progress(row: list) -> list:
-    """Each row to stderr as it is measured: a run cut short by a time limit (a lease's) still
-    leaves the rows it timed; the table follows on stdout at the end."""
-    print(" | ".join(map(str, row)), file=sys.stderr, flush=True)
-    return row
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("-t", "--types", default="q8_0,q4_0,q4_k,q5_k,q6_k,iq3_xxs,iq2_xxs")
@@ -133,10 +126,10 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     check_device(args.device)
     kvslim_gpu.TRITON = True                       # the loop's per-expert products take the kernels too
-    rows = [_progress(row) for name in args.types.split(",") for shape in args.shapes.split(",")
+    rows = [progress(row) for name in args.types.split(",") for shape in args.shapes.split(",")
             for row in _rows(name, *map(int, shape.split("x")), args.gemm_rows, args.runs, args.device)]
     tokens = [int(n) for n in args.expert_tokens.split(",")]
-    experts = [_progress(row) for name in args.types.split(",") if args.experts
+    experts = [progress(row) for name in args.types.split(",") if args.experts
                for row in _expert_rows(name, args.experts, tokens, args.runs, args.device)]
     if args.output == "json":
         print(to_json({"weights": [dict(zip(HEADERS, row)) for row in rows],
