@@ -366,16 +366,12 @@ def _dequantize_tile(w_ptr, grid_ptr, rows, cols, row_bytes, N, K, TYPE: tl.cons
 
 
 @triton.jit
-def _products(x, w, TERMS: tl.constexpr):
-    """x (BM, T) against w (BN, T): the (BM, BN) dot products; with TERMS (BM = 1) the (BN, T)
-    products themselves, which the GEMV sums once after its loop over K instead of once per chunk
-    (a sum across a tile's threads is shuffles and shared memory: 130 of Q4_0's 292 sm_90
-    instructions a chunk at M = 1, Triton 3.9)."""
-    if TERMS:
-        out = x * w
-    else:
-        out = tl.sum(x[:, None, :] * w[None, :, :], axis=2)
-    return out
+def _summed(x, w):
+    """x (BM, T) against w (BN, T): the (BM, BN) dot products, summed across the tile. At M = 1 the
+    blockwise types keep their products unsummed instead (TERMS, ``_x_by_rows``) and the GEMV sums
+    them once after its loop over K: a sum across a tile's threads is shuffles and shared memory,
+    130 of Q4_0's 292 sm_90 instructions a chunk at M = 1 (Triton 3.9)."""
+    return tl.sum(x[:, None, :] * w[None, :, :], axis=2)
 
 
 @triton.jit
@@ -394,7 +390,7 @@ def _legacy_block_dot(x_ptr, w_ptr, m, M, rows, N, K, row_bytes, chunk,
                       TYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       TERMS: tl.constexpr = False):
     """x[m, chunk's columns] . W[rows, the same] for Q8_0 or Q4_0, read block by block -> (BM, BN)
-    float32 (TERMS: the (BN, BLOCK_K) or, Q4_0, (BN, BLOCK_K / 2) products, ``_products``). The
+    float32 (TERMS: the (BN, BLOCK_K) or, Q4_0, (BN, BLOCK_K / 2) products, ``_x_by_rows``). The
     per-value tile (``_legacy_values``) loads each Q4_0 code byte twice and each block's f16
     scale once per value, 32 times; here each byte is loaded once, the scale by one 2-byte load
     per block (blocks are 34 or 18 bytes: scales at even addresses), and a Q4_0 byte's two
@@ -410,12 +406,14 @@ def _legacy_block_dot(x_ptr, w_ptr, m, M, rows, N, K, row_bytes, chunk,
     codes = tl.load(block[:, :, None] + 2 + j[None, None, :], mask=ok[:, :, None], other=0)   # (BN, NB, SPAN)
     x_ok = (m < M)[:, None, None] & (blk < K // 32)[None, :, None]
     x_at = x_ptr + m[:, None, None] * K + (blk[:, None] * 32 + j[None, :])[None, :, :]       # (BM, NB, SPAN)
-    if TYPE == Q8_0:
+    if TYPE == Q8_0:                    # if/else, not early returns: the compiler types every return
         w = codes.to(tl.int8, bitcast=True).to(tl.float32) * d                          # (BN, NB, SPAN)
         if TERMS:
-            return tl.reshape(_x_by_rows(x_at, x_ok, rows) * w, (BLOCK_N, NB * SPAN))
-        x = tl.reshape(tl.load(x_at, mask=x_ok, other=0.0).to(tl.float32), (BLOCK_M, NB * SPAN))
-        return _products(x, tl.reshape(w, (BLOCK_N, NB * SPAN)), TERMS)
+            out = tl.reshape(_x_by_rows(x_at, x_ok, rows) * w, (BLOCK_N, NB * SPAN))
+        else:
+            x = tl.reshape(tl.load(x_at, mask=x_ok, other=0.0).to(tl.float32), (BLOCK_M, NB * SPAN))
+            out = _summed(x, tl.reshape(w, (BLOCK_N, NB * SPAN)))
+        return out
     c = codes.to(tl.int32)
     lo = ((c & 0x0F) - 8).to(tl.float32) * d                                           # values j
     hi = ((c >> 4) - 8).to(tl.float32) * d                                             # values j + 16
@@ -437,7 +435,7 @@ def _q6_k_block_dot(x_ptr, w_ptr, m, M, rows, N, K, row_bytes, chunk,
     h, bytes ql[64h + l], ql[64h + 32 + l] and qh[32h + l] (l < 32) hold the values l, l + 32,
     l + 64 and l + 96: low nibbles then high nibbles, qh's bit pairs 0-1, 2-3, 4-5, 6-7. Three
     byte loads for four values; each int8 scale (one per 16 values) loaded once per half, each d
-    once. K is whole super-blocks (``_check``). TERMS: the (BN, BLOCK_K / 4) products (``_products``)."""
+    once. K is whole super-blocks (``_check``). TERMS: the (BN, BLOCK_K / 4) products (``_x_by_rows``)."""
     NH: tl.constexpr = BLOCK_K // 128
     hh = chunk * NH + tl.arange(0, NH)                                  # (NH,) halves of the row
     h = (hh % 2)[None, :, None]
@@ -464,7 +462,7 @@ def _q6_k_block_dot(x_ptr, w_ptr, m, M, rows, N, K, row_bytes, chunk,
             acc += _x_by_rows(x_at + 32 * k, x_ok, rows) * w
         else:
             x = tl.reshape(tl.load(x_at + 32 * k, mask=x_ok, other=0.0).to(tl.float32), (BLOCK_M, NH * 32))
-            acc += _products(x, tl.reshape(w, (BLOCK_N, NH * 32)), TERMS)
+            acc += _summed(x, tl.reshape(w, (BLOCK_N, NH * 32)))
     if TERMS:
         acc = tl.reshape(acc, (BLOCK_N, NH * 32))
     return acc
@@ -519,7 +517,7 @@ def _gemv_step(x_ptr, w_ptr, grid_ptr, m, M, rows, N, K, row_bytes, chunk, TYPE:
     block by block where BLOCKWISE, every other type (or all, BLOCKWISE False) through the
     per-value tile.
     TERMS > 0 (BLOCK_M = 1, the blockwise types): the (BN, TERMS) products instead, unsummed
-    (``_products``; TERMS is ``quant_matmul.terms_width``)."""
+    (``_x_by_rows``; TERMS is ``quant_matmul.terms_width``)."""
     if BLOCKWISE and (TYPE == Q8_0 or TYPE == Q4_0):
         out = _legacy_block_dot(x_ptr, w_ptr, m, M, rows, N, K, row_bytes, chunk, TYPE, BLOCK_M, BLOCK_N, BLOCK_K,
                                 TERMS > 0)
