@@ -46,6 +46,13 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state):
     return out, s
 
 
+def value_heads(q: torch.Tensor, k: torch.Tensor, n_v: int):
+    """q, k (T, Hk, dk) as convolved -> L2-normalised float32, repeated to the ``n_v`` value heads
+    (value head h reads key head h // (Hv / Hk)): what the torch forms take."""
+    rep = n_v // q.shape[1]
+    return l2norm(q.float()).repeat_interleave(rep, dim=1), l2norm(k.float()).repeat_interleave(rep, dim=1)
+
+
 def gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
     """A Gated DeltaNet layer's log decay g = -exp(A_log) * softplus(a + dt_bias) and rate
     beta = sigmoid(b), float32, from the pre-activations a, b (..., Hv)."""
@@ -59,8 +66,7 @@ def gated_delta_decode(q, k, v, a, b, A_log, dt_bias, state):
     L2-normalised and repeated to the value heads (value head h reads key head h // (Hv / Hk)),
     then ``gated_delta_step`` updates ``state`` (B, Hv, dk, dv) in place. Returns o (B, Hv, dv)
     float32. fla-core's fused recurrent kernel does all of it in one launch (gpu/delta_rule.py)."""
-    rep = v.shape[1] // q.shape[1]
-    q, k = (l2norm(x.float()).repeat_interleave(rep, dim=1) for x in (q, k))
+    q, k = value_heads(q, k, v.shape[1])
     g, beta = gates(a, b, A_log, dt_bias)
     return gated_delta_step(q, k, v, g, beta, state)
 

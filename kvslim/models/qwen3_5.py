@@ -12,7 +12,7 @@ from torch import nn
 from .base import CausalLM
 from .batch import Batch
 from .config import HybridConfig
-from .delta_rule import causal_conv, causal_conv_step, gates, l2norm, rule_for
+from .delta_rule import causal_conv, causal_conv_step, gates, rule_for, value_heads
 from .layers import MLP, Attention, DecoderLayer, RMSNormGated, Rope, SparseMoE, fuse
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
@@ -65,19 +65,17 @@ class GatedDeltaNet(nn.Module):
                 self._prefill(qkv, g, beta, seg, cache, out)
         return self.out_proj(self.norm(out.to(x.dtype), z).reshape(n, -1))
 
-    def _split_heads(self, mixed: torch.Tensor):
-        """Convolved (T, conv_dim) -> q, k (T, Hv, dk) normalised and repeated to value heads, v (T, Hv, dv)."""
+    def _heads(self, mixed: torch.Tensor):
+        """Convolved (T, conv_dim) -> q, k (T, Hk, dk) and v (T, Hv, dv), as convolved."""
         t = mixed.shape[0]
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        rep = self.n_v // self.n_k                                  # value head h reads key head h // rep
-        q = l2norm(q.reshape(t, self.n_k, self.dk)).repeat_interleave(rep, dim=1)
-        k = l2norm(k.reshape(t, self.n_k, self.dk)).repeat_interleave(rep, dim=1)
-        return q, k, v.reshape(t, self.n_v, self.dv)
+        return q.reshape(t, self.n_k, self.dk), k.reshape(t, self.n_k, self.dk), v.reshape(t, self.n_v, self.dv)
 
     def _prefill(self, qkv, g, beta, seg, cache, out) -> None:
         rows = slice(seg.begin, seg.end)
         mixed, cache.conv[seg.slot] = causal_conv(qkv[rows], cache.conv[seg.slot], self.conv1d.weight[:, 0])
-        q, k, v = self._split_heads(mixed)
+        q, k, v = self._heads(mixed)
+        q, k = value_heads(q, k, self.n_v)
         chunk, _ = rule_for(q.device)
         o, state = chunk(q[None], k[None], v[None], g[None, rows], beta[None, rows], cache.recurrent[seg.slot][None])
         out[rows], cache.recurrent[seg.slot] = o[0], state[0]
@@ -89,12 +87,9 @@ class GatedDeltaNet(nn.Module):
         place through a view; others are gathered and scattered back."""
         idx = batch.slot_index()
         mixed, cache.conv[idx] = causal_conv_step(qkv, cache.conv[idx], self.conv1d.weight[:, 0])
-        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        n = mixed.shape[0]
         state = cache.recurrent[idx]                                # a view when idx is a slice
         _, decode = rule_for(mixed.device)
-        out[:] = decode(q.reshape(n, self.n_k, self.dk), k.reshape(n, self.n_k, self.dk),
-                        v.reshape(n, self.n_v, self.dv), a, b, self.A_log, self.dt_bias, state)
+        out[:] = decode(*self._heads(mixed), a, b, self.A_log, self.dt_bias, state)
         if not isinstance(idx, slice):
             cache.recurrent[idx] = state
         if not batch.prepared:                                      # else the caller commits lengths
