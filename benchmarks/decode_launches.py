@@ -1,7 +1,7 @@
 """The kernels one decode step launches on a GPU, counted without one.
 
     python benchmarks/decode_launches.py [--model qwen3.6-35b-a3b] [--shrink 8] [--layers 8] [-np 1] [--top 25]
-                                         [--where _to_copy]
+                                         [--where _to_copy] [--weights q4_0] [-ctk f16] [-ctv f16]
 
 Session 31's profile of a 35B-A3B decode step on an H200 found ~3,000 small torch kernels (1-6 us
 each, about a quarter of the step) beside the GEMVs. This counts them where no GPU is lent: the
@@ -9,14 +9,16 @@ catalog model's layers (widths divided by ``--shrink``; the op count does not de
 bf16, built on *fake* CUDA tensors (torch's FakeTensorMode: shapes and devices, no memory, no
 device), with the torch attention backend and float weights, and one DecodeBatch step recorded
 by a dispatch mode. Every aten op that is not a view is counted as one launch (composite ops
-by what they run; ``rms_norm`` as the one ``_fused_rms_norm`` it is on CUDA). Not counted: the
-Triton kernels and fla-core's, which do not run on fake tensors (KVSLIM_TRITON=1 replaces the
-attention and the DeltaNet recurrence each by a few launches; a quantized weight's GEMV is one
-launch, as the float matmul counted here). Needs a CUDA build of torch (a CPU-only wheel cannot
+by what they run; ``rms_norm`` as the one ``_fused_rms_norm`` it is on CUDA). ``--weights q4_0``
+counts the path gpu_model.py times instead: block-type matrices (zero bytes: no values are
+needed) and the GPU kernels on, each Triton or fla-core launch counted as ``triton::<kernel>``
+without running (their outputs, allocated by the launching code, already have their shapes;
+fla-core's path on its ``PYTHONPATH``, e.g. ``.venv/fla``). Needs a CUDA build of torch (a CPU-only wheel cannot
 make CUDA tensors, even fake ones): on this repository's machines the device image's, from
 ``bash benchmarks/gpu_session.sh image``:
 
     PYTHONPATH=$PWD /tmp/kvslim-image-venv/bin/python benchmarks/decode_launches.py
+    PYTHONPATH=$PWD:$PWD/.venv/fla /tmp/kvslim-image-venv/bin/python benchmarks/decode_launches.py --weights q4_0
 
 A figure, not a test.
 """
@@ -37,7 +39,7 @@ if __name__ == "__main__" and not torch.backends.cuda.is_built():     # before k
              "such as `bash benchmarks/gpu_session.sh image`'s venv")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_model import shrunk_config  # noqa: E402
+from gpu_model import random_model, shrunk_config  # noqa: E402
 from kvslim.cache import CacheConfig  # noqa: E402
 from kvslim.models import DecodeBatch, build, config_from_dict  # noqa: E402
 from kvslim.tables import markdown_table  # noqa: E402
@@ -80,24 +82,48 @@ def _caller() -> str:
     return f"{frames[-1].filename.split('/kvslim/')[-1]}:{frames[-1].lineno} {frames[-1].line}" if frames else "?"
 
 
-def count(config, n_slots: int, where: str | None = None) -> Launches:
-    """The launches of the second of two decode steps (the first moves constants to the device)."""
+def count_kernels(launches: Launches) -> None:
+    """Count each Triton (and fla-core) kernel launch as ``triton::<kernel>`` instead of running
+    it: a fake tensor has no memory for a kernel to read, and its outputs, allocated by the
+    launching code, already have their shapes. Autotuned kernels count once, untimed."""
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import JITFunction
+
+    def launch(fn, *args, **kwargs):
+        launches.ops[f"triton::{fn.fn.__name__ if isinstance(fn, Autotuner) else fn.__name__}"] += 1
+    JITFunction.run = Autotuner.run = launch
+    torch.cuda._exchange_device = torch.cuda._maybe_exchange_device = lambda index: 0   # fla's device guard
+
+
+def count(config, n_slots: int, where: str | None = None, weights: str | None = None,
+          kv: str = "f16/f16") -> Launches:
+    """The launches of the second of two decode steps (the first moves constants to the device).
+    ``weights``: a block type for the matrices (gpu_model.py's layout) and the GPU kernels on
+    (``kvslim.gpu.TRITON``), as gpu_model.py's end-to-end runs; None: float weights, torch paths."""
     import kvslim.cache.config as cache_config
+    from kvslim import gpu
     from kvslim.models import base
     cache_config.available_memory = lambda device: 1 << 50      # nothing to ask a fake device
     base.check_room = lambda *args: None
+    gpu.TRITON = weights is not None
+    launches = Launches(where)
+    if weights:
+        count_kernels(launches)
     with FakeTensorMode(allow_non_fake_inputs=True), torch.device("cuda"), torch.inference_mode():
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            model = build(config)
-        finally:
-            torch.set_default_dtype(torch.float32)
-        cache = model.make_cache(CacheConfig(64, n_slots, "f16", "f16", device="cuda"))
+        if weights:
+            model = random_model(config, weights, "cuda", values=False)
+        else:
+            torch.set_default_dtype(torch.bfloat16)
+            try:
+                model = build(config)
+            finally:
+                torch.set_default_dtype(torch.float32)
+        cache = model.make_cache(CacheConfig(64, n_slots, *kv.split("/"), device="cuda"))
         slots = list(range(n_slots))
         for step in range(2):
             cache.prepare_decode(slots, [step] * n_slots)
             inputs = [torch.full((n_slots,), v, dtype=torch.long) for v in (5, step)] + [torch.arange(n_slots)]
-            launches = Launches(where)
+            launches.ops.clear(), launches.sites.clear()
             with launches:
                 model.run(DecodeBatch(*inputs, 2), cache)
             cache.commit_decode(slots)
@@ -112,13 +138,19 @@ def main(argv=None) -> int:
     ap.add_argument("-np", "--parallel", type=int, default=1, help="sequences in the step")
     ap.add_argument("--top", type=int, default=25, help="ops listed")
     ap.add_argument("--where", default=None, metavar="OP", help="list the kvslim lines that launch OP (e.g. _to_copy)")
+    ap.add_argument("--weights", default=None, metavar="TYPE",
+                    help="block-type matrices and the GPU kernels on, as gpu_model.py's runs (e.g. q4_0); "
+                         "default: float weights, the torch paths")
+    ap.add_argument("-ctk", "--cache-type-k", default="f16")
+    ap.add_argument("-ctv", "--cache-type-v", default="f16")
     args = ap.parse_args(argv)
     config = config_from_dict(shrunk_config(args.model, args.shrink, args.layers))
-    launches = count(config, args.parallel, args.where)
+    launches = count(config, args.parallel, args.where, args.weights, f"{args.cache_type_k}/{args.cache_type_v}")
     ops = launches.ops
+    paths = f"{args.weights} weights, kernels on" if args.weights else "float weights, torch paths"
     kinds = Counter(config.layer_types) if getattr(config, "layer_types", None) else {"layers": config.num_hidden_layers}
     print(f"{args.model}: {config.num_hidden_layers} layers ({', '.join(f'{n} {k}' for k, n in kinds.items())}), "
-          f"-np {args.parallel}, torch backend, bf16: {sum(ops.values())} launches a decode step\n")
+          f"-np {args.parallel}, {paths}, bf16: {sum(ops.values())} launches a decode step\n")
     print(markdown_table(["op", "launches"], [[k, v] for k, v in ops.most_common(args.top)], ["l", "r"]))
     if args.where:
         print(f"\n{args.where}, by kvslim line:\n")

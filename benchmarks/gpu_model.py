@@ -96,18 +96,25 @@ def random_blocks(wtype: W.WeightType, shape: tuple[int, ...], device, gen: torc
     return W.QuantTensor(data, wtype, shape[-1])
 
 
-def random_model(config, weights: str, device, seed: int = 0):
-    """kvslim's model for ``config`` with random weights made on ``device``."""
-    gen = torch.Generator(device=device).manual_seed(seed)
+def random_model(config, weights: str, device, seed: int = 0, values: bool = True):
+    """kvslim's model for ``config`` with random weights made on ``device``. ``values`` False:
+    zero bytes and vectors of the same types and shapes, made without a random generator (which
+    a fake device has not: benchmarks/decode_launches.py)."""
+    gen = torch.Generator(device=device).manual_seed(seed) if values else None
     meta = build_on_meta(config)
     matrices = quantizable(meta)
     state = {}
     for name, p in meta.named_parameters():
         kind = fit_type(OUTPUT_TYPE if name == "lm_head.weight" else weights, p.shape[-1])   # the planner's fallback
         if name in matrices and kind != "f16":
-            state[name] = random_blocks(W.get(kind), tuple(p.shape), device, gen)
-        else:                                                 # norms, routers, conv kernels, decay rates
+            wtype, shape = W.get(kind), tuple(p.shape)
+            state[name] = (random_blocks(wtype, shape, device, gen) if values else
+                           W.QuantTensor(torch.zeros(*shape[:-1], shape[-1] // wtype.block_size * wtype.block_bytes,
+                                                     dtype=torch.uint8, device=device), wtype, shape[-1]))
+        elif values:                                          # norms, routers, conv kernels, decay rates
             state[name] = torch.randn(p.shape, device=device, generator=gen, dtype=torch.float32) * 0.02
+        else:
+            state[name] = torch.zeros(p.shape, device=device, dtype=torch.float32)
     return instantiate(config, state, dtype=torch.bfloat16, device=device)
 
 

@@ -80,33 +80,76 @@ def test_the_torch_decode_normalises_repeats_and_gates_then_steps():
     assert not torch.equal(state, _raw_decode_inputs(3, 2, 4, 16, 8, "cpu", torch.float32)[-1])   # updated in place
 
 
-def fla_decode_in_child(shapes, path: Path) -> None:
+def fla_in_child_process(shapes, path: Path) -> None:
     """In an interpreted child with fla-core on its path: ``fla.decode`` on CPU tensors, per
-    (batch, key heads, value heads, dk, dv, dtype name), with the inputs it was given."""
+    (batch, key heads, value heads, dk, dv, dtype name), with the inputs it was given, and
+    ``fla.gated_norm`` for NORM_CASES. The gated norm's kernel is autotuned, and the interpreter
+    has no device to time configs on: every config times the same, so the first is taken."""
+    from triton.runtime.autotuner import Autotuner
+    Autotuner._bench = lambda self, *args, config, **meta: [1.0, 1.0, 1.0]
     assert fla.serves(torch.device("cpu")) is False and fla._fla() is not None
     out = []
     for i, (b, hk, hv, dk, dv, dtype) in enumerate(shapes):
         inputs = _raw_decode_inputs(b, hk, hv, dk, dv, "cpu", getattr(torch, dtype), seed=i)
         o = fla.decode(*inputs)
         out.append((o, inputs[-1]))
-    torch.save(out, path)
+    torch.save({"decode": out, "norm": [_gated_norm_inputs(dtype, seed) for dtype, seed in NORM_CASES]}, path)
 
 
-def test_fla_decode_matches_the_torch_decode_under_the_interpreter(tmp_path):
+def test_fla_decode_matches_the_torch_decode_under_the_interpreter(fla_in_child):
     """fla-core's fused recurrent kernel runs under Triton's interpreter (its chunked prefill does
     not: it asks for a GPU driver), so CI holds ``fla.decode``'s use of it (the raw inputs, key
     head h // (Hv / Hk), the gates, the state written back) to ``gated_delta_decode``. fla-core
     is installed apart (requirements/fla.txt) and put on the child's path only."""
+    got = fla_in_child["decode"]
+    for i, ((b, hk, hv, dk, dv, dtype), (o, state)) in enumerate(zip(DECODE_SHAPES, got)):
+        inputs = _raw_decode_inputs(b, hk, hv, dk, dv, "cpu", getattr(torch, dtype), seed=i)
+        want = gated_delta_decode(*inputs)                    # float32
+        assert o.dtype == inputs[2].dtype and o.shape == (b, hv, dv)       # v's: rounded once
+        # float32 sums in another order: in bf16, one rounding may land an ulp away
+        ulp = torch.finfo(o.dtype).eps * want.abs()
+        assert ((o.float() - want).abs() <= ulp + 1e-6).all(), (o.float() - want).abs().max()
+        torch.testing.assert_close(state, inputs[-1], atol=1e-6, rtol=1e-5)
+
+
+DECODE_SHAPES = [(3, 2, 4, 32, 16, "float32"), (2, 1, 3, 16, 32, "bfloat16")]
+NORM_CASES = [("float32", 0), ("bfloat16", 1)]
+
+
+def _gated_norm_inputs(dtype: str, seed: int, run: bool = True):
+    """A DeltaNet output norm (dim 128, weight near 1) and its x, z (6 heads' rows of 4 tokens); in
+    the child (``run``) fla's gated norm of them."""
+    from kvslim.models.layers import RMSNormGated
+    gen = torch.Generator().manual_seed(seed)
+    norm = RMSNormGated(128, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(128, generator=gen))
+    x, z = ((torch.randn(4, 6, 128, generator=gen) * s).to(getattr(torch, dtype)) for s in (3, 1))
+    return fla.gated_norm(x, z, norm.weight, norm.eps) if run else (norm, x, z)
+
+
+@pytest.fixture(scope="module")
+def fla_in_child(tmp_path_factory):
+    """fla-core's decode and gated norm, run once in an interpreted child."""
     if not (FLA_PATH / "fla").is_dir():
         pytest.skip(f"fla-core is not installed in {FLA_PATH} (make test's setup puts it there)")
-    shapes = [(3, 2, 4, 32, 16, "float32"), (2, 1, 3, 16, 32, "bfloat16")]
-    got = run_interpreted("tests.test_gpu_delta_rule", "fla_decode_in_child", shapes, tmp_path, paths=(FLA_PATH,))
-    for i, ((b, hk, hv, dk, dv, dtype), (o, state)) in enumerate(zip(shapes, got)):
-        inputs = _raw_decode_inputs(b, hk, hv, dk, dv, "cpu", getattr(torch, dtype), seed=i)
-        want = gated_delta_decode(*inputs)
-        assert o.dtype == torch.float32 and o.shape == (b, hv, dv)
-        torch.testing.assert_close(o, want, atol=1e-6, rtol=1e-5)
-        torch.testing.assert_close(state, inputs[-1], atol=1e-6, rtol=1e-5)
+    return run_interpreted("tests.test_gpu_delta_rule", "fla_in_child_process", DECODE_SHAPES,
+                           tmp_path_factory.mktemp("fla"), paths=(FLA_PATH,))
+
+
+@pytest.mark.parametrize("dtype,seed", NORM_CASES)
+def test_fla_gated_norm_matches_the_layers_norm_under_the_interpreter(fla_in_child, dtype, seed):
+    """``gated_norm`` (fla-core's fused gated RMSNorm: one launch for the DeltaNet output norm on
+    CUDA) against ``RMSNormGated``'s torch form: float32 to 1e-6; bf16 within two ulps, as it
+    rounds once where the form rounds three times."""
+    got = fla_in_child["norm"][NORM_CASES.index((dtype, seed))]
+    norm, x, z = _gated_norm_inputs(dtype, seed, run=False)
+    with torch.no_grad():
+        want = norm(x, z)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    ulps = 1e-6 if dtype == "float32" else 2 * torch.finfo(torch.bfloat16).eps
+    assert ((got.float() - want.float()).abs() <= ulps * want.float().abs() + 1e-6).all(), \
+        (got.float() - want.float()).abs().max()
 
 
 @cuda_fla
@@ -118,6 +161,21 @@ def test_fla_decode_from_raw_inputs_matches_the_torch_decode(dtype):
     want_inputs = [x.cpu() for x in inputs]
     want = gated_delta_decode(*want_inputs)
     got = fla.decode(*inputs)
-    assert got.dtype == torch.float32
-    assert torch.allclose(got.cpu(), want, atol=2e-3, rtol=2e-3), (got.cpu() - want).abs().max()
+    assert got.dtype == dtype                                  # v's: float32 sums rounded once
+    rtol = 2e-3 if dtype == torch.float32 else 8e-3
+    assert torch.allclose(got.float().cpu(), want, atol=2e-3, rtol=rtol), (got.float().cpu() - want).abs().max()
     assert torch.allclose(inputs[-1].cpu(), want_inputs[-1], atol=2e-3, rtol=2e-3)
+
+
+@cuda_fla
+@pytest.mark.parametrize("dtype,seed", NORM_CASES)
+def test_fla_gated_norm_on_cuda_matches_the_layers_norm(dtype, seed):
+    """The DeltaNet output norm as a CUDA model runs it with the kernels on (one fla-core launch)
+    against the torch form on the CPU."""
+    norm, x, z = _gated_norm_inputs(dtype, seed, run=False)
+    got = fla.gated_norm(x.cuda(), z.cuda(), norm.weight.cuda(), norm.eps).cpu()
+    with torch.no_grad():
+        want = norm(x, z)
+    ulps = 1e-6 if dtype == "float32" else 2 * torch.finfo(torch.bfloat16).eps
+    assert got.dtype == want.dtype
+    assert ((got.float() - want.float()).abs() <= ulps * want.float().abs() + 1e-6).all()

@@ -192,6 +192,21 @@ def test_device_choice_is_checked(capsys):
         EngineConfig.build(64, backend="fast")
 
 
+def test_a_numbered_cuda_device_becomes_the_current_one(monkeypatch):
+    """Triton and fla-core launch on the current CUDA device whatever their tensors' device, so
+    ``--device cuda:1`` makes device 1 current; plain ``cuda`` leaves the choice to torch.
+    (No GPU here: torch's device queries are stood in for.)"""
+    current = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    assert resolve_device("cuda:1") == torch.device("cuda:1") and current == [torch.device("cuda:1")]
+    assert resolve_device("cuda") == torch.device("cuda") and len(current) == 1
+    with pytest.raises(ValueError, match="only 2 CUDA device"):
+        resolve_device("cuda:2")
+    assert len(current) == 1
+
+
 def test_an_op_missing_on_mps_is_named(capsys, monkeypatch):
     # torch's own wording (aten/src/ATen/mps), raised where the tool runs: no Mac here to raise it for real
     torch_says = ("The operator 'aten::_linalg_solve_ex.result' is not currently implemented for the MPS "

@@ -47,6 +47,9 @@ VALUES = [("values", t, 256, 32, 256, "ieee") for t in TYPES]
 # ("linear", type, x's leading shape, N, K, bias?, reordered columns?)
 LINEAR = [("linear", "q4_k", (1, 1), 48, 256, False, False), ("linear", "q8_0", (2, 9), 32, 256, True, False),
           ("linear", "q5_k", (3,), 32, 256, True, True)]
+# ("rounded", type, M, N, K, split_k): bf16 x, y stored in bf16 by the kernel against its float32 y
+ROUNDED = [("rounded", "q4_0", 1, 64, 288, 1), ("rounded", "q4_k", 1, 40, 512, None),
+           ("rounded", "q6_k", 5, 33, 512, 1), ("rounded", "q8_0", 33, 40, 288, None)]
 # of sum |x||w|: float32 sums, then one rounding of x and one of w to the dot's type (tf32 truncates)
 TOLERANCE = {"ieee": 1e-5, "tf32": 4e-3, "fp16": 2e-3, "bf16": 1e-2}
 
@@ -91,6 +94,13 @@ def _inputs(case, seed: int):
 
 
 def _run(case, x, w, bias):
+    if case[0] == "rounded":                                    # (bf16 y, float32 y, quant_linear's y)
+        x = x.to(torch.bfloat16)
+        ys = [gpu.gemv(x, w.data, w.wtype.ggml_type, split_k=case[5], out_dtype=dtype) if case[2] <= gpu.MAX_GEMV_ROWS
+              else gpu.gemm(x, w.data, w.wtype.ggml_type, dot="ieee", out_dtype=dtype)
+              for dtype in (torch.bfloat16, torch.float32)]
+        decode = case[5] is None and case[2] <= gpu.MAX_GEMV_ROWS      # (a bf16 GEMM's tl.dot: not in the interpreter)
+        return ys + [weights.quant_linear(x, w) if decode else None]
     if case[0] in ("gemv", "per-value gemv"):
         return gpu.gemv(x, w.data, w.wtype.ggml_type, split_k=case[5], blockwise=case[0] == "gemv")
     if case[0] in ("gemm", "values"):
@@ -107,7 +117,7 @@ def _results_in_child(cases, path: Path) -> None:
     torch.save(out, path)
 
 
-CASES = GEMV + PER_VALUE + GEMM + VALUES + LINEAR
+CASES = GEMV + PER_VALUE + GEMM + VALUES + LINEAR + ROUNDED
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +177,19 @@ def test_linear_matches_reference_linear(interpreted, case):
     _check(case, interpreted["y"][case], CASES.index(case))
 
 
+@pytest.mark.parametrize("case", ROUNDED, ids=lambda c: f"{c[1]}-m{c[2]}-split{c[5]}")
+def test_kernels_store_bf16_as_torch_rounds_their_float32_sums(interpreted, case):
+    """y stored in x's bf16 by the kernel itself (``out_dtype``: quant_linear's, so a decode step
+    launches no conversion after each GEMV) equals its float32 y rounded by torch, bit for bit:
+    one split, several (summed in float32, then rounded), and the GEMM."""
+    rounded, full, linear = interpreted["y"][case]
+    assert rounded.dtype == torch.bfloat16 and full.dtype == torch.float32
+    assert torch.equal(rounded, full.to(torch.bfloat16))
+    assert (full.to(torch.bfloat16) != full).any()                   # the rounding was there to get right
+    if linear is not None:
+        assert linear.dtype == torch.bfloat16 and torch.equal(linear, rounded)
+
+
 def test_interpreted_kernels_run_on_cpu_tensors(interpreted):
     assert interpreted["runs_on_cpu"]
 
@@ -215,12 +238,14 @@ EXPERT_CASES += [(t, 3, 16, 256, 5) for t in GRID_TYPES] + [(t, 2, 24, 256, 130)
 
 
 def _expert_inputs(case, seed: int):
-    """E matrices of the case's type stacked (E, N, row_bytes), P rows of x and an expert id each."""
+    """E matrices of the case's type stacked (E, N, row_bytes), P rows of x and an expert id each
+    (int64 as topk gives them; int32 for odd seeds: the kernels read either)."""
     name, n_experts, n, k, pairs = case
     mats = [_weight(name, n, k, 100 * seed + e) for e in range(n_experts)]
     gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(n_experts, (pairs,), generator=gen)
     return mats, torch.stack([m.data for m in mats]), torch.randn(pairs, k, generator=gen), \
-        torch.randint(n_experts, (pairs,), generator=gen)
+        ids.int() if seed % 2 else ids
 
 
 def _moe_module(seed: int = 0, tokens: int = 3):
@@ -375,12 +400,14 @@ POINTERS = {"x_ptr": "*fp32", "w_ptr": "*u8", "grid_ptr": "*i8", "y_ptr": "*fp32
                                        ("iq2_xxs", 1), ("iq2_xs", 4), ("iq2_s", 1), ("iq3_xxs", 16), ("iq3_s", 1),
                                        ("iq1_s", 4), ("iq1_m", 1), ("mxfp4", 16), ("nvfp4", 1)])
 def test_gemv_compiles_for_an_h100_without_one(name, rows):
-    """The interpreter cannot say whether ptxas takes it: lower it for sm_90 with the launcher's config."""
+    """The interpreter cannot say whether ptxas takes it: lower it for sm_90 with the launcher's config.
+    One row: x and y bf16, as a bf16 model's decode step (y rounded by its bits, ``_stored``)."""
     from kvslim.gpu import _quant_matmul_kernel as kernel
     config = gpu.gemv_config(rows, weights.get(name).ggml_type)
     num_warps = config.pop("num_warps")
     constexprs = dict(config, TYPE=int(weights.get(name).ggml_type))
-    assert compile_for_sm90(kernel.quant_gemv, POINTERS, constexprs, num_warps).asm["cubin"]
+    pointers = dict(POINTERS, x_ptr="*bf16", y_ptr="*bf16") if rows == 1 else POINTERS
+    assert compile_for_sm90(kernel.quant_gemv, pointers, constexprs, num_warps).asm["cubin"]
 
 
 @pytest.mark.parametrize("name,dot", [("q4_0", "fp16"), ("q5_k", "bf16"), ("q6_k", "bf16"), ("q2_k", "bf16"),
@@ -392,19 +419,20 @@ def test_gemm_compiles_for_an_h100_without_one(name, dot):
     num_warps = config.pop("num_warps")
     dtype, precision = kernel.DOTS[dot]
     constexprs = dict(config, TYPE=int(weights.get(name).ggml_type), DOT_DTYPE=dtype, PRECISION=precision)
-    pointers = dict(POINTERS, x_ptr="*" + dot)
+    pointers = dict(POINTERS, x_ptr="*" + dot, y_ptr="*" + dot)                 # y in x's type, as quant_linear's
     assert compile_for_sm90(kernel.quant_gemm, pointers, constexprs, num_warps).asm["cubin"]
 
 
 @pytest.mark.parametrize("name", ["q4_0", "q4_k", "q6_k"] + GRID_TYPES)
 def test_grouped_expert_gemv_compiles_for_an_h100_without_one(name):
     """The expert GEMV with the launcher's blocks, lowered for sm_90 (the interpreter cannot say
-    whether ptxas takes the id-indexed pointer arithmetic)."""
+    whether ptxas takes the id-indexed pointer arithmetic), as a decode step's down projection
+    launches it: topk's int64 ids, bf16 routing weights applied in the kernel."""
     from kvslim.gpu import _quant_matmul_kernel as kernel
     config = gpu.gemv_config(1, weights.get(name).ggml_type)
     constexprs = dict(TYPE=int(weights.get(name).ggml_type), BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
-                      TERMS=config["TERMS"])
-    pointers = dict(POINTERS, ids_ptr="*i32")
+                      TERMS=config["TERMS"], SCALED=True)
+    pointers = dict(POINTERS, x_ptr="*bf16", ids_ptr="*i64", scale_ptr="*bf16")
     assert compile_for_sm90(kernel.quant_gemv_experts, pointers, constexprs, config["num_warps"]).asm["cubin"]
 
 
@@ -416,8 +444,9 @@ def test_grouped_expert_gemm_compiles_for_an_h100_without_one(name, dot):
     config = gpu.gemm_config(gpu.experts_block_m(4096, 256))
     num_warps = config.pop("num_warps")
     dtype, precision = kernel.DOTS[dot]
-    constexprs = dict(config, TYPE=int(weights.get(name).ggml_type), DOT_DTYPE=dtype, PRECISION=precision)
-    pointers = dict(POINTERS, x_ptr="*" + dot, pairs_ptr="*i32", tile_expert_ptr="*i32")
+    constexprs = dict(config, TYPE=int(weights.get(name).ggml_type), DOT_DTYPE=dtype, PRECISION=precision,
+                      SCALED=True)
+    pointers = dict(POINTERS, x_ptr="*" + dot, pairs_ptr="*i32", tile_expert_ptr="*i32", scale_ptr="*" + dot)
     assert compile_for_sm90(kernel.quant_gemm_experts, pointers, constexprs, num_warps).asm["cubin"]
 
 

@@ -33,6 +33,9 @@ def resolve_device(name: str | torch.device | None) -> torch.device:
                              f"CUDA build: {torch.version.cuda or 'no'}); use --device cpu")
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise ValueError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+        if device.index is not None:
+            # Triton and fla-core launch on the current CUDA device, not on their tensors' device
+            torch.cuda.set_device(device)
     elif device.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
         raise ValueError(f"--device {name}: the MPS backend is not available on this machine")
     elif device.type not in ("cpu", "cuda", "mps"):

@@ -1,4 +1,5 @@
-"""Packed-row decoding shared by the Triton attention kernels (decode and prefill).
+"""Packed-row decoding shared by the Triton attention kernels (decode and prefill), and the
+rounding of float32 results to a stored half type that every kernel's stores share.
 
 Each format's row layout reaches these functions as constexprs read from ``codec_fields``
 (``kvslim/native/paged_attention.py``, the C kernel's description of each format); nothing
@@ -12,6 +13,19 @@ import triton.language as tl
 # The codec kinds, as kvslim/native/paged_attention.py numbers them.
 F32, F16, BF16, Q8, NIBBLE, PACKED = range(6)
 LADDER_AT = tl.constexpr(32)        # where the rungs' factors follow the code values in ``lut``
+
+
+@triton.jit
+def stored_as(value, ptr):
+    """float32 values in ``ptr``'s element type, rounded to nearest even as torch's .to() rounds
+    them. bf16 by its bits: a GPU's conversion rounds so, but Triton's interpreter truncates,
+    and the tests run there; NaN stays NaN (rounding its bits could carry into inf)."""
+    if ptr.dtype.element_ty == tl.bfloat16:
+        bits = value.to(tl.uint32, bitcast=True)
+        top = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        top = tl.where(value != value, 0x7FC0, top)
+        return top.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return value.to(ptr.dtype.element_ty)
 
 
 @triton.jit

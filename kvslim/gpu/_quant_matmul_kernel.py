@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from ._codecs import f16_aligned, f16_at
+from ._codecs import f16_aligned, f16_at, stored_as
 
 # ggml type ids (gguf.GGMLQuantizationType), the kernels' TYPE
 Q4_0 = tl.constexpr(2)
@@ -565,7 +565,8 @@ def quant_gemv(x_ptr, w_ptr, grid_ptr, y_ptr, M, N, K, row_bytes, chunks_per_spl
                TYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                BLOCKWISE: tl.constexpr = True, TERMS: tl.constexpr = 0):
     """Program (tile of BLOCK_N outputs, split s): y[s, m, n] = x[m, K_s] . W[n, K_s] for its
-    chunks K_s of BLOCK_K columns. x (M, K) contiguous; y (splits, M, N) float32. BLOCKWISE
+    chunks K_s of BLOCK_K columns. x (M, K) contiguous; y (splits, M, N) float32, or with one
+    split any float type (the float32 sums rounded once as they are stored). BLOCKWISE
     False: every type through the per-value tile (the blockwise reads' twin, for timings).
     TERMS > 0 (M = 1): products kept per column across the chunks, summed once (``_gemv_chunks``)."""
     tile = tl.program_id(0)
@@ -577,7 +578,7 @@ def quant_gemv(x_ptr, w_ptr, grid_ptr, y_ptr, M, N, K, row_bytes, chunks_per_spl
     acc = _gemv_chunks(x_ptr, w_ptr, grid_ptr, m, M, rows, N, K, row_bytes, first, last,
                        TYPE, BLOCK_M, BLOCK_N, BLOCK_K, BLOCKWISE, TERMS)
     out = y_ptr + (split * M + m[:, None]) * N + rows[None, :]
-    tl.store(out, acc, mask=(m < M)[:, None] & (rows < N)[None, :])
+    tl.store(out, stored_as(acc, y_ptr), mask=(m < M)[:, None] & (rows < N)[None, :])
 
 
 @triton.jit
@@ -585,7 +586,8 @@ def quant_gemm(x_ptr, w_ptr, grid_ptr, y_ptr, M, N, K, row_bytes,
                TYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
     """Program (M tile, N tile): y = x @ W^T over all of K. M tiles vary fastest, so programs
-    running together share W's tile (its bytes read once from DRAM, then from L2)."""
+    running together share W's tile (its bytes read once from DRAM, then from L2). y (M, N) of
+    any float type: the float32 sums rounded once as they are stored."""
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     x_row = x_ptr + m.to(tl.int64)[:, None] * K
@@ -596,38 +598,43 @@ def quant_gemm(x_ptr, w_ptr, grid_ptr, y_ptr, M, N, K, row_bytes,
         w = _dequantize_tile(w_ptr, grid_ptr, rows, cols, row_bytes, N, K, TYPE)           # (BN, BK)
         acc = tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), acc, input_precision=PRECISION)
     out = y_ptr + m.to(tl.int64)[:, None] * N + rows[None, :]
-    tl.store(out, acc, mask=(m < M)[:, None] & (rows < N)[None, :])
+    tl.store(out, stored_as(acc, y_ptr), mask=(m < M)[:, None] & (rows < N)[None, :])
 
 
 @triton.jit
-def quant_gemv_experts(x_ptr, w_ptr, grid_ptr, ids_ptr, y_ptr, N, K, row_bytes, expert_bytes,
+def quant_gemv_experts(x_ptr, w_ptr, grid_ptr, ids_ptr, scale_ptr, y_ptr, N, K, row_bytes, expert_bytes,
                        TYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TERMS: tl.constexpr,
-                       BLOCKWISE: tl.constexpr = True):
+                       SCALED: tl.constexpr = False, BLOCKWISE: tl.constexpr = True):
     """Program (tile of BLOCK_N outputs, pair p): y[p, n] = x[p] . W[ids[p], n] over all of K,
-    the expert's matrix found from its id in device memory (no host round trip to learn which
-    experts a token chose). x (P, K) contiguous; W (E, N, row_bytes); y (P, N) float32. TERMS
-    as ``quant_gemv``'s."""
+    the expert's matrix found from its id (int32 or int64) in device memory (no host round trip
+    to learn which experts a token chose). x (P, K) contiguous; W (E, N, row_bytes); y (P, N)
+    float32, times scale[p] (a routing weight, any float type) where SCALED. TERMS as
+    ``quant_gemv``'s."""
     tile = tl.program_id(0)
     p = tl.program_id(1).to(tl.int64)
     w_expert = w_ptr + tl.load(ids_ptr + p).to(tl.int64) * expert_bytes
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = _gemv_chunks(x_ptr + p * K, w_expert, grid_ptr, tl.arange(0, 1), 1, rows, N, K, row_bytes,   # a 1-row M
                        0, tl.cdiv(K, BLOCK_K), TYPE, 1, BLOCK_N, BLOCK_K, BLOCKWISE, TERMS)
-    tl.store(y_ptr + p * N + rows, tl.sum(acc, axis=0), mask=rows < N)
+    y = tl.sum(acc, axis=0)
+    if SCALED:
+        y = y * tl.load(scale_ptr + p).to(tl.float32)
+    tl.store(y_ptr + p * N + rows, y, mask=rows < N)
 
 
 @triton.jit
-def quant_gemm_experts(x_ptr, w_ptr, grid_ptr, pairs_ptr, tile_expert_ptr, y_ptr,
+def quant_gemm_experts(x_ptr, w_ptr, grid_ptr, pairs_ptr, tile_expert_ptr, scale_ptr, y_ptr,
                        N, K, row_bytes, expert_bytes, n_experts,
                        TYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+                       DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr = False):
     """Program (M tile t, N tile): the grouped GEMM of a mixture's prompt. The (token, expert)
     pairs come sorted by expert, each expert's run padded to whole tiles (``quant_matmul.route``),
     so tile t holds pairs of one expert, tile_expert[t]: y[p] = x[p] @ W[e]^T for the pairs p of
     the tile (pairs[slot], -1 in padding). Tiles past the last expert's (tile_expert = n_experts:
     the grid is sized without asking the host how many there are) return at once.
     x (P, K) contiguous; W (E, N, row_bytes) GGUF blocks, or with TYPE = DENSE (E, N, K) floats
-    read as stored (row_bytes = K and expert_bytes = N K then count elements); y (P, N) float32."""
+    read as stored (row_bytes = K and expert_bytes = N K then count elements); y (P, N) float32,
+    row p times scale[p] where SCALED (``quant_gemv_experts``')."""
     tile = tl.program_id(0)
     e = tl.load(tile_expert_ptr + tile)
     if e >= n_experts:
@@ -647,6 +654,8 @@ def quant_gemm_experts(x_ptr, w_ptr, grid_ptr, pairs_ptr, tile_expert_ptr, y_ptr
         else:
             w = _dequantize_tile(w_expert, grid_ptr, rows, cols, row_bytes, N, K, TYPE)    # (BN, BK)
         acc = tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), acc, input_precision=PRECISION)
+    if SCALED:
+        acc = acc * tl.load(scale_ptr + tl.where(valid, p, 0)).to(tl.float32)[:, None]
     out = y_ptr + tl.where(valid, p, 0).to(tl.int64)[:, None] * N + rows[None, :]
     tl.store(out, acc, mask=valid[:, None] & (rows < N)[None, :])
 

@@ -76,7 +76,9 @@ def _launch(name: str, role: str, head_dim: int) -> tuple[dict, float, float]:
     """(constexprs and warps, overflow limit, rotation scale) of one format and head_dim, once."""
     enc = _declared(name, role, head_dim)
     limit = enc.limit if enc.limit > 0 else FLT_MAX                   # 0 declares no limit: only NaN/inf
-    rot_scale = float(torch.tensor(enc.rot ** -0.5 if enc.rot else 1.0, dtype=torch.float32))   # as torch's y * n ** -0.5
+    # as torch's y * n ** -0.5 rounds it; on the CPU whatever the default device (a CUDA scalar's
+    # float() would sync, and break a CUDA graph's capture were this the first call)
+    rot_scale = float(torch.tensor(enc.rot ** -0.5 if enc.rot else 1.0, dtype=torch.float32, device="cpu"))
     return _launch_config(enc, head_dim, formats.get(name, role=role).row_bytes(head_dim)), limit, rot_scale
 
 

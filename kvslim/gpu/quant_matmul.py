@@ -147,20 +147,31 @@ def _check(x: torch.Tensor, blocks: torch.Tensor, ggml_type) -> None:
                          f"got {x.device} and {blocks.device}")
 
 
-def _check_experts(x: torch.Tensor, blocks: torch.Tensor, ids: torch.Tensor, ggml_type) -> None:
-    """``_check`` for one expert's matrix, blocks (E, N, row_bytes) and one expert id per row of x."""
+def _check_experts(x: torch.Tensor, blocks: torch.Tensor, ids: torch.Tensor, ggml_type,
+                   scales: torch.Tensor | None = None) -> None:
+    """``_check`` for one expert's matrix, blocks (E, N, row_bytes), one expert id per row of x
+    and, if given, one float scale per row."""
     if blocks.dim() != 3 or ids.shape != (x.shape[0],):
         raise ValueError(f"blocks (E, N, row_bytes) and one expert id per row of x expected, got "
                          f"{tuple(blocks.shape)} and ids {tuple(ids.shape)} for x {tuple(x.shape)}")
+    _check_scales(x, scales)
     _check(x, blocks[0], ggml_type)
 
 
+def _check_scales(x: torch.Tensor, scales: torch.Tensor | None) -> None:
+    if scales is not None and (scales.numel() != x.shape[0] or not scales.is_floating_point()
+                               or scales.device != x.device):
+        raise ValueError(f"one float scale per row of x {tuple(x.shape)} on its device expected, "
+                         f"got {tuple(scales.shape)} {scales.dtype} on {scales.device}")
+
+
 def gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type, split_k: int | None = None,
-         blockwise: bool = True, terms: bool = True) -> torch.Tensor:
+         blockwise: bool = True, terms: bool = True, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """x (M, K) float, M <= MAX_GEMV_ROWS; blocks (N, row_bytes) uint8 of ``ggml_type`` ->
-    y (M, N) float32. ``split_k``: splits of K (default ``split_count``). ``blockwise`` False:
-    the BLOCKWISE types through the per-value tile too (their blockwise reads' twin). ``terms``
-    False: at M = 1 too, each chunk's products summed across the tile (the twin of TERMS)."""
+    y (M, N) of ``out_dtype`` (float32 sums, rounded once when stored). ``split_k``: splits of K
+    (default ``split_count``). ``blockwise`` False: the BLOCKWISE types through the per-value
+    tile too (their blockwise reads' twin). ``terms`` False: at M = 1 too, each chunk's products
+    summed across the tile (the twin of TERMS)."""
     _check(x, blocks, ggml_type)
     if x.shape[0] > MAX_GEMV_ROWS:
         raise ValueError(f"the GEMV takes at most {MAX_GEMV_ROWS} rows of x, got {x.shape[0]}: use gemm")
@@ -170,29 +181,46 @@ def gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type, split_k: int | None =
     chunks = -(-k // config["BLOCK_K"])
     per_split = -(-chunks // splits)
     splits = -(-chunks // per_split)                     # no split left without a chunk
-    parts = torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
+    # one split writes y itself, in out_dtype: no float32 copy to convert after (a decode step's
+    # ~300 GEMVs launched as many conversions); splits write float32 partials that torch sums
+    parts = torch.empty(splits, m, n, device=x.device, dtype=out_dtype if splits == 1 else torch.float32)
     grid = (-(-n // config["BLOCK_N"]), splits)
     _kernel().quant_gemv[grid](x.contiguous(), blocks.contiguous(), grid_table(ggml_type, x.device), parts,
                                m, n, k, blocks.shape[1], per_split, TYPE=int(ggml_type), BLOCKWISE=blockwise,
                                **config, **FP_FUSION)
-    return parts[0] if splits == 1 else parts.sum(0)
+    return parts[0] if splits == 1 else parts.sum(0).to(out_dtype)
 
 
-def gemv_experts(x: torch.Tensor, blocks: torch.Tensor, ids: torch.Tensor, ggml_type) -> torch.Tensor:
+def gemv_experts(x: torch.Tensor, blocks: torch.Tensor, ids: torch.Tensor, ggml_type,
+                 scales: torch.Tensor | None = None) -> torch.Tensor:
     """A mixture's routed experts for a few tokens in one launch, without a host sync: row p of
-    x (P, K) times expert ids[p]'s matrix, blocks (E, N, row_bytes) uint8 -> y (P, N) float32.
-    ``ids`` (P,) stays on the device; only the chosen experts' bytes are read."""
-    _check_experts(x, blocks, ids, ggml_type)
+    x (P, K) times expert ids[p]'s matrix, blocks (E, N, row_bytes) uint8 -> y (P, N) float32,
+    times scales[p] if given (the pairs' routing weights: no separate launch to weight them).
+    ``ids`` (P,), int32 or int64 (topk's, read as they are), stays on the device; only the
+    chosen experts' bytes are read."""
+    _check_experts(x, blocks, ids, ggml_type, scales)
     (p, k), n = x.shape, blocks.shape[1]
     config = gemv_config(1, ggml_type)
     y = torch.empty(p, n, device=x.device, dtype=torch.float32)
     grid = (-(-n // config["BLOCK_N"]), p)
     _kernel().quant_gemv_experts[grid](x.contiguous(), blocks.contiguous(), grid_table(ggml_type, x.device),
-                                       ids.to(torch.int32).contiguous(), y,
+                                       _ids(ids), _scales(scales, x), y,
                                        n, k, blocks.shape[2], blocks.shape[1] * blocks.shape[2],
                                        TYPE=int(ggml_type), BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
-                                       TERMS=config["TERMS"], num_warps=config["num_warps"], **FP_FUSION)
+                                       TERMS=config["TERMS"], SCALED=scales is not None,
+                                       num_warps=config["num_warps"], **FP_FUSION)
     return y
+
+
+def _ids(ids: torch.Tensor) -> torch.Tensor:
+    """Expert ids as the kernels read them: int32 or int64 as given (a conversion would be one
+    more launch a matrix in every decode step), anything else as int64."""
+    return (ids if ids.dtype in (torch.int32, torch.int64) else ids.long()).contiguous()
+
+
+def _scales(scales: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """The pairs' weights as the kernels read them; a stand-in pointer (never read) without."""
+    return x if scales is None else scales.reshape(-1).contiguous()
 
 
 class Route(NamedTuple):
@@ -239,26 +267,28 @@ def route(ids: torch.Tensor, n_experts: int) -> Route:
 
 
 def gemm_experts(x: torch.Tensor, weight: torch.Tensor, route_: Route, ggml_type=None,
-                 dot: str | None = None) -> torch.Tensor:
+                 dot: str | None = None, scales: torch.Tensor | None = None) -> torch.Tensor:
     """A mixture's prompt in one launch: row p of x (P, K) times expert ids[p]'s matrix, through
-    ``route_``'s tiles -> y (P, N) float32. ``weight``: (E, N, row_bytes) uint8 blocks of
-    ``ggml_type``, or with ``ggml_type`` None dense experts (E, N, K) in x's own float type, read
-    as stored. ``dot`` as ``gemm``'s."""
+    ``route_``'s tiles -> y (P, N) float32, times scales[p] if given. ``weight``: (E, N, row_bytes)
+    uint8 blocks of ``ggml_type``, or with ``ggml_type`` None dense experts (E, N, K) in x's own
+    float type, read as stored. ``dot`` as ``gemm``'s."""
     if ggml_type is None:
         _check_dense_experts(x, weight, route_.ids)
+        _check_scales(x, scales)
         (n, k), type_code = weight.shape[1:], _kernel().DENSE.value
         row_stride = k                                          # elements, for the dense tiles
     else:
-        _check_experts(x, weight, route_.ids, ggml_type)
+        _check_experts(x, weight, route_.ids, ggml_type, scales)
         n, row_stride, type_code = weight.shape[1], weight.shape[2], int(ggml_type)
     config = gemm_config(route_.block_m)
     y = torch.empty(x.shape[0], n, device=x.device, dtype=torch.float32)
     dtype, precision = _dot_operands(dot, x.dtype)
     grid = (route_.tile_expert.numel(), -(-n // config["BLOCK_N"]))
     _kernel().quant_gemm_experts[grid](x.contiguous(), weight.contiguous(), grid_table(ggml_type, x.device),
-                                       route_.pairs, route_.tile_expert, y,
+                                       route_.pairs, route_.tile_expert, _scales(scales, x), y,
                                        n, x.shape[1], row_stride, n * row_stride, route_.n_experts, TYPE=type_code,
-                                       DOT_DTYPE=dtype, PRECISION=precision, **config, **FP_FUSION)
+                                       DOT_DTYPE=dtype, PRECISION=precision, SCALED=scales is not None,
+                                       **config, **FP_FUSION)
     return y
 
 
@@ -282,23 +312,26 @@ def _dot_operands(dot: str | None, dtype: torch.dtype) -> tuple:
     return kernel.DOTS[dot]
 
 
-def experts_matmul(x: torch.Tensor, blocks: torch.Tensor, route_: Route, ggml_type) -> torch.Tensor:
-    """x (P, K) times each pair's expert matrix -> (P, N) float32: the GEMV for a few pairs,
-    the grouped GEMM (tl.dot in x's own type) for a prompt's, as ``route_`` decided."""
+def experts_matmul(x: torch.Tensor, blocks: torch.Tensor, route_: Route, ggml_type,
+                   scales: torch.Tensor | None = None) -> torch.Tensor:
+    """x (P, K) times each pair's expert matrix -> (P, N) float32, times scales[p] if given: the
+    GEMV for a few pairs, the grouped GEMM (tl.dot in x's own type) for a prompt's, as ``route_``
+    decided."""
     if route_.tile_expert is None:
-        return gemv_experts(x, blocks, route_.ids, ggml_type)
-    return gemm_experts(x, blocks, route_, ggml_type)
+        return gemv_experts(x, blocks, route_.ids, ggml_type, scales)
+    return gemm_experts(x, blocks, route_, ggml_type, scales=scales)
 
 
-def gemm(x: torch.Tensor, blocks: torch.Tensor, ggml_type, dot: str | None = None) -> torch.Tensor:
-    """x (M, K) float; blocks (N, row_bytes) uint8 of ``ggml_type`` -> y (M, N) float32.
-    ``dot``: tl.dot's operands, "fp16", "bf16", "tf32" or "ieee" (exact float32); default
-    ``default_dot(x.dtype)``."""
+def gemm(x: torch.Tensor, blocks: torch.Tensor, ggml_type, dot: str | None = None,
+         out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x (M, K) float; blocks (N, row_bytes) uint8 of ``ggml_type`` -> y (M, N) of ``out_dtype``
+    (float32 sums, rounded once when stored). ``dot``: tl.dot's operands, "fp16", "bf16", "tf32"
+    or "ieee" (exact float32); default ``default_dot(x.dtype)``."""
     _check(x, blocks, ggml_type)
     dtype, precision = _dot_operands(dot, x.dtype)
     (m, k), n = x.shape, blocks.shape[0]
     config = gemm_config(m)
-    y = torch.empty(m, n, device=x.device, dtype=torch.float32)
+    y = torch.empty(m, n, device=x.device, dtype=out_dtype)
     grid = (-(-m // config["BLOCK_M"]), -(-n // config["BLOCK_N"]))
     _kernel().quant_gemm[grid](x.contiguous(), blocks.contiguous(), grid_table(ggml_type, x.device), y,
                                m, n, k, blocks.shape[1], TYPE=int(ggml_type), DOT_DTYPE=dtype, PRECISION=precision,
@@ -325,10 +358,13 @@ def _float32_precision() -> str:
     return "tf32" if own == "tf32" else "ieee"
 
 
-def matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type, dot: str | None = None) -> torch.Tensor:
-    """x (M, K) float; blocks (N, row_bytes) -> y (M, N) float32: the GEMV up to MAX_GEMV_ROWS rows
-    (decode), else the GEMM with ``dot`` operands (``gemm``'s). ``kvslim.weights.quant_linear``
-    calls it for weights on the kernels' device, around its own reshapes, column order and bias."""
+def matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type, dot: str | None = None,
+           out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x (M, K) float; blocks (N, row_bytes) -> y (M, N) of ``out_dtype``: the GEMV up to
+    MAX_GEMV_ROWS rows (decode), else the GEMM with ``dot`` operands (``gemm``'s).
+    ``kvslim.weights.quant_linear`` calls it for weights on the kernels' device, around its own
+    reshapes, column order and bias, with out_dtype x's (rounded from float32 sums as torch's
+    .to() would: round to nearest even)."""
     if x.shape[0] <= MAX_GEMV_ROWS:
-        return gemv(x, blocks, ggml_type)
-    return gemm(x, blocks, ggml_type, dot)
+        return gemv(x, blocks, ggml_type, out_dtype=out_dtype)
+    return gemm(x, blocks, ggml_type, dot, out_dtype)

@@ -13,7 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import gpu
+from ..gpu import delta_rule as gpu_delta_rule
 from ..gpu import quant_matmul as gpu_weights
+from ..gpu import router as gpu_router
 from .batch import Batch
 
 
@@ -57,6 +59,8 @@ class RMSNormGated(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        if gpu_delta_rule.norms(x.device):                          # fla-core's fused kernel
+            return gpu_delta_rule.gated_norm(x, z, self.weight, self.eps)
         if x.is_cuda:
             y = fused_rms_norm(x, self.weight, self.eps)
         else:
@@ -184,7 +188,10 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.zeros(n_experts, hidden))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        probs = torch.softmax(F.linear(x, self.weight), dim=-1, dtype=torch.float)
+        logits = F.linear(x, self.weight)
+        if gpu.TRITON and gpu_router.runs_on(logits):                # one launch for what follows
+            return gpu_router.topk_softmax(logits, self.top_k, self.renormalize, x.dtype)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(-1, keepdim=True)
@@ -229,23 +236,26 @@ class Experts(nn.Module):
 
     def grouped(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Every (token, chosen expert) pair at once through ``pair_products``, which reads the
-        chosen ids on the device. Sums in float32."""
+        chosen ids on the device. Sums in float32; each pair's routing weight is applied where
+        its down projection is computed (in the kernels: no launch of its own)."""
         n, top_k = experts.shape
         route = gpu_weights.route(experts.reshape(-1), self.gate_up_proj.shape[0])   # once for both matrices
         rows = x.repeat_interleave(top_k, dim=0)                                 # (P, H): one per pair
         gate, up = self.pair_products("gate_up", rows, route).chunk(2, dim=-1)
-        y = self.pair_products("down", (F.silu(gate) * up).to(x.dtype), route)
-        return (y.view(n, top_k, -1) * weights.float()[..., None]).sum(1).to(x.dtype)
+        y = self.pair_products("down", (F.silu(gate) * up).to(x.dtype), route, weights.reshape(-1))
+        return y.view(n, top_k, -1).sum(1).to(x.dtype)
 
-    def pair_products(self, matrix: str, rows: torch.Tensor, route: gpu_weights.Route) -> torch.Tensor:
+    def pair_products(self, matrix: str, rows: torch.Tensor, route: gpu_weights.Route,
+                      scales: torch.Tensor | None = None) -> torch.Tensor:
         """rows (P, in) times each pair's expert's ``matrix`` ("gate_up" or "down") -> (P, out)
-        float32: for a few pairs the chosen experts' matrices gathered by id (top_k per token: a
-        decode step's few megabytes), then batched matrix-vector products; for a prompt's, the
-        grouped GEMM over ``route``'s tiles."""
+        float32, row p times scales[p] if given: for a few pairs the chosen experts' matrices
+        gathered by id (top_k per token: a decode step's few megabytes), then batched
+        matrix-vector products; for a prompt's, the grouped GEMM over ``route``'s tiles."""
         weight = getattr(self, f"{matrix}_proj")
         if route.tile_expert is None:
-            return torch.bmm(weight.index_select(0, route.ids), rows.to(weight.dtype)[:, :, None])[..., 0].float()
-        return gpu_weights.gemm_experts(rows.to(weight.dtype), weight, route)
+            y = torch.bmm(weight.index_select(0, route.ids), rows.to(weight.dtype)[:, :, None])[..., 0].float()
+            return y if scales is None else y * scales.float()[:, None]
+        return gpu_weights.gemm_experts(rows.to(weight.dtype), weight, route, scales=scales)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``e``'s SwiGLU on the tokens routed to it: (n, H) -> (n, H)."""

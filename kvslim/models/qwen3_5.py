@@ -56,14 +56,15 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, batch: Batch, cache) -> torch.Tensor:
         n = x.shape[0]
         qkv, z, b, a = self.project(x)
-        out = torch.empty(n, self.n_v, self.dv, dtype=torch.float32, device=x.device)
+        # in x's dtype: the float32 outputs of the rule are rounded once as they are written
+        out = torch.empty(n, self.n_v, self.dv, dtype=x.dtype, device=x.device)
         if batch.is_decode:
             self._decode(qkv, a, b, batch, cache, out)
         else:
             g, beta = gates(a, b, self.A_log, self.dt_bias)
             for seg in batch.segments:
                 self._prefill(qkv, g, beta, seg, cache, out)
-        return self.out_proj(self.norm(out.to(x.dtype), z).reshape(n, -1))
+        return self.out_proj(self.norm(out, z).reshape(n, -1))
 
     def _heads(self, mixed: torch.Tensor):
         """Convolved (T, conv_dim) -> q, k (T, Hk, dk) and v (T, Hv, dv), as convolved."""

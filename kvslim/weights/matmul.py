@@ -81,7 +81,7 @@ def _in_kernel(flat: torch.Tensor, w: QuantTensor) -> torch.Tensor | None:
     if w.data.dim() != 2:
         return None
     if gpu.TRITON and gpu_weights.supports(w.wtype.ggml_type) and gpu_weights.runs_on(flat):
-        return gpu_weights.matmul(flat, w.data, w.wtype.ggml_type).to(flat.dtype)
+        return gpu_weights.matmul(flat, w.data, w.wtype.ggml_type, out_dtype=flat.dtype)
     if native.supports(w.wtype.name, flat):                         # decode: a few rows
         return torch.ops.kvslim.block_linear(flat, w.data, w.wtype.name)
     return None

@@ -100,11 +100,12 @@ class QuantExperts(Experts):
         return (gpu.TRITON and all(k is not None for k in kinds)
                 and all(gpu_weights.supports(k[0].ggml_type) for k in kinds) and gpu_weights.runs_on(x))
 
-    def pair_products(self, matrix: str, rows: torch.Tensor, route: gpu_weights.Route) -> torch.Tensor:
+    def pair_products(self, matrix: str, rows: torch.Tensor, route: gpu_weights.Route,
+                      scales: torch.Tensor | None = None) -> torch.Tensor:
         """One launch (``quant_matmul.experts_matmul``): only the chosen experts' blocks read,
-        which they are found on the device."""
+        which they are found on the device; the scales applied in the kernel."""
         kind = getattr(self, f"{matrix}_type")
-        return gpu_weights.experts_matmul(rows, getattr(self, f"{matrix}_proj"), route, kind[0].ggml_type)
+        return gpu_weights.experts_matmul(rows, getattr(self, f"{matrix}_proj"), route, kind[0].ggml_type, scales)
 
 
 def _unique(tensors):

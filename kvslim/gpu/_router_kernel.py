@@ -1,0 +1,43 @@
+"""The Triton kernel of ``router`` (imported only when one runs: importing kvslim needs no triton).
+
+``topk_softmax``: one program per token reads its E router logits, picks the top K by logit
+(softmax is monotonic, so the top K probabilities are the top K logits; ties go to the lower
+expert id) and writes their routing weights: the softmax probabilities, or with RENORMALIZE
+those divided by their sum, which is the softmax over the K chosen logits alone (the full
+denominator cancels). float32 inside, the weights rounded once to their tensor's type.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+from ._codecs import stored_as
+
+
+@triton.jit
+def topk_softmax(logits_ptr, weights_ptr, ids_ptr, E, K: tl.constexpr, BLOCK_E: tl.constexpr,
+                 BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """Program t: logits (T, E) any float type -> weights (T, K) of their tensor's type and
+    ids (T, K) int64, in descending order of logit, as torch.topk of the softmax gives them."""
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    x = tl.load(logits_ptr + t * E + e, mask=e < E, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, axis=0))                       # unnormalised; 0 past E
+    slot = tl.arange(0, BLOCK_K)
+    weight = tl.zeros([BLOCK_K], tl.float32)
+    ids = tl.zeros([BLOCK_K], tl.int64)
+    left = x
+    for i in tl.static_range(K):
+        best = tl.argmax(left, axis=0, tie_break_left=True)
+        weight = tl.where(slot == i, tl.sum(tl.where(e == best, p, 0.0), axis=0), weight)
+        ids = tl.where(slot == i, best.to(tl.int64), ids)
+        left = tl.where(e == best, float("-inf"), left)
+    weight = weight / (tl.sum(weight, axis=0) if RENORMALIZE else tl.sum(p, axis=0))
+    at = t * K + slot
+    tl.store(weights_ptr + at, stored_as(weight, weights_ptr), mask=slot < K)
+    tl.store(ids_ptr + at, ids, mask=slot < K)
+
+
+INTERPRETED = not isinstance(topk_softmax, JITFunction)
+RUNNABLE = INTERPRETED == (not isinstance(tl.zeros, JITFunction))     # else tl.zeros & co. refuse to run
