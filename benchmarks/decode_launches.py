@@ -109,7 +109,8 @@ def count(config, n_slots: int, where: str | None = None, weights: str | None = 
     launches = Launches(where)
     if weights:
         count_kernels(launches)
-    with FakeTensorMode(allow_non_fake_inputs=True), torch.device("cuda"), torch.inference_mode():
+    with FakeTensorMode(allow_non_fake_inputs=True), torch.device("cuda"):
+        # built outside inference mode, as a loaded model is (its weights keep version counters)
         if weights:
             model = random_model(config, weights, "cuda", values=False)
         else:
@@ -124,7 +125,7 @@ def count(config, n_slots: int, where: str | None = None, weights: str | None = 
             cache.prepare_decode(slots, [step] * n_slots)
             inputs = [torch.full((n_slots,), v, dtype=torch.long) for v in (5, step)] + [torch.arange(n_slots)]
             launches.ops.clear(), launches.sites.clear()
-            with launches:
+            with launches, torch.inference_mode():               # the step, as an engine runs it
                 model.run(DecodeBatch(*inputs, 2), cache)
             cache.commit_decode(slots)
     return launches

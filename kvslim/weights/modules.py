@@ -14,7 +14,7 @@ from torch import nn
 
 from .. import gpu
 from ..gpu import quant_matmul as gpu_weights
-from ..models.layers import Experts
+from ..models.layers import Experts, concatenated
 from .matmul import embedding_rows, linear, quant_linear
 from .tensor import QuantTensor
 
@@ -50,6 +50,21 @@ class QuantLinear(_QuantWeight):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return quant_linear(x, self.quant, self.bias)
+
+    def fusion_key(self):
+        """``models.layers.Fused``: quantized linears of one block type, width and device, all with
+        or all without bias, and in the file's column order, are one matmul."""
+        if self.input_index is not None:
+            return None
+        return "quantized", self.wtype.name, self.cols, self.weight.device, self.bias is None
+
+    @staticmethod
+    def fuse_rows(linears: list[QuantLinear]):
+        """x -> each linear's output from one quant_linear over their blocks concatenated (blocks
+        are whole rows, so the concatenation is a valid matrix of the type)."""
+        data, bias = concatenated(linears)
+        matrix, sizes = QuantTensor(data, linears[0].wtype, linears[0].cols), [m.out_features for m in linears]
+        return lambda x: torch.split(quant_linear(x, matrix, bias), sizes, dim=-1)
 
 
 class QuantEmbedding(_QuantWeight):
