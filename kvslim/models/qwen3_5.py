@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import gpu
+from ..gpu import conv_step as gpu_conv
 from .base import CausalLM
 from .batch import Batch
 from .config import HybridConfig
@@ -87,7 +89,11 @@ class GatedDeltaNet(nn.Module):
         (``gated_delta_decode``: one fla-core launch on a GPU). Consecutive slots are updated in
         place through a view; others are gathered and scattered back."""
         idx = batch.slot_index()
-        mixed, cache.conv[idx] = causal_conv_step(qkv, cache.conv[idx], self.conv1d.weight[:, 0])
+        if gpu.TRITON and gpu_conv.runs_on(qkv):              # one launch, the slots' states in place
+            mixed = gpu_conv.conv_step(qkv, cache.conv, idx if torch.is_tensor(idx) else batch.slot_ids,
+                                       self.conv1d.weight[:, 0])
+        else:
+            mixed, cache.conv[idx] = causal_conv_step(qkv, cache.conv[idx], self.conv1d.weight[:, 0])
         state = cache.recurrent[idx]                                # a view when idx is a slice
         _, decode = rule_for(mixed.device)
         out[:] = decode(*self._heads(mixed), a, b, self.A_log, self.dt_bias, state)
