@@ -15,7 +15,7 @@ from torch import nn
 from .. import gpu
 from ..gpu import delta_rule as gpu_delta_rule
 from ..gpu import quant_matmul as gpu_weights
-from ..gpu import router as gpu_router
+from ..gpu import moe as gpu_moe
 from ..gpu import swiglu as gpu_swiglu
 from .batch import Batch
 
@@ -255,14 +255,17 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.zeros(n_experts, hidden))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.weight)
-        if gpu.TRITON and gpu_router.runs_on(logits):                # one launch for what follows
-            return gpu_router.topk_softmax(logits, self.top_k, self.renormalize, x.dtype)
+        return self.route(F.linear(x, self.weight), x.dtype)
+
+    def route(self, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router logits (N, E) -> the weights (N, top_k) of ``dtype`` and the experts' ids."""
+        if gpu.TRITON and gpu_moe.routes(logits):                    # one launch for what follows
+            return gpu_moe.topk_softmax(logits, self.top_k, self.renormalize, dtype)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(-1, keepdim=True)
-        return weights.to(x.dtype), experts
+        return weights.to(dtype), experts
 
 
 class Experts(nn.Module):
@@ -302,15 +305,20 @@ class Experts(nn.Module):
         return out
 
     def grouped(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """Every (token, chosen expert) pair at once through ``pair_products``, which reads the
-        chosen ids on the device. Sums in float32; each pair's routing weight is applied where
-        its down projection is computed (in the kernels: no launch of its own)."""
+        """Every (token, chosen expert) pair at once (``weighted_pairs``), summed in float32."""
         n, top_k = experts.shape
+        return self.weighted_pairs(x, weights, experts).view(n, top_k, -1).sum(1).to(x.dtype)
+
+    def weighted_pairs(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Each (token, chosen expert) pair's output times its routing weight, (N top_k, H)
+        float32, token-major, through ``pair_products``, which reads the chosen ids on the
+        device; the weights are applied where the down projection is computed (in the kernels:
+        no launch of their own)."""
+        top_k = experts.shape[1]
         route = gpu_weights.route(experts.reshape(-1), self.gate_up_proj.shape[0])   # once for both matrices
         rows = x.repeat_interleave(top_k, dim=0)                                 # (P, H): one per pair
         gate, up = self.pair_products("gate_up", rows, route).chunk(2, dim=-1)
-        y = self.pair_products("down", swiglu(gate, up, x.dtype), route, weights.reshape(-1))
-        return y.view(n, top_k, -1).sum(1).to(x.dtype)
+        return self.pair_products("down", swiglu(gate, up, x.dtype), route, weights.reshape(-1))
 
     def pair_products(self, matrix: str, rows: torch.Tensor, route: gpu_weights.Route,
                       scales: torch.Tensor | None = None) -> torch.Tensor:
@@ -344,11 +352,29 @@ class SparseMoE(nn.Module):
         self.experts = Experts(n_experts, hidden, intermediate)
         self.shared_expert = MLP(hidden, shared_intermediate)
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+        self.fused = None
+
+    def fuse_projections(self) -> None:
+        """The shared expert's gate and the router as one matrix (both dense, of one dtype): one
+        matmul for the two small products each token starts with."""
+        router = self.gate.weight
+        self.fused = None
+        if fusion_key(self.shared_expert_gate) == ("dense", router.dtype, router.device, True):
+            weight, _ = concatenated([self.shared_expert_gate, self.gate])
+            self.fused = lambda x: F.linear(x, weight).split([1, weight.shape[0] - 1], dim=-1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, experts = self.gate(x)
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return self.experts(x, weights, experts) + shared
+        if self.fused:
+            gate, logits = self.fused(x)
+            weights, experts = self.gate.route(logits, x.dtype)
+        else:                                                       # each module called (and hooked) as it is
+            gate, (weights, experts) = self.shared_expert_gate(x), self.gate(x)
+        shared = self.shared_expert(x)
+        if gpu.TRITON and x.dim() == 2 and gpu_moe.runs_on(x) and self.experts.groups(x, experts):
+            # the pairs' sum, its cast, the shared expert's gate and the add: one launch
+            return gpu_moe.combine(self.experts.weighted_pairs(x, weights, experts), experts.shape[1], shared, gate,
+                                   x.dtype)
+        return self.experts(x, weights, experts) + torch.sigmoid(gate) * shared
 
 
 # ----- attention over the KV cache ----------------------------------------------

@@ -1,9 +1,12 @@
-"""The Triton router (kvslim/gpu/router.py) against the torch form of ``Router``, on the CPU.
+"""The Triton mixture kernels (kvslim/gpu/moe.py) against the torch forms of ``Router`` and
+``SparseMoE``, on the CPU.
 
-The kernel runs under Triton's interpreter in one child process (tests/triton_harness.py), on
-logits that a test here rebuilds: bf16 logits over 256 experts as a Qwen3.6-35B-A3B layer has
-them (top 8, renormalised), float32 ones without renormalising, an expert count that is not a
-power of two, and tied logits. The module's own forward is run there too, with the kernels on.
+The kernels run under Triton's interpreter in one child process (tests/triton_harness.py), on
+inputs that a test here rebuilds. The router: bf16 logits over 256 experts as a Qwen3.6-35B-A3B
+layer has them (top 8, renormalised), float32 ones without renormalising, an expert count that
+is not a power of two, and tied logits; the module's own forward with the kernels on. The sum:
+top 8 and top 2, bf16 and float32, a width that is not a whole number of blocks, and a whole
+mixture layer (router, shared expert and its gate fused, experts) with the kernels on.
 """
 from __future__ import annotations
 
@@ -12,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvslim.gpu import router as gpu
-from kvslim.models.layers import Router
+from kvslim.gpu import moe as gpu
+from kvslim.models.layers import Router, SparseMoE
 
 from .triton_harness import compile_for_sm90, compiled_process, run_interpreted
 
@@ -44,16 +47,21 @@ def _router(seed: int = 7) -> tuple[Router, torch.Tensor]:
 
 
 def routed_in_child(cases, path: Path) -> None:
-    """In the interpreted child (kernels on): each case's kernel output and the module's forward."""
+    """In the interpreted child (kernels on): each case's kernel output and the modules' forwards."""
     out = {"cases": [gpu.topk_softmax(_logits(c, i), c[2], c[3], getattr(torch, c[4])) for i, c in enumerate(cases)]}
     module, x = _router()
     out["module"] = gpu.runs_on(x), module(x)
+    out["combine"] = [gpu.combine(*_combine_inputs(c, i)) for i, c in enumerate(COMBINE_CASES)]
+    combined, inner = [], gpu.combine
+    gpu.combine = lambda *args: combined.append(1) or inner(*args)
+    layer, x = _mixture()
+    out["layer"] = layer.fused is not None, len(combined), layer(x), len(combined)
     torch.save(out, path)
 
 
 @pytest.fixture(scope="module")
 def routed(tmp_path_factory):
-    return run_interpreted("tests.test_gpu_router", "routed_in_child", CASES, tmp_path_factory.mktemp("router"))
+    return run_interpreted("tests.test_gpu_moe", "routed_in_child", CASES, tmp_path_factory.mktemp("router"))
 
 
 def _torch_weights(logits: torch.Tensor, ids: torch.Tensor, renormalize: bool, dtype) -> torch.Tensor:
@@ -121,7 +129,80 @@ def test_bad_routing_shapes_are_named():
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_topk_softmax_compiles_for_an_h100_without_one(dtype):
     """The launch a 35B-A3B decode step makes (256 experts, top 8), lowered for sm_90."""
-    from kvslim.gpu import _router_kernel as kernel
+    from kvslim.gpu import _moe_kernel as kernel
     pointers = {"logits_ptr": f"*{dtype}", "weights_ptr": f"*{dtype}", "ids_ptr": "*i64"}
     constexprs = dict(K=8, BLOCK_E=256, BLOCK_K=8, RENORMALIZE=True)
     assert compile_for_sm90(kernel.topk_softmax, pointers, constexprs, 4).asm["cubin"]
+
+
+# (tokens, top k, features, dtype of the output and of the shared expert's)
+COMBINE_CASES = [(3, 8, 64, "bfloat16"), (5, 2, 1500, "float32")]
+
+
+def _combine_inputs(case, seed: int):
+    """Weighted pair outputs (T k, H) float32, the shared expert's output and its gate's logit (a
+    column of a wider matrix, as the fused gate and router matmul gives it), the output dtype."""
+    n, top_k, hidden, dtype = case
+    gen = torch.Generator().manual_seed(seed)
+    pairs = torch.randn(n * top_k, hidden, generator=gen)
+    shared = torch.randn(n, hidden, generator=gen).to(getattr(torch, dtype))
+    gate = (torch.randn(n, 5, generator=gen) * 2).to(getattr(torch, dtype))[:, :1]
+    return pairs, top_k, shared, gate, getattr(torch, dtype)
+
+
+@pytest.mark.parametrize("case", COMBINE_CASES, ids=lambda c: f"k{c[1]}-h{c[2]}-{c[3]}")
+def test_combine_sums_the_pairs_and_the_gated_shared_expert(routed, case):
+    """Against float64: within one rounding of the output's type (plus float32 sums' ulps)."""
+    got = routed["combine"][COMBINE_CASES.index(case)]
+    pairs, top_k, shared, gate, dtype = _combine_inputs(case, COMBINE_CASES.index(case))
+    n, hidden = shared.shape
+    want = pairs.double().view(n, top_k, hidden).sum(1) + torch.sigmoid(gate.double()) * shared.double()
+    scale = pairs.double().abs().view(n, top_k, hidden).sum(1) + shared.double().abs()
+    assert got.dtype == dtype and got.shape == (n, hidden)
+    ulp = torch.finfo(dtype).eps if dtype != torch.float32 else 0.0
+    assert ((got.double() - want).abs() <= ulp * want.abs() + 1e-6 * scale).all(), (got.double() - want).abs().max()
+
+
+def _mixture(seed: int = 5) -> tuple[SparseMoE, torch.Tensor]:
+    """A float32 mixture layer (hidden 64, 8 experts of 32, top 2, shared expert of 48) with
+    quantized experts (q8_0 gate_up, q4_0 down: the kernels' grouped path), fused as a load
+    leaves it, and 3 tokens."""
+    from kvslim import weights as W
+    from kvslim.weights.modules import QuantExperts
+    gen = torch.Generator().manual_seed(seed)
+    layer = SparseMoE(64, 8, 2, 32, 48)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    layer.experts = QuantExperts(W.QuantTensor.quantize(layer.experts.gate_up_proj, W.get("q8_0")),
+                                 W.QuantTensor.quantize(layer.experts.down_proj, W.get("q4_0")))
+    layer.fuse_projections()
+    return layer, torch.randn(3, 64, generator=gen)
+
+
+def test_a_mixture_layer_takes_the_kernels_and_matches_the_torch_forms(routed):
+    """The whole layer with the kernels on (the fused gate and router matmul, topk_softmax, the
+    experts' kernels, combine) against the same layer's torch forms here, unfused too."""
+    fused, before, got, after = routed["layer"]
+    assert fused and after == before + 1                          # combine ran once
+    layer, x = _mixture()
+    with torch.no_grad(), pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVSLIM_Q8_ACTIVATIONS", "0")            # the kernels multiply float activations
+        want = layer(x)
+        layer.fused = None
+        unfused = layer(x)
+    torch.testing.assert_close(want, unfused, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_bad_combine_shapes_are_named():
+    with pytest.raises(ValueError, match=r"pairs \(T top_k, H\) float32"):
+        gpu.combine(torch.zeros(5, 8), 2, torch.zeros(3, 8), torch.zeros(3, 1), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_combine_compiles_for_an_h100_without_one(dtype):
+    """A 35B-A3B layer's sum (top 8), lowered for sm_90."""
+    from kvslim.gpu import _moe_kernel as kernel
+    pointers = {"pairs_ptr": "*fp32", "shared_ptr": f"*{dtype}", "gate_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"}
+    assert compile_for_sm90(kernel.combine, pointers, {"K": 8, "BLOCK": gpu.BLOCK}, 4).asm["cubin"]

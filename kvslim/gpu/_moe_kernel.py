@@ -1,10 +1,12 @@
-"""The Triton kernel of ``router`` (imported only when one runs: importing kvslim needs no triton).
+"""The Triton kernels of ``moe`` (imported only when one runs: importing kvslim needs no triton).
 
 ``topk_softmax``: one program per token reads its E router logits, picks the top K by logit
 (softmax is monotonic, so the top K probabilities are the top K logits; ties go to the lower
 expert id) and writes their routing weights: the softmax probabilities, or with RENORMALIZE
 those divided by their sum, which is the softmax over the K chosen logits alone (the full
 denominator cancels). float32 inside, the weights rounded once to their tensor's type.
+``combine``: a token's output, its pairs' weighted expert outputs summed plus the shared
+expert's output times sigmoid of its gate, rounded once.
 """
 from __future__ import annotations
 
@@ -37,6 +39,22 @@ def topk_softmax(logits_ptr, weights_ptr, ids_ptr, E, K: tl.constexpr, BLOCK_E: 
     at = t * K + slot
     tl.store(weights_ptr + at, stored_as(weight, weights_ptr), mask=slot < K)
     tl.store(ids_ptr + at, ids, mask=slot < K)
+
+
+@triton.jit
+def combine(pairs_ptr, shared_ptr, gate_ptr, out_ptr, H, gate_stride, K: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (token t, block of BLOCK features): out[t] = sum_k pairs[t K + k] + sigmoid(gate[t])
+    * shared[t] in float32, rounded once to out's type. pairs (T K, H) float32, the routing
+    weights applied; shared (T, H) and gate (T, 1, rows gate_stride apart) any float type."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = h < H
+    acc = tl.zeros([BLOCK], tl.float32)
+    for k in tl.static_range(K):
+        acc += tl.load(pairs_ptr + (t * K + k) * H + h, mask=ok, other=0.0)
+    g = tl.load(gate_ptr + t * gate_stride).to(tl.float32)
+    shared = tl.load(shared_ptr + t * H + h, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * H + h, stored_as(acc + shared / (1.0 + tl.exp(-g)), out_ptr), mask=ok)
 
 
 INTERPRETED = not isinstance(topk_softmax, JITFunction)
