@@ -16,6 +16,7 @@ from .. import gpu
 from ..gpu import delta_rule as gpu_delta_rule
 from ..gpu import quant_matmul as gpu_weights
 from ..gpu import moe as gpu_moe
+from ..gpu import rope as gpu_rope
 from ..gpu import swiglu as gpu_swiglu
 from .batch import Batch
 
@@ -413,9 +414,12 @@ class Attention(nn.Module):
             q, gate = q[..., :self.head_dim], q[..., self.head_dim:]
         k = k.view(n, self.n_kv_heads, self.head_dim)
         v = v.view(n, self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if gpu.TRITON and gpu_rope.runs_on(q):                # norm and rotation: one launch each
+            q, k = gpu_rope.norm_rope(q, self.q_norm, *rope), gpu_rope.norm_rope(k, self.k_norm, *rope)
+        else:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         # One call for the whole batch: the cache's backend quantizes K/V into the pool and
         # attends on the packed codes for every sequence at once.
         out = cache.forward(batch, q, k, v).to(x.dtype).reshape(n, -1)
