@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from kvslim.gpu import conv_step as gpu
+from kvslim.gpu import available
 from kvslim.models.delta_rule import causal_conv_step
 
 from .triton_harness import compile_for_sm90, compiled_process, run_interpreted
 
-pytestmark = pytest.mark.skipif(not gpu.available(), reason="triton is not installed: no GPU kernel to check")
+pytestmark = pytest.mark.skipif(not available(), reason="triton is not installed: no GPU kernel to check")
 
 # (sequences, channels, kernel width, slots in the cache, input dtype)
 CASES = [(3, 200, 4, 6, "bfloat16"), (2, 64, 4, 2, "float32"), (4, 300, 2, 5, "float32")]

@@ -16,11 +16,12 @@ import pytest
 import torch
 
 from kvslim.gpu import moe as gpu
+from kvslim.gpu import available
 from kvslim.models.layers import Router, SparseMoE
 
 from .triton_harness import compile_for_sm90, compiled_process, run_interpreted
 
-pytestmark = pytest.mark.skipif(not gpu.available(), reason="triton is not installed: no GPU kernel to check")
+pytestmark = pytest.mark.skipif(not available(), reason="triton is not installed: no GPU kernel to check")
 
 # (tokens, experts, top k, renormalise, dtype)
 CASES = [(3, 256, 8, True, "bfloat16"), (5, 64, 4, False, "float32"), (2, 10, 3, True, "float32"),

@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from kvslim.gpu import rope as gpu
+from kvslim.gpu import available
 from kvslim.models.layers import RMSNorm, Rope, apply_rope
 
 from .triton_harness import compile_for_sm90, compiled_process, run_interpreted
 
-pytestmark = pytest.mark.skipif(not gpu.available(), reason="triton is not installed: no GPU kernel to check")
+pytestmark = pytest.mark.skipif(not available(), reason="triton is not installed: no GPU kernel to check")
 
 # (tokens, heads, head_dim, rotated fraction, norm: None / "plain" / "zero_centered", gated q?, dtype)
 CASES = [(3, 4, 256, 0.25, "zero_centered", True, "bfloat16"), (2, 2, 64, 1.0, "plain", False, "float32"),

@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from kvslim.gpu import swiglu as gpu
+from kvslim.gpu import available
 from kvslim.models.layers import swiglu
 
 from .triton_harness import compile_for_sm90, compiled_process, run_interpreted
 
-pytestmark = pytest.mark.skipif(not gpu.available(), reason="triton is not installed: no GPU kernel to check")
+pytestmark = pytest.mark.skipif(not available(), reason="triton is not installed: no GPU kernel to check")
 
 # (rows, width, input dtype, output dtype)
 CASES = [(3, 64, "bfloat16", "bfloat16"), (6, 40, "float32", "bfloat16"), (2, 1500, "float32", "float32")]

@@ -10,6 +10,7 @@ until a kernel runs, so kvslim imports without it; each kernel module says wheth
 serve a call (``supports`` or ``runs_on``) and has a torch reference it is tested against
 (tests/test_triton_*.py and tests/test_gpu_*.py, under Triton's CPU interpreter; docs/gpu.md).
 """
+import importlib
 import os
 from functools import lru_cache
 
@@ -36,6 +37,18 @@ def available() -> bool:
     except ImportError:
         return False
     return True
+
+
+@lru_cache(maxsize=None)
+def kernels(name: str):
+    """The kernel module ``kvslim.gpu.<name>``, imported when a kernel first runs (it imports triton)."""
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+def serves(name: str, device: torch.device) -> bool:
+    """Whether the kernels of ``kvslim.gpu.<name>`` run on ``device`` here: triton imports and
+    the module's kernels were decorated for that device (``runs_on``)."""
+    return available() and runs_on(kernels(name), device)
 
 
 def pow2(n: int) -> int:

@@ -9,25 +9,20 @@ holds it to the torch form under Triton's interpreter.
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 
-from . import FP_FUSION, available, pow2
-from . import runs_on as gpu_runs_on
+from . import FP_FUSION, kernels, pow2, serves
 
 BLOCK_C = 128           # channels a program
 
 
-@lru_cache(maxsize=None)
 def _kernel():
-    from . import _conv_step_kernel                     # imports triton: only when a kernel runs
-    return _conv_step_kernel
+    return kernels("_conv_step_kernel")                  # imports triton: only when a kernel runs
 
 
 def runs_on(x: torch.Tensor) -> bool:
     """Whether the kernel can run on x's device here (``kvslim.gpu.runs_on``)."""
-    return available() and gpu_runs_on(_kernel(), x.device)
+    return serves("_conv_step_kernel", x.device)
 
 
 def conv_step(x: torch.Tensor, state: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor,

@@ -10,26 +10,21 @@ tests/test_gpu_moe.py holds both to the torch forms under Triton's interpreter.
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 
-from . import FP_FUSION, available, pow2
-from . import runs_on as gpu_runs_on
+from . import FP_FUSION, kernels, pow2, serves
 
 MAX_EXPERTS = 4096           # one program holds a token's logits in registers
 BLOCK = 1024                 # features a ``combine`` program sums
 
 
-@lru_cache(maxsize=None)
 def _kernel():
-    from . import _moe_kernel                           # imports triton: only when a kernel runs
-    return _moe_kernel
+    return kernels("_moe_kernel")                  # imports triton: only when a kernel runs
 
 
 def runs_on(x: torch.Tensor) -> bool:
     """Whether the kernels run on x's device here (``kvslim.gpu.runs_on``)."""
-    return available() and gpu_runs_on(_kernel(), x.device)
+    return serves("_moe_kernel", x.device)
 
 
 def routes(logits: torch.Tensor) -> bool:

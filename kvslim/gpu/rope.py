@@ -9,23 +9,18 @@ Triton's interpreter.
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 
-from . import FP_FUSION, available, pow2
-from . import runs_on as gpu_runs_on
+from . import FP_FUSION, kernels, pow2, serves
 
 
-@lru_cache(maxsize=None)
 def _kernel():
-    from . import _rope_kernel                          # imports triton: only when a kernel runs
-    return _rope_kernel
+    return kernels("_rope_kernel")                  # imports triton: only when a kernel runs
 
 
 def runs_on(x: torch.Tensor) -> bool:
     """Whether the kernel can run on x's device here (``kvslim.gpu.runs_on``)."""
-    return available() and gpu_runs_on(_kernel(), x.device)
+    return serves("_rope_kernel", x.device)
 
 
 def norm_rope(x: torch.Tensor, norm, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

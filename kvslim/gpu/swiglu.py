@@ -9,25 +9,20 @@ everywhere else); tests/test_gpu_swiglu.py holds the two together under Triton's
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 
-from . import FP_FUSION, available
-from . import runs_on as gpu_runs_on
+from . import FP_FUSION, kernels, serves
 
 BLOCK = 1024            # columns a program
 
 
-@lru_cache(maxsize=None)
 def _kernel():
-    from . import _swiglu_kernel                        # imports triton: only when a kernel runs
-    return _swiglu_kernel
+    return kernels("_swiglu_kernel")                  # imports triton: only when a kernel runs
 
 
 def runs_on(x: torch.Tensor) -> bool:
     """Whether the kernel can run on x's device here (``kvslim.gpu.runs_on``)."""
-    return available() and gpu_runs_on(_kernel(), x.device)
+    return serves("_swiglu_kernel", x.device)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
