@@ -218,6 +218,13 @@ def test_bad_calls_raise_before_any_kernel():
     if not gpu.runs_on(torch.zeros(1)):
         with pytest.raises(ValueError, match="one CUDA device"):
             gpu.gemv(torch.zeros(1, 256), w.data, w.wtype.ggml_type)
+    experts = w.data[None].expand(3, -1, -1)
+    with pytest.raises(ValueError, match="one expert id per row of x, or k per row"):   # 5 pairs for 2 rows
+        gpu.gemv_experts(torch.zeros(2, 256), experts, torch.zeros(5, dtype=torch.long), w.wtype.ggml_type)
+    with pytest.raises(ValueError, match=r"one float scale per pair \(4\)"):
+        gpu.gemv_experts(torch.zeros(2, 256), experts, torch.zeros(4, dtype=torch.long), w.wtype.ggml_type,
+                         scales=torch.ones(2))
+    assert gpu.pairs_per_row(torch.zeros(2, 256), torch.zeros(16, dtype=torch.long)) == 8
 
 
 def test_split_count_fills_the_gpu_and_keeps_a_chunk_per_split():

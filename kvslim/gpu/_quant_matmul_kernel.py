@@ -603,18 +603,19 @@ def quant_gemm(x_ptr, w_ptr, grid_ptr, y_ptr, M, N, K, row_bytes,
 
 @triton.jit
 def quant_gemv_experts(x_ptr, w_ptr, grid_ptr, ids_ptr, scale_ptr, y_ptr, N, K, row_bytes, expert_bytes,
-                       TYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TERMS: tl.constexpr,
+                       pairs_per_row, TYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TERMS: tl.constexpr,
                        SCALED: tl.constexpr = False, BLOCKWISE: tl.constexpr = True):
     """Program (tile of BLOCK_N outputs, pair p): y[p, n] = x[p] . W[ids[p], n] over all of K,
     the expert's matrix found from its id (int32 or int64) in device memory (no host round trip
-    to learn which experts a token chose). x (P, K) contiguous; W (E, N, row_bytes); y (P, N)
-    float32, times scale[p] (a routing weight, any float type) where SCALED. TERMS as
-    ``quant_gemv``'s."""
+    to learn which experts a token chose). x (P / pairs_per_row, K) contiguous: pair p reads row
+    p // pairs_per_row (a token's row for its top_k pairs, not a copy per pair); W (E, N,
+    row_bytes); y (P, N) float32, times scale[p] (a routing weight, any float type) where
+    SCALED. TERMS as ``quant_gemv``'s."""
     tile = tl.program_id(0)
     p = tl.program_id(1).to(tl.int64)
     w_expert = w_ptr + tl.load(ids_ptr + p).to(tl.int64) * expert_bytes
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = _gemv_chunks(x_ptr + p * K, w_expert, grid_ptr, tl.arange(0, 1), 1, rows, N, K, row_bytes,   # a 1-row M
+    acc = _gemv_chunks(x_ptr + (p // pairs_per_row) * K, w_expert, grid_ptr, tl.arange(0, 1), 1, rows, N, K, row_bytes,   # a 1-row M
                        0, tl.cdiv(K, BLOCK_K), TYPE, 1, BLOCK_N, BLOCK_K, BLOCKWISE, TERMS)
     y = tl.sum(acc, axis=0)
     if SCALED:
@@ -624,7 +625,7 @@ def quant_gemv_experts(x_ptr, w_ptr, grid_ptr, ids_ptr, scale_ptr, y_ptr, N, K, 
 
 @triton.jit
 def quant_gemm_experts(x_ptr, w_ptr, grid_ptr, pairs_ptr, tile_expert_ptr, scale_ptr, y_ptr,
-                       N, K, row_bytes, expert_bytes, n_experts,
+                       N, K, row_bytes, expert_bytes, n_experts, pairs_per_row,
                        TYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr = False):
     """Program (M tile t, N tile): the grouped GEMM of a mixture's prompt. The (token, expert)
@@ -632,7 +633,7 @@ def quant_gemm_experts(x_ptr, w_ptr, grid_ptr, pairs_ptr, tile_expert_ptr, scale
     so tile t holds pairs of one expert, tile_expert[t]: y[p] = x[p] @ W[e]^T for the pairs p of
     the tile (pairs[slot], -1 in padding). Tiles past the last expert's (tile_expert = n_experts:
     the grid is sized without asking the host how many there are) return at once.
-    x (P, K) contiguous; W (E, N, row_bytes) GGUF blocks, or with TYPE = DENSE (E, N, K) floats
+    x (P / pairs_per_row, K) contiguous (``quant_gemv_experts``'); W (E, N, row_bytes) GGUF blocks, or with TYPE = DENSE (E, N, K) floats
     read as stored (row_bytes = K and expert_bytes = N K then count elements); y (P, N) float32,
     row p times scale[p] where SCALED (``quant_gemv_experts``')."""
     tile = tl.program_id(0)
@@ -641,7 +642,7 @@ def quant_gemm_experts(x_ptr, w_ptr, grid_ptr, pairs_ptr, tile_expert_ptr, scale
         return
     p = tl.load(pairs_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = p >= 0
-    x_row = x_ptr + tl.where(valid, p, 0).to(tl.int64)[:, None] * K
+    x_row = x_ptr + (tl.where(valid, p, 0) // pairs_per_row).to(tl.int64)[:, None] * K
     w_expert = w_ptr + e.to(tl.int64) * expert_bytes
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)

@@ -149,19 +149,28 @@ def _check(x: torch.Tensor, blocks: torch.Tensor, ggml_type) -> None:
 
 def _check_experts(x: torch.Tensor, blocks: torch.Tensor, ids: torch.Tensor, ggml_type,
                    scales: torch.Tensor | None = None) -> None:
-    """``_check`` for one expert's matrix, blocks (E, N, row_bytes), one expert id per row of x
-    and, if given, one float scale per row."""
-    if blocks.dim() != 3 or ids.shape != (x.shape[0],):
-        raise ValueError(f"blocks (E, N, row_bytes) and one expert id per row of x expected, got "
-                         f"{tuple(blocks.shape)} and ids {tuple(ids.shape)} for x {tuple(x.shape)}")
-    _check_scales(x, scales)
+    """``_check`` for one expert's matrix, blocks (E, N, row_bytes), the pairs' expert ids
+    (``pairs_per_row``) and, if given, one float scale per pair."""
+    if blocks.dim() != 3:
+        raise ValueError(f"blocks (E, N, row_bytes) expected, got {tuple(blocks.shape)}")
+    pairs_per_row(x, ids)
+    _check_scales(ids, scales)
     _check(x, blocks[0], ggml_type)
 
 
-def _check_scales(x: torch.Tensor, scales: torch.Tensor | None) -> None:
-    if scales is not None and (scales.numel() != x.shape[0] or not scales.is_floating_point()
-                               or scales.device != x.device):
-        raise ValueError(f"one float scale per row of x {tuple(x.shape)} on its device expected, "
+def pairs_per_row(x: torch.Tensor, ids: torch.Tensor) -> int:
+    """The pairs that read each row of x: one expert id per row (1), or k per row for x's T
+    tokens and their T k consecutive pairs (a token's top_k experts read its one row)."""
+    if x.dim() != 2 or ids.dim() != 1 or not x.shape[0] or ids.numel() % x.shape[0]:
+        raise ValueError(f"x (T, K) and one expert id per row of x, or k per row, expected, got x "
+                         f"{tuple(x.shape)} and ids {tuple(ids.shape)}")
+    return ids.numel() // x.shape[0]
+
+
+def _check_scales(ids: torch.Tensor, scales: torch.Tensor | None) -> None:
+    if scales is not None and (scales.numel() != ids.numel() or not scales.is_floating_point()
+                               or scales.device != ids.device):
+        raise ValueError(f"one float scale per pair ({ids.numel()}) on their device expected, "
                          f"got {tuple(scales.shape)} {scales.dtype} on {scales.device}")
 
 
@@ -193,19 +202,20 @@ def gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type, split_k: int | None =
 
 def gemv_experts(x: torch.Tensor, blocks: torch.Tensor, ids: torch.Tensor, ggml_type,
                  scales: torch.Tensor | None = None) -> torch.Tensor:
-    """A mixture's routed experts for a few tokens in one launch, without a host sync: row p of
-    x (P, K) times expert ids[p]'s matrix, blocks (E, N, row_bytes) uint8 -> y (P, N) float32,
-    times scales[p] if given (the pairs' routing weights: no separate launch to weight them).
+    """A mixture's routed experts for a few tokens in one launch, without a host sync: pair p's
+    row of x (one row per pair, or per token for its consecutive pairs: ``pairs_per_row``) times
+    expert ids[p]'s matrix, blocks (E, N, row_bytes) uint8 -> y (P, N) float32, times
+    scales[p] if given (the pairs' routing weights: no separate launch to weight them).
     ``ids`` (P,), int32 or int64 (topk's, read as they are), stays on the device; only the
     chosen experts' bytes are read."""
     _check_experts(x, blocks, ids, ggml_type, scales)
-    (p, k), n = x.shape, blocks.shape[1]
+    p, k, n = ids.numel(), x.shape[1], blocks.shape[1]
     config = gemv_config(1, ggml_type)
     y = torch.empty(p, n, device=x.device, dtype=torch.float32)
     grid = (-(-n // config["BLOCK_N"]), p)
     _kernel().quant_gemv_experts[grid](x.contiguous(), blocks.contiguous(), grid_table(ggml_type, x.device),
                                        _ids(ids), _scales(scales, x), y,
-                                       n, k, blocks.shape[2], blocks.shape[1] * blocks.shape[2],
+                                       n, k, blocks.shape[2], blocks.shape[1] * blocks.shape[2], p // x.shape[0],
                                        TYPE=int(ggml_type), BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
                                        TERMS=config["TERMS"], SCALED=scales is not None,
                                        num_warps=config["num_warps"], **FP_FUSION)
@@ -268,35 +278,36 @@ def route(ids: torch.Tensor, n_experts: int) -> Route:
 
 def gemm_experts(x: torch.Tensor, weight: torch.Tensor, route_: Route, ggml_type=None,
                  dot: str | None = None, scales: torch.Tensor | None = None) -> torch.Tensor:
-    """A mixture's prompt in one launch: row p of x (P, K) times expert ids[p]'s matrix, through
-    ``route_``'s tiles -> y (P, N) float32, times scales[p] if given. ``weight``: (E, N, row_bytes)
+    """A mixture's prompt in one launch: pair p's row of x (``pairs_per_row``) times expert
+    ids[p]'s matrix, through ``route_``'s tiles -> y (P, N) float32, times scales[p] if given. ``weight``: (E, N, row_bytes)
     uint8 blocks of ``ggml_type``, or with ``ggml_type`` None dense experts (E, N, K) in x's own
     float type, read as stored. ``dot`` as ``gemm``'s."""
     if ggml_type is None:
         _check_dense_experts(x, weight, route_.ids)
-        _check_scales(x, scales)
+        _check_scales(route_.ids, scales)
         (n, k), type_code = weight.shape[1:], _kernel().DENSE.value
         row_stride = k                                          # elements, for the dense tiles
     else:
         _check_experts(x, weight, route_.ids, ggml_type, scales)
         n, row_stride, type_code = weight.shape[1], weight.shape[2], int(ggml_type)
     config = gemm_config(route_.block_m)
-    y = torch.empty(x.shape[0], n, device=x.device, dtype=torch.float32)
+    y = torch.empty(route_.ids.numel(), n, device=x.device, dtype=torch.float32)
     dtype, precision = _dot_operands(dot, x.dtype)
     grid = (route_.tile_expert.numel(), -(-n // config["BLOCK_N"]))
     _kernel().quant_gemm_experts[grid](x.contiguous(), weight.contiguous(), grid_table(ggml_type, x.device),
                                        route_.pairs, route_.tile_expert, _scales(scales, x), y,
-                                       n, x.shape[1], row_stride, n * row_stride, route_.n_experts, TYPE=type_code,
+                                       n, x.shape[1], row_stride, n * row_stride, route_.n_experts,
+                                       route_.ids.numel() // x.shape[0], TYPE=type_code,
                                        DOT_DTYPE=dtype, PRECISION=precision, SCALED=scales is not None,
                                        **config, **FP_FUSION)
     return y
 
 
 def _check_dense_experts(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> None:
-    """x (P, K), weight (E, N, K) of x's dtype on x's kernel device, one expert id per row of x."""
-    if weight.dim() != 3 or x.dim() != 2 or x.shape[1] != weight.shape[2] or ids.shape != (x.shape[0],) \
-            or weight.dtype != x.dtype:
-        raise ValueError(f"x (P, K), weight (E, N, K) of one dtype and one expert id per row of x expected, got "
+    """x (T, K), weight (E, N, K) of x's dtype on x's kernel device, the pairs' ids (``pairs_per_row``)."""
+    pairs_per_row(x, ids)
+    if weight.dim() != 3 or x.shape[1] != weight.shape[2] or weight.dtype != x.dtype:
+        raise ValueError(f"x (T, K) and weight (E, N, K) of one dtype expected, got "
                          f"{tuple(x.shape)} {x.dtype}, {tuple(weight.shape)} {weight.dtype} and ids {tuple(ids.shape)}")
     if not runs_on(x) or weight.device != x.device:
         raise ValueError(f"x and weight on one CUDA device expected (the CPU under TRITON_INTERPRET=1), "
@@ -314,9 +325,9 @@ def _dot_operands(dot: str | None, dtype: torch.dtype) -> tuple:
 
 def experts_matmul(x: torch.Tensor, blocks: torch.Tensor, route_: Route, ggml_type,
                    scales: torch.Tensor | None = None) -> torch.Tensor:
-    """x (P, K) times each pair's expert matrix -> (P, N) float32, times scales[p] if given: the
-    GEMV for a few pairs, the grouped GEMM (tl.dot in x's own type) for a prompt's, as ``route_``
-    decided."""
+    """Each pair's row of x (``pairs_per_row``) times its expert's matrix -> (P, N) float32, times
+    scales[p] if given: the GEMV for a few pairs, the grouped GEMM (tl.dot in x's own type) for
+    a prompt's, as ``route_`` decided."""
     if route_.tile_expert is None:
         return gemv_experts(x, blocks, route_.ids, ggml_type, scales)
     return gemm_experts(x, blocks, route_, ggml_type, scales=scales)

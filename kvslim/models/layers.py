@@ -315,20 +315,20 @@ class Experts(nn.Module):
         float32, token-major, through ``pair_products``, which reads the chosen ids on the
         device; the weights are applied where the down projection is computed (in the kernels:
         no launch of their own)."""
-        top_k = experts.shape[1]
         route = gpu_weights.route(experts.reshape(-1), self.gate_up_proj.shape[0])   # once for both matrices
-        rows = x.repeat_interleave(top_k, dim=0)                                 # (P, H): one per pair
-        gate, up = self.pair_products("gate_up", rows, route).chunk(2, dim=-1)
+        gate, up = self.pair_products("gate_up", x, route).chunk(2, dim=-1)     # a token's row for its top_k
         return self.pair_products("down", swiglu(gate, up, x.dtype), route, weights.reshape(-1))
 
     def pair_products(self, matrix: str, rows: torch.Tensor, route: gpu_weights.Route,
                       scales: torch.Tensor | None = None) -> torch.Tensor:
-        """rows (P, in) times each pair's expert's ``matrix`` ("gate_up" or "down") -> (P, out)
-        float32, row p times scales[p] if given: for a few pairs the chosen experts' matrices
-        gathered by id (top_k per token: a decode step's few megabytes), then batched
+        """Each pair's row of ``rows`` (one per pair, or per token for its top_k consecutive pairs:
+        ``quant_matmul.pairs_per_row``) times its expert's ``matrix`` ("gate_up" or "down") ->
+        (P, out) float32, row p times scales[p] if given: for a few pairs the chosen experts'
+        matrices gathered by id (top_k per token: a decode step's few megabytes), then batched
         matrix-vector products; for a prompt's, the grouped GEMM over ``route``'s tiles."""
         weight = getattr(self, f"{matrix}_proj")
         if route.tile_expert is None:
+            rows = rows.repeat_interleave(gpu_weights.pairs_per_row(rows, route.ids), dim=0)
             y = torch.bmm(weight.index_select(0, route.ids), rows.to(weight.dtype)[:, :, None])[..., 0].float()
             return y if scales is None else y * scales.float()[:, None]
         return gpu_weights.gemm_experts(rows.to(weight.dtype), weight, route, scales=scales)
