@@ -18,13 +18,14 @@ import torch
 
 from kvslim import formats
 from kvslim.cache import attention
+from kvslim.gpu import available
 from kvslim.gpu import paged_prefill as gpu
 
 from .test_native_attention import _case
 from .test_triton_attention import PAIRS, SHAPES
 from .triton_harness import check_state, compile_for_sm90, compiled_process, run_interpreted
 
-pytestmark = pytest.mark.skipif(not gpu.available(), reason="triton is not installed: no GPU kernel to check")
+pytestmark = pytest.mark.skipif(not available(), reason="triton is not installed: no GPU kernel to check")
 
 LENGTHS = (37, 100, 16, 0)
 FIRSTS = (33, 99, -2, 0)                               # each sequence's first query position, at T = 4

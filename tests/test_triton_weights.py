@@ -19,12 +19,13 @@ import pytest
 import torch
 
 from kvslim import weights
+from kvslim.gpu import available
 from kvslim.gpu import quant_matmul as gpu
 from kvslim.weights import QuantTensor
 
 from .triton_harness import compile_for_sm90, compiled_process, run_interpreted
 
-pytestmark = pytest.mark.skipif(not gpu.available(), reason="triton is not installed: no GPU kernel to check")
+pytestmark = pytest.mark.skipif(not available(), reason="triton is not installed: no GPU kernel to check")
 
 TYPES = ["q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "iq4_xs",
          "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m", "mxfp4", "nvfp4"]

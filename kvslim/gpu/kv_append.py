@@ -18,7 +18,7 @@ from functools import lru_cache
 import torch
 
 from .. import formats
-from . import available, pow2, runs_on
+from . import available, kernels, pow2, serves
 
 KINDS = {"float": 0, "q8_0": 1, "q4_0": 2, "turbo": 3, "grid": 4, "iq4_nl": 5, "q4_1": 6, "q5_0": 7,
          "q5_1": 8, "grid_sub": 9}                                                    # _kv_append_kernel's
@@ -30,10 +30,8 @@ MAX_DIM = 512
 FLT_MAX = torch.finfo(torch.float32).max
 
 
-@lru_cache(maxsize=None)
 def _kernel():
-    from . import _kv_append_kernel                     # imports triton: only when a kernel runs
-    return _kv_append_kernel
+    return kernels("_kv_append_kernel")                 # imports triton: only when a kernel runs
 
 
 @lru_cache(maxsize=None)
@@ -59,7 +57,7 @@ def supports(fmt, x: torch.Tensor) -> bool:
     float32/f16/bf16 on a CUDA device (or on the CPU under TRITON_INTERPRET=1), and the format
     declares an encoder this kernel implements."""
     return (x.dim() == 3 and x.dtype in INPUT_DTYPES and available() and _encoder(fmt, x.shape[-1]) is not None
-            and runs_on(_kernel(), x.device))
+            and serves("_kv_append_kernel", x.device))
 
 
 @lru_cache(maxsize=None)

@@ -20,7 +20,7 @@ from functools import lru_cache
 import torch
 
 from ..native.paged_attention import F16, KLT, NIBBLE, PACKED, CodecFields, codec_fields
-from . import FP_FUSION, available, pow2, runs_on
+from . import FP_FUSION, kernels, pow2, serves
 
 GATHER, SELECT, TREE, MIRROR, AFFINE, TABLE = range(6)      # _codecs._lookup's ways to read a code table
 
@@ -54,10 +54,8 @@ def _fields(fmt, head_dim: int) -> CodecFields | None:
     return fields
 
 
-@lru_cache(maxsize=None)
 def _kernel():
-    from . import _paged_prefill_kernel                 # imports triton: only when a kernel runs
-    return _paged_prefill_kernel
+    return kernels("_paged_prefill_kernel")             # imports triton: only when a kernel runs
 
 
 def supports(fmt_k, fmt_v, q: torch.Tensor) -> bool:
@@ -65,7 +63,7 @@ def supports(fmt_k, fmt_v, q: torch.Tensor) -> bool:
     importable, q is on a CUDA device (or on the CPU under TRITON_INTERPRET=1), and both
     formats have a layout it decodes. Any number of rows."""
     dim = q.shape[-1]
-    return (q.dtype == torch.float32 and available() and runs_on(_kernel(), q.device)
+    return (q.dtype == torch.float32 and serves("_paged_prefill_kernel", q.device)
             and _fields(fmt_k, dim) is not None and _fields(fmt_v, dim) is not None)
 
 

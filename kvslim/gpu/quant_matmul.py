@@ -27,15 +27,13 @@ together under Triton's interpreter (TRITON_INTERPRET=1, CPU tensors).
 """
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import NamedTuple
 
 import gguf
 import torch
 
 from ..formats.base import cached_on
-from . import FP_FUSION, available, pow2
-from . import runs_on as gpu_runs_on
+from . import FP_FUSION, kernels, pow2, serves
 
 _T = gguf.GGMLQuantizationType
 GRIDDED = (_T.IQ2_XXS, _T.IQ2_XS, _T.IQ2_S, _T.IQ3_XXS, _T.IQ3_S, _T.IQ1_S, _T.IQ1_M)   # values index a lattice
@@ -58,10 +56,8 @@ GEMV_PRODUCTS = 4096          # BLOCK_M * BLOCK_N * BLOCK_K: the products one GE
 MAX_GEMV_PAIRS = 128          # more (token, expert) pairs: the grouped GEMM (a decode batch of 16 at top-8)
 
 
-@lru_cache(maxsize=None)
 def _kernel():
-    from . import _quant_matmul_kernel                  # imports triton: only when a kernel runs
-    return _quant_matmul_kernel
+    return kernels("_quant_matmul_kernel")              # imports triton: only when a kernel runs
 
 
 def supports(ggml_type) -> bool:
@@ -85,7 +81,7 @@ def grid_table(ggml_type, device) -> torch.Tensor:
 
 def runs_on(x: torch.Tensor) -> bool:
     """Whether these kernels can run on x's device here (``kvslim.gpu.runs_on``)."""
-    return available() and gpu_runs_on(_kernel(), x.device)
+    return serves("_quant_matmul_kernel", x.device)
 
 
 def terms_width(ggml_type, block_k: int, blockwise: bool = True) -> int:

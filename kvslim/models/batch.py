@@ -89,3 +89,8 @@ class DecodeBatch:
 
     def slot_index(self) -> torch.Tensor:
         return self.slots
+
+    @property
+    def slot_ids(self) -> torch.Tensor:
+        """(B,) the cache slot of each row (one row a sequence), as ``Batch.slot_ids``."""
+        return self.slots

@@ -183,9 +183,14 @@ def fusion_key(m: nn.Module):
     nn.Linear: its dtype, device and whether it has a bias; another module answers for itself
     (``kvslim.weights.QuantLinear.fusion_key``)."""
     if type(m) is nn.Linear:
-        return "dense", m.weight.dtype, m.weight.device, m.bias is None
+        return dense_key(m.weight, m.bias)
     key = getattr(m, "fusion_key", None)
     return key() if callable(key) else None
+
+
+def dense_key(weight: torch.Tensor, bias: torch.Tensor | None):
+    """``fusion_key`` of a dense matrix: its dtype, its device and whether it has a bias."""
+    return "dense", weight.dtype, weight.device, bias is None
 
 
 def _one_matmul(linears: list[nn.Module]):
@@ -328,7 +333,8 @@ class Experts(nn.Module):
         matrix-vector products; for a prompt's, the grouped GEMM over ``route``'s tiles."""
         weight = getattr(self, f"{matrix}_proj")
         if route.tile_expert is None:
-            rows = rows.repeat_interleave(gpu_weights.pairs_per_row(rows, route.ids), dim=0)
+            per_row = gpu_weights.pairs_per_row(rows, route.ids)
+            rows = rows.repeat_interleave(per_row, dim=0) if per_row > 1 else rows
             y = torch.bmm(weight.index_select(0, route.ids), rows.to(weight.dtype)[:, :, None])[..., 0].float()
             return y if scales is None else y * scales.float()[:, None]
         return gpu_weights.gemm_experts(rows.to(weight.dtype), weight, route, scales=scales)
@@ -358,9 +364,8 @@ class SparseMoE(nn.Module):
     def fuse_projections(self) -> None:
         """The shared expert's gate and the router as one matrix (both dense, of one dtype): one
         matmul for the two small products each token starts with."""
-        router = self.gate.weight
         self.fused = None
-        if fusion_key(self.shared_expert_gate) == ("dense", router.dtype, router.device, True):
+        if fusion_key(self.shared_expert_gate) == dense_key(self.gate.weight, None):
             weight, _ = concatenated([self.shared_expert_gate, self.gate])
             self.fused = lambda x: F.linear(x, weight).split([1, weight.shape[0] - 1], dim=-1)
 

@@ -90,8 +90,7 @@ class GatedDeltaNet(nn.Module):
         place through a view; others are gathered and scattered back."""
         idx = batch.slot_index()
         if gpu.TRITON and gpu_conv.runs_on(qkv):              # one launch, the slots' states in place
-            mixed = gpu_conv.conv_step(qkv, cache.conv, idx if torch.is_tensor(idx) else batch.slot_ids,
-                                       self.conv1d.weight[:, 0])
+            mixed = gpu_conv.conv_step(qkv, cache.conv, batch.slot_ids, self.conv1d.weight[:, 0])
         else:
             mixed, cache.conv[idx] = causal_conv_step(qkv, cache.conv[idx], self.conv1d.weight[:, 0])
         state = cache.recurrent[idx]                                # a view when idx is a slice
