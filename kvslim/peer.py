@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+import re
 import shutil
 import struct
 import subprocess
@@ -237,6 +238,15 @@ def quantize(src: str | Path, dst: str | Path, ftype: str, n_threads: int = 2,
     return binding().quantize(Path(src), Path(dst), ftype, n_threads, imatrix)
 
 
+def quantize_types(src: str | Path, ftype: str, imatrix: dict[str, np.ndarray] | None = None) -> dict[str, str]:
+    """The type llama-quantize would give each tensor of ``src`` for ``ftype`` (its dry run: the
+    same choice of types, nothing quantized or written), as {tensor name: ggml type name}."""
+    quantize_types_of = getattr(binding(), "quantize_types", None)
+    if quantize_types_of is None:
+        raise PeerUnavailable("llama-quantize's dry run needs llama-cpp-py-sync's binding")
+    return quantize_types_of(Path(src), ftype, imatrix)
+
+
 class PeerContext:
     """A llama.cpp context with a position counter; subclasses speak to one binding."""
 
@@ -313,10 +323,11 @@ class _PySync:
         except AttributeError:
             raise ValueError(f"llama.cpp has no {prefix}{name.upper()}") from None
 
-    def quantize(self, src: Path, dst: Path, ftype: str, n_threads: int, imatrix=None) -> Path:
+    def quantize(self, src: Path, dst: Path, ftype: str, n_threads: int, imatrix=None, dry_run=False) -> Path:
         params = self.lib.llama_model_quantize_default_params()
         params.ftype = self.constant("LLAMA_FTYPE_MOSTLY_", ftype)
         params.nthread = n_threads
+        params.dry_run = dry_run
         pp = self.ffi.new("struct llama_model_quantize_params *", params)
         keep = []                                # the C strings and arrays live until the call returns
         if imatrix:                              # an array of {name, data, size}, ended by a NULL name
@@ -330,6 +341,35 @@ class _PySync:
         if self.lib.llama_model_quantize(str(src).encode(), str(dst).encode(), pp) != 0:
             raise RuntimeError(f"llama.cpp could not quantize {src} to {ftype}")
         return dst
+
+    def quantize_types(self, src: Path, ftype: str, imatrix=None) -> dict[str, str]:
+        """llama-quantize --dry-run: its report of each tensor's type, read from its log."""
+        text = []
+        log = self.ffi.callback("void(enum ggml_log_level, const char *, void *)",
+                                lambda level, chunk, user: text.append(self.ffi.string(chunk).decode(errors="replace")))
+        self.lib.llama_log_set(log, self.ffi.NULL)
+        try:
+            self.quantize(src, src.with_name(src.name + ".dry-run"), ftype, 1, imatrix, dry_run=True)
+        finally:
+            self.lib.llama_log_set(self._quiet, self.ffi.NULL)
+        return _reported_types("".join(text))
+
+
+# "[  12/ 149]   blk.1.attn_v.weight  - [  256,  128,  1,  1], type =    f32, size =  0.12 MiB ->  0.02 MiB (q4_K)";
+# a tensor kept as it is has no "->" part
+_REPORT_LINE = re.compile(r"^\[\s*\d+/\s*\d+\]\s+(\S+)\s+- \[[^\]]*\], type =\s*(\w+),.*?(?:->.*\((\w+)\))?\s*$")
+
+
+def _reported_types(log: str) -> dict[str, str]:
+    """tensor name -> ggml type name (lower case) from llama-quantize's per-tensor lines."""
+    types = {}
+    for line in log.splitlines():
+        if match := _REPORT_LINE.match(line.strip()):
+            name, source, target = match.groups()
+            types[name] = (target or source).lower()
+    if not types:
+        raise RuntimeError("llama.cpp's quantizer reported no tensors: its log format is not the one kvslim reads")
+    return types
 
 
 def _drop_log(level, text, user_data):  # llama.cpp's log chatter is not kvslim's output

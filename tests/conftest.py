@@ -102,6 +102,16 @@ def write_tiny_tokenizer(folder, vocab_size: int) -> None:
          "tokenizer_class": "PreTrainedTokenizerFast"}))
 
 
+@pytest.fixture
+def short_imatrix(monkeypatch):
+    """``kvslim convert`` measures the importance matrix it needs over 4 chunks of 128 tokens
+    instead of llama-imatrix's 64 of 512 (11 s a conversion on 2 cores): the tests check that
+    it measures and that llama.cpp takes the result, not the matrix's quality."""
+    from kvslim.tools import imatrix
+    monkeypatch.setattr(imatrix, "CTX_SIZE", 128)
+    monkeypatch.setattr(imatrix, "CHUNKS", 4)
+
+
 @pytest.fixture(scope="session")
 def tiny_folder(tmp_path_factory):
     """``tiny_folder(kind)`` -> (path of a saved tiny HF model, the transformers model)."""

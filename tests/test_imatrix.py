@@ -159,7 +159,7 @@ def test_a_gguf_measures_as_its_checkpoint(tiny_folder, tmp_path, kind):
 
 
 @needs_peer
-def test_the_tools(tmp_path, capsys):
+def test_the_tools(tmp_path, capsys, short_imatrix):
     """``kvslim imatrix`` writes the file; ``kvslim convert --type iq2_xxs`` takes it, or measures
     one itself; bad arguments are named."""
     import gguf

@@ -166,7 +166,7 @@ def test_more_sequences_than_the_c_step_takes_run_as_calls_of_its_size(hybrid):
     model = hybrid[0]
     prompts = [list(range(3 + s, 9 + 2 * s)) for s in range(native_step.MAX_BATCH + 3)]
     caches = [filled(model, "q8_0", "turbo4", prompts) for _ in range(3)]
-    native, eager = DecodeStep(model, caches[0][0], compile=False), DecodeStep(model, caches[1][0], native=False)
+    native, eager = DecodeStep(model, caches[0][0], compile=False), DecodeStep(model, caches[1][0], compile=False, native=False)
     alone = DecodeStep(model, caches[2][0], compile=False)
     assert native.native is not None
     slots = list(range(len(prompts)))
@@ -379,7 +379,7 @@ def moe256_folder(tmp_path_factory):
 
 
 @pytest.mark.parametrize("wtype", ["q4_k", "iq4_xs", "iq3_xxs", "iq2_xxs"])      # iq2_xxs: convert measures an imatrix
-def test_a_mixture_gguf_of_k_quant_experts_decodes_in_the_c_step(moe256_folder, wtype, tmp_path):
+def test_a_mixture_gguf_of_k_quant_experts_decodes_in_the_c_step(moe256_folder, wtype, tmp_path, short_imatrix):
     """Qwen3.6-35B-A3B's shape in small: routed experts kept in the file's K types, the shared
     expert and its gate, through the C step against the eager step (an f16 cache: with q8_0 keys,
     a 1-ulp difference can round a key to another code, 1.5e-4 of the logits here)."""

@@ -1,6 +1,7 @@
 """The planner's llama.cpp mixes (``plan.catalog.WEIGHT_QUANTS``) against llama-quantize's own
 files, tensor by tensor: for each mix and model shape, the type ``plan.tensor_types`` predicts
-for every tensor is the type llama.cpp wrote. The shapes cover its rules' conditions: GQA of 4
+for every tensor is the type llama.cpp gives it (its quantizer's dry run, held to the files it
+writes). The shapes cover its rules' conditions: GQA of 4
 and of 2, tied embeddings, DeltaNet layers (attn_qkv counted as attn_v), routed and shared
 experts (>= 4 experts). (A dense Qwen3.5 with GQA 4 also matched every mix when the rules were
 written; it adds no condition the three here lack.) The files are made with an importance matrix (of ones), as the
@@ -59,18 +60,44 @@ def exported(tmp_path_factory):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_the_planner_predicts_llama_quantize_s_type_for_every_tensor(exported, shape, tmp_path):
-    import gguf
+def test_the_planner_predicts_llama_quantize_s_type_for_every_tensor(exported, shape):
+    """Every mix through llama-quantize's dry run (its choice of types, nothing quantized: the
+    i-quants' searches took 78 s of this test's 90 when it quantized them all)."""
     folder, source = exported(shape)
-    ones = {t.name: np.ones(int(np.prod(t.shape)) // int(t.shape[1]), np.float32)
-            for t in gguf.GGUFReader(source).tensors if len(t.shape) >= 2}
     model = plan.resolve_model(str(folder))
-    wrong = {}
+    wrong, ones = {}, _ones(source)
     for mix in ALL_MIXES if shape == "qwen35_moe4" else FAMILIES:
-        out = peer.quantize(source, tmp_path / f"{mix}.gguf", mix, 2, ones)
-        written = {t.name.removesuffix(".weight"): t.tensor_type.name.lower() for t in gguf.GGUFReader(out).tensors}
+        reported = {name.removesuffix(".weight"): kind for name, kind in peer.quantize_types(source, mix, ones).items()}
         predicted = dict(zip((t.name for t in model.tensors),
                              tensor_types(model.tensors, catalog.WEIGHT_QUANTS[mix], *model_facts(model.config))))
-        assert predicted.keys() == written.keys(), mix
-        wrong[mix] = {n: (predicted[n], k) for n, k in written.items() if predicted[n] != k}
+        assert predicted.keys() == reported.keys(), mix
+        wrong[mix] = {n: (predicted[n], k) for n, k in reported.items() if predicted[n] != k}
     assert not any(wrong.values()), {m: w for m, w in wrong.items() if w}
+
+
+@pytest.mark.parametrize("shape,mix", [("qwen35_moe4", "q3_k_m"), ("llama_gqa4", "iq2_xxs")])
+def test_the_dry_run_reports_the_types_llama_quantize_writes(exported, shape, mix, tmp_path):
+    """The dry run above stands for the files: its report is, tensor for tensor, what a real
+    quantization writes (a k-quant mix over experts and DeltaNet, an i-quant one with its
+    importance matrix over GQA 4; the i-quants' first use builds their grids, 2-9 s each)."""
+    import gguf
+    _, source = exported(shape)
+    out = peer.quantize(source, tmp_path / f"{mix}.gguf", mix, 2, _ones(source))
+    written = {t.name: t.tensor_type.name.lower() for t in gguf.GGUFReader(out).tensors}
+    assert peer.quantize_types(source, mix, _ones(source)) == written
+    assert len(set(written.values())) >= 3                   # a mix, not one type throughout
+
+
+def test_a_log_without_tensor_lines_is_refused():
+    """A llama.cpp whose report kvslim cannot read says so instead of predicting nothing."""
+    assert peer._reported_types("[  1/  2]  blk.0.ffn_up.weight  - [  256,  256,  1,  1], type =    f32, "
+                                "size =  0.25 MiB ->  0.04 MiB (q4_K)\n") == {"blk.0.ffn_up.weight": "q4_k"}
+    with pytest.raises(RuntimeError, match="reported no tensors"):
+        peer._reported_types("llama_model_quantize_impl: model size = 39.15 MiB\n")
+
+
+def _ones(source) -> dict[str, np.ndarray]:
+    """An importance matrix of ones for every matrix of ``source`` (llama.cpp refuses IQ1 and IQ2 without one)."""
+    import gguf
+    return {t.name: np.ones(int(np.prod(t.shape)) // int(t.shape[1]), np.float32)
+            for t in gguf.GGUFReader(source).tensors if len(t.shape) >= 2}

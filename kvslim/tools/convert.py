@@ -27,7 +27,7 @@ from ..gguf import writer
 from ..gguf.reader import open_gguf
 from ..loading import convert_hf_to_gguf
 from ..tables import human_bytes
-from .imatrix import measure_to_file
+from . import imatrix as imatrix_tool
 
 # --type -> llama.cpp file type its quantizer makes (llama-quantize: "Q4_K" = Q4_K_M, "Q5_K" = Q5_K_M)
 LLAMA_QUANTIZE = {"q4_k": "q4_k_m", "q5_k": "q5_k_m", "q6_k": "q6_k", "q3_k": "q3_k_m", "q2_k": "q2_k",
@@ -82,7 +82,8 @@ def convert(folder: Path, out: Path, out_type: str, threads: int = 2, imatrix: P
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         if importance is None and out_type in NEEDS_IMATRIX:       # llama.cpp refuses these without one
             print(f"--type {out_type}: no --imatrix given; measuring one (kvslim imatrix's defaults)")
-            importance = {name: e.means() for name, e in measure_to_file(folder, None, None, 512, 64).items()}
+            measured = imatrix_tool.measure_to_file(folder, None, None, imatrix_tool.CTX_SIZE, imatrix_tool.CHUNKS)
+            importance = {name: e.means() for name, e in measured.items()}
         source = convert_hf_to_gguf(folder, Path(tmp) / "f32.gguf", "f32")
         return peer.quantize(source, out, LLAMA_QUANTIZE[out_type], threads, importance)
 

@@ -19,6 +19,10 @@ from ..loading import measure_importance
 CALIBRATION_FILES = (TEXT / "classics-heldout.txt", TEXT / "bible-heldout.txt")
 
 
+# llama-imatrix's defaults: tokens per chunk and chunks at most (convert measures with them too)
+CTX_SIZE, CHUNKS = 512, 64
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvslim imatrix", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -26,8 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-f", "--file", default=None, help="calibration text (default: kvslim's held-out classics and Bible)")
     p.add_argument("-o", "--output", "--output-file", dest="output", default="imatrix.gguf",
                    help="output file (llama-imatrix's GGUF format; default imatrix.gguf)")
-    p.add_argument("-c", "--ctx-size", type=int, default=512, help="tokens per chunk (llama-imatrix's -c)")
-    p.add_argument("--chunks", type=int, default=64, help="chunks to run at most (llama-imatrix's --chunks)")
+    p.add_argument("-c", "--ctx-size", type=int, default=CTX_SIZE, help="tokens per chunk (llama-imatrix's -c)")
+    p.add_argument("--chunks", type=int, default=CHUNKS, help="chunks to run at most (llama-imatrix's --chunks)")
     return p
 
 
