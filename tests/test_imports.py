@@ -121,3 +121,27 @@ def test_only_the_command_line_imports_the_command_line():
     upward = sorted((name, t) for name, targets in GRAPH.items() for t in targets
                     if t.startswith(COMMAND_LINE) and not name.startswith(COMMAND_LINE))
     assert upward == []
+
+
+def test_the_command_line_starts_without_torchs_compiler():
+    """``kvslim`` imports no torch._dynamo until something compiles: the import took 2.4 s of
+    every command's start (and of every test's child process)."""
+    import subprocess
+    import sys
+    code = "import sys, kvslim.cli, kvslim.loading, kvslim.server; print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_traced_as_constant_marks_a_function_as_dynamo_does():
+    """``native.build.traced_as_constant`` stands for torch._dynamo.assume_constant_result."""
+    import torch._dynamo
+
+    from kvslim.native.build import traced_as_constant
+
+    def ours():
+        return True
+
+    def torchs():
+        return True
+    assert vars(traced_as_constant(ours)) == vars(torch._dynamo.assume_constant_result(torchs)) != {}

@@ -196,8 +196,8 @@ def test_quantized_linear_takes_the_triton_kernels_where_they_run(tmp_path):
 
 def mixture_logits(args, path: Path) -> None:
     """The tiny qwen3_5_moe (q8_0 weights, or float32 experts with ``weights`` None), in the
-    interpreted child or here: a 70-token prompt (140 routed pairs: the grouped GEMM) and a
-    decode step of two sequences (4 pairs: the expert GEMV, or batched products), f16 K/V;
+    interpreted child or here: prompts of 70 and 4 tokens in one batch (148 routed pairs: the
+    grouped GEMM) and a decode step of the two (4 pairs: the expert GEMV, or batched products), f16 K/V;
     which expert kernels ran, counted."""
     from kvslim.gpu import quant_matmul
     from kvslim.loading import load_model
@@ -209,8 +209,7 @@ def mixture_logits(args, path: Path) -> None:
         setattr(quant_matmul, fn, lambda *a, _f=inner, _n=fn, **k: calls.append(_n) or _f(*a, **k))
     model, _, _ = load_model(folder, torch.float32, torch.device("cpu"), weights=weights)
     cache = model.make_cache(128, 2, "f16", "f16")
-    prompt = model(Batch.build([(0, list(range(3, 73)), 0)]), cache, all_logits=True)
-    model(Batch.build([(1, list(range(5, 9)), 0)]), cache)
+    prompt = model(Batch.build([(0, list(range(3, 73)), 0), (1, list(range(5, 9)), 0)]), cache, all_logits=True)
     step = model(Batch.build([(0, [80], 70), (1, [81], 4)]), cache)
     mixtures = sum(type(m).__name__ == "SparseMoE" for m in model.modules())
     torch.save({"logits": (prompt, step), "calls": calls, "mixtures": mixtures}, path)

@@ -38,7 +38,7 @@ def _library(variant: str | None = None):
     return lib
 
 
-@torch._dynamo.assume_constant_result      # traced: decided once, not a graph break on ctypes
+@build.traced_as_constant      # traced: decided once, not a graph break on ctypes
 def available() -> bool:
     return _library() is not None
 

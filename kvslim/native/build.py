@@ -33,6 +33,15 @@ VARIANTS = {                  # the tests hold every build the machine can run t
 }
 
 
+def traced_as_constant(fn):
+    """What ``torch._dynamo.assume_constant_result`` does (a traced call of ``fn`` is made once
+    and its result kept as a constant: no graph break at a ctypes call), without importing
+    torch._dynamo, which took 2.4 s of every kvslim process's start (tests/test_imports.py
+    holds the two to the same mark)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 def cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "kvslim" / "native"

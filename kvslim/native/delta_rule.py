@@ -27,7 +27,7 @@ def _library(variant: str | None = None):
     return lib
 
 
-@torch._dynamo.assume_constant_result      # traced (rule_for in a compiled decode step): decided once
+@build.traced_as_constant      # traced (rule_for in a compiled decode step): decided once
 def available() -> bool:
     return _library() is not None
 
