@@ -2,7 +2,8 @@
 attention op) against the flattened-Batch reference, eager for every K/V pair, and traced by
 torch.compile for greedy tokens (with the aot_eager backend: the traced, functionalised graph
 on eager kernels; inductor's C++ build of the same graph takes minutes on two busy cores and
-is exercised by ``benchmarks/compile_decode.py``)."""
+is exercised by ``benchmarks/compile_decode.py``; where a test asks only for no graph break,
+dynamo's capture alone, the eager backend)."""
 from __future__ import annotations
 
 import os
@@ -79,11 +80,14 @@ def test_a_step_may_take_consecutive_rows_of_one_slot(hybrid):
         windowed.prepare_decode([0, 0], [0, 1])
 
 
-def greedy(model, tok, eos, compile: bool) -> tuple[list[list[int]], Engine, float]:
+def greedy(model, tok, eos, compile: bool, backend: str = "aot_eager") -> tuple[list[list[int]], Engine, float]:
+    """``backend``: aot_eager, the traced and functionalised graph on eager kernels (inductor's
+    C++ build takes minutes on 2 busy cores), or eager, dynamo's capture alone (graph breaks
+    are dynamo's; a third of aot_eager's time)."""
     engine = Engine(model, tok, EngineConfig.build(256, 2, "q8_0", "turbo4", page_size=16, device="cpu",
                                                    n_ubatch=32, compile=compile, native=False), eos)
-    if compile:   # the traced graph on eager kernels: inductor's C++ build takes minutes on 2 busy cores
-        engine.decode_step = DecodeStep(model, engine.cache, compile=True, backend="aot_eager", native=False)
+    if compile:
+        engine.decode_step = DecodeStep(model, engine.cache, compile=True, backend=backend, native=False)
     warm = engine.warm_up()                                          # traces batch 1 and 2 up front
     assert engine.n_free_slots == 2 and engine.cached_tokens() == 0
     seqs = [engine.submit(list(range(3, 3 + n)), 30, SamplingParams(temperature=0)) for n in (20, 45)]
@@ -115,7 +119,7 @@ def test_quantized_weights_trace_through_the_native_matmul(tiny_folder):
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     eager, _, _ = greedy(model, tok, eos, compile=False)
-    compiled, _, _ = greedy(model, tok, eos, compile=True)
+    compiled, _, _ = greedy(model, tok, eos, compile=True, backend="eager")
     assert compiled == eager
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
 
@@ -146,7 +150,7 @@ def test_klt3_rides_the_decode_batch_and_the_compiled_step():
     reference = DecodeStep(model, ref_cache, compile=False, native=False)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    traced = DecodeStep(model, new_cache, compile=True, backend="aot_eager", native=False)
+    traced = DecodeStep(model, new_cache, compile=True, backend="eager", native=False)   # dynamo's capture
     slots, positions = [1, 0], [len(prompts[1]), len(prompts[0])]
     tokens = [int(logits[s].argmax()) for s in slots]
     for _ in range(3):
