@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import traceback
 
 import pytest
@@ -103,6 +104,12 @@ def _step(model, cache, decode_batch: bool, i: int, watch=None) -> None:
             model.run(Batch.build([(0, list(range(5, 25)), 10 + 20 * i), (1, [7], 4 + i)], device="meta"), cache)
 
 
+@functools.lru_cache(maxsize=None)
+def _calibration(n_heads: int, head_dim: int):
+    """klt3 fitted once per shape (1 s a fit; the cases only read it)."""
+    return random_calibration("klt3", n_heads, head_dim)
+
+
 @pytest.mark.parametrize("kind", sorted(CONFIGS))
 @pytest.mark.parametrize("type_k,type_v,window", [("f16", "f16", 0), ("q8_0", "turbo4", 0), ("turbo3", "q5_0", 0),
                                                   ("iq4_nl", "q4_0", 8), ("q8_0", "klt3", 0)])
@@ -117,7 +124,7 @@ def test_forward_sends_no_host_data_synchronously(kind, type_k, type_v, window, 
     model = build_on_meta(config_from_dict({**CONFIGS[kind], **({"head_dim": 64} if klt else {})}))
     if klt:
         c = model.config
-        model.kv_calibration = KVCalibration([random_calibration("klt3", c.num_key_value_heads, c.head_dim)] * 4)
+        model.kv_calibration = KVCalibration([_calibration(c.num_key_value_heads, c.head_dim)] * 4)
     cache = model.make_cache(256, 2, type_k, type_v, device="meta", page_size=16, f16_window=window)
     with torch.inference_mode():
         model.run(Batch.build([(0, list(range(3, 13)), 0), (1, [4, 5, 6, 7], 0)], device="meta"), cache)
