@@ -360,22 +360,39 @@ def test_llama_quantize_mixes_decode_in_the_c_step(wtype, tmp_path):
     assert worst < 1e-4 and same
 
 
-@pytest.fixture(scope="module")
-def moe256_folder(tmp_path_factory):
-    """A Qwen3.5-MoE text model whose matrices are whole K-quant super-blocks (hidden 256), so
-    that llama-quantize's mixes give its experts K types (the tiny test models' rows are too short)."""
+# Qwen3.5 text models whose matrices are whole K-quant super-blocks (hidden 256), so that
+# llama-quantize's mixes give them K and i-quant types (the tiny test models' rows are too short)
+WIDE256 = dict(vocab_size=512, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+               intermediate_size=256, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+               linear_value_head_dim=64, linear_conv_kernel_dim=4)
+
+
+def _wide256(tmp_path_factory, name: str, config_class: str, model_class: str, **extra):
     tf = pytest.importorskip("transformers")
     from .conftest import randomize, write_tiny_tokenizer
-    config = tf.Qwen3_5MoeTextConfig(
-        vocab_size=512, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=64, intermediate_size=256, linear_num_key_heads=2, linear_num_value_heads=4,
-        linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4, num_experts=8,
-        num_experts_per_tok=2, moe_intermediate_size=256, shared_expert_intermediate_size=256)
+    config = getattr(tf, config_class)(**WIDE256, **extra)
     torch.manual_seed(0)
-    folder = tmp_path_factory.mktemp("moe256")
-    randomize(tf.Qwen3_5MoeForCausalLM(config).eval()).save_pretrained(folder)
+    folder = tmp_path_factory.mktemp(name)
+    randomize(getattr(tf, model_class)(config).eval()).save_pretrained(folder)
     write_tiny_tokenizer(folder, config.vocab_size)
     return folder
+
+
+@pytest.fixture(scope="module")
+def moe256_folder(tmp_path_factory):
+    """Qwen3.6-35B-A3B's shape in small: 4 layers, 8 experts of 256, top 2, a shared expert."""
+    return _wide256(tmp_path_factory, "moe256", "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
+                    num_hidden_layers=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
+                    shared_expert_intermediate_size=256)
+
+
+@pytest.fixture(scope="module")
+def hybrid256_f32(tmp_path_factory):
+    """A dense Qwen3.5 of the bundled model's width and depth (8 layers: llama.cpp's mixes treat
+    the first and last eighth apart) with a vocabulary of 512, as an f32 GGUF."""
+    from kvslim.loading import convert_hf_to_gguf
+    folder = _wide256(tmp_path_factory, "hybrid256", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", num_hidden_layers=8)
+    return convert_hf_to_gguf(folder, folder / "f32.gguf", "f32")
 
 
 @pytest.mark.parametrize("wtype", ["q4_k", "iq4_xs", "iq3_xxs", "iq2_xxs"])      # iq2_xxs: convert measures an imatrix
@@ -449,12 +466,13 @@ def test_k_quant_matrices_take_8_bit_activations_in_both_steps(bundled_f32, tmp_
 # llama.cpp's mixes that between them hold every grid i-quant
 @pytest.mark.parametrize("ftype,types", [("iq1_s", {"iq1_s", "iq2_xxs"}), ("iq1_m", {"iq1_m"}), ("iq2_xs", {"iq2_xs"}),
                                          ("iq2_m", {"iq2_s", "iq3_s"}), ("iq3_xxs", {"iq3_xxs"})])
-def test_i_quant_mixes_decode_in_the_c_step(bundled_f32, ftype, types, tmp_path):
-    """The bundled model as llama.cpp's IQ1/IQ2/IQ3 files (what fits a 35B mixture or an 80B
-    Qwen3-Next in 24-32 GB): every matrix stays in its file's type, and the C step matches the
-    eager step over them."""
+def test_i_quant_mixes_decode_in_the_c_step(hybrid256_f32, ftype, types, tmp_path):
+    """A hybrid of the bundled model's widths as llama.cpp's IQ1/IQ2/IQ3 files (what fits a 35B
+    mixture or an 80B Qwen3-Next in 24-32 GB): every matrix stays in its file's type, and the C
+    step matches the eager step over them. (The bundled model's 8,192-token vocabulary took
+    two thirds of the quantizer's time and added no type.)"""
     from kvslim.weights.modules import _QuantWeight
-    model, _, _ = load_model(quantized_by_llama_cpp(bundled_f32, tmp_path / f"{ftype}.gguf", ftype), "f32")
+    model, _, _ = load_model(quantized_by_llama_cpp(hybrid256_f32, tmp_path / f"{ftype}.gguf", ftype), "f32")
     kinds = {m.wtype.name for m in model.modules() if isinstance(m, _QuantWeight)}
     assert types <= kinds, kinds
     worst, same = run_both(model, "q8_0", "q8_0", steps=6)
