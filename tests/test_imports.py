@@ -10,6 +10,7 @@ command line.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import kvslim
@@ -59,8 +60,11 @@ def imports_of(name: str, lazy: bool = True) -> set[str]:
     return {m for m in out if m.startswith("kvslim.") and m != name}
 
 
-GRAPH = {name: imports_of(name) for name in MODULES}
-LOAD_TIME = {name: imports_of(name, lazy=False) for name in MODULES}
+@functools.cache
+def graph(lazy: bool = True) -> dict[str, set[str]]:
+    """Each module's kvslim imports (``lazy``: counting those inside functions), built when a
+    test first asks rather than at collection, which every xdist worker repeats."""
+    return {name: imports_of(name, lazy) for name in MODULES}
 
 
 def part(name: str) -> str:
@@ -97,28 +101,28 @@ def test_the_cycle_finder_finds_a_cycle():
 
 
 def test_the_graph_sees_relative_and_lazy_imports():
-    assert "kvslim.formats" in GRAPH["kvslim.cache.kv"]                  # from .. import formats
-    assert "kvslim.gguf.reader" in GRAPH["kvslim.loading"]               # inside a function
-    assert "kvslim.plan.fit" in GRAPH["kvslim.plan.report"]              # from .fit import ...
-    assert "kvslim.gguf.reader" not in LOAD_TIME["kvslim.loading"]
+    assert "kvslim.formats" in graph()["kvslim.cache.kv"]                  # from .. import formats
+    assert "kvslim.gguf.reader" in graph()["kvslim.loading"]               # inside a function
+    assert "kvslim.plan.fit" in graph()["kvslim.plan.report"]              # from .fit import ...
+    assert "kvslim.gguf.reader" not in graph(lazy=False)["kvslim.loading"]
 
 
 def test_the_parts_of_the_package_form_no_cycle():
     parts: dict[str, set[str]] = {}
-    for name, targets in GRAPH.items():
+    for name, targets in graph().items():
         if name != "kvslim":                                       # the root re-exports kvslim.load
             parts.setdefault(part(name), set()).update(part(t) for t in targets if part(t) != part(name))
     assert find_cycle(parts) is None
 
 
 def test_modules_within_each_part_form_no_cycle_at_load_time():
-    for prefix in {part(name) for name in LOAD_TIME}:
-        inner = {n: {t for t in ts if part(t) == prefix} for n, ts in LOAD_TIME.items() if part(n) == prefix}
+    for prefix in {part(name) for name in graph(lazy=False)}:
+        inner = {n: {t for t in ts if part(t) == prefix} for n, ts in graph(lazy=False).items() if part(n) == prefix}
         assert find_cycle(inner) is None, prefix
 
 
 def test_only_the_command_line_imports_the_command_line():
-    upward = sorted((name, t) for name, targets in GRAPH.items() for t in targets
+    upward = sorted((name, t) for name, targets in graph().items() for t in targets
                     if t.startswith(COMMAND_LINE) and not name.startswith(COMMAND_LINE))
     assert upward == []
 

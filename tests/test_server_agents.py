@@ -12,6 +12,7 @@ the long session's replies) is the model's own greedy output.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -24,7 +25,8 @@ from kvslim.server import start
 from tests.test_server import free_port, options, wait_ready
 
 openai = pytest.importorskip("openai")
-anthropic = pytest.importorskip("anthropic")
+# the anthropic client is imported where a test uses it (2.5 s: every xdist worker collects this file)
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("anthropic") is None, reason="anthropic is not installed")
 TEMPLATE = Path(server_app.__file__).parents[1] / "data" / "templates" / "qwen3_5.jinja"
 TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a file",
                                            "parameters": {"type": "object", "properties": {
@@ -184,6 +186,7 @@ A_USER = [{"role": "user", "content": "Name a module."}]
 
 @pytest.fixture
 def ant(server):
+    import anthropic
     return anthropic.Anthropic(base_url=server, api_key="unused", max_retries=0)
 
 
@@ -243,6 +246,7 @@ def test_anthropic_stop_sequence_forced_tool_and_errors(server, ant):
                                       extra_body={"temperature": 0})
     assert forced_call.stop_reason == "tool_use" and forced_call.content[-1].name == "get_weather"
     assert isinstance(forced_call.content[-1].input["city"], str)
+    import anthropic
     with pytest.raises(anthropic.BadRequestError) as err:
         ant.messages.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}])

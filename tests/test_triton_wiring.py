@@ -194,38 +194,51 @@ def test_quantized_linear_takes_the_triton_kernels_where_they_run(tmp_path):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-def mixture_logits(args, path: Path) -> None:
-    """The tiny qwen3_5_moe (q8_0 weights, or float32 experts with ``weights`` None), in the
-    interpreted child or here: prompts of 70 and 4 tokens in one batch (148 routed pairs: the
-    grouped GEMM) and a decode step of the two (4 pairs: the expert GEMV, or batched products), f16 K/V;
-    which expert kernels ran, counted."""
+def mixture_logits(variants, path: Path) -> None:
+    """The tiny qwen3_5_moe of each (folder, weights) variant (q8_0 weights, or float32 experts
+    with ``weights`` None), in the interpreted child (both variants in one: a child's start is
+    a few seconds) or here: prompts of 70 and 4 tokens in one batch (148 routed pairs: the
+    grouped GEMM) and a decode step of the two (4 pairs: the expert GEMV, or batched products),
+    f16 K/V; which expert kernels ran, counted."""
     from kvslim.gpu import quant_matmul
     from kvslim.loading import load_model
     from kvslim.models import Batch
-    folder, weights = args
-    calls = []
+    calls, out = [], []
     for fn in ("gemm_experts", "gemv_experts"):
         inner = getattr(quant_matmul, fn)
         setattr(quant_matmul, fn, lambda *a, _f=inner, _n=fn, **k: calls.append(_n) or _f(*a, **k))
-    model, _, _ = load_model(folder, torch.float32, torch.device("cpu"), weights=weights)
-    cache = model.make_cache(128, 2, "f16", "f16")
-    prompt = model(Batch.build([(0, list(range(3, 73)), 0), (1, list(range(5, 9)), 0)]), cache, all_logits=True)
-    step = model(Batch.build([(0, [80], 70), (1, [81], 4)]), cache)
-    mixtures = sum(type(m).__name__ == "SparseMoE" for m in model.modules())
-    torch.save({"logits": (prompt, step), "calls": calls, "mixtures": mixtures}, path)
+    for folder, weights in variants:
+        calls.clear()
+        model, _, _ = load_model(folder, torch.float32, torch.device("cpu"), weights=weights)
+        cache = model.make_cache(128, 2, "f16", "f16")
+        prompt = model(Batch.build([(0, list(range(3, 73)), 0), (1, list(range(5, 9)), 0)]), cache, all_logits=True)
+        step = model(Batch.build([(0, [80], 70), (1, [81], 4)]), cache)
+        mixtures = sum(type(m).__name__ == "SparseMoE" for m in model.modules())
+        out.append({"logits": (prompt, step), "calls": list(calls), "mixtures": mixtures})
+    torch.save(out, path)
 
 
-@pytest.mark.parametrize("weights", ["q8_0", None])
-def test_mixture_model_logits_with_grouped_experts_match_the_loop(tiny_folder, tmp_path, weights):
+MIXTURE_WEIGHTS = ["q8_0", None]
+
+
+@pytest.fixture(scope="module")
+def interpreted_mixtures(tiny_folder, tmp_path_factory):
+    """weights -> what ``mixture_logits`` saw in one interpreted child, with the kernels on."""
+    variants = [(str(tiny_folder("qwen3_5_moe")[0]), w) for w in MIXTURE_WEIGHTS]
+    return dict(zip(MIXTURE_WEIGHTS, run_interpreted("tests.test_triton_wiring", "mixture_logits", variants,
+                                                     tmp_path_factory.mktemp("mixtures"))))
+
+
+@pytest.mark.parametrize("weights", MIXTURE_WEIGHTS)
+def test_mixture_model_logits_with_grouped_experts_match_the_loop(interpreted_mixtures, tiny_folder, tmp_path, weights):
     """A whole mixture-of-experts model (GGUF or float experts) with every kernel on (weights' GEMV/GEMM, routed experts
     grouped, attention, append) gives the logits of this process's paths (experts looped)."""
-    folder = str(tiny_folder("qwen3_5_moe")[0])
-    got = run_interpreted("tests.test_triton_wiring", "mixture_logits", (folder, weights), tmp_path)
+    got = interpreted_mixtures[weights]
     assert got["mixtures"] > 0                               # the prompt: gate_up and down per mixture layer
     assert got["calls"].count("gemm_experts") == 2 * got["mixtures"]
     assert ("gemv_experts" in got["calls"]) == bool(weights)  # decode: the GEMV, or dense batched products
-    mixture_logits((folder, weights), tmp_path / "here.pt")
-    want = torch.load(tmp_path / "here.pt")
+    mixture_logits([(str(tiny_folder("qwen3_5_moe")[0]), weights)], tmp_path / "here.pt")
+    want = torch.load(tmp_path / "here.pt")[0]
     assert want["calls"] == []                               # kernels off here: the loop
     for a, b in zip(got["logits"], want["logits"]):
         torch.testing.assert_close(a, b, atol=1e-4 * b.abs().max().item(), rtol=1e-4)
