@@ -81,7 +81,8 @@ setup() {
 # CUDA tests run with and without the kernels; the kernel files' tests call the kernels directly.
 MODEL_TESTS="tests/test_runtime.py tests/test_sampling.py tests/test_formats_api.py tests/test_models.py tests/test_graph_decode.py"
 KERNEL_TESTS="tests/test_triton_attention.py tests/test_triton_prefill.py tests/test_triton_append.py
-    tests/test_triton_weights.py tests/test_gpu_delta_rule.py tests/test_gpu_moe.py tests/test_gpu_swiglu.py tests/test_gpu_conv_step.py tests/test_gpu_rope.py"
+    tests/test_triton_weights.py tests/test_gpu_delta_rule.py tests/test_gpu_moe.py tests/test_gpu_swiglu.py tests/test_gpu_conv_step.py tests/test_gpu_rope.py
+    tests/test_gpu_add_norm.py"
 PYTEST="-m pytest -p no:cacheprovider -o addopts= -rs -q"
 
 # `all` cuts each step to what its BUDGET leaves; the single phases run with deadline unset.

@@ -56,11 +56,11 @@ def _dot_of(args: tuple, kw: dict) -> str:
 
 def logits_counted(pairs, path: Path) -> None:
     """``logits`` in the interpreted child, counting the kernels' calls. Only the attention kernels
-    are on: the SwiGLU, conv-step and q/k norm-rope kernels (tests/test_gpu_swiglu.py,
-    test_gpu_conv_step.py, test_gpu_rope.py) sum and round a few float32 ulps from torch,
+    are on: the SwiGLU, conv-step, q/k norm-rope and add-norm kernels (tests/test_gpu_swiglu.py,
+    test_gpu_conv_step.py, test_gpu_rope.py, test_gpu_add_norm.py) sum and round a few float32 ulps from torch,
     which could move the first attention layer's K/V off the torch path's bytes."""
-    from kvslim.gpu import conv_step, kv_append, paged_prefill, rope, swiglu
-    swiglu.runs_on = conv_step.runs_on = rope.runs_on = lambda x: False
+    from kvslim.gpu import add_norm, conv_step, kv_append, paged_prefill, rope, swiglu
+    swiglu.runs_on = conv_step.runs_on = rope.runs_on = add_norm.runs_on = lambda x: False
     calls = {"prefill": 0, "decode": 0, "append": 0}
 
     dots = set()

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import gpu
+from ..gpu import add_norm as gpu_add_norm
 from ..gpu import delta_rule as gpu_delta_rule
 from ..gpu import quant_matmul as gpu_weights
 from ..gpu import moe as gpu_moe
@@ -39,6 +40,15 @@ class RMSNorm(nn.Module):
         if self.zero_centered:
             return (y * (1.0 + self.weight.float())).type_as(x)
         return self.weight * y.type_as(x)
+
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this norm of x + delta, x + delta): a residual add and the norm after it, in one
+        launch where the GPU kernels run (``gpu.add_norm``; rows of x and delta contiguous)."""
+        if gpu.TRITON and x.dim() == 2 and x.stride(-1) == 1 and delta.stride(-1) == 1 and gpu_add_norm.runs_on(x):
+            weight = self.shifted_weight() if self.zero_centered else self.weight
+            return gpu_add_norm.add_rms_norm(x, delta, weight.to(x.dtype), self.eps)
+        x = x + delta
+        return self(x), x
 
     def fused_norm(self, x: torch.Tensor) -> torch.Tensor:
         """``fused_rms_norm`` with this norm's weight (1 + w when zero-centred)."""
@@ -449,7 +459,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, batch: Batch, cache, rope) -> torch.Tensor:
         mixer = getattr(self, self.mixer_name)
         if self.mixer_name == "self_attn":
-            x = x + mixer(self.input_layernorm(x), batch, cache, rope)
+            mixed = mixer(self.input_layernorm(x), batch, cache, rope)
         else:
-            x = x + mixer(self.input_layernorm(x), batch, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+            mixed = mixer(self.input_layernorm(x), batch, cache)
+        normed, x = self.post_attention_layernorm.add_forward(x, mixed)
+        return x + self.mlp(normed)
