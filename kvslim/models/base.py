@@ -77,13 +77,14 @@ class CausalLM(nn.Module):
 
     def run(self, batch, caches: list, all_logits: bool = False) -> torch.Tensor:
         """``forward`` without the inference-mode wrapper: what a compiled step traces."""
-        x = self.model.embed_tokens(batch.tokens)
+        x, delta = self.model.embed_tokens(batch.tokens), None
         rope = self.rope.tables(batch.positions, x.dtype)
         for layer, cache in zip(self.model.layers, caches):
-            x = layer(x, batch, cache, rope)
+            x, delta = layer(x, batch, cache, rope, delta)         # delta: added by the next norm
         if not all_logits and not batch.is_decode:                   # decode: every row is a last row
-            x = x[to_device(batch.last_rows, x.device)]            # a list index would copy synchronously
-        return self.logits(self.model.norm(x)).float()
+            rows = to_device(batch.last_rows, x.device)            # a list index would copy synchronously
+            x, delta = x[rows], delta[rows]
+        return self.logits(self.model.norm.add_forward(x, delta)[0]).float()
 
     def make_cache(self, ctx: int | CacheConfig, n_slots: int = 1, type_k: str = "f16", type_v: str = "f16",
                    device: torch.device | str | None = None, **kv_options) -> ModelCache:

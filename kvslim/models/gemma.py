@@ -49,9 +49,9 @@ class EmbeddingScaledLayer(DecoderLayer):
     activations' dtype, as transformers' GemmaTextScaledWordEmbedding does. Scaling here, not in
     the table, keeps the tied head and any quantized embedding unchanged."""
 
-    def forward(self, x: torch.Tensor, *args) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *args) -> tuple[torch.Tensor, torch.Tensor]:
         # sqrt(hidden) rounded to the activations' dtype on the host: a number, not a tensor
-        # copied to the device every forward
+        # copied to the device every forward (the first layer: no earlier MLP output pending)
         scale = torch.tensor(self.input_layernorm.weight.shape[0] ** 0.5, dtype=x.dtype).item()
         return super().forward(x * scale, *args)
 

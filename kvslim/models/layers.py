@@ -456,11 +456,18 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden, eps, zero_centered)
         self.post_attention_layernorm = RMSNorm(hidden, eps, zero_centered)
 
-    def forward(self, x: torch.Tensor, batch: Batch, cache, rope) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: Batch, cache, rope,
+                delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream x plus ``delta`` (the previous layer's MLP output, not yet added)
+        through this layer -> (the stream after the mixer, this layer's MLP output): each add
+        is left to the norm that reads its sum (``RMSNorm.add_forward``: one launch where the
+        GPU kernels run), the last one to the model's final norm. The same sums as adding at
+        once, in the same order."""
         mixer = getattr(self, self.mixer_name)
+        normed, x = (self.input_layernorm(x), x) if delta is None else self.input_layernorm.add_forward(x, delta)
         if self.mixer_name == "self_attn":
-            mixed = mixer(self.input_layernorm(x), batch, cache, rope)
+            mixed = mixer(normed, batch, cache, rope)
         else:
-            mixed = mixer(self.input_layernorm(x), batch, cache)
+            mixed = mixer(normed, batch, cache)
         normed, x = self.post_attention_layernorm.add_forward(x, mixed)
-        return x + self.mlp(normed)
+        return x, self.mlp(normed)
