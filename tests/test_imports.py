@@ -128,7 +128,7 @@ def test_only_the_command_line_imports_the_command_line():
 
 
 def test_the_command_line_starts_without_torchs_compiler():
-    """``kvslim`` imports no torch._dynamo until something compiles: the import took 2.4 s of
+    """``kvslim`` imports no torch._dynamo until something compiles: about half a second of
     every command's start (and of every test's child process)."""
     import subprocess
     import sys

@@ -36,7 +36,8 @@ VARIANTS = {                  # the tests hold every build the machine can run t
 def traced_as_constant(fn):
     """What ``torch._dynamo.assume_constant_result`` does (a traced call of ``fn`` is made once
     and its result kept as a constant: no graph break at a ctypes call), without importing
-    torch._dynamo, which took 2.4 s of every kvslim process's start (tests/test_imports.py
+    torch._dynamo, which every kvslim process's start paid (import kvslim.loading: 3.4-3.9 s to
+    2.8-3.4 s wall, medians of 5 on 2 busy cores; tests/test_imports.py
     holds the two to the same mark)."""
     fn._dynamo_marked_constant = True
     return fn
