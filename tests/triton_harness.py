@@ -46,9 +46,10 @@ def quick_device_calls() -> None:
     call patches for good (its patches are never undone): later calls skip it while its builtins
     and the tensor class's (patched by each launch) are patched (11% of the weights child's
     time, 20,000 calls). The values are the same; the weights fixture's child runs in 45 s
-    instead of 57, and in 37 instead of 47 once triton.language.core is skipped too. A helper reaching an unpatched builtin would fail loudly (a builtin
-    called outside a kernel raises), not compute otherwise. Left alone where the interpreter's
-    device call is not the one this was written against."""
+    instead of 57, and in 37 instead of 47 once triton.language.core is skipped too. A helper
+    reaching an unpatched builtin would fail loudly (a builtin called outside a kernel raises),
+    not compute otherwise. Left alone where the interpreter's device call is not the one this
+    was written against."""
     import inspect
     from triton.runtime import interpreter
     call = interpreter.InterpretedFunction.__call__
