@@ -132,7 +132,8 @@ def test_the_command_line_starts_without_torchs_compiler():
     every command's start (and of every test's child process)."""
     import subprocess
     import sys
-    code = "import sys, kvslim.cli, kvslim.loading, kvslim.server; print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))"
+    code = ("import sys, kvslim.cli, kvslim.loading, kvslim.server; "
+            "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]", done.stdout
 

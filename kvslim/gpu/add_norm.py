@@ -29,8 +29,8 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
     computed in float32 from that rounded sum and rounded once (as ``F.rms_norm`` does)."""
     if x.dim() != 2 or delta.shape != x.shape or weight.shape != x.shape[1:] \
             or x.stride(-1) != 1 or delta.stride(-1) != 1:
-        raise ValueError(f"x and delta (R, H) with contiguous rows and weight (H,) expected, got "
-                         f"{tuple(x.shape)} {x.stride()}, {tuple(delta.shape)} {delta.stride()} and {tuple(weight.shape)}")
+        raise ValueError(f"x and delta (R, H) with contiguous rows and weight (H,) expected, got {tuple(x.shape)} "
+                         f"{x.stride()}, {tuple(delta.shape)} {delta.stride()} and {tuple(weight.shape)}")
     rows, hidden = x.shape
     summed, normed = (torch.empty(rows, hidden, device=x.device, dtype=x.dtype) for _ in range(2))
     if rows and hidden:
