@@ -93,6 +93,18 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
+def saved_random_model(folder, config_class: str, model_class: str, **config):
+    """A transformers ``model_class`` of ``config_class(**config)`` (names in transformers),
+    seeded with 0 and ``randomize``d, saved in ``folder`` with ``write_tiny_tokenizer``'s
+    tokenizer; returns the folder."""
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    made = getattr(tf, config_class)(**config)
+    randomize(getattr(tf, model_class)(made).eval()).save_pretrained(folder)
+    write_tiny_tokenizer(folder, made.vocab_size)
+    return folder
+
+
 def write_tiny_tokenizer(folder, vocab_size: int) -> None:
     """A byte-level BPE trained on real text (standard-library docstrings), saved as HF files."""
     import json

@@ -94,20 +94,10 @@ MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, share
 def moe_folder(tmp_path_factory):
     """``moe_folder(kind)``: a tiny Qwen3.5-MoE or Qwen3-Next whose expert widths are whole
     blocks of 32 (conftest's shared experts are 48 wide: refused below); 8 experts, top 2."""
-    tf = pytest.importorskip("transformers")
-    from tests.conftest import LINEAR, TINY, randomize, write_tiny_tokenizer
-    classes = {"qwen3_5_moe": (tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM),
-               "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM)}
-
-    def make(kind):
-        config_class, model_class = classes[kind]
-        torch.manual_seed(0)
-        config = config_class(**TINY, **LINEAR, **MOE)
-        folder = tmp_path_factory.mktemp(kind)
-        randomize(model_class(config).eval()).save_pretrained(folder)
-        write_tiny_tokenizer(folder, config.vocab_size)
-        return folder
-    return make
+    from tests.conftest import LINEAR, TINY, saved_random_model
+    classes = {"qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
+               "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM")}
+    return lambda kind: saved_random_model(tmp_path_factory.mktemp(kind), *classes[kind], **TINY, **LINEAR, **MOE)
 
 
 @pytest.mark.parametrize("kind,weights", [("qwen3_5_moe", None), ("qwen3_5_moe", "q8_0"), ("qwen3_next", None)])
@@ -367,23 +357,13 @@ WIDE256 = dict(vocab_size=512, hidden_size=256, num_attention_heads=4, num_key_v
                linear_value_head_dim=64, linear_conv_kernel_dim=4)
 
 
-def _wide256(tmp_path_factory, name: str, config_class: str, model_class: str, **extra):
-    tf = pytest.importorskip("transformers")
-    from .conftest import randomize, write_tiny_tokenizer
-    config = getattr(tf, config_class)(**WIDE256, **extra)
-    torch.manual_seed(0)
-    folder = tmp_path_factory.mktemp(name)
-    randomize(getattr(tf, model_class)(config).eval()).save_pretrained(folder)
-    write_tiny_tokenizer(folder, config.vocab_size)
-    return folder
-
-
 @pytest.fixture(scope="module")
 def moe256_folder(tmp_path_factory):
     """Qwen3.6-35B-A3B's shape in small: 4 layers, 8 experts of 256, top 2, a shared expert."""
-    return _wide256(tmp_path_factory, "moe256", "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
-                    num_hidden_layers=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
-                    shared_expert_intermediate_size=256)
+    from .conftest import saved_random_model
+    return saved_random_model(tmp_path_factory.mktemp("moe256"), "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
+                              **WIDE256, num_hidden_layers=4, num_experts=8, num_experts_per_tok=2,
+                              moe_intermediate_size=256, shared_expert_intermediate_size=256)
 
 
 @pytest.fixture(scope="module")
@@ -391,7 +371,10 @@ def hybrid256_f32(tmp_path_factory):
     """A dense Qwen3.5 of the bundled model's width and depth (8 layers: llama.cpp's mixes treat
     the first and last eighth apart) with a vocabulary of 512, as an f32 GGUF."""
     from kvslim.loading import convert_hf_to_gguf
-    folder = _wide256(tmp_path_factory, "hybrid256", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", num_hidden_layers=8)
+
+    from .conftest import saved_random_model
+    folder = saved_random_model(tmp_path_factory.mktemp("hybrid256"), "Qwen3_5TextConfig", "Qwen3_5ForCausalLM",
+                                **WIDE256, num_hidden_layers=8)
     return convert_hf_to_gguf(folder, folder / "f32.gguf", "f32")
 
 

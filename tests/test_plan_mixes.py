@@ -39,21 +39,15 @@ FAMILIES = ["q3_k_m", "iq4_xs", "iq3_xxs", "q2_k", "iq2_xxs"]          # where G
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """shape -> (folder, its f32 GGUF), made once."""
-    import torch
-    tf = pytest.importorskip("transformers")
     from kvslim.loading import convert_hf_to_gguf
 
-    from .conftest import randomize, write_tiny_tokenizer
+    from .conftest import saved_random_model
     made = {}
 
     def get(shape: str):
         if shape not in made:
             config_class, model_class, extra = SHAPES[shape]
-            torch.manual_seed(0)
-            model = getattr(tf, model_class)(getattr(tf, config_class)(**WIDE, **extra)).eval()
-            folder = tmp_path_factory.mktemp(shape)
-            randomize(model).save_pretrained(folder)
-            write_tiny_tokenizer(folder, WIDE["vocab_size"])
+            folder = saved_random_model(tmp_path_factory.mktemp(shape), config_class, model_class, **WIDE, **extra)
             made[shape] = folder, convert_hf_to_gguf(folder, folder / "f32.gguf", "f32")
         return made[shape]
     return get

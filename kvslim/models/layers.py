@@ -41,9 +41,12 @@ class RMSNorm(nn.Module):
             return (y * (1.0 + self.weight.float())).type_as(x)
         return self.weight * y.type_as(x)
 
-    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(this norm of x + delta, x + delta): a residual add and the norm after it, in one
-        launch where the GPU kernels run (``gpu.add_norm``; rows of x and delta contiguous)."""
+        launch where the GPU kernels run (``gpu.add_norm``; rows of x and delta contiguous).
+        ``delta`` None: nothing to add (the first layer's input)."""
+        if delta is None:
+            return self(x), x
         if gpu.TRITON and x.dim() == 2 and x.stride(-1) == 1 and delta.stride(-1) == 1 and gpu_add_norm.runs_on(x):
             weight = self.shifted_weight() if self.zero_centered else self.weight
             return gpu_add_norm.add_rms_norm(x, delta, weight.to(x.dtype), self.eps)
@@ -464,7 +467,7 @@ class DecoderLayer(nn.Module):
         GPU kernels run), the last one to the model's final norm. The same sums as adding at
         once, in the same order."""
         mixer = getattr(self, self.mixer_name)
-        normed, x = (self.input_layernorm(x), x) if delta is None else self.input_layernorm.add_forward(x, delta)
+        normed, x = self.input_layernorm.add_forward(x, delta)
         if self.mixer_name == "self_attn":
             mixed = mixer(normed, batch, cache, rope)
         else:
