@@ -102,5 +102,5 @@ def test_bad_shapes_are_named():
 def test_add_rms_norm_compiles_for_an_h100_without_one(dtype):
     from kvslim.gpu import _add_norm_kernel as kernel
     pointers = {"x_ptr": f"*{dtype}", "d_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "sum_ptr": f"*{dtype}",
-                "out_ptr": f"*{dtype}"}
+                "out_ptr": f"*{dtype}", "eps": "fp32"}
     assert compile_for_sm90(kernel.add_rms_norm, pointers, {"BLOCK": 2048}, 8).asm["cubin"]

@@ -13,18 +13,17 @@ import pytest
 import torch
 
 from kvslim.gpu import delta_rule as fla
-from kvslim.models.delta_rule import (chunk_gated_delta_rule, gated_delta_decode, gated_delta_step, l2norm,
-                                     recurrent_gated_delta_rule, rule_for)
+from kvslim.models.delta_rule import (chunk_gated_delta_rule, chunk_rule, gated_delta_decode, gated_delta_step, l2norm,
+                                     recurrent_gated_delta_rule)
 
 from .triton_harness import FLA_PATH, run_interpreted
 
 
 def test_the_cpu_never_takes_fla():
     """fla-core never serves the CPU: prompts take the C recurrence (or, without a compiler, the
-    torch chunked form; tests/test_native_delta_rule.py), decode steps the torch step."""
+    torch chunked form; tests/test_native_delta_rule.py)."""
     assert not fla.serves(torch.device("cpu"))
-    chunk, decode = rule_for(torch.device("cpu"))
-    assert decode is gated_delta_decode
+    chunk = chunk_rule(torch.device("cpu"))
     assert chunk is not fla.chunk and (chunk is chunk_gated_delta_rule or chunk.__name__ == "_native_chunk")
 
 

@@ -56,11 +56,11 @@ def _dot_of(args: tuple, kw: dict) -> str:
 
 def logits_counted(pairs, path: Path) -> None:
     """``logits`` in the interpreted child, counting the kernels' calls. Only the attention kernels
-    are on: the SwiGLU, conv-step, q/k norm-rope and add-norm kernels (tests/test_gpu_swiglu.py,
-    test_gpu_conv_step.py, test_gpu_rope.py, test_gpu_add_norm.py) sum and round a few float32 ulps from torch,
-    which could move the first attention layer's K/V off the torch path's bytes."""
-    from kvslim.gpu import add_norm, conv_step, kv_append, paged_prefill, rope, swiglu
-    swiglu.runs_on = conv_step.runs_on = rope.runs_on = add_norm.runs_on = lambda x: False
+    are on: the SwiGLU, conv-step, DeltaNet-step, q/k norm-rope and add-norm kernels (tests/test_gpu_swiglu.py,
+    test_gpu_conv_step.py, test_gpu_delta_step.py, test_gpu_rope.py, test_gpu_add_norm.py) sum and round a few
+    float32 ulps from torch, which could move the first attention layer's K/V off the torch path's bytes."""
+    from kvslim.gpu import add_norm, conv_step, delta_step, kv_append, paged_prefill, rope, swiglu
+    swiglu.runs_on = conv_step.runs_on = delta_step.runs_on = rope.runs_on = add_norm.runs_on = lambda x: False
     calls = {"prefill": 0, "decode": 0, "append": 0}
 
     dots = set()
@@ -199,14 +199,14 @@ def mixture_logits(variants, path: Path) -> None:
     with ``weights`` None), in the interpreted child (both variants in one: a child's start is
     a few seconds) or here: prompts of 70 and 4 tokens in one batch (148 routed pairs: the
     grouped GEMM) and a decode step of the two (4 pairs: the expert GEMV, or batched products),
-    f16 K/V; which expert kernels ran, counted."""
-    from kvslim.gpu import quant_matmul
+    f16 K/V; which expert and DeltaNet-step kernels ran, counted."""
+    from kvslim.gpu import delta_step, quant_matmul
     from kvslim.loading import load_model
     from kvslim.models import Batch
     calls, out = [], []
-    for fn in ("gemm_experts", "gemv_experts"):
-        inner = getattr(quant_matmul, fn)
-        setattr(quant_matmul, fn, lambda *a, _f=inner, _n=fn, **k: calls.append(_n) or _f(*a, **k))
+    for module, fn in ((quant_matmul, "gemm_experts"), (quant_matmul, "gemv_experts"), (delta_step, "delta_step")):
+        inner = getattr(module, fn)
+        setattr(module, fn, lambda *a, _f=inner, _n=fn, **k: calls.append(_n) or _f(*a, **k))
     for folder, weights in variants:
         calls.clear()
         model, _, _ = load_model(folder, torch.float32, torch.device("cpu"), weights=weights)
@@ -214,7 +214,8 @@ def mixture_logits(variants, path: Path) -> None:
         prompt = model(Batch.build([(0, list(range(3, 73)), 0), (1, list(range(5, 9)), 0)]), cache, all_logits=True)
         step = model(Batch.build([(0, [80], 70), (1, [81], 4)]), cache)
         mixtures = sum(type(m).__name__ == "SparseMoE" for m in model.modules())
-        out.append({"logits": (prompt, step), "calls": list(calls), "mixtures": mixtures})
+        deltas = sum(type(m).__name__ == "GatedDeltaNet" for m in model.modules())
+        out.append({"logits": (prompt, step), "calls": list(calls), "mixtures": mixtures, "deltas": deltas})
     torch.save(out, path)
 
 
@@ -232,11 +233,12 @@ def interpreted_mixtures(tiny_folder, tmp_path_factory):
 @pytest.mark.parametrize("weights", MIXTURE_WEIGHTS)
 def test_mixture_model_logits_with_grouped_experts_match_the_loop(interpreted_mixtures, tiny_folder, tmp_path, weights):
     """A whole mixture-of-experts model (GGUF or float experts) with every kernel on (weights' GEMV/GEMM, routed experts
-    grouped, attention, append) gives the logits of this process's paths (experts looped)."""
+    grouped, attention, append, the DeltaNet decode step) gives the logits of this process's paths (experts looped)."""
     got = interpreted_mixtures[weights]
     assert got["mixtures"] > 0                               # the prompt: gate_up and down per mixture layer
     assert got["calls"].count("gemm_experts") == 2 * got["mixtures"]
     assert ("gemv_experts" in got["calls"]) == bool(weights)  # decode: the GEMV, or dense batched products
+    assert got["deltas"] > 0 and got["calls"].count("delta_step") == got["deltas"]   # decode: one a DeltaNet layer
     mixture_logits([(str(tiny_folder("qwen3_5_moe")[0]), weights)], tmp_path / "here.pt")
     want = torch.load(tmp_path / "here.pt")[0]
     assert want["calls"] == []                               # kernels off here: the loop

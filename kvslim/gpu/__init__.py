@@ -67,7 +67,8 @@ def runs_on(kernel_module, device: torch.device) -> bool:
 def compile_sm90(fn, pointers: dict[str, str], constexprs: dict, divisible: tuple = (), **options):
     """Compile the @triton.jit ``fn`` for an H100/H200 (sm_90) without a GPU, through Triton's
     compiler and the ptxas in its wheel: arguments named in ``pointers`` take those types
-    ("*u8", "*fp32", ...), those in ``constexprs`` their values, the rest are i32; ``options``
+    ("*u8", "*fp32", ...; "fp32" for a float scalar), those in ``constexprs`` their values, the
+    rest are i32; ``options``
     as a launch's (num_warps, num_stages; FMA fusion on unless one says otherwise). As a launch specialises them, the pointers are known
     16-byte aligned (torch's allocations are) and the ints named in ``divisible`` multiples of
     16 (a launch marks every int argument that is one): without that, the compiler cannot prove
@@ -81,6 +82,6 @@ def compile_sm90(fn, pointers: dict[str, str], constexprs: dict, divisible: tupl
     constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **constexprs}
     signature = {name: pointers.get(name, "constexpr" if name in constexprs else "i32") for name in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-             if name in pointers or name in divisible}
+             if pointers.get(name, "").startswith("*") or name in divisible}
     return triton.compile(triton.compiler.ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                           options={**FP_FUSION, **options})

@@ -10,10 +10,10 @@ is the prefill path (and ``gated_delta_step`` the in-place decode step): within 
 the WY/UT transform (one triangular solve) so the work is matmuls, and only the
 chunks are sequential. Both take q and k already L2-normalised, repeated to
 the value heads, and return float32; ``gated_delta_decode`` takes a decode step's raw
-inputs (q and k as convolved, the gates' pre-activations) and does the rest. ``rule_for``
-picks, per device, these torch forms, fla-core's kernels on a CUDA device
-(kvslim/gpu/delta_rule.py) or the C recurrence for prompts on the CPU
-(kvslim/native/delta_rule.py), which are held to these.
+inputs (q and k as convolved, the gates' pre-activations) and does the rest. ``chunk_rule``
+picks, per device, the prompt form: the torch one, fla-core's kernel on a CUDA device
+(kvslim/gpu/delta_rule.py) or the C recurrence on the CPU (kvslim/native/delta_rule.py);
+a GPU's decode step is kvslim/gpu/delta_step.py. All are held to these.
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def gated_delta_decode(q, k, v, a, b, A_log, dt_bias, state):
     v (B, Hv, dv); a, b (B, Hv) the gates' pre-activations (``gates``). q and k are
     L2-normalised and repeated to the value heads (value head h reads key head h // (Hv / Hk)),
     then ``gated_delta_step`` updates ``state`` (B, Hv, dk, dv) in place. Returns o (B, Hv, dv)
-    float32. fla-core's fused recurrent kernel does all of it in one launch (gpu/delta_rule.py)."""
+    float32. gpu/delta_step.py does all of it in one launch on the slots' states in place."""
     q, k = value_heads(q, k, v.shape[1])
     g, beta = gates(a, b, A_log, dt_bias)
     return gated_delta_step(q, k, v, g, beta, state)
@@ -117,16 +117,16 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
     return out, s
 
 
-def rule_for(device: torch.device):
-    """(chunk, decode) for layers on ``device``: ``chunk`` with ``chunk_gated_delta_rule``'s
-    contract, ``decode`` with ``gated_delta_decode``'s. fla-core's kernels where they serve it;
-    on the CPU the C recurrence for prompts (decode steps run in C already, or in torch when
-    compiled); else the torch forms."""
+def chunk_rule(device: torch.device):
+    """The prompt form for layers on ``device``, with ``chunk_gated_delta_rule``'s contract:
+    fla-core's chunked kernel where it serves; on the CPU the C recurrence; else the torch form.
+    (Decode steps take ``gated_delta_decode``, or on a GPU gpu/delta_step's launch on the
+    slots' states in place: the layer chooses, as it chooses the conv step.)"""
     if fla.serves(device):
-        return fla.chunk, fla.decode
+        return fla.chunk
     if native.serves(device):
-        return _native_chunk, gated_delta_decode
-    return chunk_gated_delta_rule, gated_delta_decode
+        return _native_chunk
+    return chunk_gated_delta_rule
 
 
 def _native_chunk(q, k, v, g, beta, state):

@@ -11,10 +11,11 @@ from torch import nn
 
 from .. import gpu
 from ..gpu import conv_step as gpu_conv
+from ..gpu import delta_step as gpu_step
 from .base import CausalLM
 from .batch import Batch
 from .config import HybridConfig
-from .delta_rule import causal_conv, causal_conv_step, gates, rule_for, value_heads
+from .delta_rule import causal_conv, causal_conv_step, chunk_rule, gated_delta_decode, gates, value_heads
 from .layers import MLP, Attention, DecoderLayer, RMSNormGated, Rope, SparseMoE, fuse
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
@@ -79,25 +80,29 @@ class GatedDeltaNet(nn.Module):
         mixed, cache.conv[seg.slot] = causal_conv(qkv[rows], cache.conv[seg.slot], self.conv1d.weight[:, 0])
         q, k, v = self._heads(mixed)
         q, k = value_heads(q, k, self.n_v)
-        chunk, _ = rule_for(q.device)
+        chunk = chunk_rule(q.device)
         o, state = chunk(q[None], k[None], v[None], g[None, rows], beta[None, rows], cache.recurrent[seg.slot][None])
         out[rows], cache.recurrent[seg.slot] = o[0], state[0]
         cache.advance(seg.slot, seg.length)
 
     def _decode(self, qkv, a, b, batch, cache, out) -> None:
         """One token for each sequence, all in one step, from the raw q, k, v and gate inputs
-        (``gated_delta_decode``: one fla-core launch on a GPU). Consecutive slots are updated in
-        place through a view; others are gathered and scattered back."""
+        (``gated_delta_decode``). On a GPU with the kernels on, two launches read and update
+        each slot's conv and recurrent states where the cache keeps them; otherwise consecutive
+        slots are updated in place through a view, others gathered and scattered back."""
         idx = batch.slot_index()
-        if gpu.TRITON and gpu_conv.runs_on(qkv):              # one launch, the slots' states in place
+        if gpu.TRITON and gpu_conv.runs_on(qkv):
             mixed = gpu_conv.conv_step(qkv, cache.conv, batch.slot_ids, self.conv1d.weight[:, 0])
         else:
             mixed, cache.conv[idx] = causal_conv_step(qkv, cache.conv[idx], self.conv1d.weight[:, 0])
-        state = cache.recurrent[idx]                                # a view when idx is a slice
-        _, decode = rule_for(mixed.device)
-        out[:] = decode(*self._heads(mixed), a, b, self.A_log, self.dt_bias, state)
-        if not isinstance(idx, slice):
-            cache.recurrent[idx] = state
+        if gpu.TRITON and gpu_step.runs_on(mixed):
+            gpu_step.delta_step(*self._heads(mixed), a, b, self.A_log, self.dt_bias, cache.recurrent,
+                                batch.slot_ids, out=out)
+        else:
+            state = cache.recurrent[idx]                            # a view when idx is a slice
+            out[:] = gated_delta_decode(*self._heads(mixed), a, b, self.A_log, self.dt_bias, state)
+            if not isinstance(idx, slice):
+                cache.recurrent[idx] = state
         if not batch.prepared:                                      # else the caller commits lengths
             for seg in batch.segments:
                 cache.advance(seg.slot, 1)

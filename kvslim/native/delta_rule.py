@@ -3,7 +3,7 @@
 Same contract as ``kvslim.models.delta_rule.chunk_gated_delta_rule`` (its reference, held to it
 by tests/test_native_delta_rule.py): the token-by-token recurrence with one thread per value
 head, which on the CPU costs a fraction of the chunked form's ~40 small torch ops per chunk.
-Inference only: it keeps no autograd graph, so ``kvslim.models.delta_rule.rule_for`` leaves
+Inference only: it keeps no autograd graph, so ``kvslim.models.delta_rule.chunk_rule`` leaves
 inputs that need gradients to torch.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ def _library(variant: str | None = None):
     return lib
 
 
-@build.traced_as_constant      # traced (rule_for in a compiled decode step): decided once
+@build.traced_as_constant      # traced (chunk_rule in a compiled decode step): decided once
 def available() -> bool:
     return _library() is not None
 

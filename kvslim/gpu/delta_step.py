@@ -1,0 +1,64 @@
+"""A Gated DeltaNet layer's decode step in one Triton launch, on the slots' states in place.
+
+``gated_delta_decode`` (kvslim/models/delta_rule.py, the reference) normalises q and k, repeats
+them to the value heads, computes the gates and steps a (B, Hv, dk, dv) state. fla-core's fused
+recurrent kernel (gpu/delta_rule.decode) does that in one launch, but takes the states as one
+tensor per batch: the layer gathered its slots' states from the cache, fla-core wrote the final
+state to a new tensor, which was copied back and scattered into the cache (about 5 launches
+and 5 extra reads and writes of every state, 2 MB a sequence per layer for Qwen3.6-35B-A3B).
+``delta_step`` reads each sequence's state where the cache keeps it, by its slot id, as the conv
+step and the attention kernels do (a CUDA graph replays it for any slots). tests/test_gpu_delta_step.py
+holds it to the torch form under Triton's interpreter.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import FP_FUSION, kernels, pow2, serves
+
+BLOCK_V = 8             # value columns a program: fla-core's choice for its recurrent step (a
+                        # (dk, 8) float32 tile in one warp), so a batch of one fills the SMs
+
+
+def _kernel():
+    return kernels("_delta_step_kernel")                 # imports triton: only when a kernel runs
+
+
+def runs_on(x: torch.Tensor) -> bool:
+    """Whether the kernel can run on x's device here (``kvslim.gpu.runs_on``)."""
+    return serves("_delta_step_kernel", x.device)
+
+
+def _rows(t: torch.Tensor, heads: int, dim: int) -> torch.Tensor:
+    """t (B, heads, dim) or (B, heads) with each row's heads contiguous: a view when it is so."""
+    inner = (dim, 1) if t.dim() == 3 else (1,)
+    return t if t.stride()[1:] == inner else t.contiguous()
+
+
+def delta_step(q, k, v, a, b, A_log, dt_bias, state, slots, out=None) -> torch.Tensor:
+    """``gated_delta_decode``'s step for B sequences: q, k (B, Hk, dk) as convolved; v (B, Hv, dv);
+    a, b (B, Hv) the gates' pre-activations; A_log, dt_bias (Hv,); state (S, Hv, dk, dv) float32,
+    every slot's, updated in place for the B distinct ``slots``. Rows may be strided (the columns
+    of a fused projection's output). Returns o (B, Hv, dv): ``out`` when given (its type), else
+    in v's type; float32 sums rounded once."""
+    n, hk, dk = q.shape
+    hv, dv = v.shape[1:]
+    if k.shape != q.shape or v.shape[0] != n or a.shape != (n, hv) or b.shape != (n, hv) \
+            or state.shape[1:] != (hv, dk, dv) or slots.shape != (n,) or hv % hk or A_log.shape != (hv,) \
+            or dt_bias.shape != (hv,) or state.dtype != torch.float32 or not state.is_contiguous():
+        raise ValueError(f"q, k (B, Hk, dk), v (B, Hv, dv), a, b (B, Hv), A_log and dt_bias (Hv,), a contiguous "
+                         f"float32 state (S, Hv, dk, dv) and one slot per row expected, with Hv a multiple of Hk; "
+                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, a {tuple(a.shape)}, "
+                         f"b {tuple(b.shape)}, state {tuple(state.shape)} {state.dtype}, slots {tuple(slots.shape)}")
+    if out is None:
+        out = torch.empty(n, hv, dv, device=v.device, dtype=v.dtype)
+    elif out.shape != (n, hv, dv) or not out.is_contiguous():
+        raise ValueError(f"out: a contiguous (B, Hv, dv) = {(n, hv, dv)} expected, got {tuple(out.shape)}")
+    if n:
+        q, k, v, a, b = _rows(q, hk, dk), _rows(k, hk, dk), _rows(v, hv, dv), _rows(a, hv, 1), _rows(b, hv, 1)
+        block_v = min(BLOCK_V, pow2(dv))
+        _kernel().delta_step[(n, hv, -(-dv // block_v))](
+            q, k, v, a, b, A_log.contiguous(), dt_bias.contiguous(), state, slots.contiguous(), out, hk, hv,
+            q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0), dk ** -0.5, 1e-6,
+            DK=dk, DV=dv, BLOCK_K=pow2(dk), BLOCK_V=block_v, num_warps=1, **FP_FUSION)
+    return out

@@ -1,0 +1,111 @@
+"""The Triton DeltaNet decode step (kvslim/gpu/delta_step.py) against ``gated_delta_decode``, on the CPU.
+
+The kernel runs under Triton's interpreter in one child process (tests/triton_harness.py): bf16
+inputs as a fused projection's strided columns and float32 ones, key heads shared by 2 value
+heads and by 1, head sizes that are not powers of two nor whole blocks of columns, gates far
+past softplus's threshold, slots out of order among idle ones, whose states must stay as they were.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvslim.gpu import available
+from kvslim.gpu import delta_step as gpu
+from kvslim.models.delta_rule import gated_delta_decode
+
+from .triton_harness import compile_for_sm90, compiled_process, run_interpreted
+
+pytestmark = pytest.mark.skipif(not available(), reason="triton is not installed: no GPU kernel to check")
+
+# (sequences, key heads, value heads, dk, dv, slots in the cache, input dtype)
+CASES = [(3, 2, 4, 32, 16, 6, "bfloat16"), (2, 1, 3, 24, 20, 2, "float32"), (1, 2, 2, 128, 128, 3, "bfloat16")]
+
+
+def _inputs(case, seed: int):
+    """q, k, v as the columns of one wider row each (a fused projection's output); a, b likewise;
+    the layer's A_log and dt_bias; every slot's state; B distinct slots out of order."""
+    batch, hk, hv, dk, dv, n_slots, dtype = case
+    gen = torch.Generator().manual_seed(seed)
+    width = 2 * hk * dk + hv * dv + 5
+    mixed = (torch.randn(batch, width, generator=gen) * 2).to(getattr(torch, dtype))
+    q = mixed[:, :hk * dk].reshape(batch, hk, dk)
+    k = mixed[:, hk * dk:2 * hk * dk].reshape(batch, hk, dk)
+    v = mixed[:, 2 * hk * dk:2 * hk * dk + hv * dv].reshape(batch, hv, dv)
+    gates = (torch.randn(batch, 2 * hv + 1, generator=gen) * 4).to(getattr(torch, dtype))
+    gates[0, 0] = 30.0                                                  # softplus(x) = x past 20
+    a, b = gates[:, :hv], gates[:, hv:2 * hv]
+    A_log, dt_bias = torch.randn(hv, generator=gen) * 0.5, torch.randn(hv, generator=gen)
+    state = torch.randn(n_slots, hv, dk, dv, generator=gen) * 0.1
+    slots = torch.randperm(n_slots, generator=gen)[:batch]
+    return q, k, v, a, b, A_log, dt_bias, state, slots
+
+
+def step_in_child(cases, path: Path) -> None:
+    """In the interpreted child: each case's output and every slot's state after the step."""
+    out = []
+    for i, case in enumerate(cases):
+        *inputs, state, slots = _inputs(case, i)
+        out.append((gpu.delta_step(*inputs, state, slots), state))
+    torch.save(out, path)
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    return run_interpreted("tests.test_gpu_delta_step", "step_in_child", CASES, tmp_path_factory.mktemp("delta"))
+
+
+def _check(case, got: torch.Tensor, state: torch.Tensor, seed: int) -> None:
+    """The output in v's type, within one rounding of the torch step's float32 output (float32
+    sums in another order); the chosen slots' states within float32 ulps of the torch step's,
+    every other slot's untouched."""
+    *inputs, before, slots = _inputs(case, seed)
+    want_state = before[slots].clone()
+    want = gated_delta_decode(*inputs, want_state)
+    assert got.dtype == inputs[2].dtype and got.shape == want.shape
+    ulp = torch.finfo(got.dtype).eps * want.abs() if got.dtype != torch.float32 else 0
+    assert ((got.float() - want).abs() <= ulp + 1e-5 * want.abs() + 1e-6).all(), (got.float() - want).abs().max()
+    torch.testing.assert_close(state[slots], want_state, atol=1e-6, rtol=1e-5)
+    idle = torch.ones(before.shape[0], dtype=torch.bool)
+    idle[slots] = False
+    assert torch.equal(state[idle], before[idle])
+
+
+def _id(case) -> str:
+    return f"b{case[0]}-hk{case[1]}-hv{case[2]}-dk{case[3]}-dv{case[4]}-{case[6]}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_delta_step_matches_the_torch_decode(interpreted, case):
+    _check(case, *interpreted[CASES.index(case)], CASES.index(case))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the compiled kernel waits for a GPU")
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_delta_step_on_cuda_matches_the_torch_decode(case):
+    compiled_process()
+    *inputs, state, slots = (t.cuda() for t in _inputs(case, CASES.index(case)))
+    got = gpu.delta_step(*inputs, state, slots)
+    _check(case, got.cpu(), state.cpu(), CASES.index(case))
+
+
+def test_bad_shapes_are_named():
+    q = torch.zeros(2, 1, 8)
+    args = (q, q, torch.zeros(2, 2, 4), torch.zeros(2, 2), torch.zeros(2, 2), torch.zeros(2), torch.zeros(2))
+    with pytest.raises(ValueError, match=r"float32 state \(S, Hv, dk, dv\)"):
+        gpu.delta_step(*args, torch.zeros(3, 2, 8, 5), torch.arange(2))
+    with pytest.raises(ValueError, match=r"float32 state"):
+        gpu.delta_step(*args, torch.zeros(3, 2, 8, 4, dtype=torch.bfloat16), torch.arange(2))
+    with pytest.raises(ValueError, match=r"out: a contiguous \(B, Hv, dv\)"):
+        gpu.delta_step(*args, torch.zeros(3, 2, 8, 4), torch.arange(2), out=torch.zeros(2, 2, 5))
+
+
+def test_delta_step_compiles_for_an_h100_without_one():
+    """A Qwen3.6-35B-A3B layer's step: bf16 rows of the projection, float32 states, dk = dv = 128."""
+    from kvslim.gpu import _delta_step_kernel as kernel
+    pointers = {**{f"{t}_ptr": "*bf16" for t in ("q", "k", "v", "a", "b", "out")}, "a_log_ptr": "*fp32",
+                "dt_bias_ptr": "*fp32", "state_ptr": "*fp32", "slots_ptr": "*i64", "scale": "fp32", "eps": "fp32"}
+    constexprs = {"DK": 128, "DV": 128, "BLOCK_K": 128, "BLOCK_V": gpu.BLOCK_V}
+    assert compile_for_sm90(kernel.delta_step, pointers, constexprs, 1).asm["cubin"]
