@@ -82,7 +82,7 @@ setup() {
 MODEL_TESTS="tests/test_runtime.py tests/test_sampling.py tests/test_formats_api.py tests/test_models.py tests/test_graph_decode.py"
 KERNEL_TESTS="tests/test_triton_attention.py tests/test_triton_prefill.py tests/test_triton_append.py
     tests/test_triton_weights.py tests/test_gpu_delta_rule.py tests/test_gpu_moe.py tests/test_gpu_swiglu.py tests/test_gpu_conv_step.py tests/test_gpu_rope.py
-    tests/test_gpu_add_norm.py"
+    tests/test_gpu_add_norm.py tests/test_gpu_delta_step.py"
 PYTEST="-m pytest -p no:cacheprovider -o addopts= -rs -q"
 
 # `all` cuts each step to what its BUDGET leaves; the single phases run with deadline unset.
@@ -234,7 +234,7 @@ core() {
 # session 34 the bf16 backend's f16 products in the decode table, beside the float32 ones, the
 # GEMV's products in the codes' layout, fla-core's fused DeltaNet decode and torch's fused
 # RMSNorm (fewer launches a step), and the end-to-end model under the bf16 backend, as kvslim
-# serve runs it (BUDGET 460 s by default).
+# serve runs it (BUDGET 460 s by default); session 37 the DeltaNet decode step in place.
 #   run(command="bash benchmarks/gpu_session.sh verify", carry=[".whl"], timeout_s=520)
 verify() {
     deadline=$((SECONDS + ${BUDGET:-460}))
@@ -246,9 +246,13 @@ verify() {
     # session 33's GEMV (one sum after K, 8 programs per SM, Q4_K and Q5_K by blocks) beside session 32's
     timeout -k 5 "$(left 35)" $PY benchmarks/gpu_weights.py -t q4_0,q4_k,q5_k,q6_k,q8_0 -s 4096x2048,2048x4096 \
         -m 512 -r 10 --expert-tokens 1,4 2>&1 | tee "$OUT/weights.md" | tail -30
+    # session 37's DeltaNet decode step on the slots' states in place, beside fla-core's launch between
+    # a gather and a scatter (what the model ran before) and the torch step
+    KVSLIM_TRITON=1 timeout -k 5 "$(left 15)" $PY benchmarks/gpu_delta_step.py -b 1,4,8 -r 50 2>&1 \
+        | tee -a "$OUT/weights.md" | tail -12
     decode_table 60
     # session 32's two-byte code loads against its per-value reading (untimed until here)
-    KVSLIM_TRITON=1 timeout -k 5 "$(left 40)" $PY benchmarks/gpu_decode.py -d 131072 -b 1,8 -r 5 --no-loop \
+    KVSLIM_TRITON=1 timeout -k 5 "$(left 30)" $PY benchmarks/gpu_decode.py -d 131072 -b 1,8 -r 5 --no-loop \
         -p turbo4/turbo4,q4_0/q4_0 --codecs per-value 2>&1 | tee "$OUT/decode-per-value.md" | tail -12
     # as kvslim serve runs it (the bf16 backend: f16 attention products; session 31 ran torch's)
     KVSLIM_TRITON=1 timeout -k 5 "$(left 125)" $PY benchmarks/gpu_model.py -d 0,32768 -np 1,4 -n 8 --profile 4 \

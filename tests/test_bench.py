@@ -91,6 +91,7 @@ GPU_DRY_RUNS = [
     ("gpu_prefill.py", ["-d", "32", "-n", "16", "-p", "q8_0/turbo4", "-r", "1"], 1),
     ("gpu_weights.py", ["-t", "q4_0", "-s", "64x64", "-m", "32", "-r", "1", "--experts", "8x64x32x2",
                         "--expert-tokens", "1,80"], 6),
+    ("gpu_delta_step.py", ["--shape", "2x4x16x16", "-b", "1,2", "--slots", "4", "-r", "1"], 4),
 ]
 
 
