@@ -1,9 +1,9 @@
 """The Triton quantize-on-append kernel against each format's own torch encoder (its reference).
 
-Rows of several tokens and KV heads go to scattered pool rows (page * page_size + offset, as the
-cache's block table gives them); the kernel must write the bytes ``fmt.encode_flagged`` gives,
-leave every other pool row alone, and return the same per-token overflow flags (NaN, inf, values
-past the fp16 fields). A flagged token's bytes are not compared: nobody reads them (the engine
+Rows of several tokens and KV heads go to scattered pool rows, found through a block table by
+(slot, position) as the cache keeps them; the kernel must write the bytes ``fmt.encode_flagged``
+gives, leave every other pool row alone, and raise the flag of each overflowing token's slot (NaN,
+inf, values past the fp16 fields), and no other. A flagged token's bytes are not compared: nobody reads them (the engine
 stops the sequence).
 
 Exact formats (floats, q8_0, q4_0, rotated or not): the same arithmetic in the same order (the
@@ -50,8 +50,9 @@ REFUSED = [("turbo4p", 128), ("nl4", 96)]      # QJL, no rotation
 
 
 def _case(name, role, dim, dtype, n_tokens=32, seed=0):
-    """(fmt, x (N, Hkv, D), pool of random bytes, flat pool rows (N,)): magnitudes over five
-    decades, one NaN, one inf and one value past every fp16 scale."""
+    """(fmt, x (N, Hkv, D), pool of random bytes, flat pool rows (N,), where): magnitudes over
+    five decades, one NaN, one inf and one value past every fp16 scale. ``where``: the append's
+    (block table, slots, positions, per-slot flags) that place token n at rows[n]."""
     gen = torch.Generator().manual_seed(seed)
     fmt = formats.get(name, role=role)
     x = torch.randn(n_tokens, N_KV, dim, generator=gen) * torch.logspace(-3, 2, n_tokens)[:, None, None]
@@ -59,16 +60,31 @@ def _case(name, role, dim, dtype, n_tokens=32, seed=0):
     pages = n_tokens // PAGE_SIZE + 3
     pool = torch.randint(0, 256, (N_KV, pages, PAGE_SIZE, fmt.row_bytes(dim)), dtype=torch.uint8, generator=gen)
     rows = torch.randperm(pages * PAGE_SIZE, generator=gen)[:n_tokens]
-    return fmt, x.to(getattr(torch, dtype)), pool, rows
+    return fmt, x.to(getattr(torch, dtype)), pool, rows, _placement(rows, pages, gen)
+
+
+def _placement(rows: torch.Tensor, pages: int, gen: torch.Generator):
+    """Token n in slot slots[n] (one a token, shuffled), at position (n % 3) pages in plus rows[n]'s
+    offset, its table entry rows[n]'s page, the rest of the table random; slot 0's flag already
+    raised (an append must not lower it)."""
+    n = rows.shape[0]
+    slots = torch.randperm(n, generator=gen)
+    positions = (torch.arange(n) % 3) * PAGE_SIZE + rows % PAGE_SIZE
+    table = torch.randint(0, pages, (n, 3), dtype=torch.int32, generator=gen)
+    table[slots, torch.arange(n) % 3] = (rows // PAGE_SIZE).int()
+    flags = torch.zeros(n, dtype=torch.uint8)
+    flags[0] = 1
+    return table, slots, positions, flags
 
 
 def _appended_in_child(cases, path: Path) -> None:
     """In a TRITON_INTERPRET=1 child: every case's pool after the append, its flags, and supports()."""
     out = {"cases": [], "supports": []}
     for case in cases:
-        fmt, x, pool, rows = _case(*case)
+        fmt, x, pool, _, (table, slots, positions, flags) = _case(*case)
         served = gpu.supports(fmt, x)
-        out["cases"].append((served, gpu.append(fmt, x, pool, rows), pool))
+        gpu.append(fmt, x, pool, table, slots, positions, flags)
+        out["cases"].append((served, flags, pool))
     out["supports"] = [gpu.supports(formats.get(name), torch.zeros(2, 1, dim)) for name, dim in REFUSED]
     out["supports"] += [gpu.supports(formats.get("q8_0"), torch.zeros(2, 1, 128, dtype=torch.float64)),
                         gpu.supports(formats.get("q8_0"), torch.zeros(2, 128)),
@@ -85,10 +101,12 @@ def interpreted(tmp_path_factory):
 
 
 def _check(case, flags, pool, exact: bool):
-    fmt, x, before, rows = _case(*case)
+    fmt, x, before, rows, (_, slots, _, flags_before) = _case(*case)
     dim = x.shape[-1]
     want, want_flags = fmt.encode_flagged(x)
-    assert torch.equal(flags.cpu(), want_flags) and want_flags[[3, 5]].all()
+    raised = flags_before.clone()
+    raised[slots[want_flags]] = 1                                              # per slot: token n's is slots[n]
+    assert torch.equal(flags.cpu(), raised) and want_flags[[3, 5]].all() and not want_flags[0]
     flat, flat_before = pool.cpu().view(N_KV, -1, pool.shape[-1]), before.view(N_KV, -1, before.shape[-1])
     untouched = torch.ones(flat.shape[1], dtype=torch.bool)
     untouched[rows] = False
@@ -135,15 +153,16 @@ def test_compiled_kernel_on_cuda_gets_the_encoders_bytes(case):
     """The same cases compiled for the GPU in this process; the reference stays on the CPU. This is
     where an approximate division or a fused multiply-add would show in the exact formats."""
     compiled_process()
-    fmt, x, pool, rows = _case(*case)
-    pool = pool.cuda()
+    fmt, x, pool, _, where = _case(*case)
+    pool, (table, slots, positions, flags) = pool.cuda(), (t.cuda() for t in where)
     assert gpu.supports(fmt, x.cuda())
-    flags = gpu.append(fmt, x.cuda(), pool, rows.cuda())
+    gpu.append(fmt, x.cuda(), pool, table, slots, positions, flags)
     _check(case, flags, pool, exact=case in EXACT)
 
 
 SM90 = [("q4_0", 128), ("turbo4", 256), ("nl4", 128), ("q5_1", 128), ("nl4s", 128)]
-POINTERS = {"x_ptr": "*fp32", "pool": "*u8", "rows_ptr": "*i64", "flags_ptr": "*u8", "rot_m": "*fp32",
+POINTERS = {"x_ptr": "*fp32", "pool": "*u8", "table_ptr": "*i32", "slots_ptr": "*i64", "pos_ptr": "*i64",
+            "flags_ptr": "*u8", "rot_m": "*fp32",
             "bounds": "*fp32", "cents": "*fp32", "tries": "*fp32", "ladder": "*fp32", "limit": "fp32",
             "rot_scale": "fp32"}
 

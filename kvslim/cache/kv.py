@@ -202,7 +202,7 @@ class KVCache:
     def store_batch(self, batch, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append every segment's rows: one encode and one scatter for the whole batch."""
         if batch.prepared:                                              # a DecodeBatch: device work only
-            self._scatter(self._flat_index(batch.slots, batch.positions), k, v, batch.slots)
+            self._scatter(batch.slots, batch.positions, k, v)
             return
         for seg in batch.segments:
             if seg.start_pos != self.offset(seg.slot):
@@ -215,8 +215,7 @@ class KVCache:
         for seg in batch.segments:
             self._check_room(seg.slot, seg.length)
             self._reserve(seg.slot, seg.start_pos + seg.length)
-        index = self._flat_index(batch.slot_ids, batch.positions)
-        self._scatter(index, k, v, batch.slot_ids)
+        self._scatter(batch.slot_ids, batch.positions, k, v)
         for seg in batch.segments:
             self._packed[seg.slot] += seg.length
 
@@ -263,28 +262,33 @@ class KVCache:
         start, n = self._packed[slot], k.shape[0]
         self._reserve(slot, start + n)
         positions = torch.arange(start, start + n, device=self.device)
-        self._scatter(self._flat_index(torch.full_like(positions, slot), positions), k, v, slot)
+        self._scatter(torch.full_like(positions, slot), positions, k, v)
         self._packed[slot] = start + n
 
-    def _scatter(self, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots) -> None:
-        """Encode rows, write them at flat row ``index`` (page * page_size + offset) and raise
-        the overflow flags of their ``slots``."""
-        if self.gpu_append:                                 # encoded in the kernel, written in place
-            bad = kv_append.append(self.fmt_k, k, self.k_pool, index) | kv_append.append(self.fmt_v, v, self.v_pool, index)
-            return self._raise_flags(bad, slots)
+    def _scatter(self, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Encode rows, write token n's at (slots[n], positions[n]) through the block table and
+        raise the overflow flags of the slots of tokens that overflow."""
+        if self.gpu_append:            # one launch each: rows looked up, encoded, written, flags raised
+            kv_append.append(self.fmt_k, k, self.k_pool, self.block_table, slots, positions, self.overflow)
+            kv_append.append(self.fmt_v, v, self.v_pool, self.block_table, slots, positions, self.overflow)
+            return
         k_codes, v_codes, bad = self._encode(k, v)
         # Indexed assignment into the pool itself, not a copy into a reshaped view of it: a
         # compiled step turns this into an in-place scatter (a view's index_copy_ into a copy
         # of the whole pool and a copy back).
-        page, row = index // self.page_size, index % self.page_size
+        page, row = self._page_rows(slots, positions)
         self.k_pool[:, page, row] = k_codes.transpose(0, 1)
         self.v_pool[:, page, row] = v_codes.transpose(0, 1)
         self._raise_flags(bad, slots)
 
+    def _page_rows(self, slots: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page, row in the page) of (slot, position) pairs, read from the block table on the device."""
+        return self.block_table[slots, positions // self.page_size].long(), positions % self.page_size
+
     def _flat_index(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Flat pool rows of (slot, position) pairs, read from the block table on the device."""
-        pages = self.block_table[slots, positions // self.page_size].long()
-        return pages * self.page_size + positions % self.page_size
+        """Flat pool rows (page * page_size + row) of (slot, position) pairs."""
+        pages, rows = self._page_rows(slots, positions)
+        return pages * self.page_size + rows
 
     def _reserve(self, slot: int, n_tokens: int) -> None:
         """Give ``slot`` pages for its first ``n_tokens`` packed tokens (host bookkeeping;

@@ -326,19 +326,25 @@ def _encode_turbo(x, out, live, rot_m, bounds, cents, limit, GROUP: tl.constexpr
 
 
 @triton.jit
-def kv_append_rows(x_ptr, pool, rows_ptr, flags_ptr, rot_m, bounds, cents, tries, ladder,
-                   n_rows, n_kv, pool_rows, row_bytes, limit, rot_scale,
+def kv_append_rows(x_ptr, pool, table_ptr, slots_ptr, pos_ptr, flags_ptr, rot_m, bounds, cents, tries, ladder,
+                   n_rows, n_kv, pool_rows, row_bytes, table_stride, page_size, limit, rot_scale,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                    KIND: tl.constexpr, FLOAT_TYPE: tl.constexpr, ROT: tl.constexpr, LOG2_ROT: tl.constexpr,
                    GROUP: tl.constexpr, N_BLOCKS: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
                    BITS: tl.constexpr, BLOCK_BYTES: tl.constexpr, N_TRIES: tl.constexpr):
-    """Rows r of x (n_rows = tokens * n_kv, HEAD_DIM) float -> their packed bytes at pool row
-    rows[r // n_kv] of head r % n_kv (pool (n_kv, pool_rows, row_bytes) uint8), and flags[r] = 1
-    where the row overflows. Blocks: N_BLOCKS of GROUP values (NB and BLOCK: powers of two >= them)."""
+    """Rows r of x (n_rows = tokens * n_kv, HEAD_DIM) float -> their packed bytes at head r % n_kv
+    of the pool (n_kv, pool_rows, row_bytes) uint8, in the row the block table gives token
+    t = r // n_kv: page table[slots[t], positions[t] // page_size], offset positions[t] % page_size
+    (the cache's ``_flat_index``, so no launch computes rows first); flags[slots[t]] = 1 where a
+    row overflows (the cache's per-slot flags, raised, never lowered: writers of one slot write
+    the same 1). Blocks: N_BLOCKS of GROUP values (NB and BLOCK: powers of two >= them)."""
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     r_live = r < n_rows
     token = (r // n_kv).to(tl.int64)
-    pool_row = tl.load(rows_ptr + token, mask=r_live, other=0).to(tl.int64)
+    slot = tl.load(slots_ptr + token, mask=r_live, other=0).to(tl.int64)
+    pos = tl.load(pos_ptr + token, mask=r_live, other=0).to(tl.int64)
+    page = tl.load(table_ptr + slot * table_stride + pos // page_size, mask=r_live, other=0).to(tl.int64)
+    pool_row = page * page_size + pos % page_size
     out = pool + ((r % n_kv).to(tl.int64) * pool_rows + pool_row) * row_bytes      # (BLOCK_M,) row starts
     if KIND == TURBO:                                                       # groups need not be powers of two
         b = tl.arange(0, NB)[None, :, None]
@@ -368,7 +374,7 @@ def kv_append_rows(x_ptr, pool, rows_ptr, flags_ptr, rot_m, bounds, cents, tries
                                  BITS, BLOCK_BYTES, 16)
             else:
                 _encode_ggml(y3, out[:, None], live, cents, KIND, BLOCK_M, NB, BLOCK_BYTES)
-    tl.store(flags_ptr + r, bad.to(tl.uint8), mask=r_live)
+    tl.store(flags_ptr + slot, bad.to(tl.uint8), mask=r_live & (bad != 0))
 
 
 INTERPRETED = not isinstance(kv_append_rows, JITFunction)

@@ -1,10 +1,11 @@
 """Quantize-on-append in Triton: new K or V rows straight into a paged pool, on the GPU.
 
-``append(fmt, x, pool, rows)`` does what ``KVCache._scatter`` does for one of K or V with
-``fmt.encode_flagged``, a reshape and an indexed write, in one kernel: each (token, KV head) row
-of x is encoded as the format's torch encoder does and written at its pool row, and the
-token's overflow flag (NaN/inf, or values past what the fp16 fields hold) comes back as a device
-tensor, nobody waiting for it. What to compute comes from the format's ``kernel_encoder``
+``append(fmt, x, pool, table, slots, positions, flags)`` does what ``KVCache._scatter`` does for
+one of K or V with the block table's lookup, ``fmt.encode_flagged``, a reshape, an indexed write
+and the flags' scatter, in one kernel: each (token, KV head) row of x is encoded as the format's
+torch encoder does and written at the pool row the table gives its (slot, position), and the
+token's overflow (NaN/inf, or values past what the fp16 fields hold) raises its slot's flag on
+the device, nobody waiting for it. What to compute comes from the format's ``kernel_encoder``
 (kvslim/formats/base.py), the declaration ``kvslim/native/kv_encode.c`` reads too.
 
 Formats: f32/f16/bf16, q8_0, q4_0 and iq4_nl (rotated or not), turbo2/3/4, nl3/nl4; not the
@@ -96,22 +97,24 @@ def _launch_config(enc, head_dim: int, row_bytes: int) -> dict:
                 num_warps=8 if enc.kind == "turbo" and block >= 128 else 4)
 
 
-def append(fmt, x: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Encode x (N, Hkv, D) float32/f16/bf16 into ``fmt`` and write token n's head h at
-    ``pool[h].view(-1, row_bytes)[rows[n]]``: pool (Hkv, pages, page_size, row_bytes) uint8,
-    written in place; rows (N,) flat pool rows, page * page_size + offset (what
-    ``KVCache._flat_index`` gives). Returns the (N,) bool overflow flags on x's device, as
-    ``fmt.encode_flagged`` gives them (a flagged token's bytes are not meant to be read)."""
+def append(fmt, x: torch.Tensor, pool: torch.Tensor, table: torch.Tensor, slots: torch.Tensor,
+           positions: torch.Tensor, flags: torch.Tensor) -> None:
+    """Encode x (N, Hkv, D) float32/f16/bf16 into ``fmt`` and write token n's head h into
+    ``pool`` (Hkv, pages, page_size, row_bytes) uint8, in place, at the row the block ``table``
+    (S, P) int32 gives (slots[n], positions[n]); ``flags`` (S,) uint8, the cache's per-slot
+    overflow flags, set to 1 for the slot of every token ``fmt.encode_flagged`` flags (NaN/inf,
+    or past the fp16 fields; a flagged token's bytes are not meant to be read), others left as
+    they were. One launch: the rows are found and the flags raised in the kernel, nobody waiting
+    for them."""
     n_tokens, n_kv, dim = x.shape
     role = getattr(fmt, "role", "k")
     assert pool.is_contiguous() and pool.shape[0] == n_kv and pool.shape[3] == fmt.row_bytes(dim)
+    assert table.dim() == 2 and table.stride(1) == 1 and slots.shape == positions.shape == (n_tokens,)
+    assert flags.dtype == torch.uint8 and flags.shape == (table.shape[0],) and flags.is_contiguous()
     config, limit, rot_scale = _launch(fmt.name, role, dim)
-    x, rows = x.contiguous(), rows.to(device=x.device, dtype=torch.int64).contiguous()
-    flags = torch.empty(n_tokens, n_kv, dtype=torch.uint8, device=x.device)
     tables = _tables(fmt.name, role, dim, str(x.device))
     n_rows = n_tokens * n_kv
     _kernel().kv_append_rows[(-(-n_rows // BLOCK_M),)](
-        x, pool, rows, flags, *tables, n_rows, n_kv, pool.shape[1] * pool.shape[2], pool.shape[3], limit, rot_scale,
+        x.contiguous(), pool, table, slots.contiguous(), positions.contiguous(), flags, *tables, n_rows, n_kv,
+        pool.shape[1] * pool.shape[2], pool.shape[3], table.stride(0), pool.shape[2], limit, rot_scale,
         enable_fp_fusion=False, **config)                              # x * id + 8.5 rounds twice, as in torch
-    return flags.any(dim=1)
-
