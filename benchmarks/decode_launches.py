@@ -9,7 +9,8 @@ catalog model's layers (widths divided by ``--shrink``; the op count does not de
 bf16, built on *fake* CUDA tensors (torch's FakeTensorMode: shapes and devices, no memory, no
 device), with the torch attention backend and float weights, and one DecodeBatch step recorded
 by a dispatch mode. Every aten op that is not a view is counted as one launch (composite ops
-by what they run; ``rms_norm`` as the one ``_fused_rms_norm`` it is on CUDA). ``--weights q4_0``
+by what they run; ``rms_norm`` as the one ``_fused_rms_norm`` it is on CUDA; kvslim's own ops,
+such as the ``kvslim::paged_decode`` a decode step's attention is, by what their bodies run). ``--weights q4_0``
 counts the path gpu_model.py times instead: block-type matrices (zero bytes: no values are
 needed) and the GPU kernels on, each Triton or fla-core launch counted as ``triton::<kernel>``
 without running (their outputs, allocated by the launching code, already have their shapes;
@@ -31,6 +32,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from torch._library.custom_ops import OPDEFS
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -63,6 +65,10 @@ class Launches(TorchDispatchMode):
         if name == "rms_norm":                      # CUDA: one _fused_rms_norm (its composite, under a mode, is not)
             self.ops["_fused_rms_norm"] += 1
             return func(*args, **kwargs)
+        opdef = OPDEFS.get(func.name().split(".")[0]) if func.namespace == "kvslim" else None
+        if opdef is not None:                       # kvslim's own ops (paged_decode): what their body runs
+            with self:
+                return opdef._init_fn(*args, **kwargs)
         if func.namespace == "aten" and torch._C._dispatch_has_kernel_for_dispatch_key(
                 func.name(), "CompositeImplicitAutograd"):
             with self:
