@@ -69,7 +69,23 @@ def _states_in_child(cases, path: Path) -> None:
     q = torch.zeros(2, 1, 2, 128)
     out["supports"] = [gpu.supports(formats.get(k), formats.get(v), q) for k, v in REFUSED + [("f16", "f16")]]
     out["supports"].append(gpu.supports(formats.get("f16"), formats.get("f16"), torch.zeros(2, 1, 65, 128)))
+    out["merged"] = [paged_prefill.merged(*_split_states(*shape)) for shape in MERGES]
     torch.save(out, path)
+
+
+MERGES = [(70, 96), (2, 256)]      # (splits, head_dim): more splits than two of the merge's steps, 2 column tiles
+
+
+def _split_states(n_splits: int, dim: int, seed: int = 3):
+    """Splits' states m, l (2, 3, n, 5) and acc (..., dim): every third split of sequence 0 empty
+    (m = -inf, l = 0, acc = 0), and sequence 2's row 1 without a key in any split."""
+    gen = torch.Generator().manual_seed(seed)
+    m = torch.randn(2, 3, n_splits, 5, generator=gen) * 4
+    l = torch.rand(2, 3, n_splits, 5, generator=gen) * 30 + 1
+    acc = torch.randn(2, 3, n_splits, 5, dim, generator=gen) * 10
+    for empty in ((slice(None), 0, slice(0, None, 3)), (slice(None), 2, slice(None), 1)):
+        m[empty], l[empty], acc[empty] = float("-inf"), 0.0, 0.0
+    return m, l, acc
 
 
 @pytest.fixture(scope="module")
@@ -178,6 +194,18 @@ def test_cpu_tensors_without_the_interpreter_are_refused():
     assert not gpu.supports(formats.get("f16"), formats.get("f16"), torch.zeros(2, 1, 2, 128))
 
 
+@pytest.mark.parametrize("shape", MERGES, ids=lambda s: f"splits{s[0]}-d{s[1]}")
+def test_the_merge_kernel_matches_the_torch_merge(interpreted, shape):
+    """``merged`` (one launch) against ``merge_splits``: float32 sums over the splits in another
+    order; an all-empty row keeps -inf, 0, 0."""
+    got = interpreted["merged"][MERGES.index(shape)]
+    want = paged_prefill.merge_splits(*_split_states(*shape))
+    for a, b in zip(got, want):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert got[0][:, 2, 1].isneginf().all() and (got[1][:, 2, 1] == 0).all() and (got[2][:, 2, 1] == 0).all()
+
+
 def test_merge_of_splits_matches_one_pass():
     """The merge alone: two halves of a block folded separately equal the block folded at once."""
     gen = torch.Generator().manual_seed(1)
@@ -225,6 +253,13 @@ def test_kernel_compiles_for_an_h100_without_one(name_k, name_v, dim, group):
     num_warps = config.pop("num_warps")
     divisible = paged_prefill.aligned_args(fmt_k, fmt_v, dim)
     assert compile_for_sm90(kernel.paged_prefill_tile, POINTERS, config, num_warps, divisible).asm["cubin"]
+
+
+def test_the_merge_compiles_for_an_h100_without_one():
+    from kvslim.gpu import _paged_prefill_kernel as kernel
+    pointers = {name: "*fp32" for name in ("m_ptr", "l_ptr", "acc_ptr", "m_out", "l_out", "acc_out")}
+    constexprs = {"HEAD_DIM": 256, "BLOCK_S": paged_prefill.MERGE_SPLITS, "BLOCK_D": paged_prefill.MERGE_COLUMNS}
+    assert compile_for_sm90(kernel.merge_splits, pointers, constexprs, 4).asm["cubin"]
 
 
 @pytest.mark.parametrize("dim", [128, 256])

@@ -129,5 +129,41 @@ def _fold(m_i, l_i, acc, scores, v, DOT: tl.constexpr):
     return m_new, l_i, acc
 
 
+@triton.jit
+def merge_splits(m_ptr, l_ptr, acc_ptr, m_out, l_out, acc_out, n_splits, n_rows,
+                 HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (KV head x sequence, query row, BLOCK_D columns): the n_splits states of one row,
+    m and l (Hkv * S, n_splits, R) and acc (..., D), merged into one, m and l (Hkv * S, R) and
+    acc (..., D): each split rescaled to the common max and summed, splits in order, BLOCK_S at
+    a time. A split without keys (m = -inf) weighs 0; a row without any keeps -inf, 0, 0
+    (``paged_prefill.merge_splits``, the torch form, is the reference)."""
+    hs = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(1)
+    d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    s = tl.arange(0, BLOCK_S)
+    row = hs * n_splits * n_rows + r                                    # split 0's state of this row
+    tops = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    for start in range(0, n_splits, BLOCK_S):
+        m = tl.load(m_ptr + row + (start + s) * n_rows, mask=start + s < n_splits, other=float("-inf"))
+        tops = tl.maximum(tops, m)
+    top = tl.max(tops, axis=0)
+    safe = tl.where(top == float("-inf"), 0.0, top)
+    sums = tl.zeros([BLOCK_S], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for start in range(0, n_splits, BLOCK_S):
+        live = start + s < n_splits
+        at = row + (start + s) * n_rows
+        weight = tl.exp(tl.load(m_ptr + at, mask=live, other=float("-inf")) - safe)
+        sums += tl.load(l_ptr + at, mask=live, other=0.0) * weight
+        part = tl.load(acc_ptr + at[:, None] * HEAD_DIM + d[None, :], mask=live[:, None] & (d < HEAD_DIM)[None, :],
+                       other=0.0)
+        acc += tl.sum(part * weight[:, None], axis=0)
+    out = hs * n_rows + r
+    tl.store(acc_out + out * HEAD_DIM + d, acc, mask=d < HEAD_DIM)
+    if tl.program_id(2) == 0:
+        tl.store(m_out + out, top)
+        tl.store(l_out + out, tl.sum(sums, axis=0))
+
+
 INTERPRETED = not isinstance(paged_prefill_tile, JITFunction)
 RUNNABLE = INTERPRETED == (not isinstance(tl.zeros, JITFunction))     # else tl.zeros & co. refuse to run

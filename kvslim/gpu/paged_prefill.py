@@ -11,7 +11,8 @@ description of each format (nothing is restated); the decoding is ``_codecs.deco
 A program holds a tile of BLOCK_M rows and reads only the keys its rows can see. Long chunks
 get their parallelism from the tiles (a 512-token chunk at GQA 4 is 64 tiles per KV head);
 few rows (at most SPLIT_ROWS) over a deep history would leave most of the GPU idle, so those
-are also cut into splits of keys, as flash-decoding, and merged with ``merge_splits``.
+are also cut into splits of keys, as flash-decoding, and merged in one more launch (``merged``;
+``merge_splits`` is its torch reference).
 """
 from __future__ import annotations
 
@@ -209,7 +210,23 @@ def prefill_state(fmt_k, fmt_v, q_code: torch.Tensor, q_pos: torch.Tensor, k_poo
         n_splits, split_keys, **config, **FP_FUSION)
     if n_splits == 1:                                                   # nothing to merge
         return m[:, :, 0, :, None], l[:, :, 0, :, None], acc[:, :, 0]
-    return merge_splits(m, l, acc)
+    return merged(m, l, acc)
+
+
+MERGE_SPLITS, MERGE_COLUMNS = 32, 64        # the merge's splits a step and columns a program
+
+
+def merged(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``merge_splits`` in one launch (the torch form launches 10: at 32K keys, 64 splits, every
+    decode step's attention layer ran them)."""
+    n_kv, n_seq, n_splits, n_rows, dim = acc.shape
+    m_out, l_out = (torch.empty(n_kv, n_seq, n_rows, 1, device=acc.device) for _ in range(2))
+    acc_out = torch.empty(n_kv, n_seq, n_rows, dim, device=acc.device)
+    block_d = min(MERGE_COLUMNS, pow2(dim))
+    _kernel().merge_splits[(n_kv * n_seq, n_rows, -(-dim // block_d))](
+        m, l, acc, m_out, l_out, acc_out, n_splits, n_rows, HEAD_DIM=dim, BLOCK_S=MERGE_SPLITS, BLOCK_D=block_d,
+        num_warps=4, **FP_FUSION)
+    return m_out, l_out, acc_out
 
 
 def merge_splits(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor
