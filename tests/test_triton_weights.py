@@ -418,6 +418,13 @@ def test_gemv_compiles_for_an_h100_without_one(name, rows):
     assert compile_for_sm90(kernel.quant_gemv, pointers, constexprs, num_warps).asm["cubin"]
 
 
+def test_the_splits_sum_compiles_for_an_h100_without_one():
+    """A split GEMV's partials summed and rounded to bf16 by their bits in one launch."""
+    from kvslim.gpu import _quant_matmul_kernel as kernel
+    pointers = {"parts_ptr": "*fp32", "y_ptr": "*bf16"}
+    assert compile_for_sm90(kernel.sum_splits, pointers, {"BLOCK": gpu.SUM_BLOCK}, 4).asm["cubin"]
+
+
 @pytest.mark.parametrize("name,dot", [("q4_0", "fp16"), ("q5_k", "bf16"), ("q6_k", "bf16"), ("q2_k", "bf16"),
                                       ("iq4_xs", "fp16")] + [(t, "bf16") for t in GRID_TYPES])
 def test_gemm_compiles_for_an_h100_without_one(name, dot):

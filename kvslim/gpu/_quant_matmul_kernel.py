@@ -661,5 +661,17 @@ def quant_gemm_experts(x_ptr, w_ptr, grid_ptr, pairs_ptr, tile_expert_ptr, scale
     tl.store(out, acc, mask=valid[:, None] & (rows < N)[None, :])
 
 
+@triton.jit
+def sum_splits(parts_ptr, y_ptr, n_splits, size, BLOCK: tl.constexpr):
+    """y (size,) = the sum of parts (n_splits, size) float32 over the splits, in order, rounded
+    once to y's type: a split GEMV's partial sums in one launch (torch's sum and cast were two)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = i < size
+    total = tl.zeros([BLOCK], tl.float32)
+    for s in range(0, n_splits):
+        total += tl.load(parts_ptr + s * size + i, mask=live, other=0.0)
+    tl.store(y_ptr + i, stored_as(total, y_ptr), mask=live)
+
+
 INTERPRETED = not isinstance(quant_gemv, JITFunction)
 RUNNABLE = INTERPRETED == (not isinstance(tl.zeros, JITFunction))     # else tl.zeros & co. refuse to run

@@ -51,6 +51,7 @@ MAX_GEMV_ROWS = 16            # more rows of x: the tensor-core GEMM
 # 2048-output matrix kept ~2.3 KB of Q4_0 blocks in flight per SM, where an H100's bandwidth
 # times its memory latency asks ~25 KB.
 GEMV_PROGRAMS = 1056
+SUM_BLOCK = 512               # outputs a program of ``sum_splits`` adds over a split GEMV's partials
 GEMV_TILE = 2048              # BLOCK_N * BLOCK_K: W values one GEMV step dequantizes (in registers)
 GEMV_PRODUCTS = 4096          # BLOCK_M * BLOCK_N * BLOCK_K: the products one GEMV step holds
 MAX_GEMV_PAIRS = 128          # more (token, expert) pairs: the grouped GEMM (a decode batch of 16 at top-8)
@@ -187,13 +188,19 @@ def gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type, split_k: int | None =
     per_split = -(-chunks // splits)
     splits = -(-chunks // per_split)                     # no split left without a chunk
     # one split writes y itself, in out_dtype: no float32 copy to convert after (a decode step's
-    # ~300 GEMVs launched as many conversions); splits write float32 partials that torch sums
+    # ~300 GEMVs launched as many conversions); splits write float32 partials, summed in order
+    # and rounded once by one more launch (torch's sum and cast were two)
     parts = torch.empty(splits, m, n, device=x.device, dtype=out_dtype if splits == 1 else torch.float32)
     grid = (-(-n // config["BLOCK_N"]), splits)
     _kernel().quant_gemv[grid](x.contiguous(), blocks.contiguous(), grid_table(ggml_type, x.device), parts,
                                m, n, k, blocks.shape[1], per_split, TYPE=int(ggml_type), BLOCKWISE=blockwise,
                                **config, **FP_FUSION)
-    return parts[0] if splits == 1 else parts.sum(0).to(out_dtype)
+    if splits == 1:
+        return parts[0]
+    y = torch.empty(m, n, device=x.device, dtype=out_dtype)
+    _kernel().sum_splits[(-(-(m * n) // SUM_BLOCK),)](parts, y, splits, m * n, BLOCK=SUM_BLOCK, num_warps=4,
+                                                       **FP_FUSION)
+    return y
 
 
 def gemv_experts(x: torch.Tensor, blocks: torch.Tensor, ids: torch.Tensor, ggml_type,
