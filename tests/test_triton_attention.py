@@ -70,6 +70,7 @@ def _states_in_child(cases, path: Path) -> None:
     out["supports"] = [gpu.supports(formats.get(k), formats.get(v), q) for k, v in REFUSED + [("f16", "f16")]]
     out["supports"].append(gpu.supports(formats.get("f16"), formats.get("f16"), torch.zeros(2, 1, 65, 128)))
     out["merged"] = [paged_prefill.merged(*_split_states(*shape)) for shape in MERGES]
+    out["merged_gpu_tile"] = paged_prefill.merged(*_split_states(*MERGES[0]), tile=paged_prefill.MERGE_TILE)
     torch.save(out, path)
 
 
@@ -198,12 +199,15 @@ def test_cpu_tensors_without_the_interpreter_are_refused():
 def test_the_merge_kernel_matches_the_torch_merge(interpreted, shape):
     """``merged`` (one launch) against ``merge_splits``: float32 sums over the splits in another
     order; an all-empty row keeps -inf, 0, 0."""
-    got = interpreted["merged"][MERGES.index(shape)]
     want = paged_prefill.merge_splits(*_split_states(*shape))
-    for a, b in zip(got, want):
-        assert a.shape == b.shape
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    assert got[0][:, 2, 1].isneginf().all() and (got[1][:, 2, 1] == 0).all() and (got[2][:, 2, 1] == 0).all()
+    tiles = [interpreted["merged"][MERGES.index(shape)]]
+    if shape == MERGES[0]:                          # the GPU's tile too (the interpreter's is whole rows)
+        tiles.append(interpreted["merged_gpu_tile"])
+    for got in tiles:
+        for a, b in zip(got, want):
+            assert a.shape == b.shape
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        assert got[0][:, 2, 1].isneginf().all() and (got[1][:, 2, 1] == 0).all() and (got[2][:, 2, 1] == 0).all()
 
 
 def test_merge_of_splits_matches_one_pass():
@@ -258,7 +262,7 @@ def test_kernel_compiles_for_an_h100_without_one(name_k, name_v, dim, group):
 def test_the_merge_compiles_for_an_h100_without_one():
     from kvslim.gpu import _paged_prefill_kernel as kernel
     pointers = {name: "*fp32" for name in ("m_ptr", "l_ptr", "acc_ptr", "m_out", "l_out", "acc_out")}
-    constexprs = {"HEAD_DIM": 256, "BLOCK_S": paged_prefill.MERGE_SPLITS, "BLOCK_D": paged_prefill.MERGE_COLUMNS}
+    constexprs = {"HEAD_DIM": 256, **paged_prefill.MERGE_TILE}
     assert compile_for_sm90(kernel.merge_splits, pointers, constexprs, 4).asm["cubin"]
 
 

@@ -25,7 +25,7 @@ from ._codecs import columns, decode_tile
 @triton.jit
 def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr, k_lut, v_lut,
                        m_out, l_out, acc_out,
-                       n_seq, n_rows, n_pages, page_size, k_row_bytes, v_row_bytes, table_width,
+                       n_seq, n_rows, n_pages, page_size, k_row_bytes, v_row_bytes, table_stride,
                        n_splits, split_keys,
                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, DOT: tl.constexpr, WIDE: tl.constexpr,
@@ -35,11 +35,13 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
                        V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_VALUES: tl.constexpr,
                        V_BYTES: tl.constexpr, V_HEADER: tl.constexpr, V_OFFSET: tl.constexpr,
                        V_SUB: tl.constexpr, V_SUB_BITS: tl.constexpr, V_LOOKUP: tl.constexpr,
-                       K_PHASES: tl.constexpr = 1, V_PHASES: tl.constexpr = 1):
+                       K_PHASES: tl.constexpr = 1, V_PHASES: tl.constexpr = 1, AT_END: tl.constexpr = False):
     """One (KV head, sequence, row tile, split): the online-softmax state of rows
     [tile * BLOCK_M, next tile) over keys [split * split_keys, next split), where row r sees key
     t < lengths[s] with t <= q_pos[s, r]. q (Hkv, S, R, D) float32 in K's code domain, q_pos
-    (S, R) int32; outputs m, l (Hkv, S, n_splits, R) and acc (Hkv, S, n_splits, R, D)."""
+    (S, R) int32, or with AT_END (decode) every row at its sequence's last key, lengths[s] - 1,
+    and q_pos unread; lengths of any int type; outputs m, l (Hkv, S, n_splits, R) and acc
+    (Hkv, S, n_splits, R, D)."""
     h = tl.program_id(0)
     s = tl.program_id(1)
     tile = tl.program_id(2) // n_splits
@@ -52,14 +54,18 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
     head_seq = h.to(tl.int64) * n_seq + s                               # (h, s) flat, int64: pools can pass 2^31 bytes
     q = tl.load(q_ptr + (head_seq * n_rows + r[:, None]) * HEAD_DIM + d_k[None, :],
                 mask=r_live[:, None] & (d_k < HEAD_DIM)[None, :], other=0.0)      # (BLOCK_M, BLOCK_D)
-    q_pos = tl.load(q_pos_ptr + s.to(tl.int64) * n_rows + r, mask=r_live, other=-1)   # padding rows see nothing
+    length = tl.load(lengths_ptr + s).to(tl.int32)
+    if AT_END:                                                          # padding rows see nothing
+        q_pos = tl.where(r_live, length - 1, -1)
+    else:
+        q_pos = tl.load(q_pos_ptr + s.to(tl.int64) * n_rows + r, mask=r_live, other=-1)
 
     # row offsets in 32 bits from each head's 64-bit base (fewer registers), unless a head's pool
     # reaches 2 GB (WIDE, set by the launcher)
     k_head = k_pool + h.to(tl.int64) * n_pages * page_size * k_row_bytes
     v_head = v_pool + h.to(tl.int64) * n_pages * page_size * v_row_bytes
     begin = split * split_keys
-    n_keys = tl.minimum(tl.load(lengths_ptr + s), tl.max(q_pos) + 1)   # causal: none past the tile's last row
+    n_keys = tl.minimum(length, tl.max(q_pos) + 1)                     # causal: none past the tile's last row
     end = tl.minimum(begin + split_keys, n_keys)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -67,7 +73,7 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
     for start in range(begin, end, BLOCK_N):
         t = start + tl.arange(0, BLOCK_N)                               # key positions
         valid = t < end
-        page = tl.load(table_ptr + s.to(tl.int64) * table_width + t // page_size, mask=valid, other=0)
+        page = tl.load(table_ptr + s.to(tl.int64) * table_stride + t // page_size, mask=valid, other=0)
         slot = page * page_size + t % page_size                         # the key's row within its head's pool
         if WIDE:
             slot = slot.to(tl.int64)
@@ -131,38 +137,40 @@ def _fold(m_i, l_i, acc, scores, v, DOT: tl.constexpr):
 
 @triton.jit
 def merge_splits(m_ptr, l_ptr, acc_ptr, m_out, l_out, acc_out, n_splits, n_rows,
-                 HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Program (KV head x sequence, query row, BLOCK_D columns): the n_splits states of one row,
-    m and l (Hkv * S, n_splits, R) and acc (..., D), merged into one, m and l (Hkv * S, R) and
-    acc (..., D): each split rescaled to the common max and summed, splits in order, BLOCK_S at
-    a time. A split without keys (m = -inf) weighs 0; a row without any keeps -inf, 0, 0
-    (``paged_prefill.merge_splits``, the torch form, is the reference)."""
+                 HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (KV head x sequence, BLOCK_R query rows, BLOCK_D columns): the n_splits states of
+    each row, m and l (Hkv * S, n_splits, R) and acc (..., D), merged into one, m and l
+    (Hkv * S, R) and acc (..., D): each split rescaled to the row's common max and summed, splits
+    in order, BLOCK_S at a time. A split without keys (m = -inf) weighs 0; a row without any keeps
+    -inf, 0, 0 (``paged_prefill.merge_splits``, the torch form, is the reference)."""
     hs = tl.program_id(0).to(tl.int64)
-    r = tl.program_id(1)
+    r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     s = tl.arange(0, BLOCK_S)
-    row = hs * n_splits * n_rows + r                                    # split 0's state of this row
-    tops = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    r_live = r < n_rows
+    first = hs * n_splits * n_rows                                      # split 0, row 0 of this head and sequence
+    tops = tl.full([BLOCK_S, BLOCK_R], float("-inf"), tl.float32)
     for start in range(0, n_splits, BLOCK_S):
-        m = tl.load(m_ptr + row + (start + s) * n_rows, mask=start + s < n_splits, other=float("-inf"))
-        tops = tl.maximum(tops, m)
+        live = (start + s < n_splits)[:, None] & r_live[None, :]
+        at = first + (start + s)[:, None] * n_rows + r[None, :]         # (BLOCK_S, BLOCK_R) states
+        tops = tl.maximum(tops, tl.load(m_ptr + at, mask=live, other=float("-inf")))
     top = tl.max(tops, axis=0)
     safe = tl.where(top == float("-inf"), 0.0, top)
-    sums = tl.zeros([BLOCK_S], tl.float32)
-    acc = tl.zeros([BLOCK_D], tl.float32)
+    sums = tl.zeros([BLOCK_S, BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     for start in range(0, n_splits, BLOCK_S):
-        live = start + s < n_splits
-        at = row + (start + s) * n_rows
-        weight = tl.exp(tl.load(m_ptr + at, mask=live, other=float("-inf")) - safe)
+        live = (start + s < n_splits)[:, None] & r_live[None, :]
+        at = first + (start + s)[:, None] * n_rows + r[None, :]
+        weight = tl.exp(tl.load(m_ptr + at, mask=live, other=float("-inf")) - safe[None, :])
         sums += tl.load(l_ptr + at, mask=live, other=0.0) * weight
-        part = tl.load(acc_ptr + at[:, None] * HEAD_DIM + d[None, :], mask=live[:, None] & (d < HEAD_DIM)[None, :],
-                       other=0.0)
-        acc += tl.sum(part * weight[:, None], axis=0)
+        part = tl.load(acc_ptr + at[:, :, None] * HEAD_DIM + d[None, None, :],
+                       mask=live[:, :, None] & (d < HEAD_DIM)[None, None, :], other=0.0)
+        acc += tl.sum(part * weight[:, :, None], axis=0)
     out = hs * n_rows + r
-    tl.store(acc_out + out * HEAD_DIM + d, acc, mask=d < HEAD_DIM)
+    tl.store(acc_out + out[:, None] * HEAD_DIM + d[None, :], acc, mask=r_live[:, None] & (d < HEAD_DIM)[None, :])
     if tl.program_id(2) == 0:
-        tl.store(m_out + out, top)
-        tl.store(l_out + out, tl.sum(sums, axis=0))
+        tl.store(m_out + out, top, mask=r_live)
+        tl.store(l_out + out, tl.sum(sums, axis=0), mask=r_live)
 
 
 INTERPRETED = not isinstance(paged_prefill_tile, JITFunction)

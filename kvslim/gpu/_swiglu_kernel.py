@@ -9,17 +9,24 @@ from ._codecs import stored_as
 
 
 @triton.jit
-def silu_mul(gate_ptr, up_ptr, out_ptr, I, gate_stride, up_stride, BLOCK: tl.constexpr):
-    """Program (row r, block b of BLOCK columns): out[r, c] = silu(gate[r, c]) * up[r, c] in
-    float32, rounded once to out's type. gate and up: rows of any float type at their own row
-    strides (two halves of one fused projection's output, or two tensors); out (R, I) contiguous."""
+def act_mul(gate_ptr, up_ptr, out_ptr, H, D, gate_rows, gate_heads, up_rows, up_heads,
+            ACT: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (row r, head h, block b of BLOCK columns): out[r, h, c] = act(gate[r, h, c]) *
+    up[r, h, c] in float32, rounded once to out's type; act is silu (ACT "silu": SwiGLU) or the
+    sigmoid (ACT "sigmoid": gated attention's output gate). gate and up: any float type, each
+    at its own row and head strides (halves of one fused projection's output, the gate columns
+    of the query projection, or plain tensors); out (R, H, D) contiguous."""
     r = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = c < I
-    g = tl.load(gate_ptr + r * gate_stride + c, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(up_ptr + r * up_stride + c, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + r * I + c, stored_as(g / (1.0 + tl.exp(-g)) * u, out_ptr), mask=ok)
+    h = tl.program_id(1).to(tl.int64)
+    c = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    ok = c < D
+    g = tl.load(gate_ptr + r * gate_rows + h * gate_heads + c, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + r * up_rows + h * up_heads + c, mask=ok, other=0.0).to(tl.float32)
+    act = 1.0 / (1.0 + tl.exp(-g))
+    if ACT == "silu":
+        act = g * act
+    tl.store(out_ptr + (r * H + h) * D + c, stored_as(act * u, out_ptr), mask=ok)
 
 
-INTERPRETED = not isinstance(silu_mul, JITFunction)
+INTERPRETED = not isinstance(act_mul, JITFunction)
 RUNNABLE = INTERPRETED == (not isinstance(tl.zeros, JITFunction))     # else tl.zeros & co. refuse to run

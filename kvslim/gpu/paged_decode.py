@@ -38,6 +38,5 @@ def decode_state(fmt_k, fmt_v, q: torch.Tensor, k_pool: torch.Tensor, v_pool: to
     sequence without keys gets m = -inf, l = 0, acc = 0. ``split_keys``: keys per program;
     ``tune``: launch overrides (``paged_prefill.TUNABLE``).
     The number of splits comes from the table's width: no host sync."""
-    n_keys = n_keys.to(device=q.device, dtype=torch.int32)
-    q_pos = (n_keys - 1)[:, None].expand(q.shape[1], q.shape[2])      # every row sees all its keys
-    return paged_prefill.prefill_state(fmt_k, fmt_v, q, q_pos, k_pool, v_pool, table, n_keys, split_keys, tune)
+    # every row at its sequence's last key (q_pos None): read in the kernel, no launch before it
+    return paged_prefill.prefill_state(fmt_k, fmt_v, q, None, k_pool, v_pool, table, n_keys, split_keys, tune)

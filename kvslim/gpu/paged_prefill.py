@@ -178,13 +178,14 @@ def _launch_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict | None =
     return config
 
 
-def prefill_state(fmt_k, fmt_v, q_code: torch.Tensor, q_pos: torch.Tensor, k_pool: torch.Tensor,
+def prefill_state(fmt_k, fmt_v, q_code: torch.Tensor, q_pos: torch.Tensor | None, k_pool: torch.Tensor,
                   v_pool: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor,
                   split_keys: int = SPLIT_KEYS, tune: dict | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q_code (Hkv, S, R, D) float32, scaled, in K's code domain; q_pos (S, R) each row's absolute
-    position (it sees keys at positions <= it); pools (Hkv, pages, page_size, row bytes) uint8;
-    table (S, P) int32 pages; lengths (S,) packed keys per sequence.
+    position (it sees keys at positions <= it), or None: every row at its sequence's last key
+    (decode; nothing computed on the host side); pools (Hkv, pages, page_size, row bytes) uint8;
+    table (S, P) int32 pages; lengths (S,) packed keys per sequence, any int type.
     -> m, l (Hkv, S, R, 1) and acc (Hkv, S, R, D), acc in V's code domain, not normalised; a row
     that sees no key gets m = -inf, l = 0, acc = 0. ``split_keys``: keys per program when R is at
     most SPLIT_ROWS; ``tune``: launch overrides (TUNABLE). The launch's sizes come from the shapes
@@ -196,36 +197,51 @@ def prefill_state(fmt_k, fmt_v, q_code: torch.Tensor, q_pos: torch.Tensor, k_poo
     keys = max(1, table.shape[1] * page_size)
     split_keys = split_keys if n_rows <= SPLIT_ROWS else keys          # many rows: one split, the tiles are enough
     n_splits = -(-keys // split_keys)
-    q_code, table = q_code.contiguous(), table.to(torch.int32).contiguous()
-    q_pos = q_pos.to(device=q_code.device, dtype=torch.int32).expand(n_seq, n_rows).contiguous()
-    lengths = lengths.to(device=q_code.device, dtype=torch.int32).contiguous()
+    q_code, table = q_code.contiguous(), table.to(torch.int32)
+    if table.stride(1) != 1:                        # rows at any stride: a decode step's columns of the table
+        table = table.contiguous()
+    lengths = lengths.to(q_code.device).contiguous()
+    if q_pos is not None:
+        q_pos = q_pos.to(device=q_code.device, dtype=torch.int32).expand(n_seq, n_rows).contiguous()
     m = torch.empty(n_kv, n_seq, n_splits, n_rows, device=q_code.device)
     l, acc = torch.empty_like(m), torch.empty(n_kv, n_seq, n_splits, n_rows, dim, device=q_code.device)
     luts = [_lut(f, dim, str(q_code.device)) for f in (fmt_k, fmt_v)]
     head_bytes = k_pool.shape[1] * k_pool.shape[2] * max(k_pool.shape[3], v_pool.shape[3])
     config["WIDE"] |= head_bytes >= 2**31                               # a head's pool past 32-bit offsets
     _kernel().paged_prefill_tile[(n_kv, n_seq, n_tiles * n_splits)](
-        q_code, q_pos, k_pool.contiguous(), v_pool.contiguous(), table, lengths, *luts, m, l, acc,
-        n_seq, n_rows, k_pool.shape[1], page_size, k_pool.shape[3], v_pool.shape[3], table.shape[1],
-        n_splits, split_keys, **config, **FP_FUSION)
+        q_code, lengths if q_pos is None else q_pos, k_pool.contiguous(), v_pool.contiguous(), table, lengths, *luts,
+        m, l, acc, n_seq, n_rows, k_pool.shape[1], page_size, k_pool.shape[3], v_pool.shape[3], table.stride(0),
+        n_splits, split_keys, AT_END=q_pos is None, **config, **FP_FUSION)
     if n_splits == 1:                                                   # nothing to merge
         return m[:, :, 0, :, None], l[:, :, 0, :, None], acc[:, :, 0]
     return merged(m, l, acc)
 
 
-MERGE_SPLITS, MERGE_COLUMNS = 32, 64        # the merge's splits a step and columns a program
+# The merge's tile on a GPU: a row a program, 32 splits a step, 64 columns (decode at 128K,
+# batch 1, 2 KV heads x 8 rows: 64 programs of 8 steps). The interpreter pays per program, not
+# per element (about 6 ms a program), so there the tile is the whole of a head's rows and
+# columns: a prompt test's 1,024 programs (32 rows x 4 column tiles x 8) became 8.
+MERGE_TILE = {"BLOCK_S": 32, "BLOCK_R": 1, "BLOCK_D": 64}
 
 
-def merged(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _merge_tile(n_splits: int, n_rows: int, dim: int) -> dict:
+    if not _kernel().INTERPRETED:
+        return dict(MERGE_TILE, BLOCK_D=min(MERGE_TILE["BLOCK_D"], pow2(dim)))
+    return {"BLOCK_S": min(64, pow2(n_splits)), "BLOCK_R": pow2(n_rows), "BLOCK_D": pow2(dim)}
+
+
+def merged(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, tile: dict | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``merge_splits`` in one launch (the torch form launches 10: at 32K keys, 64 splits, every
-    decode step's attention layer ran them)."""
+    decode step's attention layer ran them). ``tile``: BLOCK_S, BLOCK_R, BLOCK_D (``_merge_tile``'s
+    by default)."""
     n_kv, n_seq, n_splits, n_rows, dim = acc.shape
     m_out, l_out = (torch.empty(n_kv, n_seq, n_rows, 1, device=acc.device) for _ in range(2))
     acc_out = torch.empty(n_kv, n_seq, n_rows, dim, device=acc.device)
-    block_d = min(MERGE_COLUMNS, pow2(dim))
-    _kernel().merge_splits[(n_kv * n_seq, n_rows, -(-dim // block_d))](
-        m, l, acc, m_out, l_out, acc_out, n_splits, n_rows, HEAD_DIM=dim, BLOCK_S=MERGE_SPLITS, BLOCK_D=block_d,
-        num_warps=4, **FP_FUSION)
+    tile = tile or _merge_tile(n_splits, n_rows, dim)
+    grid = (n_kv * n_seq, -(-n_rows // tile["BLOCK_R"]), -(-dim // tile["BLOCK_D"]))
+    _kernel().merge_splits[grid](m, l, acc, m_out, l_out, acc_out, n_splits, n_rows, HEAD_DIM=dim, **tile,
+                                 num_warps=4, **FP_FUSION)
     return m_out, l_out, acc_out
 
 

@@ -1,11 +1,15 @@
-"""SwiGLU's activation, silu(gate) * up, in one Triton launch.
+"""SwiGLU's activation, silu(gate) * up, and gated attention's output gate, x * sigmoid(gate),
+in one Triton launch each.
 
 A decode step on a GPU applies it 80 times in a 35B-A3B model (the shared expert's MLP and the
 routed experts of each layer); the torch form launches silu, the product and, for the experts'
 float32 products, a cast back to the activations' type: 2-3 launches each. ``silu_mul`` reads
 gate and up where they lie (two halves of one fused projection's output) and writes the
-product rounded once to the type asked for. The torch form stays the reference (and the path
-everywhere else); tests/test_gpu_swiglu.py holds the two together under Triton's interpreter.
+product rounded once to the type asked for. A gated attention layer's output (Qwen3.5/3.6, 10
+a 35B-A3B step) was cast, its gate's strided columns copied, the sigmoid and the product
+launched: ``sigmoid_mul`` is one launch, the same kernel with the other activation. The torch
+forms stay the reference (and the path everywhere else); tests/test_gpu_swiglu.py holds the
+two together under Triton's interpreter.
 """
 from __future__ import annotations
 
@@ -28,12 +32,28 @@ def runs_on(x: torch.Tensor) -> bool:
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """silu(gate) * up for gate, up (R, I) of any float type whose rows may be strided (the
     halves of a (R, 2I) tensor), computed in float32 -> (R, I) of ``dtype``, rounded once."""
-    if gate.shape != up.shape or gate.dim() != 2 or gate.stride(-1) != 1 or up.stride(-1) != 1:
-        raise ValueError(f"gate and up (R, I) with contiguous rows expected, got {tuple(gate.shape)} "
+    return _act_mul(gate, up, dtype, "silu")
+
+
+def sigmoid_mul(gate: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x * sigmoid(gate), gated attention's output gate, for gate, x (R, H, D) of any float type
+    whose rows and heads may be strided (the gate's columns of the query projection), computed
+    in float32 -> (R, H, D) of ``dtype``, rounded once: the torch form casts x, then launches
+    the sigmoid and the product (and copies the strided gate), rounding three times."""
+    return _act_mul(gate, x, dtype, "sigmoid")
+
+
+def _act_mul(gate: torch.Tensor, up: torch.Tensor, dtype: torch.dtype, act: str) -> torch.Tensor:
+    if gate.shape != up.shape or gate.dim() not in (2, 3) or gate.stride(-1) != 1 or up.stride(-1) != 1:
+        raise ValueError(f"gate and up (R, I) or (R, H, D) with contiguous rows expected, got {tuple(gate.shape)} "
                          f"{gate.stride()} and {tuple(up.shape)} {up.stride()}")
-    rows, width = gate.shape
-    out = torch.empty(rows, width, device=gate.device, dtype=dtype)
-    if rows and width:
-        _kernel().silu_mul[(rows, -(-width // BLOCK))](gate, up, out, width, gate.stride(0), up.stride(0),
-                                                       BLOCK=BLOCK, num_warps=4, **FP_FUSION)
-    return out
+    shape = gate.shape
+    if gate.dim() == 2:                                   # (R, I): one head
+        gate, up = gate[:, None], up[:, None]
+    rows, heads, width = gate.shape
+    out = torch.empty(rows, heads, width, device=gate.device, dtype=dtype)
+    if out.numel():
+        _kernel().act_mul[(rows, heads, -(-width // BLOCK))](
+            gate, up, out, heads, width, gate.stride(0), gate.stride(1), up.stride(0), up.stride(1), ACT=act,
+            BLOCK=BLOCK, num_warps=4, **FP_FUSION)
+    return out.view(shape)
