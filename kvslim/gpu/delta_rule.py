@@ -1,9 +1,12 @@
 """Gated DeltaNet on CUDA through fla-core (flash-linear-attention's Triton kernels).
 
 The same contract as kvslim/models/delta_rule.py's torch forms, which stay the reference and
-the fallback: ``chunk(q, k, v, g, beta, state)`` for a prefill segment and ``decode(...)`` for
-one decode token per sequence from the layer's raw inputs (state updated in place). fla-core is
-what transformers and vLLM run for these layers; kvslim imports it only when a CUDA tensor asks
+the fallback: ``chunk(q, k, v, g, beta, state)`` for a prefill segment, what the layers take on
+a GPU, and ``decode(...)`` for one decode token per sequence from the layer's raw inputs (state
+updated in place). The layers' decode step is gpu/delta_step.py's since session 37 (fla-core's
+takes the batch's states as one tensor, so the layer gathered and scattered them around it);
+``decode`` stays for benchmarks/gpu_delta_step.py's side-by-side. fla-core is what transformers
+and vLLM run for these layers; kvslim imports it only when a CUDA tensor asks
 (never for the CPU) and the GPU kernels are switched on (``kvslim.gpu.TRITON``,
 KVSLIM_TRITON=1). The tests run its decode kernel under Triton's interpreter in a child process
 (tests/test_gpu_delta_rule.py; its chunked kernel asks for a GPU driver there). fla-core
