@@ -6,10 +6,11 @@ fla-core's chunked gated delta rule (prompts) and gated norm; ``delta_step``: th
 decode step on the cache's states in place; ``conv_step``: the DeltaNet conv's decode step;
 ``swiglu``: silu(gate) * up and the attention's output gate; ``moe``: a mixture's routing and
 its outputs' sum; ``rope``: an attention layer's q/k norm and rotation; ``add_norm``: a residual
-add and the norm after it (the last six fold a decode step's small torch launches into one each). Nothing here imports triton
-until a kernel runs, so kvslim imports without it; each kernel module says whether it can
-serve a call (``supports`` or ``runs_on``) and has a torch reference it is tested against
-(tests/test_triton_*.py and tests/test_gpu_*.py, under Triton's CPU interpreter; docs/gpu.md).
+add and the norm after it (the last six fold a decode step's small torch launches into one
+each). Nothing here imports triton until a kernel runs, so kvslim imports without it; each
+kernel module says whether it can serve a call (``supports`` or ``runs_on``) and has a torch
+reference it is tested against (tests/test_triton_*.py and tests/test_gpu_*.py, under Triton's
+CPU interpreter; docs/gpu.md).
 """
 import importlib
 import os
@@ -69,8 +70,8 @@ def compile_sm90(fn, pointers: dict[str, str], constexprs: dict, divisible: tupl
     """Compile the @triton.jit ``fn`` for an H100/H200 (sm_90) without a GPU, through Triton's
     compiler and the ptxas in its wheel: arguments named in ``pointers`` take those types
     ("*u8", "*fp32", ...; "fp32" for a float scalar), those in ``constexprs`` their values, the
-    rest are i32; ``options``
-    as a launch's (num_warps, num_stages; FMA fusion on unless one says otherwise). As a launch specialises them, the pointers are known
+    rest are i32; ``options`` as a launch's (num_warps, num_stages; FMA fusion on unless one says
+    otherwise). As a launch specialises them, the pointers are known
     16-byte aligned (torch's allocations are) and the ints named in ``divisible`` multiples of
     16 (a launch marks every int argument that is one): without that, the compiler cannot prove
     runs of bytes aligned and vectorises no load. Constexprs left out take their defaults, as

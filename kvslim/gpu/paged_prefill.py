@@ -238,6 +238,8 @@ def merged(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, tile: dict | Non
     n_kv, n_seq, n_splits, n_rows, dim = acc.shape
     m_out, l_out = (torch.empty(n_kv, n_seq, n_rows, 1, device=acc.device) for _ in range(2))
     acc_out = torch.empty(n_kv, n_seq, n_rows, dim, device=acc.device)
+    if not acc_out.numel():
+        return m_out, l_out, acc_out
     tile = tile or _merge_tile(n_splits, n_rows, dim)
     grid = (n_kv * n_seq, -(-n_rows // tile["BLOCK_R"]), -(-dim // tile["BLOCK_D"]))
     _kernel().merge_splits[grid](m, l, acc, m_out, l_out, acc_out, n_splits, n_rows, HEAD_DIM=dim, **tile,
