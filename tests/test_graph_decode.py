@@ -73,8 +73,11 @@ def one_step(model, cache, extra_pages: int) -> torch.Tensor:
 def bucketed_logits(pairs, path) -> None:
     """In an interpreted child (the Triton kernels serving decode attention and appends): the
     bundled model's step logits reading the exact pages and 5 more, per pair, and the number of
-    decode kernel calls."""
+    decode kernel calls. Only the attention and append kernels serve (``attention_kernels_only``)."""
     from kvslim.gpu import paged_decode
+
+    from .triton_harness import attention_kernels_only
+    attention_kernels_only()
     calls = [0]
     inner = paged_decode.decode_state
 

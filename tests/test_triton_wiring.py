@@ -19,7 +19,7 @@ import kvslim.gpu
 
 from kvslim.gpu import paged_decode
 
-from .triton_harness import run_interpreted
+from .triton_harness import attention_kernels_only, run_interpreted
 
 pytestmark = pytest.mark.skipif(not kvslim.gpu.available(), reason="triton is not installed")
 # (K, V, f16 window). Formats whose kernel encoder writes torch's bytes here: iq4_nl's can flip
@@ -56,11 +56,10 @@ def _dot_of(args: tuple, kw: dict) -> str:
 
 def logits_counted(pairs, path: Path) -> None:
     """``logits`` in the interpreted child, counting the kernels' calls. Only the attention kernels
-    are on: the SwiGLU, conv-step, DeltaNet-step, q/k norm-rope and add-norm kernels (tests/test_gpu_swiglu.py,
-    test_gpu_conv_step.py, test_gpu_delta_step.py, test_gpu_rope.py, test_gpu_add_norm.py) sum and round a few
-    float32 ulps from torch, which could move the first attention layer's K/V off the torch path's bytes."""
-    from kvslim.gpu import add_norm, conv_step, delta_step, kv_append, paged_prefill, rope, swiglu
-    swiglu.runs_on = conv_step.runs_on = delta_step.runs_on = rope.runs_on = add_norm.runs_on = lambda x: False
+    serve (``attention_kernels_only``): the others sum and round a few float32 ulps from torch,
+    which could move the first attention layer's K/V off the torch path's bytes."""
+    from kvslim.gpu import kv_append, paged_prefill
+    attention_kernels_only()
     calls = {"prefill": 0, "decode": 0, "append": 0}
 
     dots = set()
@@ -124,9 +123,11 @@ def test_model_logits_with_triton_attention_match_the_torch_paths(tmp_path):
 def backend_forward(args, path: Path | None = None):
     """The bundled model with K/V types and attention backend ``args``: a 20-token prompt chunk, a
     decode step in a flat batch and one through a DecodeBatch (the paged_decode op, as CUDA
-    graphs run it). In the interpreted child (``path`` given) the kernels serve it; the DOT each
-    attention kernel launch was given is kept."""
+    graphs run it). In the interpreted child (``path`` given) the attention kernels serve it
+    (``attention_kernels_only``); the DOT each attention kernel launch was given is kept."""
     type_k, type_v, backend = args
+    if path is not None:
+        attention_kernels_only()
     from kvslim.devices import to_device
     from kvslim.gpu import paged_prefill
     from kvslim.loading import load_model
