@@ -1,7 +1,7 @@
 """The kernels one decode step launches on a GPU, counted without one.
 
     python benchmarks/decode_launches.py [--model qwen3.6-35b-a3b] [--shrink 8] [--layers 8] [-np 1] [--top 25]
-                                         [--where _to_copy] [--weights q4_0] [-ctk f16] [-ctv f16]
+                                         [--where _to_copy] [--weights q4_0] [-d 0] [-ctk f16] [-ctv f16]
 
 Session 31's profile of a 35B-A3B decode step on an H200 found ~3,000 small torch kernels (1-6 us
 each, about a quarter of the step) beside the GEMVs. This counts them where no GPU is lent: the
@@ -42,7 +42,7 @@ if __name__ == "__main__" and not torch.backends.cuda.is_built():     # before k
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_model import random_model, shrunk_config  # noqa: E402
-from kvslim.cache import CacheConfig  # noqa: E402
+from kvslim.cache import CacheConfig, KVCache, RecurrentStateCache  # noqa: E402
 from kvslim.models import DecodeBatch, build, config_from_dict  # noqa: E402
 from kvslim.tables import markdown_table  # noqa: E402
 
@@ -101,11 +101,26 @@ def count_kernels(launches: Launches) -> None:
     torch.cuda._exchange_device = torch.cuda._maybe_exchange_device = lambda index: 0   # fla's device guard
 
 
+def fill(cache, depth: int) -> None:
+    """Every slot holds ``depth`` tokens before the step: K/V rows (fake: shapes only) through each
+    attention layer's unchecked store (a checked append would read its flags on the host, which
+    a fake tensor cannot), the DeltaNet layers' lengths advanced to match."""
+    for layer in cache:
+        for slot in range(cache.n_slots):
+            if isinstance(layer, KVCache):
+                shape = (depth, layer.n_kv_heads, layer.head_dim)
+                layer.store(slot, torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16))
+            elif isinstance(layer, RecurrentStateCache):
+                layer.advance(slot, depth)
+
+
 def count(config, n_slots: int, where: str | None = None, weights: str | None = None,
-          kv: str = "f16/f16") -> Launches:
+          kv: str = "f16/f16", depth: int = 0) -> Launches:
     """The launches of the second of two decode steps (the first moves constants to the device).
     ``weights``: a block type for the matrices (gpu_model.py's layout) and the GPU kernels on
-    (``kvslim.gpu.TRITON``), as gpu_model.py's end-to-end runs; None: float weights, torch paths."""
+    (``kvslim.gpu.TRITON``), as gpu_model.py's end-to-end runs; None: float weights, torch paths.
+    ``depth``: tokens each sequence holds before the steps (past 512, decode attention's key
+    splits are merged)."""
     import kvslim.cache.config as cache_config
     from kvslim import gpu
     from kvslim.models import base
@@ -125,14 +140,16 @@ def count(config, n_slots: int, where: str | None = None, weights: str | None = 
                 model = build(config)
             finally:
                 torch.set_default_dtype(torch.float32)
-        cache = model.make_cache(CacheConfig(64, n_slots, *kv.split("/"), device="cuda"))
+        cache = model.make_cache(CacheConfig(depth + 64, n_slots, *kv.split("/"), device="cuda"))
+        if depth:
+            fill(cache, depth)
         slots = list(range(n_slots))
         for step in range(2):
-            cache.prepare_decode(slots, [step] * n_slots)
-            inputs = [torch.full((n_slots,), v, dtype=torch.long) for v in (5, step)] + [torch.arange(n_slots)]
+            cache.prepare_decode(slots, [depth + step] * n_slots)
+            inputs = [torch.full((n_slots,), v, dtype=torch.long) for v in (5, depth + step)] + [torch.arange(n_slots)]
             launches.ops.clear(), launches.sites.clear()
             with launches, torch.inference_mode():               # the step, as an engine runs it
-                model.run(DecodeBatch(*inputs, 2), cache)
+                model.run(DecodeBatch(*inputs, cache.decode_pages([depth + step] * n_slots)), cache)
             cache.commit_decode(slots)
     return launches
 
@@ -148,16 +165,18 @@ def main(argv=None) -> int:
     ap.add_argument("--weights", default=None, metavar="TYPE",
                     help="block-type matrices and the GPU kernels on, as gpu_model.py's runs (e.g. q4_0); "
                          "default: float weights, the torch paths")
+    ap.add_argument("-d", "--depth", type=int, default=0, help="tokens each sequence holds before the step")
     ap.add_argument("-ctk", "--cache-type-k", default="f16")
     ap.add_argument("-ctv", "--cache-type-v", default="f16")
     args = ap.parse_args(argv)
     config = config_from_dict(shrunk_config(args.model, args.shrink, args.layers))
-    launches = count(config, args.parallel, args.where, args.weights, f"{args.cache_type_k}/{args.cache_type_v}")
+    launches = count(config, args.parallel, args.where, args.weights, f"{args.cache_type_k}/{args.cache_type_v}",
+                     args.depth)
     ops = launches.ops
     paths = f"{args.weights} weights, kernels on" if args.weights else "float weights, torch paths"
     kinds = Counter(config.layer_types) if getattr(config, "layer_types", None) else {"layers": config.num_hidden_layers}
     print(f"{args.model}: {config.num_hidden_layers} layers ({', '.join(f'{n} {k}' for k, n in kinds.items())}), "
-          f"-np {args.parallel}, {paths}, bf16: {sum(ops.values())} launches a decode step\n")
+          f"-np {args.parallel}, depth {args.depth}, {paths}, bf16: {sum(ops.values())} launches a decode step\n")
     print(markdown_table(["op", "launches"], [[k, v] for k, v in ops.most_common(args.top)], ["l", "r"]))
     if args.where:
         print(f"\n{args.where}, by kvslim line:\n")
