@@ -29,9 +29,12 @@ CASES = [(3, 256, 8, True, "bfloat16"), (5, 64, 4, False, "float32"), (2, 10, 3,
 
 
 def _logits(case, seed: int) -> torch.Tensor:
-    """Random logits; the last case's tokens have their two largest logits tied."""
+    """Random logits, as the router's columns of a fused projection's output (rows strided, one
+    more column for the shared expert's gate); the last case's tokens have their two largest
+    logits tied."""
     n, n_experts, _, _, dtype = case
-    logits = (torch.randn(n, n_experts, generator=torch.Generator().manual_seed(seed)) * 2).to(getattr(torch, dtype))
+    fused = torch.randn(n, n_experts + 1, generator=torch.Generator().manual_seed(seed)) * 2
+    logits = fused.to(getattr(torch, dtype))[:, 1:]
     if case == CASES[-1]:                          # (compared by value: the child's cases are copies)
         top = logits.argmax(-1)
         logits[torch.arange(n), (top + 1) % n_experts] = logits[torch.arange(n), top]

@@ -57,10 +57,13 @@ def _case(name, role, dim, dtype, n_tokens=32, seed=0):
     fmt = formats.get(name, role=role)
     x = torch.randn(n_tokens, N_KV, dim, generator=gen) * torch.logspace(-3, 2, n_tokens)[:, None, None]
     x[3, 1, 5], x[5, 0, dim - 1], x[7, 1, 2] = float("nan"), float("inf"), 1e9
+    # as the K or V columns of a fused projection: each token's heads contiguous, tokens strided
+    wide = torch.cat([x.reshape(n_tokens, -1), torch.zeros(n_tokens, 8)], 1).to(getattr(torch, dtype))
+    x = wide[:, :N_KV * dim].view(n_tokens, N_KV, dim)
     pages = n_tokens // PAGE_SIZE + 3
     pool = torch.randint(0, 256, (N_KV, pages, PAGE_SIZE, fmt.row_bytes(dim)), dtype=torch.uint8, generator=gen)
     rows = torch.randperm(pages * PAGE_SIZE, generator=gen)[:n_tokens]
-    return fmt, x.to(getattr(torch, dtype)), pool, rows, _placement(rows, pages, gen)
+    return fmt, x, pool, rows, _placement(rows, pages, gen)
 
 
 def _placement(rows: torch.Tensor, pages: int, gen: torch.Generator):

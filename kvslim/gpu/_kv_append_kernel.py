@@ -327,12 +327,13 @@ def _encode_turbo(x, out, live, rot_m, bounds, cents, limit, GROUP: tl.constexpr
 
 @triton.jit
 def kv_append_rows(x_ptr, pool, table_ptr, slots_ptr, pos_ptr, flags_ptr, rot_m, bounds, cents, tries, ladder,
-                   n_rows, n_kv, pool_rows, row_bytes, table_stride, page_size, limit, rot_scale,
+                   n_rows, n_kv, pool_rows, row_bytes, table_stride, page_size, x_stride, limit, rot_scale,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                    KIND: tl.constexpr, FLOAT_TYPE: tl.constexpr, ROT: tl.constexpr, LOG2_ROT: tl.constexpr,
                    GROUP: tl.constexpr, N_BLOCKS: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
                    BITS: tl.constexpr, BLOCK_BYTES: tl.constexpr, N_TRIES: tl.constexpr):
-    """Rows r of x (n_rows = tokens * n_kv, HEAD_DIM) float -> their packed bytes at head r % n_kv
+    """Rows r of x (n_rows = tokens * n_kv, HEAD_DIM) float, token t's heads contiguous and tokens
+    x_stride apart (the K or V columns of a fused projection) -> their packed bytes at head r % n_kv
     of the pool (n_kv, pool_rows, row_bytes) uint8, in the row the block table gives token
     t = r // n_kv: page table[slots[t], positions[t] // page_size], offset positions[t] % page_size
     (the cache's ``_flat_index``, so no launch computes rows first); flags[slots[t]] = 1 where a
@@ -341,6 +342,7 @@ def kv_append_rows(x_ptr, pool, table_ptr, slots_ptr, pos_ptr, flags_ptr, rot_m,
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     r_live = r < n_rows
     token = (r // n_kv).to(tl.int64)
+    x_row = x_ptr + token * x_stride + (r % n_kv).to(tl.int64) * HEAD_DIM   # (BLOCK_M,) row starts in x
     slot = tl.load(slots_ptr + token, mask=r_live, other=0).to(tl.int64)
     pos = tl.load(pos_ptr + token, mask=r_live, other=0).to(tl.int64)
     page = tl.load(table_ptr + slot * table_stride + pos // page_size, mask=r_live, other=0).to(tl.int64)
@@ -350,14 +352,14 @@ def kv_append_rows(x_ptr, pool, table_ptr, slots_ptr, pos_ptr, flags_ptr, rot_m,
         b = tl.arange(0, NB)[None, :, None]
         i = tl.arange(0, BLOCK)[None, None, :]
         m3 = r_live[:, None, None] & (b < N_BLOCKS) & (i < GROUP)
-        x = tl.load(x_ptr + r.to(tl.int64)[:, None, None] * HEAD_DIM + b * GROUP + i, mask=m3, other=0.0)
+        x = tl.load(x_row[:, None, None] + b * GROUP + i, mask=m3, other=0.0)
         live = r_live[:, None] & (tl.arange(0, NB)[None, :] < N_BLOCKS)
         bad = _encode_turbo(x.to(tl.float32), out[:, None], live, rot_m, bounds, cents, limit, GROUP, BLOCK_M,
                             NB, BLOCK, BITS, BLOCK_BYTES)
     else:
         d = tl.arange(0, BLOCK_D)[None, :]
         mask = r_live[:, None] & (d < HEAD_DIM)
-        y = tl.load(x_ptr + r.to(tl.int64)[:, None] * HEAD_DIM + d, mask=mask, other=0.0).to(tl.float32)
+        y = tl.load(x_row[:, None] + d, mask=mask, other=0.0).to(tl.float32)
         if ROT > 0:
             y = _hadamard(y, ROT, LOG2_ROT, BLOCK_M, BLOCK_D, rot_scale)
         bad = tl.max(tl.where(mask & ~(tl.abs(y) <= limit), 1, 0), 1)     # NaN, inf or past the limit

@@ -18,13 +18,14 @@ from ._codecs import stored_as
 
 
 @triton.jit
-def topk_softmax(logits_ptr, weights_ptr, ids_ptr, E, K: tl.constexpr, BLOCK_E: tl.constexpr,
+def topk_softmax(logits_ptr, weights_ptr, ids_ptr, E, logits_stride, K: tl.constexpr, BLOCK_E: tl.constexpr,
                  BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr):
-    """Program t: logits (T, E) any float type -> weights (T, K) of their tensor's type and
-    ids (T, K) int64, in descending order of logit, as torch.topk of the softmax gives them."""
+    """Program t: logits (T, E) any float type, rows logits_stride apart (the router's columns of
+    a fused projection) -> weights (T, K) of their tensor's type and ids (T, K) int64, in
+    descending order of logit, as torch.topk of the softmax gives them."""
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
-    x = tl.load(logits_ptr + t * E + e, mask=e < E, other=float("-inf")).to(tl.float32)
+    x = tl.load(logits_ptr + t * logits_stride + e, mask=e < E, other=float("-inf")).to(tl.float32)
     p = tl.exp(x - tl.max(x, axis=0))                       # unnormalised; 0 past E
     slot = tl.arange(0, BLOCK_K)
     weight = tl.zeros([BLOCK_K], tl.float32)

@@ -114,7 +114,9 @@ def append(fmt, x: torch.Tensor, pool: torch.Tensor, table: torch.Tensor, slots:
     config, limit, rot_scale = _launch(fmt.name, role, dim)
     tables = _tables(fmt.name, role, dim, str(x.device))
     n_rows = n_tokens * n_kv
+    if x.stride()[1:] != (dim, 1):                       # each token's heads contiguous; tokens at any stride
+        x = x.contiguous()
     _kernel().kv_append_rows[(-(-n_rows // BLOCK_M),)](
-        x.contiguous(), pool, table, slots.contiguous(), positions.contiguous(), flags, *tables, n_rows, n_kv,
-        pool.shape[1] * pool.shape[2], pool.shape[3], table.stride(0), pool.shape[2], limit, rot_scale,
+        x, pool, table, slots.contiguous(), positions.contiguous(), flags, *tables, n_rows, n_kv,
+        pool.shape[1] * pool.shape[2], pool.shape[3], table.stride(0), pool.shape[2], x.stride(0), limit, rot_scale,
         enable_fp_fusion=False, **config)                              # x * id + 8.5 rounds twice, as in torch

@@ -44,8 +44,11 @@ def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool,
     weights = torch.empty(n, top_k, device=logits.device, dtype=dtype)
     ids = torch.empty(n, top_k, device=logits.device, dtype=torch.int64)
     if n:
-        _kernel().topk_softmax[(n,)](logits.contiguous(), weights, ids, n_experts, K=top_k, BLOCK_E=pow2(n_experts),
-                                     BLOCK_K=pow2(top_k), RENORMALIZE=renormalize, num_warps=4, **FP_FUSION)
+        if logits.stride(1) != 1:
+            logits = logits.contiguous()
+        _kernel().topk_softmax[(n,)](logits, weights, ids, n_experts, logits.stride(0), K=top_k,
+                                     BLOCK_E=pow2(n_experts), BLOCK_K=pow2(top_k), RENORMALIZE=renormalize,
+                                     num_warps=4, **FP_FUSION)
     return weights, ids
 
 
