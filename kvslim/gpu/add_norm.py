@@ -24,7 +24,8 @@ def runs_on(x: torch.Tensor) -> bool:
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, delta (R, H) with contiguous rows, weight (H,) -> (the norm of x + delta times
+    """x, delta (R, H) with contiguous rows, weight (H,) of any float type (read as float32, as
+    ``fused_rms_norm`` takes it, so no cast launches per call) -> (the norm of x + delta times
     weight, x + delta), both in x's type: the sum rounded as torch's add rounds it, the norm
     computed in float32 from that rounded sum and rounded once (as ``F.rms_norm`` does)."""
     if x.dim() != 2 or delta.shape != x.shape or weight.shape != x.shape[1:] \

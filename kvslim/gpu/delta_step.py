@@ -29,9 +29,10 @@ def runs_on(x: torch.Tensor) -> bool:
     return serves("_delta_step_kernel", x.device)
 
 
-def _rows(t: torch.Tensor, heads: int, dim: int) -> torch.Tensor:
-    """t (B, heads, dim) or (B, heads) with each row's heads contiguous: a view when it is so."""
-    inner = (dim, 1) if t.dim() == 3 else (1,)
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t (B, heads, dim) or (B, heads), each row's values contiguous (rows at any stride), as the
+    kernel reads it: t itself when it is so, else a contiguous copy."""
+    inner = (t.shape[2], 1) if t.dim() == 3 else (1,)
     return t if t.stride()[1:] == inner else t.contiguous()
 
 
@@ -55,7 +56,7 @@ def delta_step(q, k, v, a, b, A_log, dt_bias, state, slots, out=None) -> torch.T
     elif out.shape != (n, hv, dv) or not out.is_contiguous():
         raise ValueError(f"out: a contiguous (B, Hv, dv) = {(n, hv, dv)} expected, got {tuple(out.shape)}")
     if n:
-        q, k, v, a, b = _rows(q, hk, dk), _rows(k, hk, dk), _rows(v, hv, dv), _rows(a, hv, 1), _rows(b, hv, 1)
+        q, k, v, a, b = (_rows(t) for t in (q, k, v, a, b))
         block_v = min(BLOCK_V, pow2(dv))
         _kernel().delta_step[(n, hv, -(-dv // block_v))](
             q, k, v, a, b, A_log.contiguous(), dt_bias.contiguous(), state, slots.contiguous(), out, hk, hv,

@@ -48,8 +48,8 @@ class RMSNorm(nn.Module):
         if delta is None:
             return self(x), x
         if gpu.TRITON and x.dim() == 2 and x.stride(-1) == 1 and delta.stride(-1) == 1 and gpu_add_norm.runs_on(x):
-            weight = self.shifted_weight() if self.zero_centered else self.weight
-            return gpu_add_norm.add_rms_norm(x, delta, weight.to(x.dtype), self.eps)
+            weight = self.shifted_weight() if self.zero_centered else self.weight   # any float type: read as float32
+            return gpu_add_norm.add_rms_norm(x, delta, weight, self.eps)
         x = x + delta
         return self(x), x
 
