@@ -200,12 +200,13 @@ def mixture_logits(variants, path: Path) -> None:
     with ``weights`` None), in the interpreted child (both variants in one: a child's start is
     a few seconds) or here: prompts of 70 and 4 tokens in one batch (148 routed pairs: the
     grouped GEMM) and a decode step of the two (4 pairs: the expert GEMV, or batched products),
-    f16 K/V; which expert and DeltaNet-step kernels ran, counted."""
-    from kvslim.gpu import delta_step, quant_matmul
+    f16 K/V; which expert, DeltaNet-step and gated-norm kernels ran, counted."""
+    from kvslim.gpu import delta_step, gated_norm, quant_matmul
     from kvslim.loading import load_model
     from kvslim.models import Batch
     calls, out = [], []
-    for module, fn in ((quant_matmul, "gemm_experts"), (quant_matmul, "gemv_experts"), (delta_step, "delta_step")):
+    for module, fn in ((quant_matmul, "gemm_experts"), (quant_matmul, "gemv_experts"), (delta_step, "delta_step"),
+                       (gated_norm, "gated_rms_norm")):
         inner = getattr(module, fn)
         setattr(module, fn, lambda *a, _f=inner, _n=fn, **k: calls.append(_n) or _f(*a, **k))
     for folder, weights in variants:
@@ -234,12 +235,13 @@ def interpreted_mixtures(tiny_folder, tmp_path_factory):
 @pytest.mark.parametrize("weights", MIXTURE_WEIGHTS)
 def test_mixture_model_logits_with_grouped_experts_match_the_loop(interpreted_mixtures, tiny_folder, tmp_path, weights):
     """A whole mixture-of-experts model (GGUF or float experts) with every kernel on (weights' GEMV/GEMM, routed experts
-    grouped, attention, append, the DeltaNet decode step) gives the logits of this process's paths (experts looped)."""
+    grouped, attention, append, the DeltaNet decode step and output norm) gives the logits of this process's paths (experts looped)."""
     got = interpreted_mixtures[weights]
     assert got["mixtures"] > 0                               # the prompt: gate_up and down per mixture layer
     assert got["calls"].count("gemm_experts") == 2 * got["mixtures"]
     assert ("gemv_experts" in got["calls"]) == bool(weights)  # decode: the GEMV, or dense batched products
     assert got["deltas"] > 0 and got["calls"].count("delta_step") == got["deltas"]   # decode: one a DeltaNet layer
+    assert got["calls"].count("gated_rms_norm") == 2 * got["deltas"]          # the prompt's and the step's output norms
     mixture_logits([(str(tiny_folder("qwen3_5_moe")[0]), weights)], tmp_path / "here.pt")
     want = torch.load(tmp_path / "here.pt")[0]
     assert want["calls"] == []                               # kernels off here: the loop

@@ -77,12 +77,13 @@ def quick_device_calls() -> None:
 def attention_kernels_only() -> None:
     """In an interpreted child: only the attention and append kernels serve (and the weights'
     and experts', which no float model reaches). The others (SwiGLU and the output gate, the
-    DeltaNet conv and decode steps, q/k norm-rope, add-norm) round a few float32 ulps from torch,
+    DeltaNet conv and decode steps and gated norm, q/k norm-rope, add-norm) round a few float32 ulps from torch,
     which can move a later attention layer's K/V codes off the torch path's, and each of their
     programs costs the interpreter ~6 ms; their own tests hold them to torch, and the mixture
     wiring test runs a whole model with every kernel on."""
-    from kvslim.gpu import add_norm, conv_step, delta_step, rope, swiglu
-    swiglu.runs_on = conv_step.runs_on = delta_step.runs_on = rope.runs_on = add_norm.runs_on = lambda x: False
+    from kvslim.gpu import add_norm, conv_step, delta_step, gated_norm, rope, swiglu
+    for module in (swiglu, conv_step, delta_step, gated_norm, rope, add_norm):
+        module.runs_on = lambda x: False
 
 
 def compiled_process() -> None:

@@ -5,7 +5,8 @@ the fallback: ``chunk(q, k, v, g, beta, state)`` for a prefill segment, what the
 a GPU, and ``decode(...)`` for one decode token per sequence from the layer's raw inputs (state
 updated in place). The layers' decode step is gpu/delta_step.py's since session 37 (fla-core's
 takes the batch's states as one tensor, so the layer gathered and scattered them around it);
-``decode`` stays for benchmarks/gpu_delta_step.py's side-by-side. fla-core is what transformers
+``decode`` stays for benchmarks/gpu_delta_step.py's side-by-side, as ``gated_norm`` does (the
+layers' output norm is gpu/gated_norm.py's since session 38). fla-core is what transformers
 and vLLM run for these layers; kvslim imports it only when a CUDA tensor asks
 (never for the CPU) and the GPU kernels are switched on (``kvslim.gpu.TRITON``,
 KVSLIM_TRITON=1). The tests run its decode kernel under Triton's interpreter in a child process
@@ -53,15 +54,13 @@ def _fla_norm():
     return layer_norm_gated_fwd
 
 
-def norms(device: torch.device) -> bool:
-    """Whether fla-core's gated norm serves this device's DeltaNet output norms."""
-    return device.type == "cuda" and gpu.TRITON and _fla_norm() is not None
-
-
 def gated_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``RMSNormGated``: rms_norm(x) * weight * silu(z) in one launch (the torch form launches
     about 6), in float32 inside and rounded once to z's dtype, where the torch form rounds after
-    the norm and after the weight too: bf16 results within an ulp or two of it."""
+    the norm and after the weight too: bf16 results within an ulp or two of it. The layers take
+    gpu/gated_norm.py's kernel since session 38 (this one takes contiguous rows: a strided z,
+    at -np > 1 or in a prompt, was copied first); it stays for benchmarks/gpu_delta_step.py's
+    side-by-side."""
     shape = z.shape
     y, *_ = _fla_norm()(x.reshape(-1, shape[-1]), z.reshape(-1, shape[-1]), weight, None, activation="swish",
                         eps=eps, is_rms_norm=True, out_dtype=z.dtype)

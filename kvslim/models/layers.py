@@ -14,7 +14,7 @@ from torch import nn
 
 from .. import gpu
 from ..gpu import add_norm as gpu_add_norm
-from ..gpu import delta_rule as gpu_delta_rule
+from ..gpu import gated_norm as gpu_gated_norm
 from ..gpu import quant_matmul as gpu_weights
 from ..gpu import moe as gpu_moe
 from ..gpu import rope as gpu_rope
@@ -93,8 +93,8 @@ class RMSNormGated(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        if gpu_delta_rule.norms(x.device):                          # fla-core's fused kernel
-            return gpu_delta_rule.gated_norm(x, z, self.weight, self.eps)
+        if gpu.TRITON and x.dim() == 3 and gpu_gated_norm.runs_on(x):   # one launch, z read where it lies
+            return gpu_gated_norm.gated_rms_norm(x, z, self.weight, self.eps)
         if x.is_cuda:
             y = fused_rms_norm(x, self.weight, self.eps)
         else:
