@@ -49,7 +49,7 @@ from kvslim.tables import markdown_table  # noqa: E402
 # ops that make no kernel: views, allocations, metadata
 VIEWS = {"view", "_unsafe_view", "as_strided", "slice", "select", "unsqueeze", "squeeze", "permute", "transpose", "t",
          "expand", "split", "split_with_sizes", "alias", "detach", "unbind", "reshape", "empty", "empty_strided",
-         "chunk", "narrow", "lift_fresh", "device"}
+         "chunk", "narrow", "lift_fresh", "device", "empty_like"}
 
 
 class Launches(TorchDispatchMode):
