@@ -79,12 +79,12 @@ def bucketed_logits(pairs, path) -> None:
     from .triton_harness import attention_kernels_only
     attention_kernels_only()
     calls = [0]
-    inner = paged_decode.decode_state
+    inner = paged_decode.step_output
 
     def counted(*args, **kw):
         calls[0] += 1
         return inner(*args, **kw)
-    paged_decode.decode_state = counted
+    paged_decode.step_output = counted
     model, _, _ = load_model(None, torch.float32, torch.device("cpu"))
     prompts = [list(range(5, 22)), list(range(30, 39))]
     out = [[one_step(model, filled(model, k, v, prompts, page_size=4)[0], extra) for extra in (0, 5)]

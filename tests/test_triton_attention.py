@@ -71,7 +71,39 @@ def _states_in_child(cases, path: Path) -> None:
     out["supports"].append(gpu.supports(formats.get("f16"), formats.get("f16"), torch.zeros(2, 1, 65, 128)))
     out["merged"] = [paged_prefill.merged(*_split_states(*shape)) for shape in MERGES]
     out["merged_gpu_tile"] = paged_prefill.merged(*_split_states(*MERGES[0]), tile=paged_prefill.MERGE_TILE)
+    out["steps"] = [(gpu.serves_step(*args[:3], args[4].shape[0]), gpu.step_output(*args[:-1], **args[-1]))
+                    for args in map(_step_args, STEPS)]
     torch.save(out, path)
+
+
+# A decode step's attention as the paged_decode op hands it over: (K, V, head_dim, group, lengths,
+# page_size, split_keys, q dtype). Splits of 64 keys (merged into the output) or one split (the
+# output stored by the attention kernel itself); rotated K and V; bf16 queries.
+STEPS = [("q8_0", "q4_0", 128, 4, (37, 100, 16), 16, 64, "bfloat16"),
+         ("turbo4", "turbo3", 64, 2, (20, 5), 16, None, "float32"),
+         ("f16", "iq4_nl", 64, 8, (600, 3), 32, None, "bfloat16"),
+         ("iq4_nl", "turbo4", 64, 1, (9,), 16, None, "bfloat16")]
+
+
+def _step_args(step):
+    """``step_output``'s arguments for a STEPS case: _case's pools; its table's rows moved to
+    shuffled slots of a wider table with 2 spare columns, the first P columns handed over (rows
+    strided); positions each sequence's last key; q (B, H, D) in the model domain, its rows
+    strided (a slice of a wider projection output), in the case's dtype; a scale that is not
+    head_dim ** -0.5."""
+    name_k, name_v, dim, group, lengths, page_size, split_keys, dtype = step
+    fmt_k, fmt_v, _, k_pool, v_pool, table, n_keys = _case(name_k, name_v, dim, group, list(lengths),
+                                                            page_size=page_size)
+    gen = torch.Generator().manual_seed(7)
+    n_seq, n_pages = table.shape
+    slots = torch.randperm(n_seq + 2, generator=gen)[:n_seq]
+    wide = torch.zeros(n_seq + 2, n_pages + 2, dtype=torch.int32)
+    wide[slots, :n_pages] = table
+    n_heads = k_pool.shape[0] * group
+    rows = torch.randn(n_seq, n_heads * dim + 5, generator=gen).to(getattr(torch, dtype))
+    q = rows[:, 3:3 + n_heads * dim].view(n_seq, n_heads, dim)
+    split = {} if split_keys is None else {"split_keys": split_keys}
+    return fmt_k, fmt_v, q, 0.7 * dim ** -0.5, k_pool, v_pool, wide[:, :n_pages], slots, n_keys - 1, split
 
 
 MERGES = [(70, 96), (2, 256)]      # (splits, head_dim): more splits than two of the merge's steps, 2 column tiles
@@ -208,6 +240,19 @@ def test_the_merge_kernel_matches_the_torch_merge(interpreted, shape):
             assert a.shape == b.shape
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
         assert got[0][:, 2, 1].isneginf().all() and (got[1][:, 2, 1] == 0).all() and (got[2][:, 2, 1] == 0).all()
+
+
+@pytest.mark.parametrize("step", STEPS, ids=lambda c: f"{c[0]}-{c[1]}-d{c[2]}-g{c[3]}-{c[7]}")
+def test_a_decode_step_from_its_operands_matches_the_ops_torch_form(interpreted, step):
+    """``step_output`` (q scaled and regrouped as read, the table's rows found by slot, the
+    positions offset by one, acc / l stored in (B, H, D) by the attention or the merge kernel)
+    against the paged_decode op's torch form, here with the kernels off."""
+    served, got = interpreted["steps"][STEPS.index(step)]
+    fmt_k, fmt_v, q, scale, k_pool, v_pool, table, slots, positions, _ = _step_args(step)
+    assert served and not kvslim.gpu.TRITON
+    want = torch.ops.kvslim.paged_decode(q, k_pool, v_pool, table, slots, positions, scale, step[0], step[1])
+    assert got.shape == want.shape == q.shape and got.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_merge_of_splits_matches_one_pass():

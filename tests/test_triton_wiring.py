@@ -48,7 +48,7 @@ def logits(pairs, pools: list | None = None):
 
 
 def _dot_of(args: tuple, kw: dict) -> str:
-    """The DOT a ``paged_prefill.prefill_state`` call asks for (decode_state passes its tune as
+    """The DOT a ``paged_prefill.prefill_state`` or ``attend`` call asks for (decode_state passes its tune as
     the 10th argument, attend_pages by name)."""
     tune = kw["tune"] if "tune" in kw else (args[9] if len(args) > 9 else None)
     return (tune or {}).get("DOT", "ieee")
@@ -133,12 +133,12 @@ def backend_forward(args, path: Path | None = None):
     from kvslim.loading import load_model
     from kvslim.models import Batch, DecodeBatch
     dots = []
-    inner = paged_prefill.prefill_state
+    inner = paged_prefill.attend                     # every attention launch: prefill_state's and step_output's
 
     def seen(*args, **kw):
         dots.append(_dot_of(args, kw))
         return inner(*args, **kw)
-    paged_prefill.prefill_state = seen
+    paged_prefill.attend = seen
     try:
         model, _, _ = load_model(None, torch.float32, torch.device("cpu"))
         cache = model.make_cache(64, 1, type_k, type_v, backend=backend)
@@ -148,7 +148,7 @@ def backend_forward(args, path: Path | None = None):
         rows.append(model.run(DecodeBatch(*[to_device(x, "cpu") for x in ([STEPS[1]], [21], [0])], 2), cache))
         cache.commit_decode([0])
     finally:
-        paged_prefill.prefill_state = inner
+        paged_prefill.attend = inner
     out = {"logits": torch.cat(rows), "dots": dots}
     if path is not None:
         torch.save(out, path)

@@ -86,7 +86,7 @@ def _attend_decode(cache, slots: list[int], positions: list[int], q: torch.Tenso
                    dot: str = "f32") -> torch.Tensor:
     """One query token per sequence: q (S, H, D) -> (S, H, D)."""
     n_seq, n_heads, dim = q.shape
-    qg = _group(cache, q.unsqueeze(1), scale)                           # (S, Hkv, G, D)
+    qg = _group(cache.n_kv_heads, q.unsqueeze(1), scale)                # (S, Hkv, G, D)
     q_pos = to_device(positions, q.device)[:, None].expand(n_seq, qg.shape[2])
     out = attend_pages(cache, slots, qg, q_pos, min(positions), one_position=True, dot=dot)
     return out.reshape(n_seq, n_heads, dim)
@@ -97,12 +97,9 @@ def attend_decode_static(cache, batch, q: torch.Tensor, scale: float | None = No
     No host reads outside one opaque op, shapes fixed by (B, n_pages): it traces into a
     compiled step, where the op stays one call (``kvslim::paged_decode``) that reads the
     packed pages block by block. q (B, H, D) -> float32 (B, H, D)."""
-    n_seq, n_heads, dim = q.shape
-    qg = _group(cache, q.unsqueeze(1), scale).transpose(0, 1).contiguous()     # (Hkv, B, G, D), scaled
-    table = cache.block_table.index_select(0, batch.slots)[:, :batch.n_pages]  # (B, P)
-    out = torch.ops.kvslim.paged_decode(qg, cache.k_pool, cache.v_pool, table, batch.positions,
-                                        *cache.op_names, dot)                            # (Hkv, B, G, D)
-    return out.transpose(0, 1).reshape(n_seq, n_heads, dim)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return torch.ops.kvslim.paged_decode(q, cache.k_pool, cache.v_pool, cache.block_table[:, :batch.n_pages],
+                                         batch.slots, batch.positions, float(scale), *cache.op_names, dot)
 
 
 # Bound calibrated formats (klt3: a calibration per layer) by the name the paged_decode op carries:
@@ -129,18 +126,30 @@ def _op_format(name: str, role: str):
 
 @torch.library.custom_op("kvslim::paged_decode", mutates_args=())
 def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-                 positions: torch.Tensor, type_k: str, type_v: str, dot: str = "f32") -> torch.Tensor:
-    """q (Hkv, B, G, D) float32 scaled, model domain; pools (Hkv, pages, page_size, row bytes);
-    table (B, P) pages to read; a key is seen when its position <= the query's position.
-    Block-wise online softmax over the pages, as ``attend_pages``; ``dot`` as there."""
+                 slots: torch.Tensor, positions: torch.Tensor, scale: float, type_k: str, type_v: str,
+                 dot: str = "f32") -> torch.Tensor:
+    """q (B, H, D) of any float type, model domain; pools (Hkv, pages, page_size, row bytes);
+    table (n_slots, P): the cache's block table's first P columns, sequence b's pages in row
+    slots[b]; sequence b sees its keys at positions <= positions[b]. -> float32 (B, H, D).
+    Block-wise online softmax over the pages, as ``attend_pages``; ``dot`` as there. On a GPU
+    with the kernels on, one kernel takes q, the table and the positions as they lie and writes
+    the output in this layout (``gpu_decode.step_output``); the torch form here is its
+    reference."""
     fmt_k, fmt_v = _op_format(type_k, "k"), _op_format(type_v, "v")
-    acc = _scan_decode(fmt_k, fmt_v, k_pool, v_pool, table, fmt_k.to_code_domain(q), positions + 1, dot=dot)
-    return fmt_v.from_code_domain(acc.result())
+    n_kv = k_pool.shape[0]
+    if gpu.TRITON and gpu_decode.serves_step(fmt_k, fmt_v, q, n_kv):
+        return gpu_decode.step_output(fmt_k, fmt_v, q, scale, k_pool, v_pool, table, slots, positions,
+                                      tune=KERNEL_DOTS[dot])
+    n_seq, n_heads, dim = q.shape
+    qg = _group(n_kv, q.unsqueeze(1), scale).transpose(0, 1).contiguous()          # (Hkv, B, G, D), scaled
+    acc = _scan_decode(fmt_k, fmt_v, k_pool, v_pool, table.index_select(0, slots), fmt_k.to_code_domain(qg),
+                       positions + 1, dot=dot)
+    return fmt_v.from_code_domain(acc.result()).transpose(0, 1).reshape(n_seq, n_heads, dim)
 
 
 @paged_decode.register_fake
-def _(q, k_pool, v_pool, table, positions, type_k, type_v, dot="f32"):
-    return torch.empty_like(q)
+def _(q, k_pool, v_pool, table, slots, positions, scale, type_k, type_v, dot="f32"):
+    return torch.empty(q.shape, dtype=torch.float32, device=q.device)
 
 
 def _attend_segment(cache, slot: int, q: torch.Tensor, first: int, scale, chunk_tokens=None,
@@ -148,20 +157,20 @@ def _attend_segment(cache, slot: int, q: torch.Tensor, first: int, scale, chunk_
     """Tq consecutive queries of one sequence from position ``first``: (Tq, H, D) -> (Tq, H, D)."""
     n_q, n_heads, dim = q.shape
     group = n_heads // cache.n_kv_heads
-    qg = _group(cache, q.unsqueeze(0), scale)                           # (1, Hkv, G*Tq... see _group)
+    qg = _group(cache.n_kv_heads, q.unsqueeze(0), scale)                # (1, Hkv, G*Tq... see _group)
     q_pos = torch.arange(first, first + n_q, device=q.device).repeat(group)[None]    # row g*Tq + t
     out = attend_pages(cache, [slot], qg, q_pos, first, chunk_tokens, dot=dot)   # (1, Hkv, G*Tq, D)
     out = out.reshape(cache.n_kv_heads, group, n_q, dim).permute(2, 0, 1, 3)
     return out.reshape(n_q, n_heads, dim)
 
 
-def _group(cache, q: torch.Tensor, scale) -> torch.Tensor:
+def _group(n_kv_heads: int, q: torch.Tensor, scale) -> torch.Tensor:
     """(S, Tq, H, D) -> pre-scaled float32 (S, Hkv, G*Tq, D), row g*Tq + t: the query heads
     that share one KV head read its rows together (GQA)."""
     n_seq, n_q, n_heads, dim = q.shape
     scale = dim ** -0.5 if scale is None else scale
-    qf = (q.float() * scale).reshape(n_seq, n_q, cache.n_kv_heads, n_heads // cache.n_kv_heads, dim)
-    return qf.permute(0, 2, 3, 1, 4).reshape(n_seq, cache.n_kv_heads, -1, dim)
+    qf = (q.float() * scale).reshape(n_seq, n_q, n_kv_heads, n_heads // n_kv_heads, dim)
+    return qf.permute(0, 2, 3, 1, 4).reshape(n_seq, n_kv_heads, -1, dim)
 
 
 def attend_pages(cache, slots: list[int], q: torch.Tensor, q_pos: torch.Tensor, first_q: int,
@@ -367,7 +376,7 @@ def attend_reference(cache, slot: int, q: torch.Tensor, scale: float | None = No
     _, wk, wv = cache.window(slot)
     k = torch.cat([cache.fmt_k.decode(kb, dim), wk.float()]).transpose(0, 1)     # (Hkv, T, D)
     v = torch.cat([cache.fmt_v.decode(vb, dim), wv.float()]).transpose(0, 1)
-    qf = _group(cache, q.unsqueeze(0), scale)[0]                                 # (Hkv, G*Tq, D)
+    qf = _group(cache.n_kv_heads, q.unsqueeze(0), scale)[0]                      # (Hkv, G*Tq, D)
     n = cache.offset(slot)
     q_pos = torch.arange(n - n_q, n, device=q.device).repeat(group)
     future = torch.arange(k.shape[1], device=q.device)[None, :] > q_pos[:, None]

@@ -27,6 +27,7 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
                        m_out, l_out, acc_out,
                        n_seq, n_rows, n_pages, page_size, k_row_bytes, v_row_bytes, table_stride,
                        n_splits, split_keys,
+                       q_heads, q_seqs, q_rows, q_scale, slots_ptr, length_offset, o_heads, o_seqs, o_rows,
                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, DOT: tl.constexpr, WIDE: tl.constexpr,
                        K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_VALUES: tl.constexpr,
@@ -35,13 +36,18 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
                        V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_VALUES: tl.constexpr,
                        V_BYTES: tl.constexpr, V_HEADER: tl.constexpr, V_OFFSET: tl.constexpr,
                        V_SUB: tl.constexpr, V_SUB_BITS: tl.constexpr, V_LOOKUP: tl.constexpr,
-                       K_PHASES: tl.constexpr = 1, V_PHASES: tl.constexpr = 1, AT_END: tl.constexpr = False):
+                       K_PHASES: tl.constexpr = 1, V_PHASES: tl.constexpr = 1, AT_END: tl.constexpr = False,
+                       BY_SLOT: tl.constexpr = False, NORMALISE: tl.constexpr = False):
     """One (KV head, sequence, row tile, split): the online-softmax state of rows
     [tile * BLOCK_M, next tile) over keys [split * split_keys, next split), where row r sees key
-    t < lengths[s] with t <= q_pos[s, r]. q (Hkv, S, R, D) float32 in K's code domain, q_pos
-    (S, R) int32, or with AT_END (decode) every row at its sequence's last key, lengths[s] - 1,
-    and q_pos unread; lengths of any int type; outputs m, l (Hkv, S, n_splits, R) and acc
-    (Hkv, S, n_splits, R, D)."""
+    t < length with t <= q_pos[s, r], length = lengths[s] + length_offset. q (Hkv, S, R, D) of
+    any float type at strides (q_heads, q_seqs, q_rows, 1), in K's code domain, times q_scale
+    as read (a decode step's queries where the layer left them); q_pos (S, R) int32, or with
+    AT_END (decode) every row at its sequence's last key, length - 1, and q_pos unread; lengths
+    of any int type (decode: the positions, offset 1). The sequence's pages: row slots[s] of the
+    table with BY_SLOT (the cache's whole table), else row s. Outputs m, l (Hkv, S, n_splits, R)
+    and acc (Hkv, S, n_splits, R, D); with NORMALISE (one split), acc / l alone, into acc_out at
+    strides (o_heads, o_seqs, o_rows, 1)."""
     h = tl.program_id(0)
     s = tl.program_id(1)
     tile = tl.program_id(2) // n_splits
@@ -52,9 +58,14 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
     r_live = r < n_rows
     d_live = d < HEAD_DIM
     head_seq = h.to(tl.int64) * n_seq + s                               # (h, s) flat, int64: pools can pass 2^31 bytes
-    q = tl.load(q_ptr + (head_seq * n_rows + r[:, None]) * HEAD_DIM + d_k[None, :],
-                mask=r_live[:, None] & (d_k < HEAD_DIM)[None, :], other=0.0)      # (BLOCK_M, BLOCK_D)
-    length = tl.load(lengths_ptr + s).to(tl.int32)
+    q_at = q_ptr + h.to(tl.int64) * q_heads + s.to(tl.int64) * q_seqs
+    q = tl.load(q_at + r[:, None] * q_rows + d_k[None, :],
+                mask=r_live[:, None] & (d_k < HEAD_DIM)[None, :], other=0.0).to(tl.float32) * q_scale
+    length = tl.load(lengths_ptr + s).to(tl.int32) + length_offset
+    if BY_SLOT:
+        table_row = tl.load(slots_ptr + s).to(tl.int64)
+    else:
+        table_row = s.to(tl.int64)
     if AT_END:                                                          # padding rows see nothing
         q_pos = tl.where(r_live, length - 1, -1)
     else:
@@ -73,7 +84,7 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
     for start in range(begin, end, BLOCK_N):
         t = start + tl.arange(0, BLOCK_N)                               # key positions
         valid = t < end
-        page = tl.load(table_ptr + s.to(tl.int64) * table_stride + t // page_size, mask=valid, other=0)
+        page = tl.load(table_ptr + table_row * table_stride + t // page_size, mask=valid, other=0)
         slot = page * page_size + t % page_size                         # the key's row within its head's pool
         if WIDE:
             slot = slot.to(tl.int64)
@@ -86,10 +97,14 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
         scores = tl.where(seen, scores, float("-inf"))
         m_i, l_i, acc = _fold(m_i, l_i, acc, scores, v, DOT)
 
-    part = (head_seq * n_splits + split) * n_rows + r                  # (BLOCK_M,) rows of this split
-    tl.store(m_out + part, m_i, mask=r_live)
-    tl.store(l_out + part, l_i, mask=r_live)
-    tl.store(acc_out + part[:, None] * HEAD_DIM + d[None, :], acc, mask=r_live[:, None] & d_live[None, :])
+    if NORMALISE:                                                       # the output itself, where the caller wants it
+        o_at = acc_out + h.to(tl.int64) * o_heads + s.to(tl.int64) * o_seqs
+        tl.store(o_at + r[:, None] * o_rows + d[None, :], acc / l_i[:, None], mask=r_live[:, None] & d_live[None, :])
+    else:
+        part = (head_seq * n_splits + split) * n_rows + r              # (BLOCK_M,) rows of this split
+        tl.store(m_out + part, m_i, mask=r_live)
+        tl.store(l_out + part, l_i, mask=r_live)
+        tl.store(acc_out + part[:, None] * HEAD_DIM + d[None, :], acc, mask=r_live[:, None] & d_live[None, :])
 
 
 @triton.jit
@@ -136,13 +151,16 @@ def _fold(m_i, l_i, acc, scores, v, DOT: tl.constexpr):
 
 
 @triton.jit
-def merge_splits(m_ptr, l_ptr, acc_ptr, m_out, l_out, acc_out, n_splits, n_rows,
-                 HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+def merge_splits(m_ptr, l_ptr, acc_ptr, m_out, l_out, acc_out, n_splits, n_rows, n_seq, o_heads, o_seqs, o_rows,
+                 HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                 NORMALISE: tl.constexpr = False):
     """Program (KV head x sequence, BLOCK_R query rows, BLOCK_D columns): the n_splits states of
     each row, m and l (Hkv * S, n_splits, R) and acc (..., D), merged into one, m and l
     (Hkv * S, R) and acc (..., D): each split rescaled to the row's common max and summed, splits
     in order, BLOCK_S at a time. A split without keys (m = -inf) weighs 0; a row without any keeps
-    -inf, 0, 0 (``paged_prefill.merge_splits``, the torch form, is the reference)."""
+    -inf, 0, 0 (``paged_prefill.merge_splits``, the torch form, is the reference). With NORMALISE,
+    acc / l alone, into acc_out at strides (o_heads, o_seqs, o_rows, 1) of the (Hkv, S, R, D)
+    output (n_seq: S)."""
     hs = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -166,11 +184,16 @@ def merge_splits(m_ptr, l_ptr, acc_ptr, m_out, l_out, acc_out, n_splits, n_rows,
         part = tl.load(acc_ptr + at[:, :, None] * HEAD_DIM + d[None, None, :],
                        mask=live[:, :, None] & (d < HEAD_DIM)[None, None, :], other=0.0)
         acc += tl.sum(part * weight[:, :, None], axis=0)
-    out = hs * n_rows + r
-    tl.store(acc_out + out[:, None] * HEAD_DIM + d[None, :], acc, mask=r_live[:, None] & (d < HEAD_DIM)[None, :])
-    if tl.program_id(2) == 0:
-        tl.store(m_out + out, top, mask=r_live)
-        tl.store(l_out + out, tl.sum(sums, axis=0), mask=r_live)
+    live = r_live[:, None] & (d < HEAD_DIM)[None, :]
+    if NORMALISE:
+        o_at = acc_out + (hs // n_seq) * o_heads + (hs % n_seq) * o_seqs
+        tl.store(o_at + r[:, None] * o_rows + d[None, :], acc / tl.sum(sums, axis=0)[:, None], mask=live)
+    else:
+        out = hs * n_rows + r
+        tl.store(acc_out + out[:, None] * HEAD_DIM + d[None, :], acc, mask=live)
+        if tl.program_id(2) == 0:
+            tl.store(m_out + out, top, mask=r_live)
+            tl.store(l_out + out, tl.sum(sums, axis=0), mask=r_live)
 
 
 INTERPRETED = not isinstance(paged_prefill_tile, JITFunction)

@@ -40,3 +40,39 @@ def decode_state(fmt_k, fmt_v, q: torch.Tensor, k_pool: torch.Tensor, v_pool: to
     The number of splits comes from the table's width: no host sync."""
     # every row at its sequence's last key (q_pos None): read in the kernel, no launch before it
     return paged_prefill.prefill_state(fmt_k, fmt_v, q, None, k_pool, v_pool, table, n_keys, split_keys, tune)
+
+
+def serves_step(fmt_k, fmt_v, q: torch.Tensor, n_kv_heads: int) -> bool:
+    """Whether ``step_output`` serves a decode step's q (B, H, D) of any float type over
+    ``n_kv_heads`` KV heads: at most MAX_ROWS query heads share one, and the kernel runs here
+    and decodes both formats."""
+    return (q.is_floating_point() and q.shape[1] // n_kv_heads <= MAX_ROWS
+            and paged_prefill.decodes(fmt_k, fmt_v, q.shape[-1], q.device))
+
+
+def step_output(fmt_k, fmt_v, q: torch.Tensor, scale: float, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                table: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, split_keys: int = SPLIT_KEYS,
+                tune: dict | None = None) -> torch.Tensor:
+    """A decode step's attention output from its operands as they lie: q (B, H, D) of any float
+    type in the model domain (heads contiguous, rows at any stride), scaled by ``scale`` as the
+    kernel reads it; table (n_slots, P) the cache's block table's first P columns, read at rows
+    ``slots`` (B,); positions (B,): sequence b sees its keys 0..positions[b]. -> float32 (B, H, D)
+    in the model domain, normalised. Query heads h*G..h*G+G-1 read KV head h (GQA).
+
+    The torch form (``attention.paged_decode``'s) casts, scales and regroups q, gathers the
+    table's rows, adds 1 to the positions, divides the sum by the denominator and puts the heads
+    back: 7 launches an attention layer around the kernel, which reads and writes those
+    layouts itself here. A rotated K format still rotates q once (and a rotated V unrotates
+    the output), in torch."""
+    n_seq, n_heads, dim = q.shape
+    n_kv = k_pool.shape[0]
+    qg = q.unflatten(1, (n_kv, n_heads // n_kv)).transpose(0, 1)                  # (Hkv, B, G, D), a view
+    if fmt_k.transformed:
+        qg = fmt_k.to_code_domain(qg.float())
+    out = torch.empty(n_seq, n_heads, dim, device=q.device)
+    og = out.view(n_seq, n_kv, n_heads // n_kv, dim).transpose(0, 1)
+    paged_prefill.attend(fmt_k, fmt_v, qg, None, k_pool, v_pool, table, positions, scale=scale, slots=slots,
+                         length_offset=1, out=og, split_keys=split_keys, tune=tune)
+    if fmt_v.transformed:
+        return fmt_v.from_code_domain(og).transpose(0, 1).reshape(n_seq, n_heads, dim)
+    return out

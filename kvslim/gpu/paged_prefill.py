@@ -34,7 +34,7 @@ MIN_DOT = 16              # tl.dot's smallest M, N and K: fewer query rows are p
 # compiling it without a device needs (tests, benchmarks/gpu_resources.py).
 POINTER_ARGS = {"q_ptr": "*fp32", "q_pos_ptr": "*i32", "k_pool": "*u8", "v_pool": "*u8", "table_ptr": "*i32",
                 "lengths_ptr": "*i32", "k_lut": "*fp32", "v_lut": "*fp32",
-                "m_out": "*fp32", "l_out": "*fp32", "acc_out": "*fp32"}
+                "m_out": "*fp32", "l_out": "*fp32", "acc_out": "*fp32", "slots_ptr": "*i64", "q_scale": "fp32"}
 
 
 def aligned_args(fmt_k, fmt_v, head_dim: int) -> tuple[str, ...]:
@@ -63,9 +63,13 @@ def supports(fmt_k, fmt_v, q: torch.Tensor) -> bool:
     """Whether this kernel serves these formats for q (Hkv, S, R, D) float32: triton is
     importable, q is on a CUDA device (or on the CPU under TRITON_INTERPRET=1), and both
     formats have a layout it decodes. Any number of rows."""
-    dim = q.shape[-1]
-    return (q.dtype == torch.float32 and serves("_paged_prefill_kernel", q.device)
-            and _fields(fmt_k, dim) is not None and _fields(fmt_v, dim) is not None)
+    return q.dtype == torch.float32 and decodes(fmt_k, fmt_v, q.shape[-1], q.device)
+
+
+def decodes(fmt_k, fmt_v, head_dim: int, device: torch.device) -> bool:
+    """Whether this kernel runs on ``device`` here and decodes both formats at ``head_dim``."""
+    return (serves("_paged_prefill_kernel", device)
+            and _fields(fmt_k, head_dim) is not None and _fields(fmt_v, head_dim) is not None)
 
 
 @lru_cache(maxsize=None)
@@ -190,31 +194,57 @@ def prefill_state(fmt_k, fmt_v, q_code: torch.Tensor, q_pos: torch.Tensor | None
     that sees no key gets m = -inf, l = 0, acc = 0. ``split_keys``: keys per program when R is at
     most SPLIT_ROWS; ``tune``: launch overrides (TUNABLE). The launch's sizes come from the shapes
     alone: no host sync."""
-    n_kv, n_seq, n_rows, dim = q_code.shape
+    return attend(fmt_k, fmt_v, q_code, q_pos, k_pool, v_pool, table, lengths,
+                  split_keys=split_keys, tune=tune)
+
+
+def attend(fmt_k, fmt_v, q: torch.Tensor, q_pos: torch.Tensor | None, k_pool: torch.Tensor, v_pool: torch.Tensor,
+           table: torch.Tensor, lengths: torch.Tensor, scale: float = 1.0, slots: torch.Tensor | None = None,
+           length_offset: int = 0, out: torch.Tensor | None = None, split_keys: int = SPLIT_KEYS,
+           tune: dict | None = None):
+    """``prefill_state``'s launch, with what a decode step's caller can hand over as it lies:
+    q (Hkv, S, R, D) of any float type with contiguous rows, at any other strides (a view of the
+    layer's (S, H, D) queries), multiplied by ``scale`` as it is read; ``slots`` (S,): the
+    table rows the sequences' pages are in (``table`` then the cache's whole table, read at its
+    row stride), else row s; ``length_offset`` added to each of ``lengths`` (decode: positions
+    + 1, with no launch to add it). ``out`` None: the state, as ``prefill_state``; a float32
+    (Hkv, S, R, D) tensor (a view, any strides, contiguous rows): acc / l written into it (the
+    softmax's output, the merge folded in), and ``out`` returned."""
+    n_kv, n_seq, n_rows, dim = q.shape
     config = _launch_config(fmt_k, fmt_v, n_rows, dim, tune)
     page_size = k_pool.shape[2]
     n_tiles = -(-n_rows // config["BLOCK_M"])
     keys = max(1, table.shape[1] * page_size)
     split_keys = split_keys if n_rows <= SPLIT_ROWS else keys          # many rows: one split, the tiles are enough
     n_splits = -(-keys // split_keys)
-    q_code, table = q_code.contiguous(), table.to(torch.int32)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    table = table.to(torch.int32)
     if table.stride(1) != 1:                        # rows at any stride: a decode step's columns of the table
         table = table.contiguous()
-    lengths = lengths.to(q_code.device).contiguous()
+    lengths = lengths.to(q.device).contiguous()
     if q_pos is not None:
-        q_pos = q_pos.to(device=q_code.device, dtype=torch.int32).expand(n_seq, n_rows).contiguous()
-    m = torch.empty(n_kv, n_seq, n_splits, n_rows, device=q_code.device)
-    l, acc = torch.empty_like(m), torch.empty(n_kv, n_seq, n_splits, n_rows, dim, device=q_code.device)
-    luts = [_lut(f, dim, str(q_code.device)) for f in (fmt_k, fmt_v)]
+        q_pos = q_pos.to(device=q.device, dtype=torch.int32).expand(n_seq, n_rows).contiguous()
+    final = out is not None and n_splits == 1                          # the kernel writes the output itself
+    if final:
+        m = l = acc = out
+    else:
+        m = torch.empty(n_kv, n_seq, n_splits, n_rows, device=q.device)
+        l, acc = torch.empty_like(m), torch.empty(n_kv, n_seq, n_splits, n_rows, dim, device=q.device)
+    o_strides = out.stride()[:3] if final else (0, 0, 0)
+    luts = [_lut(f, dim, str(q.device)) for f in (fmt_k, fmt_v)]
     head_bytes = k_pool.shape[1] * k_pool.shape[2] * max(k_pool.shape[3], v_pool.shape[3])
     config["WIDE"] |= head_bytes >= 2**31                               # a head's pool past 32-bit offsets
     _kernel().paged_prefill_tile[(n_kv, n_seq, n_tiles * n_splits)](
-        q_code, lengths if q_pos is None else q_pos, k_pool.contiguous(), v_pool.contiguous(), table, lengths, *luts,
+        q, lengths if q_pos is None else q_pos, k_pool.contiguous(), v_pool.contiguous(), table, lengths, *luts,
         m, l, acc, n_seq, n_rows, k_pool.shape[1], page_size, k_pool.shape[3], v_pool.shape[3], table.stride(0),
-        n_splits, split_keys, AT_END=q_pos is None, **config, **FP_FUSION)
+        n_splits, split_keys, *q.stride()[:3], scale, lengths if slots is None else slots, length_offset,
+        *o_strides, AT_END=q_pos is None, BY_SLOT=slots is not None, NORMALISE=final, **config, **FP_FUSION)
+    if final:
+        return out
     if n_splits == 1:                                                   # nothing to merge
         return m[:, :, 0, :, None], l[:, :, 0, :, None], acc[:, :, 0]
-    return merged(m, l, acc)
+    return merged(m, l, acc, out=out)
 
 
 # The merge's tile on a GPU: a row a program, 32 splits a step, 64 columns (decode at 128K,
@@ -230,21 +260,25 @@ def _merge_tile(n_splits: int, n_rows: int, dim: int) -> dict:
     return {"BLOCK_S": min(64, pow2(n_splits)), "BLOCK_R": pow2(n_rows), "BLOCK_D": pow2(dim)}
 
 
-def merged(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, tile: dict | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def merged(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, tile: dict | None = None,
+           out: torch.Tensor | None = None):
     """``merge_splits`` in one launch (the torch form launches 10: at 32K keys, 64 splits, every
     decode step's attention layer ran them). ``tile``: BLOCK_S, BLOCK_R, BLOCK_D (``_merge_tile``'s
-    by default)."""
+    by default). ``out``: a float32 (Hkv, S, R, D) tensor (any strides, contiguous rows) to
+    write acc / l into, returned instead of the state."""
     n_kv, n_seq, n_splits, n_rows, dim = acc.shape
-    m_out, l_out = (torch.empty(n_kv, n_seq, n_rows, 1, device=acc.device) for _ in range(2))
-    acc_out = torch.empty(n_kv, n_seq, n_rows, dim, device=acc.device)
-    if not acc_out.numel():
-        return m_out, l_out, acc_out
-    tile = tile or _merge_tile(n_splits, n_rows, dim)
-    grid = (n_kv * n_seq, -(-n_rows // tile["BLOCK_R"]), -(-dim // tile["BLOCK_D"]))
-    _kernel().merge_splits[grid](m, l, acc, m_out, l_out, acc_out, n_splits, n_rows, HEAD_DIM=dim, **tile,
-                                 num_warps=4, **FP_FUSION)
-    return m_out, l_out, acc_out
+    if out is None:
+        m_out, l_out = (torch.empty(n_kv, n_seq, n_rows, 1, device=acc.device) for _ in range(2))
+        acc_out, o_strides = torch.empty(n_kv, n_seq, n_rows, dim, device=acc.device), (0, 0, 0)
+    else:
+        m_out = l_out = acc_out = out
+        o_strides = out.stride()[:3]
+    if acc_out.numel():
+        tile = tile or _merge_tile(n_splits, n_rows, dim)
+        grid = (n_kv * n_seq, -(-n_rows // tile["BLOCK_R"]), -(-dim // tile["BLOCK_D"]))
+        _kernel().merge_splits[grid](m, l, acc, m_out, l_out, acc_out, n_splits, n_rows, n_seq, *o_strides,
+                                     HEAD_DIM=dim, **tile, NORMALISE=out is not None, num_warps=4, **FP_FUSION)
+    return out if out is not None else (m_out, l_out, acc_out)
 
 
 def merge_splits(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor
