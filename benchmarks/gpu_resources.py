@@ -57,10 +57,14 @@ def usage(name_k: str, name_v: str, rows: int, head_dim: int, tune: dict) -> dic
     from kvslim.gpu import compile_sm90
     fmt_k, fmt_v = formats.get(name_k, role="k"), formats.get(name_v, role="v")
     config = paged_prefill._launch_config(fmt_k, fmt_v, rows, head_dim, tune)
+    # a decode step's launch at depth (step_output past SPLIT_KEYS keys: the splits' states, merged after;
+    # one split stores the output itself, NORMALISE, a few registers more where occupancy is moot)
+    config.update(AT_END=True, BY_SLOT=True)
     options = {"num_warps": config.pop("num_warps")}
     if "num_stages" in config:
         options["num_stages"] = config.pop("num_stages")
-    compiled = compile_sm90(kernel.paged_prefill_tile, paged_prefill.POINTER_ARGS, config,
+    pointers = dict(paged_prefill.POINTER_ARGS, q_ptr="*bf16")          # the layer's bf16 queries, read in place
+    compiled = compile_sm90(kernel.paged_prefill_tile, pointers, config,
                             paged_prefill.aligned_args(fmt_k, fmt_v, head_dim), **options)   # as a launch aligns
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "kernel.cubin"

@@ -304,10 +304,28 @@ def test_kernel_compiles_for_an_h100_without_one(name_k, name_v, dim, group):
     assert compile_for_sm90(kernel.paged_prefill_tile, POINTERS, config, num_warps, divisible).asm["cubin"]
 
 
-def test_the_merge_compiles_for_an_h100_without_one():
+@pytest.mark.parametrize("name_k,name_v,dim,group", SM90[:2])
+@pytest.mark.parametrize("normalise", [False, True], ids=["splits", "one-split"])
+def test_a_decode_steps_launch_compiles_for_an_h100_without_one(name_k, name_v, dim, group, normalise):
+    """``step_output``'s launch: bf16 q read in place, the table's rows by slot, every row at its
+    last key, and with one split the output stored by the kernel itself."""
+    from kvslim.gpu import _paged_prefill_kernel as kernel
+
+    from .test_triton_prefill import POINTERS
+    fmt_k, fmt_v = formats.get(name_k, role="k"), formats.get(name_v, role="v")
+    config = dict(paged_prefill._launch_config(fmt_k, fmt_v, group, dim), AT_END=True, BY_SLOT=True,
+                  NORMALISE=normalise)
+    num_warps = config.pop("num_warps")
+    divisible = paged_prefill.aligned_args(fmt_k, fmt_v, dim)
+    assert compile_for_sm90(kernel.paged_prefill_tile, dict(POINTERS, q_ptr="*bf16"), config, num_warps,
+                            divisible).asm["cubin"]
+
+
+@pytest.mark.parametrize("normalise", [False, True], ids=["state", "output"])
+def test_the_merge_compiles_for_an_h100_without_one(normalise):
     from kvslim.gpu import _paged_prefill_kernel as kernel
     pointers = {name: "*fp32" for name in ("m_ptr", "l_ptr", "acc_ptr", "m_out", "l_out", "acc_out")}
-    constexprs = {"HEAD_DIM": 256, **paged_prefill.MERGE_TILE}
+    constexprs = {"HEAD_DIM": 256, **paged_prefill.MERGE_TILE, "NORMALISE": normalise}
     assert compile_for_sm90(kernel.merge_splits, pointers, constexprs, 4).asm["cubin"]
 
 
