@@ -1,11 +1,13 @@
 """The kernels one decode step launches on a GPU, counted without one.
 
-    python benchmarks/decode_launches.py [--model qwen3.6-35b-a3b] [--shrink 8] [--layers 8] [-np 1] [--top 25]
+    python benchmarks/decode_launches.py [--model qwen3.6-35b-a3b] [--shrink 1] [--layers 8] [-np 1] [--top 25]
                                          [--where _to_copy] [--weights q4_0] [-d 0] [-ctk f16] [-ctv f16]
 
 Session 31's profile of a 35B-A3B decode step on an H200 found ~3,000 small torch kernels (1-6 us
 each, about a quarter of the step) beside the GEMVs. This counts them where no GPU is lent: the
-catalog model's layers (widths divided by ``--shrink``; the op count does not depend on widths),
+catalog model's layers at their real widths (``--shrink N`` divides them: the quantized GEMVs'
+splits of K, each one more launch to sum, depend on the widths, so a shrunk model undercounts;
+session 37's figures, taken at 8, counted 40 split sums where the real widths take 120),
 bf16, built on *fake* CUDA tensors (torch's FakeTensorMode: shapes and devices, no memory, no
 device), with the torch attention backend and float weights, and one DecodeBatch step recorded
 by a dispatch mode. Every aten op that is not a view is counted as one launch (composite ops
@@ -157,7 +159,8 @@ def count(config, n_slots: int, where: str | None = None, weights: str | None = 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen3.6-35b-a3b", help="a `kvslim plan` catalog name")
-    ap.add_argument("--shrink", type=int, default=8, help="divide the widths (the count does not depend on them)")
+    ap.add_argument("--shrink", type=int, default=1,
+                    help="divide the widths (the GEMVs' split sums depend on them: 1 counts the real model's)")
     ap.add_argument("--layers", type=int, default=None, help="keep the first N layers (default: all)")
     ap.add_argument("-np", "--parallel", type=int, default=1, help="sequences in the step")
     ap.add_argument("--top", type=int, default=25, help="ops listed")
