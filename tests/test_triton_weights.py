@@ -52,6 +52,12 @@ LINEAR = [("linear", "q4_k", (1, 1), 48, 256, False, False), ("linear", "q8_0", 
 ROUNDED = [("rounded", "q4_0", 1, 64, 288, 1), ("rounded", "q4_k", 1, 40, 512, None),
            ("rounded", "q6_k", 5, 33, 512, 1), ("rounded", "q8_0", 33, 40, 288, None)]
 # of sum |x||w|: float32 sums, then one rounding of x and one of w to the dot's type (tf32 truncates)
+# SwiGLU from a fused [gate; up] matrix: (kind, type, M, 2I, K, split_k; out dtype): one split (the
+# GEMV's epilogue), several (the split sums'), the per-value tile's type, M = 1's TERMS path, and
+# 41 rows (the GEMM, then silu_mul)
+SWIGLU = [("swiglu", "q4_0", 1, 48, 288, 1, "float32"), ("swiglu", "q4_0", 5, 40, 288, 3, "bfloat16"),
+          ("swiglu", "q4_k", 1, 32, 512, None, "bfloat16"), ("swiglu", "iq4_xs", 3, 24, 512, 1, "float32"),
+          ("swiglu", "q8_0", 41, 32, 288, None, "float32")]
 TOLERANCE = {"ieee": 1e-5, "tf32": 4e-3, "fp16": 2e-3, "bf16": 1e-2}
 
 
@@ -102,6 +108,10 @@ def _run(case, x, w, bias):
               for dtype in (torch.bfloat16, torch.float32)]
         decode = case[5] is None and case[2] <= gpu.MAX_GEMV_ROWS      # (a bf16 GEMM's tl.dot: not in the interpreter)
         return ys + [weights.quant_linear(x, w) if decode else None]
+    if case[0] == "swiglu":
+        return gpu.matmul(x, w.data, w.wtype.ggml_type, dot="ieee", out_dtype=getattr(torch, case[6]), swiglu=True) \
+            if case[5] is None else gpu.gemv(x, w.data, w.wtype.ggml_type, split_k=case[5],
+                                             out_dtype=getattr(torch, case[6]), swiglu=True)
     if case[0] in ("gemv", "per-value gemv"):
         return gpu.gemv(x, w.data, w.wtype.ggml_type, split_k=case[5], blockwise=case[0] == "gemv")
     if case[0] in ("gemm", "values"):
@@ -118,7 +128,7 @@ def _results_in_child(cases, path: Path) -> None:
     torch.save(out, path)
 
 
-CASES = GEMV + PER_VALUE + GEMM + VALUES + LINEAR + ROUNDED
+CASES = GEMV + PER_VALUE + GEMM + VALUES + LINEAR + ROUNDED + SWIGLU
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +156,31 @@ def _check(case, got: torch.Tensor, seed: int) -> None:
 def test_gemv_matches_gguf_dequantize(interpreted, case):
     """M = 1, 5, 16; N not whole tiles; K split by default (several programs' partials summed) or not."""
     _check(case, interpreted["y"][case], CASES.index(case))
+
+
+def _check_swiglu(got: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, dtype: torch.dtype) -> None:
+    """got (M, I) against silu(x gate^T) * (x up^T) in float64 from gguf.quants' values of the
+    fused (2I, K) matrix ``dense``: each product's error bound (TOLERANCE's) carried through
+    silu (slope at most 1.1) and the product, plus one rounding of ``dtype``."""
+    half = dense.shape[0] // 2
+    xd = x.double()
+    gate, up = xd @ dense[:half].T, xd @ dense[half:].T
+    bound_g, bound_u = (xd.abs() @ dense[:half].abs().T) * 1e-5, (xd.abs() @ dense[half:].abs().T) * 1e-5
+    want = torch.nn.functional.silu(gate) * up
+    ulp = torch.finfo(dtype).eps if dtype != torch.float32 else 0.0
+    assert got.shape == want.shape and got.dtype == dtype
+    err = (got.double().cpu() - want).abs()
+    assert (err <= 1.1 * bound_g * (up.abs() + bound_u) + torch.nn.functional.silu(gate).abs() * bound_u
+            + ulp * want.abs() + 1e-6).all(), err.max()
+
+
+@pytest.mark.parametrize("case", SWIGLU, ids=lambda c: f"{c[1]}-m{c[2]}-n{c[3]}-split{c[5]}-{c[6]}")
+def test_swiglu_in_the_gemv_matches_gguf_dequantize(interpreted, case):
+    """A fused [gate; up] projection's silu(gate) * up from the GEMV's own launch (one split), its
+    split sums' (several), or after the GEMM (41 rows), in float32 or rounded once to bf16."""
+    w, x, _ = _inputs(case, CASES.index(case))
+    dense = torch.from_numpy(gguf.quants.dequantize(w.data.numpy(), w.wtype.ggml_type)).double()
+    _check_swiglu(interpreted["y"][case], x, dense, getattr(torch, case[6]))
 
 
 @pytest.mark.parametrize("case", PER_VALUE, ids=lambda c: c[1])
@@ -277,6 +312,11 @@ def _experts_in_child(cases, path: Path) -> None:
     for i, case in enumerate(cases):
         mats, blocks, x, ids = _expert_inputs(case, i)
         out["y"].append(gpu.experts_matmul(x, blocks, gpu.route(ids, len(mats)), mats[0].wtype.ggml_type))
+    out["swiglu"] = []
+    for case in EXPERT_SWIGLU:
+        mats, blocks, x, ids = _expert_inputs(case[:5], EXPERT_CASES.index(case[:5]))
+        xs = x.to(getattr(torch, case[5]))
+        out["swiglu"].append(gpu.experts_swiglu(xs, blocks, gpu.route(ids, len(mats)), mats[0].wtype.ggml_type))
     for tokens in MOE_TOKENS:
         module, x, w, experts = _moe_module(tokens=tokens)
         out[tokens] = module.groups(x, experts), module(x, w, experts)
@@ -299,6 +339,9 @@ def _dense_moe_module():
 
 
 MOE_TOKENS = (3, 90)          # 6 pairs: the expert GEMV; 180: the grouped GEMM
+# experts' fused [gate; up] matrices through ``experts_swiglu`` (EXPERT_CASES' inputs, x's dtype):
+# the expert GEMV's own launch in float32 and bf16, and the grouped GEMM then silu_mul
+EXPERT_SWIGLU = [EXPERT_CASES[0] + ("float32",), EXPERT_CASES[2] + ("bfloat16",), EXPERT_CASES[4] + ("float32",)]
 
 
 @pytest.fixture(scope="module")
@@ -316,6 +359,18 @@ def test_routed_experts_match_gguf_dequantize(interpreted_experts, case):
         dense = torch.from_numpy(gguf.quants.dequantize(mats[ids[p]].data.numpy(), mats[0].wtype.ggml_type)).double()
         want, bound = dense @ x[p].double(), dense.abs() @ x[p].double().abs()
         assert ((got[p].double() - want).abs() <= TOLERANCE["ieee"] * bound + 1e-6).all(), p
+
+
+@pytest.mark.parametrize("case", EXPERT_SWIGLU, ids=lambda c: f"{c[0]}-n{c[2]}-p{c[4]}-{c[5]}")
+def test_experts_swiglu_matches_gguf_dequantize(interpreted_experts, case):
+    """Each pair's silu(gate) * up of its expert's fused matrix, in x's type."""
+    got = interpreted_experts["swiglu"][EXPERT_SWIGLU.index(case)]
+    mats, _, x, ids = _expert_inputs(case[:5], EXPERT_CASES.index(case[:5]))
+    xs = x.to(getattr(torch, case[5]))
+    assert got.shape == (x.shape[0], case[2] // 2)
+    for p in range(x.shape[0]):
+        dense = torch.from_numpy(gguf.quants.dequantize(mats[ids[p]].data.numpy(), mats[0].wtype.ggml_type)).double()
+        _check_swiglu(got[p:p + 1], xs[p:p + 1].float(), dense, xs.dtype)
 
 
 @pytest.mark.parametrize("tokens", MOE_TOKENS)
@@ -423,6 +478,24 @@ def test_the_splits_sum_compiles_for_an_h100_without_one():
     from kvslim.gpu import _quant_matmul_kernel as kernel
     pointers = {"parts_ptr": "*fp32", "y_ptr": "*bf16"}
     assert compile_for_sm90(kernel.sum_splits, pointers, {"BLOCK": gpu.SUM_BLOCK}, 4).asm["cubin"]
+
+
+@pytest.mark.parametrize("name", ["q4_0", "q4_k", "q6_k"])
+def test_swiglu_launches_compile_for_an_h100_without_one(name):
+    """A decode step's SwiGLU launches for sm_90: the 1-row GEMV with both halves and its bf16
+    store, the split sums', and the expert GEMV's with bf16 x and y (the shared and routed experts)."""
+    from kvslim.gpu import _quant_matmul_kernel as kernel
+    config = gpu.gemv_config(1, weights.get(name).ggml_type)
+    num_warps = config.pop("num_warps")
+    ggml_type = int(weights.get(name).ggml_type)
+    bf16 = dict(POINTERS, x_ptr="*bf16", y_ptr="*bf16")
+    assert compile_for_sm90(kernel.quant_gemv, bf16, dict(config, TYPE=ggml_type, SWIGLU=True), num_warps).asm["cubin"]
+    assert compile_for_sm90(kernel.sum_splits, {"parts_ptr": "*fp32", "y_ptr": "*bf16"},
+                            {"BLOCK": gpu.SUM_BLOCK, "SWIGLU": True}, 4).asm["cubin"]
+    experts = dict(TYPE=ggml_type, BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], TERMS=config["TERMS"],
+                   SWIGLU=True)
+    assert compile_for_sm90(kernel.quant_gemv_experts, dict(bf16, ids_ptr="*i64", scale_ptr="*bf16"), experts,
+                            num_warps).asm["cubin"]
 
 
 @pytest.mark.parametrize("name,dot", [("q4_0", "fp16"), ("q5_k", "bf16"), ("q6_k", "bf16"), ("q2_k", "bf16"),

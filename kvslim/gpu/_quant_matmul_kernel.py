@@ -561,14 +561,24 @@ def _gemv_chunks(x_ptr, w_ptr, grid_ptr, m, M, rows, N, K, row_bytes, first, las
 
 
 @triton.jit
-def quant_gemv(x_ptr, w_ptr, grid_ptr, y_ptr, M, N, K, row_bytes, chunks_per_split,
+def _silu_mul(gate, up):
+    """silu(gate) * up in float32, as ``_swiglu_kernel.act_mul`` computes it (the same bits)."""
+    act = 1.0 / (1.0 + tl.exp(-gate))
+    return gate * act * up
+
+
+@triton.jit
+def quant_gemv(x_ptr, w_ptr, grid_ptr, y_ptr, M, N, K, row_bytes, chunks_per_split, up_bytes,
                TYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               BLOCKWISE: tl.constexpr = True, TERMS: tl.constexpr = 0):
+               BLOCKWISE: tl.constexpr = True, TERMS: tl.constexpr = 0, SWIGLU: tl.constexpr = False):
     """Program (tile of BLOCK_N outputs, split s): y[s, m, n] = x[m, K_s] . W[n, K_s] for its
     chunks K_s of BLOCK_K columns. x (M, K) contiguous; y (splits, M, N) float32, or with one
     split any float type (the float32 sums rounded once as they are stored). BLOCKWISE
     False: every type through the per-value tile (the blockwise reads' twin, for timings).
-    TERMS > 0 (M = 1): products kept per column across the chunks, summed once (``_gemv_chunks``)."""
+    TERMS > 0 (M = 1): products kept per column across the chunks, summed once (``_gemv_chunks``).
+    SWIGLU (one split): W (2N, K) is a fused [gate; up] projection and y[m, n] = silu(x . W[n])
+    * (x . W[N + n]), both rows in one program, rounded once; up_bytes: N * row_bytes, where
+    the up rows start."""
     tile = tl.program_id(0)
     split = tl.program_id(1)
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -577,6 +587,10 @@ def quant_gemv(x_ptr, w_ptr, grid_ptr, y_ptr, M, N, K, row_bytes, chunks_per_spl
     last = tl.minimum(first + chunks_per_split, tl.cdiv(K, BLOCK_K))
     acc = _gemv_chunks(x_ptr, w_ptr, grid_ptr, m, M, rows, N, K, row_bytes, first, last,
                        TYPE, BLOCK_M, BLOCK_N, BLOCK_K, BLOCKWISE, TERMS)
+    if SWIGLU:
+        up = _gemv_chunks(x_ptr, w_ptr + up_bytes, grid_ptr, m, M, rows, N, K, row_bytes, first,
+                          last, TYPE, BLOCK_M, BLOCK_N, BLOCK_K, BLOCKWISE, TERMS)
+        acc = _silu_mul(acc, up)
     out = y_ptr + (split * M + m[:, None]) * N + rows[None, :]
     tl.store(out, stored_as(acc, y_ptr), mask=(m < M)[:, None] & (rows < N)[None, :])
 
@@ -603,14 +617,16 @@ def quant_gemm(x_ptr, w_ptr, grid_ptr, y_ptr, M, N, K, row_bytes,
 
 @triton.jit
 def quant_gemv_experts(x_ptr, w_ptr, grid_ptr, ids_ptr, scale_ptr, y_ptr, N, K, row_bytes, expert_bytes,
-                       pairs_per_row, TYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TERMS: tl.constexpr,
-                       SCALED: tl.constexpr = False, BLOCKWISE: tl.constexpr = True):
+                       pairs_per_row, up_bytes, TYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TERMS: tl.constexpr,
+                       SCALED: tl.constexpr = False, BLOCKWISE: tl.constexpr = True, SWIGLU: tl.constexpr = False):
     """Program (tile of BLOCK_N outputs, pair p): y[p, n] = x[p] . W[ids[p], n] over all of K,
     the expert's matrix found from its id (int32 or int64) in device memory (no host round trip
     to learn which experts a token chose). x (P / pairs_per_row, K) contiguous: pair p reads row
     p // pairs_per_row (a token's row for its top_k pairs, not a copy per pair); W (E, N,
     row_bytes); y (P, N) float32, times scale[p] (a routing weight, any float type) where
-    SCALED. TERMS as ``quant_gemv``'s."""
+    SCALED. TERMS as ``quant_gemv``'s. SWIGLU: each expert's matrix is (2N, K), [gate; up], and
+    y[p, n] = silu(gate . x) * (up . x), of y's type (rounded once); up_bytes (N * row_bytes):
+    where an expert's up rows start."""
     tile = tl.program_id(0)
     p = tl.program_id(1).to(tl.int64)
     w_expert = w_ptr + tl.load(ids_ptr + p).to(tl.int64) * expert_bytes
@@ -618,9 +634,14 @@ def quant_gemv_experts(x_ptr, w_ptr, grid_ptr, ids_ptr, scale_ptr, y_ptr, N, K, 
     acc = _gemv_chunks(x_ptr + (p // pairs_per_row) * K, w_expert, grid_ptr, tl.arange(0, 1), 1, rows, N, K, row_bytes,   # a 1-row M
                        0, tl.cdiv(K, BLOCK_K), TYPE, 1, BLOCK_N, BLOCK_K, BLOCKWISE, TERMS)
     y = tl.sum(acc, axis=0)
+    if SWIGLU:
+        up = _gemv_chunks(x_ptr + (p // pairs_per_row) * K, w_expert + up_bytes, grid_ptr,
+                          tl.arange(0, 1), 1, rows, N, K, row_bytes, 0, tl.cdiv(K, BLOCK_K), TYPE, 1, BLOCK_N, BLOCK_K,
+                          BLOCKWISE, TERMS)
+        y = _silu_mul(y, tl.sum(up, axis=0))
     if SCALED:
         y = y * tl.load(scale_ptr + p).to(tl.float32)
-    tl.store(y_ptr + p * N + rows, y, mask=rows < N)
+    tl.store(y_ptr + p * N + rows, stored_as(y, y_ptr), mask=rows < N)
 
 
 @triton.jit
@@ -662,14 +683,27 @@ def quant_gemm_experts(x_ptr, w_ptr, grid_ptr, pairs_ptr, tile_expert_ptr, scale
 
 
 @triton.jit
-def sum_splits(parts_ptr, y_ptr, n_splits, size, BLOCK: tl.constexpr):
+def sum_splits(parts_ptr, y_ptr, n_splits, size, half, BLOCK: tl.constexpr, SWIGLU: tl.constexpr = False):
     """y (size,) = the sum of parts (n_splits, size) float32 over the splits, in order, rounded
-    once to y's type: a split GEMV's partial sums in one launch (torch's sum and cast were two)."""
+    once to y's type: a split GEMV's partial sums in one launch (torch's sum and cast were two).
+    SWIGLU: parts (n_splits, M, 2 half) of a fused [gate; up] projection and y (M, half) =
+    silu(gate) * up of the sums: y's size elements, each summing its two columns."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = i < size
+    if SWIGLU:
+        at = (i // half) * 2 * half + i % half                         # gate's column; up's is half later
+        stride = 2 * size
+    else:
+        at = i
+        stride = size
     total = tl.zeros([BLOCK], tl.float32)
+    up = tl.zeros([BLOCK], tl.float32)
     for s in range(0, n_splits):
-        total += tl.load(parts_ptr + s * size + i, mask=live, other=0.0)
+        total += tl.load(parts_ptr + s * stride + at, mask=live, other=0.0)
+        if SWIGLU:
+            up += tl.load(parts_ptr + s * stride + at + half, mask=live, other=0.0)
+    if SWIGLU:
+        total = _silu_mul(total, up)
     tl.store(y_ptr + i, stored_as(total, y_ptr), mask=live)
 
 

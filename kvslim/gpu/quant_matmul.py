@@ -34,6 +34,7 @@ import torch
 
 from ..formats.base import cached_on
 from . import FP_FUSION, kernels, pow2, serves
+from .swiglu import silu_mul
 
 _T = gguf.GGMLQuantizationType
 GRIDDED = (_T.IQ2_XXS, _T.IQ2_XS, _T.IQ2_S, _T.IQ3_XXS, _T.IQ3_S, _T.IQ1_S, _T.IQ1_M)   # values index a lattice
@@ -172,56 +173,72 @@ def _check_scales(ids: torch.Tensor, scales: torch.Tensor | None) -> None:
 
 
 def gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type, split_k: int | None = None,
-         blockwise: bool = True, terms: bool = True, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+         blockwise: bool = True, terms: bool = True, out_dtype: torch.dtype = torch.float32,
+         swiglu: bool = False) -> torch.Tensor:
     """x (M, K) float, M <= MAX_GEMV_ROWS; blocks (N, row_bytes) uint8 of ``ggml_type`` ->
     y (M, N) of ``out_dtype`` (float32 sums, rounded once when stored). ``split_k``: splits of K
     (default ``split_count``). ``blockwise`` False: the BLOCKWISE types through the per-value
     tile too (their blockwise reads' twin). ``terms`` False: at M = 1 too, each chunk's products
-    summed across the tile (the twin of TERMS)."""
+    summed across the tile (the twin of TERMS). ``swiglu``: blocks are a fused [gate; up]
+    projection (2I rows) and y (M, I) = silu(x W_gate^T) * (x W_up^T), from the float32 sums,
+    rounded once: the SwiGLU in the GEMV's launch (one split) or in its split sums' (several),
+    where ``layers.swiglu`` was one more launch after a rounding to out_dtype."""
     _check(x, blocks, ggml_type)
     if x.shape[0] > MAX_GEMV_ROWS:
         raise ValueError(f"the GEMV takes at most {MAX_GEMV_ROWS} rows of x, got {x.shape[0]}: use gemm")
     (m, k), n = x.shape, blocks.shape[0]
+    if swiglu and n % 2:
+        raise ValueError(f"a fused [gate; up] projection has an even number of rows, got {n}")
     config = gemv_config(m, ggml_type if terms else None, blockwise)
     splits = split_k or split_count(k, n, config)
     chunks = -(-k // config["BLOCK_K"])
     per_split = -(-chunks // splits)
     splits = -(-chunks // per_split)                     # no split left without a chunk
+    width = n // 2 if swiglu else n
+    x, blocks = x.contiguous(), blocks.contiguous()
     # one split writes y itself, in out_dtype: no float32 copy to convert after (a decode step's
     # ~300 GEMVs launched as many conversions); splits write float32 partials, summed in order
     # and rounded once by one more launch (torch's sum and cast were two)
-    parts = torch.empty(splits, m, n, device=x.device, dtype=out_dtype if splits == 1 else torch.float32)
-    grid = (-(-n // config["BLOCK_N"]), splits)
-    _kernel().quant_gemv[grid](x.contiguous(), blocks.contiguous(), grid_table(ggml_type, x.device), parts,
-                               m, n, k, blocks.shape[1], per_split, TYPE=int(ggml_type), BLOCKWISE=blockwise,
-                               **config, **FP_FUSION)
     if splits == 1:
-        return parts[0]
-    y = torch.empty(m, n, device=x.device, dtype=out_dtype)
-    _kernel().sum_splits[(-(-(m * n) // SUM_BLOCK),)](parts, y, splits, m * n, BLOCK=SUM_BLOCK, num_warps=4,
-                                                       **FP_FUSION)
+        y = torch.empty(m, width, device=x.device, dtype=out_dtype)
+        _kernel().quant_gemv[(-(-width // config["BLOCK_N"]), 1)](
+            x, blocks, grid_table(ggml_type, x.device), y, m, width, k, blocks.shape[1], per_split,
+            width * blocks.shape[1], TYPE=int(ggml_type), BLOCKWISE=blockwise, SWIGLU=swiglu, **config, **FP_FUSION)
+        return y
+    parts = torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
+    _kernel().quant_gemv[(-(-n // config["BLOCK_N"]), splits)](
+        x, blocks, grid_table(ggml_type, x.device), parts, m, n, k, blocks.shape[1], per_split, 0,
+        TYPE=int(ggml_type), BLOCKWISE=blockwise, **config, **FP_FUSION)
+    y = torch.empty(m, width, device=x.device, dtype=out_dtype)
+    _kernel().sum_splits[(-(-(m * width) // SUM_BLOCK),)](parts, y, splits, m * width, width, BLOCK=SUM_BLOCK,
+                                                           SWIGLU=swiglu, num_warps=4, **FP_FUSION)
     return y
 
 
 def gemv_experts(x: torch.Tensor, blocks: torch.Tensor, ids: torch.Tensor, ggml_type,
-                 scales: torch.Tensor | None = None) -> torch.Tensor:
+                 scales: torch.Tensor | None = None, swiglu: bool = False,
+                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A mixture's routed experts for a few tokens in one launch, without a host sync: pair p's
     row of x (one row per pair, or per token for its consecutive pairs: ``pairs_per_row``) times
-    expert ids[p]'s matrix, blocks (E, N, row_bytes) uint8 -> y (P, N) float32, times
-    scales[p] if given (the pairs' routing weights: no separate launch to weight them).
-    ``ids`` (P,), int32 or int64 (topk's, read as they are), stays on the device; only the
-    chosen experts' bytes are read."""
+    expert ids[p]'s matrix, blocks (E, N, row_bytes) uint8 -> y (P, N) of ``out_dtype`` (float32
+    sums rounded once), times scales[p] if given (the pairs' routing weights: no separate launch
+    to weight them). ``swiglu``: each expert's matrix is its fused [gate; up] projection (2I
+    rows) and y (P, I) = silu(gate) * up, in the same launch (``gemv``'s). ``ids`` (P,), int32 or
+    int64 (topk's, read as they are), stays on the device; only the chosen experts' bytes are read."""
     _check_experts(x, blocks, ids, ggml_type, scales)
     p, k, n = ids.numel(), x.shape[1], blocks.shape[1]
+    if swiglu and n % 2:
+        raise ValueError(f"a fused [gate; up] projection has an even number of rows, got {n}")
+    width = n // 2 if swiglu else n
     config = gemv_config(1, ggml_type)
-    y = torch.empty(p, n, device=x.device, dtype=torch.float32)
-    grid = (-(-n // config["BLOCK_N"]), p)
+    y = torch.empty(p, width, device=x.device, dtype=out_dtype)
+    grid = (-(-width // config["BLOCK_N"]), p)
     _kernel().quant_gemv_experts[grid](x.contiguous(), blocks.contiguous(), grid_table(ggml_type, x.device),
                                        _ids(ids), _scales(scales, x), y,
-                                       n, k, blocks.shape[2], blocks.shape[1] * blocks.shape[2], p // x.shape[0],
-                                       TYPE=int(ggml_type), BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
-                                       TERMS=config["TERMS"], SCALED=scales is not None,
-                                       num_warps=config["num_warps"], **FP_FUSION)
+                                       width, k, blocks.shape[2], blocks.shape[1] * blocks.shape[2], p // x.shape[0],
+                                       width * blocks.shape[2], TYPE=int(ggml_type), BLOCK_N=config["BLOCK_N"],
+                                       BLOCK_K=config["BLOCK_K"], TERMS=config["TERMS"], SCALED=scales is not None,
+                                       SWIGLU=swiglu, num_warps=config["num_warps"], **FP_FUSION)
     return y
 
 
@@ -336,6 +353,16 @@ def experts_matmul(x: torch.Tensor, blocks: torch.Tensor, route_: Route, ggml_ty
     return gemm_experts(x, blocks, route_, ggml_type, scales=scales)
 
 
+def experts_swiglu(x: torch.Tensor, blocks: torch.Tensor, route_: Route, ggml_type) -> torch.Tensor:
+    """Each pair's silu(gate) * up from its expert's fused [gate; up] matrix (E, 2I, row_bytes)
+    -> (P, I) in x's type: in the GEMV's launch for a few pairs, after the grouped GEMM (one
+    launch more, ``swiglu.silu_mul``) for a prompt's."""
+    if route_.tile_expert is None:
+        return gemv_experts(x, blocks, route_.ids, ggml_type, swiglu=True, out_dtype=x.dtype)
+    gate, up = gemm_experts(x, blocks, route_, ggml_type).chunk(2, dim=-1)
+    return silu_mul(gate, up, x.dtype)
+
+
 def gemm(x: torch.Tensor, blocks: torch.Tensor, ggml_type, dot: str | None = None,
          out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """x (M, K) float; blocks (N, row_bytes) uint8 of ``ggml_type`` -> y (M, N) of ``out_dtype``
@@ -373,12 +400,16 @@ def _float32_precision() -> str:
 
 
 def matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type, dot: str | None = None,
-           out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+           out_dtype: torch.dtype = torch.float32, swiglu: bool = False) -> torch.Tensor:
     """x (M, K) float; blocks (N, row_bytes) -> y (M, N) of ``out_dtype``: the GEMV up to
     MAX_GEMV_ROWS rows (decode), else the GEMM with ``dot`` operands (``gemm``'s).
     ``kvslim.weights.quant_linear`` calls it for weights on the kernels' device, around its own
     reshapes, column order and bias, with out_dtype x's (rounded from float32 sums as torch's
-    .to() would: round to nearest even)."""
+    .to() would: round to nearest even). ``swiglu``: blocks are a fused [gate; up] projection
+    and y (M, N / 2) = silu(gate) * up (``gemv``'s; after the GEMM, one launch more)."""
     if x.shape[0] <= MAX_GEMV_ROWS:
-        return gemv(x, blocks, ggml_type, out_dtype=out_dtype)
-    return gemm(x, blocks, ggml_type, dot, out_dtype)
+        return gemv(x, blocks, ggml_type, out_dtype=out_dtype, swiglu=swiglu)
+    if not swiglu:
+        return gemm(x, blocks, ggml_type, dot, out_dtype)
+    gate, up = gemm(x, blocks, ggml_type, dot).chunk(2, dim=-1)
+    return silu_mul(gate, up, out_dtype)

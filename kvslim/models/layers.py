@@ -190,6 +190,15 @@ class Fused:
                 out[i] = y
         return tuple(out)
 
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(first) * second of a fused [gate, up] pair in one launch where its one matmul
+        can (``QuantLinear.fuse_rows``'s on the GPU kernels: in the GEMV or its split sums), in
+        x's type; None where it cannot (call the pair, then ``swiglu``)."""
+        if len(self.groups) != 1 or len(self.sizes) != 2 or self.sizes[0] != self.sizes[1]:
+            return None
+        act = getattr(self.groups[0][1], "swiglu", None)
+        return act(x) if act is not None else None
+
 
 def fusion_key(m: nn.Module):
     """What linears must share to be one matmul; None for a module that cannot join one. A plain
@@ -253,8 +262,11 @@ class MLP(nn.Module):
         self.fused = fuse(self, ["gate_proj", "up_proj"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.fused(x) if self.fused else (self.gate_proj(x), self.up_proj(x))
-        return self.down_proj(swiglu(gate, up, x.dtype))
+        h = self.fused.swiglu(x) if self.fused else None              # the activation in the GEMV's launch
+        if h is None:
+            gate, up = self.fused(x) if self.fused else (self.gate_proj(x), self.up_proj(x))
+            h = swiglu(gate, up, x.dtype)
+        return self.down_proj(h)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -334,8 +346,13 @@ class Experts(nn.Module):
         device; the weights are applied where the down projection is computed (in the kernels:
         no launch of their own)."""
         route = gpu_weights.route(experts.reshape(-1), self.gate_up_proj.shape[0])   # once for both matrices
-        gate, up = self.pair_products("gate_up", x, route).chunk(2, dim=-1)     # a token's row for its top_k
-        return self.pair_products("down", swiglu(gate, up, x.dtype), route, weights.reshape(-1))
+        return self.pair_products("down", self.pair_activations(x, route), route, weights.reshape(-1))
+
+    def pair_activations(self, x: torch.Tensor, route: gpu_weights.Route) -> torch.Tensor:
+        """Each pair's silu(gate) * up in x's type, (P, I), a token's row for its top_k pairs
+        (the quantized experts take it in their GEMV's launch)."""
+        gate, up = self.pair_products("gate_up", x, route).chunk(2, dim=-1)
+        return swiglu(gate, up, x.dtype)
 
     def pair_products(self, matrix: str, rows: torch.Tensor, route: gpu_weights.Route,
                       scales: torch.Tensor | None = None) -> torch.Tensor:

@@ -59,12 +59,31 @@ class QuantLinear(_QuantWeight):
         return "quantized", self.wtype.name, self.cols, self.weight.device, self.bias is None
 
     @staticmethod
-    def fuse_rows(linears: list[QuantLinear]):
+    def fuse_rows(linears: list[QuantLinear]) -> "FusedRows":
         """x -> each linear's output from one quant_linear over their blocks concatenated (blocks
         are whole rows, so the concatenation is a valid matrix of the type)."""
         data, bias = concatenated(linears)
-        matrix, sizes = QuantTensor(data, linears[0].wtype, linears[0].cols), [m.out_features for m in linears]
-        return lambda x: torch.split(quant_linear(x, matrix, bias), sizes, dim=-1)
+        return FusedRows(QuantTensor(data, linears[0].wtype, linears[0].cols), bias, [m.out_features for m in linears])
+
+
+class FusedRows:
+    """Quantized linears' rows as one matrix (``QuantLinear.fuse_rows``): called, each one's
+    output; ``swiglu`` for a [gate, up] pair."""
+
+    def __init__(self, matrix: QuantTensor, bias: torch.Tensor | None, sizes: list[int]):
+        self.matrix, self.bias, self.sizes = matrix, bias, sizes
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.split(quant_linear(x, self.matrix, self.bias), self.sizes, dim=-1)
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up in x's type from the GPU kernels' one launch (``quant_matmul.matmul``'s
+        swiglu), for 2-D x on their device; None elsewhere (a bias, the CPU, kernels off)."""
+        kind = self.matrix.wtype.ggml_type
+        if (self.bias is not None or x.dim() != 2 or not gpu.TRITON or not gpu_weights.supports(kind)
+                or not gpu_weights.runs_on(x)):
+            return None
+        return gpu_weights.matmul(x, self.matrix.data, kind, out_dtype=x.dtype, swiglu=True)
 
 
 class QuantEmbedding(_QuantWeight):
@@ -121,6 +140,10 @@ class QuantExperts(Experts):
         which they are found on the device; the scales applied in the kernel."""
         kind = getattr(self, f"{matrix}_type")
         return gpu_weights.experts_matmul(rows, getattr(self, f"{matrix}_proj"), route, kind[0].ggml_type, scales)
+
+    def pair_activations(self, x: torch.Tensor, route: gpu_weights.Route) -> torch.Tensor:
+        """silu(gate) * up in the expert GEMV's own launch (``quant_matmul.experts_swiglu``)."""
+        return gpu_weights.experts_swiglu(x, self.gate_up_proj, route, self.gate_up_type[0].ggml_type)
 
 
 def _unique(tensors):
