@@ -234,7 +234,8 @@ core() {
 # session 34 the bf16 backend's f16 products in the decode table, beside the float32 ones, the
 # GEMV's products in the codes' layout, fla-core's fused DeltaNet decode and torch's fused
 # RMSNorm (fewer launches a step), and the end-to-end model under the bf16 backend, as kvslim
-# serve runs it (BUDGET 460 s by default); session 37 the DeltaNet decode step in place.
+# serve runs it (BUDGET 460 s by default); session 37 the DeltaNet decode step in place; session 38
+# the end-to-end step without SwiGLU in the GEMVs, beside it.
 #   run(command="bash benchmarks/gpu_session.sh verify", carry=[".whl"], timeout_s=520)
 verify() {
     deadline=$((SECONDS + ${BUDGET:-460}))
@@ -257,6 +258,9 @@ verify() {
     # as kvslim serve runs it (the bf16 backend: f16 attention products; session 31 ran torch's)
     KVSLIM_TRITON=1 timeout -k 5 "$(left 125)" $PY benchmarks/gpu_model.py -d 0,32768 -np 1,4 -n 8 --profile 4 \
         --pairs f16/f16,q8_0/turbo4,turbo3/turbo3 --attn-backend bf16 2>&1 | tee "$OUT/e2e.md" | tail -30
+    # session 38's SwiGLU inside the GEMVs (on above) against the GEMV and then silu_mul
+    KVSLIM_TRITON=1 timeout -k 5 "$(left 60)" $PY benchmarks/gpu_model.py -d 0 -np 1,4 -n 8 --pairs q8_0/turbo4 \
+        --attn-backend bf16 --no-swiglu-in-gemv 2>&1 | tee -a "$OUT/e2e.md" | tail -12
     echo "verify: $SECONDS s"
 }
 

@@ -561,6 +561,33 @@ def _gemv_chunks(x_ptr, w_ptr, grid_ptr, m, M, rows, N, K, row_bytes, first, las
 
 
 @triton.jit
+def _gemv_pair_chunks(x_ptr, w_ptr, up_bytes, grid_ptr, m, M, rows, N, K, row_bytes, first, last,
+                      TYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      BLOCKWISE: tl.constexpr, TERMS: tl.constexpr):
+    """``_gemv_chunks`` of rows and of the rows up_bytes further (a fused [gate; up] matrix's
+    halves) in one loop: each chunk's two steps are issued together, so a program keeps both
+    tiles' bytes in flight, as the two programs of the unfused GEMV did. -> (gate, up)."""
+    if TERMS > 0:
+        gate = tl.zeros([BLOCK_N, TERMS], tl.float32)
+        up = tl.zeros([BLOCK_N, TERMS], tl.float32)
+        for chunk in range(first, last):
+            gate += _gemv_step(x_ptr, w_ptr, grid_ptr, m, M, rows, N, K, row_bytes, chunk,
+                               TYPE, BLOCK_M, BLOCK_N, BLOCK_K, BLOCKWISE, TERMS)
+            up += _gemv_step(x_ptr, w_ptr + up_bytes, grid_ptr, m, M, rows, N, K, row_bytes, chunk,
+                             TYPE, BLOCK_M, BLOCK_N, BLOCK_K, BLOCKWISE, TERMS)
+        gate_sum, up_sum = tl.sum(gate, axis=1)[None, :], tl.sum(up, axis=1)[None, :]
+    else:
+        gate_sum = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        up_sum = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for chunk in range(first, last):
+            gate_sum += _gemv_step(x_ptr, w_ptr, grid_ptr, m, M, rows, N, K, row_bytes, chunk,
+                                   TYPE, BLOCK_M, BLOCK_N, BLOCK_K, BLOCKWISE)
+            up_sum += _gemv_step(x_ptr, w_ptr + up_bytes, grid_ptr, m, M, rows, N, K, row_bytes, chunk,
+                                 TYPE, BLOCK_M, BLOCK_N, BLOCK_K, BLOCKWISE)
+    return gate_sum, up_sum
+
+
+@triton.jit
 def _silu_mul(gate, up):
     """silu(gate) * up in float32, as ``_swiglu_kernel.act_mul`` computes it (the same bits)."""
     act = 1.0 / (1.0 + tl.exp(-gate))
@@ -585,12 +612,13 @@ def quant_gemv(x_ptr, w_ptr, grid_ptr, y_ptr, M, N, K, row_bytes, chunks_per_spl
     m = tl.arange(0, BLOCK_M)
     first = split * chunks_per_split
     last = tl.minimum(first + chunks_per_split, tl.cdiv(K, BLOCK_K))
-    acc = _gemv_chunks(x_ptr, w_ptr, grid_ptr, m, M, rows, N, K, row_bytes, first, last,
-                       TYPE, BLOCK_M, BLOCK_N, BLOCK_K, BLOCKWISE, TERMS)
     if SWIGLU:
-        up = _gemv_chunks(x_ptr, w_ptr + up_bytes, grid_ptr, m, M, rows, N, K, row_bytes, first,
-                          last, TYPE, BLOCK_M, BLOCK_N, BLOCK_K, BLOCKWISE, TERMS)
-        acc = _silu_mul(acc, up)
+        gate, up = _gemv_pair_chunks(x_ptr, w_ptr, up_bytes, grid_ptr, m, M, rows, N, K, row_bytes, first, last,
+                                     TYPE, BLOCK_M, BLOCK_N, BLOCK_K, BLOCKWISE, TERMS)
+        acc = _silu_mul(gate, up)
+    else:
+        acc = _gemv_chunks(x_ptr, w_ptr, grid_ptr, m, M, rows, N, K, row_bytes, first, last,
+                           TYPE, BLOCK_M, BLOCK_N, BLOCK_K, BLOCKWISE, TERMS)
     out = y_ptr + (split * M + m[:, None]) * N + rows[None, :]
     tl.store(out, stored_as(acc, y_ptr), mask=(m < M)[:, None] & (rows < N)[None, :])
 
@@ -631,14 +659,15 @@ def quant_gemv_experts(x_ptr, w_ptr, grid_ptr, ids_ptr, scale_ptr, y_ptr, N, K, 
     p = tl.program_id(1).to(tl.int64)
     w_expert = w_ptr + tl.load(ids_ptr + p).to(tl.int64) * expert_bytes
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = _gemv_chunks(x_ptr + (p // pairs_per_row) * K, w_expert, grid_ptr, tl.arange(0, 1), 1, rows, N, K, row_bytes,   # a 1-row M
-                       0, tl.cdiv(K, BLOCK_K), TYPE, 1, BLOCK_N, BLOCK_K, BLOCKWISE, TERMS)
-    y = tl.sum(acc, axis=0)
-    if SWIGLU:
-        up = _gemv_chunks(x_ptr + (p // pairs_per_row) * K, w_expert + up_bytes, grid_ptr,
-                          tl.arange(0, 1), 1, rows, N, K, row_bytes, 0, tl.cdiv(K, BLOCK_K), TYPE, 1, BLOCK_N, BLOCK_K,
-                          BLOCKWISE, TERMS)
-        y = _silu_mul(y, tl.sum(up, axis=0))
+    x_row = x_ptr + (p // pairs_per_row) * K
+    if SWIGLU:                                                          # a 1-row M
+        gate, up = _gemv_pair_chunks(x_row, w_expert, up_bytes, grid_ptr, tl.arange(0, 1), 1, rows, N, K, row_bytes,
+                                     0, tl.cdiv(K, BLOCK_K), TYPE, 1, BLOCK_N, BLOCK_K, BLOCKWISE, TERMS)
+        y = _silu_mul(tl.sum(gate, axis=0), tl.sum(up, axis=0))
+    else:
+        acc = _gemv_chunks(x_row, w_expert, grid_ptr, tl.arange(0, 1), 1, rows, N, K, row_bytes,
+                           0, tl.cdiv(K, BLOCK_K), TYPE, 1, BLOCK_N, BLOCK_K, BLOCKWISE, TERMS)
+        y = tl.sum(acc, axis=0)
     if SCALED:
         y = y * tl.load(scale_ptr + p).to(tl.float32)
     tl.store(y_ptr + p * N + rows, stored_as(y, y_ptr), mask=rows < N)

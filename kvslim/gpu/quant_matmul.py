@@ -56,6 +56,12 @@ SUM_BLOCK = 512               # outputs a program of ``sum_splits`` adds over a 
 GEMV_TILE = 2048              # BLOCK_N * BLOCK_K: W values one GEMV step dequantizes (in registers)
 GEMV_PRODUCTS = 4096          # BLOCK_M * BLOCK_N * BLOCK_K: the products one GEMV step holds
 MAX_GEMV_PAIRS = 128          # more (token, expert) pairs: the grouped GEMM (a decode batch of 16 at top-8)
+# Whether the layers take SwiGLU inside the GEMVs (``swiglu``): one launch fewer per fused [gate; up]
+# projection (80 a 35B-A3B decode step), but half the programs, each reading both halves and
+# holding twice the registers (Triton 3.6, sm_90, 1-row Q4_0: 39 -> 72; the Q4_K expert GEMV 96 ->
+# 192). Which wins is a GPU timing's to say (benchmarks/gpu_model.py --no-swiglu-in-gemv); until
+# then it is on, the count's side.
+SWIGLU_IN_GEMV = True
 
 
 def _kernel():

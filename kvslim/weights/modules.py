@@ -80,8 +80,8 @@ class FusedRows:
         """silu(gate) * up in x's type from the GPU kernels' one launch (``quant_matmul.matmul``'s
         swiglu), for 2-D x on their device; None elsewhere (a bias, the CPU, kernels off)."""
         kind = self.matrix.wtype.ggml_type
-        if (self.bias is not None or x.dim() != 2 or not gpu.TRITON or not gpu_weights.supports(kind)
-                or not gpu_weights.runs_on(x)):
+        if (self.bias is not None or x.dim() != 2 or not gpu.TRITON or not gpu_weights.SWIGLU_IN_GEMV
+                or not gpu_weights.supports(kind) or not gpu_weights.runs_on(x)):
             return None
         return gpu_weights.matmul(x, self.matrix.data, kind, out_dtype=x.dtype, swiglu=True)
 
@@ -143,6 +143,8 @@ class QuantExperts(Experts):
 
     def pair_activations(self, x: torch.Tensor, route: gpu_weights.Route) -> torch.Tensor:
         """silu(gate) * up in the expert GEMV's own launch (``quant_matmul.experts_swiglu``)."""
+        if not gpu_weights.SWIGLU_IN_GEMV:
+            return super().pair_activations(x, route)
         return gpu_weights.experts_swiglu(x, self.gate_up_proj, route, self.gate_up_type[0].ggml_type)
 
 
