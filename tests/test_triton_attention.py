@@ -287,6 +287,19 @@ def test_compiled_kernel_on_cuda_matches_torch_block_loop(case):
     _check(got, _torch_state(fmt_k, fmt_v, *tensors), tensors[-1])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the compiled kernel waits for a GPU")
+@pytest.mark.parametrize("step", STEPS, ids=lambda c: f"{c[0]}-{c[1]}-d{c[2]}-g{c[3]}-{c[7]}")
+def test_a_decode_step_on_cuda_matches_the_ops_torch_form(step):
+    """``step_output`` compiled, against the op's torch form on the CPU."""
+    compiled_process()
+    fmt_k, fmt_v, q, scale, k_pool, v_pool, table, slots, positions, split = _step_args(step)
+    on_gpu = [t.cuda() for t in (q, k_pool, v_pool, table, slots, positions)]
+    assert gpu.serves_step(fmt_k, fmt_v, on_gpu[0], k_pool.shape[0])
+    got = gpu.step_output(fmt_k, fmt_v, on_gpu[0], scale, *on_gpu[1:], **split).cpu()
+    want = torch.ops.kvslim.paged_decode(q, k_pool, v_pool, table, slots, positions, scale, step[0], step[1])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 SM90 = [("q8_0", "turbo4", 256, 8), ("iq4_nl", "turbo3", 128, 4), ("f16", "bf16", 64, 1), ("nl4s", "q5_1", 128, 4)]
 
 

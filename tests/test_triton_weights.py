@@ -218,7 +218,11 @@ def test_kernels_store_bf16_as_torch_rounds_their_float32_sums(interpreted, case
     """y stored in x's bf16 by the kernel itself (``out_dtype``: quant_linear's, so a decode step
     launches no conversion after each GEMV) equals its float32 y rounded by torch, bit for bit:
     one split, several (summed in float32, then rounded), and the GEMM."""
-    rounded, full, linear = interpreted["y"][case]
+    _check_rounded(interpreted["y"][case])
+
+
+def _check_rounded(ys) -> None:
+    rounded, full, linear = ys
     assert rounded.dtype == torch.bfloat16 and full.dtype == torch.float32
     assert torch.equal(rounded, full.to(torch.bfloat16))
     assert (full.to(torch.bfloat16) != full).any()                   # the rounding was there to get right
@@ -453,7 +457,13 @@ def test_compiled_kernels_on_cuda_match_gguf_dequantize(case):
     on_gpu = QuantTensor(w.data.cuda(), w.wtype, w.cols,
                          None if w.input_index is None else w.input_index.cuda())
     got = _run(case, x.cuda(), on_gpu, None if bias is None else bias.cuda())
-    _check(case, got, CASES.index(case) if case in CASES else 0)
+    if case[0] == "swiglu":
+        dense = torch.from_numpy(gguf.quants.dequantize(w.data.numpy(), w.wtype.ggml_type)).double()
+        _check_swiglu(got.cpu(), x, dense, getattr(torch, case[6]))
+    elif case[0] == "rounded":                     # (bf16 y, float32 y, quant_linear's y): as the interpreted test
+        _check_rounded([None if y is None else y.cpu() for y in got])
+    else:
+        _check(case, got, CASES.index(case) if case in CASES else 0)
 
 
 POINTERS = {"x_ptr": "*fp32", "w_ptr": "*u8", "grid_ptr": "*i8", "y_ptr": "*fp32"}
@@ -548,6 +558,19 @@ def test_dense_grouped_gemm_compiles_for_an_h100_without_one():
                 "y_ptr": "*fp32"}
     constexprs = dict(config, TYPE=kernel.DENSE.value, DOT_DTYPE=dtype, PRECISION=precision)
     assert compile_for_sm90(kernel.quant_gemm_experts, pointers, constexprs, num_warps).asm["cubin"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the compiled kernels wait for a GPU")
+@pytest.mark.parametrize("case", EXPERT_SWIGLU, ids=lambda c: f"{c[0]}-n{c[2]}-p{c[4]}-{c[5]}")
+def test_experts_swiglu_on_cuda_matches_gguf_dequantize(case):
+    compiled_process()
+    torch.set_float32_matmul_precision("highest")
+    mats, blocks, x, ids = _expert_inputs(case[:5], EXPERT_CASES.index(case[:5]))
+    xs = x.to(getattr(torch, case[5]))
+    got = gpu.experts_swiglu(xs.cuda(), blocks.cuda(), gpu.route(ids.cuda(), len(mats)), mats[0].wtype.ggml_type).cpu()
+    for p in range(x.shape[0]):
+        dense = torch.from_numpy(gguf.quants.dequantize(mats[ids[p]].data.numpy(), mats[0].wtype.ggml_type)).double()
+        _check_swiglu(got[p:p + 1], xs[p:p + 1].float(), dense, xs.dtype)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the compiled kernels wait for a GPU")
