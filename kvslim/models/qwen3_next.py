@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..formats.base import cached_on
 from .base import CausalLM
 from .layers import Rope, fuse
 from .qwen3_5 import GatedDeltaNet, HybridConfig, build_layers
@@ -27,13 +28,30 @@ class FusedGatedDeltaNet(GatedDeltaNet):
         self.fused = fuse(self, ["in_proj_qkvz", "in_proj_ba"])
 
     def project(self, x: torch.Tensor):
-        n, rep = x.shape[0], self.n_v // self.n_k
+        """As ``GatedDeltaNet.project``: the per-key-head groups put in Qwen3.5's order, [all q | all
+        k | all v | all z] and [all b | all a], by one column gather each (``_orders``). Splitting
+        each group and concatenating the kinds copied q, k, v (then their cat), z, b and a: 8
+        launches a layer on a GPU, 2 now; the rest are views."""
+        n = x.shape[0]
         qkvz, ba = self.fused(x) if self.fused else (self.in_proj_qkvz(x), self.in_proj_ba(x))
-        qkvz = qkvz.reshape(n, self.n_k, 2 * self.dk + 2 * rep * self.dv)
-        q, k, v, z = torch.split(qkvz, [self.dk, self.dk, rep * self.dv, rep * self.dv], dim=-1)
-        b, a = torch.split(ba.reshape(n, self.n_k, 2 * rep), [rep, rep], dim=-1)
-        qkv = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
-        return qkv, z.reshape(n, self.n_v, self.dv), b.reshape(n, self.n_v), a.reshape(n, self.n_v)
+        qkvz_order, ba_order = _orders(self.n_k, self.dk, self.n_v // self.n_k, self.dv, x.device)
+        qkvz, ba = qkvz.index_select(-1, qkvz_order), ba.index_select(-1, ba_order)
+        qkv, z = qkvz.split([self.conv_dim, self.value_dim], dim=-1)
+        b, a = ba.split([self.n_v, self.n_v], dim=-1)
+        return qkv, z.view(n, self.n_v, self.dv), b, a
+
+
+def _orders(n_k: int, dk: int, rep: int, dv: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The columns of in_proj_qkvz's and in_proj_ba's outputs in Qwen3.5's order: key head h's
+    group of in_proj_qkvz is [q (dk) | k (dk) | v (rep dv) | z (rep dv)] and of in_proj_ba
+    [b (rep) | a (rep)]; taken kind by kind, head by head."""
+    def order(sizes: list[int]) -> torch.Tensor:
+        width, starts = sum(sizes), [sum(sizes[:i]) for i in range(len(sizes))]
+        return torch.cat([torch.arange(h * width + start, h * width + start + size)
+                          for start, size in zip(starts, sizes) for h in range(n_k)])
+    key = ("qwen3_next_orders", n_k, dk, rep, dv)
+    return (cached_on(device, key + ("qkvz",), lambda: order([dk, dk, rep * dv, rep * dv])),
+            cached_on(device, key + ("ba",), lambda: order([rep, rep])))
 
 
 class Qwen3NextForCausalLM(CausalLM):
