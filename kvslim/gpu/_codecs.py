@@ -1,5 +1,5 @@
-"""Packed-row decoding shared by the Triton attention kernels (decode and prefill), and the
-rounding of float32 results to a stored half type that every kernel's stores share.
+"""Packed-row decoding shared by the Triton attention kernels (decode and prefill), and what
+every kernel shares: the rounding of float32 results to a stored half type, and the sigmoid.
 
 Each format's row layout reaches these functions as constexprs read from ``codec_fields``
 (``kvslim/native/paged_attention.py``, the C kernel's description of each format); nothing
@@ -26,6 +26,13 @@ def stored_as(value, ptr):
         top = tl.where(value != value, 0x7FC0, top)
         return top.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     return value.to(ptr.dtype.element_ty)
+
+
+@triton.jit
+def sigmoid(x):
+    """1 / (1 + e^-x) in float32: every kernel's sigmoid, and its silu as x * sigmoid(x), one
+    expression, so a fused kernel gives the bits of the kernel it replaces."""
+    return 1.0 / (1.0 + tl.exp(-x))
 
 
 @triton.jit

@@ -5,7 +5,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from ._codecs import stored_as
+from ._codecs import sigmoid, stored_as
 
 
 @triton.jit
@@ -25,7 +25,7 @@ def conv_step(x_ptr, state_ptr, slots_ptr, w_ptr, out_ptr, C, x_stride, slot_str
     window = tl.where(j == K - 1, new, tl.load(row + j, mask=ok & (j < K - 1), other=0.0).to(tl.float32))
     weight = tl.load(w_ptr + c[:, None] * K + j, mask=ok & (j < K), other=0.0).to(tl.float32)
     acc = tl.sum(window * weight, axis=1)
-    tl.store(out_ptr + b * C + c, stored_as(acc / (1.0 + tl.exp(-acc)), out_ptr), mask=c < C)
+    tl.store(out_ptr + b * C + c, stored_as(acc * sigmoid(acc), out_ptr), mask=c < C)
     shifted = tl.where(j == K - 2, new, tl.load(row + j + 1, mask=ok & (j < K - 2), other=0.0).to(tl.float32))
     tl.store(row + j, stored_as(shifted, state_ptr), mask=ok & (j < K - 1))
 

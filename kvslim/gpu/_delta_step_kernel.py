@@ -5,7 +5,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from ._codecs import stored_as
+from ._codecs import sigmoid, stored_as
 
 
 @triton.jit
@@ -38,7 +38,7 @@ def delta_step(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_
     x = tl.load(a_ptr + s * a_stride + h).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
     softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))     # torch's threshold
     decay = tl.exp(-tl.exp(tl.load(a_log_ptr + h).to(tl.float32)) * softplus)
-    beta = 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + s * b_stride + h).to(tl.float32)))
+    beta = sigmoid(tl.load(b_ptr + s * b_stride + h).to(tl.float32))
     tile = (rows < DK)[:, None] & (cols < DV)[None, :]
     at = state_ptr + (tl.load(slots_ptr + s).to(tl.int64) * HV + h) * (DK * DV) + rows[:, None] * DV + cols[None, :]
     state = tl.load(at, mask=tile, other=0.0) * decay

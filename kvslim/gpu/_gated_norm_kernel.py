@@ -5,7 +5,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from ._codecs import stored_as
+from ._codecs import sigmoid, stored_as
 
 
 @triton.jit
@@ -23,8 +23,7 @@ def gated_rms_norm(x_ptr, z_ptr, w_ptr, out_ptr, n_heads, width, eps, x_rows, x_
     z = tl.load(z_ptr + r * z_rows + h[:, None] * z_heads + c[None, :], mask=ok, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + c, mask=c < width, other=0.0).to(tl.float32)
     scale = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / width + eps)         # (BLOCK_H,)
-    gate = z / (1.0 + tl.exp(-z))
-    y = x * scale[:, None] * w[None, :] * gate
+    y = x * scale[:, None] * w[None, :] * (z * sigmoid(z))
     tl.store(out_ptr + (r * n_heads + h[:, None]) * width + c[None, :], stored_as(y, out_ptr), mask=ok)
 
 

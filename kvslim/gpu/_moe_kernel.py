@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from ._codecs import stored_as
+from ._codecs import sigmoid, stored_as
 
 
 @triton.jit
@@ -55,7 +55,7 @@ def combine(pairs_ptr, shared_ptr, gate_ptr, out_ptr, H, gate_stride, K: tl.cons
         acc += tl.load(pairs_ptr + (t * K + k) * H + h, mask=ok, other=0.0)
     g = tl.load(gate_ptr + t * gate_stride).to(tl.float32)
     shared = tl.load(shared_ptr + t * H + h, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * H + h, stored_as(acc + shared / (1.0 + tl.exp(-g)), out_ptr), mask=ok)
+    tl.store(out_ptr + t * H + h, stored_as(acc + shared * sigmoid(g), out_ptr), mask=ok)
 
 
 INTERPRETED = not isinstance(topk_softmax, JITFunction)

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from ._codecs import f16_aligned, f16_at, stored_as
+from ._codecs import f16_aligned, f16_at, sigmoid, stored_as
 
 # ggml type ids (gguf.GGMLQuantizationType), the kernels' TYPE
 Q4_0 = tl.constexpr(2)
@@ -590,8 +590,7 @@ def _gemv_pair_chunks(x_ptr, w_ptr, up_bytes, grid_ptr, m, M, rows, N, K, row_by
 @triton.jit
 def _silu_mul(gate, up):
     """silu(gate) * up in float32, as ``_swiglu_kernel.act_mul`` computes it (the same bits)."""
-    act = 1.0 / (1.0 + tl.exp(-gate))
-    return gate * act * up
+    return gate * sigmoid(gate) * up
 
 
 @triton.jit

@@ -5,7 +5,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from ._codecs import stored_as
+from ._codecs import sigmoid, stored_as
 
 
 @triton.jit
@@ -22,7 +22,7 @@ def act_mul(gate_ptr, up_ptr, out_ptr, H, D, gate_rows, gate_heads, up_rows, up_
     ok = c < D
     g = tl.load(gate_ptr + r * gate_rows + h * gate_heads + c, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + r * up_rows + h * up_heads + c, mask=ok, other=0.0).to(tl.float32)
-    act = 1.0 / (1.0 + tl.exp(-g))
+    act = sigmoid(g)
     if ACT == "silu":
         act = g * act
     tl.store(out_ptr + (r * H + h) * D + c, stored_as(act * u, out_ptr), mask=ok)
