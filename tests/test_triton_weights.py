@@ -58,6 +58,11 @@ ROUNDED = [("rounded", "q4_0", 1, 64, 288, 1), ("rounded", "q4_k", 1, 40, 512, N
 SWIGLU = [("swiglu", "q4_0", 1, 48, 288, 1, "float32"), ("swiglu", "q4_0", 5, 40, 288, 3, "bfloat16"),
           ("swiglu", "q4_k", 1, 32, 512, None, "bfloat16"), ("swiglu", "iq4_xs", 3, 24, 512, 1, "float32"),
           ("swiglu", "q8_0", 41, 32, 288, None, "float32")]
+# A split GEMV's partials summed by each tile's last program: (kind, type, M, N or 2I, K, split_k,
+# swiglu?, out dtype), computed twice that way (the counters set back to 0 in between) and once
+# by the ``sum_splits`` launch
+SUMS = [("sums", "q4_0", 1, 64, 1024, 4, False, "float32"), ("sums", "q4_k", 5, 40, 1024, 3, False, "float32"),
+        ("sums", "q6_k", 1, 48, 768, 3, True, "bfloat16"), ("sums", "q8_0", 16, 34, 288, 2, True, "float32")]
 TOLERANCE = {"ieee": 1e-5, "tf32": 4e-3, "fp16": 2e-3, "bf16": 1e-2}
 
 
@@ -112,6 +117,9 @@ def _run(case, x, w, bias):
         return gpu.matmul(x, w.data, w.wtype.ggml_type, dot="ieee", out_dtype=getattr(torch, case[6]), swiglu=True) \
             if case[5] is None else gpu.gemv(x, w.data, w.wtype.ggml_type, split_k=case[5],
                                              out_dtype=getattr(torch, case[6]), swiglu=True)
+    if case[0] == "sums":
+        return [gpu.gemv(x, w.data, w.wtype.ggml_type, split_k=case[5], swiglu=case[6], out_dtype=getattr(torch, case[7]),
+                         last_sums=last) for last in (True, True, False)]
     if case[0] in ("gemv", "per-value gemv"):
         return gpu.gemv(x, w.data, w.wtype.ggml_type, split_k=case[5], blockwise=case[0] == "gemv")
     if case[0] in ("gemm", "values"):
@@ -128,7 +136,7 @@ def _results_in_child(cases, path: Path) -> None:
     torch.save(out, path)
 
 
-CASES = GEMV + PER_VALUE + GEMM + VALUES + LINEAR + ROUNDED + SWIGLU
+CASES = GEMV + PER_VALUE + GEMM + VALUES + LINEAR + ROUNDED + SWIGLU + SUMS
 
 
 @pytest.fixture(scope="module")
@@ -181,6 +189,26 @@ def test_swiglu_in_the_gemv_matches_gguf_dequantize(interpreted, case):
     w, x, _ = _inputs(case, CASES.index(case))
     dense = torch.from_numpy(gguf.quants.dequantize(w.data.numpy(), w.wtype.ggml_type)).double()
     _check_swiglu(interpreted["y"][case], x, dense, getattr(torch, case[6]))
+
+
+def _check_sums(case, ys, seed: int) -> None:
+    """The last programs' sums, twice, are the ``sum_splits`` launch's bit for bit and within
+    the product's bound of gguf.quants' values."""
+    assert torch.equal(ys[0], ys[2]) and torch.equal(ys[1], ys[2])
+    w, x, _ = _inputs(case, seed)
+    if case[6]:
+        dense = torch.from_numpy(gguf.quants.dequantize(w.data.numpy(), w.wtype.ggml_type)).double()
+        _check_swiglu(ys[0].cpu(), x, dense, getattr(torch, case[7]))
+    else:
+        _check(case, ys[0], seed)
+
+
+@pytest.mark.parametrize("case", SUMS, ids=lambda c: f"{c[1]}-m{c[2]}-n{c[3]}-split{c[5]}-swiglu{c[6]}")
+def test_split_sums_by_the_last_program_match_the_sums_launch(interpreted, case):
+    """Each tile's last program adds the splits' partials in the GEMV's own launch: the same bits
+    as the separate sums launch, for plain outputs and SwiGLU, and again on a second call (the
+    counters were set back to 0)."""
+    _check_sums(case, interpreted["y"][case], CASES.index(case))
 
 
 @pytest.mark.parametrize("case", PER_VALUE, ids=lambda c: c[1])
@@ -462,11 +490,13 @@ def test_compiled_kernels_on_cuda_match_gguf_dequantize(case):
         _check_swiglu(got.cpu(), x, dense, getattr(torch, case[6]))
     elif case[0] == "rounded":                     # (bf16 y, float32 y, quant_linear's y): as the interpreted test
         _check_rounded([None if y is None else y.cpu() for y in got])
+    elif case[0] == "sums":
+        _check_sums(case, [y.cpu() for y in got], CASES.index(case))
     else:
         _check(case, got, CASES.index(case) if case in CASES else 0)
 
 
-POINTERS = {"x_ptr": "*fp32", "w_ptr": "*u8", "grid_ptr": "*i8", "y_ptr": "*fp32"}
+POINTERS = {"x_ptr": "*fp32", "w_ptr": "*u8", "grid_ptr": "*i8", "y_ptr": "*fp32", "parts_ptr": "*fp32", "count_ptr": "*i32"}
 
 
 @pytest.mark.parametrize("name,rows", [("q8_0", 1), ("q4_0", 1), ("q4_0", 16), ("q4_k", 4), ("q6_k", 16), ("q3_k", 1), ("iq4_xs", 4),
@@ -488,6 +518,22 @@ def test_the_splits_sum_compiles_for_an_h100_without_one():
     from kvslim.gpu import _quant_matmul_kernel as kernel
     pointers = {"parts_ptr": "*fp32", "y_ptr": "*bf16"}
     assert compile_for_sm90(kernel.sum_splits, pointers, {"BLOCK": gpu.SUM_BLOCK}, 4).asm["cubin"]
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_the_last_programs_sums_compile_with_their_ordering(swiglu):
+    """The split GEMV that sums its own partials, for sm_90 (1-row Q4_0, bf16 x and y): every
+    thread's partial stored before one thread's acq_rel atomic at GPU scope (a bar.sync between),
+    the partials read back from L2 (.cg) after it, and the counter set back to 0."""
+    from kvslim.gpu import _quant_matmul_kernel as kernel
+    config = gpu.gemv_config(1, weights.get("q4_0").ggml_type)
+    num_warps = config.pop("num_warps")
+    pointers = dict(POINTERS, x_ptr="*bf16", y_ptr="*bf16", parts_ptr="*fp32", count_ptr="*i32")
+    constexprs = dict(config, TYPE=int(weights.get("q4_0").ggml_type), SWIGLU=swiglu, LAST_SUMS=True)
+    ptx = compile_for_sm90(kernel.quant_gemv, pointers, constexprs, num_warps).asm["ptx"]
+    counted = ptx.index("atom.global.gpu.acq_rel.add")
+    assert "bar.sync" in ptx[ptx.rindex("st.global", 0, counted):counted]
+    assert "ld.global.cg" in ptx[counted:] and "atom.global.gpu.relaxed.exch" in ptx[counted:]
 
 
 @pytest.mark.parametrize("name", ["q4_0", "q4_k", "q6_k"])

@@ -594,17 +594,24 @@ def _silu_mul(gate, up):
 
 
 @triton.jit
-def quant_gemv(x_ptr, w_ptr, grid_ptr, y_ptr, M, N, K, row_bytes, chunks_per_split, up_bytes,
+def quant_gemv(x_ptr, w_ptr, grid_ptr, y_ptr, parts_ptr, count_ptr, M, N, K, row_bytes, chunks_per_split, up_bytes,
                TYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               BLOCKWISE: tl.constexpr = True, TERMS: tl.constexpr = 0, SWIGLU: tl.constexpr = False):
-    """Program (tile of BLOCK_N outputs, split s): y[s, m, n] = x[m, K_s] . W[n, K_s] for its
-    chunks K_s of BLOCK_K columns. x (M, K) contiguous; y (splits, M, N) float32, or with one
-    split any float type (the float32 sums rounded once as they are stored). BLOCKWISE
-    False: every type through the per-value tile (the blockwise reads' twin, for timings).
-    TERMS > 0 (M = 1): products kept per column across the chunks, summed once (``_gemv_chunks``).
-    SWIGLU (one split): W (2N, K) is a fused [gate; up] projection and y[m, n] = silu(x . W[n])
-    * (x . W[N + n]), both rows in one program, rounded once; up_bytes: N * row_bytes, where
-    the up rows start."""
+               BLOCKWISE: tl.constexpr = True, TERMS: tl.constexpr = 0, SWIGLU: tl.constexpr = False,
+               LAST_SUMS: tl.constexpr = False):
+    """Program (tile of BLOCK_N outputs, split s): the sums x[m, K_s] . W[n, K_s] for its chunks
+    K_s of BLOCK_K columns. x (M, K) contiguous. One split: y (M, N) of any float type, the float32
+    sums rounded once as they are stored. Several: each program stores its float32 partial in
+    parts (splits, M, N) and then either
+    - LAST_SUMS: the tile's last program to finish (``_last_split_sums``) adds the tile's
+      partials in split order and stores y, in this launch; or
+    - not: y_ptr is ignored and ``sum_splits`` adds them in a second launch (the same order,
+      the same bits).
+    BLOCKWISE False: every type through the per-value tile (the blockwise reads' twin, for
+    timings). TERMS > 0 (M = 1): products kept per column across the chunks, summed once
+    (``_gemv_chunks``). SWIGLU (one split, or LAST_SUMS): W (2N, K) is a fused [gate; up]
+    projection and y[m, n] = silu(x . W[n]) * (x . W[N + n]), both rows in one program, rounded
+    once; up_bytes: N * row_bytes, where the up rows start; parts (splits, M, 2N), the up sums
+    N after the gate's."""
     tile = tl.program_id(0)
     split = tl.program_id(1)
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -612,14 +619,56 @@ def quant_gemv(x_ptr, w_ptr, grid_ptr, y_ptr, M, N, K, row_bytes, chunks_per_spl
     first = split * chunks_per_split
     last = tl.minimum(first + chunks_per_split, tl.cdiv(K, BLOCK_K))
     if SWIGLU:
-        gate, up = _gemv_pair_chunks(x_ptr, w_ptr, up_bytes, grid_ptr, m, M, rows, N, K, row_bytes, first, last,
-                                     TYPE, BLOCK_M, BLOCK_N, BLOCK_K, BLOCKWISE, TERMS)
-        acc = _silu_mul(gate, up)
+        acc, up = _gemv_pair_chunks(x_ptr, w_ptr, up_bytes, grid_ptr, m, M, rows, N, K, row_bytes, first, last,
+                                    TYPE, BLOCK_M, BLOCK_N, BLOCK_K, BLOCKWISE, TERMS)
     else:
         acc = _gemv_chunks(x_ptr, w_ptr, grid_ptr, m, M, rows, N, K, row_bytes, first, last,
                            TYPE, BLOCK_M, BLOCK_N, BLOCK_K, BLOCKWISE, TERMS)
-    out = y_ptr + (split * M + m[:, None]) * N + rows[None, :]
-    tl.store(out, stored_as(acc, y_ptr), mask=(m < M)[:, None] & (rows < N)[None, :])
+        up = acc
+    live = (m < M)[:, None] & (rows < N)[None, :]
+    if LAST_SUMS:
+        _last_split_sums(parts_ptr, count_ptr, y_ptr, acc, up, m, rows, live, M, N, SWIGLU)
+    elif tl.num_programs(1) > 1:
+        tl.store(parts_ptr + (split * M + m[:, None]) * N + rows[None, :], acc, mask=live)
+    else:
+        if SWIGLU:
+            acc = _silu_mul(acc, up)
+        tl.store(y_ptr + m[:, None] * N + rows[None, :], stored_as(acc, y_ptr), mask=live)
+
+
+@triton.jit
+def _last_split_sums(parts_ptr, count_ptr, y_ptr, acc, up, m, rows, live, M, N, SWIGLU: tl.constexpr):
+    """A split GEMV's partials summed by the tile's last program, not by one more launch (a
+    35B-A3B decode step's split GEMVs launched 120 ``sum_splits``): each program stores its
+    partial (and up's), counts itself in the tile's counter, and the one that counts last adds
+    the tile's partials in split order (``sum_splits``' order: the same bits whichever program
+    it is), stores y rounded once and sets the counter back to 0 for the next launch.
+    Ordering: the barrier puts every thread's stores before the one thread's acq_rel atomic at
+    GPU scope (a release that covers what the block's threads wrote); the last program's
+    acquire then comes before its loads, which read L2 (.cg), not a stale L1 line. The
+    counters (one int32 per tile, zero between launches) belong to one stream's launches."""
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    n_splits = tl.num_programs(1)
+    width = 2 * N if SWIGLU else N
+    at = (split * M + m[:, None]) * width + rows[None, :]
+    tl.store(parts_ptr + at, acc, mask=live)
+    if SWIGLU:
+        tl.store(parts_ptr + at + N, up, mask=live)
+    tl.debug_barrier()
+    done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    if done == n_splits - 1:
+        total = tl.zeros(acc.shape, tl.float32)
+        up_total = tl.zeros(acc.shape, tl.float32)
+        for s in range(0, n_splits):
+            at = (s * M + m[:, None]) * width + rows[None, :]
+            total += tl.load(parts_ptr + at, mask=live, other=0.0, cache_modifier=".cg")
+            if SWIGLU:
+                up_total += tl.load(parts_ptr + at + N, mask=live, other=0.0, cache_modifier=".cg")
+        if SWIGLU:
+            total = _silu_mul(total, up_total)
+        tl.store(y_ptr + m[:, None] * N + rows[None, :], stored_as(total, y_ptr), mask=live)
+        tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit

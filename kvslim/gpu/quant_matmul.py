@@ -10,8 +10,10 @@ kernels (``_quant_matmul_kernel``):
 - ``gemv`` for decode (M <= MAX_GEMV_ROWS rows of x): W's bytes are read once and the values
   dequantized in registers; float32 products on the CUDA cores. Split-K: when W has too few
   tiles of BLOCK_N outputs to occupy the GPU, K is cut into splits that run as separate
-  programs, each writing a float32 partial; torch sums them (deterministic: no atomics, and the
-  split count depends only on the shapes).
+  programs, each writing a float32 partial; each tile's last program to finish adds them in
+  split order (an atomic counter finds it; the order of the sums does not depend on which it
+  is), or a second launch does (``sum_splits``): deterministic either way, and the split count
+  depends only on the shapes.
 - ``gemm`` for prefill: W's tiles dequantized in registers and fed to ``tl.dot`` in DOT_DTYPE
   (fp16, bf16 on tensor cores; tf32; or ieee float32 for exact checks), accumulated in float32.
 - ``gemv_experts`` for a mixture's decode: each (token, chosen expert) pair's row times that
@@ -62,6 +64,10 @@ MAX_GEMV_PAIRS = 128          # more (token, expert) pairs: the grouped GEMM (a 
 # 192). Which wins is a GPU timing's to say (benchmarks/gpu_model.py --no-swiglu-in-gemv); until
 # then it is on, the count's side.
 SWIGLU_IN_GEMV = True
+# Whether a split GEMV's partials are summed by each tile's last program (an atomic counter per
+# tile) rather than by ``sum_splits``, a launch of its own (120 a 35B-A3B decode step): the same
+# bits either way. Untimed on a GPU (benchmarks/gpu_model.py --no-sums-in-gemv sets it beside).
+SUMS_IN_GEMV = True
 
 
 def _kernel():
@@ -180,7 +186,7 @@ def _check_scales(ids: torch.Tensor, scales: torch.Tensor | None) -> None:
 
 def gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type, split_k: int | None = None,
          blockwise: bool = True, terms: bool = True, out_dtype: torch.dtype = torch.float32,
-         swiglu: bool = False) -> torch.Tensor:
+         swiglu: bool = False, last_sums: bool | None = None) -> torch.Tensor:
     """x (M, K) float, M <= MAX_GEMV_ROWS; blocks (N, row_bytes) uint8 of ``ggml_type`` ->
     y (M, N) of ``out_dtype`` (float32 sums, rounded once when stored). ``split_k``: splits of K
     (default ``split_count``). ``blockwise`` False: the BLOCKWISE types through the per-value
@@ -188,7 +194,9 @@ def gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type, split_k: int | None =
     summed across the tile (the twin of TERMS). ``swiglu``: blocks are a fused [gate; up]
     projection (2I rows) and y (M, I) = silu(x W_gate^T) * (x W_up^T), from the float32 sums,
     rounded once: the SwiGLU in the GEMV's launch (one split) or in its split sums' (several),
-    where ``layers.swiglu`` was one more launch after a rounding to out_dtype."""
+    where ``layers.swiglu`` was one more launch after a rounding to out_dtype. ``last_sums``
+    (default ``SUMS_IN_GEMV``): several splits' partials summed by each tile's last program, in
+    the GEMV's launch; False: by ``sum_splits``, one more launch (the same bits)."""
     _check(x, blocks, ggml_type)
     if x.shape[0] > MAX_GEMV_ROWS:
         raise ValueError(f"the GEMV takes at most {MAX_GEMV_ROWS} rows of x, got {x.shape[0]}: use gemm")
@@ -202,23 +210,38 @@ def gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type, split_k: int | None =
     splits = -(-chunks // per_split)                     # no split left without a chunk
     width = n // 2 if swiglu else n
     x, blocks = x.contiguous(), blocks.contiguous()
+    y = torch.empty(m, width, device=x.device, dtype=out_dtype)
+    table = grid_table(ggml_type, x.device)
+    constexprs = dict(TYPE=int(ggml_type), BLOCKWISE=blockwise, **config)
     # one split writes y itself, in out_dtype: no float32 copy to convert after (a decode step's
-    # ~300 GEMVs launched as many conversions); splits write float32 partials, summed in order
-    # and rounded once by one more launch (torch's sum and cast were two)
+    # ~300 GEMVs launched as many conversions); several write float32 partials, summed in order
+    # and rounded once, by each tile's last program (``last_sums``) or by one more launch
     if splits == 1:
-        y = torch.empty(m, width, device=x.device, dtype=out_dtype)
         _kernel().quant_gemv[(-(-width // config["BLOCK_N"]), 1)](
-            x, blocks, grid_table(ggml_type, x.device), y, m, width, k, blocks.shape[1], per_split,
-            width * blocks.shape[1], TYPE=int(ggml_type), BLOCKWISE=blockwise, SWIGLU=swiglu, **config, **FP_FUSION)
+            x, blocks, table, y, y, y, m, width, k, blocks.shape[1], per_split, width * blocks.shape[1],
+            SWIGLU=swiglu, **constexprs, **FP_FUSION)
+        return y
+    if SUMS_IN_GEMV if last_sums is None else last_sums:
+        parts = torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
+        tiles = -(-width // config["BLOCK_N"])
+        _kernel().quant_gemv[(tiles, splits)](
+            x, blocks, table, y, parts, split_counters(tiles, x.device), m, width, k, blocks.shape[1], per_split,
+            width * blocks.shape[1], SWIGLU=swiglu, LAST_SUMS=True, **constexprs, **FP_FUSION)
         return y
     parts = torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
     _kernel().quant_gemv[(-(-n // config["BLOCK_N"]), splits)](
-        x, blocks, grid_table(ggml_type, x.device), parts, m, n, k, blocks.shape[1], per_split, 0,
-        TYPE=int(ggml_type), BLOCKWISE=blockwise, **config, **FP_FUSION)
-    y = torch.empty(m, width, device=x.device, dtype=out_dtype)
+        x, blocks, table, parts, parts, parts, m, n, k, blocks.shape[1], per_split, 0, **constexprs, **FP_FUSION)
     _kernel().sum_splits[(-(-(m * width) // SUM_BLOCK),)](parts, y, splits, m * width, width, BLOCK=SUM_BLOCK,
                                                            SWIGLU=swiglu, num_warps=4, **FP_FUSION)
     return y
+
+
+def split_counters(tiles: int, device) -> torch.Tensor:
+    """The int32 counters (at least ``tiles``, all 0) by which a split GEMV's programs find each
+    tile's last (``_last_split_sums``, which sets its counter back to 0): one set per device and
+    power of two, shared by the GEMVs of one stream, which run one after another."""
+    size = pow2(max(tiles, 1024))
+    return cached_on(device, ("gemv split counters", size), lambda: torch.zeros(size, dtype=torch.int32))
 
 
 def gemv_experts(x: torch.Tensor, blocks: torch.Tensor, ids: torch.Tensor, ggml_type,
