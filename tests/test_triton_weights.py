@@ -61,7 +61,7 @@ SWIGLU = [("swiglu", "q4_0", 1, 48, 288, 1, "float32"), ("swiglu", "q4_0", 5, 40
 # A split GEMV's partials summed by each tile's last program: (kind, type, M, N or 2I, K, split_k,
 # swiglu?, out dtype), computed twice that way (the counters set back to 0 in between) and once
 # by the ``sum_splits`` launch
-SUMS = [("sums", "q4_0", 1, 64, 1024, 4, False, "float32"), ("sums", "q4_k", 5, 40, 1024, 3, False, "float32"),
+SUMS = [("sums", "q4_0", 1, 64, 1024, 4, False, "float32"), ("sums", "q4_k", 5, 16, 768, 3, False, "float32"),
         ("sums", "q6_k", 1, 48, 768, 3, True, "bfloat16"), ("sums", "q8_0", 16, 34, 288, 2, True, "float32")]
 TOLERANCE = {"ieee": 1e-5, "tf32": 4e-3, "fp16": 2e-3, "bf16": 1e-2}
 
