@@ -56,10 +56,16 @@ def routed_in_child(cases, path: Path) -> None:
     module, x = _router()
     out["module"] = gpu.runs_on(x), module(x)
     out["combine"] = [gpu.combine(*_combine_inputs(c, i)) for i, c in enumerate(COMBINE_CASES)]
-    combined, inner = [], gpu.combine
-    gpu.combine = lambda *args: combined.append(1) or inner(*args)
+    from kvslim.gpu import quant_matmul
+    calls = []
+    for module, name in ((gpu, "combine"), (quant_matmul, "gemv_experts_combined")):
+        inner = getattr(module, name)
+        setattr(module, name, lambda *a, _f=inner, _n=name: calls.append(_n) or _f(*a))
     layer, x = _mixture()
-    out["layer"] = layer.fused is not None, len(combined), layer(x), len(combined)
+    out["layer"] = layer.fused is not None, layer(x), list(calls)           # the combine in the expert GEMV
+    calls.clear()
+    quant_matmul.SUMS_IN_GEMV = False
+    out["layer apart"] = layer(x), list(calls)                              # the combine launch
     torch.save(out, path)
 
 
@@ -186,9 +192,12 @@ def _mixture(seed: int = 5) -> tuple[SparseMoE, torch.Tensor]:
 
 def test_a_mixture_layer_takes_the_kernels_and_matches_the_torch_forms(routed):
     """The whole layer with the kernels on (the fused gate and router matmul, topk_softmax, the
-    experts' kernels, combine) against the same layer's torch forms here, unfused too."""
-    fused, before, got, after = routed["layer"]
-    assert fused and after == before + 1                          # combine ran once
+    experts' kernels, the combine in the down projection's GEMV) against the same layer's torch
+    forms here, unfused too; with the combine launched apart (``SUMS_IN_GEMV`` off), the same bits."""
+    fused, got, calls = routed["layer"]
+    apart, calls_apart = routed["layer apart"]
+    assert fused and calls == ["gemv_experts_combined"] and calls_apart == ["combine"]
+    assert torch.equal(got, apart)
     layer, x = _mixture()
     with torch.no_grad(), pytest.MonkeyPatch.context() as patch:
         patch.setenv("KVSLIM_Q8_ACTIVATIONS", "0")            # the kernels multiply float activations

@@ -349,6 +349,7 @@ def _experts_in_child(cases, path: Path) -> None:
         mats, blocks, x, ids = _expert_inputs(case[:5], EXPERT_CASES.index(case[:5]))
         xs = x.to(getattr(torch, case[5]))
         out["swiglu"].append(gpu.experts_swiglu(xs, blocks, gpu.route(ids, len(mats)), mats[0].wtype.ggml_type))
+    out["combined"] = [_combined_runs(case, i) for i, case in enumerate(COMBINED)]
     for tokens in MOE_TOKENS:
         module, x, w, experts = _moe_module(tokens=tokens)
         out[tokens] = module.groups(x, experts), module(x, w, experts)
@@ -374,6 +375,52 @@ MOE_TOKENS = (3, 90)          # 6 pairs: the expert GEMV; 180: the grouped GEMM
 # experts' fused [gate; up] matrices through ``experts_swiglu`` (EXPERT_CASES' inputs, x's dtype):
 # the expert GEMV's own launch in float32 and bf16, and the grouped GEMM then silu_mul
 EXPERT_SWIGLU = [EXPERT_CASES[0] + ("float32",), EXPERT_CASES[2] + ("bfloat16",), EXPERT_CASES[4] + ("float32",)]
+
+
+# a mixture's down projection with its combine in the expert GEMV's launch: (type, E, N, K,
+# tokens, top_k, dtype of x, the routing weights, the shared expert's output and the result)
+COMBINED = [("q4_0", 5, 40, 288, 3, 2, "float32"), ("q4_k", 4, 24, 512, 2, 4, "bfloat16")]
+
+
+def _combined_inputs(case, seed: int):
+    """The experts, each pair's row and expert id (``_expert_inputs``), its routing weight, the
+    shared expert's output and its gate's logit (a column of a wider matrix), in the case's dtype."""
+    name, n_experts, n, k, tokens, top_k, dtype = case
+    mats, blocks, x, ids = _expert_inputs((name, n_experts, n, k, tokens * top_k), seed)
+    gen = torch.Generator().manual_seed(seed + 50)
+    dtype = getattr(torch, dtype)
+    scales = torch.rand(tokens * top_k, generator=gen).to(dtype)
+    shared = torch.randn(tokens, n, generator=gen).to(dtype)
+    gate = (torch.randn(tokens, 3, generator=gen) * 2).to(dtype)[:, 1:2]
+    return mats, blocks, x.to(dtype), ids, scales, shared, gate
+
+
+def _combined_runs(case, seed: int, device: str = "cpu") -> list:
+    """The combine in the GEMV's launch twice (its counters set back to 0 in between), then
+    the two launches it replaces (``gemv_experts``, ``moe.combine``)."""
+    from kvslim.gpu import moe
+    mats, blocks, x, ids, scales, shared, gate = (t.to(device) if torch.is_tensor(t) else t
+                                                  for t in _combined_inputs(case, seed))
+    ggml_type = mats[0].wtype.ggml_type
+    runs = [gpu.gemv_experts_combined(x, blocks, ids, ggml_type, scales, shared, gate) for _ in range(2)]
+    pairs = gpu.gemv_experts(x, blocks, ids, ggml_type, scales)
+    return [y.cpu() for y in runs + [moe.combine(pairs, case[5], shared, gate, shared.dtype)]]
+
+
+def _check_combined(case, ys, seed: int) -> None:
+    """Bit for bit the two launches' result, and within their error of float64 from gguf.quants."""
+    assert torch.equal(ys[0], ys[2]) and torch.equal(ys[1], ys[2])
+    mats, _, x, ids, scales, shared, gate = _combined_inputs(case, seed)
+    tokens, top_k = case[4], case[5]
+    want, bound = torch.zeros(tokens, case[2], dtype=torch.float64), torch.zeros(tokens, case[2], dtype=torch.float64)
+    for p in range(ids.numel()):
+        dense = torch.from_numpy(gguf.quants.dequantize(mats[ids[p]].data.numpy(), mats[0].wtype.ggml_type)).double()
+        want[p // top_k] += scales[p].double() * (dense @ x[p].double())
+        bound[p // top_k] += scales[p].double() * (dense.abs() @ x[p].double().abs())
+    want += torch.sigmoid(gate.double()) * shared.double()
+    ulp = torch.finfo(shared.dtype).eps if shared.dtype != torch.float32 else 0.0
+    assert ys[0].dtype == shared.dtype and ys[0].shape == want.shape
+    assert ((ys[0].double() - want).abs() <= TOLERANCE["ieee"] * bound + ulp * want.abs() + 1e-6).all()
 
 
 @pytest.fixture(scope="module")
@@ -403,6 +450,21 @@ def test_experts_swiglu_matches_gguf_dequantize(interpreted_experts, case):
     for p in range(x.shape[0]):
         dense = torch.from_numpy(gguf.quants.dequantize(mats[ids[p]].data.numpy(), mats[0].wtype.ggml_type)).double()
         _check_swiglu(got[p:p + 1], xs[p:p + 1].float(), dense, xs.dtype)
+
+
+@pytest.mark.parametrize("case", COMBINED, ids=lambda c: f"{c[0]}-t{c[4]}-k{c[5]}-{c[6]}")
+def test_the_combine_in_the_expert_gemv_is_the_combine_launchs(interpreted_experts, case):
+    """The down projection's expert GEMV that also sums each token's pairs and its gated shared
+    expert (by the last of the token's pair programs a tile) gives ``combine``'s bits on
+    ``gemv_experts``' products, in float32 and bf16, again on a second call."""
+    _check_combined(case, interpreted_experts["combined"][COMBINED.index(case)], COMBINED.index(case))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the compiled kernels wait for a GPU")
+@pytest.mark.parametrize("case", COMBINED, ids=lambda c: f"{c[0]}-t{c[4]}-k{c[5]}-{c[6]}")
+def test_the_combine_in_the_expert_gemv_on_cuda(case):
+    compiled_process()
+    _check_combined(case, _combined_runs(case, COMBINED.index(case), "cuda"), COMBINED.index(case))
 
 
 @pytest.mark.parametrize("tokens", MOE_TOKENS)
@@ -531,6 +593,22 @@ def test_the_last_programs_sums_compile_with_their_ordering(swiglu):
     pointers = dict(POINTERS, x_ptr="*bf16", y_ptr="*bf16", parts_ptr="*fp32", count_ptr="*i32")
     constexprs = dict(config, TYPE=int(weights.get("q4_0").ggml_type), SWIGLU=swiglu, LAST_SUMS=True)
     ptx = compile_for_sm90(kernel.quant_gemv, pointers, constexprs, num_warps).asm["ptx"]
+    counted = ptx.index("atom.global.gpu.acq_rel.add")
+    assert "bar.sync" in ptx[ptx.rindex("st.global", 0, counted):counted]
+    assert "ld.global.cg" in ptx[counted:] and "atom.global.gpu.relaxed.exch" in ptx[counted:]
+
+
+@pytest.mark.parametrize("name", ["q4_0", "q4_k"])
+def test_the_expert_gemv_that_combines_compiles_with_its_ordering(name):
+    """A 35B-A3B decode step's down projection with its combine (top 8, bf16), for sm_90: the
+    barrier between the pair's store and the acq_rel atomic, the pairs read from L2 after it."""
+    from kvslim.gpu import _quant_matmul_kernel as kernel
+    config = gpu.gemv_config(1, weights.get(name).ggml_type)
+    constexprs = dict(TYPE=int(weights.get(name).ggml_type), BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
+                      TERMS=config["TERMS"], SCALED=True, TOP_K=8)
+    pointers = dict(POINTERS, x_ptr="*bf16", y_ptr="*bf16", ids_ptr="*i64", scale_ptr="*bf16", shared_ptr="*bf16",
+                    gate_ptr="*bf16")
+    ptx = compile_for_sm90(kernel.quant_gemv_experts, pointers, constexprs, config["num_warps"]).asm["ptx"]
     counted = ptx.index("atom.global.gpu.acq_rel.add")
     assert "bar.sync" in ptx[ptx.rindex("st.global", 0, counted):counted]
     assert "ld.global.cg" in ptx[counted:] and "atom.global.gpu.relaxed.exch" in ptx[counted:]

@@ -44,18 +44,28 @@ def topk_softmax(logits_ptr, weights_ptr, ids_ptr, E, logits_stride, K: tl.const
 
 @triton.jit
 def combine(pairs_ptr, shared_ptr, gate_ptr, out_ptr, H, gate_stride, K: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (token t, block of BLOCK features): out[t] = sum_k pairs[t K + k] + sigmoid(gate[t])
-    * shared[t] in float32, rounded once to out's type. pairs (T K, H) float32, the routing
-    weights applied; shared (T, H) and gate (T, 1, rows gate_stride apart) any float type."""
+    """Program (token t, block of BLOCK features): out[t] = ``gated_sum``, rounded once to out's
+    type. pairs (T K, H) float32, the routing weights applied; shared (T, H) and gate (T, 1,
+    rows gate_stride apart) any float type."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = h < H
-    acc = tl.zeros([BLOCK], tl.float32)
+    total = gated_sum(pairs_ptr, shared_ptr, gate_ptr, t, h, H, ok, gate_stride, K, "")
+    tl.store(out_ptr + t * H + h, stored_as(total, out_ptr), mask=ok)
+
+
+@triton.jit
+def gated_sum(pairs_ptr, shared_ptr, gate_ptr, t, h, H, ok, gate_stride, K: tl.constexpr, CACHE: tl.constexpr):
+    """Token t's features h in float32: sum_k pairs[t K + k, h], in order of k, + sigmoid(gate[t])
+    * shared[t, h]. ``combine`` and the expert GEMV that combines in its launch
+    (``_quant_matmul_kernel._last_pair_combines``, which reads the pairs from L2: CACHE ".cg")
+    both take it: the same bits from either."""
+    acc = tl.zeros(h.shape, tl.float32)
     for k in tl.static_range(K):
-        acc += tl.load(pairs_ptr + (t * K + k) * H + h, mask=ok, other=0.0)
+        acc += tl.load(pairs_ptr + (t * K + k) * H + h, mask=ok, other=0.0, cache_modifier=CACHE)
     g = tl.load(gate_ptr + t * gate_stride).to(tl.float32)
     shared = tl.load(shared_ptr + t * H + h, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * H + h, stored_as(acc + shared * sigmoid(g), out_ptr), mask=ok)
+    return acc + shared * sigmoid(g)
 
 
 INTERPRETED = not isinstance(topk_softmax, JITFunction)

@@ -37,6 +37,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from ._codecs import f16_aligned, f16_at, sigmoid, stored_as
+from ._moe_kernel import gated_sum
 
 # ggml type ids (gguf.GGMLQuantizationType), the kernels' TYPE
 Q4_0 = tl.constexpr(2)
@@ -693,8 +694,10 @@ def quant_gemm(x_ptr, w_ptr, grid_ptr, y_ptr, M, N, K, row_bytes,
 
 @triton.jit
 def quant_gemv_experts(x_ptr, w_ptr, grid_ptr, ids_ptr, scale_ptr, y_ptr, N, K, row_bytes, expert_bytes,
-                       pairs_per_row, up_bytes, TYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TERMS: tl.constexpr,
-                       SCALED: tl.constexpr = False, BLOCKWISE: tl.constexpr = True, SWIGLU: tl.constexpr = False):
+                       pairs_per_row, up_bytes, parts_ptr, count_ptr, shared_ptr, gate_ptr, gate_stride,
+                       TYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TERMS: tl.constexpr,
+                       SCALED: tl.constexpr = False, BLOCKWISE: tl.constexpr = True, SWIGLU: tl.constexpr = False,
+                       TOP_K: tl.constexpr = 0):
     """Program (tile of BLOCK_N outputs, pair p): y[p, n] = x[p] . W[ids[p], n] over all of K,
     the expert's matrix found from its id (int32 or int64) in device memory (no host round trip
     to learn which experts a token chose). x (P / pairs_per_row, K) contiguous: pair p reads row
@@ -702,7 +705,9 @@ def quant_gemv_experts(x_ptr, w_ptr, grid_ptr, ids_ptr, scale_ptr, y_ptr, N, K, 
     row_bytes); y (P, N) float32, times scale[p] (a routing weight, any float type) where
     SCALED. TERMS as ``quant_gemv``'s. SWIGLU: each expert's matrix is (2N, K), [gate; up], and
     y[p, n] = silu(gate . x) * (up . x), of y's type (rounded once); up_bytes (N * row_bytes):
-    where an expert's up rows start."""
+    where an expert's up rows start. TOP_K > 0: a mixture's combine in this launch
+    (``_last_pair_combines``): parts (P, N) float32 takes the pairs' products and y (P / TOP_K,
+    N) each token's ``gated_sum`` with shared (P / TOP_K, N) and gate (rows gate_stride apart)."""
     tile = tl.program_id(0)
     p = tl.program_id(1).to(tl.int64)
     w_expert = w_ptr + tl.load(ids_ptr + p).to(tl.int64) * expert_bytes
@@ -718,7 +723,30 @@ def quant_gemv_experts(x_ptr, w_ptr, grid_ptr, ids_ptr, scale_ptr, y_ptr, N, K, 
         y = tl.sum(acc, axis=0)
     if SCALED:
         y = y * tl.load(scale_ptr + p).to(tl.float32)
-    tl.store(y_ptr + p * N + rows, stored_as(y, y_ptr), mask=rows < N)
+    if TOP_K > 0:
+        _last_pair_combines(parts_ptr, count_ptr, shared_ptr, gate_ptr, y_ptr, y, p, rows, N, gate_stride, TOP_K)
+    else:
+        tl.store(y_ptr + p * N + rows, stored_as(y, y_ptr), mask=rows < N)
+
+
+@triton.jit
+def _last_pair_combines(parts_ptr, count_ptr, shared_ptr, gate_ptr, out_ptr, y, p, rows, N, gate_stride,
+                        TOP_K: tl.constexpr):
+    """A mixture's combine by the last of a token's TOP_K pair programs for a tile, not by a
+    launch of its own (``moe.combine``: 40 a 35B-A3B decode step): each stores its pair's float32
+    product in parts and counts itself in the (token, tile) counter; the one that counts last
+    stores the token's ``gated_sum`` (the pairs in order of k: the same bits as ``combine``)
+    rounded once, and sets the counter back to 0. Ordering as ``_last_split_sums``'."""
+    t = p // TOP_K
+    live = rows < N
+    tl.store(parts_ptr + p * N + rows, y, mask=live)
+    tl.debug_barrier()
+    counter = count_ptr + t * tl.num_programs(0) + tl.program_id(0)
+    done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if done == TOP_K - 1:
+        total = gated_sum(parts_ptr, shared_ptr, gate_ptr, t, rows, N, live, gate_stride, TOP_K, ".cg")
+        tl.store(out_ptr + t * N + rows, stored_as(total, out_ptr), mask=live)
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit

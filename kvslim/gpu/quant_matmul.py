@@ -64,9 +64,11 @@ MAX_GEMV_PAIRS = 128          # more (token, expert) pairs: the grouped GEMM (a 
 # 192). Which wins is a GPU timing's to say (benchmarks/gpu_model.py --no-swiglu-in-gemv); until
 # then it is on, the count's side.
 SWIGLU_IN_GEMV = True
-# Whether a split GEMV's partials are summed by each tile's last program (an atomic counter per
-# tile) rather than by ``sum_splits``, a launch of its own (120 a 35B-A3B decode step): the same
-# bits either way. Untimed on a GPU (benchmarks/gpu_model.py --no-sums-in-gemv sets it beside).
+# Whether sums that needed a launch of their own are made by the last program of the GEMV whose
+# results they add (an atomic counter per tile): a split GEMV's partials (``sum_splits``: 120 a
+# 35B-A3B decode step) and a mixture's combine after its down projection's expert GEMV
+# (``moe.combine``: 40). The same bits either way. Untimed on a GPU (benchmarks/gpu_model.py
+# --no-sums-in-gemv sets it beside).
 SUMS_IN_GEMV = True
 
 
@@ -265,10 +267,40 @@ def gemv_experts(x: torch.Tensor, blocks: torch.Tensor, ids: torch.Tensor, ggml_
     _kernel().quant_gemv_experts[grid](x.contiguous(), blocks.contiguous(), grid_table(ggml_type, x.device),
                                        _ids(ids), _scales(scales, x), y,
                                        width, k, blocks.shape[2], blocks.shape[1] * blocks.shape[2], p // x.shape[0],
-                                       width * blocks.shape[2], TYPE=int(ggml_type), BLOCK_N=config["BLOCK_N"],
-                                       BLOCK_K=config["BLOCK_K"], TERMS=config["TERMS"], SCALED=scales is not None,
-                                       SWIGLU=swiglu, num_warps=config["num_warps"], **FP_FUSION)
+                                       width * blocks.shape[2], y, y, y, y, 0, TYPE=int(ggml_type),
+                                       BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], TERMS=config["TERMS"],
+                                       SCALED=scales is not None, SWIGLU=swiglu, num_warps=config["num_warps"],
+                                       **FP_FUSION)
     return y
+
+
+def gemv_experts_combined(x: torch.Tensor, blocks: torch.Tensor, ids: torch.Tensor, ggml_type, scales: torch.Tensor,
+                          shared: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """A mixture's down projection and its combine in one launch: ``gemv_experts`` (the pairs'
+    products times their routing weights ``scales``) and then, by each token's last pair program
+    for a tile, ``moe.combine``'s sum: the token's pairs (T top_k consecutive, ids (T top_k,))
+    summed in order plus sigmoid(gate) * shared, rounded once -> (T, N) of shared's type, the
+    bits of ``combine`` on ``gemv_experts``' products. shared (T, N) the shared expert's output,
+    gate (T, 1) its gate's logit (a column of a wider matrix)."""
+    _check_experts(x, blocks, ids, ggml_type, scales)
+    tokens, n = shared.shape
+    if scales is None or ids.numel() % max(tokens, 1) or gate.shape != (tokens, 1) or n != blocks.shape[1]:
+        raise ValueError(f"routing weights, T top_k ids, shared (T, N) and gate (T, 1) expected, got ids "
+                         f"{tuple(ids.shape)}, shared {tuple(shared.shape)}, gate {tuple(gate.shape)} for N = "
+                         f"{blocks.shape[1]}")
+    p, k = ids.numel(), x.shape[1]
+    config = gemv_config(1, ggml_type)
+    out = torch.empty(tokens, n, device=x.device, dtype=shared.dtype)
+    parts = torch.empty(p, n, device=x.device, dtype=torch.float32)
+    tiles = -(-n // config["BLOCK_N"])
+    _kernel().quant_gemv_experts[(tiles, p)](x.contiguous(), blocks.contiguous(), grid_table(ggml_type, x.device),
+                                             _ids(ids), _scales(scales, x), out,
+                                             n, k, blocks.shape[2], blocks.shape[1] * blocks.shape[2], p // x.shape[0],
+                                             0, parts, split_counters(tokens * tiles, x.device), shared.contiguous(),
+                                             gate, gate.stride(0), TYPE=int(ggml_type), BLOCK_N=config["BLOCK_N"],
+                                             BLOCK_K=config["BLOCK_K"], TERMS=config["TERMS"], SCALED=True,
+                                             TOP_K=p // tokens, num_warps=config["num_warps"], **FP_FUSION)
+    return out
 
 
 def _ids(ids: torch.Tensor) -> torch.Tensor:

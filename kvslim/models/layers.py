@@ -340,6 +340,13 @@ class Experts(nn.Module):
         n, top_k = experts.shape
         return self.weighted_pairs(x, weights, experts).view(n, top_k, -1).sum(1).to(x.dtype)
 
+    def combined(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, shared: torch.Tensor,
+                 gate: torch.Tensor) -> torch.Tensor:
+        """The mixture's output with the kernels on: the pairs' weighted outputs
+        (``weighted_pairs``) summed per token plus sigmoid(gate) * shared, in x's type, by one
+        launch (``gpu.moe.combine``)."""
+        return gpu_moe.combine(self.weighted_pairs(x, weights, experts), experts.shape[1], shared, gate, x.dtype)
+
     def weighted_pairs(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Each (token, chosen expert) pair's output times its routing weight, (N top_k, H)
         float32, token-major, through ``pair_products``, which reads the chosen ids on the
@@ -407,9 +414,8 @@ class SparseMoE(nn.Module):
             gate, (weights, experts) = self.shared_expert_gate(x), self.gate(x)
         shared = self.shared_expert(x)
         if gpu.TRITON and x.dim() == 2 and gpu_moe.runs_on(x) and self.experts.groups(x, experts):
-            # the pairs' sum, its cast, the shared expert's gate and the add: one launch
-            return gpu_moe.combine(self.experts.weighted_pairs(x, weights, experts), experts.shape[1], shared, gate,
-                                   x.dtype)
+            # the pairs' sum, its cast, the shared expert's gate and the add: one launch, or none
+            return self.experts.combined(x, weights, experts, shared, gate)
         return self.experts(x, weights, experts) + torch.sigmoid(gate) * shared
 
 
