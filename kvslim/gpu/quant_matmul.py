@@ -42,10 +42,10 @@ _T = gguf.GGMLQuantizationType
 GRIDDED = (_T.IQ2_XXS, _T.IQ2_XS, _T.IQ2_S, _T.IQ3_XXS, _T.IQ3_S, _T.IQ1_S, _T.IQ1_M)   # values index a lattice
 SUPPORTED = (_T.Q8_0, _T.Q4_0, _T.Q2_K, _T.Q3_K, _T.Q4_K, _T.Q5_K, _T.Q6_K, _T.IQ4_XS, *GRIDDED, _T.MXFP4, _T.NVFP4)
 # The types the GEMV reads block by block (``_gemv_step``), each with the values one column of
-# its 1-row step's unsummed products holds (``terms_width``): Q8_0 a value; a Q4_0, Q4_K or Q5_K
-# byte two (Q4_0's values j and j + 16 of a block, the K-quants' 64p + l and 64p + 32 + l);
-# Q6_K's three bytes four (l, l + 32, l + 64 and l + 96 of its half).
-VALUES_PER_TERM = {_T.Q8_0: 1, _T.Q4_0: 2, _T.Q4_K: 2, _T.Q5_K: 2, _T.Q6_K: 4}
+# its 1-row step's unsummed products holds (``terms_width``): Q8_0 and Q4_0 a block of 32 (its
+# codes' dot with x, then times the block's scale once); a Q4_K or Q5_K byte two (the K-quants'
+# 64p + l and 64p + 32 + l); Q6_K's three bytes four (l, l + 32, l + 64 and l + 96 of its half).
+VALUES_PER_TERM = {_T.Q8_0: 32, _T.Q4_0: 32, _T.Q4_K: 2, _T.Q5_K: 2, _T.Q6_K: 4}
 BLOCKWISE = tuple(VALUES_PER_TERM)
 MAX_GEMV_ROWS = 16            # more rows of x: the tensor-core GEMM
 # Split K until a GEMV launches about this many programs: 8 per H100 SM, what the 1-row GEMV's
@@ -107,7 +107,7 @@ def terms_width(ggml_type, block_k: int, blockwise: bool = True) -> int:
     products against summed:
     Q4_0 225 against 326, Q8_0 201 against 338, Q6_K 319 against 572, Q4_K (blockwise) 659
     against 814; but the per-value Q4_K 1,246 against 1,212 and IQ4_XS 1,633 against 1,478
-    (147 registers against 116)."""
+    (147 registers against 116). (Session 39: Q4_0 and Q8_0 a term per block, ``_legacy_block_dot``.)"""
     return block_k // VALUES_PER_TERM[ggml_type] if blockwise and ggml_type in VALUES_PER_TERM else 0
 
 
