@@ -289,9 +289,13 @@ def main(argv=None) -> int:
     ap.add_argument("--sums-in-gemv", action=argparse.BooleanOptionalAction, default=True,
                     help="a split GEMV's partials summed by each tile's last program (quant_matmul.SUMS_IN_GEMV; "
                          "--no-...: by a launch of their own), to time both")
+    ap.add_argument("--q8-activations", action="store_true",
+                    help="decode's 1-row Q4_0 GEMVs on x rounded to 8 bits, products by dp4a "
+                         "(quant_matmul.Q8_ACTIVATIONS; off by default), to time both")
     args = ap.parse_args(argv)
     gpu_weights.SWIGLU_IN_GEMV = args.swiglu_in_gemv
     gpu_weights.SUMS_IN_GEMV = args.sums_in_gemv
+    gpu_weights.Q8_ACTIVATIONS = args.q8_activations
     if args.weights not in catalog.WEIGHT_QUANTS or catalog.WEIGHT_QUANTS[args.weights].base != args.weights:
         ap.error(f"--weights {args.weights}: expected a plain block type the planner knows (q4_0, q8_0, ...)")
     if on_cuda(args.device) and not torch.cuda.is_available():
@@ -309,7 +313,7 @@ def main(argv=None) -> int:
           f"{args.weights} weights made in {time.perf_counter() - t0:.0f} s on {name}; weights held "
           f"{mib(weights_held)} MiB, plan {mib(plan_weights)} MiB ({pct(weights_held, plan_weights)}); "
           f"attention backend {args.attn_backend}, SwiGLU in the GEMVs {args.swiglu_in_gemv}, "
-          f"split sums in the GEMVs {args.sums_in_gemv}\n", flush=True)
+          f"split sums in the GEMVs {args.sums_in_gemv}, 8-bit activations {args.q8_activations}\n", flush=True)
     bandwidth = copy_gbps(args.device, mib=1024 if on_cuda(args.device) else 64) * 1e9
     print(f"device-to-device copy {bandwidth / 1e9:.0f} GB/s (read + written): the ceilings' bandwidth\n", flush=True)
     gen = torch.Generator(device=args.device).manual_seed(args.seed + 1)

@@ -235,8 +235,8 @@ core() {
 # GEMV's products in the codes' layout, fla-core's fused DeltaNet decode and torch's fused
 # RMSNorm (fewer launches a step), and the end-to-end model under the bf16 backend, as kvslim
 # serve runs it (BUDGET 460 s by default); session 37 the DeltaNet decode step in place; session 38
-# the end-to-end step without SwiGLU in the GEMVs, beside it; session 39 without the split sums
-# in the GEMVs.
+# the end-to-end step without SwiGLU in the GEMVs, beside it; session 39 with Q4_0's GEMVs on
+# 8-bit activations and without the split sums in the GEMVs.
 #   run(command="bash benchmarks/gpu_session.sh verify", carry=[".whl"], timeout_s=520)
 verify() {
     deadline=$((SECONDS + ${BUDGET:-460}))
@@ -262,7 +262,10 @@ verify() {
     # session 38's SwiGLU inside the GEMVs (on above) against the GEMV and then silu_mul
     KVSLIM_TRITON=1 timeout -k 5 "$(left 60)" $PY benchmarks/gpu_model.py -d 0 -np 1,4 -n 8 --pairs q8_0/turbo4 \
         --attn-backend bf16 --no-swiglu-in-gemv 2>&1 | tee -a "$OUT/e2e.md" | tail -12
-    # session 39's split sums by each tile's last program (on above) against their own launch
+    # session 39's Q4_0 GEMVs on 8-bit activations (dp4a; off above), then its split sums by each
+    # tile's last program (on above) against their own launch
+    KVSLIM_TRITON=1 timeout -k 5 "$(left 60)" $PY benchmarks/gpu_model.py -d 0 -np 1,4 -n 8 --pairs q8_0/turbo4 \
+        --attn-backend bf16 --q8-activations 2>&1 | tee -a "$OUT/e2e.md" | tail -12
     KVSLIM_TRITON=1 timeout -k 5 "$(left 60)" $PY benchmarks/gpu_model.py -d 0 -np 1,4 -n 8 --pairs q8_0/turbo4 \
         --attn-backend bf16 --no-sums-in-gemv 2>&1 | tee -a "$OUT/e2e.md" | tail -12
     echo "verify: $SECONDS s"

@@ -10,7 +10,8 @@ a value). x is in the row's dtype; the Triton GEMM's tl.dot takes that dtype too
 ``-r`` CUDA-event timings after a warm-up (which compiles). "per-value ms": the GEMV with every
 value read on its own (``blockwise=False``), the path Q8_0, Q4_0 and Q6_K took before
 session 31. "session 32 ms": the GEMV as it was before session 33, each chunk's products summed
-across the tile (``terms=False``) and K split for 264 programs, not GEMV_PROGRAMS. GB/s: the
+across the tile (``terms=False``) and K split for 264 programs, not GEMV_PROGRAMS. "8-bit x
+ms": Q4_0's GEMV on x rounded to 8 bits, products by dp4a (``q8=True``; session 39). GB/s: the
 weight bytes each kernel reads (packed blocks, or 2 bytes a value), for the GEMV; TFLOP/s:
 2MNK per second, for the GEMM.
 Weights are random blocks with sane fp16 scales (speed does not depend on the values).
@@ -43,7 +44,8 @@ from kvslim.tables import markdown_table, to_json  # noqa: E402
 from gpu_decode import _median_ms, check_device, progress  # noqa: E402  (same folder)
 
 DTYPES = {"f16": (torch.float16, "fp16"), "bf16": (torch.bfloat16, "bf16")}   # torch dtype, Triton dot
-HEADERS = ["type", "N x K", "M", "dtype", "triton ms", "per-value ms", "session 32 ms", "torch ms", "triton", "torch"]
+HEADERS = ["type", "N x K", "M", "dtype", "triton ms", "per-value ms", "session 32 ms", "8-bit x ms", "torch ms", "triton",
+           "torch"]
 SESSION_32_PROGRAMS = 264       # the GEMV's program target until session 33 (quant_matmul.GEMV_PROGRAMS)
 
 
@@ -68,17 +70,19 @@ def _rows(name: str, n: int, k: int, gemm_rows: int, runs: int, device: str) -> 
         dense = w.dequantize().to(dtype)                             # (n, k): torch's side, made ahead of time
         for m in (1, gemm_rows):
             x = torch.randn(m, k, device=device, dtype=dtype)
-            per_value = before = ""
+            per_value = before = q8 = ""
             if m == 1:
                 triton_ms = _median_ms(lambda: gpu.gemv(x, w.data, ggml_type), runs, device)
                 if ggml_type in gpu.BLOCKWISE:                       # the others have one path
                     per_value = f"{_median_ms(lambda: gpu.gemv(x, w.data, ggml_type, blockwise=False), runs, device):.4f}"
                 splits = gpu.split_count(k, n, gpu.gemv_config(1), SESSION_32_PROGRAMS)
                 before = f"{_median_ms(lambda: gpu.gemv(x, w.data, ggml_type, splits, terms=False), runs, device):.4f}"
+                if gpu.q8_config({}, ggml_type, 1, True):
+                    q8 = f"{_median_ms(lambda: gpu.gemv(x, w.data, ggml_type, q8=True), runs, device):.4f}"
             else:
                 triton_ms = _median_ms(lambda: gpu.gemm(x, w.data, ggml_type, dot), runs, device)
             torch_ms = _median_ms(lambda: x @ dense.T, runs, device)
-            rows.append([name, f"{n}x{k}", m, label, f"{triton_ms:.4f}", per_value, before, f"{torch_ms:.4f}",
+            rows.append([name, f"{n}x{k}", m, label, f"{triton_ms:.4f}", per_value, before, q8, f"{torch_ms:.4f}",
                          _speed(m, n, k, w.nbytes, triton_ms), _speed(m, n, k, 2 * n * k, torch_ms)])
         dense = None                                             # freed before the next dtype's copy
     return rows

@@ -63,6 +63,11 @@ SWIGLU = [("swiglu", "q4_0", 1, 48, 288, 1, "float32"), ("swiglu", "q4_0", 5, 40
 # by the ``sum_splits`` launch
 SUMS = [("sums", "q4_0", 1, 64, 1024, 4, False, "float32"), ("sums", "q4_k", 5, 16, 768, 3, False, "float32"),
         ("sums", "q6_k", 1, 48, 768, 3, True, "bfloat16"), ("sums", "q8_0", 16, 34, 288, 2, True, "float32")]
+# Q4_0 at one row with x rounded to 8 bits (``q8``): (kind, type, M, N or 2I, K, split_k, swiglu?,
+# out dtype); x's second block all zeros (its scale 0)
+Q8 = [("q8", "q4_0", 1, 64, 1024, None, False, "float32"), ("q8", "q4_0", 1, 40, 288, 1, False, "bfloat16"),
+      ("q8", "q4_0", 1, 48, 512, None, True, "bfloat16"), ("q8", "q4_0", 1, 64, 512, 1, True, "float32"),
+      ("q8 linear", "q4_0", 1, 32, 256, None, False, "float32")]    # quant_linear with Q8_ACTIVATIONS on
 TOLERANCE = {"ieee": 1e-5, "tf32": 4e-3, "fp16": 2e-3, "bf16": 1e-2}
 
 
@@ -117,6 +122,19 @@ def _run(case, x, w, bias):
         return gpu.matmul(x, w.data, w.wtype.ggml_type, dot="ieee", out_dtype=getattr(torch, case[6]), swiglu=True) \
             if case[5] is None else gpu.gemv(x, w.data, w.wtype.ggml_type, split_k=case[5],
                                              out_dtype=getattr(torch, case[6]), swiglu=True)
+    if case[0] == "q8 linear":
+        x = x.clone()
+        x[:, 32:64] = 0
+        gpu.Q8_ACTIVATIONS = True
+        try:
+            return weights.quant_linear(x, w)
+        finally:
+            gpu.Q8_ACTIVATIONS = False
+    if case[0] == "q8":
+        x = x.clone()
+        x[:, 32:64] = 0
+        return gpu.gemv(x, w.data, w.wtype.ggml_type, split_k=case[5], swiglu=case[6], out_dtype=getattr(torch, case[7]),
+                        q8=True)
     if case[0] == "sums":
         return [gpu.gemv(x, w.data, w.wtype.ggml_type, split_k=case[5], swiglu=case[6], out_dtype=getattr(torch, case[7]),
                          last_sums=last) for last in (True, True, False)]
@@ -136,7 +154,7 @@ def _results_in_child(cases, path: Path) -> None:
     torch.save(out, path)
 
 
-CASES = GEMV + PER_VALUE + GEMM + VALUES + LINEAR + ROUNDED + SWIGLU + SUMS
+CASES = GEMV + PER_VALUE + GEMM + VALUES + LINEAR + ROUNDED + SWIGLU + SUMS + Q8
 
 
 @pytest.fixture(scope="module")
@@ -201,6 +219,35 @@ def _check_sums(case, ys, seed: int) -> None:
         _check_swiglu(ys[0].cpu(), x, dense, getattr(torch, case[7]))
     else:
         _check(case, ys[0], seed)
+
+
+def _q8_reference(x: torch.Tensor, w: QuantTensor, swiglu: bool) -> torch.Tensor:
+    """``weights.activations``' 8-bit-activation product (its integer sums exact, scaled in float64),
+    then silu(gate) * up in float64 for a fused matrix."""
+    from kvslim.weights.activations import q8_block_linear_reference
+    y = q8_block_linear_reference(x.float(), w.data, w.wtype).double()
+    if swiglu:
+        half = y.shape[1] // 2
+        y = torch.nn.functional.silu(y[:, :half]) * y[:, half:]
+    return y
+
+
+def _check_q8(case, got: torch.Tensor, seed: int) -> None:
+    """Within float32 sums' error of the reference's value, plus one rounding of the output type."""
+    w, x, _ = _inputs(case, seed)
+    x[:, 32:64] = 0
+    want = _q8_reference(x, w, case[6])
+    ulp = torch.finfo(got.dtype).eps if got.dtype != torch.float32 else 0.0
+    assert got.dtype == getattr(torch, case[7]) and got.shape == want.shape
+    assert ((got.double().cpu() - want).abs() <= 1e-5 * want.abs().max() + ulp * want.abs()).all()
+
+
+@pytest.mark.parametrize("case", Q8, ids=lambda c: f"m{c[2]}-n{c[3]}-k{c[4]}-split{c[5]}-swiglu{c[6]}-{c[7]}")
+def test_q4_0_gemv_on_8_bit_activations_matches_the_reference(interpreted, case):
+    """x rounded to 8 bits in the GEMV (``q8``) and the products in integers (dp4a's twin under the
+    interpreter): ``weights.activations``' product, the C step's reference, for whole and partial
+    chunks, splits, SwiGLU pairs, bf16 and float32 outputs, a block of zeros."""
+    _check_q8(case, interpreted["y"][case], CASES.index(case))
 
 
 @pytest.mark.parametrize("case", SUMS, ids=lambda c: f"{c[1]}-m{c[2]}-n{c[3]}-split{c[5]}-swiglu{c[6]}")
@@ -350,6 +397,8 @@ def _experts_in_child(cases, path: Path) -> None:
         xs = x.to(getattr(torch, case[5]))
         out["swiglu"].append(gpu.experts_swiglu(xs, blocks, gpu.route(ids, len(mats)), mats[0].wtype.ggml_type))
     out["combined"] = [_combined_runs(case, i) for i, case in enumerate(COMBINED)]
+    mats, blocks, x, ids = _expert_inputs(EXPERT_CASES[1], 1)
+    out["q8 experts"] = gpu.gemv_experts(x, blocks, ids, mats[0].wtype.ggml_type, q8=True)
     for tokens in MOE_TOKENS:
         module, x, w, experts = _moe_module(tokens=tokens)
         out[tokens] = module.groups(x, experts), module(x, w, experts)
@@ -450,6 +499,16 @@ def test_experts_swiglu_matches_gguf_dequantize(interpreted_experts, case):
     for p in range(x.shape[0]):
         dense = torch.from_numpy(gguf.quants.dequantize(mats[ids[p]].data.numpy(), mats[0].wtype.ggml_type)).double()
         _check_swiglu(got[p:p + 1], xs[p:p + 1].float(), dense, xs.dtype)
+
+
+def test_q4_0_expert_gemv_on_8_bit_activations_matches_the_reference(interpreted_experts):
+    """The expert GEMV with x rounded to 8 bits: each pair against ``weights.activations``' product
+    of its expert (9 outputs and 3 blocks: a partial tile and chunk)."""
+    mats, _, x, ids = _expert_inputs(EXPERT_CASES[1], 1)
+    got = interpreted_experts["q8 experts"]
+    for p in range(x.shape[0]):
+        want = _q8_reference(x[p:p + 1], mats[ids[p]], False)
+        assert ((got[p:p + 1].double() - want).abs() <= 1e-5 * want.abs().max()).all(), p
 
 
 @pytest.mark.parametrize("case", COMBINED, ids=lambda c: f"{c[0]}-t{c[4]}-k{c[5]}-{c[6]}")
@@ -554,6 +613,8 @@ def test_compiled_kernels_on_cuda_match_gguf_dequantize(case):
         _check_rounded([None if y is None else y.cpu() for y in got])
     elif case[0] == "sums":
         _check_sums(case, [y.cpu() for y in got], CASES.index(case))
+    elif case[0] in ("q8", "q8 linear"):
+        _check_q8(case, got, CASES.index(case))
     else:
         _check(case, got, CASES.index(case) if case in CASES else 0)
 
@@ -596,6 +657,23 @@ def test_the_last_programs_sums_compile_with_their_ordering(swiglu):
     counted = ptx.index("atom.global.gpu.acq_rel.add")
     assert "bar.sync" in ptx[ptx.rindex("st.global", 0, counted):counted]
     assert "ld.global.cg" in ptx[counted:] and "atom.global.gpu.relaxed.exch" in ptx[counted:]
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_the_8_bit_activation_gemv_compiles_to_dp4a(swiglu):
+    """The 1-row Q4_0 GEMV on 8-bit activations for sm_90 (bf16 x and y): its products are dp4a
+    instructions, no spills; and the expert GEMV's."""
+    from kvslim.gpu import _quant_matmul_kernel as kernel
+    config = gpu.gemv_config(1, weights.get("q4_0").ggml_type)
+    num_warps = config.pop("num_warps")
+    config.update(gpu.Q8_TILE, TYPE=int(weights.get("q4_0").ggml_type), Q8=2)
+    pointers = dict(POINTERS, x_ptr="*bf16", y_ptr="*bf16")
+    compiled = compile_for_sm90(kernel.quant_gemv, pointers, dict(config, SWIGLU=swiglu), num_warps)
+    assert "dp4a.s32.s32" in compiled.asm["ptx"] and ".local" not in compiled.asm["ptx"]
+    experts = {k: config[k] for k in ("TYPE", "BLOCK_N", "BLOCK_K", "TERMS", "Q8")}
+    compiled = compile_for_sm90(kernel.quant_gemv_experts, dict(pointers, ids_ptr="*i64", scale_ptr="*bf16"),
+                                dict(experts, SCALED=True, SWIGLU=swiglu), num_warps)
+    assert "dp4a.s32.s32" in compiled.asm["ptx"]
 
 
 @pytest.mark.parametrize("name", ["q4_0", "q4_k"])

@@ -520,6 +520,60 @@ def _k4_block_dot(x_ptr, w_ptr, m, M, rows, N, K, row_bytes, chunk, TYPE: tl.con
 
 
 @triton.jit
+def _dp4a(a, b, c, DP4A: tl.constexpr):
+    """c + the dot of a's and b's four signed bytes (int32 words): one ``dp4a`` instruction on a
+    GPU (DP4A); under the interpreter, which runs no PTX, the same sum by shifts."""
+    if DP4A:
+        out = tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                        is_pure=True, pack=1)
+    else:
+        out = c
+        for k in tl.static_range(4):
+            out += ((a << (24 - 8 * k)) >> 24) * ((b << (24 - 8 * k)) >> 24)
+    return out
+
+
+@triton.jit
+def _q8_x(x_ptr, chunk, K, NB: tl.constexpr):
+    """x's NB blocks of 32 of this chunk rounded to 8 bits as ``weights.activations.quantize_q8``
+    rounds them (q = round-half-even(x 127 / max |x|), d = max |x| / 127; an all-zero block d = 0)
+    -> (xlo, xhi) (NB, 4) int32 words of four q each (values 0-15 and 16-31 of a block: the
+    columns of a Q4_0 block's low and high nibbles), d (NB,) and the sum of q (NB,)."""
+    blk = chunk * NB + tl.arange(0, NB)
+    x = tl.load(x_ptr + blk[:, None] * 32 + tl.arange(0, 32)[None, :], mask=(blk < K // 32)[:, None],
+                other=0.0).to(tl.float32)                                                  # (NB, 32)
+    amax = tl.max(tl.abs(x), axis=1)
+    live = amax > 0
+    top = tl.full(amax.shape, 127.0, tl.float32)
+    iscale = tl.where(live, tl.math.div_rn(top, tl.where(live, amax, 1.0)), 0.0)
+    q = ((x * iscale[:, None] + 12582912.0) - 12582912.0).to(tl.int32)      # + 1.5 2^23: rounds half to even
+    byte = tl.arange(0, 4)
+    words = tl.sum(tl.reshape(q & 0xFF, (NB, 8, 4)) << (byte * 8)[None, None, :], axis=2)        # (NB, 8)
+    xlo, xhi = tl.split(tl.permute(tl.reshape(words, (NB, 2, 4)), (0, 2, 1)))
+    return xlo, xhi, tl.math.div_rn(amax, top), tl.sum(q, axis=1)
+
+
+@triton.jit
+def _q8_q4_0_dot(w_ptr, rows, N, K, row_bytes, chunk, xlo, xhi, dx, sx, BLOCK_N: tl.constexpr, NB: tl.constexpr,
+                 DP4A: tl.constexpr):
+    """Q4_0 rows' blocks of this chunk against x rounded to 8 bits (``_q8_x``) -> (BN, NB) float32:
+    d_w dx (codes . q - 8 sum q), each block's dot in integers, 8 values by two ``dp4a`` (the
+    low and the high nibbles of four code bytes, read as one word from two 2-byte loads: a block
+    is 18 bytes, its codes at even addresses)."""
+    blk = chunk * NB + tl.arange(0, NB)
+    ok = (rows < N)[:, None] & (blk < K // 32)[None, :]
+    block = w_ptr + rows.to(tl.int64)[:, None] * row_bytes + blk[None, :] * 18
+    d = f16_aligned(block, ok)                                                                 # (BN, NB)
+    halves = tl.load((block + 2).to(tl.pointer_type(tl.int16))[:, :, None] + tl.arange(0, 8)[None, None, :],
+                     mask=ok[:, :, None], other=0)                                              # (BN, NB, 8)
+    lo16, hi16 = tl.split(tl.reshape(halves, (BLOCK_N, NB, 4, 2)))
+    words = (lo16.to(tl.int32) & 0xFFFF) | (hi16.to(tl.int32) << 16)                           # (BN, NB, 4)
+    dots = _dp4a(words & 0x0F0F0F0F, xlo[None, :, :], tl.zeros(words.shape, tl.int32), DP4A)
+    dots = _dp4a((words >> 4) & 0x0F0F0F0F, xhi[None, :, :], dots, DP4A)
+    return d * dx[None, :] * (tl.sum(dots, axis=2) - 8 * sx[None, :]).to(tl.float32)
+
+
+@triton.jit
 def _gemv_step(x_ptr, w_ptr, grid_ptr, m, M, rows, N, K, row_bytes, chunk, TYPE: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKWISE: tl.constexpr,
                TERMS: tl.constexpr = 0):
@@ -552,11 +606,19 @@ def _gemv_step(x_ptr, w_ptr, grid_ptr, m, M, rows, N, K, row_bytes, chunk, TYPE:
 @triton.jit
 def _gemv_chunks(x_ptr, w_ptr, grid_ptr, m, M, rows, N, K, row_bytes, first, last, TYPE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKWISE: tl.constexpr,
-                 TERMS: tl.constexpr):
+                 TERMS: tl.constexpr, Q8: tl.constexpr = 0):
     """x[m] . W[rows] over chunks [first, last) of BLOCK_K columns -> (BM, BN) float32, each
     chunk a ``_gemv_step``; with TERMS > 0 (BM = 1) the products kept per column across the
-    chunks and summed once at the end."""
-    if TERMS > 0:
+    chunks and summed once at the end. Q8 (Q4_0, BM = 1; 2: dp4a instructions, 1: their
+    interpreted twin): x rounded to 8 bits a chunk at a time and the products in integers
+    (``_q8_q4_0_dot``), TERMS = BLOCK_K / 32."""
+    if Q8 > 0:
+        terms = tl.zeros([BLOCK_N, BLOCK_K // 32], tl.float32)
+        for chunk in range(first, last):
+            xlo, xhi, dx, sx = _q8_x(x_ptr, chunk, K, BLOCK_K // 32)
+            terms += _q8_q4_0_dot(w_ptr, rows, N, K, row_bytes, chunk, xlo, xhi, dx, sx, BLOCK_N, BLOCK_K // 32, Q8 == 2)
+        acc = tl.sum(terms, axis=1)[None, :]
+    elif TERMS > 0:
         terms = tl.zeros([BLOCK_N, TERMS], tl.float32)
         for chunk in range(first, last):
             terms += _gemv_step(x_ptr, w_ptr, grid_ptr, m, M, rows, N, K, row_bytes, chunk,
@@ -573,11 +635,21 @@ def _gemv_chunks(x_ptr, w_ptr, grid_ptr, m, M, rows, N, K, row_bytes, first, las
 @triton.jit
 def _gemv_pair_chunks(x_ptr, w_ptr, up_bytes, grid_ptr, m, M, rows, N, K, row_bytes, first, last,
                       TYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      BLOCKWISE: tl.constexpr, TERMS: tl.constexpr):
+                      BLOCKWISE: tl.constexpr, TERMS: tl.constexpr, Q8: tl.constexpr = 0):
     """``_gemv_chunks`` of rows and of the rows up_bytes further (a fused [gate; up] matrix's
     halves) in one loop: each chunk's two steps are issued together, so a program keeps both
-    tiles' bytes in flight, as the two programs of the unfused GEMV did. -> (gate, up)."""
-    if TERMS > 0:
+    tiles' bytes in flight, as the two programs of the unfused GEMV did. -> (gate, up).
+    Q8 as ``_gemv_chunks``' (x rounded once a chunk for both halves)."""
+    if Q8 > 0:
+        gate = tl.zeros([BLOCK_N, BLOCK_K // 32], tl.float32)
+        up = tl.zeros([BLOCK_N, BLOCK_K // 32], tl.float32)
+        for chunk in range(first, last):
+            xlo, xhi, dx, sx = _q8_x(x_ptr, chunk, K, BLOCK_K // 32)
+            gate += _q8_q4_0_dot(w_ptr, rows, N, K, row_bytes, chunk, xlo, xhi, dx, sx, BLOCK_N, BLOCK_K // 32, Q8 == 2)
+            up += _q8_q4_0_dot(w_ptr + up_bytes, rows, N, K, row_bytes, chunk, xlo, xhi, dx, sx, BLOCK_N,
+                               BLOCK_K // 32, Q8 == 2)
+        gate_sum, up_sum = tl.sum(gate, axis=1)[None, :], tl.sum(up, axis=1)[None, :]
+    elif TERMS > 0:
         gate = tl.zeros([BLOCK_N, TERMS], tl.float32)
         up = tl.zeros([BLOCK_N, TERMS], tl.float32)
         for chunk in range(first, last):
@@ -607,7 +679,7 @@ def _silu_mul(gate, up):
 def quant_gemv(x_ptr, w_ptr, grid_ptr, y_ptr, parts_ptr, count_ptr, M, N, K, row_bytes, chunks_per_split, up_bytes,
                TYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                BLOCKWISE: tl.constexpr = True, TERMS: tl.constexpr = 0, SWIGLU: tl.constexpr = False,
-               LAST_SUMS: tl.constexpr = False):
+               LAST_SUMS: tl.constexpr = False, Q8: tl.constexpr = 0):
     """Program (tile of BLOCK_N outputs, split s): the sums x[m, K_s] . W[n, K_s] for its chunks
     K_s of BLOCK_K columns. x (M, K) contiguous. One split: y (M, N) of any float type, the float32
     sums rounded once as they are stored. Several: each program stores its float32 partial in
@@ -618,7 +690,7 @@ def quant_gemv(x_ptr, w_ptr, grid_ptr, y_ptr, parts_ptr, count_ptr, M, N, K, row
       the same bits).
     BLOCKWISE False: every type through the per-value tile (the blockwise reads' twin, for
     timings). TERMS > 0 (M = 1): products kept per column across the chunks, summed once
-    (``_gemv_chunks``). SWIGLU (one split, or LAST_SUMS): W (2N, K) is a fused [gate; up]
+    (``_gemv_chunks``; Q8: x rounded to 8 bits, Q4_0). SWIGLU (one split, or LAST_SUMS): W (2N, K) is a fused [gate; up]
     projection and y[m, n] = silu(x . W[n]) * (x . W[N + n]), both rows in one program, rounded
     once; up_bytes: N * row_bytes, where the up rows start; parts (splits, M, 2N), the up sums
     N after the gate's."""
@@ -630,10 +702,10 @@ def quant_gemv(x_ptr, w_ptr, grid_ptr, y_ptr, parts_ptr, count_ptr, M, N, K, row
     last = tl.minimum(first + chunks_per_split, tl.cdiv(K, BLOCK_K))
     if SWIGLU:
         acc, up = _gemv_pair_chunks(x_ptr, w_ptr, up_bytes, grid_ptr, m, M, rows, N, K, row_bytes, first, last,
-                                    TYPE, BLOCK_M, BLOCK_N, BLOCK_K, BLOCKWISE, TERMS)
+                                    TYPE, BLOCK_M, BLOCK_N, BLOCK_K, BLOCKWISE, TERMS, Q8)
     else:
         acc = _gemv_chunks(x_ptr, w_ptr, grid_ptr, m, M, rows, N, K, row_bytes, first, last,
-                           TYPE, BLOCK_M, BLOCK_N, BLOCK_K, BLOCKWISE, TERMS)
+                           TYPE, BLOCK_M, BLOCK_N, BLOCK_K, BLOCKWISE, TERMS, Q8)
         up = acc
     live = (m < M)[:, None] & (rows < N)[None, :]
     if LAST_SUMS:
@@ -706,7 +778,7 @@ def quant_gemv_experts(x_ptr, w_ptr, grid_ptr, ids_ptr, scale_ptr, y_ptr, N, K, 
                        pairs_per_row, up_bytes, parts_ptr, count_ptr, shared_ptr, gate_ptr, gate_stride,
                        TYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TERMS: tl.constexpr,
                        SCALED: tl.constexpr = False, BLOCKWISE: tl.constexpr = True, SWIGLU: tl.constexpr = False,
-                       TOP_K: tl.constexpr = 0):
+                       TOP_K: tl.constexpr = 0, Q8: tl.constexpr = 0):
     """Program (tile of BLOCK_N outputs, pair p): y[p, n] = x[p] . W[ids[p], n] over all of K,
     the expert's matrix found from its id (int32 or int64) in device memory (no host round trip
     to learn which experts a token chose). x (P / pairs_per_row, K) contiguous: pair p reads row
@@ -716,7 +788,8 @@ def quant_gemv_experts(x_ptr, w_ptr, grid_ptr, ids_ptr, scale_ptr, y_ptr, N, K, 
     y[p, n] = silu(gate . x) * (up . x), of y's type (rounded once); up_bytes (N * row_bytes):
     where an expert's up rows start. TOP_K > 0: a mixture's combine in this launch
     (``_last_pair_combines``): parts (P, N) float32 takes the pairs' products and y (P / TOP_K,
-    N) each token's ``gated_sum`` with shared (P / TOP_K, N) and gate (rows gate_stride apart)."""
+    N) each token's ``gated_sum`` with shared (P / TOP_K, N) and gate (rows gate_stride apart).
+    Q8 as ``quant_gemv``'s."""
     tile = tl.program_id(0)
     p = tl.program_id(1).to(tl.int64)
     w_expert = w_ptr + tl.load(ids_ptr + p).to(tl.int64) * expert_bytes
@@ -724,11 +797,11 @@ def quant_gemv_experts(x_ptr, w_ptr, grid_ptr, ids_ptr, scale_ptr, y_ptr, N, K, 
     x_row = x_ptr + (p // pairs_per_row) * K
     if SWIGLU:                                                          # a 1-row M
         gate, up = _gemv_pair_chunks(x_row, w_expert, up_bytes, grid_ptr, tl.arange(0, 1), 1, rows, N, K, row_bytes,
-                                     0, tl.cdiv(K, BLOCK_K), TYPE, 1, BLOCK_N, BLOCK_K, BLOCKWISE, TERMS)
+                                     0, tl.cdiv(K, BLOCK_K), TYPE, 1, BLOCK_N, BLOCK_K, BLOCKWISE, TERMS, Q8)
         y = _silu_mul(tl.sum(gate, axis=0), tl.sum(up, axis=0))
     else:
         acc = _gemv_chunks(x_row, w_expert, grid_ptr, tl.arange(0, 1), 1, rows, N, K, row_bytes,
-                           0, tl.cdiv(K, BLOCK_K), TYPE, 1, BLOCK_N, BLOCK_K, BLOCKWISE, TERMS)
+                           0, tl.cdiv(K, BLOCK_K), TYPE, 1, BLOCK_N, BLOCK_K, BLOCKWISE, TERMS, Q8)
         y = tl.sum(acc, axis=0)
     if SCALED:
         y = y * tl.load(scale_ptr + p).to(tl.float32)

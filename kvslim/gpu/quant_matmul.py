@@ -70,6 +70,14 @@ SWIGLU_IN_GEMV = True
 # (``moe.combine``: 40). The same bits either way. Untimed on a GPU (benchmarks/gpu_model.py
 # --no-sums-in-gemv sets it beside).
 SUMS_IN_GEMV = True
+# Whether decode's 1-row Q4_0 GEMVs round x to 8 bits (a scale per 32 values, as
+# ``weights.activations.quantize_q8`` and llama.cpp's CUDA decode do) and multiply in integers,
+# 8 products by two ``dp4a``: the float loop costs ~9 instructions a value (0.51 warp instructions a
+# weight byte at sm_90 against the ~0.22 an H200's issue rate allows at full bandwidth); this
+# one 0.30 (Triton 3.6 SASS). Off until a lease times it and a quality run weighs the rounding
+# (the outputs move by ~0.5% of their size; benchmarks/gpu_model.py --q8-activations).
+Q8_ACTIVATIONS = False
+Q8_TILE = dict(BLOCK_N=32, BLOCK_K=256, TERMS=8)     # 32 rows a program: x's rounding paid once for 32 rows
 
 
 def _kernel():
@@ -137,6 +145,16 @@ def gemm_config(n_rows: int) -> dict:
     return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=32, num_warps=8 if block_m >= 128 else 4)
 
 
+def q8_config(config: dict, ggml_type, n_rows: int, q8: bool | None) -> int:
+    """The kernels' Q8 for a GEMV (0: float activations; 1: 8-bit ones, dp4a interpreted; 2: by
+    dp4a instructions), ``config`` set to ``Q8_TILE`` where it is not 0: 1-row Q4_0 GEMVs when
+    ``q8`` (default ``Q8_ACTIVATIONS``) asks."""
+    if not (Q8_ACTIVATIONS if q8 is None else q8) or ggml_type != _T.Q4_0 or n_rows != 1:
+        return 0
+    config.update(Q8_TILE)
+    return 1 if _kernel().INTERPRETED else 2
+
+
 def split_count(n_cols: int, n_out: int, config: dict, programs: int = GEMV_PROGRAMS) -> int:
     """Splits of K for a GEMV: enough for ``programs`` programs, at least one chunk per split."""
     tiles = -(-n_out // config["BLOCK_N"])
@@ -188,7 +206,7 @@ def _check_scales(ids: torch.Tensor, scales: torch.Tensor | None) -> None:
 
 def gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type, split_k: int | None = None,
          blockwise: bool = True, terms: bool = True, out_dtype: torch.dtype = torch.float32,
-         swiglu: bool = False, last_sums: bool | None = None) -> torch.Tensor:
+         swiglu: bool = False, last_sums: bool | None = None, q8: bool | None = None) -> torch.Tensor:
     """x (M, K) float, M <= MAX_GEMV_ROWS; blocks (N, row_bytes) uint8 of ``ggml_type`` ->
     y (M, N) of ``out_dtype`` (float32 sums, rounded once when stored). ``split_k``: splits of K
     (default ``split_count``). ``blockwise`` False: the BLOCKWISE types through the per-value
@@ -198,7 +216,8 @@ def gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type, split_k: int | None =
     rounded once: the SwiGLU in the GEMV's launch (one split) or in its split sums' (several),
     where ``layers.swiglu`` was one more launch after a rounding to out_dtype. ``last_sums``
     (default ``SUMS_IN_GEMV``): several splits' partials summed by each tile's last program, in
-    the GEMV's launch; False: by ``sum_splits``, one more launch (the same bits)."""
+    the GEMV's launch; False: by ``sum_splits``, one more launch (the same bits). ``q8``: a 1-row
+    Q4_0 GEMV with x rounded to 8 bits (``q8_config``; default ``Q8_ACTIVATIONS``)."""
     _check(x, blocks, ggml_type)
     if x.shape[0] > MAX_GEMV_ROWS:
         raise ValueError(f"the GEMV takes at most {MAX_GEMV_ROWS} rows of x, got {x.shape[0]}: use gemm")
@@ -206,6 +225,7 @@ def gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type, split_k: int | None =
     if swiglu and n % 2:
         raise ValueError(f"a fused [gate; up] projection has an even number of rows, got {n}")
     config = gemv_config(m, ggml_type if terms else None, blockwise)
+    config["Q8"] = q8_config(config, ggml_type, m, q8 if blockwise and terms else False)   # the twins stay float
     splits = split_k or split_count(k, n, config)
     chunks = -(-k // config["BLOCK_K"])
     per_split = -(-chunks // splits)
@@ -233,6 +253,7 @@ def gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type, split_k: int | None =
     parts = torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
     _kernel().quant_gemv[(-(-n // config["BLOCK_N"]), splits)](
         x, blocks, table, parts, parts, parts, m, n, k, blocks.shape[1], per_split, 0, **constexprs, **FP_FUSION)
+    # (the SwiGLU halves here are rows of one GEMV, not pairs: sum_splits applies the activation)
     _kernel().sum_splits[(-(-(m * width) // SUM_BLOCK),)](parts, y, splits, m * width, width, BLOCK=SUM_BLOCK,
                                                            SWIGLU=swiglu, num_warps=4, **FP_FUSION)
     return y
@@ -248,7 +269,7 @@ def split_counters(tiles: int, device) -> torch.Tensor:
 
 def gemv_experts(x: torch.Tensor, blocks: torch.Tensor, ids: torch.Tensor, ggml_type,
                  scales: torch.Tensor | None = None, swiglu: bool = False,
-                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                 out_dtype: torch.dtype = torch.float32, q8: bool | None = None) -> torch.Tensor:
     """A mixture's routed experts for a few tokens in one launch, without a host sync: pair p's
     row of x (one row per pair, or per token for its consecutive pairs: ``pairs_per_row``) times
     expert ids[p]'s matrix, blocks (E, N, row_bytes) uint8 -> y (P, N) of ``out_dtype`` (float32
@@ -262,6 +283,7 @@ def gemv_experts(x: torch.Tensor, blocks: torch.Tensor, ids: torch.Tensor, ggml_
         raise ValueError(f"a fused [gate; up] projection has an even number of rows, got {n}")
     width = n // 2 if swiglu else n
     config = gemv_config(1, ggml_type)
+    q8_mode = q8_config(config, ggml_type, 1, q8)
     y = torch.empty(p, width, device=x.device, dtype=out_dtype)
     grid = (-(-width // config["BLOCK_N"]), p)
     _kernel().quant_gemv_experts[grid](x.contiguous(), blocks.contiguous(), grid_table(ggml_type, x.device),
@@ -269,13 +291,13 @@ def gemv_experts(x: torch.Tensor, blocks: torch.Tensor, ids: torch.Tensor, ggml_
                                        width, k, blocks.shape[2], blocks.shape[1] * blocks.shape[2], p // x.shape[0],
                                        width * blocks.shape[2], y, y, y, y, 0, TYPE=int(ggml_type),
                                        BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], TERMS=config["TERMS"],
-                                       SCALED=scales is not None, SWIGLU=swiglu, num_warps=config["num_warps"],
-                                       **FP_FUSION)
+                                       SCALED=scales is not None, SWIGLU=swiglu, Q8=q8_mode,
+                                       num_warps=config["num_warps"], **FP_FUSION)
     return y
 
 
 def gemv_experts_combined(x: torch.Tensor, blocks: torch.Tensor, ids: torch.Tensor, ggml_type, scales: torch.Tensor,
-                          shared: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+                          shared: torch.Tensor, gate: torch.Tensor, q8: bool | None = None) -> torch.Tensor:
     """A mixture's down projection and its combine in one launch: ``gemv_experts`` (the pairs'
     products times their routing weights ``scales``) and then, by each token's last pair program
     for a tile, ``moe.combine``'s sum: the token's pairs (T top_k consecutive, ids (T top_k,))
@@ -290,6 +312,7 @@ def gemv_experts_combined(x: torch.Tensor, blocks: torch.Tensor, ids: torch.Tens
                          f"{blocks.shape[1]}")
     p, k = ids.numel(), x.shape[1]
     config = gemv_config(1, ggml_type)
+    q8_mode = q8_config(config, ggml_type, 1, q8)
     out = torch.empty(tokens, n, device=x.device, dtype=shared.dtype)
     parts = torch.empty(p, n, device=x.device, dtype=torch.float32)
     tiles = -(-n // config["BLOCK_N"])
@@ -299,7 +322,8 @@ def gemv_experts_combined(x: torch.Tensor, blocks: torch.Tensor, ids: torch.Tens
                                              0, parts, split_counters(tokens * tiles, x.device), shared.contiguous(),
                                              gate, gate.stride(0), TYPE=int(ggml_type), BLOCK_N=config["BLOCK_N"],
                                              BLOCK_K=config["BLOCK_K"], TERMS=config["TERMS"], SCALED=True,
-                                             TOP_K=p // tokens, num_warps=config["num_warps"], **FP_FUSION)
+                                             TOP_K=p // tokens, Q8=q8_mode, num_warps=config["num_warps"],
+                                             **FP_FUSION)
     return out
 
 
