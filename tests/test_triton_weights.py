@@ -67,6 +67,7 @@ SUMS = [("sums", "q4_0", 1, 64, 1024, 4, False, "float32"), ("sums", "q4_k", 5, 
 # out dtype); x's second block all zeros (its scale 0)
 Q8 = [("q8", "q4_0", 1, 64, 1024, None, False, "float32"), ("q8", "q4_0", 1, 40, 288, 1, False, "bfloat16"),
       ("q8", "q4_0", 1, 48, 512, None, True, "bfloat16"), ("q8", "q4_0", 1, 64, 512, 1, True, "float32"),
+      ("q8", "q4_k", 1, 64, 1024, None, False, "bfloat16"), ("q8", "q4_k", 1, 48, 512, 1, True, "float32"),
       ("q8 linear", "q4_0", 1, 32, 256, None, False, "float32")]    # quant_linear with Q8_ACTIVATIONS on
 TOLERANCE = {"ieee": 1e-5, "tf32": 4e-3, "fp16": 2e-3, "bf16": 1e-2}
 
@@ -242,11 +243,11 @@ def _check_q8(case, got: torch.Tensor, seed: int) -> None:
     assert ((got.double().cpu() - want).abs() <= 1e-5 * want.abs().max() + ulp * want.abs()).all()
 
 
-@pytest.mark.parametrize("case", Q8, ids=lambda c: f"m{c[2]}-n{c[3]}-k{c[4]}-split{c[5]}-swiglu{c[6]}-{c[7]}")
-def test_q4_0_gemv_on_8_bit_activations_matches_the_reference(interpreted, case):
-    """x rounded to 8 bits in the GEMV (``q8``) and the products in integers (dp4a's twin under the
-    interpreter): ``weights.activations``' product, the C step's reference, for whole and partial
-    chunks, splits, SwiGLU pairs, bf16 and float32 outputs, a block of zeros."""
+@pytest.mark.parametrize("case", Q8, ids=lambda c: f"{c[0]}-{c[1]}-n{c[3]}-k{c[4]}-split{c[5]}-swiglu{c[6]}-{c[7]}")
+def test_gemv_on_8_bit_activations_matches_the_reference(interpreted, case):
+    """Q4_0 and Q4_K, x rounded to 8 bits in the GEMV (``q8``) and the products in integers (dp4a's
+    twin under the interpreter): ``weights.activations``' product, the C step's reference, for
+    whole and partial chunks, splits, SwiGLU pairs, bf16 and float32 outputs, a block of zeros."""
     _check_q8(case, interpreted["y"][case], CASES.index(case))
 
 
@@ -659,14 +660,14 @@ def test_the_last_programs_sums_compile_with_their_ordering(swiglu):
     assert "ld.global.cg" in ptx[counted:] and "atom.global.gpu.relaxed.exch" in ptx[counted:]
 
 
-@pytest.mark.parametrize("swiglu", [False, True])
-def test_the_8_bit_activation_gemv_compiles_to_dp4a(swiglu):
-    """The 1-row Q4_0 GEMV on 8-bit activations for sm_90 (bf16 x and y): its products are dp4a
+@pytest.mark.parametrize("name,swiglu", [("q4_0", False), ("q4_0", True), ("q4_k", False), ("q4_k", True)])
+def test_the_8_bit_activation_gemv_compiles_to_dp4a(name, swiglu):
+    """The 1-row GEMV on 8-bit activations for sm_90 (bf16 x and y): its products are dp4a
     instructions, no spills; and the expert GEMV's."""
     from kvslim.gpu import _quant_matmul_kernel as kernel
-    config = gpu.gemv_config(1, weights.get("q4_0").ggml_type)
+    config = gpu.gemv_config(1, weights.get(name).ggml_type)
     num_warps = config.pop("num_warps")
-    config.update(gpu.Q8_TILE, TYPE=int(weights.get("q4_0").ggml_type), Q8=2)
+    config.update(gpu.Q8_TILE, TYPE=int(weights.get(name).ggml_type), Q8=2)
     pointers = dict(POINTERS, x_ptr="*bf16", y_ptr="*bf16")
     compiled = compile_for_sm90(kernel.quant_gemv, pointers, dict(config, SWIGLU=swiglu), num_warps)
     assert "dp4a.s32.s32" in compiled.asm["ptx"] and ".local" not in compiled.asm["ptx"]

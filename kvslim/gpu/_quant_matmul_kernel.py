@@ -537,8 +537,7 @@ def _dp4a(a, b, c, DP4A: tl.constexpr):
 def _q8_x(x_ptr, chunk, K, NB: tl.constexpr):
     """x's NB blocks of 32 of this chunk rounded to 8 bits as ``weights.activations.quantize_q8``
     rounds them (q = round-half-even(x 127 / max |x|), d = max |x| / 127; an all-zero block d = 0)
-    -> (xlo, xhi) (NB, 4) int32 words of four q each (values 0-15 and 16-31 of a block: the
-    columns of a Q4_0 block's low and high nibbles), d (NB,) and the sum of q (NB,)."""
+    -> words (NB, 8) int32, four q each in order, d (NB,) and the sum of q (NB,)."""
     blk = chunk * NB + tl.arange(0, NB)
     x = tl.load(x_ptr + blk[:, None] * 32 + tl.arange(0, 32)[None, :], mask=(blk < K // 32)[:, None],
                 other=0.0).to(tl.float32)                                                  # (NB, 32)
@@ -549,17 +548,24 @@ def _q8_x(x_ptr, chunk, K, NB: tl.constexpr):
     q = ((x * iscale[:, None] + 12582912.0) - 12582912.0).to(tl.int32)      # + 1.5 2^23: rounds half to even
     byte = tl.arange(0, 4)
     words = tl.sum(tl.reshape(q & 0xFF, (NB, 8, 4)) << (byte * 8)[None, None, :], axis=2)        # (NB, 8)
-    xlo, xhi = tl.split(tl.permute(tl.reshape(words, (NB, 2, 4)), (0, 2, 1)))
-    return xlo, xhi, tl.math.div_rn(amax, top), tl.sum(q, axis=1)
+    return words, tl.math.div_rn(amax, top), tl.sum(q, axis=1)
 
 
 @triton.jit
-def _q8_q4_0_dot(w_ptr, rows, N, K, row_bytes, chunk, xlo, xhi, dx, sx, BLOCK_N: tl.constexpr, NB: tl.constexpr,
+def _halves(t, A: tl.constexpr, B: tl.constexpr):
+    """t (A, 2 B) -> its first and second B columns, each (A, B)."""
+    return tl.split(tl.permute(tl.reshape(t, (A, 2, B)), (0, 2, 1)))
+
+
+@triton.jit
+def _q8_q4_0_dot(w_ptr, rows, N, K, row_bytes, chunk, xw, dx, sx, BLOCK_N: tl.constexpr, NB: tl.constexpr,
                  DP4A: tl.constexpr):
     """Q4_0 rows' blocks of this chunk against x rounded to 8 bits (``_q8_x``) -> (BN, NB) float32:
     d_w dx (codes . q - 8 sum q), each block's dot in integers, 8 values by two ``dp4a`` (the
-    low and the high nibbles of four code bytes, read as one word from two 2-byte loads: a block
-    is 18 bytes, its codes at even addresses)."""
+    low nibbles of four code bytes against x's values j..j+3, the high ones against j+16..j+19;
+    the four bytes read as one word from two 2-byte loads: a block is 18 bytes, its codes at
+    even addresses)."""
+    xlo, xhi = _halves(xw, NB, 4)                                                             # (NB, 4) each
     blk = chunk * NB + tl.arange(0, NB)
     ok = (rows < N)[:, None] & (blk < K // 32)[None, :]
     block = w_ptr + rows.to(tl.int64)[:, None] * row_bytes + blk[None, :] * 18
@@ -571,6 +577,53 @@ def _q8_q4_0_dot(w_ptr, rows, N, K, row_bytes, chunk, xlo, xhi, dx, sx, BLOCK_N:
     dots = _dp4a(words & 0x0F0F0F0F, xlo[None, :, :], tl.zeros(words.shape, tl.int32), DP4A)
     dots = _dp4a((words >> 4) & 0x0F0F0F0F, xhi[None, :, :], dots, DP4A)
     return d * dx[None, :] * (tl.sum(dots, axis=2) - 8 * sx[None, :]).to(tl.float32)
+
+
+@triton.jit
+def _q8_q4_k_dot(w_ptr, rows, N, K, row_bytes, chunk, xw, dx, sx, BLOCK_N: tl.constexpr, NP: tl.constexpr,
+                 DP4A: tl.constexpr):
+    """Q4_K rows' groups of 64 of this chunk (``_k4_block_dot``'s layout: byte 32p + l of a
+    super-block holds value 64p + l in its low nibble, sub-block 2p, and 64p + 32 + l in its high
+    one, sub-block 2p + 1) against x rounded to 8 bits (``_q8_x``, a scale per sub-block) ->
+    (BN, NP) float32: per sub-block s, dx_s (d scale_s (codes_s . q_s) - dmin min_s sum q_s),
+    the dots in integers by ``dp4a`` on the codes' words (super-blocks are 144 bytes, the codes
+    at 16: whole aligned words)."""
+    pp = chunk * NP + tl.arange(0, NP)                                                        # (NP,) groups
+    p = (pp % 4)[None, :]
+    ok = (rows < N)[:, None] & (pp < K // 64)[None, :]                                       # (BN, NP)
+    sb = w_ptr + rows.to(tl.int64)[:, None] * row_bytes + (pp // 4)[None, :] * 144
+    scale_lo, min_lo = _scale_min_k4(sb, 2 * p, ok)
+    scale_hi, min_hi = _scale_min_k4(sb, 2 * p + 1, ok)
+    d, dmin = f16_aligned(sb, ok), f16_aligned(sb + 2, ok)
+    words = tl.load((sb + 16 + 32 * p).to(tl.pointer_type(tl.int32))[:, :, None] + tl.arange(0, 8)[None, None, :],
+                    mask=ok[:, :, None], other=0)                                               # (BN, NP, 8)
+    xlo, xhi = _halves(tl.reshape(xw, (NP, 16)), NP, 8)                                        # sub-blocks 2p, 2p + 1
+    dx_lo, dx_hi = tl.split(tl.reshape(dx, (NP, 2)))
+    sx_lo, sx_hi = tl.split(tl.reshape(sx, (NP, 2)))
+    zero = tl.zeros(words.shape, tl.int32)
+    dot_lo = tl.sum(_dp4a(words & 0x0F0F0F0F, xlo[None, :, :], zero, DP4A), axis=2).to(tl.float32)
+    dot_hi = tl.sum(_dp4a((words >> 4) & 0x0F0F0F0F, xhi[None, :, :], zero, DP4A), axis=2).to(tl.float32)
+    return (dx_lo[None, :] * (d * scale_lo * dot_lo - dmin * min_lo * sx_lo[None, :].to(tl.float32))
+            + dx_hi[None, :] * (d * scale_hi * dot_hi - dmin * min_hi * sx_hi[None, :].to(tl.float32)))
+
+
+@triton.jit
+def _q8_chunk(x_ptr, w_ptr, rows, N, K, row_bytes, chunk, TYPE: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, DP4A: tl.constexpr):
+    """One chunk of a 1-row GEMV on 8-bit activations, x rounded here -> (BN, Q8_TERMS)."""
+    xw, dx, sx = _q8_x(x_ptr, chunk, K, BLOCK_K // 32)
+    return _q8_dot(w_ptr, rows, N, K, row_bytes, chunk, xw, dx, sx, TYPE, BLOCK_N, BLOCK_K, DP4A)
+
+
+@triton.jit
+def _q8_dot(w_ptr, rows, N, K, row_bytes, chunk, xw, dx, sx, TYPE: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_K: tl.constexpr, DP4A: tl.constexpr):
+    """``_q8_q4_0_dot`` or ``_q8_q4_k_dot`` by TYPE: (BN, BLOCK_K / 32) or (BN, BLOCK_K / 64)."""
+    if TYPE == Q4_0:
+        out = _q8_q4_0_dot(w_ptr, rows, N, K, row_bytes, chunk, xw, dx, sx, BLOCK_N, BLOCK_K // 32, DP4A)
+    else:
+        out = _q8_q4_k_dot(w_ptr, rows, N, K, row_bytes, chunk, xw, dx, sx, BLOCK_N, BLOCK_K // 64, DP4A)
+    return out
 
 
 @triton.jit
@@ -609,14 +662,13 @@ def _gemv_chunks(x_ptr, w_ptr, grid_ptr, m, M, rows, N, K, row_bytes, first, las
                  TERMS: tl.constexpr, Q8: tl.constexpr = 0):
     """x[m] . W[rows] over chunks [first, last) of BLOCK_K columns -> (BM, BN) float32, each
     chunk a ``_gemv_step``; with TERMS > 0 (BM = 1) the products kept per column across the
-    chunks and summed once at the end. Q8 (Q4_0, BM = 1; 2: dp4a instructions, 1: their
-    interpreted twin): x rounded to 8 bits a chunk at a time and the products in integers
-    (``_q8_q4_0_dot``), TERMS = BLOCK_K / 32."""
+    chunks and summed once at the end. Q8 (Q4_0 or Q4_K, BM = 1; 2: dp4a instructions, 1:
+    their interpreted twin): x rounded to 8 bits a chunk at a time and the products in integers
+    (``_q8_chunk``), a term per block or group of 64."""
     if Q8 > 0:
-        terms = tl.zeros([BLOCK_N, BLOCK_K // 32], tl.float32)
+        terms = tl.zeros([BLOCK_N, BLOCK_K // 32 if TYPE == Q4_0 else BLOCK_K // 64], tl.float32)
         for chunk in range(first, last):
-            xlo, xhi, dx, sx = _q8_x(x_ptr, chunk, K, BLOCK_K // 32)
-            terms += _q8_q4_0_dot(w_ptr, rows, N, K, row_bytes, chunk, xlo, xhi, dx, sx, BLOCK_N, BLOCK_K // 32, Q8 == 2)
+            terms += _q8_chunk(x_ptr, w_ptr, rows, N, K, row_bytes, chunk, TYPE, BLOCK_N, BLOCK_K, Q8 == 2)
         acc = tl.sum(terms, axis=1)[None, :]
     elif TERMS > 0:
         terms = tl.zeros([BLOCK_N, TERMS], tl.float32)
@@ -641,13 +693,12 @@ def _gemv_pair_chunks(x_ptr, w_ptr, up_bytes, grid_ptr, m, M, rows, N, K, row_by
     tiles' bytes in flight, as the two programs of the unfused GEMV did. -> (gate, up).
     Q8 as ``_gemv_chunks``' (x rounded once a chunk for both halves)."""
     if Q8 > 0:
-        gate = tl.zeros([BLOCK_N, BLOCK_K // 32], tl.float32)
-        up = tl.zeros([BLOCK_N, BLOCK_K // 32], tl.float32)
+        gate = tl.zeros([BLOCK_N, BLOCK_K // 32 if TYPE == Q4_0 else BLOCK_K // 64], tl.float32)
+        up = tl.zeros([BLOCK_N, BLOCK_K // 32 if TYPE == Q4_0 else BLOCK_K // 64], tl.float32)
         for chunk in range(first, last):
-            xlo, xhi, dx, sx = _q8_x(x_ptr, chunk, K, BLOCK_K // 32)
-            gate += _q8_q4_0_dot(w_ptr, rows, N, K, row_bytes, chunk, xlo, xhi, dx, sx, BLOCK_N, BLOCK_K // 32, Q8 == 2)
-            up += _q8_q4_0_dot(w_ptr + up_bytes, rows, N, K, row_bytes, chunk, xlo, xhi, dx, sx, BLOCK_N,
-                               BLOCK_K // 32, Q8 == 2)
+            xw, dx, sx = _q8_x(x_ptr, chunk, K, BLOCK_K // 32)
+            gate += _q8_dot(w_ptr, rows, N, K, row_bytes, chunk, xw, dx, sx, TYPE, BLOCK_N, BLOCK_K, Q8 == 2)
+            up += _q8_dot(w_ptr + up_bytes, rows, N, K, row_bytes, chunk, xw, dx, sx, TYPE, BLOCK_N, BLOCK_K, Q8 == 2)
         gate_sum, up_sum = tl.sum(gate, axis=1)[None, :], tl.sum(up, axis=1)[None, :]
     elif TERMS > 0:
         gate = tl.zeros([BLOCK_N, TERMS], tl.float32)

@@ -70,14 +70,15 @@ SWIGLU_IN_GEMV = True
 # (``moe.combine``: 40). The same bits either way. Untimed on a GPU (benchmarks/gpu_model.py
 # --no-sums-in-gemv sets it beside).
 SUMS_IN_GEMV = True
-# Whether decode's 1-row Q4_0 GEMVs round x to 8 bits (a scale per 32 values, as
-# ``weights.activations.quantize_q8`` and llama.cpp's CUDA decode do) and multiply in integers,
-# 8 products by two ``dp4a``: the float loop costs ~9 instructions a value (0.51 warp instructions a
-# weight byte at sm_90 against the ~0.22 an H200's issue rate allows at full bandwidth); this
-# one 0.30 (Triton 3.6 SASS). Off until a lease times it and a quality run weighs the rounding
+# Whether decode's 1-row Q4_0 and Q4_K GEMVs round x to 8 bits (a scale per 32 values, as
+# ``weights.activations.quantize_q8`` and llama.cpp's CUDA decode do) and multiply in integers by
+# ``dp4a``: the float loops cost 0.51 (Q4_0) and 0.77 (Q4_K) warp instructions a weight byte at
+# sm_90 against the ~0.22 an H200's issue rate allows at full bandwidth; these 0.32 and 0.27
+# (Triton 3.6 SASS). Off until a lease times it and a quality run weighs the rounding
 # (the outputs move by ~0.5% of their size; benchmarks/gpu_model.py --q8-activations).
 Q8_ACTIVATIONS = False
 Q8_TILE = dict(BLOCK_N=32, BLOCK_K=256, TERMS=8)     # 32 rows a program: x's rounding paid once for 32 rows
+Q8_TYPES = (_T.Q4_0, _T.Q4_K)
 
 
 def _kernel():
@@ -148,8 +149,8 @@ def gemm_config(n_rows: int) -> dict:
 def q8_config(config: dict, ggml_type, n_rows: int, q8: bool | None) -> int:
     """The kernels' Q8 for a GEMV (0: float activations; 1: 8-bit ones, dp4a interpreted; 2: by
     dp4a instructions), ``config`` set to ``Q8_TILE`` where it is not 0: 1-row Q4_0 GEMVs when
-    ``q8`` (default ``Q8_ACTIVATIONS``) asks."""
-    if not (Q8_ACTIVATIONS if q8 is None else q8) or ggml_type != _T.Q4_0 or n_rows != 1:
+    ``q8`` (default ``Q8_ACTIVATIONS``) asks, and Q4_K ones."""
+    if not (Q8_ACTIVATIONS if q8 is None else q8) or ggml_type not in Q8_TYPES or n_rows != 1:
         return 0
     config.update(Q8_TILE)
     return 1 if _kernel().INTERPRETED else 2
@@ -217,7 +218,7 @@ def gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type, split_k: int | None =
     where ``layers.swiglu`` was one more launch after a rounding to out_dtype. ``last_sums``
     (default ``SUMS_IN_GEMV``): several splits' partials summed by each tile's last program, in
     the GEMV's launch; False: by ``sum_splits``, one more launch (the same bits). ``q8``: a 1-row
-    Q4_0 GEMV with x rounded to 8 bits (``q8_config``; default ``Q8_ACTIVATIONS``)."""
+    Q4_0 or Q4_K GEMV with x rounded to 8 bits (``q8_config``; default ``Q8_ACTIVATIONS``)."""
     _check(x, blocks, ggml_type)
     if x.shape[0] > MAX_GEMV_ROWS:
         raise ValueError(f"the GEMV takes at most {MAX_GEMV_ROWS} rows of x, got {x.shape[0]}: use gemm")
