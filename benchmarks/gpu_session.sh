@@ -259,15 +259,15 @@ verify() {
     # as kvslim serve runs it (the bf16 backend: f16 attention products; session 31 ran torch's)
     KVSLIM_TRITON=1 timeout -k 5 "$(left 125)" $PY benchmarks/gpu_model.py -d 0,32768 -np 1,4 -n 8 --profile 4 \
         --pairs f16/f16,q8_0/turbo4,turbo3/turbo3 --attn-backend bf16 2>&1 | tee "$OUT/e2e.md" | tail -30
-    # session 38's SwiGLU inside the GEMVs (on above) against the GEMV and then silu_mul
-    KVSLIM_TRITON=1 timeout -k 5 "$(left 60)" $PY benchmarks/gpu_model.py -d 0 -np 1,4 -n 8 --pairs q8_0/turbo4 \
-        --attn-backend bf16 --no-swiglu-in-gemv 2>&1 | tee -a "$OUT/e2e.md" | tail -12
     # session 39's Q4_0 GEMVs on 8-bit activations (dp4a; off above), then its split sums by each
     # tile's last program (on above) against their own launch
     KVSLIM_TRITON=1 timeout -k 5 "$(left 60)" $PY benchmarks/gpu_model.py -d 0 -np 1,4 -n 8 --pairs q8_0/turbo4 \
         --attn-backend bf16 --q8-activations 2>&1 | tee -a "$OUT/e2e.md" | tail -12
     KVSLIM_TRITON=1 timeout -k 5 "$(left 60)" $PY benchmarks/gpu_model.py -d 0 -np 1,4 -n 8 --pairs q8_0/turbo4 \
         --attn-backend bf16 --no-sums-in-gemv 2>&1 | tee -a "$OUT/e2e.md" | tail -12
+    # session 38's SwiGLU inside the GEMVs (on above) against the GEMV and then silu_mul
+    KVSLIM_TRITON=1 timeout -k 5 "$(left 60)" $PY benchmarks/gpu_model.py -d 0 -np 1,4 -n 8 --pairs q8_0/turbo4 \
+        --attn-backend bf16 --no-swiglu-in-gemv 2>&1 | tee -a "$OUT/e2e.md" | tail -12
     echo "verify: $SECONDS s"
 }
 

@@ -445,11 +445,11 @@ def _combined_inputs(case, seed: int):
     return mats, blocks, x.to(dtype), ids, scales, shared, gate
 
 
-def _combined_runs(case, seed: int, device: str = "cpu") -> list:
+def _combined_runs(case, seed: int, cuda: bool = False) -> list:
     """The combine in the GEMV's launch twice (its counters set back to 0 in between), then
     the two launches it replaces (``gemv_experts``, ``moe.combine``)."""
     from kvslim.gpu import moe
-    mats, blocks, x, ids, scales, shared, gate = (t.to(device) if torch.is_tensor(t) else t
+    mats, blocks, x, ids, scales, shared, gate = (t.cuda() if cuda and torch.is_tensor(t) else t
                                                   for t in _combined_inputs(case, seed))
     ggml_type = mats[0].wtype.ggml_type
     runs = [gpu.gemv_experts_combined(x, blocks, ids, ggml_type, scales, shared, gate) for _ in range(2)]
@@ -524,7 +524,7 @@ def test_the_combine_in_the_expert_gemv_is_the_combine_launchs(interpreted_exper
 @pytest.mark.parametrize("case", COMBINED, ids=lambda c: f"{c[0]}-t{c[4]}-k{c[5]}-{c[6]}")
 def test_the_combine_in_the_expert_gemv_on_cuda(case):
     compiled_process()
-    _check_combined(case, _combined_runs(case, COMBINED.index(case), "cuda"), COMBINED.index(case))
+    _check_combined(case, _combined_runs(case, COMBINED.index(case), cuda=True), COMBINED.index(case))
 
 
 @pytest.mark.parametrize("tokens", MOE_TOKENS)
