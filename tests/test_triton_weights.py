@@ -68,6 +68,7 @@ SUMS = [("sums", "q4_0", 1, 64, 1024, 4, False, "float32"), ("sums", "q4_k", 5, 
 Q8 = [("q8", "q4_0", 1, 64, 1024, None, False, "float32"), ("q8", "q4_0", 1, 40, 288, 1, False, "bfloat16"),
       ("q8", "q4_0", 1, 48, 512, None, True, "bfloat16"), ("q8", "q4_0", 1, 64, 512, 1, True, "float32"),
       ("q8", "q4_k", 1, 64, 1024, None, False, "bfloat16"), ("q8", "q4_k", 1, 48, 512, 1, True, "float32"),
+      ("q8", "q6_k", 1, 40, 1024, None, False, "bfloat16"), ("q8", "q6_k", 1, 32, 512, 1, True, "float32"),
       ("q8 linear", "q4_0", 1, 32, 256, None, False, "float32")]    # quant_linear with Q8_ACTIVATIONS on
 TOLERANCE = {"ieee": 1e-5, "tf32": 4e-3, "fp16": 2e-3, "bf16": 1e-2}
 
@@ -245,7 +246,7 @@ def _check_q8(case, got: torch.Tensor, seed: int) -> None:
 
 @pytest.mark.parametrize("case", Q8, ids=lambda c: f"{c[0]}-{c[1]}-n{c[3]}-k{c[4]}-split{c[5]}-swiglu{c[6]}-{c[7]}")
 def test_gemv_on_8_bit_activations_matches_the_reference(interpreted, case):
-    """Q4_0 and Q4_K, x rounded to 8 bits in the GEMV (``q8``) and the products in integers (dp4a's
+    """Q4_0, Q4_K and Q6_K, x rounded to 8 bits in the GEMV (``q8``) and the products in integers (dp4a's
     twin under the interpreter): ``weights.activations``' product, the C step's reference, for
     whole and partial chunks, splits, SwiGLU pairs, bf16 and float32 outputs, a block of zeros."""
     _check_q8(case, interpreted["y"][case], CASES.index(case))
@@ -660,7 +661,7 @@ def test_the_last_programs_sums_compile_with_their_ordering(swiglu):
     assert "ld.global.cg" in ptx[counted:] and "atom.global.gpu.relaxed.exch" in ptx[counted:]
 
 
-@pytest.mark.parametrize("name,swiglu", [("q4_0", False), ("q4_0", True), ("q4_k", False), ("q4_k", True)])
+@pytest.mark.parametrize("name,swiglu", [(t, swiglu) for t in ("q4_0", "q4_k", "q6_k") for swiglu in (False, True)])
 def test_the_8_bit_activation_gemv_compiles_to_dp4a(name, swiglu):
     """The 1-row GEMV on 8-bit activations for sm_90 (bf16 x and y): its products are dp4a
     instructions, no spills; and the expert GEMV's."""

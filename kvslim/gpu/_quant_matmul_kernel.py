@@ -537,7 +537,7 @@ def _dp4a(a, b, c, DP4A: tl.constexpr):
 def _q8_x(x_ptr, chunk, K, NB: tl.constexpr):
     """x's NB blocks of 32 of this chunk rounded to 8 bits as ``weights.activations.quantize_q8``
     rounds them (q = round-half-even(x 127 / max |x|), d = max |x| / 127; an all-zero block d = 0)
-    -> words (NB, 8) int32, four q each in order, d (NB,) and the sum of q (NB,)."""
+    -> words (NB, 8) int32, four q each in order, d (NB,) and the sums of q by 16 values (NB, 2)."""
     blk = chunk * NB + tl.arange(0, NB)
     x = tl.load(x_ptr + blk[:, None] * 32 + tl.arange(0, 32)[None, :], mask=(blk < K // 32)[:, None],
                 other=0.0).to(tl.float32)                                                  # (NB, 32)
@@ -548,7 +548,7 @@ def _q8_x(x_ptr, chunk, K, NB: tl.constexpr):
     q = ((x * iscale[:, None] + 12582912.0) - 12582912.0).to(tl.int32)      # + 1.5 2^23: rounds half to even
     byte = tl.arange(0, 4)
     words = tl.sum(tl.reshape(q & 0xFF, (NB, 8, 4)) << (byte * 8)[None, None, :], axis=2)        # (NB, 8)
-    return words, tl.math.div_rn(amax, top), tl.sum(q, axis=1)
+    return words, tl.math.div_rn(amax, top), tl.sum(tl.reshape(q, (NB, 2, 16)), axis=2)
 
 
 @triton.jit
@@ -576,7 +576,7 @@ def _q8_q4_0_dot(w_ptr, rows, N, K, row_bytes, chunk, xw, dx, sx, BLOCK_N: tl.co
     words = (lo16.to(tl.int32) & 0xFFFF) | (hi16.to(tl.int32) << 16)                           # (BN, NB, 4)
     dots = _dp4a(words & 0x0F0F0F0F, xlo[None, :, :], tl.zeros(words.shape, tl.int32), DP4A)
     dots = _dp4a((words >> 4) & 0x0F0F0F0F, xhi[None, :, :], dots, DP4A)
-    return d * dx[None, :] * (tl.sum(dots, axis=2) - 8 * sx[None, :]).to(tl.float32)
+    return d * dx[None, :] * (tl.sum(dots, axis=2) - 8 * tl.sum(sx, axis=1)[None, :]).to(tl.float32)
 
 
 @triton.jit
@@ -599,7 +599,7 @@ def _q8_q4_k_dot(w_ptr, rows, N, K, row_bytes, chunk, xw, dx, sx, BLOCK_N: tl.co
                     mask=ok[:, :, None], other=0)                                               # (BN, NP, 8)
     xlo, xhi = _halves(tl.reshape(xw, (NP, 16)), NP, 8)                                        # sub-blocks 2p, 2p + 1
     dx_lo, dx_hi = tl.split(tl.reshape(dx, (NP, 2)))
-    sx_lo, sx_hi = tl.split(tl.reshape(sx, (NP, 2)))
+    sx_lo, sx_hi = tl.split(tl.reshape(tl.sum(sx, axis=1), (NP, 2)))
     zero = tl.zeros(words.shape, tl.int32)
     dot_lo = tl.sum(_dp4a(words & 0x0F0F0F0F, xlo[None, :, :], zero, DP4A), axis=2).to(tl.float32)
     dot_hi = tl.sum(_dp4a((words >> 4) & 0x0F0F0F0F, xhi[None, :, :], zero, DP4A), axis=2).to(tl.float32)
@@ -608,9 +608,54 @@ def _q8_q4_k_dot(w_ptr, rows, N, K, row_bytes, chunk, xw, dx, sx, BLOCK_N: tl.co
 
 
 @triton.jit
+def _words16(ptr, mask):
+    """int32 words at the even byte addresses ptr (A, B, C), each from two 2-byte loads."""
+    halves = tl.load(ptr.to(tl.pointer_type(tl.int16))[:, :, :, None] + tl.arange(0, 2)[None, None, None, :],
+                     mask=mask[:, :, :, None], other=0)
+    lo16, hi16 = tl.split(halves)
+    return (lo16.to(tl.int32) & 0xFFFF) | (hi16.to(tl.int32) << 16)
+
+
+@triton.jit
+def _q8_q6_k_dot(w_ptr, rows, N, K, row_bytes, chunk, xw, dx, sx, BLOCK_N: tl.constexpr, NH: tl.constexpr,
+                 DP4A: tl.constexpr):
+    """Q6_K rows' halves of 128 values of this chunk (``_q6_k_block_dot``'s layout: in half h,
+    bytes ql[64h + l], ql[64h + 32 + l] and qh[32h + l] hold values l + 32k, k = 0-3: low nibbles,
+    then high nibbles, qh's bit pairs 2k) against x rounded to 8 bits (``_q8_x``) -> (BN, NH)
+    float32: per 16 values j (one int8 scale each), d dx_k scale_j (codes_j . q_j - 32 sum q_j),
+    each code word made from four bytes of ql and four of qh (6-bit codes, byte by byte) and
+    dotted by ``dp4a`` (super-blocks are 210 bytes: words from two 2-byte loads)."""
+    hh = chunk * NH + tl.arange(0, NH)                                                        # (NH,) halves
+    h = (hh % 2)[None, :, None]
+    ok = (rows < N)[:, None] & (hh < K // 128)[None, :]                                      # (BN, NH)
+    sb = w_ptr + rows.to(tl.int64)[:, None] * row_bytes + (hh // 2)[None, :] * 210
+    sb3, ok3 = sb[:, :, None], ok[:, :, None]
+    d = f16_aligned(sb + 208, ok)                                                              # (BN, NH)
+    word = 4 * tl.arange(0, 8)[None, None, :]
+    ql_a = _words16(sb3 + 64 * h + word, ok3)                                               # (BN, NH, 8)
+    ql_b = _words16(sb3 + 64 * h + 32 + word, ok3)
+    qh = _words16(sb3 + 128 + 32 * h + word, ok3)
+    group = tl.arange(0, 4)[None, :, None]
+    xw3, dx2, sx3 = tl.reshape(xw, (NH, 4, 8)), tl.reshape(dx, (NH, 4)), tl.reshape(sx, (NH, 4, 2))
+    j = tl.arange(0, 2)[None, None, :]
+    total = tl.zeros([BLOCK_N, NH], tl.float32)
+    for k in tl.static_range(4):                                                               # values l + 32k
+        low = (ql_a if k % 2 == 0 else ql_b) >> (4 * (k // 2))
+        codes = (low & 0x0F0F0F0F) | (((qh >> (2 * k)) & 0x03030303) << 4)
+        x_k = tl.sum(tl.where(group == k, xw3, 0), axis=1)                                     # (NH, 8)
+        dots = _dp4a(codes, x_k[None, :, :], tl.zeros(codes.shape, tl.int32), DP4A)
+        dots = tl.sum(tl.reshape(dots, (BLOCK_N, NH, 2, 4)), axis=3)                           # (BN, NH, 2) by 16
+        sx_k = tl.sum(tl.where(group == k, sx3, 0), axis=1)                                     # (NH, 2)
+        dx_k = tl.sum(tl.where(tl.arange(0, 4)[None, :] == k, dx2, 0.0), axis=1)                # (NH,)
+        scale = _int8(sb3 + 192 + 8 * h + 2 * k + j, ok3)                                       # (BN, NH, 2)
+        total += d * dx_k[None, :] * tl.sum(scale * (dots - 32 * sx_k[None, :, :]).to(tl.float32), axis=2)
+    return total
+
+
+@triton.jit
 def _q8_chunk(x_ptr, w_ptr, rows, N, K, row_bytes, chunk, TYPE: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr, DP4A: tl.constexpr):
-    """One chunk of a 1-row GEMV on 8-bit activations, x rounded here -> (BN, Q8_TERMS)."""
+    """One chunk of a 1-row GEMV on 8-bit activations, x rounded here -> ``_q8_dot``'s terms."""
     xw, dx, sx = _q8_x(x_ptr, chunk, K, BLOCK_K // 32)
     return _q8_dot(w_ptr, rows, N, K, row_bytes, chunk, xw, dx, sx, TYPE, BLOCK_N, BLOCK_K, DP4A)
 
@@ -618,12 +663,16 @@ def _q8_chunk(x_ptr, w_ptr, rows, N, K, row_bytes, chunk, TYPE: tl.constexpr, BL
 @triton.jit
 def _q8_dot(w_ptr, rows, N, K, row_bytes, chunk, xw, dx, sx, TYPE: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_K: tl.constexpr, DP4A: tl.constexpr):
-    """``_q8_q4_0_dot`` or ``_q8_q4_k_dot`` by TYPE: (BN, BLOCK_K / 32) or (BN, BLOCK_K / 64)."""
+    """``_q8_q4_0_dot``, ``_q8_q4_k_dot`` or ``_q8_q6_k_dot`` by TYPE: (BN, a term per block of 32,
+    group of 64 or half of 128)."""
     if TYPE == Q4_0:
         out = _q8_q4_0_dot(w_ptr, rows, N, K, row_bytes, chunk, xw, dx, sx, BLOCK_N, BLOCK_K // 32, DP4A)
-    else:
+    elif TYPE == Q4_K:
         out = _q8_q4_k_dot(w_ptr, rows, N, K, row_bytes, chunk, xw, dx, sx, BLOCK_N, BLOCK_K // 64, DP4A)
+    else:
+        out = _q8_q6_k_dot(w_ptr, rows, N, K, row_bytes, chunk, xw, dx, sx, BLOCK_N, BLOCK_K // 128, DP4A)
     return out
+
 
 
 @triton.jit
@@ -662,11 +711,12 @@ def _gemv_chunks(x_ptr, w_ptr, grid_ptr, m, M, rows, N, K, row_bytes, first, las
                  TERMS: tl.constexpr, Q8: tl.constexpr = 0):
     """x[m] . W[rows] over chunks [first, last) of BLOCK_K columns -> (BM, BN) float32, each
     chunk a ``_gemv_step``; with TERMS > 0 (BM = 1) the products kept per column across the
-    chunks and summed once at the end. Q8 (Q4_0 or Q4_K, BM = 1; 2: dp4a instructions, 1:
-    their interpreted twin): x rounded to 8 bits a chunk at a time and the products in integers
-    (``_q8_chunk``), a term per block or group of 64."""
-    if Q8 > 0:
-        terms = tl.zeros([BLOCK_N, BLOCK_K // 32 if TYPE == Q4_0 else BLOCK_K // 64], tl.float32)
+    chunks and summed once at the end. Q8 (Q4_0, Q4_K or Q6_K, BM = 1; 2: dp4a instructions,
+    1: their interpreted twin): x rounded to 8 bits a chunk at a time and the products in
+    integers (``_q8_chunk``)."""
+    if Q8 > 0:             # a term per block of 32 (Q4_0), group of 64 (Q4_K), half of 128 (Q6_K)
+        W: tl.constexpr = BLOCK_K // 32 if TYPE == Q4_0 else (BLOCK_K // 64 if TYPE == Q4_K else BLOCK_K // 128)
+        terms = tl.zeros([BLOCK_N, W], tl.float32)
         for chunk in range(first, last):
             terms += _q8_chunk(x_ptr, w_ptr, rows, N, K, row_bytes, chunk, TYPE, BLOCK_N, BLOCK_K, Q8 == 2)
         acc = tl.sum(terms, axis=1)[None, :]
@@ -693,8 +743,9 @@ def _gemv_pair_chunks(x_ptr, w_ptr, up_bytes, grid_ptr, m, M, rows, N, K, row_by
     tiles' bytes in flight, as the two programs of the unfused GEMV did. -> (gate, up).
     Q8 as ``_gemv_chunks``' (x rounded once a chunk for both halves)."""
     if Q8 > 0:
-        gate = tl.zeros([BLOCK_N, BLOCK_K // 32 if TYPE == Q4_0 else BLOCK_K // 64], tl.float32)
-        up = tl.zeros([BLOCK_N, BLOCK_K // 32 if TYPE == Q4_0 else BLOCK_K // 64], tl.float32)
+        W: tl.constexpr = BLOCK_K // 32 if TYPE == Q4_0 else (BLOCK_K // 64 if TYPE == Q4_K else BLOCK_K // 128)
+        gate = tl.zeros([BLOCK_N, W], tl.float32)
+        up = tl.zeros([BLOCK_N, W], tl.float32)
         for chunk in range(first, last):
             xw, dx, sx = _q8_x(x_ptr, chunk, K, BLOCK_K // 32)
             gate += _q8_dot(w_ptr, rows, N, K, row_bytes, chunk, xw, dx, sx, TYPE, BLOCK_N, BLOCK_K, Q8 == 2)

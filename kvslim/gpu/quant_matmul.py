@@ -70,15 +70,15 @@ SWIGLU_IN_GEMV = True
 # (``moe.combine``: 40). The same bits either way. Untimed on a GPU (benchmarks/gpu_model.py
 # --no-sums-in-gemv sets it beside).
 SUMS_IN_GEMV = True
-# Whether decode's 1-row Q4_0 and Q4_K GEMVs round x to 8 bits (a scale per 32 values, as
+# Whether decode's 1-row Q4_0, Q4_K and Q6_K GEMVs round x to 8 bits (a scale per 32 values, as
 # ``weights.activations.quantize_q8`` and llama.cpp's CUDA decode do) and multiply in integers by
-# ``dp4a``: the float loops cost 0.51 (Q4_0) and 0.77 (Q4_K) warp instructions a weight byte at
-# sm_90 against the ~0.22 an H200's issue rate allows at full bandwidth; these 0.32 and 0.27
-# (Triton 3.6 SASS). Off until a lease times it and a quality run weighs the rounding
+# ``dp4a``: the float loops cost 0.51 (Q4_0), 0.77 (Q4_K) and 0.61 (Q6_K) warp instructions a
+# weight byte at sm_90 against the ~0.22 an H200's issue rate allows at full bandwidth; these
+# 0.32, 0.27 and 0.37 (Triton 3.6 SASS). Off until a lease times it and a quality run weighs the rounding
 # (the outputs move by ~0.5% of their size; benchmarks/gpu_model.py --q8-activations).
 Q8_ACTIVATIONS = False
 Q8_TILE = dict(BLOCK_N=32, BLOCK_K=256, TERMS=8)     # 32 rows a program: x's rounding paid once for 32 rows
-Q8_TYPES = (_T.Q4_0, _T.Q4_K)
+Q8_TYPES = (_T.Q4_0, _T.Q4_K, _T.Q6_K)
 
 
 def _kernel():
