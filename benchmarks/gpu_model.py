@@ -290,7 +290,7 @@ def main(argv=None) -> int:
                     help="a split GEMV's partials summed by each tile's last program (quant_matmul.SUMS_IN_GEMV; "
                          "--no-...: by a launch of their own), to time both")
     ap.add_argument("--q8-activations", action="store_true",
-                    help="decode's 1-row Q4_0 GEMVs on x rounded to 8 bits, products by dp4a "
+                    help="decode's 1-row Q4_0, Q4_K and Q6_K GEMVs on x rounded to 8 bits, products by dp4a "
                          "(quant_matmul.Q8_ACTIVATIONS; off by default), to time both")
     args = ap.parse_args(argv)
     gpu_weights.SWIGLU_IN_GEMV = args.swiglu_in_gemv

@@ -11,7 +11,8 @@ a value). x is in the row's dtype; the Triton GEMM's tl.dot takes that dtype too
 value read on its own (``blockwise=False``), the path Q8_0, Q4_0 and Q6_K took before
 session 31. "session 32 ms": the GEMV as it was before session 33, each chunk's products summed
 across the tile (``terms=False``) and K split for 264 programs, not GEMV_PROGRAMS. "8-bit x
-ms": Q4_0's GEMV on x rounded to 8 bits, products by dp4a (``q8=True``; session 39). GB/s: the
+ms": Q4_0's, Q4_K's and Q6_K's GEMV on x rounded to 8 bits, products by dp4a (``q8=True``;
+session 39). GB/s: the
 weight bytes each kernel reads (packed blocks, or 2 bytes a value), for the GEMV; TFLOP/s:
 2MNK per second, for the GEMM.
 Weights are random blocks with sane fp16 scales (speed does not depend on the values).

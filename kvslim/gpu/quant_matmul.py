@@ -148,8 +148,8 @@ def gemm_config(n_rows: int) -> dict:
 
 def q8_config(config: dict, ggml_type, n_rows: int, q8: bool | None) -> int:
     """The kernels' Q8 for a GEMV (0: float activations; 1: 8-bit ones, dp4a interpreted; 2: by
-    dp4a instructions), ``config`` set to ``Q8_TILE`` where it is not 0: 1-row Q4_0 GEMVs when
-    ``q8`` (default ``Q8_ACTIVATIONS``) asks, and Q4_K ones."""
+    dp4a instructions), ``config`` set to ``Q8_TILE`` where it is not 0: 1-row GEMVs of the
+    ``Q8_TYPES`` when ``q8`` (default ``Q8_ACTIVATIONS``) asks."""
     if not (Q8_ACTIVATIONS if q8 is None else q8) or ggml_type not in Q8_TYPES or n_rows != 1:
         return 0
     config.update(Q8_TILE)
@@ -218,7 +218,7 @@ def gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type, split_k: int | None =
     where ``layers.swiglu`` was one more launch after a rounding to out_dtype. ``last_sums``
     (default ``SUMS_IN_GEMV``): several splits' partials summed by each tile's last program, in
     the GEMV's launch; False: by ``sum_splits``, one more launch (the same bits). ``q8``: a 1-row
-    Q4_0 or Q4_K GEMV with x rounded to 8 bits (``q8_config``; default ``Q8_ACTIVATIONS``)."""
+    Q4_0, Q4_K or Q6_K GEMV with x rounded to 8 bits (``q8_config``; default ``Q8_ACTIVATIONS``)."""
     _check(x, blocks, ggml_type)
     if x.shape[0] > MAX_GEMV_ROWS:
         raise ValueError(f"the GEMV takes at most {MAX_GEMV_ROWS} rows of x, got {x.shape[0]}: use gemm")
@@ -315,6 +315,8 @@ def gemv_experts_combined(x: torch.Tensor, blocks: torch.Tensor, ids: torch.Tens
     config = gemv_config(1, ggml_type)
     q8_mode = q8_config(config, ggml_type, 1, q8)
     out = torch.empty(tokens, n, device=x.device, dtype=shared.dtype)
+    if not tokens:
+        return out
     parts = torch.empty(p, n, device=x.device, dtype=torch.float32)
     tiles = -(-n // config["BLOCK_N"])
     _kernel().quant_gemv_experts[(tiles, p)](x.contiguous(), blocks.contiguous(), grid_table(ggml_type, x.device),
