@@ -61,15 +61,16 @@ SWIGLU = [("swiglu", "q4_0", 1, 48, 288, 1, "float32"), ("swiglu", "q4_0", 5, 40
 # A split GEMV's partials summed by each tile's last program: (kind, type, M, N or 2I, K, split_k,
 # swiglu?, out dtype), computed twice that way (the counters set back to 0 in between) and once
 # by the ``sum_splits`` launch
-SUMS = [("sums", "q4_0", 1, 64, 1024, 4, False, "float32"), ("sums", "q4_k", 5, 16, 768, 3, False, "float32"),
-        ("sums", "q6_k", 1, 48, 768, 3, True, "bfloat16"), ("sums", "q8_0", 16, 34, 288, 2, True, "float32")]
+SUMS = [("sums", "q4_0", 1, 16, 1024, 4, False, "float32"), ("sums", "q4_k", 5, 16, 768, 3, False, "float32"),
+        ("sums", "q6_k", 1, 16, 768, 3, True, "bfloat16"), ("sums", "q8_0", 16, 18, 288, 2, True, "float32")]
 # Q4_0 at one row with x rounded to 8 bits (``q8``): (kind, type, M, N or 2I, K, split_k, swiglu?,
 # out dtype); x's second block all zeros (its scale 0)
 Q8 = [("q8", "q4_0", 1, 64, 1024, None, False, "float32"), ("q8", "q4_0", 1, 40, 288, 1, False, "bfloat16"),
       ("q8", "q4_0", 1, 48, 512, None, True, "bfloat16"), ("q8", "q4_0", 1, 64, 512, 1, True, "float32"),
       ("q8", "q4_k", 1, 64, 1024, None, False, "bfloat16"), ("q8", "q4_k", 1, 48, 512, 1, True, "float32"),
       ("q8", "q6_k", 1, 40, 1024, None, False, "bfloat16"), ("q8", "q6_k", 1, 32, 512, 1, True, "float32"),
-      ("q8 linear", "q4_0", 1, 32, 256, None, False, "float32")]    # quant_linear with Q8_ACTIVATIONS on
+      ("q8 linear", "q4_0", 1, 32, 256, None, False, "float32"),    # quant_linear with Q8_ACTIVATIONS on
+      ("q8 nan", "q4_k", 1, 32, 512, 1, False, "float32")]           # a NaN in x: NaN out, not dropped
 TOLERANCE = {"ieee": 1e-5, "tf32": 4e-3, "fp16": 2e-3, "bf16": 1e-2}
 
 
@@ -132,9 +133,11 @@ def _run(case, x, w, bias):
             return weights.quant_linear(x, w)
         finally:
             gpu.Q8_ACTIVATIONS = False
-    if case[0] == "q8":
+    if case[0] in ("q8", "q8 nan"):
         x = x.clone()
         x[:, 32:64] = 0
+        if case[0] == "q8 nan":
+            x[:, 300] = float("nan")
         return gpu.gemv(x, w.data, w.wtype.ggml_type, split_k=case[5], swiglu=case[6], out_dtype=getattr(torch, case[7]),
                         q8=True)
     if case[0] == "sums":
@@ -235,7 +238,11 @@ def _q8_reference(x: torch.Tensor, w: QuantTensor, swiglu: bool) -> torch.Tensor
 
 
 def _check_q8(case, got: torch.Tensor, seed: int) -> None:
-    """Within float32 sums' error of the reference's value, plus one rounding of the output type."""
+    """Within float32 sums' error of the reference's value, plus one rounding of the output type;
+    all NaN where x held a NaN (as the float GEMV and the reference give)."""
+    if case[0] == "q8 nan":
+        assert torch.isnan(got).all()
+        return
     w, x, _ = _inputs(case, seed)
     x[:, 32:64] = 0
     want = _q8_reference(x, w, case[6])
@@ -615,7 +622,7 @@ def test_compiled_kernels_on_cuda_match_gguf_dequantize(case):
         _check_rounded([None if y is None else y.cpu() for y in got])
     elif case[0] == "sums":
         _check_sums(case, [y.cpu() for y in got], CASES.index(case))
-    elif case[0] in ("q8", "q8 linear"):
+    elif case[0] in ("q8", "q8 linear", "q8 nan"):
         _check_q8(case, got, CASES.index(case))
     else:
         _check(case, got, CASES.index(case) if case in CASES else 0)

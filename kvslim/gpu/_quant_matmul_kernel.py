@@ -534,15 +534,23 @@ def _dp4a(a, b, c, DP4A: tl.constexpr):
 
 
 @triton.jit
+def _max_nan(a, b):
+    """max that keeps a NaN (``tl.max`` drops it, as the GPU's FMNMX does)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _q8_x(x_ptr, chunk, K, NB: tl.constexpr):
     """x's NB blocks of 32 of this chunk rounded to 8 bits as ``weights.activations.quantize_q8``
-    rounds them (q = round-half-even(x 127 / max |x|), d = max |x| / 127; an all-zero block d = 0)
-    -> words (NB, 8) int32, four q each in order, d (NB,) and the sums of q by 16 values (NB, 2)."""
+    rounds them (q = round-half-even(x 127 / max |x|), d = max |x| / 127; an all-zero block d = 0;
+    a block with a NaN d = NaN, with an infinity d = inf, so that the products are not finite
+    either, as the float GEMV's and the reference's) -> words (NB, 8) int32, four q each in
+    order, d (NB,) and the sums of q by 16 values (NB, 2)."""
     blk = chunk * NB + tl.arange(0, NB)
     x = tl.load(x_ptr + blk[:, None] * 32 + tl.arange(0, 32)[None, :], mask=(blk < K // 32)[:, None],
                 other=0.0).to(tl.float32)                                                  # (NB, 32)
-    amax = tl.max(tl.abs(x), axis=1)
-    live = amax > 0
+    amax = tl.reduce(tl.abs(x), 1, _max_nan)                                                 # NaN if any is
+    live = amax > 0                                                                          # (NaN > 0 is false)
     top = tl.full(amax.shape, 127.0, tl.float32)
     iscale = tl.where(live, tl.math.div_rn(top, tl.where(live, amax, 1.0)), 0.0)
     q = ((x * iscale[:, None] + 12582912.0) - 12582912.0).to(tl.int32)      # + 1.5 2^23: rounds half to even
