@@ -43,12 +43,24 @@ def _inputs(case, seed: int):
     return q, k, v, a, b, A_log, dt_bias, state, slots
 
 
+def _norm(case, seed: int):
+    """The layer's output norm: z (B, Hv, dv) as columns of a wider row, its weight and eps."""
+    batch, _, hv, _, dv, _, dtype = case
+    gen = torch.Generator().manual_seed(seed + 100)
+    z = (torch.randn(batch, hv * dv + 3, generator=gen) * 2).to(getattr(torch, dtype))[:, 3:].view(batch, hv, dv)
+    return z, torch.rand(dv, generator=gen) + 0.5, 1e-6
+
+
 def step_in_child(cases, path: Path) -> None:
-    """In the interpreted child: each case's output and every slot's state after the step."""
+    """In the interpreted child: each case's output and every slot's state after the step, then
+    the same step with the output norm in its launch (the counters shared across the cases)."""
     out = []
     for i, case in enumerate(cases):
         *inputs, state, slots = _inputs(case, i)
         out.append((gpu.delta_step(*inputs, state, slots), state))
+    for i, case in enumerate(cases):
+        *inputs, state, slots = _inputs(case, i)
+        out.append((gpu.delta_step(*inputs, state, slots, norm=_norm(case, i)), state))
     torch.save(out, path)
 
 
@@ -82,6 +94,38 @@ def test_delta_step_matches_the_torch_decode(interpreted, case):
     _check(case, *interpreted[CASES.index(case)], CASES.index(case))
 
 
+def _check_normed(case, got: torch.Tensor, state: torch.Tensor, seed: int) -> None:
+    """The step's normed output against the torch step's float32 o normed in float64 (``RMSNormGated``'s
+    math): within one rounding of the output's type and float32's error; the states as ``_check``'s."""
+    *inputs, before, slots = _inputs(case, seed)
+    want_state = before[slots].clone()
+    o = gated_delta_decode(*inputs, want_state).double()
+    z, weight, eps = _norm(case, seed)
+    want = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps) * weight.double() * torch.nn.functional.silu(z.double())
+    assert got.dtype == inputs[2].dtype and got.shape == want.shape
+    ulp = torch.finfo(got.dtype).eps * want.abs() if got.dtype != torch.float32 else 0
+    assert ((got.double() - want).abs() <= ulp + 1e-4 * want.abs() + 1e-5).all(), (got.double() - want).abs().max()
+    torch.testing.assert_close(state[slots], want_state, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_delta_step_with_the_output_norm_matches_the_torch_forms(interpreted, case):
+    """The layer's gated output norm applied by each head's last program (``norm``): the torch
+    step's o through the norm's math, every head whole although its columns came from
+    several programs (dv 16, 20 and 128 over programs of 8 columns)."""
+    _check_normed(case, *interpreted[len(CASES) + CASES.index(case)], CASES.index(case))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the compiled kernel waits for a GPU")
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_delta_step_with_the_output_norm_on_cuda(case):
+    compiled_process()
+    *inputs, state, slots = (t.cuda() for t in _inputs(case, CASES.index(case)))
+    z, weight, eps = _norm(case, CASES.index(case))
+    got = gpu.delta_step(*inputs, state, slots, norm=(z.cuda(), weight.cuda(), eps))
+    _check_normed(case, got.cpu(), state.cpu(), CASES.index(case))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the compiled kernel waits for a GPU")
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_delta_step_on_cuda_matches_the_torch_decode(case):
@@ -109,3 +153,17 @@ def test_delta_step_compiles_for_an_h100_without_one():
                 "dt_bias_ptr": "*fp32", "state_ptr": "*fp32", "slots_ptr": "*i64", "scale": "fp32", "eps": "fp32"}
     constexprs = {"DK": 128, "DV": 128, "BLOCK_K": 128, "BLOCK_V": gpu.BLOCK_V}
     assert compile_for_sm90(kernel.delta_step, pointers, constexprs, 1).asm["cubin"]
+
+
+def test_delta_step_with_its_norm_compiles_with_its_ordering():
+    """The step that also applies the output norm, for sm_90: each program's store of its o
+    columns, a barrier, then the acq_rel atomic; the head's o read back from L2 after it."""
+    from kvslim.gpu import _delta_step_kernel as kernel
+    pointers = {**{f"{t}_ptr": "*bf16" for t in ("q", "k", "v", "a", "b", "out", "z")}, "a_log_ptr": "*fp32",
+                "dt_bias_ptr": "*fp32", "state_ptr": "*fp32", "slots_ptr": "*i64", "scale": "fp32", "eps": "fp32",
+                "norm_ptr": "*fp32", "norm_eps": "fp32", "parts_ptr": "*fp32", "count_ptr": "*i32"}
+    constexprs = {"DK": 128, "DV": 128, "BLOCK_K": 128, "BLOCK_V": gpu.BLOCK_V, "NORM": True, "BLOCK_DV": 128}
+    ptx = compile_for_sm90(kernel.delta_step, pointers, constexprs, 1).asm["ptx"]
+    counted = ptx.index("atom.global.gpu.acq_rel.add")
+    assert "bar.sync" in ptx[ptx.rindex("st.global", 0, counted):counted]
+    assert "ld.global.cg" in ptx[counted:] and "atom.global.gpu.relaxed.exch" in ptx[counted:]

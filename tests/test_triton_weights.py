@@ -128,11 +128,11 @@ def _run(case, x, w, bias):
     if case[0] == "q8 linear":
         x = x.clone()
         x[:, 32:64] = 0
-        gpu.Q8_ACTIVATIONS = True
+        before, gpu.Q8_ACTIVATIONS = gpu.Q8_ACTIVATIONS, True
         try:
             return weights.quant_linear(x, w)
         finally:
-            gpu.Q8_ACTIVATIONS = False
+            gpu.Q8_ACTIVATIONS = before
     if case[0] in ("q8", "q8 nan"):
         x = x.clone()
         x[:, 32:64] = 0

@@ -58,6 +58,16 @@ def pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def counters(n: int, device) -> torch.Tensor:
+    """int32 counters (at least n, all 0) by which the programs of a launch find the last of a
+    group to finish (the GEMVs' split sums and combine, the DeltaNet step's norm), each set
+    back to 0 by that last program: one set per device and power of two, shared by the
+    launches of one stream, which run one after another."""
+    from ..formats.base import cached_on          # at use: kvslim.gpu imports nothing of kvslim at load
+    size = pow2(max(n, 1024))
+    return cached_on(device, ("kernel counters", size), lambda: torch.zeros(size, dtype=torch.int32))
+
+
 def runs_on(kernel_module, device: torch.device) -> bool:
     """Whether a kernel module's kernels run on ``device`` here: compiled ones on CUDA tensors,
     interpreted ones (TRITON_INTERPRET=1, numpy) on CPU tensors. Triton fixes which when a

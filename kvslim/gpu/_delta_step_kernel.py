@@ -6,6 +6,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from ._codecs import sigmoid, stored_as
+from ._gated_norm_kernel import gated_normed
 
 
 @triton.jit
@@ -17,7 +18,9 @@ def _unit(x, eps):
 @triton.jit
 def delta_step(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, slots_ptr, out_ptr,
                HK, HV, q_stride, k_stride, v_stride, a_stride, b_stride, scale, eps,
-               DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+               z_ptr, z_stride, norm_ptr, norm_eps, parts_ptr, count_ptr,
+               DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+               NORM: tl.constexpr = False, BLOCK_DV: tl.constexpr = 1):
     """Program (sequence s, value head h, block of BLOCK_V value columns): one decode token of a
     Gated DeltaNet layer, on the state of slot slots[s] ((HV, DK, DV) float32, in place).
 
@@ -26,7 +29,9 @@ def delta_step(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_
     gates' pre-activations. Then, on the program's columns of the state S:
         S *= exp(g);  S += k (x) beta (v - S^T k);  out = (q * scale)^T S
     in float32, out rounded once to its type. Every column of S depends only on itself, so the
-    programs of one head split the columns and never read each other's."""
+    programs of one head split the columns and never read each other's.
+    NORM: out is the layer's gated output norm of o (``_last_head_norms``), not o: z (B, HV, DV)
+    at row stride z_stride, the norm's weight (DV,) and eps; parts (B, HV, DV) float32 scratch."""
     s = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     cols = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -47,7 +52,36 @@ def delta_step(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_
     state += k[:, None] * ((v - predicted) * beta)[None, :]
     tl.store(at, state, mask=tile)
     o = tl.sum(state * q[:, None], axis=0)
-    tl.store(out_ptr + (s * HV + h) * DV + cols, stored_as(o, out_ptr), mask=cols < DV)
+    if NORM:
+        _last_head_norms(parts_ptr, count_ptr, out_ptr, z_ptr, norm_ptr, o, s, h, cols, HV, z_stride, norm_eps,
+                         DV, BLOCK_DV)
+    else:
+        tl.store(out_ptr + (s * HV + h) * DV + cols, stored_as(o, out_ptr), mask=cols < DV)
+
+
+@triton.jit
+def _last_head_norms(parts_ptr, count_ptr, out_ptr, z_ptr, norm_ptr, o, s, h, cols, HV, z_stride, eps,
+                     DV: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """The DeltaNet output norm in the step's launch, not one of its own (``gated_norm``: 30 a
+    35B-A3B decode step): each program stores its columns of o in float32 and counts itself in
+    its (sequence, head) counter; the one that counts last reads the head's whole o back (from
+    L2), stores ``gated_normed`` of it rounded once, and sets the counter back to 0. Ordering as
+    ``_quant_matmul_kernel._last_split_sums``'. The norm reads o in float32, where the separate
+    launch read it rounded to out's type."""
+    row = (s * HV + h) * DV
+    tl.store(parts_ptr + row + cols, o, mask=cols < DV)
+    tl.debug_barrier()
+    counter = count_ptr + s * HV + h
+    done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if done == tl.num_programs(2) - 1:
+        c = tl.arange(0, BLOCK_DV)
+        ok = c < DV
+        x = tl.load(parts_ptr + row + c, mask=ok, other=0.0, cache_modifier=".cg")[None, :]
+        z = tl.load(z_ptr + s * z_stride + h * DV + c, mask=ok, other=0.0).to(tl.float32)[None, :]
+        w = tl.load(norm_ptr + c, mask=ok, other=0.0).to(tl.float32)
+        y = gated_normed(x, z, w, DV, eps)
+        tl.store(out_ptr + row + c[None, :], stored_as(y, out_ptr), mask=ok[None, :])
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 INTERPRETED = not isinstance(delta_step, JITFunction)

@@ -22,9 +22,17 @@ def gated_rms_norm(x_ptr, z_ptr, w_ptr, out_ptr, n_heads, width, eps, x_rows, x_
     x = tl.load(x_ptr + r * x_rows + h[:, None] * x_heads + c[None, :], mask=ok, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + r * z_rows + h[:, None] * z_heads + c[None, :], mask=ok, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + c, mask=c < width, other=0.0).to(tl.float32)
-    scale = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / width + eps)         # (BLOCK_H,)
-    y = x * scale[:, None] * w[None, :] * (z * sigmoid(z))
+    y = gated_normed(x, z, w, width, eps)
     tl.store(out_ptr + (r * n_heads + h[:, None]) * width + c[None, :], stored_as(y, out_ptr), mask=ok)
+
+
+@triton.jit
+def gated_normed(x, z, w, width, eps):
+    """x (H, D) float32 heads, each normalised over its ``width`` columns (zeros past them), times
+    w (D,) and silu(z): ``gated_rms_norm``'s math, which the DeltaNet decode step's last program
+    per head takes too (``_delta_step_kernel``), so the two give the same bits on the same x."""
+    scale = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / width + eps)         # (H,)
+    return x * scale[:, None] * w[None, :] * (z * sigmoid(z))
 
 
 INTERPRETED = not isinstance(gated_rms_norm, JITFunction)

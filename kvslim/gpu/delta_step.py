@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from . import FP_FUSION, kernels, pow2, serves
+from . import FP_FUSION, counters, kernels, pow2, serves
 
+# Whether the step's launch also applies the layer's gated output norm (``norm``; the last
+# program of each head): 30 launches fewer a 35B-A3B decode step. Untimed (benchmarks/gpu_model.py
+# --no-sums-in-gemv turns it off with the GEMVs' last-program sums).
+NORM_IN_STEP = True
 BLOCK_V = 8             # value columns a program: fla-core's choice for its recurrent step (a
                         # (dk, 8) float32 tile in one warp), so a batch of one fills the SMs
 
@@ -36,12 +40,14 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride()[1:] == inner else t.contiguous()
 
 
-def delta_step(q, k, v, a, b, A_log, dt_bias, state, slots, out=None) -> torch.Tensor:
+def delta_step(q, k, v, a, b, A_log, dt_bias, state, slots, out=None, norm=None) -> torch.Tensor:
     """``gated_delta_decode``'s step for B sequences: q, k (B, Hk, dk) as convolved; v (B, Hv, dv);
     a, b (B, Hv) the gates' pre-activations; A_log, dt_bias (Hv,); state (S, Hv, dk, dv) float32,
     every slot's, updated in place for the B distinct ``slots``. Rows may be strided (the columns
     of a fused projection's output). Returns o (B, Hv, dv): ``out`` when given (its type), else
-    in v's type; float32 sums rounded once."""
+    in v's type; float32 sums rounded once. ``norm`` (z (B, Hv, dv), weight (dv,), eps): the
+    layer's gated output norm of o instead (``gated_norm.gated_rms_norm``'s math on the float32
+    o, by each head's last program: no launch of its own)."""
     n, hk, dk = q.shape
     hv, dv = v.shape[1:]
     if k.shape != q.shape or v.shape[0] != n or a.shape != (n, hv) or b.shape != (n, hv) \
@@ -58,8 +64,26 @@ def delta_step(q, k, v, a, b, A_log, dt_bias, state, slots, out=None) -> torch.T
     if n:
         q, k, v, a, b = (_rows(t) for t in (q, k, v, a, b))
         block_v = min(BLOCK_V, pow2(dv))
+        z, weight, eps, parts, count = _norm_args(norm, n, hv, dv, out)
         _kernel().delta_step[(n, hv, -(-dv // block_v))](
             q, k, v, a, b, A_log.contiguous(), dt_bias.contiguous(), state, slots.contiguous(), out, hk, hv,
             q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0), dk ** -0.5, 1e-6,
-            DK=dk, DV=dv, BLOCK_K=pow2(dk), BLOCK_V=block_v, num_warps=1, **FP_FUSION)
+            z, z.stride(0), weight, eps, parts, count,
+            DK=dk, DV=dv, BLOCK_K=pow2(dk), BLOCK_V=block_v, NORM=norm is not None, BLOCK_DV=pow2(dv),
+            num_warps=1, **FP_FUSION)
     return out
+
+
+def _norm_args(norm, n: int, hv: int, dv: int, out: torch.Tensor) -> tuple:
+    """The kernel's z, norm weight, eps, float32 scratch and counters for ``norm`` (placeholders
+    the kernel never reads without it). z's heads must be rows of dv contiguous values, dv apart."""
+    if norm is None:
+        return out, out, 0.0, out, out
+    z, weight, eps = norm
+    if z.shape != (n, hv, dv) or weight.shape != (dv,):
+        raise ValueError(f"norm: z (B, Hv, dv) = {(n, hv, dv)} and a weight of {dv} expected, got z "
+                         f"{tuple(z.shape)} and weight {tuple(weight.shape)}")
+    if z.stride()[1:] != (dv, 1):
+        z = z.contiguous()
+    parts = torch.empty(n, hv, dv, device=out.device, dtype=torch.float32)
+    return z, weight.contiguous(), float(eps), parts, counters(n * hv, out.device)

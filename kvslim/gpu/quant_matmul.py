@@ -29,13 +29,14 @@ together under Triton's interpreter (TRITON_INTERPRET=1, CPU tensors).
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import gguf
 import torch
 
 from ..formats.base import cached_on
-from . import FP_FUSION, kernels, pow2, serves
+from . import FP_FUSION, counters, kernels, pow2, serves
 from .swiglu import silu_mul
 
 _T = gguf.GGMLQuantizationType
@@ -75,8 +76,10 @@ SUMS_IN_GEMV = True
 # ``dp4a``: the float loops cost 0.51 (Q4_0), 0.77 (Q4_K) and 0.61 (Q6_K) warp instructions a
 # weight byte at sm_90 against the ~0.22 an H200's issue rate allows at full bandwidth; these
 # 0.32, 0.27 and 0.37 (Triton 3.6 SASS). Off until a lease times it and a quality run weighs the rounding
-# (the outputs move by ~0.5% of their size; benchmarks/gpu_model.py --q8-activations).
-Q8_ACTIVATIONS = False
+# (the outputs move by ~0.5% of their size; benchmarks/gpu_model.py --q8-activations);
+# KVSLIM_GPU_Q8_ACTIVATIONS=1 turns it on for any command (the CPU's C step takes 8-bit
+# activations by default, ``native.block_linear.q8_activations``).
+Q8_ACTIVATIONS = os.environ.get("KVSLIM_GPU_Q8_ACTIVATIONS", "0") == "1"
 Q8_TILE = dict(BLOCK_N=32, BLOCK_K=256, TERMS=8)     # 32 rows a program: x's rounding paid once for 32 rows
 Q8_TYPES = (_T.Q4_0, _T.Q4_K, _T.Q6_K)
 
@@ -248,7 +251,7 @@ def gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type, split_k: int | None =
         parts = torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
         tiles = -(-width // config["BLOCK_N"])
         _kernel().quant_gemv[(tiles, splits)](
-            x, blocks, table, y, parts, split_counters(tiles, x.device), m, width, k, blocks.shape[1], per_split,
+            x, blocks, table, y, parts, counters(tiles, x.device), m, width, k, blocks.shape[1], per_split,
             width * blocks.shape[1], SWIGLU=swiglu, LAST_SUMS=True, **constexprs, **FP_FUSION)
         return y
     parts = torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
@@ -258,14 +261,6 @@ def gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type, split_k: int | None =
     _kernel().sum_splits[(-(-(m * width) // SUM_BLOCK),)](parts, y, splits, m * width, width, BLOCK=SUM_BLOCK,
                                                            SWIGLU=swiglu, num_warps=4, **FP_FUSION)
     return y
-
-
-def split_counters(tiles: int, device) -> torch.Tensor:
-    """The int32 counters (at least ``tiles``, all 0) by which a split GEMV's programs find each
-    tile's last (``_last_split_sums``, which sets its counter back to 0): one set per device and
-    power of two, shared by the GEMVs of one stream, which run one after another."""
-    size = pow2(max(tiles, 1024))
-    return cached_on(device, ("gemv split counters", size), lambda: torch.zeros(size, dtype=torch.int32))
 
 
 def gemv_experts(x: torch.Tensor, blocks: torch.Tensor, ids: torch.Tensor, ggml_type,
@@ -322,7 +317,7 @@ def gemv_experts_combined(x: torch.Tensor, blocks: torch.Tensor, ids: torch.Tens
     _kernel().quant_gemv_experts[(tiles, p)](x.contiguous(), blocks.contiguous(), grid_table(ggml_type, x.device),
                                              _ids(ids), _scales(scales, x), out,
                                              n, k, blocks.shape[2], blocks.shape[1] * blocks.shape[2], p // x.shape[0],
-                                             0, parts, split_counters(tokens * tiles, x.device), shared.contiguous(),
+                                             0, parts, counters(tokens * tiles, x.device), shared.contiguous(),
                                              gate, gate.stride(0), TYPE=int(ggml_type), BLOCK_N=config["BLOCK_N"],
                                              BLOCK_K=config["BLOCK_K"], TERMS=config["TERMS"], SCALED=True,
                                              TOP_K=p // tokens, Q8=q8_mode, num_warps=config["num_warps"],

@@ -61,13 +61,14 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = self.project(x)
         # in x's dtype: the float32 outputs of the rule are rounded once as they are written
         out = torch.empty(n, self.n_v, self.dv, dtype=x.dtype, device=x.device)
+        normed = False
         if batch.is_decode:
-            self._decode(qkv, a, b, batch, cache, out)
+            normed = self._decode(qkv, z, a, b, batch, cache, out)
         else:
             g, beta = gates(a, b, self.A_log, self.dt_bias)
             for seg in batch.segments:
                 self._prefill(qkv, g, beta, seg, cache, out)
-        return self.out_proj(self.norm(out, z).reshape(n, -1))
+        return self.out_proj((out if normed else self.norm(out, z)).reshape(n, -1))
 
     def _heads(self, mixed: torch.Tensor):
         """Convolved (T, conv_dim) -> q, k (T, Hk, dk) and v (T, Hv, dv), as convolved."""
@@ -85,19 +86,23 @@ class GatedDeltaNet(nn.Module):
         out[rows], cache.recurrent[seg.slot] = o[0], state[0]
         cache.advance(seg.slot, seg.length)
 
-    def _decode(self, qkv, a, b, batch, cache, out) -> None:
+    def _decode(self, qkv, z, a, b, batch, cache, out) -> bool:
         """One token for each sequence, all in one step, from the raw q, k, v and gate inputs
         (``gated_delta_decode``). On a GPU with the kernels on, two launches read and update
-        each slot's conv and recurrent states where the cache keeps them; otherwise consecutive
-        slots are updated in place through a view, others gathered and scattered back."""
+        each slot's conv and recurrent states where the cache keeps them, and the step's launch
+        also applies the output norm (``delta_step``'s ``norm``; True returned: ``out`` is
+        normed); otherwise consecutive slots are updated in place through a view, others
+        gathered and scattered back."""
+        normed = False
         idx = batch.slot_index()
         if gpu.TRITON and gpu_conv.runs_on(qkv):
             mixed = gpu_conv.conv_step(qkv, cache.conv, batch.slot_ids, self.conv1d.weight[:, 0])
         else:
             mixed, cache.conv[idx] = causal_conv_step(qkv, cache.conv[idx], self.conv1d.weight[:, 0])
         if gpu.TRITON and gpu_step.runs_on(mixed):
+            normed = gpu_step.NORM_IN_STEP
             gpu_step.delta_step(*self._heads(mixed), a, b, self.A_log, self.dt_bias, cache.recurrent,
-                                batch.slot_ids, out=out)
+                                batch.slot_ids, out=out, norm=(z, self.norm.weight, self.norm.eps) if normed else None)
         else:
             state = cache.recurrent[idx]                            # a view when idx is a slice
             out[:] = gated_delta_decode(*self._heads(mixed), a, b, self.A_log, self.dt_bias, state)
@@ -106,6 +111,7 @@ class GatedDeltaNet(nn.Module):
         if not batch.prepared:                                      # else the caller commits lengths
             for seg in batch.segments:
                 cache.advance(seg.slot, 1)
+        return normed
 
 
 def feed_forward(c: HybridConfig, layer: int) -> nn.Module:
