@@ -675,7 +675,8 @@ def test_the_8_bit_activation_gemv_compiles_to_dp4a(name, swiglu):
     from kvslim.gpu import _quant_matmul_kernel as kernel
     config = gpu.gemv_config(1, weights.get(name).ggml_type)
     num_warps = config.pop("num_warps")
-    config.update(gpu.Q8_TILE, TYPE=int(weights.get(name).ggml_type), Q8=2)
+    assert gpu.q8_config(config, weights.get(name).ggml_type, 1, True)       # the tile and TERMS a launch takes
+    config.update(TYPE=int(weights.get(name).ggml_type), Q8=2)                # compiled: dp4a instructions
     pointers = dict(POINTERS, x_ptr="*bf16", y_ptr="*bf16")
     compiled = compile_for_sm90(kernel.quant_gemv, pointers, dict(config, SWIGLU=swiglu), num_warps)
     assert "dp4a.s32.s32" in compiled.asm["ptx"] and ".local" not in compiled.asm["ptx"]

@@ -36,6 +36,26 @@ def sigmoid(x):
 
 
 @triton.jit
+def last_to_arrive(counter_ptr, expected):
+    """Whether this program is the last of ``expected`` to count itself in the int32 at
+    counter_ptr: how a launch finds the program that sums the others' stored results (a split
+    GEMV's partials, a token's pair products, a head's columns) without a launch of its own.
+    Ordering: the barrier puts every thread's stores before the one thread's acq_rel atomic at
+    GPU scope (a release that covers what the block's threads wrote); the last program's
+    acquire then comes before its loads, which must read L2 (``cache_modifier=".cg"``), not a
+    stale L1 line. The counter must be 0 before the launch, and the last program sets it back
+    (``rearm``): counters (``kvslim.gpu.counters``) belong to one stream's launches."""
+    tl.debug_barrier()
+    return tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == expected - 1
+
+
+@triton.jit
+def rearm(counter_ptr):
+    """The last program's counter back to 0 for the next launch (``last_to_arrive``)."""
+    tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def f16_at(ptr, mask):
     """Two little-endian bytes at ptr -> float32 (an f16 bit pattern), for any byte address."""
     lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)

@@ -5,7 +5,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from ._codecs import sigmoid, stored_as
+from ._codecs import last_to_arrive, rearm, sigmoid, stored_as
 from ._gated_norm_kernel import gated_normed
 
 
@@ -65,15 +65,13 @@ def _last_head_norms(parts_ptr, count_ptr, out_ptr, z_ptr, norm_ptr, o, s, h, co
     """The DeltaNet output norm in the step's launch, not one of its own (``gated_norm``: 30 a
     35B-A3B decode step): each program stores its columns of o in float32 and counts itself in
     its (sequence, head) counter; the one that counts last reads the head's whole o back (from
-    L2), stores ``gated_normed`` of it rounded once, and sets the counter back to 0. Ordering as
-    ``_quant_matmul_kernel._last_split_sums``'. The norm reads o in float32, where the separate
-    launch read it rounded to out's type."""
+    L2), stores ``gated_normed`` of it rounded once, and sets the counter back to 0
+    (``last_to_arrive``, ``rearm``). The norm reads o in float32, where the separate launch
+    read it rounded to out's type."""
     row = (s * HV + h) * DV
     tl.store(parts_ptr + row + cols, o, mask=cols < DV)
-    tl.debug_barrier()
     counter = count_ptr + s * HV + h
-    done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if done == tl.num_programs(2) - 1:
+    if last_to_arrive(counter, tl.num_programs(2)):
         c = tl.arange(0, BLOCK_DV)
         ok = c < DV
         x = tl.load(parts_ptr + row + c, mask=ok, other=0.0, cache_modifier=".cg")[None, :]
@@ -81,7 +79,7 @@ def _last_head_norms(parts_ptr, count_ptr, out_ptr, z_ptr, norm_ptr, o, s, h, co
         w = tl.load(norm_ptr + c, mask=ok, other=0.0).to(tl.float32)
         y = gated_normed(x, z, w, DV, eps)
         tl.store(out_ptr + row + c[None, :], stored_as(y, out_ptr), mask=ok[None, :])
-        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+        rearm(counter)
 
 
 INTERPRETED = not isinstance(delta_step, JITFunction)

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from ._codecs import f16_aligned, f16_at, sigmoid, stored_as
+from ._codecs import f16_aligned, f16_at, last_to_arrive, rearm, sigmoid, stored_as
 from ._moe_kernel import gated_sum
 
 # ggml type ids (gguf.GGMLQuantizationType), the kernels' TYPE
@@ -566,6 +566,15 @@ def _halves(t, A: tl.constexpr, B: tl.constexpr):
 
 
 @triton.jit
+def _words16(ptr, mask):
+    """int32 words at the even byte addresses ptr (A, B, C), each from two 2-byte loads."""
+    halves = tl.load(ptr.to(tl.pointer_type(tl.int16))[:, :, :, None] + tl.arange(0, 2)[None, None, None, :],
+                     mask=mask[:, :, :, None], other=0)
+    lo16, hi16 = tl.split(halves)
+    return (lo16.to(tl.int32) & 0xFFFF) | (hi16.to(tl.int32) << 16)
+
+
+@triton.jit
 def _q8_q4_0_dot(w_ptr, rows, N, K, row_bytes, chunk, xw, dx, sx, BLOCK_N: tl.constexpr, NB: tl.constexpr,
                  DP4A: tl.constexpr):
     """Q4_0 rows' blocks of this chunk against x rounded to 8 bits (``_q8_x``) -> (BN, NB) float32:
@@ -578,10 +587,7 @@ def _q8_q4_0_dot(w_ptr, rows, N, K, row_bytes, chunk, xw, dx, sx, BLOCK_N: tl.co
     ok = (rows < N)[:, None] & (blk < K // 32)[None, :]
     block = w_ptr + rows.to(tl.int64)[:, None] * row_bytes + blk[None, :] * 18
     d = f16_aligned(block, ok)                                                                 # (BN, NB)
-    halves = tl.load((block + 2).to(tl.pointer_type(tl.int16))[:, :, None] + tl.arange(0, 8)[None, None, :],
-                     mask=ok[:, :, None], other=0)                                              # (BN, NB, 8)
-    lo16, hi16 = tl.split(tl.reshape(halves, (BLOCK_N, NB, 4, 2)))
-    words = (lo16.to(tl.int32) & 0xFFFF) | (hi16.to(tl.int32) << 16)                           # (BN, NB, 4)
+    words = _words16(block[:, :, None] + 2 + 4 * tl.arange(0, 4)[None, None, :], ok[:, :, None])   # (BN, NB, 4)
     dots = _dp4a(words & 0x0F0F0F0F, xlo[None, :, :], tl.zeros(words.shape, tl.int32), DP4A)
     dots = _dp4a((words >> 4) & 0x0F0F0F0F, xhi[None, :, :], dots, DP4A)
     return d * dx[None, :] * (tl.sum(dots, axis=2) - 8 * tl.sum(sx, axis=1)[None, :]).to(tl.float32)
@@ -613,15 +619,6 @@ def _q8_q4_k_dot(w_ptr, rows, N, K, row_bytes, chunk, xw, dx, sx, BLOCK_N: tl.co
     dot_hi = tl.sum(_dp4a((words >> 4) & 0x0F0F0F0F, xhi[None, :, :], zero, DP4A), axis=2).to(tl.float32)
     return (dx_lo[None, :] * (d * scale_lo * dot_lo - dmin * min_lo * sx_lo[None, :].to(tl.float32))
             + dx_hi[None, :] * (d * scale_hi * dot_hi - dmin * min_hi * sx_hi[None, :].to(tl.float32)))
-
-
-@triton.jit
-def _words16(ptr, mask):
-    """int32 words at the even byte addresses ptr (A, B, C), each from two 2-byte loads."""
-    halves = tl.load(ptr.to(tl.pointer_type(tl.int16))[:, :, :, None] + tl.arange(0, 2)[None, None, None, :],
-                     mask=mask[:, :, :, None], other=0)
-    lo16, hi16 = tl.split(halves)
-    return (lo16.to(tl.int32) & 0xFFFF) | (hi16.to(tl.int32) << 16)
 
 
 @triton.jit
@@ -672,7 +669,7 @@ def _q8_chunk(x_ptr, w_ptr, rows, N, K, row_bytes, chunk, TYPE: tl.constexpr, BL
 def _q8_dot(w_ptr, rows, N, K, row_bytes, chunk, xw, dx, sx, TYPE: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_K: tl.constexpr, DP4A: tl.constexpr):
     """``_q8_q4_0_dot``, ``_q8_q4_k_dot`` or ``_q8_q6_k_dot`` by TYPE: (BN, a term per block of 32,
-    group of 64 or half of 128)."""
+    group of 64 or half of 128: ``quant_matmul.q8_config``'s TERMS)."""
     if TYPE == Q4_0:
         out = _q8_q4_0_dot(w_ptr, rows, N, K, row_bytes, chunk, xw, dx, sx, BLOCK_N, BLOCK_K // 32, DP4A)
     elif TYPE == Q4_K:
@@ -722,9 +719,8 @@ def _gemv_chunks(x_ptr, w_ptr, grid_ptr, m, M, rows, N, K, row_bytes, first, las
     chunks and summed once at the end. Q8 (Q4_0, Q4_K or Q6_K, BM = 1; 2: dp4a instructions,
     1: their interpreted twin): x rounded to 8 bits a chunk at a time and the products in
     integers (``_q8_chunk``)."""
-    if Q8 > 0:             # a term per block of 32 (Q4_0), group of 64 (Q4_K), half of 128 (Q6_K)
-        W: tl.constexpr = BLOCK_K // 32 if TYPE == Q4_0 else (BLOCK_K // 64 if TYPE == Q4_K else BLOCK_K // 128)
-        terms = tl.zeros([BLOCK_N, W], tl.float32)
+    if Q8 > 0:             # TERMS: a term per block of 32 (Q4_0), group of 64 (Q4_K), half of 128 (Q6_K)
+        terms = tl.zeros([BLOCK_N, TERMS], tl.float32)
         for chunk in range(first, last):
             terms += _q8_chunk(x_ptr, w_ptr, rows, N, K, row_bytes, chunk, TYPE, BLOCK_N, BLOCK_K, Q8 == 2)
         acc = tl.sum(terms, axis=1)[None, :]
@@ -751,9 +747,8 @@ def _gemv_pair_chunks(x_ptr, w_ptr, up_bytes, grid_ptr, m, M, rows, N, K, row_by
     tiles' bytes in flight, as the two programs of the unfused GEMV did. -> (gate, up).
     Q8 as ``_gemv_chunks``' (x rounded once a chunk for both halves)."""
     if Q8 > 0:
-        W: tl.constexpr = BLOCK_K // 32 if TYPE == Q4_0 else (BLOCK_K // 64 if TYPE == Q4_K else BLOCK_K // 128)
-        gate = tl.zeros([BLOCK_N, W], tl.float32)
-        up = tl.zeros([BLOCK_N, W], tl.float32)
+        gate = tl.zeros([BLOCK_N, TERMS], tl.float32)
+        up = tl.zeros([BLOCK_N, TERMS], tl.float32)
         for chunk in range(first, last):
             xw, dx, sx = _q8_x(x_ptr, chunk, K, BLOCK_K // 32)
             gate += _q8_dot(w_ptr, rows, N, K, row_bytes, chunk, xw, dx, sx, TYPE, BLOCK_N, BLOCK_K, Q8 == 2)
@@ -834,11 +829,8 @@ def _last_split_sums(parts_ptr, count_ptr, y_ptr, acc, up, m, rows, live, M, N, 
     35B-A3B decode step's split GEMVs launched 120 ``sum_splits``): each program stores its
     partial (and up's), counts itself in the tile's counter, and the one that counts last adds
     the tile's partials in split order (``sum_splits``' order: the same bits whichever program
-    it is), stores y rounded once and sets the counter back to 0 for the next launch.
-    Ordering: the barrier puts every thread's stores before the one thread's acq_rel atomic at
-    GPU scope (a release that covers what the block's threads wrote); the last program's
-    acquire then comes before its loads, which read L2 (.cg), not a stale L1 line. The
-    counters (one int32 per tile, zero between launches) belong to one stream's launches."""
+    it is), stores y rounded once and sets the counter back to 0 for the next launch
+    (``last_to_arrive``, ``rearm``: one int32 per tile)."""
     tile = tl.program_id(0)
     split = tl.program_id(1)
     n_splits = tl.num_programs(1)
@@ -847,9 +839,7 @@ def _last_split_sums(parts_ptr, count_ptr, y_ptr, acc, up, m, rows, live, M, N, 
     tl.store(parts_ptr + at, acc, mask=live)
     if SWIGLU:
         tl.store(parts_ptr + at + N, up, mask=live)
-    tl.debug_barrier()
-    done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    if done == n_splits - 1:
+    if last_to_arrive(count_ptr + tile, n_splits):
         total = tl.zeros(acc.shape, tl.float32)
         up_total = tl.zeros(acc.shape, tl.float32)
         for s in range(0, n_splits):
@@ -860,7 +850,7 @@ def _last_split_sums(parts_ptr, count_ptr, y_ptr, acc, up, m, rows, live, M, N, 
         if SWIGLU:
             total = _silu_mul(total, up_total)
         tl.store(y_ptr + m[:, None] * N + rows[None, :], stored_as(total, y_ptr), mask=live)
-        tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+        rearm(count_ptr + tile)
 
 
 @triton.jit
@@ -928,17 +918,15 @@ def _last_pair_combines(parts_ptr, count_ptr, shared_ptr, gate_ptr, out_ptr, y, 
     launch of its own (``moe.combine``: 40 a 35B-A3B decode step): each stores its pair's float32
     product in parts and counts itself in the (token, tile) counter; the one that counts last
     stores the token's ``gated_sum`` (the pairs in order of k: the same bits as ``combine``)
-    rounded once, and sets the counter back to 0. Ordering as ``_last_split_sums``'."""
+    rounded once, and sets the counter back to 0 (``last_to_arrive``, ``rearm``)."""
     t = p // TOP_K
     live = rows < N
     tl.store(parts_ptr + p * N + rows, y, mask=live)
-    tl.debug_barrier()
     counter = count_ptr + t * tl.num_programs(0) + tl.program_id(0)
-    done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if done == TOP_K - 1:
+    if last_to_arrive(counter, TOP_K):
         total = gated_sum(parts_ptr, shared_ptr, gate_ptr, t, rows, N, live, gate_stride, TOP_K, ".cg")
         tl.store(out_ptr + t * N + rows, stored_as(total, out_ptr), mask=live)
-        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+        rearm(counter)
 
 
 @triton.jit

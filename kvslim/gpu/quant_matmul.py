@@ -75,13 +75,14 @@ SUMS_IN_GEMV = True
 # ``weights.activations.quantize_q8`` and llama.cpp's CUDA decode do) and multiply in integers by
 # ``dp4a``: the float loops cost 0.51 (Q4_0), 0.77 (Q4_K) and 0.61 (Q6_K) warp instructions a
 # weight byte at sm_90 against the ~0.22 an H200's issue rate allows at full bandwidth; these
-# 0.32, 0.27 and 0.37 (Triton 3.6 SASS). Off until a lease times it and a quality run weighs the rounding
+# 0.27, 0.27 and 0.37 (Triton 3.6 SASS). Off until a lease times it and a quality run weighs the rounding
 # (the outputs move by ~0.5% of their size; benchmarks/gpu_model.py --q8-activations);
 # KVSLIM_GPU_Q8_ACTIVATIONS=1 turns it on for any command (the CPU's C step takes 8-bit
 # activations by default, ``native.block_linear.q8_activations``).
 Q8_ACTIVATIONS = os.environ.get("KVSLIM_GPU_Q8_ACTIVATIONS", "0") == "1"
-Q8_TILE = dict(BLOCK_N=32, BLOCK_K=256, TERMS=8)     # 32 rows a program: x's rounding paid once for 32 rows
-Q8_TYPES = (_T.Q4_0, _T.Q4_K, _T.Q6_K)
+Q8_TILE = dict(BLOCK_N=32, BLOCK_K=256)     # 32 rows a program: x's rounding paid once for 32 rows
+# the types, each with the values of one of its terms: a block (Q4_0), a group of 64 (Q4_K), a half (Q6_K)
+Q8_TYPES = {_T.Q4_0: 32, _T.Q4_K: 64, _T.Q6_K: 128}
 
 
 def _kernel():
@@ -155,7 +156,7 @@ def q8_config(config: dict, ggml_type, n_rows: int, q8: bool | None) -> int:
     ``Q8_TYPES`` when ``q8`` (default ``Q8_ACTIVATIONS``) asks."""
     if not (Q8_ACTIVATIONS if q8 is None else q8) or ggml_type not in Q8_TYPES or n_rows != 1:
         return 0
-    config.update(Q8_TILE)
+    config.update(Q8_TILE, TERMS=Q8_TILE["BLOCK_K"] // Q8_TYPES[ggml_type])
     return 1 if _kernel().INTERPRETED else 2
 
 
@@ -247,14 +248,13 @@ def gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type, split_k: int | None =
             x, blocks, table, y, y, y, m, width, k, blocks.shape[1], per_split, width * blocks.shape[1],
             SWIGLU=swiglu, **constexprs, **FP_FUSION)
         return y
+    parts = torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
     if SUMS_IN_GEMV if last_sums is None else last_sums:
-        parts = torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
         tiles = -(-width // config["BLOCK_N"])
         _kernel().quant_gemv[(tiles, splits)](
             x, blocks, table, y, parts, counters(tiles, x.device), m, width, k, blocks.shape[1], per_split,
             width * blocks.shape[1], SWIGLU=swiglu, LAST_SUMS=True, **constexprs, **FP_FUSION)
         return y
-    parts = torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
     _kernel().quant_gemv[(-(-n // config["BLOCK_N"]), splits)](
         x, blocks, table, parts, parts, parts, m, n, k, blocks.shape[1], per_split, 0, **constexprs, **FP_FUSION)
     # (the SwiGLU halves here are rows of one GEMV, not pairs: sum_splits applies the activation)
@@ -274,22 +274,11 @@ def gemv_experts(x: torch.Tensor, blocks: torch.Tensor, ids: torch.Tensor, ggml_
     rows) and y (P, I) = silu(gate) * up, in the same launch (``gemv``'s). ``ids`` (P,), int32 or
     int64 (topk's, read as they are), stays on the device; only the chosen experts' bytes are read."""
     _check_experts(x, blocks, ids, ggml_type, scales)
-    p, k, n = ids.numel(), x.shape[1], blocks.shape[1]
+    n = blocks.shape[1]
     if swiglu and n % 2:
         raise ValueError(f"a fused [gate; up] projection has an even number of rows, got {n}")
-    width = n // 2 if swiglu else n
-    config = gemv_config(1, ggml_type)
-    q8_mode = q8_config(config, ggml_type, 1, q8)
-    y = torch.empty(p, width, device=x.device, dtype=out_dtype)
-    grid = (-(-width // config["BLOCK_N"]), p)
-    _kernel().quant_gemv_experts[grid](x.contiguous(), blocks.contiguous(), grid_table(ggml_type, x.device),
-                                       _ids(ids), _scales(scales, x), y,
-                                       width, k, blocks.shape[2], blocks.shape[1] * blocks.shape[2], p // x.shape[0],
-                                       width * blocks.shape[2], y, y, y, y, 0, TYPE=int(ggml_type),
-                                       BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], TERMS=config["TERMS"],
-                                       SCALED=scales is not None, SWIGLU=swiglu, Q8=q8_mode,
-                                       num_warps=config["num_warps"], **FP_FUSION)
-    return y
+    y = torch.empty(ids.numel(), n // 2 if swiglu else n, device=x.device, dtype=out_dtype)
+    return _experts_gemv(x, blocks, ids, ggml_type, scales, y, q8, swiglu=swiglu)
 
 
 def gemv_experts_combined(x: torch.Tensor, blocks: torch.Tensor, ids: torch.Tensor, ggml_type, scales: torch.Tensor,
@@ -306,23 +295,30 @@ def gemv_experts_combined(x: torch.Tensor, blocks: torch.Tensor, ids: torch.Tens
         raise ValueError(f"routing weights, T top_k ids, shared (T, N) and gate (T, 1) expected, got ids "
                          f"{tuple(ids.shape)}, shared {tuple(shared.shape)}, gate {tuple(gate.shape)} for N = "
                          f"{blocks.shape[1]}")
-    p, k = ids.numel(), x.shape[1]
+    out = torch.empty(tokens, n, device=x.device, dtype=shared.dtype)
+    return _experts_gemv(x, blocks, ids, ggml_type, scales, out, q8, combine=(shared, gate)) if tokens else out
+
+
+def _experts_gemv(x, blocks, ids, ggml_type, scales, y, q8, swiglu: bool = False, combine=None) -> torch.Tensor:
+    """``quant_gemv_experts`` over (tiles of y's columns, pairs) into y (P or T rows). ``combine``
+    (shared, gate): each token's last pair program a tile writes its combined row (TOP_K launch)."""
     config = gemv_config(1, ggml_type)
     q8_mode = q8_config(config, ggml_type, 1, q8)
-    out = torch.empty(tokens, n, device=x.device, dtype=shared.dtype)
-    if not tokens:
-        return out
-    parts = torch.empty(p, n, device=x.device, dtype=torch.float32)
-    tiles = -(-n // config["BLOCK_N"])
-    _kernel().quant_gemv_experts[(tiles, p)](x.contiguous(), blocks.contiguous(), grid_table(ggml_type, x.device),
-                                             _ids(ids), _scales(scales, x), out,
-                                             n, k, blocks.shape[2], blocks.shape[1] * blocks.shape[2], p // x.shape[0],
-                                             0, parts, counters(tokens * tiles, x.device), shared.contiguous(),
-                                             gate, gate.stride(0), TYPE=int(ggml_type), BLOCK_N=config["BLOCK_N"],
-                                             BLOCK_K=config["BLOCK_K"], TERMS=config["TERMS"], SCALED=True,
-                                             TOP_K=p // tokens, Q8=q8_mode, num_warps=config["num_warps"],
-                                             **FP_FUSION)
-    return out
+    (p, k), width = (ids.numel(), x.shape[1]), y.shape[1]
+    tiles = -(-width // config["BLOCK_N"])
+    top_k, extra = 0, (y, y, y, y, 0)                 # (parts, counters, shared, gate, gate's row stride)
+    if combine is not None:
+        shared, gate = combine
+        top_k = p // y.shape[0]
+        extra = (torch.empty(p, width, device=x.device, dtype=torch.float32), counters(y.shape[0] * tiles, x.device),
+                 shared.contiguous(), gate, gate.stride(0))
+    _kernel().quant_gemv_experts[(tiles, p)](
+        x.contiguous(), blocks.contiguous(), grid_table(ggml_type, x.device), _ids(ids), _scales(scales, x), y,
+        width, k, blocks.shape[2], blocks.shape[1] * blocks.shape[2], p // x.shape[0], width * blocks.shape[2],
+        *extra, TYPE=int(ggml_type), BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], TERMS=config["TERMS"],
+        SCALED=scales is not None, SWIGLU=swiglu, TOP_K=top_k, Q8=q8_mode, num_warps=config["num_warps"],
+        **FP_FUSION)
+    return y
 
 
 def _ids(ids: torch.Tensor) -> torch.Tensor:
