@@ -290,13 +290,18 @@ def main(argv=None) -> int:
     ap.add_argument("--sums-in-gemv", action=argparse.BooleanOptionalAction, default=True,
                     help="the last-program folds: a split GEMV's partials and a mixture's combine summed by the "
                          "GEMV's last programs (quant_matmul.SUMS_IN_GEMV), the DeltaNet norm by the step's "
-                         "(delta_step.NORM_IN_STEP); --no-...: launches of their own, to time both")
+                         "(delta_step.NORM_IN_STEP), and with them the shared expert among the routed pairs; "
+                         "--no-...: launches of their own, to time both")
+    ap.add_argument("--shared-as-pair", action=argparse.BooleanOptionalAction, default=True,
+                    help="a mixture's shared expert as one more pair a token in the routed experts' two GEMVs "
+                         "(quant_matmul.SHARED_AS_PAIR; --no-...: its own two GEMVs), to time both")
     ap.add_argument("--q8-activations", action="store_true",
                     help="decode's 1-row Q4_0, Q4_K and Q6_K GEMVs on x rounded to 8 bits, products by dp4a "
                          "(quant_matmul.Q8_ACTIVATIONS; off by default), to time both")
     args = ap.parse_args(argv)
     gpu_weights.SWIGLU_IN_GEMV = args.swiglu_in_gemv
     gpu_weights.SUMS_IN_GEMV = args.sums_in_gemv
+    gpu_weights.SHARED_AS_PAIR = args.shared_as_pair              # (needs the sums in the GEMVs)
     gpu_delta_step.NORM_IN_STEP = args.sums_in_gemv          # the DeltaNet step's last-program norm too
     gpu_weights.Q8_ACTIVATIONS = gpu_weights.Q8_ACTIVATIONS or args.q8_activations     # or KVSLIM_GPU_Q8_ACTIVATIONS=1
     if args.weights not in catalog.WEIGHT_QUANTS or catalog.WEIGHT_QUANTS[args.weights].base != args.weights:
@@ -316,7 +321,9 @@ def main(argv=None) -> int:
           f"{args.weights} weights made in {time.perf_counter() - t0:.0f} s on {name}; weights held "
           f"{mib(weights_held)} MiB, plan {mib(plan_weights)} MiB ({pct(weights_held, plan_weights)}); "
           f"attention backend {args.attn_backend}, SwiGLU in the GEMVs {args.swiglu_in_gemv}, "
-          f"split sums in the GEMVs {args.sums_in_gemv}, 8-bit activations {gpu_weights.Q8_ACTIVATIONS}\n", flush=True)
+          f"split sums in the GEMVs {args.sums_in_gemv}, shared expert as a pair "
+          f"{gpu_weights.SHARED_AS_PAIR and args.sums_in_gemv}, 8-bit activations {gpu_weights.Q8_ACTIVATIONS}\n",
+          flush=True)
     bandwidth = copy_gbps(args.device, mib=1024 if on_cuda(args.device) else 64) * 1e9
     print(f"device-to-device copy {bandwidth / 1e9:.0f} GB/s (read + written): the ceilings' bandwidth\n", flush=True)
     gen = torch.Generator(device=args.device).manual_seed(args.seed + 1)

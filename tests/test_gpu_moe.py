@@ -58,14 +58,21 @@ def routed_in_child(cases, path: Path) -> None:
     out["combine"] = [gpu.combine(*_combine_inputs(c, i)) for i, c in enumerate(COMBINE_CASES)]
     from kvslim.gpu import quant_matmul
     calls = []
-    for module, name in ((gpu, "combine"), (quant_matmul, "gemv_experts_combined")):
+    for module, name in ((gpu, "combine"), (quant_matmul, "gemv_experts_combined"), (quant_matmul, "gemv"),
+                         (quant_matmul, "gemv_experts"), (quant_matmul, "gemv_mixture_down")):
         inner = getattr(module, name)
-        setattr(module, name, lambda *a, _f=inner, _n=name: calls.append(_n) or _f(*a))
+        setattr(module, name, lambda *a, _f=inner, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    shared, x = _mixture(quantized_shared=True)
+    out["shared pair"] = shared(x), list(calls)                             # the shared expert among the pairs
+    calls.clear()
+    quant_matmul.SHARED_AS_PAIR = False
+    out["shared apart"] = shared(x), list(calls)                            # its own two GEMVs
+    calls.clear()
     layer, x = _mixture()
-    out["layer"] = layer.fused is not None, layer(x), list(calls)           # the combine in the expert GEMV
+    out["layer"] = layer.fused is not None, layer(x), [c for c in calls if "combine" in c]   # the combine in the GEMV
     calls.clear()
     quant_matmul.SUMS_IN_GEMV = False
-    out["layer apart"] = layer(x), list(calls)                              # the combine launch
+    out["layer apart"] = layer(x), [c for c in calls if "combine" in c]       # the combine launch
     torch.save(out, path)
 
 
@@ -173,19 +180,25 @@ def test_combine_sums_the_pairs_and_the_gated_shared_expert(routed, case):
     assert ((got.double() - want).abs() <= ulp * want.abs() + 1e-6 * scale).all(), (got.double() - want).abs().max()
 
 
-def _mixture(seed: int = 5) -> tuple[SparseMoE, torch.Tensor]:
+def _mixture(seed: int = 5, quantized_shared: bool = False) -> tuple[SparseMoE, torch.Tensor]:
     """A float32 mixture layer (hidden 64, 8 experts of 32, top 2, shared expert of 48) with
     quantized experts (q8_0 gate_up, q4_0 down: the kernels' grouped path), fused as a load
-    leaves it, and 3 tokens."""
+    leaves it, and 3 tokens. ``quantized_shared``: a shared expert of 32, quantized as the
+    experts are (the pairs' GEMVs can take it)."""
     from kvslim import weights as W
-    from kvslim.weights.modules import QuantExperts
+    from kvslim.weights.modules import QuantExperts, QuantLinear
     gen = torch.Generator().manual_seed(seed)
-    layer = SparseMoE(64, 8, 2, 32, 48)
+    layer = SparseMoE(64, 8, 2, 32, 32 if quantized_shared else 48)
     with torch.no_grad():
         for p in layer.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
     layer.experts = QuantExperts(W.QuantTensor.quantize(layer.experts.gate_up_proj, W.get("q8_0")),
                                  W.QuantTensor.quantize(layer.experts.down_proj, W.get("q4_0")))
+    if quantized_shared:
+        mlp = layer.shared_expert
+        for name, kind in (("gate_proj", "q8_0"), ("up_proj", "q8_0"), ("down_proj", "q4_0")):
+            setattr(mlp, name, QuantLinear(W.QuantTensor.quantize(getattr(mlp, name).weight.data, W.get(kind))))
+        mlp.fuse_projections()
     layer.fuse_projections()
     return layer, torch.randn(3, 64, generator=gen)
 
@@ -206,6 +219,23 @@ def test_a_mixture_layer_takes_the_kernels_and_matches_the_torch_forms(routed):
         unfused = layer(x)
     torch.testing.assert_close(want, unfused, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_the_shared_expert_joins_the_routed_pairs_and_matches_the_torch_forms(routed):
+    """A mixture layer whose shared expert is quantized as its experts are, with the kernels on:
+    the shared expert is one more pair a token in the routed experts' two GEMVs (no GEMV of its
+    own), and the output is the torch forms' here; with ``SHARED_AS_PAIR`` off, its own two
+    GEMVs and the combine in the down projection's, the same output within float32 sums' order."""
+    got, calls = routed["shared pair"]
+    apart, calls_apart = routed["shared apart"]
+    assert calls == ["gemv_experts", "gemv_mixture_down"]
+    assert calls_apart == ["gemv", "gemv", "gemv_experts", "gemv_experts_combined"]
+    layer, x = _mixture(quantized_shared=True)
+    with torch.no_grad(), pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVSLIM_Q8_ACTIVATIONS", "0")            # the kernels multiply float activations
+        want = layer(x)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(apart, want, atol=1e-5, rtol=1e-4)
 
 
 def test_bad_combine_shapes_are_named():

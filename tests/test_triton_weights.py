@@ -406,6 +406,7 @@ def _experts_in_child(cases, path: Path) -> None:
         xs = x.to(getattr(torch, case[5]))
         out["swiglu"].append(gpu.experts_swiglu(xs, blocks, gpu.route(ids, len(mats)), mats[0].wtype.ggml_type))
     out["combined"] = [_combined_runs(case, i) for i, case in enumerate(COMBINED)]
+    out["shared pair"] = [_shared_pair_runs(case, i) for i, case in enumerate(SHARED_PAIR)]
     mats, blocks, x, ids = _expert_inputs(EXPERT_CASES[1], 1)
     out["q8 experts"] = gpu.gemv_experts(x, blocks, ids, mats[0].wtype.ggml_type, q8=True)
     for tokens in MOE_TOKENS:
@@ -481,6 +482,77 @@ def _check_combined(case, ys, seed: int) -> None:
     assert ((ys[0].double() - want).abs() <= TOLERANCE["ieee"] * bound + ulp * want.abs() + 1e-6).all()
 
 
+# a mixture's shared expert as one more pair a token in the two expert GEMVs: (type, E, hidden H,
+# intermediate I, tokens, top_k, dtype of x and the outputs, 8-bit activations)
+SHARED_PAIR = [("q4_k", 3, 256, 256, 2, 2, "bfloat16", False), ("q4_0", 4, 96, 64, 3, 2, "float32", True)]
+
+
+def _shared_pair_inputs(case, seed: int):
+    """Routed experts' [gate; up] (E, 2I, H) and down (E, H, I) matrices and a shared expert's of
+    the same shapes (its matrices last in each list), x (T, H), the routing (T top_k ids and
+    weights) and the shared expert's gate logit (T, 1), a column of a wider matrix."""
+    name, n_experts, hidden, inter, tokens, top_k, dtype, _ = case
+    gate_up = [_weight(name, 2 * inter, hidden, 300 + 10 * seed + e) for e in range(n_experts + 1)]
+    down = [_weight(name, hidden, inter, 400 + 10 * seed + e) for e in range(n_experts + 1)]
+    gen = torch.Generator().manual_seed(seed + 60)
+    dtype = getattr(torch, dtype)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    ids = torch.stack([torch.randperm(n_experts, generator=gen)[:top_k] for _ in range(tokens)]).reshape(-1)
+    scales = torch.rand(tokens * top_k, generator=gen).to(dtype)
+    gate = (torch.randn(tokens, 3, generator=gen) * 2).to(dtype)[:, 1:2]
+    return gate_up, down, x, ids, scales, gate
+
+
+def _shared_pair_runs(case, seed: int, cuda: bool = False) -> list:
+    """The SwiGLU pairs with the shared one (``gemv_experts(shared=)``), then the down projection
+    with the shared pair and the combine (``gemv_mixture_down``) twice (its counters set back
+    to 0 in between)."""
+    gate_up, down, x, ids, scales, gate = _shared_pair_inputs(case, seed)
+    move = (lambda t: t.cuda()) if cuda else (lambda t: t)
+    stack = [move(torch.stack([m.data for m in mats[:-1]])) for mats in (gate_up, down)]
+    ggml_type, dtype, q8 = gate_up[0].wtype.ggml_type, x.dtype, case[7]
+    h = gpu.gemv_experts(move(x), stack[0], move(ids), ggml_type, swiglu=True, out_dtype=dtype,
+                         shared=move(gate_up[-1].data), q8=q8)
+    runs = [gpu.gemv_mixture_down(h, stack[1], move(ids), ggml_type, move(scales), move(down[-1].data), move(gate),
+                                  dtype, q8=q8) for _ in range(2)]
+    return [t.cpu() for t in [h] + runs]
+
+
+def _check_shared_pair(case, got: list, seed: int) -> None:
+    """Each token's SwiGLU rows, its routed experts' then the shared expert's, against float64
+    from gguf.quants (or the 8-bit reference); the mixture's output, from those rows, against
+    the float64 sum of the routed products times their weights and the shared product times
+    sigmoid(gate), within float32 sums' error and one rounding of the type; the second call's
+    bits the first's."""
+    gate_up, down, x, ids, scales, gate = _shared_pair_inputs(case, seed)
+    h, y, again = got
+    tokens, top_k, q8 = case[4], case[5], case[7]
+    ulp = torch.finfo(x.dtype).eps if x.dtype != torch.float32 else 0.0
+    assert h.shape == (tokens * (top_k + 1), case[3]) and y.shape == (tokens, case[2]) and y.dtype == x.dtype
+    assert torch.equal(y, again)
+    want, bound = torch.zeros(tokens, case[2], dtype=torch.float64), torch.zeros(tokens, case[2], dtype=torch.float64)
+    for t in range(tokens):
+        for k in range(top_k + 1):
+            e = ids[t * top_k + k].item() if k < top_k else -1          # -1: the shared expert's matrices
+            row = h[t * (top_k + 1) + k:t * (top_k + 1) + k + 1]
+            if q8:
+                ref = _q8_reference(x[t:t + 1], gate_up[e], True)
+                assert ((row.double() - ref).abs() <= 1e-5 * ref.abs().max() + ulp * ref.abs()).all(), (t, k)
+            else:
+                dense = torch.from_numpy(gguf.quants.dequantize(gate_up[e].data.numpy(), gate_up[e].wtype.ggml_type))
+                _check_swiglu(row, x[t:t + 1].float(), dense.double(), x.dtype)
+            weight = scales[t * top_k + k].double() if k < top_k else torch.sigmoid(gate[t, 0].double())
+            if q8:
+                product = _q8_reference(row, down[e], False)[0]
+                want[t] += weight * product
+                bound[t] += weight * product.abs().max() * 1e-5
+            else:
+                dense = torch.from_numpy(gguf.quants.dequantize(down[e].data.numpy(), down[e].wtype.ggml_type)).double()
+                want[t] += weight * (dense @ row[0].double())
+                bound[t] += weight * (dense.abs() @ row[0].double().abs()) * TOLERANCE["ieee"]
+    assert ((y.double() - want).abs() <= bound + ulp * want.abs() + 1e-6).all(), (y.double() - want).abs().max()
+
+
 @pytest.fixture(scope="module")
 def interpreted_experts(tmp_path_factory):
     return run_interpreted("tests.test_triton_weights", "_experts_in_child", EXPERT_CASES,
@@ -533,6 +605,34 @@ def test_the_combine_in_the_expert_gemv_is_the_combine_launchs(interpreted_exper
 def test_the_combine_in_the_expert_gemv_on_cuda(case):
     compiled_process()
     _check_combined(case, _combined_runs(case, COMBINED.index(case), cuda=True), COMBINED.index(case))
+
+
+@pytest.mark.parametrize("case", SHARED_PAIR, ids=lambda c: f"{c[0]}-t{c[4]}-k{c[5]}-{c[6]}{'-q8' if c[7] else ''}")
+def test_the_shared_expert_as_one_more_pair_matches_gguf_dequantize(interpreted_experts, case):
+    """A mixture's shared expert in the routed experts' two GEMVs: ``_check_shared_pair``."""
+    _check_shared_pair(case, interpreted_experts["shared pair"][SHARED_PAIR.index(case)], SHARED_PAIR.index(case))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the compiled kernels wait for a GPU")
+@pytest.mark.parametrize("case", SHARED_PAIR, ids=lambda c: f"{c[0]}-t{c[4]}-k{c[5]}-{c[6]}{'-q8' if c[7] else ''}")
+def test_the_shared_expert_as_one_more_pair_on_cuda(case):
+    compiled_process()
+    _check_shared_pair(case, _shared_pair_runs(case, SHARED_PAIR.index(case), cuda=True), SHARED_PAIR.index(case))
+
+
+def test_bad_shared_expert_calls_are_named():
+    """A shared matrix of another shape, scales beside it, or a down projection's x without the
+    shared rows: named before any kernel."""
+    w = _weight("q4_0", 8, 64, 1)
+    experts = torch.stack([w.data, w.data])
+    x, ids = torch.zeros(2, 64), torch.zeros(4, dtype=torch.long)
+    with pytest.raises(ValueError, match="one expert's shape"):
+        gpu.gemv_experts(x, experts, ids, w.wtype.ggml_type, shared=w.data[:4])
+    with pytest.raises(ValueError, match="unscaled"):
+        gpu.gemv_experts(x, experts, ids, w.wtype.ggml_type, scales=torch.ones(4), shared=w.data)
+    with pytest.raises(ValueError, match=r"x \(T \(top_k \+ 1\), I\)"):
+        gpu.gemv_mixture_down(torch.zeros(4, 64), experts, ids, w.wtype.ggml_type, torch.ones(4), w.data,
+                              torch.zeros(2, 1), torch.float32)
 
 
 @pytest.mark.parametrize("tokens", MOE_TOKENS)
@@ -700,6 +800,29 @@ def test_the_expert_gemv_that_combines_compiles_with_its_ordering(name):
     counted = ptx.index("atom.global.gpu.acq_rel.add")
     assert "bar.sync" in ptx[ptx.rindex("st.global", 0, counted):counted]
     assert "ld.global.cg" in ptx[counted:] and "atom.global.gpu.relaxed.exch" in ptx[counted:]
+
+
+@pytest.mark.parametrize("name,q8", [("q4_0", 2), ("q4_k", 0), ("q6_k", 2)])
+def test_the_shared_expert_pair_launches_compile_for_an_h100_without_one(name, q8):
+    """A 35B-A3B decode step's two expert GEMVs with the shared expert as a 9th pair (bf16), for
+    sm_90: the SwiGLU one and the down projection with its combine (its ordering as above), the
+    pair's matrix picked by a select of pointers, no local memory."""
+    from kvslim.gpu import _quant_matmul_kernel as kernel
+    ggml_type = weights.get(name).ggml_type
+    config = gpu.gemv_config(1, ggml_type)
+    if q8:
+        gpu.q8_config(config, ggml_type, 1, True)
+    constexprs = dict(TYPE=int(ggml_type), BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
+                      TERMS=config["TERMS"], Q8=q8, SHARED=9)
+    pointers = dict(POINTERS, x_ptr="*bf16", y_ptr="*bf16", ids_ptr="*i64", scale_ptr="*bf16", shared_ptr="*bf16",
+                    gate_ptr="*bf16", shared_w_ptr="*u8")
+    swiglu = compile_for_sm90(kernel.quant_gemv_experts, pointers, dict(constexprs, SWIGLU=True),
+                              config["num_warps"]).asm["ptx"]
+    down = compile_for_sm90(kernel.quant_gemv_experts, pointers, dict(constexprs, SCALED=True, TOP_K=9),
+                            config["num_warps"]).asm["ptx"]
+    assert ".local" not in swiglu and ".local" not in down
+    counted = down.index("atom.global.gpu.acq_rel.add")
+    assert "bar.sync" in down[down.rindex("st.global", 0, counted):counted]
 
 
 @pytest.mark.parametrize("name", ["q4_0", "q4_k", "q6_k"])

@@ -55,17 +55,21 @@ def combine(pairs_ptr, shared_ptr, gate_ptr, out_ptr, H, gate_stride, K: tl.cons
 
 
 @triton.jit
-def gated_sum(pairs_ptr, shared_ptr, gate_ptr, t, h, H, ok, gate_stride, K: tl.constexpr, CACHE: tl.constexpr):
+def gated_sum(pairs_ptr, shared_ptr, gate_ptr, t, h, H, ok, gate_stride, K: tl.constexpr, CACHE: tl.constexpr,
+              GATED: tl.constexpr = True):
     """Token t's features h in float32: sum_k pairs[t K + k, h], in order of k, + sigmoid(gate[t])
     * shared[t, h]. ``combine`` and the expert GEMV that combines in its launch
     (``_quant_matmul_kernel._last_pair_combines``, which reads the pairs from L2: CACHE ".cg")
-    both take it: the same bits from either."""
+    both take it: the same bits from either. GATED False: the pairs' sum alone (the shared
+    expert, gated, among them)."""
     acc = tl.zeros(h.shape, tl.float32)
     for k in tl.static_range(K):
         acc += tl.load(pairs_ptr + (t * K + k) * H + h, mask=ok, other=0.0, cache_modifier=CACHE)
-    g = tl.load(gate_ptr + t * gate_stride).to(tl.float32)
-    shared = tl.load(shared_ptr + t * H + h, mask=ok, other=0.0).to(tl.float32)
-    return acc + shared * sigmoid(g)
+    if GATED:
+        g = tl.load(gate_ptr + t * gate_stride).to(tl.float32)
+        shared = tl.load(shared_ptr + t * H + h, mask=ok, other=0.0).to(tl.float32)
+        acc = acc + shared * sigmoid(g)
+    return acc
 
 
 INTERPRETED = not isinstance(topk_softmax, JITFunction)

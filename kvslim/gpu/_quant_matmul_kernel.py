@@ -875,10 +875,10 @@ def quant_gemm(x_ptr, w_ptr, grid_ptr, y_ptr, M, N, K, row_bytes,
 
 @triton.jit
 def quant_gemv_experts(x_ptr, w_ptr, grid_ptr, ids_ptr, scale_ptr, y_ptr, N, K, row_bytes, expert_bytes,
-                       pairs_per_row, up_bytes, parts_ptr, count_ptr, shared_ptr, gate_ptr, gate_stride,
+                       pairs_per_row, up_bytes, parts_ptr, count_ptr, shared_ptr, gate_ptr, gate_stride, shared_w_ptr,
                        TYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TERMS: tl.constexpr,
                        SCALED: tl.constexpr = False, BLOCKWISE: tl.constexpr = True, SWIGLU: tl.constexpr = False,
-                       TOP_K: tl.constexpr = 0, Q8: tl.constexpr = 0):
+                       TOP_K: tl.constexpr = 0, Q8: tl.constexpr = 0, SHARED: tl.constexpr = 0):
     """Program (tile of BLOCK_N outputs, pair p): y[p, n] = x[p] . W[ids[p], n] over all of K,
     the expert's matrix found from its id (int32 or int64) in device memory (no host round trip
     to learn which experts a token chose). x (P / pairs_per_row, K) contiguous: pair p reads row
@@ -889,10 +889,14 @@ def quant_gemv_experts(x_ptr, w_ptr, grid_ptr, ids_ptr, scale_ptr, y_ptr, N, K, 
     where an expert's up rows start. TOP_K > 0: a mixture's combine in this launch
     (``_last_pair_combines``): parts (P, N) float32 takes the pairs' products and y (P / TOP_K,
     N) each token's ``gated_sum`` with shared (P / TOP_K, N) and gate (rows gate_stride apart).
-    Q8 as ``quant_gemv``'s."""
+    Q8 as ``quant_gemv``'s. SHARED > 0: a mixture's shared expert as one more pair of each token
+    (``_pair_matrix``): SHARED pairs a token, its SHARED - 1 routed ones (ids and scales (P /
+    SHARED (SHARED - 1),)) then the shared expert's (matrix (N, row_bytes) at shared_w_ptr,
+    scaled by sigmoid(gate[t]) where SCALED); the combine (TOP_K = SHARED) then sums the pairs
+    alone."""
     tile = tl.program_id(0)
     p = tl.program_id(1).to(tl.int64)
-    w_expert = w_ptr + tl.load(ids_ptr + p).to(tl.int64) * expert_bytes
+    routed, w_expert = _pair_matrix(p, ids_ptr, w_ptr, shared_w_ptr, expert_bytes, SHARED)
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     x_row = x_ptr + (p // pairs_per_row) * K
     if SWIGLU:                                                          # a 1-row M
@@ -904,27 +908,56 @@ def quant_gemv_experts(x_ptr, w_ptr, grid_ptr, ids_ptr, scale_ptr, y_ptr, N, K, 
                            0, tl.cdiv(K, BLOCK_K), TYPE, 1, BLOCK_N, BLOCK_K, BLOCKWISE, TERMS, Q8)
         y = tl.sum(acc, axis=0)
     if SCALED:
-        y = y * tl.load(scale_ptr + p).to(tl.float32)
+        y = y * _pair_scale(p, routed, scale_ptr, gate_ptr, gate_stride, SHARED)
     if TOP_K > 0:
-        _last_pair_combines(parts_ptr, count_ptr, shared_ptr, gate_ptr, y_ptr, y, p, rows, N, gate_stride, TOP_K)
+        _last_pair_combines(parts_ptr, count_ptr, shared_ptr, gate_ptr, y_ptr, y, p, rows, N, gate_stride, TOP_K,
+                            SHARED == 0)
     else:
         tl.store(y_ptr + p * N + rows, stored_as(y, y_ptr), mask=rows < N)
 
 
 @triton.jit
+def _pair_matrix(p, ids_ptr, w_ptr, shared_w_ptr, expert_bytes, SHARED: tl.constexpr):
+    """Pair p's (index into the routing's ids and weights, matrix). SHARED > 0: token p //
+    SHARED's pairs are its SHARED - 1 routed experts, then its shared expert (matrix at
+    shared_w_ptr; its index, clamped to the token's last routed pair, is read and not used):
+    the shared expert's two GEMVs a layer join the routed experts' launches instead of taking
+    two of their own (80 a 35B-A3B decode step)."""
+    if SHARED > 0:
+        k = p % SHARED
+        routed = p // SHARED * (SHARED - 1) + tl.minimum(k, SHARED - 2)
+        w_routed = w_ptr + tl.load(ids_ptr + routed).to(tl.int64) * expert_bytes
+        return routed, tl.where(k == SHARED - 1, shared_w_ptr, w_routed)
+    return p, w_ptr + tl.load(ids_ptr + p).to(tl.int64) * expert_bytes
+
+
+@triton.jit
+def _pair_scale(p, routed, scale_ptr, gate_ptr, gate_stride, SHARED: tl.constexpr):
+    """Pair p's routing weight in float32; with SHARED, the shared expert's pair takes
+    sigmoid of its token's gate logit (``gated_sum``'s factor, here applied to its float32
+    product rather than to its output rounded to the activations' type)."""
+    scale = tl.load(scale_ptr + routed).to(tl.float32)
+    if SHARED > 0:
+        gate = sigmoid(tl.load(gate_ptr + p // SHARED * gate_stride).to(tl.float32))
+        scale = tl.where(p % SHARED == SHARED - 1, gate, scale)
+    return scale
+
+
+@triton.jit
 def _last_pair_combines(parts_ptr, count_ptr, shared_ptr, gate_ptr, out_ptr, y, p, rows, N, gate_stride,
-                        TOP_K: tl.constexpr):
+                        TOP_K: tl.constexpr, GATED: tl.constexpr = True):
     """A mixture's combine by the last of a token's TOP_K pair programs for a tile, not by a
     launch of its own (``moe.combine``: 40 a 35B-A3B decode step): each stores its pair's float32
     product in parts and counts itself in the (token, tile) counter; the one that counts last
     stores the token's ``gated_sum`` (the pairs in order of k: the same bits as ``combine``)
-    rounded once, and sets the counter back to 0 (``last_to_arrive``, ``rearm``)."""
+    rounded once, and sets the counter back to 0 (``last_to_arrive``, ``rearm``). GATED False:
+    the shared expert is one of the pairs (``_pair_matrix``), the sum the pairs' alone."""
     t = p // TOP_K
     live = rows < N
     tl.store(parts_ptr + p * N + rows, y, mask=live)
     counter = count_ptr + t * tl.num_programs(0) + tl.program_id(0)
     if last_to_arrive(counter, TOP_K):
-        total = gated_sum(parts_ptr, shared_ptr, gate_ptr, t, rows, N, live, gate_stride, TOP_K, ".cg")
+        total = gated_sum(parts_ptr, shared_ptr, gate_ptr, t, rows, N, live, gate_stride, TOP_K, ".cg", GATED)
         tl.store(out_ptr + t * N + rows, stored_as(total, out_ptr), mask=live)
         rearm(counter)
 

@@ -71,6 +71,12 @@ SWIGLU_IN_GEMV = True
 # (``moe.combine``: 40). The same bits either way. Untimed on a GPU (benchmarks/gpu_model.py
 # --no-sums-in-gemv sets it beside).
 SUMS_IN_GEMV = True
+# Whether a mixture's shared expert, when its matrices have the routed experts' type and shape (as
+# in Qwen3.5/3.6-35B-A3B and Qwen3-Next, 512 wide), joins the routed experts' two GEMVs as one
+# more pair a token (``gemv_experts(shared=)``, ``gemv_mixture_down``) instead of taking two
+# GEMVs of its own: 80 launches fewer a 35B-A3B decode step, and its programs run beside the
+# routed ones'. Needs SUMS_IN_GEMV and SWIGLU_IN_GEMV. Untimed on a GPU.
+SHARED_AS_PAIR = True
 # Whether decode's 1-row Q4_0, Q4_K and Q6_K GEMVs round x to 8 bits (a scale per 32 values, as
 # ``weights.activations.quantize_q8`` and llama.cpp's CUDA decode do) and multiply in integers by
 # ``dp4a``: the float loops cost 0.51 (Q4_0), 0.77 (Q4_K) and 0.61 (Q6_K) warp instructions a
@@ -265,20 +271,65 @@ def gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type, split_k: int | None =
 
 def gemv_experts(x: torch.Tensor, blocks: torch.Tensor, ids: torch.Tensor, ggml_type,
                  scales: torch.Tensor | None = None, swiglu: bool = False,
-                 out_dtype: torch.dtype = torch.float32, q8: bool | None = None) -> torch.Tensor:
+                 out_dtype: torch.dtype = torch.float32, q8: bool | None = None,
+                 shared: torch.Tensor | None = None) -> torch.Tensor:
     """A mixture's routed experts for a few tokens in one launch, without a host sync: pair p's
     row of x (one row per pair, or per token for its consecutive pairs: ``pairs_per_row``) times
     expert ids[p]'s matrix, blocks (E, N, row_bytes) uint8 -> y (P, N) of ``out_dtype`` (float32
     sums rounded once), times scales[p] if given (the pairs' routing weights: no separate launch
     to weight them). ``swiglu``: each expert's matrix is its fused [gate; up] projection (2I
     rows) and y (P, I) = silu(gate) * up, in the same launch (``gemv``'s). ``ids`` (P,), int32 or
-    int64 (topk's, read as they are), stays on the device; only the chosen experts' bytes are read."""
+    int64 (topk's, read as they are), stays on the device; only the chosen experts' bytes are read.
+    ``shared``: a mixture's shared expert's matrix (N, row_bytes), of the experts' type and shape,
+    which each of x's T tokens takes as one more pair after its routed ones (ids (T top_k,), no
+    scales): y (T (top_k + 1), N), each token's routed rows then its shared one
+    (``gemv_mixture_down``'s x)."""
+    pairs = ids.numel()
+    if shared is not None:
+        if scales is not None:
+            raise ValueError("a shared expert's pairs are unscaled here: its gate scales gemv_mixture_down's")
+        _check_shared(shared, blocks)
+        pairs += x.shape[0]
     _check_experts(x, blocks, ids, ggml_type, scales)
     n = blocks.shape[1]
     if swiglu and n % 2:
         raise ValueError(f"a fused [gate; up] projection has an even number of rows, got {n}")
-    y = torch.empty(ids.numel(), n // 2 if swiglu else n, device=x.device, dtype=out_dtype)
-    return _experts_gemv(x, blocks, ids, ggml_type, scales, y, q8, swiglu=swiglu)
+    y = torch.empty(pairs, n // 2 if swiglu else n, device=x.device, dtype=out_dtype)
+    return _experts_gemv(x, blocks, ids, ggml_type, scales, y, q8, swiglu=swiglu,
+                         shared=None if shared is None else (shared, pairs // x.shape[0]))
+
+
+def gemv_mixture_down(x: torch.Tensor, blocks: torch.Tensor, ids: torch.Tensor, ggml_type, scales: torch.Tensor,
+                      shared: torch.Tensor, gate: torch.Tensor, out_dtype: torch.dtype,
+                      q8: bool | None = None) -> torch.Tensor:
+    """A mixture's down projection, its shared expert's and its combine in one launch (where
+    ``gemv_experts_combined`` follows a launch of the shared expert's own): x (T (top_k + 1), I)
+    as ``gemv_experts(..., shared=)`` gives it, blocks (E, N, row_bytes), shared (N, row_bytes)
+    the shared expert's down matrix, ids and scales (T top_k,) the routing, gate (T, 1) the shared
+    expert's gate logit -> (T, N) of ``out_dtype``: the token's pairs' products, the routed ones
+    times their weights and the shared one times sigmoid(gate), summed in float32 in order
+    (the shared one last) and rounded once."""
+    tokens = gate.shape[0]
+    if blocks.dim() != 3 or gate.shape != (tokens, 1) or not tokens or ids.dim() != 1 \
+            or ids.numel() % tokens or x.shape[0] != ids.numel() + tokens:
+        raise ValueError(f"x (T (top_k + 1), I), blocks (E, N, row_bytes), ids (T top_k,) and gate (T, 1) expected, "
+                         f"got x {tuple(x.shape)}, blocks {tuple(blocks.shape)}, ids {tuple(ids.shape)}, "
+                         f"gate {tuple(gate.shape)}")
+    _check_scales(ids, scales)
+    _check_shared(shared, blocks)
+    _check(x, blocks[0], ggml_type)
+    y = torch.empty(tokens, blocks.shape[1], device=x.device, dtype=out_dtype)
+    return _experts_gemv(x, blocks, ids, ggml_type, scales, y, q8, combine=(y, gate),
+                         shared=(shared, x.shape[0] // tokens))
+
+
+def _check_shared(shared: torch.Tensor, blocks: torch.Tensor) -> None:
+    """A shared expert's matrix of the routed experts' shape and bytes, on their device."""
+    if (blocks.dim() != 3 or shared.shape != blocks.shape[1:] or shared.dtype != blocks.dtype
+            or shared.device != blocks.device):
+        raise ValueError(f"the shared expert's matrix must have one expert's shape {tuple(blocks.shape[1:])} and "
+                         f"{blocks.dtype} on {blocks.device}, got {tuple(shared.shape)} {shared.dtype} on "
+                         f"{shared.device}")
 
 
 def gemv_experts_combined(x: torch.Tensor, blocks: torch.Tensor, ids: torch.Tensor, ggml_type, scales: torch.Tensor,
@@ -299,25 +350,30 @@ def gemv_experts_combined(x: torch.Tensor, blocks: torch.Tensor, ids: torch.Tens
     return _experts_gemv(x, blocks, ids, ggml_type, scales, out, q8, combine=(shared, gate)) if tokens else out
 
 
-def _experts_gemv(x, blocks, ids, ggml_type, scales, y, q8, swiglu: bool = False, combine=None) -> torch.Tensor:
+def _experts_gemv(x, blocks, ids, ggml_type, scales, y, q8, swiglu: bool = False, combine=None,
+                  shared=None) -> torch.Tensor:
     """``quant_gemv_experts`` over (tiles of y's columns, pairs) into y (P or T rows). ``combine``
-    (shared, gate): each token's last pair program a tile writes its combined row (TOP_K launch)."""
+    (the shared expert's output, gate): each token's last pair program a tile writes its
+    combined row (TOP_K launch). ``shared`` (matrix, pairs a token): the shared expert as each
+    token's last pair (SHARED launch); with ``combine``, the sum is the pairs' alone."""
     config = gemv_config(1, ggml_type)
     q8_mode = q8_config(config, ggml_type, 1, q8)
-    (p, k), width = (ids.numel(), x.shape[1]), y.shape[1]
+    per_token, shared_w = (0, blocks) if shared is None else (shared[1], shared[0].contiguous())
+    p = ids.numel() if shared is None else ids.numel() // (per_token - 1) * per_token
+    k, width = x.shape[1], y.shape[1]
     tiles = -(-width // config["BLOCK_N"])
     top_k, extra = 0, (y, y, y, y, 0)                 # (parts, counters, shared, gate, gate's row stride)
     if combine is not None:
-        shared, gate = combine
+        output, gate = combine
         top_k = p // y.shape[0]
         extra = (torch.empty(p, width, device=x.device, dtype=torch.float32), counters(y.shape[0] * tiles, x.device),
-                 shared.contiguous(), gate, gate.stride(0))
+                 output.contiguous(), gate, gate.stride(0))
     _kernel().quant_gemv_experts[(tiles, p)](
         x.contiguous(), blocks.contiguous(), grid_table(ggml_type, x.device), _ids(ids), _scales(scales, x), y,
         width, k, blocks.shape[2], blocks.shape[1] * blocks.shape[2], p // x.shape[0], width * blocks.shape[2],
-        *extra, TYPE=int(ggml_type), BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], TERMS=config["TERMS"],
-        SCALED=scales is not None, SWIGLU=swiglu, TOP_K=top_k, Q8=q8_mode, num_warps=config["num_warps"],
-        **FP_FUSION)
+        *extra, shared_w, TYPE=int(ggml_type), BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
+        TERMS=config["TERMS"], SCALED=scales is not None, SWIGLU=swiglu, TOP_K=top_k, Q8=q8_mode, SHARED=per_token,
+        num_warps=config["num_warps"], **FP_FUSION)
     return y
 
 

@@ -194,10 +194,14 @@ class Fused:
         """silu(first) * second of a fused [gate, up] pair in one launch where its one matmul
         can (``QuantLinear.fuse_rows``'s on the GPU kernels: in the GEMV or its split sums), in
         x's type; None where it cannot (call the pair, then ``swiglu``)."""
-        if len(self.groups) != 1 or len(self.sizes) != 2 or self.sizes[0] != self.sizes[1]:
+        if len(self.sizes) != 2 or self.sizes[0] != self.sizes[1]:
             return None
-        act = getattr(self.groups[0][1], "swiglu", None)
+        act = getattr(self.single(), "swiglu", None)
         return act(x) if act is not None else None
+
+    def single(self):
+        """The one matmul of all the members, rows in their order, where they are one kind; else None."""
+        return self.groups[0][1] if len(self.groups) == 1 else None
 
 
 def fusion_key(m: nn.Module):
@@ -347,6 +351,12 @@ class Experts(nn.Module):
         launch (``gpu.moe.combine``)."""
         return gpu_moe.combine(self.weighted_pairs(x, weights, experts), experts.shape[1], shared, gate, x.dtype)
 
+    def with_shared(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, shared: nn.Module,
+                    gate: torch.Tensor) -> torch.Tensor | None:
+        """The mixture's output with the shared expert MLP ``shared`` computed among the routed
+        pairs, where a subclass can (``QuantExperts``); None: not here."""
+        return None
+
     def weighted_pairs(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Each (token, chosen expert) pair's output times its routing weight, (N top_k, H)
         float32, token-major, through ``pair_products``, which reads the chosen ids on the
@@ -412,10 +422,13 @@ class SparseMoE(nn.Module):
             weights, experts = self.gate.route(logits, x.dtype)
         else:                                                       # each module called (and hooked) as it is
             gate, (weights, experts) = self.shared_expert_gate(x), self.gate(x)
-        shared = self.shared_expert(x)
         if gpu.TRITON and x.dim() == 2 and gpu_moe.runs_on(x) and self.experts.groups(x, experts):
+            out = self.experts.with_shared(x, weights, experts, self.shared_expert, gate)
+            if out is not None:                                     # the shared expert among the pairs
+                return out
             # the pairs' sum, its cast, the shared expert's gate and the add: one launch, or none
-            return self.experts.combined(x, weights, experts, shared, gate)
+            return self.experts.combined(x, weights, experts, self.shared_expert(x), gate)
+        shared = self.shared_expert(x)
         return self.experts(x, weights, experts) + torch.sigmoid(gate) * shared
 
 

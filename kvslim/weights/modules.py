@@ -151,6 +151,37 @@ class QuantExperts(Experts):
         return gpu_weights.gemv_experts_combined(self.pair_activations(x, route), self.down_proj, route.ids,
                                                  self.down_type[0].ggml_type, weights.reshape(-1), shared, gate)
 
+    def with_shared(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, shared: nn.Module,
+                    gate: torch.Tensor) -> torch.Tensor | None:
+        """A decode batch's mixture output with the shared expert MLP ``shared`` as one more pair a
+        token in the routed experts' two GEMVs (``quant_matmul.SHARED_AS_PAIR``): the SwiGLU
+        pairs (``gemv_experts(shared=)``), then the down projections, the gate and the sum
+        (``gemv_mixture_down``). None where that does not apply: a prompt's many pairs, a switch
+        off, or a shared expert whose matrices differ from an expert's in type or shape."""
+        matrices = self.shared_matrices(shared)
+        if (matrices is None or experts.numel() + x.shape[0] > gpu_weights.MAX_GEMV_PAIRS
+                or not (gpu_weights.SHARED_AS_PAIR and gpu_weights.SUMS_IN_GEMV and gpu_weights.SWIGLU_IN_GEMV)):
+            return None
+        ids, (gate_up_type, down_type) = experts.reshape(-1), (self.gate_up_type[0], self.down_type[0])
+        h = gpu_weights.gemv_experts(x, self.gate_up_proj, ids, gate_up_type.ggml_type, swiglu=True,
+                                     out_dtype=x.dtype, shared=matrices[0])
+        return gpu_weights.gemv_mixture_down(h, self.down_proj, ids, down_type.ggml_type, weights.reshape(-1),
+                                             matrices[1], gate, x.dtype)
+
+    def shared_matrices(self, shared: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The shared expert MLP's fused [gate; up] and down blocks where they are one expert's
+        (the same block types, columns and rows, no bias, file column order), else None."""
+        fused, down = getattr(shared, "fused", None), getattr(shared, "down_proj", None)
+        fused = fused.single() if fused is not None else None
+        if (not isinstance(fused, FusedRows) or fused.bias is not None or not isinstance(down, QuantLinear)
+                or down.bias is not None or down.input_index is not None):
+            return None
+        gate_up, down = fused.matrix, down.quant
+        if ((gate_up.wtype, gate_up.cols) != self.gate_up_type or (down.wtype, down.cols) != self.down_type
+                or gate_up.data.shape != self.gate_up_proj.shape[1:] or down.data.shape != self.down_proj.shape[1:]):
+            return None
+        return gate_up.data, down.data
+
     def pair_activations(self, x: torch.Tensor, route: gpu_weights.Route) -> torch.Tensor:
         """silu(gate) * up in the expert GEMV's own launch (``quant_matmul.experts_swiglu``)."""
         if not gpu_weights.SWIGLU_IN_GEMV:
