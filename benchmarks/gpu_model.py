@@ -42,6 +42,7 @@ from kvslim.cache import CacheConfig, KVCache, RecurrentStateCache  # noqa: E402
 from kvslim.cache.backends import backend_names  # noqa: E402
 from kvslim.devices import synchronize  # noqa: E402
 from kvslim.gpu import delta_step as gpu_delta_step  # noqa: E402
+from kvslim.gpu import moe as gpu_moe  # noqa: E402
 from kvslim.gpu import quant_matmul as gpu_weights  # noqa: E402
 from kvslim.engine.decode_step import DecodeStep  # noqa: E402
 from kvslim.loading.instantiate import instantiate, quantizable  # noqa: E402
@@ -290,7 +291,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sums-in-gemv", action=argparse.BooleanOptionalAction, default=True,
                     help="the last-program folds: a split GEMV's partials and a mixture's combine summed by the "
                          "GEMV's last programs (quant_matmul.SUMS_IN_GEMV), the DeltaNet norm by the step's "
-                         "(delta_step.NORM_IN_STEP), and with them the shared expert among the routed pairs; "
+                         "(delta_step.NORM_IN_STEP), the router's top-k by the router GEMV's (moe.ROUTER_GEMV), "
+                         "and with them the shared expert among the routed pairs; "
                          "--no-...: launches of their own, to time both")
     ap.add_argument("--shared-as-pair", action=argparse.BooleanOptionalAction, default=True,
                     help="a mixture's shared expert as one more pair a token in the routed experts' two GEMVs "
@@ -303,6 +305,7 @@ def main(argv=None) -> int:
     gpu_weights.SUMS_IN_GEMV = args.sums_in_gemv
     gpu_weights.SHARED_AS_PAIR = args.shared_as_pair              # (needs the sums in the GEMVs)
     gpu_delta_step.NORM_IN_STEP = args.sums_in_gemv          # the DeltaNet step's last-program norm too
+    gpu_moe.ROUTER_GEMV = args.sums_in_gemv                   # and the router's top-k by its last programs
     gpu_weights.Q8_ACTIVATIONS = gpu_weights.Q8_ACTIVATIONS or args.q8_activations     # or KVSLIM_GPU_Q8_ACTIVATIONS=1
     if args.weights not in catalog.WEIGHT_QUANTS or catalog.WEIGHT_QUANTS[args.weights].base != args.weights:
         ap.error(f"--weights {args.weights}: expected a plain block type the planner knows (q4_0, q8_0, ...)")

@@ -23,6 +23,7 @@ from .triton_harness import compile_for_sm90, compiled_process, run_interpreted
 
 pytestmark = pytest.mark.skipif(not available(), reason="triton is not installed: no GPU kernel to check")
 
+ROUTING = ("router_gemv", "topk_softmax", "gemv_experts_combined", "combine")     # launches the layer test counts
 # (tokens, experts, top k, renormalise, dtype)
 CASES = [(3, 256, 8, True, "bfloat16"), (5, 64, 4, False, "float32"), (2, 10, 3, True, "float32"),
          (4, 16, 2, True, "bfloat16")]
@@ -56,10 +57,12 @@ def routed_in_child(cases, path: Path) -> None:
     module, x = _router()
     out["module"] = gpu.runs_on(x), module(x)
     out["combine"] = [gpu.combine(*_combine_inputs(c, i)) for i, c in enumerate(COMBINE_CASES)]
+    out["router gemv"] = [_router_gemv_runs(c, i) for i, c in enumerate(ROUTER_GEMV)]
     from kvslim.gpu import quant_matmul
     calls = []
     for module, name in ((gpu, "combine"), (quant_matmul, "gemv_experts_combined"), (quant_matmul, "gemv"),
-                         (quant_matmul, "gemv_experts"), (quant_matmul, "gemv_mixture_down")):
+                         (quant_matmul, "gemv_experts"), (quant_matmul, "gemv_mixture_down"), (gpu, "router_gemv"),
+                         (gpu, "topk_softmax")):
         inner = getattr(module, name)
         setattr(module, name, lambda *a, _f=inner, _n=name, **k: calls.append(_n) or _f(*a, **k))
     shared, x = _mixture(quantized_shared=True)
@@ -69,10 +72,12 @@ def routed_in_child(cases, path: Path) -> None:
     out["shared apart"] = shared(x), list(calls)                            # its own two GEMVs
     calls.clear()
     layer, x = _mixture()
-    out["layer"] = layer.fused is not None, layer(x), [c for c in calls if "combine" in c]   # the combine in the GEMV
+    out["layer"] = layer.fused is not None, layer(x), [c for c in calls if c in ROUTING]   # the combine in the GEMV
     calls.clear()
     quant_matmul.SUMS_IN_GEMV = False
-    out["layer apart"] = layer(x), [c for c in calls if "combine" in c]       # the combine launch
+    out["layer apart"] = layer(x), [c for c in calls if c in ROUTING]        # the combine launch
+    calls.clear()
+    out["layer prompt"] = layer(torch.randn(20, 64)), [c for c in calls if c in ROUTING]   # more than 16 tokens
     torch.save(out, path)
 
 
@@ -152,6 +157,77 @@ def test_topk_softmax_compiles_for_an_h100_without_one(dtype):
     assert compile_for_sm90(kernel.topk_softmax, pointers, constexprs, 4).asm["cubin"]
 
 
+# the router's matmul and top-k in one launch: (tokens, experts, top k, renormalise, dtype, hidden)
+ROUTER_GEMV = [(1, 256, 8, True, "bfloat16", 512), (3, 64, 4, False, "float32", 300), (16, 10, 3, True, "bfloat16", 96)]
+
+
+def _router_gemv_inputs(case, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (T, H) and the fused matrix (1 + E, H): the shared expert's gate row, then the router's."""
+    n, n_experts, _, _, dtype, hidden = case
+    gen = torch.Generator().manual_seed(seed + 30)
+    x = torch.randn(n, hidden, generator=gen).to(getattr(torch, dtype))
+    return x, (torch.randn(1 + n_experts, hidden, generator=gen) * hidden ** -0.5).to(getattr(torch, dtype))
+
+
+def _router_gemv_runs(case, seed: int, cuda: bool = False) -> list:
+    """``router_gemv`` twice (its counters set back to 0 in between)."""
+    x, weight = (t.cuda() if cuda else t for t in _router_gemv_inputs(case, seed))
+    return [[t.cpu() for t in gpu.router_gemv(x, weight, 1, case[2], case[3])] for _ in range(2)]
+
+
+def _check_router_gemv(case, runs: list, seed: int) -> None:
+    """The two calls' bits the same; against the fused matmul (float32 sums, rounded to x's type)
+    then the torch router: the same experts, and gate logits and weights within one rounding of
+    their type (bf16) or float32 sums' error in another order (float32)."""
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    gate, weights, ids = runs[0]
+    x, weight = _router_gemv_inputs(case, seed)
+    n, _, top_k, renormalize, _, _ = case
+    logits = torch.nn.functional.linear(x.float(), weight.float()).to(x.dtype)
+    sums = torch.nn.functional.linear(x.double().abs(), weight.double().abs())[:, :1]     # the gate's error scale
+    ulp = torch.finfo(x.dtype).eps if x.dtype != torch.float32 else 1e-5
+    assert gate.shape == (n, 1) and gate.dtype == x.dtype
+    assert ((gate.double() - logits[:, :1].double()).abs() <= ulp * logits[:, :1].double().abs() + 1e-6 * sums).all()
+    assert ids.shape == weights.shape == (n, top_k) and ids.dtype == torch.int64 and weights.dtype == x.dtype
+    assert torch.equal(ids, torch.sort(-logits[:, 1:].float(), dim=-1, stable=True).indices[:, :top_k])
+    want = _torch_weights(logits[:, 1:], ids, renormalize, x.dtype).float()
+    assert ((weights.float() - want).abs() <= ulp * want.abs() + 1e-7).all(), (weights.float() - want).abs().max()
+
+
+@pytest.mark.parametrize("case", ROUTER_GEMV, ids=lambda c: f"t{c[0]}-e{c[1]}-k{c[2]}-h{c[5]}-{c[4]}")
+def test_the_router_gemv_is_the_matmul_then_the_routing(routed, case):
+    _check_router_gemv(case, routed["router gemv"][ROUTER_GEMV.index(case)], ROUTER_GEMV.index(case))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the compiled kernel waits for a GPU")
+@pytest.mark.parametrize("case", ROUTER_GEMV, ids=lambda c: f"t{c[0]}-e{c[1]}-k{c[2]}-h{c[5]}-{c[4]}")
+def test_the_router_gemv_on_cuda(case):
+    compiled_process()
+    _check_router_gemv(case, _router_gemv_runs(case, ROUTER_GEMV.index(case), cuda=True), ROUTER_GEMV.index(case))
+
+
+def test_bad_router_gemv_calls_are_named():
+    with pytest.raises(ValueError, match=r"x \(T <= 16, H\), weight \(G \+ E, H\)"):
+        gpu.router_gemv(torch.zeros(17, 8), torch.zeros(5, 8), 1, 2, True)
+    with pytest.raises(ValueError, match="0 < top_k <= E"):
+        gpu.router_gemv(torch.zeros(2, 8), torch.zeros(5, 8), 1, 5, True)
+
+
+def test_the_router_gemv_compiles_with_its_ordering():
+    """A 35B-A3B decode step's routing launch (bf16, 256 experts and the gate, top 8) for sm_90:
+    the barrier between the partial's store and the acq_rel atomic, the partials read from L2
+    after it, the counter set back."""
+    from kvslim.gpu import _moe_kernel as kernel
+    pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "parts_ptr": "*fp32", "count_ptr": "*i32", "gate_ptr": "*bf16",
+                "weights_ptr": "*bf16", "ids_ptr": "*i64"}
+    constexprs = dict(gpu.ROUTER_TILE, GATES=1, K=8, BLOCK_E=256, BLOCK_G=1, BLOCK_K=8, RENORMALIZE=True)
+    ptx = compile_for_sm90(kernel.router_gemv, pointers, constexprs, 4).asm["ptx"]
+    counted = ptx.index("atom.global.gpu.acq_rel.add")
+    assert "bar.sync" in ptx[ptx.rindex("st.global", 0, counted):counted]
+    assert "ld.global.cg" in ptx[counted:] and "atom.global.gpu.relaxed.exch" in ptx[counted:]
+    assert ".local" not in ptx
+
+
 # (tokens, top k, features, dtype of the output and of the shared expert's)
 COMBINE_CASES = [(3, 8, 64, "bfloat16"), (5, 2, 1500, "float32")]
 
@@ -204,12 +280,14 @@ def _mixture(seed: int = 5, quantized_shared: bool = False) -> tuple[SparseMoE, 
 
 
 def test_a_mixture_layer_takes_the_kernels_and_matches_the_torch_forms(routed):
-    """The whole layer with the kernels on (the fused gate and router matmul, topk_softmax, the
-    experts' kernels, the combine in the down projection's GEMV) against the same layer's torch
-    forms here, unfused too; with the combine launched apart (``SUMS_IN_GEMV`` off), the same bits."""
+    """The whole layer with the kernels on (the fused gate and router matmul with its routing in
+    one launch, the experts' kernels, the combine in the down projection's GEMV) against the
+    same layer's torch forms here, unfused too; with the combine launched apart (``SUMS_IN_GEMV``
+    off), the same bits; a prompt of 20 tokens routes by the matmul and topk_softmax."""
     fused, got, calls = routed["layer"]
     apart, calls_apart = routed["layer apart"]
-    assert fused and calls == ["gemv_experts_combined"] and calls_apart == ["combine"]
+    assert fused and calls == ["router_gemv", "gemv_experts_combined"] and calls_apart == ["router_gemv", "combine"]
+    assert routed["layer prompt"][1] == ["topk_softmax", "combine"]    # a prompt's: the matmul, then topk_softmax
     assert torch.equal(got, apart)
     layer, x = _mixture()
     with torch.no_grad(), pytest.MonkeyPatch.context() as patch:
@@ -228,8 +306,8 @@ def test_the_shared_expert_joins_the_routed_pairs_and_matches_the_torch_forms(ro
     GEMVs and the combine in the down projection's, the same output within float32 sums' order."""
     got, calls = routed["shared pair"]
     apart, calls_apart = routed["shared apart"]
-    assert calls == ["gemv_experts", "gemv_mixture_down"]
-    assert calls_apart == ["gemv", "gemv", "gemv_experts", "gemv_experts_combined"]
+    assert calls == ["router_gemv", "gemv_experts", "gemv_mixture_down"]
+    assert calls_apart == ["router_gemv", "gemv", "gemv", "gemv_experts", "gemv_experts_combined"]
     layer, x = _mixture(quantized_shared=True)
     with torch.no_grad(), pytest.MonkeyPatch.context() as patch:
         patch.setenv("KVSLIM_Q8_ACTIVATIONS", "0")            # the kernels multiply float activations

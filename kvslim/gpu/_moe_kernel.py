@@ -5,6 +5,8 @@
 expert id) and writes their routing weights: the softmax probabilities, or with RENORMALIZE
 those divided by their sum, which is the softmax over the K chosen logits alone (the full
 denominator cancels). float32 inside, the weights rounded once to their tensor's type.
+``router_gemv``: the router's logits (and the shared expert's gate beside them) from x and the
+fused matrix, each token's top K by its last program: the matmul and ``topk_softmax`` as one.
 ``combine``: a token's output, its pairs' weighted expert outputs summed plus the shared
 expert's output times sigmoid of its gate, rounded once.
 """
@@ -14,7 +16,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from ._codecs import sigmoid, stored_as
+from ._codecs import last_to_arrive, rearm, sigmoid, stored_as
 
 
 @triton.jit
@@ -26,6 +28,13 @@ def topk_softmax(logits_ptr, weights_ptr, ids_ptr, E, logits_stride, K: tl.const
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     x = tl.load(logits_ptr + t * logits_stride + e, mask=e < E, other=float("-inf")).to(tl.float32)
+    _top_k(x, e, weights_ptr, ids_ptr, t, K, BLOCK_K, RENORMALIZE)
+
+
+@triton.jit
+def _top_k(x, e, weights_ptr, ids_ptr, t, K: tl.constexpr, BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """Token t's float32 logits x (-inf past E) -> its K routing weights and ids, stored
+    (``topk_softmax``'s; ``router_gemv``'s last program takes it too)."""
     p = tl.exp(x - tl.max(x, axis=0))                       # unnormalised; 0 past E
     slot = tl.arange(0, BLOCK_K)
     weight = tl.zeros([BLOCK_K], tl.float32)
@@ -40,6 +49,54 @@ def topk_softmax(logits_ptr, weights_ptr, ids_ptr, E, logits_stride, K: tl.const
     at = t * K + slot
     tl.store(weights_ptr + at, stored_as(weight, weights_ptr), mask=slot < K)
     tl.store(ids_ptr + at, ids, mask=slot < K)
+
+
+@triton.jit
+def router_gemv(x_ptr, w_ptr, parts_ptr, count_ptr, gate_ptr, weights_ptr, ids_ptr, R, H, chunks_per_split,
+                GATES: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+                BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """Program (tile of BLOCK_N rows, split s of H, token t): a mixture's router logits and its
+    top-k in one launch, where a matmul and ``topk_softmax`` were two. x (T, H) and W (R, H),
+    both contiguous, any float types; W's first GATES rows are gates' (the shared expert's),
+    the other R - GATES the router's. Each program stores its float32 partial x[t, H_s] .
+    W[rows, H_s] in parts (splits, T, R) and counts itself in token t's counter; the token's
+    last (``last_to_arrive``) sums its logits over the splits in order, rounds them to x's
+    type (what the matmul's output held), stores the gates' in gate (T, GATES) and routes the
+    rest as ``topk_softmax`` does (``_top_k``): tokens route in parallel, one program each."""
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    t = tl.program_id(2)
+    n_splits, n_tokens = tl.num_programs(1), tl.num_programs(2)
+    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    first = split * chunks_per_split
+    for c in range(first, tl.minimum(first + chunks_per_split, tl.cdiv(H, BLOCK_H))):
+        cols = c * BLOCK_H + tl.arange(0, BLOCK_H)
+        x = tl.load(x_ptr + t * H + cols, mask=cols < H, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :],
+                    mask=(rows < R)[:, None] & (cols < H)[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    tl.store(parts_ptr + (split * n_tokens + t) * R + rows, acc, mask=rows < R)
+    if last_to_arrive(count_ptr + t, tl.num_programs(0) * n_splits):
+        g = tl.arange(0, BLOCK_G)
+        gates = _split_sums(parts_ptr + t * R, n_tokens * R, g, g < GATES)
+        tl.store(gate_ptr + t * GATES + g, stored_as(gates, gate_ptr), mask=g < GATES)
+        e = tl.arange(0, BLOCK_E)
+        logits = _split_sums(parts_ptr + t * R + GATES, n_tokens * R, e, e < R - GATES)
+        logits = tl.where(e < R - GATES, stored_as(logits, x_ptr).to(tl.float32), float("-inf"))
+        _top_k(logits, e, weights_ptr, ids_ptr, t.to(tl.int64), K, BLOCK_K, RENORMALIZE)
+        rearm(count_ptr + t)
+
+
+@triton.jit
+def _split_sums(row_ptr, split_stride, cols, live):
+    """Columns ``cols`` of a row's float32 partials (one every split_stride elements, a split's
+    after the other) summed in split order, read from L2 (the other programs' stores:
+    ``last_to_arrive``)."""
+    total = tl.zeros(cols.shape, tl.float32)
+    for s in range(0, tl.num_programs(1)):
+        total += tl.load(row_ptr + s * split_stride + cols, mask=live, other=0.0, cache_modifier=".cg")
+    return total
 
 
 @triton.jit

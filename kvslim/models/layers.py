@@ -406,18 +406,24 @@ class SparseMoE(nn.Module):
         self.experts = Experts(n_experts, hidden, intermediate)
         self.shared_expert = MLP(hidden, shared_intermediate)
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
-        self.fused = None
+        self.fused = self.fused_matrix = None
 
     def fuse_projections(self) -> None:
         """The shared expert's gate and the router as one matrix (both dense, of one dtype): one
-        matmul for the two small products each token starts with."""
-        self.fused = None
+        matmul for the two small products each token starts with (with the kernels on, a decode
+        batch's matmul and routing in one launch, ``gpu.moe.router_gemv``)."""
+        self.fused = self.fused_matrix = None
         if fusion_key(self.shared_expert_gate) == dense_key(self.gate.weight, None):
             weight, _ = concatenated([self.shared_expert_gate, self.gate])
+            self.fused_matrix = weight
             self.fused = lambda x: F.linear(x, weight).split([1, weight.shape[0] - 1], dim=-1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
+        if self.fused and gpu.TRITON and gpu_moe.routes_in_gemv(x, self.fused_matrix, 1):
+            # the matmul, the gate's column and the routing: one launch (a decode batch's)
+            gate, weights, experts = gpu_moe.router_gemv(x, self.fused_matrix, 1, self.gate.top_k,
+                                                         self.gate.renormalize)
+        elif self.fused:
             gate, logits = self.fused(x)
             weights, experts = self.gate.route(logits, x.dtype)
         else:                                                       # each module called (and hooked) as it is
