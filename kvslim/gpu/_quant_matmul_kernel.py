@@ -1001,6 +1001,20 @@ def quant_gemm_experts(x_ptr, w_ptr, grid_ptr, pairs_ptr, tile_expert_ptr, scale
 
 
 @triton.jit
+def quant_rows(ids_ptr, w_ptr, grid_ptr, out_ptr, V, K, row_bytes, TYPE: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (token i, block of BLOCK_K columns): row ids[i] of W (V, row_bytes), dequantized
+    and rounded once to out's type into out (T, K): an embedding lookup in one launch (the
+    torch decoders' gather, unpacking and casts were eight a decode step). An id outside [0, V)
+    gives zeros (the callers check ids against the vocabulary first)."""
+    i = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    row = tl.load(ids_ptr + i + tl.arange(0, 1))                        # (1,): a tile of one row
+    row = tl.where((row >= 0) & (row < V), row, V)                      # outside W: zeros, never stray bytes
+    values = _dequantize_tile(w_ptr, grid_ptr, row, cols, row_bytes, V, K, TYPE)
+    tl.store(out_ptr + i * K + cols[None, :], stored_as(values, out_ptr), mask=(cols < K)[None, :])
+
+
+@triton.jit
 def sum_splits(parts_ptr, y_ptr, n_splits, size, half, BLOCK: tl.constexpr, SWIGLU: tl.constexpr = False):
     """y (size,) = the sum of parts (n_splits, size) float32 over the splits, in order, rounded
     once to y's type: a split GEMV's partial sums in one launch (torch's sum and cast were two).

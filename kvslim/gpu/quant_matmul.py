@@ -173,6 +173,28 @@ def split_count(n_cols: int, n_out: int, config: dict, programs: int = GEMV_PROG
     return max(1, min(chunks, programs // tiles))
 
 
+ROWS_BLOCK = 1024            # columns a ``rows`` program dequantizes
+
+
+def rows(ids: torch.Tensor, blocks: torch.Tensor, ggml_type, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``ids`` (any shape, int) of a (V, row_bytes) matrix of ``ggml_type`` blocks of
+    ``cols`` values -> (*ids.shape, cols) of ``dtype``: gguf's values, rounded once, one launch
+    (an embedding lookup). An id outside [0, V) gives a row of zeros, never other memory: the
+    callers refuse such ids first."""
+    block_size, block_bytes = gguf.GGML_QUANT_SIZES[ggml_type]
+    if not supports(ggml_type) or blocks.dim() != 2 or cols % block_size \
+            or blocks.shape[1] != cols // block_size * block_bytes or ids.is_floating_point():
+        raise ValueError(f"integer ids and a matrix of {getattr(ggml_type, 'name', ggml_type)} rows of {cols} "
+                         f"values expected, got ids {ids.dtype} and blocks {tuple(blocks.shape)}")
+    flat = ids.reshape(-1).contiguous()
+    out = torch.empty(flat.numel(), cols, device=blocks.device, dtype=dtype)
+    if flat.numel():
+        _kernel().quant_rows[(flat.numel(), -(-cols // ROWS_BLOCK))](
+            flat, blocks.contiguous(), grid_table(ggml_type, blocks.device), out, blocks.shape[0], cols,
+            blocks.shape[1], TYPE=int(ggml_type), BLOCK_K=ROWS_BLOCK, num_warps=4, **FP_FUSION)
+    return out.reshape(*ids.shape, cols)
+
+
 def _check(x: torch.Tensor, blocks: torch.Tensor, ggml_type) -> None:
     """A supported type, x (M, K) and blocks (N, row_bytes) whose rows are K values of that type."""
     if not supports(ggml_type):

@@ -122,6 +122,8 @@ class Rope:
         inv_freq = self._inv_freq_on.get(positions.device)
         if inv_freq is None:
             inv_freq = self._inv_freq_on.setdefault(positions.device, self.inv_freq.to(positions.device))
+        if gpu.TRITON and gpu_rope.runs_on(positions):        # one launch, where the torch form's are seven
+            return gpu_rope.tables(positions, inv_freq, dtype)
         freqs = positions.float()[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -474,7 +476,9 @@ class Attention(nn.Module):
             q, gate = q[..., :self.head_dim], q[..., self.head_dim:]
         k = k.view(n, self.n_kv_heads, self.head_dim)
         v = v.view(n, self.n_kv_heads, self.head_dim)
-        if gpu.TRITON and gpu_rope.runs_on(q):                # norm and rotation: one launch each
+        if gpu.TRITON and gpu_rope.runs_on(q) and gpu_rope.pairs(q, k, self.q_norm, self.k_norm):
+            q, k = gpu_rope.norm_rope_qk(q, k, self.q_norm, self.k_norm, *rope)    # norms and rotations: one launch
+        elif gpu.TRITON and gpu_rope.runs_on(q):
             q, k = gpu_rope.norm_rope(q, self.q_norm, *rope), gpu_rope.norm_rope(k, self.k_norm, *rope)
         else:
             if self.q_norm is not None:

@@ -99,10 +99,14 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
     return F.linear(x, w, bias)
 
 
-def embedding_rows(ids: torch.Tensor, w: QuantTensor) -> torch.Tensor:
-    """Rows ``ids`` of a quantized (vocab, hidden) matrix: only those rows' blocks are decoded."""
+def embedding_rows(ids: torch.Tensor, w: QuantTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows ``ids`` of a quantized (vocab, hidden) matrix in ``dtype``: only those rows' blocks are
+    decoded (where the GPU kernels run, in one launch, ``quant_matmul.rows``)."""
+    if (w.input_index is None and w.data.dim() == 2 and gpu.TRITON and gpu_weights.supports(w.wtype.ggml_type)
+            and gpu_weights.runs_on(w.data)):
+        return gpu_weights.rows(ids, w.data, w.wtype.ggml_type, w.cols, dtype)
     rows = w.data.index_select(0, ids.reshape(-1))
     values = w.decode(rows)
     if w.input_index is not None:
         values = values.index_select(-1, torch.argsort(w.input_index))
-    return values.reshape(*ids.shape, w.cols)
+    return values.reshape(*ids.shape, w.cols).to(dtype)

@@ -95,7 +95,7 @@ class QuantEmbedding(_QuantWeight):
         self.dtype = dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return embedding_rows(ids, self.quant).to(self.dtype)
+        return embedding_rows(ids, self.quant, self.dtype)
 
     def project(self, h: torch.Tensor) -> torch.Tensor:
         """h @ table.T: the tied output head's logits."""
