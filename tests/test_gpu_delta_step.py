@@ -61,7 +61,39 @@ def step_in_child(cases, path: Path) -> None:
     for i, case in enumerate(cases):
         *inputs, state, slots = _inputs(case, i)
         out.append((gpu.delta_step(*inputs, state, slots, norm=_norm(case, i)), state))
+    out += [_conv_runs(case, i) for i, case in enumerate(cases)]
     torch.save(out, path)
+
+
+def _conv_inputs(case, seed: int):
+    """``_inputs``' q, k, v taken as the raw [Q | K | V] columns of their row, a conv state (S, C,
+    3) for every slot and the conv's weights (C, 4)."""
+    q, k, v, *rest = _inputs(case, seed)
+    n_slots, channels = case[5], 2 * case[1] * case[3] + case[2] * case[4]
+    gen = torch.Generator().manual_seed(seed + 200)
+    return q, k, v, *rest, torch.randn(n_slots, channels, 3, generator=gen), torch.randn(channels, 4, generator=gen)
+
+
+def _conv_runs(case, seed: int, cuda: bool = False) -> tuple:
+    """The step that takes the conv in its launch (``conv``, with the output norm), then the two
+    launches it replaces (``conv_step``, then the step on its float32 output): outputs, recurrent
+    and conv states of both."""
+    from kvslim.gpu import conv_step
+    move = (lambda t: t.cuda() if torch.is_tensor(t) else t) if cuda else (lambda t: t)
+    runs = []
+    for fused in (True, False):
+        q, k, v, a, b, A_log, dt_bias, state, slots, conv, weight = (move(t) for t in _conv_inputs(case, seed))
+        norm, out = tuple(move(t) for t in _norm(case, seed)), torch.empty_like(v.contiguous())
+        if fused:
+            got = gpu.delta_step(q, k, v, a, b, A_log, dt_bias, state, slots, out=out, norm=norm, conv=(conv, weight))
+        else:
+            raw = q.as_strided((q.shape[0], conv.shape[1]), (q.stride(0), 1))     # the [Q | K | V] columns
+            mixed = conv_step.conv_step(raw, conv, slots, weight)
+            key = case[1] * case[3]
+            heads = (mixed[:, :key].view(q.shape), mixed[:, key:2 * key].view(k.shape), mixed[:, 2 * key:].view(v.shape))
+            got = gpu.delta_step(*heads, a, b, A_log, dt_bias, state, slots, out=out, norm=norm)
+        runs.append((got.cpu(), state.cpu(), conv.cpu()))
+    return tuple(runs)
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +158,32 @@ def test_delta_step_with_the_output_norm_on_cuda(case):
     _check_normed(case, got.cpu(), state.cpu(), CASES.index(case))
 
 
+def _check_conv(case, runs: tuple, seed: int) -> None:
+    """The step with the conv in its launch gives the bits of the conv's launch then the step's:
+    output, every slot's recurrent state and every slot's conv state (the idle slots' as they
+    were); and the conv states moved by one input for the chosen slots."""
+    (got, state, conv), (want, want_state, want_conv) = runs
+    assert torch.equal(got, want) and torch.equal(state, want_state) and torch.equal(conv, want_conv)
+    *_, before, slots, conv_before, _ = _conv_inputs(case, seed)
+    idle = torch.ones(before.shape[0], dtype=torch.bool)
+    idle[slots] = False
+    assert torch.equal(conv[idle], conv_before[idle]) and torch.equal(conv[slots][..., :-1], conv_before[slots][..., 1:])
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_the_conv_in_the_steps_launch_is_the_conv_launchs(interpreted, case):
+    """``conv``: each program convolves the channels it reads (q's and k's shared by the key
+    head's programs, whose last one shifts their state), the bits of ``conv_step`` then the step."""
+    _check_conv(case, interpreted[2 * len(CASES) + CASES.index(case)], CASES.index(case))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the compiled kernel waits for a GPU")
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_the_conv_in_the_steps_launch_on_cuda(case):
+    compiled_process()
+    _check_conv(case, _conv_runs(case, CASES.index(case), cuda=True), CASES.index(case))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the compiled kernel waits for a GPU")
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_delta_step_on_cuda_matches_the_torch_decode(case):
@@ -153,6 +211,23 @@ def test_delta_step_compiles_for_an_h100_without_one():
                 "dt_bias_ptr": "*fp32", "state_ptr": "*fp32", "slots_ptr": "*i64", "scale": "fp32", "eps": "fp32"}
     constexprs = {"DK": 128, "DV": 128, "BLOCK_K": 128, "BLOCK_V": gpu.BLOCK_V}
     assert compile_for_sm90(kernel.delta_step, pointers, constexprs, 1).asm["cubin"]
+
+
+def test_delta_step_with_its_conv_compiles_with_its_ordering():
+    """The step that also takes the conv (and the norm), for sm_90: no local memory; the v
+    state's shift before, and q's and k's after, the (sequence, key head) counter's atomic."""
+    from kvslim.gpu import _delta_step_kernel as kernel
+    pointers = {**{f"{t}_ptr": "*bf16" for t in ("q", "k", "v", "a", "b", "out", "z")}, "a_log_ptr": "*fp32",
+                "dt_bias_ptr": "*fp32", "state_ptr": "*fp32", "slots_ptr": "*i64", "scale": "fp32", "eps": "fp32",
+                "norm_ptr": "*fp32", "norm_eps": "fp32", "parts_ptr": "*fp32", "count_ptr": "*i32",
+                "conv_ptr": "*fp32", "conv_w_ptr": "*bf16", "conv_count_ptr": "*i32"}
+    constexprs = {"DK": 128, "DV": 128, "BLOCK_K": 128, "BLOCK_V": gpu.BLOCK_V, "NORM": True, "BLOCK_DV": 128,
+                  "CONV": 4, "BLOCK_CK": 4}
+    ptx = compile_for_sm90(kernel.delta_step, pointers, constexprs, 1).asm["ptx"]
+    assert ".local" not in ptx
+    counted = ptx.index("atom.global.gpu.acq_rel.add")                   # the conv's counter comes first
+    assert "bar.sync" in ptx[ptx.rindex("st.global", 0, counted):counted]
+    assert "st.global" in ptx[counted:ptx.index("atom.global.gpu.relaxed.exch")]
 
 
 def test_delta_step_with_its_norm_compiles_with_its_ordering():

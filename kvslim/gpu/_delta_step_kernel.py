@@ -6,6 +6,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from ._codecs import last_to_arrive, rearm, sigmoid, stored_as
+from ._conv_step_kernel import conv_silu, shift
 from ._gated_norm_kernel import gated_normed
 
 
@@ -19,8 +20,10 @@ def _unit(x, eps):
 def delta_step(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, slots_ptr, out_ptr,
                HK, HV, q_stride, k_stride, v_stride, a_stride, b_stride, scale, eps,
                z_ptr, z_stride, norm_ptr, norm_eps, parts_ptr, count_ptr,
+               conv_ptr, conv_w_ptr, conv_slot_stride, conv_count_ptr,
                DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-               NORM: tl.constexpr = False, BLOCK_DV: tl.constexpr = 1):
+               NORM: tl.constexpr = False, BLOCK_DV: tl.constexpr = 1, CONV: tl.constexpr = 0,
+               BLOCK_CK: tl.constexpr = 1):
     """Program (sequence s, value head h, block of BLOCK_V value columns): one decode token of a
     Gated DeltaNet layer, on the state of slot slots[s] ((HV, DK, DV) float32, in place).
 
@@ -31,14 +34,24 @@ def delta_step(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_
     in float32, out rounded once to its type. Every column of S depends only on itself, so the
     programs of one head split the columns and never read each other's.
     NORM: out is the layer's gated output norm of o (``_last_head_norms``), not o: z (B, HV, DV)
-    at row stride z_stride, the norm's weight (DV,) and eps; parts (B, HV, DV) float32 scratch."""
+    at row stride z_stride, the norm's weight (DV,) and eps; parts (B, HV, DV) float32 scratch.
+    CONV = K > 0: q, k and v are the layer's raw [Q | K | V] row (q_ptr, q_stride; k_ptr and
+    v_ptr unread) and the step first takes the short causal conv of its channels itself
+    (``_convolved``): the conv state (S, C, K - 1) at conv_ptr, conv_slot_stride a slot, its
+    weights (C, K); no launch of its own."""
     s = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     cols = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     rows = tl.arange(0, BLOCK_K)
     kh = h // (HV // HK)
-    q = tl.load(q_ptr + s * q_stride + kh * DK + rows, mask=rows < DK, other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + s * k_stride + kh * DK + rows, mask=rows < DK, other=0.0).to(tl.float32)
+    if CONV > 0:
+        q, k, v = _convolved(q_ptr + s * q_stride, conv_ptr + tl.load(slots_ptr + s).to(tl.int64) * conv_slot_stride,
+                             conv_w_ptr, conv_count_ptr + s * HK + kh, rows, cols, kh, h, HK, HV, DK, DV, CONV,
+                             BLOCK_CK)
+    else:
+        q = tl.load(q_ptr + s * q_stride + kh * DK + rows, mask=rows < DK, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + s * k_stride + kh * DK + rows, mask=rows < DK, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + s * v_stride + h * DV + cols, mask=cols < DV, other=0.0).to(tl.float32)
     q, k = _unit(q, eps) * scale, _unit(k, eps)
     x = tl.load(a_ptr + s * a_stride + h).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
     softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))     # torch's threshold
@@ -47,7 +60,6 @@ def delta_step(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_
     tile = (rows < DK)[:, None] & (cols < DV)[None, :]
     at = state_ptr + (tl.load(slots_ptr + s).to(tl.int64) * HV + h) * (DK * DV) + rows[:, None] * DV + cols[None, :]
     state = tl.load(at, mask=tile, other=0.0) * decay
-    v = tl.load(v_ptr + s * v_stride + h * DV + cols, mask=cols < DV, other=0.0).to(tl.float32)
     predicted = tl.sum(state * k[:, None], axis=0)                   # S^T k: what the state recalls for k
     state += k[:, None] * ((v - predicted) * beta)[None, :]
     tl.store(at, state, mask=tile)
@@ -57,6 +69,27 @@ def delta_step(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_
                          DV, BLOCK_DV)
     else:
         tl.store(out_ptr + (s * HV + h) * DV + cols, stored_as(o, out_ptr), mask=cols < DV)
+
+
+@triton.jit
+def _convolved(x_ptr, conv_ptr, w_ptr, counter, rows, cols, kh, h, HK, HV, DK: tl.constexpr, DV: tl.constexpr,
+               K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The program's q and k (key head kh's channels) and v (value head h's columns ``cols``),
+    float32, from the raw [Q | K | V] row at x_ptr through the layer's conv and silu
+    (``_conv_step_kernel.conv_silu``: ``conv_step``'s bits), its state at conv_ptr updated
+    in place (``shift``) once every program has read it: v's columns by the program that owns
+    them, q's and k's (which all the key head's programs read) by the last of them to count
+    itself in the (sequence, key head) counter (``last_to_arrive``, ``rearm``)."""
+    q_at, k_at, v_at = kh * DK + rows, HK * DK + kh * DK + rows, 2 * HK * DK + h * DV + cols
+    q = conv_silu(x_ptr, conv_ptr, w_ptr, q_at, rows < DK, K, BLOCK_K)
+    k = conv_silu(x_ptr, conv_ptr, w_ptr, k_at, rows < DK, K, BLOCK_K)
+    v = conv_silu(x_ptr, conv_ptr, w_ptr, v_at, cols < DV, K, BLOCK_K)
+    shift(x_ptr, conv_ptr, v_at, cols < DV, K, BLOCK_K)
+    if last_to_arrive(counter, (HV // HK) * tl.num_programs(2)):
+        shift(x_ptr, conv_ptr, q_at, rows < DK, K, BLOCK_K)
+        shift(x_ptr, conv_ptr, k_at, rows < DK, K, BLOCK_K)
+        rearm(counter)
+    return q, k, v
 
 
 @triton.jit

@@ -20,6 +20,11 @@ from . import FP_FUSION, counters, kernels, pow2, serves
 # program of each head): 30 launches fewer a 35B-A3B decode step. Untimed (benchmarks/gpu_model.py
 # --no-sums-in-gemv turns it off with the GEMVs' last-program sums).
 NORM_IN_STEP = True
+# Whether the step's launch also takes the layer's short causal conv (``conv``): each program
+# convolves the channels it reads, the conv state updated by their owners (q's and k's by the
+# key head's last program): 30 launches fewer a 35B-A3B decode step. Untimed
+# (benchmarks/gpu_model.py --no-sums-in-gemv turns it off with the other last-program folds).
+CONV_IN_STEP = True
 BLOCK_V = 8             # value columns a program: fla-core's choice for its recurrent step (a
                         # (dk, 8) float32 tile in one warp), so a batch of one fills the SMs
 
@@ -40,14 +45,17 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride()[1:] == inner else t.contiguous()
 
 
-def delta_step(q, k, v, a, b, A_log, dt_bias, state, slots, out=None, norm=None) -> torch.Tensor:
+def delta_step(q, k, v, a, b, A_log, dt_bias, state, slots, out=None, norm=None, conv=None) -> torch.Tensor:
     """``gated_delta_decode``'s step for B sequences: q, k (B, Hk, dk) as convolved; v (B, Hv, dv);
     a, b (B, Hv) the gates' pre-activations; A_log, dt_bias (Hv,); state (S, Hv, dk, dv) float32,
     every slot's, updated in place for the B distinct ``slots``. Rows may be strided (the columns
     of a fused projection's output). Returns o (B, Hv, dv): ``out`` when given (its type), else
     in v's type; float32 sums rounded once. ``norm`` (z (B, Hv, dv), weight (dv,), eps): the
     layer's gated output norm of o instead (``gated_norm.gated_rms_norm``'s math on the float32
-    o, by each head's last program: no launch of its own)."""
+    o, by each head's last program: no launch of its own). ``conv`` (conv state (S, C, K - 1),
+    weight (C, K)): q, k and v are the layer's raw inputs, consecutive columns of one [Q | K | V]
+    row, and the step takes ``conv_step``'s conv and silu of them in its launch (its bits), the
+    conv state updated in place for the slots."""
     n, hk, dk = q.shape
     hv, dv = v.shape[1:]
     if k.shape != q.shape or v.shape[0] != n or a.shape != (n, hv) or b.shape != (n, hv) \
@@ -65,13 +73,37 @@ def delta_step(q, k, v, a, b, A_log, dt_bias, state, slots, out=None, norm=None)
         q, k, v, a, b = (_rows(t) for t in (q, k, v, a, b))
         block_v = min(BLOCK_V, pow2(dv))
         z, weight, eps, parts, count = _norm_args(norm, n, hv, dv, out)
+        conv_state, conv_weight, taps = _conv_args(conv, q, k, v, out)
         _kernel().delta_step[(n, hv, -(-dv // block_v))](
             q, k, v, a, b, A_log.contiguous(), dt_bias.contiguous(), state, slots.contiguous(), out, hk, hv,
             q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0), dk ** -0.5, 1e-6,
             z, z.stride(0), weight, eps, parts, count,
+            conv_state, conv_weight, conv_state.shape[1] * conv_state.shape[2] if taps else 0,
+            counters(n * (hv + hk), out.device)[n * hv:] if taps else out,
             DK=dk, DV=dv, BLOCK_K=pow2(dk), BLOCK_V=block_v, NORM=norm is not None, BLOCK_DV=pow2(dv),
-            num_warps=1, **FP_FUSION)
+            CONV=taps, BLOCK_CK=pow2(max(taps, 1)), num_warps=1, **FP_FUSION)
     return out
+
+
+def _conv_args(conv, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> tuple:
+    """The kernel's conv state, weight and taps K for ``conv`` (placeholders and 0 without): q, k
+    and v must be consecutive columns of one row (the kernel reads them from q's), as the
+    layer's split of its [Q | K | V] projection leaves them."""
+    if conv is None:
+        return out, out, 0
+    state, weight = conv
+    hk, dk = q.shape[1:]
+    hv, dv = v.shape[1:]
+    channels, base = 2 * hk * dk + hv * dv, q.storage_offset()     # offsets, not data_ptr: fake tensors count launches
+    consecutive = (k.storage_offset() == base + hk * dk and v.storage_offset() == base + 2 * hk * dk
+                   and q.stride(0) == k.stride(0) == v.stride(0) and q.stride()[1:] == (dk, 1)
+                   and k.stride()[1:] == (dk, 1) and v.stride()[1:] == (dv, 1) and k.dtype == v.dtype == q.dtype)
+    if (not consecutive or state.dim() != 3 or state.shape[1] != channels or state.shape[2] < 1
+            or weight.shape != (channels, state.shape[2] + 1) or not state.is_contiguous()):
+        raise ValueError(f"conv: q, k, v consecutive columns of one row, a contiguous state (S, C, K - 1) and weight "
+                         f"(C, K) for C = {channels} expected, got state {tuple(state.shape)} and weight "
+                         f"{tuple(weight.shape)}")
+    return state, weight.contiguous(), state.shape[2] + 1
 
 
 def _norm_args(norm, n: int, hv: int, dv: int, out: torch.Tensor) -> tuple:

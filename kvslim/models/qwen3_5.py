@@ -88,22 +88,15 @@ class GatedDeltaNet(nn.Module):
 
     def _decode(self, qkv, z, a, b, batch, cache, out) -> bool:
         """One token for each sequence, all in one step, from the raw q, k, v and gate inputs
-        (``gated_delta_decode``). On a GPU with the kernels on, two launches read and update
-        each slot's conv and recurrent states where the cache keeps them, and the step's launch
-        also applies the output norm (``delta_step``'s ``norm``; True returned: ``out`` is
-        normed); otherwise consecutive slots are updated in place through a view, others
-        gathered and scattered back."""
+        (``gated_delta_decode``). On a GPU with the kernels on, ``_decode_kernels`` (True
+        returned: ``out`` is normed); otherwise consecutive slots are updated in place through
+        a view, others gathered and scattered back."""
         normed = False
-        idx = batch.slot_index()
-        if gpu.TRITON and gpu_conv.runs_on(qkv):
-            mixed = gpu_conv.conv_step(qkv, cache.conv, batch.slot_ids, self.conv1d.weight[:, 0])
+        if gpu.TRITON and gpu_step.runs_on(qkv) and gpu_conv.runs_on(qkv):
+            normed = self._decode_kernels(qkv, z, a, b, batch, cache, out)
         else:
+            idx = batch.slot_index()
             mixed, cache.conv[idx] = causal_conv_step(qkv, cache.conv[idx], self.conv1d.weight[:, 0])
-        if gpu.TRITON and gpu_step.runs_on(mixed):
-            normed = gpu_step.NORM_IN_STEP
-            gpu_step.delta_step(*self._heads(mixed), a, b, self.A_log, self.dt_bias, cache.recurrent,
-                                batch.slot_ids, out=out, norm=(z, self.norm.weight, self.norm.eps) if normed else None)
-        else:
             state = cache.recurrent[idx]                            # a view when idx is a slice
             out[:] = gated_delta_decode(*self._heads(mixed), a, b, self.A_log, self.dt_bias, state)
             if not isinstance(idx, slice):
@@ -112,6 +105,21 @@ class GatedDeltaNet(nn.Module):
             for seg in batch.segments:
                 cache.advance(seg.slot, 1)
         return normed
+
+    def _decode_kernels(self, qkv, z, a, b, batch, cache, out) -> bool:
+        """The kernels read and update each slot's conv and recurrent states where the cache keeps
+        them: the conv, the rule and the output norm in one launch (``delta_step``'s ``conv``
+        and ``norm``), or with the switches off the conv's launch, then the step's, then the
+        norm's (the layer's). Returns whether ``out`` is normed."""
+        norm = (z, self.norm.weight, self.norm.eps) if gpu_step.NORM_IN_STEP else None
+        weight = self.conv1d.weight[:, 0]
+        if gpu_step.CONV_IN_STEP:
+            heads, conv = self._heads(qkv), (cache.conv, weight)
+        else:
+            heads, conv = self._heads(gpu_conv.conv_step(qkv, cache.conv, batch.slot_ids, weight)), None
+        gpu_step.delta_step(*heads, a, b, self.A_log, self.dt_bias, cache.recurrent, batch.slot_ids, out=out,
+                            norm=norm, conv=conv)
+        return norm is not None
 
 
 def feed_forward(c: HybridConfig, layer: int) -> nn.Module:
