@@ -226,6 +226,15 @@ def test_embedding_rows_take_one_launch_and_gguf_values(served):
         assert torch.equal(got, want)
 
 
+def test_bad_embedding_lookups_are_named():
+    from kvslim.gpu import quant_matmul
+    ids, w, _ = _embedding_inputs()[0]
+    with pytest.raises(ValueError, match="integer ids"):
+        quant_matmul.rows(ids.float(), w.data, w.wtype.ggml_type, w.cols, torch.float32)
+    with pytest.raises(ValueError, match="rows of 256 values"):
+        quant_matmul.rows(ids, w.data, w.wtype.ggml_type, 256, torch.float32)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the compiled kernel waits for a GPU")
 def test_embedding_rows_on_cuda():
     from kvslim.gpu import quant_matmul

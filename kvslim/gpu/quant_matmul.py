@@ -183,9 +183,11 @@ def rows(ids: torch.Tensor, blocks: torch.Tensor, ggml_type, cols: int, dtype: t
     callers refuse such ids first."""
     block_size, block_bytes = gguf.GGML_QUANT_SIZES[ggml_type]
     if not supports(ggml_type) or blocks.dim() != 2 or cols % block_size \
-            or blocks.shape[1] != cols // block_size * block_bytes or ids.is_floating_point():
+            or blocks.shape[1] != cols // block_size * block_bytes or ids.is_floating_point() \
+            or ids.device != blocks.device:
         raise ValueError(f"integer ids and a matrix of {getattr(ggml_type, 'name', ggml_type)} rows of {cols} "
-                         f"values expected, got ids {ids.dtype} and blocks {tuple(blocks.shape)}")
+                         f"values on their device expected, got ids {ids.dtype} on {ids.device} and blocks "
+                         f"{tuple(blocks.shape)} on {blocks.device}")
     flat = ids.reshape(-1).contiguous()
     out = torch.empty(flat.numel(), cols, device=blocks.device, dtype=dtype)
     if flat.numel():

@@ -170,7 +170,7 @@ class QuantExperts(Experts):
 
     def shared_matrices(self, shared: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The shared expert MLP's fused [gate; up] and down blocks where they are one expert's
-        (the same block types, columns and rows, no bias, file column order), else None."""
+        (the same block types, columns and rows and device, no bias, file column order), else None."""
         fused, down = getattr(shared, "fused", None), getattr(shared, "down_proj", None)
         fused = fused.single() if fused is not None else None
         if (not isinstance(fused, FusedRows) or fused.bias is not None or not isinstance(down, QuantLinear)
@@ -178,7 +178,8 @@ class QuantExperts(Experts):
             return None
         gate_up, down = fused.matrix, down.quant
         if ((gate_up.wtype, gate_up.cols) != self.gate_up_type or (down.wtype, down.cols) != self.down_type
-                or gate_up.data.shape != self.gate_up_proj.shape[1:] or down.data.shape != self.down_proj.shape[1:]):
+                or gate_up.data.shape != self.gate_up_proj.shape[1:] or down.data.shape != self.down_proj.shape[1:]
+                or gate_up.data.device != self.gate_up_proj.device or down.data.device != self.down_proj.device):
             return None
         return gate_up.data, down.data
 
