@@ -919,3 +919,34 @@ def test_routed_experts_on_cuda_match_gguf_dequantize(case):
         dense = torch.from_numpy(gguf.quants.dequantize(mats[ids[p]].data.numpy(), mats[0].wtype.ggml_type)).double()
         want, bound = dense @ x[p].double(), dense.abs() @ x[p].double().abs()
         assert ((got[p].double() - want).abs() <= TOLERANCE["ieee"] * bound + 1e-6).all(), p
+
+
+# a quantized embedding's lookup (``quant_matmul.rows``): the interpreted checks are in
+# tests/test_triton_wiring.py, with quant_linear's
+def embedding_inputs() -> list:
+    """(ids, table, dtype): Q4_0, Q6_K and IQ4_XS tables of 20 rows of 512 (the K- and i-quant
+    ones random blocks), ids of a prompt and a decode batch (2-D), one past the table and one
+    negative."""
+    tables = [_weight(name, 20, 512, 3) for name in ("q4_0", "q6_k", "iq4_xs")]
+    return [(torch.tensor([3, 19, 0, 3]), tables[0], "bfloat16"), (torch.tensor([[7], [2]]), tables[1], "float32"),
+            (torch.tensor([5, 20, -1]), tables[2], "float16")]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the compiled kernel waits for a GPU")
+def test_embedding_rows_on_cuda():
+    from kvslim.weights.matmul import embedding_rows
+    compiled_process()
+    for ids, w, dtype in embedding_inputs():
+        inside = ids.clamp(0, w.shape[0] - 1)
+        want = embedding_rows(inside, w, getattr(torch, dtype))
+        want[(ids != inside)] = 0
+        got = gpu.rows(ids.cuda(), w.data.cuda(), w.wtype.ggml_type, w.cols, getattr(torch, dtype))
+        assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("name", ["q4_0", "q4_k", "q6_k", "iq2_xxs"])
+def test_embedding_rows_compile_for_an_h100_without_one(name):
+    from kvslim.gpu import _quant_matmul_kernel as kernel
+    pointers = {"ids_ptr": "*i64", "w_ptr": "*u8", "grid_ptr": "*i8", "out_ptr": "*bf16"}
+    constexprs = {"TYPE": int(weights.get(name).ggml_type), "BLOCK_K": 1024}
+    assert compile_for_sm90(kernel.quant_rows, pointers, constexprs, 4).asm["cubin"]

@@ -19,7 +19,8 @@ import kvslim.gpu
 
 from kvslim.gpu import paged_decode
 
-from .triton_harness import attention_kernels_only, compile_for_sm90, compiled_process, run_interpreted
+from .test_triton_weights import embedding_inputs
+from .triton_harness import attention_kernels_only, run_interpreted
 
 pytestmark = pytest.mark.skipif(not kvslim.gpu.available(), reason="triton is not installed")
 # (K, V, f16 window). Formats whose kernel encoder writes torch's bytes here: iq4_nl's can flip
@@ -183,18 +184,8 @@ def quant_linear_served(shapes, path: Path) -> None:
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(1))
         out.append((weights.quant_linear(x, w), weights.reference_linear(x, w)))
     from kvslim.weights.matmul import embedding_rows
-    embedded = [embedding_rows(ids, w, getattr(torch, dtype)) for ids, w, dtype in _embedding_inputs()]
+    embedded = [embedding_rows(ids, w, getattr(torch, dtype)) for ids, w, dtype in embedding_inputs()]
     torch.save({"calls": calls, "out": out, "embedded": embedded}, path)
-
-
-def _embedding_inputs() -> list:
-    """(ids, table, dtype): Q4_0, Q6_K and IQ4_XS tables of 20 rows of 512 (the K- and i-quant
-    ones random blocks), ids of a prompt and a decode batch (2-D), one past the table and one
-    negative."""
-    from .test_triton_weights import _weight
-    tables = [_weight(name, 20, 512, 3) for name in ("q4_0", "q6_k", "iq4_xs")]
-    return [(torch.tensor([3, 19, 0, 3]), tables[0], "bfloat16"), (torch.tensor([[7], [2]]), tables[1], "float32"),
-            (torch.tensor([5, 20, -1]), tables[2], "float16")]
 
 
 @pytest.fixture(scope="module")
@@ -218,7 +209,7 @@ def test_embedding_rows_take_one_launch_and_gguf_values(served):
     outside the table gives zeros (never other memory)."""
     from kvslim.weights.matmul import embedding_rows
     assert served["calls"][3:] == ["rows"] * 3
-    for got, (ids, w, dtype) in zip(served["embedded"], _embedding_inputs()):
+    for got, (ids, w, dtype) in zip(served["embedded"], embedding_inputs()):
         inside = ids.clamp(0, w.shape[0] - 1)
         want = embedding_rows(inside, w, getattr(torch, dtype))               # the kernels are off here
         want[(ids != inside)] = 0
@@ -228,33 +219,11 @@ def test_embedding_rows_take_one_launch_and_gguf_values(served):
 
 def test_bad_embedding_lookups_are_named():
     from kvslim.gpu import quant_matmul
-    ids, w, _ = _embedding_inputs()[0]
+    ids, w, _ = embedding_inputs()[0]
     with pytest.raises(ValueError, match="integer ids"):
         quant_matmul.rows(ids.float(), w.data, w.wtype.ggml_type, w.cols, torch.float32)
     with pytest.raises(ValueError, match="rows of 256 values"):
         quant_matmul.rows(ids, w.data, w.wtype.ggml_type, 256, torch.float32)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the compiled kernel waits for a GPU")
-def test_embedding_rows_on_cuda():
-    from kvslim.gpu import quant_matmul
-    from kvslim.weights.matmul import embedding_rows
-    compiled_process()
-    for ids, w, dtype in _embedding_inputs():
-        inside = ids.clamp(0, w.shape[0] - 1)
-        want = embedding_rows(inside, w, getattr(torch, dtype))
-        want[(ids != inside)] = 0
-        got = quant_matmul.rows(ids.cuda(), w.data.cuda(), w.wtype.ggml_type, w.cols, getattr(torch, dtype))
-        assert torch.equal(got.cpu(), want)
-
-
-@pytest.mark.parametrize("name", ["q4_0", "q4_k", "q6_k", "iq2_xxs"])
-def test_embedding_rows_compile_for_an_h100_without_one(name):
-    from kvslim import weights
-    from kvslim.gpu import _quant_matmul_kernel as kernel
-    pointers = {"ids_ptr": "*i64", "w_ptr": "*u8", "grid_ptr": "*i8", "out_ptr": "*bf16"}
-    constexprs = {"TYPE": int(weights.get(name).ggml_type), "BLOCK_K": 1024}
-    assert compile_for_sm90(kernel.quant_rows, pointers, constexprs, 4).asm["cubin"]
 
 
 def mixture_logits(variants, path: Path) -> None:
