@@ -292,7 +292,8 @@ def main(argv=None) -> int:
                     help="the last-program folds: a split GEMV's partials and a mixture's combine summed by the "
                          "GEMV's last programs (quant_matmul.SUMS_IN_GEMV), the DeltaNet norm by the step's "
                          "(delta_step.NORM_IN_STEP) with the conv in the step (CONV_IN_STEP), the router's top-k "
-                         "by the router GEMV's (moe.ROUTER_GEMV), "
+                         "by the router GEMV's (moe.ROUTER_GEMV), the mixers' residual add-norms by their output "
+                         "GEMVs' (quant_matmul.ADD_NORM_IN_GEMV), "
                          "and with them the shared expert among the routed pairs; "
                          "--no-...: launches of their own, to time both")
     ap.add_argument("--shared-as-pair", action=argparse.BooleanOptionalAction, default=True,
@@ -307,7 +308,8 @@ def main(argv=None) -> int:
     gpu_weights.SHARED_AS_PAIR = args.shared_as_pair              # (needs the sums in the GEMVs)
     gpu_delta_step.NORM_IN_STEP = args.sums_in_gemv          # the DeltaNet step's last-program norm too,
     gpu_delta_step.CONV_IN_STEP = args.sums_in_gemv          # its conv (the q/k state shifted by the last)
-    gpu_moe.ROUTER_GEMV = args.sums_in_gemv                   # and the router's top-k by its last programs
+    gpu_moe.ROUTER_GEMV = args.sums_in_gemv                   # and the router's top-k by its last programs,
+    gpu_weights.ADD_NORM_IN_GEMV = args.sums_in_gemv          # the mixers' add-norms by their GEMVs' last tiles
     gpu_weights.Q8_ACTIVATIONS = gpu_weights.Q8_ACTIVATIONS or args.q8_activations     # or KVSLIM_GPU_Q8_ACTIVATIONS=1
     if args.weights not in catalog.WEIGHT_QUANTS or catalog.WEIGHT_QUANTS[args.weights].base != args.weights:
         ap.error(f"--weights {args.weights}: expected a plain block type the planner knows (q4_0, q8_0, ...)")

@@ -262,7 +262,8 @@ verify() {
     # session 39's Q4_0 GEMVs on 8-bit activations (dp4a; off above), then its split sums by each
     # tile's last program (on above) against their own launch; session 40's last-program folds go
     # off with them there (the router's top-k in its GEMV, the DeltaNet conv in the step, the
-    # shared expert among the routed pairs): one A/B for every fold that counts its programs
+    # shared expert among the routed pairs, the mixers' add-norms in their output GEMVs): one A/B
+    # for every fold that counts its programs
     KVSLIM_TRITON=1 timeout -k 5 "$(left 60)" $PY benchmarks/gpu_model.py -d 0 -np 1,4 -n 8 --pairs q8_0/turbo4 \
         --attn-backend bf16 --q8-activations 2>&1 | tee -a "$OUT/e2e.md" | tail -12
     KVSLIM_TRITON=1 timeout -k 5 "$(left 60)" $PY benchmarks/gpu_model.py -d 0 -np 1,4 -n 8 --pairs q8_0/turbo4 \

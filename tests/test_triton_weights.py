@@ -71,6 +71,12 @@ Q8 = [("q8", "q4_0", 1, 64, 1024, None, False, "float32"), ("q8", "q4_0", 1, 40,
       ("q8", "q6_k", 1, 40, 1024, None, False, "bfloat16"), ("q8", "q6_k", 1, 32, 512, 1, True, "float32"),
       ("q8 linear", "q4_0", 1, 32, 256, None, False, "float32"),    # quant_linear with Q8_ACTIVATIONS on
       ("q8 nan", "q4_k", 1, 32, 512, 1, False, "float32")]           # a NaN in x: NaN out, not dropped
+# a mixer's output projection with the residual add and norm in its launch: (kind, type, M, N, K,
+# split_k, sums by the last program?, dtype of x, y and the residual)
+ADD_NORM = [("add norm", "q4_0", 1, 64, 1024, None, True, "bfloat16"), ("add norm", "q4_k", 3, 40, 512, 1, True,
+                                                                         "float32"),
+            ("add norm", "q8_0", 2, 24, 288, 2, True, "bfloat16"), ("add norm", "q6_k", 1, 32, 768, 3, False,
+                                                                     "float32")]
 TOLERANCE = {"ieee": 1e-5, "tf32": 4e-3, "fp16": 2e-3, "bf16": 1e-2}
 
 
@@ -143,6 +149,8 @@ def _run(case, x, w, bias):
     if case[0] == "sums":
         return [gpu.gemv(x, w.data, w.wtype.ggml_type, split_k=case[5], swiglu=case[6], out_dtype=getattr(torch, case[7]),
                          last_sums=last) for last in (True, True, False)]
+    if case[0] == "add norm":
+        return _add_norm_runs(case, x, w)
     if case[0] in ("gemv", "per-value gemv"):
         return gpu.gemv(x, w.data, w.wtype.ggml_type, split_k=case[5], blockwise=case[0] == "gemv")
     if case[0] in ("gemm", "values"):
@@ -159,7 +167,28 @@ def _results_in_child(cases, path: Path) -> None:
     torch.save(out, path)
 
 
-CASES = GEMV + PER_VALUE + GEMM + VALUES + LINEAR + ROUNDED + SWIGLU + SUMS + Q8
+CASES = GEMV + PER_VALUE + GEMM + VALUES + LINEAR + ROUNDED + SWIGLU + SUMS + Q8 + ADD_NORM
+
+
+def _add_norm_runs(case, x: torch.Tensor, w: QuantTensor, cuda: bool = False) -> list:
+    """The GEMV with the add and norm in its launch, twice, then the GEMV and ``add_rms_norm``."""
+    from kvslim.gpu.add_norm import add_rms_norm
+    move = (lambda t: t.cuda()) if cuda else (lambda t: t)
+    dtype = getattr(torch, case[7])
+    x, blocks, (residual, weight) = move(x.to(dtype)), move(w.data), (move(t) for t in _norm_operands(case))
+    folded = [gpu.gemv(x, blocks, w.wtype.ggml_type, split_k=case[5], out_dtype=dtype, last_sums=case[6],
+                       add_norm=(residual, weight, 1e-6)) for _ in range(2)]
+    apart = add_rms_norm(residual, gpu.gemv(x, blocks, w.wtype.ggml_type, split_k=case[5], out_dtype=dtype,
+                                            last_sums=case[6]), weight, 1e-6)
+    return [tuple(t.cpu() for t in pair) for pair in folded + [apart]]
+
+
+def _norm_operands(case) -> tuple[torch.Tensor, torch.Tensor]:
+    """A residual (M, N) (rows strided: a wider tensor's) and a norm weight (N,) for an add-norm case."""
+    gen = torch.Generator().manual_seed(case[3])
+    dtype = getattr(torch, case[7])
+    residual = (torch.randn(case[2], case[3] + 5, generator=gen) * 4).to(dtype)[:, 5:]
+    return residual, torch.rand(case[3], generator=gen) + 0.5
 
 
 @pytest.fixture(scope="module")
@@ -265,6 +294,56 @@ def test_split_sums_by_the_last_program_match_the_sums_launch(interpreted, case)
     as the separate sums launch, for plain outputs and SwiGLU, and again on a second call (the
     counters were set back to 0)."""
     _check_sums(case, interpreted["y"][case], CASES.index(case))
+
+
+def _check_add_norm(case, runs: list, seed: int) -> None:
+    """The GEMV that adds its output to the residual and norms the sum in its launch, twice (the
+    row counter set back to 0), gives ``add_rms_norm``'s bits on the GEMV's output: both the
+    normed rows and the sums (where the launch cannot, with sums_splits' launch, the same
+    two launches); and the sum is the residual plus the product within its bound."""
+    (normed, summed), again, (want_normed, want_summed) = runs              # (CPU tensors)
+    assert torch.equal(normed, want_normed) and torch.equal(summed, want_summed)
+    assert torch.equal(again[0], normed) and torch.equal(again[1], summed)
+    residual, _ = _norm_operands(case)
+    assert normed.dtype == summed.dtype == residual.dtype and summed.shape == residual.shape
+    w, x, _ = _inputs(case, seed)
+    dense = torch.from_numpy(gguf.quants.dequantize(w.data.numpy(), w.wtype.ggml_type)).double()
+    xd = x.to(residual.dtype).double()
+    want, bound = residual.double() + xd @ dense.T, xd.abs() @ dense.abs().T
+    ulp = torch.finfo(residual.dtype).eps if residual.dtype != torch.float32 else 0.0
+    assert ((summed.double() - want).abs() <= 1e-5 * bound + 2 * ulp * (want.abs() + bound) + 1e-6).all()
+
+
+@pytest.mark.parametrize("case", ADD_NORM, ids=lambda c: f"{c[1]}-m{c[2]}-n{c[3]}-split{c[5]}-last{c[6]}-{c[7]}")
+def test_the_add_norm_in_the_gemvs_launch_is_add_rms_norms(interpreted, case):
+    _check_add_norm(case, interpreted["y"][case], CASES.index(case))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the compiled kernels wait for a GPU")
+@pytest.mark.parametrize("case", ADD_NORM, ids=lambda c: f"{c[1]}-m{c[2]}-n{c[3]}-split{c[5]}-last{c[6]}-{c[7]}")
+def test_the_add_norm_in_the_gemvs_launch_on_cuda(case):
+    compiled_process()
+    w, x, _ = _inputs(case, CASES.index(case))
+    _check_add_norm(case, _add_norm_runs(case, x, w, cuda=True), CASES.index(case))
+
+
+@pytest.mark.parametrize("last_sums", [False, True])
+def test_the_gemv_that_adds_and_norms_compiles_with_its_ordering(last_sums):
+    """A mixer's output projection with the add and norm in its launch, for sm_90 (1-row Q4_0,
+    bf16, hidden 2048): every tile's y stored before the row counter's acq_rel atomic (a
+    bar.sync between), y read back from L2 after it, the counter set back; no local memory."""
+    from kvslim.gpu import _quant_matmul_kernel as kernel
+    config = gpu.gemv_config(1, weights.get("q4_0").ggml_type)
+    num_warps = config.pop("num_warps")
+    pointers = dict(POINTERS, x_ptr="*bf16", y_ptr="*bf16", res_ptr="*bf16", norm_ptr="*fp32", sum_ptr="*bf16",
+                    normed_ptr="*bf16", norm_eps="fp32", row_count_ptr="*i32")
+    constexprs = dict(config, TYPE=int(weights.get("q4_0").ggml_type), LAST_SUMS=last_sums, ADD_NORM=True,
+                      BLOCK_H=2048)
+    ptx = compile_for_sm90(kernel.quant_gemv, pointers, constexprs, num_warps).asm["ptx"]
+    counted = ptx.rindex("atom.global.gpu.acq_rel.add")                # the row counter's: the last
+    assert "bar.sync" in ptx[ptx.rindex("st.global", 0, counted):counted]
+    assert "ld.global.cg" in ptx[counted:] and "atom.global.gpu.relaxed.exch" in ptx[counted:]
+    assert ".local" not in ptx
 
 
 @pytest.mark.parametrize("case", PER_VALUE, ids=lambda c: c[1])

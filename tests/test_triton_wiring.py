@@ -232,12 +232,12 @@ def mixture_logits(variants, path: Path) -> None:
     a few seconds) or here: prompts of 70 and 4 tokens in one batch (148 routed pairs: the
     grouped GEMM) and a decode step of the two (4 pairs: the expert GEMV, or batched products),
     f16 K/V; which expert, DeltaNet-step and gated-norm kernels ran, counted."""
-    from kvslim.gpu import delta_step, gated_norm, quant_matmul
+    from kvslim.gpu import add_norm, delta_step, gated_norm, quant_matmul
     from kvslim.loading import load_model
     from kvslim.models import Batch
     calls, out = [], []
     for module, fn in ((quant_matmul, "gemm_experts"), (quant_matmul, "gemv_experts"), (delta_step, "delta_step"),
-                       (gated_norm, "gated_rms_norm")):
+                       (gated_norm, "gated_rms_norm"), (add_norm, "add_rms_norm")):
         inner = getattr(module, fn)
         setattr(module, fn, lambda *a, _f=inner, _n=fn, **k: calls.append(_n) or _f(*a, **k))
     for folder, weights in variants:
@@ -248,7 +248,8 @@ def mixture_logits(variants, path: Path) -> None:
         step = model(Batch.build([(0, [80], 70), (1, [81], 4)]), cache)
         mixtures = sum(type(m).__name__ == "SparseMoE" for m in model.modules())
         deltas = sum(type(m).__name__ == "GatedDeltaNet" for m in model.modules())
-        out.append({"logits": (prompt, step), "calls": list(calls), "mixtures": mixtures, "deltas": deltas})
+        out.append({"logits": (prompt, step), "calls": list(calls), "mixtures": mixtures, "deltas": deltas,
+                    "layers": len(model.model.layers)})
     torch.save(out, path)
 
 
@@ -273,6 +274,10 @@ def test_mixture_model_logits_with_grouped_experts_match_the_loop(interpreted_mi
     assert ("gemv_experts" in got["calls"]) == bool(weights)  # decode: the GEMV, or dense batched products
     assert got["deltas"] > 0 and got["calls"].count("delta_step") == got["deltas"]   # decode: one a DeltaNet layer
     assert got["calls"].count("gated_rms_norm") == got["deltas"]   # the prompt's output norms (the step's: in its launch)
+    # add-norms: the prompt's 2 a layer (less the first layer's input, plus the final norm's); the
+    # step's the same, less the mixers' output adds, which quantized output projections take in their GEMV's launch
+    layers = got["layers"]
+    assert got["calls"].count("add_rms_norm") == 2 * layers + (layers if weights else 2 * layers)
     mixture_logits([(str(tiny_folder("qwen3_5_moe")[0]), weights)], tmp_path / "here.pt")
     want = torch.load(tmp_path / "here.pt")[0]
     assert want["calls"] == []                               # kernels off here: the loop

@@ -10,21 +10,30 @@ from ._codecs import stored_as
 
 @triton.jit
 def add_rms_norm(x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, H, eps, x_stride, d_stride, BLOCK: tl.constexpr):
-    """Program (row r): s = x[r] + d[r], stored in sum's type (the residual stream, rounded as
-    torch's add rounds it); out[r] = s * rsqrt(mean(s^2) + eps) * w, in float32 from the stored
-    s, rounded once to out's type. x and d: rows of any float type at their own strides; w (H,);
-    sum and out (R, H) contiguous; BLOCK >= H."""
+    """Program (row r): ``added_norm`` of x[r] and d[r]. x and d: rows of any float type at
+    their own strides; w (H,); sum and out (R, H) contiguous; BLOCK >= H."""
     r = tl.program_id(0).to(tl.int64)
+    added_norm(x_ptr + r * x_stride, d_ptr + r * d_stride, w_ptr, sum_ptr + r * H, out_ptr + r * H, H, eps, BLOCK,
+               "")
+
+
+@triton.jit
+def added_norm(x_row, d_row, w_ptr, sum_row, out_row, H, eps, BLOCK: tl.constexpr, CACHE: tl.constexpr):
+    """One row: s = x + d, stored in sum's type (the residual stream, rounded as torch's add
+    rounds it); out = s * rsqrt(mean(s^2) + eps) * w, in float32 from the stored s, rounded
+    once to out's type. ``add_rms_norm`` and the GEMV that adds and norms its own output
+    (``_quant_matmul_kernel._last_row_add_norms``, which reads d from L2: CACHE ".cg") both
+    take it: the same bits from either."""
     c = tl.arange(0, BLOCK)
     ok = c < H
-    x = tl.load(x_ptr + r * x_stride + c, mask=ok, other=0.0).to(tl.float32)
-    d = tl.load(d_ptr + r * d_stride + c, mask=ok, other=0.0).to(tl.float32)
-    s = stored_as(x + d, sum_ptr)
-    tl.store(sum_ptr + r * H + c, s, mask=ok)
+    x = tl.load(x_row + c, mask=ok, other=0.0).to(tl.float32)
+    d = tl.load(d_row + c, mask=ok, other=0.0, cache_modifier=CACHE).to(tl.float32)
+    s = stored_as(x + d, sum_row)
+    tl.store(sum_row + c, s, mask=ok)
     s = s.to(tl.float32)
     scale = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / H + eps)
     w = tl.load(w_ptr + c, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + r * H + c, stored_as(s * scale * w, out_ptr), mask=ok)
+    tl.store(out_row + c, stored_as(s * scale * w, out_row), mask=ok)
 
 
 INTERPRETED = not isinstance(add_rms_norm, JITFunction)

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
+from ._add_norm_kernel import added_norm
 from ._codecs import f16_aligned, f16_at, last_to_arrive, rearm, sigmoid, stored_as
 from ._moe_kernel import gated_sum
 
@@ -782,9 +783,11 @@ def _silu_mul(gate, up):
 
 @triton.jit
 def quant_gemv(x_ptr, w_ptr, grid_ptr, y_ptr, parts_ptr, count_ptr, M, N, K, row_bytes, chunks_per_split, up_bytes,
+               res_ptr, norm_ptr, sum_ptr, normed_ptr, norm_eps, res_stride, row_count_ptr,
                TYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                BLOCKWISE: tl.constexpr = True, TERMS: tl.constexpr = 0, SWIGLU: tl.constexpr = False,
-               LAST_SUMS: tl.constexpr = False, Q8: tl.constexpr = 0):
+               LAST_SUMS: tl.constexpr = False, Q8: tl.constexpr = 0, ADD_NORM: tl.constexpr = False,
+               BLOCK_H: tl.constexpr = 1):
     """Program (tile of BLOCK_N outputs, split s): the sums x[m, K_s] . W[n, K_s] for its chunks
     K_s of BLOCK_K columns. x (M, K) contiguous. One split: y (M, N) of any float type, the float32
     sums rounded once as they are stored. Several: each program stores its float32 partial in
@@ -798,7 +801,9 @@ def quant_gemv(x_ptr, w_ptr, grid_ptr, y_ptr, parts_ptr, count_ptr, M, N, K, row
     (``_gemv_chunks``; Q8: x rounded to 8 bits, Q4_0). SWIGLU (one split, or LAST_SUMS): W (2N, K) is a fused [gate; up]
     projection and y[m, n] = silu(x . W[n]) * (x . W[N + n]), both rows in one program, rounded
     once; up_bytes: N * row_bytes, where the up rows start; parts (splits, M, 2N), the up sums
-    N after the gate's."""
+    N after the gate's. ADD_NORM (one split, or LAST_SUMS; not SWIGLU): y is a residual's delta,
+    and the last program to store a tile of it adds and norms every row (``_last_row_add_norms``:
+    ``add_norm``'s launch, folded)."""
     tile = tl.program_id(0)
     split = tl.program_id(1)
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -814,13 +819,34 @@ def quant_gemv(x_ptr, w_ptr, grid_ptr, y_ptr, parts_ptr, count_ptr, M, N, K, row
         up = acc
     live = (m < M)[:, None] & (rows < N)[None, :]
     if LAST_SUMS:
-        _last_split_sums(parts_ptr, count_ptr, y_ptr, acc, up, m, rows, live, M, N, SWIGLU)
+        if _last_split_sums(parts_ptr, count_ptr, y_ptr, acc, up, m, rows, live, M, N, SWIGLU) and ADD_NORM:
+            _last_row_add_norms(y_ptr, res_ptr, norm_ptr, sum_ptr, normed_ptr, row_count_ptr, M, N, norm_eps,
+                                res_stride, BLOCK_H)
     elif tl.num_programs(1) > 1:
         tl.store(parts_ptr + (split * M + m[:, None]) * N + rows[None, :], acc, mask=live)
     else:
         if SWIGLU:
             acc = _silu_mul(acc, up)
         tl.store(y_ptr + m[:, None] * N + rows[None, :], stored_as(acc, y_ptr), mask=live)
+        if ADD_NORM:
+            _last_row_add_norms(y_ptr, res_ptr, norm_ptr, sum_ptr, normed_ptr, row_count_ptr, M, N, norm_eps,
+                                res_stride, BLOCK_H)
+
+
+@triton.jit
+def _last_row_add_norms(y_ptr, res_ptr, norm_ptr, sum_ptr, normed_ptr, counter, M, N, eps, res_stride,
+                        BLOCK_H: tl.constexpr):
+    """The residual add and norm after a GEMV, by the last of its tiles to store y, not by a
+    launch of its own (``add_norm.add_rms_norm``: 40 a 35B-A3B decode step, one after each
+    mixer's output projection): each program that stored a tile of y (M, N) counts itself; the
+    last reads y back (from L2) and for each row m stores res[m] + y[m] in sum's type and its
+    norm with weight ``norm_ptr`` (``_add_norm_kernel.added_norm``: that launch's bits), then
+    sets the counter back to 0."""
+    if last_to_arrive(counter, tl.num_programs(0)):
+        for m in range(0, M):
+            added_norm(res_ptr + m * res_stride, y_ptr + m * N, norm_ptr, sum_ptr + m * N, normed_ptr + m * N, N,
+                       eps, BLOCK_H, ".cg")
+        rearm(counter)
 
 
 @triton.jit
@@ -830,7 +856,7 @@ def _last_split_sums(parts_ptr, count_ptr, y_ptr, acc, up, m, rows, live, M, N, 
     partial (and up's), counts itself in the tile's counter, and the one that counts last adds
     the tile's partials in split order (``sum_splits``' order: the same bits whichever program
     it is), stores y rounded once and sets the counter back to 0 for the next launch
-    (``last_to_arrive``, ``rearm``: one int32 per tile)."""
+    (``last_to_arrive``, ``rearm``: one int32 per tile). Returns whether this program was it."""
     tile = tl.program_id(0)
     split = tl.program_id(1)
     n_splits = tl.num_programs(1)
@@ -839,7 +865,8 @@ def _last_split_sums(parts_ptr, count_ptr, y_ptr, acc, up, m, rows, live, M, N, 
     tl.store(parts_ptr + at, acc, mask=live)
     if SWIGLU:
         tl.store(parts_ptr + at + N, up, mask=live)
-    if last_to_arrive(count_ptr + tile, n_splits):
+    last = last_to_arrive(count_ptr + tile, n_splits)
+    if last:
         total = tl.zeros(acc.shape, tl.float32)
         up_total = tl.zeros(acc.shape, tl.float32)
         for s in range(0, n_splits):
@@ -851,6 +878,7 @@ def _last_split_sums(parts_ptr, count_ptr, y_ptr, acc, up, m, rows, live, M, N, 
             total = _silu_mul(total, up_total)
         tl.store(y_ptr + m[:, None] * N + rows[None, :], stored_as(total, y_ptr), mask=live)
         rearm(count_ptr + tile)
+    return last
 
 
 @triton.jit

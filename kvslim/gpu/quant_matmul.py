@@ -37,6 +37,7 @@ import torch
 
 from ..formats.base import cached_on
 from . import FP_FUSION, counters, kernels, pow2, serves
+from .add_norm import add_rms_norm
 from .swiglu import silu_mul
 
 _T = gguf.GGMLQuantizationType
@@ -77,6 +78,11 @@ SUMS_IN_GEMV = True
 # GEMVs of its own: 80 launches fewer a 35B-A3B decode step, and its programs run beside the
 # routed ones'. Needs SUMS_IN_GEMV and SWIGLU_IN_GEMV. Untimed on a GPU.
 SHARED_AS_PAIR = True
+# Whether a mixer's quantized output projection takes the residual add and the norm after it in
+# its GEMV's launch (``gemv``'s ``add_norm``, by the last tile to store: 40 launches fewer a
+# 35B-A3B decode step; ``weights.matmul.quant_linear_add_norm``). Untimed on a GPU
+# (benchmarks/gpu_model.py --no-sums-in-gemv turns it off with the other last-program folds).
+ADD_NORM_IN_GEMV = True
 # Whether decode's 1-row Q4_0, Q4_K and Q6_K GEMVs round x to 8 bits (a scale per 32 values, as
 # ``weights.activations.quantize_q8`` and llama.cpp's CUDA decode do) and multiply in integers by
 # ``dp4a``: the float loops cost 0.51 (Q4_0), 0.77 (Q4_K) and 0.61 (Q6_K) warp instructions a
@@ -241,7 +247,7 @@ def _check_scales(ids: torch.Tensor, scales: torch.Tensor | None) -> None:
 
 def gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type, split_k: int | None = None,
          blockwise: bool = True, terms: bool = True, out_dtype: torch.dtype = torch.float32,
-         swiglu: bool = False, last_sums: bool | None = None, q8: bool | None = None) -> torch.Tensor:
+         swiglu: bool = False, last_sums: bool | None = None, q8: bool | None = None, add_norm=None):
     """x (M, K) float, M <= MAX_GEMV_ROWS; blocks (N, row_bytes) uint8 of ``ggml_type`` ->
     y (M, N) of ``out_dtype`` (float32 sums, rounded once when stored). ``split_k``: splits of K
     (default ``split_count``). ``blockwise`` False: the BLOCKWISE types through the per-value
@@ -252,7 +258,11 @@ def gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type, split_k: int | None =
     where ``layers.swiglu`` was one more launch after a rounding to out_dtype. ``last_sums``
     (default ``SUMS_IN_GEMV``): several splits' partials summed by each tile's last program, in
     the GEMV's launch; False: by ``sum_splits``, one more launch (the same bits). ``q8``: a 1-row
-    Q4_0, Q4_K or Q6_K GEMV with x rounded to 8 bits (``q8_config``; default ``Q8_ACTIVATIONS``)."""
+    Q4_0, Q4_K or Q6_K GEMV with x rounded to 8 bits (``q8_config``; default ``Q8_ACTIVATIONS``).
+    ``add_norm`` (residual (M, N), norm weight (N,), eps): y is the residual's delta, and the
+    call returns (norm of residual + y, residual + y), both of y's type, as
+    ``add_norm.add_rms_norm`` gives them (its bits): by the last of the GEMV's tiles, in its
+    launch, where the sums are (one split, or ``last_sums``); else by that launch after."""
     _check(x, blocks, ggml_type)
     if x.shape[0] > MAX_GEMV_ROWS:
         raise ValueError(f"the GEMV takes at most {MAX_GEMV_ROWS} rows of x, got {x.shape[0]}: use gemm")
@@ -270,27 +280,55 @@ def gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type, split_k: int | None =
     y = torch.empty(m, width, device=x.device, dtype=out_dtype)
     table = grid_table(ggml_type, x.device)
     constexprs = dict(TYPE=int(ggml_type), BLOCKWISE=blockwise, **config)
+    tiles = -(-width // config["BLOCK_N"])
+    last_sums = SUMS_IN_GEMV if last_sums is None else last_sums
+    fold, norm_args = _norm_epilogue(add_norm, y, swiglu, splits == 1 or last_sums, tiles)
+    block_h = pow2(width) if fold else 1                             # (a constexpr: one compile without)
     # one split writes y itself, in out_dtype: no float32 copy to convert after (a decode step's
     # ~300 GEMVs launched as many conversions); several write float32 partials, summed in order
     # and rounded once, by each tile's last program (``last_sums``) or by one more launch
     if splits == 1:
-        _kernel().quant_gemv[(-(-width // config["BLOCK_N"]), 1)](
-            x, blocks, table, y, y, y, m, width, k, blocks.shape[1], per_split, width * blocks.shape[1],
-            SWIGLU=swiglu, **constexprs, **FP_FUSION)
-        return y
-    parts = torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
-    if SUMS_IN_GEMV if last_sums is None else last_sums:
-        tiles = -(-width // config["BLOCK_N"])
+        _kernel().quant_gemv[(tiles, 1)](
+            x, blocks, table, y, y, y, m, width, k, blocks.shape[1], per_split, width * blocks.shape[1], *norm_args,
+            SWIGLU=swiglu, ADD_NORM=fold, BLOCK_H=block_h, **constexprs, **FP_FUSION)
+    elif last_sums:
+        parts = torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
         _kernel().quant_gemv[(tiles, splits)](
             x, blocks, table, y, parts, counters(tiles, x.device), m, width, k, blocks.shape[1], per_split,
-            width * blocks.shape[1], SWIGLU=swiglu, LAST_SUMS=True, **constexprs, **FP_FUSION)
+            width * blocks.shape[1], *norm_args, SWIGLU=swiglu, LAST_SUMS=True, ADD_NORM=fold, BLOCK_H=block_h,
+            **constexprs, **FP_FUSION)
+    else:
+        parts = torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
+        _kernel().quant_gemv[(-(-n // config["BLOCK_N"]), splits)](
+            x, blocks, table, parts, parts, parts, m, n, k, blocks.shape[1], per_split, 0, *norm_args,
+            **constexprs, **FP_FUSION)
+        # (the SwiGLU halves here are rows of one GEMV, not pairs: sum_splits applies the activation)
+        _kernel().sum_splits[(-(-(m * width) // SUM_BLOCK),)](parts, y, splits, m * width, width, BLOCK=SUM_BLOCK,
+                                                               SWIGLU=swiglu, num_warps=4, **FP_FUSION)
+    if add_norm is None:
         return y
-    _kernel().quant_gemv[(-(-n // config["BLOCK_N"]), splits)](
-        x, blocks, table, parts, parts, parts, m, n, k, blocks.shape[1], per_split, 0, **constexprs, **FP_FUSION)
-    # (the SwiGLU halves here are rows of one GEMV, not pairs: sum_splits applies the activation)
-    _kernel().sum_splits[(-(-(m * width) // SUM_BLOCK),)](parts, y, splits, m * width, width, BLOCK=SUM_BLOCK,
-                                                           SWIGLU=swiglu, num_warps=4, **FP_FUSION)
-    return y
+    if fold:
+        return norm_args[3], norm_args[2]                             # (normed, summed)
+    residual, weight, eps = add_norm
+    return add_rms_norm(residual, y, weight, eps)
+
+
+def _norm_epilogue(add_norm, y: torch.Tensor, swiglu: bool, sums_in_launch: bool, tiles: int) -> tuple[bool, tuple]:
+    """(whether the GEMV adds and norms its output in its launch, the kernel's seven arguments
+    for it: residual, norm weight, sum, normed, eps, the residual's row stride, the row
+    counter; placeholders without). ``add_norm`` (residual (M, N), weight (N,), eps)."""
+    if add_norm is None:
+        return False, (y, y, y, y, 0.0, 0, y)
+    residual, weight, eps = add_norm
+    if swiglu or residual.shape != y.shape or residual.stride(-1) != 1 or weight.shape != y.shape[1:] \
+            or residual.device != y.device:
+        raise ValueError(f"add_norm: a residual (M, N) = {tuple(y.shape)} with contiguous rows and a weight of N "
+                         f"on y's device expected (no SwiGLU), got {tuple(residual.shape)} and {tuple(weight.shape)}")
+    if not sums_in_launch:
+        return False, (y, y, y, y, 0.0, 0, y)
+    summed, normed = torch.empty_like(y), torch.empty_like(y)
+    return True, (residual, weight.contiguous(), summed, normed, float(eps), residual.stride(0),
+                  counters(tiles + 1, y.device)[tiles:])
 
 
 def gemv_experts(x: torch.Tensor, blocks: torch.Tensor, ids: torch.Tensor, ggml_type,

@@ -16,7 +16,7 @@ from .base import CausalLM
 from .batch import Batch
 from .config import HybridConfig
 from .delta_rule import causal_conv, causal_conv_step, chunk_rule, gated_delta_decode, gates, value_heads
-from .layers import MLP, Attention, DecoderLayer, RMSNormGated, Rope, SparseMoE, fuse
+from .layers import MLP, AddNorm, Attention, DecoderLayer, RMSNormGated, Rope, SparseMoE, fuse, project
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 
@@ -56,7 +56,8 @@ class GatedDeltaNet(nn.Module):
             qkv, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
         return qkv, z.view(x.shape[0], self.n_v, self.dv), b, a
 
-    def forward(self, x: torch.Tensor, batch: Batch, cache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: Batch, cache, then: AddNorm | None = None):
+        """The layer's output projection (N, hidden); with ``then``, (normed, summed) of it (``project``)."""
         n = x.shape[0]
         qkv, z, b, a = self.project(x)
         # in x's dtype: the float32 outputs of the rule are rounded once as they are written
@@ -68,7 +69,7 @@ class GatedDeltaNet(nn.Module):
             g, beta = gates(a, b, self.A_log, self.dt_bias)
             for seg in batch.segments:
                 self._prefill(qkv, g, beta, seg, cache, out)
-        return self.out_proj((out if normed else self.norm(out, z)).reshape(n, -1))
+        return project(self.out_proj, (out if normed else self.norm(out, z)).reshape(n, -1), then)
 
     def _heads(self, mixed: torch.Tensor):
         """Convolved (T, conv_dim) -> q, k (T, Hk, dk) and v (T, Hv, dv), as convolved."""

@@ -15,7 +15,7 @@ from torch import nn
 from .. import gpu
 from ..gpu import quant_matmul as gpu_weights
 from ..models.layers import Experts, concatenated
-from .matmul import embedding_rows, linear, quant_linear
+from .matmul import embedding_rows, linear, quant_linear, quant_linear_add_norm
 from .tensor import QuantTensor
 
 
@@ -50,6 +50,15 @@ class QuantLinear(_QuantWeight):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return quant_linear(x, self.quant, self.bias)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(norm of residual + self(x), residual + self(x)) with the add and the RMSNorm ``norm``
+        in the GEMV's launch (``quant_linear_add_norm``); None where it cannot (a bias, a prompt's
+        rows, the CPU): the caller adds and norms (``models.layers.project``)."""
+        if self.bias is not None:
+            return None
+        weight = norm.shifted_weight() if norm.zero_centered else norm.weight
+        return quant_linear_add_norm(x, self.quant, residual, weight, norm.eps)
 
     def fusion_key(self):
         """``models.layers.Fused``: quantized linears of one block type, width and device, all with
