@@ -346,6 +346,27 @@ def test_the_gemv_that_adds_and_norms_compiles_with_its_ordering(last_sums):
     assert ".local" not in ptx
 
 
+@pytest.mark.parametrize("name,shared", [("q4_0", 9), ("q4_k", 0)])
+def test_the_mixture_down_projection_that_adds_and_norms_compiles_with_its_ordering(name, shared):
+    """A 35B-A3B decode step's down projection with its combine and the next add and norm
+    (bf16, top 8, with and without the shared expert among the pairs), for sm_90: the combined
+    row's store before the token's row counter's acq_rel atomic (the last atomic), the row read
+    back from L2 after it, the counter set back; no local memory."""
+    from kvslim.gpu import _quant_matmul_kernel as kernel
+    config = gpu.gemv_config(1, weights.get(name).ggml_type)
+    constexprs = dict(TYPE=int(weights.get(name).ggml_type), BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
+                      TERMS=config["TERMS"], SCALED=True, TOP_K=shared or 8, SHARED=shared, ADD_NORM=True,
+                      BLOCK_H=2048)
+    pointers = dict(POINTERS, x_ptr="*bf16", y_ptr="*bf16", ids_ptr="*i64", scale_ptr="*bf16", shared_ptr="*bf16",
+                    gate_ptr="*bf16", shared_w_ptr="*u8", res_ptr="*bf16", norm_ptr="*fp32", sum_ptr="*bf16",
+                    normed_ptr="*bf16", norm_eps="fp32", row_count_ptr="*i32")
+    ptx = compile_for_sm90(kernel.quant_gemv_experts, pointers, constexprs, config["num_warps"]).asm["ptx"]
+    counted = ptx.rindex("atom.global.gpu.acq_rel.add")
+    assert "bar.sync" in ptx[ptx.rindex("st.global", 0, counted):counted]
+    assert "ld.global.cg" in ptx[counted:] and "atom.global.gpu.relaxed.exch" in ptx[counted:]
+    assert ".local" not in ptx
+
+
 @pytest.mark.parametrize("case", PER_VALUE, ids=lambda c: c[1])
 def test_the_blockwise_types_per_value_twin_matches_too(interpreted, case):
     """Q8_0, Q4_0 and Q6_K through the per-value tile (``blockwise=False``), which the
@@ -486,6 +507,7 @@ def _experts_in_child(cases, path: Path) -> None:
         out["swiglu"].append(gpu.experts_swiglu(xs, blocks, gpu.route(ids, len(mats)), mats[0].wtype.ggml_type))
     out["combined"] = [_combined_runs(case, i) for i, case in enumerate(COMBINED)]
     out["shared pair"] = [_shared_pair_runs(case, i) for i, case in enumerate(SHARED_PAIR)]
+    out["mixture add norm"] = [_mixture_add_norm_runs(i) for i in range(len(COMBINED) + len(SHARED_PAIR))]
     mats, blocks, x, ids = _expert_inputs(EXPERT_CASES[1], 1)
     out["q8 experts"] = gpu.gemv_experts(x, blocks, ids, mats[0].wtype.ggml_type, q8=True)
     for tokens in MOE_TOKENS:
@@ -597,6 +619,39 @@ def _shared_pair_runs(case, seed: int, cuda: bool = False) -> list:
     return [t.cpu() for t in [h] + runs]
 
 
+def _mixture_add_norm_runs(i: int, cuda: bool = False) -> list:
+    """A mixture's down projection with the next add and norm in its launch (``add_norm``), twice,
+    then without it and ``add_rms_norm`` after: COMBINED's cases through ``gemv_experts_combined``,
+    then SHARED_PAIR's through ``gemv_mixture_down`` (on the first call's SwiGLU rows)."""
+    from kvslim.gpu.add_norm import add_rms_norm
+    move = (lambda t: t.cuda()) if cuda else (lambda t: t)
+    if i < len(COMBINED):
+        mats, blocks, x, ids, scales, shared, gate = _combined_inputs(COMBINED[i], i)
+        args = [move(t) for t in (x, blocks, ids)] + [mats[0].wtype.ggml_type] + [move(t) for t in (scales, shared, gate)]
+        down = lambda **k: gpu.gemv_experts_combined(*args, **k)          # noqa: E731
+        dtype, width = shared.dtype, COMBINED[i][2]
+    else:
+        case, seed = SHARED_PAIR[i - len(COMBINED)], i - len(COMBINED)
+        h = move(_shared_pair_runs(case, seed, cuda)[0])
+        gate_up, mats, x, ids, scales, gate = _shared_pair_inputs(case, seed)
+        stack = move(torch.stack([m.data for m in mats[:-1]]))
+        down = lambda **k: gpu.gemv_mixture_down(h, stack, move(ids), mats[0].wtype.ggml_type, move(scales),  # noqa
+                                                 move(mats[-1].data), move(gate), x.dtype, q8=case[7], **k)
+        dtype, width = x.dtype, case[2]
+    gen = torch.Generator().manual_seed(70 + i)
+    residual = move((torch.randn(gate.shape[0], width + 3, generator=gen) * 3).to(dtype)[:, 3:])
+    weight = move(torch.rand(width, generator=gen) + 0.5)
+    runs = [down(add_norm=(residual, weight, 1e-6)) for _ in range(2)]
+    runs.append(add_rms_norm(residual, down(), weight, 1e-6))
+    return [tuple(t.cpu() for t in pair) for pair in runs]
+
+
+def _check_mixture_add_norm(runs: list) -> None:
+    """The add and norm in the down projection's launch: ``add_rms_norm``'s bits on its output, twice."""
+    for pair in runs[:2]:
+        assert all(torch.equal(a, b) for a, b in zip(pair, runs[2]))
+
+
 def _check_shared_pair(case, got: list, seed: int) -> None:
     """Each token's SwiGLU rows, its routed experts' then the shared expert's, against float64
     from gguf.quants (or the 8-bit reference); the mixture's output, from those rows, against
@@ -697,6 +752,21 @@ def test_the_shared_expert_as_one_more_pair_matches_gguf_dequantize(interpreted_
 def test_the_shared_expert_as_one_more_pair_on_cuda(case):
     compiled_process()
     _check_shared_pair(case, _shared_pair_runs(case, SHARED_PAIR.index(case), cuda=True), SHARED_PAIR.index(case))
+
+
+@pytest.mark.parametrize("i", range(len(COMBINED) + len(SHARED_PAIR)))
+def test_the_add_norm_in_the_mixtures_down_projection_is_add_rms_norms(interpreted_experts, i):
+    """The next layer's residual add and input norm by the last of each token's tiles of the
+    mixture's down projection (its combine's launch, with or without the shared expert among the
+    pairs): ``add_rms_norm``'s bits, again on a second call."""
+    _check_mixture_add_norm(interpreted_experts["mixture add norm"][i])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the compiled kernels wait for a GPU")
+@pytest.mark.parametrize("i", range(len(COMBINED) + len(SHARED_PAIR)))
+def test_the_add_norm_in_the_mixtures_down_projection_on_cuda(i):
+    compiled_process()
+    _check_mixture_add_norm(_mixture_add_norm_runs(i, cuda=True))
 
 
 def test_bad_shared_expert_calls_are_named():

@@ -904,9 +904,11 @@ def quant_gemm(x_ptr, w_ptr, grid_ptr, y_ptr, M, N, K, row_bytes,
 @triton.jit
 def quant_gemv_experts(x_ptr, w_ptr, grid_ptr, ids_ptr, scale_ptr, y_ptr, N, K, row_bytes, expert_bytes,
                        pairs_per_row, up_bytes, parts_ptr, count_ptr, shared_ptr, gate_ptr, gate_stride, shared_w_ptr,
+                       res_ptr, norm_ptr, sum_ptr, normed_ptr, norm_eps, res_stride, row_count_ptr,
                        TYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TERMS: tl.constexpr,
                        SCALED: tl.constexpr = False, BLOCKWISE: tl.constexpr = True, SWIGLU: tl.constexpr = False,
-                       TOP_K: tl.constexpr = 0, Q8: tl.constexpr = 0, SHARED: tl.constexpr = 0):
+                       TOP_K: tl.constexpr = 0, Q8: tl.constexpr = 0, SHARED: tl.constexpr = 0,
+                       ADD_NORM: tl.constexpr = False, BLOCK_H: tl.constexpr = 1):
     """Program (tile of BLOCK_N outputs, pair p): y[p, n] = x[p] . W[ids[p], n] over all of K,
     the expert's matrix found from its id (int32 or int64) in device memory (no host round trip
     to learn which experts a token chose). x (P / pairs_per_row, K) contiguous: pair p reads row
@@ -921,7 +923,8 @@ def quant_gemv_experts(x_ptr, w_ptr, grid_ptr, ids_ptr, scale_ptr, y_ptr, N, K, 
     (``_pair_matrix``): SHARED pairs a token, its SHARED - 1 routed ones (ids and scales (P /
     SHARED (SHARED - 1),)) then the shared expert's (matrix (N, row_bytes) at shared_w_ptr,
     scaled by sigmoid(gate[t]) where SCALED); the combine (TOP_K = SHARED) then sums the pairs
-    alone."""
+    alone. ADD_NORM (with TOP_K): each token's combined row is a residual's delta, added and
+    normed by the last of its tiles (``_last_token_add_norm``: ``add_norm``'s launch, folded)."""
     tile = tl.program_id(0)
     p = tl.program_id(1).to(tl.int64)
     routed, w_expert = _pair_matrix(p, ids_ptr, w_ptr, shared_w_ptr, expert_bytes, SHARED)
@@ -938,8 +941,15 @@ def quant_gemv_experts(x_ptr, w_ptr, grid_ptr, ids_ptr, scale_ptr, y_ptr, N, K, 
     if SCALED:
         y = y * _pair_scale(p, routed, scale_ptr, gate_ptr, gate_stride, SHARED)
     if TOP_K > 0:
-        _last_pair_combines(parts_ptr, count_ptr, shared_ptr, gate_ptr, y_ptr, y, p, rows, N, gate_stride, TOP_K,
-                            SHARED == 0)
+        combined = _last_pair_combines(parts_ptr, count_ptr, shared_ptr, gate_ptr, y_ptr, y, p, rows, N, gate_stride,
+                                       TOP_K, SHARED == 0)
+        if ADD_NORM:
+            if combined:
+                t = p // TOP_K
+                if last_to_arrive(row_count_ptr + t, tl.num_programs(0)):     # every tile of row t combined
+                    added_norm(res_ptr + t * res_stride, y_ptr + t * N, norm_ptr, sum_ptr + t * N,
+                               normed_ptr + t * N, N, norm_eps, BLOCK_H, ".cg")
+                    rearm(row_count_ptr + t)
     else:
         tl.store(y_ptr + p * N + rows, stored_as(y, y_ptr), mask=rows < N)
 
@@ -978,16 +988,19 @@ def _last_pair_combines(parts_ptr, count_ptr, shared_ptr, gate_ptr, out_ptr, y, 
     launch of its own (``moe.combine``: 40 a 35B-A3B decode step): each stores its pair's float32
     product in parts and counts itself in the (token, tile) counter; the one that counts last
     stores the token's ``gated_sum`` (the pairs in order of k: the same bits as ``combine``)
-    rounded once, and sets the counter back to 0 (``last_to_arrive``, ``rearm``). GATED False:
-    the shared expert is one of the pairs (``_pair_matrix``), the sum the pairs' alone."""
+    rounded once, and sets the counter back to 0 (``last_to_arrive``, ``rearm``); returns
+    whether this program was it. GATED False: the shared expert is one of the pairs
+    (``_pair_matrix``), the sum the pairs' alone."""
     t = p // TOP_K
     live = rows < N
     tl.store(parts_ptr + p * N + rows, y, mask=live)
     counter = count_ptr + t * tl.num_programs(0) + tl.program_id(0)
-    if last_to_arrive(counter, TOP_K):
+    last = last_to_arrive(counter, TOP_K)
+    if last:
         total = gated_sum(parts_ptr, shared_ptr, gate_ptr, t, rows, N, live, gate_stride, TOP_K, ".cg", GATED)
         tl.store(out_ptr + t * N + rows, stored_as(total, out_ptr), mask=live)
         rearm(counter)
+    return last
 
 
 @triton.jit

@@ -313,10 +313,11 @@ def gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type, split_k: int | None =
     return add_rms_norm(residual, y, weight, eps)
 
 
-def _norm_epilogue(add_norm, y: torch.Tensor, swiglu: bool, sums_in_launch: bool, tiles: int) -> tuple[bool, tuple]:
+def _norm_epilogue(add_norm, y: torch.Tensor, swiglu: bool, sums_in_launch: bool, at: int) -> tuple[bool, tuple]:
     """(whether the GEMV adds and norms its output in its launch, the kernel's seven arguments
     for it: residual, norm weight, sum, normed, eps, the residual's row stride, the row
-    counter; placeholders without). ``add_norm`` (residual (M, N), weight (N,), eps)."""
+    counters, one a row of y from counter ``at`` on, past the launch's others; placeholders
+    without). ``add_norm`` (residual (M, N), weight (N,), eps)."""
     if add_norm is None:
         return False, (y, y, y, y, 0.0, 0, y)
     residual, weight, eps = add_norm
@@ -328,7 +329,7 @@ def _norm_epilogue(add_norm, y: torch.Tensor, swiglu: bool, sums_in_launch: bool
         return False, (y, y, y, y, 0.0, 0, y)
     summed, normed = torch.empty_like(y), torch.empty_like(y)
     return True, (residual, weight.contiguous(), summed, normed, float(eps), residual.stride(0),
-                  counters(tiles + 1, y.device)[tiles:])
+                  counters(at + y.shape[0], y.device)[at:])
 
 
 def gemv_experts(x: torch.Tensor, blocks: torch.Tensor, ids: torch.Tensor, ggml_type,
@@ -363,14 +364,15 @@ def gemv_experts(x: torch.Tensor, blocks: torch.Tensor, ids: torch.Tensor, ggml_
 
 def gemv_mixture_down(x: torch.Tensor, blocks: torch.Tensor, ids: torch.Tensor, ggml_type, scales: torch.Tensor,
                       shared: torch.Tensor, gate: torch.Tensor, out_dtype: torch.dtype,
-                      q8: bool | None = None) -> torch.Tensor:
+                      q8: bool | None = None, add_norm=None):
     """A mixture's down projection, its shared expert's and its combine in one launch (where
     ``gemv_experts_combined`` follows a launch of the shared expert's own): x (T (top_k + 1), I)
     as ``gemv_experts(..., shared=)`` gives it, blocks (E, N, row_bytes), shared (N, row_bytes)
     the shared expert's down matrix, ids and scales (T top_k,) the routing, gate (T, 1) the shared
     expert's gate logit -> (T, N) of ``out_dtype``: the token's pairs' products, the routed ones
     times their weights and the shared one times sigmoid(gate), summed in float32 in order
-    (the shared one last) and rounded once."""
+    (the shared one last) and rounded once. ``add_norm`` as ``gemv``'s: (normed, summed) of
+    the output added to a residual, each token's by the last of its tiles."""
     tokens = gate.shape[0]
     if blocks.dim() != 3 or gate.shape != (tokens, 1) or not tokens or ids.dim() != 1 \
             or ids.numel() % tokens or x.shape[0] != ids.numel() + tokens:
@@ -382,7 +384,7 @@ def gemv_mixture_down(x: torch.Tensor, blocks: torch.Tensor, ids: torch.Tensor, 
     _check(x, blocks[0], ggml_type)
     y = torch.empty(tokens, blocks.shape[1], device=x.device, dtype=out_dtype)
     return _experts_gemv(x, blocks, ids, ggml_type, scales, y, q8, combine=(y, gate),
-                         shared=(shared, x.shape[0] // tokens))
+                         shared=(shared, x.shape[0] // tokens), add_norm=add_norm)
 
 
 def _check_shared(shared: torch.Tensor, blocks: torch.Tensor) -> None:
@@ -395,13 +397,14 @@ def _check_shared(shared: torch.Tensor, blocks: torch.Tensor) -> None:
 
 
 def gemv_experts_combined(x: torch.Tensor, blocks: torch.Tensor, ids: torch.Tensor, ggml_type, scales: torch.Tensor,
-                          shared: torch.Tensor, gate: torch.Tensor, q8: bool | None = None) -> torch.Tensor:
+                          shared: torch.Tensor, gate: torch.Tensor, q8: bool | None = None, add_norm=None):
     """A mixture's down projection and its combine in one launch: ``gemv_experts`` (the pairs'
     products times their routing weights ``scales``) and then, by each token's last pair program
     for a tile, ``moe.combine``'s sum: the token's pairs (T top_k consecutive, ids (T top_k,))
     summed in order plus sigmoid(gate) * shared, rounded once -> (T, N) of shared's type, the
     bits of ``combine`` on ``gemv_experts``' products. shared (T, N) the shared expert's output,
-    gate (T, 1) its gate's logit (a column of a wider matrix)."""
+    gate (T, 1) its gate's logit (a column of a wider matrix). ``add_norm`` as
+    ``gemv_mixture_down``'s."""
     _check_experts(x, blocks, ids, ggml_type, scales)
     tokens, n = shared.shape
     if scales is None or ids.numel() % max(tokens, 1) or gate.shape != (tokens, 1) or n != blocks.shape[1]:
@@ -409,15 +412,16 @@ def gemv_experts_combined(x: torch.Tensor, blocks: torch.Tensor, ids: torch.Tens
                          f"{tuple(ids.shape)}, shared {tuple(shared.shape)}, gate {tuple(gate.shape)} for N = "
                          f"{blocks.shape[1]}")
     out = torch.empty(tokens, n, device=x.device, dtype=shared.dtype)
-    return _experts_gemv(x, blocks, ids, ggml_type, scales, out, q8, combine=(shared, gate)) if tokens else out
+    return _experts_gemv(x, blocks, ids, ggml_type, scales, out, q8, combine=(shared, gate), add_norm=add_norm)
 
 
 def _experts_gemv(x, blocks, ids, ggml_type, scales, y, q8, swiglu: bool = False, combine=None,
-                  shared=None) -> torch.Tensor:
+                  shared=None, add_norm=None):
     """``quant_gemv_experts`` over (tiles of y's columns, pairs) into y (P or T rows). ``combine``
     (the shared expert's output, gate): each token's last pair program a tile writes its
     combined row (TOP_K launch). ``shared`` (matrix, pairs a token): the shared expert as each
-    token's last pair (SHARED launch); with ``combine``, the sum is the pairs' alone."""
+    token's last pair (SHARED launch); with ``combine``, the sum is the pairs' alone.
+    ``add_norm`` (with ``combine``): (normed, summed) returned, ``gemv``'s."""
     config = gemv_config(1, ggml_type)
     q8_mode = q8_config(config, ggml_type, 1, q8)
     per_token, shared_w = (0, blocks) if shared is None else (shared[1], shared[0].contiguous())
@@ -430,13 +434,21 @@ def _experts_gemv(x, blocks, ids, ggml_type, scales, y, q8, swiglu: bool = False
         top_k = p // y.shape[0]
         extra = (torch.empty(p, width, device=x.device, dtype=torch.float32), counters(y.shape[0] * tiles, x.device),
                  output.contiguous(), gate, gate.stride(0))
-    _kernel().quant_gemv_experts[(tiles, p)](
-        x.contiguous(), blocks.contiguous(), grid_table(ggml_type, x.device), _ids(ids), _scales(scales, x), y,
-        width, k, blocks.shape[2], blocks.shape[1] * blocks.shape[2], p // x.shape[0], width * blocks.shape[2],
-        *extra, shared_w, TYPE=int(ggml_type), BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
-        TERMS=config["TERMS"], SCALED=scales is not None, SWIGLU=swiglu, TOP_K=top_k, Q8=q8_mode, SHARED=per_token,
-        num_warps=config["num_warps"], **FP_FUSION)
-    return y
+    fold, norm_args = _norm_epilogue(add_norm, y, swiglu, combine is not None, y.shape[0] * tiles)
+    if y.shape[0]:
+        _kernel().quant_gemv_experts[(tiles, p)](
+            x.contiguous(), blocks.contiguous(), grid_table(ggml_type, x.device), _ids(ids), _scales(scales, x), y,
+            width, k, blocks.shape[2], blocks.shape[1] * blocks.shape[2], p // x.shape[0], width * blocks.shape[2],
+            *extra, shared_w, *norm_args, TYPE=int(ggml_type), BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
+            TERMS=config["TERMS"], SCALED=scales is not None, SWIGLU=swiglu, TOP_K=top_k, Q8=q8_mode,
+            SHARED=per_token, ADD_NORM=fold, BLOCK_H=pow2(width) if fold else 1, num_warps=config["num_warps"],
+            **FP_FUSION)
+    if add_norm is None:
+        return y
+    if fold:
+        return norm_args[3], norm_args[2]                             # (normed, summed)
+    residual, weight, eps = add_norm
+    return add_rms_norm(residual, y, weight, eps)
 
 
 def _ids(ids: torch.Tensor) -> torch.Tensor:

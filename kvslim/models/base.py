@@ -79,8 +79,12 @@ class CausalLM(nn.Module):
         """``forward`` without the inference-mode wrapper: what a compiled step traces."""
         x, delta = self.model.embed_tokens(batch.tokens), None
         rope = self.rope.tables(batch.positions, x.dtype)
-        for layer, cache in zip(self.model.layers, caches):
-            x, delta = layer(x, batch, cache, rope, delta)         # delta: added by the next norm
+        layers = self.model.layers
+        every_row = all_logits or batch.is_decode                  # else the final norm reads the last rows only
+        for i, (layer, cache) in enumerate(zip(layers, caches)):
+            # delta: added by the next norm; or, handed that norm, the layer adds and norms (``Normed``)
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm if every_row else None
+            x, delta = layer(x, batch, cache, rope, delta, nxt)
         if not all_logits and not batch.is_decode:                   # decode: every row is a last row
             rows = to_device(batch.last_rows, x.device)            # a list index would copy synchronously
             x, delta = x[rows], delta[rows]

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from .base import CausalLM
 from .config import DecoderConfig
-from .layers import MLP, Attention, DecoderLayer, Rope
+from .layers import MLP, AddNorm, Attention, DecoderLayer, Rope, project
 
 MODEL_TYPES = ("gemma",)
 GELU_TANH = ("gelu_pytorch_tanh", "gelu")   # transformers reads the legacy "gelu" as the tanh form too
@@ -39,9 +39,9 @@ class GemmaConfig(DecoderConfig):
 class GeGLU(MLP):
     """down(gelu_tanh(gate(x)) * up(x)): the SwiGLU block with GELU in place of SiLU."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, then: AddNorm | None = None):
         gate, up = self.fused(x) if self.fused else (self.gate_proj(x), self.up_proj(x))
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return project(self.down_proj, F.gelu(gate, approximate="tanh") * up, then)
 
 
 class EmbeddingScaledLayer(DecoderLayer):

@@ -45,9 +45,12 @@ class RMSNorm(nn.Module):
     def add_forward(self, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(this norm of x + delta, x + delta): a residual add and the norm after it, in one
         launch where the GPU kernels run (``gpu.add_norm``; rows of x and delta contiguous).
-        ``delta`` None: nothing to add (the first layer's input)."""
+        ``delta`` None: nothing to add (the first layer's input); ``Normed``: added and normed
+        already (by the block that made it: ``AddNorm``)."""
         if delta is None:
             return self(x), x
+        if isinstance(delta, Normed):
+            return delta.normed, x
         if gpu.TRITON and x.dim() == 2 and x.stride(-1) == 1 and delta.stride(-1) == 1 and gpu_add_norm.runs_on(x):
             weight = self.shifted_weight() if self.zero_centered else self.weight   # any float type: read as float32
             return gpu_add_norm.add_rms_norm(x, delta, weight, self.eps)
@@ -255,23 +258,43 @@ def fuse(module: nn.Module, names: list[str]) -> Fused | None:
 
 
 class AddNorm(NamedTuple):
-    """What a decoder layer does with its mixer's output: the residual x plus it, then ``norm``
-    of the sum. The mixer returns (normed, summed) for it (``project``)."""
+    """What a decoder layer does with a block's output: the residual x plus it, then ``norm`` of
+    the sum (the mixer's: the post-attention norm; the MLP's: the next layer's input norm). The
+    block returns (normed, summed) for it, from its last GEMV's launch where it can (``project``)."""
     x: torch.Tensor
     norm: RMSNorm
 
+    def apply(self, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.norm.add_forward(self.x, delta)
+
+    def kernel_args(self, delta_shape: tuple, dtype: torch.dtype) -> tuple | None:
+        """(residual, weight, eps) for a GEMV's ``add_norm`` with an output of ``delta_shape`` and
+        ``dtype``; None where the kernels cannot take it here (the caller applies it)."""
+        x = self.x
+        if (not gpu_weights.ADD_NORM_IN_GEMV or x.dim() != 2 or tuple(x.shape) != tuple(delta_shape)
+                or x.dtype != dtype or x.stride(-1) != 1):
+            return None
+        norm = self.norm
+        return x, norm.shifted_weight() if norm.zero_centered else norm.weight, norm.eps
+
+
+class Normed(NamedTuple):
+    """A block's output already added to the residual and normed by the next norm (``AddNorm``):
+    ``RMSNorm.add_forward`` hands it back as it is."""
+    normed: torch.Tensor
+
 
 def project(linear: nn.Module, h: torch.Tensor, then: AddNorm | None = None):
-    """linear(h); with ``then``, (normed, summed) = then.norm.add_forward(then.x, linear(h)):
-    in the projection's own launch where it can (a quantized linear's GEMV with the kernels on,
-    ``QuantLinear.add_norm``: 40 launches fewer a 35B-A3B decode step), not where hooks watch
-    the linear (they would miss its call)."""
+    """linear(h); with ``then``, (normed, summed) = then.apply(linear(h)): in the projection's
+    own launch where it can (a quantized linear's GEMV with the kernels on, ``QuantLinear.add_norm``:
+    80 launches fewer a 35B-A3B decode step with the mixture's), not where hooks watch the linear
+    (they would miss its call)."""
     if then is None:
         return linear(h)
     fold = getattr(linear, "add_norm", None)
     hooked = bool(linear._forward_hooks or linear._forward_pre_hooks)
-    out = fold(h, then.x, then.norm) if fold is not None and not hooked else None
-    return out if out is not None else then.norm.add_forward(then.x, linear(h))
+    out = fold(h, then) if fold is not None and not hooked else None
+    return out if out is not None else then.apply(linear(h))
 
 
 # ----- feed-forward -------------------------------------------------------------
@@ -288,12 +311,13 @@ class MLP(nn.Module):
     def fuse_projections(self) -> None:
         self.fused = fuse(self, ["gate_proj", "up_proj"])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, then: AddNorm | None = None):
+        """down(silu(gate(x)) * up(x)); with ``then``, (normed, summed) of it (``project``)."""
         h = self.fused.swiglu(x) if self.fused else None              # the activation in the GEMV's launch
         if h is None:
             gate, up = self.fused(x) if self.fused else (self.gate_proj(x), self.up_proj(x))
             h = swiglu(gate, up, x.dtype)
-        return self.down_proj(h)
+        return project(self.down_proj, h, then)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -368,14 +392,15 @@ class Experts(nn.Module):
         return self.weighted_pairs(x, weights, experts).view(n, top_k, -1).sum(1).to(x.dtype)
 
     def combined(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, shared: torch.Tensor,
-                 gate: torch.Tensor) -> torch.Tensor:
+                 gate: torch.Tensor, then: AddNorm | None = None):
         """The mixture's output with the kernels on: the pairs' weighted outputs
         (``weighted_pairs``) summed per token plus sigmoid(gate) * shared, in x's type, by one
-        launch (``gpu.moe.combine``)."""
-        return gpu_moe.combine(self.weighted_pairs(x, weights, experts), experts.shape[1], shared, gate, x.dtype)
+        launch (``gpu.moe.combine``); with ``then``, (normed, summed) of it."""
+        out = gpu_moe.combine(self.weighted_pairs(x, weights, experts), experts.shape[1], shared, gate, x.dtype)
+        return out if then is None else then.apply(out)
 
     def with_shared(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, shared: nn.Module,
-                    gate: torch.Tensor) -> torch.Tensor | None:
+                    gate: torch.Tensor, then: AddNorm | None = None):
         """The mixture's output with the shared expert MLP ``shared`` computed among the routed
         pairs, where a subclass can (``QuantExperts``); None: not here."""
         return None
@@ -441,7 +466,9 @@ class SparseMoE(nn.Module):
             self.fused_matrix = weight
             self.fused = lambda x: F.linear(x, weight).split([1, weight.shape[0] - 1], dim=-1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, then: AddNorm | None = None):
+        """The mixture's output; with ``then``, (normed, summed) of it, from the down projection's
+        launch where the kernels can."""
         if self.fused and gpu.TRITON and gpu_moe.routes_in_gemv(x, self.fused_matrix, 1):
             # the matmul, the gate's column and the routing: one launch (a decode batch's)
             gate, weights, experts = gpu_moe.router_gemv(x, self.fused_matrix, 1, self.gate.top_k,
@@ -452,13 +479,14 @@ class SparseMoE(nn.Module):
         else:                                                       # each module called (and hooked) as it is
             gate, (weights, experts) = self.shared_expert_gate(x), self.gate(x)
         if gpu.TRITON and x.dim() == 2 and gpu_moe.runs_on(x) and self.experts.groups(x, experts):
-            out = self.experts.with_shared(x, weights, experts, self.shared_expert, gate)
+            out = self.experts.with_shared(x, weights, experts, self.shared_expert, gate, then)
             if out is not None:                                     # the shared expert among the pairs
                 return out
             # the pairs' sum, its cast, the shared expert's gate and the add: one launch, or none
-            return self.experts.combined(x, weights, experts, self.shared_expert(x), gate)
+            return self.experts.combined(x, weights, experts, self.shared_expert(x), gate, then)
         shared = self.shared_expert(x)
-        return self.experts(x, weights, experts) + torch.sigmoid(gate) * shared
+        out = self.experts(x, weights, experts) + torch.sigmoid(gate) * shared
+        return out if then is None else then.apply(out)
 
 
 # ----- attention over the KV cache ----------------------------------------------
@@ -533,13 +561,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden, eps, zero_centered)
         self.post_attention_layernorm = RMSNorm(hidden, eps, zero_centered)
 
-    def forward(self, x: torch.Tensor, batch: Batch, cache, rope,
-                delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, batch: Batch, cache, rope, delta=None,
+                next_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor | Normed]:
         """The residual stream x plus ``delta`` (the previous layer's MLP output, not yet added)
         through this layer -> (the stream after the mixer, this layer's MLP output): each add
         is left to the norm that reads its sum (``RMSNorm.add_forward``: one launch where the
         GPU kernels run), the last one to the model's final norm. The same sums as adding at
-        once, in the same order."""
+        once, in the same order. ``next_norm`` (the next layer's input norm, or the model's
+        final one): the MLP adds and norms its own output for it (``AddNorm``), in its down
+        projection's launch where the kernels can, and the layer returns ``Normed``."""
         mixer = getattr(self, self.mixer_name)
         normed, x = self.input_layernorm.add_forward(x, delta)
         then = AddNorm(x, self.post_attention_layernorm)           # the mixer's output added and normed
@@ -547,4 +577,7 @@ class DecoderLayer(nn.Module):
             normed, x = mixer(normed, batch, cache, rope, then=then)
         else:
             normed, x = mixer(normed, batch, cache, then=then)
-        return x, self.mlp(normed)
+        if next_norm is None:
+            return x, self.mlp(normed)
+        normed, x = self.mlp(normed, then=AddNorm(x, next_norm))
+        return x, Normed(normed)

@@ -51,14 +51,12 @@ class QuantLinear(_QuantWeight):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return quant_linear(x, self.quant, self.bias)
 
-    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(norm of residual + self(x), residual + self(x)) with the add and the RMSNorm ``norm``
-        in the GEMV's launch (``quant_linear_add_norm``); None where it cannot (a bias, a prompt's
-        rows, the CPU): the caller adds and norms (``models.layers.project``)."""
-        if self.bias is not None:
-            return None
-        weight = norm.shifted_weight() if norm.zero_centered else norm.weight
-        return quant_linear_add_norm(x, self.quant, residual, weight, norm.eps)
+    def add_norm(self, x: torch.Tensor, then) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``then`` (``models.layers.AddNorm``) of self(x), the add and the norm in the GEMV's
+        launch (``quant_linear_add_norm``); None where it cannot (a bias, a prompt's rows, the
+        CPU): the caller adds and norms (``models.layers.project``)."""
+        args = then.kernel_args((x.shape[0], self.out_features), x.dtype) if self.bias is None else None
+        return None if args is None else quant_linear_add_norm(x, self.quant, *args)
 
     def fusion_key(self):
         """``models.layers.Fused``: quantized linears of one block type, width and device, all with
@@ -151,17 +149,21 @@ class QuantExperts(Experts):
         return gpu_weights.experts_matmul(rows, getattr(self, f"{matrix}_proj"), route, kind[0].ggml_type, scales)
 
     def combined(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, shared: torch.Tensor,
-                 gate: torch.Tensor) -> torch.Tensor:
+                 gate: torch.Tensor, then=None):
         """For a decode batch's few pairs, the combine inside the down projection's expert GEMV
-        (``quant_matmul.gemv_experts_combined``: the same bits, one launch fewer)."""
+        (``quant_matmul.gemv_experts_combined``: the same bits, one launch fewer), and ``then``'s
+        add and norm there too where the kernels can."""
         if experts.numel() > gpu_weights.MAX_GEMV_PAIRS or not gpu_weights.SUMS_IN_GEMV or shared.dtype != x.dtype:
-            return super().combined(x, weights, experts, shared, gate)          # a prompt's: the grouped GEMM
+            return super().combined(x, weights, experts, shared, gate, then)    # a prompt's: the grouped GEMM
         route = gpu_weights.route(experts.reshape(-1), self.gate_up_proj.shape[0])
-        return gpu_weights.gemv_experts_combined(self.pair_activations(x, route), self.down_proj, route.ids,
-                                                 self.down_type[0].ggml_type, weights.reshape(-1), shared, gate)
+        add_norm = _add_norm_args(then, shared)
+        out = gpu_weights.gemv_experts_combined(self.pair_activations(x, route), self.down_proj, route.ids,
+                                                self.down_type[0].ggml_type, weights.reshape(-1), shared, gate,
+                                                add_norm=add_norm)
+        return out if then is None or add_norm is not None else then.apply(out)
 
     def with_shared(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, shared: nn.Module,
-                    gate: torch.Tensor) -> torch.Tensor | None:
+                    gate: torch.Tensor, then=None):
         """A decode batch's mixture output with the shared expert MLP ``shared`` as one more pair a
         token in the routed experts' two GEMVs (``quant_matmul.SHARED_AS_PAIR``): the SwiGLU
         pairs (``gemv_experts(shared=)``), then the down projections, the gate and the sum
@@ -174,8 +176,10 @@ class QuantExperts(Experts):
         ids, (gate_up_type, down_type) = experts.reshape(-1), (self.gate_up_type[0], self.down_type[0])
         h = gpu_weights.gemv_experts(x, self.gate_up_proj, ids, gate_up_type.ggml_type, swiglu=True,
                                      out_dtype=x.dtype, shared=matrices[0])
-        return gpu_weights.gemv_mixture_down(h, self.down_proj, ids, down_type.ggml_type, weights.reshape(-1),
-                                             matrices[1], gate, x.dtype)
+        add_norm = _add_norm_args(then, x)
+        out = gpu_weights.gemv_mixture_down(h, self.down_proj, ids, down_type.ggml_type, weights.reshape(-1),
+                                            matrices[1], gate, x.dtype, add_norm=add_norm)
+        return out if then is None or add_norm is not None else then.apply(out)
 
     def shared_matrices(self, shared: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The shared expert MLP's fused [gate; up] and down blocks where they are one expert's
@@ -197,6 +201,12 @@ class QuantExperts(Experts):
         if not gpu_weights.SWIGLU_IN_GEMV:
             return super().pair_activations(x, route)
         return gpu_weights.experts_swiglu(x, self.gate_up_proj, route, self.gate_up_type[0].ggml_type)
+
+
+def _add_norm_args(then, like: torch.Tensor) -> tuple | None:
+    """``then``'s (residual, weight, eps) for a down projection whose output has ``like``'s
+    shape and type, or None (none asked, or the kernels cannot take it)."""
+    return None if then is None else then.kernel_args(tuple(like.shape), like.dtype)
 
 
 def _unique(tensors):
