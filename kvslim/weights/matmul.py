@@ -93,7 +93,8 @@ def quant_linear_add_norm(x: torch.Tensor, w: QuantTensor, residual: torch.Tenso
     launch (``quant_matmul.gemv``'s ``add_norm``: ``add_norm.add_rms_norm``'s bits) for a decode
     batch's rows on the GPU kernels; None where that does not serve (the caller adds and norms)."""
     if (w.input_index is not None or w.data.dim() != 2 or x.dim() != 2 or x.shape[0] > gpu_weights.MAX_GEMV_ROWS
-            or not gpu.TRITON or not gpu_weights.ADD_NORM_IN_GEMV or not gpu_weights.supports(w.wtype.ggml_type) or not gpu_weights.runs_on(x)
+            or not gpu.TRITON or not gpu_weights.ADD_NORM_IN_GEMV or not gpu_weights.supports(w.wtype.ggml_type)
+            or not gpu_weights.runs_on(x)
             or residual.shape != (x.shape[0], w.shape[0]) or residual.dtype != x.dtype or residual.stride(-1) != 1):
         return None
     return gpu_weights.gemv(x, w.data, w.wtype.ggml_type, out_dtype=x.dtype, add_norm=(residual, norm_weight, eps))
