@@ -90,7 +90,8 @@ def _conv_runs(case, seed: int, cuda: bool = False) -> tuple:
             raw = q.as_strided((q.shape[0], conv.shape[1]), (q.stride(0), 1))     # the [Q | K | V] columns
             mixed = conv_step.conv_step(raw, conv, slots, weight)
             key = case[1] * case[3]
-            heads = (mixed[:, :key].view(q.shape), mixed[:, key:2 * key].view(k.shape), mixed[:, 2 * key:].view(v.shape))
+            heads = (mixed[:, :key].view(q.shape), mixed[:, key:2 * key].view(k.shape),
+                     mixed[:, 2 * key:].view(v.shape))
             got = gpu.delta_step(*heads, a, b, A_log, dt_bias, state, slots, out=out, norm=norm)
         runs.append((got.cpu(), state.cpu(), conv.cpu()))
     return tuple(runs)
@@ -167,7 +168,8 @@ def _check_conv(case, runs: tuple, seed: int) -> None:
     *_, before, slots, conv_before, _ = _conv_inputs(case, seed)
     idle = torch.ones(before.shape[0], dtype=torch.bool)
     idle[slots] = False
-    assert torch.equal(conv[idle], conv_before[idle]) and torch.equal(conv[slots][..., :-1], conv_before[slots][..., 1:])
+    assert torch.equal(conv[idle], conv_before[idle])
+    assert torch.equal(conv[slots][..., :-1], conv_before[slots][..., 1:])
 
 
 @pytest.mark.parametrize("case", CASES, ids=_id)

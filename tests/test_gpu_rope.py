@@ -58,7 +58,8 @@ TABLES = [(256, 10_000_000.0, 0.25, None, 262_144, 5, "bfloat16"), (128, 10_000.
 
 def _table_inputs(case, seed: int) -> tuple[Rope, torch.Tensor]:
     dim, theta, fraction, scaling, top, n, _ = case
-    return Rope(dim, theta, fraction, scaling), torch.randint(0, top, (n,), generator=torch.Generator().manual_seed(seed))
+    positions = torch.randint(0, top, (n,), generator=torch.Generator().manual_seed(seed))
+    return Rope(dim, theta, fraction, scaling), positions
 
 
 def rope_in_child(cases, path: Path) -> None:

@@ -627,7 +627,8 @@ def _mixture_add_norm_runs(i: int, cuda: bool = False) -> list:
     move = (lambda t: t.cuda()) if cuda else (lambda t: t)
     if i < len(COMBINED):
         mats, blocks, x, ids, scales, shared, gate = _combined_inputs(COMBINED[i], i)
-        args = [move(t) for t in (x, blocks, ids)] + [mats[0].wtype.ggml_type] + [move(t) for t in (scales, shared, gate)]
+        args = [move(t) for t in (x, blocks, ids)] + [mats[0].wtype.ggml_type]
+        args += [move(t) for t in (scales, shared, gate)]
         down = lambda **k: gpu.gemv_experts_combined(*args, **k)          # noqa: E731
         dtype, width = shared.dtype, COMBINED[i][2]
     else:
