@@ -305,10 +305,16 @@ def gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type, split_k: int | None =
         # (the SwiGLU halves here are rows of one GEMV, not pairs: sum_splits applies the activation)
         _kernel().sum_splits[(-(-(m * width) // SUM_BLOCK),)](parts, y, splits, m * width, width, BLOCK=SUM_BLOCK,
                                                                SWIGLU=swiglu, num_warps=4, **FP_FUSION)
+    return _normed(y, add_norm, fold, norm_args)
+
+
+def _normed(y: torch.Tensor, add_norm, fold: bool, norm_args: tuple):
+    """A GEMV's result: y; with ``add_norm``, (normed, summed): the launch's own (``fold``) or
+    ``add_rms_norm``'s launch after it."""
     if add_norm is None:
         return y
     if fold:
-        return norm_args[3], norm_args[2]                             # (normed, summed)
+        return norm_args[3], norm_args[2]
     residual, weight, eps = add_norm
     return add_rms_norm(residual, y, weight, eps)
 
@@ -443,12 +449,7 @@ def _experts_gemv(x, blocks, ids, ggml_type, scales, y, q8, swiglu: bool = False
             TERMS=config["TERMS"], SCALED=scales is not None, SWIGLU=swiglu, TOP_K=top_k, Q8=q8_mode,
             SHARED=per_token, ADD_NORM=fold, BLOCK_H=pow2(width) if fold else 1, num_warps=config["num_warps"],
             **FP_FUSION)
-    if add_norm is None:
-        return y
-    if fold:
-        return norm_args[3], norm_args[2]                             # (normed, summed)
-    residual, weight, eps = add_norm
-    return add_rms_norm(residual, y, weight, eps)
+    return _normed(y, add_norm, fold, norm_args)
 
 
 def _ids(ids: torch.Tensor) -> torch.Tensor:
