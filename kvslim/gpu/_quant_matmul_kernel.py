@@ -837,11 +837,12 @@ def quant_gemv(x_ptr, w_ptr, grid_ptr, y_ptr, parts_ptr, count_ptr, M, N, K, row
 def _last_row_add_norms(y_ptr, res_ptr, norm_ptr, sum_ptr, normed_ptr, counter, M, N, eps, res_stride,
                         BLOCK_H: tl.constexpr):
     """The residual add and norm after a GEMV, by the last of its tiles to store y, not by a
-    launch of its own (``add_norm.add_rms_norm``: 40 a 35B-A3B decode step, one after each
-    mixer's output projection): each program that stored a tile of y (M, N) counts itself; the
-    last reads y back (from L2) and for each row m stores res[m] + y[m] in sum's type and its
-    norm with weight ``norm_ptr`` (``_add_norm_kernel.added_norm``: that launch's bits), then
-    sets the counter back to 0."""
+    launch of its own (``add_norm.add_rms_norm``: 80 a 35B-A3B decode step, one after each
+    mixer's output projection and each mixture's down projection): each program that stored a
+    tile of y (M, N) counts itself; the last reads y back (from L2) and for each row m stores
+    res[m] + y[m] in sum's type and its norm with weight ``norm_ptr``
+    (``_add_norm_kernel.added_norm``: that launch's bits), then sets the counter back to 0. The
+    expert GEMV calls it per token (M = 1, the token's row and counter)."""
     if last_to_arrive(counter, tl.num_programs(0)):
         for m in range(0, M):
             added_norm(res_ptr + m * res_stride, y_ptr + m * N, norm_ptr, sum_ptr + m * N, normed_ptr + m * N, N,
@@ -941,15 +942,11 @@ def quant_gemv_experts(x_ptr, w_ptr, grid_ptr, ids_ptr, scale_ptr, y_ptr, N, K, 
     if SCALED:
         y = y * _pair_scale(p, routed, scale_ptr, gate_ptr, gate_stride, SHARED)
     if TOP_K > 0:
-        combined = _last_pair_combines(parts_ptr, count_ptr, shared_ptr, gate_ptr, y_ptr, y, p, rows, N, gate_stride,
-                                       TOP_K, SHARED == 0)
-        if ADD_NORM:
-            if combined:
-                t = p // TOP_K
-                if last_to_arrive(row_count_ptr + t, tl.num_programs(0)):     # every tile of row t combined
-                    added_norm(res_ptr + t * res_stride, y_ptr + t * N, norm_ptr, sum_ptr + t * N,
-                               normed_ptr + t * N, N, norm_eps, BLOCK_H, ".cg")
-                    rearm(row_count_ptr + t)
+        if _last_pair_combines(parts_ptr, count_ptr, shared_ptr, gate_ptr, y_ptr, y, p, rows, N, gate_stride, TOP_K,
+                               SHARED == 0) and ADD_NORM:
+            t = p // TOP_K                                              # token t's row: its own counter
+            _last_row_add_norms(y_ptr + t * N, res_ptr + t * res_stride, norm_ptr, sum_ptr + t * N,
+                                normed_ptr + t * N, row_count_ptr + t, 1, N, norm_eps, res_stride, BLOCK_H)
     else:
         tl.store(y_ptr + p * N + rows, stored_as(y, y_ptr), mask=rows < N)
 

@@ -80,7 +80,7 @@ def _in_kernel(flat: torch.Tensor, w: QuantTensor) -> torch.Tensor | None:
     on), the C kernel for a few rows on the CPU; None where neither serves."""
     if w.data.dim() != 2:
         return None
-    if gpu.TRITON and gpu_weights.supports(w.wtype.ggml_type) and gpu_weights.runs_on(flat):
+    if _triton_serves(flat, w):
         return gpu_weights.matmul(flat, w.data, w.wtype.ggml_type, out_dtype=flat.dtype)
     if native.supports(w.wtype.name, flat):                         # decode: a few rows
         return torch.ops.kvslim.block_linear(flat, w.data, w.wtype.name)
@@ -91,13 +91,17 @@ def quant_linear_add_norm(x: torch.Tensor, w: QuantTensor, residual: torch.Tenso
                           eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(RMSNorm of residual + x @ W.T, residual + x @ W.T) with the add and norm in the GEMV's
     launch (``quant_matmul.gemv``'s ``add_norm``: ``add_norm.add_rms_norm``'s bits) for a decode
-    batch's rows on the GPU kernels; None where that does not serve (the caller adds and norms)."""
+    batch's rows on the GPU kernels; None where that does not serve (the caller adds and norms).
+    The residual's shape and type are the caller's to match (``models.layers.AddNorm.kernel_args``)."""
     if (w.input_index is not None or w.data.dim() != 2 or x.dim() != 2 or x.shape[0] > gpu_weights.MAX_GEMV_ROWS
-            or not gpu.TRITON or not gpu_weights.ADD_NORM_IN_GEMV or not gpu_weights.supports(w.wtype.ggml_type)
-            or not gpu_weights.runs_on(x)
-            or residual.shape != (x.shape[0], w.shape[0]) or residual.dtype != x.dtype or residual.stride(-1) != 1):
+            or not _triton_serves(x, w)):
         return None
     return gpu_weights.gemv(x, w.data, w.wtype.ggml_type, out_dtype=x.dtype, add_norm=(residual, norm_weight, eps))
+
+
+def _triton_serves(x: torch.Tensor, w: QuantTensor) -> bool:
+    """Whether the GPU kernels are on and take W's type on x's device."""
+    return gpu.TRITON and gpu_weights.supports(w.wtype.ggml_type) and gpu_weights.runs_on(x)
 
 
 def reference_linear(x: torch.Tensor, w: QuantTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -115,8 +119,7 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
 def embedding_rows(ids: torch.Tensor, w: QuantTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Rows ``ids`` of a quantized (vocab, hidden) matrix in ``dtype``: only those rows' blocks are
     decoded (where the GPU kernels run, in one launch, ``quant_matmul.rows``)."""
-    if (w.input_index is None and w.data.dim() == 2 and gpu.TRITON and gpu_weights.supports(w.wtype.ggml_type)
-            and gpu_weights.runs_on(w.data)):
+    if w.input_index is None and w.data.dim() == 2 and _triton_serves(w.data, w):
         return gpu_weights.rows(ids, w.data, w.wtype.ggml_type, w.cols, dtype)
     rows = w.data.index_select(0, ids.reshape(-1))
     values = w.decode(rows)
