@@ -82,9 +82,20 @@ def logits_counted(pairs, path: Path) -> None:
 
 
 def flipped_rows(got, want, fmt: str) -> int:
-    """Rows of a pool (layers, pages, rows, bytes) whose codes differ; f16 rows count as equal,
-    since their bytes differ by the ulps the kernels' summation order gives the inputs."""
-    return 0 if fmt == "f16" else int((got != want).any(-1).sum())
+    """Rows of a pool (layers, pages, rows, bytes) whose codes differ, each checked to be a near
+    tie: one byte differs, by one step of a 4-bit code (a nibble +-1) or of a byte (an 8-bit
+    code, or a scale's low byte by an ulp). A wrong decode, mask or window changes many bytes of
+    a row. f16 rows count as equal: their bytes differ by the ulps the kernels' summation order
+    gives the inputs."""
+    if fmt == "f16":
+        return 0
+    rows = (got != want).any(-1)
+    for a, b in zip(got[rows], want[rows]):
+        where = (a != b).nonzero().flatten()
+        step = abs(int(a[where[0]]) - int(b[where[0]]))          # 255: an int8 code's -1 <-> 0
+        assert len(where) == 1 and step in (1, 16, 255), \
+            f"{fmt}: a row differs in bytes {where.tolist()} by {step}: not a near tie"
+    return int(rows.sum())
 
 
 def test_model_logits_with_triton_attention_match_the_torch_paths(tmp_path):
@@ -101,9 +112,11 @@ def test_model_logits_with_triton_attention_match_the_torch_paths(tmp_path):
     # weights trained to 32K, 1 q8_0 K row of 48 flipped and the logits moved 1.7e-3; on v5's,
     # one q4_0 V row (f16/q4_0) and the logits moved 0.063 at the 3 positions that attend to it
     # (the rest within 1e-4); with the prompt's float32 matmuls in bf16x3 (models/matmul_precision),
-    # two rows of that pool, the logits again 0.063 apart. So the first layer's pools must be
-    # bit-identical (its K/V come before any attention), the second's may flip two rows per pool
-    # (of 48 x 2 heads), and only a pair without a flip is
+    # two rows of that pool, the logits again 0.063 apart; with them in plain float32 on an AMX
+    # Xeon (whose bf16 mode rounds once, so it is not taken), three rows, each by one step of one
+    # code or of a scale's last bit, the logits 0.069 apart. So the first layer's pools must be
+    # bit-identical (its K/V come before any attention), the second's may flip four rows per pool
+    # (of 48 x 2 heads), each a near tie (flipped_rows), and only a pair without a flip is
     # held to 3e-3; a flipped pair keeps every argmax and stays within 0.1. A wrong decode or mask
     # moves the logits by more (an f16 window of 0 or 16 rows instead of 8: 0.25) and flips many
     # rows; test_triton_append checks the appended bytes.
@@ -113,7 +126,7 @@ def test_model_logits_with_triton_attention_match_the_torch_paths(tmp_path):
         (k0, v0), (k0_ref, v0_ref) = pools[0], ref[0]
         assert torch.equal(k0, k0_ref) and torch.equal(v0, v0_ref), f"{type_k}/{type_v}: first layer's pools"
         flips = [flipped_rows(p, q, fmt) for (p, q), fmt in zip(zip(pools[1], ref[1]), (type_k, type_v))]
-        assert max(flips) <= 2, f"{type_k}/{type_v}: {flips} rows of the second layer's K/V pools differ"
+        assert max(flips) <= 4, f"{type_k}/{type_v}: {flips} rows of the second layer's K/V pools differ"
         if sum(flips) == 0:
             torch.testing.assert_close(a, b, atol=3e-3, rtol=1e-4, msg=f"{type_k}/{type_v}")
         else:
