@@ -11,6 +11,7 @@ TINY = dict(vocab_size=320, hidden_size=64, num_hidden_layers=4, num_attention_h
 LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
               linear_conv_kernel_dim=4)
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+EVEN_MOE = dict(MOE, shared_expert_intermediate_size=32)
 
 
 def _share_the_cores() -> int:
@@ -61,6 +62,9 @@ def tiny_hf_model(kind: str, seed: int = 0):
     configs = {
         "qwen3_5": lambda: (tf.Qwen3_5TextConfig(**TINY, **LINEAR), tf.Qwen3_5ForCausalLM),
         "qwen3_5_moe": lambda: (tf.Qwen3_5MoeTextConfig(**TINY, **LINEAR, **MOE), tf.Qwen3_5MoeForCausalLM),
+        # a shared expert as wide as a routed one, as in the released 35B-A3B (512 both): in the
+        # kernels, one more pair of the routed experts' GEMVs (not in TINY_TYPES: tests ask for it)
+        "qwen3_5_moe_even": lambda: (tf.Qwen3_5MoeTextConfig(**TINY, **LINEAR, **EVEN_MOE), tf.Qwen3_5MoeForCausalLM),
         "qwen3_next": lambda: (tf.Qwen3NextConfig(**TINY, **LINEAR, **MOE), tf.Qwen3NextForCausalLM),
         "llama": lambda: (tf.LlamaConfig(**TINY, rope_theta=50_000.0), tf.LlamaForCausalLM),
         "qwen3": lambda: (tf.Qwen3Config(**TINY), tf.Qwen3ForCausalLM),

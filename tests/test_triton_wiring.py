@@ -249,7 +249,8 @@ def mixture_logits(variants, path: Path) -> None:
     from kvslim.loading import load_model
     from kvslim.models import Batch
     calls, out = [], []
-    for module, fn in ((quant_matmul, "gemm_experts"), (quant_matmul, "gemv_experts"), (delta_step, "delta_step"),
+    for module, fn in ((quant_matmul, "gemm_experts"), (quant_matmul, "gemv_experts"),
+                       (quant_matmul, "gemv_mixture_down"), (delta_step, "delta_step"),
                        (gated_norm, "gated_rms_norm"), (add_norm, "add_rms_norm")):
         inner = getattr(module, fn)
         setattr(module, fn, lambda *a, _f=inner, _n=fn, **k: calls.append(_n) or _f(*a, **k))
@@ -266,25 +267,31 @@ def mixture_logits(variants, path: Path) -> None:
     torch.save(out, path)
 
 
-MIXTURE_WEIGHTS = ["q8_0", None]
+# (tiny model, weights): q8_0 experts; float32 experts; q8_0 with the shared expert as wide as a
+# routed one, so that it runs as one more pair of their GEMVs (quant_matmul.SHARED_AS_PAIR)
+MIXTURES = [("qwen3_5_moe", "q8_0"), ("qwen3_5_moe", None), ("qwen3_5_moe_even", "q8_0")]
 
 
 @pytest.fixture(scope="module")
 def interpreted_mixtures(tiny_folder, tmp_path_factory):
-    """weights -> what ``mixture_logits`` saw in one interpreted child, with the kernels on."""
-    variants = [(str(tiny_folder("qwen3_5_moe")[0]), w) for w in MIXTURE_WEIGHTS]
-    return dict(zip(MIXTURE_WEIGHTS, run_interpreted("tests.test_triton_wiring", "mixture_logits", variants,
-                                                     tmp_path_factory.mktemp("mixtures"))))
+    """(kind, weights) -> what ``mixture_logits`` saw in one interpreted child, with the kernels on."""
+    variants = [(str(tiny_folder(kind)[0]), w) for kind, w in MIXTURES]
+    return dict(zip(MIXTURES, run_interpreted("tests.test_triton_wiring", "mixture_logits", variants,
+                                              tmp_path_factory.mktemp("mixtures"))))
 
 
-@pytest.mark.parametrize("weights", MIXTURE_WEIGHTS)
-def test_mixture_model_logits_with_grouped_experts_match_the_loop(interpreted_mixtures, tiny_folder, tmp_path, weights):
+@pytest.mark.parametrize("kind,weights", MIXTURES, ids=lambda v: str(v))
+def test_mixture_model_logits_with_grouped_experts_match_the_loop(interpreted_mixtures, tiny_folder, tmp_path, kind,
+                                                                  weights):
     """A whole mixture-of-experts model (GGUF or float experts) with every kernel on (weights' GEMV/GEMM, routed experts
-    grouped, attention, append, the DeltaNet decode step and output norm) gives the logits of this process's paths (experts looped)."""
-    got = interpreted_mixtures[weights]
+    grouped, attention, append, the DeltaNet decode step and output norm) gives the logits of this process's paths
+    (experts looped). A quantized shared expert as wide as a routed one joins their GEMVs in the decode step."""
+    got = interpreted_mixtures[(kind, weights)]
     assert got["mixtures"] > 0                               # the prompt: gate_up and down per mixture layer
     assert got["calls"].count("gemm_experts") == 2 * got["mixtures"]
     assert ("gemv_experts" in got["calls"]) == bool(weights)  # decode: the GEMV, or dense batched products
+    shared_pairs = got["mixtures"] if kind == "qwen3_5_moe_even" else 0
+    assert got["calls"].count("gemv_mixture_down") == shared_pairs   # the shared pair's down projection and combine
     assert got["deltas"] > 0 and got["calls"].count("delta_step") == got["deltas"]   # decode: one a DeltaNet layer
     assert got["calls"].count("gated_rms_norm") == got["deltas"]   # the prompt's output norms (the step's: in its launch)
     # add-norms: the prompt's 2 a layer (less the first layer's input, plus the final norm's); the
@@ -292,7 +299,7 @@ def test_mixture_model_logits_with_grouped_experts_match_the_loop(interpreted_mi
     # and mixtures' down projections take them in their GEMVs' launches
     layers = got["layers"]
     assert got["calls"].count("add_rms_norm") == 2 * layers + (0 if weights else 2 * layers)
-    mixture_logits([(str(tiny_folder("qwen3_5_moe")[0]), weights)], tmp_path / "here.pt")
+    mixture_logits([(str(tiny_folder(kind)[0]), weights)], tmp_path / "here.pt")
     want = torch.load(tmp_path / "here.pt")[0]
     assert want["calls"] == []                               # kernels off here: the loop
     for a, b in zip(got["logits"], want["logits"]):
