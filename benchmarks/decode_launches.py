@@ -116,6 +116,19 @@ def fill(cache, depth: int) -> None:
                 layer.advance(slot, depth)
 
 
+def declare_formats(kv: str, head_dim: int) -> None:
+    """Build the K/V formats' kernel declarations (codebooks, row layouts) before the fake mode: a
+    real run builds them once on the host at its first step and caches them, but built inside
+    the fake mode their tables would be fake tensors, which ``.tolist()`` cannot read."""
+    from kvslim import formats
+    from kvslim.gpu import kv_append, paged_prefill
+    for name, role in zip(kv.split("/"), ("k", "v")):
+        fmt = formats.get(name, role=role)
+        if paged_prefill._fields(fmt, head_dim) is not None:
+            paged_prefill._codec_args(fmt, head_dim, role.upper())
+        kv_append._declared(name, role, head_dim)
+
+
 def count(config, n_slots: int, where: str | None = None, weights: str | None = None,
           kv: str = "f16/f16", depth: int = 0) -> Launches:
     """The launches of the second of two decode steps (the first moves constants to the device).
@@ -132,6 +145,7 @@ def count(config, n_slots: int, where: str | None = None, weights: str | None = 
     launches = Launches(where)
     if weights:
         count_kernels(launches)
+    declare_formats(kv, config.head_dim)
     with FakeTensorMode(allow_non_fake_inputs=True), torch.device("cuda"):
         # built outside inference mode, as a loaded model is (its weights keep version counters)
         if weights:

@@ -82,7 +82,7 @@ setup() {
 MODEL_TESTS="tests/test_runtime.py tests/test_sampling.py tests/test_formats_api.py tests/test_models.py tests/test_graph_decode.py"
 KERNEL_TESTS="tests/test_triton_attention.py tests/test_triton_prefill.py tests/test_triton_append.py
     tests/test_triton_weights.py tests/test_gpu_delta_rule.py tests/test_gpu_moe.py tests/test_gpu_swiglu.py tests/test_gpu_conv_step.py tests/test_gpu_rope.py
-    tests/test_gpu_add_norm.py tests/test_gpu_delta_step.py tests/test_gpu_gated_norm.py"
+    tests/test_gpu_add_norm.py tests/test_gpu_delta_step.py tests/test_gpu_gated_norm.py tests/test_gpu_rotation.py"
 PYTEST="-m pytest -p no:cacheprovider -o addopts= -rs -q"
 
 # `all` cuts each step to what its BUDGET leaves; the single phases run with deadline unset.

@@ -121,16 +121,17 @@ class TurboFormat(KVFormat):
                           lambda: torch.tensor(lloyd_max(group, bits).boundaries).float()))
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
-        """Rotate (..., head_dim) group by group into the coded domain."""
+        """Rotate (..., head_dim) of any float type group by group into the coded domain, float32.
+        On a GPU with the kernels on, one launch (``gpu.rotation``: the cast and the matmul in one)."""
         n_groups, g = self.blocks(x.shape[-1])
         r = rotation_matrix(g, self.seed, x.device)
-        return (x.reshape(*x.shape[:-1], n_groups, g) @ r.T).reshape(x.shape)
+        return _group_product(x, r.T, n_groups, g)
 
     def unrotate(self, y: torch.Tensor) -> torch.Tensor:
         """Inverse of ``rotate``."""
         n_groups, g = self.blocks(y.shape[-1])
         r = rotation_matrix(g, self.seed, y.device)
-        return (y.reshape(*y.shape[:-1], n_groups, g) @ r).reshape(y.shape)
+        return _group_product(y, r, n_groups, g)
 
     # ----- encode ---------------------------------------------------------------
     def encode(self, x: torch.Tensor) -> torch.Tensor:
@@ -191,3 +192,11 @@ class TurboFormat(KVFormat):
 
     def _decode(self, packed: torch.Tensor, head_dim: int) -> torch.Tensor:
         return self.unrotate(self.decode_rotated(packed, head_dim))
+
+
+def _group_product(x: torch.Tensor, matrix: torch.Tensor, n_groups: int, g: int) -> torch.Tensor:
+    """Each group of g values of x (..., n_groups g) times ``matrix`` (g, g), float32."""
+    from ..gpu import rotation as gpu_rotation    # formats import before gpu: import at use
+    if gpu_rotation.serves(x):
+        return gpu_rotation.rotate(x, matrix)
+    return (x.float().reshape(*x.shape[:-1], n_groups, g) @ matrix).reshape(x.shape)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
+from ._rotation_kernel import hadamard
 
 # The encoder kinds and float types, as kv_append.KINDS and FLOAT_TYPES number them (constexpr:
 # a jitted function reads no other globals).
@@ -52,18 +53,6 @@ def _bf16_bits(v):
     nan = (u & 0x7FFFFFFF) > 0x7F800000
     u = tl.where(nan, u | 0x00400000, u + 0x7FFF + ((u >> 16) & 1))
     return (u >> 16).to(tl.int32)
-
-
-@triton.jit
-def _hadamard(y, ROT: tl.constexpr, LOG2_ROT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-              rot_scale):
-    """H / sqrt(ROT) on every run of ROT values of y (BLOCK_M, BLOCK_D): rotation.hadamard_blocks'
-    butterfly, pair (i, i ^ h) for h = 1, 2, 4, ... (the same sums, so the same bits), then the scale."""
-    d = tl.broadcast_to(tl.arange(0, BLOCK_D)[None, :], (BLOCK_M, BLOCK_D))
-    for s in tl.static_range(LOG2_ROT):
-        partner = tl.gather(y, d ^ (1 << s), 1)
-        y = tl.where((d & (1 << s)) == 0, y + partner, partner - y)
-    return y * rot_scale
 
 
 @triton.jit
@@ -361,7 +350,7 @@ def kv_append_rows(x_ptr, pool, table_ptr, slots_ptr, pos_ptr, flags_ptr, rot_m,
         mask = r_live[:, None] & (d < HEAD_DIM)
         y = tl.load(x_row[:, None] + d, mask=mask, other=0.0).to(tl.float32)
         if ROT > 0:
-            y = _hadamard(y, ROT, LOG2_ROT, BLOCK_M, BLOCK_D, rot_scale)
+            y = hadamard(y, ROT, LOG2_ROT, BLOCK_M, BLOCK_D, rot_scale)
         bad = tl.max(tl.where(mask & ~(tl.abs(y) <= limit), 1, 0), 1)     # NaN, inf or past the limit
         if KIND == FLOAT:
             _encode_float(y, out[:, None], mask, FLOAT_TYPE, BLOCK_D)

@@ -62,17 +62,15 @@ def step_output(fmt_k, fmt_v, q: torch.Tensor, scale: float, k_pool: torch.Tenso
     The torch form (``attention.paged_decode``'s) casts, scales and regroups q, gathers the
     table's rows, adds 1 to the positions, divides the sum by the denominator and puts the heads
     back: 7 launches an attention layer around the kernel, which reads and writes those
-    layouts itself here. A rotated K format still rotates q once (and a rotated V unrotates
-    the output), in torch."""
+    layouts itself here. A rotated K format still rotates q once, and a rotated V the output
+    back (the formats' rotations: one launch each with the kernels on, ``gpu.rotation``)."""
     n_seq, n_heads, dim = q.shape
     n_kv = k_pool.shape[0]
-    qg = q.unflatten(1, (n_kv, n_heads // n_kv)).transpose(0, 1)                  # (Hkv, B, G, D), a view
     if fmt_k.transformed:
-        qg = fmt_k.to_code_domain(qg.float())
+        q = fmt_k.to_code_domain(q)          # row by row, any layout (klt3's per-head bases never get here)
+    qg = q.unflatten(1, (n_kv, n_heads // n_kv)).transpose(0, 1)                  # (Hkv, B, G, D), a view
     out = torch.empty(n_seq, n_heads, dim, device=q.device)
     og = out.view(n_seq, n_kv, n_heads // n_kv, dim).transpose(0, 1)
     paged_prefill.attend(fmt_k, fmt_v, qg, None, k_pool, v_pool, table, positions, scale=scale, slots=slots,
                          length_offset=1, out=og, split_keys=split_keys, tune=tune)
-    if fmt_v.transformed:
-        return fmt_v.from_code_domain(og).transpose(0, 1).reshape(n_seq, n_heads, dim)
-    return out
+    return fmt_v.from_code_domain(out) if fmt_v.transformed else out

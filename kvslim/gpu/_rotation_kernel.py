@@ -1,0 +1,50 @@
+"""The Triton kernel of ``rotation`` (imported only when one runs: importing kvslim needs no triton),
+and the Hadamard butterfly the append kernel shares."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+
+@triton.jit
+def hadamard(y, ROT: tl.constexpr, LOG2_ROT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+             rot_scale):
+    """H / sqrt(ROT) on every run of ROT values of y (BLOCK_M, BLOCK_D): rotation.hadamard_blocks'
+    butterfly, pair (i, i ^ h) for h = 1, 2, 4, ... (the same sums, so the same bits), then the scale."""
+    d = tl.broadcast_to(tl.arange(0, BLOCK_D)[None, :], (BLOCK_M, BLOCK_D))
+    for s in tl.static_range(LOG2_ROT):
+        partner = tl.gather(y, d ^ (1 << s), 1)
+        y = tl.where((d & (1 << s)) == 0, y + partner, partner - y)
+    return y * rot_scale
+
+
+@triton.jit
+def rotate_rows(x_ptr, m_ptr, out_ptr, n_rows, n_inner, outer_stride, inner_stride, m_rows, m_cols, rot_scale,
+                D: tl.constexpr, BLOCK_M: tl.constexpr, HADAMARD: tl.constexpr, LOG2_ROT: tl.constexpr,
+                GROUP: tl.constexpr, N_GROUPS: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr):
+    """Rows r of x (D values each, any float type; row r at (r // n_inner) * outer_stride +
+    (r % n_inner) * inner_stride) -> out (n_rows, D) float32, BLOCK_M rows a program. HADAMARD:
+    H / sqrt(2^LOG2_ROT) on each run of 2^LOG2_ROT values (the butterfly, NB * BLOCK columns).
+    Else each of the N_GROUPS groups of GROUP values (padded to BLOCK) times the (GROUP, GROUP)
+    matrix at m_ptr read at strides (m_rows, m_cols): y = x M, float32 products (tl.dot's ieee)."""
+    r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    live = r < n_rows
+    row = (r // n_inner).to(tl.int64) * outer_stride + (r % n_inner).to(tl.int64) * inner_stride
+    b = tl.arange(0, NB)[None, :, None]
+    i = tl.arange(0, BLOCK)[None, None, :]
+    inside = live[:, None, None] & (b < N_GROUPS) & (i < GROUP)
+    x = tl.load(x_ptr + row[:, None, None] + b * GROUP + i, mask=inside, other=0.0).to(tl.float32)
+    if HADAMARD:
+        y = tl.reshape(hadamard(tl.reshape(x, (BLOCK_M, NB * BLOCK)), 1 << LOG2_ROT, LOG2_ROT, BLOCK_M, NB * BLOCK,
+                                rot_scale), (BLOCK_M, NB, BLOCK))
+    else:
+        j = tl.arange(0, BLOCK)
+        m = tl.load(m_ptr + j[:, None] * m_rows + j[None, :] * m_cols,
+                    mask=(j[:, None] < GROUP) & (j[None, :] < GROUP), other=0.0)     # zero padded
+        y = tl.reshape(tl.dot(tl.reshape(x, (BLOCK_M * NB, BLOCK)), m, input_precision="ieee"), (BLOCK_M, NB, BLOCK))
+    tl.store(out_ptr + r.to(tl.int64)[:, None, None] * D + b * GROUP + i, y, mask=inside)
+
+
+INTERPRETED = not isinstance(rotate_rows, JITFunction)
+RUNNABLE = INTERPRETED == (not isinstance(tl.zeros, JITFunction))     # else tl.zeros & co. refuse to run

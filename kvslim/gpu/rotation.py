@@ -1,0 +1,88 @@
+"""Row rotations in one Triton launch: the K/V formats' code domains on the GPU.
+
+A quantized K or V format that rotates its rows moves a decode step's queries into its code
+domain and the attention output back, once per attention layer. The torch forms launched, per
+call, 3 kernels a butterfly round for llama.cpp's Hadamard rotation (q8_0, q4_0, iq4_nl: 8
+rounds at head_dim 256, so 25 launches for q with its cast) and a cast and a matmul for
+TurboQuant's. ``hadamard`` (the same butterfly, so the same bits as
+``formats.rotation.hadamard_blocks_torch``) and ``rotate`` (each group times a matrix, float32
+products) read any float type where it lies and write float32 in one launch.
+tests/test_gpu_rotation.py holds them to the torch forms under Triton's interpreter.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from .. import gpu                      # gpu.TRITON read at each call: benchmarks flip it in-process
+from . import FP_FUSION, kernels, pow2
+
+BLOCK_M = 16            # rows a program: tl.dot's smallest M for the matrix form
+
+
+def _kernel():
+    return kernels("_rotation_kernel")                  # imports triton: only when a kernel runs
+
+
+def runs_on(x: torch.Tensor) -> bool:
+    """Whether the kernel can run on x's device here (``kvslim.gpu.runs_on``)."""
+    return gpu.serves("_rotation_kernel", x.device)
+
+
+def serves(x: torch.Tensor) -> bool:
+    """Whether the formats' rotations take the kernel for x: the kernels are on (``kvslim.gpu.TRITON``)
+    and run on x's device, x is a float tensor, outside autograd (the kernel has no backward) and
+    outside a graph torch.compile traces (inductor fuses the torch forms there)."""
+    return (gpu.TRITON and x.is_floating_point() and not (x.requires_grad and torch.is_grad_enabled())
+            and not torch.compiler.is_compiling() and runs_on(x))
+
+
+def hadamard(x: torch.Tensor, n: int) -> torch.Tensor:
+    """H / sqrt(n) on every run of n values (a power of two dividing D) of x (..., D) of any
+    float type -> float32 (..., D): ``hadamard_blocks_torch``'s rounds, in one launch."""
+    if n < 2 or n & (n - 1) or x.shape[-1] % n:
+        raise ValueError(f"runs of a power of two n >= 2 dividing the rows expected, got n={n} for {tuple(x.shape)}")
+    return _launch(x, None, n, _scale(n), hadamard_rounds=n.bit_length() - 1)
+
+
+@lru_cache(maxsize=None)
+def _scale(n: int) -> float:
+    """n ** -0.5 as torch's ``y * n ** -0.5`` rounds it (float32), worked out on the CPU whatever the
+    default device (a CUDA scalar's float() would sync, and break a CUDA graph's capture), once."""
+    return float(torch.tensor(n ** -0.5, dtype=torch.float32, device="cpu"))
+
+
+def rotate(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+    """Each run of g values of x (..., D) of any float type times ``matrix`` (g, g) float32 (any
+    strides: pass R.T to rotate by R) -> float32 (..., D), float32 products: the torch form
+    ``(x.float().reshape(..., D // g, g) @ matrix).reshape(x.shape)`` in one launch."""
+    g = matrix.shape[0]
+    if matrix.shape != (g, g) or matrix.dtype != torch.float32 or g < 16 or x.shape[-1] % g \
+            or matrix.device != x.device:
+        raise ValueError(f"a float32 (g, g) matrix on x's device, g >= 16 dividing the rows, expected, got "
+                         f"{tuple(matrix.shape)} {matrix.dtype} on {matrix.device} for {tuple(x.shape)} on {x.device}")
+    return _launch(x, matrix, g, 1.0)
+
+
+def _launch(x: torch.Tensor, matrix: torch.Tensor | None, group: int, scale: float,
+            hadamard_rounds: int = 0) -> torch.Tensor:
+    """One ``rotate_rows`` launch over x's rows, viewed as (outer, inner) at two strides (a view
+    of a projection's heads reads in place); else a contiguous copy first."""
+    if not x.is_floating_point():
+        raise ValueError(f"a float tensor expected, got {x.dtype}")
+    dim = x.shape[-1]
+    rows = x.reshape(-1, 1, dim) if x.dim() < 3 else x.flatten(0, -3)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    outer, inner = rows.shape[:2]
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    n_rows = outer * inner
+    if n_rows and dim:
+        n_groups = dim // group
+        m = out if matrix is None else matrix                        # a stand-in pointer for the butterfly
+        _kernel().rotate_rows[(-(-n_rows // BLOCK_M),)](
+            rows, m, out, n_rows, inner, rows.stride(0), rows.stride(1), *(m.stride() if matrix is not None else (0, 0)),
+            scale, D=dim, BLOCK_M=BLOCK_M, HADAMARD=matrix is None, LOG2_ROT=hadamard_rounds, GROUP=group,
+            N_GROUPS=n_groups, NB=pow2(n_groups), BLOCK=pow2(group), num_warps=4, **FP_FUSION)
+    return out
