@@ -80,9 +80,9 @@ def _launch(x: torch.Tensor, matrix: torch.Tensor | None, group: int, scale: flo
     n_rows = outer * inner
     if n_rows and dim:
         n_groups = dim // group
-        m = out if matrix is None else matrix                        # a stand-in pointer for the butterfly
+        m, m_strides = (out, (0, 0)) if matrix is None else (matrix, matrix.stride())   # the butterfly: a stand-in
         _kernel().rotate_rows[(-(-n_rows // BLOCK_M),)](
-            rows, m, out, n_rows, inner, rows.stride(0), rows.stride(1), *(m.stride() if matrix is not None else (0, 0)),
+            rows, m, out, n_rows, inner, rows.stride(0), rows.stride(1), *m_strides,
             scale, D=dim, BLOCK_M=BLOCK_M, HADAMARD=matrix is None, LOG2_ROT=hadamard_rounds, GROUP=group,
             N_GROUPS=n_groups, NB=pow2(n_groups), BLOCK=pow2(group), num_warps=4, **FP_FUSION)
     return out
