@@ -80,6 +80,38 @@ def _placement(rows: torch.Tensor, pages: int, gen: torch.Generator):
     return table, slots, positions, flags
 
 
+# K and V of one format (head_dim, input dtype): one launch where they encode alike, f16's and
+# turbo4's; q8_0's K rotates by 128s and its V by 64s, so two
+PAIRS = [("f16", 128, F16), ("turbo4", 256, BF16), ("q8_0", 128, F32)]
+
+
+def _pair(name: str, dim: int, dtype: str):
+    """K and V rows of one cache step (one placement) and their pools, V's values other than K's."""
+    fmt_k, k, k_pool, rows, where = _case(name, "k", dim, dtype, seed=0)
+    fmt_v, v, v_pool, _, _ = _case(name, "v", dim, dtype, seed=1)
+    return (fmt_k, k, k_pool), (fmt_v, v, v_pool), rows, where
+
+
+def _pair_appended(name: str, dim: int, dtype: str, cuda: bool = False):
+    """(launches, K pool, V pool, flags) of ``append_kv``, then the pools and flags of one ``append``
+    for each side, from the same start (with ``cuda``, on the GPU); returned on the CPU."""
+    (fmt_k, k, k_pool), (fmt_v, v, v_pool), _, where = _pair(name, dim, dtype)
+    on = (lambda t: t.cuda()) if cuda else (lambda t: t)        # .cuda(): what tests/rehearse_cuda.py stands in for
+    k, k_pool, v, v_pool = (on(t) for t in (k, k_pool, v, v_pool))
+    table, slots, positions, flags = (on(t) for t in where)
+    apart = [k_pool.clone(), v_pool.clone(), flags.clone()]
+    launches = []
+    inner = gpu._append
+    gpu._append = lambda sides, *a: launches.append(len(sides)) or inner(sides, *a)
+    try:
+        gpu.append_kv(fmt_k, k, k_pool, fmt_v, v, v_pool, table, slots, positions, flags)
+    finally:
+        gpu._append = inner
+    gpu.append(fmt_k, k, apart[0], table, slots, positions, apart[2])
+    gpu.append(fmt_v, v, apart[1], table, slots, positions, apart[2])
+    return launches, tuple(t.cpu() for t in (k_pool, v_pool, flags)), [t.cpu() for t in apart]
+
+
 def _appended_in_child(cases, path: Path) -> None:
     """In a TRITON_INTERPRET=1 child: every case's pool after the append, its flags, and supports()."""
     out = {"cases": [], "supports": []}
@@ -88,6 +120,7 @@ def _appended_in_child(cases, path: Path) -> None:
         served = gpu.supports(fmt, x)
         gpu.append(fmt, x, pool, table, slots, positions, flags)
         out["cases"].append((served, flags, pool))
+    out["pairs"] = [_pair_appended(*pair) for pair in PAIRS]
     out["supports"] = [gpu.supports(formats.get(name), torch.zeros(2, 1, dim)) for name, dim in REFUSED]
     out["supports"] += [gpu.supports(formats.get("q8_0"), torch.zeros(2, 1, 128, dtype=torch.float64)),
                         gpu.supports(formats.get("q8_0"), torch.zeros(2, 128)),
@@ -100,7 +133,12 @@ def interpreted(tmp_path_factory):
     """Every case appended once, by one interpreted child process."""
     cases = EXACT + CLOSE
     out = run_interpreted("tests.test_triton_append", "_appended_in_child", cases, tmp_path_factory.mktemp("append"))
-    return dict(zip(cases, out["cases"])), out["supports"]
+    return dict(zip(cases, out["cases"])), out["supports"], out["pairs"]
+
+
+@pytest.fixture(scope="module")
+def interpreted_pairs(interpreted):
+    return interpreted[2]
 
 
 def _check(case, flags, pool, exact: bool):
@@ -138,6 +176,35 @@ def test_searched_and_rotated_formats_get_the_encoders_bytes_but_for_near_ties(i
     _check(case, flags, pool, exact=False)
 
 
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"{p[0]}-d{p[1]}-{p[2]}")
+def test_k_and_v_alike_are_appended_in_one_launch(interpreted_pairs, pair):
+    """``append_kv`` writes each side's bytes and raises the flags as one ``append`` a side does,
+    in one launch where K and V encode alike; their pools' bytes are the encoders' (for turbo4,
+    but for near ties)."""
+    _check_pair(pair, *interpreted_pairs[PAIRS.index(pair)])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the compiled kernel waits for a GPU")
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"{p[0]}-d{p[1]}-{p[2]}")
+def test_k_and_v_alike_on_cuda_in_one_launch(pair):
+    compiled_process()
+    _check_pair(pair, *_pair_appended(*pair, cuda=True))
+
+
+def _check_pair(pair, launches, appended, apart):
+    (k_pool, v_pool, flags), (k_apart, v_apart, flags_apart) = appended, apart
+    assert launches == ([2] if pair[0] != "q8_0" else [1, 1])
+    assert torch.equal(k_pool, k_apart) and torch.equal(v_pool, v_apart) and torch.equal(flags, flags_apart)
+    (fmt_k, k, before_k), (fmt_v, v, before_v), rows, where = _pair(*pair)
+    for fmt, x, before, pool in ((fmt_k, k, before_k, k_pool), (fmt_v, v, before_v, v_pool)):
+        want, bad = fmt.encode_flagged(x)
+        got = pool.view(N_KV, -1, pool.shape[-1])[:, rows].transpose(0, 1)[~bad]
+        same = (got == want[~bad]).float().mean()
+        assert same > 0.99 if pair[0] == "turbo4" else same == 1
+        assert not torch.equal(pool, before)
+    assert not torch.equal(k_pool[:, :, :, :64], v_pool[:, :, :, :64])      # each side its own rows
+
+
 def test_formats_without_a_kernel_encoder_are_refused(interpreted):
     """The QJL rows, a head_dim the format cannot store, float64 or unbatched rows."""
     assert interpreted[1] == [False] * len(REFUSED) + [False, False, True]
@@ -164,7 +231,7 @@ def test_compiled_kernel_on_cuda_gets_the_encoders_bytes(case):
 
 
 SM90 = [("q4_0", 128), ("turbo4", 256), ("nl4", 128), ("q5_1", 128), ("nl4s", 128)]
-POINTERS = {"x_ptr": "*fp32", "pool": "*u8", "table_ptr": "*i32", "slots_ptr": "*i64", "pos_ptr": "*i64",
+POINTERS = {"x_ptr": "*fp32", "pool": "*u8", "x2_ptr": "*fp32", "pool2": "*u8", "table_ptr": "*i32", "slots_ptr": "*i64", "pos_ptr": "*i64",
             "flags_ptr": "*u8", "rot_m": "*fp32",
             "bounds": "*fp32", "cents": "*fp32", "tries": "*fp32", "ladder": "*fp32", "limit": "fp32",
             "rot_scale": "fp32"}

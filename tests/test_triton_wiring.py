@@ -69,14 +69,14 @@ def logits_counted(pairs, path: Path) -> None:
         inner = getattr(module, name)
 
         def call(*args, **kw):
-            calls[key] += 1
+            calls[key] += len(args[0]) if key == "append" else 1      # the K and V sides a launch stores
             if key == "prefill":
                 dots.add(_dot_of(args, kw))
             return inner(*args, **kw)
         setattr(module, name, call)
     counted(paged_prefill, "prefill_state", "prefill")
     counted(paged_decode, "decode_state", "decode")
-    counted(kv_append, "append", "append")
+    counted(kv_append, "_append", "append")
     pools = []
     torch.save({"logits": logits(pairs, pools), "pools": pools, "calls": calls, "dots": dots}, path)
 

@@ -268,9 +268,9 @@ class KVCache:
     def _scatter(self, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Encode rows, write token n's at (slots[n], positions[n]) through the block table and
         raise the overflow flags of the slots of tokens that overflow."""
-        if self.gpu_append:            # one launch each: rows looked up, encoded, written, flags raised
-            kv_append.append(self.fmt_k, k, self.k_pool, self.block_table, slots, positions, self.overflow)
-            kv_append.append(self.fmt_v, v, self.v_pool, self.block_table, slots, positions, self.overflow)
+        if self.gpu_append:     # one launch (two if K and V encode apart): rows found, encoded, written, flags raised
+            kv_append.append_kv(self.fmt_k, k, self.k_pool, self.fmt_v, v, self.v_pool, self.block_table, slots,
+                                positions, self.overflow)
             return
         k_codes, v_codes, bad = self._encode(k, v)
         # Indexed assignment into the pool itself, not a copy into a reshaped view of it: a

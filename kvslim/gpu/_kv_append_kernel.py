@@ -317,6 +317,7 @@ def _encode_turbo(x, out, live, rot_m, bounds, cents, limit, GROUP: tl.constexpr
 @triton.jit
 def kv_append_rows(x_ptr, pool, table_ptr, slots_ptr, pos_ptr, flags_ptr, rot_m, bounds, cents, tries, ladder,
                    n_rows, n_kv, pool_rows, row_bytes, table_stride, page_size, x_stride, limit, rot_scale,
+                   x2_ptr, pool2, x2_stride,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                    KIND: tl.constexpr, FLOAT_TYPE: tl.constexpr, ROT: tl.constexpr, LOG2_ROT: tl.constexpr,
                    GROUP: tl.constexpr, N_BLOCKS: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
@@ -327,7 +328,13 @@ def kv_append_rows(x_ptr, pool, table_ptr, slots_ptr, pos_ptr, flags_ptr, rot_m,
     t = r // n_kv: page table[slots[t], positions[t] // page_size], offset positions[t] % page_size
     (the cache's ``_flat_index``, so no launch computes rows first); flags[slots[t]] = 1 where a
     row overflows (the cache's per-slot flags, raised, never lowered: writers of one slot write
-    the same 1). Blocks: N_BLOCKS of GROUP values (NB and BLOCK: powers of two >= them)."""
+    the same 1). Blocks: N_BLOCKS of GROUP values (NB and BLOCK: powers of two >= them).
+    Programs (i, 1) encode a second side alike (the same encoder and tables), V's beside K's: its
+    rows x2 (tokens x2_stride apart) into pool2, in the same launch."""
+    second = tl.program_id(1) == 1
+    x_ptr = tl.where(second, x2_ptr, x_ptr)
+    x_stride = tl.where(second, x2_stride, x_stride)
+    pool = tl.where(second, pool2, pool)
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     r_live = r < n_rows
     token = (r // n_kv).to(tl.int64)

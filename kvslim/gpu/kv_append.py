@@ -29,6 +29,7 @@ INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BLOCK_M = 16                  # (token, head) rows per program: tl.dot's smallest M for turbo's rotation
 MAX_DIM = 512
 FLT_MAX = torch.finfo(torch.float32).max
+TABLES = ("rot_matrix", "boundaries", "centroids", "tries", "ladder")   # a declaration's, in the kernel's order
 
 
 def _kernel():
@@ -48,7 +49,7 @@ def _encoder(fmt, head_dim: int):
         fmt.check_head_dim(head_dim)
     except ValueError:
         return None
-    enc = _declared(fmt.name, getattr(fmt, "role", "k"), head_dim)
+    enc = _declared(*_key(fmt, head_dim))
     known = enc is not None and enc.kind in KINDS and enc.sub_values in (0, SUB_VALUES)
     return enc if known and head_dim <= MAX_DIM else None
 
@@ -67,7 +68,7 @@ def _tables(name: str, role: str, head_dim: int, device: str) -> tuple[torch.Ten
     enc = _declared(name, role, head_dim)
     none = torch.zeros(1)
     return tuple((none if t is None else t).float().contiguous().to(device)
-                 for t in (enc.rot_matrix, enc.boundaries, enc.centroids, enc.tries, enc.ladder))
+                 for t in (getattr(enc, table) for table in TABLES))
 
 
 @lru_cache(maxsize=None)
@@ -106,17 +107,62 @@ def append(fmt, x: torch.Tensor, pool: torch.Tensor, table: torch.Tensor, slots:
     or past the fp16 fields; a flagged token's bytes are not meant to be read), others left as
     they were. One launch: the rows are found and the flags raised in the kernel, nobody waiting
     for them."""
+    _append([(fmt, x, pool)], table, slots, positions, flags)
+
+
+def append_kv(fmt_k, k: torch.Tensor, k_pool: torch.Tensor, fmt_v, v: torch.Tensor, v_pool: torch.Tensor,
+              table: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, flags: torch.Tensor) -> None:
+    """``append`` of K and of V (a cache's new rows, one block table): one launch for both where
+    they encode alike (one kernel configuration and the same tables: f16/f16, turbo3/turbo3 and
+    the like) and come alike (shape, type, pool shape), else one each (q8_0 K and V: llama.cpp
+    rotates K by head_dim's largest power of two and V by 64s)."""
+    sides = [(fmt_k, k, k_pool), (fmt_v, v, v_pool)]
+    dim = k.shape[-1]
+    if k.shape == v.shape and k.dtype == v.dtype and k_pool.shape == v_pool.shape \
+            and _alike(_key(fmt_k, dim), _key(fmt_v, dim)):
+        _append(sides, table, slots, positions, flags)
+        return
+    for side in sides:
+        _append([side], table, slots, positions, flags)
+
+
+@lru_cache(maxsize=None)
+def _alike(key_k: tuple, key_v: tuple) -> bool:
+    """Whether two declarations encode alike: the same constexprs, limits and tables (compared on
+    the CPU, once per pair: never a device read in a step)."""
+    if _launch(*key_k) != _launch(*key_v):
+        return False
+    enc_k, enc_v = _declared(*key_k), _declared(*key_v)
+    return all(_same(getattr(enc_k, table), getattr(enc_v, table)) for table in TABLES)
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return a is b or (a is not None and b is not None and a.shape == b.shape and torch.equal(a, b))
+
+
+def _key(fmt, head_dim: int) -> tuple[str, str, int]:
+    """(name, role, head_dim): what the declaration's caches are keyed by (a format without a role: "k")."""
+    return fmt.name, getattr(fmt, "role", "k"), head_dim
+
+
+def _append(sides: list, table: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+            flags: torch.Tensor) -> None:
+    """One launch over the rows of one side (fmt, x, pool), or of two that encode alike
+    (``append_kv``): grid (row blocks, sides), the first side's tables."""
+    fmt, x, pool = sides[0]
     n_tokens, n_kv, dim = x.shape
-    role = getattr(fmt, "role", "k")
-    assert pool.is_contiguous() and pool.shape[0] == n_kv and pool.shape[3] == fmt.row_bytes(dim)
     assert table.dim() == 2 and table.stride(1) == 1 and slots.shape == positions.shape == (n_tokens,)
     assert flags.dtype == torch.uint8 and flags.shape == (table.shape[0],) and flags.is_contiguous()
-    config, limit, rot_scale = _launch(fmt.name, role, dim)
-    tables = _tables(fmt.name, role, dim, str(x.device))
+    config, limit, rot_scale = _launch(*_key(fmt, dim))
+    rows = []
+    for _, side_x, side_pool in sides:
+        assert side_pool.is_contiguous() and side_pool.shape[0] == n_kv and side_pool.shape[3] == fmt.row_bytes(dim)
+        if side_x.stride()[1:] != (dim, 1):               # each token's heads contiguous; tokens at any stride
+            side_x = side_x.contiguous()
+        rows.append((side_x, side_pool))
+    (x, pool), (x2, pool2) = rows[0], rows[-1]
     n_rows = n_tokens * n_kv
-    if x.stride()[1:] != (dim, 1):                       # each token's heads contiguous; tokens at any stride
-        x = x.contiguous()
-    _kernel().kv_append_rows[(-(-n_rows // BLOCK_M),)](
-        x, pool, table, slots.contiguous(), positions.contiguous(), flags, *tables, n_rows, n_kv,
-        pool.shape[1] * pool.shape[2], pool.shape[3], table.stride(0), pool.shape[2], x.stride(0), limit, rot_scale,
-        enable_fp_fusion=False, **config)                              # x * id + 8.5 rounds twice, as in torch
+    _kernel().kv_append_rows[(-(-n_rows // BLOCK_M), len(sides))](
+        x, pool, table, slots.contiguous(), positions.contiguous(), flags, *_tables(*_key(fmt, dim), str(x.device)),
+        n_rows, n_kv, pool.shape[1] * pool.shape[2], pool.shape[3], table.stride(0), pool.shape[2], x.stride(0), limit,
+        rot_scale, x2, pool2, x2.stride(0), enable_fp_fusion=False, **config)   # x * id + 8.5 rounds twice, as torch
