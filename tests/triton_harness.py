@@ -92,10 +92,11 @@ def compiled_process() -> None:
         pytest.skip("this process's kernels are interpreted")
 
 
-def compile_for_sm90(fn, pointers: dict[str, str], constexprs: dict, num_warps: int, divisible: tuple = ()):
+def compile_for_sm90(fn, pointers: dict[str, str], constexprs: dict, num_warps: int, divisible: tuple = (),
+                     capability: int = 90):
     """``kvslim.gpu.compile_sm90`` in a compiled (not interpreted) process; skips where this
     triton has no CUDA backend. A ``num_stages`` among the constexprs (a launch config's) is
-    passed as the option it is. Returns the compiled kernel."""
+    passed as the option it is. ``capability``: another target than sm_90. Returns the compiled kernel."""
     compiled_process()
     from kvslim.gpu import compile_sm90
     constexprs = dict(constexprs)
@@ -103,7 +104,7 @@ def compile_for_sm90(fn, pointers: dict[str, str], constexprs: dict, num_warps: 
     if "num_stages" in constexprs:
         options["num_stages"] = constexprs.pop("num_stages")
     try:
-        return compile_sm90(fn, pointers, constexprs, divisible, **options)
+        return compile_sm90(fn, pointers, constexprs, divisible, capability, **options)
     except ImportError:
         pytest.skip("this triton has no CUDA backend")
 

@@ -77,7 +77,8 @@ def runs_on(kernel_module, device: torch.device) -> bool:
     return kernel_module.RUNNABLE and device.type == ("cpu" if kernel_module.INTERPRETED else "cuda")
 
 
-def compile_sm90(fn, pointers: dict[str, str], constexprs: dict, divisible: tuple = (), **options):
+def compile_sm90(fn, pointers: dict[str, str], constexprs: dict, divisible: tuple = (), capability: int = 90,
+                 **options):
     """Compile the @triton.jit ``fn`` for an H100/H200 (sm_90) without a GPU, through Triton's
     compiler and the ptxas in its wheel: arguments named in ``pointers`` take those types
     ("*u8", "*fp32", ...; "fp32" for a float scalar), those in ``constexprs`` their values, the
@@ -88,7 +89,8 @@ def compile_sm90(fn, pointers: dict[str, str], constexprs: dict, divisible: tupl
     runs of bytes aligned and vectorises no load. Constexprs left out take their defaults, as
     in a launch (else they would compile as runtime ints). ImportError where triton has no CUDA backend.
     The kernel tests use it to catch what the interpreter accepts and the compiler refuses;
-    benchmarks/gpu_resources.py to read a launch's registers and shared memory."""
+    benchmarks/gpu_resources.py to read a launch's registers and shared memory. ``capability``:
+    another target, such as the RTX cards' 86 (3090), 89 (4090) or 120 (5090)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401  (ImportError without it)
@@ -96,5 +98,6 @@ def compile_sm90(fn, pointers: dict[str, str], constexprs: dict, divisible: tupl
     signature = {name: pointers.get(name, "constexpr" if name in constexprs else "i32") for name in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
              if pointers.get(name, "").startswith("*") or name in divisible}
-    return triton.compile(triton.compiler.ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+    return triton.compile(triton.compiler.ASTSource(fn, signature, constexprs, attrs),
+                          target=GPUTarget("cuda", capability, 32),
                           options={**FP_FUSION, **options})
