@@ -42,13 +42,21 @@ def _turbo(case) -> tuple[torch.Tensor, torch.Tensor, object]:
     return _queries(tokens, heads, dim, "bfloat16", 7), rotation_matrix(g, fmt.seed), fmt
 
 
+# formats and roles whose code domains the attention paths move q into and the output out of
+DOMAINS = [("q8_0", "k"), ("q8_0", "v"), ("turbo4", "k"), ("turbo3", "v"), ("f16", "k"), ("nl4", "v")]
+
+
 def rotations_in_child(cases, path: Path) -> None:
-    """In the interpreted child: every HADAMARD case, then each TURBO case rotated and back."""
+    """In the interpreted child: every HADAMARD case, each TURBO case rotated and back, and
+    ``to_code_domain`` / ``from_code_domain`` of the DOMAINS formats (the kernels on)."""
     out = {"hadamard": [gpu.hadamard(_queries(*c[:3], c[4], i), c[3]) for i, c in enumerate(HADAMARD)], "turbo": []}
     for case in TURBO:
         q, r, _ = _turbo(case)
         rotated = gpu.rotate(q, r.T)
         out["turbo"].append((rotated, gpu.rotate(rotated, r)))
+    q = _queries(3, 4, 256, "bfloat16", 3)
+    out["domains"] = [(gpu.to_code_domain(fmt, q), gpu.from_code_domain(fmt, q.float()))
+                      for fmt in (formats.get(name, role=role) for name, role in DOMAINS)]
     torch.save(out, path)
 
 
@@ -80,6 +88,25 @@ def test_hadamard_is_the_torch_butterfly_bit_for_bit(interpreted, case):
 @pytest.mark.parametrize("case", TURBO, ids=lambda c: f"n{c[0]}-h{c[1]}-d{c[2]}-{c[3]}")
 def test_group_rotation_matches_turbo_and_inverts(interpreted, case):
     _check_turbo(case, *interpreted["turbo"][TURBO.index(case)])
+
+
+@pytest.mark.parametrize("domain", DOMAINS, ids=lambda d: "-".join(d))
+def test_the_attention_paths_code_domains_are_the_formats(interpreted, domain):
+    """``to_code_domain`` / ``from_code_domain`` with the kernels on give the format's own torch
+    forms on float32 rows: the Hadamard formats' bits, TurboQuant's within float32 sums; f16's
+    identity (a float32 copy) and the format's declaration where it has one."""
+    fmt = formats.get(domain[0], role=domain[1])
+    q = _queries(3, 4, 256, "bfloat16", 3).float()
+    got_to, got_from = interpreted["domains"][DOMAINS.index(domain)]
+    want_to, want_from = fmt.to_code_domain(q), fmt.from_code_domain(q)
+    assert got_to.dtype == got_from.dtype == torch.float32
+    if domain[0] == "turbo4" or domain[0] == "turbo3":
+        torch.testing.assert_close(got_to, want_to, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(got_from, want_from, atol=2e-5, rtol=1e-5)
+    else:
+        assert torch.equal(got_to, want_to) and torch.equal(got_from, want_from)
+    declared = fmt.code_rotation(256, "cpu")
+    assert (declared is None) == (not fmt.transformed) and (domain[0] == "f16") == (not fmt.transformed)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the compiled kernel waits for a GPU")

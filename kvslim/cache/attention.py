@@ -24,6 +24,7 @@ from .. import gpu
 from ..devices import to_device
 from ..gpu import paged_decode as gpu_decode
 from ..gpu import paged_prefill as gpu_prefill
+from ..gpu import rotation as gpu_rotation
 from ..native import paged_attention as native
 from ..native import prefill_attention as native_prefill
 
@@ -142,9 +143,9 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ta
                                       tune=KERNEL_DOTS[dot])
     n_seq, n_heads, dim = q.shape
     qg = _group(n_kv, q.unsqueeze(1), scale).transpose(0, 1).contiguous()          # (Hkv, B, G, D), scaled
-    acc = _scan_decode(fmt_k, fmt_v, k_pool, v_pool, table.index_select(0, slots), fmt_k.to_code_domain(qg),
-                       positions + 1, dot=dot)
-    return fmt_v.from_code_domain(acc.result()).transpose(0, 1).reshape(n_seq, n_heads, dim)
+    q_code = gpu_rotation.to_code_domain(fmt_k, qg)
+    acc = _scan_decode(fmt_k, fmt_v, k_pool, v_pool, table.index_select(0, slots), q_code, positions + 1, dot=dot)
+    return gpu_rotation.from_code_domain(fmt_v, acc.result()).transpose(0, 1).reshape(n_seq, n_heads, dim)
 
 
 @paged_decode.register_fake
@@ -195,7 +196,7 @@ def attend_pages(cache, slots: list[int], q: torch.Tensor, q_pos: torch.Tensor, 
     packed = [cache.n_packed(s) for s in slots]
     slot_ids = to_device(slots, q.device)
     q = q.transpose(0, 1)                                               # (Hkv, S, R, D): heads lead, as in the pool
-    q_code = cache.fmt_k.to_code_domain(q)                             # rotate once
+    q_code = gpu_rotation.to_code_domain(cache.fmt_k, q)               # rotate once
     table = cache.block_table[slot_ids, :-(-max(packed) // cache.page_size)]   # pages the longest one uses
     lengths = to_device(packed, q.device)
     if one_position:
@@ -214,7 +215,7 @@ def attend_pages(cache, slots: list[int], q: torch.Tensor, q_pos: torch.Tensor, 
                         per_block, dim, unmasked_end=min(min(packed), first_q + 1))
     if cache.f16_window:
         _window_block(cache, slots, slot_ids, packed, q, q_pos, acc)
-    return cache.fmt_v.from_code_domain(acc.result()).transpose(0, 1)
+    return gpu_rotation.from_code_domain(cache.fmt_v, acc.result()).transpose(0, 1)
 
 
 def _scan_pages(fmt_k, fmt_v, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor, q_code: torch.Tensor,
@@ -314,7 +315,7 @@ def _window_block(cache, slots, slot_ids, packed, q, q_pos, acc) -> None:
         return
     n = max(win)
     wk = cache.win_k[slot_ids, :n].float().permute(2, 0, 1, 3)          # (Hkv, S, n, D)
-    wv = cache.fmt_v.to_code_domain(cache.win_v[slot_ids, :n].float().permute(2, 0, 1, 3))
+    wv = gpu_rotation.to_code_domain(cache.fmt_v, cache.win_v[slot_ids, :n].permute(2, 0, 1, 3))
     scores = q @ wk.transpose(-1, -2)                                   # (Hkv, S, R, n)
     base = to_device(packed, q.device)
     j = torch.arange(n, device=q.device)

@@ -186,6 +186,11 @@ class KVFormat:
         """Code domain -> model domain: applied once to the attention output (V format)."""
         return y
 
+    def code_rotation(self, head_dim: int, device) -> "CodeRotation | None":
+        """The code domain as data, where it is a rotation of each run of values (so a kernel can
+        apply it: ``gpu.rotation``); None where it is the model domain or not such a rotation."""
+        return None
+
     def decode_code_domain(self, packed: torch.Tensor, head_dim: int) -> torch.Tensor:
         """Unchecked decode of packed rows into the code domain, float32 (..., head_dim)."""
         return self._decode(packed, head_dim)
@@ -271,6 +276,16 @@ class RowLayout:
         code_bytes = spec.bytes_for_block(block) - spec.block_header_bytes
         fields += (RowField("codes", spec.block_header_bytes, code_bytes),)
         return cls(n_blocks, block, spec.bytes_for_block(block), fields)
+
+
+@dataclass(frozen=True, eq=False)
+class CodeRotation:
+    """A format's code domain: each run of ``size`` values rotated, by H / sqrt(size) (Sylvester's
+    Hadamard matrix, its own inverse) where ``matrix`` is None, else by the orthogonal ``matrix``
+    R (size, size), float32: into the code domain x -> x R^T, back y -> y R."""
+
+    size: int
+    matrix: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import FP16_MAX, KernelEncoder, KernelRow, KVFormat, cached_on, fp16_bytes, fp16_from_bytes
+from .base import FP16_MAX, CodeRotation, KernelEncoder, KernelRow, KVFormat, cached_on, fp16_bytes, fp16_from_bytes
 from .rotation import hadamard_blocks, llama_rot_size
 
 QK = 32  # values per ggml block
@@ -280,6 +280,10 @@ class GgmlFormat(KVFormat):
 
     def from_code_domain(self, y: torch.Tensor) -> torch.Tensor:
         return hadamard_blocks(y, self.rot_size(y.shape[-1]))      # H / sqrt(n) is its own inverse
+
+    def code_rotation(self, head_dim: int, device) -> CodeRotation | None:
+        size = self.rot_size(head_dim) if self.transformed else 0
+        return CodeRotation(size) if size else None
 
     def decode_code_domain(self, packed: torch.Tensor, head_dim: int) -> torch.Tensor:
         blocks = packed.reshape(-1, self.spec.block_bytes)

@@ -26,7 +26,8 @@ import dataclasses
 
 import torch
 
-from .base import FP16_MAX, KernelEncoder, KernelRow, KVFormat, bucketize, cached_on, fp16_bytes, fp16_from_bytes
+from .base import (FP16_MAX, CodeRotation, KernelEncoder, KernelRow, KVFormat, bucketize, cached_on, fp16_bytes,
+                   fp16_from_bytes)
 from .bitpack import byte_table, pack_bits, packed_bytes, unpack_bits
 from .rotation import hadamard_blocks, llama_rot_size
 
@@ -131,6 +132,10 @@ class GridFormat(KVFormat):
 
     def from_code_domain(self, y: torch.Tensor) -> torch.Tensor:
         return hadamard_blocks(y, self.rot_size(y.shape[-1]))
+
+    def code_rotation(self, head_dim: int, device) -> CodeRotation | None:
+        size = self.rot_size(head_dim) if self.transformed else 0
+        return CodeRotation(size) if size else None
 
     def decode_code_domain(self, packed: torch.Tensor, head_dim: int) -> torch.Tensor:
         blocks = packed.reshape(-1, self.spec.block_bytes)

@@ -81,17 +81,13 @@ def hadamard_matrix(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
 
 def hadamard_blocks(x: torch.Tensor, n: int) -> torch.Tensor:
     """Apply H / sqrt(n) to every run of ``n`` values along the last dimension (its own inverse).
-    On the CPU (outside autograd and traced graphs) the C butterfly, on a GPU with the kernels on
-    the Triton one (one launch where the torch form launches three a round), elsewhere the
-    torch one: the same float32 operations in the same order, so the same bits."""
+    On the CPU (outside autograd and traced graphs) the C butterfly, elsewhere the torch one:
+    the same float32 operations in the same order, so the same bits."""
     if n == 0:
         return x
-    from ..gpu import rotation as gpu_rotation    # formats import before native and gpu: import at use
-    from ..native import kv_encode
+    from ..native import kv_encode                # formats import before native: import at use
     if kv_encode.serves_hadamard(x):
         return kv_encode.hadamard_rows(x, n)
-    if gpu_rotation.serves(x):
-        return gpu_rotation.hadamard(x, n)
     return hadamard_blocks_torch(x, n)
 
 

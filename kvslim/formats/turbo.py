@@ -22,8 +22,8 @@ import math
 
 import torch
 
-from .base import (FP16_MAX, KernelEncoder, KernelRow, KVFormat, bucketize, cached_on, ceil_div, check_float_input, fp16_bytes,
-                   fp16_from_bytes)
+from .base import (FP16_MAX, CodeRotation, KernelEncoder, KernelRow, KVFormat, bucketize, cached_on, ceil_div,
+                   check_float_input, fp16_bytes, fp16_from_bytes)
 from .bitpack import byte_table, pack_bits, packed_bytes, unpack_bits
 from .codebook import lloyd_max
 from .rotation import gaussian_matrix, rotation_matrix
@@ -100,6 +100,10 @@ class TurboFormat(KVFormat):
     def from_code_domain(self, y: torch.Tensor) -> torch.Tensor:
         return self.unrotate(y)
 
+    def code_rotation(self, head_dim: int, device) -> CodeRotation:
+        _, g = self.blocks(head_dim)
+        return CodeRotation(g, rotation_matrix(g, self.seed, device))
+
     def decode_code_domain(self, packed: torch.Tensor, head_dim: int) -> torch.Tensor:
         return self.decode_rotated(packed, head_dim)
 
@@ -121,17 +125,16 @@ class TurboFormat(KVFormat):
                           lambda: torch.tensor(lloyd_max(group, bits).boundaries).float()))
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
-        """Rotate (..., head_dim) of any float type group by group into the coded domain, float32.
-        On a GPU with the kernels on, one launch (``gpu.rotation``: the cast and the matmul in one)."""
+        """Rotate (..., head_dim) group by group into the coded domain."""
         n_groups, g = self.blocks(x.shape[-1])
         r = rotation_matrix(g, self.seed, x.device)
-        return _group_product(x, r.T, n_groups, g)
+        return (x.reshape(*x.shape[:-1], n_groups, g) @ r.T).reshape(x.shape)
 
     def unrotate(self, y: torch.Tensor) -> torch.Tensor:
         """Inverse of ``rotate``."""
         n_groups, g = self.blocks(y.shape[-1])
         r = rotation_matrix(g, self.seed, y.device)
-        return _group_product(y, r, n_groups, g)
+        return (y.reshape(*y.shape[:-1], n_groups, g) @ r).reshape(y.shape)
 
     # ----- encode ---------------------------------------------------------------
     def encode(self, x: torch.Tensor) -> torch.Tensor:
@@ -192,11 +195,3 @@ class TurboFormat(KVFormat):
 
     def _decode(self, packed: torch.Tensor, head_dim: int) -> torch.Tensor:
         return self.unrotate(self.decode_rotated(packed, head_dim))
-
-
-def _group_product(x: torch.Tensor, matrix: torch.Tensor, n_groups: int, g: int) -> torch.Tensor:
-    """Each group of g values of x (..., n_groups g) times ``matrix`` (g, g), float32."""
-    from ..gpu import rotation as gpu_rotation    # formats import before gpu: import at use
-    if gpu_rotation.serves(x):
-        return gpu_rotation.rotate(x, matrix)
-    return (x.float().reshape(*x.shape[:-1], n_groups, g) @ matrix).reshape(x.shape)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from . import paged_prefill
+from . import paged_prefill, rotation
 from .paged_prefill import SPLIT_KEYS
 
 MAX_ROWS = paged_prefill.SPLIT_ROWS   # query rows per KV head: up to here the keys are split
@@ -67,10 +67,10 @@ def step_output(fmt_k, fmt_v, q: torch.Tensor, scale: float, k_pool: torch.Tenso
     n_seq, n_heads, dim = q.shape
     n_kv = k_pool.shape[0]
     if fmt_k.transformed:
-        q = fmt_k.to_code_domain(q)          # row by row, any layout (klt3's per-head bases never get here)
+        q = rotation.to_code_domain(fmt_k, q)        # row by row, any layout (klt3's per-head bases never get here)
     qg = q.unflatten(1, (n_kv, n_heads // n_kv)).transpose(0, 1)                  # (Hkv, B, G, D), a view
     out = torch.empty(n_seq, n_heads, dim, device=q.device)
     og = out.view(n_seq, n_kv, n_heads // n_kv, dim).transpose(0, 1)
     paged_prefill.attend(fmt_k, fmt_v, qg, None, k_pool, v_pool, table, positions, scale=scale, slots=slots,
                          length_offset=1, out=og, split_keys=split_keys, tune=tune)
-    return fmt_v.from_code_domain(out) if fmt_v.transformed else out
+    return rotation.from_code_domain(fmt_v, out) if fmt_v.transformed else out

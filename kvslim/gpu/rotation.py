@@ -6,8 +6,10 @@ call, 3 kernels a butterfly round for llama.cpp's Hadamard rotation (q8_0, q4_0,
 rounds at head_dim 256, so 25 launches for q with its cast) and a cast and a matmul for
 TurboQuant's. ``hadamard`` (the same butterfly, so the same bits as
 ``formats.rotation.hadamard_blocks_torch``) and ``rotate`` (each group times a matrix, float32
-products) read any float type where it lies and write float32 in one launch.
-tests/test_gpu_rotation.py holds them to the torch forms under Triton's interpreter.
+products) read any float type where it lies and write float32 in one launch;
+``to_code_domain`` / ``from_code_domain`` take them for a format that declares its rotation
+(``KVFormat.code_rotation``), else the format's own torch form. tests/test_gpu_rotation.py
+holds them to the torch forms under Triton's interpreter.
 """
 from __future__ import annotations
 
@@ -30,12 +32,31 @@ def runs_on(x: torch.Tensor) -> bool:
     return gpu.serves("_rotation_kernel", x.device)
 
 
-def serves(x: torch.Tensor) -> bool:
-    """Whether the formats' rotations take the kernel for x: the kernels are on (``kvslim.gpu.TRITON``)
-    and run on x's device, x is a float tensor, outside autograd (the kernel has no backward) and
-    outside a graph torch.compile traces (inductor fuses the torch forms there)."""
-    return (gpu.TRITON and x.is_floating_point() and not (x.requires_grad and torch.is_grad_enabled())
-            and not torch.compiler.is_compiling() and runs_on(x))
+def to_code_domain(fmt, x: torch.Tensor) -> torch.Tensor:
+    """``fmt.to_code_domain`` of x (..., D) of any float type, float32 where the format rotates: in
+    one launch where it declares its rotation (``code_rotation``) and the kernel serves x."""
+    rotation = _declared(fmt, x)
+    if rotation is None:
+        return fmt.to_code_domain(x.float())
+    return hadamard(x, rotation.size) if rotation.matrix is None else rotate(x, rotation.matrix.T)
+
+
+def from_code_domain(fmt, y: torch.Tensor) -> torch.Tensor:
+    """``fmt.from_code_domain`` of y (..., D), as ``to_code_domain``."""
+    rotation = _declared(fmt, y)
+    if rotation is None:
+        return fmt.from_code_domain(y)
+    return hadamard(y, rotation.size) if rotation.matrix is None else rotate(y, rotation.matrix)
+
+
+def _declared(fmt, x: torch.Tensor):
+    """The format's declared rotation where the kernel takes x for it, else None: the kernels are
+    on (``kvslim.gpu.TRITON``) and run on x's device, outside autograd (the kernel has no
+    backward) and outside a graph torch.compile traces (inductor fuses the torch forms there)."""
+    if not (gpu.TRITON and fmt.transformed and x.is_floating_point() and runs_on(x)
+            and not (x.requires_grad and torch.is_grad_enabled()) and not torch.compiler.is_compiling()):
+        return None
+    return fmt.code_rotation(x.shape[-1], x.device)
 
 
 def hadamard(x: torch.Tensor, n: int) -> torch.Tensor:
