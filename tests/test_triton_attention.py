@@ -73,6 +73,12 @@ def _states_in_child(cases, path: Path) -> None:
     out["merged_gpu_tile"] = paged_prefill.merged(*_split_states(*MERGES[0]), tile=paged_prefill.MERGE_TILE)
     out["steps"] = [(gpu.serves_step(*args[:3], args[4].shape[0]), gpu.step_output(*args[:-1], **args[-1]))
                     for args in map(_step_args, STEPS)]
+    from kvslim.gpu import swiglu
+    out["gated"] = []
+    for step, (_, plain) in zip(STEPS, out["steps"]):
+        args, gate = _step_args(step), _step_gate(step)
+        out["gated"].append((gpu.step_output(*args[:-1], **args[-1], gate=gate),
+                             swiglu.sigmoid_mul(gate, plain, gate.dtype)))
     torch.save(out, path)
 
 
@@ -82,7 +88,18 @@ def _states_in_child(cases, path: Path) -> None:
 STEPS = [("q8_0", "q4_0", 128, 4, (37, 100, 16), 16, 64, "bfloat16"),
          ("turbo4", "turbo3", 64, 2, (20, 5), 16, None, "float32"),
          ("f16", "iq4_nl", 64, 8, (600, 3), 32, None, "bfloat16"),
-         ("iq4_nl", "turbo4", 64, 1, (9,), 16, None, "bfloat16")]
+         ("iq4_nl", "turbo4", 64, 1, (9,), 16, None, "bfloat16"),
+         ("q8_0", "f16", 128, 4, (37, 100), 16, 64, "bfloat16"),            # V unrotated: the merge stores
+         ("turbo4", "q4_0-norot", 64, 2, (20, 5), 16, None, "bfloat16")]     # ... and the attention kernel
+
+
+def _step_gate(step) -> torch.Tensor:
+    """Gated attention's gate for a STEPS case: (B, H, D) in q's dtype, each head's second half of
+    a (B, H, 2D) projection (rows and heads strided), values up to about +-6."""
+    _, _, dim, group, lengths, _, _, dtype = step
+    n_heads = 2 * group                                                   # _case's 2 KV heads
+    wide = torch.randn(len(lengths), n_heads, 2 * dim, generator=torch.Generator().manual_seed(11)) * 2
+    return wide.to(getattr(torch, dtype))[..., dim:]
 
 
 def _step_args(step):
@@ -255,6 +272,22 @@ def test_a_decode_step_from_its_operands_matches_the_ops_torch_form(interpreted,
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("step", STEPS, ids=lambda c: f"{c[0]}-{c[1]}-d{c[2]}-g{c[3]}-{c[7]}")
+def test_a_gated_decode_step_stores_sigmoid_muls_bits(interpreted, step):
+    """With gated attention's gate, ``step_output`` stores the output times sigmoid(gate) in the
+    gate's type from the launch that stores it (the attention kernel, the merge, or V's rotation
+    back): the bits of ``sigmoid_mul``'s launch on the ungated output; and the op's torch form
+    (the kernels off here) within its own three roundings."""
+    got, apart = interpreted["gated"][STEPS.index(step)]
+    gate = _step_gate(step)
+    assert got.dtype == apart.dtype == gate.dtype and torch.equal(got, apart)
+    fmt_k, fmt_v, q, scale, k_pool, v_pool, table, slots, positions, _ = _step_args(step)
+    want = torch.ops.kvslim.paged_decode(q, k_pool, v_pool, table, slots, positions, scale, step[0], step[1], "f32",
+                                         gate)
+    ulp = 2 * torch.finfo(gate.dtype).eps if gate.dtype != torch.float32 else 1e-5
+    assert want.dtype == gate.dtype and ((got.double() - want.double()).abs() <= ulp * want.double().abs() + 1e-5).all()
+
+
 def test_merge_of_splits_matches_one_pass():
     """The merge alone: two halves of a block folded separately equal the block folded at once."""
     gen = torch.Generator().manual_seed(1)
@@ -295,9 +328,13 @@ def test_a_decode_step_on_cuda_matches_the_ops_torch_form(step):
     fmt_k, fmt_v, q, scale, k_pool, v_pool, table, slots, positions, split = _step_args(step)
     on_gpu = [t.cuda() for t in (q, k_pool, v_pool, table, slots, positions)]
     assert gpu.serves_step(fmt_k, fmt_v, on_gpu[0], k_pool.shape[0])
-    got = gpu.step_output(fmt_k, fmt_v, on_gpu[0], scale, *on_gpu[1:], **split).cpu()
+    got = gpu.step_output(fmt_k, fmt_v, on_gpu[0], scale, *on_gpu[1:], **split)
     want = torch.ops.kvslim.paged_decode(q, k_pool, v_pool, table, slots, positions, scale, step[0], step[1])
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
+    from kvslim.gpu import swiglu                                        # gated: sigmoid_mul's bits, one launch fewer
+    gate = _step_gate(step).cuda()
+    gated = gpu.step_output(fmt_k, fmt_v, on_gpu[0], scale, *on_gpu[1:], **split, gate=gate)
+    assert torch.equal(gated, swiglu.sigmoid_mul(gate, got, gate.dtype))
 
 
 SM90 = [("q8_0", "turbo4", 256, 8), ("iq4_nl", "turbo3", 128, 4), ("f16", "bf16", 64, 1), ("nl4s", "q5_1", 128, 4)]
@@ -317,28 +354,31 @@ def test_kernel_compiles_for_an_h100_without_one(name_k, name_v, dim, group):
     assert compile_for_sm90(kernel.paged_prefill_tile, POINTERS, config, num_warps, divisible).asm["cubin"]
 
 
-@pytest.mark.parametrize("name_k,name_v,dim,group", SM90[:2])
-@pytest.mark.parametrize("normalise", [False, True], ids=["splits", "one-split"])
-def test_a_decode_steps_launch_compiles_for_an_h100_without_one(name_k, name_v, dim, group, normalise):
+@pytest.mark.parametrize("name_k,name_v,dim,group", SM90[:3])
+@pytest.mark.parametrize("store", ["splits", "one-split", "gated"])
+def test_a_decode_steps_launch_compiles_for_an_h100_without_one(name_k, name_v, dim, group, store):
     """``step_output``'s launch: bf16 q read in place, the table's rows by slot, every row at its
-    last key, and with one split the output stored by the kernel itself."""
+    last key, and with one split the output stored by the kernel itself (gated: times sigmoid of
+    a bf16 gate, stored as bf16)."""
     from kvslim.gpu import _paged_prefill_kernel as kernel
 
     from .test_triton_prefill import POINTERS
     fmt_k, fmt_v = formats.get(name_k, role="k"), formats.get(name_v, role="v")
     config = dict(paged_prefill._launch_config(fmt_k, fmt_v, group, dim), AT_END=True, BY_SLOT=True,
-                  NORMALISE=normalise)
+                  NORMALISE=store != "splits", GATED=store == "gated")
     num_warps = config.pop("num_warps")
     divisible = paged_prefill.aligned_args(fmt_k, fmt_v, dim)
-    assert compile_for_sm90(kernel.paged_prefill_tile, dict(POINTERS, q_ptr="*bf16"), config, num_warps,
-                            divisible).asm["cubin"]
+    pointers = dict(POINTERS, q_ptr="*bf16", **({"acc_out": "*bf16"} if store == "gated" else {}))
+    compiled = compile_for_sm90(kernel.paged_prefill_tile, pointers, config, num_warps, divisible)
+    assert compiled.asm["cubin"] and (".local" not in compiled.asm["ptx"] or store == "splits")
 
 
-@pytest.mark.parametrize("normalise", [False, True], ids=["state", "output"])
-def test_the_merge_compiles_for_an_h100_without_one(normalise):
+@pytest.mark.parametrize("store", ["state", "output", "gated"])
+def test_the_merge_compiles_for_an_h100_without_one(store):
     from kvslim.gpu import _paged_prefill_kernel as kernel
     pointers = {name: "*fp32" for name in ("m_ptr", "l_ptr", "acc_ptr", "m_out", "l_out", "acc_out")}
-    constexprs = {"HEAD_DIM": 256, **paged_prefill.MERGE_TILE, "NORMALISE": normalise}
+    pointers.update({"acc_out": "*bf16", "gate_ptr": "*bf16"} if store == "gated" else {})
+    constexprs = {"HEAD_DIM": 256, **paged_prefill.MERGE_TILE, "NORMALISE": store != "state", "GATED": store == "gated"}
     assert compile_for_sm90(kernel.merge_splits, pointers, constexprs, 4).asm["cubin"]
 
 

@@ -25,6 +25,7 @@ from ..devices import to_device
 from ..gpu import paged_decode as gpu_decode
 from ..gpu import paged_prefill as gpu_prefill
 from ..gpu import rotation as gpu_rotation
+from ..gpu.swiglu import gated
 from ..native import paged_attention as native
 from ..native import prefill_attention as native_prefill
 
@@ -56,16 +57,24 @@ def attend(cache, slot: int, q: torch.Tensor, scale: float | None = None,
     return _attend_segment(cache, slot, q, first, scale, chunk_tokens)
 
 
-def attend_batch(cache, batch, q: torch.Tensor, scale: float | None = None, dot: str = "f32") -> torch.Tensor:
+def attend_batch(cache, batch, q: torch.Tensor, scale: float | None = None, dot: str = "f32",
+                 gate: torch.Tensor | None = None) -> torch.Tensor:
     """Attention for every row of a flat batch whose K/V are already stored.
 
     q ``(N, n_heads, D)`` -> float32 ``(N, n_heads, D)``. Single-token segments
     (decode) form one group read together; longer segments (prefill chunks) go alone.
     ``dot`` "bf16": half-precision products where a kernel has them (a prompt's rows in the C
     kernel on CPUs with AVX512_BF16; every row in the GPU kernels, ``KERNEL_DOTS``).
+    ``gate`` (N, n_heads, D): gated attention's; the output times sigmoid(gate), in its type
+    (``gated``), inside a DecodeBatch's attention launch where the GPU kernel serves it.
     """
     if batch.prepared:
-        return attend_decode_static(cache, batch, q, scale, dot)
+        return attend_decode_static(cache, batch, q, scale, dot, gate)
+    return _attend_flat(cache, batch, q, scale, dot) if gate is None else gated(
+        _attend_flat(cache, batch, q, scale, dot), gate)
+
+
+def _attend_flat(cache, batch, q: torch.Tensor, scale: float | None, dot: str) -> torch.Tensor:
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     decode = [seg for seg in batch.segments if seg.length == 1]
     if decode:
@@ -93,14 +102,16 @@ def _attend_decode(cache, slots: list[int], positions: list[int], q: torch.Tenso
     return out.reshape(n_seq, n_heads, dim)
 
 
-def attend_decode_static(cache, batch, q: torch.Tensor, scale: float | None = None, dot: str = "f32") -> torch.Tensor:
+def attend_decode_static(cache, batch, q: torch.Tensor, scale: float | None = None, dot: str = "f32",
+                         gate: torch.Tensor | None = None) -> torch.Tensor:
     """A DecodeBatch's attention: one query per sequence over ``batch.n_pages`` pages of each.
     No host reads outside one opaque op, shapes fixed by (B, n_pages): it traces into a
     compiled step, where the op stays one call (``kvslim::paged_decode``) that reads the
-    packed pages block by block. q (B, H, D) -> float32 (B, H, D)."""
+    packed pages block by block. q (B, H, D) -> float32 (B, H, D), or with ``gate`` the gated
+    output in the gate's type."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return torch.ops.kvslim.paged_decode(q, cache.k_pool, cache.v_pool, cache.block_table[:, :batch.n_pages],
-                                         batch.slots, batch.positions, float(scale), *cache.op_names, dot)
+                                         batch.slots, batch.positions, float(scale), *cache.op_names, dot, gate)
 
 
 # Bound calibrated formats (klt3: a calibration per layer) by the name the paged_decode op carries:
@@ -128,19 +139,27 @@ def _op_format(name: str, role: str):
 @torch.library.custom_op("kvslim::paged_decode", mutates_args=())
 def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
                  slots: torch.Tensor, positions: torch.Tensor, scale: float, type_k: str, type_v: str,
-                 dot: str = "f32") -> torch.Tensor:
+                 dot: str = "f32", gate: torch.Tensor | None = None) -> torch.Tensor:
     """q (B, H, D) of any float type, model domain; pools (Hkv, pages, page_size, row bytes);
     table (n_slots, P): the cache's block table's first P columns, sequence b's pages in row
     slots[b]; sequence b sees its keys at positions <= positions[b]. -> float32 (B, H, D).
     Block-wise online softmax over the pages, as ``attend_pages``; ``dot`` as there. On a GPU
     with the kernels on, one kernel takes q, the table and the positions as they lie and writes
     the output in this layout (``gpu_decode.step_output``); the torch form here is its
-    reference."""
+    reference. ``gate`` (B, H, D): gated attention's; the output times sigmoid(gate) in the
+    gate's type (the kernel's store does it, else ``gated``)."""
     fmt_k, fmt_v = _op_format(type_k, "k"), _op_format(type_v, "v")
     n_kv = k_pool.shape[0]
     if gpu.TRITON and gpu_decode.serves_step(fmt_k, fmt_v, q, n_kv):
         return gpu_decode.step_output(fmt_k, fmt_v, q, scale, k_pool, v_pool, table, slots, positions,
-                                      tune=KERNEL_DOTS[dot])
+                                      tune=KERNEL_DOTS[dot], gate=gate)
+    out = _paged_decode_torch(fmt_k, fmt_v, q, k_pool, v_pool, table, slots, positions, scale, dot)
+    return out if gate is None else gated(out, gate)
+
+
+def _paged_decode_torch(fmt_k, fmt_v, q, k_pool, v_pool, table, slots, positions, scale, dot) -> torch.Tensor:
+    """``paged_decode``'s torch form: the block loop over each sequence's pages, float32."""
+    n_kv = k_pool.shape[0]
     n_seq, n_heads, dim = q.shape
     qg = _group(n_kv, q.unsqueeze(1), scale).transpose(0, 1).contiguous()          # (Hkv, B, G, D), scaled
     q_code = gpu_rotation.to_code_domain(fmt_k, qg)
@@ -149,8 +168,8 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ta
 
 
 @paged_decode.register_fake
-def _(q, k_pool, v_pool, table, slots, positions, scale, type_k, type_v, dot="f32"):
-    return torch.empty(q.shape, dtype=torch.float32, device=q.device)
+def _(q, k_pool, v_pool, table, slots, positions, scale, type_k, type_v, dot="f32", gate=None):
+    return torch.empty(q.shape, dtype=torch.float32 if gate is None else gate.dtype, device=q.device)
 
 
 def _attend_segment(cache, slot: int, q: torch.Tensor, first: int, scale, chunk_tokens=None,

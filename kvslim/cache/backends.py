@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from ..gpu.swiglu import gated
 from .attention import attend_batch, attend_reference
 
 DEFAULT_BACKEND = "torch"
@@ -22,8 +23,11 @@ class AttentionBackend(Protocol):
     name: str
     torch_decode: bool         # its decode steps are the torch backend's: the C decode step may replace them
 
-    def forward(self, cache, batch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Store k/v (N, Hkv, D) of every row, then attend: q (N, H, D) -> float32 (N, H, D)."""
+    def forward(self, cache, batch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                gate: torch.Tensor | None = None) -> torch.Tensor:
+        """Store k/v (N, Hkv, D) of every row, then attend: q (N, H, D) -> float32 (N, H, D); with
+        ``gate`` (N, H, D), gated attention's, the output times sigmoid(gate) in the gate's type
+        (``attention.gated``'s numbers; a kernel may fold it into its store)."""
 
 
 class TorchBackend:
@@ -32,9 +36,9 @@ class TorchBackend:
     name = "torch"
     torch_decode = True
 
-    def forward(self, cache, batch, q, k, v):
+    def forward(self, cache, batch, q, k, v, gate=None):
         cache.store_batch(batch, k, v)
-        return attend_batch(cache, batch, q)
+        return attend_batch(cache, batch, q, gate=gate)
 
 
 class BF16Backend(TorchBackend):
@@ -49,9 +53,9 @@ class BF16Backend(TorchBackend):
 
     name = "bf16"
 
-    def forward(self, cache, batch, q, k, v):
+    def forward(self, cache, batch, q, k, v, gate=None):
         cache.store_batch(batch, k, v)
-        return attend_batch(cache, batch, q, dot="bf16")
+        return attend_batch(cache, batch, q, dot="bf16", gate=gate)
 
 
 class ReferenceBackend:
@@ -60,13 +64,13 @@ class ReferenceBackend:
     name = "reference"
     torch_decode = False
 
-    def forward(self, cache, batch, q, k, v):
+    def forward(self, cache, batch, q, k, v, gate=None):
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         for seg in batch.segments:
             rows = slice(seg.begin, seg.end)
             cache.store(seg.slot, k[rows], v[rows])
             out[rows] = attend_reference(cache, seg.slot, q[rows])
-        return out
+        return out if gate is None else gated(out, gate)
 
 
 _BACKENDS: dict[str, AttentionBackend] = {}

@@ -176,10 +176,13 @@ class KVCache:
         self.store(slot, k, v)
 
     # ----- writing: the hot path (no host sync) ------------------------------------
-    def forward(self, batch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, batch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                gate: torch.Tensor | None = None) -> torch.Tensor:
         """Store the batch's new K/V and attend for every row: the model's one call per layer.
-        q (N, n_heads, D), k/v (N, n_kv_heads, D) -> float32 (N, n_heads, D)."""
-        return self.backend.forward(self, batch, q, k, v)
+        q (N, n_heads, D), k/v (N, n_kv_heads, D) -> float32 (N, n_heads, D); with ``gate`` (N,
+        n_heads, D), gated attention's (Qwen3.5/3.6), the output times sigmoid(gate) in the gate's
+        type, which a decode step's kernel stores in one launch with the attention."""
+        return self.backend.forward(self, batch, q, k, v, gate)
 
     def store(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append ``T`` tokens to one slot, unchecked (flags overflow on the device)."""

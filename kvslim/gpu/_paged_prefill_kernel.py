@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from ._codecs import columns, decode_tile
+from ._codecs import columns, decode_tile, sigmoid, stored_as
 
 
 @triton.jit
@@ -28,6 +28,7 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
                        n_seq, n_rows, n_pages, page_size, k_row_bytes, v_row_bytes, table_stride,
                        n_splits, split_keys,
                        q_heads, q_seqs, q_rows, q_scale, slots_ptr, length_offset, o_heads, o_seqs, o_rows,
+                       gate_ptr, g_heads, g_seqs, g_rows,
                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, DOT: tl.constexpr, WIDE: tl.constexpr,
                        K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_VALUES: tl.constexpr,
@@ -37,7 +38,7 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
                        V_BYTES: tl.constexpr, V_HEADER: tl.constexpr, V_OFFSET: tl.constexpr,
                        V_SUB: tl.constexpr, V_SUB_BITS: tl.constexpr, V_LOOKUP: tl.constexpr,
                        K_PHASES: tl.constexpr = 1, V_PHASES: tl.constexpr = 1, AT_END: tl.constexpr = False,
-                       BY_SLOT: tl.constexpr = False, NORMALISE: tl.constexpr = False):
+                       BY_SLOT: tl.constexpr = False, NORMALISE: tl.constexpr = False, GATED: tl.constexpr = False):
     """One (KV head, sequence, row tile, split): the online-softmax state of rows
     [tile * BLOCK_M, next tile) over keys [split * split_keys, next split), where row r sees key
     t < length with t <= q_pos[s, r], length = lengths[s] + length_offset. q (Hkv, S, R, D) of
@@ -47,7 +48,8 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
     of any int type (decode: the positions, offset 1). The sequence's pages: row slots[s] of the
     table with BY_SLOT (the cache's whole table), else row s. Outputs m, l (Hkv, S, n_splits, R)
     and acc (Hkv, S, n_splits, R, D); with NORMALISE (one split), acc / l alone, into acc_out at
-    strides (o_heads, o_seqs, o_rows, 1)."""
+    strides (o_heads, o_seqs, o_rows, 1), in acc_out's type; with GATED too, times sigmoid of the
+    gate (Hkv, S, R, D) at strides (g_heads, g_seqs, g_rows, 1) (gated attention's output gate)."""
     h = tl.program_id(0)
     s = tl.program_id(1)
     tile = tl.program_id(2) // n_splits
@@ -99,12 +101,24 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
 
     if NORMALISE:                                                       # the output itself, where the caller wants it
         o_at = acc_out + h.to(tl.int64) * o_heads + s.to(tl.int64) * o_seqs
-        tl.store(o_at + r[:, None] * o_rows + d[None, :], acc / l_i[:, None], mask=r_live[:, None] & d_live[None, :])
+        g_at = gate_ptr + h.to(tl.int64) * g_heads + s.to(tl.int64) * g_seqs
+        live = r_live[:, None] & d_live[None, :]
+        out = _gated(acc / l_i[:, None], g_at + r[:, None] * g_rows + d[None, :], live, GATED)
+        tl.store(o_at + r[:, None] * o_rows + d[None, :], stored_as(out, acc_out), mask=live)
     else:
         part = (head_seq * n_splits + split) * n_rows + r              # (BLOCK_M,) rows of this split
         tl.store(m_out + part, m_i, mask=r_live)
         tl.store(l_out + part, l_i, mask=r_live)
         tl.store(acc_out + part[:, None] * HEAD_DIM + d[None, :], acc, mask=r_live[:, None] & d_live[None, :])
+
+
+@triton.jit
+def _gated(out, gate_at, live, GATED: tl.constexpr):
+    """out (float32) times sigmoid of the gate at gate_at where GATED: ``swiglu.sigmoid_mul``'s
+    math (its sigmoid, the product in float32), so the fold gives that launch's bits."""
+    if GATED:
+        out = sigmoid(tl.load(gate_at, mask=live, other=0.0).to(tl.float32)) * out
+    return out
 
 
 @triton.jit
@@ -152,15 +166,17 @@ def _fold(m_i, l_i, acc, scores, v, DOT: tl.constexpr):
 
 @triton.jit
 def merge_splits(m_ptr, l_ptr, acc_ptr, m_out, l_out, acc_out, n_splits, n_rows, n_seq, o_heads, o_seqs, o_rows,
+                 gate_ptr, g_heads, g_seqs, g_rows,
                  HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                 NORMALISE: tl.constexpr = False):
+                 NORMALISE: tl.constexpr = False, GATED: tl.constexpr = False):
     """Program (KV head x sequence, BLOCK_R query rows, BLOCK_D columns): the n_splits states of
     each row, m and l (Hkv * S, n_splits, R) and acc (..., D), merged into one, m and l
     (Hkv * S, R) and acc (..., D): each split rescaled to the row's common max and summed, splits
     in order, BLOCK_S at a time. A split without keys (m = -inf) weighs 0; a row without any keeps
     -inf, 0, 0 (``paged_prefill.merge_splits``, the torch form, is the reference). With NORMALISE,
     acc / l alone, into acc_out at strides (o_heads, o_seqs, o_rows, 1) of the (Hkv, S, R, D)
-    output (n_seq: S)."""
+    output (n_seq: S), in its type; with GATED, times sigmoid of the gate at strides (g_heads,
+    g_seqs, g_rows, 1), as ``paged_prefill_tile``'s store."""
     hs = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -187,7 +203,9 @@ def merge_splits(m_ptr, l_ptr, acc_ptr, m_out, l_out, acc_out, n_splits, n_rows,
     live = r_live[:, None] & (d < HEAD_DIM)[None, :]
     if NORMALISE:
         o_at = acc_out + (hs // n_seq) * o_heads + (hs % n_seq) * o_seqs
-        tl.store(o_at + r[:, None] * o_rows + d[None, :], acc / tl.sum(sums, axis=0)[:, None], mask=live)
+        g_at = gate_ptr + (hs // n_seq) * g_heads + (hs % n_seq) * g_seqs + r[:, None] * g_rows + d[None, :]
+        out = _gated(acc / tl.sum(sums, axis=0)[:, None], g_at, live, GATED)
+        tl.store(o_at + r[:, None] * o_rows + d[None, :], stored_as(out, acc_out), mask=live)
     else:
         out = hs * n_rows + r
         tl.store(acc_out + out[:, None] * HEAD_DIM + d[None, :], acc, mask=live)

@@ -6,6 +6,8 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
+from ._codecs import sigmoid, stored_as
+
 
 @triton.jit
 def hadamard(y, ROT: tl.constexpr, LOG2_ROT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -21,13 +23,17 @@ def hadamard(y, ROT: tl.constexpr, LOG2_ROT: tl.constexpr, BLOCK_M: tl.constexpr
 
 @triton.jit
 def rotate_rows(x_ptr, m_ptr, out_ptr, n_rows, n_inner, outer_stride, inner_stride, m_rows, m_cols, rot_scale,
+                gate_ptr, gate_outer, gate_inner,
                 D: tl.constexpr, BLOCK_M: tl.constexpr, HADAMARD: tl.constexpr, LOG2_ROT: tl.constexpr,
-                GROUP: tl.constexpr, N_GROUPS: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr):
+                GROUP: tl.constexpr, N_GROUPS: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
+                GATED: tl.constexpr = False):
     """Rows r of x (D values each, any float type; row r at (r // n_inner) * outer_stride +
     (r % n_inner) * inner_stride) -> out (n_rows, D) float32, BLOCK_M rows a program. HADAMARD:
     H / sqrt(2^LOG2_ROT) on each run of 2^LOG2_ROT values (the butterfly, NB * BLOCK columns).
     Else each of the N_GROUPS groups of GROUP values (padded to BLOCK) times the (GROUP, GROUP)
-    matrix at m_ptr read at strides (m_rows, m_cols): y = x M, float32 products (tl.dot's ieee)."""
+    matrix at m_ptr read at strides (m_rows, m_cols): y = x M, float32 products (tl.dot's ieee).
+    GATED: y times sigmoid of the gate (rows at strides gate_outer, gate_inner as x's), stored in
+    out's type (gated attention's output gate: ``swiglu.sigmoid_mul``'s math)."""
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     live = r < n_rows
     row = (r // n_inner).to(tl.int64) * outer_stride + (r % n_inner).to(tl.int64) * inner_stride
@@ -43,7 +49,10 @@ def rotate_rows(x_ptr, m_ptr, out_ptr, n_rows, n_inner, outer_stride, inner_stri
         m = tl.load(m_ptr + j[:, None] * m_rows + j[None, :] * m_cols,
                     mask=(j[:, None] < GROUP) & (j[None, :] < GROUP), other=0.0)     # zero padded
         y = tl.reshape(tl.dot(tl.reshape(x, (BLOCK_M * NB, BLOCK)), m, input_precision="ieee"), (BLOCK_M, NB, BLOCK))
-    tl.store(out_ptr + r.to(tl.int64)[:, None, None] * D + b * GROUP + i, y, mask=inside)
+    if GATED:
+        gate_row = (r // n_inner).to(tl.int64) * gate_outer + (r % n_inner).to(tl.int64) * gate_inner
+        y = sigmoid(tl.load(gate_ptr + gate_row[:, None, None] + b * GROUP + i, mask=inside, other=0.0).to(tl.float32)) * y
+    tl.store(out_ptr + r.to(tl.int64)[:, None, None] * D + b * GROUP + i, stored_as(y, out_ptr), mask=inside)
 
 
 INTERPRETED = not isinstance(rotate_rows, JITFunction)

@@ -52,7 +52,7 @@ def serves_step(fmt_k, fmt_v, q: torch.Tensor, n_kv_heads: int) -> bool:
 
 def step_output(fmt_k, fmt_v, q: torch.Tensor, scale: float, k_pool: torch.Tensor, v_pool: torch.Tensor,
                 table: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, split_keys: int = SPLIT_KEYS,
-                tune: dict | None = None) -> torch.Tensor:
+                tune: dict | None = None, gate: torch.Tensor | None = None) -> torch.Tensor:
     """A decode step's attention output from its operands as they lie: q (B, H, D) of any float
     type in the model domain (heads contiguous, rows at any stride), scaled by ``scale`` as the
     kernel reads it; table (n_slots, P) the cache's block table's first P columns, read at rows
@@ -63,14 +63,19 @@ def step_output(fmt_k, fmt_v, q: torch.Tensor, scale: float, k_pool: torch.Tenso
     table's rows, adds 1 to the positions, divides the sum by the denominator and puts the heads
     back: 7 launches an attention layer around the kernel, which reads and writes those
     layouts itself here. A rotated K format still rotates q once, and a rotated V the output
-    back (the formats' rotations: one launch each with the kernels on, ``gpu.rotation``)."""
+    back (the formats' rotations: one launch each with the kernels on, ``gpu.rotation``).
+    ``gate`` (B, H, D), gated attention's (any float type, contiguous rows, rows and heads at any
+    strides): the output times sigmoid(gate) in the gate's type, in the launch that stores the
+    output (the attention kernel's, its merge's, or V's rotation back), where
+    ``swiglu.sigmoid_mul`` was one more."""
     n_seq, n_heads, dim = q.shape
     n_kv = k_pool.shape[0]
     if fmt_k.transformed:
         q = rotation.to_code_domain(fmt_k, q)        # row by row, any layout (klt3's per-head bases never get here)
-    qg = q.unflatten(1, (n_kv, n_heads // n_kv)).transpose(0, 1)                  # (Hkv, B, G, D), a view
-    out = torch.empty(n_seq, n_heads, dim, device=q.device)
-    og = out.view(n_seq, n_kv, n_heads // n_kv, dim).transpose(0, 1)
-    paged_prefill.attend(fmt_k, fmt_v, qg, None, k_pool, v_pool, table, positions, scale=scale, slots=slots,
-                         length_offset=1, out=og, split_keys=split_keys, tune=tune)
-    return rotation.from_code_domain(fmt_v, out) if fmt_v.transformed else out
+    grouped = lambda t: t.unflatten(1, (n_kv, n_heads // n_kv)).transpose(0, 1)   # noqa: E731  (Hkv, B, G, D) views
+    gate_here = gate if not fmt_v.transformed else None              # else it joins V's rotation back
+    out = torch.empty(n_seq, n_heads, dim, device=q.device, dtype=torch.float32 if gate_here is None else gate.dtype)
+    paged_prefill.attend(fmt_k, fmt_v, grouped(q), None, k_pool, v_pool, table, positions, scale=scale, slots=slots,
+                         length_offset=1, out=grouped(out), split_keys=split_keys, tune=tune,
+                         gate=None if gate_here is None else grouped(gate_here))
+    return rotation.from_code_domain(fmt_v, out, gate) if fmt_v.transformed else out

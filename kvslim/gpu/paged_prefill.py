@@ -34,7 +34,8 @@ MIN_DOT = 16              # tl.dot's smallest M, N and K: fewer query rows are p
 # compiling it without a device needs (tests, benchmarks/gpu_resources.py).
 POINTER_ARGS = {"q_ptr": "*fp32", "q_pos_ptr": "*i32", "k_pool": "*u8", "v_pool": "*u8", "table_ptr": "*i32",
                 "lengths_ptr": "*i32", "k_lut": "*fp32", "v_lut": "*fp32",
-                "m_out": "*fp32", "l_out": "*fp32", "acc_out": "*fp32", "slots_ptr": "*i64", "q_scale": "fp32"}
+                "m_out": "*fp32", "l_out": "*fp32", "acc_out": "*fp32", "slots_ptr": "*i64", "q_scale": "fp32",
+                "gate_ptr": "*bf16"}
 
 
 # q's and the output's strides (elements): multiples of head_dim in every launch (heads of head_dim
@@ -211,7 +212,7 @@ def prefill_state(fmt_k, fmt_v, q_code: torch.Tensor, q_pos: torch.Tensor | None
 def attend(fmt_k, fmt_v, q: torch.Tensor, q_pos: torch.Tensor | None, k_pool: torch.Tensor, v_pool: torch.Tensor,
            table: torch.Tensor, lengths: torch.Tensor, scale: float = 1.0, slots: torch.Tensor | None = None,
            length_offset: int = 0, out: torch.Tensor | None = None, split_keys: int = SPLIT_KEYS,
-           tune: dict | None = None):
+           tune: dict | None = None, gate: torch.Tensor | None = None):
     """``prefill_state``'s launch, with what a decode step's caller can hand over as it lies:
     q (Hkv, S, R, D) of any float type with contiguous rows, at any other strides (a view of the
     layer's (S, H, D) queries), multiplied by ``scale`` as it is read; ``slots`` (S,): the
@@ -219,7 +220,9 @@ def attend(fmt_k, fmt_v, q: torch.Tensor, q_pos: torch.Tensor | None, k_pool: to
     row stride), else row s; ``length_offset`` added to each of ``lengths`` (decode: positions
     + 1, with no launch to add it). ``out`` None: the state, as ``prefill_state``; a float32
     (Hkv, S, R, D) tensor (a view, any strides, contiguous rows): acc / l written into it (the
-    softmax's output, the merge folded in), and ``out`` returned."""
+    softmax's output, the merge folded in), and ``out`` returned. ``gate``: with ``out``, gated
+    attention's gate (Hkv, S, R, D) of any float type (contiguous rows, any other strides): the
+    output times sigmoid(gate), written in ``out``'s type (``swiglu.sigmoid_mul``'s bits)."""
     n_kv, n_seq, n_rows, dim = q.shape
     config = _launch_config(fmt_k, fmt_v, n_rows, dim, tune)
     page_size = k_pool.shape[2]
@@ -242,6 +245,7 @@ def attend(fmt_k, fmt_v, q: torch.Tensor, q_pos: torch.Tensor | None, k_pool: to
         m = torch.empty(n_kv, n_seq, n_splits, n_rows, device=q.device)
         l, acc = torch.empty_like(m), torch.empty(n_kv, n_seq, n_splits, n_rows, dim, device=q.device)
     o_strides = out.stride()[:3] if final else (0, 0, 0)
+    gate_args = _gate_args(gate, out, acc)
     luts = [_lut(f, dim, str(q.device)) for f in (fmt_k, fmt_v)]
     head_bytes = k_pool.shape[1] * k_pool.shape[2] * max(k_pool.shape[3], v_pool.shape[3])
     config["WIDE"] |= head_bytes >= 2**31                               # a head's pool past 32-bit offsets
@@ -249,12 +253,23 @@ def attend(fmt_k, fmt_v, q: torch.Tensor, q_pos: torch.Tensor | None, k_pool: to
         q, lengths if q_pos is None else q_pos, k_pool.contiguous(), v_pool.contiguous(), table, lengths, *luts,
         m, l, acc, n_seq, n_rows, k_pool.shape[1], page_size, k_pool.shape[3], v_pool.shape[3], table.stride(0),
         n_splits, split_keys, *q.stride()[:3], scale, lengths if slots is None else slots, length_offset,
-        *o_strides, AT_END=q_pos is None, BY_SLOT=slots is not None, NORMALISE=final, **config, **FP_FUSION)
+        *o_strides, *gate_args, AT_END=q_pos is None, BY_SLOT=slots is not None, NORMALISE=final,
+        GATED=final and gate is not None, **config, **FP_FUSION)
     if final:
         return out
     if n_splits == 1:                                                   # nothing to merge
         return m[:, :, 0, :, None], l[:, :, 0, :, None], acc[:, :, 0]
-    return merged(m, l, acc, out=out)
+    return merged(m, l, acc, out=out, gate=gate)
+
+
+def _gate_args(gate: torch.Tensor | None, out: torch.Tensor | None, stand_in: torch.Tensor) -> tuple:
+    """The gate's pointer and (head, sequence, row) strides for a launch, or a stand-in pointer."""
+    if gate is None:
+        return stand_in, 0, 0, 0
+    if out is None or gate.shape != out.shape or gate.stride(-1) != 1 or not gate.is_floating_point():
+        raise ValueError(f"a gate of the output's shape {None if out is None else tuple(out.shape)} with contiguous "
+                         f"rows expected, got {tuple(gate.shape)} {gate.stride()} {gate.dtype}")
+    return gate, *gate.stride()[:3]
 
 
 # The merge's tile on a GPU: a row a program, 32 splits a step, 64 columns (decode at 128K,
@@ -271,11 +286,11 @@ def _merge_tile(n_splits: int, n_rows: int, dim: int) -> dict:
 
 
 def merged(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, tile: dict | None = None,
-           out: torch.Tensor | None = None):
+           out: torch.Tensor | None = None, gate: torch.Tensor | None = None):
     """``merge_splits`` in one launch (the torch form launches 10: at 32K keys, 64 splits, every
     decode step's attention layer ran them). ``tile``: BLOCK_S, BLOCK_R, BLOCK_D (``_merge_tile``'s
-    by default). ``out``: a float32 (Hkv, S, R, D) tensor (any strides, contiguous rows) to
-    write acc / l into, returned instead of the state."""
+    by default). ``out``: a (Hkv, S, R, D) tensor (any strides, contiguous rows) to write acc / l
+    into, in its type, returned instead of the state; ``gate``: as ``attend``'s."""
     n_kv, n_seq, n_splits, n_rows, dim = acc.shape
     if out is None:
         m_out, l_out = (torch.empty(n_kv, n_seq, n_rows, 1, device=acc.device) for _ in range(2))
@@ -287,7 +302,8 @@ def merged(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, tile: dict | Non
         tile = tile or _merge_tile(n_splits, n_rows, dim)
         grid = (n_kv * n_seq, -(-n_rows // tile["BLOCK_R"]), -(-dim // tile["BLOCK_D"]))
         _kernel().merge_splits[grid](m, l, acc, m_out, l_out, acc_out, n_splits, n_rows, n_seq, *o_strides,
-                                     HEAD_DIM=dim, **tile, NORMALISE=out is not None, num_warps=4, **FP_FUSION)
+                                     *_gate_args(gate, out, acc), HEAD_DIM=dim, **tile, NORMALISE=out is not None,
+                                     GATED=gate is not None, num_warps=4, **FP_FUSION)
     return out if out is not None else (m_out, l_out, acc_out)
 
 

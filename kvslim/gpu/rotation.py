@@ -19,6 +19,7 @@ import torch
 
 from .. import gpu                      # gpu.TRITON read at each call: benchmarks flip it in-process
 from . import FP_FUSION, kernels, pow2
+from .swiglu import gated
 
 BLOCK_M = 16            # rows a program: tl.dot's smallest M for the matrix form
 
@@ -41,12 +42,17 @@ def to_code_domain(fmt, x: torch.Tensor) -> torch.Tensor:
     return hadamard(x, rotation.size) if rotation.matrix is None else rotate(x, rotation.matrix.T)
 
 
-def from_code_domain(fmt, y: torch.Tensor) -> torch.Tensor:
-    """``fmt.from_code_domain`` of y (..., D), as ``to_code_domain``."""
+def from_code_domain(fmt, y: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """``fmt.from_code_domain`` of y (..., D), as ``to_code_domain``. ``gate``: gated attention's
+    gate (y's shape, any float type, rows at any strides): the result times sigmoid(gate), in
+    the gate's type, in the same launch (else ``swiglu.gated``'s)."""
     rotation = _declared(fmt, y)
     if rotation is None:
-        return fmt.from_code_domain(y)
-    return hadamard(y, rotation.size) if rotation.matrix is None else rotate(y, rotation.matrix)
+        out = fmt.from_code_domain(y)
+        return out if gate is None else gated(out, gate)
+    if rotation.matrix is None:
+        return _launch(y, None, rotation.size, _scale(rotation.size), rotation.size.bit_length() - 1, gate)
+    return _launch(y, _checked(y, rotation.matrix), rotation.size, 1.0, gate=gate)
 
 
 def _declared(fmt, x: torch.Tensor):
@@ -78,32 +84,44 @@ def rotate(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
     """Each run of g values of x (..., D) of any float type times ``matrix`` (g, g) float32 (any
     strides: pass R.T to rotate by R) -> float32 (..., D), float32 products: the torch form
     ``(x.float().reshape(..., D // g, g) @ matrix).reshape(x.shape)`` in one launch."""
+    return _launch(x, _checked(x, matrix), matrix.shape[0], 1.0)
+
+
+def _checked(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
     g = matrix.shape[0]
     if matrix.shape != (g, g) or matrix.dtype != torch.float32 or g < 16 or x.shape[-1] % g \
             or matrix.device != x.device:
         raise ValueError(f"a float32 (g, g) matrix on x's device, g >= 16 dividing the rows, expected, got "
                          f"{tuple(matrix.shape)} {matrix.dtype} on {matrix.device} for {tuple(x.shape)} on {x.device}")
-    return _launch(x, matrix, g, 1.0)
+    return matrix
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x (..., D) as (outer, inner, D) rows at two strides (a view of a projection's heads reads in
+    place), else a contiguous copy."""
+    if not x.is_floating_point():
+        raise ValueError(f"a float tensor expected, got {x.dtype}")
+    rows = x.reshape(-1, 1, x.shape[-1]) if x.dim() < 3 else x.flatten(0, -3)
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 def _launch(x: torch.Tensor, matrix: torch.Tensor | None, group: int, scale: float,
-            hadamard_rounds: int = 0) -> torch.Tensor:
-    """One ``rotate_rows`` launch over x's rows, viewed as (outer, inner) at two strides (a view
-    of a projection's heads reads in place); else a contiguous copy first."""
-    if not x.is_floating_point():
-        raise ValueError(f"a float tensor expected, got {x.dtype}")
-    dim = x.shape[-1]
-    rows = x.reshape(-1, 1, dim) if x.dim() < 3 else x.flatten(0, -3)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+            hadamard_rounds: int = 0, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """One ``rotate_rows`` launch over x's rows -> float32, or with ``gate`` (x's shape) the rows
+    times sigmoid(gate) in the gate's type."""
+    rows, dim = _rows(x), x.shape[-1]
+    if gate is not None and gate.shape != x.shape:
+        raise ValueError(f"a gate of the rows' shape {tuple(x.shape)} expected, got {tuple(gate.shape)}")
+    gates = rows if gate is None else _rows(gate)                       # the plain rotation: a stand-in
     outer, inner = rows.shape[:2]
-    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    out = torch.empty(x.shape, dtype=torch.float32 if gate is None else gate.dtype, device=x.device)
     n_rows = outer * inner
     if n_rows and dim:
         n_groups = dim // group
         m, m_strides = (out, (0, 0)) if matrix is None else (matrix, matrix.stride())   # the butterfly: a stand-in
         _kernel().rotate_rows[(-(-n_rows // BLOCK_M),)](
-            rows, m, out, n_rows, inner, rows.stride(0), rows.stride(1), *m_strides,
-            scale, D=dim, BLOCK_M=BLOCK_M, HADAMARD=matrix is None, LOG2_ROT=hadamard_rounds, GROUP=group,
-            N_GROUPS=n_groups, NB=pow2(n_groups), BLOCK=pow2(group), num_warps=4, **FP_FUSION)
+            rows, m, out, n_rows, inner, rows.stride(0), rows.stride(1), *m_strides, scale,
+            gates, gates.stride(0), gates.stride(1), D=dim, BLOCK_M=BLOCK_M, HADAMARD=matrix is None,
+            LOG2_ROT=hadamard_rounds, GROUP=group, N_GROUPS=n_groups, NB=pow2(n_groups), BLOCK=pow2(group),
+            GATED=gate is not None, num_warps=4, **FP_FUSION)
     return out

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import gpu                      # gpu.TRITON read at each call: benchmarks flip it in-process
 from . import FP_FUSION, kernels, serves
 
 BLOCK = 1024            # columns a program
@@ -41,6 +42,15 @@ def sigmoid_mul(gate: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torc
     in float32 -> (R, H, D) of ``dtype``, rounded once: the torch form casts x, then launches
     the sigmoid and the product (and copies the strided gate), rounding three times."""
     return _act_mul(gate, x, dtype, "sigmoid")
+
+
+def gated(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """Gated attention's output: x (R, H, D) float32 times sigmoid(gate), in the gate's type (the
+    layer's): ``sigmoid_mul``'s one launch where the kernels run here, else the torch form (x
+    cast to that type first, the sigmoid and the product in it)."""
+    if gpu.TRITON and runs_on(x) and gate.dim() == x.dim() == 3:
+        return sigmoid_mul(gate, x, gate.dtype)
+    return x.to(gate.dtype) * torch.sigmoid(gate)
 
 
 def _act_mul(gate: torch.Tensor, up: torch.Tensor, dtype: torch.dtype, act: str) -> torch.Tensor:

@@ -538,14 +538,9 @@ class Attention(nn.Module):
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         # One call for the whole batch: the cache's backend quantizes K/V into the pool and
         # attends on the packed codes for every sequence at once.
-        out = cache.forward(batch, q, k, v)                             # float32 (N, H, D)
-        if gate is not None and gpu.TRITON and gpu_swiglu.runs_on(out):   # cast, sigmoid, product: one launch
-            out = gpu_swiglu.sigmoid_mul(gate, out, x.dtype)
-        elif gate is not None:
-            out = out.to(x.dtype) * torch.sigmoid(gate)
-        else:
-            out = out.to(x.dtype)
-        return project(self.o_proj, out.reshape(n, -1), then)
+        # the gate in the attention's own launch where a kernel stores the output (a decode step)
+        out = cache.forward(batch, q, k, v, gate)                       # gated: x's type; else float32 (N, H, D)
+        return project(self.o_proj, out.to(x.dtype).reshape(n, -1), then)
 
 
 class DecoderLayer(nn.Module):
