@@ -23,7 +23,8 @@ keeps plain float32.
 oneDNN does not promise bf16x3: on an Intel Xeon with AMX (the GPU machine's host, session 31)
 the same setting rounds the inputs to bf16 once, a relative error of 2.3e-3 on a (297 x 256) by
 (256 x 776) product, and every CPU forward there drifted by 5e-3 in its logits. So the mode is
-taken only after ``bf16x3_measured`` has seen it keep float32's accuracy on this CPU.
+taken only after ``bf16x3_measured`` has seen it keep float32's accuracy on this CPU, on each
+kind of product a prompt takes (``PROBES``).
 """
 from __future__ import annotations
 
@@ -50,24 +51,35 @@ def native_bf16() -> bool:
 BF16X3_MAX_ERROR = 1e-5     # bf16x3 measures ~5e-7 on a 256-long dot, one bf16 rounding ~2e-3
 
 
+# The products the probe takes, as a prompt's forward takes them: a small matmul, a prompt chunk's
+# (M, K) @ (K, N), and a batched one (attention's scores). torch 2.11's CPU build on an AMX Xeon
+# (session 41) kept float32's accuracy on the first two up to ~300 rows (3e-7) but rounded once
+# (4.7e-3) on every bmm and on a 512-row product: a probe of the small one alone took the mode,
+# and its prompts' logits moved 5e-3 from plain float32's.
+PROBES = ((1, 32, 256, 32), (1, 512, 256, 512), (4, 64, 256, 64))      # (batch, M, K, N)
+
+
 def product_error(mode: str) -> float:
-    """Relative error against float64 of a fixed (32 x 256) by (256 x 32) float32 product on the
-    CPU with oneDNN's ``fp32_precision`` set to ``mode`` for the call."""
+    """The largest relative error against float64 of the PROBES' float32 products (fixed values)
+    on the CPU with oneDNN's ``fp32_precision`` set to ``mode`` for the calls."""
     gen = torch.Generator().manual_seed(0)
-    a, b = torch.randn(32, 256, generator=gen), torch.randn(256, 32, generator=gen)
     backend, before = torch.backends.mkldnn.matmul, torch.backends.mkldnn.matmul.fp32_precision
-    backend.fp32_precision = mode
-    try:
-        got = (a @ b).double()
-    finally:
-        backend.fp32_precision = before
-    exact = a.double() @ b.double()
-    return ((got - exact).norm() / exact.norm()).item()
+    worst = 0.0
+    for batch, m, k, n in PROBES:
+        a, b = torch.randn(batch, m, k, generator=gen), torch.randn(batch, k, n, generator=gen)
+        backend.fp32_precision = mode
+        try:
+            got = (a[0] @ b[0] if batch == 1 else torch.bmm(a, b)).double()
+        finally:
+            backend.fp32_precision = before
+        exact = (a.double() @ b.double())[0] if batch == 1 else a.double() @ b.double()
+        worst = max(worst, ((got - exact).norm() / exact.norm()).item())
+    return worst
 
 
 @lru_cache(maxsize=None)
 def bf16x3_measured() -> bool:
-    """Whether oneDNN's bf16 mode keeps float32's accuracy here (one product, about 1 ms, once)."""
+    """Whether oneDNN's bf16 mode keeps float32's accuracy here (the PROBES, a few ms, once)."""
     return product_error("bf16") < BF16X3_MAX_ERROR
 
 
