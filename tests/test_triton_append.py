@@ -231,7 +231,8 @@ def test_compiled_kernel_on_cuda_gets_the_encoders_bytes(case):
 
 
 SM90 = [("q4_0", 128), ("turbo4", 256), ("nl4", 128), ("q5_1", 128), ("nl4s", 128)]
-POINTERS = {"x_ptr": "*fp32", "pool": "*u8", "x2_ptr": "*fp32", "pool2": "*u8", "table_ptr": "*i32", "slots_ptr": "*i64", "pos_ptr": "*i64",
+POINTERS = {"x_ptr": "*fp32", "pool": "*u8", "x2_ptr": "*fp32", "pool2": "*u8", "table_ptr": "*i32",
+            "slots_ptr": "*i64", "pos_ptr": "*i64",
             "flags_ptr": "*u8", "rot_m": "*fp32",
             "bounds": "*fp32", "cents": "*fp32", "tries": "*fp32", "ladder": "*fp32", "limit": "fp32",
             "rot_scale": "fp32"}

@@ -6,9 +6,9 @@ fla-core's chunked gated delta rule (prompts) and gated norm; ``delta_step``: th
 decode step on the cache's states in place; ``conv_step``: the DeltaNet conv's decode step;
 ``swiglu``: silu(gate) * up and the attention's output gate; ``moe``: a mixture's routing and
 its outputs' sum; ``rope``: an attention layer's q/k norm and rotation; ``add_norm``: a residual
-add and the norm after it; ``rotation``: the K/V formats' row rotations (q into a rotated K's
-code domain, the output out of a rotated V's) (the last seven fold a decode step's small torch
-launches into one each). Nothing here imports triton until a kernel runs, so kvslim imports without it; each
+add and the norm after it; ``rotation``: the K/V formats' row rotations, q into a rotated K's
+code domain and the output out of a rotated V's. The last seven fold a decode step's small
+torch launches into one each. Nothing here imports triton until a kernel runs, so kvslim imports without it; each
 kernel module says whether it can serve a call (``supports`` or ``runs_on``) and has a torch
 reference it is tested against (tests/test_triton_*.py and tests/test_gpu_*.py, under Triton's
 CPU interpreter; docs/gpu.md).

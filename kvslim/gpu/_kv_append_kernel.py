@@ -16,6 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
+
 from ._rotation_kernel import hadamard
 
 # The encoder kinds and float types, as kv_append.KINDS and FLOAT_TYPES number them (constexpr:

@@ -51,7 +51,8 @@ def rotate_rows(x_ptr, m_ptr, out_ptr, n_rows, n_inner, outer_stride, inner_stri
         y = tl.reshape(tl.dot(tl.reshape(x, (BLOCK_M * NB, BLOCK)), m, input_precision="ieee"), (BLOCK_M, NB, BLOCK))
     if GATED:
         gate_row = (r // n_inner).to(tl.int64) * gate_outer + (r % n_inner).to(tl.int64) * gate_inner
-        y = sigmoid(tl.load(gate_ptr + gate_row[:, None, None] + b * GROUP + i, mask=inside, other=0.0).to(tl.float32)) * y
+        gate = tl.load(gate_ptr + gate_row[:, None, None] + b * GROUP + i, mask=inside, other=0.0)
+        y = sigmoid(gate.to(tl.float32)) * y
     tl.store(out_ptr + r.to(tl.int64)[:, None, None] * D + b * GROUP + i, stored_as(y, out_ptr), mask=inside)
 
 
