@@ -304,6 +304,21 @@ rehearse() {
         -p tests.rehearse_cuda $KERNEL_TESTS -k "cuda and not (compiled_kernels_on_cuda and gemm and bf16)"
 }
 
+# Session 41's second call, after verify's first (docs/gpu-runs/session41-h200): the kernel tests
+# with the time to finish (verify's 110 s ended them at 87%), then the end-to-end step once the
+# DeltaNet conv's one-row check was fixed.
+#   run(command="bash benchmarks/gpu_session.sh rerun", carry=[".whl"], timeout_s=370)
+rerun() {
+    deadline=$((SECONDS + ${BUDGET:-340}))
+    setup || exit 1
+    # shellcheck disable=SC2086
+    KVSLIM_TRITON=1 timeout -k 5 "$(left 170)" $PY $PYTEST -rfE -n 14 --timeout 100 -p no:benchmark $KERNEL_TESTS \
+        $MODEL_TESTS -k "cuda or fla or h100" 2>&1 | tee "$OUT/tests-triton.log" | tail -25
+    KVSLIM_TRITON=1 timeout -k 5 "$(left 150)" $PY benchmarks/gpu_model.py -d 0,32768 -np 1,4 -n 8 \
+        --pairs f16/f16,q8_0/turbo4 --attn-backend bf16 2>&1 | tee "$OUT/e2e.md" | tail -30
+    echo "rerun: $SECONDS s"
+}
+
 case "${1:-}" in
     prepare) prepare ;;
     rehearse) rehearse ;;
@@ -311,8 +326,9 @@ case "${1:-}" in
     all) all ;;
     core) core ;;
     verify) verify ;;
+    rerun) rerun ;;
     tests) tests ;;
     kernels) kernels ;;
     model) model ;;
-    *) echo "usage: $0 prepare|rehearse|image|all|core|verify|tests|kernels|model" >&2; exit 2 ;;
+    *) echo "usage: $0 prepare|rehearse|image|all|core|verify|rerun|tests|kernels|model" >&2; exit 2 ;;
 esac

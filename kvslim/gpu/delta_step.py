@@ -95,14 +95,16 @@ def _conv_args(conv, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
     hk, dk = q.shape[1:]
     hv, dv = v.shape[1:]
     channels, base = 2 * hk * dk + hv * dv, q.storage_offset()     # offsets, not data_ptr: fake tensors count launches
+    # one row's stride is no layout (views give a lone row any): rows must agree only from two on
     consecutive = (k.storage_offset() == base + hk * dk and v.storage_offset() == base + 2 * hk * dk
-                   and q.stride(0) == k.stride(0) == v.stride(0) and q.stride()[1:] == (dk, 1)
+                   and (q.shape[0] == 1 or q.stride(0) == k.stride(0) == v.stride(0)) and q.stride()[1:] == (dk, 1)
                    and k.stride()[1:] == (dk, 1) and v.stride()[1:] == (dv, 1) and k.dtype == v.dtype == q.dtype)
     if (not consecutive or state.dim() != 3 or state.shape[1] != channels or state.shape[2] < 1
             or weight.shape != (channels, state.shape[2] + 1) or not state.is_contiguous()):
         raise ValueError(f"conv: q, k, v consecutive columns of one row, a contiguous state (S, C, K - 1) and weight "
-                         f"(C, K) for C = {channels} expected, got state {tuple(state.shape)} and weight "
-                         f"{tuple(weight.shape)}")
+                         f"(C, K) for C = {channels} expected, got q, k, v at offsets {q.storage_offset()}, "
+                         f"{k.storage_offset()}, {v.storage_offset()} strides {q.stride()}, {k.stride()}, "
+                         f"{v.stride()}, state {tuple(state.shape)} {state.stride()} and weight {tuple(weight.shape)}")
     return state, weight.contiguous(), state.shape[2] + 1
 
 
