@@ -85,14 +85,18 @@ def _conv_runs(case, seed: int, cuda: bool = False) -> tuple:
     move = (lambda t: t.cuda() if torch.is_tensor(t) else t) if cuda else (lambda t: t)
     runs = []
     for fused in (True, False):
-        q, k, v, a, b, A_log, dt_bias, state, slots, conv, weight = (move(t) for t in _conv_inputs(case, seed))
+        q, k, v, *rest = _conv_inputs(case, seed)
+        key = case[1] * case[3]
+        if cuda:        # q, k and v moved as the one row they are (moved apart, they were three tensors: H200 run)
+            raw = q.as_strided((q.shape[0], 2 * key + case[2] * case[4]), (q.stride(0), 1)).cuda()
+            q, k, v = raw[:, :key].view(q.shape), raw[:, key:2 * key].view(k.shape), raw[:, 2 * key:].view(v.shape)
+        a, b, A_log, dt_bias, state, slots, conv, weight = (move(t) for t in rest)
         norm, out = tuple(move(t) for t in _norm(case, seed)), torch.empty_like(v.contiguous())
         if fused:
             got = gpu.delta_step(q, k, v, a, b, A_log, dt_bias, state, slots, out=out, norm=norm, conv=(conv, weight))
         else:
             raw = q.as_strided((q.shape[0], conv.shape[1]), (q.stride(0), 1))     # the [Q | K | V] columns
             mixed = conv_step.conv_step(raw, conv, slots, weight)
-            key = case[1] * case[3]
             heads = (mixed[:, :key].view(q.shape), mixed[:, key:2 * key].view(k.shape),
                      mixed[:, 2 * key:].view(v.shape))
             got = gpu.delta_step(*heads, a, b, A_log, dt_bias, state, slots, out=out, norm=norm)
