@@ -70,8 +70,8 @@ def attend_batch(cache, batch, q: torch.Tensor, scale: float | None = None, dot:
     """
     if batch.prepared:
         return attend_decode_static(cache, batch, q, scale, dot, gate)
-    return _attend_flat(cache, batch, q, scale, dot) if gate is None else gated(
-        _attend_flat(cache, batch, q, scale, dot), gate)
+    out = _attend_flat(cache, batch, q, scale, dot)
+    return out if gate is None else gated(out, gate)
 
 
 def _attend_flat(cache, batch, q: torch.Tensor, scale: float | None, dot: str) -> torch.Tensor:

@@ -37,9 +37,7 @@ def to_code_domain(fmt, x: torch.Tensor) -> torch.Tensor:
     """``fmt.to_code_domain`` of x (..., D) of any float type, float32 where the format rotates: in
     one launch where it declares its rotation (``code_rotation``) and the kernel serves x."""
     rotation = _declared(fmt, x)
-    if rotation is None:
-        return fmt.to_code_domain(x.float())
-    return hadamard(x, rotation.size) if rotation.matrix is None else rotate(x, rotation.matrix.T)
+    return fmt.to_code_domain(x.float()) if rotation is None else _rotated(x, rotation, inverse=False)
 
 
 def from_code_domain(fmt, y: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
@@ -50,9 +48,16 @@ def from_code_domain(fmt, y: torch.Tensor, gate: torch.Tensor | None = None) -> 
     if rotation is None:
         out = fmt.from_code_domain(y)
         return out if gate is None else gated(out, gate)
+    return _rotated(y, rotation, inverse=True, gate=gate)
+
+
+def _rotated(x: torch.Tensor, rotation, inverse: bool, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """x through a declared rotation (``CodeRotation``), or back through it: the Hadamard is its
+    own inverse; a matrix R rotates by x R^T and back by y R."""
     if rotation.matrix is None:
-        return _launch(y, None, rotation.size, _scale(rotation.size), rotation.size.bit_length() - 1, gate)
-    return _launch(y, _checked(y, rotation.matrix), rotation.size, 1.0, gate=gate)
+        return _launch(x, None, rotation.size, _scale(rotation.size), rotation.size.bit_length() - 1, gate)
+    matrix = rotation.matrix if inverse else rotation.matrix.T
+    return _launch(x, _checked(x, matrix), rotation.size, 1.0, gate=gate)
 
 
 def _declared(fmt, x: torch.Tensor):

@@ -72,7 +72,7 @@ def product_error(mode: str) -> float:
             got = (a[0] @ b[0] if batch == 1 else torch.bmm(a, b)).double()
         finally:
             backend.fp32_precision = before
-        exact = (a.double() @ b.double())[0] if batch == 1 else a.double() @ b.double()
+        exact = (a.double() @ b.double()).reshape(got.shape)
         worst = max(worst, ((got - exact).norm() / exact.norm()).item())
     return worst
 
