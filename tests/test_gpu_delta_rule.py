@@ -27,6 +27,20 @@ def test_the_cpu_never_takes_fla():
     assert chunk is not fla.chunk and (chunk is chunk_gated_delta_rule or chunk.__name__ == "_native_chunk")
 
 
+def test_fla_serves_half_models_only(monkeypatch):
+    """On a GPU with the kernels on, fla-core's chunked prompt kernel (tf32 products) serves bf16
+    and f16 models; a float32 model's prompts keep the torch form's float32 products (on an H200
+    fla moved the tiny f32 models' logits by up to 0.01 against the CPU)."""
+    monkeypatch.setattr(fla.gpu, "TRITON", True)
+    monkeypatch.setattr(fla, "_fla", lambda: (None, None))          # as if fla-core imported
+    cuda = torch.device("cuda")
+    for dtype in (torch.bfloat16, torch.float16):
+        assert fla.serves(cuda, dtype) and chunk_rule(cuda, dtype) is fla.chunk
+    assert not fla.serves(cuda, torch.float32) and chunk_rule(cuda, torch.float32) is chunk_gated_delta_rule
+    monkeypatch.setattr(fla.gpu, "TRITON", False)
+    assert chunk_rule(cuda, torch.bfloat16) is chunk_gated_delta_rule
+
+
 def _inputs(b, t, h, dk, dv, device, seed=0):
     gen = torch.Generator().manual_seed(seed)
     q = torch.nn.functional.normalize(torch.randn(b, t, h, dk, generator=gen), dim=-1)

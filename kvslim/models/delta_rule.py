@@ -117,12 +117,13 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
     return out, s
 
 
-def chunk_rule(device: torch.device):
-    """The prompt form for layers on ``device``, with ``chunk_gated_delta_rule``'s contract:
-    fla-core's chunked kernel where it serves; on the CPU the C recurrence; else the torch form.
+def chunk_rule(device: torch.device, dtype: torch.dtype = torch.bfloat16):
+    """The prompt form for layers of a ``dtype`` model on ``device``, with ``chunk_gated_delta_rule``'s
+    contract: fla-core's chunked kernel where it serves (half models on a GPU: its products are
+    tf32); on the CPU the C recurrence; else the torch form.
     (Decode steps take ``gated_delta_decode``, or on a GPU gpu/delta_step's launch on the
     slots' states in place: the layer chooses, as it chooses the conv step.)"""
-    if fla.serves(device):
+    if fla.serves(device, dtype):
         return fla.chunk
     if native.serves(device):
         return _native_chunk

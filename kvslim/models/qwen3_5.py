@@ -82,7 +82,7 @@ class GatedDeltaNet(nn.Module):
         mixed, cache.conv[seg.slot] = causal_conv(qkv[rows], cache.conv[seg.slot], self.conv1d.weight[:, 0])
         q, k, v = self._heads(mixed)
         q, k = value_heads(q, k, self.n_v)
-        chunk = chunk_rule(q.device)
+        chunk = chunk_rule(q.device, qkv.dtype)                       # q, k, v are float32 from the conv
         o, state = chunk(q[None], k[None], v[None], g[None, rows], beta[None, rows], cache.recurrent[seg.slot][None])
         out[rows], cache.recurrent[seg.slot] = o[0], state[0]
         cache.advance(seg.slot, seg.length)
