@@ -25,11 +25,11 @@ from ._codecs import columns, decode_tile, sigmoid, stored_as
 @triton.jit
 def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr, k_lut, v_lut,
                        m_out, l_out, acc_out,
-                       n_seq, n_rows, n_pages, page_size, k_row_bytes, v_row_bytes, table_stride,
+                       n_seq, n_rows, n_pages, k_row_bytes, v_row_bytes, table_stride,
                        n_splits, split_keys,
                        q_heads, q_seqs, q_rows, q_scale, slots_ptr, length_offset, o_heads, o_seqs, o_rows,
                        gate_ptr, g_heads, g_seqs, g_rows,
-                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                       HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, DOT: tl.constexpr, WIDE: tl.constexpr,
                        K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_VALUES: tl.constexpr,
                        K_BYTES: tl.constexpr, K_HEADER: tl.constexpr, K_OFFSET: tl.constexpr,
@@ -75,8 +75,8 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
 
     # row offsets in 32 bits from each head's 64-bit base (fewer registers), unless a head's pool
     # reaches 2 GB (WIDE, set by the launcher)
-    k_head = k_pool + h.to(tl.int64) * n_pages * page_size * k_row_bytes
-    v_head = v_pool + h.to(tl.int64) * n_pages * page_size * v_row_bytes
+    k_head = k_pool + h.to(tl.int64) * n_pages * PAGE_SIZE * k_row_bytes
+    v_head = v_pool + h.to(tl.int64) * n_pages * PAGE_SIZE * v_row_bytes
     begin = split * split_keys
     n_keys = tl.minimum(length, tl.max(q_pos) + 1)                     # causal: none past the tile's last row
     end = tl.minimum(begin + split_keys, n_keys)
@@ -86,8 +86,8 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
     for start in range(begin, end, BLOCK_N):
         t = start + tl.arange(0, BLOCK_N)                               # key positions
         valid = t < end
-        page = tl.load(table_ptr + table_row * table_stride + t // page_size, mask=valid, other=0)
-        slot = page * page_size + t % page_size                         # the key's row within its head's pool
+        page = tl.load(table_ptr + table_row * table_stride + t // PAGE_SIZE, mask=valid, other=0)
+        slot = page * PAGE_SIZE + t % PAGE_SIZE                         # the key's row within its head's pool
         if WIDE:
             slot = slot.to(tl.int64)
         k = decode_tile(k_head, slot * k_row_bytes, valid, k_lut, HEAD_DIM, BLOCK_D,

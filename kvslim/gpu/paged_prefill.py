@@ -159,14 +159,18 @@ TUNABLE = ("BLOCK_N", "num_warps", "num_stages", "DOT", "WIDE", "CODECS")
 DOTS = ("ieee", "tf32x3", "tf32", "f16", "fma")
 
 
-def _launch_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict | None = None) -> dict:
-    """The kernel's constexprs and warps for one call. The query tile and its sum (BLOCK_M x
+def _launch_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict | None = None, page_size: int = 256) -> dict:
+    """The kernel's constexprs and warps for one call (``page_size``: the pool's, the cache's default
+    256 where an offline compile has no pool). The page size is a constexpr: finding a key's page
+    and row divided by it at run time, about 35 instructions a block of keys (sm_90 SASS, decode's
+    launch: turbo4/turbo4 675 -> 609 a block of 16 keys, f16/f16 345 -> 310), a shift and a mask
+    for a power of two; a cache has one page size, so one compile. The query tile and its sum (BLOCK_M x
     head_dim floats each) live in registers beside one block of decoded K and V: (rows, warps) =
     (32, 4) at head_dim 64, (32, 8) at 128 and (16, 8) at 256, chosen from spill counts
     (benchmarks/gpu_resources.py); at head_dim 256, 16 keys a block and 8 warps were the
     fastest that session 30's H200 sweep timed (docs/gpu.md). ``tune``: TUNABLE overrides."""
     block_m = 16 if head_dim > 128 else 32
-    config = dict(HEAD_DIM=head_dim, BLOCK_D=pow2(head_dim), BLOCK_M=min(block_m, max(MIN_DOT, pow2(n_rows))),
+    config = dict(HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_D=pow2(head_dim), BLOCK_M=min(block_m, max(MIN_DOT, pow2(n_rows))),
                   BLOCK_N=32 if head_dim <= 64 else MIN_DOT, DOT="ieee", WIDE=False,
                   **_codec_args(fmt_k, head_dim, "K"), **_codec_args(fmt_v, head_dim, "V"),
                   num_warps=4 if head_dim <= 64 else 8)
@@ -224,8 +228,8 @@ def attend(fmt_k, fmt_v, q: torch.Tensor, q_pos: torch.Tensor | None, k_pool: to
     attention's gate (Hkv, S, R, D) of any float type (contiguous rows, any other strides): the
     output times sigmoid(gate), written in ``out``'s type (``swiglu.sigmoid_mul``'s bits)."""
     n_kv, n_seq, n_rows, dim = q.shape
-    config = _launch_config(fmt_k, fmt_v, n_rows, dim, tune)
     page_size = k_pool.shape[2]
+    config = _launch_config(fmt_k, fmt_v, n_rows, dim, tune, page_size)
     n_tiles = -(-n_rows // config["BLOCK_M"])
     keys = max(1, table.shape[1] * page_size)
     split_keys = split_keys if n_rows <= SPLIT_ROWS else keys          # many rows: one split, the tiles are enough
@@ -251,7 +255,7 @@ def attend(fmt_k, fmt_v, q: torch.Tensor, q_pos: torch.Tensor | None, k_pool: to
     config["WIDE"] |= head_bytes >= 2**31                               # a head's pool past 32-bit offsets
     _kernel().paged_prefill_tile[(n_kv, n_seq, n_tiles * n_splits)](
         q, lengths if q_pos is None else q_pos, k_pool.contiguous(), v_pool.contiguous(), table, lengths, *luts,
-        m, l, acc, n_seq, n_rows, k_pool.shape[1], page_size, k_pool.shape[3], v_pool.shape[3], table.stride(0),
+        m, l, acc, n_seq, n_rows, k_pool.shape[1], k_pool.shape[3], v_pool.shape[3], table.stride(0),
         n_splits, split_keys, *q.stride()[:3], scale, lengths if slots is None else slots, length_offset,
         *o_strides, *gate_args, AT_END=q_pos is None, BY_SLOT=slots is not None, NORMALISE=final,
         GATED=final and gate is not None, **config, **FP_FUSION)
