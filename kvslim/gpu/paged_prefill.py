@@ -159,7 +159,8 @@ TUNABLE = ("BLOCK_N", "num_warps", "num_stages", "DOT", "WIDE", "CODECS")
 DOTS = ("ieee", "tf32x3", "tf32", "f16", "fma")
 
 
-def _launch_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict | None = None, page_size: int = 256) -> dict:
+def _launch_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict | None = None,
+                   page_size: int = 256) -> dict:
     """The kernel's constexprs and warps for one call (``page_size``: the pool's, the cache's default
     256 where an offline compile has no pool). The page size is a constexpr: finding a key's page
     and row divided by it at run time, about 35 instructions a block of keys (sm_90 SASS, decode's
@@ -170,7 +171,8 @@ def _launch_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict | None =
     (benchmarks/gpu_resources.py); at head_dim 256, 16 keys a block and 8 warps were the
     fastest that session 30's H200 sweep timed (docs/gpu.md). ``tune``: TUNABLE overrides."""
     block_m = 16 if head_dim > 128 else 32
-    config = dict(HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_D=pow2(head_dim), BLOCK_M=min(block_m, max(MIN_DOT, pow2(n_rows))),
+    config = dict(HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_D=pow2(head_dim),
+                  BLOCK_M=min(block_m, max(MIN_DOT, pow2(n_rows))),
                   BLOCK_N=32 if head_dim <= 64 else MIN_DOT, DOT="ieee", WIDE=False,
                   **_codec_args(fmt_k, head_dim, "K"), **_codec_args(fmt_v, head_dim, "V"),
                   num_warps=4 if head_dim <= 64 else 8)
