@@ -53,6 +53,12 @@ TUNED = [{"BLOCK_N": 64, "num_warps": 4}, {"BLOCK_N": 32, "num_stages": 2, "DOT"
          {"DOT": "f16"},                                 # f16 operands: held to a looser bound below
          {"CODECS": "per-value"}]                        # session 31's reading: a load per value
 
+# f16 products on codes read from a table (turbo's Lloyd-Max, iq4_nl's), by integer steps (q4_0) or
+# as bytes (q8_0): values and scales taken in f16 and multiplied there (``_codecs``' HALF), at
+# decode's shapes
+F16_TABLES = [("turbo4", "turbo3", 256, 8, (40, 3), 16, 32), ("turbo2", "iq4_nl", 128, 4, (37, 16), 16, None),
+              ("iq4_nl", "turbo4", 64, 2, (20,), 16, None), ("q8_0", "q4_0", 256, 8, (33, 5), 16, None)]
+
 
 def _states_in_child(cases, path: Path) -> None:
     """Run in a child whose TRITON_INTERPRET=1 came before triton's import (kvslim imports triton
@@ -66,6 +72,9 @@ def _states_in_child(cases, path: Path) -> None:
     out["alone"] = gpu.decode_state(fmt_k, fmt_v, q[:, :1].contiguous(), k_pool, v_pool, table[:1], n_keys[:1], 64)
     args = _case(*ODD_PAGES[:4], list(ODD_PAGES[4]), page_size=ODD_PAGES[5])
     out["tuned"] = [gpu.decode_state(*args, split_keys=ODD_PAGES[6], tune=tune) for tune in TUNED]
+    out["f16_tables"] = [gpu.decode_state(*_case(*case[:4], list(case[4]), page_size=case[5]),
+                                          split_keys=case[6] or paged_prefill.SPLIT_KEYS, tune={"DOT": "f16"})
+                         for case in F16_TABLES]
     q = torch.zeros(2, 1, 2, 128)
     out["supports"] = [gpu.supports(formats.get(k), formats.get(v), q) for k, v in REFUSED + [("f16", "f16")]]
     out["supports"].append(gpu.supports(formats.get("f16"), formats.get("f16"), torch.zeros(2, 1, 65, 128)))
@@ -191,11 +200,7 @@ def test_launch_overrides_keep_the_state(interpreted):
         if tune.get("DOT") != "f16":
             _check(got, want, args[-1])
             continue
-        m, l, acc = got                     # operands rounded to f16 (11 bits): ~1e-3, not 1e-5
-        live = args[-1] > 0
-        assert torch.allclose(m[:, live], want.m[:, live], atol=1e-2, rtol=1e-2)
-        assert torch.allclose(acc[:, live] / l[:, live], want.result()[:, live], atol=1e-2, rtol=1e-2)
-        assert not torch.equal(m[:, live], want.m[:, live])          # it did round: not the float32 path
+        _check_f16_products(got, want, args[-1])                     # operands rounded to f16 (11 bits)
     with pytest.raises(ValueError, match="not a launch setting: BLOCK_M"):
         paged_prefill._launch_config(formats.get("f16"), formats.get("f16"), 8, 64, {"BLOCK_M": 64})
     with pytest.raises(ValueError, match="DOT='bf16': expected one of ieee"):
@@ -203,6 +208,25 @@ def test_launch_overrides_keep_the_state(interpreted):
     assert paged_prefill._launch_config(formats.get("f16"), formats.get("f16"), 8, 64, {"DOT": "fma"})["BLOCK_M"] == 8
     with pytest.raises(ValueError, match="CODECS='bytes': expected one of units, per-value"):
         paged_prefill._launch_config(formats.get("f16"), formats.get("f16"), 8, 64, {"CODECS": "bytes"})
+
+
+def _check_f16_products(got, want, n_keys) -> None:
+    """A state whose products took f16 operands against the float32 reference: ~1e-3, not 1e-5,
+    and rounded (not the float32 path)."""
+    m, l, acc = got
+    live = n_keys > 0
+    assert torch.allclose(m[:, live], want.m[:, live], atol=1e-2, rtol=1e-2)
+    assert torch.allclose(acc[:, live] / l[:, live], want.result()[:, live], atol=1e-2, rtol=1e-2)
+    assert not torch.equal(m[:, live], want.m[:, live])
+
+
+@pytest.mark.parametrize("case", F16_TABLES, ids=lambda c: f"{c[0]}-{c[1]}-d{c[2]}")
+def test_f16_products_on_code_tables(interpreted, case):
+    """turbo4, turbo3, turbo2, iq4_nl, q4_0 and q8_0, K and V, with f16 operands (the bf16
+    backend's decode): codes and scales read in f16, against the float32 reference within f16's
+    rounding."""
+    args = _case(*case[:4], list(case[4]), page_size=case[5])
+    _check_f16_products(interpreted["f16_tables"][F16_TABLES.index(case)], _torch_state(*args), args[-1])
 
 
 @pytest.mark.parametrize("name,lookups,phases", [

@@ -203,10 +203,18 @@ def _group_codes(units, mask, p, BITS: tl.constexpr):
 @triton.jit
 def _phased_tile(row, valid, lut, BLOCK_D: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
                  BLOCK_BYTES: tl.constexpr, HEADER_BYTES: tl.constexpr, OFFSET_AT: tl.constexpr,
-                 LOOKUP: tl.constexpr, PHASES: tl.constexpr):
+                 LOOKUP: tl.constexpr, PHASES: tl.constexpr, HALF: tl.constexpr = False):
     """``decode_tile`` for codes read in groups of 2-byte units (4-, 3-, 2- and 1-bit codes that
     fill their block's bytes): PHASES codes cut from each group's loads, the tile's columns in
-    ``columns``'s order. row (N, 1) byte pointers."""
+    ``columns``'s order. row (N, 1) byte pointers. A masked key's codes and scale load as 0, so
+    its values are 0 with no select per value. HALF (the products take f16 operands): the codes'
+    values (a TABLE's entries, or AFFINE's integer steps) and the scales read as f16 and
+    multiplied there, the tile f16 (a table entry rounded to f16 first, within the operands'
+    own rounding; integer steps are exact, so q4_0 and iq4_nl keep the float32 product's bits).
+    sm_90 SASS of decode's launch (Triton 3.6, 16 keys, 8 warps): turbo4/turbo4 569 -> 542
+    instructions a block of keys and 168 -> 109 registers (two programs per SM, not one),
+    q4_0/q4_0 707 -> 642 and 212 -> 128; the float32 values, products and conversions to f16
+    kept float32 tiles live."""
     UNITS: tl.constexpr = BITS * PHASES // 16                           # 2-byte units per group
     GROUPS: tl.constexpr = (BLOCK_BYTES - HEADER_BYTES) // (2 * UNITS)   # groups per block
     W: tl.constexpr = BLOCK_D // PHASES
@@ -215,7 +223,17 @@ def _phased_tile(row, valid, lut, BLOCK_D: tl.constexpr, KIND: tl.constexpr, BIT
     block = row + (g // GROUPS) * BLOCK_BYTES
     first = (block + HEADER_BYTES).to(tl.pointer_type(tl.uint16)) + UNITS * (g % GROUPS)
     code = _group_codes(first, mask, tl.arange(0, PHASES)[None, :, None], BITS)
-    x = f16_aligned(block, mask)[:, None, :] * _lookup(lut, code, BITS, LOOKUP)
+    if HALF and OFFSET_AT == 0 and (LOOKUP == 4 or LOOKUP == 5):       # AFFINE or TABLE, in f16
+        if LOOKUP == 4:                                                 # integer steps: exact in f16
+            first = tl.load(lut).to(tl.float16)
+            value = code.to(tl.float16) * (tl.load(lut + 1).to(tl.float16) - first) + first
+        else:
+            ENTRIES: tl.constexpr = 1 << BITS
+            table = tl.load(lut + tl.arange(0, ENTRIES)).to(tl.float16)
+            value = tl.gather(tl.broadcast_to(table[None, None, :], (code.shape[0], code.shape[1], ENTRIES)), code, 2)
+        x = tl.load(block.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0)[:, None, :] * value
+    else:
+        x = f16_aligned(block, mask)[:, None, :] * _lookup(lut, code, BITS, LOOKUP)
     if OFFSET_AT > 0:
         x = x + f16_aligned(block + OFFSET_AT, mask)[:, None, :]
     return tl.reshape(x, (x.shape[0], BLOCK_D))
@@ -226,8 +244,9 @@ def decode_tile(pool, row_off, valid, lut, HEAD_DIM: tl.constexpr, BLOCK_D: tl.c
                  KIND: tl.constexpr, BITS: tl.constexpr, BLOCK_VALUES: tl.constexpr,
                  BLOCK_BYTES: tl.constexpr, HEADER_BYTES: tl.constexpr, OFFSET_AT: tl.constexpr,
                  SUB_VALUES: tl.constexpr, SUB_BITS: tl.constexpr, LOOKUP: tl.constexpr,
-                 PHASES: tl.constexpr = 1):
-    """Rows at byte offsets row_off (N,) of pool -> (N, BLOCK_D) float32 in the code domain;
+                 PHASES: tl.constexpr = 1, HALF: tl.constexpr = False):
+    """Rows at byte offsets row_off (N,) of pool -> (N, BLOCK_D) float32 (f16 with HALF where
+    ``_phased_tile`` takes it) in the code domain;
     zeros where a key is not valid or past HEAD_DIM (so a masked key adds 0 * 0, never NaN).
     ``lut``: the 32 code values, then the ladder's rungs (LADDER_AT on).
     NIBBLE with BITS 5 (ggml q5_x): a u32 of each code's bit 4 precedes the nibbles; OFFSET_AT
@@ -239,7 +258,7 @@ def decode_tile(pool, row_off, valid, lut, HEAD_DIM: tl.constexpr, BLOCK_D: tl.c
     row = pool + row_off[:, None]                                       # (N, 1) pointers
     if PHASES > 1:
         x = _phased_tile(row, valid, lut, BLOCK_D, KIND, BITS, BLOCK_BYTES, HEADER_BYTES, OFFSET_AT,
-                         LOOKUP, PHASES)
+                         LOOKUP, PHASES, HALF)
     elif KIND <= 2:
         x = _float_values(row, d, mask, KIND)
     else:                                                               # [f16 scale][codes] blocks
@@ -253,7 +272,10 @@ def decode_tile(pool, row_off, valid, lut, HEAD_DIM: tl.constexpr, BLOCK_D: tl.c
             scale = scale * tl.load(lut + LADDER_AT + rung, mask=mask, other=0.0)
         if KIND == 3:                                                   # Q8: int8 codes
             code = tl.load(block + HEADER_BYTES + j, mask=mask, other=0).to(tl.int8, bitcast=True)
-            x = scale * code.to(tl.float32)
+            if HALF:            # f16 scale times an 8-bit code: the one rounding the float32 product gets at the dot
+                x = tl.load(block.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0) * code.to(tl.float16)
+            else:
+                x = scale * code.to(tl.float32)
         elif KIND == 4 and BITS == 5:                                   # q5_x: [qh u32][nibbles]
             code = _block_code(block + HEADER_BYTES + 4, j, mask, KIND, 4, BLOCK_VALUES)
             high = tl.load(block + HEADER_BYTES + j // 8, mask=mask, other=0).to(tl.int32)
@@ -263,4 +285,6 @@ def decode_tile(pool, row_off, valid, lut, HEAD_DIM: tl.constexpr, BLOCK_D: tl.c
             x = scale * _lookup(lut, code, BITS, LOOKUP)
         if OFFSET_AT > 0:                                               # q4_1, q5_1: the block minimum
             x = x + f16_aligned(block + OFFSET_AT, mask)
-    return tl.where(mask, x, 0.0)
+    if PHASES == 1:
+        x = tl.where(mask, x, 0.0)
+    return x

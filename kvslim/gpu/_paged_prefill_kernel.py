@@ -91,9 +91,11 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
         if WIDE:
             slot = slot.to(tl.int64)
         k = decode_tile(k_head, slot * k_row_bytes, valid, k_lut, HEAD_DIM, BLOCK_D,
-                        K_KIND, K_BITS, K_VALUES, K_BYTES, K_HEADER, K_OFFSET, K_SUB, K_SUB_BITS, K_LOOKUP, K_PHASES)
+                        K_KIND, K_BITS, K_VALUES, K_BYTES, K_HEADER, K_OFFSET, K_SUB, K_SUB_BITS, K_LOOKUP, K_PHASES,
+                        DOT == "f16")
         v = decode_tile(v_head, slot * v_row_bytes, valid, v_lut, HEAD_DIM, BLOCK_D,
-                        V_KIND, V_BITS, V_VALUES, V_BYTES, V_HEADER, V_OFFSET, V_SUB, V_SUB_BITS, V_LOOKUP, V_PHASES)
+                        V_KIND, V_BITS, V_VALUES, V_BYTES, V_HEADER, V_OFFSET, V_SUB, V_SUB_BITS, V_LOOKUP, V_PHASES,
+                        DOT == "f16")
         scores = _scores(q, k, DOT)                                     # (BLOCK_M, BLOCK_N)
         seen = valid[None, :] & (t[None, :] <= q_pos[:, None])
         scores = tl.where(seen, scores, float("-inf"))
