@@ -54,10 +54,11 @@ TUNED = [{"BLOCK_N": 64, "num_warps": 4}, {"BLOCK_N": 32, "num_stages": 2, "DOT"
          {"CODECS": "per-value"}]                        # session 31's reading: a load per value
 
 # f16 products on codes read from a table (turbo's Lloyd-Max, iq4_nl's), by integer steps (q4_0) or
-# as bytes (q8_0): values and scales taken in f16 and multiplied there (``_codecs``' HALF), at
-# decode's shapes
+# as bytes (q8_0): values and scales taken in f16 and multiplied there; f16 rows read as they lie
+# (``_codecs``' HALF), at decode's shapes
 F16_TABLES = [("turbo4", "turbo3", 256, 8, (40, 3), 16, 32), ("turbo2", "iq4_nl", 128, 4, (37, 16), 16, None),
-              ("iq4_nl", "turbo4", 64, 2, (20,), 16, None), ("q8_0", "q4_0", 256, 8, (33, 5), 16, None)]
+              ("iq4_nl", "turbo4", 64, 2, (20,), 16, None), ("q8_0", "q4_0", 256, 8, (33, 5), 16, None),
+              ("turbo4", "f16", 128, 8, (30, 7), 16, None)]
 
 
 def _states_in_child(cases, path: Path) -> None:
@@ -222,7 +223,7 @@ def _check_f16_products(got, want, n_keys) -> None:
 
 @pytest.mark.parametrize("case", F16_TABLES, ids=lambda c: f"{c[0]}-{c[1]}-d{c[2]}")
 def test_f16_products_on_code_tables(interpreted, case):
-    """turbo4, turbo3, turbo2, iq4_nl, q4_0 and q8_0, K and V, with f16 operands (the bf16
+    """turbo4, turbo3, turbo2, iq4_nl, q4_0, q8_0 and f16, K and V, with f16 operands (the bf16
     backend's decode): codes and scales read in f16, against the float32 reference within f16's
     rounding."""
     args = _case(*case[:4], list(case[4]), page_size=case[5])

@@ -207,10 +207,11 @@ def _phased_tile(row, valid, lut, BLOCK_D: tl.constexpr, KIND: tl.constexpr, BIT
     """``decode_tile`` for codes read in groups of 2-byte units (4-, 3-, 2- and 1-bit codes that
     fill their block's bytes): PHASES codes cut from each group's loads, the tile's columns in
     ``columns``'s order. row (N, 1) byte pointers. A masked key's codes and scale load as 0, so
-    its values are 0 with no select per value. HALF (the products take f16 operands): the codes'
-    values (a TABLE's entries, or AFFINE's integer steps) and the scales read as f16 and
-    multiplied there, the tile f16 (a table entry rounded to f16 first, within the operands'
-    own rounding; integer steps are exact, so q4_0 and iq4_nl keep the float32 product's bits).
+    its values are 0 with no select per value (turbo4/turbo4 609 -> 569 instructions a block).
+    HALF (the products take f16 operands): the codes' values (a TABLE's entries, or AFFINE's
+    integer steps) and the scales read as f16 and multiplied there, the tile f16 (a table entry
+    rounded to f16 first, within the operands' own rounding; integer entries are exact, so
+    q4_0 and iq4_nl keep the float32 product's bits).
     sm_90 SASS of decode's launch (Triton 3.6, 16 keys, 8 warps): turbo4/turbo4 569 -> 542
     instructions a block of keys and 168 -> 109 registers (two programs per SM, not one),
     q4_0/q4_0 707 -> 642 and 212 -> 128; the float32 values, products and conversions to f16
@@ -259,6 +260,8 @@ def decode_tile(pool, row_off, valid, lut, HEAD_DIM: tl.constexpr, BLOCK_D: tl.c
     if PHASES > 1:
         x = _phased_tile(row, valid, lut, BLOCK_D, KIND, BITS, BLOCK_BYTES, HEADER_BYTES, OFFSET_AT,
                          LOOKUP, PHASES, HALF)
+    elif KIND == 1 and HALF:        # f16 rows as they lie: no float32 round trip (f16/f16 decode 310 -> 246 a block)
+        x = tl.load(row.to(tl.pointer_type(tl.float16)) + d, mask=mask, other=0.0)
     elif KIND <= 2:
         x = _float_values(row, d, mask, KIND)
     else:                                                               # [f16 scale][codes] blocks
@@ -285,6 +288,6 @@ def decode_tile(pool, row_off, valid, lut, HEAD_DIM: tl.constexpr, BLOCK_D: tl.c
             x = scale * _lookup(lut, code, BITS, LOOKUP)
         if OFFSET_AT > 0:                                               # q4_1, q5_1: the block minimum
             x = x + f16_aligned(block + OFFSET_AT, mask)
-    if PHASES == 1:
+        # masked loads already give 0, but without the select q8_0's f16 launch took 210 registers, not 127
         x = tl.where(mask, x, 0.0)
     return x
