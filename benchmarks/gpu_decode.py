@@ -197,7 +197,7 @@ def _rows(pairs: list[str], depth: int, batch: int, args, copy: float) -> list[l
         read = batch * depth * N_KV * (k_pool.shape[3] + v_pool.shape[3])   # packed bytes of K and V
         loop = "" if args.no_loop else f"{_median_ms(loop_step(*inputs), args.runs, args.device):.3f}"
         for codecs in args.codecs.split(","):
-            for dot in args.dot.split(","):
+            for dot in (args.dot or "ieee").split(","):
                 tune = {"CODECS": codecs, "DOT": dot}
                 label = ", ".join(v for v, default in ((codecs, "units"), (dot, "ieee")) if v != default)
                 eager, ms = _step_ms(packed_step(*inputs, tune=tune), args.runs, args.device)
@@ -216,8 +216,13 @@ def _rows(pairs: list[str], depth: int, batch: int, args, copy: float) -> list[l
 # are what it has not timed, chosen from benchmarks/gpu_resources.py's offline report: 4 and 16
 # warps, "fma" (no tl.dot, ~no shared memory, no spills at 4-8 keys a block) and "f16" (tensor-
 # core products of f16 operands, a third of the shared memory).
+# Session 42 added f16 settings that sm_90 SASS (Triton 3.6, codes and scales read in f16) rates
+# well: 32 keys and 8 warps (turbo4/turbo4 14.1 instructions a value, 128 registers, 2 programs
+# per SM, against 16.9 at 16 keys), 64 keys (12.4, 1 program), and 32 keys / 4 warps pipelined.
+# ``--dot`` given with ``--sweep`` keeps the settings of those products only.
 VARIANTS = [(16, 8, None, "ieee"), (16, 4, None, "ieee"), (16, 16, None, "ieee"), (4, 8, None, "fma"),
-            (8, 8, None, "fma"), (16, 8, None, "f16"), (16, 4, None, "f16"), (32, 4, None, "f16")]
+            (8, 8, None, "fma"), (16, 8, None, "f16"), (16, 4, None, "f16"), (32, 4, None, "f16"),
+            (32, 8, None, "f16"), (64, 8, None, "f16"), (32, 4, 2, "f16")]
 SPLITS = (512,)
 
 
@@ -227,13 +232,18 @@ def _sweep_rows(pairs: list[str], depth: int, batch: int, args, copy: float) -> 
     output on the same inputs."""
     def emit(*cells):
         print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)
+    step, _, backend = sdpa_f16(depth, batch, args.device)
+    base = _step_ms(step, args.runs, args.device)[1]                 # the ratios' baseline, this run's
+    emit(f"sdpa f16 ({backend})", depth, batch, "", "", "", "", "", "", f"{base:.3f}", "1.00", "", "", "")
+    del step
+    variants = [v for v in VARIANTS if args.dot is None or v[3] in args.dot.split(",")]
     for pair in pairs:
         inputs = _inputs(*pair.split("/"), depth, batch, args.device)
         fmt_v, k_pool, v_pool = inputs[1], inputs[3], inputs[4]
         read = batch * depth * N_KV * (k_pool.shape[3] + v_pool.shape[3])
         want = fmt_v.from_code_domain(loop_step(*inputs)().result())
         # every setting reads codes two bytes a load; the default's also as session 31 did (a load per value)
-        for block_n, warps, stages, dot, codecs in [(*v, "units") for v in VARIANTS] + [(*VARIANTS[0], "per-value")]:
+        for block_n, warps, stages, dot, codecs in [(*v, "units") for v in variants] + [(*variants[0], "per-value")]:
             tune = {"BLOCK_N": block_n, "num_warps": warps, "DOT": dot, "CODECS": codecs,
                     **({"num_stages": stages} if stages else {})}
             for split in SPLITS:
@@ -242,11 +252,11 @@ def _sweep_rows(pairs: list[str], depth: int, batch: int, args, copy: float) -> 
                     err = (step() - want).abs().max().item()
                     ms = _graph_ms(step, args.runs) if args.device.startswith("cuda") else _median_ms(step, 1, "cpu")
                 except Exception as exc:                             # a setting that does not compile or fit
-                    emit(pair, depth, batch, block_n, warps, stages or "", dot, codecs, split, "", "", "",
+                    emit(pair, depth, batch, block_n, warps, stages or "", dot, codecs, split, "", "", "", "",
                          f"{type(exc).__name__}: {str(exc).splitlines()[0][:60]}")
                     continue
                 emit(pair, depth, batch, block_n, warps, stages or "", dot, codecs, split, f"{ms:.3f}",
-                     f"{read / ms / 1e6:.0f}", f"{100 * read / ms / 1e6 / copy:.0f}%", f"{err:.1e}")
+                     f"{ms / base:.2f}", f"{read / ms / 1e6:.0f}", f"{100 * read / ms / 1e6 / copy:.0f}%", f"{err:.1e}")
         del inputs, k_pool, v_pool
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -264,11 +274,12 @@ def main(argv=None) -> None:
     parser.add_argument("--codecs", default="units",
                         help="how the kernel reads codes, comma-separated: units (the default), per-value "
                              "(session 31's reading, for side-by-sides)")
-    parser.add_argument("--dot", default="ieee",
-                        help="the kernel's products, comma-separated (paged_prefill.DOTS): ieee (the default), "
-                             "f16 (the bf16 attention backend's)")
+    parser.add_argument("--dot", default=None,
+                        help="the kernel's products, comma-separated (paged_prefill.DOTS): ieee (the table's "
+                             "default), f16 (the bf16 attention backend's); with --sweep, the settings of these")
     args = parser.parse_args(argv)
-    for flag, given, valid in (("--codecs", args.codecs, gpu_prefill.CODECS), ("--dot", args.dot, gpu_prefill.DOTS)):
+    for flag, given, valid in (("--codecs", args.codecs, gpu_prefill.CODECS),
+                               ("--dot", args.dot or "ieee", gpu_prefill.DOTS)):
         if set(given.split(",")) - set(valid):
             parser.error(f"{flag} {given}: each of {', '.join(valid)}")
     check_device(args.device)
@@ -276,8 +287,9 @@ def main(argv=None) -> None:
     name = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu (interpreter)"
     print(f"{name}: device-to-device copy {copy:.0f} GB/s (read + written); median of {args.runs}\n")
     if args.sweep:                      # rows as they come (unaligned): a run cut short keeps its rows
-        print("| K/V | depth | batch | BLOCK_N | warps | stages | dot | codes | split | ms | GB/s read | of copy | max diff |")
-        print("|---|" + "---:|" * 12, flush=True)
+        print("| K/V | depth | batch | BLOCK_N | warps | stages | dot | codes | split | ms | x sdpa f16 | GB/s read "
+              "| of copy | max diff |")
+        print("|---|" + "---:|" * 13, flush=True)
         for d in args.depths.split(","):
             for b in args.batches.split(","):
                 _sweep_rows(args.pairs.split(","), int(d), int(b), args, copy)

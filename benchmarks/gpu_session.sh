@@ -319,6 +319,29 @@ rerun() {
     echo "rerun: $SECONDS s"
 }
 
+# For the lease after session 42 (whose task had no GPU): what session 41's left open and what
+# session 42 changed untimed. The kernels-on CUDA tests first: session 41's ten CUDA-vs-CPU
+# logits failures (f32 models; fla-core's chunked kernel took tf32 products, and now serves half
+# models only) and the f16-product reads (codes and scales in f16, f16 rows as they lie, the
+# page size a constexpr). Then the decode table both ways, the f16 launch settings swept at 128K
+# (session 42's SASS counts favour 32 keys and 8 warps: is it faster?), and the 35B-A3B-shaped
+# model at depth 0, 32K and 128K with turbo3 (neither measured end to end yet), as kvslim serve
+# runs it (the bf16 backend).
+#   run(command="bash benchmarks/gpu_session.sh followup", carry=[".whl"], timeout_s=540)
+followup() {
+    deadline=$((SECONDS + ${BUDGET:-500}))
+    setup || exit 1
+    # shellcheck disable=SC2086
+    KVSLIM_TRITON=1 timeout -k 5 "$(left 170)" $PY $PYTEST -rfE -n 14 --timeout 100 -p no:benchmark $KERNEL_TESTS \
+        $MODEL_TESTS -k "cuda or fla or h100" 2>&1 | tee "$OUT/tests-triton.log" | tail -25
+    decode_table 60
+    KVSLIM_TRITON=1 timeout -k 5 "$(left 80)" $PY benchmarks/gpu_decode.py --sweep -d 131072 -b 1,8 -r 5 --dot f16 \
+        -p f16/f16,turbo4/turbo4,turbo3/turbo3,q8_0/turbo4 2>&1 | tee "$OUT/sweep.md" | tail -40
+    KVSLIM_TRITON=1 timeout -k 5 "$(left 170)" $PY benchmarks/gpu_model.py -d 0,32768,131072 -np 1,4 -n 8 \
+        --pairs f16/f16,q8_0/turbo4,turbo3/turbo3 --attn-backend bf16 2>&1 | tee "$OUT/e2e.md" | tail -40
+    echo "followup: $SECONDS s"
+}
+
 case "${1:-}" in
     prepare) prepare ;;
     rehearse) rehearse ;;
@@ -327,8 +350,9 @@ case "${1:-}" in
     core) core ;;
     verify) verify ;;
     rerun) rerun ;;
+    followup) followup ;;
     tests) tests ;;
     kernels) kernels ;;
     model) model ;;
-    *) echo "usage: $0 prepare|rehearse|image|all|core|verify|rerun|tests|kernels|model" >&2; exit 2 ;;
+    *) echo "usage: $0 prepare|rehearse|image|all|core|verify|rerun|followup|tests|kernels|model" >&2; exit 2 ;;
 esac
