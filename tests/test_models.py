@@ -174,6 +174,29 @@ def test_cuda_logits_match_cpu(tiny_folder, kind, type_k, type_v):
     assert_devices_agree(rows["cuda"], rows["cpu"], unquantized)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+def test_fla_prompts_of_a_bf16_model_stay_within_its_own_rounding(tiny_folder, kind, monkeypatch):
+    """fla-core's chunked kernel (tf32 products) serves the DeltaNet prompts of half models only.
+    A bf16 model on the GPU with the kernels on, its prompts through fla-core against the same
+    model with the torch chunked form (float32 products): the two differ by less than the bf16
+    model differs from its float32 self (bf16's own rounding). 70 tokens: two 64-token chunks."""
+    from kvslim import gpu
+    from kvslim.gpu import delta_rule as fla
+    if fla._fla() is None:
+        pytest.skip("fla-core is not installed")
+    monkeypatch.setattr(gpu, "TRITON", True)
+    path, _ = tiny_folder(kind)
+    prompt, steps = random_tokens(70, 7), random_tokens(4, 8)
+    model = instantiate(config_from_dict(read_config(path)), read_state_dict(path), torch.bfloat16).to("cuda")
+    assert fla.serves(torch.device("cuda"), torch.bfloat16)
+    with_fla = kvslim_stepwise(model, prompt, steps, device="cuda").float().cpu()
+    monkeypatch.setattr(fla, "serves", lambda device, dtype=None: False)
+    torch_form = kvslim_stepwise(model, prompt, steps, device="cuda").float().cpu()
+    own = (torch_form - kvslim_stepwise(load_tiny(path).to("cuda"), prompt, steps, device="cuda").cpu()).abs().max()
+    assert (with_fla - torch_form).abs().max() <= own, ((with_fla - torch_form).abs().max(), own)
+
+
 @pytest.mark.parametrize("zero_centered", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_fused_rms_norm_cuda_takes_is_the_model_s_norm(zero_centered, dtype):
