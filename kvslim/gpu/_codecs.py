@@ -226,8 +226,8 @@ def _phased_tile(row, valid, lut, BLOCK_D: tl.constexpr, KIND: tl.constexpr, BIT
     code = _group_codes(first, mask, tl.arange(0, PHASES)[None, :, None], BITS)
     if HALF and OFFSET_AT == 0 and (LOOKUP == 4 or LOOKUP == 5):       # AFFINE or TABLE, in f16
         if LOOKUP == 4:                                                 # integer steps: exact in f16
-            first = tl.load(lut).to(tl.float16)
-            value = code.to(tl.float16) * (tl.load(lut + 1).to(tl.float16) - first) + first
+            base = tl.load(lut).to(tl.float16)
+            value = code.to(tl.float16) * (tl.load(lut + 1).to(tl.float16) - base) + base
         else:
             ENTRIES: tl.constexpr = 1 << BITS
             table = tl.load(lut + tl.arange(0, ENTRIES)).to(tl.float16)
