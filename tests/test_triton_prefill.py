@@ -38,6 +38,10 @@ LONG = ("f16", "q4_0", 64, 2, (1100, 5), (1096, 2), 4, 32, None)              # 
 ODD_PAGES = ("iq4_nl", "q4_0", 64, 3, (50, 7), (42, 0), 8, 12, 32)           # a page size not a power of two
 EXTRA = [MANY_ROWS, TILES_AND_SPLITS, LONG, ODD_PAGES]
 REFUSED = [("turbo4p", "f16")]   # a QJL sketch
+# the bf16 backend's prompts: f16 products, codes and scales read in f16 (turbo's and iq4_nl's
+# tables, q8_0's bytes, q4_0's steps, f16 rows), many rows in causal tiles
+F16_PRODUCTS = [("q8_0", "turbo4", 128, 4, (150, 37), (126, 20), 24, 16, None),
+                ("turbo3", "f16", 256, 2, (40,), (34,), 6, 16, 16), ("f16", "q4_0", 64, 2, (70,), (60,), 10, 16, None)]
 
 
 def _prefill_case(name_k, name_v, dim, group, lengths, firsts, chunk, page_size):
@@ -73,6 +77,7 @@ def _states_in_child(cases, path: Path) -> None:
                                      table[:1], lengths[:1])
     q = torch.zeros(2, 1, 300, 128)
     out["supports"] = [gpu.supports(formats.get(k), formats.get(v), q) for k, v in REFUSED + [("f16", "f16")]]
+    out["f16"] = [gpu.prefill_state(*_args(case), **_split(case), tune={"DOT": "f16"}) for case in F16_PRODUCTS]
     torch.save(out, path)
 
 
@@ -95,6 +100,18 @@ def _against_reference(interpreted, case):
     assert served
     args = _args(case)
     _check(got, _torch_state(*args), args[3], args[-1])
+
+
+@pytest.mark.parametrize("case", F16_PRODUCTS, ids=lambda c: f"{c[0]}-{c[1]}-d{c[2]}")
+def test_f16_products_stay_within_f16_rounding(interpreted, case):
+    """Prompt rows with f16 operands against the float32 reference: within ~1e-3, and rounded."""
+    args = _args(case)
+    m, l, acc = interpreted["f16"][F16_PRODUCTS.index(case)]
+    want = _torch_state(*args)
+    live = torch.minimum(args[3] + 1, args[-1][:, None]) > 0                # rows that see a key
+    assert torch.allclose(m[:, live], want.m[:, live], atol=1e-2, rtol=1e-2)
+    assert torch.allclose(acc[:, live] / l[:, live], want.result()[:, live], atol=1e-2, rtol=1e-2)
+    assert not torch.equal(m[:, live], want.m[:, live])
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-d{c[2]}-g{c[3]}")
