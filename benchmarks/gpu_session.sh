@@ -326,7 +326,10 @@ rerun() {
 # page size a constexpr). Then the decode table both ways, the f16 launch settings swept at 128K
 # (session 42's SASS counts favour 32 keys and 8 warps: is it faster?), and the 35B-A3B-shaped
 # model at depth 0, 32K and 128K with turbo3 (neither measured end to end yet), as kvslim serve
-# runs it (the bf16 backend).
+# runs it (the bf16 backend), with a profile of one slot's decode steps at depth 0 per pair:
+# session 41 measured q8_0/turbo4 1.6-1.9 ms a step slower than f16/f16 at depth 0, at -np 1
+# and 4 alike, where the launch counts differ by 30 small launches (a second append, the
+# rotations of q and of V's output): which kernel takes that time is not known.
 #   run(command="bash benchmarks/gpu_session.sh followup", carry=[".whl"], timeout_s=540)
 followup() {
     deadline=$((SECONDS + ${BUDGET:-500}))
@@ -337,8 +340,8 @@ followup() {
     decode_table 60
     KVSLIM_TRITON=1 timeout -k 5 "$(left 80)" $PY benchmarks/gpu_decode.py --sweep -d 131072 -b 1,8 -r 5 --dot f16 \
         -p f16/f16,turbo4/turbo4,turbo3/turbo3,q8_0/turbo4 2>&1 | tee "$OUT/sweep.md" | tail -40
-    KVSLIM_TRITON=1 timeout -k 5 "$(left 170)" $PY benchmarks/gpu_model.py -d 0,32768,131072 -np 1,4 -n 8 \
-        --pairs f16/f16,q8_0/turbo4,turbo3/turbo3 --attn-backend bf16 2>&1 | tee "$OUT/e2e.md" | tail -40
+    KVSLIM_TRITON=1 timeout -k 5 "$(left 190)" $PY benchmarks/gpu_model.py -d 0,32768,131072 -np 1,4 -n 8 \
+        --profile 4 --pairs f16/f16,q8_0/turbo4,turbo3/turbo3 --attn-backend bf16 2>&1 | tee "$OUT/e2e.md" | tail -40
     echo "followup: $SECONDS s"
 }
 
