@@ -246,8 +246,8 @@ def decode_tile(pool, row_off, valid, lut, HEAD_DIM: tl.constexpr, BLOCK_D: tl.c
                  BLOCK_BYTES: tl.constexpr, HEADER_BYTES: tl.constexpr, OFFSET_AT: tl.constexpr,
                  SUB_VALUES: tl.constexpr, SUB_BITS: tl.constexpr, LOOKUP: tl.constexpr,
                  PHASES: tl.constexpr = 1, HALF: tl.constexpr = False):
-    """Rows at byte offsets row_off (N,) of pool -> (N, BLOCK_D) float32 (f16 with HALF where
-    ``_phased_tile`` takes it) in the code domain;
+    """Rows at byte offsets row_off (N,) of pool -> (N, BLOCK_D) float32 in the code domain (f16
+    with HALF, the products' f16 operands: f16 rows, q8_0's bytes, the units' tables and steps);
     zeros where a key is not valid or past HEAD_DIM (so a masked key adds 0 * 0, never NaN).
     ``lut``: the 32 code values, then the ladder's rungs (LADDER_AT on).
     NIBBLE with BITS 5 (ggml q5_x): a u32 of each code's bit 4 precedes the nibbles; OFFSET_AT
