@@ -137,3 +137,21 @@ def test_a_short_align_list_drops_no_column():
     head, rule, row = markdown_table(["type", "ms", "GB/s"], [["q4_0", "0.5", "900"]], ["l", "r"]).splitlines()
     assert [c.strip() for c in head.split("|")[1:-1]] == ["type", "ms", "GB/s"]
     assert [c.strip() for c in row.split("|")[1:-1]] == ["q4_0", "0.5", "900"] and rule.count("|") == 4
+
+
+def test_tf32_rounding_of_the_delta_rule_benchmark(capsys):
+    """benchmarks/tf32_delta_rule.py: operands rounded to 10 mantissa bits, to nearest even, as
+    tensor cores take tf32; and its run prints the bundled model's difference."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("tf32_delta_rule",
+                                                  Path(__file__).resolve().parents[1] / "benchmarks" / "tf32_delta_rule.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    ulp = 2.0 ** -10
+    x = torch.tensor([1 + ulp / 2, 1 + 3 * ulp / 2, 1 + ulp / 4, -(1 + 3 * ulp / 4), 3.0, float("inf"), float("nan")])
+    got = bench.tf32(x)
+    assert got[:5].tolist() == [1.0, 1 + 2 * ulp, 1.0, -(1 + ulp), 3.0]          # ties to even, else nearest
+    assert got[5] == float("inf") and got[6].isnan()
+    bench.main(["-n", "16"])
+    out = capsys.readouterr().out
+    assert "16-token prompt" in out and "largest logit difference" in out

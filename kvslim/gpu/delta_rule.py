@@ -69,10 +69,12 @@ def gated_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: floa
 
 # Model dtypes fla-core's chunked prompt kernel serves. On sm_80 and later its products are tf32
 # (10-bit mantissas: fla sets no float32 precision for most of its tl.dot, and asks tf32 for its
-# triangular solve), below a bf16 or f16 model's own rounding, but not a float32 model's: the
-# tiny f32 models' logits moved up to 0.01 on 8-12% of values against the CPU on an H200
-# (session 41), as the torch chunked form does with its products' operands rounded to tf32 on
-# the CPU (0.006-0.010, 3-8%; session 42). A float32 model keeps the torch form's float32 products.
+# triangular solve), below a bf16 or f16 model's own rounding, but not a float32 model's: with
+# the kernels on, the tiny f32 models' logits moved up to 0.01 on 8-12% of values against the
+# CPU on an H200 (session 41), about what the torch chunked form does with its products'
+# operands rounded to tf32 on the CPU (0.006-0.010, 3-8%; benchmarks/tf32_delta_rule.py has the
+# bundled model's, which is less than its H200 figure). A float32 model keeps the torch form's
+# float32 products.
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
