@@ -143,8 +143,8 @@ def test_tf32_rounding_of_the_delta_rule_benchmark(capsys):
     """benchmarks/tf32_delta_rule.py: operands rounded to 10 mantissa bits, to nearest even, as
     tensor cores take tf32; and its run prints the bundled model's difference."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("tf32_delta_rule",
-                                                  Path(__file__).resolve().parents[1] / "benchmarks" / "tf32_delta_rule.py")
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "tf32_delta_rule.py"
+    spec = importlib.util.spec_from_file_location("tf32_delta_rule", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     ulp = 2.0 ** -10
