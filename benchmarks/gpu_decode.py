@@ -219,10 +219,13 @@ def _rows(pairs: list[str], depth: int, batch: int, args, copy: float) -> list[l
 # Session 42 added f16 settings that sm_90 SASS (Triton 3.6, codes and scales read in f16) rates
 # well: 32 keys and 8 warps (turbo4/turbo4 14.1 instructions a value, 128 registers, 2 programs
 # per SM, against 16.9 at 16 keys), 64 keys (12.4, 1 program), and 32 keys / 4 warps pipelined.
-# ``--dot`` given with ``--sweep`` keeps the settings of those products only.
-VARIANTS = [(16, 8, None, "ieee"), (16, 4, None, "ieee"), (16, 16, None, "ieee"), (4, 8, None, "fma"),
-            (8, 8, None, "fma"), (16, 8, None, "f16"), (16, 4, None, "f16"), (32, 4, None, "f16"),
-            (32, 8, None, "f16"), (64, 8, None, "f16"), (32, 4, 2, "f16")]
+# ``--dot`` given with ``--sweep`` keeps the settings of those products only. The fifth field:
+# PREFETCH (each block's pool rows read from the block table a block ahead).
+VARIANTS = [(16, 8, None, "ieee", False), (16, 4, None, "ieee", False), (16, 16, None, "ieee", False),
+            (4, 8, None, "fma", False), (8, 8, None, "fma", False), (16, 8, None, "f16", False),
+            (16, 4, None, "f16", False), (32, 4, None, "f16", False), (32, 8, None, "f16", False),
+            (64, 8, None, "f16", False), (32, 4, 2, "f16", False), (16, 8, None, "f16", True),
+            (32, 8, None, "f16", True)]
 SPLITS = (512,)
 
 
@@ -234,7 +237,7 @@ def _sweep_rows(pairs: list[str], depth: int, batch: int, args, copy: float) -> 
         print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)
     step, _, backend = sdpa_f16(depth, batch, args.device)
     base = _step_ms(step, args.runs, args.device)[1]                 # the ratios' baseline, this run's
-    emit(f"sdpa f16 ({backend})", depth, batch, "", "", "", "", "", "", f"{base:.3f}", "1.00", "", "", "")
+    emit(f"sdpa f16 ({backend})", depth, batch, "", "", "", "", "", "", "", f"{base:.3f}", "1.00", "", "", "")
     del step
     variants = [v for v in VARIANTS if args.dot is None or v[3] in args.dot.split(",")]
     for pair in pairs:
@@ -243,8 +246,9 @@ def _sweep_rows(pairs: list[str], depth: int, batch: int, args, copy: float) -> 
         read = batch * depth * N_KV * (k_pool.shape[3] + v_pool.shape[3])
         want = fmt_v.from_code_domain(loop_step(*inputs)().result())
         # every setting reads codes two bytes a load; the default's also as session 31 did (a load per value)
-        for block_n, warps, stages, dot, codecs in [(*v, "units") for v in variants] + [(*variants[0], "per-value")]:
-            tune = {"BLOCK_N": block_n, "num_warps": warps, "DOT": dot, "CODECS": codecs,
+        settings = [(*v, "units") for v in variants] + [(*variants[0], "per-value")]
+        for block_n, warps, stages, dot, prefetch, codecs in settings:
+            tune = {"BLOCK_N": block_n, "num_warps": warps, "DOT": dot, "CODECS": codecs, "PREFETCH": prefetch,
                     **({"num_stages": stages} if stages else {})}
             for split in SPLITS:
                 step = packed_step(*inputs, split, tune)
@@ -252,11 +256,12 @@ def _sweep_rows(pairs: list[str], depth: int, batch: int, args, copy: float) -> 
                     err = (step() - want).abs().max().item()
                     ms = _graph_ms(step, args.runs) if args.device.startswith("cuda") else _median_ms(step, 1, "cpu")
                 except Exception as exc:                             # a setting that does not compile or fit
-                    emit(pair, depth, batch, block_n, warps, stages or "", dot, codecs, split, "", "", "", "",
-                         f"{type(exc).__name__}: {str(exc).splitlines()[0][:60]}")
+                    emit(pair, depth, batch, block_n, warps, stages or "", dot, "yes" if prefetch else "", codecs,
+                         split, "", "", "", "", f"{type(exc).__name__}: {str(exc).splitlines()[0][:60]}")
                     continue
-                emit(pair, depth, batch, block_n, warps, stages or "", dot, codecs, split, f"{ms:.3f}",
-                     f"{ms / base:.2f}", f"{read / ms / 1e6:.0f}", f"{100 * read / ms / 1e6 / copy:.0f}%", f"{err:.1e}")
+                emit(pair, depth, batch, block_n, warps, stages or "", dot, "yes" if prefetch else "", codecs, split,
+                     f"{ms:.3f}", f"{ms / base:.2f}", f"{read / ms / 1e6:.0f}", f"{100 * read / ms / 1e6 / copy:.0f}%",
+                     f"{err:.1e}")
         del inputs, k_pool, v_pool
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -287,9 +292,9 @@ def main(argv=None) -> None:
     name = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu (interpreter)"
     print(f"{name}: device-to-device copy {copy:.0f} GB/s (read + written); median of {args.runs}\n")
     if args.sweep:                      # rows as they come (unaligned): a run cut short keeps its rows
-        print("| K/V | depth | batch | BLOCK_N | warps | stages | dot | codes | split | ms | x sdpa f16 | GB/s read "
-              "| of copy | max diff |")
-        print("|---|" + "---:|" * 13, flush=True)
+        print("| K/V | depth | batch | BLOCK_N | warps | stages | dot | prefetch | codes | split | ms | x sdpa f16 "
+              "| GB/s read | of copy | max diff |")
+        print("|---|" + "---:|" * 14, flush=True)
         for d in args.depths.split(","):
             for b in args.batches.split(","):
                 _sweep_rows(args.pairs.split(","), int(d), int(b), args, copy)

@@ -98,12 +98,12 @@ def main(argv=None) -> int:
     import triton
     print(f"Triton {triton.__version__}, sm_90 cubins; {args.rows} query rows, head_dim {args.head_dim}\n")
     rows = []
-    for block_n, warps, stages, dot in VARIANTS[:args.variants]:
+    for block_n, warps, stages, dot, prefetch in VARIANTS[:args.variants]:
         for pair in args.pairs.split(","):
             for codecs in args.codecs.split(","):
-                tune = {"BLOCK_N": block_n, "num_warps": warps, "DOT": dot, "CODECS": codecs,
+                tune = {"BLOCK_N": block_n, "num_warps": warps, "DOT": dot, "CODECS": codecs, "PREFETCH": prefetch,
                         **({"num_stages": stages} if stages else {})}
-                cells = [pair, codecs, block_n, warps, stages or "", dot]
+                cells = [pair, codecs, block_n, warps, stages or "", dot, "yes" if prefetch else ""]
                 try:
                     u = usage(*pair.split("/"), args.rows, args.head_dim, tune)
                 except Exception as exc:                                # a setting that does not compile
@@ -111,8 +111,9 @@ def main(argv=None) -> int:
                     continue
                 rows.append(cells + [u["regs"], u["stack"], f"{u['shared'] // 1024} KB", u["per_sm"], u["loop"],
                                      u["loads"], ""])
-    print(markdown_table(["K/V", "codes", "BLOCK_N", "warps", "stages", "dot", "registers", "stack B", "shared",
-                          "programs / SM", "loop instr.", "loop loads", "error"], rows, ["l", "l"] + ["r"] * 10 + ["l"]))
+    print(markdown_table(["K/V", "codes", "BLOCK_N", "warps", "stages", "dot", "prefetch", "registers", "stack B",
+                          "shared", "programs / SM", "loop instr.", "loop loads", "error"], rows,
+                         ["l", "l"] + ["r"] * 11 + ["l"]))
     return 0
 
 

@@ -51,7 +51,9 @@ REFUSED = [("turbo4p", "f16")]   # a QJL sketch
 TUNED = [{"BLOCK_N": 64, "num_warps": 4}, {"BLOCK_N": 32, "num_stages": 2, "DOT": "tf32x3"},
          {"BLOCK_N": 8, "DOT": "fma", "WIDE": True},     # fma: 3 query rows in a tile of 4, 8 keys a block
          {"DOT": "f16"},                                 # f16 operands: held to a looser bound below
-         {"CODECS": "per-value"}]                        # session 31's reading: a load per value
+         {"CODECS": "per-value"},                        # session 31's reading: a load per value
+         {"PREFETCH": True, "BLOCK_N": 8},               # rows a block ahead, blocks across pages of 12
+         {"PREFETCH": True, "DOT": "f16", "BLOCK_N": 32}]
 
 # f16 products on codes read from a table (turbo's Lloyd-Max, iq4_nl's), by integer steps (q4_0) or
 # as bytes (q8_0): values and scales taken in f16 and multiplied there; f16 rows read as they lie

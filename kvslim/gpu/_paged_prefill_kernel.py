@@ -38,7 +38,8 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
                        V_BYTES: tl.constexpr, V_HEADER: tl.constexpr, V_OFFSET: tl.constexpr,
                        V_SUB: tl.constexpr, V_SUB_BITS: tl.constexpr, V_LOOKUP: tl.constexpr,
                        K_PHASES: tl.constexpr = 1, V_PHASES: tl.constexpr = 1, AT_END: tl.constexpr = False,
-                       BY_SLOT: tl.constexpr = False, NORMALISE: tl.constexpr = False, GATED: tl.constexpr = False):
+                       BY_SLOT: tl.constexpr = False, NORMALISE: tl.constexpr = False, GATED: tl.constexpr = False,
+                       PREFETCH: tl.constexpr = False):
     """One (KV head, sequence, row tile, split): the online-softmax state of rows
     [tile * BLOCK_M, next tile) over keys [split * split_keys, next split), where row r sees key
     t < length with t <= q_pos[s, r], length = lengths[s] + length_offset. q (Hkv, S, R, D) of
@@ -49,7 +50,9 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
     table with BY_SLOT (the cache's whole table), else row s. Outputs m, l (Hkv, S, n_splits, R)
     and acc (Hkv, S, n_splits, R, D); with NORMALISE (one split), acc / l alone, into acc_out at
     strides (o_heads, o_seqs, o_rows, 1), in acc_out's type; with GATED too, times sigmoid of the
-    gate (Hkv, S, R, D) at strides (g_heads, g_seqs, g_rows, 1) (gated attention's output gate)."""
+    gate (Hkv, S, R, D) at strides (g_heads, g_seqs, g_rows, 1) (gated attention's output gate).
+    PREFETCH: each block's pool rows read from the block table one block ahead, so the K/V loads
+    of a block need not wait for a table load first (a launch setting for a lease to time)."""
     h = tl.program_id(0)
     s = tl.program_id(1)
     tile = tl.program_id(2) // n_splits
@@ -83,13 +86,17 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table_at = table_ptr + table_row * table_stride
+    if PREFETCH:                                                        # the first block's rows, before the loop
+        slot_next = _pool_rows(table_at, begin + tl.arange(0, BLOCK_N), end, PAGE_SIZE, WIDE)
     for start in range(begin, end, BLOCK_N):
         t = start + tl.arange(0, BLOCK_N)                               # key positions
         valid = t < end
-        page = tl.load(table_ptr + table_row * table_stride + t // PAGE_SIZE, mask=valid, other=0)
-        slot = page * PAGE_SIZE + t % PAGE_SIZE                         # the key's row within its head's pool
-        if WIDE:
-            slot = slot.to(tl.int64)
+        if PREFETCH:            # this block's rows were read a block ago; the next block's go out now
+            slot = slot_next
+            slot_next = _pool_rows(table_at, t + BLOCK_N, end, PAGE_SIZE, WIDE)
+        else:
+            slot = _pool_rows(table_at, t, end, PAGE_SIZE, WIDE)
         k = decode_tile(k_head, slot * k_row_bytes, valid, k_lut, HEAD_DIM, BLOCK_D,
                         K_KIND, K_BITS, K_VALUES, K_BYTES, K_HEADER, K_OFFSET, K_SUB, K_SUB_BITS, K_LOOKUP, K_PHASES,
                         DOT == "f16")
@@ -112,6 +119,17 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
         tl.store(m_out + part, m_i, mask=r_live)
         tl.store(l_out + part, l_i, mask=r_live)
         tl.store(acc_out + part[:, None] * HEAD_DIM + d[None, :], acc, mask=r_live[:, None] & d_live[None, :])
+
+
+@triton.jit
+def _pool_rows(table_at, t, end, PAGE_SIZE: tl.constexpr, WIDE: tl.constexpr):
+    """Key positions t (BLOCK_N,) -> their rows within a head's pool, through the sequence's
+    block-table row at ``table_at`` (0 past ``end``: never read, masked)."""
+    page = tl.load(table_at + t // PAGE_SIZE, mask=t < end, other=0)
+    slot = page * PAGE_SIZE + t % PAGE_SIZE
+    if WIDE:
+        slot = slot.to(tl.int64)
+    return slot
 
 
 @triton.jit

@@ -153,9 +153,10 @@ def _phases(f: CodecFields, head_dim: int) -> int:
 # f16 operands with float32 sums on tensor cores, as llama.cpp and vLLM take them; "fma":
 # broadcast products without tl.dot, whose tiles need not be 16 wide, so a decode tile holds
 # just its query rows); WIDE: 64-bit row offsets, which the launcher turns on by itself where
-# a KV head's pool reaches 2 GB; CODECS: "units" (the default) or "per-value" (``_codec_args``).
+# a KV head's pool reaches 2 GB; CODECS: "units" (the default) or "per-value" (``_codec_args``);
+# PREFETCH: each block's pool rows read from the block table a block ahead (off by default, untimed).
 CODECS = ("units", "per-value")
-TUNABLE = ("BLOCK_N", "num_warps", "num_stages", "DOT", "WIDE", "CODECS")
+TUNABLE = ("BLOCK_N", "num_warps", "num_stages", "DOT", "WIDE", "CODECS", "PREFETCH")
 DOTS = ("ieee", "tf32x3", "tf32", "f16", "fma")
 
 
