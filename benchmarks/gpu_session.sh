@@ -299,9 +299,10 @@ image() {
 # are left out (the interpreter's bf16 tl.dot is wrong). About 2 minutes on 2 cores.
 #   bash benchmarks/gpu_session.sh rehearse
 rehearse() {
+    local bf16_gemms="(compiled_kernels_on_cuda or grouped_gemm_on_cuda) and bf16"
     # shellcheck disable=SC2086
     TRITON_INTERPRET=1 KVSLIM_TRITON=1 PYTHONPATH="$PWD:$PWD/.venv/fla" .venv/bin/python $PYTEST -n 2 \
-        -p tests.rehearse_cuda $KERNEL_TESTS -k "cuda and not (compiled_kernels_on_cuda and gemm and bf16)"
+        -p tests.rehearse_cuda $KERNEL_TESTS -k "cuda and not ($bf16_gemms)"
 }
 
 # Session 41's second call, after verify's first (docs/gpu-runs/session41-h200): the kernel tests

@@ -43,6 +43,7 @@ GEMV += [("gemv", t, m, n, COLS[t], split) for t, (m, n, split) in zip(ROTATED, 
 PER_VALUE = [("per-value gemv", t.name.lower(), 5, 40, COLS[t.name.lower()], None) for t in gpu.BLOCKWISE]
 GEMM = [("gemm", t, m, n, COLS[t], dot) for t in TYPES for m, n, dot in ((33, 64, "ieee"), (40, 40, "fp16"))]
 GEMM += [("gemm", "q6_k", 130, 32, 256, "ieee")]                       # two M tiles of 128
+GEMM += [("gemm", "q4_0", 20, 48, COLS["q4_0"], "fp16")]                 # 32 rows a tile: Q4_0's exact codes
 # ("values", type, K, N, K, "ieee"): the exact GEMM of the K x K identity gives W's values themselves
 VALUES = [("values", t, 256, 32, 256, "ieee") for t in TYPES]
 # ("linear", type, x's leading shape, N, K, bias?, reordered columns?)
@@ -510,6 +511,8 @@ def _experts_in_child(cases, path: Path) -> None:
     out["mixture add norm"] = [_mixture_add_norm_runs(i) for i in range(MIXTURE_ADD_NORM)]
     mats, blocks, x, ids = _expert_inputs(EXPERT_CASES[1], 1)
     out["q8 experts"] = gpu.gemv_experts(x, blocks, ids, mats[0].wtype.ggml_type, q8=True)
+    mats, blocks, x, ids = _expert_inputs(HALF_GROUPED, EXPERT_CASES.index(HALF_GROUPED))
+    out["half grouped"] = gpu.experts_matmul(x.half(), blocks, gpu.route(ids, len(mats)), mats[0].wtype.ggml_type)
     for tokens in MOE_TOKENS:
         module, x, w, experts = _moe_module(tokens=tokens)
         out[tokens] = module.groups(x, experts), module(x, w, experts)
@@ -535,6 +538,7 @@ MOE_TOKENS = (3, 90)          # 6 pairs: the expert GEMV; 180: the grouped GEMM
 # experts' fused [gate; up] matrices through ``experts_swiglu`` (EXPERT_CASES' inputs, x's dtype):
 # the expert GEMV's own launch in float32 and bf16, and the grouped GEMM then silu_mul
 EXPERT_SWIGLU = [EXPERT_CASES[0] + ("float32",), EXPERT_CASES[2] + ("bfloat16",), EXPERT_CASES[4] + ("float32",)]
+HALF_GROUPED = EXPERT_CASES[4]           # q4_0, 150 pairs: the grouped GEMM, here with f16 x (tl.dot in f16)
 
 
 # a mixture's down projection with its combine in the expert GEMV's launch: (type, E, N, K,
@@ -710,6 +714,21 @@ def test_routed_experts_match_gguf_dequantize(interpreted_experts, case):
     for p in range(x.shape[0]):
         dense = torch.from_numpy(gguf.quants.dequantize(mats[ids[p]].data.numpy(), mats[0].wtype.ggml_type)).double()
         want, bound = dense @ x[p].double(), dense.abs() @ x[p].double().abs()
+        assert ((got[p].double() - want).abs() <= TOLERANCE["ieee"] * bound + 1e-6).all(), p
+
+
+def test_q4_0_grouped_gemm_in_f16_takes_exact_codes_and_scales_after(interpreted_experts):
+    """The grouped GEMM with f16 products on Q4_0: each block's codes c - 8 exactly in f16, one
+    product, then the block's scale in float32. Against float64 from gguf.quants with x in f16
+    as given, float32 sums' bound: the dequantized tile's values, d (c - 8) rounded to f16, were
+    off by up to 2^-11 relative and failed it."""
+    got = interpreted_experts["half grouped"]
+    mats, _, x, ids = _expert_inputs(HALF_GROUPED, EXPERT_CASES.index(HALF_GROUPED))
+    x = x.half().double()
+    assert gpu.route(ids, len(mats)).tile_expert is not None                  # the grouped GEMM, not the GEMV
+    for p in range(x.shape[0]):
+        dense = torch.from_numpy(gguf.quants.dequantize(mats[ids[p]].data.numpy(), mats[0].wtype.ggml_type)).double()
+        want, bound = dense @ x[p], dense.abs() @ x[p].abs()
         assert ((got[p].double() - want).abs() <= TOLERANCE["ieee"] * bound + 1e-6).all(), p
 
 
@@ -1065,6 +1084,21 @@ def test_experts_swiglu_on_cuda_matches_gguf_dequantize(case):
     for p in range(x.shape[0]):
         dense = torch.from_numpy(gguf.quants.dequantize(mats[ids[p]].data.numpy(), mats[0].wtype.ggml_type)).double()
         _check_swiglu(got[p:p + 1], xs[p:p + 1].float(), dense, xs.dtype)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the compiled kernels wait for a GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_q4_0_grouped_gemm_on_cuda_takes_exact_codes(dtype):
+    """``test_q4_0_grouped_gemm_in_f16_takes_exact_codes_and_scales_after`` compiled, and in bf16
+    (the interpreter's bf16 tl.dot is wrong): the codes' c - 8 from their bits in either type."""
+    compiled_process()
+    mats, blocks, x, ids = _expert_inputs(HALF_GROUPED, EXPERT_CASES.index(HALF_GROUPED))
+    x = x.to(dtype)
+    got = gpu.experts_matmul(x.cuda(), blocks.cuda(), gpu.route(ids.cuda(), len(mats)), mats[0].wtype.ggml_type).cpu()
+    for p in range(x.shape[0]):
+        dense = torch.from_numpy(gguf.quants.dequantize(mats[ids[p]].data.numpy(), mats[0].wtype.ggml_type)).double()
+        want, bound = dense @ x[p].double(), dense.abs() @ x[p].double().abs()
+        assert ((got[p].double() - want).abs() <= TOLERANCE["ieee"] * bound + 1e-6).all(), p
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the compiled kernels wait for a GPU")
