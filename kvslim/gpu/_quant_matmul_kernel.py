@@ -1009,7 +1009,9 @@ def _weight_product(acc, x, w_ptr, grid_ptr, rows, start, row_bytes, N, K, TYPE:
     dequantized (``_dequantize_tile``), rounded to the products' type, one tl.dot: with more
     rows the dequantized tile is shared by them, and scaling the (BM, BN) products each step
     costs more than it saves (sm_90, bf16, 4 warps: 16 rows 353 -> 271 instructions a step, 32
-    rows 377 -> 310, 64 rows 422 -> 421 with 80 -> 172 registers; 128 rows, 8 warps, 240 -> 331)."""
+    rows 377 -> 310, 64 rows 422 -> 421 with 80 -> 172 registers; 128 rows, 8 warps, 240 -> 331).
+    Q4_K the same way (its min term as a second product against ones, or as a sum of x across
+    the tile's threads) took 428 or 462 instructions a step against the dequantized tile's 372."""
     if TYPE == Q4_0 and BLOCK_K == 32 and x.shape[0] <= 32 and DOT_DTYPE != tl.float32:
         acc += _q4_0_block_product(x.to(DOT_DTYPE), w_ptr, rows, start, row_bytes, N, DOT_DTYPE, PRECISION)
     else:
