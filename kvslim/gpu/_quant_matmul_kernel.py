@@ -1008,8 +1008,9 @@ def _weight_product(acc, x, w_ptr, grid_ptr, rows, start, row_bytes, N, K, TYPE:
     grouped experts' 16-slot tiles, short prompts): ``_q4_0_block_product``. Else W's values
     dequantized (``_dequantize_tile``), rounded to the products' type, one tl.dot: with more
     rows the dequantized tile is shared by them, and scaling the (BM, BN) products each step
-    costs more than it saves (sm_90, bf16, 4 warps: 16 rows 353 -> 271 instructions a step, 32
-    rows 377 -> 310, 64 rows 422 -> 421 with 80 -> 172 registers; 128 rows, 8 warps, 240 -> 331).
+    costs more than it saves (sm_90, bf16, 4 warps: 16 rows 353 -> 249 instructions a step, 32
+    rows 377 -> 273; in session 42's first form 64 rows 422 -> 421 with 80 -> 172 registers and
+    128 rows, 8 warps, 240 -> 331).
     Q4_K the same way (its min term as a second product against ones, or as a sum of x across
     the tile's threads) took 428 or 462 instructions a step against the dequantized tile's 372."""
     if TYPE == Q4_0 and BLOCK_K == 32 and x.shape[0] <= 32 and DOT_DTYPE != tl.float32:
@@ -1026,14 +1027,19 @@ def _q4_0_block_product(x, w_ptr, rows, start, row_bytes, N, DOT_DTYPE: tl.const
     of W's rows (BN,) -> (BM, BN) float32: the codes' c - 8 exactly in the half type (by
     their bits: 128 + c in bf16, 1024 + c in f16, less 136 or 1032), one tensor-core product,
     then each row's scale d in float32. W's values are never d (c - 8) rounded to the half type,
-    as the dequantized tile's were: the products are exact, the sums float32's. sm_90 SASS of the
-    grouped experts' GEMM (Triton 3.6, bf16, 16 x 64 x 32): 350 -> 280 instructions a step, 122
-    -> 104 registers; the dequantized tile took an int-to-float conversion, a product and a
+    as the dequantized tile's were: the products are exact, the sums float32's. The codes come
+    two bytes a load, four to a unit, in the unit's order; x's columns are permuted to match
+    (a sum's terms in another order). sm_90 SASS of the grouped experts' GEMM (Triton 3.6, bf16,
+    16 x 64 x 32): 350 -> 249 instructions a step, 122 -> 90 registers (280 and 104 with a byte
+    load per value); the dequantized tile took an int-to-float conversion, a product and a
     rounding per value, and went to shared memory a value at a time."""
     ok = rows < N
     block = w_ptr + rows.to(tl.int64) * row_bytes + (start // 32) * 18                 # (BN,) block starts
-    j = tl.arange(0, 32)[None, :]
-    q = (tl.load(block[:, None] + 2 + j % 16, mask=ok[:, None], other=0).to(tl.int32) >> (4 * (j // 16))) & 0x0F
+    units = tl.load((block + 2).to(tl.pointer_type(tl.uint16))[:, None] + tl.arange(0, 8)[None, :],
+                    mask=ok[:, None], other=0).to(tl.int32)                             # (BN, 8): bytes 2w, 2w + 1
+    q = tl.reshape((units[:, None, :] >> (4 * tl.arange(0, 4)[None, :, None])) & 0x0F, (units.shape[0], 32))
+    # column p * 8 + w holds value 2w + 16 (p % 2) + p // 2; x's columns j = 16 h + 2 w + l go to (2 l + h) * 8 + w
+    x = tl.reshape(tl.permute(tl.reshape(x, (x.shape[0], 2, 8, 2)), (0, 3, 1, 2)), (x.shape[0], 32))
     if DOT_DTYPE == tl.bfloat16:
         w = (q | 0x4300).to(tl.uint16).to(tl.bfloat16, bitcast=True) - 136.0
     else:
