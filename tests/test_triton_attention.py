@@ -347,6 +347,27 @@ def test_compiled_kernel_on_cuda_matches_torch_block_loop(case):
     _check(got, _torch_state(fmt_k, fmt_v, *tensors), tensors[-1])
 
 
+# issue 18's parity matrix: every K and V of these formats, each head_dim, each GQA group, on the GPU
+MATRIX_FORMATS = ("f16", "q8_0", "q4_0", "iq4_nl", "turbo4", "turbo3", "turbo2")
+MATRIX = [(k, v, dim) for k in MATRIX_FORMATS for v in MATRIX_FORMATS for dim in (64, 128, 256)]
+MATRIX_GROUPS = (1, 4, 8)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the compiled kernel waits for a GPU")
+@pytest.mark.parametrize("name_k,name_v,dim", MATRIX, ids=lambda c: str(c))
+def test_every_pair_head_dim_and_group_decodes_on_cuda(name_k, name_v, dim):
+    """Decode's kernel compiled, at GQA 1, 4 and 8, against the torch block loop on the CPU: float32
+    products to the kernel tests' tolerance, f16 products (the bf16 backend's) to f16's."""
+    compiled_process()
+    for group in MATRIX_GROUPS:
+        fmt_k, fmt_v, *tensors = _case(name_k, name_v, dim, group, list(LENGTHS), page_size=16)
+        on_gpu = [t.cuda() for t in tensors]
+        want = _torch_state(fmt_k, fmt_v, *tensors)
+        _check([x.cpu() for x in gpu.decode_state(fmt_k, fmt_v, *on_gpu, split_keys=64)], want, tensors[-1])
+        half = [x.cpu() for x in gpu.decode_state(fmt_k, fmt_v, *on_gpu, split_keys=64, tune={"DOT": "f16"})]
+        _check_f16_products(half, want, tensors[-1])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the compiled kernel waits for a GPU")
 @pytest.mark.parametrize("step", STEPS, ids=lambda c: f"{c[0]}-{c[1]}-d{c[2]}-g{c[3]}-{c[7]}")
 def test_a_decode_step_on_cuda_matches_the_ops_torch_form(step):

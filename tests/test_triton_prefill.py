@@ -22,7 +22,7 @@ from kvslim.gpu import available
 from kvslim.gpu import paged_prefill as gpu
 
 from .test_native_attention import _case
-from .test_triton_attention import PAIRS, SHAPES
+from .test_triton_attention import MATRIX, MATRIX_GROUPS, PAIRS, SHAPES
 from .triton_harness import check_state, compile_for_sm90, compiled_process, run_interpreted
 
 pytestmark = pytest.mark.skipif(not available(), reason="triton is not installed: no GPU kernel to check")
@@ -168,6 +168,19 @@ def test_compiled_kernel_on_cuda_matches_torch_block_loop(case):
     assert gpu.supports(fmt_k, fmt_v, on_gpu[0])
     got = [x.cpu() for x in gpu.prefill_state(fmt_k, fmt_v, *on_gpu, **_split(case))]
     _check(got, _torch_state(fmt_k, fmt_v, *tensors), tensors[1], tensors[-1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the compiled kernel waits for a GPU")
+@pytest.mark.parametrize("name_k,name_v,dim", MATRIX, ids=lambda c: str(c))
+def test_every_pair_head_dim_and_group_prefills_on_cuda(name_k, name_v, dim):
+    """The prompt kernel compiled, at GQA 1, 4 and 8 (chunks of 4 rows a head, causal), against
+    the torch block loop on the CPU (issue 18's parity matrix, as the decode test's)."""
+    compiled_process()
+    for group in MATRIX_GROUPS:
+        case = (name_k, name_v, dim, group, LENGTHS, FIRSTS, 4, 16, 64)
+        fmt_k, fmt_v, *tensors = _args(case)
+        got = [x.cpu() for x in gpu.prefill_state(fmt_k, fmt_v, *[t.cuda() for t in tensors], **_split(case))]
+        _check(got, _torch_state(fmt_k, fmt_v, *tensors), tensors[1], tensors[-1])
 
 
 SM90 = [("q8_0", "turbo4", 256), ("iq4_nl", "turbo3", 128), ("f16", "bf16", 64)]
