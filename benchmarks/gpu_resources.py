@@ -3,6 +3,7 @@ memory, and the instructions of one block of keys.
 
     python benchmarks/gpu_resources.py [-p f16/f16,turbo4/turbo4,q8_0/q8_0] [--rows 8] [--head-dim 256]
                                        [--codecs units,per-value]
+    python benchmarks/gpu_resources.py --gemm q4_0,q4_k [--gemm-rows 16,32,64,128] [--gemm-dot bf16]
 
 Compiles ``paged_prefill_tile`` for sm_90 with Triton's CUDA backend (it needs no device) at
 each launch setting of ``gpu_decode.VARIANTS`` and reads the cubin's resource usage with the
@@ -66,20 +67,49 @@ def usage(name_k: str, name_v: str, rows: int, head_dim: int, tune: dict) -> dic
     pointers = dict(paged_prefill.POINTER_ARGS, q_ptr="*bf16")          # the layer's bf16 queries, read in place
     compiled = compile_sm90(kernel.paged_prefill_tile, pointers, config,
                             paged_prefill.aligned_args(fmt_k, fmt_v, head_dim), **options)   # as a launch aligns
+    return report(compiled, "paged_prefill_tile", options["num_warps"])
+
+
+def report(compiled, name: str, num_warps: int) -> dict:
+    """A compiled kernel's registers and stack per thread, shared bytes, programs per SM and its
+    longest loop's instructions and global loads per thread (``cuobjdump`` from Triton's wheel)."""
+    import triton
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "kernel.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
         tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-        report = subprocess.run([str(tool), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
+        usage_text = subprocess.run([str(tool), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
         sass = subprocess.run([str(tool), "-sass", str(cubin)], capture_output=True, text=True).stdout
-    section = report[report.find("Function paged_prefill_tile"):]
+    section = usage_text[usage_text.find(f"Function {name}"):]
     found = {k: int(v) for k, v in re.findall(r"\b(REG|STACK):(\d+)", section)}
-    threads, shared = 32 * options["num_warps"], compiled.metadata.shared
+    threads, shared = 32 * num_warps, compiled.metadata.shared
     by_regs = SM90_REGISTERS // max(1, found.get("REG", 0) * threads)
     instructions, loads = loop_counts(sass)
     return {"regs": found.get("REG"), "stack": found.get("STACK"), "shared": shared,
             "per_sm": min(by_regs, SM90_SHARED // shared if shared else by_regs),
             "loop": instructions, "loads": loads}
+
+
+def gemm_usage(name: str, dot: str, rows: int, grouped: bool) -> dict:
+    """``report`` for a prompt's GEMM on ``name`` blocks with ``dot`` products: the grouped
+    experts' (``quant_gemm_experts``, tiles of ``rows`` slots, routing weights applied) or the
+    dense one (``quant_gemm``, the launcher's tile for ``rows`` rows of x), as a launch aligns."""
+    from kvslim import weights
+    from kvslim.gpu import _quant_matmul_kernel as kernel
+    from kvslim.gpu import compile_sm90
+    from kvslim.gpu import quant_matmul
+    config = quant_matmul.gemm_config(rows)
+    num_warps = config.pop("num_warps")
+    dtype, precision = kernel.DOTS[dot]
+    constexprs = dict(config, TYPE=int(weights.get(name).ggml_type), DOT_DTYPE=dtype, PRECISION=precision)
+    pointers = {"x_ptr": "*" + dot, "w_ptr": "*u8", "grid_ptr": "*i8", "y_ptr": "*" + dot}
+    fn, sizes = kernel.quant_gemm, ("N", "K", "row_bytes")
+    if grouped:
+        pointers.update(pairs_ptr="*i32", tile_expert_ptr="*i32", scale_ptr="*" + dot, y_ptr="*fp32")
+        constexprs["SCALED"] = True
+        fn, sizes = kernel.quant_gemm_experts, ("N", "K", "row_bytes", "expert_bytes")
+    return dict(report(compile_sm90(fn, pointers, constexprs, sizes, num_warps=num_warps), fn.__name__, num_warps),
+                **config)
 
 
 def main(argv=None) -> int:
@@ -89,6 +119,10 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=256)
     ap.add_argument("--variants", type=int, default=len(VARIANTS), help="the first N of gpu_decode.VARIANTS (1: the default)")
     ap.add_argument("--codecs", default="units", help="how codes are read: units (the default), per-value (session 31's), or both")
+    ap.add_argument("--gemm", default=None, metavar="TYPES",
+                    help="instead: a prompt's GEMMs on these weight types (q4_0,q4_k), grouped and dense")
+    ap.add_argument("--gemm-rows", default="16,32,64,128", help="with --gemm: rows of x a tile")
+    ap.add_argument("--gemm-dot", default="bf16", help="with --gemm: the products' type (bf16, fp16, ieee)")
     args = ap.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)
     try:
@@ -96,6 +130,19 @@ def main(argv=None) -> int:
     except ImportError:
         sys.exit("this triton has no CUDA backend")
     import triton
+    if args.gemm:
+        print(f"Triton {triton.__version__}, sm_90 cubins; a prompt's GEMMs, {args.gemm_dot} products; "
+              f"'loop': a step of BLOCK_K columns\n")
+        table = []
+        for name in args.gemm.split(","):
+            for grouped in (True, False):
+                for n_rows in (int(r) for r in args.gemm_rows.split(",")):
+                    u = gemm_usage(name, args.gemm_dot, n_rows, grouped)
+                    table.append([name, "grouped experts" if grouped else "dense", u["BLOCK_M"], u["BLOCK_N"],
+                                  u["BLOCK_K"], u["regs"], u["stack"], u["per_sm"], u["loop"], u["loads"]])
+        print(markdown_table(["type", "GEMM", "BLOCK_M", "BLOCK_N", "BLOCK_K", "registers", "stack B",
+                              "programs / SM", "loop instr.", "loop loads"], table, ["l", "l"] + ["r"] * 8))
+        return 0
     print(f"Triton {triton.__version__}, sm_90 cubins; {args.rows} query rows, head_dim {args.head_dim}\n")
     rows = []
     for block_n, warps, stages, dot, prefetch in VARIANTS[:args.variants]:
