@@ -4,6 +4,7 @@ memory, and the instructions of one block of keys.
     python benchmarks/gpu_resources.py [-p f16/f16,turbo4/turbo4,q8_0/q8_0] [--rows 8] [--head-dim 256]
                                        [--codecs units,per-value]
     python benchmarks/gpu_resources.py --gemm q4_0,q4_k [--gemm-rows 16,32,64,128] [--gemm-dot bf16]
+    (either with --ops N: each row's N commonest opcodes in the loop)
 
 Compiles ``paged_prefill_tile`` for sm_90 with Triton's CUDA backend (it needs no device) at
 each launch setting of ``gpu_decode.VARIANTS`` and reads the cubin's resource usage with the
@@ -25,6 +26,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -36,16 +38,21 @@ from kvslim.tables import markdown_table  # noqa: E402
 SM90_REGISTERS, SM90_SHARED = 65536, 228 * 1024
 
 
-def loop_counts(sass: str) -> tuple[int, int]:
-    """(instructions, global loads) of the longest loop in cuobjdump's SASS: the addresses from
-    a backward branch's target to the branch."""
+def loop_ops(sass: str) -> list[str]:
+    """The opcodes of the longest loop in cuobjdump's SASS: the addresses from a backward
+    branch's target to the branch."""
     code = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)[^;]*;", sass)]
     loops = [(int(t, 16), int(a, 16)) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA[^;]*?0x([0-9a-f]+)", sass)
              if int(t, 16) < int(a, 16)]
     if not loops:
-        return 0, 0
+        return []
     first, last = max(loops, key=lambda span: span[1] - span[0])
-    body = [op for at, op in code if first <= at <= last]
+    return [op for at, op in code if first <= at <= last]
+
+
+def loop_counts(sass: str) -> tuple[int, int]:
+    """(instructions, global loads) of the longest loop in cuobjdump's SASS."""
+    body = loop_ops(sass)
     return len(body), sum(op.startswith("LDG") for op in body)
 
 
@@ -87,7 +94,7 @@ def report(compiled, name: str, num_warps: int) -> dict:
     instructions, loads = loop_counts(sass)
     return {"regs": found.get("REG"), "stack": found.get("STACK"), "shared": shared,
             "per_sm": min(by_regs, SM90_SHARED // shared if shared else by_regs),
-            "loop": instructions, "loads": loads}
+            "loop": instructions, "loads": loads, "ops": Counter(op.split(".")[0] for op in loop_ops(sass))}
 
 
 def gemm_usage(name: str, dot: str, rows: int, grouped: bool) -> dict:
@@ -112,6 +119,10 @@ def gemm_usage(name: str, dot: str, rows: int, grouped: bool) -> dict:
                 **config)
 
 
+def _top_ops(u: dict, n: int) -> str:
+    return ", ".join(f"{op} {count}" for op, count in u["ops"].most_common(n))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-p", "--pairs", default="f16/f16,q8_0/q8_0,turbo4/turbo4")
@@ -119,6 +130,8 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=256)
     ap.add_argument("--variants", type=int, default=len(VARIANTS), help="the first N of gpu_decode.VARIANTS (1: the default)")
     ap.add_argument("--codecs", default="units", help="how codes are read: units (the default), per-value (session 31's), or both")
+    ap.add_argument("--ops", type=int, default=0, metavar="N",
+                    help="also each row's N commonest opcodes in the loop (where a step's instructions go)")
     ap.add_argument("--gemm", default=None, metavar="TYPES",
                     help="instead: a prompt's GEMMs on these weight types (q4_0,q4_k), grouped and dense")
     ap.add_argument("--gemm-rows", default="16,32,64,128", help="with --gemm: rows of x a tile")
@@ -139,9 +152,11 @@ def main(argv=None) -> int:
                 for n_rows in (int(r) for r in args.gemm_rows.split(",")):
                     u = gemm_usage(name, args.gemm_dot, n_rows, grouped)
                     table.append([name, "grouped experts" if grouped else "dense", u["BLOCK_M"], u["BLOCK_N"],
-                                  u["BLOCK_K"], u["regs"], u["stack"], u["per_sm"], u["loop"], u["loads"]])
+                                  u["BLOCK_K"], u["regs"], u["stack"], u["per_sm"], u["loop"], u["loads"],
+                                  _top_ops(u, args.ops)])
         print(markdown_table(["type", "GEMM", "BLOCK_M", "BLOCK_N", "BLOCK_K", "registers", "stack B",
-                              "programs / SM", "loop instr.", "loop loads"], table, ["l", "l"] + ["r"] * 8))
+                              "programs / SM", "loop instr.", "loop loads", "ops"], table,
+                             ["l", "l"] + ["r"] * 8 + ["l"]))
         return 0
     print(f"Triton {triton.__version__}, sm_90 cubins; {args.rows} query rows, head_dim {args.head_dim}\n")
     rows = []
@@ -157,9 +172,9 @@ def main(argv=None) -> int:
                     rows.append(cells + [""] * 6 + [type(exc).__name__])
                     continue
                 rows.append(cells + [u["regs"], u["stack"], f"{u['shared'] // 1024} KB", u["per_sm"], u["loop"],
-                                     u["loads"], ""])
+                                     u["loads"], _top_ops(u, args.ops)])
     print(markdown_table(["K/V", "codes", "BLOCK_N", "warps", "stages", "dot", "prefetch", "registers", "stack B",
-                          "shared", "programs / SM", "loop instr.", "loop loads", "error"], rows,
+                          "shared", "programs / SM", "loop instr.", "loop loads", "error / ops"], rows,
                          ["l", "l"] + ["r"] * 11 + ["l"]))
     return 0
 
