@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from ._rotation_kernel import hadamard
+from ._rotation_kernel import hadamard, times_matrix
 
 # The encoder kinds and float types, as kv_append.KINDS and FLOAT_TYPES number them (constexpr:
 # a jitted function reads no other globals).
@@ -293,18 +293,18 @@ def _encode_grid_sub(y, out, live, table, mids, tries, ladder, N_TRIES: tl.const
 
 
 @triton.jit
-def _encode_turbo(x, out, live, rot_m, bounds, cents, limit, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+def _encode_turbo(x, x_at, out, live, rot_m, bounds, cents, limit, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                   NB: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, BLOCK_BYTES: tl.constexpr):
-    """TurboQuant MSE per group of x (BLOCK_M, NB, BLOCK) (GROUP values, padded to BLOCK): the norm, the
-    unit vector rotated by R (y = R u, one fp32 tl.dot for all groups), each value's bucket, scale
-    norm / |centroids[codes]|. -> the row's overflow flag (a group norm non-finite or past limit)."""
+    """TurboQuant MSE per group of x (BLOCK_M, NB, BLOCK) (GROUP values, padded to BLOCK; read again
+    at x_at (BLOCK_M, NB, 1) pointers for the product): the norm, the unit vector rotated by R
+    (y = R u: fp32 products, ``times_matrix``), each value's bucket, scale norm / |centroids[codes]|.
+    -> the row's overflow flag (a group norm non-finite or past limit)."""
     i = tl.arange(0, BLOCK)
     inside = i[None, None, :] < GROUP
     norm = tl.math.sqrt_rn(tl.sum(x * x, 2))
-    unit = _div(x, tl.maximum(norm, 1e-30)[:, :, None])
-    rt = tl.load(rot_m + i[None, :] * GROUP + i[:, None], mask=(i[:, None] < GROUP) & (i[None, :] < GROUP),
-                 other=0.0)                                                 # R^T (BLOCK, BLOCK), zero padded
-    y = tl.dot(tl.reshape(unit, (BLOCK_M * NB, BLOCK)), rt, input_precision="ieee")
+    # R^T's element (k, j) is R[j, k]: rows at stride 1, columns at GROUP
+    y = times_matrix(x_at, live[:, :, None], rot_m, 1, GROUP, tl.maximum(norm, 1e-30)[:, :, None], GROUP,
+                     BLOCK_M * NB, BLOCK, DIVIDE=True)
     codes = _count_below(tl.reshape(y, (BLOCK_M, NB, BLOCK)), bounds, (1 << BITS) - 1)
     c = tl.where(inside, tl.load(cents + codes), 0.0)
     scale = _div(norm, tl.math.sqrt_rn(tl.sum(c * c, 2)))
@@ -351,8 +351,8 @@ def kv_append_rows(x_ptr, pool, table_ptr, slots_ptr, pos_ptr, flags_ptr, rot_m,
         m3 = r_live[:, None, None] & (b < N_BLOCKS) & (i < GROUP)
         x = tl.load(x_row[:, None, None] + b * GROUP + i, mask=m3, other=0.0)
         live = r_live[:, None] & (tl.arange(0, NB)[None, :] < N_BLOCKS)
-        bad = _encode_turbo(x.to(tl.float32), out[:, None], live, rot_m, bounds, cents, limit, GROUP, BLOCK_M,
-                            NB, BLOCK, BITS, BLOCK_BYTES)
+        bad = _encode_turbo(x.to(tl.float32), x_row[:, None, None] + b * GROUP, out[:, None], live, rot_m, bounds,
+                            cents, limit, GROUP, BLOCK_M, NB, BLOCK, BITS, BLOCK_BYTES)
     else:
         d = tl.arange(0, BLOCK_D)[None, :]
         mask = r_live[:, None] & (d < HEAD_DIM)
