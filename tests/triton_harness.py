@@ -109,6 +109,22 @@ def compile_for_sm90(fn, pointers: dict[str, str], constexprs: dict, num_warps: 
         pytest.skip("this triton has no CUDA backend")
 
 
+def spilled_bytes(compiled) -> int:
+    """Bytes of stack (register spills) a thread of the compiled kernel takes, as ptxas reports
+    them (``cuobjdump -res-usage`` from Triton's wheel): PTX does not show spills."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        usage = subprocess.run([str(tool), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
+    return max(int(n) for n in re.findall(r"STACK:(\d+)", usage))
+
+
 def check_state(got, want, live: torch.Tensor) -> None:
     """A kernel's online-softmax state (m, l, acc) against the torch loop's ``_OnlineSoftmax``:
     rows where ``live`` (sequences (S,) or rows (S, R)) see a key match within the C kernel's
