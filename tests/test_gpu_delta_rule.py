@@ -22,8 +22,8 @@ from .triton_harness import FLA_PATH, run_interpreted
 def test_the_cpu_never_takes_fla():
     """fla-core never serves the CPU: prompts take the C recurrence (or, without a compiler, the
     torch chunked form; tests/test_native_delta_rule.py)."""
-    assert not fla.serves(torch.device("cpu"))
-    chunk = chunk_rule(torch.device("cpu"))
+    assert not fla.serves(torch.device("cpu"), torch.bfloat16)
+    chunk = chunk_rule(torch.device("cpu"), torch.bfloat16)
     assert chunk is not fla.chunk and (chunk is chunk_gated_delta_rule or chunk.__name__ == "_native_chunk")
 
 
@@ -100,7 +100,7 @@ def fla_in_child_process(shapes, path: Path) -> None:
     has no device to time configs on: every config times the same, so the first is taken."""
     from triton.runtime.autotuner import Autotuner
     Autotuner._bench = lambda self, *args, config, **meta: [1.0, 1.0, 1.0]
-    assert fla.serves(torch.device("cpu")) is False and fla._fla() is not None
+    assert fla.serves(torch.device("cpu"), torch.bfloat16) is False and fla._fla() is not None
     out = []
     for i, (b, hk, hv, dk, dv, dtype) in enumerate(shapes):
         inputs = _raw_decode_inputs(b, hk, hv, dk, dv, "cpu", getattr(torch, dtype), seed=i)

@@ -61,7 +61,7 @@ def test_segments_continue_from_the_carried_state():
 
 def test_chunk_rule_for_the_cpu_takes_the_c_recurrence_and_leaves_gradients_to_torch():
     _need_kernel()
-    chunk = torch_rule.chunk_rule(torch.device("cpu"))
+    chunk = torch_rule.chunk_rule(torch.device("cpu"), torch.float32)
     q, k, v, g, beta, state = _inputs(1, 40, 2, 32, 32, seed=2)
     torch.testing.assert_close(chunk(q, k, v, g, beta, state)[0], native.chunk(q, k, v, g, beta, state)[0],
                                atol=0, rtol=0)
@@ -76,5 +76,5 @@ def test_head_dims_past_the_kernel_scratch_are_refused_and_chunk_rule_keeps_torc
     args = _inputs(1, 2, 1, 16, native.MAX_DIM + 16)
     with pytest.raises(ValueError, match="exceed the C kernel"):
         native.chunk(*args)
-    chunk = torch_rule.chunk_rule(torch.device("cpu"))
+    chunk = torch_rule.chunk_rule(torch.device("cpu"), torch.float32)
     torch.testing.assert_close(chunk(*args)[0], torch_rule.chunk_gated_delta_rule(*args)[0], atol=0, rtol=0)

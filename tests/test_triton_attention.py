@@ -209,6 +209,8 @@ def test_launch_overrides_keep_the_state(interpreted):
     with pytest.raises(ValueError, match="DOT='bf16': expected one of ieee"):
         paged_prefill._launch_config(formats.get("f16"), formats.get("f16"), 8, 64, {"DOT": "bf16"})
     assert paged_prefill._launch_config(formats.get("f16"), formats.get("f16"), 8, 64, {"DOT": "fma"})["BLOCK_M"] == 8
+    from kvslim.cache.kv import DEFAULT_PAGE_SIZE          # the offline compiles' page size is the cache's default
+    assert paged_prefill._launch_config(formats.get("f16"), formats.get("f16"), 8, 64)["PAGE_SIZE"] == DEFAULT_PAGE_SIZE
     with pytest.raises(ValueError, match="CODECS='bytes': expected one of units, per-value"):
         paged_prefill._launch_config(formats.get("f16"), formats.get("f16"), 8, 64, {"CODECS": "bytes"})
 

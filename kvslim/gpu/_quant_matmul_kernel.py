@@ -1004,9 +1004,10 @@ def _last_pair_combines(parts_ptr, count_ptr, shared_ptr, gate_ptr, out_ptr, y, 
 def _weight_product(acc, x, w_ptr, grid_ptr, rows, start, row_bytes, N, K, TYPE: tl.constexpr,
                     BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
     """acc (BM, BN) plus x (BM, BK) times W's tile of ``rows`` and columns start.. transposed: the
-    GEMMs' step. Q4_0 with half-type products, a block a step and at most 32 rows of x (the
-    grouped experts' 16-slot tiles, short prompts): ``_q4_0_block_product``. Else W's values
-    dequantized (``_dequantize_tile``), rounded to the products' type, one tl.dot: with more
+    GEMMs' step (TYPE = DENSE: W's float rows, the grouped GEMM's dense experts). Q4_0 with
+    half-type products, a block a step and at most 32 rows of x (the grouped experts' 16-slot
+    tiles, short prompts): ``_q4_0_block_product``. Else W's values dequantized
+    (``_dequantize_tile``) or read as stored, rounded to the products' type, one tl.dot: with more
     rows the dequantized tile is shared by them, and scaling the (BM, BN) products each step
     costs more than it saves (sm_90, bf16, 4 warps: 16 rows 353 -> 249 instructions a step, 32
     rows 377 -> 273; in session 42's first form 64 rows 422 -> 421 with 80 -> 172 registers and
@@ -1016,7 +1017,12 @@ def _weight_product(acc, x, w_ptr, grid_ptr, rows, start, row_bytes, N, K, TYPE:
     if TYPE == Q4_0 and BLOCK_K == 32 and x.shape[0] <= 32 and DOT_DTYPE != tl.float32:
         acc += _q4_0_block_product(x.to(DOT_DTYPE), w_ptr, rows, start, row_bytes, N, DOT_DTYPE, PRECISION)
     else:
-        w = _dequantize_tile(w_ptr, grid_ptr, rows, start + tl.arange(0, BLOCK_K), row_bytes, N, K, TYPE)   # (BN, BK)
+        cols = start + tl.arange(0, BLOCK_K)
+        if TYPE == DENSE:                                   # float rows read as stored (row_bytes: elements)
+            w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * row_bytes + cols[None, :],
+                        mask=(rows < N)[:, None] & (cols < K)[None, :], other=0.0)
+        else:
+            w = _dequantize_tile(w_ptr, grid_ptr, rows, cols, row_bytes, N, K, TYPE)                # (BN, BK)
         acc = tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), acc, input_precision=PRECISION)
     return acc
 
@@ -1074,13 +1080,8 @@ def quant_gemm_experts(x_ptr, w_ptr, grid_ptr, pairs_ptr, tile_expert_ptr, scale
     for start in range(0, K, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
         x = tl.load(x_row + cols[None, :], mask=valid[:, None] & (cols < K)[None, :], other=0.0)
-        if TYPE == DENSE:
-            w = tl.load(w_expert + rows.to(tl.int64)[:, None] * row_bytes + cols[None, :],
-                        mask=(rows < N)[:, None] & (cols < K)[None, :], other=0.0)
-            acc = tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), acc, input_precision=PRECISION)
-        else:
-            acc = _weight_product(acc, x, w_expert, grid_ptr, rows, start, row_bytes, N, K, TYPE, BLOCK_K,
-                                  DOT_DTYPE, PRECISION)
+        acc = _weight_product(acc, x, w_expert, grid_ptr, rows, start, row_bytes, N, K, TYPE, BLOCK_K, DOT_DTYPE,
+                              PRECISION)
     if SCALED:
         acc = acc * tl.load(scale_ptr + tl.where(valid, p, 0)).to(tl.float32)[:, None]
     out = y_ptr + tl.where(valid, p, 0).to(tl.int64)[:, None] * N + rows[None, :]

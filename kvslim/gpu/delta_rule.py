@@ -78,7 +78,7 @@ def gated_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: floa
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def serves(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> bool:
+def serves(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether fla-core's kernels run the DeltaNet prompts of a model of ``dtype`` on this device."""
     return device.type == "cuda" and dtype in HALF_DTYPES and gpu.TRITON and _fla() is not None
 

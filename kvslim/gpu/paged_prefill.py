@@ -162,8 +162,9 @@ DOTS = ("ieee", "tf32x3", "tf32", "f16", "fma")
 
 def _launch_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict | None = None,
                    page_size: int = 256) -> dict:
-    """The kernel's constexprs and warps for one call (``page_size``: the pool's, the cache's default
-    256 where an offline compile has no pool). The page size is a constexpr: finding a key's page
+    """The kernel's constexprs and warps for one call (``page_size``: the pool's; where an offline
+    compile has no pool, the cache's default, ``cache.kv.DEFAULT_PAGE_SIZE``, restated here since
+    gpu sits below cache: a test holds the two equal). The page size is a constexpr: finding a key's page
     and row divided by it at run time, about 35 instructions a block of keys (sm_90 SASS, decode's
     launch: turbo4/turbo4 675 -> 609 a block of 16 keys, f16/f16 345 -> 310), a shift and a mask
     for a power of two; a cache has one page size, so one compile. The query tile and its sum (BLOCK_M x

@@ -117,7 +117,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
     return out, s
 
 
-def chunk_rule(device: torch.device, dtype: torch.dtype = torch.bfloat16):
+def chunk_rule(device: torch.device, dtype: torch.dtype):
     """The prompt form for layers of a ``dtype`` model on ``device``, with ``chunk_gated_delta_rule``'s
     contract: fla-core's chunked kernel where it serves (half models on a GPU: its products are
     tf32); on the CPU the C recurrence; else the torch form.
