@@ -55,12 +55,7 @@ def write_gguf(hf_config: dict, state_dict: dict[str, torch.Tensor], tokenizer_d
     Returns: the file written (the first part of a split). ``kvslim.loading.convert_hf_to_gguf``
     does this for a folder.
     """
-    arch, config = check_export(hf_config, out_type)
-    if split_max_tensors < 0:
-        raise ValueError(f"split_max_tensors must be 0 (no split) or positive, got {split_max_tensors}")
-    writer = gguf.GGUFWriter(str(out_path), arch, split_max_tensors=split_max_tensors)
-    _write_hparams(writer, arch, config, text_config(hf_config), out_type)
-    _write_vocab(writer, Path(tokenizer_dir), config.vocab_size)
+    writer, arch, config = open_writer(hf_config, tokenizer_dir, out_path, out_type, split_max_tensors)
     for name, array in gguf_tensors(arch, config, state_dict):
         _add_tensor(writer, name, array, out_type)
     writer.write_header_to_file()
@@ -68,6 +63,19 @@ def write_gguf(hf_config: dict, state_dict: dict[str, torch.Tensor], tokenizer_d
     writer.write_tensors_to_file()
     writer.close()
     return writer.format_shard_names(Path(out_path))[0]
+
+
+def open_writer(hf_config: dict, tokenizer_dir: str | Path, out_path: str | Path, out_type: str,
+                split_max_tensors: int = 0) -> tuple[gguf.GGUFWriter, str, object]:
+    """(writer with the metadata and vocabulary added, GGUF architecture, config): what every
+    GGUF of ``hf_config`` starts with; the caller adds the tensors and writes the file."""
+    arch, config = check_export(hf_config, out_type)
+    if split_max_tensors < 0:
+        raise ValueError(f"split_max_tensors must be 0 (no split) or positive, got {split_max_tensors}")
+    writer = gguf.GGUFWriter(str(out_path), arch, split_max_tensors=split_max_tensors)
+    _write_hparams(writer, arch, config, text_config(hf_config), out_type)
+    _write_vocab(writer, Path(tokenizer_dir), config.vocab_size)
+    return writer, arch, config
 
 
 def check_export(hf_config: dict, out_type: str):
@@ -238,19 +246,26 @@ def pre_tokenizer_steps(pre: dict | None) -> tuple[tuple, ...]:
 # ----- tensors ------------------------------------------------------------------
 def gguf_tensors(arch: str, c, state_dict: dict[str, torch.Tensor]):
     """(GGUF name, float32 array) for every tensor, llama.cpp's conventions applied."""
+    for name, t in mapped_tensors(arch, c, state_dict):
+        yield name, _to_numpy(t)
+    if (freqs := rope_factors(c)) is not None:
+        yield "rope_freqs.weight", freqs
+
+
+def mapped_tensors(arch: str, c, state_dict: dict[str, torch.Tensor]):
+    """(GGUF name, float32 tensor) for every tensor of ``state_dict``. Tensors on the meta
+    device give the GGUF names and shapes alone (benchmarks/random_gguf.py plans a file so)."""
     for name, t in state_dict.items():
         t = t.float()
         if name in N.GLOBAL_TENSORS:
             if not (name == "lm_head.weight" and c.tie_word_embeddings):
-                yield N.GLOBAL_TENSORS[name], _to_numpy(_norm_plus_one(arch, name, t))
+                yield N.GLOBAL_TENSORS[name], _norm_plus_one(arch, name, t)
             continue
         m = LAYER.match(name)
         if m is None:
             raise ValueError(f"tensor {name!r} has no GGUF name for arch {arch}")
         for suffix, out in layer_tensors(arch, c, m[2], t):
-            yield f"blk.{m[1]}.{suffix}", _to_numpy(out)
-    if (freqs := _llama3_rope_factors(c)) is not None:
-        yield "rope_freqs.weight", freqs
+            yield f"blk.{m[1]}.{suffix}", out
 
 
 def layer_tensors(arch: str, c, suffix: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -302,7 +317,7 @@ def _split_qkvz(c, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     return [("attn_qkv.weight", torch.cat(flat[:3])), ("attn_gate.weight", flat[3])]
 
 
-def _llama3_rope_factors(c) -> np.ndarray | None:
+def rope_factors(c) -> np.ndarray | None:
     """Llama 3.1 RoPE as llama.cpp carries it: a rope_freqs tensor of per-frequency divisors."""
     s = getattr(c, "rope_scaling", None) or {}
     if s.get("rope_type", s.get("type")) != "llama3":
