@@ -220,12 +220,13 @@ def _rows(pairs: list[str], depth: int, batch: int, args, copy: float) -> list[l
 # well: 32 keys and 8 warps (turbo4/turbo4 14.1 instructions a value, 128 registers, 2 programs
 # per SM, against 16.9 at 16 keys), 64 keys (12.4, 1 program), and 32 keys / 4 warps pipelined.
 # ``--dot`` given with ``--sweep`` keeps the settings of those products only. The fifth field:
-# PREFETCH (each block's pool rows read from the block table a block ahead).
+# PREFETCH (1: each block's pool rows read from the block table a block ahead; 2, session 43: its
+# codes too, loaded into registers a block ahead of their decoding).
 VARIANTS = [(16, 8, None, "ieee", False), (16, 4, None, "ieee", False), (16, 16, None, "ieee", False),
             (4, 8, None, "fma", False), (8, 8, None, "fma", False), (16, 8, None, "f16", False),
             (16, 4, None, "f16", False), (32, 4, None, "f16", False), (32, 8, None, "f16", False),
             (64, 8, None, "f16", False), (32, 4, 2, "f16", False), (16, 8, None, "f16", True),
-            (32, 8, None, "f16", True)]
+            (32, 8, None, "f16", True), (16, 8, None, "f16", 2), (32, 8, None, "f16", 2), (64, 8, None, "f16", 2)]
 SPLITS = (512,)
 
 
@@ -256,10 +257,10 @@ def _sweep_rows(pairs: list[str], depth: int, batch: int, args, copy: float) -> 
                     err = (step() - want).abs().max().item()
                     ms = _graph_ms(step, args.runs) if args.device.startswith("cuda") else _median_ms(step, 1, "cpu")
                 except Exception as exc:                             # a setting that does not compile or fit
-                    emit(pair, depth, batch, block_n, warps, stages or "", dot, "yes" if prefetch else "", codecs,
+                    emit(pair, depth, batch, block_n, warps, stages or "", dot, {True: "rows", 2: "codes"}.get(prefetch, ""), codecs,
                          split, "", "", "", "", f"{type(exc).__name__}: {str(exc).splitlines()[0][:60]}")
                     continue
-                emit(pair, depth, batch, block_n, warps, stages or "", dot, "yes" if prefetch else "", codecs, split,
+                emit(pair, depth, batch, block_n, warps, stages or "", dot, {True: "rows", 2: "codes"}.get(prefetch, ""), codecs, split,
                      f"{ms:.3f}", f"{ms / base:.2f}", f"{read / ms / 1e6:.0f}", f"{100 * read / ms / 1e6 / copy:.0f}%",
                      f"{err:.1e}")
         del inputs, k_pool, v_pool

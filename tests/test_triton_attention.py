@@ -26,7 +26,7 @@ from kvslim.gpu import paged_decode as gpu
 from kvslim.gpu import paged_prefill
 
 from .test_native_attention import _case, _torch_state
-from .triton_harness import check_state, compile_for_sm90, compiled_process, run_interpreted
+from .triton_harness import check_state, compile_for_sm90, compiled_process, resource_usage, run_interpreted
 
 pytestmark = pytest.mark.skipif(not kvslim.gpu.available(), reason="triton is not installed: no GPU kernel to check")
 
@@ -55,6 +55,14 @@ TUNED = [{"BLOCK_N": 64, "num_warps": 4}, {"BLOCK_N": 32, "num_stages": 2, "DOT"
          {"PREFETCH": True, "BLOCK_N": 8},               # rows a block ahead, blocks across pages of 12
          {"PREFETCH": True, "DOT": "f16", "BLOCK_N": 32}]
 
+# PREFETCH 2 (each block's codes loaded a block ahead, its table rows two ahead), against the same
+# launch without it: 3-bit units (three loads a group), q4_1's offset, f16 rows as they lie with f16
+# products, q8_0 (not prefetched: read at use), blocks of 8 across pages of 12, empty sequences
+PREFETCHED = [(("turbo3", "q4_1", 64, 2, (50, 7, 0, 30), 12, 32), {"BLOCK_N": 8}),
+              (("f16", "q8_0", 128, 4, (61, 16), 16, None), {"DOT": "f16", "BLOCK_N": 16}),
+              (("turbo4", "turbo2", 256, 8, (40, 3), 16, 32), {"DOT": "f16", "BLOCK_N": 32}),
+              (("iq4_nl", "f16", 64, 1, (100, 1), 16, 64), {"BLOCK_N": 16})]
+
 # f16 products on codes read from a table (turbo's Lloyd-Max, iq4_nl's), by integer steps (q4_0) or
 # as bytes (q8_0): values and scales taken in f16 and multiplied there; f16 rows read as they lie
 # (``_codecs``' HALF), at decode's shapes
@@ -75,6 +83,12 @@ def _states_in_child(cases, path: Path) -> None:
     out["alone"] = gpu.decode_state(fmt_k, fmt_v, q[:, :1].contiguous(), k_pool, v_pool, table[:1], n_keys[:1], 64)
     args = _case(*ODD_PAGES[:4], list(ODD_PAGES[4]), page_size=ODD_PAGES[5])
     out["tuned"] = [gpu.decode_state(*args, split_keys=ODD_PAGES[6], tune=tune) for tune in TUNED]
+    out["prefetched"] = []
+    for case, tune in PREFETCHED:
+        args = _case(*case[:4], list(case[4]), page_size=case[5])
+        split = case[6] or paged_prefill.SPLIT_KEYS
+        out["prefetched"].append((gpu.decode_state(*args, split_keys=split, tune={**tune, "PREFETCH": 2}),
+                                  gpu.decode_state(*args, split_keys=split, tune=tune)))
     out["f16_tables"] = [gpu.decode_state(*_case(*case[:4], list(case[4]), page_size=case[5]),
                                           split_keys=case[6] or paged_prefill.SPLIT_KEYS, tune={"DOT": "f16"})
                          for case in F16_TABLES]
@@ -211,8 +225,24 @@ def test_launch_overrides_keep_the_state(interpreted):
     assert paged_prefill._launch_config(formats.get("f16"), formats.get("f16"), 8, 64, {"DOT": "fma"})["BLOCK_M"] == 8
     from kvslim.cache.kv import DEFAULT_PAGE_SIZE          # the offline compiles' page size is the cache's default
     assert paged_prefill._launch_config(formats.get("f16"), formats.get("f16"), 8, 64)["PAGE_SIZE"] == DEFAULT_PAGE_SIZE
+    with pytest.raises(ValueError, match="PREFETCH=3: expected 0"):
+        paged_prefill._launch_config(formats.get("f16"), formats.get("f16"), 8, 64, {"PREFETCH": 3})
     with pytest.raises(ValueError, match="CODECS='bytes': expected one of units, per-value"):
         paged_prefill._launch_config(formats.get("f16"), formats.get("f16"), 8, 64, {"CODECS": "bytes"})
+
+
+@pytest.mark.parametrize("case,tune", PREFETCHED, ids=lambda c: f"{c[0]}-{c[1]}-d{c[2]}" if isinstance(c, tuple) else "")
+def test_codes_loaded_a_block_ahead_give_the_same_bits(interpreted, case, tune):
+    """PREFETCH 2 changes when a block's bytes are loaded, not what is summed: the state equals
+    the same launch's without it, bit for bit, and the reference within the products' bound."""
+    ahead, plain = interpreted["prefetched"][[c for c, _ in PREFETCHED].index(case)]
+    for got, want in zip(ahead, plain):
+        assert torch.equal(got, want)
+    args = _case(*case[:4], list(case[4]), page_size=case[5])
+    if tune.get("DOT") == "f16":
+        _check_f16_products(ahead, _torch_state(*args), args[-1])
+    else:
+        _check(ahead, _torch_state(*args), args[-1])
 
 
 def _check_f16_products(got, want, n_keys) -> None:
@@ -402,6 +432,23 @@ def test_kernel_compiles_for_an_h100_without_one(name_k, name_v, dim, group):
     num_warps = config.pop("num_warps")
     divisible = paged_prefill.aligned_args(fmt_k, fmt_v, dim)
     assert compile_for_sm90(kernel.paged_prefill_tile, POINTERS, config, num_warps, divisible).asm["cubin"]
+
+
+@pytest.mark.parametrize("name_k,name_v", [("turbo4", "turbo4"), ("turbo3", "turbo3"), ("f16", "f16")])
+def test_codes_a_block_ahead_compile_without_spills(name_k, name_v):
+    """PREFETCH 2 at decode's launch with f16 products (8 rows, head_dim 256, 16 keys, 8 warps):
+    the next block's codes held in registers beside this block's tile, without spills (sm_90,
+    session 43: turbo4 128 registers, turbo3 121, f16 122: still two programs per SM)."""
+    from kvslim.gpu import _paged_prefill_kernel as kernel
+
+    from .test_triton_prefill import POINTERS
+    fmt_k, fmt_v = formats.get(name_k, role="k"), formats.get(name_v, role="v")
+    config = paged_prefill._launch_config(fmt_k, fmt_v, 8, 256, {"DOT": "f16", "PREFETCH": 2})
+    num_warps = config.pop("num_warps")
+    compiled = compile_for_sm90(kernel.paged_prefill_tile, POINTERS, config, num_warps,
+                                paged_prefill.aligned_args(fmt_k, fmt_v, 256))
+    usage = resource_usage(compiled)
+    assert usage["STACK"] == 0 and usage["REG"] <= 128                 # two programs of 8 warps per SM
 
 
 @pytest.mark.parametrize("name_k,name_v,dim,group", SM90[:3])

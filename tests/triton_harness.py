@@ -109,9 +109,10 @@ def compile_for_sm90(fn, pointers: dict[str, str], constexprs: dict, num_warps: 
         pytest.skip("this triton has no CUDA backend")
 
 
-def spilled_bytes(compiled) -> int:
-    """Bytes of stack (register spills) a thread of the compiled kernel takes, as ptxas reports
-    them (``cuobjdump -res-usage`` from Triton's wheel): PTX does not show spills."""
+def resource_usage(compiled) -> dict[str, int]:
+    """ptxas's figures for the compiled kernel's threads, as ``cuobjdump -res-usage`` (from
+    Triton's wheel) reports them: REG (registers) and STACK (bytes of register spills; PTX does
+    not show spills), the largest over its functions."""
     import re
     import subprocess
     import tempfile
@@ -122,7 +123,12 @@ def spilled_bytes(compiled) -> int:
         cubin = Path(tmp) / "kernel.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
         usage = subprocess.run([str(tool), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
-    return max(int(n) for n in re.findall(r"STACK:(\d+)", usage))
+    return {key: max(int(n) for n in re.findall(rf"\b{key}:(\d+)", usage)) for key in ("REG", "STACK")}
+
+
+def spilled_bytes(compiled) -> int:
+    """Bytes of stack (register spills) a thread of the compiled kernel takes."""
+    return resource_usage(compiled)["STACK"]
 
 
 def check_state(got, want, live: torch.Tensor) -> None:

@@ -183,39 +183,29 @@ def columns(BLOCK_D: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _group_codes(units, mask, p, BITS: tl.constexpr):
-    """Code p (1, PHASES, 1) of each group whose first 2-byte unit is at ``units`` (N, W) u16
-    pointers -> (N, PHASES, W) int32, 0 where ``mask`` is off (nothing is read there). A group
-    is one unit, or three for 3-bit codes: 16 codes in a little-endian 48-bit run, read as two
-    overlapping 32-bit words (units 0-1 and 1-2), so no code crosses the word it is cut from."""
+def _cut_codes(u0, u1, u2, p, BITS: tl.constexpr):
+    """Code p (1, PHASES, 1) of each group from its 2-byte units as ``fetch_units`` read them,
+    (N, W) each -> (N, PHASES, W) int32. A group is one unit (u0), or three for 3-bit codes:
+    16 codes in a little-endian 48-bit run, cut from two overlapping 32-bit words (units 0-1
+    and 1-2), so no code crosses the word it is cut from."""
     if BITS == 3:
-        u0 = tl.load(units, mask=mask, other=0).to(tl.int32)
-        u1 = tl.load(units + 1, mask=mask, other=0).to(tl.int32)
-        u2 = tl.load(units + 2, mask=mask, other=0).to(tl.int32)
-        low = (u0 | (u1 << 16))[:, None, :]                             # bits 0-31: codes 0-9
-        high = (u1 | (u2 << 16))[:, None, :]                            # bits 16-47: codes 10-15
+        low = (u0.to(tl.int32) | (u1.to(tl.int32) << 16))[:, None, :]     # bits 0-31: codes 0-9
+        high = (u1.to(tl.int32) | (u2.to(tl.int32) << 16))[:, None, :]    # bits 16-47: codes 10-15
         code = tl.where(p < 10, low >> tl.minimum(3 * p, 27), high >> tl.maximum(3 * p - 16, 0)) & 7
     else:
-        code = (tl.load(units, mask=mask, other=0).to(tl.int32)[:, None, :] >> (BITS * p)) & ((1 << BITS) - 1)
+        code = (u0.to(tl.int32)[:, None, :] >> (BITS * p)) & ((1 << BITS) - 1)
     return code
 
 
 @triton.jit
-def _phased_tile(row, valid, lut, BLOCK_D: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
-                 BLOCK_BYTES: tl.constexpr, HEADER_BYTES: tl.constexpr, OFFSET_AT: tl.constexpr,
-                 LOOKUP: tl.constexpr, PHASES: tl.constexpr, HALF: tl.constexpr = False):
-    """``decode_tile`` for codes read in groups of 2-byte units (4-, 3-, 2- and 1-bit codes that
-    fill their block's bytes): PHASES codes cut from each group's loads, the tile's columns in
-    ``columns``'s order. row (N, 1) byte pointers. A masked key's codes and scale load as 0, so
-    its values are 0 with no select per value (turbo4/turbo4 609 -> 569 instructions a block).
-    HALF (the products take f16 operands): the codes' values (a TABLE's entries, or AFFINE's
-    integer steps) and the scales read as f16 and multiplied there, the tile f16 (a table entry
-    rounded to f16 first, within the operands' own rounding; integer entries are exact, so
-    q4_0 and iq4_nl keep the float32 product's bits).
-    sm_90 SASS of decode's launch (Triton 3.6, 16 keys, 8 warps): turbo4/turbo4 569 -> 542
-    instructions a block of keys and 168 -> 109 registers (two programs per SM, not one),
-    q4_0/q4_0 707 -> 642 and 212 -> 128; the float32 values, products and conversions to f16
-    kept float32 tiles live."""
+def fetch_units(row, valid, BLOCK_D: tl.constexpr, BITS: tl.constexpr, BLOCK_BYTES: tl.constexpr,
+                HEADER_BYTES: tl.constexpr, OFFSET_AT: tl.constexpr, PHASES: tl.constexpr):
+    """The loads of a tile of codes read in groups of 2-byte units (4-, 3-, 2- and 1-bit codes
+    that fill their block's bytes), nothing computed from them, so that a caller may issue them
+    a block of keys ahead of their use (PREFETCH 2). row (N, 1) byte pointers. Returns each
+    group's units u0, u1, u2 (N, W) (three for 3-bit codes; else u0 three times), the block's
+    f16 scale (N, W) and its f16 offset (OFFSET_AT on; else the scale again); a masked key's
+    load as 0."""
     UNITS: tl.constexpr = BITS * PHASES // 16                           # 2-byte units per group
     GROUPS: tl.constexpr = (BLOCK_BYTES - HEADER_BYTES) // (2 * UNITS)   # groups per block
     W: tl.constexpr = BLOCK_D // PHASES
@@ -223,7 +213,36 @@ def _phased_tile(row, valid, lut, BLOCK_D: tl.constexpr, KIND: tl.constexpr, BIT
     mask = valid[:, None] & (g < W)                                     # valid, broadcast to (N, W)
     block = row + (g // GROUPS) * BLOCK_BYTES
     first = (block + HEADER_BYTES).to(tl.pointer_type(tl.uint16)) + UNITS * (g % GROUPS)
-    code = _group_codes(first, mask, tl.arange(0, PHASES)[None, :, None], BITS)
+    u0 = tl.load(first, mask=mask, other=0)
+    if BITS == 3:
+        u1 = tl.load(first + 1, mask=mask, other=0)
+        u2 = tl.load(first + 2, mask=mask, other=0)
+    else:
+        u1 = u0
+        u2 = u0
+    scale = tl.load(block.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0)
+    if OFFSET_AT > 0:
+        offset = tl.load((block + OFFSET_AT).to(tl.pointer_type(tl.float16)), mask=mask, other=0.0)
+    else:
+        offset = scale
+    return u0, u1, u2, scale, offset
+
+
+@triton.jit
+def unit_values(u0, u1, u2, scale, offset, lut, BLOCK_D: tl.constexpr, BITS: tl.constexpr,
+                OFFSET_AT: tl.constexpr, LOOKUP: tl.constexpr, PHASES: tl.constexpr, HALF: tl.constexpr = False):
+    """``fetch_units``'s loads -> the (N, BLOCK_D) tile, its columns in ``columns``'s order:
+    PHASES codes cut from each group. A masked key's codes and scale loaded as 0, so its values
+    are 0 with no select per value (turbo4/turbo4 609 -> 569 instructions a block).
+    HALF (the products take f16 operands): the codes' values (a TABLE's entries, or AFFINE's
+    integer steps) and the scales multiplied in f16, the tile f16 (a table entry rounded to f16
+    first, within the operands' own rounding; integer entries are exact, so q4_0 and iq4_nl keep
+    the float32 product's bits).
+    sm_90 SASS of decode's launch (Triton 3.6, 16 keys, 8 warps): turbo4/turbo4 569 -> 542
+    instructions a block of keys and 168 -> 109 registers (two programs per SM, not one),
+    q4_0/q4_0 707 -> 642 and 212 -> 128; the float32 values, products and conversions to f16
+    kept float32 tiles live."""
+    code = _cut_codes(u0, u1, u2, tl.arange(0, PHASES)[None, :, None], BITS)
     if HALF and OFFSET_AT == 0 and (LOOKUP == 4 or LOOKUP == 5):       # AFFINE or TABLE, in f16
         if LOOKUP == 4:                                                 # integer steps: exact in f16
             base = tl.load(lut).to(tl.float16)
@@ -232,12 +251,50 @@ def _phased_tile(row, valid, lut, BLOCK_D: tl.constexpr, KIND: tl.constexpr, BIT
             ENTRIES: tl.constexpr = 1 << BITS
             table = tl.load(lut + tl.arange(0, ENTRIES)).to(tl.float16)
             value = tl.gather(tl.broadcast_to(table[None, None, :], (code.shape[0], code.shape[1], ENTRIES)), code, 2)
-        x = tl.load(block.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0)[:, None, :] * value
+        x = scale[:, None, :] * value
     else:
-        x = f16_aligned(block, mask)[:, None, :] * _lookup(lut, code, BITS, LOOKUP)
+        x = scale.to(tl.float32)[:, None, :] * _lookup(lut, code, BITS, LOOKUP)
     if OFFSET_AT > 0:
-        x = x + f16_aligned(block + OFFSET_AT, mask)[:, None, :]
+        x = x + offset.to(tl.float32)[:, None, :]
     return tl.reshape(x, (x.shape[0], BLOCK_D))
+
+
+@triton.jit
+def fetch_tile(pool, row_off, valid, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, KIND: tl.constexpr,
+               BITS: tl.constexpr, BLOCK_BYTES: tl.constexpr, HEADER_BYTES: tl.constexpr, OFFSET_AT: tl.constexpr,
+               PHASES: tl.constexpr = 1, HALF: tl.constexpr = False):
+    """The raw loads of ``decode_tile``'s tile where they can be issued apart from the decoding
+    (PREFETCH 2: a block of keys ahead): codes read in units (``fetch_units``), or f16 rows read
+    as they lie (HALF); ``fetched_tile`` decodes them. Other layouts load nothing here (five
+    placeholders) and ``fetched_tile`` reads them at use."""
+    row = pool + row_off[:, None]
+    if PHASES > 1:
+        a, b, c, scale, offset = fetch_units(row, valid, BLOCK_D, BITS, BLOCK_BYTES, HEADER_BYTES, OFFSET_AT, PHASES)
+    elif KIND == 1 and HALF:
+        d = tl.arange(0, BLOCK_D)[None, :]
+        a = tl.load(row.to(tl.pointer_type(tl.float16)) + d, mask=valid[:, None] & (d < HEAD_DIM), other=0.0)
+        b, c, scale, offset = a, a, a, a
+    else:
+        a, b, c, scale, offset = row_off, row_off, row_off, row_off, row_off
+    return a, b, c, scale, offset
+
+
+@triton.jit
+def fetched_tile(a, b, c, scale, offset, pool, row_off, valid, lut, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 KIND: tl.constexpr, BITS: tl.constexpr, BLOCK_VALUES: tl.constexpr,
+                 BLOCK_BYTES: tl.constexpr, HEADER_BYTES: tl.constexpr, OFFSET_AT: tl.constexpr,
+                 SUB_VALUES: tl.constexpr, SUB_BITS: tl.constexpr, LOOKUP: tl.constexpr,
+                 PHASES: tl.constexpr = 1, HALF: tl.constexpr = False):
+    """``fetch_tile``'s loads (a, b, c, scale, offset) -> ``decode_tile``'s tile of the rows at
+    row_off; layouts ``fetch_tile`` does not read are read and decoded here."""
+    if PHASES > 1:
+        x = unit_values(a, b, c, scale, offset, lut, BLOCK_D, BITS, OFFSET_AT, LOOKUP, PHASES, HALF)
+    elif KIND == 1 and HALF:
+        x = a
+    else:
+        x = decode_tile(pool, row_off, valid, lut, HEAD_DIM, BLOCK_D, KIND, BITS, BLOCK_VALUES, BLOCK_BYTES,
+                        HEADER_BYTES, OFFSET_AT, SUB_VALUES, SUB_BITS, LOOKUP, PHASES, HALF)
+    return x
 
 
 @triton.jit
@@ -258,8 +315,8 @@ def decode_tile(pool, row_off, valid, lut, HEAD_DIM: tl.constexpr, BLOCK_D: tl.c
     mask = valid[:, None] & (d < HEAD_DIM)
     row = pool + row_off[:, None]                                       # (N, 1) pointers
     if PHASES > 1:
-        x = _phased_tile(row, valid, lut, BLOCK_D, KIND, BITS, BLOCK_BYTES, HEADER_BYTES, OFFSET_AT,
-                         LOOKUP, PHASES, HALF)
+        u0, u1, u2, scale, offset = fetch_units(row, valid, BLOCK_D, BITS, BLOCK_BYTES, HEADER_BYTES, OFFSET_AT, PHASES)
+        x = unit_values(u0, u1, u2, scale, offset, lut, BLOCK_D, BITS, OFFSET_AT, LOOKUP, PHASES, HALF)
     elif KIND == 1 and HALF:        # f16 rows as they lie: no float32 round trip (f16/f16 decode 310 -> 246 a block)
         x = tl.load(row.to(tl.pointer_type(tl.float16)) + d, mask=mask, other=0.0)
     elif KIND <= 2:

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from ._codecs import columns, decode_tile, sigmoid, stored_as
+from ._codecs import columns, decode_tile, fetch_tile, fetched_tile, sigmoid, stored_as
 
 
 @triton.jit
@@ -51,8 +51,12 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
     and acc (Hkv, S, n_splits, R, D); with NORMALISE (one split), acc / l alone, into acc_out at
     strides (o_heads, o_seqs, o_rows, 1), in acc_out's type; with GATED too, times sigmoid of the
     gate (Hkv, S, R, D) at strides (g_heads, g_seqs, g_rows, 1) (gated attention's output gate).
-    PREFETCH: each block's pool rows read from the block table one block ahead, so the K/V loads
-    of a block need not wait for a table load first (a launch setting for a lease to time)."""
+    PREFETCH 1: each block's pool rows read from the block table one block ahead, so the K/V loads
+    of a block need not wait for a table load first; 2: also each block's packed codes (or f16
+    rows with f16 products) loaded a block ahead into registers, their table rows two ahead, so a
+    block's loads are in flight while the one before is decoded and multiplied (Triton's
+    pipeliner leaves loads that feed a decoding, not a dot, where they are). Launch settings for
+    a lease to time."""
     h = tl.program_id(0)
     s = tl.program_id(1)
     tile = tl.program_id(2) // n_splits
@@ -89,20 +93,44 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
     table_at = table_ptr + table_row * table_stride
     if PREFETCH:                                                        # the first block's rows, before the loop
         slot_next = _pool_rows(table_at, begin + tl.arange(0, BLOCK_N), end, PAGE_SIZE, WIDE)
+    if PREFETCH == 2:       # and its codes; the second block's rows
+        slot = slot_next
+        k0, k1, k2, k3, k4 = fetch_tile(k_head, slot * k_row_bytes, begin + tl.arange(0, BLOCK_N) < end, HEAD_DIM,
+                                        BLOCK_D, K_KIND, K_BITS, K_BYTES, K_HEADER, K_OFFSET, K_PHASES, DOT == "f16")
+        v0, v1, v2, v3, v4 = fetch_tile(v_head, slot * v_row_bytes, begin + tl.arange(0, BLOCK_N) < end, HEAD_DIM,
+                                        BLOCK_D, V_KIND, V_BITS, V_BYTES, V_HEADER, V_OFFSET, V_PHASES, DOT == "f16")
+        slot_next = _pool_rows(table_at, begin + BLOCK_N + tl.arange(0, BLOCK_N), end, PAGE_SIZE, WIDE)
     for start in range(begin, end, BLOCK_N):
         t = start + tl.arange(0, BLOCK_N)                               # key positions
         valid = t < end
-        if PREFETCH:            # this block's rows were read a block ago; the next block's go out now
+        if PREFETCH == 2:       # this block's codes came a block ago; the next block's loads go out now,
+            here = slot         # from rows read a block before that, and then this block is decoded
+            kf = (k0, k1, k2, k3, k4)
+            vf = (v0, v1, v2, v3, v4)
             slot = slot_next
-            slot_next = _pool_rows(table_at, t + BLOCK_N, end, PAGE_SIZE, WIDE)
+            k0, k1, k2, k3, k4 = fetch_tile(k_head, slot * k_row_bytes, t + BLOCK_N < end, HEAD_DIM, BLOCK_D,
+                                            K_KIND, K_BITS, K_BYTES, K_HEADER, K_OFFSET, K_PHASES, DOT == "f16")
+            v0, v1, v2, v3, v4 = fetch_tile(v_head, slot * v_row_bytes, t + BLOCK_N < end, HEAD_DIM, BLOCK_D,
+                                            V_KIND, V_BITS, V_BYTES, V_HEADER, V_OFFSET, V_PHASES, DOT == "f16")
+            slot_next = _pool_rows(table_at, t + 2 * BLOCK_N, end, PAGE_SIZE, WIDE)
+            k = fetched_tile(kf[0], kf[1], kf[2], kf[3], kf[4], k_head, here * k_row_bytes, valid, k_lut, HEAD_DIM,
+                             BLOCK_D, K_KIND, K_BITS, K_VALUES, K_BYTES, K_HEADER, K_OFFSET, K_SUB, K_SUB_BITS,
+                             K_LOOKUP, K_PHASES, DOT == "f16")
+            v = fetched_tile(vf[0], vf[1], vf[2], vf[3], vf[4], v_head, here * v_row_bytes, valid, v_lut, HEAD_DIM,
+                             BLOCK_D, V_KIND, V_BITS, V_VALUES, V_BYTES, V_HEADER, V_OFFSET, V_SUB, V_SUB_BITS,
+                             V_LOOKUP, V_PHASES, DOT == "f16")
         else:
-            slot = _pool_rows(table_at, t, end, PAGE_SIZE, WIDE)
-        k = decode_tile(k_head, slot * k_row_bytes, valid, k_lut, HEAD_DIM, BLOCK_D,
-                        K_KIND, K_BITS, K_VALUES, K_BYTES, K_HEADER, K_OFFSET, K_SUB, K_SUB_BITS, K_LOOKUP, K_PHASES,
-                        DOT == "f16")
-        v = decode_tile(v_head, slot * v_row_bytes, valid, v_lut, HEAD_DIM, BLOCK_D,
-                        V_KIND, V_BITS, V_VALUES, V_BYTES, V_HEADER, V_OFFSET, V_SUB, V_SUB_BITS, V_LOOKUP, V_PHASES,
-                        DOT == "f16")
+            if PREFETCH:        # this block's rows were read a block ago; the next block's go out now
+                slot = slot_next
+                slot_next = _pool_rows(table_at, t + BLOCK_N, end, PAGE_SIZE, WIDE)
+            else:
+                slot = _pool_rows(table_at, t, end, PAGE_SIZE, WIDE)
+            k = decode_tile(k_head, slot * k_row_bytes, valid, k_lut, HEAD_DIM, BLOCK_D,
+                            K_KIND, K_BITS, K_VALUES, K_BYTES, K_HEADER, K_OFFSET, K_SUB, K_SUB_BITS, K_LOOKUP,
+                            K_PHASES, DOT == "f16")
+            v = decode_tile(v_head, slot * v_row_bytes, valid, v_lut, HEAD_DIM, BLOCK_D,
+                            V_KIND, V_BITS, V_VALUES, V_BYTES, V_HEADER, V_OFFSET, V_SUB, V_SUB_BITS, V_LOOKUP,
+                            V_PHASES, DOT == "f16")
         scores = _scores(q, k, DOT)                                     # (BLOCK_M, BLOCK_N)
         seen = valid[None, :] & (t[None, :] <= q_pos[:, None])
         scores = tl.where(seen, scores, float("-inf"))

@@ -154,7 +154,9 @@ def _phases(f: CodecFields, head_dim: int) -> int:
 # broadcast products without tl.dot, whose tiles need not be 16 wide, so a decode tile holds
 # just its query rows); WIDE: 64-bit row offsets, which the launcher turns on by itself where
 # a KV head's pool reaches 2 GB; CODECS: "units" (the default) or "per-value" (``_codec_args``);
-# PREFETCH: each block's pool rows read from the block table a block ahead (off by default, untimed).
+# PREFETCH: 1 (or True), each block's pool rows read from the block table a block ahead; 2, its
+# packed codes (f16 rows with f16 products) also loaded a block ahead into registers (both off by
+# default, untimed).
 CODECS = ("units", "per-value")
 TUNABLE = ("BLOCK_N", "num_warps", "num_stages", "DOT", "WIDE", "CODECS", "PREFETCH")
 DOTS = ("ieee", "tf32x3", "tf32", "f16", "fma")
@@ -196,6 +198,8 @@ def _launch_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict | None =
     config.update(tune)
     if config["DOT"] not in DOTS:
         raise ValueError(f"DOT={config['DOT']!r}: expected one of {', '.join(DOTS)}")
+    if config.get("PREFETCH", 0) not in (0, 1, 2):                   # False and True are 0 and 1
+        raise ValueError(f"PREFETCH={config['PREFETCH']!r}: expected 0 (off), 1 (table rows) or 2 (rows and codes)")
     if config["DOT"] == "fma":                                        # no tl.dot: rows unpadded
         config["BLOCK_M"] = min(block_m, pow2(n_rows))
     return config
