@@ -379,6 +379,21 @@ def test_compiled_kernel_on_cuda_matches_torch_block_loop(case):
     _check(got, _torch_state(fmt_k, fmt_v, *tensors), tensors[-1])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the compiled kernel waits for a GPU")
+@pytest.mark.parametrize("case,tune", PREFETCHED, ids=lambda c: f"{c[0]}-{c[1]}-d{c[2]}" if isinstance(c, tuple) else "")
+def test_codes_a_block_ahead_on_cuda_give_the_same_bits(case, tune):
+    """PREFETCH 2 compiled: the same state as the launch without it, bit for bit (the sums'
+    terms and order are the same; only when the bytes are loaded moves)."""
+    compiled_process()
+    fmt_k, fmt_v, *tensors = _case(*case[:4], list(case[4]), page_size=case[5])
+    on_gpu = [t.cuda() for t in tensors]
+    split = case[6] or paged_prefill.SPLIT_KEYS
+    ahead = gpu.decode_state(fmt_k, fmt_v, *on_gpu, split_keys=split, tune={**tune, "PREFETCH": 2})
+    plain = gpu.decode_state(fmt_k, fmt_v, *on_gpu, split_keys=split, tune=tune)
+    for got, want in zip(ahead, plain):
+        assert torch.equal(got, want)
+
+
 # issue 18's parity matrix: every K and V of these formats, each head_dim, each GQA group, on the GPU
 MATRIX_FORMATS = ("f16", "q8_0", "q4_0", "iq4_nl", "turbo4", "turbo3", "turbo2")
 MATRIX = [(k, v, dim) for k in MATRIX_FORMATS for v in MATRIX_FORMATS for dim in (64, 128, 256)]
