@@ -452,18 +452,25 @@ def test_kernel_compiles_for_an_h100_without_one(name_k, name_v, dim, group):
 @pytest.mark.parametrize("name_k,name_v", [("turbo4", "turbo4"), ("turbo3", "turbo3"), ("f16", "f16")])
 def test_codes_a_block_ahead_compile_without_spills(name_k, name_v):
     """PREFETCH 2 at decode's launch with f16 products (8 rows, head_dim 256, 16 keys, 8 warps):
-    the next block's codes held in registers beside this block's tile, without spills (sm_90,
-    session 43: turbo4 128 registers, turbo3 121, f16 122: still two programs per SM)."""
+    the next block's codes held in registers beside this block's tile, without spills and at
+    most 32 registers over the same launch without it (sm_90, session 43: turbo4 +15, turbo3 +19,
+    f16 +10 under Triton 3.6; +31, +14, +0 under 3.9). Under the device image's Triton 3.6, two
+    programs of 8 warps still fit an SM (128 registers)."""
+    import triton
+
     from kvslim.gpu import _paged_prefill_kernel as kernel
 
     from .test_triton_prefill import POINTERS
     fmt_k, fmt_v = formats.get(name_k, role="k"), formats.get(name_v, role="v")
-    config = paged_prefill._launch_config(fmt_k, fmt_v, 8, 256, {"DOT": "f16", "PREFETCH": 2})
-    num_warps = config.pop("num_warps")
-    compiled = compile_for_sm90(kernel.paged_prefill_tile, POINTERS, config, num_warps,
-                                paged_prefill.aligned_args(fmt_k, fmt_v, 256))
-    usage = resource_usage(compiled)
-    assert usage["STACK"] == 0 and usage["REG"] <= 128                 # two programs of 8 warps per SM
+    usage = {}
+    for prefetch in (0, 2):
+        config = paged_prefill._launch_config(fmt_k, fmt_v, 8, 256, {"DOT": "f16", "PREFETCH": prefetch})
+        num_warps = config.pop("num_warps")
+        usage[prefetch] = resource_usage(compile_for_sm90(kernel.paged_prefill_tile, POINTERS, config, num_warps,
+                                                          paged_prefill.aligned_args(fmt_k, fmt_v, 256)))
+    assert usage[2]["STACK"] == 0 and usage[2]["REG"] <= usage[0]["REG"] + 32, usage
+    if triton.__version__.startswith("3.6."):
+        assert usage[2]["REG"] <= 128, usage
 
 
 @pytest.mark.parametrize("name_k,name_v,dim,group", SM90[:3])
