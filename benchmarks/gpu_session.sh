@@ -350,7 +350,7 @@ followup() {
     KVSLIM_TRITON=1 timeout -k 5 "$(left 190)" $PY benchmarks/gpu_model.py -d 0,32768,131072 -np 1,4 -n 8 \
         --profile 4 --pairs f16/f16,q8_0/turbo4,turbo3/turbo3 --attn-backend bf16 2>&1 | tee "$OUT/e2e.md" | tail -40
     KVSLIM_TRITON=1 timeout -k 5 "$(left 115)" $PY benchmarks/gpu_decode.py --sweep -d 131072 -b 8,1 -r 5 --dot f16 \
-        -p turbo4/turbo4,f16/f16,turbo3/turbo3 2>&1 | tee "$OUT/sweep.md" | tail -40
+        -p turbo4/turbo4,f16/f16,turbo3/turbo3,q8_0/turbo4 2>&1 | tee "$OUT/sweep.md" | tail -40
     echo "followup: $SECONDS s"
 }
 
