@@ -419,7 +419,9 @@ llama() {
     local bin=/tmp/llama-cuda
     [ -f .llama-cuda/llama-cuda.tar.xz ] || { echo "no .llama-cuda/llama-cuda.tar.xz: run build_llama first" >&2; exit 1; }
     setup || exit 1
-    tar -C /tmp -xJf .llama-cuda/llama-cuda.tar.xz && cat "$bin/BUILD" | tee "$OUT/llama.md"
+    tar -C /tmp -xJf .llama-cuda/llama-cuda.tar.xz 2>/dev/null \
+        || $PY -c "import tarfile; tarfile.open('.llama-cuda/llama-cuda.tar.xz').extractall('/tmp')" || exit 1  # no xz
+    cat "$bin/BUILD" | tee "$OUT/llama.md"
     # cuBLAS and the CUDA runtime: the toolkit's, else the ones torch's wheels brought
     libs=$($PY -c "import glob, os, site; print(':'.join(sorted({os.path.dirname(p) for d in site.getsitepackages()
         for p in glob.glob(d + '/nvidia/**/libcublas.so.*', recursive=True)})))")
