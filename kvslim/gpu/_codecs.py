@@ -184,34 +184,46 @@ def columns(BLOCK_D: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, BLOCK
 
 @triton.jit
 def _cut_codes(u0, u1, u2, p, BITS: tl.constexpr):
-    """Code p (1, PHASES, 1) of each group from its 2-byte units as ``fetch_units`` read them,
-    (N, W) each -> (N, PHASES, W) int32. A group is one unit (u0), or three for 3-bit codes:
-    16 codes in a little-endian 48-bit run, cut from two overlapping 32-bit words (units 0-1
-    and 1-2), so no code crosses the word it is cut from."""
-    if BITS == 3:
+    """Code p (1, PHASES, 1) of each group from its 2-byte units as ``fetch_units`` read them
+    ((N, W) or (N, 1, W)) -> (N, PHASES, W) int32. A group is one unit (u0), or three for 3-bit
+    codes: 16 codes in a little-endian 48-bit run, cut from two overlapping 32-bit words (units
+    0-1 and 1-2), so no code crosses the word it is cut from."""
+    if BITS == 3:                                                       # always (N, W) units
         low = (u0.to(tl.int32) | (u1.to(tl.int32) << 16))[:, None, :]     # bits 0-31: codes 0-9
         high = (u1.to(tl.int32) | (u2.to(tl.int32) << 16))[:, None, :]    # bits 16-47: codes 10-15
         code = tl.where(p < 10, low >> tl.minimum(3 * p, 27), high >> tl.maximum(3 * p - 16, 0)) & 7
     else:
-        code = (u0.to(tl.int32)[:, None, :] >> (BITS * p)) & ((1 << BITS) - 1)
+        if len(u0.shape) == 2:
+            u0 = u0[:, None, :]
+        code = (u0.to(tl.int32) >> (BITS * p)) & ((1 << BITS) - 1)
     return code
 
 
 @triton.jit
 def fetch_units(row, valid, BLOCK_D: tl.constexpr, BITS: tl.constexpr, BLOCK_BYTES: tl.constexpr,
-                HEADER_BYTES: tl.constexpr, OFFSET_AT: tl.constexpr, PHASES: tl.constexpr):
+                HEADER_BYTES: tl.constexpr, OFFSET_AT: tl.constexpr, PHASES: tl.constexpr, HALF: tl.constexpr = False):
     """The loads of a tile of codes read in groups of 2-byte units (4-, 3-, 2- and 1-bit codes
     that fill their block's bytes), nothing computed from them, so that a caller may issue them
     a block of keys ahead of their use (PREFETCH 2). row (N, 1) byte pointers. Returns each
-    group's units u0, u1, u2 (N, W) (three for 3-bit codes; else u0 three times), the block's
-    f16 scale (N, W) and its f16 offset (OFFSET_AT on; else the scale again); a masked key's
-    load as 0."""
+    group's units u0, u1, u2 ((N, W), three for 3-bit codes, else u0 three times; (N, 1, W) with
+    HALF but for 3-bit codes), the block's f16 scale and its f16 offset (OFFSET_AT on; else the
+    scale again), of the units' shape; a masked key's load as 0. Loaded (N, 1, W), the units and
+    scales come in the layout the (N, PHASES, W) tile is cut in, where (N, W) loads were
+    converted to it through shared memory. sm_90, decode's launch with f16 products: q4_0/q4_0
+    642 -> 542 instructions a block and 128 -> 111 registers, q4_1/turbo3 649 -> 563, the others
+    within 1%. Not for 3-bit codes (turbo3 492 -> 515) nor float32 products (q8_0/turbo4 80 ->
+    94 registers, 3 -> 2 programs per SM)."""
     UNITS: tl.constexpr = BITS * PHASES // 16                           # 2-byte units per group
     GROUPS: tl.constexpr = (BLOCK_BYTES - HEADER_BYTES) // (2 * UNITS)   # groups per block
     W: tl.constexpr = BLOCK_D // PHASES
-    g = tl.arange(0, W)[None, :]
-    mask = valid[:, None] & (g < W)                                     # valid, broadcast to (N, W)
-    block = row + (g // GROUPS) * BLOCK_BYTES
+    if BITS == 3 or not HALF:
+        g = tl.arange(0, W)[None, :]
+        mask = valid[:, None] & (g < W)                                 # valid, broadcast to (N, W)
+        block = row + (g // GROUPS) * BLOCK_BYTES
+    else:                   # loaded in the (keys, phases, groups) tile's own layout: no conversion after
+        g = tl.arange(0, W)[None, None, :]
+        mask = valid[:, None, None] & (g < W)                           # (N, 1, W)
+        block = row[:, :, None] + (g // GROUPS) * BLOCK_BYTES
     first = (block + HEADER_BYTES).to(tl.pointer_type(tl.uint16)) + UNITS * (g % GROUPS)
     u0 = tl.load(first, mask=mask, other=0)
     if BITS == 3:
@@ -243,6 +255,9 @@ def unit_values(u0, u1, u2, scale, offset, lut, BLOCK_D: tl.constexpr, BITS: tl.
     q4_0/q4_0 707 -> 642 and 212 -> 128; the float32 values, products and conversions to f16
     kept float32 tiles live."""
     code = _cut_codes(u0, u1, u2, tl.arange(0, PHASES)[None, :, None], BITS)
+    if len(scale.shape) == 2:                                           # (N, W) loads
+        scale = scale[:, None, :]
+        offset = offset[:, None, :]
     if HALF and OFFSET_AT == 0 and (LOOKUP == 4 or LOOKUP == 5):       # AFFINE or TABLE, in f16
         if LOOKUP == 4:                                                 # integer steps: exact in f16
             base = tl.load(lut).to(tl.float16)
@@ -251,11 +266,11 @@ def unit_values(u0, u1, u2, scale, offset, lut, BLOCK_D: tl.constexpr, BITS: tl.
             ENTRIES: tl.constexpr = 1 << BITS
             table = tl.load(lut + tl.arange(0, ENTRIES)).to(tl.float16)
             value = tl.gather(tl.broadcast_to(table[None, None, :], (code.shape[0], code.shape[1], ENTRIES)), code, 2)
-        x = scale[:, None, :] * value
+        x = scale * value
     else:
-        x = scale.to(tl.float32)[:, None, :] * _lookup(lut, code, BITS, LOOKUP)
+        x = scale.to(tl.float32) * _lookup(lut, code, BITS, LOOKUP)
     if OFFSET_AT > 0:
-        x = x + offset.to(tl.float32)[:, None, :]
+        x = x + offset.to(tl.float32)
     return tl.reshape(x, (x.shape[0], BLOCK_D))
 
 
@@ -269,7 +284,8 @@ def fetch_tile(pool, row_off, valid, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constex
     placeholders) and ``fetched_tile`` reads them at use."""
     row = pool + row_off[:, None]
     if PHASES > 1:
-        a, b, c, scale, offset = fetch_units(row, valid, BLOCK_D, BITS, BLOCK_BYTES, HEADER_BYTES, OFFSET_AT, PHASES)
+        a, b, c, scale, offset = fetch_units(row, valid, BLOCK_D, BITS, BLOCK_BYTES, HEADER_BYTES, OFFSET_AT, PHASES,
+                                             HALF)
     elif KIND == 1 and HALF:
         d = tl.arange(0, BLOCK_D)[None, :]
         a = tl.load(row.to(tl.pointer_type(tl.float16)) + d, mask=valid[:, None] & (d < HEAD_DIM), other=0.0)
@@ -315,7 +331,8 @@ def decode_tile(pool, row_off, valid, lut, HEAD_DIM: tl.constexpr, BLOCK_D: tl.c
     mask = valid[:, None] & (d < HEAD_DIM)
     row = pool + row_off[:, None]                                       # (N, 1) pointers
     if PHASES > 1:
-        u0, u1, u2, scale, offset = fetch_units(row, valid, BLOCK_D, BITS, BLOCK_BYTES, HEADER_BYTES, OFFSET_AT, PHASES)
+        u0, u1, u2, scale, offset = fetch_units(row, valid, BLOCK_D, BITS, BLOCK_BYTES, HEADER_BYTES, OFFSET_AT, PHASES,
+                                                HALF)
         x = unit_values(u0, u1, u2, scale, offset, lut, BLOCK_D, BITS, OFFSET_AT, LOOKUP, PHASES, HALF)
     elif KIND == 1 and HALF:        # f16 rows as they lie: no float32 round trip (f16/f16 decode 310 -> 246 a block)
         x = tl.load(row.to(tl.pointer_type(tl.float16)) + d, mask=mask, other=0.0)
