@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import subprocess
 import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -59,8 +57,6 @@ def loop_counts(sass: str) -> tuple[int, int]:
 def usage(name_k: str, name_v: str, rows: int, head_dim: int, tune: dict) -> dict:
     """Registers per thread, stack bytes per thread, shared bytes, programs per SM and the key
     loop's instructions and global loads of one launch setting."""
-    import triton
-
     from kvslim.gpu import _paged_prefill_kernel as kernel
     from kvslim.gpu import compile_sm90
     fmt_k, fmt_v = formats.get(name_k, role="k"), formats.get(name_v, role="v")
@@ -74,21 +70,14 @@ def usage(name_k: str, name_v: str, rows: int, head_dim: int, tune: dict) -> dic
     pointers = dict(paged_prefill.POINTER_ARGS, q_ptr="*bf16")          # the layer's bf16 queries, read in place
     compiled = compile_sm90(kernel.paged_prefill_tile, pointers, config,
                             paged_prefill.aligned_args(fmt_k, fmt_v, head_dim), **options)   # as a launch aligns
-    return report(compiled, "paged_prefill_tile", options["num_warps"])
+    return report(compiled, options["num_warps"])
 
 
-def report(compiled, name: str, num_warps: int) -> dict:
+def report(compiled, num_warps: int) -> dict:
     """A compiled kernel's registers and stack per thread, shared bytes, programs per SM and its
     longest loop's instructions and global loads per thread (``cuobjdump`` from Triton's wheel)."""
-    import triton
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp) / "kernel.cubin"
-        cubin.write_bytes(compiled.asm["cubin"])
-        tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-        usage_text = subprocess.run([str(tool), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
-        sass = subprocess.run([str(tool), "-sass", str(cubin)], capture_output=True, text=True).stdout
-    section = usage_text[usage_text.find(f"Function {name}"):]
-    found = {k: int(v) for k, v in re.findall(r"\b(REG|STACK):(\d+)", section)}
+    from kvslim.gpu import cuobjdump, resource_usage
+    found, sass = resource_usage(compiled), cuobjdump(compiled, "-sass")
     threads, shared = 32 * num_warps, compiled.metadata.shared
     by_regs = SM90_REGISTERS // max(1, found.get("REG", 0) * threads)
     instructions, loads = loop_counts(sass)
@@ -115,7 +104,7 @@ def gemm_usage(name: str, dot: str, rows: int, grouped: bool) -> dict:
         pointers.update(pairs_ptr="*i32", tile_expert_ptr="*i32", scale_ptr="*" + dot, y_ptr="*fp32")
         constexprs["SCALED"] = True
         fn, sizes = kernel.quant_gemm_experts, ("N", "K", "row_bytes", "expert_bytes")
-    return dict(report(compile_sm90(fn, pointers, constexprs, sizes, num_warps=num_warps), fn.__name__, num_warps),
+    return dict(report(compile_sm90(fn, pointers, constexprs, sizes, num_warps=num_warps), num_warps),
                 **config)
 
 

@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_model import OUTPUT_TYPE, POOL_BLOCKS, block_pool, shrunk_config  # noqa: E402
+from gpu_model import OUTPUT_TYPE, block_pool, shrunk_config  # noqa: E402
 from kvslim import weights as W  # noqa: E402
 from kvslim.gguf import names as N  # noqa: E402
 from kvslim.gguf import writer  # noqa: E402
@@ -47,11 +47,12 @@ from kvslim.plan.weight_size import fit_type  # noqa: E402
 F32 = gguf.GGMLQuantizationType.F32
 
 
-def plan_tensors(arch: str, config, weights: str) -> list[tuple[str, str, tuple[int, ...], str]]:
+def plan_tensors(arch: str, config, weights: str, shapes: dict | None = None) -> list[tuple[str, str, tuple[int, ...], str]]:
     """(HF name, GGUF name, GGUF tensor's shape (rows last), type) for every tensor of the file:
-    ``f32`` for those llama.cpp keeps in F32, else a weight type name."""
+    ``f32`` for those llama.cpp keeps in F32, else a weight type name. ``shapes``: the model's
+    ``parameter_shapes``, where the caller has them."""
     plan = []
-    for hf_name, shape in parameter_shapes(config).items():
+    for hf_name, shape in (shapes or parameter_shapes(config)).items():
         meta = {hf_name: torch.empty(shape, device="meta")}
         for name, t in writer.mapped_tensors(arch, config, meta):
             shape = tuple(t.shape)
@@ -87,7 +88,8 @@ def random_rows(pool: np.ndarray, shape: tuple[int, ...], kind: str, rng: np.ran
 def write(hf_config: dict, out: Path, weights: str, seed: int) -> tuple[int, int]:
     """Write the file; (tensors, bytes of tensor data)."""
     w, arch, config = writer.open_writer(hf_config, default_model(), out, weights)
-    plan = plan_tensors(arch, config, weights)
+    shapes = parameter_shapes(config)
+    plan = plan_tensors(arch, config, weights, shapes)
     if writer.rope_factors(config) is not None:
         raise ValueError("llama3 rope factors are not written by this script (no catalog model needs them yet)")
     for _, name, shape, kind in plan:
@@ -103,7 +105,6 @@ def write(hf_config: dict, out: Path, weights: str, seed: int) -> tuple[int, int
     gen = torch.Generator().manual_seed(seed)
     pools = {kind: block_pool(W.get(kind), "cpu", gen).numpy() for kind in {k for *_, k in plan if k != "f32"}}
     rng = np.random.default_rng(seed)
-    shapes = parameter_shapes(config)
     for i, (hf_name, name, shape, kind) in enumerate(plan):
         if kind == "f32":
             data = f32_values(arch, config, hf_name, shapes[hf_name], name, seed + i)

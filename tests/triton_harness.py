@@ -110,20 +110,9 @@ def compile_for_sm90(fn, pointers: dict[str, str], constexprs: dict, num_warps: 
 
 
 def resource_usage(compiled) -> dict[str, int]:
-    """ptxas's figures for the compiled kernel's threads, as ``cuobjdump -res-usage`` (from
-    Triton's wheel) reports them: REG (registers) and STACK (bytes of register spills; PTX does
-    not show spills), the largest over its functions."""
-    import re
-    import subprocess
-    import tempfile
-
-    import triton
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp) / "kernel.cubin"
-        cubin.write_bytes(compiled.asm["cubin"])
-        usage = subprocess.run([str(tool), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
-    return {key: max(int(n) for n in re.findall(rf"\b{key}:(\d+)", usage)) for key in ("REG", "STACK")}
+    """``kvslim.gpu.resource_usage``: ptxas's registers (REG) and stack (STACK) a thread."""
+    from kvslim.gpu import resource_usage as usage
+    return usage(compiled)
 
 
 def spilled_bytes(compiled) -> int:

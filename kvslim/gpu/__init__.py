@@ -15,7 +15,11 @@ CPU interpreter; docs/gpu.md).
 """
 import importlib
 import os
+import re
+import subprocess
+import tempfile
 from functools import lru_cache
+from pathlib import Path
 
 import torch
 
@@ -101,3 +105,21 @@ def compile_sm90(fn, pointers: dict[str, str], constexprs: dict, divisible: tupl
     return triton.compile(triton.compiler.ASTSource(fn, signature, constexprs, attrs),
                           target=GPUTarget("cuda", capability, 32),
                           options={**FP_FUSION, **options})
+
+
+def cuobjdump(compiled, flag: str) -> str:
+    """What ``cuobjdump <flag>`` (from Triton's wheel) prints for a ``compile_sm90`` result's
+    cubin: ``-res-usage`` for ptxas's registers and stack, ``-sass`` for its instructions."""
+    import triton
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        return subprocess.run([str(tool), flag, str(cubin)], capture_output=True, text=True, check=True).stdout
+
+
+def resource_usage(compiled) -> dict[str, int]:
+    """ptxas's figures for a ``compile_sm90`` result's threads: REG (registers) and STACK
+    (bytes of register spills, which PTX does not show), the largest over its functions."""
+    usage = cuobjdump(compiled, "-res-usage")
+    return {key: max(int(n) for n in re.findall(rf"\b{key}:(\d+)", usage)) for key in ("REG", "STACK")}

@@ -275,6 +275,14 @@ def unit_values(u0, u1, u2, scale, offset, lut, BLOCK_D: tl.constexpr, BITS: tl.
 
 
 @triton.jit
+def _f16_rows(row, valid, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """f16 rows at row (N, 1) byte pointers as they lie, (N, BLOCK_D) f16; zeros where a key is
+    not valid or past HEAD_DIM."""
+    d = tl.arange(0, BLOCK_D)[None, :]
+    return tl.load(row.to(tl.pointer_type(tl.float16)) + d, mask=valid[:, None] & (d < HEAD_DIM), other=0.0)
+
+
+@triton.jit
 def fetch_tile(pool, row_off, valid, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, KIND: tl.constexpr,
                BITS: tl.constexpr, BLOCK_BYTES: tl.constexpr, HEADER_BYTES: tl.constexpr, OFFSET_AT: tl.constexpr,
                PHASES: tl.constexpr = 1, HALF: tl.constexpr = False):
@@ -287,8 +295,7 @@ def fetch_tile(pool, row_off, valid, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constex
         a, b, c, scale, offset = fetch_units(row, valid, BLOCK_D, BITS, BLOCK_BYTES, HEADER_BYTES, OFFSET_AT, PHASES,
                                              HALF)
     elif KIND == 1 and HALF:
-        d = tl.arange(0, BLOCK_D)[None, :]
-        a = tl.load(row.to(tl.pointer_type(tl.float16)) + d, mask=valid[:, None] & (d < HEAD_DIM), other=0.0)
+        a = _f16_rows(row, valid, HEAD_DIM, BLOCK_D)
         b, c, scale, offset = a, a, a, a
     else:
         a, b, c, scale, offset = row_off, row_off, row_off, row_off, row_off
@@ -335,7 +342,7 @@ def decode_tile(pool, row_off, valid, lut, HEAD_DIM: tl.constexpr, BLOCK_D: tl.c
                                                 HALF)
         x = unit_values(u0, u1, u2, scale, offset, lut, BLOCK_D, BITS, OFFSET_AT, LOOKUP, PHASES, HALF)
     elif KIND == 1 and HALF:        # f16 rows as they lie: no float32 round trip (f16/f16 decode 310 -> 246 a block)
-        x = tl.load(row.to(tl.pointer_type(tl.float16)) + d, mask=mask, other=0.0)
+        x = _f16_rows(row, valid, HEAD_DIM, BLOCK_D)
     elif KIND <= 2:
         x = _float_values(row, d, mask, KIND)
     else:                                                               # [f16 scale][codes] blocks
