@@ -20,7 +20,7 @@ from functools import lru_cache
 
 import torch
 
-from ..native.paged_attention import F16, KLT, NIBBLE, PACKED, CodecFields, codec_fields
+from ..native.paged_attention import BF16, F16, KLT, NIBBLE, PACKED, Q8, CodecFields, codec_fields
 from . import FP_FUSION, kernels, pow2, serves
 
 GATHER, SELECT, TREE, MIRROR, AFFINE, TABLE = range(6)      # _codecs._lookup's ways to read a code table
@@ -156,9 +156,12 @@ def _phases(f: CodecFields, head_dim: int) -> int:
 # a KV head's pool reaches 2 GB; CODECS: "units" (the default) or "per-value" (``_codec_args``);
 # PREFETCH: 1 (or True), each block's pool rows read from the block table a block ahead; 2, its
 # packed codes (f16 rows with f16 products) also loaded a block ahead into registers (both off by
-# default, untimed).
+# default, untimed); KERNEL "warps": decode by ``_decode_warps_kernel`` (each warp its own keys,
+# products on CUDA cores), with KP keys a warp a step and num_warps warps (``_warps_config``).
 CODECS = ("units", "per-value")
-TUNABLE = ("BLOCK_N", "num_warps", "num_stages", "DOT", "WIDE", "CODECS", "PREFETCH")
+TUNABLE = ("BLOCK_N", "num_warps", "num_stages", "DOT", "WIDE", "CODECS", "PREFETCH", "KERNEL", "KP")
+WARPS_TUNABLE = ("KERNEL", "KP", "num_warps", "WIDE")
+WARPS_ROWS = 8            # the warps kernel's most query rows: each lane holds all of them, and their sums
 DOTS = ("ieee", "tf32x3", "tf32", "f16", "fma")
 
 
@@ -189,7 +192,12 @@ def _launch_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict | None =
     unknown = set(tune or ()) - set(TUNABLE)
     if unknown:
         raise ValueError(f"not a launch setting: {', '.join(sorted(unknown))} (tunable: {', '.join(TUNABLE)})")
+    if (tune or {}).get("KERNEL", "tiles") != "tiles":
+        return _warps_config(fmt_k, fmt_v, n_rows, head_dim, tune, page_size)
+    if "KP" in (tune or {}):
+        raise ValueError("KP (keys a warp a step) is a setting of KERNEL='warps'")
     tune = dict(tune or {})
+    tune.pop("KERNEL", None)
     codecs = tune.pop("CODECS", "units")
     if codecs not in CODECS:
         raise ValueError(f"CODECS={codecs!r}: expected one of {', '.join(CODECS)}")
@@ -203,6 +211,50 @@ def _launch_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict | None =
     if config["DOT"] == "fma":                                        # no tl.dot: rows unpadded
         config["BLOCK_M"] = min(block_m, pow2(n_rows))
     return config
+
+
+def _warps_args(fmt, head_dim: int, prefix: str) -> dict | None:
+    """A side's constexprs for ``_decode_warps_kernel``, or None where it cannot read the rows:
+    f16 and bf16 values, q8_0's bytes, 4-, 2- and 1-bit codes in 2-byte units (``_phases``; not
+    turbo3's 3-bit groups), at a power-of-two head_dim whose row holds a multiple of 32 units (a
+    lane's share of a row is whole units: turbo2 and the 4-bit codes need head_dim 256 and 128 up)."""
+    f = _fields(fmt, head_dim)
+    if f is None or f.sub_values or head_dim != pow2(head_dim):
+        return None
+    if f.kind in (F16, BF16):
+        ph = 1
+    elif f.kind == Q8 and f.bits == 8 and head_dim % f.block_values == 0 and (f.block_bytes - f.header_bytes) % 2 == 0:
+        ph = 2
+    elif f.bits != 3 and _phases(f, head_dim) > 1:
+        ph = 16 // f.bits
+    else:
+        return None
+    if (head_dim // ph) % 32:
+        return None
+    lookup = _lookup_mode(f, prefix, ph) if f.lut is not None else GATHER
+    return {f"{prefix}_KIND": f.kind, f"{prefix}_BITS": f.bits, f"{prefix}_VALUES": f.block_values,
+            f"{prefix}_BYTES": f.block_bytes, f"{prefix}_HEADER": f.header_bytes, f"{prefix}_OFFSET": f.offset_at,
+            f"{prefix}_LOOKUP": lookup, f"{prefix}_PH": ph, f"{prefix}_B2": head_dim // ph // 32}
+
+
+def _warps_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict, page_size: int) -> dict:
+    """The warps kernel's constexprs and warps (``tune`` holds KERNEL "warps"; WARPS_TUNABLE).
+    Defaults 4 warps and 1 key a warp a step: untimed, for a lease's sweep to choose."""
+    if tune["KERNEL"] != "warps":
+        raise ValueError(f"KERNEL={tune['KERNEL']!r}: expected 'tiles' or 'warps'")
+    other = set(tune) - set(WARPS_TUNABLE)
+    if other:
+        raise ValueError(f"not a setting of KERNEL='warps': {', '.join(sorted(other))} "
+                         f"(it takes {', '.join(WARPS_TUNABLE)})")
+    sides = _warps_args(fmt_k, head_dim, "K"), _warps_args(fmt_v, head_dim, "V")
+    for fmt, side in zip((fmt_k, fmt_v), sides):
+        if side is None:
+            raise ValueError(f"KERNEL='warps' does not read {fmt.name} rows at head_dim {head_dim}")
+    if pow2(n_rows) > WARPS_ROWS:
+        raise ValueError(f"KERNEL='warps' holds at most {WARPS_ROWS} query rows a KV head, not {n_rows}")
+    warps, keys = tune.get("num_warps", 4), tune.get("KP", 1)
+    return dict(KERNEL="warps", HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_M=pow2(n_rows), KP=keys, NW=warps,
+                WIDE=tune.get("WIDE", False), **sides[0], **sides[1], num_warps=warps)
 
 
 def prefill_state(fmt_k, fmt_v, q_code: torch.Tensor, q_pos: torch.Tensor | None, k_pool: torch.Tensor,
@@ -238,6 +290,13 @@ def attend(fmt_k, fmt_v, q: torch.Tensor, q_pos: torch.Tensor | None, k_pool: to
     n_kv, n_seq, n_rows, dim = q.shape
     page_size = k_pool.shape[2]
     config = _launch_config(fmt_k, fmt_v, n_rows, dim, tune, page_size)
+    flags = {"BY_SLOT": slots is not None}
+    if config.pop("KERNEL", "tiles") == "warps":
+        if q_pos is not None:
+            raise ValueError("KERNEL='warps' decodes (every row at its sequence's last key): q_pos must be None")
+        kernel = kernels("_decode_warps_kernel").paged_decode_warps
+    else:
+        kernel, flags["AT_END"] = _kernel().paged_prefill_tile, q_pos is None
     n_tiles = -(-n_rows // config["BLOCK_M"])
     keys = max(1, table.shape[1] * page_size)
     split_keys = split_keys if n_rows <= SPLIT_ROWS else keys          # many rows: one split, the tiles are enough
@@ -261,12 +320,11 @@ def attend(fmt_k, fmt_v, q: torch.Tensor, q_pos: torch.Tensor | None, k_pool: to
     luts = [_lut(f, dim, str(q.device)) for f in (fmt_k, fmt_v)]
     head_bytes = k_pool.shape[1] * k_pool.shape[2] * max(k_pool.shape[3], v_pool.shape[3])
     config["WIDE"] |= head_bytes >= 2**31                               # a head's pool past 32-bit offsets
-    _kernel().paged_prefill_tile[(n_kv, n_seq, n_tiles * n_splits)](
+    kernel[(n_kv, n_seq, n_tiles * n_splits)](
         q, lengths if q_pos is None else q_pos, k_pool.contiguous(), v_pool.contiguous(), table, lengths, *luts,
         m, l, acc, n_seq, n_rows, k_pool.shape[1], k_pool.shape[3], v_pool.shape[3], table.stride(0),
         n_splits, split_keys, *q.stride()[:3], scale, lengths if slots is None else slots, length_offset,
-        *o_strides, *gate_args, AT_END=q_pos is None, BY_SLOT=slots is not None, NORMALISE=final,
-        GATED=final and gate is not None, **config, **FP_FUSION)
+        *o_strides, *gate_args, NORMALISE=final, GATED=final and gate is not None, **flags, **config, **FP_FUSION)
     if final:
         return out
     if n_splits == 1:                                                   # nothing to merge

@@ -1,0 +1,188 @@
+"""The Triton kernel of decode attention by warps (``paged_prefill.attend`` with KERNEL "warps";
+imported only when it runs).
+
+One program per (KV head, sequence, split of keys), as the tile kernel's decode launch, but
+each warp walks its own keys: key t of a step goes to warp t mod NW, KP keys a warp a step, and
+a warp keeps its own online softmax (running max, denominator and sum of every query row) until
+the program's end, where the warps' states merge once. A key's row is spread over the 32 lanes
+of its warp, a 2-byte unit (PH codes) a lane, B2 units a lane; the query rows (up to 8, the GQA
+group) sit in every lane's registers beside their sums. So a score is each lane's products
+summed in its registers and then across its warp (5 shuffles a row), and nothing in the loop
+crosses warps: no shared memory and no barrier a step. The tile kernel decodes a block of keys
+into a tile that its tensor-core products read from shared memory, behind barriers, every block
+(sm_90 SASS: 15-17 barriers a block); session 41's H200 timed it 4.6-6.8x slower than f16 SDPA
+at 128K on turbo4. This is what llama.cpp's vector kernel and vLLM's paged attention do for a
+few query rows: products on CUDA cores, no tile to share.
+
+Every tensor's axes end (..., KP, NW, 32): Triton spreads lanes over the last axis and warps
+over the next one that has room, so the lanes hold a row's units and the warps its keys (the
+other axes are registers). q is loaded per warp (NW copies, once) so that its layout has the
+warps where the keys have them.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+from ._codecs import sigmoid, stored_as
+
+LANES = 32
+
+
+@triton.jit
+def _units(HEAD_DIM: tl.constexpr, KIND: tl.constexpr, PH: tl.constexpr, B2: tl.constexpr,
+           VALUES: tl.constexpr, BYTES: tl.constexpr, HEADER: tl.constexpr):
+    """Where a lane's units lie and which dimension each code is: (byte offset of each unit in
+    the row (B2, 1, 1, 32), byte offset of its block (B2, 1, 1, 32), the dimension of code p of
+    each unit (PH, B2, 1, 1, 32)). Unit b * 32 + lane; f16 rows are units of one value; else
+    block u // GROUPS, unit u % GROUPS of it past the block's header, its codes at value j:
+    packed codes PH w + p, nibbles 2w + p // 2 (+ half a block for the high nibble), bytes 2w + p."""
+    u = tl.arange(0, B2)[:, None, None, None] * 32 + tl.arange(0, 32)[None, None, None, :]
+    p = tl.arange(0, PH)[:, None, None, None, None]
+    if KIND == 1 or KIND == 2:                                          # F16, BF16: a unit is a value
+        at = 2 * u
+        block = at
+        dim = u[None] + 0 * p
+    else:
+        GROUPS: tl.constexpr = (BYTES - HEADER) // 2
+        w = u % GROUPS
+        block = (u // GROUPS) * BYTES
+        at = block + HEADER + 2 * w
+        if KIND == 4:                                                   # NIBBLE
+            j = 2 * w[None] + p // 2 + (VALUES // 2) * (p % 2)
+        elif KIND == 3:                                                 # Q8: two bytes a unit
+            j = 2 * w[None] + p
+        else:                                                           # PACKED
+            j = PH * w[None] + p
+        dim = (u // GROUPS)[None] * VALUES + j
+    return at, block, dim
+
+
+@triton.jit
+def _values(row, valid, lut, HEAD_DIM: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
+            PH: tl.constexpr, B2: tl.constexpr, VALUES: tl.constexpr, BYTES: tl.constexpr,
+            HEADER: tl.constexpr, OFFSET_AT: tl.constexpr, LOOKUP: tl.constexpr):
+    """A step's keys' values (PH, B2, KP, NW, 32) float32 from their rows' byte pointers row
+    (1, KP, NW, 1): one 2-byte load a unit and a lane; a masked key's values 0. Tables are read
+    by a load a value (the table is 64 bytes: one L1 line for a warp), integer steps (q4_0's
+    c - 8) by arithmetic."""
+    at, block, _ = _units(HEAD_DIM, KIND, PH, B2, VALUES, BYTES, HEADER)
+    mask = valid[None, :, :, None]
+    unit = tl.load((row + at).to(tl.pointer_type(tl.uint16)), mask=mask, other=0)
+    if KIND == 1:
+        x = unit.to(tl.float16, bitcast=True).to(tl.float32)[None]
+    elif KIND == 2:
+        x = unit.to(tl.bfloat16, bitcast=True).to(tl.float32)[None]
+    else:
+        p = tl.arange(0, PH)[:, None, None, None, None]
+        code = (unit.to(tl.int32)[None] >> (BITS * p)) & ((1 << BITS) - 1)
+        scale = tl.load((row + block).to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)[None]
+        if KIND == 3:                                                   # signed bytes
+            x = ((code ^ 128) - 128).to(tl.float32)
+        elif LOOKUP == 4:                                               # AFFINE: lut[0] + c (lut[1] - lut[0])
+            first = tl.load(lut)
+            x = code.to(tl.float32) * (tl.load(lut + 1) - first) + first
+        else:
+            x = tl.load(lut + code)
+        x = scale * x
+        if OFFSET_AT > 0:
+            x = x + tl.load((row + block + OFFSET_AT).to(tl.pointer_type(tl.float16)), mask=mask,
+                            other=0.0).to(tl.float32)[None]
+    return x
+
+
+@triton.jit
+def paged_decode_warps(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr, k_lut, v_lut,
+                       m_out, l_out, acc_out,
+                       n_seq, n_rows, n_pages, k_row_bytes, v_row_bytes, table_stride,
+                       n_splits, split_keys,
+                       q_heads, q_seqs, q_rows, q_scale, slots_ptr, length_offset, o_heads, o_seqs, o_rows,
+                       gate_ptr, g_heads, g_seqs, g_rows,
+                       HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                       KP: tl.constexpr, NW: tl.constexpr, WIDE: tl.constexpr,
+                       K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_VALUES: tl.constexpr,
+                       K_BYTES: tl.constexpr, K_HEADER: tl.constexpr, K_OFFSET: tl.constexpr,
+                       K_LOOKUP: tl.constexpr, K_PH: tl.constexpr, K_B2: tl.constexpr,
+                       V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_VALUES: tl.constexpr,
+                       V_BYTES: tl.constexpr, V_HEADER: tl.constexpr, V_OFFSET: tl.constexpr,
+                       V_LOOKUP: tl.constexpr, V_PH: tl.constexpr, V_B2: tl.constexpr,
+                       BY_SLOT: tl.constexpr = False, NORMALISE: tl.constexpr = False, GATED: tl.constexpr = False):
+    """``paged_prefill_tile``'s decode launch (AT_END: every row at its sequence's last key, q_pos
+    unread) with the same arguments and outputs: the state of rows 0..n_rows-1 (at most BLOCK_M)
+    of (KV head, sequence) over the keys of one split, or with NORMALISE (one split) the output."""
+    h = tl.program_id(0)
+    s = tl.program_id(1)
+    split = tl.program_id(2)
+    head_seq = h.to(tl.int64) * n_seq + s
+    length = tl.load(lengths_ptr + s).to(tl.int32) + length_offset
+    if BY_SLOT:
+        table_row = tl.load(slots_ptr + s).to(tl.int64)
+    else:
+        table_row = s.to(tl.int64)
+    table_at = table_ptr + table_row * table_stride
+    k_head = k_pool + h.to(tl.int64) * n_pages * PAGE_SIZE * k_row_bytes
+    v_head = v_pool + h.to(tl.int64) * n_pages * PAGE_SIZE * v_row_bytes
+
+    # q (BLOCK_M, K_PH, K_B2, 1, NW, 32) in K's unit order, one copy a warp
+    r6 = tl.arange(0, BLOCK_M)[:, None, None, None, None, None]
+    _, _, d_k = _units(HEAD_DIM, K_KIND, K_PH, K_B2, K_VALUES, K_BYTES, K_HEADER)
+    warp = tl.arange(0, NW)[None, None, None, None, :, None]
+    q_at = q_ptr + h.to(tl.int64) * q_heads + s.to(tl.int64) * q_seqs
+    q = tl.load(q_at + r6 * q_rows + d_k[None] + 0 * warp, mask=(r6 < n_rows) & (warp >= 0),
+                other=0.0).to(tl.float32) * q_scale
+
+    begin = split * split_keys
+    end = tl.minimum(begin + split_keys, length)
+    m_i = tl.full([BLOCK_M, NW], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M, NW], tl.float32)
+    acc = tl.zeros([BLOCK_M, V_PH, V_B2, NW, 32], tl.float32)
+    for start in range(begin, end, KP * NW):
+        t = start + tl.arange(0, KP)[:, None] * NW + tl.arange(0, NW)[None, :]     # (KP, NW)
+        valid = t < end
+        page = tl.load(table_at + t // PAGE_SIZE, mask=valid, other=0)
+        slot = page * PAGE_SIZE + t % PAGE_SIZE
+        if WIDE:
+            slot = slot.to(tl.int64)
+        k = _values(k_head + (slot * k_row_bytes)[None, :, :, None], valid, k_lut, HEAD_DIM, K_KIND, K_BITS,
+                    K_PH, K_B2, K_VALUES, K_BYTES, K_HEADER, K_OFFSET, K_LOOKUP)
+        v = _values(v_head + (slot * v_row_bytes)[None, :, :, None], valid, v_lut, HEAD_DIM, V_KIND, V_BITS,
+                    V_PH, V_B2, V_VALUES, V_BYTES, V_HEADER, V_OFFSET, V_LOOKUP)
+        # a lane's products summed in its registers first (codes, then units), then across lanes:
+        # 5 shuffles a row and key (summing the lanes first took 8x as many)
+        scores = tl.sum(tl.sum(tl.sum(q * k[None], axis=1), axis=1), axis=3)            # (BLOCK_M, KP, NW)
+        scores = tl.where(valid[None], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)          # no key yet: weights 0, not NaN
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(scores - m_safe[:, None, :])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None, None, :, None] + tl.sum(p[:, None, None, :, :, None] * v[None], axis=3)
+        m_i = m_new
+
+    # the warps' states merged, once
+    m_all = tl.max(m_i, axis=1)                                         # (BLOCK_M,)
+    weight = tl.exp(m_i - tl.where(m_all == float("-inf"), 0.0, m_all)[:, None])
+    l_all = tl.sum(l_i * weight, axis=1)
+    out = tl.sum(acc * weight[:, None, None, :, None], axis=3)         # (BLOCK_M, V_PH, V_B2, 32)
+    r = tl.arange(0, BLOCK_M)
+    r4 = r[:, None, None, None]
+    _, _, d_v = _units(HEAD_DIM, V_KIND, V_PH, V_B2, V_VALUES, V_BYTES, V_HEADER)
+    d = tl.reshape(d_v, (V_PH, V_B2, 32))[None]                         # (1, V_PH, V_B2, 32)
+    live = (r4 < n_rows) & (d < HEAD_DIM)
+    if NORMALISE:                                                       # the output itself, where the caller wants it
+        o_at = acc_out + h.to(tl.int64) * o_heads + s.to(tl.int64) * o_seqs
+        out = out / l_all[:, None, None, None]
+        if GATED:
+            g_at = gate_ptr + h.to(tl.int64) * g_heads + s.to(tl.int64) * g_seqs
+            out = sigmoid(tl.load(g_at + r4 * g_rows + d, mask=live, other=0.0).to(tl.float32)) * out
+        tl.store(o_at + r4 * o_rows + d, stored_as(out, acc_out), mask=live)
+    else:
+        part = (head_seq * n_splits + split) * n_rows + r              # (BLOCK_M,) rows of this split
+        tl.store(m_out + part, m_all, mask=r < n_rows)
+        tl.store(l_out + part, l_all, mask=r < n_rows)
+        tl.store(acc_out + part[:, None, None, None] * HEAD_DIM + d, out, mask=live)
+
+
+INTERPRETED = not isinstance(paged_decode_warps, JITFunction)
+RUNNABLE = INTERPRETED == (not isinstance(tl.zeros, JITFunction))     # else tl.zeros & co. refuse to run
