@@ -57,18 +57,23 @@ def loop_counts(sass: str) -> tuple[int, int]:
 def usage(name_k: str, name_v: str, rows: int, head_dim: int, tune: dict) -> dict:
     """Registers per thread, stack bytes per thread, shared bytes, programs per SM and the key
     loop's instructions and global loads of one launch setting."""
-    from kvslim.gpu import _paged_prefill_kernel as kernel
+    from kvslim.gpu import _decode_warps_kernel, _paged_prefill_kernel
     from kvslim.gpu import compile_sm90
     fmt_k, fmt_v = formats.get(name_k, role="k"), formats.get(name_v, role="v")
     config = paged_prefill._launch_config(fmt_k, fmt_v, rows, head_dim, tune)
     # a decode step's launch at depth (step_output past SPLIT_KEYS keys: the splits' states, merged after;
     # one split stores the output itself, NORMALISE, a few registers more where occupancy is moot)
-    config.update(AT_END=True, BY_SLOT=True)
+    config.update(BY_SLOT=True)
+    if config.pop("KERNEL", "tiles") == "warps":
+        fn = _decode_warps_kernel.paged_decode_warps
+    else:
+        fn = _paged_prefill_kernel.paged_prefill_tile
+        config["AT_END"] = True
     options = {"num_warps": config.pop("num_warps")}
     if "num_stages" in config:
         options["num_stages"] = config.pop("num_stages")
     pointers = dict(paged_prefill.POINTER_ARGS, q_ptr="*bf16")          # the layer's bf16 queries, read in place
-    compiled = compile_sm90(kernel.paged_prefill_tile, pointers, config,
+    compiled = compile_sm90(fn, pointers, config,
                             paged_prefill.aligned_args(fmt_k, fmt_v, head_dim), **options)   # as a launch aligns
     return report(compiled, options["num_warps"])
 

@@ -14,9 +14,9 @@ into a tile that its tensor-core products read from shared memory, behind barrie
 at 128K on turbo4. This is what llama.cpp's vector kernel and vLLM's paged attention do for a
 few query rows: products on CUDA cores, no tile to share.
 
-Every tensor's axes end (..., KP, NW, 32): Triton spreads lanes over the last axis and warps
-over the next one that has room, so the lanes hold a row's units and the warps its keys (the
-other axes are registers). q is loaded per warp (NW copies, once) so that its layout has the
+Every tensor's axes end (..., KP, NW, 32, PH): a lane's PH codes of a unit are its own (they are
+q's contiguous values too), Triton spreads lanes over the next axis and warps over the one
+after, so the lanes hold a row's units and the warps its keys (the other axes are registers). q is loaded per warp (NW copies, once) so that its layout has the
 warps where the keys have them.
 """
 from __future__ import annotations
@@ -31,64 +31,96 @@ LANES = 32
 
 
 @triton.jit
-def _units(HEAD_DIM: tl.constexpr, KIND: tl.constexpr, PH: tl.constexpr, B2: tl.constexpr,
-           VALUES: tl.constexpr, BYTES: tl.constexpr, HEADER: tl.constexpr):
-    """Where a lane's units lie and which dimension each code is: (byte offset of each unit in
-    the row (B2, 1, 1, 32), byte offset of its block (B2, 1, 1, 32), the dimension of code p of
-    each unit (PH, B2, 1, 1, 32)). Unit b * 32 + lane; f16 rows are units of one value; else
-    block u // GROUPS, unit u % GROUPS of it past the block's header, its codes at value j:
-    packed codes PH w + p, nibbles 2w + p // 2 (+ half a block for the high nibble), bytes 2w + p."""
+def _units(KIND: tl.constexpr, PH: tl.constexpr, B2: tl.constexpr, VALUES: tl.constexpr, BYTES: tl.constexpr,
+           HEADER: tl.constexpr):
+    """Where a lane's units lie and which dimension each code is: (the row's 2-byte unit at which
+    each unit lies (B2, 1, 1, 32), the one its block starts at (B2, 1, 1, 32), the dimension of
+    code p of each unit (B2, 1, 1, 32, PH)). Unit b * 32 + lane; f16 rows are units of one value;
+    else block u // GROUPS, unit u % GROUPS of it past the block's header, its codes at value j:
+    packed codes PH w + p, nibbles 2w + p // 2 (+ half a block for the high nibble), bytes 2w + p.
+    In 2-byte units, not bytes, so that the compiler sees a lane's units follow one another (a
+    byte offset cast to a 2-byte pointer hides it: under Triton 3.6 the loads' layout then put
+    lanes across keys and the step needed shared memory and 33 barriers)."""
     u = tl.arange(0, B2)[:, None, None, None] * 32 + tl.arange(0, 32)[None, None, None, :]
-    p = tl.arange(0, PH)[:, None, None, None, None]
+    p = tl.arange(0, PH)[None, None, None, None, :]
     if KIND == 1 or KIND == 2:                                          # F16, BF16: a unit is a value
-        at = 2 * u
-        block = at
-        dim = u[None] + 0 * p
+        at = u
+        block = u
+        dim = u[:, :, :, :, None] + 0 * p
     else:
         GROUPS: tl.constexpr = (BYTES - HEADER) // 2
         w = u % GROUPS
-        block = (u // GROUPS) * BYTES
-        at = block + HEADER + 2 * w
+        block = (u // GROUPS) * (BYTES // 2)
+        at = block + HEADER // 2 + w
+        w5 = w[:, :, :, :, None]
         if KIND == 4:                                                   # NIBBLE
-            j = 2 * w[None] + p // 2 + (VALUES // 2) * (p % 2)
+            j = 2 * w5 + p // 2 + (VALUES // 2) * (p % 2)
         elif KIND == 3:                                                 # Q8: two bytes a unit
-            j = 2 * w[None] + p
+            j = 2 * w5 + p
         else:                                                           # PACKED
-            j = PH * w[None] + p
-        dim = (u // GROUPS)[None] * VALUES + j
+            j = PH * w5 + p
+        dim = (u // GROUPS)[:, :, :, :, None] * VALUES + j
     return at, block, dim
 
 
 @triton.jit
-def _values(row, valid, lut, HEAD_DIM: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
-            PH: tl.constexpr, B2: tl.constexpr, VALUES: tl.constexpr, BYTES: tl.constexpr,
-            HEADER: tl.constexpr, OFFSET_AT: tl.constexpr, LOOKUP: tl.constexpr):
-    """A step's keys' values (PH, B2, KP, NW, 32) float32 from their rows' byte pointers row
+def _load(ptr, mask, other, TIES_UP: tl.constexpr):
+    """tl.load of (B2, KP, NW, 32) pointers in the layout this kernel needs: lanes over the last
+    axis, warps over NW. Triton's coalescing orders a load's axes by how contiguous its addresses
+    are, and axes alike (a scale's) one way under Triton 3.6 (the first first: TIES_UP) and the
+    other under 3.9; loaded as (32, NW, KP, B2) under 3.6, then put back (a relabelling, no data
+    moved), both get lanes and warps where the step's sums want them. With one layout, the
+    loads' (lanes across keys under 3.6) were converted through shared memory every step."""
+    if TIES_UP:
+        x = tl.permute(tl.load(tl.permute(ptr, (3, 2, 1, 0)), mask=tl.permute(mask, (3, 2, 1, 0)), other=other),
+                       (3, 2, 1, 0))
+    else:
+        x = tl.load(ptr, mask=mask, other=other)
+    return x
+
+
+@triton.jit
+def _gather(ptr, TIES_UP: tl.constexpr):
+    """tl.load of (B2, KP, NW, 32, PH) pointers whose addresses are alike on every axis (a code
+    table's entries), loaded as ``_load`` loads, PH kept a lane's own: else the load's layout
+    spread lanes over PH and the values were converted through shared memory every step."""
+    if TIES_UP:
+        x = tl.permute(tl.load(tl.permute(ptr, (3, 2, 1, 0, 4))), (3, 2, 1, 0, 4))
+    else:
+        x = tl.permute(tl.load(tl.permute(ptr, (4, 0, 1, 2, 3))), (1, 2, 3, 4, 0))
+    return x
+
+
+@triton.jit
+def _values(row, valid, lut, KIND: tl.constexpr, BITS: tl.constexpr, PH: tl.constexpr, B2: tl.constexpr,
+            VALUES: tl.constexpr, BYTES: tl.constexpr, HEADER: tl.constexpr, OFFSET_AT: tl.constexpr,
+            LOOKUP: tl.constexpr, TIES_UP: tl.constexpr):
+    """A step's keys' values (B2, KP, NW, 32, PH) float32 from their rows' 2-byte pointers row
     (1, KP, NW, 1): one 2-byte load a unit and a lane; a masked key's values 0. Tables are read
     by a load a value (the table is 64 bytes: one L1 line for a warp), integer steps (q4_0's
     c - 8) by arithmetic."""
-    at, block, _ = _units(HEAD_DIM, KIND, PH, B2, VALUES, BYTES, HEADER)
-    mask = valid[None, :, :, None]
-    unit = tl.load((row + at).to(tl.pointer_type(tl.uint16)), mask=mask, other=0)
+    at, block, _ = _units(KIND, PH, B2, VALUES, BYTES, HEADER)
+    mask = valid[None, :, :, None] & (at >= 0)                          # (B2, KP, NW, 32)
+    unit = _load(row + at, mask, 0, TIES_UP)
     if KIND == 1:
-        x = unit.to(tl.float16, bitcast=True).to(tl.float32)[None]
+        x = unit.to(tl.float16, bitcast=True).to(tl.float32)[:, :, :, :, None]
     elif KIND == 2:
-        x = unit.to(tl.bfloat16, bitcast=True).to(tl.float32)[None]
+        x = unit.to(tl.bfloat16, bitcast=True).to(tl.float32)[:, :, :, :, None]
     else:
-        p = tl.arange(0, PH)[:, None, None, None, None]
-        code = (unit.to(tl.int32)[None] >> (BITS * p)) & ((1 << BITS) - 1)
-        scale = tl.load((row + block).to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)[None]
+        p = tl.arange(0, PH)[None, None, None, None, :]
+        code = (unit.to(tl.int32)[:, :, :, :, None] >> (BITS * p)) & ((1 << BITS) - 1)
+        scale = _load((row + block).to(tl.pointer_type(tl.float16)), mask, 0.0, TIES_UP).to(tl.float32)[:, :, :, :, None]
         if KIND == 3:                                                   # signed bytes
             x = ((code ^ 128) - 128).to(tl.float32)
         elif LOOKUP == 4:                                               # AFFINE: lut[0] + c (lut[1] - lut[0])
             first = tl.load(lut)
             x = code.to(tl.float32) * (tl.load(lut + 1) - first) + first
         else:
-            x = tl.load(lut + code)
+            x = _gather(lut + code, TIES_UP)
         x = scale * x
         if OFFSET_AT > 0:
-            x = x + tl.load((row + block + OFFSET_AT).to(tl.pointer_type(tl.float16)), mask=mask,
-                            other=0.0).to(tl.float32)[None]
+            x = x + _load((row + block + OFFSET_AT // 2).to(tl.pointer_type(tl.float16)), mask, 0.0,
+                          TIES_UP).to(tl.float32)[:, :, :, :, None]
     return x
 
 
@@ -107,7 +139,8 @@ def paged_decode_warps(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
                        V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_VALUES: tl.constexpr,
                        V_BYTES: tl.constexpr, V_HEADER: tl.constexpr, V_OFFSET: tl.constexpr,
                        V_LOOKUP: tl.constexpr, V_PH: tl.constexpr, V_B2: tl.constexpr,
-                       BY_SLOT: tl.constexpr = False, NORMALISE: tl.constexpr = False, GATED: tl.constexpr = False):
+                       BY_SLOT: tl.constexpr = False, NORMALISE: tl.constexpr = False, GATED: tl.constexpr = False,
+                       TIES_UP: tl.constexpr = False):
     """``paged_prefill_tile``'s decode launch (AT_END: every row at its sequence's last key, q_pos
     unread) with the same arguments and outputs: the state of rows 0..n_rows-1 (at most BLOCK_M)
     of (KV head, sequence) over the keys of one split, or with NORMALISE (one split) the output."""
@@ -124,19 +157,27 @@ def paged_decode_warps(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
     k_head = k_pool + h.to(tl.int64) * n_pages * PAGE_SIZE * k_row_bytes
     v_head = v_pool + h.to(tl.int64) * n_pages * PAGE_SIZE * v_row_bytes
 
-    # q (BLOCK_M, K_PH, K_B2, 1, NW, 32) in K's unit order, one copy a warp
+    # q (BLOCK_M, K_B2, 1, NW, 32, K_PH) in K's unit order, one copy a warp
     r6 = tl.arange(0, BLOCK_M)[:, None, None, None, None, None]
-    _, _, d_k = _units(HEAD_DIM, K_KIND, K_PH, K_B2, K_VALUES, K_BYTES, K_HEADER)
-    warp = tl.arange(0, NW)[None, None, None, None, :, None]
+    _, _, d_k = _units(K_KIND, K_PH, K_B2, K_VALUES, K_BYTES, K_HEADER)
+    warp = tl.arange(0, NW)[None, None, None, :, None, None]
     q_at = q_ptr + h.to(tl.int64) * q_heads + s.to(tl.int64) * q_seqs
-    q = tl.load(q_at + r6 * q_rows + d_k[None] + 0 * warp, mask=(r6 < n_rows) & (warp >= 0),
-                other=0.0).to(tl.float32) * q_scale
+    q_ptrs = q_at + r6 * q_rows + d_k[None] + 0 * warp
+    q_mask = (r6 < n_rows) & (d_k[None] + 0 * warp >= 0)                 # full shape, for the permute
+    if TIES_UP:             # loaded as (32, NW, ..., PH), as ``_load`` says, then put back
+        q = tl.permute(tl.load(tl.permute(q_ptrs, (4, 3, 0, 1, 2, 5)), mask=tl.permute(q_mask, (4, 3, 0, 1, 2, 5)),
+                               other=0.0), (2, 3, 4, 1, 0, 5))
+    else:
+        q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+    q = q.to(tl.float32) * q_scale
 
     begin = split * split_keys
     end = tl.minimum(begin + split_keys, length)
     m_i = tl.full([BLOCK_M, NW], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M, NW], tl.float32)
-    acc = tl.zeros([BLOCK_M, V_PH, V_B2, NW, 32], tl.float32)
+    acc = tl.zeros([BLOCK_M, V_B2, NW, 32, V_PH], tl.float32)
+    k_rows = k_head.to(tl.pointer_type(tl.uint16))       # rows hold whole 2-byte units
+    v_rows = v_head.to(tl.pointer_type(tl.uint16))
     for start in range(begin, end, KP * NW):
         t = start + tl.arange(0, KP)[:, None] * NW + tl.arange(0, NW)[None, :]     # (KP, NW)
         valid = t < end
@@ -144,31 +185,31 @@ def paged_decode_warps(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
         slot = page * PAGE_SIZE + t % PAGE_SIZE
         if WIDE:
             slot = slot.to(tl.int64)
-        k = _values(k_head + (slot * k_row_bytes)[None, :, :, None], valid, k_lut, HEAD_DIM, K_KIND, K_BITS,
-                    K_PH, K_B2, K_VALUES, K_BYTES, K_HEADER, K_OFFSET, K_LOOKUP)
-        v = _values(v_head + (slot * v_row_bytes)[None, :, :, None], valid, v_lut, HEAD_DIM, V_KIND, V_BITS,
-                    V_PH, V_B2, V_VALUES, V_BYTES, V_HEADER, V_OFFSET, V_LOOKUP)
+        k = _values(k_rows + (slot * (k_row_bytes // 2))[None, :, :, None], valid, k_lut, K_KIND, K_BITS,
+                    K_PH, K_B2, K_VALUES, K_BYTES, K_HEADER, K_OFFSET, K_LOOKUP, TIES_UP)
+        v = _values(v_rows + (slot * (v_row_bytes // 2))[None, :, :, None], valid, v_lut, V_KIND, V_BITS,
+                    V_PH, V_B2, V_VALUES, V_BYTES, V_HEADER, V_OFFSET, V_LOOKUP, TIES_UP)
         # a lane's products summed in its registers first (codes, then units), then across lanes:
         # 5 shuffles a row and key (summing the lanes first took 8x as many)
-        scores = tl.sum(tl.sum(tl.sum(q * k[None], axis=1), axis=1), axis=3)            # (BLOCK_M, KP, NW)
+        scores = tl.sum(tl.sum(tl.sum(q * k[None], axis=5), axis=1), axis=3)            # (BLOCK_M, KP, NW)
         scores = tl.where(valid[None], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)          # no key yet: weights 0, not NaN
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(scores - m_safe[:, None, :])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None, None, :, None] + tl.sum(p[:, None, None, :, :, None] * v[None], axis=3)
+        acc = acc * alpha[:, None, :, None, None] + tl.sum(p[:, None, :, :, None, None] * v[None], axis=2)
         m_i = m_new
 
     # the warps' states merged, once
     m_all = tl.max(m_i, axis=1)                                         # (BLOCK_M,)
     weight = tl.exp(m_i - tl.where(m_all == float("-inf"), 0.0, m_all)[:, None])
     l_all = tl.sum(l_i * weight, axis=1)
-    out = tl.sum(acc * weight[:, None, None, :, None], axis=3)         # (BLOCK_M, V_PH, V_B2, 32)
+    out = tl.sum(acc * weight[:, None, :, None, None], axis=2)         # (BLOCK_M, V_B2, 32, V_PH)
     r = tl.arange(0, BLOCK_M)
     r4 = r[:, None, None, None]
-    _, _, d_v = _units(HEAD_DIM, V_KIND, V_PH, V_B2, V_VALUES, V_BYTES, V_HEADER)
-    d = tl.reshape(d_v, (V_PH, V_B2, 32))[None]                         # (1, V_PH, V_B2, 32)
+    _, _, d_v = _units(V_KIND, V_PH, V_B2, V_VALUES, V_BYTES, V_HEADER)
+    d = tl.reshape(d_v, (V_B2, 32, V_PH))[None]                         # (1, V_B2, 32, V_PH)
     live = (r4 < n_rows) & (d < HEAD_DIM)
     if NORMALISE:                                                       # the output itself, where the caller wants it
         o_at = acc_out + h.to(tl.int64) * o_heads + s.to(tl.int64) * o_seqs

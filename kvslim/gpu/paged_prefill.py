@@ -254,7 +254,16 @@ def _warps_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict, page_siz
         raise ValueError(f"KERNEL='warps' holds at most {WARPS_ROWS} query rows a KV head, not {n_rows}")
     warps, keys = tune.get("num_warps", 4), tune.get("KP", 1)
     return dict(KERNEL="warps", HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_M=pow2(n_rows), KP=keys, NW=warps,
-                WIDE=tune.get("WIDE", False), **sides[0], **sides[1], num_warps=warps)
+                WIDE=tune.get("WIDE", False), TIES_UP=_ties_up(), **sides[0], **sides[1], num_warps=warps)
+
+
+@lru_cache(maxsize=None)
+def _ties_up() -> bool:
+    """Whether this Triton orders a load's equally contiguous axes first to last (3.6, the lent
+    GPUs'), not last to first (3.9, this machine's): ``_decode_warps_kernel._load`` loads so that
+    either way its lanes and warps land where it sums. Measured on those two versions only."""
+    import triton
+    return tuple(int(n) for n in triton.__version__.split(".")[:2]) < (3, 9)
 
 
 def prefill_state(fmt_k, fmt_v, q_code: torch.Tensor, q_pos: torch.Tensor | None, k_pool: torch.Tensor,
