@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 from collections import Counter
 from pathlib import Path
@@ -36,20 +35,9 @@ from kvslim.tables import markdown_table  # noqa: E402
 SM90_REGISTERS, SM90_SHARED = 65536, 228 * 1024
 
 
-def loop_ops(sass: str) -> list[str]:
-    """The opcodes of the longest loop in cuobjdump's SASS: the addresses from a backward
-    branch's target to the branch."""
-    code = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)[^;]*;", sass)]
-    loops = [(int(t, 16), int(a, 16)) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA[^;]*?0x([0-9a-f]+)", sass)
-             if int(t, 16) < int(a, 16)]
-    if not loops:
-        return []
-    first, last = max(loops, key=lambda span: span[1] - span[0])
-    return [op for at, op in code if first <= at <= last]
-
-
 def loop_counts(sass: str) -> tuple[int, int]:
     """(instructions, global loads) of the longest loop in cuobjdump's SASS."""
+    from kvslim.gpu import loop_ops
     body = loop_ops(sass)
     return len(body), sum(op.startswith("LDG") for op in body)
 
@@ -81,7 +69,7 @@ def usage(name_k: str, name_v: str, rows: int, head_dim: int, tune: dict) -> dic
 def report(compiled, num_warps: int) -> dict:
     """A compiled kernel's registers and stack per thread, shared bytes, programs per SM and its
     longest loop's instructions and global loads per thread (``cuobjdump`` from Triton's wheel)."""
-    from kvslim.gpu import cuobjdump, resource_usage
+    from kvslim.gpu import cuobjdump, loop_ops, resource_usage
     found, sass = resource_usage(compiled), cuobjdump(compiled, "-sass")
     threads, shared = 32 * num_warps, compiled.metadata.shared
     by_regs = SM90_REGISTERS // max(1, found.get("REG", 0) * threads)

@@ -71,6 +71,24 @@ F16_TABLES = [("turbo4", "turbo3", 256, 8, (40, 3), 16, 32), ("turbo2", "iq4_nl"
               ("turbo4", "f16", 128, 8, (30, 7), 16, None)]
 
 
+# decode by warps (KERNEL "warps": each warp its own keys, products on CUDA cores): 4-bit codes
+# from tables and by integer steps, q4_1's offsets, q8_0's bytes, f16 and bf16 rows; one warp (its
+# sums rescaled only when a row's max grows), two and four; one and two keys a warp a step; 64-bit
+# row offsets; pages of 12; empty sequences, and a sequence of 100 keys over two splits of 64
+WARPS = [(("turbo4", "turbo4", 256, 8, (40, 3, 0), 16, 32), {}),
+         (("turbo4", "turbo4", 256, 8, (40, 3, 0), 16, 32), {"num_warps": 1}),
+         (("q4_0", "iq4_nl", 128, 4, (61, 16), 16, None), {"num_warps": 1, "KP": 2}),
+         (("f16", "q8_0", 128, 4, (37, 100), 16, 64), {"num_warps": 2, "KP": 2}),
+         (("q8_0", "turbo2", 256, 5, (20, 1, 0), 12, None), {"num_warps": 1, "WIDE": True}),
+         (("q4_1", "bf16", 128, 1, (33,), 16, None), {"num_warps": 2})]
+# queries 12x _case's: scores spread over tens, so a one-warp program's running max grows past
+# RESCALE_AT after its first step, and its sums are rescaled there (with RESCALE_AT inf, never)
+STEEP = ("turbo4", "q8_0", 128, 2, (300, 77), 16, None)
+# step_output by warps: one split (the output stored by the kernel, gated too), and two (merged)
+WARP_STEPS = [("q8_0", "turbo4", 128, 4, (20, 5), 16, None, "bfloat16"),
+              ("turbo4", "q4_0", 256, 8, (600, 3), 32, None, "float32")]
+
+
 def _states_in_child(cases, path: Path) -> None:
     """Run in a child whose TRITON_INTERPRET=1 came before triton's import (kvslim imports triton
     through torch, so this process cannot switch its kernels to the interpreter)."""
@@ -92,6 +110,21 @@ def _states_in_child(cases, path: Path) -> None:
     out["f16_tables"] = [gpu.decode_state(*_case(*case[:4], list(case[4]), page_size=case[5]),
                                           split_keys=case[6] or paged_prefill.SPLIT_KEYS, tune={"DOT": "f16"})
                          for case in F16_TABLES]
+    out["warps"] = [gpu.decode_state(*_case(*case[:4], list(case[4]), page_size=case[5]),
+                                     split_keys=case[6] or paged_prefill.SPLIT_KEYS, tune={"KERNEL": "warps", **tune})
+                    for case, tune in WARPS]
+    steep = list(_case(*STEEP[:4], list(STEEP[4]), page_size=STEEP[5]))
+    steep[2] = steep[2] * 12
+    out["steep"] = [gpu.decode_state(*steep, tune={"KERNEL": "warps", "num_warps": warps, "RESCALE_AT": at})
+                    for warps, at in ((1, 8.0), (1, float("inf")), (2, 8.0))]
+    from kvslim.gpu import swiglu
+    out["warp_steps"] = []
+    for step in WARP_STEPS:
+        args, gate = _step_args(step), _step_gate(step)
+        tune = {"KERNEL": "warps", "num_warps": 1}
+        plain = gpu.step_output(*args[:-1], **args[-1], tune=tune)
+        out["warp_steps"].append((plain, gpu.step_output(*args[:-1], **args[-1], tune=tune, gate=gate),
+                                  swiglu.sigmoid_mul(gate, plain, gate.dtype)))
     q = torch.zeros(2, 1, 2, 128)
     out["supports"] = [gpu.supports(formats.get(k), formats.get(v), q) for k, v in REFUSED + [("f16", "f16")]]
     out["supports"].append(gpu.supports(formats.get("f16"), formats.get("f16"), torch.zeros(2, 1, 65, 128)))
@@ -99,7 +132,6 @@ def _states_in_child(cases, path: Path) -> None:
     out["merged_gpu_tile"] = paged_prefill.merged(*_split_states(*MERGES[0]), tile=paged_prefill.MERGE_TILE)
     out["steps"] = [(gpu.serves_step(*args[:3], args[4].shape[0]), gpu.step_output(*args[:-1], **args[-1]))
                     for args in map(_step_args, STEPS)]
-    from kvslim.gpu import swiglu
     out["gated"] = []
     for step, (_, plain) in zip(STEPS, out["steps"]):
         args, gate = _step_args(step), _step_gate(step)
@@ -243,6 +275,57 @@ def test_codes_loaded_a_block_ahead_give_the_same_bits(interpreted, case, tune):
         _check_f16_products(ahead, _torch_state(*args), args[-1])
     else:
         _check(ahead, _torch_state(*args), args[-1])
+
+
+@pytest.mark.parametrize("case,tune", WARPS, ids=lambda c: f"{c[0]}-{c[1]}-d{c[2]}" if isinstance(c, tuple) else str(c))
+def test_decode_by_warps_matches_torch_block_loop(interpreted, case, tune):
+    """KERNEL "warps" (each warp its own keys and softmax, merged once a program) leaves the
+    state the tile kernel leaves, against the torch block loop within the same bounds."""
+    args = _case(*case[:4], list(case[4]), page_size=case[5])
+    _check(interpreted["warps"][WARPS.index((case, tune))], _torch_state(*args), args[-1])
+
+
+def test_one_warps_sums_are_rescaled_when_its_max_grows(interpreted):
+    """Steep scores: the one-warp launch (sums rescaled only past RESCALE_AT) and the two-warp one
+    (every step) both match the reference; the one-warp state differs in its bits from the same
+    launch that never rescales after its first step, so the rescale was taken."""
+    args = list(_case(*STEEP[:4], list(STEEP[4]), page_size=STEEP[5]))
+    args[2] = args[2] * 12
+    lazy, never, eager = interpreted["steep"]
+    for got in (lazy, eager):
+        _check(got, _torch_state(*args), args[-1])
+    assert not torch.equal(lazy[2], never[2])
+
+
+@pytest.mark.parametrize("step", WARP_STEPS, ids=lambda c: f"{c[0]}-{c[1]}-d{c[2]}")
+def test_a_decode_step_by_warps_matches_the_ops_torch_form(interpreted, step):
+    """``step_output`` by warps: its output (stored by the kernel, or merged from two splits) as
+    the op's torch form gives it, and gated, sigmoid_mul's bits."""
+    plain, gated, want_gated = interpreted["warp_steps"][WARP_STEPS.index(step)]
+    fmt_k, fmt_v, q, scale, k_pool, v_pool, table, slots, positions, _ = _step_args(step)
+    want = torch.ops.kvslim.paged_decode(q, k_pool, v_pool, table, slots, positions, scale, step[0], step[1])
+    torch.testing.assert_close(plain, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(gated, want_gated)
+
+
+@pytest.mark.parametrize("tune,message", [
+    ({"KERNEL": "warps", "BLOCK_N": 32}, "not a setting of KERNEL='warps': BLOCK_N"),
+    ({"KERNEL": "lanes"}, "KERNEL='lanes': expected 'tiles' or 'warps'"),
+    ({"KP": 2}, "KP is a setting of KERNEL='warps'")])
+def test_warps_settings_are_checked(tune, message):
+    with pytest.raises(ValueError, match=message):
+        paged_prefill._launch_config(formats.get("turbo4"), formats.get("turbo4"), 8, 256, tune)
+
+
+@pytest.mark.parametrize("name_k,name_v,dim,rows,why", [
+    ("turbo3", "turbo4", 256, 8, "does not read turbo3 rows at head_dim 256"),
+    ("turbo4", "turbo2", 128, 8, "does not read turbo2 rows at head_dim 128"),
+    ("f16", "f16", 256, 16, "at most 8 query rows a KV head, not 16")])
+def test_warps_refuses_what_it_cannot_read(name_k, name_v, dim, rows, why):
+    """3-bit groups, rows of fewer than 32 units (turbo2 at 128: 16) and more than 8 query rows
+    are refused by name, not decoded wrong."""
+    with pytest.raises(ValueError, match=why):
+        paged_prefill._launch_config(formats.get(name_k), formats.get(name_v), rows, dim, {"KERNEL": "warps"})
 
 
 def _check_f16_products(got, want, n_keys) -> None:
@@ -394,6 +477,18 @@ def test_codes_a_block_ahead_on_cuda_give_the_same_bits(case, tune):
         assert torch.equal(got, want)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the compiled kernel waits for a GPU")
+@pytest.mark.parametrize("case,tune", WARPS, ids=lambda c: f"{c[0]}-{c[1]}-d{c[2]}" if isinstance(c, tuple) else str(c))
+def test_decode_by_warps_on_cuda_matches_torch_block_loop(case, tune):
+    """KERNEL "warps" compiled, against the torch block loop on the CPU."""
+    compiled_process()
+    fmt_k, fmt_v, *tensors = _case(*case[:4], list(case[4]), page_size=case[5])
+    on_gpu = [t.cuda() for t in tensors]
+    got = gpu.decode_state(fmt_k, fmt_v, *on_gpu, split_keys=case[6] or paged_prefill.SPLIT_KEYS,
+                           tune={"KERNEL": "warps", **tune})
+    _check([x.cpu() for x in got], _torch_state(fmt_k, fmt_v, *tensors), tensors[-1])
+
+
 # issue 18's parity matrix: every K and V of these formats, each head_dim, each GQA group, on the GPU
 MATRIX_FORMATS = ("f16", "q8_0", "q4_0", "iq4_nl", "turbo4", "turbo3", "turbo2")
 MATRIX = [(k, v, dim) for k in MATRIX_FORMATS for v in MATRIX_FORMATS for dim in (64, 128, 256)]
@@ -499,6 +594,29 @@ def test_the_merge_compiles_for_an_h100_without_one(store):
     pointers.update({"acc_out": "*bf16", "gate_ptr": "*bf16"} if store == "gated" else {})
     constexprs = {"HEAD_DIM": 256, **paged_prefill.MERGE_TILE, "NORMALISE": store != "state", "GATED": store == "gated"}
     assert compile_for_sm90(kernel.merge_splits, pointers, constexprs, 4).asm["cubin"]
+
+
+@pytest.mark.parametrize("name_k,name_v,dim,rows", [("turbo4", "turbo4", 256, 8), ("q8_0", "q4_0", 128, 4),
+                                                    ("f16", "iq4_nl", 256, 6)])
+@pytest.mark.parametrize("warps", [1, 2])
+def test_decode_by_warps_steps_without_barriers(name_k, name_v, dim, rows, warps):
+    """What the warps kernel is for, in its sm_90 SASS (decode's launch: bf16 q read in place,
+    the table by slot): its loop over keys holds no barrier and no shared-memory access (the
+    warps share nothing until the program's end) and nothing spills. Triton orders a load's
+    axes by contiguity differently in 3.6 and 3.9; checked under both (docs/gpu.md)."""
+    from kvslim.gpu import _decode_warps_kernel, cuobjdump, loop_ops
+
+    from .test_triton_prefill import POINTERS
+    fmt_k, fmt_v = formats.get(name_k, role="k"), formats.get(name_v, role="v")
+    config = dict(paged_prefill._launch_config(fmt_k, fmt_v, rows, dim, {"KERNEL": "warps", "num_warps": warps}),
+                  BY_SLOT=True)
+    config.pop("KERNEL")
+    num_warps = config.pop("num_warps")
+    compiled = compile_for_sm90(_decode_warps_kernel.paged_decode_warps, dict(POINTERS, q_ptr="*bf16"), config,
+                                num_warps, paged_prefill.aligned_args(fmt_k, fmt_v, dim))
+    step = loop_ops(cuobjdump(compiled, "-sass"))
+    assert step and not [op for op in step if op.startswith(("BAR", "LDS", "STS"))], sorted(set(step))
+    assert resource_usage(compiled)["STACK"] == 0
 
 
 @pytest.mark.parametrize("dim", [128, 256])

@@ -123,3 +123,16 @@ def resource_usage(compiled) -> dict[str, int]:
     (bytes of register spills, which PTX does not show), the largest over its functions."""
     usage = cuobjdump(compiled, "-res-usage")
     return {key: max(int(n) for n in re.findall(rf"\b{key}:(\d+)", usage)) for key in ("REG", "STACK")}
+
+
+def loop_ops(sass: str) -> list[str]:
+    """The opcodes of the longest loop in cuobjdump's SASS (``cuobjdump(compiled, "-sass")``):
+    the addresses from a backward branch's target to the branch. What a kernel's step costs
+    (benchmarks/gpu_resources.py) and what it must not hold (the tests: no barrier in a step)."""
+    code = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)[^;]*;", sass)]
+    loops = [(int(t, 16), int(a, 16)) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA[^;]*?0x([0-9a-f]+)", sass)
+             if int(t, 16) < int(a, 16)]
+    if not loops:
+        return []
+    first, last = max(loops, key=lambda span: span[1] - span[0])
+    return [op for at, op in code if first <= at <= last]

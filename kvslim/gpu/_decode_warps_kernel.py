@@ -27,7 +27,6 @@ from triton.runtime.jit import JITFunction
 
 from ._codecs import sigmoid, stored_as
 
-LANES = 32
 
 
 @triton.jit
@@ -35,19 +34,20 @@ def _units(KIND: tl.constexpr, PH: tl.constexpr, B2: tl.constexpr, VALUES: tl.co
            HEADER: tl.constexpr):
     """Where a lane's units lie and which dimension each code is: (the row's 2-byte unit at which
     each unit lies (B2, 1, 1, 32), the one its block starts at (B2, 1, 1, 32), the dimension of
-    code p of each unit (B2, 1, 1, 32, PH)). Unit b * 32 + lane; f16 rows are units of one value;
-    else block u // GROUPS, unit u % GROUPS of it past the block's header, its codes at value j:
+    code p of each unit (B2, 1, 1, 32, PH)). f16 rows are units of one value, lane * B2 + b (a
+    lane's values side by side, q's too: else q's load took them 4 lanes a thread, and the step
+    shuffled 200 times); else unit u = b * 32 + lane, in block u // GROUPS, unit u % GROUPS of it past the block's header, its codes at value j:
     packed codes PH w + p, nibbles 2w + p // 2 (+ half a block for the high nibble), bytes 2w + p.
     In 2-byte units, not bytes, so that the compiler sees a lane's units follow one another (a
     byte offset cast to a 2-byte pointer hides it: under Triton 3.6 the loads' layout then put
     lanes across keys and the step needed shared memory and 33 barriers)."""
-    u = tl.arange(0, B2)[:, None, None, None] * 32 + tl.arange(0, 32)[None, None, None, :]
     p = tl.arange(0, PH)[None, None, None, None, :]
-    if KIND == 1 or KIND == 2:                                          # F16, BF16: a unit is a value
-        at = u
-        block = u
-        dim = u[:, :, :, :, None] + 0 * p
+    if KIND == 1 or KIND == 2:      # F16, BF16: a unit is a value, a lane's B2 values side by side
+        at = tl.arange(0, 32)[None, None, None, :] * B2 + tl.arange(0, B2)[:, None, None, None]
+        block = at
+        dim = at[:, :, :, :, None] + 0 * p
     else:
+        u = tl.arange(0, B2)[:, None, None, None] * 32 + tl.arange(0, 32)[None, None, None, :]
         GROUPS: tl.constexpr = (BYTES - HEADER) // 2
         w = u % GROUPS
         block = (u // GROUPS) * (BYTES // 2)
@@ -140,10 +140,11 @@ def paged_decode_warps(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
                        V_BYTES: tl.constexpr, V_HEADER: tl.constexpr, V_OFFSET: tl.constexpr,
                        V_LOOKUP: tl.constexpr, V_PH: tl.constexpr, V_B2: tl.constexpr,
                        BY_SLOT: tl.constexpr = False, NORMALISE: tl.constexpr = False, GATED: tl.constexpr = False,
-                       TIES_UP: tl.constexpr = False):
+                       TIES_UP: tl.constexpr = False, RESCALE_AT: tl.constexpr = 8.0):
     """``paged_prefill_tile``'s decode launch (AT_END: every row at its sequence's last key, q_pos
     unread) with the same arguments and outputs: the state of rows 0..n_rows-1 (at most BLOCK_M)
-    of (KV head, sequence) over the keys of one split, or with NORMALISE (one split) the output."""
+    of (KV head, sequence) over the keys of one split, or with NORMALISE (one split) the output.
+    RESCALE_AT: with one warp, the sums are rescaled when a row's max grows by more than this."""
     h = tl.program_id(0)
     s = tl.program_id(1)
     split = tl.program_id(2)
@@ -167,15 +168,21 @@ def paged_decode_warps(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
     if TIES_UP:             # loaded as (32, NW, ..., PH), as ``_load`` says, then put back
         q = tl.permute(tl.load(tl.permute(q_ptrs, (4, 3, 0, 1, 2, 5)), mask=tl.permute(q_mask, (4, 3, 0, 1, 2, 5)),
                                other=0.0), (2, 3, 4, 1, 0, 5))
-    else:
-        q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+    else:                   # as (PH, ..., NW, 32): nibbles' PH codes are not contiguous dimensions
+        q = tl.permute(tl.load(tl.permute(q_ptrs, (5, 0, 1, 2, 3, 4)), mask=tl.permute(q_mask, (5, 0, 1, 2, 3, 4)),
+                               other=0.0), (1, 2, 3, 4, 5, 0))
     q = q.to(tl.float32) * q_scale
 
     begin = split * split_keys
     end = tl.minimum(begin + split_keys, length)
-    m_i = tl.full([BLOCK_M, NW], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M, NW], tl.float32)
-    acc = tl.zeros([BLOCK_M, V_B2, NW, 32, V_PH], tl.float32)
+    # The loop-carried state in the layouts the step computes it in: a row's max and denominator
+    # (BLOCK_M, NW) as reduced from q's products (tl.full's own layout put lanes across NW and
+    # the rows, and every step converted through shared memory), the sums (BLOCK_M, V_B2, V_PH,
+    # NW, 32) with the lanes' axis last, where tl.zeros puts lanes.
+    l_i = tl.max(tl.sum(tl.sum(tl.sum(q * 0.0, axis=5), axis=1), axis=3), axis=1)     # zeros (BLOCK_M, NW)
+    m_i = l_i + float("-inf")
+    m_top = m_i
+    acc = tl.zeros([BLOCK_M, V_B2, V_PH, NW, 32], tl.float32)
     k_rows = k_head.to(tl.pointer_type(tl.uint16))       # rows hold whole 2-byte units
     v_rows = v_head.to(tl.pointer_type(tl.uint16))
     for start in range(begin, end, KP * NW):
@@ -187,29 +194,52 @@ def paged_decode_warps(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
             slot = slot.to(tl.int64)
         k = _values(k_rows + (slot * (k_row_bytes // 2))[None, :, :, None], valid, k_lut, K_KIND, K_BITS,
                     K_PH, K_B2, K_VALUES, K_BYTES, K_HEADER, K_OFFSET, K_LOOKUP, TIES_UP)
-        v = _values(v_rows + (slot * (v_row_bytes // 2))[None, :, :, None], valid, v_lut, V_KIND, V_BITS,
-                    V_PH, V_B2, V_VALUES, V_BYTES, V_HEADER, V_OFFSET, V_LOOKUP, TIES_UP)
+        v = tl.permute(_values(v_rows + (slot * (v_row_bytes // 2))[None, :, :, None], valid, v_lut, V_KIND, V_BITS,
+                               V_PH, V_B2, V_VALUES, V_BYTES, V_HEADER, V_OFFSET, V_LOOKUP, TIES_UP),
+                       (0, 4, 1, 2, 3))                                 # (V_B2, V_PH, KP, NW, 32), as acc
         # a lane's products summed in its registers first (codes, then units), then across lanes:
         # 5 shuffles a row and key (summing the lanes first took 8x as many)
         scores = tl.sum(tl.sum(tl.sum(q * k[None], axis=5), axis=1), axis=3)            # (BLOCK_M, KP, NW)
         scores = tl.where(valid[None], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)          # no key yet: weights 0, not NaN
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(scores - m_safe[:, None, :])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None, :, None, None] + tl.sum(p[:, None, :, :, None, None] * v[None], axis=2)
-        m_i = m_new
+        top = tl.max(scores, axis=1)                                    # (BLOCK_M, NW)
+        if NW == 1:
+            # One warp: a branch on its rows' scores is uniform, so the sums are rescaled only when
+            # a row's max grows past the one they are taken at by RESCALE_AT (their terms then reach
+            # e^8 at most, far inside float32), not at every key: 64 multiplies a key and lane saved.
+            # The first step's first key is valid (start = begin < end): m_i is finite from there on.
+            m_top = tl.maximum(m_top, top)
+            if tl.max(tl.max(top - m_i, axis=1), axis=0) > RESCALE_AT:
+                m_new = tl.maximum(m_i, top)
+                alpha = tl.exp(m_i - m_new)
+                l_i = l_i * alpha
+                acc = acc * alpha[:, None, None, :, None]
+                m_i = m_new
+            p = tl.exp(scores - m_i[:, None, :])
+            l_i = l_i + tl.sum(p, axis=1)
+            acc = acc + tl.sum(p[:, None, None, :, :, None] * v[None], axis=3)
+        else:
+            m_new = tl.maximum(m_i, top)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)      # no key yet: weights 0, not NaN
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(scores - m_safe[:, None, :])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None, None, :, None] + tl.sum(p[:, None, None, :, :, None] * v[None], axis=3)
+            m_i = m_new
+    if NW == 1:             # the state at the rows' true max, as the other launches leave it
+        fix = tl.exp(m_i - tl.where(m_top == float("-inf"), 0.0, m_top))
+        l_i = l_i * fix
+        acc = acc * fix[:, None, None, :, None]
+        m_i = m_top
 
     # the warps' states merged, once
     m_all = tl.max(m_i, axis=1)                                         # (BLOCK_M,)
     weight = tl.exp(m_i - tl.where(m_all == float("-inf"), 0.0, m_all)[:, None])
     l_all = tl.sum(l_i * weight, axis=1)
-    out = tl.sum(acc * weight[:, None, :, None, None], axis=2)         # (BLOCK_M, V_B2, 32, V_PH)
+    out = tl.sum(acc * weight[:, None, None, :, None], axis=3)         # (BLOCK_M, V_B2, V_PH, 32)
     r = tl.arange(0, BLOCK_M)
     r4 = r[:, None, None, None]
     _, _, d_v = _units(V_KIND, V_PH, V_B2, V_VALUES, V_BYTES, V_HEADER)
-    d = tl.reshape(d_v, (V_B2, 32, V_PH))[None]                         # (1, V_B2, 32, V_PH)
+    d = tl.permute(tl.reshape(d_v, (V_B2, 32, V_PH)), (0, 2, 1))[None]   # (1, V_B2, V_PH, 32)
     live = (r4 < n_rows) & (d < HEAD_DIM)
     if NORMALISE:                                                       # the output itself, where the caller wants it
         o_at = acc_out + h.to(tl.int64) * o_heads + s.to(tl.int64) * o_seqs

@@ -157,10 +157,11 @@ def _phases(f: CodecFields, head_dim: int) -> int:
 # PREFETCH: 1 (or True), each block's pool rows read from the block table a block ahead; 2, its
 # packed codes (f16 rows with f16 products) also loaded a block ahead into registers (both off by
 # default, untimed); KERNEL "warps": decode by ``_decode_warps_kernel`` (each warp its own keys,
-# products on CUDA cores), with KP keys a warp a step and num_warps warps (``_warps_config``).
+# products on CUDA cores), with KP keys a warp a step and num_warps warps; RESCALE_AT, with one warp:
+# how far a row's max grows before its sums are rescaled (8; the tests' inf: never after the first step).
 CODECS = ("units", "per-value")
-TUNABLE = ("BLOCK_N", "num_warps", "num_stages", "DOT", "WIDE", "CODECS", "PREFETCH", "KERNEL", "KP")
-WARPS_TUNABLE = ("KERNEL", "KP", "num_warps", "WIDE")
+TUNABLE = ("BLOCK_N", "num_warps", "num_stages", "DOT", "WIDE", "CODECS", "PREFETCH", "KERNEL", "KP", "RESCALE_AT")
+WARPS_TUNABLE = ("KERNEL", "KP", "num_warps", "WIDE", "RESCALE_AT")
 WARPS_ROWS = 8            # the warps kernel's most query rows: each lane holds all of them, and their sums
 DOTS = ("ieee", "tf32x3", "tf32", "f16", "fma")
 
@@ -194,8 +195,9 @@ def _launch_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict | None =
         raise ValueError(f"not a launch setting: {', '.join(sorted(unknown))} (tunable: {', '.join(TUNABLE)})")
     if (tune or {}).get("KERNEL", "tiles") != "tiles":
         return _warps_config(fmt_k, fmt_v, n_rows, head_dim, tune, page_size)
-    if "KP" in (tune or {}):
-        raise ValueError("KP (keys a warp a step) is a setting of KERNEL='warps'")
+    for name in ("KP", "RESCALE_AT"):
+        if name in (tune or {}):
+            raise ValueError(f"{name} is a setting of KERNEL='warps'")
     tune = dict(tune or {})
     tune.pop("KERNEL", None)
     codecs = tune.pop("CODECS", "units")
@@ -254,7 +256,8 @@ def _warps_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict, page_siz
         raise ValueError(f"KERNEL='warps' holds at most {WARPS_ROWS} query rows a KV head, not {n_rows}")
     warps, keys = tune.get("num_warps", 4), tune.get("KP", 1)
     return dict(KERNEL="warps", HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_M=pow2(n_rows), KP=keys, NW=warps,
-                WIDE=tune.get("WIDE", False), TIES_UP=_ties_up(), **sides[0], **sides[1], num_warps=warps)
+                WIDE=tune.get("WIDE", False), TIES_UP=_ties_up(), RESCALE_AT=float(tune.get("RESCALE_AT", 8.0)),
+                **sides[0], **sides[1], num_warps=warps)
 
 
 @lru_cache(maxsize=None)
