@@ -1,7 +1,7 @@
 """Decode attention on a GPU: f16 SDPA, the torch block loop and the Triton kernel on packed pages.
 
     python benchmarks/gpu_decode.py [-d 32768,131072] [-b 1,8] [-p pairs] [-r 20] [--no-loop] [--sweep]
-                                    [--codecs units,per-value] [--dot ieee,f16]
+                                    [--codecs units,per-value] [--dot ieee,f16] [--kernels tiles,warps]
 
 One attention layer shaped like Qwen3.6-35B-A3B's (2 KV heads, 8 query heads each, head_dim
 256), pages of 16 keys handed out shuffled, every sequence at the same depth. For each K/V
@@ -13,7 +13,9 @@ warm-up that compiles the kernel) for
 - ``torch``: the block loop ``attention._scan_decode`` runs without the kernel (its reference);
 - ``triton``: ``kvslim.gpu.paged_decode`` plus the normalisation and V's output transform,
   so it returns what SDPA returns; once per ``--codecs`` x ``--dot`` (the bf16 attention
-  backend's kernels take ``f16``), labelled where they are not the defaults.
+  backend's kernels take ``f16``), labelled where they are not the defaults; with ``--kernels``
+  warps, also decode by warps (KERNEL "warps": each warp its own keys, CUDA-core products),
+  labelled "warps".
 On a GPU each step is timed twice: launched from Python ("eager ms": the host's launches
 included, which at 32K take longer than the kernels) and replayed from a CUDA graph ("ms": the
 GPU's time, as the engine's decode step runs in graphs); ratios and bandwidth use the graph's.
@@ -196,14 +198,21 @@ def _rows(pairs: list[str], depth: int, batch: int, args, copy: float) -> list[l
         k_pool, v_pool = inputs[3], inputs[4]
         read = batch * depth * N_KV * (k_pool.shape[3] + v_pool.shape[3])   # packed bytes of K and V
         loop = "" if args.no_loop else f"{_median_ms(loop_step(*inputs), args.runs, args.device):.3f}"
-        for codecs in args.codecs.split(","):
-            for dot in (args.dot or "ieee").split(","):
-                tune = {"CODECS": codecs, "DOT": dot}
-                label = ", ".join(v for v, default in ((codecs, "units"), (dot, "ieee")) if v != default)
+        tunes = [({"CODECS": codecs, "DOT": dot}, ", ".join(v for v, default in ((codecs, "units"), (dot, "ieee"))
+                                                              if v != default))
+                 for codecs in args.codecs.split(",") for dot in (args.dot or "ieee").split(",")
+                 if "tiles" in args.kernels.split(",")]
+        if "warps" in args.kernels.split(","):
+            tunes.append(({"KERNEL": "warps"}, "warps"))
+        for tune, label in tunes:
+            try:
                 eager, ms = _step_ms(packed_step(*inputs, tune=tune), args.runs, args.device)
-                rows.append(progress([f"{pair} ({label})" if label else pair, depth, batch, loop, f"{eager:.3f}",
-                                      f"{ms:.3f}", f"{ms / base:.2f}", *gbps(read, ms)]))
-                loop = ""
+            except ValueError as exc:                                   # a pair the warps kernel does not read
+                rows.append(progress([f"{pair} ({label})", depth, batch, loop, str(exc)[:60], "", "", "", ""]))
+                continue
+            rows.append(progress([f"{pair} ({label})" if label else pair, depth, batch, loop, f"{eager:.3f}",
+                                  f"{ms:.3f}", f"{ms / base:.2f}", *gbps(read, ms)]))
+            loop = ""
         del inputs, k_pool, v_pool
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -228,6 +237,17 @@ VARIANTS = [(16, 8, None, "ieee", False), (16, 4, None, "ieee", False), (16, 16,
             (64, 8, None, "f16", False), (32, 4, 2, "f16", False), (16, 8, None, "f16", True),
             (32, 8, None, "f16", True), (16, 8, None, "f16", 2), (32, 8, None, "f16", 2), (64, 8, None, "f16", 2)]
 SPLITS = (512,)
+# Decode by warps (session 44: KERNEL "warps"), timed first for each pair whatever ``--dot`` says (its
+# products are float32 FMAs): (num_warps, KP keys a warp a step). sm_90 SASS (Triton 3.6),
+# turbo4/turbo4 at 8 rows and head_dim 256: one warp 555 instructions a key and warp (~410 when
+# its rescale is skipped), 209 registers, 9 programs per SM; two warps 559, 186, 5; two keys a warp
+# a step 513-531 a key with 225-245 registers.
+WARP_VARIANTS = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)]
+
+
+def _prefetch_cell(prefetch, codecs: str) -> str:
+    """The sweep's prefetch column: what PREFETCH a tile launch takes, or a warps launch's KP."""
+    return f"KP {prefetch}" if codecs == "warps" else {True: "rows", 2: "codes"}.get(prefetch, "")
 
 
 def _sweep_rows(pairs: list[str], depth: int, batch: int, args, copy: float) -> None:
@@ -247,20 +267,24 @@ def _sweep_rows(pairs: list[str], depth: int, batch: int, args, copy: float) -> 
         read = batch * depth * N_KV * (k_pool.shape[3] + v_pool.shape[3])
         want = fmt_v.from_code_domain(loop_step(*inputs)().result())
         # every setting reads codes two bytes a load; the default's also as session 31 did (a load per value)
-        settings = [(*v, "units") for v in variants] + [(*variants[0], "per-value")]
+        settings = ([("", w, "", "fma", kp, "warps") for w, kp in WARP_VARIANTS]
+                    + [(*v, "units") for v in variants] + [(*variants[0], "per-value")])
         for block_n, warps, stages, dot, prefetch, codecs in settings:
-            tune = {"BLOCK_N": block_n, "num_warps": warps, "DOT": dot, "CODECS": codecs, "PREFETCH": prefetch,
-                    **({"num_stages": stages} if stages else {})}
+            if codecs == "warps":       # the prefetch column holds KP, keys a warp a step
+                tune = {"KERNEL": "warps", "num_warps": warps, "KP": prefetch}
+            else:
+                tune = {"BLOCK_N": block_n, "num_warps": warps, "DOT": dot, "CODECS": codecs, "PREFETCH": prefetch,
+                        **({"num_stages": stages} if stages else {})}
             for split in SPLITS:
                 step = packed_step(*inputs, split, tune)
                 try:
                     err = (step() - want).abs().max().item()
                     ms = _graph_ms(step, args.runs) if args.device.startswith("cuda") else _median_ms(step, 1, "cpu")
                 except Exception as exc:                             # a setting that does not compile or fit
-                    emit(pair, depth, batch, block_n, warps, stages or "", dot, {True: "rows", 2: "codes"}.get(prefetch, ""), codecs,
+                    emit(pair, depth, batch, block_n, warps, stages or "", dot, _prefetch_cell(prefetch, codecs), codecs,
                          split, "", "", "", "", f"{type(exc).__name__}: {str(exc).splitlines()[0][:60]}")
                     continue
-                emit(pair, depth, batch, block_n, warps, stages or "", dot, {True: "rows", 2: "codes"}.get(prefetch, ""), codecs, split,
+                emit(pair, depth, batch, block_n, warps, stages or "", dot, _prefetch_cell(prefetch, codecs), codecs, split,
                      f"{ms:.3f}", f"{ms / base:.2f}", f"{read / ms / 1e6:.0f}", f"{100 * read / ms / 1e6 / copy:.0f}%",
                      f"{err:.1e}")
         del inputs, k_pool, v_pool
@@ -280,12 +304,14 @@ def main(argv=None) -> None:
     parser.add_argument("--codecs", default="units",
                         help="how the kernel reads codes, comma-separated: units (the default), per-value "
                              "(session 31's reading, for side-by-sides)")
+    parser.add_argument("--kernels", default="tiles",
+                        help="tiles (the default), warps (decode by warps), or both, comma-separated")
     parser.add_argument("--dot", default=None,
                         help="the kernel's products, comma-separated (paged_prefill.DOTS): ieee (the table's "
                              "default), f16 (the bf16 attention backend's); with --sweep, the settings of these")
     args = parser.parse_args(argv)
     for flag, given, valid in (("--codecs", args.codecs, gpu_prefill.CODECS),
-                               ("--dot", args.dot or "ieee", gpu_prefill.DOTS)):
+                               ("--dot", args.dot or "ieee", gpu_prefill.DOTS), ("--kernels", args.kernels, ("tiles", "warps"))):
         if set(given.split(",")) - set(valid):
             parser.error(f"{flag} {given}: each of {', '.join(valid)}")
     check_device(args.device)

@@ -43,6 +43,7 @@ from kvslim.cache.backends import backend_names  # noqa: E402
 from kvslim.devices import synchronize  # noqa: E402
 from kvslim.gpu import delta_step as gpu_delta_step  # noqa: E402
 from kvslim.gpu import moe as gpu_moe  # noqa: E402
+from kvslim.gpu import paged_decode as gpu_paged_decode  # noqa: E402
 from kvslim.gpu import quant_matmul as gpu_weights  # noqa: E402
 from kvslim.engine.decode_step import DecodeStep  # noqa: E402
 from kvslim.loading.instantiate import instantiate, quantizable  # noqa: E402
@@ -302,7 +303,11 @@ def main(argv=None) -> int:
     ap.add_argument("--q8-activations", action="store_true",
                     help="decode's 1-row Q4_0, Q4_K and Q6_K GEMVs on x rounded to 8 bits, products by dp4a "
                          "(quant_matmul.Q8_ACTIVATIONS; off by default), to time both")
+    ap.add_argument("--decode-warps", action="store_true",
+                    help="decode attention by warps where it reads the pair (paged_decode.DECODE_BY_WARPS; off by "
+                         "default), to time both")
     args = ap.parse_args(argv)
+    gpu_paged_decode.DECODE_BY_WARPS = gpu_paged_decode.DECODE_BY_WARPS or args.decode_warps
     gpu_weights.SWIGLU_IN_GEMV = args.swiglu_in_gemv
     gpu_weights.SUMS_IN_GEMV = args.sums_in_gemv
     gpu_weights.SHARED_AS_PAIR = args.shared_as_pair              # (needs the sums in the GEMVs)
@@ -329,7 +334,8 @@ def main(argv=None) -> int:
           f"{mib(weights_held)} MiB, plan {mib(plan_weights)} MiB ({pct(weights_held, plan_weights)}); "
           f"attention backend {args.attn_backend}, SwiGLU in the GEMVs {args.swiglu_in_gemv}, "
           f"split sums in the GEMVs {args.sums_in_gemv}, shared expert as a pair "
-          f"{gpu_weights.SHARED_AS_PAIR and args.sums_in_gemv}, 8-bit activations {gpu_weights.Q8_ACTIVATIONS}\n",
+          f"{gpu_weights.SHARED_AS_PAIR and args.sums_in_gemv}, 8-bit activations {gpu_weights.Q8_ACTIVATIONS}, "
+          f"decode by warps {gpu_paged_decode.DECODE_BY_WARPS}\n",
           flush=True)
     bandwidth = copy_gbps(args.device, mib=1024 if on_cuda(args.device) else 64) * 1e9
     print(f"device-to-device copy {bandwidth / 1e9:.0f} GB/s (read + written): the ceilings' bandwidth\n", flush=True)

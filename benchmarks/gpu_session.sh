@@ -190,9 +190,11 @@ torch_cuda_tests() {
         2>&1 | tee "$OUT/tests-torch.log" | tail -40
 }
 
-decode_table() {    # float32 products beside the bf16 backend's f16 ones (session 34), in one run
+decode_table() {    # float32 products beside the bf16 backend's f16 ones (session 34), in one run; $2
+    # "tiles,warps": decode by warps too (session 44)
     KVSLIM_TRITON=1 timeout -k 5 "$(left "$1")" $PY benchmarks/gpu_decode.py -d 32768,131072 -b 1,8 -r 5 --no-loop \
-        -p f16/f16,q8_0/q8_0,turbo4/turbo4,turbo3/turbo3 --dot ieee,f16 2>&1 | tee "$OUT/decode.md" | tail -38
+        -p f16/f16,q8_0/q8_0,turbo4/turbo4,turbo3/turbo3 --dot ieee,f16 --kernels "${2:-tiles}" 2>&1 \
+        | tee "$OUT/decode.md" | tail -54
 }
 
 # A lease after `all` found what to fix (session 30's second call ran this with BUDGET=300): the
@@ -345,12 +347,15 @@ followup() {
     # shellcheck disable=SC2086
     KVSLIM_TRITON=1 timeout -k 5 "$(left 230)" $PY $PYTEST -rfE -n 14 --timeout 150 -p no:benchmark $KERNEL_TESTS \
         $MODEL_TESTS -k "cuda or fla or h100" 2>&1 | tee "$OUT/tests-triton.log" | tail -25
-    decode_table 40
+    decode_table 50 tiles,warps
     # rows print as they come: a run cut by its time still leaves the pairs it reached
     KVSLIM_TRITON=1 timeout -k 5 "$(left 190)" $PY benchmarks/gpu_model.py -d 0,32768,131072 -np 1,4 -n 8 \
         --profile 4 --pairs f16/f16,q8_0/turbo4,turbo3/turbo3 --attn-backend bf16 2>&1 | tee "$OUT/e2e.md" | tail -40
-    KVSLIM_TRITON=1 timeout -k 5 "$(left 115)" $PY benchmarks/gpu_decode.py --sweep -d 131072 -b 8,1 -r 5 --dot f16 \
+    KVSLIM_TRITON=1 timeout -k 5 "$(left 105)" $PY benchmarks/gpu_decode.py --sweep -d 131072 -b 8,1 -r 5 --dot f16 \
         -p turbo4/turbo4,f16/f16,turbo3/turbo3,q8_0/turbo4 2>&1 | tee "$OUT/sweep.md" | tail -40
+    # session 44's decode by warps in the model, where time is left (q8_0/turbo4: both sides it reads)
+    KVSLIM_TRITON=1 timeout -k 5 "$(left 60)" $PY benchmarks/gpu_model.py -d 0,32768,131072 -np 1,4 -n 8 \
+        --pairs q8_0/turbo4 --attn-backend bf16 --decode-warps 2>&1 | tee -a "$OUT/e2e.md" | tail -12
     echo "followup: $SECONDS s"
 }
 

@@ -75,8 +75,8 @@ F16_TABLES = [("turbo4", "turbo3", 256, 8, (40, 3), 16, 32), ("turbo2", "iq4_nl"
 # from tables and by integer steps, q4_1's offsets, q8_0's bytes, f16 and bf16 rows; one warp (its
 # sums rescaled only when a row's max grows), two and four; one and two keys a warp a step; 64-bit
 # row offsets; pages of 12; empty sequences, and a sequence of 100 keys over two splits of 64
-WARPS = [(("turbo4", "turbo4", 256, 8, (40, 3, 0), 16, 32), {}),
-         (("turbo4", "turbo4", 256, 8, (40, 3, 0), 16, 32), {"num_warps": 1}),
+WARPS = [(("turbo4", "turbo4", 256, 8, (40, 3, 0), 16, 32), {"num_warps": 4}),
+         (("turbo4", "turbo4", 256, 8, (40, 3, 0), 16, 32), {}),
          (("q4_0", "iq4_nl", 128, 4, (61, 16), 16, None), {"num_warps": 1, "KP": 2}),
          (("f16", "q8_0", 128, 4, (37, 100), 16, 64), {"num_warps": 2, "KP": 2}),
          (("q8_0", "turbo2", 256, 5, (20, 1, 0), 12, None), {"num_warps": 1, "WIDE": True}),

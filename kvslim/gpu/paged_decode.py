@@ -14,12 +14,19 @@ checks the two agree under Triton's interpreter (TRITON_INTERPRET=1, CPU tensors
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from . import paged_prefill, rotation
 from .paged_prefill import SPLIT_KEYS
 
 MAX_ROWS = paged_prefill.SPLIT_ROWS   # query rows per KV head: up to here the keys are split
+
+# Decode steps by warps (``_decode_warps_kernel``: each warp its own keys, CUDA-core products)
+# where it reads the formats: off until a lease times it against the tile kernel
+# (benchmarks/gpu_decode.py); KVSLIM_DECODE_WARPS=1, or benchmarks/gpu_model.py --decode-warps.
+DECODE_BY_WARPS = os.environ.get("KVSLIM_DECODE_WARPS", "0") == "1"
 
 
 def supports(fmt_k, fmt_v, q: torch.Tensor) -> bool:
@@ -70,6 +77,8 @@ def step_output(fmt_k, fmt_v, q: torch.Tensor, scale: float, k_pool: torch.Tenso
     ``swiglu.sigmoid_mul`` was one more."""
     n_seq, n_heads, dim = q.shape
     n_kv = k_pool.shape[0]
+    if DECODE_BY_WARPS and paged_prefill.reads_by_warps(fmt_k, fmt_v, dim, n_heads // n_kv):
+        tune = {"KERNEL": "warps"}                                      # float32 products, whatever the backend's
     if fmt_k.transformed:
         q = rotation.to_code_domain(fmt_k, q)        # row by row, any layout (klt3's per-head bases never get here)
     grouped = lambda t: t.unflatten(1, (n_kv, n_heads // n_kv)).transpose(0, 1)   # noqa: E731  (Hkv, B, G, D) views

@@ -239,9 +239,16 @@ def _warps_args(fmt, head_dim: int, prefix: str) -> dict | None:
             f"{prefix}_LOOKUP": lookup, f"{prefix}_PH": ph, f"{prefix}_B2": head_dim // ph // 32}
 
 
+def reads_by_warps(fmt_k, fmt_v, head_dim: int, n_rows: int) -> bool:
+    """Whether KERNEL "warps" decodes these formats at ``head_dim`` for ``n_rows`` query rows a KV head."""
+    return (_warps_args(fmt_k, head_dim, "K") is not None and _warps_args(fmt_v, head_dim, "V") is not None
+            and pow2(n_rows) <= WARPS_ROWS)
+
+
 def _warps_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict, page_size: int) -> dict:
     """The warps kernel's constexprs and warps (``tune`` holds KERNEL "warps"; WARPS_TUNABLE).
-    Defaults 4 warps and 1 key a warp a step: untimed, for a lease's sweep to choose."""
+    Defaults one warp a program (its sums rescaled only when a row's max grows) and one key a
+    warp a step: the fewest instructions a key in sm_90 SASS, untimed; a lease's sweep chooses."""
     if tune["KERNEL"] != "warps":
         raise ValueError(f"KERNEL={tune['KERNEL']!r}: expected 'tiles' or 'warps'")
     other = set(tune) - set(WARPS_TUNABLE)
@@ -254,7 +261,7 @@ def _warps_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict, page_siz
             raise ValueError(f"KERNEL='warps' does not read {fmt.name} rows at head_dim {head_dim}")
     if pow2(n_rows) > WARPS_ROWS:
         raise ValueError(f"KERNEL='warps' holds at most {WARPS_ROWS} query rows a KV head, not {n_rows}")
-    warps, keys = tune.get("num_warps", 4), tune.get("KP", 1)
+    warps, keys = tune.get("num_warps", 1), tune.get("KP", 1)
     return dict(KERNEL="warps", HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_M=pow2(n_rows), KP=keys, NW=warps,
                 WIDE=tune.get("WIDE", False), TIES_UP=_ties_up(), RESCALE_AT=float(tune.get("RESCALE_AT", 8.0)),
                 **sides[0], **sides[1], num_warps=warps)
