@@ -2,7 +2,7 @@
 memory, and the instructions of one block of keys.
 
     python benchmarks/gpu_resources.py [-p f16/f16,turbo4/turbo4,q8_0/q8_0] [--rows 8] [--head-dim 256]
-                                       [--codecs units,per-value]
+                                       [--codecs units,per-value] [--no-warps]
     python benchmarks/gpu_resources.py --gemm q4_0,q4_k [--gemm-rows 16,32,64,128] [--gemm-dot bf16]
     (either with --ops N: each row's N commonest opcodes in the loop)
 
@@ -27,7 +27,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.gpu_decode import VARIANTS  # noqa: E402
+from benchmarks.gpu_decode import VARIANTS, WARP_VARIANTS  # noqa: E402
 from kvslim import formats  # noqa: E402
 from kvslim.gpu import paged_prefill  # noqa: E402
 from kvslim.tables import markdown_table  # noqa: E402
@@ -111,6 +111,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=8, help="query rows per KV head (the GQA group)")
     ap.add_argument("--head-dim", type=int, default=256)
     ap.add_argument("--variants", type=int, default=len(VARIANTS), help="the first N of gpu_decode.VARIANTS (1: the default)")
+    ap.add_argument("--warps", action=argparse.BooleanOptionalAction, default=True,
+                    help="also decode by warps' launches (gpu_decode.WARP_VARIANTS; 'loop' is then a step of KP keys "
+                         "a warp, counting the one-warp launch's rescale, which most steps skip)")
     ap.add_argument("--codecs", default="units", help="how codes are read: units (the default), per-value (session 31's), or both")
     ap.add_argument("--ops", type=int, default=0, metavar="N",
                     help="also each row's N commonest opcodes in the loop (where a step's instructions go)")
@@ -142,6 +145,16 @@ def main(argv=None) -> int:
         return 0
     print(f"Triton {triton.__version__}, sm_90 cubins; {args.rows} query rows, head_dim {args.head_dim}\n")
     rows = []
+    for warps, keys in WARP_VARIANTS if args.warps else ():            # decode by warps (KERNEL "warps")
+        for pair in args.pairs.split(","):
+            cells = [pair, "warps", "", warps, "", "fma", f"KP {keys}"]
+            try:
+                u = usage(*pair.split("/"), args.rows, args.head_dim, {"KERNEL": "warps", "num_warps": warps, "KP": keys})
+            except Exception as exc:                                    # a pair it does not read
+                rows.append(cells + [""] * 6 + [f"{type(exc).__name__}: {exc}"[:70]])
+                continue
+            rows.append(cells + [u["regs"], u["stack"], f"{u['shared'] // 1024} KB", u["per_sm"], u["loop"],
+                                 u["loads"], _top_ops(u, args.ops)])
     for block_n, warps, stages, dot, prefetch in VARIANTS[:args.variants]:
         for pair in args.pairs.split(","):
             for codecs in args.codecs.split(","):

@@ -77,16 +77,17 @@ F16_TABLES = [("turbo4", "turbo3", 256, 8, (40, 3), 16, 32), ("turbo2", "iq4_nl"
 # row offsets; pages of 12; empty sequences, and a sequence of 100 keys over two splits of 64
 WARPS = [(("turbo4", "turbo4", 256, 8, (40, 3, 0), 16, 32), {"num_warps": 4}),
          (("turbo4", "turbo4", 256, 8, (40, 3, 0), 16, 32), {}),
-         (("q4_0", "iq4_nl", 128, 4, (61, 16), 16, None), {"num_warps": 1, "KP": 2}),
-         (("f16", "q8_0", 128, 4, (37, 100), 16, 64), {"num_warps": 2, "KP": 2}),
+         (("q4_0", "iq4_nl", 128, 4, (41, 16), 16, None), {"num_warps": 1, "KP": 2}),
+         (("f16", "q8_0", 128, 4, (37, 100), 16, 64), {"num_warps": 4, "KP": 2}),
          (("q8_0", "turbo2", 256, 5, (20, 1, 0), 12, None), {"num_warps": 1, "WIDE": True}),
          (("q4_1", "bf16", 128, 1, (33,), 16, None), {"num_warps": 2})]
 # queries 12x _case's: scores spread over tens, so a one-warp program's running max grows past
-# RESCALE_AT after its first step, and its sums are rescaled there (with RESCALE_AT inf, never)
-STEEP = ("turbo4", "q8_0", 128, 2, (300, 77), 16, None)
+# RESCALE_AT after its first step, and its sums are rescaled there (RESCALE_AT 1e30: at the first
+# step only, where the max grows from -inf)
+STEEP = ("turbo4", "q8_0", 128, 2, (90, 37), 16, None)
 # step_output by warps: one split (the output stored by the kernel, gated too), and two (merged)
 WARP_STEPS = [("q8_0", "turbo4", 128, 4, (20, 5), 16, None, "bfloat16"),
-              ("turbo4", "q4_0", 256, 8, (600, 3), 32, None, "float32")]
+              ("turbo4", "q4_0", 256, 8, (90, 3), 32, 64, "float32")]
 
 
 def _states_in_child(cases, path: Path) -> None:
@@ -116,7 +117,7 @@ def _states_in_child(cases, path: Path) -> None:
     steep = list(_case(*STEEP[:4], list(STEEP[4]), page_size=STEEP[5]))
     steep[2] = steep[2] * 12
     out["steep"] = [gpu.decode_state(*steep, tune={"KERNEL": "warps", "num_warps": warps, "RESCALE_AT": at})
-                    for warps, at in ((1, 8.0), (1, float("inf")), (2, 8.0))]
+                    for warps, at in ((1, 8.0), (1, 1e30), (4, 8.0))]
     from kvslim.gpu import swiglu
     out["warp_steps"] = []
     for step in WARP_STEPS:
@@ -125,6 +126,10 @@ def _states_in_child(cases, path: Path) -> None:
         plain = gpu.step_output(*args[:-1], **args[-1], tune=tune)
         out["warp_steps"].append((plain, gpu.step_output(*args[:-1], **args[-1], tune=tune, gate=gate),
                                   swiglu.sigmoid_mul(gate, plain, gate.dtype)))
+    gpu.DECODE_BY_WARPS = True                  # the switch: the f16 products' tune gives way to it
+    args = _step_args(WARP_STEPS[0])
+    out["by_switch"] = gpu.step_output(*args[:-1], **args[-1], tune={"DOT": "f16"})
+    gpu.DECODE_BY_WARPS = False
     q = torch.zeros(2, 1, 2, 128)
     out["supports"] = [gpu.supports(formats.get(k), formats.get(v), q) for k, v in REFUSED + [("f16", "f16")]]
     out["supports"].append(gpu.supports(formats.get("f16"), formats.get("f16"), torch.zeros(2, 1, 65, 128)))
@@ -286,15 +291,16 @@ def test_decode_by_warps_matches_torch_block_loop(interpreted, case, tune):
 
 
 def test_one_warps_sums_are_rescaled_when_its_max_grows(interpreted):
-    """Steep scores: the one-warp launch (sums rescaled only past RESCALE_AT) and the two-warp one
-    (every step) both match the reference; the one-warp state differs in its bits from the same
-    launch that never rescales after its first step, so the rescale was taken."""
+    """Steep scores: the one-warp launch (sums rescaled only past RESCALE_AT), the same launch
+    rescaling at its first step only (terms up to e^40 or so, still finite), and the four-warp one
+    (every step) all match the reference; the first two differ in their bits, so the rescale
+    past the first step was taken."""
     args = list(_case(*STEEP[:4], list(STEEP[4]), page_size=STEEP[5]))
     args[2] = args[2] * 12
-    lazy, never, eager = interpreted["steep"]
-    for got in (lazy, eager):
+    lazy, first_only, eager = interpreted["steep"]
+    for got in (lazy, first_only, eager):
         _check(got, _torch_state(*args), args[-1])
-    assert not torch.equal(lazy[2], never[2])
+    assert not torch.equal(lazy[2], first_only[2])
 
 
 @pytest.mark.parametrize("step", WARP_STEPS, ids=lambda c: f"{c[0]}-{c[1]}-d{c[2]}")
@@ -306,6 +312,12 @@ def test_a_decode_step_by_warps_matches_the_ops_torch_form(interpreted, step):
     want = torch.ops.kvslim.paged_decode(q, k_pool, v_pool, table, slots, positions, scale, step[0], step[1])
     torch.testing.assert_close(plain, want, atol=1e-5, rtol=1e-5)
     assert torch.equal(gated, want_gated)
+
+
+def test_the_switch_decodes_steps_by_warps(interpreted):
+    """paged_decode.DECODE_BY_WARPS (KVSLIM_DECODE_WARPS=1): a step whose formats the warps
+    kernel reads goes to it whatever tune the backend passes, bit for bit its launch's."""
+    assert torch.equal(interpreted["by_switch"], interpreted["warp_steps"][0][0])
 
 
 @pytest.mark.parametrize("tune,message", [

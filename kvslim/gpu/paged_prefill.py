@@ -158,7 +158,7 @@ def _phases(f: CodecFields, head_dim: int) -> int:
 # packed codes (f16 rows with f16 products) also loaded a block ahead into registers (both off by
 # default, untimed); KERNEL "warps": decode by ``_decode_warps_kernel`` (each warp its own keys,
 # products on CUDA cores), with KP keys a warp a step and num_warps warps; RESCALE_AT, with one warp:
-# how far a row's max grows before its sums are rescaled (8; the tests' inf: never after the first step).
+# how far a row's max grows before its sums are rescaled (8; the tests' 1e30: at the first step only).
 CODECS = ("units", "per-value")
 TUNABLE = ("BLOCK_N", "num_warps", "num_stages", "DOT", "WIDE", "CODECS", "PREFETCH", "KERNEL", "KP", "RESCALE_AT")
 WARPS_TUNABLE = ("KERNEL", "KP", "num_warps", "WIDE", "RESCALE_AT")
