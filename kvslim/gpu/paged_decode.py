@@ -4,7 +4,9 @@
 in V's code domain) of one query position per sequence over its packed pages, exactly as
 ``kvslim.native.paged_attention.decode_state`` does, so ``attention._scan_decode`` can take
 either. It is the prefill kernel (``paged_prefill``) with every row of sequence s at position
-n_keys[s] - 1: one kernel to tune and to trust, not two that share most of their lines. With
+n_keys[s] - 1: one kernel to tune and to trust, not two that share most of their lines. (The
+exception, opt-in and untimed: decode by warps, ``_decode_warps_kernel``, tune KERNEL "warps" or
+DECODE_BY_WARPS, whose step shares nothing between warps; docs/gpu.md, session 44.) With
 a handful of rows per sequence the launcher cuts each sequence's keys into splits of
 SPLIT_KEYS (flash-decoding), fixed, so a sequence gets the same bits whatever its batch (as
 the C kernel's SPAN), and merges them.
