@@ -238,16 +238,19 @@ VARIANTS = [(16, 8, None, "ieee", False), (16, 4, None, "ieee", False), (16, 16,
             (32, 8, None, "f16", True), (16, 8, None, "f16", 2), (32, 8, None, "f16", 2), (64, 8, None, "f16", 2)]
 SPLITS = (512,)
 # Decode by warps (session 44: KERNEL "warps"), timed first for each pair whatever ``--dot`` says (its
-# products are float32 FMAs): (num_warps, KP keys a warp a step). sm_90 SASS (Triton 3.6),
+# products are float32 FMAs): (num_warps, KP keys a warp a step, PREFETCH). sm_90 SASS (Triton 3.6),
 # turbo4/turbo4 at 8 rows and head_dim 256: one warp 555 instructions a key and warp (~410 when
-# its rescale is skipped), 209 registers, 9 programs per SM; two warps 559, 186, 5; two keys a warp
-# a step 513-531 a key with 225-245 registers.
-WARP_VARIANTS = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)]
+# its rescale is skipped), 209 registers, 9 programs per SM, with rows a step ahead 581 and 211;
+# two warps 571, 199, 5; two keys a warp a step 550 a key, 229 registers.
+WARP_VARIANTS = [(1, 1, 1), (1, 1, 0), (2, 1, 1), (4, 1, 1), (1, 2, 1), (2, 2, 1)]
 
 
 def _prefetch_cell(prefetch, codecs: str) -> str:
-    """The sweep's prefetch column: what PREFETCH a tile launch takes, or a warps launch's KP."""
-    return f"KP {prefetch}" if codecs == "warps" else {True: "rows", 2: "codes"}.get(prefetch, "")
+    """The sweep's prefetch column: what PREFETCH a tile launch takes, or a warps launch's KP and
+    whether its rows come a step ahead."""
+    if codecs == "warps":
+        return f"KP {prefetch[0]}" + (", rows" if prefetch[1] else "")
+    return {True: "rows", 2: "codes"}.get(prefetch, "")
 
 
 def _sweep_rows(pairs: list[str], depth: int, batch: int, args, copy: float) -> None:
@@ -267,11 +270,11 @@ def _sweep_rows(pairs: list[str], depth: int, batch: int, args, copy: float) -> 
         read = batch * depth * N_KV * (k_pool.shape[3] + v_pool.shape[3])
         want = fmt_v.from_code_domain(loop_step(*inputs)().result())
         # every setting reads codes two bytes a load; the default's also as session 31 did (a load per value)
-        settings = ([("", w, "", "fma", kp, "warps") for w, kp in WARP_VARIANTS]
+        settings = ([("", w, "", "fma", (kp, pf), "warps") for w, kp, pf in WARP_VARIANTS]
                     + [(*v, "units") for v in variants] + [(*variants[0], "per-value")])
         for block_n, warps, stages, dot, prefetch, codecs in settings:
-            if codecs == "warps":       # the prefetch column holds KP, keys a warp a step
-                tune = {"KERNEL": "warps", "num_warps": warps, "KP": prefetch}
+            if codecs == "warps":       # the prefetch column holds KP, keys a warp a step, and PREFETCH
+                tune = {"KERNEL": "warps", "num_warps": warps, "KP": prefetch[0], "PREFETCH": prefetch[1]}
             else:
                 tune = {"BLOCK_N": block_n, "num_warps": warps, "DOT": dot, "CODECS": codecs, "PREFETCH": prefetch,
                         **({"num_stages": stages} if stages else {})}

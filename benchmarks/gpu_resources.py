@@ -145,11 +145,12 @@ def main(argv=None) -> int:
         return 0
     print(f"Triton {triton.__version__}, sm_90 cubins; {args.rows} query rows, head_dim {args.head_dim}\n")
     rows = []
-    for warps, keys in WARP_VARIANTS if args.warps else ():            # decode by warps (KERNEL "warps")
+    for warps, keys, ahead in WARP_VARIANTS if args.warps else ():     # decode by warps (KERNEL "warps")
         for pair in args.pairs.split(","):
-            cells = [pair, "warps", "", warps, "", "fma", f"KP {keys}"]
+            cells = [pair, "warps", "", warps, "", "fma", f"KP {keys}" + (", rows" if ahead else "")]
             try:
-                u = usage(*pair.split("/"), args.rows, args.head_dim, {"KERNEL": "warps", "num_warps": warps, "KP": keys})
+                u = usage(*pair.split("/"), args.rows, args.head_dim,
+                          {"KERNEL": "warps", "num_warps": warps, "KP": keys, "PREFETCH": ahead})
             except Exception as exc:                                    # a pair it does not read
                 rows.append(cells + [""] * 6 + [f"{type(exc).__name__}: {exc}"[:70]])
                 continue

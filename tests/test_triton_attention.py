@@ -77,17 +77,18 @@ F16_TABLES = [("turbo4", "turbo3", 256, 8, (40, 3), 16, 32), ("turbo2", "iq4_nl"
 # row offsets; pages of 12; empty sequences, and a sequence of 100 keys over two splits of 64
 WARPS = [(("turbo4", "turbo4", 256, 8, (40, 3, 0), 16, 32), {"num_warps": 4}),
          (("turbo4", "turbo4", 256, 8, (40, 3, 0), 16, 32), {}),
+         (("turbo4", "turbo4", 256, 8, (40, 3, 0), 16, 32), {"PREFETCH": 0}),
          (("q4_0", "iq4_nl", 128, 4, (41, 16), 16, None), {"num_warps": 1, "KP": 2}),
          (("f16", "q8_0", 128, 4, (37, 100), 16, 64), {"num_warps": 4, "KP": 2}),
          (("q8_0", "turbo2", 256, 5, (20, 1, 0), 12, None), {"num_warps": 1, "WIDE": True}),
-         (("q4_1", "bf16", 128, 1, (33,), 16, None), {"num_warps": 2})]
+         (("q4_1", "bf16", 128, 1, (33,), 16, None), {"num_warps": 2, "PREFETCH": 0})]
 # queries 12x _case's: scores spread over tens, so a one-warp program's running max grows past
 # RESCALE_AT after its first step, and its sums are rescaled there (RESCALE_AT 1e30: at the first
 # step only, where the max grows from -inf)
-STEEP = ("turbo4", "q8_0", 128, 2, (90, 37), 16, None)
+STEEP = ("turbo4", "q8_0", 128, 2, (48, 20), 16, None)
 # step_output by warps: one split (the output stored by the kernel, gated too), and two (merged)
 WARP_STEPS = [("q8_0", "turbo4", 128, 4, (20, 5), 16, None, "bfloat16"),
-              ("turbo4", "q4_0", 256, 8, (90, 3), 32, 64, "float32")]
+              ("turbo4", "q4_0", 256, 8, (72, 3), 32, 64, "float32")]
 
 
 def _states_in_child(cases, path: Path) -> None:
@@ -290,6 +291,15 @@ def test_decode_by_warps_matches_torch_block_loop(interpreted, case, tune):
     _check(interpreted["warps"][WARPS.index((case, tune))], _torch_state(*args), args[-1])
 
 
+def test_rows_a_step_ahead_give_the_same_bits(interpreted):
+    """PREFETCH 1 (the warps kernel's default) moves when a step's rows are loaded, not what is
+    summed: the same state as the launch that loads them at use, bit for bit."""
+    ahead, at_use = interpreted["warps"][1], interpreted["warps"][2]
+    assert WARPS[2][1] == {"PREFETCH": 0} and WARPS[1][1] == {}
+    for got, want in zip(ahead, at_use):
+        assert torch.equal(got, want)
+
+
 def test_one_warps_sums_are_rescaled_when_its_max_grows(interpreted):
     """Steep scores: the one-warp launch (sums rescaled only past RESCALE_AT), the same launch
     rescaling at its first step only (terms up to e^40 or so, still finite), and the four-warp one
@@ -323,7 +333,8 @@ def test_the_switch_decodes_steps_by_warps(interpreted):
 @pytest.mark.parametrize("tune,message", [
     ({"KERNEL": "warps", "BLOCK_N": 32}, "not a setting of KERNEL='warps': BLOCK_N"),
     ({"KERNEL": "lanes"}, "KERNEL='lanes': expected 'tiles' or 'warps'"),
-    ({"KP": 2}, "KP is a setting of KERNEL='warps'")])
+    ({"KP": 2}, "KP is a setting of KERNEL='warps'"),
+    ({"KERNEL": "warps", "PREFETCH": 2}, "PREFETCH=2 with KERNEL='warps': expected 0")])
 def test_warps_settings_are_checked(tune, message):
     with pytest.raises(ValueError, match=message):
         paged_prefill._launch_config(formats.get("turbo4"), formats.get("turbo4"), 8, 256, tune)

@@ -15,9 +15,11 @@ at 128K on turbo4. This is what llama.cpp's vector kernel and vLLM's paged atten
 few query rows: products on CUDA cores, no tile to share.
 
 Every tensor's axes end (..., KP, NW, 32, PH): a lane's PH codes of a unit are its own (they are
-q's contiguous values too), Triton spreads lanes over the next axis and warps over the one
-after, so the lanes hold a row's units and the warps its keys (the other axes are registers). q is loaded per warp (NW copies, once) so that its layout has the
-warps where the keys have them.
+q's contiguous values too), the lanes hold a row's units and the warps its keys (the other axes
+are registers). Triton's language cannot pin a layout, so the loads are shaped for the one its
+coalescing picks (``_load``) and the loop-carried state starts in the layouts the step computes
+it in; q is loaded per warp (NW copies, once), so that its layout has the warps where the keys
+have them. docs/gpu.md has the SASS this gives under Triton 3.6 and 3.9.
 """
 from __future__ import annotations
 
@@ -28,7 +30,6 @@ from triton.runtime.jit import JITFunction
 from ._codecs import sigmoid, stored_as
 
 
-
 @triton.jit
 def _units(KIND: tl.constexpr, PH: tl.constexpr, B2: tl.constexpr, VALUES: tl.constexpr, BYTES: tl.constexpr,
            HEADER: tl.constexpr):
@@ -36,8 +37,9 @@ def _units(KIND: tl.constexpr, PH: tl.constexpr, B2: tl.constexpr, VALUES: tl.co
     each unit lies (B2, 1, 1, 32), the one its block starts at (B2, 1, 1, 32), the dimension of
     code p of each unit (B2, 1, 1, 32, PH)). f16 rows are units of one value, lane * B2 + b (a
     lane's values side by side, q's too: else q's load took them 4 lanes a thread, and the step
-    shuffled 200 times); else unit u = b * 32 + lane, in block u // GROUPS, unit u % GROUPS of it past the block's header, its codes at value j:
-    packed codes PH w + p, nibbles 2w + p // 2 (+ half a block for the high nibble), bytes 2w + p.
+    shuffled 200 times); else unit u = b * 32 + lane, in block u // GROUPS, unit u % GROUPS of it
+    past the block's header, its codes at value j: packed codes PH w + p, nibbles 2w + p // 2
+    (+ half a block for the high nibble), bytes 2w + p.
     In 2-byte units, not bytes, so that the compiler sees a lane's units follow one another (a
     byte offset cast to a 2-byte pointer hides it: under Triton 3.6 the loads' layout then put
     lanes across keys and the step needed shared memory and 33 barriers)."""
@@ -92,16 +94,31 @@ def _gather(ptr, TIES_UP: tl.constexpr):
 
 
 @triton.jit
-def _values(row, valid, lut, KIND: tl.constexpr, BITS: tl.constexpr, PH: tl.constexpr, B2: tl.constexpr,
-            VALUES: tl.constexpr, BYTES: tl.constexpr, HEADER: tl.constexpr, OFFSET_AT: tl.constexpr,
-            LOOKUP: tl.constexpr, TIES_UP: tl.constexpr):
-    """A step's keys' values (B2, KP, NW, 32, PH) float32 from their rows' 2-byte pointers row
-    (1, KP, NW, 1): one 2-byte load a unit and a lane; a masked key's values 0. Tables are read
-    by a load a value (the table is 64 bytes: one L1 line for a warp), integer steps (q4_0's
-    c - 8) by arithmetic."""
+def _fetch(row, valid, KIND: tl.constexpr, PH: tl.constexpr, B2: tl.constexpr, VALUES: tl.constexpr,
+           BYTES: tl.constexpr, HEADER: tl.constexpr, OFFSET_AT: tl.constexpr, TIES_UP: tl.constexpr):
+    """The loads of a step's keys' rows, nothing computed from them (so that they may be issued a
+    step ahead: PREFETCH): from the rows' 2-byte pointers row (1, KP, NW, 1), each lane's units,
+    their blocks' f16 scales and offsets (B2, KP, NW, 32; the units again where a format has
+    none); a masked key's as 0. One 2-byte load a unit and a lane."""
     at, block, _ = _units(KIND, PH, B2, VALUES, BYTES, HEADER)
     mask = valid[None, :, :, None] & (at >= 0)                          # (B2, KP, NW, 32)
     unit = _load(row + at, mask, 0, TIES_UP)
+    scale = unit
+    offset = unit
+    if KIND != 1 and KIND != 2:
+        scale = _load((row + block).to(tl.pointer_type(tl.float16)), mask, 0.0, TIES_UP)
+        offset = scale
+        if OFFSET_AT > 0:
+            offset = _load((row + block + OFFSET_AT // 2).to(tl.pointer_type(tl.float16)), mask, 0.0, TIES_UP)
+    return unit, scale, offset
+
+
+@triton.jit
+def _decoded(unit, scale, offset, lut, KIND: tl.constexpr, BITS: tl.constexpr, PH: tl.constexpr,
+             OFFSET_AT: tl.constexpr, LOOKUP: tl.constexpr, TIES_UP: tl.constexpr):
+    """``_fetch``'s loads -> the keys' values (B2, KP, NW, 32, PH) float32. Tables are read by a
+    load a value (the table is 64 bytes: one L1 line for a warp), integer steps (q4_0's c - 8)
+    by arithmetic."""
     if KIND == 1:
         x = unit.to(tl.float16, bitcast=True).to(tl.float32)[:, :, :, :, None]
     elif KIND == 2:
@@ -109,7 +126,6 @@ def _values(row, valid, lut, KIND: tl.constexpr, BITS: tl.constexpr, PH: tl.cons
     else:
         p = tl.arange(0, PH)[None, None, None, None, :]
         code = (unit.to(tl.int32)[:, :, :, :, None] >> (BITS * p)) & ((1 << BITS) - 1)
-        scale = _load((row + block).to(tl.pointer_type(tl.float16)), mask, 0.0, TIES_UP).to(tl.float32)[:, :, :, :, None]
         if KIND == 3:                                                   # signed bytes
             x = ((code ^ 128) - 128).to(tl.float32)
         elif LOOKUP == 4:                                               # AFFINE: lut[0] + c (lut[1] - lut[0])
@@ -117,11 +133,21 @@ def _values(row, valid, lut, KIND: tl.constexpr, BITS: tl.constexpr, PH: tl.cons
             x = code.to(tl.float32) * (tl.load(lut + 1) - first) + first
         else:
             x = _gather(lut + code, TIES_UP)
-        x = scale * x
+        x = scale.to(tl.float32)[:, :, :, :, None] * x
         if OFFSET_AT > 0:
-            x = x + _load((row + block + OFFSET_AT // 2).to(tl.pointer_type(tl.float16)), mask, 0.0,
-                          TIES_UP).to(tl.float32)[:, :, :, :, None]
+            x = x + offset.to(tl.float32)[:, :, :, :, None]
     return x
+
+
+@triton.jit
+def _rows(table_at, t, end, PAGE_SIZE: tl.constexpr, WIDE: tl.constexpr):
+    """Key positions t (KP, NW) -> their rows within a head's pool, through the sequence's
+    block-table row (0 past ``end``: never read, masked)."""
+    page = tl.load(table_at + t // PAGE_SIZE, mask=t < end, other=0)
+    slot = page * PAGE_SIZE + t % PAGE_SIZE
+    if WIDE:
+        slot = slot.to(tl.int64)
+    return slot
 
 
 @triton.jit
@@ -140,11 +166,13 @@ def paged_decode_warps(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
                        V_BYTES: tl.constexpr, V_HEADER: tl.constexpr, V_OFFSET: tl.constexpr,
                        V_LOOKUP: tl.constexpr, V_PH: tl.constexpr, V_B2: tl.constexpr,
                        BY_SLOT: tl.constexpr = False, NORMALISE: tl.constexpr = False, GATED: tl.constexpr = False,
-                       TIES_UP: tl.constexpr = False, RESCALE_AT: tl.constexpr = 8.0):
+                       TIES_UP: tl.constexpr = False, RESCALE_AT: tl.constexpr = 8.0, PREFETCH: tl.constexpr = 0):
     """``paged_prefill_tile``'s decode launch (AT_END: every row at its sequence's last key, q_pos
     unread) with the same arguments and outputs: the state of rows 0..n_rows-1 (at most BLOCK_M)
     of (KV head, sequence) over the keys of one split, or with NORMALISE (one split) the output.
-    RESCALE_AT: with one warp, the sums are rescaled when a row's max grows by more than this."""
+    RESCALE_AT: with one warp, the sums are rescaled when a row's max grows by more than this.
+    PREFETCH 1: each step's rows loaded a step ahead of their decoding, their table entries two
+    (a warp then has two steps' loads in flight, not one; they wait on memory, not on issue)."""
     h = tl.program_id(0)
     s = tl.program_id(1)
     split = tl.program_id(2)
@@ -185,17 +213,34 @@ def paged_decode_warps(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
     acc = tl.zeros([BLOCK_M, V_B2, V_PH, NW, 32], tl.float32)
     k_rows = k_head.to(tl.pointer_type(tl.uint16))       # rows hold whole 2-byte units
     v_rows = v_head.to(tl.pointer_type(tl.uint16))
-    for start in range(begin, end, KP * NW):
-        t = start + tl.arange(0, KP)[:, None] * NW + tl.arange(0, NW)[None, :]     # (KP, NW)
+    STEP: tl.constexpr = KP * NW
+    keys = tl.arange(0, KP)[:, None] * NW + tl.arange(0, NW)[None, :]   # (KP, NW): key t of a step to warp t mod NW
+    if PREFETCH:            # the first step's rows, and the second's table entries
+        slot = _rows(table_at, begin + keys, end, PAGE_SIZE, WIDE)
+        ku, ks, ko = _fetch(k_rows + (slot * (k_row_bytes // 2))[None, :, :, None], begin + keys < end, K_KIND,
+                            K_PH, K_B2, K_VALUES, K_BYTES, K_HEADER, K_OFFSET, TIES_UP)
+        vu, vs, vo = _fetch(v_rows + (slot * (v_row_bytes // 2))[None, :, :, None], begin + keys < end, V_KIND,
+                            V_PH, V_B2, V_VALUES, V_BYTES, V_HEADER, V_OFFSET, TIES_UP)
+        slot = _rows(table_at, begin + STEP + keys, end, PAGE_SIZE, WIDE)
+    for start in range(begin, end, STEP):
+        t = start + keys
         valid = t < end
-        page = tl.load(table_at + t // PAGE_SIZE, mask=valid, other=0)
-        slot = page * PAGE_SIZE + t % PAGE_SIZE
-        if WIDE:
-            slot = slot.to(tl.int64)
-        k = _values(k_rows + (slot * (k_row_bytes // 2))[None, :, :, None], valid, k_lut, K_KIND, K_BITS,
-                    K_PH, K_B2, K_VALUES, K_BYTES, K_HEADER, K_OFFSET, K_LOOKUP, TIES_UP)
-        v = tl.permute(_values(v_rows + (slot * (v_row_bytes // 2))[None, :, :, None], valid, v_lut, V_KIND, V_BITS,
-                               V_PH, V_B2, V_VALUES, V_BYTES, V_HEADER, V_OFFSET, V_LOOKUP, TIES_UP),
+        if PREFETCH:        # this step's rows came a step ago; the next step's loads go out now
+            k = (ku, ks, ko)
+            v = (vu, vs, vo)
+            ku, ks, ko = _fetch(k_rows + (slot * (k_row_bytes // 2))[None, :, :, None], t + STEP < end, K_KIND,
+                                K_PH, K_B2, K_VALUES, K_BYTES, K_HEADER, K_OFFSET, TIES_UP)
+            vu, vs, vo = _fetch(v_rows + (slot * (v_row_bytes // 2))[None, :, :, None], t + STEP < end, V_KIND,
+                                V_PH, V_B2, V_VALUES, V_BYTES, V_HEADER, V_OFFSET, TIES_UP)
+            slot = _rows(table_at, t + 2 * STEP, end, PAGE_SIZE, WIDE)
+        else:
+            slot = _rows(table_at, t, end, PAGE_SIZE, WIDE)
+            k = _fetch(k_rows + (slot * (k_row_bytes // 2))[None, :, :, None], valid, K_KIND, K_PH, K_B2, K_VALUES,
+                       K_BYTES, K_HEADER, K_OFFSET, TIES_UP)
+            v = _fetch(v_rows + (slot * (v_row_bytes // 2))[None, :, :, None], valid, V_KIND, V_PH, V_B2, V_VALUES,
+                       V_BYTES, V_HEADER, V_OFFSET, TIES_UP)
+        k = _decoded(k[0], k[1], k[2], k_lut, K_KIND, K_BITS, K_PH, K_OFFSET, K_LOOKUP, TIES_UP)
+        v = tl.permute(_decoded(v[0], v[1], v[2], v_lut, V_KIND, V_BITS, V_PH, V_OFFSET, V_LOOKUP, TIES_UP),
                        (0, 4, 1, 2, 3))                                 # (V_B2, V_PH, KP, NW, 32), as acc
         # a lane's products summed in its registers first (codes, then units), then across lanes:
         # 5 shuffles a row and key (summing the lanes first took 8x as many)

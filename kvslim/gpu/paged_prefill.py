@@ -158,10 +158,11 @@ def _phases(f: CodecFields, head_dim: int) -> int:
 # packed codes (f16 rows with f16 products) also loaded a block ahead into registers (both off by
 # default, untimed); KERNEL "warps": decode by ``_decode_warps_kernel`` (each warp its own keys,
 # products on CUDA cores), with KP keys a warp a step and num_warps warps; RESCALE_AT, with one warp:
-# how far a row's max grows before its sums are rescaled (8; the tests' 1e30: at the first step only).
+# how far a row's max grows before its sums are rescaled (8; the tests' 1e30: at the first step only);
+# PREFETCH 1 (its default), each step's rows loaded a step ahead; 0, at use.
 CODECS = ("units", "per-value")
 TUNABLE = ("BLOCK_N", "num_warps", "num_stages", "DOT", "WIDE", "CODECS", "PREFETCH", "KERNEL", "KP", "RESCALE_AT")
-WARPS_TUNABLE = ("KERNEL", "KP", "num_warps", "WIDE", "RESCALE_AT")
+WARPS_TUNABLE = ("KERNEL", "KP", "num_warps", "WIDE", "RESCALE_AT", "PREFETCH")
 WARPS_ROWS = 8            # the warps kernel's most query rows: each lane holds all of them, and their sums
 DOTS = ("ieee", "tf32x3", "tf32", "f16", "fma")
 
@@ -247,8 +248,10 @@ def reads_by_warps(fmt_k, fmt_v, head_dim: int, n_rows: int) -> bool:
 
 def _warps_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict, page_size: int) -> dict:
     """The warps kernel's constexprs and warps (``tune`` holds KERNEL "warps"; WARPS_TUNABLE).
-    Defaults one warp a program (its sums rescaled only when a row's max grows) and one key a
-    warp a step: the fewest instructions a key in sm_90 SASS, untimed; a lease's sweep chooses."""
+    Defaults one warp a program (its sums rescaled only when a row's max grows), one key a warp a
+    step (the fewest instructions a key in sm_90 SASS) and rows loaded a step ahead (PREFETCH 1:
+    two steps' loads in flight a warp for 2 registers more, turbo4/turbo4 under Triton 3.6):
+    untimed; a lease's sweep chooses."""
     if tune["KERNEL"] != "warps":
         raise ValueError(f"KERNEL={tune['KERNEL']!r}: expected 'tiles' or 'warps'")
     other = set(tune) - set(WARPS_TUNABLE)
@@ -261,10 +264,12 @@ def _warps_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict, page_siz
             raise ValueError(f"KERNEL='warps' does not read {fmt.name} rows at head_dim {head_dim}")
     if pow2(n_rows) > WARPS_ROWS:
         raise ValueError(f"KERNEL='warps' holds at most {WARPS_ROWS} query rows a KV head, not {n_rows}")
+    if tune.get("PREFETCH", 0) not in (0, 1):
+        raise ValueError(f"PREFETCH={tune['PREFETCH']!r} with KERNEL='warps': expected 0 (off) or 1 (a step ahead)")
     warps, keys = tune.get("num_warps", 1), tune.get("KP", 1)
     return dict(KERNEL="warps", HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_M=pow2(n_rows), KP=keys, NW=warps,
                 WIDE=tune.get("WIDE", False), TIES_UP=_ties_up(), RESCALE_AT=float(tune.get("RESCALE_AT", 8.0)),
-                **sides[0], **sides[1], num_warps=warps)
+                PREFETCH=int(tune.get("PREFETCH", 1)), **sides[0], **sides[1], num_warps=warps)
 
 
 @lru_cache(maxsize=None)
