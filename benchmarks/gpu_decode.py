@@ -241,8 +241,11 @@ SPLITS = (512,)
 # products are float32 FMAs): (num_warps, KP keys a warp a step, PREFETCH). sm_90 SASS (Triton 3.6),
 # turbo4/turbo4 at 8 rows and head_dim 256: one warp 555 instructions a key and warp (~410 when
 # its rescale is skipped), 209 registers, 9 programs per SM, with rows a step ahead 581 and 211;
-# two warps 571, 199, 5; two keys a warp a step 550 a key, 229 registers.
-WARP_VARIANTS = [(1, 1, 1), (1, 1, 0), (2, 1, 1), (4, 1, 1), (1, 2, 1), (2, 2, 1)]
+# two warps 571, 199, 5; two keys a warp a step 550 a key, 229 registers. The one-warp default also
+# over splits of 128 keys: at 128K x 1 its 512 programs of one warp fill under half of an H200's
+# ~1,200 slots (9 an SM), 2,048 fill them (4x the splits' states to merge).
+WARP_VARIANTS = [(1, 1, 1), (1, 1, 0), (2, 1, 1), (4, 1, 1), (1, 2, 1)]
+WARP_SPLITS = {(1, 1, 1): (512, 128)}
 
 
 def _prefetch_cell(prefetch, codecs: str) -> str:
@@ -273,12 +276,13 @@ def _sweep_rows(pairs: list[str], depth: int, batch: int, args, copy: float) -> 
         settings = ([("", w, "", "fma", (kp, pf), "warps") for w, kp, pf in WARP_VARIANTS]
                     + [(*v, "units") for v in variants] + [(*variants[0], "per-value")])
         for block_n, warps, stages, dot, prefetch, codecs in settings:
+            splits = WARP_SPLITS.get((warps, *prefetch), SPLITS) if codecs == "warps" else SPLITS
             if codecs == "warps":       # the prefetch column holds KP, keys a warp a step, and PREFETCH
                 tune = {"KERNEL": "warps", "num_warps": warps, "KP": prefetch[0], "PREFETCH": prefetch[1]}
             else:
                 tune = {"BLOCK_N": block_n, "num_warps": warps, "DOT": dot, "CODECS": codecs, "PREFETCH": prefetch,
                         **({"num_stages": stages} if stages else {})}
-            for split in SPLITS:
+            for split in splits:
                 step = packed_step(*inputs, split, tune)
                 try:
                     err = (step() - want).abs().max().item()
