@@ -372,3 +372,23 @@ def decode_tile(pool, row_off, valid, lut, HEAD_DIM: tl.constexpr, BLOCK_D: tl.c
         # masked loads already give 0, but without the select q8_0's f16 launch took 210 registers, not 127
         x = tl.where(mask, x, 0.0)
     return x
+
+
+@triton.jit
+def pool_rows(table_at, t, end, PAGE_SIZE: tl.constexpr, WIDE: tl.constexpr):
+    """Key positions t (any shape) -> their rows within a head's pool, through the sequence's
+    block-table row at ``table_at`` (0 past ``end``: never read, masked). Both attention kernels'."""
+    page = tl.load(table_at + t // PAGE_SIZE, mask=t < end, other=0)
+    slot = page * PAGE_SIZE + t % PAGE_SIZE
+    if WIDE:
+        slot = slot.to(tl.int64)
+    return slot
+
+
+@triton.jit
+def gated(out, gate_at, live, GATED: tl.constexpr):
+    """out (float32) times sigmoid of the gate at gate_at where GATED: ``swiglu.sigmoid_mul``'s
+    math (its sigmoid, the product in float32), so the fold gives that launch's bits."""
+    if GATED:
+        out = sigmoid(tl.load(gate_at, mask=live, other=0.0).to(tl.float32)) * out
+    return out

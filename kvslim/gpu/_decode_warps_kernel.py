@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from ._codecs import sigmoid, stored_as
+from ._codecs import gated, pool_rows, stored_as
 
 
 @triton.jit
@@ -140,17 +140,6 @@ def _decoded(unit, scale, offset, lut, KIND: tl.constexpr, BITS: tl.constexpr, P
 
 
 @triton.jit
-def _rows(table_at, t, end, PAGE_SIZE: tl.constexpr, WIDE: tl.constexpr):
-    """Key positions t (KP, NW) -> their rows within a head's pool, through the sequence's
-    block-table row (0 past ``end``: never read, masked)."""
-    page = tl.load(table_at + t // PAGE_SIZE, mask=t < end, other=0)
-    slot = page * PAGE_SIZE + t % PAGE_SIZE
-    if WIDE:
-        slot = slot.to(tl.int64)
-    return slot
-
-
-@triton.jit
 def paged_decode_warps(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr, k_lut, v_lut,
                        m_out, l_out, acc_out,
                        n_seq, n_rows, n_pages, k_row_bytes, v_row_bytes, table_stride,
@@ -216,12 +205,12 @@ def paged_decode_warps(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
     STEP: tl.constexpr = KP * NW
     keys = tl.arange(0, KP)[:, None] * NW + tl.arange(0, NW)[None, :]   # (KP, NW): key t of a step to warp t mod NW
     if PREFETCH:            # the first step's rows, and the second's table entries
-        slot = _rows(table_at, begin + keys, end, PAGE_SIZE, WIDE)
+        slot = pool_rows(table_at, begin + keys, end, PAGE_SIZE, WIDE)
         ku, ks, ko = _fetch(k_rows + (slot * (k_row_bytes // 2))[None, :, :, None], begin + keys < end, K_KIND,
                             K_PH, K_B2, K_VALUES, K_BYTES, K_HEADER, K_OFFSET, TIES_UP)
         vu, vs, vo = _fetch(v_rows + (slot * (v_row_bytes // 2))[None, :, :, None], begin + keys < end, V_KIND,
                             V_PH, V_B2, V_VALUES, V_BYTES, V_HEADER, V_OFFSET, TIES_UP)
-        slot = _rows(table_at, begin + STEP + keys, end, PAGE_SIZE, WIDE)
+        slot = pool_rows(table_at, begin + STEP + keys, end, PAGE_SIZE, WIDE)
     for start in range(begin, end, STEP):
         t = start + keys
         valid = t < end
@@ -232,9 +221,9 @@ def paged_decode_warps(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
                                 K_PH, K_B2, K_VALUES, K_BYTES, K_HEADER, K_OFFSET, TIES_UP)
             vu, vs, vo = _fetch(v_rows + (slot * (v_row_bytes // 2))[None, :, :, None], t + STEP < end, V_KIND,
                                 V_PH, V_B2, V_VALUES, V_BYTES, V_HEADER, V_OFFSET, TIES_UP)
-            slot = _rows(table_at, t + 2 * STEP, end, PAGE_SIZE, WIDE)
+            slot = pool_rows(table_at, t + 2 * STEP, end, PAGE_SIZE, WIDE)
         else:
-            slot = _rows(table_at, t, end, PAGE_SIZE, WIDE)
+            slot = pool_rows(table_at, t, end, PAGE_SIZE, WIDE)
             k = _fetch(k_rows + (slot * (k_row_bytes // 2))[None, :, :, None], valid, K_KIND, K_PH, K_B2, K_VALUES,
                        K_BYTES, K_HEADER, K_OFFSET, TIES_UP)
             v = _fetch(v_rows + (slot * (v_row_bytes // 2))[None, :, :, None], valid, V_KIND, V_PH, V_B2, V_VALUES,
@@ -288,10 +277,8 @@ def paged_decode_warps(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
     live = (r4 < n_rows) & (d < HEAD_DIM)
     if NORMALISE:                                                       # the output itself, where the caller wants it
         o_at = acc_out + h.to(tl.int64) * o_heads + s.to(tl.int64) * o_seqs
-        out = out / l_all[:, None, None, None]
-        if GATED:
-            g_at = gate_ptr + h.to(tl.int64) * g_heads + s.to(tl.int64) * g_seqs
-            out = sigmoid(tl.load(g_at + r4 * g_rows + d, mask=live, other=0.0).to(tl.float32)) * out
+        g_at = gate_ptr + h.to(tl.int64) * g_heads + s.to(tl.int64) * g_seqs
+        out = gated(out / l_all[:, None, None, None], g_at + r4 * g_rows + d, live, GATED)
         tl.store(o_at + r4 * o_rows + d, stored_as(out, acc_out), mask=live)
     else:
         part = (head_seq * n_splits + split) * n_rows + r              # (BLOCK_M,) rows of this split

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from ._codecs import columns, decode_tile, fetch_tile, fetched_tile, sigmoid, stored_as
+from ._codecs import columns, decode_tile, fetch_tile, fetched_tile, gated, pool_rows, stored_as
 
 
 @triton.jit
@@ -92,14 +92,14 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table_at = table_ptr + table_row * table_stride
     if PREFETCH:                                                        # the first block's rows, before the loop
-        slot_next = _pool_rows(table_at, begin + tl.arange(0, BLOCK_N), end, PAGE_SIZE, WIDE)
+        slot_next = pool_rows(table_at, begin + tl.arange(0, BLOCK_N), end, PAGE_SIZE, WIDE)
     if PREFETCH == 2:       # and its codes; the second block's rows
         slot = slot_next
         k0, k1, k2, k3, k4 = fetch_tile(k_head, slot * k_row_bytes, begin + tl.arange(0, BLOCK_N) < end, HEAD_DIM,
                                         BLOCK_D, K_KIND, K_BITS, K_BYTES, K_HEADER, K_OFFSET, K_PHASES, DOT == "f16")
         v0, v1, v2, v3, v4 = fetch_tile(v_head, slot * v_row_bytes, begin + tl.arange(0, BLOCK_N) < end, HEAD_DIM,
                                         BLOCK_D, V_KIND, V_BITS, V_BYTES, V_HEADER, V_OFFSET, V_PHASES, DOT == "f16")
-        slot_next = _pool_rows(table_at, begin + BLOCK_N + tl.arange(0, BLOCK_N), end, PAGE_SIZE, WIDE)
+        slot_next = pool_rows(table_at, begin + BLOCK_N + tl.arange(0, BLOCK_N), end, PAGE_SIZE, WIDE)
     for start in range(begin, end, BLOCK_N):
         t = start + tl.arange(0, BLOCK_N)                               # key positions
         valid = t < end
@@ -112,7 +112,7 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
                                             K_KIND, K_BITS, K_BYTES, K_HEADER, K_OFFSET, K_PHASES, DOT == "f16")
             v0, v1, v2, v3, v4 = fetch_tile(v_head, slot * v_row_bytes, t + BLOCK_N < end, HEAD_DIM, BLOCK_D,
                                             V_KIND, V_BITS, V_BYTES, V_HEADER, V_OFFSET, V_PHASES, DOT == "f16")
-            slot_next = _pool_rows(table_at, t + 2 * BLOCK_N, end, PAGE_SIZE, WIDE)
+            slot_next = pool_rows(table_at, t + 2 * BLOCK_N, end, PAGE_SIZE, WIDE)
             k = fetched_tile(kf[0], kf[1], kf[2], kf[3], kf[4], k_head, here * k_row_bytes, valid, k_lut, HEAD_DIM,
                              BLOCK_D, K_KIND, K_BITS, K_VALUES, K_BYTES, K_HEADER, K_OFFSET, K_SUB, K_SUB_BITS,
                              K_LOOKUP, K_PHASES, DOT == "f16")
@@ -122,9 +122,9 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
         else:
             if PREFETCH:        # this block's rows were read a block ago; the next block's go out now
                 slot = slot_next
-                slot_next = _pool_rows(table_at, t + BLOCK_N, end, PAGE_SIZE, WIDE)
+                slot_next = pool_rows(table_at, t + BLOCK_N, end, PAGE_SIZE, WIDE)
             else:
-                slot = _pool_rows(table_at, t, end, PAGE_SIZE, WIDE)
+                slot = pool_rows(table_at, t, end, PAGE_SIZE, WIDE)
             k = decode_tile(k_head, slot * k_row_bytes, valid, k_lut, HEAD_DIM, BLOCK_D,
                             K_KIND, K_BITS, K_VALUES, K_BYTES, K_HEADER, K_OFFSET, K_SUB, K_SUB_BITS, K_LOOKUP,
                             K_PHASES, DOT == "f16")
@@ -140,33 +140,13 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
         o_at = acc_out + h.to(tl.int64) * o_heads + s.to(tl.int64) * o_seqs
         g_at = gate_ptr + h.to(tl.int64) * g_heads + s.to(tl.int64) * g_seqs
         live = r_live[:, None] & d_live[None, :]
-        out = _gated(acc / l_i[:, None], g_at + r[:, None] * g_rows + d[None, :], live, GATED)
+        out = gated(acc / l_i[:, None], g_at + r[:, None] * g_rows + d[None, :], live, GATED)
         tl.store(o_at + r[:, None] * o_rows + d[None, :], stored_as(out, acc_out), mask=live)
     else:
         part = (head_seq * n_splits + split) * n_rows + r              # (BLOCK_M,) rows of this split
         tl.store(m_out + part, m_i, mask=r_live)
         tl.store(l_out + part, l_i, mask=r_live)
         tl.store(acc_out + part[:, None] * HEAD_DIM + d[None, :], acc, mask=r_live[:, None] & d_live[None, :])
-
-
-@triton.jit
-def _pool_rows(table_at, t, end, PAGE_SIZE: tl.constexpr, WIDE: tl.constexpr):
-    """Key positions t (BLOCK_N,) -> their rows within a head's pool, through the sequence's
-    block-table row at ``table_at`` (0 past ``end``: never read, masked)."""
-    page = tl.load(table_at + t // PAGE_SIZE, mask=t < end, other=0)
-    slot = page * PAGE_SIZE + t % PAGE_SIZE
-    if WIDE:
-        slot = slot.to(tl.int64)
-    return slot
-
-
-@triton.jit
-def _gated(out, gate_at, live, GATED: tl.constexpr):
-    """out (float32) times sigmoid of the gate at gate_at where GATED: ``swiglu.sigmoid_mul``'s
-    math (its sigmoid, the product in float32), so the fold gives that launch's bits."""
-    if GATED:
-        out = sigmoid(tl.load(gate_at, mask=live, other=0.0).to(tl.float32)) * out
-    return out
 
 
 @triton.jit
@@ -252,7 +232,7 @@ def merge_splits(m_ptr, l_ptr, acc_ptr, m_out, l_out, acc_out, n_splits, n_rows,
     if NORMALISE:
         o_at = acc_out + (hs // n_seq) * o_heads + (hs % n_seq) * o_seqs
         g_at = gate_ptr + (hs // n_seq) * g_heads + (hs % n_seq) * g_seqs + r[:, None] * g_rows + d[None, :]
-        out = _gated(acc / tl.sum(sums, axis=0)[:, None], g_at, live, GATED)
+        out = gated(acc / tl.sum(sums, axis=0)[:, None], g_at, live, GATED)
         tl.store(o_at + r[:, None] * o_rows + d[None, :], stored_as(out, acc_out), mask=live)
     else:
         out = hs * n_rows + r
