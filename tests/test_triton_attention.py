@@ -72,7 +72,8 @@ F16_TABLES = [("turbo4", "turbo3", 256, 8, (40, 3), 16, 32), ("turbo2", "iq4_nl"
 
 
 # decode by warps (KERNEL "warps": each warp its own keys, products on CUDA cores): 4-bit codes
-# from tables and by integer steps, q4_1's offsets, q8_0's bytes, f16 and bf16 rows; one warp (its
+# from tables and by integer steps, turbo3's 3-bit groups (half a group a lane), q4_1's offsets,
+# q8_0's bytes, f16 and bf16 rows; one warp (its
 # sums rescaled only when a row's max grows), two and four; one and two keys a warp a step; 64-bit
 # row offsets; pages of 12; empty sequences, and a sequence of 100 keys over two splits of 64
 WARPS = [(("turbo4", "turbo4", 256, 8, (40, 3, 0), 16, 32), {"num_warps": 4}),
@@ -81,7 +82,9 @@ WARPS = [(("turbo4", "turbo4", 256, 8, (40, 3, 0), 16, 32), {"num_warps": 4}),
          (("q4_0", "iq4_nl", 128, 4, (41, 16), 16, None), {"num_warps": 1, "KP": 2}),
          (("f16", "q8_0", 128, 4, (37, 100), 16, 64), {"num_warps": 4, "KP": 2}),
          (("q8_0", "turbo2", 256, 5, (20, 1, 0), 12, None), {"num_warps": 1, "WIDE": True}),
-         (("q4_1", "bf16", 128, 1, (33,), 16, None), {"num_warps": 2, "PREFETCH": 0})]
+         (("q4_1", "bf16", 128, 1, (33,), 16, None), {"num_warps": 2, "PREFETCH": 0}),
+         (("turbo3", "turbo3", 256, 8, (40, 3), 16, 32), {}),
+         (("f16", "turbo3", 256, 2, (20,), 12, None), {"num_warps": 2, "PREFETCH": 0})]
 # queries 12x _case's: scores spread over tens, so a one-warp program's running max grows past
 # RESCALE_AT after its first step, and its sums are rescaled there (RESCALE_AT 1e30: at the first
 # step only, where the max grows from -inf)
@@ -341,12 +344,14 @@ def test_warps_settings_are_checked(tune, message):
 
 
 @pytest.mark.parametrize("name_k,name_v,dim,rows,why", [
-    ("turbo3", "turbo4", 256, 8, "does not read turbo3 rows at head_dim 256"),
+    ("turbo3", "turbo4", 128, 8, "does not read turbo3 rows at head_dim 128"),
     ("turbo4", "turbo2", 128, 8, "does not read turbo2 rows at head_dim 128"),
+    ("turbo4p", "turbo4", 256, 8, "does not read turbo4p rows at head_dim 256"),
     ("f16", "f16", 256, 16, "at most 8 query rows a KV head, not 16")])
 def test_warps_refuses_what_it_cannot_read(name_k, name_v, dim, rows, why):
-    """3-bit groups, rows of fewer than 32 units (turbo2 at 128: 16) and more than 8 query rows
-    are refused by name, not decoded wrong."""
+    """Rows that fill fewer than 32 lanes (turbo3 and turbo2 at head_dim 128: 16), layouts the
+    kernels do not decode (turbo4p's QJL sketch) and more than 8 query rows are refused by name,
+    not decoded wrong."""
     with pytest.raises(ValueError, match=why):
         paged_prefill._launch_config(formats.get(name_k), formats.get(name_v), rows, dim, {"KERNEL": "warps"})
 
@@ -620,7 +625,7 @@ def test_the_merge_compiles_for_an_h100_without_one(store):
 
 
 @pytest.mark.parametrize("name_k,name_v,dim,rows", [("turbo4", "turbo4", 256, 8), ("q8_0", "q4_0", 128, 4),
-                                                    ("f16", "iq4_nl", 256, 6)])
+                                                    ("f16", "iq4_nl", 256, 6), ("turbo3", "turbo3", 256, 8)])
 @pytest.mark.parametrize("warps", [1, 2])
 def test_decode_by_warps_steps_without_barriers(name_k, name_v, dim, rows, warps):
     """What the warps kernel is for, in its sm_90 SASS (decode's launch: bf16 q read in place,

@@ -31,15 +31,17 @@ from ._codecs import gated, pool_rows, stored_as
 
 
 @triton.jit
-def _units(KIND: tl.constexpr, PH: tl.constexpr, B2: tl.constexpr, VALUES: tl.constexpr, BYTES: tl.constexpr,
-           HEADER: tl.constexpr):
+def _units(KIND: tl.constexpr, BITS: tl.constexpr, PH: tl.constexpr, B2: tl.constexpr, VALUES: tl.constexpr,
+           BYTES: tl.constexpr, HEADER: tl.constexpr):
     """Where a lane's units lie and which dimension each code is: (the row's 2-byte unit at which
     each unit lies (B2, 1, 1, 32), the one its block starts at (B2, 1, 1, 32), the dimension of
     code p of each unit (B2, 1, 1, 32, PH)). f16 rows are units of one value, lane * B2 + b (a
     lane's values side by side, q's too: else q's load took them 4 lanes a thread, and the step
     shuffled 200 times); else unit u = b * 32 + lane, in block u // GROUPS, unit u % GROUPS of it
     past the block's header, its codes at value j: packed codes PH w + p, nibbles 2w + p // 2
-    (+ half a block for the high nibble), bytes 2w + p.
+    (+ half a block for the high nibble), bytes 2w + p. 3-bit codes come 16 to a group of 3
+    units, half a group a lane: lane u holds codes 8h .. 8h + 7 (h = u % 2) of group u // 2, from
+    its units h and h + 1 (``at`` is the first; the codes cross the units' boundary).
     In 2-byte units, not bytes, so that the compiler sees a lane's units follow one another (a
     byte offset cast to a 2-byte pointer hides it: under Triton 3.6 the loads' layout then put
     lanes across keys and the step needed shared memory and 33 barriers)."""
@@ -48,6 +50,14 @@ def _units(KIND: tl.constexpr, PH: tl.constexpr, B2: tl.constexpr, VALUES: tl.co
         at = tl.arange(0, 32)[None, None, None, :] * B2 + tl.arange(0, B2)[:, None, None, None]
         block = at
         dim = at[:, :, :, :, None] + 0 * p
+    elif BITS == 3:                 # half a group of 16 codes (3 units) a lane
+        u = tl.arange(0, B2)[:, None, None, None] * 32 + tl.arange(0, 32)[None, None, None, :]
+        GROUPS: tl.constexpr = (BYTES - HEADER) // 6
+        g = u // 2
+        h = u % 2
+        block = (g // GROUPS) * (BYTES // 2)
+        at = block + HEADER // 2 + 3 * (g % GROUPS) + h
+        dim = ((g // GROUPS) * VALUES + 16 * (g % GROUPS) + 8 * h)[:, :, :, :, None] + p
     else:
         u = tl.arange(0, B2)[:, None, None, None] * 32 + tl.arange(0, 32)[None, None, None, :]
         GROUPS: tl.constexpr = (BYTES - HEADER) // 2
@@ -94,15 +104,19 @@ def _gather(ptr, TIES_UP: tl.constexpr):
 
 
 @triton.jit
-def _fetch(row, valid, KIND: tl.constexpr, PH: tl.constexpr, B2: tl.constexpr, VALUES: tl.constexpr,
-           BYTES: tl.constexpr, HEADER: tl.constexpr, OFFSET_AT: tl.constexpr, TIES_UP: tl.constexpr):
+def _fetch(row, valid, KIND: tl.constexpr, BITS: tl.constexpr, PH: tl.constexpr, B2: tl.constexpr,
+           VALUES: tl.constexpr, BYTES: tl.constexpr, HEADER: tl.constexpr, OFFSET_AT: tl.constexpr,
+           TIES_UP: tl.constexpr):
     """The loads of a step's keys' rows, nothing computed from them (so that they may be issued a
-    step ahead: PREFETCH): from the rows' 2-byte pointers row (1, KP, NW, 1), each lane's units,
-    their blocks' f16 scales and offsets (B2, KP, NW, 32; the units again where a format has
-    none); a masked key's as 0. One 2-byte load a unit and a lane."""
-    at, block, _ = _units(KIND, PH, B2, VALUES, BYTES, HEADER)
+    step ahead: PREFETCH): from the rows' 2-byte pointers row (1, KP, NW, 1), each lane's units
+    (the next unit too for 3-bit codes), their blocks' f16 scales and offsets (B2, KP, NW, 32;
+    the unit again where a format has none); a masked key's as 0. 2-byte loads."""
+    at, block, _ = _units(KIND, BITS, PH, B2, VALUES, BYTES, HEADER)
     mask = valid[None, :, :, None] & (at >= 0)                          # (B2, KP, NW, 32)
     unit = _load(row + at, mask, 0, TIES_UP)
+    unit2 = unit
+    if BITS == 3:
+        unit2 = _load(row + at + 1, mask, 0, TIES_UP)
     scale = unit
     offset = unit
     if KIND != 1 and KIND != 2:
@@ -110,11 +124,11 @@ def _fetch(row, valid, KIND: tl.constexpr, PH: tl.constexpr, B2: tl.constexpr, V
         offset = scale
         if OFFSET_AT > 0:
             offset = _load((row + block + OFFSET_AT // 2).to(tl.pointer_type(tl.float16)), mask, 0.0, TIES_UP)
-    return unit, scale, offset
+    return unit, unit2, scale, offset
 
 
 @triton.jit
-def _decoded(unit, scale, offset, lut, KIND: tl.constexpr, BITS: tl.constexpr, PH: tl.constexpr,
+def _decoded(unit, unit2, scale, offset, lut, KIND: tl.constexpr, BITS: tl.constexpr, PH: tl.constexpr,
              OFFSET_AT: tl.constexpr, LOOKUP: tl.constexpr, TIES_UP: tl.constexpr):
     """``_fetch``'s loads -> the keys' values (B2, KP, NW, 32, PH) float32. Tables are read by a
     load a value (the table is 64 bytes: one L1 line for a warp), integer steps (q4_0's c - 8)
@@ -125,7 +139,12 @@ def _decoded(unit, scale, offset, lut, KIND: tl.constexpr, BITS: tl.constexpr, P
         x = unit.to(tl.bfloat16, bitcast=True).to(tl.float32)[:, :, :, :, None]
     else:
         p = tl.arange(0, PH)[None, None, None, None, :]
-        code = (unit.to(tl.int32)[:, :, :, :, None] >> (BITS * p)) & ((1 << BITS) - 1)
+        if BITS == 3:               # codes 8h + p at bit 8h + 3p of units h, h + 1 (_units)
+            word = unit.to(tl.int32) | (unit2.to(tl.int32) << 16)
+            h = (tl.arange(0, 32) % 2)[None, None, None, :, None]
+            code = (word[:, :, :, :, None] >> (8 * h + 3 * p)) & 7
+        else:
+            code = (unit.to(tl.int32)[:, :, :, :, None] >> (BITS * p)) & ((1 << BITS) - 1)
         if KIND == 3:                                                   # signed bytes
             x = ((code ^ 128) - 128).to(tl.float32)
         elif LOOKUP == 4:                                               # AFFINE: lut[0] + c (lut[1] - lut[0])
@@ -177,7 +196,7 @@ def paged_decode_warps(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
 
     # q (BLOCK_M, K_B2, 1, NW, 32, K_PH) in K's unit order, one copy a warp
     r6 = tl.arange(0, BLOCK_M)[:, None, None, None, None, None]
-    _, _, d_k = _units(K_KIND, K_PH, K_B2, K_VALUES, K_BYTES, K_HEADER)
+    _, _, d_k = _units(K_KIND, K_BITS, K_PH, K_B2, K_VALUES, K_BYTES, K_HEADER)
     warp = tl.arange(0, NW)[None, None, None, :, None, None]
     q_at = q_ptr + h.to(tl.int64) * q_heads + s.to(tl.int64) * q_seqs
     q_ptrs = q_at + r6 * q_rows + d_k[None] + 0 * warp
@@ -206,30 +225,30 @@ def paged_decode_warps(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
     keys = tl.arange(0, KP)[:, None] * NW + tl.arange(0, NW)[None, :]   # (KP, NW): key t of a step to warp t mod NW
     if PREFETCH:            # the first step's rows, and the second's table entries
         slot = pool_rows(table_at, begin + keys, end, PAGE_SIZE, WIDE)
-        ku, ks, ko = _fetch(k_rows + (slot * (k_row_bytes // 2))[None, :, :, None], begin + keys < end, K_KIND,
-                            K_PH, K_B2, K_VALUES, K_BYTES, K_HEADER, K_OFFSET, TIES_UP)
-        vu, vs, vo = _fetch(v_rows + (slot * (v_row_bytes // 2))[None, :, :, None], begin + keys < end, V_KIND,
-                            V_PH, V_B2, V_VALUES, V_BYTES, V_HEADER, V_OFFSET, TIES_UP)
+        ku, ku2, ks, ko = _fetch(k_rows + (slot * (k_row_bytes // 2))[None, :, :, None], begin + keys < end, K_KIND,
+                                 K_BITS, K_PH, K_B2, K_VALUES, K_BYTES, K_HEADER, K_OFFSET, TIES_UP)
+        vu, vu2, vs, vo = _fetch(v_rows + (slot * (v_row_bytes // 2))[None, :, :, None], begin + keys < end, V_KIND,
+                                 V_BITS, V_PH, V_B2, V_VALUES, V_BYTES, V_HEADER, V_OFFSET, TIES_UP)
         slot = pool_rows(table_at, begin + STEP + keys, end, PAGE_SIZE, WIDE)
     for start in range(begin, end, STEP):
         t = start + keys
         valid = t < end
         if PREFETCH:        # this step's rows came a step ago; the next step's loads go out now
-            k = (ku, ks, ko)
-            v = (vu, vs, vo)
-            ku, ks, ko = _fetch(k_rows + (slot * (k_row_bytes // 2))[None, :, :, None], t + STEP < end, K_KIND,
-                                K_PH, K_B2, K_VALUES, K_BYTES, K_HEADER, K_OFFSET, TIES_UP)
-            vu, vs, vo = _fetch(v_rows + (slot * (v_row_bytes // 2))[None, :, :, None], t + STEP < end, V_KIND,
-                                V_PH, V_B2, V_VALUES, V_BYTES, V_HEADER, V_OFFSET, TIES_UP)
+            k = (ku, ku2, ks, ko)
+            v = (vu, vu2, vs, vo)
+            ku, ku2, ks, ko = _fetch(k_rows + (slot * (k_row_bytes // 2))[None, :, :, None], t + STEP < end,
+                                     K_KIND, K_BITS, K_PH, K_B2, K_VALUES, K_BYTES, K_HEADER, K_OFFSET, TIES_UP)
+            vu, vu2, vs, vo = _fetch(v_rows + (slot * (v_row_bytes // 2))[None, :, :, None], t + STEP < end,
+                                     V_KIND, V_BITS, V_PH, V_B2, V_VALUES, V_BYTES, V_HEADER, V_OFFSET, TIES_UP)
             slot = pool_rows(table_at, t + 2 * STEP, end, PAGE_SIZE, WIDE)
         else:
             slot = pool_rows(table_at, t, end, PAGE_SIZE, WIDE)
-            k = _fetch(k_rows + (slot * (k_row_bytes // 2))[None, :, :, None], valid, K_KIND, K_PH, K_B2, K_VALUES,
-                       K_BYTES, K_HEADER, K_OFFSET, TIES_UP)
-            v = _fetch(v_rows + (slot * (v_row_bytes // 2))[None, :, :, None], valid, V_KIND, V_PH, V_B2, V_VALUES,
-                       V_BYTES, V_HEADER, V_OFFSET, TIES_UP)
-        k = _decoded(k[0], k[1], k[2], k_lut, K_KIND, K_BITS, K_PH, K_OFFSET, K_LOOKUP, TIES_UP)
-        v = tl.permute(_decoded(v[0], v[1], v[2], v_lut, V_KIND, V_BITS, V_PH, V_OFFSET, V_LOOKUP, TIES_UP),
+            k = _fetch(k_rows + (slot * (k_row_bytes // 2))[None, :, :, None], valid, K_KIND, K_BITS, K_PH, K_B2,
+                       K_VALUES, K_BYTES, K_HEADER, K_OFFSET, TIES_UP)
+            v = _fetch(v_rows + (slot * (v_row_bytes // 2))[None, :, :, None], valid, V_KIND, V_BITS, V_PH, V_B2,
+                       V_VALUES, V_BYTES, V_HEADER, V_OFFSET, TIES_UP)
+        k = _decoded(k[0], k[1], k[2], k[3], k_lut, K_KIND, K_BITS, K_PH, K_OFFSET, K_LOOKUP, TIES_UP)
+        v = tl.permute(_decoded(v[0], v[1], v[2], v[3], v_lut, V_KIND, V_BITS, V_PH, V_OFFSET, V_LOOKUP, TIES_UP),
                        (0, 4, 1, 2, 3))                                 # (V_B2, V_PH, KP, NW, 32), as acc
         # a lane's products summed in its registers first (codes, then units), then across lanes:
         # 5 shuffles a row and key (summing the lanes first took 8x as many)
@@ -272,7 +291,7 @@ def paged_decode_warps(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
     out = tl.sum(acc * weight[:, None, None, :, None], axis=3)         # (BLOCK_M, V_B2, V_PH, 32)
     r = tl.arange(0, BLOCK_M)
     r4 = r[:, None, None, None]
-    _, _, d_v = _units(V_KIND, V_PH, V_B2, V_VALUES, V_BYTES, V_HEADER)
+    _, _, d_v = _units(V_KIND, V_BITS, V_PH, V_B2, V_VALUES, V_BYTES, V_HEADER)
     d = tl.permute(tl.reshape(d_v, (V_B2, 32, V_PH)), (0, 2, 1))[None]   # (1, V_B2, V_PH, 32)
     live = (r4 < n_rows) & (d < HEAD_DIM)
     if NORMALISE:                                                       # the output itself, where the caller wants it

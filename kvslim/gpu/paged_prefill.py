@@ -179,6 +179,11 @@ def _launch_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict | None =
     (32, 4) at head_dim 64, (32, 8) at 128 and (16, 8) at 256, chosen from spill counts
     (benchmarks/gpu_resources.py); at head_dim 256, 16 keys a block and 8 warps were the
     fastest that session 30's H200 sweep timed (docs/gpu.md). ``tune``: TUNABLE overrides."""
+    unknown = set(tune or ()) - set(TUNABLE)
+    if unknown:
+        raise ValueError(f"not a launch setting: {', '.join(sorted(unknown))} (tunable: {', '.join(TUNABLE)})")
+    if (tune or {}).get("KERNEL", "tiles") != "tiles":
+        return _warps_config(fmt_k, fmt_v, n_rows, head_dim, tune, page_size)
     block_m = 16 if head_dim > 128 else 32
     config = dict(HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_D=pow2(head_dim),
                   BLOCK_M=min(block_m, max(MIN_DOT, pow2(n_rows))),
@@ -191,11 +196,6 @@ def _launch_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict | None =
         # SM at head_dim 256 (170-201 registers at 64 and 128). Unpipelined: 48-96 registers, no
         # spills, 4-6 programs per SM (sm_90 cubins, Triton 3.9, benchmarks/gpu_resources.py)
         config["num_stages"] = 1
-    unknown = set(tune or ()) - set(TUNABLE)
-    if unknown:
-        raise ValueError(f"not a launch setting: {', '.join(sorted(unknown))} (tunable: {', '.join(TUNABLE)})")
-    if (tune or {}).get("KERNEL", "tiles") != "tiles":
-        return _warps_config(fmt_k, fmt_v, n_rows, head_dim, tune, page_size)
     for name in ("KP", "RESCALE_AT"):
         if name in (tune or {}):
             raise ValueError(f"{name} is a setting of KERNEL='warps'")
@@ -218,9 +218,9 @@ def _launch_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict | None =
 
 def _warps_args(fmt, head_dim: int, prefix: str) -> dict | None:
     """A side's constexprs for ``_decode_warps_kernel``, or None where it cannot read the rows:
-    f16 and bf16 values, q8_0's bytes, 4-, 2- and 1-bit codes in 2-byte units (``_phases``; not
-    turbo3's 3-bit groups), at a power-of-two head_dim whose row holds a multiple of 32 units (a
-    lane's share of a row is whole units: turbo2 and the 4-bit codes need head_dim 256 and 128 up)."""
+    f16 and bf16 values, q8_0's bytes, 4-, 3-, 2- and 1-bit codes in 2-byte units (``_phases``;
+    3-bit codes half a group of 16 a lane), at a power-of-two head_dim whose row fills a multiple
+    of 32 lanes (4-bit codes at head_dim 128 and up, turbo3 and turbo2 at 256)."""
     f = _fields(fmt, head_dim)
     if f is None or f.sub_values or head_dim != pow2(head_dim):
         return None
@@ -228,8 +228,8 @@ def _warps_args(fmt, head_dim: int, prefix: str) -> dict | None:
         ph = 1
     elif f.kind == Q8 and f.bits == 8 and head_dim % f.block_values == 0 and (f.block_bytes - f.header_bytes) % 2 == 0:
         ph = 2
-    elif f.bits != 3 and _phases(f, head_dim) > 1:
-        ph = 16 // f.bits
+    elif _phases(f, head_dim) > 1:
+        ph = 8 if f.bits == 3 else 16 // f.bits                         # 3-bit: half a group of 16 a lane
     else:
         return None
     if (head_dim // ph) % 32:
