@@ -647,6 +647,22 @@ def test_decode_by_warps_steps_without_barriers(name_k, name_v, dim, rows, warps
     assert resource_usage(compiled)["STACK"] == 0
 
 
+def test_the_tie_probe_reads_how_this_triton_coalesces():
+    """The warps kernel's loads are shaped by how Triton's coalescing orders equally contiguous
+    axes, read from a probe's compiled layout: first axis first under Triton 3.6 (the lent GPUs'),
+    last first under 3.9 (CI's), as their SASS showed (docs/gpu.md)."""
+    compiled_process()
+    import triton
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    from kvslim.gpu import _decode_warps_kernel
+    found = _decode_warps_kernel.first_axis_first()
+    version = tuple(int(n) for n in triton.__version__.split(".")[:2])
+    if version not in ((3, 6), (3, 9)):
+        pytest.skip(f"Triton {triton.__version__}: its order is read, not known here ({found})")
+    assert found == (version == (3, 6))
+    assert paged_prefill._ties_up() == found
+
+
 @pytest.mark.parametrize("dim", [128, 256])
 def test_f16_rows_load_16_bytes_at_a_time(dim):
     """f16 K/V rows are read by 16-byte loads (or 16-byte async copies into shared memory), as

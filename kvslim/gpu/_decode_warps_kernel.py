@@ -306,5 +306,28 @@ def paged_decode_warps(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
         tl.store(acc_out + part[:, None, None, None] * HEAD_DIM + d, out, mask=live)
 
 
+@triton.jit
+def _tie_probe(src, dst):
+    """A load whose two axes are equally (not) contiguous: the axis its layout gives lanes first
+    says how this Triton's coalescing orders ties (``first_axis_first``)."""
+    at = tl.arange(0, 32)[:, None] * 1024 + tl.arange(0, 32)[None, :] * 32768
+    tl.store(dst + at, tl.load(src + at))
+
+
+def first_axis_first() -> bool:
+    """Whether this Triton's coalescing gives lanes to the first of a load's equally contiguous
+    axes (Triton 3.6: TIES_UP) or the last (3.9), read from the layout it gives ``_tie_probe``
+    (compiled for sm_90, no GPU needed). ImportError where it cannot compile (no CUDA backend,
+    or this module interpreted)."""
+    import re
+
+    from . import compile_sm90
+    if INTERPRETED:
+        raise ImportError("interpreted kernels are not compiled")
+    ttgir = compile_sm90(_tie_probe, {"src": "*fp32", "dst": "*fp32"}, {}, num_warps=1).asm["ttgir"]
+    lanes = re.search(r"threadsPerWarp = \[(\d+), (\d+)\]", ttgir)
+    return int(lanes.group(1)) > int(lanes.group(2))
+
+
 INTERPRETED = not isinstance(paged_decode_warps, JITFunction)
 RUNNABLE = INTERPRETED == (not isinstance(tl.zeros, JITFunction))     # else tl.zeros & co. refuse to run

@@ -276,9 +276,14 @@ def _warps_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict, page_siz
 def _ties_up() -> bool:
     """Whether this Triton orders a load's equally contiguous axes first to last (3.6, the lent
     GPUs'), not last to first (3.9, this machine's): ``_decode_warps_kernel._load`` loads so that
-    either way its lanes and warps land where it sums. Measured on those two versions only."""
-    import triton
-    return tuple(int(n) for n in triton.__version__.split(".")[:2]) < (3, 9)
+    either way its lanes and warps land where it sums. Read from a probe's compiled layout
+    (``first_axis_first``, one small compile a process); where nothing compiles (the interpreter,
+    for which the order is moot), from the version: before 3.9 as 3.6."""
+    try:
+        return kernels("_decode_warps_kernel").first_axis_first()
+    except ImportError:
+        import triton
+        return tuple(int(n) for n in triton.__version__.split(".")[:2]) < (3, 9)
 
 
 def prefill_state(fmt_k, fmt_v, q_code: torch.Tensor, q_pos: torch.Tensor | None, k_pool: torch.Tensor,
