@@ -230,9 +230,13 @@ def _rows(pairs: list[str], depth: int, batch: int, args, copy: float) -> list[l
 # per SM, against 16.9 at 16 keys), 64 keys (12.4, 1 program), and 32 keys / 4 warps pipelined.
 # ``--dot`` given with ``--sweep`` keeps the settings of those products only. The fifth field:
 # PREFETCH (1: each block's pool rows read from the block table a block ahead; 2, session 43: its
-# codes too, loaded into registers a block ahead of their decoding).
+# codes too, loaded into registers a block ahead of their decoding). Session 44 added 2 warps, which
+# no lease has timed: at 8 rows and head_dim 256 with f16 products, sm_90 SASS (Triton 3.6) counts
+# 200 instructions a key and warp for turbo4/turbo4 (272 at 8 warps), 158 for turbo3 (246), 60 for
+# f16 (123), no spills, 4-6 programs an SM; a 2-warp program's barriers hold 2 warps, not 8.
 VARIANTS = [(16, 8, None, "ieee", False), (16, 4, None, "ieee", False), (16, 16, None, "ieee", False),
             (4, 8, None, "fma", False), (8, 8, None, "fma", False), (16, 8, None, "f16", False),
+            (16, 2, None, "f16", False), (32, 2, None, "f16", False), (16, 2, None, "f16", 2),
             (16, 4, None, "f16", False), (32, 4, None, "f16", False), (32, 8, None, "f16", False),
             (64, 8, None, "f16", False), (32, 4, 2, "f16", False), (16, 8, None, "f16", True),
             (32, 8, None, "f16", True), (16, 8, None, "f16", 2), (32, 8, None, "f16", 2), (64, 8, None, "f16", 2)]
