@@ -340,6 +340,9 @@ rerun() {
 # for a later lease. After this call, with the lease's last ~250 s: `llama` (the side-by-side).
 # The tests now include issue 18's parity matrix (every K and V of 7 formats x head_dim 64-256 x
 # GQA 1, 4, 8, decode and prefill: 294 tests, about 440 compiles), hence their 230 s.
+# Session 44: decode by warps (KERNEL "warps", untimed) in the decode table and first in the
+# sweep, turbo4 and turbo3 first there, the tile kernel at 2 warps in it too, and the model's
+# q8_0/turbo4 decoding by warps where time is left.
 #   run(command="bash benchmarks/gpu_session.sh followup", carry=[".whl"], timeout_s=580)
 followup() {
     deadline=$((SECONDS + ${BUDGET:-540}))
@@ -352,7 +355,7 @@ followup() {
     KVSLIM_TRITON=1 timeout -k 5 "$(left 190)" $PY benchmarks/gpu_model.py -d 0,32768,131072 -np 1,4 -n 8 \
         --profile 4 --pairs f16/f16,q8_0/turbo4,turbo3/turbo3 --attn-backend bf16 2>&1 | tee "$OUT/e2e.md" | tail -40
     KVSLIM_TRITON=1 timeout -k 5 "$(left 105)" $PY benchmarks/gpu_decode.py --sweep -d 131072 -b 8,1 -r 5 --dot f16 \
-        -p turbo4/turbo4,f16/f16,turbo3/turbo3,q8_0/turbo4 2>&1 | tee "$OUT/sweep.md" | tail -40
+        -p turbo4/turbo4,turbo3/turbo3,f16/f16,q8_0/turbo4 2>&1 | tee "$OUT/sweep.md" | tail -40
     # session 44's decode by warps in the model, where time is left (q8_0/turbo4: both sides it reads)
     KVSLIM_TRITON=1 timeout -k 5 "$(left 60)" $PY benchmarks/gpu_model.py -d 0,32768,131072 -np 1,4 -n 8 \
         --pairs q8_0/turbo4 --attn-backend bf16 --decode-warps 2>&1 | tee -a "$OUT/e2e.md" | tail -12
