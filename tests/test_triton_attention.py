@@ -343,6 +343,14 @@ def test_warps_settings_are_checked(tune, message):
         paged_prefill._launch_config(formats.get("turbo4"), formats.get("turbo4"), 8, 256, tune)
 
 
+def test_warps_decodes_only():
+    """A prompt's rows (q_pos given) are the tile kernel's: KERNEL "warps" says so before any launch."""
+    fmt_k, fmt_v, q, k_pool, v_pool, table, n_keys = _case("turbo4", "turbo4", 256, 8, [20], page_size=16)
+    q_pos = torch.arange(8, dtype=torch.int32)[None]
+    with pytest.raises(ValueError, match="KERNEL='warps' decodes"):
+        paged_prefill.prefill_state(fmt_k, fmt_v, q, q_pos, k_pool, v_pool, table, n_keys, tune={"KERNEL": "warps"})
+
+
 @pytest.mark.parametrize("name_k,name_v,dim,rows,why", [
     ("turbo3", "turbo4", 128, 8, "does not read turbo3 rows at head_dim 128"),
     ("turbo4", "turbo2", 128, 8, "does not read turbo2 rows at head_dim 128"),
