@@ -277,11 +277,12 @@ def _ties_up() -> bool:
     """Whether this Triton orders a load's equally contiguous axes first to last (3.6, the lent
     GPUs'), not last to first (3.9, this machine's): ``_decode_warps_kernel._load`` loads so that
     either way its lanes and warps land where it sums. Read from a probe's compiled layout
-    (``first_axis_first``, one small compile a process); where nothing compiles (the interpreter,
-    for which the order is moot), from the version: before 3.9 as 3.6."""
+    (``first_axis_first``, one small compile a process); where it does not compile (the
+    interpreter, for which the order is moot, or a toolchain that refuses it: the order only
+    moves time, never a result), from the version: before 3.9 as 3.6."""
     try:
         return kernels("_decode_warps_kernel").first_axis_first()
-    except ImportError:
+    except Exception:                   # noqa: BLE001 (any failure to probe: the version's order)
         import triton
         return tuple(int(n) for n in triton.__version__.split(".")[:2]) < (3, 9)
 
