@@ -245,7 +245,8 @@ SPLITS = (512,)
 # products are float32 FMAs): (num_warps, KP keys a warp a step, PREFETCH). sm_90 SASS (Triton 3.6),
 # turbo4/turbo4 at 8 rows and head_dim 256: one warp 555 instructions a key and warp (~410 when
 # its rescale is skipped), 209 registers, 9 programs per SM, with rows a step ahead 581 and 211;
-# two warps 571, 199, 5; two keys a warp a step 550 a key, 229 registers. The one-warp default also
+# two warps 571, 199, 5; two keys a warp a step 516 a key (1,032 a step, each key one FMA into the sums), 237
+# registers. The one-warp default also
 # over splits of 128 keys: at 128K x 1 its 512 programs of one warp fill under half of an H200's
 # ~1,200 slots (9 an SM), 2,048 fill them (4x the splits' states to merge).
 WARP_VARIANTS = [(1, 1, 1), (1, 1, 0), (2, 1, 1), (4, 1, 1), (1, 2, 1)]
