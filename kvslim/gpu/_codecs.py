@@ -392,3 +392,21 @@ def gated(out, gate_at, live, GATED: tl.constexpr):
     if GATED:
         out = sigmoid(tl.load(gate_at, mask=live, other=0.0).to(tl.float32)) * out
     return out
+
+
+@triton.jit
+def sequence_pages(lengths_ptr, slots_ptr, table_ptr, k_pool, v_pool, h, s, length_offset, table_stride, n_pages,
+                   k_row_bytes, v_row_bytes, PAGE_SIZE: tl.constexpr, BY_SLOT: tl.constexpr):
+    """Where a (KV head h, sequence s) program's keys are, for both attention kernels: the
+    sequence's length (lengths[s] + length_offset), its block-table row (row slots[s] of the
+    cache's table with BY_SLOT, else row s) and the head's K and V pools. Row offsets go in 32
+    bits from each head's 64-bit base (fewer registers), unless a head's pool reaches 2 GB (the
+    kernels' WIDE, set by the launcher)."""
+    length = tl.load(lengths_ptr + s).to(tl.int32) + length_offset
+    if BY_SLOT:
+        table_row = tl.load(slots_ptr + s).to(tl.int64)
+    else:
+        table_row = s.to(tl.int64)
+    k_head = k_pool + h.to(tl.int64) * n_pages * PAGE_SIZE * k_row_bytes
+    v_head = v_pool + h.to(tl.int64) * n_pages * PAGE_SIZE * v_row_bytes
+    return length, table_ptr + table_row * table_stride, k_head, v_head

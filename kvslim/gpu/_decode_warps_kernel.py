@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from ._codecs import gated, pool_rows, stored_as
+from ._codecs import gated, pool_rows, sequence_pages, stored_as
 
 
 @triton.jit
@@ -200,14 +200,9 @@ def paged_decode_warps(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
     s = tl.program_id(1)
     split = tl.program_id(2)
     head_seq = h.to(tl.int64) * n_seq + s
-    length = tl.load(lengths_ptr + s).to(tl.int32) + length_offset
-    if BY_SLOT:
-        table_row = tl.load(slots_ptr + s).to(tl.int64)
-    else:
-        table_row = s.to(tl.int64)
-    table_at = table_ptr + table_row * table_stride
-    k_head = k_pool + h.to(tl.int64) * n_pages * PAGE_SIZE * k_row_bytes
-    v_head = v_pool + h.to(tl.int64) * n_pages * PAGE_SIZE * v_row_bytes
+    length, table_at, k_head, v_head = sequence_pages(lengths_ptr, slots_ptr, table_ptr, k_pool, v_pool, h, s,
+                                                      length_offset, table_stride, n_pages, k_row_bytes,
+                                                      v_row_bytes, PAGE_SIZE, BY_SLOT)
 
     # q (BLOCK_M, K_B2, 1, NW, 32, K_PH) in K's unit order, one copy a warp
     r6 = tl.arange(0, BLOCK_M)[:, None, None, None, None, None]

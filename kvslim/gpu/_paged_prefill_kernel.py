@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from ._codecs import columns, decode_tile, fetch_tile, fetched_tile, gated, pool_rows, stored_as
+from ._codecs import (columns, decode_tile, fetch_tile, fetched_tile, gated, pool_rows, sequence_pages,
+                      stored_as)
 
 
 @triton.jit
@@ -70,27 +71,20 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
     q_at = q_ptr + h.to(tl.int64) * q_heads + s.to(tl.int64) * q_seqs
     q = tl.load(q_at + r[:, None] * q_rows + d_k[None, :],
                 mask=r_live[:, None] & (d_k < HEAD_DIM)[None, :], other=0.0).to(tl.float32) * q_scale
-    length = tl.load(lengths_ptr + s).to(tl.int32) + length_offset
-    if BY_SLOT:
-        table_row = tl.load(slots_ptr + s).to(tl.int64)
-    else:
-        table_row = s.to(tl.int64)
+    length, table_at, k_head, v_head = sequence_pages(lengths_ptr, slots_ptr, table_ptr, k_pool, v_pool, h, s,
+                                                      length_offset, table_stride, n_pages, k_row_bytes,
+                                                      v_row_bytes, PAGE_SIZE, BY_SLOT)
     if AT_END:                                                          # padding rows see nothing
         q_pos = tl.where(r_live, length - 1, -1)
     else:
         q_pos = tl.load(q_pos_ptr + s.to(tl.int64) * n_rows + r, mask=r_live, other=-1)
 
-    # row offsets in 32 bits from each head's 64-bit base (fewer registers), unless a head's pool
-    # reaches 2 GB (WIDE, set by the launcher)
-    k_head = k_pool + h.to(tl.int64) * n_pages * PAGE_SIZE * k_row_bytes
-    v_head = v_pool + h.to(tl.int64) * n_pages * PAGE_SIZE * v_row_bytes
     begin = split * split_keys
     n_keys = tl.minimum(length, tl.max(q_pos) + 1)                     # causal: none past the tile's last row
     end = tl.minimum(begin + split_keys, n_keys)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    table_at = table_ptr + table_row * table_stride
     if PREFETCH:                                                        # the first block's rows, before the loop
         slot_next = pool_rows(table_at, begin + tl.arange(0, BLOCK_N), end, PAGE_SIZE, WIDE)
     if PREFETCH == 2:       # and its codes; the second block's rows

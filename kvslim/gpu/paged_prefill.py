@@ -216,6 +216,7 @@ def _launch_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict | None =
     return config
 
 
+@lru_cache(maxsize=None)                  # per format, not per launch (a decode step's switch asks every step)
 def _warps_args(fmt, head_dim: int, prefix: str) -> dict | None:
     """A side's constexprs for ``_decode_warps_kernel``, or None where it cannot read the rows:
     f16 and bf16 values, q8_0's bytes, 4-, 3-, 2- and 1-bit codes in 2-byte units (``_phases``;
@@ -234,7 +235,7 @@ def _warps_args(fmt, head_dim: int, prefix: str) -> dict | None:
         return None
     if (head_dim // ph) % 32:
         return None
-    lookup = _lookup_mode(f, prefix, ph) if f.lut is not None else GATHER
+    lookup = _lookup_mode(f, prefix, ph)
     return {f"{prefix}_KIND": f.kind, f"{prefix}_BITS": f.bits, f"{prefix}_VALUES": f.block_values,
             f"{prefix}_BYTES": f.block_bytes, f"{prefix}_HEADER": f.header_bytes, f"{prefix}_OFFSET": f.offset_at,
             f"{prefix}_LOOKUP": lookup, f"{prefix}_PH": ph, f"{prefix}_B2": head_dim // ph // 32}
