@@ -144,31 +144,24 @@ def main(argv=None) -> int:
                              ["l", "l"] + ["r"] * 8 + ["l"]))
         return 0
     print(f"Triton {triton.__version__}, sm_90 cubins; {args.rows} query rows, head_dim {args.head_dim}\n")
+    # (the row's first cells, the launch's tune): decode by warps' launches, then the tile kernel's
+    settings = [([pair, "warps", "", warps, "", "fma", f"KP {keys}" + (", rows" if ahead else "")],
+                 {"KERNEL": "warps", "num_warps": warps, "KP": keys, "PREFETCH": ahead})
+                for warps, keys, ahead in (WARP_VARIANTS if args.warps else ()) for pair in args.pairs.split(",")]
+    settings += [([pair, codecs, block_n, warps, stages or "", dot, {True: "rows", 2: "codes"}.get(prefetch, "")],
+                  {"BLOCK_N": block_n, "num_warps": warps, "DOT": dot, "CODECS": codecs, "PREFETCH": prefetch,
+                   **({"num_stages": stages} if stages else {})})
+                 for block_n, warps, stages, dot, prefetch in VARIANTS[:args.variants]
+                 for pair in args.pairs.split(",") for codecs in args.codecs.split(",")]
     rows = []
-    for warps, keys, ahead in WARP_VARIANTS if args.warps else ():     # decode by warps (KERNEL "warps")
-        for pair in args.pairs.split(","):
-            cells = [pair, "warps", "", warps, "", "fma", f"KP {keys}" + (", rows" if ahead else "")]
-            try:
-                u = usage(*pair.split("/"), args.rows, args.head_dim,
-                          {"KERNEL": "warps", "num_warps": warps, "KP": keys, "PREFETCH": ahead})
-            except Exception as exc:                                    # a pair it does not read
-                rows.append(cells + [""] * 6 + [f"{type(exc).__name__}: {exc}"[:70]])
-                continue
-            rows.append(cells + [u["regs"], u["stack"], f"{u['shared'] // 1024} KB", u["per_sm"], u["loop"],
-                                 u["loads"], _top_ops(u, args.ops)])
-    for block_n, warps, stages, dot, prefetch in VARIANTS[:args.variants]:
-        for pair in args.pairs.split(","):
-            for codecs in args.codecs.split(","):
-                tune = {"BLOCK_N": block_n, "num_warps": warps, "DOT": dot, "CODECS": codecs, "PREFETCH": prefetch,
-                        **({"num_stages": stages} if stages else {})}
-                cells = [pair, codecs, block_n, warps, stages or "", dot, {True: "rows", 2: "codes"}.get(prefetch, "")]
-                try:
-                    u = usage(*pair.split("/"), args.rows, args.head_dim, tune)
-                except Exception as exc:                                # a setting that does not compile
-                    rows.append(cells + [""] * 6 + [type(exc).__name__])
-                    continue
-                rows.append(cells + [u["regs"], u["stack"], f"{u['shared'] // 1024} KB", u["per_sm"], u["loop"],
-                                     u["loads"], _top_ops(u, args.ops)])
+    for cells, tune in settings:
+        try:
+            u = usage(*cells[0].split("/"), args.rows, args.head_dim, tune)
+        except Exception as exc:                                        # a setting that does not compile or read
+            rows.append(cells + [""] * 6 + [f"{type(exc).__name__}: {exc}"[:70]])
+            continue
+        rows.append(cells + [u["regs"], u["stack"], f"{u['shared'] // 1024} KB", u["per_sm"], u["loop"],
+                             u["loads"], _top_ops(u, args.ops)])
     print(markdown_table(["K/V", "codes", "BLOCK_N", "warps", "stages", "dot", "prefetch", "registers", "stack B",
                           "shared", "programs / SM", "loop instr.", "loop loads", "error / ops"], rows,
                          ["l", "l"] + ["r"] * 11 + ["l"]))
