@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_decode.py [-d 32768,131072] [-b 1,8] [-p pairs] [-r 20] [--no-loop] [--sweep]
                                     [--codecs units,per-value] [--dot ieee,f16] [--kernels tiles,warps]
+                                    [--tuned-out FILE] [--jobs N]
 
 One attention layer shaped like Qwen3.6-35B-A3B's (2 KV heads, 8 query heads each, head_dim
 256), pages of 16 keys handed out shuffled, every sequence at the same depth. For each K/V
@@ -20,8 +21,13 @@ On a GPU each step is timed twice: launched from Python ("eager ms": the host's 
 included, which at 32K take longer than the kernels) and replayed from a CUDA graph ("ms": the
 GPU's time, as the engine's decode step runs in graphs); ratios and bandwidth use the graph's.
 ``--sweep`` times the kernel's launch settings (``paged_prefill.TUNABLE``: keys per block,
-warps, pipelining stages, the dots' precision, how codes are read) and keys per split against one another, each with
-its largest difference from the torch loop's output on the same inputs, to pick defaults from.
+warps, pipelining stages, the dots' precision, how codes are read; decode by warps with
+``--kernels`` warps) and keys per split against one another, each with its largest difference
+from the torch loop's output on the same inputs. ``--tuned-out FILE`` writes each pair's fastest
+launch per attention backend into FILE where it beat the backend's default (``kvslim.gpu.tuned``:
+committed as ``kvslim/gpu/tuned/<device>.json``, decode steps on that device take it);
+``--jobs N`` first compiles the sweep's launches in N processes (Triton's disk cache): each
+takes about a second of one core (sm_90 here), and a sweep of four pairs has about two hundred.
 The bandwidth columns count the bytes of K/V the step must read (packed for the kernel, f16 for
 SDPA) over its time, beside a device-to-device copy measured in the same run (bytes read and
 written over time, as FACTS.md quotes it). Figures, not a test: parity is
@@ -33,6 +39,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,6 +52,7 @@ from kvslim import formats  # noqa: E402
 from kvslim.cache import attention  # noqa: E402
 from kvslim.gpu import paged_decode as gpu  # noqa: E402
 from kvslim.gpu import paged_prefill as gpu_prefill  # noqa: E402
+from kvslim.gpu import tuned as gpu_tuned  # noqa: E402
 from kvslim.tables import markdown_table  # noqa: E402
 
 N_KV, GROUP, HEAD_DIM, PAGE = 2, 8, 256, 16
@@ -261,47 +269,127 @@ def _prefetch_cell(prefetch, codecs: str) -> str:
     return {True: "rows", 2: "codes"}.get(prefetch, "")
 
 
-def _sweep_rows(pairs: list[str], depth: int, batch: int, args, copy: float) -> None:
-    """Every VARIANT x SPLITS of the kernel at one depth and batch, per pair, printed as a table
-    row each: graph time, bandwidth and the largest difference from the torch loop's normalised
-    output on the same inputs."""
+def _settings(args) -> list[tuple[tuple, dict, tuple]]:
+    """The sweep's launches, in its order: (table cells: BLOCK_N, warps, stages, dot, prefetch,
+    codes; the launch's tune; its keys per split). With ``--kernels`` warps, decode by warps
+    first; with tiles, every VARIANT of ``--dot``'s products with codes two bytes a load, then the
+    first of them also as session 31 read codes (a load per value)."""
+    kernels = args.kernels.split(",")
+    variants = [v for v in VARIANTS if (args.dot is None or v[3] in args.dot.split(",")) and "tiles" in kernels]
+    settings = [(("", w, "", "fma", _prefetch_cell((kp, pf), "warps"), "warps"),
+                 {"KERNEL": "warps", "num_warps": w, "KP": kp, "PREFETCH": pf}, WARP_SPLITS.get((w, kp, pf), SPLITS))
+                for w, kp, pf in WARP_VARIANTS if "warps" in kernels]
+    for (block_n, warps, stages, dot, prefetch), codecs in ([(v, "units") for v in variants]
+                                                            + [(v, "per-value") for v in variants[:1]]):
+        tune = {"BLOCK_N": block_n, "num_warps": warps, "DOT": dot, "CODECS": codecs, "PREFETCH": prefetch,
+                **({"num_stages": stages} if stages else {})}
+        settings.append(((block_n, warps, stages or "", dot, _prefetch_cell(prefetch, codecs), codecs), tune, SPLITS))
+    return settings
+
+
+def _sweep_rows(pairs: list[str], depth: int, batch: int, args, copy: float, trials: dict) -> None:
+    """Every setting x its splits at one depth and batch, per pair, printed as a table row each:
+    graph time, bandwidth and the largest difference from the torch loop's normalised output on
+    the same inputs. Each launch that ran goes into ``trials[pair]``: [tune, split, ms by
+    "depth x batch", largest difference over the output's largest |value|] (``gpu.tuned.best``'s)."""
     def emit(*cells):
         print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)
     step, _, backend = sdpa_f16(depth, batch, args.device)
     base = _step_ms(step, args.runs, args.device)[1]                 # the ratios' baseline, this run's
     emit(f"sdpa f16 ({backend})", depth, batch, "", "", "", "", "", "", "", f"{base:.3f}", "1.00", "", "", "")
     del step
-    variants = [v for v in VARIANTS if args.dot is None or v[3] in args.dot.split(",")]
     for pair in pairs:
         inputs = _inputs(*pair.split("/"), depth, batch, args.device)
         fmt_v, k_pool, v_pool = inputs[1], inputs[3], inputs[4]
         read = batch * depth * N_KV * (k_pool.shape[3] + v_pool.shape[3])
         want = fmt_v.from_code_domain(loop_step(*inputs)().result())
-        # every setting reads codes two bytes a load; the default's also as session 31 did (a load per value)
-        settings = ([("", w, "", "fma", (kp, pf), "warps") for w, kp, pf in WARP_VARIANTS]
-                    + [(*v, "units") for v in variants] + [(*variants[0], "per-value")])
-        for block_n, warps, stages, dot, prefetch, codecs in settings:
-            splits = WARP_SPLITS.get((warps, *prefetch), SPLITS) if codecs == "warps" else SPLITS
-            if codecs == "warps":       # the prefetch column holds KP, keys a warp a step, and PREFETCH
-                tune = {"KERNEL": "warps", "num_warps": warps, "KP": prefetch[0], "PREFETCH": prefetch[1]}
-            else:
-                tune = {"BLOCK_N": block_n, "num_warps": warps, "DOT": dot, "CODECS": codecs, "PREFETCH": prefetch,
-                        **({"num_stages": stages} if stages else {})}
+        largest = want.abs().max().item() or 1.0
+        for cells, tune, splits in _settings(args):
             for split in splits:
                 step = packed_step(*inputs, split, tune)
                 try:
                     err = (step() - want).abs().max().item()
                     ms = _graph_ms(step, args.runs) if args.device.startswith("cuda") else _median_ms(step, 1, "cpu")
                 except Exception as exc:                             # a setting that does not compile or fit
-                    emit(pair, depth, batch, block_n, warps, stages or "", dot, _prefetch_cell(prefetch, codecs), codecs,
-                         split, "", "", "", "", f"{type(exc).__name__}: {str(exc).splitlines()[0][:60]}")
+                    emit(pair, depth, batch, *cells, split, "", "", "", "",
+                         f"{type(exc).__name__}: {str(exc).splitlines()[0][:60]}")
                     continue
-                emit(pair, depth, batch, block_n, warps, stages or "", dot, _prefetch_cell(prefetch, codecs), codecs, split,
-                     f"{ms:.3f}", f"{ms / base:.2f}", f"{read / ms / 1e6:.0f}", f"{100 * read / ms / 1e6 / copy:.0f}%",
-                     f"{err:.1e}")
+                emit(pair, depth, batch, *cells, split, f"{ms:.3f}", f"{ms / base:.2f}", f"{read / ms / 1e6:.0f}",
+                     f"{100 * read / ms / 1e6 / copy:.0f}%", f"{err:.1e}")
+                trial = trials.setdefault(pair, {}).setdefault((repr(sorted(tune.items())), split), [tune, split, {}, 0.0])
+                trial[2][f"{depth}x{batch}"] = ms
+                trial[3] = max(trial[3], err / largest)
         del inputs, k_pool, v_pool
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
+        if args.tuned_out:
+            _save_tuned(args, pair, trials[pair])
+
+
+def _save_tuned(args, pair: str, trials: dict) -> None:
+    """The pair's fastest launch per attention backend, where it beat the backend's default, into
+    ``--tuned-out`` (``gpu.tuned``): written after each pair, so a sweep cut short keeps its choices."""
+    fmt_k, fmt_v = formats.get(pair.split("/")[0], role="k"), formats.get(pair.split("/")[1], role="v")
+    listed, entries = list(trials.values()), []
+    for backend, tune in gpu_tuned.BACKENDS.items():
+        default = next((i for i, t in enumerate(listed) if gpu_tuned.same_launch(
+            fmt_k, fmt_v, HEAD_DIM, GROUP, (t[0], t[1]), (tune, gpu.SPLIT_KEYS))), None)
+        choice = None if default is None else gpu_tuned.best(listed, default, backend)
+        if choice:
+            entries.append(gpu_tuned.Entry(fmt_k.name, fmt_v.name, HEAD_DIM, GROUP, backend, *choice))
+        ms = lambda times: ", ".join(f"{p} {t:.3f}" for p, t in times.items())   # noqa: E731
+        print(f"tuned {pair} ({backend} backend): " + ("its default launch was not timed" if default is None else
+              f"{choice[0]}, {choice[1]} keys a split: {ms(choice[2])} ms against {ms(choice[3])}" if choice else
+              "the default launch is the fastest"), file=sys.stderr, flush=True)
+    gpu_tuned.save(args.tuned_out, entries, _device_name(args.device), "benchmarks/gpu_decode.py " + " ".join(args.argv))
+
+
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu (interpreter)"
+
+
+def _warm_tasks(args) -> list[tuple[str, int, int, int, int]]:
+    """Every launch the sweep will compile, in its order: (pair, depth, batch, setting, split)."""
+    return [(pair, int(d), int(b), i, split) for d in args.depths.split(",") for b in args.batches.split(",")
+            for pair in args.pairs.split(",") for i, (_, _, splits) in enumerate(_settings(args)) for split in splits]
+
+
+def _warm(args, shard: str) -> None:
+    """One of ``--jobs`` processes: its share of the sweep's launches run once each, which compiles
+    them into Triton's on-disk cache; the sweep then loads them from it. The share is contiguous,
+    so a process makes a pair's inputs once or twice; failures are the sweep's to report."""
+    index, n = (int(x) for x in shard.split("/"))
+    tasks = _warm_tasks(args)
+    settings, held = _settings(args), (None, None)
+    for pair, depth, batch, i, split in tasks[len(tasks) * index // n:len(tasks) * (index + 1) // n]:
+        if held[0] != (pair, depth, batch):
+            held = (None, None)                                      # the last inputs freed first
+            held = ((pair, depth, batch), _inputs(*pair.split("/"), depth, batch, args.device))
+        try:
+            packed_step(*held[1], split, settings[i][1])()
+        except Exception:                   # noqa: BLE001 (the sweep runs it again and reports it)
+            pass
+    if args.device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _warm_in_parallel(args) -> None:
+    """Compile the sweep's launches in ``--jobs`` processes at once (one compile takes about a
+    second of one CPU core, and a sweep has hundreds; a lease's machine has 16 cores), for at
+    most ``--warm-timeout`` seconds; whatever they did not reach, the sweep compiles itself."""
+    t0, procs = time.perf_counter(), []
+    for i in range(args.jobs):
+        procs.append(subprocess.Popen([sys.executable, __file__, *args.argv, "--warm", f"{i}/{args.jobs}"],
+                                      stdout=subprocess.DEVNULL))
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, t0 + args.warm_timeout - time.perf_counter()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    codes = [proc.returncode for proc in procs]
+    print(f"warmed {len(_warm_tasks(args))} launches in {args.jobs} processes, {time.perf_counter() - t0:.0f} s "
+          f"(exit codes {sorted(set(codes))})", file=sys.stderr, flush=True)
 
 
 def main(argv=None) -> None:
@@ -318,25 +406,43 @@ def main(argv=None) -> None:
                              "(session 31's reading, for side-by-sides)")
     parser.add_argument("--kernels", default="tiles",
                         help="tiles (the default), warps (decode by warps), or both, comma-separated")
+    parser.add_argument("--tuned-out", default=None, metavar="FILE",
+                        help="with --sweep: each pair's fastest launch per attention backend, where it beat the "
+                             "default, into FILE (kvslim.gpu.tuned; KVSLIM_DECODE_TUNED=FILE serves it)")
+    parser.add_argument("-j", "--jobs", type=int, default=0,
+                        help="with --sweep: compile its launches in N processes first (Triton's disk cache)")
+    parser.add_argument("--warm-timeout", type=float, default=120.0, help="with --jobs: seconds they may take")
+    parser.add_argument("--warm", default=None, help=argparse.SUPPRESS)   # i/N: one of --jobs' processes
     parser.add_argument("--dot", default=None,
                         help="the kernel's products, comma-separated (paged_prefill.DOTS): ieee (the table's "
                              "default), f16 (the bf16 attention backend's); with --sweep, the settings of these")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    args.argv = argv
     for flag, given, valid in (("--codecs", args.codecs, gpu_prefill.CODECS),
                                ("--dot", args.dot or "ieee", gpu_prefill.DOTS), ("--kernels", args.kernels, ("tiles", "warps"))):
         if set(given.split(",")) - set(valid):
             parser.error(f"{flag} {given}: each of {', '.join(valid)}")
+    if (args.tuned_out or args.jobs) and not args.sweep:
+        parser.error("--tuned-out and --jobs go with --sweep")
     check_device(args.device)
+    if args.warm:
+        return _warm(args, args.warm)
     copy = copy_gbps(args.device, mib=1024 if args.device.startswith("cuda") else 16)
-    name = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu (interpreter)"
+    name = _device_name(args.device)
     print(f"{name}: device-to-device copy {copy:.0f} GB/s (read + written); median of {args.runs}\n")
     if args.sweep:                      # rows as they come (unaligned): a run cut short keeps its rows
         print("| K/V | depth | batch | BLOCK_N | warps | stages | dot | prefetch | codes | split | ms | x sdpa f16 "
               "| GB/s read | of copy | max diff |")
         print("|---|" + "---:|" * 14, flush=True)
+        if args.jobs > 1:
+            _warm_in_parallel(args)
+        trials = {}
         for d in args.depths.split(","):
             for b in args.batches.split(","):
-                _sweep_rows(args.pairs.split(","), int(d), int(b), args, copy)
+                _sweep_rows(args.pairs.split(","), int(d), int(b), args, copy, trials)
+        if args.tuned_out:
+            print(f"\ntuned launches: {args.tuned_out} ({len(gpu_tuned.load(args.tuned_out))} entries)")
         return
     rows = [row for d in args.depths.split(",") for b in args.batches.split(",")
             for row in _rows(args.pairs.split(","), int(d), int(b), args, copy)]

@@ -37,6 +37,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_decode import copy_gbps  # noqa: E402
+import kvslim.gpu  # noqa: E402
+from kvslim import formats  # noqa: E402
 from kvslim import weights as W  # noqa: E402
 from kvslim.cache import CacheConfig, KVCache, RecurrentStateCache  # noqa: E402
 from kvslim.cache.backends import backend_names  # noqa: E402
@@ -44,6 +46,8 @@ from kvslim.devices import synchronize  # noqa: E402
 from kvslim.gpu import delta_step as gpu_delta_step  # noqa: E402
 from kvslim.gpu import moe as gpu_moe  # noqa: E402
 from kvslim.gpu import paged_decode as gpu_paged_decode  # noqa: E402
+from kvslim.gpu import paged_prefill as gpu_prefill  # noqa: E402
+from kvslim.gpu import tuned as gpu_tuned  # noqa: E402
 from kvslim.gpu import quant_matmul as gpu_weights  # noqa: E402
 from kvslim.engine.decode_step import DecodeStep  # noqa: E402
 from kvslim.loading.instantiate import instantiate, quantizable  # noqa: E402
@@ -255,6 +259,22 @@ def run_pair(model, config, plan_model, pair: str, n_slots: int, args, gen, band
     return speed, memory
 
 
+def decode_launch(config, pair: str, args) -> str:
+    """What the decode steps' attention launches for a pair with the kernels on: a tuned file's
+    entry (``gpu.tuned``: KVSLIM_DECODE_TUNED, or the device's packaged file), the backend's
+    default, or decode by warps (the switch)."""
+    if not kvslim.gpu.TRITON:
+        return "the torch block loop (the kernels are off: KVSLIM_TRITON=1 turns them on)"
+    fmt_k, fmt_v = (formats.get(name, role=role) for name, role in zip(pair.split("/"), "kv"))
+    rows = config.num_attention_heads // config.num_key_value_heads
+    if gpu_paged_decode.DECODE_BY_WARPS and gpu_prefill.reads_by_warps(fmt_k, fmt_v, config.head_dim, rows):
+        return "decode by warps (the switch)"
+    backend = "bf16" if args.attn_backend == "bf16" else "f32"
+    tune, split = gpu_tuned.decode_launch(fmt_k, fmt_v, config.head_dim, rows, backend, torch.device(args.device))
+    default = (tune, split) == (gpu_tuned.BACKENDS[backend], gpu_prefill.SPLIT_KEYS)
+    return f"{'the ' + backend + ' backend default' if default else 'tuned'}: {tune}, {split} keys a split"
+
+
 def mib(n: int) -> str:
     return f"{n / 2**20:,.0f}"
 
@@ -343,6 +363,7 @@ def main(argv=None) -> int:
     speed, memory = [], []
     with torch.inference_mode():
         for pair in args.pairs.split(","):
+            print(f"{pair}: decode attention's launch {decode_launch(config, pair, args)}", flush=True)
             for n_slots in (int(n) for n in args.parallel.split(",")):
                 rows, mem = run_pair(model, config, plan_model, pair, n_slots, args, gen, bandwidth)
                 speed += rows

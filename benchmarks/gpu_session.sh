@@ -340,25 +340,31 @@ rerun() {
 # for a later lease. After this call, with the lease's last ~250 s: `llama` (the side-by-side).
 # The tests now include issue 18's parity matrix (every K and V of 7 formats x head_dim 64-256 x
 # GQA 1, 4, 8, decode and prefill: 294 tests, about 440 compiles), hence their 230 s.
-# Session 44: decode by warps (KERNEL "warps", untimed) in the decode table and first in the
-# sweep, turbo4 and turbo3 first there, the tile kernel at 2 warps in it too, and the model's
-# q8_0/turbo4 decoding by warps where time is left.
+# Session 44: decode by warps (KERNEL "warps", untimed) and the tile kernel at 2 warps in the sweep.
+# Session 45 reordered the call around the sweep, which now writes what it finds: its launches are
+# compiled first by 15 processes at once (`--jobs`: one compile takes about a core-second, and the
+# sweep has ~170), then timed; each pair's fastest launch that beat the bf16 backend's default
+# goes into $OUT/decode-tuned.json (kvslim.gpu.tuned), which the model's decode steps then take
+# (KVSLIM_DECODE_TUNED) at depth 0, 32K and 128K with turbo3 first (never run end to end). The
+# kernels-on CUDA tests, the parity matrix among them, take what is left, then the decode table.
+# Bring decode-tuned.json back to kvslim/gpu/tuned/<device>.json (tuned.file_for names it).
 #   run(command="bash benchmarks/gpu_session.sh followup", carry=[".whl"], timeout_s=580)
 followup() {
     deadline=$((SECONDS + ${BUDGET:-540}))
     setup || exit 1
+    # rows print as they come: a run cut by its time still leaves the pairs it reached
+    KVSLIM_TRITON=1 timeout -k 5 "$(left 160)" $PY benchmarks/gpu_decode.py --sweep -d 131072 -b 8,1 -r 5 --dot f16 \
+        --kernels warps,tiles -p turbo4/turbo4,turbo3/turbo3,q8_0/turbo4,f16/f16 --jobs 15 --warm-timeout 60 \
+        --tuned-out "$OUT/decode-tuned.json" 2>&1 | tee "$OUT/sweep.md" | tail -30
+    local tuned=0
+    [ -s "$OUT/decode-tuned.json" ] && tuned=$OUT/decode-tuned.json
+    KVSLIM_DECODE_TUNED=$tuned KVSLIM_TRITON=1 timeout -k 5 "$(left 190)" $PY benchmarks/gpu_model.py \
+        -d 0,32768,131072 -np 1,4 -n 8 --profile 4 --pairs turbo3/turbo3,q8_0/turbo4,f16/f16 --attn-backend bf16 \
+        2>&1 | tee "$OUT/e2e.md" | tail -40
     # shellcheck disable=SC2086
     KVSLIM_TRITON=1 timeout -k 5 "$(left 230)" $PY $PYTEST -rfE -n 14 --timeout 150 -p no:benchmark $KERNEL_TESTS \
         $MODEL_TESTS -k "cuda or fla or h100" 2>&1 | tee "$OUT/tests-triton.log" | tail -25
     decode_table 50 tiles,warps
-    # rows print as they come: a run cut by its time still leaves the pairs it reached
-    KVSLIM_TRITON=1 timeout -k 5 "$(left 190)" $PY benchmarks/gpu_model.py -d 0,32768,131072 -np 1,4 -n 8 \
-        --profile 4 --pairs f16/f16,q8_0/turbo4,turbo3/turbo3 --attn-backend bf16 2>&1 | tee "$OUT/e2e.md" | tail -40
-    KVSLIM_TRITON=1 timeout -k 5 "$(left 105)" $PY benchmarks/gpu_decode.py --sweep -d 131072 -b 8,1 -r 5 --dot f16 \
-        -p turbo4/turbo4,turbo3/turbo3,f16/f16,q8_0/turbo4 2>&1 | tee "$OUT/sweep.md" | tail -40
-    # session 44's decode by warps in the model, where time is left (q8_0/turbo4: both sides it reads)
-    KVSLIM_TRITON=1 timeout -k 5 "$(left 60)" $PY benchmarks/gpu_model.py -d 0,32768,131072 -np 1,4 -n 8 \
-        --pairs q8_0/turbo4 --attn-backend bf16 --decode-warps 2>&1 | tee -a "$OUT/e2e.md" | tail -12
     echo "followup: $SECONDS s"
 }
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -62,7 +63,6 @@ def test_gpu_model_benchmark_dry_run_holds_what_the_planner_predicts(capsys):
     35B-A3B-shaped model holds the weight bytes `kvslim plan` predicts for a q4_0 file, its
     caches the KV + state bytes, and every test row comes out."""
     import importlib.util
-    import re
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_model.py"
     spec = importlib.util.spec_from_file_location("gpu_model", path)
@@ -113,6 +113,27 @@ def test_gpu_benchmark_dry_runs_reach_their_tables(script, args, rows):
     body = [line for line in lines if line.startswith("| ")]
     separators = [line for line in lines if line.startswith("|-") or line.startswith("|:")]
     assert separators and len(body) - len(separators) == rows, done.stdout     # one header line a table
+
+
+def test_the_decode_sweep_compiles_in_processes_and_writes_its_choices(tmp_path):
+    """gpu_decode.py --sweep --jobs 2 --tuned-out: two processes run its launches first (Triton's
+    disk cache on a GPU), then the sweep times them all and writes a file ``gpu.tuned`` loads,
+    with the float32 backend's default timed (so its choice is made, whichever it is) and not
+    the bf16 backend's (so none is)."""
+    from kvslim.gpu import tuned
+    out = tmp_path / "tuned.json"
+    done = _gpu_script("gpu_decode.py", ["--sweep", "-d", "16", "-b", "1", "-r", "1", "-p", "q8_0/turbo4", "--dot",
+                                         "ieee,fma", "--kernels", "tiles", "--jobs", "2", "--tuned-out", str(out)],
+                       interpret=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| q8_0/turbo4 | 16 | 1 |")]
+    assert len(rows) == 6 and all(re.search(r"\| [\d.]+e-\d+ \|$", row) for row in rows), done.stdout
+    assert "warmed 6 launches in 2 processes" in done.stderr and "exit codes [0]" in done.stderr, done.stderr
+    assert "tuned q8_0/turbo4 (bf16 backend): its default launch was not timed" in done.stderr
+    chose = r"the default launch is the fastest|\{.*\}, \d+ keys a split: 16x1 [\d.]+ ms against 16x1 [\d.]+$"
+    assert re.search(rf"tuned q8_0/turbo4 \(f32 backend\): ({chose})", done.stderr, re.M), done.stderr
+    assert all(e.backend == "f32" and tuned.float32_products(e.tune) for e in tuned.load(out).values())
+    assert f"tuned launches: {out}" in done.stdout
 
 
 def test_gpu_benchmarks_refuse_the_cpu_without_the_interpreter():

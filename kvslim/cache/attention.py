@@ -25,6 +25,7 @@ from ..devices import to_device
 from ..gpu import paged_decode as gpu_decode
 from ..gpu import paged_prefill as gpu_prefill
 from ..gpu import rotation as gpu_rotation
+from ..gpu import tuned as gpu_tuned
 from ..gpu.swiglu import gated
 from ..native import paged_attention as native
 from ..native import prefill_attention as native_prefill
@@ -33,8 +34,9 @@ from ..native import prefill_attention as native_prefill
 # ``dot`` -> the GPU kernels' launch overrides: "bf16" (the bf16 backend) takes their products on
 # tensor cores with f16 operands and float32 sums, as llama.cpp's and vLLM's kernels do (f16 keeps
 # 11 significant bits, more than bf16's 8; session 31's H200 sweep: f16/f16 decode at 131K 1.9x
-# faster than the float32 products, turbo4 1.1-1.2x); "f32" keeps float32 products (FMAs).
-KERNEL_DOTS = {"f32": None, "bf16": {"DOT": "f16"}}
+# faster than the float32 products, turbo4 1.1-1.2x); "f32" keeps float32 products (FMAs). A decode
+# step's launch may come from a lease's sweep instead (``gpu.tuned``), with products no less precise.
+KERNEL_DOTS = gpu_tuned.BACKENDS
 BLOCK_BUDGET_BYTES = 32 << 20   # float32 bytes one block may hold (decoded K and V, scores)
 MAX_BLOCK_TOKENS = 4096
 
@@ -151,8 +153,9 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ta
     fmt_k, fmt_v = _op_format(type_k, "k"), _op_format(type_v, "v")
     n_kv = k_pool.shape[0]
     if gpu.TRITON and gpu_decode.serves_step(fmt_k, fmt_v, q, n_kv):
+        tune, split = gpu_tuned.decode_launch(fmt_k, fmt_v, q.shape[-1], q.shape[1] // n_kv, dot, q.device)
         return gpu_decode.step_output(fmt_k, fmt_v, q, scale, k_pool, v_pool, table, slots, positions,
-                                      tune=KERNEL_DOTS[dot], gate=gate)
+                                      split_keys=split, tune=tune, gate=gate)
     out = _paged_decode_torch(fmt_k, fmt_v, q, k_pool, v_pool, table, slots, positions, scale, dot)
     return out if gate is None else gated(out, gate)
 
