@@ -249,6 +249,11 @@ VARIANTS = [(16, 8, None, "ieee", False), (16, 4, None, "ieee", False), (16, 16,
             (64, 8, None, "f16", False), (32, 4, 2, "f16", False), (16, 8, None, "f16", True),
             (32, 8, None, "f16", True), (16, 8, None, "f16", 2), (32, 8, None, "f16", 2), (64, 8, None, "f16", 2)]
 SPLITS = (512,)
+# Session 45 put a group of codes' values side by side in the tile (COLUMNS "adjacent", the default):
+# sm_90 SASS (Triton 3.6), turbo4/turbo4 with f16 products 543 -> 503 instructions a block at 8 warps,
+# 1,597 -> 1,457 at 2 (254 -> 187 registers, 5 programs an SM, not 4), float32 products 1,273 -> 1,075
+# (80 -> 99 registers: 2 programs an SM, not 3). These launches also as before ("strided"), to time both.
+STRIDED = [(16, 8, None, "f16", False), (16, 2, None, "f16", False), (16, 8, None, "ieee", False)]
 # Decode by warps (session 44: KERNEL "warps"), timed first for each pair whatever ``--dot`` says (its
 # products are float32 FMAs): (num_warps, KP keys a warp a step, PREFETCH). sm_90 SASS (Triton 3.6),
 # turbo4/turbo4 at 8 rows and head_dim 256: one warp 555 instructions a key and warp (~410 when
@@ -273,16 +278,20 @@ def _settings(args) -> list[tuple[tuple, dict, tuple]]:
     """The sweep's launches, in its order: (table cells: BLOCK_N, warps, stages, dot, prefetch,
     codes; the launch's tune; its keys per split). With ``--kernels`` warps, decode by warps
     first; with tiles, every VARIANT of ``--dot``'s products with codes two bytes a load, then the
-    first of them also as session 31 read codes (a load per value)."""
+    first of them also as session 31 read codes (a load per value), then the STRIDED launches with
+    a group's codes W columns apart (the codes column says "strided")."""
     kernels = args.kernels.split(",")
     variants = [v for v in VARIANTS if (args.dot is None or v[3] in args.dot.split(",")) and "tiles" in kernels]
     settings = [(("", w, "", "fma", _prefetch_cell((kp, pf), "warps"), "warps"),
                  {"KERNEL": "warps", "num_warps": w, "KP": kp, "PREFETCH": pf}, WARP_SPLITS.get((w, kp, pf), SPLITS))
                 for w, kp, pf in WARP_VARIANTS if "warps" in kernels]
+    strided = [v for v in STRIDED if (args.dot is None or v[3] in args.dot.split(",")) and "tiles" in kernels]
     for (block_n, warps, stages, dot, prefetch), codecs in ([(v, "units") for v in variants]
-                                                            + [(v, "per-value") for v in variants[:1]]):
-        tune = {"BLOCK_N": block_n, "num_warps": warps, "DOT": dot, "CODECS": codecs, "PREFETCH": prefetch,
-                **({"num_stages": stages} if stages else {})}
+                                                            + [(v, "per-value") for v in variants[:1]]
+                                                            + [(v, "strided") for v in strided]):
+        tune = {"BLOCK_N": block_n, "num_warps": warps, "DOT": dot, "CODECS": "units" if codecs == "strided" else codecs,
+                "PREFETCH": prefetch, **({"num_stages": stages} if stages else {}),
+                **({"COLUMNS": "strided"} if codecs == "strided" else {})}
         settings.append(((block_n, warps, stages or "", dot, _prefetch_cell(prefetch, codecs), codecs), tune, SPLITS))
     return settings
 

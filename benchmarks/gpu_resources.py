@@ -115,6 +115,9 @@ def main(argv=None) -> int:
                     help="also decode by warps' launches (gpu_decode.WARP_VARIANTS; 'loop' is then a step of KP keys "
                          "a warp, counting the one-warp launch's rescale, which most steps skip)")
     ap.add_argument("--codecs", default="units", help="how codes are read: units (the default), per-value (session 31's), or both")
+    ap.add_argument("--columns", default="adjacent",
+                    help="where a group of codes goes in the tile (paged_prefill.COLUMNS): adjacent (the default), "
+                         "strided (sessions 32-44), or both")
     ap.add_argument("--ops", type=int, default=0, metavar="N",
                     help="also each row's N commonest opcodes in the loop (where a step's instructions go)")
     ap.add_argument("--gemm", default=None, metavar="TYPES",
@@ -148,11 +151,13 @@ def main(argv=None) -> int:
     settings = [([pair, "warps", "", warps, "", "fma", f"KP {keys}" + (", rows" if ahead else "")],
                  {"KERNEL": "warps", "num_warps": warps, "KP": keys, "PREFETCH": ahead})
                 for warps, keys, ahead in (WARP_VARIANTS if args.warps else ()) for pair in args.pairs.split(",")]
-    settings += [([pair, codecs, block_n, warps, stages or "", dot, {True: "rows", 2: "codes"}.get(prefetch, "")],
+    settings += [([pair, codecs + ("" if columns == "adjacent" else ", strided"), block_n, warps, stages or "", dot,
+                   {True: "rows", 2: "codes"}.get(prefetch, "")],
                   {"BLOCK_N": block_n, "num_warps": warps, "DOT": dot, "CODECS": codecs, "PREFETCH": prefetch,
-                   **({"num_stages": stages} if stages else {})})
+                   "COLUMNS": columns, **({"num_stages": stages} if stages else {})})
                  for block_n, warps, stages, dot, prefetch in VARIANTS[:args.variants]
-                 for pair in args.pairs.split(",") for codecs in args.codecs.split(",")]
+                 for pair in args.pairs.split(",") for codecs in args.codecs.split(",")
+                 for columns in args.columns.split(",")]
     rows = []
     for cells, tune in settings:
         try:

@@ -343,7 +343,7 @@ rerun() {
 # Session 44: decode by warps (KERNEL "warps", untimed) and the tile kernel at 2 warps in the sweep.
 # Session 45 reordered the call around the sweep, which now writes what it finds: its launches are
 # compiled first by 15 processes at once (`--jobs`: one compile takes about a core-second, and the
-# sweep has ~170), then timed; each pair's fastest launch that beat the bf16 backend's default
+# sweep has ~180, session 45's codes side by side timed against the old order among them), then timed; each pair's fastest launch that beat the bf16 backend's default
 # goes into $OUT/decode-tuned.json (kvslim.gpu.tuned), which the model's decode steps then take
 # (KVSLIM_DECODE_TUNED) at depth 0, 32K and 128K with turbo3 first (never run end to end). The
 # kernels-on CUDA tests, the parity matrix among them, take what is left, then the decode table.

@@ -163,16 +163,22 @@ def _lookup(lut, code, BITS: tl.constexpr, LOOKUP: tl.constexpr):
 
 @triton.jit
 def columns(BLOCK_D: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, BLOCK_VALUES: tl.constexpr,
-            BLOCK_BYTES: tl.constexpr, HEADER_BYTES: tl.constexpr, PHASES: tl.constexpr):
+            BLOCK_BYTES: tl.constexpr, HEADER_BYTES: tl.constexpr, PHASES: tl.constexpr,
+            ADJACENT: tl.constexpr = True):
     """The value each column of ``decode_tile``'s tile holds, (BLOCK_D,): column e itself, or with
-    PHASES, column p * W + g (W = BLOCK_D / PHASES) holds code p of the row's group g of 2-byte
-    units (one unit; three for 3-bit codes, 16 codes in 6 bytes)."""
+    PHASES, code p of the row's group g of 2-byte units (one unit; three for 3-bit codes, 16 codes
+    in 6 bytes) at column g * PHASES + p (ADJACENT: a group's codes side by side), else at
+    p * W + g (W = BLOCK_D / PHASES: W columns apart)."""
     e = tl.arange(0, BLOCK_D)
     if PHASES > 1:
         GROUPS: tl.constexpr = (BLOCK_BYTES - HEADER_BYTES) * 8 // (BITS * PHASES)   # per block
         W: tl.constexpr = BLOCK_D // PHASES
-        p = e // W
-        g = e % W
+        if ADJACENT:
+            p = e % PHASES
+            g = e // PHASES
+        else:
+            p = e // W
+            g = e % W
         w = g % GROUPS
         if KIND == 4:                                                   # NIBBLE: unit w = bytes 2w, 2w + 1
             j = 2 * w + p // 2 + (BLOCK_VALUES // 2) * (p % 2)
@@ -242,10 +248,16 @@ def fetch_units(row, valid, BLOCK_D: tl.constexpr, BITS: tl.constexpr, BLOCK_BYT
 
 @triton.jit
 def unit_values(u0, u1, u2, scale, offset, lut, BLOCK_D: tl.constexpr, BITS: tl.constexpr,
-                OFFSET_AT: tl.constexpr, LOOKUP: tl.constexpr, PHASES: tl.constexpr, HALF: tl.constexpr = False):
+                OFFSET_AT: tl.constexpr, LOOKUP: tl.constexpr, PHASES: tl.constexpr, HALF: tl.constexpr = False,
+                ADJACENT: tl.constexpr = True):
     """``fetch_units``'s loads -> the (N, BLOCK_D) tile, its columns in ``columns``'s order:
     PHASES codes cut from each group. A masked key's codes and scale loaded as 0, so its values
     are 0 with no select per value (turbo4/turbo4 609 -> 569 instructions a block).
+    The codes are cut and looked up as (N, PHASES, W) (a TABLE's entries across a warp's lanes);
+    ADJACENT, the default, then lays each group's codes side by side, (N, W, PHASES): a lane's
+    values of one unit go to the products' shared-memory tile in one store, not PHASES stores of
+    2 bytes (sm_90, Triton 3.6, decode's launch with f16 products: turbo4/turbo4 543 -> 503
+    instructions a block of 16 keys at 8 warps, 1,597 -> 1,457 and 254 -> 187 registers at 2).
     HALF (the products take f16 operands): the codes' values (a TABLE's entries, or AFFINE's
     integer steps) and the scales multiplied in f16, the tile f16 (a table entry rounded to f16
     first, within the operands' own rounding; integer entries are exact, so q4_0 and iq4_nl keep
@@ -271,6 +283,8 @@ def unit_values(u0, u1, u2, scale, offset, lut, BLOCK_D: tl.constexpr, BITS: tl.
         x = scale.to(tl.float32) * _lookup(lut, code, BITS, LOOKUP)
     if OFFSET_AT > 0:
         x = x + offset.to(tl.float32)
+    if ADJACENT:
+        x = tl.permute(x, (0, 2, 1))
     return tl.reshape(x, (x.shape[0], BLOCK_D))
 
 
@@ -307,16 +321,16 @@ def fetched_tile(a, b, c, scale, offset, pool, row_off, valid, lut, HEAD_DIM: tl
                  KIND: tl.constexpr, BITS: tl.constexpr, BLOCK_VALUES: tl.constexpr,
                  BLOCK_BYTES: tl.constexpr, HEADER_BYTES: tl.constexpr, OFFSET_AT: tl.constexpr,
                  SUB_VALUES: tl.constexpr, SUB_BITS: tl.constexpr, LOOKUP: tl.constexpr,
-                 PHASES: tl.constexpr = 1, HALF: tl.constexpr = False):
+                 PHASES: tl.constexpr = 1, HALF: tl.constexpr = False, ADJACENT: tl.constexpr = True):
     """``fetch_tile``'s loads (a, b, c, scale, offset) -> ``decode_tile``'s tile of the rows at
     row_off; layouts ``fetch_tile`` does not read are read and decoded here."""
     if PHASES > 1:
-        x = unit_values(a, b, c, scale, offset, lut, BLOCK_D, BITS, OFFSET_AT, LOOKUP, PHASES, HALF)
+        x = unit_values(a, b, c, scale, offset, lut, BLOCK_D, BITS, OFFSET_AT, LOOKUP, PHASES, HALF, ADJACENT)
     elif KIND == 1 and HALF:
         x = a
     else:
         x = decode_tile(pool, row_off, valid, lut, HEAD_DIM, BLOCK_D, KIND, BITS, BLOCK_VALUES, BLOCK_BYTES,
-                        HEADER_BYTES, OFFSET_AT, SUB_VALUES, SUB_BITS, LOOKUP, PHASES, HALF)
+                        HEADER_BYTES, OFFSET_AT, SUB_VALUES, SUB_BITS, LOOKUP, PHASES, HALF, ADJACENT)
     return x
 
 
@@ -325,7 +339,7 @@ def decode_tile(pool, row_off, valid, lut, HEAD_DIM: tl.constexpr, BLOCK_D: tl.c
                  KIND: tl.constexpr, BITS: tl.constexpr, BLOCK_VALUES: tl.constexpr,
                  BLOCK_BYTES: tl.constexpr, HEADER_BYTES: tl.constexpr, OFFSET_AT: tl.constexpr,
                  SUB_VALUES: tl.constexpr, SUB_BITS: tl.constexpr, LOOKUP: tl.constexpr,
-                 PHASES: tl.constexpr = 1, HALF: tl.constexpr = False):
+                 PHASES: tl.constexpr = 1, HALF: tl.constexpr = False, ADJACENT: tl.constexpr = True):
     """Rows at byte offsets row_off (N,) of pool -> (N, BLOCK_D) float32 in the code domain (f16
     with HALF, the products' f16 operands: f16 rows, q8_0's bytes, the units' tables and steps);
     zeros where a key is not valid or past HEAD_DIM (so a masked key adds 0 * 0, never NaN).
@@ -340,7 +354,7 @@ def decode_tile(pool, row_off, valid, lut, HEAD_DIM: tl.constexpr, BLOCK_D: tl.c
     if PHASES > 1:
         u0, u1, u2, scale, offset = fetch_units(row, valid, BLOCK_D, BITS, BLOCK_BYTES, HEADER_BYTES, OFFSET_AT, PHASES,
                                                 HALF)
-        x = unit_values(u0, u1, u2, scale, offset, lut, BLOCK_D, BITS, OFFSET_AT, LOOKUP, PHASES, HALF)
+        x = unit_values(u0, u1, u2, scale, offset, lut, BLOCK_D, BITS, OFFSET_AT, LOOKUP, PHASES, HALF, ADJACENT)
     elif KIND == 1 and HALF:        # f16 rows as they lie: no float32 round trip (f16/f16 decode 310 -> 246 a block)
         x = _f16_rows(row, valid, HEAD_DIM, BLOCK_D)
     elif KIND <= 2:

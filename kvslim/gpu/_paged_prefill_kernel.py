@@ -40,7 +40,7 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
                        V_SUB: tl.constexpr, V_SUB_BITS: tl.constexpr, V_LOOKUP: tl.constexpr,
                        K_PHASES: tl.constexpr = 1, V_PHASES: tl.constexpr = 1, AT_END: tl.constexpr = False,
                        BY_SLOT: tl.constexpr = False, NORMALISE: tl.constexpr = False, GATED: tl.constexpr = False,
-                       PREFETCH: tl.constexpr = False):
+                       PREFETCH: tl.constexpr = False, ADJACENT: tl.constexpr = True):
     """One (KV head, sequence, row tile, split): the online-softmax state of rows
     [tile * BLOCK_M, next tile) over keys [split * split_keys, next split), where row r sees key
     t < length with t <= q_pos[s, r], length = lengths[s] + length_offset. q (Hkv, S, R, D) of
@@ -57,14 +57,15 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
     rows with f16 products) loaded a block ahead into registers, their table rows two ahead, so a
     block's loads are in flight while the one before is decoded and multiplied (Triton's
     pipeliner leaves loads that feed a decoding, not a dot, where they are). Launch settings for
-    a lease to time."""
+    a lease to time. ADJACENT: a group of codes' values in adjacent columns of the tile (the
+    default), else W columns apart, as before session 45 (``_codecs.columns``)."""
     h = tl.program_id(0)
     s = tl.program_id(1)
     tile = tl.program_id(2) // n_splits
     split = tl.program_id(2) % n_splits
     r = tile * BLOCK_M + tl.arange(0, BLOCK_M)                          # query rows
-    d_k = columns(BLOCK_D, K_KIND, K_BITS, K_VALUES, K_BYTES, K_HEADER, K_PHASES)   # q's columns in K's tile order
-    d = columns(BLOCK_D, V_KIND, V_BITS, V_VALUES, V_BYTES, V_HEADER, V_PHASES)     # acc's in V's
+    d_k = columns(BLOCK_D, K_KIND, K_BITS, K_VALUES, K_BYTES, K_HEADER, K_PHASES, ADJACENT)   # q's columns, K's order
+    d = columns(BLOCK_D, V_KIND, V_BITS, V_VALUES, V_BYTES, V_HEADER, V_PHASES, ADJACENT)     # acc's in V's
     r_live = r < n_rows
     d_live = d < HEAD_DIM
     head_seq = h.to(tl.int64) * n_seq + s                               # (h, s) flat, int64: pools can pass 2^31 bytes
@@ -109,10 +110,10 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
             slot_next = pool_rows(table_at, t + 2 * BLOCK_N, end, PAGE_SIZE, WIDE)
             k = fetched_tile(kf[0], kf[1], kf[2], kf[3], kf[4], k_head, here * k_row_bytes, valid, k_lut, HEAD_DIM,
                              BLOCK_D, K_KIND, K_BITS, K_VALUES, K_BYTES, K_HEADER, K_OFFSET, K_SUB, K_SUB_BITS,
-                             K_LOOKUP, K_PHASES, DOT == "f16")
+                             K_LOOKUP, K_PHASES, DOT == "f16", ADJACENT)
             v = fetched_tile(vf[0], vf[1], vf[2], vf[3], vf[4], v_head, here * v_row_bytes, valid, v_lut, HEAD_DIM,
                              BLOCK_D, V_KIND, V_BITS, V_VALUES, V_BYTES, V_HEADER, V_OFFSET, V_SUB, V_SUB_BITS,
-                             V_LOOKUP, V_PHASES, DOT == "f16")
+                             V_LOOKUP, V_PHASES, DOT == "f16", ADJACENT)
         else:
             if PREFETCH:        # this block's rows were read a block ago; the next block's go out now
                 slot = slot_next
@@ -121,10 +122,10 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
                 slot = pool_rows(table_at, t, end, PAGE_SIZE, WIDE)
             k = decode_tile(k_head, slot * k_row_bytes, valid, k_lut, HEAD_DIM, BLOCK_D,
                             K_KIND, K_BITS, K_VALUES, K_BYTES, K_HEADER, K_OFFSET, K_SUB, K_SUB_BITS, K_LOOKUP,
-                            K_PHASES, DOT == "f16")
+                            K_PHASES, DOT == "f16", ADJACENT)
             v = decode_tile(v_head, slot * v_row_bytes, valid, v_lut, HEAD_DIM, BLOCK_D,
                             V_KIND, V_BITS, V_VALUES, V_BYTES, V_HEADER, V_OFFSET, V_SUB, V_SUB_BITS, V_LOOKUP,
-                            V_PHASES, DOT == "f16")
+                            V_PHASES, DOT == "f16", ADJACENT)
         scores = _scores(q, k, DOT)                                     # (BLOCK_M, BLOCK_N)
         seen = valid[None, :] & (t[None, :] <= q_pos[:, None])
         scores = tl.where(seen, scores, float("-inf"))

@@ -159,9 +159,13 @@ def _phases(f: CodecFields, head_dim: int) -> int:
 # default, untimed); KERNEL "warps": decode by ``_decode_warps_kernel`` (each warp its own keys,
 # products on CUDA cores), with KP keys a warp a step and num_warps warps; RESCALE_AT, with one warp:
 # how far a row's max grows before its sums are rescaled (8; the tests' 1e30: at the first step only);
-# PREFETCH 1 (its default), each step's rows loaded a step ahead; 0, at use.
+# PREFETCH 1 (its default), each step's rows loaded a step ahead; 0, at use. COLUMNS: where the tile
+# kernel puts a group of units' codes, "adjacent" (the default since session 45: side by side) or
+# "strided" (W columns apart, as sessions 32-44 did; ``_codecs.columns``), for a lease to time.
 CODECS = ("units", "per-value")
-TUNABLE = ("BLOCK_N", "num_warps", "num_stages", "DOT", "WIDE", "CODECS", "PREFETCH", "KERNEL", "KP", "RESCALE_AT")
+COLUMNS = ("adjacent", "strided")
+TUNABLE = ("BLOCK_N", "num_warps", "num_stages", "DOT", "WIDE", "CODECS", "PREFETCH", "KERNEL", "KP", "RESCALE_AT",
+           "COLUMNS")
 WARPS_TUNABLE = ("KERNEL", "KP", "num_warps", "WIDE", "RESCALE_AT", "PREFETCH")
 WARPS_ROWS = 8            # the warps kernel's most query rows: each lane holds all of them, and their sums
 DOTS = ("ieee", "tf32x3", "tf32", "f16", "fma")
@@ -204,6 +208,10 @@ def _launch_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict | None =
     codecs = tune.pop("CODECS", "units")
     if codecs not in CODECS:
         raise ValueError(f"CODECS={codecs!r}: expected one of {', '.join(CODECS)}")
+    order = tune.pop("COLUMNS", "adjacent")
+    if order not in COLUMNS:
+        raise ValueError(f"COLUMNS={order!r}: expected one of {', '.join(COLUMNS)}")
+    config["ADJACENT"] = order == "adjacent"
     if codecs != "units":
         config.update(_codec_args(fmt_k, head_dim, "K", codecs), **_codec_args(fmt_v, head_dim, "V", codecs))
     config.update(tune)
