@@ -117,7 +117,8 @@ def test_gpu_benchmark_dry_runs_reach_their_tables(script, args, rows):
 
 def test_the_decode_sweep_compiles_in_processes_and_writes_its_choices(tmp_path):
     """gpu_decode.py --sweep --jobs 2 --tuned-out: two processes run its launches first (Triton's
-    disk cache on a GPU), then the sweep times them all and writes a file ``gpu.tuned`` loads,
+    disk cache on a GPU: 5 VARIANTS of these products, the first read per value, the float32 one
+    of STRIDED), then the sweep times them all and writes a file ``gpu.tuned`` loads,
     with the float32 backend's default timed (so its choice is made, whichever it is) and not
     the bf16 backend's (so none is)."""
     from kvslim.gpu import tuned
@@ -127,8 +128,9 @@ def test_the_decode_sweep_compiles_in_processes_and_writes_its_choices(tmp_path)
                        interpret=True)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("| q8_0/turbo4 | 16 | 1 |")]
-    assert len(rows) == 6 and all(re.search(r"\| [\d.]+e-\d+ \|$", row) for row in rows), done.stdout
-    assert "warmed 6 launches in 2 processes" in done.stderr and "exit codes [0]" in done.stderr, done.stderr
+    assert len(rows) == 7 and all(re.search(r"\| [\d.]+e-\d+ \|$", row) for row in rows), done.stdout
+    assert [row.split("|")[9].strip() for row in rows] == ["units"] * 5 + ["per-value", "strided"], done.stdout
+    assert "warmed 7 launches in 2 processes" in done.stderr and "exit codes [0]" in done.stderr, done.stderr
     assert "tuned q8_0/turbo4 (bf16 backend): its default launch was not timed" in done.stderr
     chose = r"the default launch is the fastest|\{.*\}, \d+ keys a split: 16x1 [\d.]+ ms against 16x1 [\d.]+$"
     assert re.search(rf"tuned q8_0/turbo4 \(f32 backend\): ({chose})", done.stderr, re.M), done.stderr
