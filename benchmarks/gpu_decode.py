@@ -281,18 +281,19 @@ def _settings(args) -> list[tuple[tuple, dict, tuple]]:
     first of them also as session 31 read codes (a load per value), then the STRIDED launches with
     a group's codes W columns apart (the codes column says "strided")."""
     kernels = args.kernels.split(",")
-    variants = [v for v in VARIANTS if (args.dot is None or v[3] in args.dot.split(",")) and "tiles" in kernels]
+    ours = lambda launches: [v for v in launches if (args.dot is None or v[3] in args.dot.split(","))   # noqa: E731
+                             and "tiles" in kernels]
     settings = [(("", w, "", "fma", _prefetch_cell((kp, pf), "warps"), "warps"),
                  {"KERNEL": "warps", "num_warps": w, "KP": kp, "PREFETCH": pf}, WARP_SPLITS.get((w, kp, pf), SPLITS))
                 for w, kp, pf in WARP_VARIANTS if "warps" in kernels]
-    strided = [v for v in STRIDED if (args.dot is None or v[3] in args.dot.split(",")) and "tiles" in kernels]
-    for (block_n, warps, stages, dot, prefetch), codecs in ([(v, "units") for v in variants]
-                                                            + [(v, "per-value") for v in variants[:1]]
-                                                            + [(v, "strided") for v in strided]):
-        tune = {"BLOCK_N": block_n, "num_warps": warps, "DOT": dot, "CODECS": "units" if codecs == "strided" else codecs,
-                "PREFETCH": prefetch, **({"num_stages": stages} if stages else {}),
-                **({"COLUMNS": "strided"} if codecs == "strided" else {})}
-        settings.append(((block_n, warps, stages or "", dot, _prefetch_cell(prefetch, codecs), codecs), tune, SPLITS))
+    variants = ours(VARIANTS)
+    tiles = ([(v, "units", "adjacent") for v in variants] + [(v, "per-value", "adjacent") for v in variants[:1]]
+             + [(v, "units", "strided") for v in ours(STRIDED)])
+    for (block_n, warps, stages, dot, prefetch), codecs, order in tiles:
+        tune = {"BLOCK_N": block_n, "num_warps": warps, "DOT": dot, "CODECS": codecs, "PREFETCH": prefetch,
+                "COLUMNS": order, **({"num_stages": stages} if stages else {})}
+        label = codecs if order == "adjacent" else order
+        settings.append(((block_n, warps, stages or "", dot, _prefetch_cell(prefetch, label), label), tune, SPLITS))
     return settings
 
 

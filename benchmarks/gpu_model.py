@@ -46,7 +46,6 @@ from kvslim.devices import synchronize  # noqa: E402
 from kvslim.gpu import delta_step as gpu_delta_step  # noqa: E402
 from kvslim.gpu import moe as gpu_moe  # noqa: E402
 from kvslim.gpu import paged_decode as gpu_paged_decode  # noqa: E402
-from kvslim.gpu import paged_prefill as gpu_prefill  # noqa: E402
 from kvslim.gpu import tuned as gpu_tuned  # noqa: E402
 from kvslim.gpu import quant_matmul as gpu_weights  # noqa: E402
 from kvslim.engine.decode_step import DecodeStep  # noqa: E402
@@ -267,12 +266,12 @@ def decode_launch(config, pair: str, args) -> str:
         return "the torch block loop (the kernels are off: KVSLIM_TRITON=1 turns them on)"
     fmt_k, fmt_v = (formats.get(name, role=role) for name, role in zip(pair.split("/"), "kv"))
     rows = config.num_attention_heads // config.num_key_value_heads
-    if gpu_paged_decode.DECODE_BY_WARPS and gpu_prefill.reads_by_warps(fmt_k, fmt_v, config.head_dim, rows):
-        return "decode by warps (the switch)"
     backend = "bf16" if args.attn_backend == "bf16" else "f32"
-    tune, split = gpu_tuned.decode_launch(fmt_k, fmt_v, config.head_dim, rows, backend, torch.device(args.device))
-    default = (tune, split) == (gpu_tuned.BACKENDS[backend], gpu_prefill.SPLIT_KEYS)
-    return f"{'the ' + backend + ' backend default' if default else 'tuned'}: {tune}, {split} keys a split"
+    tune, split = gpu_paged_decode.step_launch(fmt_k, fmt_v, config.head_dim, rows, backend, torch.device(args.device))
+    default = (tune, split) == (gpu_tuned.BACKENDS[backend], gpu_paged_decode.SPLIT_KEYS)
+    source = ("decode by warps (the switch)" if gpu_paged_decode.DECODE_BY_WARPS and tune == {"KERNEL": "warps"}
+              else f"the {backend} backend's default" if default else "tuned")
+    return f"{source}: {tune}, {split} keys a split"
 
 
 def mib(n: int) -> str:

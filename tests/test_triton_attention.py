@@ -131,9 +131,11 @@ def _states_in_child(cases, path: Path) -> None:
         plain = gpu.step_output(*args[:-1], **args[-1], tune=tune)
         out["warp_steps"].append((plain, gpu.step_output(*args[:-1], **args[-1], tune=tune, gate=gate),
                                   swiglu.sigmoid_mul(gate, plain, gate.dtype)))
-    gpu.DECODE_BY_WARPS = True                  # the switch: the f16 products' tune gives way to it
+    gpu.DECODE_BY_WARPS = True                  # the switch: chosen over the bf16 backend's f16 products
     args = _step_args(WARP_STEPS[0])
-    out["by_switch"] = gpu.step_output(*args[:-1], **args[-1], tune={"DOT": "f16"})
+    q, n_kv = args[2], args[4].shape[0]
+    tune, split = gpu.step_launch(args[0], args[1], q.shape[-1], q.shape[1] // n_kv, "bf16", q.device)
+    out["by_switch"] = gpu.step_output(*args[:-1], **args[-1], split_keys=split, tune=tune)
     gpu.DECODE_BY_WARPS = False
     q = torch.zeros(2, 1, 2, 128)
     out["supports"] = [gpu.supports(formats.get(k), formats.get(v), q) for k, v in REFUSED + [("f16", "f16")]]
@@ -330,7 +332,8 @@ def test_a_decode_step_by_warps_matches_the_ops_torch_form(interpreted, step):
 
 def test_the_switch_decodes_steps_by_warps(interpreted):
     """paged_decode.DECODE_BY_WARPS (KVSLIM_DECODE_WARPS=1): a step whose formats the warps
-    kernel reads goes to it whatever tune the backend passes, bit for bit its launch's."""
+    kernel reads is launched on it (``step_launch``) whatever the backend's products, bit for
+    bit its launch's."""
     assert torch.equal(interpreted["by_switch"], interpreted["warp_steps"][0][0])
 
 

@@ -153,7 +153,7 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ta
     fmt_k, fmt_v = _op_format(type_k, "k"), _op_format(type_v, "v")
     n_kv = k_pool.shape[0]
     if gpu.TRITON and gpu_decode.serves_step(fmt_k, fmt_v, q, n_kv):
-        tune, split = gpu_tuned.decode_launch(fmt_k, fmt_v, q.shape[-1], q.shape[1] // n_kv, dot, q.device)
+        tune, split = gpu_decode.step_launch(fmt_k, fmt_v, q.shape[-1], q.shape[1] // n_kv, dot, q.device)
         return gpu_decode.step_output(fmt_k, fmt_v, q, scale, k_pool, v_pool, table, slots, positions,
                                       split_keys=split, tune=tune, gate=gate)
     out = _paged_decode_torch(fmt_k, fmt_v, q, k_pool, v_pool, table, slots, positions, scale, dot)

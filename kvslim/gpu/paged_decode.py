@@ -6,7 +6,8 @@ in V's code domain) of one query position per sequence over its packed pages, ex
 either. It is the prefill kernel (``paged_prefill``) with every row of sequence s at position
 n_keys[s] - 1: one kernel to tune and to trust, not two that share most of their lines. (The
 exception, opt-in and untimed: decode by warps, ``_decode_warps_kernel``, tune KERNEL "warps" or
-DECODE_BY_WARPS, whose step shares nothing between warps; docs/gpu.md, session 44.) With
+DECODE_BY_WARPS, whose step shares nothing between warps; docs/gpu.md, session 44. A decode
+step's launch comes from ``step_launch``: that switch, a lease's tuned file, or the default.) With
 a handful of rows per sequence the launcher cuts each sequence's keys into splits of
 SPLIT_KEYS (flash-decoding), fixed, so a sequence gets the same bits whatever its batch (as
 the C kernel's SPAN), and merges them.
@@ -20,14 +21,15 @@ import os
 
 import torch
 
-from . import paged_prefill, rotation
+from . import paged_prefill, rotation, tuned
 from .paged_prefill import SPLIT_KEYS
 
 MAX_ROWS = paged_prefill.SPLIT_ROWS   # query rows per KV head: up to here the keys are split
 
 # Decode steps by warps (``_decode_warps_kernel``: each warp its own keys, CUDA-core products)
-# where it reads the formats: off until a lease times it against the tile kernel
-# (benchmarks/gpu_decode.py); KVSLIM_DECODE_WARPS=1, or benchmarks/gpu_model.py --decode-warps.
+# where it reads the formats, over a tuned file's launch and the backend's (``step_launch``): off
+# until a lease times it against the tile kernel (benchmarks/gpu_decode.py); KVSLIM_DECODE_WARPS=1,
+# or benchmarks/gpu_model.py --decode-warps.
 DECODE_BY_WARPS = os.environ.get("KVSLIM_DECODE_WARPS", "0") == "1"
 
 
@@ -59,6 +61,17 @@ def serves_step(fmt_k, fmt_v, q: torch.Tensor, n_kv_heads: int) -> bool:
             and paged_prefill.decodes(fmt_k, fmt_v, q.shape[-1], q.device))
 
 
+def step_launch(fmt_k, fmt_v, head_dim: int, n_rows: int, backend: str,
+                device: torch.device) -> tuple[dict | None, int]:
+    """(tune, keys a split) of a decode step's launch for ``n_rows`` query rows a KV head and an
+    attention backend ("f32" or "bf16"): decode by warps under DECODE_BY_WARPS where it reads the
+    formats (float32 products, whatever the backend's), else ``tuned.decode_launch``'s (this
+    device's tuned file, else the backend's default)."""
+    if DECODE_BY_WARPS and paged_prefill.reads_by_warps(fmt_k, fmt_v, head_dim, n_rows):
+        return {"KERNEL": "warps"}, SPLIT_KEYS
+    return tuned.decode_launch(fmt_k, fmt_v, head_dim, n_rows, backend, device)
+
+
 def step_output(fmt_k, fmt_v, q: torch.Tensor, scale: float, k_pool: torch.Tensor, v_pool: torch.Tensor,
                 table: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, split_keys: int = SPLIT_KEYS,
                 tune: dict | None = None, gate: torch.Tensor | None = None) -> torch.Tensor:
@@ -79,8 +92,6 @@ def step_output(fmt_k, fmt_v, q: torch.Tensor, scale: float, k_pool: torch.Tenso
     ``swiglu.sigmoid_mul`` was one more."""
     n_seq, n_heads, dim = q.shape
     n_kv = k_pool.shape[0]
-    if DECODE_BY_WARPS and paged_prefill.reads_by_warps(fmt_k, fmt_v, dim, n_heads // n_kv):
-        tune = {"KERNEL": "warps"}                                      # float32 products, whatever the backend's
     if fmt_k.transformed:
         q = rotation.to_code_domain(fmt_k, q)        # row by row, any layout (klt3's per-head bases never get here)
     grouped = lambda t: t.unflatten(1, (n_kv, n_heads // n_kv)).transpose(0, 1)   # noqa: E731  (Hkv, B, G, D) views
