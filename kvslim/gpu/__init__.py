@@ -102,7 +102,10 @@ def compile_sm90(fn, pointers: dict[str, str], constexprs: dict, divisible: tupl
     signature = {name: pointers.get(name, "constexpr" if name in constexprs else "i32") for name in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
              if pointers.get(name, "").startswith("*") or name in divisible}
-    return triton.compile(triton.compiler.ASTSource(fn, signature, constexprs, attrs),
+    source = triton.compiler.ASTSource
+    if getattr(fn, "is_gluon", lambda: False)():                     # a Gluon kernel (_decode_mma_kernel)
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    return triton.compile(source(fn, signature, constexprs, attrs),
                           target=GPUTarget("cuda", capability, 32),
                           options={**FP_FUSION, **options})
 

@@ -159,15 +159,21 @@ def _phases(f: CodecFields, head_dim: int) -> int:
 # default, untimed); KERNEL "warps": decode by ``_decode_warps_kernel`` (each warp its own keys,
 # products on CUDA cores), with KP keys a warp a step and num_warps warps; RESCALE_AT, with one warp:
 # how far a row's max grows before its sums are rescaled (8; the tests' 1e30: at the first step only);
-# PREFETCH 1 (its default), each step's rows loaded a step ahead; 0, at use. COLUMNS: where the tile
+# PREFETCH 1 (its default), each step's rows loaded a step ahead; 0, at use. KERNEL "mma": decode by
+# ``_decode_mma_kernel`` (one warp a program, turbo4's codes decoded into tensor-core operands, Gluon),
+# N keys a step. COLUMNS: where the tile
 # kernel puts a group of units' codes, "adjacent" (the default since session 45: side by side) or
 # "strided" (W columns apart, as sessions 32-44 did; ``_codecs.columns``), for a lease to time.
 CODECS = ("units", "per-value")
 COLUMNS = ("adjacent", "strided")
 TUNABLE = ("BLOCK_N", "num_warps", "num_stages", "DOT", "WIDE", "CODECS", "PREFETCH", "KERNEL", "KP", "RESCALE_AT",
-           "COLUMNS")
+           "COLUMNS", "N")
 WARPS_TUNABLE = ("KERNEL", "KP", "num_warps", "WIDE", "RESCALE_AT", "PREFETCH")
 WARPS_ROWS = 8            # the warps kernel's most query rows: each lane holds all of them, and their sums
+KERNELS = ("tiles", "warps", "mma")
+MMA_TUNABLE = ("KERNEL", "N", "WIDE")
+MMA_ROWS = 8              # KERNEL "mma": the GQA group is the products' narrow side, 8 wide
+MMA_BLOCK = 128           # ... and it reads blocks of 128 codes with one f16 scale each
 DOTS = ("ieee", "tf32x3", "tf32", "f16", "fma")
 
 
@@ -186,7 +192,10 @@ def _launch_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict | None =
     unknown = set(tune or ()) - set(TUNABLE)
     if unknown:
         raise ValueError(f"not a launch setting: {', '.join(sorted(unknown))} (tunable: {', '.join(TUNABLE)})")
-    if (tune or {}).get("KERNEL", "tiles") != "tiles":
+    kernel = (tune or {}).get("KERNEL", "tiles")
+    if kernel == "mma":
+        return _mma_config(fmt_k, fmt_v, n_rows, head_dim, tune, page_size)
+    if kernel != "tiles":
         return _warps_config(fmt_k, fmt_v, n_rows, head_dim, tune, page_size)
     block_m = 16 if head_dim > 128 else 32
     config = dict(HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_D=pow2(head_dim),
@@ -200,9 +209,9 @@ def _launch_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict | None =
         # SM at head_dim 256 (170-201 registers at 64 and 128). Unpipelined: 48-96 registers, no
         # spills, 4-6 programs per SM (sm_90 cubins, Triton 3.9, benchmarks/gpu_resources.py)
         config["num_stages"] = 1
-    for name in ("KP", "RESCALE_AT"):
+    for name, owner in (("KP", "warps"), ("RESCALE_AT", "warps"), ("N", "mma")):
         if name in (tune or {}):
-            raise ValueError(f"{name} is a setting of KERNEL='warps'")
+            raise ValueError(f"{name} is a setting of KERNEL='{owner}'")
     tune = dict(tune or {})
     tune.pop("KERNEL", None)
     codecs = tune.pop("CODECS", "units")
@@ -262,7 +271,7 @@ def _warps_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict, page_siz
     two steps' loads in flight a warp for 2 registers more, turbo4/turbo4 under Triton 3.6):
     untimed; a lease's sweep chooses."""
     if tune["KERNEL"] != "warps":
-        raise ValueError(f"KERNEL={tune['KERNEL']!r}: expected 'tiles' or 'warps'")
+        raise ValueError(f"KERNEL={tune['KERNEL']!r}: expected one of {', '.join(KERNELS)}")
     other = set(tune) - set(WARPS_TUNABLE)
     if other:
         raise ValueError(f"not a setting of KERNEL='warps': {', '.join(sorted(other))} "
@@ -279,6 +288,45 @@ def _warps_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict, page_siz
     return dict(KERNEL="warps", HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_M=pow2(n_rows), KP=keys, NW=warps,
                 WIDE=tune.get("WIDE", False), TIES_UP=_ties_up(), RESCALE_AT=float(tune.get("RESCALE_AT", 8.0)),
                 PREFETCH=int(tune.get("PREFETCH", 1)), **sides[0], **sides[1], num_warps=warps)
+
+
+def _mma_refusal(fmt, head_dim: int) -> str | None:
+    """Why KERNEL "mma" cannot read a format's rows at ``head_dim``, or None: it reads 4-bit codes
+    packed in order through a 16-entry table, one f16 scale a block of 128 values (turbo4's
+    layout), at head_dim 128 or 256 (``_decode_mma_kernel``)."""
+    f = _fields(fmt, head_dim)
+    if f is None or f.kind != PACKED or f.bits != 4 or f.lut is None:
+        return f"KERNEL='mma' reads 4-bit codes through a table (turbo4), not {fmt.name} rows"
+    if (f.block_values, f.block_bytes, f.header_bytes, f.offset_at, f.sub_values) != (MMA_BLOCK, MMA_BLOCK // 2 + 2,
+                                                                                        2, 0, 0):
+        return f"KERNEL='mma' reads blocks of {MMA_BLOCK} codes after one f16 scale, not {fmt.name}'s layout"
+    if head_dim not in (MMA_BLOCK, 2 * MMA_BLOCK):
+        return f"KERNEL='mma' reads head_dim {MMA_BLOCK} or {2 * MMA_BLOCK}, not {head_dim}"
+    return None
+
+
+def reads_by_mma(fmt_k, fmt_v, head_dim: int, n_rows: int) -> bool:
+    """Whether KERNEL "mma" decodes these formats at ``head_dim`` for ``n_rows`` query rows a KV head."""
+    return _mma_refusal(fmt_k, head_dim) is None and _mma_refusal(fmt_v, head_dim) is None and n_rows <= MMA_ROWS
+
+
+def _mma_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict, page_size: int) -> dict:
+    """``_decode_mma_kernel``'s constexprs (``tune`` holds KERNEL "mma"; MMA_TUNABLE): N keys a step
+    (16 by default: 168 registers at head_dim 256 in sm_90 SASS, against 244 at 32), one warp."""
+    other = set(tune) - set(MMA_TUNABLE)
+    if other:
+        raise ValueError(f"not a setting of KERNEL='mma': {', '.join(sorted(other))} "
+                         f"(it takes {', '.join(MMA_TUNABLE)})")
+    for why in (_mma_refusal(fmt_k, head_dim), _mma_refusal(fmt_v, head_dim)):
+        if why:
+            raise ValueError(why)
+    if n_rows > MMA_ROWS:
+        raise ValueError(f"KERNEL='mma' holds at most {MMA_ROWS} query rows a KV head, not {n_rows}")
+    keys = tune.get("N", 16)
+    if keys not in (16, 32, 64):
+        raise ValueError(f"N={keys!r} with KERNEL='mma': expected 16, 32 or 64 keys a step")
+    return dict(KERNEL="mma", HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_M=MMA_ROWS, N=keys,
+                WIDE=tune.get("WIDE", False), num_warps=1)
 
 
 @lru_cache(maxsize=None)
@@ -330,10 +378,13 @@ def attend(fmt_k, fmt_v, q: torch.Tensor, q_pos: torch.Tensor | None, k_pool: to
     page_size = k_pool.shape[2]
     config = _launch_config(fmt_k, fmt_v, n_rows, dim, tune, page_size)
     flags = {"BY_SLOT": slots is not None}
-    if config.pop("KERNEL", "tiles") == "warps":
-        if q_pos is not None:
-            raise ValueError("KERNEL='warps' decodes (every row at its sequence's last key): q_pos must be None")
+    name = config.pop("KERNEL", "tiles")
+    if name != "tiles" and q_pos is not None:
+        raise ValueError(f"KERNEL={name!r} decodes (every row at its sequence's last key): q_pos must be None")
+    if name == "warps":
         kernel = kernels("_decode_warps_kernel").paged_decode_warps
+    elif name == "mma":
+        kernel = kernels("_decode_mma_kernel").paged_decode_mma
     else:
         kernel, flags["AT_END"] = _kernel().paged_prefill_tile, q_pos is None
     n_tiles = -(-n_rows // config["BLOCK_M"])
