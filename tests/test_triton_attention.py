@@ -339,7 +339,7 @@ def test_the_switch_decodes_steps_by_warps(interpreted):
 
 @pytest.mark.parametrize("tune,message", [
     ({"KERNEL": "warps", "BLOCK_N": 32}, "not a setting of KERNEL='warps': BLOCK_N"),
-    ({"KERNEL": "lanes"}, "KERNEL='lanes': expected 'tiles' or 'warps'"),
+    ({"KERNEL": "lanes"}, "KERNEL='lanes': expected one of tiles, warps, mma"),
     ({"KP": 2}, "KP is a setting of KERNEL='warps'"),
     ({"KERNEL": "warps", "PREFETCH": 2}, "PREFETCH=2 with KERNEL='warps': expected 0")])
 def test_warps_settings_are_checked(tune, message):

@@ -294,14 +294,14 @@ def _mma_refusal(fmt, head_dim: int) -> str | None:
     """Why KERNEL "mma" cannot read a format's rows at ``head_dim``, or None: it reads 4-bit codes
     packed in order through a 16-entry table, one f16 scale a block of 128 values (turbo4's
     layout), at head_dim 128 or 256 (``_decode_mma_kernel``)."""
+    if head_dim not in (MMA_BLOCK, 2 * MMA_BLOCK):
+        return f"KERNEL='mma' reads head_dim {MMA_BLOCK} or {2 * MMA_BLOCK}, not {head_dim}"
     f = _fields(fmt, head_dim)
     if f is None or f.kind != PACKED or f.bits != 4 or f.lut is None:
         return f"KERNEL='mma' reads 4-bit codes through a table (turbo4), not {fmt.name} rows"
     if (f.block_values, f.block_bytes, f.header_bytes, f.offset_at, f.sub_values) != (MMA_BLOCK, MMA_BLOCK // 2 + 2,
                                                                                         2, 0, 0):
         return f"KERNEL='mma' reads blocks of {MMA_BLOCK} codes after one f16 scale, not {fmt.name}'s layout"
-    if head_dim not in (MMA_BLOCK, 2 * MMA_BLOCK):
-        return f"KERNEL='mma' reads head_dim {MMA_BLOCK} or {2 * MMA_BLOCK}, not {head_dim}"
     return None
 
 

@@ -1,0 +1,263 @@
+"""KERNEL "mma": decode attention with turbo4's codes decoded into tensor-core operands
+(kvslim/gpu/_decode_mma_kernel.py, Gluon).
+
+Gluon has no interpreter. Under TRITON_INTERPRET=1 the kernel's own function bodies run as
+Triton kernels (layouts read as no-ops, the products in float32 of the f16 operands, the byte
+permutes as a table read), so the interpreted child checks the kernel's logic against the torch
+block loop. The byte permutes themselves are checked here by running their PTX text over every
+2-byte unit (a small interpreter of the five instructions it uses), against the plane words the
+kernel builds from the table. An sm_90 compile checks the layout: no shared memory, no barrier,
+no spill, and every conversion to an operand layout a relabelling (the kernel asserts it when
+compiled). The CUDA tests run the compiled kernel on a lent GPU.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import kvslim.gpu
+from kvslim import formats
+from kvslim.gpu import paged_decode as gpu
+from kvslim.gpu import paged_prefill
+
+from .test_native_attention import _case, _torch_state
+from .test_triton_attention import _step_args, _step_gate
+from .triton_harness import compiled_process, resource_usage, run_interpreted
+
+pytestmark = pytest.mark.skipif(not kvslim.gpu.available(), reason="triton is not installed: no GPU kernel to check")
+
+# (K, V, head_dim, group, lengths, page_size, split_keys, tune): two blocks a row and one; 8, 5 and
+# 1 query rows of the products' 8; an empty sequence; splits of 32 and the default; pages of 12
+# (a step's keys across pages); 32 keys a step with 64-bit row offsets
+CASES = [("turbo4", "turbo4", 256, 8, (40, 3, 0), 16, 32, {}),
+         ("turbo4", "turbo4", 128, 5, (37, 100), 12, None, {}),
+         ("turbo4", "turbo4", 256, 1, (70,), 16, None, {"N": 32, "WIDE": True})]
+# step_output on it: one split (the kernel stores the output, gated too), and two (merged)
+STEPS = [("turbo4", "turbo4", 256, 8, (20, 5), 16, None, "bfloat16"),
+         ("turbo4", "turbo4", 128, 4, (72, 3), 32, 64, "float32")]
+
+
+def _tables() -> dict:
+    """16-entry tables to read: turbo4's K and V tables at head_dim 256, and a table of f16
+    values of every kind (both signs, subnormal, zero, large) in no order."""
+    gen = torch.Generator().manual_seed(5)
+    odd = torch.cat([torch.randn(12, generator=gen) * 100, torch.tensor([0.0, -6e-8, 3e-5, -65504.0])])
+    return {"turbo4 K": paged_prefill._lut(formats.get("turbo4", role="k"), 256, "cpu")[:16],
+            "turbo4 V": paged_prefill._lut(formats.get("turbo4", role="v"), 256, "cpu")[:16],
+            "odd": odd[torch.randperm(16, generator=gen)]}
+
+
+def _planes_kernel(lut, out):
+    """The kernel's plane words of the table at ``lut``, stored (decorated in the child)."""
+    words = _mma._planes(lut)
+    for i in tl.static_range(8):
+        tl.store(out + i, words[i])
+
+
+def _in_child(cases, path: Path) -> None:
+    """The interpreted states, step outputs and plane words (the kernel's ``_planes``)."""
+    global tl, _mma                         # what the interpreted _planes_kernel reads
+    import triton
+    import triton.language as tl
+
+    from kvslim.gpu import _decode_mma_kernel as _mma
+    from kvslim.gpu import swiglu
+    planes = triton.jit(_planes_kernel)
+    out = {"states": [], "steps": [], "planes": {}}
+    for case in CASES:
+        args = _case(*case[:4], list(case[4]), page_size=case[5])
+        out["states"].append(gpu.decode_state(*args, split_keys=case[6] or paged_prefill.SPLIT_KEYS,
+                                              tune={"KERNEL": "mma", **case[7]}))
+    for step in STEPS:
+        args, gate = _step_args(step), _step_gate(step)
+        plain = gpu.step_output(*args[:-1], **args[-1], tune={"KERNEL": "mma"})
+        out["steps"].append((plain, gpu.step_output(*args[:-1], **args[-1], tune={"KERNEL": "mma"}, gate=gate),
+                             swiglu.sigmoid_mul(gate, plain, gate.dtype)))
+    for name, table in _tables().items():
+        words = torch.zeros(8, dtype=torch.int32)
+        planes[(1,)](torch.cat([table, torch.zeros(48)]), words)
+        out["planes"][name] = words
+    torch.save(out, path)
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    return run_interpreted("tests.test_triton_decode_mma", "_in_child", (), tmp_path_factory.mktemp("mma"))
+
+
+def _check_f16_products(got, want, n_keys) -> None:
+    """f16 operands' products (scores and weighted values) against the float32 reference: as the
+    tile kernel's f16 products are held (test_triton_attention), and empty sequences empty."""
+    m, l, acc = got
+    live = n_keys > 0
+    assert torch.allclose(m[:, live], want.m[:, live], atol=1e-2, rtol=1e-2)
+    assert torch.allclose(acc[:, live] / l[:, live], want.result()[:, live], atol=1e-2, rtol=1e-2)
+    assert (l[:, ~live] == 0).all() and torch.isinf(m[:, ~live]).all() and (acc[:, ~live] == 0).all()
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=lambda i: "-".join(map(str, CASES[i][2:4])))
+def test_mma_decode_matches_torch_block_loop(interpreted, index):
+    case = CASES[index]
+    args = _case(*case[:4], list(case[4]), page_size=case[5])
+    _check_f16_products(interpreted["states"][index], _torch_state(*args), args[-1])
+
+
+@pytest.mark.parametrize("index", range(len(STEPS)), ids=lambda i: f"{STEPS[i][2]}-{STEPS[i][7]}")
+def test_a_decode_step_by_mma_matches_the_ops_torch_form(interpreted, index):
+    """``step_output`` on it: stored by the kernel (one split) or merged (two), and gated with
+    sigmoid_mul's bits."""
+    plain, gated, want_gated = interpreted["steps"][index]
+    fmt_k, fmt_v, q, scale, k_pool, v_pool, table, slots, positions, _ = _step_args(STEPS[index])
+    want = torch.ops.kvslim.paged_decode(q, k_pool, v_pool, table, slots, positions, scale, STEPS[index][0],
+                                         STEPS[index][1])
+    torch.testing.assert_close(plain, want, atol=1e-2, rtol=1e-2)
+    assert torch.equal(gated, want_gated)
+
+
+# ---- the byte permutes' PTX, run over every unit ---------------------------------------------
+
+def _prmt(a, b, selector):
+    """PTX ``prmt.b32`` (generic mode): byte i of the result is byte (nibble i of the selector) & 7
+    of {b, a} (a's bytes 0-3, b's 4-7), or that byte's sign bit copied into all 8 where the
+    nibble's bit 3 is set."""
+    source = (b.astype(np.uint64) << np.uint64(32)) | a.astype(np.uint64)
+    out = np.zeros_like(a, dtype=np.uint32)
+    for i in range(4):
+        nibble = (selector >> np.uint32(4 * i)) & np.uint32(15)
+        byte = ((source >> ((nibble & np.uint32(7)).astype(np.uint64) * np.uint64(8))) & np.uint64(0xFF)).astype(np.uint32)
+        byte = np.where(nibble & np.uint32(8), np.where(byte & np.uint32(0x80), np.uint32(0xFF), np.uint32(0)), byte)
+        out |= byte << np.uint32(8 * i)
+    return out
+
+
+def _run_ptx(text: str, inputs: list) -> list:
+    """The kernel's asm text on numpy uint32 arrays: $4.. the inputs, $0.. the 16-bit outputs.
+    Knows and, shr, or, prmt and the unpacking mov, and refuses anything else."""
+    regs = {f"${4 + i}": np.asarray(x, dtype=np.uint32) for i, x in enumerate(inputs)}
+    value = lambda tok: regs[tok] if tok in regs else np.uint32(int(tok, 0))   # noqa: E731
+    for line in text.strip().strip("{}").splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        if op == "mov.b32":
+            pair = re.fullmatch(r"\{(\$\d+), (\$\d+)\}, (\w+)", rest)
+            regs[pair[1]], regs[pair[2]] = regs[pair[3]] & np.uint32(0xFFFF), regs[pair[3]] >> np.uint32(16)
+            continue
+        dest, *args = [t.strip() for t in rest.split(",")]
+        if op == "and.b32":
+            regs[dest] = value(args[0]) & value(args[1])
+        elif op == "or.b32":
+            regs[dest] = value(args[0]) | value(args[1])
+        elif op == "shr.u32":
+            regs[dest] = value(args[0]) >> value(args[1])
+        elif op == "prmt.b32":
+            regs[dest] = _prmt(value(args[0]), value(args[1]), np.broadcast_to(value(args[2]), value(args[0]).shape))
+        else:
+            raise AssertionError(f"an instruction this check does not know: {line}")
+    return [regs[f"${i}"] for i in range(4)]
+
+
+@pytest.mark.parametrize("name", list(_tables()))
+def test_the_byte_permutes_read_every_unit_from_the_table(interpreted, name):
+    """Every 2-byte unit's four codes (bits 0, 4, 8, 12) come out as their table entries' f16
+    bits, from the plane words the kernel built from the float32 table."""
+    from kvslim.gpu._decode_mma_kernel import PERMUTE_ASM
+    units = np.arange(1 << 16, dtype=np.uint32)
+    words = interpreted["planes"][name].numpy().view(np.uint32)
+    got = _run_ptx(PERMUTE_ASM.value, [units, *(np.full_like(units, w) for w in words)])
+    table = _tables()[name].to(torch.float16).view(torch.int16).numpy().view(np.uint16).astype(np.uint32)
+    for p in range(4):
+        assert np.array_equal(got[p], table[(units >> np.uint32(4 * p)) & np.uint32(15)]), p
+
+
+# ---- what it refuses -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name_k,name_v,dim,rows,tune,why", [
+    ("q8_0", "turbo4", 256, 8, {}, "4-bit codes through a table"),
+    ("turbo4", "turbo3", 256, 8, {}, "4-bit codes through a table"),
+    ("turbo4", "iq4_nl", 256, 8, {}, "4-bit codes through a table"),
+    ("turbo4", "turbo4", 64, 8, {}, "head_dim 128 or 256, not 64"),
+    ("turbo4", "turbo4", 256, 9, {}, "at most 8 query rows"),
+    ("turbo4", "turbo4", 256, 8, {"N": 8}, "N=8 with KERNEL='mma'"),
+    ("turbo4", "turbo4", 256, 8, {"BLOCK_N": 32}, "not a setting of KERNEL='mma': BLOCK_N")])
+def test_mma_refuses_what_it_cannot_read(name_k, name_v, dim, rows, tune, why):
+    """Refused by name before a launch, never decoded wrong; reads_by_mma agrees."""
+    fmt_k, fmt_v = formats.get(name_k, role="k"), formats.get(name_v, role="v")
+    with pytest.raises(ValueError, match=re.escape(why)):
+        paged_prefill._launch_config(fmt_k, fmt_v, rows, dim, {"KERNEL": "mma", **tune})
+    assert paged_prefill.reads_by_mma(fmt_k, fmt_v, dim, rows) == bool(tune)
+
+
+def test_n_is_mmas_setting():
+    with pytest.raises(ValueError, match="N is a setting of KERNEL='mma'"):
+        paged_prefill._launch_config(formats.get("turbo4"), formats.get("turbo4"), 8, 256, {"N": 16})
+
+
+def test_mma_decodes_only():
+    fmt_k, fmt_v, q, k_pool, v_pool, table, n_keys = _case("turbo4", "turbo4", 256, 8, [20], page_size=16)
+    with pytest.raises(ValueError, match="KERNEL='mma' decodes"):
+        paged_prefill.attend(fmt_k, fmt_v, q, torch.arange(8, dtype=torch.int32)[None], k_pool, v_pool, table, n_keys,
+                             tune={"KERNEL": "mma"})
+
+
+# ---- its sm_90 code, without a GPU -----------------------------------------------------------
+
+@pytest.mark.parametrize("dim,keys", [(256, 16), (128, 16), (256, 32)])
+def test_mma_decodes_in_registers_for_an_h100_without_one(dim, keys):
+    """What the kernel is for, in its sm_90 SASS (decode's launch: bf16 q read in place, the table
+    by slot): no shared memory at all, no barrier or shared-memory access in its loop over keys,
+    no spill; and it compiled, so every conversion to an operand layout was a relabelling
+    (``assert_trivial``). 85 instructions a key at head_dim 256 (Triton 3.6 and 3.9)."""
+    from kvslim.gpu import _decode_mma_kernel, compile_sm90, cuobjdump, loop_ops
+    fmt = formats.get("turbo4", role="k")
+    config = dict(paged_prefill._launch_config(fmt, formats.get("turbo4", role="v"), 8, dim,
+                                               {"KERNEL": "mma", "N": keys}), BY_SLOT=True)
+    config.pop("KERNEL")
+    num_warps = config.pop("num_warps")
+    compiled = compile_sm90(_decode_mma_kernel.paged_decode_mma, dict(paged_prefill.POINTER_ARGS, q_ptr="*bf16"),
+                            config, paged_prefill.aligned_args(fmt, fmt, dim), num_warps=num_warps)
+    step = loop_ops(cuobjdump(compiled, "-sass"))
+    assert step and not [op for op in step if op.startswith(("BAR", "LDS", "STS"))], sorted(set(step))
+    assert compiled.metadata.shared == 0 and resource_usage(compiled)["STACK"] == 0
+    assert sum(op.startswith("HMMA") for op in step) == 2 * dim // 16 * keys // 16   # K's and V's products
+
+
+# ---- on a lent GPU ---------------------------------------------------------------------------
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the compiled kernel waits for a GPU")
+@pytest.mark.parametrize("index", range(len(CASES)), ids=lambda i: "-".join(map(str, CASES[i][2:4])))
+def test_mma_decode_on_cuda_matches_torch_block_loop(index):
+    compiled_process()
+    case = CASES[index]
+    fmt_k, fmt_v, *tensors = _case(*case[:4], list(case[4]), page_size=case[5])
+    got = gpu.decode_state(fmt_k, fmt_v, *[t.cuda() for t in tensors], split_keys=case[6] or paged_prefill.SPLIT_KEYS,
+                           tune={"KERNEL": "mma", **case[7]})
+    _check_f16_products([x.cpu() for x in got], _torch_state(fmt_k, fmt_v, *tensors), tensors[-1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the compiled kernel waits for a GPU")
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("dim", [128, 256])
+def test_mma_decode_on_cuda_at_each_head_dim_and_group(dim, group):
+    """Issue 18's matrix for the pair this kernel reads: turbo4/turbo4 at GQA 1, 4 and 8."""
+    compiled_process()
+    fmt_k, fmt_v, *tensors = _case("turbo4", "turbo4", dim, group, [37, 100, 16, 0], page_size=16)
+    got = gpu.decode_state(fmt_k, fmt_v, *[t.cuda() for t in tensors], split_keys=64, tune={"KERNEL": "mma"})
+    _check_f16_products([x.cpu() for x in got], _torch_state(fmt_k, fmt_v, *tensors), tensors[-1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the compiled kernel waits for a GPU")
+@pytest.mark.parametrize("index", range(len(STEPS)), ids=lambda i: f"{STEPS[i][2]}-{STEPS[i][7]}")
+def test_a_decode_step_by_mma_on_cuda_matches_the_ops_torch_form(index):
+    compiled_process()
+    fmt_k, fmt_v, q, scale, k_pool, v_pool, table, slots, positions, split = _step_args(STEPS[index])
+    on_gpu = [t.cuda() for t in (q, k_pool, v_pool, table, slots, positions)]
+    got = gpu.step_output(fmt_k, fmt_v, on_gpu[0], scale, *on_gpu[1:], **split, tune={"KERNEL": "mma"})
+    want = torch.ops.kvslim.paged_decode(q, k_pool, v_pool, table, slots, positions, scale, STEPS[index][0],
+                                         STEPS[index][1])
+    torch.testing.assert_close(got.cpu(), want, atol=1e-2, rtol=1e-2)
