@@ -1,7 +1,7 @@
 """Decode attention on a GPU: f16 SDPA, the torch block loop and the Triton kernel on packed pages.
 
     python benchmarks/gpu_decode.py [-d 32768,131072] [-b 1,8] [-p pairs] [-r 20] [--no-loop] [--sweep]
-                                    [--codecs units,per-value] [--dot ieee,f16] [--kernels tiles,warps]
+                                    [--codecs units,per-value] [--dot ieee,f16] [--kernels tiles,warps,mma]
                                     [--tuned-out FILE] [--jobs N]
 
 One attention layer shaped like Qwen3.6-35B-A3B's (2 KV heads, 8 query heads each, head_dim
@@ -16,13 +16,14 @@ warm-up that compiles the kernel) for
   so it returns what SDPA returns; once per ``--codecs`` x ``--dot`` (the bf16 attention
   backend's kernels take ``f16``), labelled where they are not the defaults; with ``--kernels``
   warps, also decode by warps (KERNEL "warps": each warp its own keys, CUDA-core products),
-  labelled "warps".
+  labelled "warps"; with mma, turbo4's codes decoded into tensor-core operands (KERNEL "mma",
+  ``_decode_mma_kernel``), labelled "mma" (other pairs say it does not read them).
 On a GPU each step is timed twice: launched from Python ("eager ms": the host's launches
 included, which at 32K take longer than the kernels) and replayed from a CUDA graph ("ms": the
 GPU's time, as the engine's decode step runs in graphs); ratios and bandwidth use the graph's.
 ``--sweep`` times the kernel's launch settings (``paged_prefill.TUNABLE``: keys per block,
 warps, pipelining stages, the dots' precision, how codes are read; decode by warps with
-``--kernels`` warps) and keys per split against one another, each with its largest difference
+``--kernels`` warps, and KERNEL "mma" with mma) and keys per split against one another, each with its largest difference
 from the torch loop's output on the same inputs. ``--tuned-out FILE`` writes each pair's fastest
 launch per attention backend into FILE where it beat the backend's default (``kvslim.gpu.tuned``:
 committed as ``kvslim/gpu/tuned/<device>.json``, decode steps on that device take it);
@@ -212,6 +213,8 @@ def _rows(pairs: list[str], depth: int, batch: int, args, copy: float) -> list[l
                  if "tiles" in args.kernels.split(",")]
         if "warps" in args.kernels.split(","):
             tunes.append(({"KERNEL": "warps"}, "warps"))
+        if "mma" in args.kernels.split(","):
+            tunes.append(({"KERNEL": "mma"}, "mma"))
         for tune, label in tunes:
             try:
                 eager, ms = _step_ms(packed_step(*inputs, tune=tune), args.runs, args.device)
@@ -264,6 +267,13 @@ STRIDED = [(16, 8, None, "f16", False), (16, 2, None, "f16", False), (16, 8, Non
 # ~1,200 slots (9 an SM), 2,048 fill them (4x the splits' states to merge).
 WARP_VARIANTS = [(1, 1, 1), (1, 1, 0), (2, 1, 1), (4, 1, 1), (1, 2, 1)]
 WARP_SPLITS = {(1, 1, 1): (512, 128)}
+# Decode with codes decoded into tensor-core operands (session 46: KERNEL "mma", Gluon; turbo4 K and
+# V only, f16 products): N keys a step. sm_90 SASS (Triton 3.6), 8 rows at head_dim 256: 85
+# instructions a key at N 16 (168 registers, 12 one-warp programs an SM), 80.5 at 32 (244, 8), no
+# shared memory; the tile kernel's launches take 172-251. One warp a program, so splits of 128 keys
+# too, as the one-warp warps launch.
+MMA_VARIANTS = [16, 32]
+MMA_SPLITS = (512, 128)
 
 
 def _prefetch_cell(prefetch, codecs: str) -> str:
@@ -277,7 +287,7 @@ def _prefetch_cell(prefetch, codecs: str) -> str:
 def _settings(args) -> list[tuple[tuple, dict, tuple]]:
     """The sweep's launches, in its order: (table cells: BLOCK_N, warps, stages, dot, prefetch,
     codes; the launch's tune; its keys per split). With ``--kernels`` warps, decode by warps
-    first; with tiles, every VARIANT of ``--dot``'s products with codes two bytes a load, then the
+    first, then with mma KERNEL "mma" (MMA_VARIANTS); with tiles, every VARIANT of ``--dot``'s products with codes two bytes a load, then the
     first of them also as session 31 read codes (a load per value), then the STRIDED launches with
     a group's codes W columns apart (the codes column says "strided")."""
     kernels = args.kernels.split(",")
@@ -286,6 +296,8 @@ def _settings(args) -> list[tuple[tuple, dict, tuple]]:
     settings = [(("", w, "", "fma", _prefetch_cell((kp, pf), "warps"), "warps"),
                  {"KERNEL": "warps", "num_warps": w, "KP": kp, "PREFETCH": pf}, WARP_SPLITS.get((w, kp, pf), SPLITS))
                 for w, kp, pf in WARP_VARIANTS if "warps" in kernels]
+    settings += [(("", 1, "", "f16", f"N {n}", "mma"), {"KERNEL": "mma", "N": n}, MMA_SPLITS)
+                 for n in MMA_VARIANTS if "mma" in kernels]
     variants = ours(VARIANTS)
     tiles = ([(v, "units", "adjacent") for v in variants] + [(v, "per-value", "adjacent") for v in variants[:1]]
              + [(v, "units", "strided") for v in ours(STRIDED)])
@@ -415,7 +427,8 @@ def main(argv=None) -> None:
                         help="how the kernel reads codes, comma-separated: units (the default), per-value "
                              "(session 31's reading, for side-by-sides)")
     parser.add_argument("--kernels", default="tiles",
-                        help="tiles (the default), warps (decode by warps), or both, comma-separated")
+                        help="tiles (the default), warps (decode by warps), mma (turbo4's codes decoded into "
+                             "tensor-core operands), comma-separated")
     parser.add_argument("--tuned-out", default=None, metavar="FILE",
                         help="with --sweep: each pair's fastest launch per attention backend, where it beat the "
                              "default, into FILE (kvslim.gpu.tuned; KVSLIM_DECODE_TUNED=FILE serves it)")
@@ -430,7 +443,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     args.argv = argv
     for flag, given, valid in (("--codecs", args.codecs, gpu_prefill.CODECS),
-                               ("--dot", args.dot or "ieee", gpu_prefill.DOTS), ("--kernels", args.kernels, ("tiles", "warps"))):
+                               ("--dot", args.dot or "ieee", gpu_prefill.DOTS), ("--kernels", args.kernels, gpu_prefill.KERNELS)):
         if set(given.split(",")) - set(valid):
             parser.error(f"{flag} {given}: each of {', '.join(valid)}")
     if (args.tuned_out or args.jobs) and not args.sweep:

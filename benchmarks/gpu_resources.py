@@ -27,7 +27,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.gpu_decode import VARIANTS, WARP_VARIANTS  # noqa: E402
+from benchmarks.gpu_decode import MMA_VARIANTS, VARIANTS, WARP_VARIANTS  # noqa: E402
 from kvslim import formats  # noqa: E402
 from kvslim.gpu import paged_prefill  # noqa: E402
 from kvslim.tables import markdown_table  # noqa: E402
@@ -45,15 +45,18 @@ def loop_counts(sass: str) -> tuple[int, int]:
 def usage(name_k: str, name_v: str, rows: int, head_dim: int, tune: dict) -> dict:
     """Registers per thread, stack bytes per thread, shared bytes, programs per SM and the key
     loop's instructions and global loads of one launch setting."""
-    from kvslim.gpu import _decode_warps_kernel, _paged_prefill_kernel
+    from kvslim.gpu import _decode_mma_kernel, _decode_warps_kernel, _paged_prefill_kernel
     from kvslim.gpu import compile_sm90
     fmt_k, fmt_v = formats.get(name_k, role="k"), formats.get(name_v, role="v")
     config = paged_prefill._launch_config(fmt_k, fmt_v, rows, head_dim, tune)
     # a decode step's launch at depth (step_output past SPLIT_KEYS keys: the splits' states, merged after;
     # one split stores the output itself, NORMALISE, a few registers more where occupancy is moot)
     config.update(BY_SLOT=True)
-    if config.pop("KERNEL", "tiles") == "warps":
+    kernel = config.pop("KERNEL", "tiles")
+    if kernel == "warps":
         fn = _decode_warps_kernel.paged_decode_warps
+    elif kernel == "mma":
+        fn = _decode_mma_kernel.paged_decode_mma
     else:
         fn = _paged_prefill_kernel.paged_prefill_tile
         config["AT_END"] = True
@@ -114,6 +117,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warps", action=argparse.BooleanOptionalAction, default=True,
                     help="also decode by warps' launches (gpu_decode.WARP_VARIANTS; 'loop' is then a step of KP keys "
                          "a warp, counting the one-warp launch's rescale, which most steps skip)")
+    ap.add_argument("--mma", action=argparse.BooleanOptionalAction, default=True,
+                    help="also KERNEL 'mma' (gpu_decode.MMA_VARIANTS: N keys a step; 'loop' is then a step of N keys "
+                         "of one warp), for the pairs it reads")
     ap.add_argument("--codecs", default="units", help="how codes are read: units (the default), per-value (session 31's), or both")
     ap.add_argument("--columns", default="adjacent",
                     help="where a group of codes goes in the tile (paged_prefill.COLUMNS): adjacent (the default), "
@@ -151,6 +157,8 @@ def main(argv=None) -> int:
     settings = [([pair, "warps", "", warps, "", "fma", f"KP {keys}" + (", rows" if ahead else "")],
                  {"KERNEL": "warps", "num_warps": warps, "KP": keys, "PREFETCH": ahead})
                 for warps, keys, ahead in (WARP_VARIANTS if args.warps else ()) for pair in args.pairs.split(",")]
+    settings += [([pair, "mma", keys, 1, "", "f16", ""], {"KERNEL": "mma", "N": keys})
+                 for keys in (MMA_VARIANTS if args.mma else ()) for pair in args.pairs.split(",")]
     settings += [([pair, codecs + ("" if columns == "adjacent" else ", strided"), block_n, warps, stages or "", dot,
                    {True: "rows", 2: "codes"}.get(prefetch, "")],
                   {"BLOCK_N": block_n, "num_warps": warps, "DOT": dot, "CODECS": codecs, "PREFETCH": prefetch,

@@ -88,6 +88,9 @@ def test_gpu_model_benchmark_dry_run_holds_what_the_planner_predicts(capsys):
 # (script, arguments, table rows expected)
 GPU_DRY_RUNS = [
     ("gpu_decode.py", ["-d", "64", "-b", "1", "-r", "1", "-p", "q8_0/turbo4", "--dot", "ieee,f16"], 3),
+    # sdpa, turbo4/turbo4 by tiles and by mma, q8_0/turbo4 by tiles and refused by mma (a row saying so)
+    ("gpu_decode.py", ["-d", "64", "-b", "1", "-r", "1", "-p", "turbo4/turbo4,q8_0/turbo4", "--dot", "f16",
+                       "--kernels", "tiles,mma", "--no-loop"], 5),
     ("gpu_prefill.py", ["-d", "32", "-n", "16", "-p", "q8_0/turbo4", "-r", "1"], 1),
     ("gpu_weights.py", ["-t", "q4_0", "-s", "64x64", "-m", "32", "-r", "1", "--experts", "8x64x32x2",
                         "--expert-tokens", "1,80"], 6),
@@ -105,7 +108,7 @@ def _gpu_script(script: str, args: list[str], interpret: bool) -> subprocess.Com
                           text=True, timeout=300)
 
 
-@pytest.mark.parametrize("script,args,rows", GPU_DRY_RUNS, ids=[r[0] for r in GPU_DRY_RUNS])
+@pytest.mark.parametrize("script,args,rows", GPU_DRY_RUNS, ids=[f"{r[0]}-{i}" for i, r in enumerate(GPU_DRY_RUNS)])
 def test_gpu_benchmark_dry_runs_reach_their_tables(script, args, rows):
     done = _gpu_script(script, args, interpret=True)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -93,6 +93,8 @@ def test_saved_entries_load_back_and_replace_their_own_key(tmp_path):
     ({"tune": {"BLOCK_M": 16}}, "entry 0: not a launch setting: BLOCK_M"),
     ({"tune": {"KERNEL": "warps", "BLOCK_N": 16}}, "entry 0: not a setting of KERNEL='warps': BLOCK_N"),
     ({"backend": "f32", "tune": {"DOT": "f16"}}, "entry 0: the f32 backend takes float32 products"),
+    ({"backend": "f32", "tune": {"KERNEL": "mma"}}, "entry 0: the f32 backend takes float32 products, not those of "
+                                                     "KERNEL='mma'"),
     ({"tune": [16, 8]}, "entry 0: tune \\[16, 8\\] is not an object"),
     ({"rows": None}, "entry 0: rows None is not a positive integer")])
 def test_a_malformed_entry_is_refused_by_name(tmp_path, change, message):

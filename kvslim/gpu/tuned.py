@@ -69,9 +69,10 @@ def file_for(device_name: str) -> Path:
 
 def float32_products(tune: dict | None) -> bool:
     """Whether a launch takes its products in float32 (FMAs or tl.dot's "ieee"/"tf32x3"), which
-    the float32 backend requires; decode by warps always does."""
+    the float32 backend requires; decode by warps always does, KERNEL "mma" never (f16 operands)."""
     tune = tune or {}
-    return tune.get("KERNEL") == "warps" or tune.get("DOT", "ieee") in ("ieee", "tf32x3", "fma")
+    kernel = tune.get("KERNEL", "tiles")
+    return kernel == "warps" or (kernel == "tiles" and tune.get("DOT", "ieee") in ("ieee", "tf32x3", "fma"))
 
 
 def _entry(raw, where: str) -> Entry:
@@ -94,7 +95,8 @@ def _entry(raw, where: str) -> Entry:
     if not isinstance(raw["tune"], dict):
         raise ValueError(f"{where}: tune {raw['tune']!r} is not an object")
     if raw["backend"] == "f32" and not float32_products(raw["tune"]):
-        raise ValueError(f"{where}: the f32 backend takes float32 products, not DOT={raw['tune'].get('DOT')!r}")
+        raise ValueError(f"{where}: the f32 backend takes float32 products, not those of "
+                         f"KERNEL={raw['tune'].get('KERNEL', 'tiles')!r} DOT={raw['tune'].get('DOT')!r}")
     try:
         paged_prefill._launch_config(fmt_k, fmt_v, rows, head_dim, raw["tune"])   # the kernels' own checks
     except ValueError as exc:
