@@ -82,7 +82,8 @@ setup() {
 MODEL_TESTS="tests/test_runtime.py tests/test_sampling.py tests/test_formats_api.py tests/test_models.py tests/test_graph_decode.py"
 KERNEL_TESTS="tests/test_triton_attention.py tests/test_triton_prefill.py tests/test_triton_append.py
     tests/test_triton_weights.py tests/test_gpu_delta_rule.py tests/test_gpu_moe.py tests/test_gpu_swiglu.py tests/test_gpu_conv_step.py tests/test_gpu_rope.py
-    tests/test_gpu_add_norm.py tests/test_gpu_delta_step.py tests/test_gpu_gated_norm.py tests/test_gpu_rotation.py"
+    tests/test_gpu_add_norm.py tests/test_gpu_delta_step.py tests/test_gpu_gated_norm.py tests/test_gpu_rotation.py
+    tests/test_triton_decode_mma.py"
 PYTEST="-m pytest -p no:cacheprovider -o addopts= -rs -q"
 
 # `all` cuts each step to what its BUDGET leaves; the single phases run with deadline unset.
@@ -352,9 +353,13 @@ rerun() {
 followup() {
     deadline=$((SECONDS + ${BUDGET:-540}))
     setup || exit 1
+    # first the one question a lease has not answered: KERNEL "mma" (session 46, turbo4's codes
+    # decoded into tensor-core operands) against the tile kernel's f16 launch and SDPA on f16
+    KVSLIM_TRITON=1 timeout -k 5 "$(left 40)" $PY benchmarks/gpu_decode.py -d 32768,131072 -b 1,8 -r 5 --no-loop \
+        -p turbo4/turbo4 --dot f16 --kernels tiles,mma 2>&1 | tee "$OUT/decode-mma.md" | tail -12
     # rows print as they come: a run cut by its time still leaves the pairs it reached
     KVSLIM_TRITON=1 timeout -k 5 "$(left 160)" $PY benchmarks/gpu_decode.py --sweep -d 131072 -b 8,1 -r 5 --dot f16 \
-        --kernels warps,tiles -p turbo4/turbo4,turbo3/turbo3,q8_0/turbo4,f16/f16 --jobs 15 --warm-timeout 60 \
+        --kernels mma,warps,tiles -p turbo4/turbo4,turbo3/turbo3,q8_0/turbo4,f16/f16 --jobs 15 --warm-timeout 60 \
         --tuned-out "$OUT/decode-tuned.json" 2>&1 | tee "$OUT/sweep.md" | tail -30
     local tuned=0
     [ -s "$OUT/decode-tuned.json" ] && tuned=$OUT/decode-tuned.json
@@ -364,7 +369,7 @@ followup() {
     # shellcheck disable=SC2086
     KVSLIM_TRITON=1 timeout -k 5 "$(left 230)" $PY $PYTEST -rfE -n 14 --timeout 150 -p no:benchmark $KERNEL_TESTS \
         $MODEL_TESTS -k "cuda or fla or h100" 2>&1 | tee "$OUT/tests-triton.log" | tail -25
-    decode_table 50 tiles,warps
+    decode_table 50 tiles,warps,mma
     echo "followup: $SECONDS s"
 }
 
