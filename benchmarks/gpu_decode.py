@@ -267,10 +267,10 @@ STRIDED = [(16, 8, None, "f16", False), (16, 2, None, "f16", False), (16, 8, Non
 # ~1,200 slots (9 an SM), 2,048 fill them (4x the splits' states to merge).
 WARP_VARIANTS = [(1, 1, 1), (1, 1, 0), (2, 1, 1), (4, 1, 1), (1, 2, 1)]
 WARP_SPLITS = {(1, 1, 1): (512, 128)}
-# Decode with codes decoded into tensor-core operands (session 46: KERNEL "mma", Gluon; turbo4 K and
-# V only, f16 products): N keys a step. sm_90 SASS (Triton 3.6), 8 rows at head_dim 256: 85
-# instructions a key at N 16 (168 registers, 12 one-warp programs an SM), 80.5 at 32 (244, 8), no
-# shared memory; the tile kernel's launches take 172-251. One warp a program, so splits of 128 keys
+# Decode with codes decoded into tensor-core operands (session 46: KERNEL "mma", Gluon; turbo4, turbo3
+# and turbo2 K and V, f16 products): N keys a step. sm_90 SASS (Triton 3.6), 8 rows at head_dim 256,
+# turbo4/turbo4: 85 instructions a key at N 16 (172 registers, 11 one-warp programs an SM), 81 at 32
+# (248, 8), no shared memory; the tile kernel's launches take 172-251. One warp a program, so splits of 128 keys
 # too, as the one-warp warps launch.
 MMA_VARIANTS = [16, 32]
 MMA_SPLITS = (512, 128)

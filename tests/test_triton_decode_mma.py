@@ -30,25 +30,30 @@ from .triton_harness import compiled_process, resource_usage, run_interpreted
 
 pytestmark = pytest.mark.skipif(not kvslim.gpu.available(), reason="triton is not installed: no GPU kernel to check")
 
-# (K, V, head_dim, group, lengths, page_size, split_keys, tune): two blocks a row and one; 8, 5 and
-# 1 query rows of the products' 8; an empty sequence; splits of 32 and the default; pages of 12
-# (a step's keys across pages); 32 keys a step with 64-bit row offsets
+# (K, V, head_dim, group, lengths, page_size, split_keys, tune): 4-, 3- and 2-bit codes, K and V
+# apart; two blocks a row and one; 8, 5, 3 and 1 query rows of the products' 8; an empty
+# sequence; splits of 32 and the default; pages of 12 (a step's keys across pages); 32 keys a
+# step with 64-bit row offsets
 CASES = [("turbo4", "turbo4", 256, 8, (40, 3, 0), 16, 32, {}),
          ("turbo4", "turbo4", 128, 5, (37, 100), 12, None, {}),
-         ("turbo4", "turbo4", 256, 1, (70,), 16, None, {"N": 32, "WIDE": True})]
+         ("turbo4", "turbo4", 256, 1, (70,), 16, None, {"N": 32, "WIDE": True}),
+         ("turbo3", "turbo3", 256, 8, (37, 100, 0), 12, None, {}),
+         ("turbo2", "turbo3", 128, 3, (20, 5), 16, None, {}),
+         ("turbo3", "turbo4", 128, 8, (50,), 16, 32, {"N": 32})]
 # step_output on it: one split (the kernel stores the output, gated too), and two (merged)
 STEPS = [("turbo4", "turbo4", 256, 8, (20, 5), 16, None, "bfloat16"),
-         ("turbo4", "turbo4", 128, 4, (72, 3), 32, 64, "float32")]
+         ("turbo3", "turbo3", 128, 4, (72, 3), 32, 64, "float32")]
 
 
 def _tables() -> dict:
-    """16-entry tables to read: turbo4's K and V tables at head_dim 256, and a table of f16
-    values of every kind (both signs, subnormal, zero, large) in no order."""
+    """Tables to read (16 entries, zero past a format's own): turbo4's, turbo3's and turbo2's at
+    head_dim 256, and one of f16 values of every kind (both signs, subnormal, zero, large) in no
+    order, whose first 8 and 4 entries the 3- and 2-bit codes read."""
     gen = torch.Generator().manual_seed(5)
     odd = torch.cat([torch.randn(12, generator=gen) * 100, torch.tensor([0.0, -6e-8, 3e-5, -65504.0])])
-    return {"turbo4 K": paged_prefill._lut(formats.get("turbo4", role="k"), 256, "cpu")[:16],
-            "turbo4 V": paged_prefill._lut(formats.get("turbo4", role="v"), 256, "cpu")[:16],
-            "odd": odd[torch.randperm(16, generator=gen)]}
+    tables = {name: paged_prefill._lut(formats.get(name, role="k"), 256, "cpu")[:16]
+              for name in ("turbo4", "turbo3", "turbo2")}
+    return dict(tables, odd=odd[torch.randperm(16, generator=gen)])
 
 
 def _planes_kernel(lut, out):
@@ -134,10 +139,10 @@ def _prmt(a, b, selector):
     return out
 
 
-def _run_ptx(text: str, inputs: list) -> list:
-    """The kernel's asm text on numpy uint32 arrays: $4.. the inputs, $0.. the 16-bit outputs.
-    Knows and, shr, or, prmt and the unpacking mov, and refuses anything else."""
-    regs = {f"${4 + i}": np.asarray(x, dtype=np.uint32) for i, x in enumerate(inputs)}
+def _run_ptx(text: str, inputs: list, outputs: int) -> list:
+    """The kernel's asm text on numpy uint32 arrays: $outputs.. the inputs, $0.. the 16-bit
+    outputs. Knows and, or, shl, shr, prmt and the unpacking mov, and refuses anything else."""
+    regs = {f"${outputs + i}": np.asarray(x, dtype=np.uint32) for i, x in enumerate(inputs)}
     value = lambda tok: regs[tok] if tok in regs else np.uint32(int(tok, 0))   # noqa: E731
     for line in text.strip().strip("{}").splitlines():
         line = line.strip().rstrip(";")
@@ -153,34 +158,62 @@ def _run_ptx(text: str, inputs: list) -> list:
             regs[dest] = value(args[0]) & value(args[1])
         elif op == "or.b32":
             regs[dest] = value(args[0]) | value(args[1])
+        elif op == "shl.b32":
+            regs[dest] = (value(args[0]).astype(np.uint64) << np.uint64(int(args[1]))).astype(np.uint32)
         elif op == "shr.u32":
             regs[dest] = value(args[0]) >> value(args[1])
         elif op == "prmt.b32":
             regs[dest] = _prmt(value(args[0]), value(args[1]), np.broadcast_to(value(args[2]), value(args[0]).shape))
         else:
             raise AssertionError(f"an instruction this check does not know: {line}")
-    return [regs[f"${i}"] for i in range(4)]
+    return [regs[f"${i}"] for i in range(outputs)]
+
+
+def _f16_bits(table: torch.Tensor) -> np.ndarray:
+    return table.to(torch.float16).view(torch.int16).numpy().view(np.uint16).astype(np.uint32)
 
 
 @pytest.mark.parametrize("name", list(_tables()))
 def test_the_byte_permutes_read_every_unit_from_the_table(interpreted, name):
-    """Every 2-byte unit's four codes (bits 0, 4, 8, 12) come out as their table entries' f16
-    bits, from the plane words the kernel built from the float32 table."""
+    """4-bit codes: every 2-byte unit's four codes (bits 0, 4, 8, 12) come out as their table
+    entries' f16 bits, from the plane words the kernel built from the float32 table."""
     from kvslim.gpu._decode_mma_kernel import PERMUTE_ASM
     units = np.arange(1 << 16, dtype=np.uint32)
     words = interpreted["planes"][name].numpy().view(np.uint32)
-    got = _run_ptx(PERMUTE_ASM.value, [units, *(np.full_like(units, w) for w in words)])
-    table = _tables()[name].to(torch.float16).view(torch.int16).numpy().view(np.uint16).astype(np.uint32)
+    got = _run_ptx(PERMUTE_ASM.value, [units, *(np.full_like(units, w) for w in words)], 4)
+    table = _f16_bits(_tables()[name])
     for p in range(4):
         assert np.array_equal(got[p], table[(units >> np.uint32(4 * p)) & np.uint32(15)]), p
+
+
+@pytest.mark.parametrize("bits", [3, 2])
+@pytest.mark.parametrize("name", ["turbo3", "turbo2", "odd"])
+def test_the_byte_permutes_read_3_and_2_bit_groups(interpreted, bits, name):
+    """3- and 2-bit codes, a group of 16 in 3 or 2 units: each code at each of the 16 places with
+    each value, and 20,000 random groups, come out as their entries' f16 bits."""
+    from kvslim.gpu._decode_mma_kernel import THREE_ASM, TWO_ASM
+    rng = np.random.default_rng(bits)
+    codes = rng.integers(0, 1 << bits, size=(20_000, 16), dtype=np.uint64)
+    every = np.zeros((16 << bits, 16), dtype=np.uint64)
+    for place in range(16):
+        every[place << bits:(place + 1) << bits, place] = np.arange(1 << bits)
+    codes = np.concatenate([every, codes])
+    run = (codes << (np.arange(16, dtype=np.uint64) * np.uint64(bits))).sum(axis=1)      # little-endian bits
+    units = [((run >> np.uint64(16 * i)) & np.uint64(0xFFFF)).astype(np.uint32) for i in range(bits)]
+    words = interpreted["planes"][name].numpy().view(np.uint32)
+    planes = [np.full_like(units[0], words[i]) for i in (0, 1, 4, 5)]
+    got = _run_ptx((THREE_ASM if bits == 3 else TWO_ASM).value, units + planes, 16)
+    table = _f16_bits(_tables()[name])
+    for c in range(16):
+        assert np.array_equal(got[c], table[codes[:, c].astype(np.int64)]), c
 
 
 # ---- what it refuses -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name_k,name_v,dim,rows,tune,why", [
-    ("q8_0", "turbo4", 256, 8, {}, "4-bit codes through a table"),
-    ("turbo4", "turbo3", 256, 8, {}, "4-bit codes through a table"),
-    ("turbo4", "iq4_nl", 256, 8, {}, "4-bit codes through a table"),
+    ("q8_0", "turbo4", 256, 8, {}, "2-bit codes through a table (turbo4, turbo3, turbo2), not q8_0"),
+    ("turbo4", "iq4_nl", 256, 8, {}, "not iq4_nl rows"),
+    ("f16", "turbo3", 256, 8, {}, "not f16 rows"),
     ("turbo4", "turbo4", 64, 8, {}, "head_dim 128 or 256, not 64"),
     ("turbo4", "turbo4", 256, 9, {}, "at most 8 query rows"),
     ("turbo4", "turbo4", 256, 8, {"N": 8}, "N=8 with KERNEL='mma'"),
@@ -207,20 +240,22 @@ def test_mma_decodes_only():
 
 # ---- its sm_90 code, without a GPU -----------------------------------------------------------
 
-@pytest.mark.parametrize("dim,keys", [(256, 16), (128, 16), (256, 32)])
-def test_mma_decodes_in_registers_for_an_h100_without_one(dim, keys):
+@pytest.mark.parametrize("name_k,name_v,dim,keys", [("turbo4", "turbo4", 256, 16), ("turbo4", "turbo4", 128, 16),
+                                                    ("turbo4", "turbo4", 256, 32), ("turbo3", "turbo3", 256, 16),
+                                                    ("turbo2", "turbo4", 128, 16)])
+def test_mma_decodes_in_registers_for_an_h100_without_one(name_k, name_v, dim, keys):
     """What the kernel is for, in its sm_90 SASS (decode's launch: bf16 q read in place, the table
     by slot): no shared memory at all, no barrier or shared-memory access in its loop over keys,
     no spill; and it compiled, so every conversion to an operand layout was a relabelling
-    (``assert_trivial``). 85 instructions a key at head_dim 256 (Triton 3.6 and 3.9)."""
+    (``assert_trivial``). turbo4/turbo4 85 instructions a key at head_dim 256, turbo3 75 (Triton
+    3.6 and 3.9)."""
     from kvslim.gpu import _decode_mma_kernel, compile_sm90, cuobjdump, loop_ops
-    fmt = formats.get("turbo4", role="k")
-    config = dict(paged_prefill._launch_config(fmt, formats.get("turbo4", role="v"), 8, dim,
-                                               {"KERNEL": "mma", "N": keys}), BY_SLOT=True)
+    fmt, fmt_v = formats.get(name_k, role="k"), formats.get(name_v, role="v")
+    config = dict(paged_prefill._launch_config(fmt, fmt_v, 8, dim, {"KERNEL": "mma", "N": keys}), BY_SLOT=True)
     config.pop("KERNEL")
     num_warps = config.pop("num_warps")
     compiled = compile_sm90(_decode_mma_kernel.paged_decode_mma, dict(paged_prefill.POINTER_ARGS, q_ptr="*bf16"),
-                            config, paged_prefill.aligned_args(fmt, fmt, dim), num_warps=num_warps)
+                            config, paged_prefill.aligned_args(fmt, fmt_v, dim), num_warps=num_warps)
     step = loop_ops(cuobjdump(compiled, "-sass"))
     assert step and not [op for op in step if op.startswith(("BAR", "LDS", "STS"))], sorted(set(step))
     assert compiled.metadata.shared == 0 and resource_usage(compiled)["STACK"] == 0
@@ -241,14 +276,15 @@ def test_mma_decode_on_cuda_matches_torch_block_loop(index):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the compiled kernel waits for a GPU")
-@pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("dim", [128, 256])
-def test_mma_decode_on_cuda_at_each_head_dim_and_group(dim, group):
-    """Issue 18's matrix for the pair this kernel reads: turbo4/turbo4 at GQA 1, 4 and 8."""
+@pytest.mark.parametrize("name_k,name_v", [(k, v) for k in ("turbo4", "turbo3", "turbo2") for v in ("turbo4", "turbo3", "turbo2")])
+def test_mma_decode_on_cuda_at_each_head_dim_and_group(name_k, name_v, dim):
+    """Issue 18's matrix for the pairs this kernel reads: at GQA 1, 4 and 8."""
     compiled_process()
-    fmt_k, fmt_v, *tensors = _case("turbo4", "turbo4", dim, group, [37, 100, 16, 0], page_size=16)
-    got = gpu.decode_state(fmt_k, fmt_v, *[t.cuda() for t in tensors], split_keys=64, tune={"KERNEL": "mma"})
-    _check_f16_products([x.cpu() for x in got], _torch_state(fmt_k, fmt_v, *tensors), tensors[-1])
+    for group in (1, 4, 8):
+        fmt_k, fmt_v, *tensors = _case(name_k, name_v, dim, group, [37, 100, 16, 0], page_size=16)
+        got = gpu.decode_state(fmt_k, fmt_v, *[t.cuda() for t in tensors], split_keys=64, tune={"KERNEL": "mma"})
+        _check_f16_products([x.cpu() for x in got], _torch_state(fmt_k, fmt_v, *tensors), tensors[-1])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the compiled kernel waits for a GPU")

@@ -1,4 +1,4 @@
-"""Decode attention with 4-bit codes decoded straight into tensor-core operands
+"""Decode attention with packed codes decoded straight into tensor-core operands
 (``paged_prefill.attend`` with KERNEL "mma"; imported only when it runs).
 
 The tile kernel (``_paged_prefill_kernel``) decodes a block of keys in a layout of Triton's
@@ -7,27 +7,30 @@ barriers every block. Triton's language cannot say where a value should live, an
 does not move the decoding past that staging (checked in session 46: an elementwise-only
 decoding, byte permutes included, was still decoded first and staged after). Gluon, Triton's
 layout-explicit dialect, can: here each lane loads exactly the 2-byte units whose codes its
-``mma`` operand registers hold, decodes them there (``_codes4``: 11 instructions for 4 values),
-and the conversion to the operand layout is a relabelling, asserted at compile time
-(``convert_layout(..., assert_trivial=True)``). No shared memory, no barrier in a step.
+``mma`` operand registers hold, decodes them there (``_group``: byte permutes, about 3
+instructions a value), and the conversion to the operand layout is a relabelling, asserted at
+compile time (``convert_layout(..., assert_trivial=True)``). No shared memory, no barrier in a
+step.
 
 One warp a program, one program per (KV head, sequence, split of keys), as the other decode
 kernels. With the GQA group's 8 query rows as the products' narrow side, the products are
 transposed: scores^T (N keys, 8 rows) = K (N, D) q^T, and out^T (D, 8) += V^T (D, N) P^T.
+- Codes come in groups of 16 (4 units of 4-bit codes, 3 of 3-bit, 2 of 2-bit), 8 a block of 128.
 - K as operand A: lane (g, r) (g = lane // 4, r = lane % 4) holds keys g and g + 8, and of each
-  16 dimensions of a k-step the 4 at (2r, 2r + 1, 2r + 8, 2r + 9). Dimensions are relabelled so
-  those 4 are one unit's codes: logical k = 16j + 8h + 2r + e is code 2h + e of unit 4j + r
-  (physical dimension 16j + 4r + 2h + e). q^T takes the same relabelling when it is loaded.
+  16 dimensions of a k-step the 4 at (2r, 2r + 1, 2r + 8, 2r + 9), 32 of a block. Dimensions are
+  relabelled so those 32 are groups 2r and 2r + 1: logical k = 16j + 8h + 2r + e is code
+  32r + 4j + 2h + e. q^T takes the same relabelling when it is loaded.
 - V^T as operand A: lane (g, r) holds dimensions g + 8i and, of each 16 keys, 2r, 2r + 1,
   2r + 8, 2r + 9. Logical dimension g + 8i is physical 16g + i (within a block of 128): a
-  lane's 16 dimensions of a key are 4 consecutive units. The sums come out in that order and
-  are stored back in the physical order.
-- A block's f16 scale (turbo4's norm, one per 128 values) is not multiplied per value: scores
-  are each block's products times its keys' K norms, and P^T is scaled by the V norms per block.
+  lane's 16 dimensions of a key are group g. The sums come out in that order and are stored
+  back in the physical order.
+- A block's f16 scale (the turbo formats' norm, one per 128 values) is not multiplied per value:
+  scores are each block's products times its keys' K norms, and P^T is scaled by the V norms
+  per block.
 
-Formats: codes of 4 bits packed little-endian (turbo4's layout: [f16 norm][64 bytes] per 128
-values) read through a 16-entry table, K and V, head_dim 128 or 256, up to 8 query rows.
-``paged_prefill._mma_config`` refuses the rest by name.
+Formats: codes of 4, 3 or 2 bits packed little-endian after a block's f16 norm (turbo4, turbo3
+and turbo2: [f16][16 x BITS bytes] per 128 values) read through a table, K and V each, head_dim
+128 or 256, up to 8 query rows. ``paged_prefill._mma_config`` refuses the rest by name.
 
 Under Triton's interpreter (the CI), Gluon has no interpreter: the same function bodies run as
 Triton kernels, with ``gl``'s layout calls read as no-ops (``_AS_TRITON``), ``mma_v2`` as
@@ -57,11 +60,11 @@ def _probe():
 INTERPRETED = not isinstance(_probe, JITFunction)           # TRITON_INTERPRET=1 when kernels are decorated
 BLOCK = gl.constexpr(128)   # values a block of the formats read here: one f16 scale each
 
-# A unit's four codes -> their f16 table entries by byte permutes: ``prmt`` picks bytes of a
-# register pair by 3-bit selectors, so each byte plane of the table ($5-$8 the entries' low bytes,
-# $9-$12 their high bytes, 4 a word) is read in its lower and upper 8 entries by the code's low 3
-# bits, and bit 3 picks between the two (selector n + 4); the planes are then interleaved into
-# two f16 pairs. tests/test_triton_decode_mma.py runs this text's meaning over every unit.
+# A unit's four 4-bit codes -> their f16 table entries by byte permutes: ``prmt`` picks bytes of
+# a register pair by 3-bit selectors, so each byte plane of the table ($5-$8 the entries' low
+# bytes, $9-$12 their high bytes, 4 a word) is read in its lower and upper 8 entries by the code's
+# low 3 bits, and bit 3 picks between the two (selector n + 4); the planes are then interleaved
+# into two f16 pairs. tests/test_triton_decode_mma.py runs these texts' meaning over every unit.
 PERMUTE_ASM = gl.constexpr("""
 {
 .reg .b32 sel, pick, a, b, lo, hi, pair0, pair1;
@@ -81,7 +84,39 @@ mov.b32 {$0, $1}, pair0;
 mov.b32 {$2, $3}, pair1;
 }
 """)
+
+
+def _narrow_asm(bits: int) -> str:
+    """A group of 16 codes of 3 or 2 bits (3 or 2 units, $16..; little-endian, code c at bit bits * c)
+    -> their 16 f16 entries ($0-$15) of an 8-entry table ($16 + units ..: low-byte words, then
+    high-byte words, 2 each). Four codes at a time: their bits spread to a nibble each in two
+    steps (fields of bits, 2 bits, then one apart), then one ``prmt`` a byte plane, interleaved."""
+    units = bits                            # 16 codes x bits = bits 2-byte units
+    lo, hi = f"${16 + units}, ${17 + units}", f"${18 + units}, ${19 + units}"
+    lines = ["{", ".reg .b32 w0, w1, x, a, b, s, lo, hi, pair;", "prmt.b32 w0, $16, $17, 0x5410;"]
+    if bits == 3:                           # bits 16..47, for the codes past bit 31
+        lines.append("prmt.b32 w1, $17, $18, 0x5410;")
+    width = 4 * bits                        # a chunk of 4 codes
+    first, second = (0x3F, 0x0707) if bits == 3 else (0x0F, 0x0303)
+    for k in range(4):
+        start = width * k
+        word, shift = ("w0", start) if start + width <= 32 else ("w1", start - 16)
+        lines += [f"shr.u32 x, {word}, {shift};",
+                  f"and.b32 a, x, {first:#x};", f"shl.b32 b, x, {8 - 2 * bits};",
+                  f"and.b32 b, b, {first << 8:#x};", "or.b32 s, a, b;",
+                  f"and.b32 a, s, {second:#x};", f"shl.b32 b, s, {4 - bits};",
+                  f"and.b32 b, b, {second << 4:#x};", "or.b32 s, a, b;",
+                  f"prmt.b32 lo, {lo}, s;", f"prmt.b32 hi, {hi}, s;",
+                  "prmt.b32 pair, lo, hi, 0x5140;", f"mov.b32 {{${4 * k}, ${4 * k + 1}}}, pair;",
+                  "prmt.b32 pair, lo, hi, 0x7362;", f"mov.b32 {{${4 * k + 2}, ${4 * k + 3}}}, pair;"]
+    return "\n".join(lines + ["}"])
+
+
+THREE_ASM = gl.constexpr(_narrow_asm(3))
+TWO_ASM = gl.constexpr(_narrow_asm(2))
 COMPILED = gl.constexpr(not INTERPRETED)
+H16 = gl.constexpr((gl.float16,) * 16)
+OUT16 = gl.constexpr(",".join(["=h"] * 16))
 
 
 def _plane_word(lut, plane: tl.constexpr, word: tl.constexpr):
@@ -100,9 +135,9 @@ def _planes(lut):
             _plane_word(lut, 1, 0), _plane_word(lut, 1, 1), _plane_word(lut, 1, 2), _plane_word(lut, 1, 3))
 
 
-def _codes4(unit, lut, planes):
-    """2-byte units (any shape; codes at bits 0, 4, 8, 12) -> their four codes' f16 table entries,
-    joined (..., e, h): code 2h + e. Compiled: the byte permutes; interpreted: a table read."""
+def _unit4(unit, lut, planes):
+    """A 2-byte unit's four 4-bit codes (bits 0, 4, 8, 12) -> their f16 table entries. Compiled:
+    the byte permutes; interpreted: a table read."""
     if COMPILED:
         a, b, c, d = gl.inline_asm_elementwise(
             PERMUTE_ASM, "=h,=h,=h,=h,r,r,r,r,r,r,r,r,r",
@@ -114,7 +149,80 @@ def _codes4(unit, lut, planes):
         b = gl.load(lut + ((code >> 4) & 15)).to(gl.float16)
         c = gl.load(lut + ((code >> 8) & 15)).to(gl.float16)
         d = gl.load(lut + ((code >> 12) & 15)).to(gl.float16)
-    return gl.join(gl.join(a, b), gl.join(c, d))
+    return a, b, c, d
+
+
+def _code(u0, u1, u2, c: tl.constexpr, BITS: tl.constexpr):
+    """Code c of a group of 16 from its units (the interpreter's reading, as ``_codecs._cut_codes``)."""
+    if BITS == 3:
+        if c < 10:
+            code = ((u0.to(gl.int32) | (u1.to(gl.int32) << 16)) >> (3 * c)) & 7
+        else:
+            code = ((u1.to(gl.int32) | (u2.to(gl.int32) << 16)) >> (3 * c - 16)) & 7
+    else:                                   # 2 bits: 8 codes a unit
+        if c < 8:
+            code = (u0.to(gl.int32) >> (2 * c)) & 3
+        else:
+            code = (u1.to(gl.int32) >> (2 * c - 16)) & 3
+    return code
+
+
+def _group(u0, u1, u2, u3, lut, planes, BITS: tl.constexpr):
+    """A group of 16 codes (its units u0.. of any one shape: 4 for 4-bit codes, 3 for 3-bit, 2 for
+    2-bit) -> their 16 f16 table entries, joined (..., b0, b1, b2, b3): code c = 8 b3 + 4 b2 +
+    2 b1 + b0."""
+    if BITS == 4:
+        a0, a1, a2, a3 = _unit4(u0, lut, planes)
+        a4, a5, a6, a7 = _unit4(u1, lut, planes)
+        a8, a9, a10, a11 = _unit4(u2, lut, planes)
+        a12, a13, a14, a15 = _unit4(u3, lut, planes)
+    elif COMPILED:
+        if BITS == 3:
+            a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15 = gl.inline_asm_elementwise(
+                THREE_ASM, OUT16 + ",r,r,r,r,r,r,r",
+                [u0.to(gl.uint32), u1.to(gl.uint32), u2.to(gl.uint32), planes[0], planes[1], planes[4], planes[5]],
+                H16, True, 1)
+        else:
+            a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15 = gl.inline_asm_elementwise(
+                TWO_ASM, OUT16 + ",r,r,r,r,r,r",
+                [u0.to(gl.uint32), u1.to(gl.uint32), planes[0], planes[1], planes[4], planes[5]], H16, True, 1)
+    else:
+        a0 = gl.load(lut + _code(u0, u1, u2, 0, BITS)).to(gl.float16)
+        a1 = gl.load(lut + _code(u0, u1, u2, 1, BITS)).to(gl.float16)
+        a2 = gl.load(lut + _code(u0, u1, u2, 2, BITS)).to(gl.float16)
+        a3 = gl.load(lut + _code(u0, u1, u2, 3, BITS)).to(gl.float16)
+        a4 = gl.load(lut + _code(u0, u1, u2, 4, BITS)).to(gl.float16)
+        a5 = gl.load(lut + _code(u0, u1, u2, 5, BITS)).to(gl.float16)
+        a6 = gl.load(lut + _code(u0, u1, u2, 6, BITS)).to(gl.float16)
+        a7 = gl.load(lut + _code(u0, u1, u2, 7, BITS)).to(gl.float16)
+        a8 = gl.load(lut + _code(u0, u1, u2, 8, BITS)).to(gl.float16)
+        a9 = gl.load(lut + _code(u0, u1, u2, 9, BITS)).to(gl.float16)
+        a10 = gl.load(lut + _code(u0, u1, u2, 10, BITS)).to(gl.float16)
+        a11 = gl.load(lut + _code(u0, u1, u2, 11, BITS)).to(gl.float16)
+        a12 = gl.load(lut + _code(u0, u1, u2, 12, BITS)).to(gl.float16)
+        a13 = gl.load(lut + _code(u0, u1, u2, 13, BITS)).to(gl.float16)
+        a14 = gl.load(lut + _code(u0, u1, u2, 14, BITS)).to(gl.float16)
+        a15 = gl.load(lut + _code(u0, u1, u2, 15, BITS)).to(gl.float16)
+    e0 = gl.join(gl.join(gl.join(a0, a1), gl.join(a2, a3)), gl.join(gl.join(a4, a5), gl.join(a6, a7)))
+    e1 = gl.join(gl.join(gl.join(a8, a9), gl.join(a10, a11)), gl.join(gl.join(a12, a13), gl.join(a14, a15)))
+    return gl.join(e0, e1)
+
+
+def _units(row, b: tl.constexpr, g, live, BITS: tl.constexpr):
+    """The 2-byte units of groups g (any shape; group g holds codes 16g .. 16g + 15) of block b of
+    the rows at byte pointers ``row`` (g's shape), 0 where not ``live``: u0 .. u3, the last ones
+    repeated where a group has fewer (BITS of them)."""
+    at = (row + b * (2 + 16 * BITS) + 2).to(gl.pointer_type(gl.uint16)) + g * BITS
+    u0 = gl.load(at, mask=live, other=0)
+    u1 = gl.load(at + 1, mask=live, other=0)
+    u2 = u1
+    u3 = u1
+    if BITS >= 3:
+        u2 = gl.load(at + 2, mask=live, other=0)
+        u3 = u2
+    if BITS == 4:
+        u3 = gl.load(at + 3, mask=live, other=0)
+    return u0, u1, u2, u3
 
 
 def _rows(table_at, t, end, PAGE_SIZE: tl.constexpr, WIDE: tl.constexpr):
@@ -128,32 +236,37 @@ def _rows(table_at, t, end, PAGE_SIZE: tl.constexpr, WIDE: tl.constexpr):
 
 
 def _k_block(k_head, table_at, t, end, row_bytes, b: tl.constexpr, lut, planes, N: tl.constexpr,
-             PAGE_SIZE: tl.constexpr, WIDE: tl.constexpr, layout: tl.constexpr, operand: tl.constexpr):
-    """Block b of N keys' K rows at positions t (N,) as operand A (N, 128) in the relabelled order
-    (logical k = 16j + 8h + 2r + e: code 2h + e of unit 4j + r); masked keys' codes as 0."""
+             PAGE_SIZE: tl.constexpr, WIDE: tl.constexpr, BITS: tl.constexpr, layout: tl.constexpr,
+             operand: tl.constexpr):
+    """Block b of N keys' K rows at positions t (N,) as operand A (N, 128), relabelled: lane r
+    holds codes 32r .. 32r + 31 of a key (groups 2r and 2r + 1), logical k = 16j + 8h + 2r + e
+    being code 32r + 4j + 2h + e; masked keys' codes as 0."""
     row = k_head + _rows(table_at, t, end, PAGE_SIZE, WIDE) * row_bytes
-    units = (row + b * (BLOCK // 2 + 2) + 2).to(gl.pointer_type(gl.uint16))
-    u = gl.arange(0, BLOCK // 4, layout=gl.SliceLayout(0, layout))
-    x = _codes4(gl.load(units[:, None] + u[None, :], mask=(t < end)[:, None], other=0), lut, planes)
-    x = gl.reshape(gl.permute(gl.reshape(x, [N, BLOCK // 16, 4, 2, 2]), [0, 1, 4, 2, 3]), [N, BLOCK])
-    return gl.convert_layout(x, operand, assert_trivial=COMPILED)
+    g = gl.arange(0, BLOCK // 16, layout=gl.SliceLayout(0, layout))
+    u0, u1, u2, u3 = _units(row[:, None], b, g[None, :], (t < end)[:, None] & (g < 8)[None, :], BITS)
+    x = _group(u0, u1, u2, u3, lut, planes, BITS)                       # [n, 2r + gg, b0, b1, b2, b3]
+    x = gl.permute(gl.reshape(x, [N, 4, 2, 2, 2, 2, 2]), [0, 2, 6, 5, 4, 1, 3])   # [n, gg, b3, b2, b1, r, b0]
+    return gl.convert_layout(gl.reshape(x, [N, BLOCK]), operand, assert_trivial=COMPILED)
 
 
 def _v_block(v_head, table_at, t, end, row_bytes, b: tl.constexpr, lut, planes, N: tl.constexpr,
-             PAGE_SIZE: tl.constexpr, WIDE: tl.constexpr, layout: tl.constexpr, operand: tl.constexpr):
-    """Block b of N keys' V rows at positions t (N,) as operand A of V^T (128, N), logical
-    dimension g + 8i being physical 16g + i (unit 4g + i // 4, code i % 4)."""
+             PAGE_SIZE: tl.constexpr, WIDE: tl.constexpr, BITS: tl.constexpr, layout: tl.constexpr,
+             operand: tl.constexpr):
+    """Block b of N keys' V rows at positions t (N,) as operand A of V^T (128, N), relabelled:
+    lane g (of 8) holds group g's 16 codes of its keys, logical dimension g + 8i being physical
+    16g + i."""
     row = v_head + _rows(table_at, t, end, PAGE_SIZE, WIDE) * row_bytes
-    units = (row + b * (BLOCK // 2 + 2) + 2).to(gl.pointer_type(gl.uint16))
-    u = gl.arange(0, BLOCK // 4, layout=gl.SliceLayout(1, layout))
-    x = _codes4(gl.load(units[None, :] + u[:, None], mask=(t < end)[None, :], other=0), lut, planes)
-    x = gl.reshape(gl.permute(gl.reshape(x, [8, 4, N, 2, 2]), [1, 4, 3, 0, 2]), [BLOCK, N])
-    return gl.convert_layout(x, operand, assert_trivial=COMPILED)
+    g = gl.arange(0, BLOCK // 16, layout=gl.SliceLayout(1, layout))
+    u0, u1, u2, u3 = _units(row[None, :], b, g[:, None], (t < end)[None, :] & (g < 8)[:, None], BITS)
+    x = _group(u0, u1, u2, u3, lut, planes, BITS)                       # [g, n, b0, b1, b2, b3]
+    x = gl.permute(x, [5, 4, 3, 2, 0, 1])                               # [b3, b2, b1, b0, g, n]
+    return gl.convert_layout(gl.reshape(x, [BLOCK, N]), operand, assert_trivial=COMPILED)
 
 
-def _norms(head, table_at, t, end, row_bytes, b: tl.constexpr, PAGE_SIZE: tl.constexpr, WIDE: tl.constexpr):
+def _norms(head, table_at, t, end, row_bytes, b: tl.constexpr, PAGE_SIZE: tl.constexpr, WIDE: tl.constexpr,
+           BITS: tl.constexpr):
     """Block b's f16 scale of the rows at positions t, float32; 0 past ``end``."""
-    row = head + _rows(table_at, t, end, PAGE_SIZE, WIDE) * row_bytes + b * (BLOCK // 2 + 2)
+    row = head + _rows(table_at, t, end, PAGE_SIZE, WIDE) * row_bytes + b * (2 + 16 * BITS)
     return gl.load(row.to(gl.pointer_type(gl.float16)), mask=t < end, other=0.0).to(gl.float32)
 
 
@@ -176,7 +289,7 @@ def paged_decode_mma(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr, k
                      q_heads, q_seqs, q_rows, q_scale, slots_ptr, length_offset, o_heads, o_seqs, o_rows,
                      gate_ptr, g_heads, g_seqs, g_rows,
                      HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, N: tl.constexpr,
-                     WIDE: tl.constexpr,
+                     WIDE: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
                      BY_SLOT: tl.constexpr = False, NORMALISE: tl.constexpr = False, GATED: tl.constexpr = False):
     """``paged_prefill_tile``'s decode launch with its arguments and outputs: the state of rows
     0..n_rows-1 (at most 8) of (KV head, sequence) over the keys of one split, N keys a step, or
@@ -187,8 +300,8 @@ def paged_decode_mma(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr, k
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    k_units: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [1, 1], [1, 0])     # (N keys, 32 units): operand A's lanes
-    v_units: gl.constexpr = gl.BlockedLayout([4, 2], [8, 4], [1, 1], [1, 0])     # (32 units, N keys): V^T's lanes
+    k_groups: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [1, 1], [1, 0])   # (N keys, 8 groups): operand A's lanes
+    v_groups: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [1, 1], [1, 0])   # (8 groups, N keys): V^T's lanes
     h = gl.program_id(0)
     s = gl.program_id(1)
     split = gl.program_id(2)
@@ -206,7 +319,7 @@ def paged_decode_mma(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr, k
     # q^T per block (128, ROWS), operand B, in K's relabelled order, scaled, f16
     kq = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, b_op))
     rq = gl.arange(0, ROWS, layout=gl.SliceLayout(0, b_op))
-    dim = (kq // 16) * 16 + ((kq // 2) % 4) * 4 + ((kq // 8) % 2) * 2 + kq % 2
+    dim = ((kq // 2) % 4) * 32 + (kq // 16) * 4 + ((kq // 8) % 2) * 2 + kq % 2   # _k_block's relabelling
     q_at = q_ptr + h.to(gl.int64) * q_heads + s.to(gl.int64) * q_seqs + rq[None, :] * q_rows + dim[:, None]
     q_live = (rq < n_rows)[None, :] & (dim < BLOCK)[:, None]
     q0 = (gl.load(q_at, mask=q_live, other=0.0).to(gl.float32) * q_scale).to(gl.float16)
@@ -220,20 +333,21 @@ def paged_decode_mma(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr, k
     l_i = gl.full([ROWS], 0.0, gl.float32, layout=gl.SliceLayout(0, mma))
     acc0 = gl.full([BLOCK, ROWS], 0.0, gl.float32, layout=mma)
     acc1 = acc0
-    keys_k = gl.arange(0, N, layout=gl.SliceLayout(1, k_units))
-    keys_v = gl.arange(0, N, layout=gl.SliceLayout(0, v_units))
+    keys_k = gl.arange(0, N, layout=gl.SliceLayout(1, k_groups))
+    keys_v = gl.arange(0, N, layout=gl.SliceLayout(0, v_groups))
     keys_s = gl.arange(0, N, layout=gl.SliceLayout(1, mma))
     for start in range(begin, end, N):
         zero = gl.full([N, ROWS], 0.0, gl.float32, layout=mma)
         t = start + keys_s
         k0 = _k_block(k_head, table_at, start + keys_k, end, k_row_bytes, 0, k_lut, k_planes, N, PAGE_SIZE, WIDE,
-                      k_units, a_op)
-        scores = mma_v2(k0, q0, zero) * _norms(k_head, table_at, t, end, k_row_bytes, 0, PAGE_SIZE, WIDE)[:, None]
+                      K_BITS, k_groups, a_op)
+        scores = mma_v2(k0, q0, zero) * _norms(k_head, table_at, t, end, k_row_bytes, 0, PAGE_SIZE, WIDE,
+                                               K_BITS)[:, None]
         if NB == 2:
             k1 = _k_block(k_head, table_at, start + keys_k, end, k_row_bytes, 1, k_lut, k_planes, N, PAGE_SIZE,
-                          WIDE, k_units, a_op)
+                          WIDE, K_BITS, k_groups, a_op)
             scores += mma_v2(k1, q1, zero) * _norms(k_head, table_at, t, end, k_row_bytes, 1, PAGE_SIZE,
-                                                    WIDE)[:, None]
+                                                    WIDE, K_BITS)[:, None]
         scores = gl.where((t < end)[:, None], scores, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(scores, axis=0))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)          # a row without keys yet: exp(-inf) = 0
@@ -242,13 +356,13 @@ def paged_decode_mma(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr, k
         l_i = l_i * corr + gl.sum(p, axis=0)
         m_i = m_new
         v0 = _v_block(v_head, table_at, start + keys_v, end, v_row_bytes, 0, v_lut, v_planes, N, PAGE_SIZE, WIDE,
-                      v_units, a_op)
-        p0 = p * _norms(v_head, table_at, t, end, v_row_bytes, 0, PAGE_SIZE, WIDE)[:, None]
+                      V_BITS, v_groups, a_op)
+        p0 = p * _norms(v_head, table_at, t, end, v_row_bytes, 0, PAGE_SIZE, WIDE, V_BITS)[:, None]
         acc0 = mma_v2(v0, gl.convert_layout(p0.to(gl.float16), b_op), acc0 * corr[None, :])
         if NB == 2:
             v1 = _v_block(v_head, table_at, start + keys_v, end, v_row_bytes, 1, v_lut, v_planes, N, PAGE_SIZE,
-                          WIDE, v_units, a_op)
-            p1 = p * _norms(v_head, table_at, t, end, v_row_bytes, 1, PAGE_SIZE, WIDE)[:, None]
+                          WIDE, V_BITS, v_groups, a_op)
+            p1 = p * _norms(v_head, table_at, t, end, v_row_bytes, 1, PAGE_SIZE, WIDE, V_BITS)[:, None]
             acc1 = mma_v2(v1, gl.convert_layout(p1.to(gl.float16), b_op), acc1 * corr[None, :])
 
     # the sums' logical dimension d (block b) is physical b * 128 + 16 (d % 8) + d // 8
@@ -322,7 +436,7 @@ class _AsTriton:
 
 _AS_TRITON = _AsTriton()
 
-_BODIES = (_plane_word, _planes, _codes4, _rows, _k_block, _v_block, _norms, _stored_as, paged_decode_mma)
+_BODIES = (_plane_word, _planes, _unit4, _code, _group, _units, _rows, _k_block, _v_block, _norms, _stored_as, paged_decode_mma)
 
 
 def _decorate():

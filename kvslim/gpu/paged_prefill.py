@@ -291,15 +291,15 @@ def _warps_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict, page_siz
 
 
 def _mma_refusal(fmt, head_dim: int) -> str | None:
-    """Why KERNEL "mma" cannot read a format's rows at ``head_dim``, or None: it reads 4-bit codes
-    packed in order through a 16-entry table, one f16 scale a block of 128 values (turbo4's
-    layout), at head_dim 128 or 256 (``_decode_mma_kernel``)."""
+    """Why KERNEL "mma" cannot read a format's rows at ``head_dim``, or None: it reads 4-, 3- and
+    2-bit codes packed in order through a table, one f16 scale a block of 128 values (turbo4's,
+    turbo3's and turbo2's layout), at head_dim 128 or 256 (``_decode_mma_kernel``)."""
     if head_dim not in (MMA_BLOCK, 2 * MMA_BLOCK):
         return f"KERNEL='mma' reads head_dim {MMA_BLOCK} or {2 * MMA_BLOCK}, not {head_dim}"
     f = _fields(fmt, head_dim)
-    if f is None or f.kind != PACKED or f.bits != 4 or f.lut is None:
-        return f"KERNEL='mma' reads 4-bit codes through a table (turbo4), not {fmt.name} rows"
-    if (f.block_values, f.block_bytes, f.header_bytes, f.offset_at, f.sub_values) != (MMA_BLOCK, MMA_BLOCK // 2 + 2,
+    if f is None or f.kind != PACKED or f.bits not in (2, 3, 4) or f.lut is None:
+        return f"KERNEL='mma' reads 4-, 3- and 2-bit codes through a table (turbo4, turbo3, turbo2), not {fmt.name} rows"
+    if (f.block_values, f.block_bytes, f.header_bytes, f.offset_at, f.sub_values) != (MMA_BLOCK, 2 + 16 * f.bits,
                                                                                         2, 0, 0):
         return f"KERNEL='mma' reads blocks of {MMA_BLOCK} codes after one f16 scale, not {fmt.name}'s layout"
     return None
@@ -326,7 +326,8 @@ def _mma_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict, page_size:
     if keys not in (16, 32, 64):
         raise ValueError(f"N={keys!r} with KERNEL='mma': expected 16, 32 or 64 keys a step")
     return dict(KERNEL="mma", HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_M=MMA_ROWS, N=keys,
-                WIDE=tune.get("WIDE", False), num_warps=1)
+                WIDE=tune.get("WIDE", False), K_BITS=_fields(fmt_k, head_dim).bits, V_BITS=_fields(fmt_v, head_dim).bits,
+                num_warps=1)
 
 
 @lru_cache(maxsize=None)
