@@ -353,11 +353,11 @@ rerun() {
 followup() {
     deadline=$((SECONDS + ${BUDGET:-540}))
     setup || exit 1
-    # first the one question a lease has not answered: KERNEL "mma" (session 46, turbo4's
-    # and turbo3's codes decoded into tensor-core operands) against the tile kernel's f16 launch and
-    # SDPA on f16
-    KVSLIM_TRITON=1 timeout -k 5 "$(left 50)" $PY benchmarks/gpu_decode.py -d 32768,131072 -b 1,8 -r 5 --no-loop \
-        -p turbo4/turbo4,turbo3/turbo3 --dot f16 --kernels tiles,mma 2>&1 | tee "$OUT/decode-mma.md" | tail -14
+    # first the one question a lease has not answered: KERNEL "mma" (session 46, turbo4's and
+    # turbo3's codes decoded into tensor-core operands, f16 rows loaded into them) against the tile
+    # kernel's f16 launch and SDPA on f16
+    KVSLIM_TRITON=1 timeout -k 5 "$(left 60)" $PY benchmarks/gpu_decode.py -d 32768,131072 -b 1,8 -r 5 --no-loop \
+        -p turbo4/turbo4,turbo3/turbo3,f16/f16 --dot f16 --kernels tiles,mma 2>&1 | tee "$OUT/decode-mma.md" | tail -20
     # rows print as they come: a run cut by its time still leaves the pairs it reached
     KVSLIM_TRITON=1 timeout -k 5 "$(left 160)" $PY benchmarks/gpu_decode.py --sweep -d 131072 -b 8,1 -r 5 --dot f16 \
         --kernels mma,warps,tiles -p turbo4/turbo4,turbo3/turbo3,q8_0/turbo4,f16/f16 --jobs 15 --warm-timeout 60 \

@@ -30,8 +30,8 @@ from .triton_harness import compiled_process, resource_usage, run_interpreted
 
 pytestmark = pytest.mark.skipif(not kvslim.gpu.available(), reason="triton is not installed: no GPU kernel to check")
 
-# (K, V, head_dim, group, lengths, page_size, split_keys, tune): 4-, 3- and 2-bit codes, K and V
-# apart; two blocks a row and one; 8, 5, 3 and 1 query rows of the products' 8; an empty
+# (K, V, head_dim, group, lengths, page_size, split_keys, tune): 4-, 3- and 2-bit codes and f16
+# rows, K and V apart; two blocks a row and one; 8, 5, 3 and 1 query rows of the products' 8; an empty
 # sequence; splits of 32 and the default; pages of 12 (a step's keys across pages); 32 keys a
 # step with 64-bit row offsets
 CASES = [("turbo4", "turbo4", 256, 8, (40, 3, 0), 16, 32, {}),
@@ -39,7 +39,11 @@ CASES = [("turbo4", "turbo4", 256, 8, (40, 3, 0), 16, 32, {}),
          ("turbo4", "turbo4", 256, 1, (70,), 16, None, {"N": 32, "WIDE": True}),
          ("turbo3", "turbo3", 256, 8, (37, 100, 0), 12, None, {}),
          ("turbo2", "turbo3", 128, 3, (20, 5), 16, None, {}),
-         ("turbo3", "turbo4", 128, 8, (50,), 16, 32, {"N": 32})]
+         ("turbo3", "turbo4", 128, 8, (50,), 16, 32, {"N": 32}),
+         ("f16", "f16", 256, 8, (40, 3, 0), 16, 32, {}),                   # f16 rows as they lie
+         ("f16", "turbo3", 128, 5, (37, 100), 12, None, {}),
+         ("turbo4", "f16", 256, 2, (20, 5), 16, None, {"N": 32})]
+MATRIX = ("turbo4", "turbo3", "turbo2", "f16")
 # step_output on it: one split (the kernel stores the output, gated too), and two (merged)
 STEPS = [("turbo4", "turbo4", 256, 8, (20, 5), 16, None, "bfloat16"),
          ("turbo3", "turbo3", 128, 4, (72, 3), 32, 64, "float32")]
@@ -213,7 +217,7 @@ def test_the_byte_permutes_read_3_and_2_bit_groups(interpreted, bits, name):
 @pytest.mark.parametrize("name_k,name_v,dim,rows,tune,why", [
     ("q8_0", "turbo4", 256, 8, {}, "2-bit codes through a table (turbo4, turbo3, turbo2), not q8_0"),
     ("turbo4", "iq4_nl", 256, 8, {}, "not iq4_nl rows"),
-    ("f16", "turbo3", 256, 8, {}, "not f16 rows"),
+    ("bf16", "turbo3", 256, 8, {}, "not bf16 rows"),
     ("turbo4", "turbo4", 64, 8, {}, "head_dim 128 or 256, not 64"),
     ("turbo4", "turbo4", 256, 9, {}, "at most 8 query rows"),
     ("turbo4", "turbo4", 256, 8, {"N": 8}, "N=8 with KERNEL='mma'"),
@@ -242,7 +246,7 @@ def test_mma_decodes_only():
 
 @pytest.mark.parametrize("name_k,name_v,dim,keys", [("turbo4", "turbo4", 256, 16), ("turbo4", "turbo4", 128, 16),
                                                     ("turbo4", "turbo4", 256, 32), ("turbo3", "turbo3", 256, 16),
-                                                    ("turbo2", "turbo4", 128, 16)])
+                                                    ("turbo2", "turbo4", 128, 16), ("f16", "f16", 256, 16)])
 def test_mma_decodes_in_registers_for_an_h100_without_one(name_k, name_v, dim, keys):
     """What the kernel is for, in its sm_90 SASS (decode's launch: bf16 q read in place, the table
     by slot): no shared memory at all, no barrier or shared-memory access in its loop over keys,
@@ -277,9 +281,9 @@ def test_mma_decode_on_cuda_matches_torch_block_loop(index):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the compiled kernel waits for a GPU")
 @pytest.mark.parametrize("dim", [128, 256])
-@pytest.mark.parametrize("name_k,name_v", [(k, v) for k in ("turbo4", "turbo3", "turbo2") for v in ("turbo4", "turbo3", "turbo2")])
+@pytest.mark.parametrize("name_k,name_v", [(k, v) for k in MATRIX for v in MATRIX])
 def test_mma_decode_on_cuda_at_each_head_dim_and_group(name_k, name_v, dim):
-    """Issue 18's matrix for the pairs this kernel reads: at GQA 1, 4 and 8."""
+    """Issue 18's matrix for the formats this kernel reads, K and V: at GQA 1, 4 and 8."""
     compiled_process()
     for group in (1, 4, 8):
         fmt_k, fmt_v, *tensors = _case(name_k, name_v, dim, group, [37, 100, 16, 0], page_size=16)

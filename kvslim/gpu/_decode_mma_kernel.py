@@ -241,11 +241,22 @@ def _k_block(k_head, table_at, t, end, row_bytes, b: tl.constexpr, lut, planes, 
     """Block b of N keys' K rows at positions t (N,) as operand A (N, 128), relabelled: lane r
     holds codes 32r .. 32r + 31 of a key (groups 2r and 2r + 1), logical k = 16j + 8h + 2r + e
     being code 32r + 4j + 2h + e; masked keys' codes as 0."""
-    row = k_head + _rows(table_at, t, end, PAGE_SIZE, WIDE) * row_bytes
-    g = gl.arange(0, BLOCK // 16, layout=gl.SliceLayout(0, layout))
-    u0, u1, u2, u3 = _units(row[:, None], b, g[None, :], (t < end)[:, None] & (g < 8)[None, :], BITS)
-    x = _group(u0, u1, u2, u3, lut, planes, BITS)                       # [n, 2r + gg, b0, b1, b2, b3]
-    x = gl.permute(gl.reshape(x, [N, 4, 2, 2, 2, 2, 2]), [0, 2, 6, 5, 4, 1, 3])   # [n, gg, b3, b2, b1, r, b0]
+    if BITS == 16:              # f16 rows: a lane's 32 values of a key as they lie, 16-byte loads
+        rows: gl.constexpr = gl.BlockedLayout([1, 2, 16], [8, 4, 1], [1, 1, 1], [2, 1, 0])   # (N, 8 groups, 16)
+        t = gl.convert_layout(t, gl.SliceLayout(1, gl.SliceLayout(2, rows)), assert_trivial=COMPILED)
+        row = (k_head + _rows(table_at, t, end, PAGE_SIZE, WIDE) * row_bytes + b * 2 * BLOCK).to(
+            gl.pointer_type(gl.float16))
+        g = gl.arange(0, BLOCK // 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, rows)))
+        c = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, rows)))
+        x = gl.load(row[:, None, None] + (16 * g)[None, :, None] + c[None, None, :],
+                    mask=(t < end)[:, None, None] & (g < 8)[None, :, None] & (c < 16)[None, None, :], other=0.0)
+        x = gl.permute(gl.reshape(x, [N, 4, 2, 2, 2, 2, 2]), [0, 2, 3, 4, 5, 1, 6])  # [n, gg, b3, b2, b1, r, b0]
+    else:
+        row = k_head + _rows(table_at, t, end, PAGE_SIZE, WIDE) * row_bytes
+        g = gl.arange(0, BLOCK // 16, layout=gl.SliceLayout(0, layout))
+        u0, u1, u2, u3 = _units(row[:, None], b, g[None, :], (t < end)[:, None] & (g < 8)[None, :], BITS)
+        x = _group(u0, u1, u2, u3, lut, planes, BITS)                   # [n, 2r + gg, b0, b1, b2, b3]
+        x = gl.permute(gl.reshape(x, [N, 4, 2, 2, 2, 2, 2]), [0, 2, 6, 5, 4, 1, 3])   # [n, gg, b3, b2, b1, r, b0]
     return gl.convert_layout(gl.reshape(x, [N, BLOCK]), operand, assert_trivial=COMPILED)
 
 
@@ -255,19 +266,34 @@ def _v_block(v_head, table_at, t, end, row_bytes, b: tl.constexpr, lut, planes, 
     """Block b of N keys' V rows at positions t (N,) as operand A of V^T (128, N), relabelled:
     lane g (of 8) holds group g's 16 codes of its keys, logical dimension g + 8i being physical
     16g + i."""
-    row = v_head + _rows(table_at, t, end, PAGE_SIZE, WIDE) * row_bytes
-    g = gl.arange(0, BLOCK // 16, layout=gl.SliceLayout(1, layout))
-    u0, u1, u2, u3 = _units(row[None, :], b, g[:, None], (t < end)[None, :] & (g < 8)[:, None], BITS)
-    x = _group(u0, u1, u2, u3, lut, planes, BITS)                       # [g, n, b0, b1, b2, b3]
-    x = gl.permute(x, [5, 4, 3, 2, 0, 1])                               # [b3, b2, b1, b0, g, n]
+    if BITS == 16:              # f16 rows: a lane's 16 values of each of its keys as they lie
+        rows: gl.constexpr = gl.BlockedLayout([1, 2, 16], [8, 4, 1], [1, 1, 1], [2, 1, 0])   # (8 groups, N, 16)
+        t = gl.convert_layout(t, gl.SliceLayout(0, gl.SliceLayout(2, rows)), assert_trivial=COMPILED)
+        row = (v_head + _rows(table_at, t, end, PAGE_SIZE, WIDE) * row_bytes + b * 2 * BLOCK).to(
+            gl.pointer_type(gl.float16))
+        g = gl.arange(0, BLOCK // 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, rows)))
+        c = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, rows)))
+        x = gl.load(row[None, :, None] + (16 * g)[:, None, None] + c[None, None, :],
+                    mask=(t < end)[None, :, None] & (g < 8)[:, None, None] & (c < 16)[None, None, :], other=0.0)
+        x = gl.permute(gl.reshape(x, [BLOCK // 16, N, 2, 2, 2, 2]), [2, 3, 4, 5, 0, 1])   # [b3, b2, b1, b0, g, n]
+    else:
+        row = v_head + _rows(table_at, t, end, PAGE_SIZE, WIDE) * row_bytes
+        g = gl.arange(0, BLOCK // 16, layout=gl.SliceLayout(1, layout))
+        u0, u1, u2, u3 = _units(row[None, :], b, g[:, None], (t < end)[None, :] & (g < 8)[:, None], BITS)
+        x = _group(u0, u1, u2, u3, lut, planes, BITS)                   # [g, n, b0, b1, b2, b3]
+        x = gl.permute(x, [5, 4, 3, 2, 0, 1])                           # [b3, b2, b1, b0, g, n]
     return gl.convert_layout(gl.reshape(x, [BLOCK, N]), operand, assert_trivial=COMPILED)
 
 
 def _norms(head, table_at, t, end, row_bytes, b: tl.constexpr, PAGE_SIZE: tl.constexpr, WIDE: tl.constexpr,
            BITS: tl.constexpr):
-    """Block b's f16 scale of the rows at positions t, float32; 0 past ``end``."""
-    row = head + _rows(table_at, t, end, PAGE_SIZE, WIDE) * row_bytes + b * (2 + 16 * BITS)
-    return gl.load(row.to(gl.pointer_type(gl.float16)), mask=t < end, other=0.0).to(gl.float32)
+    """Block b's f16 scale of the rows at positions t, float32; 0 past ``end`` (f16 rows: 1)."""
+    if BITS == 16:
+        scale = (t * 0 + 1).to(gl.float32)
+    else:
+        row = head + _rows(table_at, t, end, PAGE_SIZE, WIDE) * row_bytes + b * (2 + 16 * BITS)
+        scale = gl.load(row.to(gl.pointer_type(gl.float16)), mask=t < end, other=0.0).to(gl.float32)
+    return scale
 
 
 def _stored_as(value, ptr):
