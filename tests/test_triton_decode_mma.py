@@ -30,8 +30,8 @@ from .triton_harness import compiled_process, resource_usage, run_interpreted
 
 pytestmark = pytest.mark.skipif(not kvslim.gpu.available(), reason="triton is not installed: no GPU kernel to check")
 
-# (K, V, head_dim, group, lengths, page_size, split_keys, tune): 4-, 3- and 2-bit codes and f16
-# rows, K and V apart; two blocks a row and one; 8, 5, 3 and 1 query rows of the products' 8; an empty
+# (K, V, head_dim, group, lengths, page_size, split_keys, tune): 4-, 3- and 2-bit codes, q8_0's
+# bytes and f16 rows, K and V apart; two blocks a row and one; 8, 5, 3 and 1 query rows of the products' 8; an empty
 # sequence; splits of 32 and the default; pages of 12 (a step's keys across pages); 32 keys a
 # step with 64-bit row offsets
 CASES = [("turbo4", "turbo4", 256, 8, (40, 3, 0), 16, 32, {}),
@@ -42,11 +42,15 @@ CASES = [("turbo4", "turbo4", 256, 8, (40, 3, 0), 16, 32, {}),
          ("turbo3", "turbo4", 128, 8, (50,), 16, 32, {"N": 32}),
          ("f16", "f16", 256, 8, (40, 3, 0), 16, 32, {}),                   # f16 rows as they lie
          ("f16", "turbo3", 128, 5, (37, 100), 12, None, {}),
-         ("turbo4", "f16", 256, 2, (20, 5), 16, None, {"N": 32})]
-MATRIX = ("turbo4", "turbo3", "turbo2", "f16")
+         ("turbo4", "f16", 256, 2, (20, 5), 16, None, {"N": 32}),
+         ("q8_0", "turbo4", 256, 8, (40, 3, 0), 16, 32, {}),               # q8_0: scales per value
+         ("q8_0", "q8_0", 128, 5, (37, 100), 12, None, {"N": 32}),
+         ("turbo3", "q8_0", 128, 8, (30,), 16, None, {})]
+MATRIX = ("turbo4", "turbo3", "turbo2", "q8_0", "f16")
 # step_output on it: one split (the kernel stores the output, gated too), and two (merged)
 STEPS = [("turbo4", "turbo4", 256, 8, (20, 5), 16, None, "bfloat16"),
-         ("turbo3", "turbo3", 128, 4, (72, 3), 32, 64, "float32")]
+         ("turbo3", "turbo3", 128, 4, (72, 3), 32, 64, "float32"),
+         ("q8_0", "turbo4", 256, 8, (40, 9), 16, None, "bfloat16")]
 
 
 def _tables() -> dict:
@@ -145,7 +149,8 @@ def _prmt(a, b, selector):
 
 def _run_ptx(text: str, inputs: list, outputs: int) -> list:
     """The kernel's asm text on numpy uint32 arrays: $outputs.. the inputs, $0.. the 16-bit
-    outputs. Knows and, or, shl, shr, prmt and the unpacking mov, and refuses anything else."""
+    outputs. Knows mov, and, or, xor, shl, shr, prmt, f16x2 sub and mul (rounded to nearest) and
+    the unpacking mov, and refuses anything else."""
     regs = {f"${outputs + i}": np.asarray(x, dtype=np.uint32) for i, x in enumerate(inputs)}
     value = lambda tok: regs[tok] if tok in regs else np.uint32(int(tok, 0))   # noqa: E731
     for line in text.strip().strip("{}").splitlines():
@@ -153,12 +158,23 @@ def _run_ptx(text: str, inputs: list, outputs: int) -> list:
         if not line or line.startswith(".reg"):
             continue
         op, rest = line.split(None, 1)
-        if op == "mov.b32":
+        if op == "mov.b32" and rest.startswith("{"):
             pair = re.fullmatch(r"\{(\$\d+), (\$\d+)\}, (\w+)", rest)
             regs[pair[1]], regs[pair[2]] = regs[pair[3]] & np.uint32(0xFFFF), regs[pair[3]] >> np.uint32(16)
             continue
         dest, *args = [t.strip() for t in rest.split(",")]
-        if op == "and.b32":
+        if op == "mov.b32":
+            regs[dest] = value(args[0])
+        elif op in ("sub.rn.f16x2", "mul.rn.f16x2"):
+            pair = np.broadcast_arrays(np.asarray(value(args[0]), np.uint32), np.asarray(value(args[1]), np.uint32))
+            halves = [np.stack([x & np.uint32(0xFFFF), x >> np.uint32(16)]).astype(np.uint16).view(np.float16)
+                      for x in pair]
+            out = halves[0] - halves[1] if op.startswith("sub") else halves[0] * halves[1]   # numpy rounds once
+            bits = out.view(np.uint16).astype(np.uint32)
+            regs[dest] = bits[0] | (bits[1] << np.uint32(16))
+        elif op == "xor.b32":
+            regs[dest] = value(args[0]) ^ value(args[1])
+        elif op == "and.b32":
             regs[dest] = value(args[0]) & value(args[1])
         elif op == "or.b32":
             regs[dest] = value(args[0]) | value(args[1])
@@ -212,10 +228,26 @@ def test_the_byte_permutes_read_3_and_2_bit_groups(interpreted, bits, name):
         assert np.array_equal(got[c], table[codes[:, c].astype(np.int64)]), c
 
 
+@pytest.mark.parametrize("scale", [1.0, 0.0137, -3.5, 6e-5, 400.0])
+def test_q8_0s_bytes_come_out_times_their_scale_rounded_once(scale):
+    """q8_0: every 2-byte unit's two int8 codes, as f16 products of the code and the block's f16
+    scale (the tile kernel's f16 products round so), small, negative, subnormal-making and large
+    scales (up to 127 x 400, near f16's largest)."""
+    from kvslim.gpu._decode_mma_kernel import Q8_ASM
+    units = np.arange(1 << 16, dtype=np.uint32)
+    half = np.float16(scale)
+    bits = np.uint32(np.array(half).view(np.uint16))
+    lo, hi = _run_ptx(Q8_ASM.value, [units, np.full_like(units, bits | (bits << np.uint32(16)))], 2)
+    for got, byte in ((lo, units & np.uint32(0xFF)), (hi, units >> np.uint32(8))):
+        code = byte.astype(np.uint8).view(np.int8).astype(np.float16)
+        want = (code * half).view(np.uint16).astype(np.uint32)
+        assert np.array_equal(got, want)
+
+
 # ---- what it refuses -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name_k,name_v,dim,rows,tune,why", [
-    ("q8_0", "turbo4", 256, 8, {}, "2-bit codes through a table (turbo4, turbo3, turbo2), not q8_0"),
+    ("q4_0", "turbo4", 256, 8, {}, "2-bit codes through a table (turbo4, turbo3, turbo2), not q4_0"),
     ("turbo4", "iq4_nl", 256, 8, {}, "not iq4_nl rows"),
     ("bf16", "turbo3", 256, 8, {}, "not bf16 rows"),
     ("turbo4", "turbo4", 64, 8, {}, "head_dim 128 or 256, not 64"),
@@ -246,7 +278,8 @@ def test_mma_decodes_only():
 
 @pytest.mark.parametrize("name_k,name_v,dim,keys", [("turbo4", "turbo4", 256, 16), ("turbo4", "turbo4", 128, 16),
                                                     ("turbo4", "turbo4", 256, 32), ("turbo3", "turbo3", 256, 16),
-                                                    ("turbo2", "turbo4", 128, 16), ("f16", "f16", 256, 16)])
+                                                    ("turbo2", "turbo4", 128, 16), ("f16", "f16", 256, 16),
+                                                    ("q8_0", "turbo4", 256, 16)])
 def test_mma_decodes_in_registers_for_an_h100_without_one(name_k, name_v, dim, keys):
     """What the kernel is for, in its sm_90 SASS (decode's launch: bf16 q read in place, the table
     by slot): no shared memory at all, no barrier or shared-memory access in its loop over keys,

@@ -28,9 +28,11 @@ transposed: scores^T (N keys, 8 rows) = K (N, D) q^T, and out^T (D, 8) += V^T (D
   scores are each block's products times its keys' K norms, and P^T is scaled by the V norms
   per block.
 
-Formats: codes of 4, 3 or 2 bits packed little-endian after a block's f16 norm (turbo4, turbo3
-and turbo2: [f16][16 x BITS bytes] per 128 values) read through a table, K and V each, head_dim
-128 or 256, up to 8 query rows. ``paged_prefill._mma_config`` refuses the rest by name.
+Formats, K and V each: codes of 4, 3 or 2 bits packed little-endian after a block's f16 norm
+(turbo4, turbo3 and turbo2: [f16][16 x BITS bytes] per 128 values) read through a table; q8_0
+([f16 scale][32 int8] per 32 values: a lane of K holds one whole block of a key, and the scale
+is multiplied per value); f16 rows. head_dim 128 or 256, up to 8 query rows.
+``paged_prefill._mma_config`` refuses the rest by name.
 
 Under Triton's interpreter (the CI), Gluon has no interpreter: the same function bodies run as
 Triton kernels, with ``gl``'s layout calls read as no-ops (``_AS_TRITON``), ``mma_v2`` as
@@ -235,6 +237,59 @@ def _rows(table_at, t, end, PAGE_SIZE: tl.constexpr, WIDE: tl.constexpr):
     return slot
 
 
+# q8_0: a 2-byte unit's two int8 codes ($2) -> their values times the block's f16 scale ($3, in both
+# halves), rounded once to f16 as the tile kernel's f16 products take them: the bytes made
+# unsigned (+128) and set under f16 1024's exponent (1024 + v is exact: f16's step is 1 there),
+# 1152 subtracted (exact), then one f16 multiply a value (.rn: never fused into anything else).
+Q8_ASM = gl.constexpr("""
+{
+.reg .b32 t, k;
+mov.b32 k, 0x64646464;
+prmt.b32 t, $2, k, 0x5140;
+xor.b32 t, t, 0x00800080;
+mov.b32 k, 0x64806480;
+sub.rn.f16x2 t, t, k;
+mul.rn.f16x2 t, t, $3;
+mov.b32 {$0, $1}, t;
+}
+""")
+
+
+def _q8_pair(unit, scale2, scale):
+    """A unit's two int8 codes times the f16 scale -> two f16 values (scale2: the scale's bits in
+    both halves of a u32, for the asm; scale: as f16, for the interpreter)."""
+    if COMPILED:
+        lo, hi = gl.inline_asm_elementwise(Q8_ASM, "=h,=h,r,r", [unit.to(gl.uint32), scale2], (gl.float16, gl.float16),
+                                           True, 1)
+    else:
+        u = unit.to(gl.int32)
+        lo = (((u & 0xFF) ^ 0x80) - 128).to(gl.float16) * scale
+        hi = ((((u >> 8) & 0xFF) ^ 0x80) - 128).to(gl.float16) * scale
+    return lo, hi
+
+
+def _q8_group(row, b: tl.constexpr, g, live):
+    """q8_0 rows: group g (codes 16g .. 16g + 15 of block b of 128: half of q8_0 block 4b + g // 2)
+    at byte pointers ``row`` (g's shape) -> the 16 values times their block's scale, joined as
+    ``_group`` joins, 0 where not ``live``."""
+    block = row + (4 * b + g // 2) * 34
+    scale = gl.load(block.to(gl.pointer_type(gl.float16)), mask=live, other=0.0)
+    bits = scale.to(gl.uint16, bitcast=True).to(gl.uint32)
+    scale2 = bits | (bits << 16)
+    at = (block + 2 + 16 * (g % 2)).to(gl.pointer_type(gl.uint16))
+    a0, a1 = _q8_pair(gl.load(at, mask=live, other=0), scale2, scale)
+    a2, a3 = _q8_pair(gl.load(at + 1, mask=live, other=0), scale2, scale)
+    a4, a5 = _q8_pair(gl.load(at + 2, mask=live, other=0), scale2, scale)
+    a6, a7 = _q8_pair(gl.load(at + 3, mask=live, other=0), scale2, scale)
+    a8, a9 = _q8_pair(gl.load(at + 4, mask=live, other=0), scale2, scale)
+    a10, a11 = _q8_pair(gl.load(at + 5, mask=live, other=0), scale2, scale)
+    a12, a13 = _q8_pair(gl.load(at + 6, mask=live, other=0), scale2, scale)
+    a14, a15 = _q8_pair(gl.load(at + 7, mask=live, other=0), scale2, scale)
+    e0 = gl.join(gl.join(gl.join(a0, a1), gl.join(a2, a3)), gl.join(gl.join(a4, a5), gl.join(a6, a7)))
+    e1 = gl.join(gl.join(gl.join(a8, a9), gl.join(a10, a11)), gl.join(gl.join(a12, a13), gl.join(a14, a15)))
+    return gl.join(e0, e1)
+
+
 def _k_block(k_head, table_at, t, end, row_bytes, b: tl.constexpr, lut, planes, N: tl.constexpr,
              PAGE_SIZE: tl.constexpr, WIDE: tl.constexpr, BITS: tl.constexpr, layout: tl.constexpr,
              operand: tl.constexpr):
@@ -254,8 +309,12 @@ def _k_block(k_head, table_at, t, end, row_bytes, b: tl.constexpr, lut, planes, 
     else:
         row = k_head + _rows(table_at, t, end, PAGE_SIZE, WIDE) * row_bytes
         g = gl.arange(0, BLOCK // 16, layout=gl.SliceLayout(0, layout))
-        u0, u1, u2, u3 = _units(row[:, None], b, g[None, :], (t < end)[:, None] & (g < 8)[None, :], BITS)
-        x = _group(u0, u1, u2, u3, lut, planes, BITS)                   # [n, 2r + gg, b0, b1, b2, b3]
+        live = (t < end)[:, None] & (g < 8)[None, :]
+        if BITS == 8:
+            x = _q8_group(row[:, None], b, g[None, :], live)
+        else:
+            u0, u1, u2, u3 = _units(row[:, None], b, g[None, :], live, BITS)
+            x = _group(u0, u1, u2, u3, lut, planes, BITS)               # [n, 2r + gg, b0, b1, b2, b3]
         x = gl.permute(gl.reshape(x, [N, 4, 2, 2, 2, 2, 2]), [0, 2, 6, 5, 4, 1, 3])   # [n, gg, b3, b2, b1, r, b0]
     return gl.convert_layout(gl.reshape(x, [N, BLOCK]), operand, assert_trivial=COMPILED)
 
@@ -279,16 +338,21 @@ def _v_block(v_head, table_at, t, end, row_bytes, b: tl.constexpr, lut, planes, 
     else:
         row = v_head + _rows(table_at, t, end, PAGE_SIZE, WIDE) * row_bytes
         g = gl.arange(0, BLOCK // 16, layout=gl.SliceLayout(1, layout))
-        u0, u1, u2, u3 = _units(row[None, :], b, g[:, None], (t < end)[None, :] & (g < 8)[:, None], BITS)
-        x = _group(u0, u1, u2, u3, lut, planes, BITS)                   # [g, n, b0, b1, b2, b3]
+        live = (t < end)[None, :] & (g < 8)[:, None]
+        if BITS == 8:
+            x = _q8_group(row[None, :], b, g[:, None], live)
+        else:
+            u0, u1, u2, u3 = _units(row[None, :], b, g[:, None], live, BITS)
+            x = _group(u0, u1, u2, u3, lut, planes, BITS)               # [g, n, b0, b1, b2, b3]
         x = gl.permute(x, [5, 4, 3, 2, 0, 1])                           # [b3, b2, b1, b0, g, n]
     return gl.convert_layout(gl.reshape(x, [BLOCK, N]), operand, assert_trivial=COMPILED)
 
 
 def _norms(head, table_at, t, end, row_bytes, b: tl.constexpr, PAGE_SIZE: tl.constexpr, WIDE: tl.constexpr,
            BITS: tl.constexpr):
-    """Block b's f16 scale of the rows at positions t, float32; 0 past ``end`` (f16 rows: 1)."""
-    if BITS == 16:
+    """Block b's f16 scale of the rows at positions t, float32; 0 past ``end`` (f16 rows: 1; q8_0's
+    scales, one a block of 32 values, are taken per value instead: 1)."""
+    if BITS == 16 or BITS == 8:
         scale = (t * 0 + 1).to(gl.float32)
     else:
         row = head + _rows(table_at, t, end, PAGE_SIZE, WIDE) * row_bytes + b * (2 + 16 * BITS)
@@ -462,7 +526,7 @@ class _AsTriton:
 
 _AS_TRITON = _AsTriton()
 
-_BODIES = (_plane_word, _planes, _unit4, _code, _group, _units, _rows, _k_block, _v_block, _norms, _stored_as, paged_decode_mma)
+_BODIES = (_plane_word, _planes, _unit4, _code, _group, _units, _q8_pair, _q8_group, _rows, _k_block, _v_block, _norms, _stored_as, paged_decode_mma)
 
 
 def _decorate():

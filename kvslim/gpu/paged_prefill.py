@@ -291,17 +291,18 @@ def _warps_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict, page_siz
 
 
 def _mma_refusal(fmt, head_dim: int) -> str | None:
-    """Why KERNEL "mma" cannot read a format's rows at ``head_dim``, or None: it reads f16 rows, and
-    4-, 3- and 2-bit codes packed in order through a table, one f16 scale a block of 128 values
+    """Why KERNEL "mma" cannot read a format's rows at ``head_dim``, or None: it reads f16 and q8_0
+    rows, and 4-, 3- and 2-bit codes packed in order through a table, one f16 scale a block of 128 values
     (turbo4's, turbo3's and turbo2's layout), at head_dim 128 or 256 (``_decode_mma_kernel``)."""
     if head_dim not in (MMA_BLOCK, 2 * MMA_BLOCK):
         return f"KERNEL='mma' reads head_dim {MMA_BLOCK} or {2 * MMA_BLOCK}, not {head_dim}"
     f = _fields(fmt, head_dim)
-    if f is not None and f.kind == F16:
-        return None
+    if f is not None and (f.kind == F16 or (f.kind, f.bits, f.block_values, f.block_bytes, f.header_bytes,
+                                            f.offset_at, f.sub_values) == (Q8, 8, 32, 34, 2, 0, 0)):
+        return None                     # f16 rows; q8_0's blocks of 32 int8 codes after an f16 scale
     if f is None or f.kind != PACKED or f.bits not in (2, 3, 4) or f.lut is None:
-        return (f"KERNEL='mma' reads f16 rows and 4-, 3- and 2-bit codes through a table (turbo4, turbo3, turbo2), "
-                f"not {fmt.name} rows")
+        return (f"KERNEL='mma' reads f16 and q8_0 rows and 4-, 3- and 2-bit codes through a table (turbo4, "
+                f"turbo3, turbo2), not {fmt.name} rows")
     if (f.block_values, f.block_bytes, f.header_bytes, f.offset_at, f.sub_values) != (MMA_BLOCK, 2 + 16 * f.bits,
                                                                                         2, 0, 0):
         return f"KERNEL='mma' reads blocks of {MMA_BLOCK} codes after one f16 scale, not {fmt.name}'s layout"
