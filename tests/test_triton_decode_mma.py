@@ -31,7 +31,7 @@ from .triton_harness import compiled_process, resource_usage, run_interpreted
 pytestmark = pytest.mark.skipif(not kvslim.gpu.available(), reason="triton is not installed: no GPU kernel to check")
 
 # (K, V, head_dim, group, lengths, page_size, split_keys, tune): 4-, 3- and 2-bit codes, q8_0's
-# bytes and f16 rows, K and V apart; two blocks a row and one; 8, 5, 3 and 1 query rows of the products' 8; an empty
+# bytes, q4_0's and iq4_nl's nibbles and f16 rows, K and V apart; two blocks a row and one; 8, 5, 3 and 1 query rows of the products' 8; an empty
 # sequence; splits of 32 and the default; pages of 12 (a step's keys across pages); 32 keys a
 # step with 64-bit row offsets
 CASES = [("turbo4", "turbo4", 256, 8, (40, 3, 0), 16, 32, {}),
@@ -45,8 +45,11 @@ CASES = [("turbo4", "turbo4", 256, 8, (40, 3, 0), 16, 32, {}),
          ("turbo4", "f16", 256, 2, (20, 5), 16, None, {"N": 32}),
          ("q8_0", "turbo4", 256, 8, (40, 3, 0), 16, 32, {}),               # q8_0: scales per value
          ("q8_0", "q8_0", 128, 5, (37, 100), 12, None, {"N": 32}),
-         ("turbo3", "q8_0", 128, 8, (30,), 16, None, {})]
-MATRIX = ("turbo4", "turbo3", "turbo2", "q8_0", "f16")
+         ("turbo3", "q8_0", 128, 8, (30,), 16, None, {}),
+         ("q4_0", "q4_0", 256, 8, (40, 3, 0), 16, 32, {}),                 # nibbles in ggml's order
+         ("iq4_nl", "turbo4", 128, 5, (37, 100), 12, None, {"N": 32}),
+         ("turbo3", "iq4_nl", 256, 8, (30,), 16, None, {})]
+MATRIX = ("f16", "q8_0", "q4_0", "iq4_nl", "turbo4", "turbo3", "turbo2")   # issue 18's formats
 # step_output on it: one split (the kernel stores the output, gated too), and two (merged)
 STEPS = [("turbo4", "turbo4", 256, 8, (20, 5), 16, None, "bfloat16"),
          ("turbo3", "turbo3", 128, 4, (72, 3), 32, 64, "float32"),
@@ -54,13 +57,13 @@ STEPS = [("turbo4", "turbo4", 256, 8, (20, 5), 16, None, "bfloat16"),
 
 
 def _tables() -> dict:
-    """Tables to read (16 entries, zero past a format's own): turbo4's, turbo3's and turbo2's at
-    head_dim 256, and one of f16 values of every kind (both signs, subnormal, zero, large) in no
+    """Tables to read (16 entries, zero past a format's own): turbo4's, turbo3's, turbo2's, q4_0's
+    and iq4_nl's at head_dim 256, and one of f16 values of every kind (both signs, subnormal, zero, large) in no
     order, whose first 8 and 4 entries the 3- and 2-bit codes read."""
     gen = torch.Generator().manual_seed(5)
     odd = torch.cat([torch.randn(12, generator=gen) * 100, torch.tensor([0.0, -6e-8, 3e-5, -65504.0])])
     tables = {name: paged_prefill._lut(formats.get(name, role="k"), 256, "cpu")[:16]
-              for name in ("turbo4", "turbo3", "turbo2")}
+              for name in ("turbo4", "turbo3", "turbo2", "q4_0", "iq4_nl")}
     return dict(tables, odd=odd[torch.randperm(16, generator=gen)])
 
 
@@ -247,8 +250,8 @@ def test_q8_0s_bytes_come_out_times_their_scale_rounded_once(scale):
 # ---- what it refuses -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name_k,name_v,dim,rows,tune,why", [
-    ("q4_0", "turbo4", 256, 8, {}, "2-bit codes through a table (turbo4, turbo3, turbo2), not q4_0"),
-    ("turbo4", "iq4_nl", 256, 8, {}, "not iq4_nl rows"),
+    ("q4_1", "turbo4", 256, 8, {}, "2-bit codes through a table (turbo4, turbo3, turbo2), not q4_1"),
+    ("turbo4", "nl4", 256, 8, {}, "blocks of 128 codes after one f16 scale, not nl4's layout"),
     ("bf16", "turbo3", 256, 8, {}, "not bf16 rows"),
     ("turbo4", "turbo4", 64, 8, {}, "head_dim 128 or 256, not 64"),
     ("turbo4", "turbo4", 256, 9, {}, "at most 8 query rows"),
@@ -279,7 +282,7 @@ def test_mma_decodes_only():
 @pytest.mark.parametrize("name_k,name_v,dim,keys", [("turbo4", "turbo4", 256, 16), ("turbo4", "turbo4", 128, 16),
                                                     ("turbo4", "turbo4", 256, 32), ("turbo3", "turbo3", 256, 16),
                                                     ("turbo2", "turbo4", 128, 16), ("f16", "f16", 256, 16),
-                                                    ("q8_0", "turbo4", 256, 16)])
+                                                    ("q8_0", "turbo4", 256, 16), ("q4_0", "iq4_nl", 256, 16)])
 def test_mma_decodes_in_registers_for_an_h100_without_one(name_k, name_v, dim, keys):
     """What the kernel is for, in its sm_90 SASS (decode's launch: bf16 q read in place, the table
     by slot): no shared memory at all, no barrier or shared-memory access in its loop over keys,

@@ -31,7 +31,10 @@ transposed: scores^T (N keys, 8 rows) = K (N, D) q^T, and out^T (D, 8) += V^T (D
 Formats, K and V each: codes of 4, 3 or 2 bits packed little-endian after a block's f16 norm
 (turbo4, turbo3 and turbo2: [f16][16 x BITS bytes] per 128 values) read through a table; q8_0
 ([f16 scale][32 int8] per 32 values: a lane of K holds one whole block of a key, and the scale
-is multiplied per value); f16 rows. head_dim 128 or 256, up to 8 query rows.
+is multiplied per value); q4_0 and iq4_nl ([f16 scale][16 bytes of nibbles] per 32 values, byte i
+= code i | code i + 16 << 4: K's relabelling follows the nibbles, a lane's k-step j being unit j
+of its block, and the scale is multiplied per value); f16 rows. head_dim 128 or 256, up to 8
+query rows.
 ``paged_prefill._mma_config`` refuses the rest by name.
 
 Under Triton's interpreter (the CI), Gluon has no interpreter: the same function bodies run as
@@ -169,10 +172,12 @@ def _code(u0, u1, u2, c: tl.constexpr, BITS: tl.constexpr):
     return code
 
 
-def _group(u0, u1, u2, u3, lut, planes, BITS: tl.constexpr):
+def _group(u0, u1, u2, u3, lut, planes, BITS: tl.constexpr, scale=None):
     """A group of 16 codes (its units u0.. of any one shape: 4 for 4-bit codes, 3 for 3-bit, 2 for
-    2-bit) -> their 16 f16 table entries, joined (..., b0, b1, b2, b3): code c = 8 b3 + 4 b2 +
-    2 b1 + b0."""
+    2-bit) -> their 16 f16 table entries (times ``scale`` in f16, of the units' shape, where
+    given: the nibble formats' block scales), joined (..., b0, b1, b2, b3): value c = 8 b3 + 4 b2
+    + 2 b1 + b0, code c of the group (code 4 (c // 4) + c % 4 for 4-bit units: unit c // 4's
+    nibble c % 4)."""
     if BITS == 4:
         a0, a1, a2, a3 = _unit4(u0, lut, planes)
         a4, a5, a6, a7 = _unit4(u1, lut, planes)
@@ -205,6 +210,11 @@ def _group(u0, u1, u2, u3, lut, planes, BITS: tl.constexpr):
         a13 = gl.load(lut + _code(u0, u1, u2, 13, BITS)).to(gl.float16)
         a14 = gl.load(lut + _code(u0, u1, u2, 14, BITS)).to(gl.float16)
         a15 = gl.load(lut + _code(u0, u1, u2, 15, BITS)).to(gl.float16)
+    if scale is not None:       # f16 products of entry and scale, as the tile kernel's f16 operands
+        a0, a1, a2, a3, a4, a5, a6, a7 = a0 * scale, a1 * scale, a2 * scale, a3 * scale, a4 * scale, a5 * scale, \
+            a6 * scale, a7 * scale
+        a8, a9, a10, a11, a12, a13, a14, a15 = a8 * scale, a9 * scale, a10 * scale, a11 * scale, a12 * scale, \
+            a13 * scale, a14 * scale, a15 * scale
     e0 = gl.join(gl.join(gl.join(a0, a1), gl.join(a2, a3)), gl.join(gl.join(a4, a5), gl.join(a6, a7)))
     e1 = gl.join(gl.join(gl.join(a8, a9), gl.join(a10, a11)), gl.join(gl.join(a12, a13), gl.join(a14, a15)))
     return gl.join(e0, e1)
@@ -290,9 +300,20 @@ def _q8_group(row, b: tl.constexpr, g, live):
     return gl.join(e0, e1)
 
 
+def _nibble_units(row, b: tl.constexpr, g, live):
+    """q4_0 and iq4_nl rows ([f16 scale][16 bytes] per 32 values, byte i = code i | code i + 16 << 4):
+    group g of block b of 128 is half of block 4b + g // 2, its units 4 (g % 2) .. + 3 (codes
+    2w, 2w + 16, 2w + 1, 2w + 17 in unit w's nibbles). -> u0 .. u3 and the block's f16 scale."""
+    block = row + (4 * b + g // 2) * 18
+    scale = gl.load(block.to(gl.pointer_type(gl.float16)), mask=live, other=0.0)
+    at = (block + 2).to(gl.pointer_type(gl.uint16)) + 4 * (g % 2)
+    return (gl.load(at, mask=live, other=0), gl.load(at + 1, mask=live, other=0), gl.load(at + 2, mask=live, other=0),
+            gl.load(at + 3, mask=live, other=0), scale)
+
+
 def _k_block(k_head, table_at, t, end, row_bytes, b: tl.constexpr, lut, planes, N: tl.constexpr,
-             PAGE_SIZE: tl.constexpr, WIDE: tl.constexpr, BITS: tl.constexpr, layout: tl.constexpr,
-             operand: tl.constexpr):
+             PAGE_SIZE: tl.constexpr, WIDE: tl.constexpr, BITS: tl.constexpr, NIBBLES: tl.constexpr,
+             layout: tl.constexpr, operand: tl.constexpr):
     """Block b of N keys' K rows at positions t (N,) as operand A (N, 128), relabelled: lane r
     holds codes 32r .. 32r + 31 of a key (groups 2r and 2r + 1), logical k = 16j + 8h + 2r + e
     being code 32r + 4j + 2h + e; masked keys' codes as 0."""
@@ -312,6 +333,9 @@ def _k_block(k_head, table_at, t, end, row_bytes, b: tl.constexpr, lut, planes, 
         live = (t < end)[:, None] & (g < 8)[None, :]
         if BITS == 8:
             x = _q8_group(row[:, None], b, g[None, :], live)
+        elif NIBBLES:
+            u0, u1, u2, u3, scale = _nibble_units(row[:, None], b, g[None, :], live)
+            x = _group(u0, u1, u2, u3, lut, planes, BITS, scale)
         else:
             u0, u1, u2, u3 = _units(row[:, None], b, g[None, :], live, BITS)
             x = _group(u0, u1, u2, u3, lut, planes, BITS)               # [n, 2r + gg, b0, b1, b2, b3]
@@ -320,8 +344,8 @@ def _k_block(k_head, table_at, t, end, row_bytes, b: tl.constexpr, lut, planes, 
 
 
 def _v_block(v_head, table_at, t, end, row_bytes, b: tl.constexpr, lut, planes, N: tl.constexpr,
-             PAGE_SIZE: tl.constexpr, WIDE: tl.constexpr, BITS: tl.constexpr, layout: tl.constexpr,
-             operand: tl.constexpr):
+             PAGE_SIZE: tl.constexpr, WIDE: tl.constexpr, BITS: tl.constexpr, NIBBLES: tl.constexpr,
+             layout: tl.constexpr, operand: tl.constexpr):
     """Block b of N keys' V rows at positions t (N,) as operand A of V^T (128, N), relabelled:
     lane g (of 8) holds group g's 16 codes of its keys, logical dimension g + 8i being physical
     16g + i."""
@@ -341,6 +365,9 @@ def _v_block(v_head, table_at, t, end, row_bytes, b: tl.constexpr, lut, planes, 
         live = (t < end)[None, :] & (g < 8)[:, None]
         if BITS == 8:
             x = _q8_group(row[None, :], b, g[:, None], live)
+        elif NIBBLES:
+            u0, u1, u2, u3, scale = _nibble_units(row[None, :], b, g[:, None], live)
+            x = _group(u0, u1, u2, u3, lut, planes, BITS, scale)
         else:
             u0, u1, u2, u3 = _units(row[None, :], b, g[:, None], live, BITS)
             x = _group(u0, u1, u2, u3, lut, planes, BITS)               # [g, n, b0, b1, b2, b3]
@@ -349,10 +376,10 @@ def _v_block(v_head, table_at, t, end, row_bytes, b: tl.constexpr, lut, planes, 
 
 
 def _norms(head, table_at, t, end, row_bytes, b: tl.constexpr, PAGE_SIZE: tl.constexpr, WIDE: tl.constexpr,
-           BITS: tl.constexpr):
+           BITS: tl.constexpr, NIBBLES: tl.constexpr):
     """Block b's f16 scale of the rows at positions t, float32; 0 past ``end`` (f16 rows: 1; q8_0's
-    scales, one a block of 32 values, are taken per value instead: 1)."""
-    if BITS == 16 or BITS == 8:
+    and the nibble formats' scales, one a block of 32 values, are taken per value instead: 1)."""
+    if BITS == 16 or BITS == 8 or NIBBLES:
         scale = (t * 0 + 1).to(gl.float32)
     else:
         row = head + _rows(table_at, t, end, PAGE_SIZE, WIDE) * row_bytes + b * (2 + 16 * BITS)
@@ -380,6 +407,7 @@ def paged_decode_mma(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr, k
                      gate_ptr, g_heads, g_seqs, g_rows,
                      HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, N: tl.constexpr,
                      WIDE: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+                     K_NIBBLES: tl.constexpr = False, V_NIBBLES: tl.constexpr = False,
                      BY_SLOT: tl.constexpr = False, NORMALISE: tl.constexpr = False, GATED: tl.constexpr = False):
     """``paged_prefill_tile``'s decode launch with its arguments and outputs: the state of rows
     0..n_rows-1 (at most 8) of (KV head, sequence) over the keys of one split, N keys a step, or
@@ -409,7 +437,10 @@ def paged_decode_mma(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr, k
     # q^T per block (128, ROWS), operand B, in K's relabelled order, scaled, f16
     kq = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, b_op))
     rq = gl.arange(0, ROWS, layout=gl.SliceLayout(0, b_op))
-    dim = ((kq // 2) % 4) * 32 + (kq // 16) * 4 + ((kq // 8) % 2) * 2 + kq % 2   # _k_block's relabelling
+    if K_NIBBLES:           # lane r's k-step j: unit j of block r, its nibbles codes 2j, 2j + 16, 2j + 1, 2j + 17
+        dim = ((kq // 2) % 4) * 32 + (kq // 16) * 2 + (kq // 8) % 2 + (kq % 2) * 16
+    else:                   # _k_block's relabelling: code 32r + 4j + 2h + e
+        dim = ((kq // 2) % 4) * 32 + (kq // 16) * 4 + ((kq // 8) % 2) * 2 + kq % 2
     q_at = q_ptr + h.to(gl.int64) * q_heads + s.to(gl.int64) * q_seqs + rq[None, :] * q_rows + dim[:, None]
     q_live = (rq < n_rows)[None, :] & (dim < BLOCK)[:, None]
     q0 = (gl.load(q_at, mask=q_live, other=0.0).to(gl.float32) * q_scale).to(gl.float16)
@@ -430,14 +461,14 @@ def paged_decode_mma(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr, k
         zero = gl.full([N, ROWS], 0.0, gl.float32, layout=mma)
         t = start + keys_s
         k0 = _k_block(k_head, table_at, start + keys_k, end, k_row_bytes, 0, k_lut, k_planes, N, PAGE_SIZE, WIDE,
-                      K_BITS, k_groups, a_op)
+                      K_BITS, K_NIBBLES, k_groups, a_op)
         scores = mma_v2(k0, q0, zero) * _norms(k_head, table_at, t, end, k_row_bytes, 0, PAGE_SIZE, WIDE,
-                                               K_BITS)[:, None]
+                                               K_BITS, K_NIBBLES)[:, None]
         if NB == 2:
             k1 = _k_block(k_head, table_at, start + keys_k, end, k_row_bytes, 1, k_lut, k_planes, N, PAGE_SIZE,
-                          WIDE, K_BITS, k_groups, a_op)
+                          WIDE, K_BITS, K_NIBBLES, k_groups, a_op)
             scores += mma_v2(k1, q1, zero) * _norms(k_head, table_at, t, end, k_row_bytes, 1, PAGE_SIZE,
-                                                    WIDE, K_BITS)[:, None]
+                                                    WIDE, K_BITS, K_NIBBLES)[:, None]
         scores = gl.where((t < end)[:, None], scores, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(scores, axis=0))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)          # a row without keys yet: exp(-inf) = 0
@@ -446,19 +477,23 @@ def paged_decode_mma(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr, k
         l_i = l_i * corr + gl.sum(p, axis=0)
         m_i = m_new
         v0 = _v_block(v_head, table_at, start + keys_v, end, v_row_bytes, 0, v_lut, v_planes, N, PAGE_SIZE, WIDE,
-                      V_BITS, v_groups, a_op)
-        p0 = p * _norms(v_head, table_at, t, end, v_row_bytes, 0, PAGE_SIZE, WIDE, V_BITS)[:, None]
+                      V_BITS, V_NIBBLES, v_groups, a_op)
+        p0 = p * _norms(v_head, table_at, t, end, v_row_bytes, 0, PAGE_SIZE, WIDE, V_BITS, V_NIBBLES)[:, None]
         acc0 = mma_v2(v0, gl.convert_layout(p0.to(gl.float16), b_op), acc0 * corr[None, :])
         if NB == 2:
             v1 = _v_block(v_head, table_at, start + keys_v, end, v_row_bytes, 1, v_lut, v_planes, N, PAGE_SIZE,
-                          WIDE, V_BITS, v_groups, a_op)
-            p1 = p * _norms(v_head, table_at, t, end, v_row_bytes, 1, PAGE_SIZE, WIDE, V_BITS)[:, None]
+                          WIDE, V_BITS, V_NIBBLES, v_groups, a_op)
+            p1 = p * _norms(v_head, table_at, t, end, v_row_bytes, 1, PAGE_SIZE, WIDE, V_BITS, V_NIBBLES)[:, None]
             acc1 = mma_v2(v1, gl.convert_layout(p1.to(gl.float16), b_op), acc1 * corr[None, :])
 
     # the sums' logical dimension d (block b) is physical b * 128 + 16 (d % 8) + d // 8
     d = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, mma))
     r = gl.arange(0, ROWS, layout=gl.SliceLayout(0, mma))
-    d_out = (d % 8) * 16 + d // 8
+    if V_NIBBLES:           # logical g + 8i: group g's value i, unit 4 (g % 2) + i // 4's nibble i % 4 of block g // 2
+        i = d // 8
+        d_out = ((d % 8) // 2) * 32 + ((d % 8) % 2) * 8 + (i // 4) * 2 + (i % 4) // 2 + ((i % 4) % 2) * 16
+    else:
+        d_out = (d % 8) * 16 + d // 8
     r_live = r < n_rows
     live = r_live[None, :] & (d_out < BLOCK)[:, None]
     if NORMALISE:
@@ -526,7 +561,7 @@ class _AsTriton:
 
 _AS_TRITON = _AsTriton()
 
-_BODIES = (_plane_word, _planes, _unit4, _code, _group, _units, _q8_pair, _q8_group, _rows, _k_block, _v_block, _norms, _stored_as, paged_decode_mma)
+_BODIES = (_plane_word, _planes, _unit4, _code, _group, _units, _nibble_units, _q8_pair, _q8_group, _rows, _k_block, _v_block, _norms, _stored_as, paged_decode_mma)
 
 
 def _decorate():

@@ -291,18 +291,19 @@ def _warps_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict, page_siz
 
 
 def _mma_refusal(fmt, head_dim: int) -> str | None:
-    """Why KERNEL "mma" cannot read a format's rows at ``head_dim``, or None: it reads f16 and q8_0
-    rows, and 4-, 3- and 2-bit codes packed in order through a table, one f16 scale a block of 128 values
+    """Why KERNEL "mma" cannot read a format's rows at ``head_dim``, or None: it reads f16, q8_0, q4_0
+    and iq4_nl rows, and 4-, 3- and 2-bit codes packed in order through a table, one f16 scale a block of 128 values
     (turbo4's, turbo3's and turbo2's layout), at head_dim 128 or 256 (``_decode_mma_kernel``)."""
     if head_dim not in (MMA_BLOCK, 2 * MMA_BLOCK):
         return f"KERNEL='mma' reads head_dim {MMA_BLOCK} or {2 * MMA_BLOCK}, not {head_dim}"
     f = _fields(fmt, head_dim)
-    if f is not None and (f.kind == F16 or (f.kind, f.bits, f.block_values, f.block_bytes, f.header_bytes,
-                                            f.offset_at, f.sub_values) == (Q8, 8, 32, 34, 2, 0, 0)):
-        return None                     # f16 rows; q8_0's blocks of 32 int8 codes after an f16 scale
+    blocks = None if f is None else (f.kind, f.bits, f.block_values, f.block_bytes, f.header_bytes, f.offset_at,
+                                     f.sub_values)
+    if f is not None and (f.kind == F16 or blocks in ((Q8, 8, 32, 34, 2, 0, 0), (NIBBLE, 4, 32, 18, 2, 0, 0))):
+        return None             # f16 rows; q8_0's blocks of 32 int8 codes, q4_0's and iq4_nl's of 32 nibbles
     if f is None or f.kind != PACKED or f.bits not in (2, 3, 4) or f.lut is None:
-        return (f"KERNEL='mma' reads f16 and q8_0 rows and 4-, 3- and 2-bit codes through a table (turbo4, "
-                f"turbo3, turbo2), not {fmt.name} rows")
+        return (f"KERNEL='mma' reads f16, q8_0, q4_0 and iq4_nl rows and 4-, 3- and 2-bit codes through a table "
+                f"(turbo4, turbo3, turbo2), not {fmt.name} rows")
     if (f.block_values, f.block_bytes, f.header_bytes, f.offset_at, f.sub_values) != (MMA_BLOCK, 2 + 16 * f.bits,
                                                                                         2, 0, 0):
         return f"KERNEL='mma' reads blocks of {MMA_BLOCK} codes after one f16 scale, not {fmt.name}'s layout"
@@ -331,6 +332,7 @@ def _mma_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict, page_size:
         raise ValueError(f"N={keys!r} with KERNEL='mma': expected 16, 32 or 64 keys a step")
     return dict(KERNEL="mma", HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_M=MMA_ROWS, N=keys,
                 WIDE=tune.get("WIDE", False), K_BITS=_fields(fmt_k, head_dim).bits, V_BITS=_fields(fmt_v, head_dim).bits,
+                K_NIBBLES=_fields(fmt_k, head_dim).kind == NIBBLE, V_NIBBLES=_fields(fmt_v, head_dim).kind == NIBBLE,
                 num_warps=1)
 
 
