@@ -16,6 +16,7 @@ F16_DEFAULT = ({"BLOCK_N": 16, "num_warps": 8, "DOT": "f16", "CODECS": "units", 
 IEEE_DEFAULT = ({"BLOCK_N": 16, "num_warps": 8, "DOT": "ieee", "CODECS": "units", "PREFETCH": False}, 512)
 WARPS = ({"KERNEL": "warps", "num_warps": 1, "KP": 1, "PREFETCH": 1}, 128)
 TWO_WARPS_F16 = ({"BLOCK_N": 16, "num_warps": 2, "DOT": "f16", "CODECS": "units", "PREFETCH": 2}, 512)
+MMA = ({"KERNEL": "mma", "N": 16}, 128)
 
 
 def trial(launch, ms, err=1e-3):
@@ -58,10 +59,13 @@ def test_the_sweep_takes_the_fastest_launch_over_every_point():
 
 
 def test_the_float32_backend_takes_float32_products_only():
+    """KERNEL "mma" (f16 operands) is the fastest here, and the bf16 backend's choice, never the
+    float32 backend's."""
     trials = [trial(IEEE_DEFAULT, {"32768x8": 3.0}), trial(TWO_WARPS_F16, {"32768x8": 1.0}),
-              trial(WARPS, {"32768x8": 2.0})]
+              trial(WARPS, {"32768x8": 2.0}), trial(MMA, {"32768x8": 0.5})]
     assert tuned.best(trials, 0, "f32")[:2] == WARPS
-    assert tuned.best(trials, 0, "bf16")[:2] == TWO_WARPS_F16
+    assert tuned.best(trials, 0, "bf16")[:2] == MMA
+    assert not tuned.float32_products(MMA[0]) and tuned.float32_products(WARPS[0])
 
 
 def test_nothing_is_chosen_where_the_default_is_fastest_or_untimed():
