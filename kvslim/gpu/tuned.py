@@ -1,7 +1,8 @@
 """Decode launches tuned on a GPU: per device, the launch setting a lease's sweep timed fastest.
 
 ``benchmarks/gpu_decode.py --sweep --tuned-out FILE`` times every launch setting of the decode
-kernels (the tile kernel's keys a block, warps, products and prefetch; decode by warps) against
+kernels (the tile kernel's keys a block, warps, products and prefetch; decode by warps; KERNEL
+"mma", codes decoded into tensor-core operands, f16 products, which only the bf16 backend takes) against
 the attention backend's default launch, and writes to FILE, per K/V pair, head_dim, query rows
 a KV head and backend, the setting whose step took the least time over the batches it timed
 (their times' geometric mean) where that beat the default's, with its output within TOLERANCE
