@@ -287,9 +287,10 @@ def _prefetch_cell(prefetch, codecs: str) -> str:
 def _settings(args) -> list[tuple[tuple, dict, tuple]]:
     """The sweep's launches, in its order: (table cells: BLOCK_N, warps, stages, dot, prefetch,
     codes; the launch's tune; its keys per split). With ``--kernels`` warps, decode by warps
-    first, then with mma KERNEL "mma" (MMA_VARIANTS); with tiles, every VARIANT of ``--dot``'s products with codes two bytes a load, then the
-    first of them also as session 31 read codes (a load per value), then the STRIDED launches with
-    a group's codes W columns apart (the codes column says "strided")."""
+    first, then with mma KERNEL "mma" (MMA_VARIANTS); with tiles, every VARIANT of ``--dot``'s
+    products with codes two bytes a load, then the first of them also as session 31 read codes (a
+    load per value), then the STRIDED launches with a group's codes W columns apart (the codes
+    column says "strided")."""
     kernels = args.kernels.split(",")
     ours = lambda launches: [v for v in launches if (args.dot is None or v[3] in args.dot.split(","))   # noqa: E731
                              and "tiles" in kernels]
@@ -443,7 +444,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     args.argv = argv
     for flag, given, valid in (("--codecs", args.codecs, gpu_prefill.CODECS),
-                               ("--dot", args.dot or "ieee", gpu_prefill.DOTS), ("--kernels", args.kernels, gpu_prefill.KERNELS)):
+                               ("--dot", args.dot or "ieee", gpu_prefill.DOTS),
+                               ("--kernels", args.kernels, gpu_prefill.KERNELS)):
         if set(given.split(",")) - set(valid):
             parser.error(f"{flag} {given}: each of {', '.join(valid)}")
     if (args.tuned_out or args.jobs) and not args.sweep:

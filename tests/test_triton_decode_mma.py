@@ -31,9 +31,9 @@ from .triton_harness import compiled_process, resource_usage, run_interpreted
 pytestmark = pytest.mark.skipif(not kvslim.gpu.available(), reason="triton is not installed: no GPU kernel to check")
 
 # (K, V, head_dim, group, lengths, page_size, split_keys, tune): 4-, 3- and 2-bit codes, q8_0's
-# bytes, q4_0's and iq4_nl's nibbles and f16 rows, K and V apart; two blocks a row and one; 8, 5, 3 and 1 query rows of the products' 8; an empty
-# sequence; splits of 32 and the default; pages of 12 (a step's keys across pages); 32 keys a
-# step with 64-bit row offsets
+# bytes, q4_0's and iq4_nl's nibbles and f16 rows, K and V apart; two blocks a row and one; 8, 5,
+# 3 and 1 query rows of the products' 8; an empty sequence; splits of 32 and the default; pages
+# of 12 (a step's keys across pages); 32 keys a step, once with 64-bit row offsets
 CASES = [("turbo4", "turbo4", 256, 8, (40, 3, 0), 16, 32, {}),
          ("turbo4", "turbo4", 128, 5, (37, 100), 12, None, {}),
          ("turbo4", "turbo4", 256, 1, (70,), 16, None, {"N": 32, "WIDE": True}),
@@ -144,7 +144,8 @@ def _prmt(a, b, selector):
     out = np.zeros_like(a, dtype=np.uint32)
     for i in range(4):
         nibble = (selector >> np.uint32(4 * i)) & np.uint32(15)
-        byte = ((source >> ((nibble & np.uint32(7)).astype(np.uint64) * np.uint64(8))) & np.uint64(0xFF)).astype(np.uint32)
+        shift = (nibble & np.uint32(7)).astype(np.uint64) * np.uint64(8)
+        byte = ((source >> shift) & np.uint64(0xFF)).astype(np.uint32)
         byte = np.where(nibble & np.uint32(8), np.where(byte & np.uint32(0x80), np.uint32(0xFF), np.uint32(0)), byte)
         out |= byte << np.uint32(8 * i)
     return out

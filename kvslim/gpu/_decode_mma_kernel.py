@@ -38,7 +38,7 @@ query rows.
 ``paged_prefill._mma_config`` refuses the rest by name.
 
 Under Triton's interpreter (the CI), Gluon has no interpreter: the same function bodies run as
-Triton kernels, with ``gl``'s layout calls read as no-ops (``_AS_TRITON``), ``mma_v2`` as
+Triton kernels, with ``gl``'s layout calls read as no-ops (``_AsTriton``), ``mma_v2`` as
 float32 products of the f16 operands, and the byte permutes as a table read. Layouts do not
 change what a kernel computes, so the interpreter's parity covers the logic; the compiled form
 is checked for its layout (no shared memory, trivial conversions) by an sm_90 compile, and for
@@ -54,7 +54,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.runtime.jit import JITFunction
-
 
 
 @triton.jit
@@ -561,7 +560,8 @@ class _AsTriton:
 
 _AS_TRITON = _AsTriton()
 
-_BODIES = (_plane_word, _planes, _unit4, _code, _group, _units, _nibble_units, _q8_pair, _q8_group, _rows, _k_block, _v_block, _norms, _stored_as, paged_decode_mma)
+_BODIES = (_plane_word, _planes, _unit4, _code, _group, _units, _nibble_units, _q8_pair, _q8_group, _rows, _k_block,
+           _v_block, _norms, _stored_as, paged_decode_mma)
 
 
 def _decorate():

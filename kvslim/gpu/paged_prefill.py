@@ -160,10 +160,10 @@ def _phases(f: CodecFields, head_dim: int) -> int:
 # products on CUDA cores), with KP keys a warp a step and num_warps warps; RESCALE_AT, with one warp:
 # how far a row's max grows before its sums are rescaled (8; the tests' 1e30: at the first step only);
 # PREFETCH 1 (its default), each step's rows loaded a step ahead; 0, at use. KERNEL "mma": decode by
-# ``_decode_mma_kernel`` (one warp a program, turbo4's codes decoded into tensor-core operands, Gluon),
-# N keys a step. COLUMNS: where the tile
-# kernel puts a group of units' codes, "adjacent" (the default since session 45: side by side) or
-# "strided" (W columns apart, as sessions 32-44 did; ``_codecs.columns``), for a lease to time.
+# ``_decode_mma_kernel`` (one warp a program, the packed codes decoded into tensor-core operands,
+# Gluon), N keys a step. COLUMNS: where the tile kernel puts a group of units' codes, "adjacent"
+# (the default since session 45: side by side) or "strided" (W columns apart, as sessions 32-44
+# did; ``_codecs.columns``), for a lease to time.
 CODECS = ("units", "per-value")
 COLUMNS = ("adjacent", "strided")
 TUNABLE = ("BLOCK_N", "num_warps", "num_stages", "DOT", "WIDE", "CODECS", "PREFETCH", "KERNEL", "KP", "RESCALE_AT",
@@ -291,9 +291,10 @@ def _warps_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict, page_siz
 
 
 def _mma_refusal(fmt, head_dim: int) -> str | None:
-    """Why KERNEL "mma" cannot read a format's rows at ``head_dim``, or None: it reads f16, q8_0, q4_0
-    and iq4_nl rows, and 4-, 3- and 2-bit codes packed in order through a table, one f16 scale a block of 128 values
-    (turbo4's, turbo3's and turbo2's layout), at head_dim 128 or 256 (``_decode_mma_kernel``)."""
+    """Why KERNEL "mma" cannot read a format's rows at ``head_dim``, or None: it reads f16, q8_0,
+    q4_0 and iq4_nl rows, and 4-, 3- and 2-bit codes packed in order through a table, one f16 scale
+    a block of 128 values (turbo4's, turbo3's and turbo2's layout), at head_dim 128 or 256
+    (``_decode_mma_kernel``)."""
     if head_dim not in (MMA_BLOCK, 2 * MMA_BLOCK):
         return f"KERNEL='mma' reads head_dim {MMA_BLOCK} or {2 * MMA_BLOCK}, not {head_dim}"
     f = _fields(fmt, head_dim)
@@ -317,7 +318,7 @@ def reads_by_mma(fmt_k, fmt_v, head_dim: int, n_rows: int) -> bool:
 
 def _mma_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict, page_size: int) -> dict:
     """``_decode_mma_kernel``'s constexprs (``tune`` holds KERNEL "mma"; MMA_TUNABLE): N keys a step
-    (16 by default: 168 registers at head_dim 256 in sm_90 SASS, against 244 at 32), one warp."""
+    (16 by default: turbo4/turbo4 172 registers at head_dim 256 in sm_90 SASS, 248 at 32), one warp."""
     other = set(tune) - set(MMA_TUNABLE)
     if other:
         raise ValueError(f"not a setting of KERNEL='mma': {', '.join(sorted(other))} "
@@ -330,10 +331,10 @@ def _mma_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict, page_size:
     keys = tune.get("N", 16)
     if keys not in (16, 32, 64):
         raise ValueError(f"N={keys!r} with KERNEL='mma': expected 16, 32 or 64 keys a step")
+    k, v = _fields(fmt_k, head_dim), _fields(fmt_v, head_dim)
     return dict(KERNEL="mma", HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_M=MMA_ROWS, N=keys,
-                WIDE=tune.get("WIDE", False), K_BITS=_fields(fmt_k, head_dim).bits, V_BITS=_fields(fmt_v, head_dim).bits,
-                K_NIBBLES=_fields(fmt_k, head_dim).kind == NIBBLE, V_NIBBLES=_fields(fmt_v, head_dim).kind == NIBBLE,
-                num_warps=1)
+                WIDE=tune.get("WIDE", False), K_BITS=k.bits, V_BITS=v.bits, K_NIBBLES=k.kind == NIBBLE,
+                V_NIBBLES=v.kind == NIBBLE, num_warps=1)
 
 
 @lru_cache(maxsize=None)
