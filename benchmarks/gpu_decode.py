@@ -267,12 +267,13 @@ STRIDED = [(16, 8, None, "f16", False), (16, 2, None, "f16", False), (16, 8, Non
 # ~1,200 slots (9 an SM), 2,048 fill them (4x the splits' states to merge).
 WARP_VARIANTS = [(1, 1, 1), (1, 1, 0), (2, 1, 1), (4, 1, 1), (1, 2, 1)]
 WARP_SPLITS = {(1, 1, 1): (512, 128)}
-# Decode with codes decoded into tensor-core operands (session 46: KERNEL "mma", Gluon; turbo4, turbo3
-# and turbo2 K and V, f16 products): N keys a step. sm_90 SASS (Triton 3.6), 8 rows at head_dim 256,
-# turbo4/turbo4: 85 instructions a key at N 16 (172 registers, 11 one-warp programs an SM), 81 at 32
-# (248, 8), no shared memory; the tile kernel's launches take 172-251. One warp a program, so splits of 128 keys
-# too, as the one-warp warps launch.
-MMA_VARIANTS = [16, 32]
+# Decode with codes decoded into tensor-core operands (session 46: KERNEL "mma", Gluon; issue 18's
+# seven formats as K and V, f16 products): N keys a step. sm_90 SASS (Triton 3.6), 8 rows at head_dim
+# 256, turbo4/turbo4: 85 instructions a key at N 16 (172 registers, 11 one-warp programs an SM), 81 at
+# 32 (248, 8), no shared memory; the tile kernel's launches take 172-251. One warp a program, so
+# splits of 128 keys too, as the one-warp warps launch. PREFETCH 1 reads a step's table entries a
+# step ahead ("rows"; 210 registers for turbo4, 9 programs an SM); 0 is its default.
+MMA_VARIANTS = [(16, 1), (16, 0), (32, 1)]         # (N, PREFETCH)
 MMA_SPLITS = (512, 128)
 
 
@@ -297,8 +298,9 @@ def _settings(args) -> list[tuple[tuple, dict, tuple]]:
     settings = [(("", w, "", "fma", _prefetch_cell((kp, pf), "warps"), "warps"),
                  {"KERNEL": "warps", "num_warps": w, "KP": kp, "PREFETCH": pf}, WARP_SPLITS.get((w, kp, pf), SPLITS))
                 for w, kp, pf in WARP_VARIANTS if "warps" in kernels]
-    settings += [(("", 1, "", "f16", f"N {n}", "mma"), {"KERNEL": "mma", "N": n}, MMA_SPLITS)
-                 for n in MMA_VARIANTS if "mma" in kernels]
+    settings += [(("", 1, "", "f16", f"N {n}" + (", rows" if ahead else ""), "mma"),
+                  {"KERNEL": "mma", "N": n, "PREFETCH": ahead}, MMA_SPLITS)
+                 for n, ahead in MMA_VARIANTS if "mma" in kernels]
     variants = ours(VARIANTS)
     tiles = ([(v, "units", "adjacent") for v in variants] + [(v, "per-value", "adjacent") for v in variants[:1]]
              + [(v, "units", "strided") for v in ours(STRIDED)])

@@ -157,8 +157,8 @@ def main(argv=None) -> int:
     settings = [([pair, "warps", "", warps, "", "fma", f"KP {keys}" + (", rows" if ahead else "")],
                  {"KERNEL": "warps", "num_warps": warps, "KP": keys, "PREFETCH": ahead})
                 for warps, keys, ahead in (WARP_VARIANTS if args.warps else ()) for pair in args.pairs.split(",")]
-    settings += [([pair, "mma", keys, 1, "", "f16", ""], {"KERNEL": "mma", "N": keys})
-                 for keys in (MMA_VARIANTS if args.mma else ()) for pair in args.pairs.split(",")]
+    settings += [([pair, "mma", keys, 1, "", "f16", "rows" if ahead else ""], {"KERNEL": "mma", "N": keys, "PREFETCH": ahead})
+                 for keys, ahead in (MMA_VARIANTS if args.mma else ()) for pair in args.pairs.split(",")]
     settings += [([pair, codecs + ("" if columns == "adjacent" else ", strided"), block_n, warps, stages or "", dot,
                    {True: "rows", 2: "codes"}.get(prefetch, "")],
                   {"BLOCK_N": block_n, "num_warps": warps, "DOT": dot, "CODECS": codecs, "PREFETCH": prefetch,

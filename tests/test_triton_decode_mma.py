@@ -37,6 +37,7 @@ pytestmark = pytest.mark.skipif(not kvslim.gpu.available(), reason="triton is no
 CASES = [("turbo4", "turbo4", 256, 8, (40, 3, 0), 16, 32, {}),
          ("turbo4", "turbo4", 128, 5, (37, 100), 12, None, {}),
          ("turbo4", "turbo4", 256, 1, (70,), 16, None, {"N": 32, "WIDE": True}),
+         ("turbo4", "turbo4", 256, 8, (40, 3, 0), 16, 32, {"PREFETCH": 1}),    # case 0, rows a step ahead
          ("turbo3", "turbo3", 256, 8, (37, 100, 0), 12, None, {}),
          ("turbo2", "turbo3", 128, 3, (20, 5), 16, None, {}),
          ("turbo3", "turbo4", 128, 8, (50,), 16, 32, {"N": 32}),
@@ -120,6 +121,14 @@ def test_mma_decode_matches_torch_block_loop(interpreted, index):
     case = CASES[index]
     args = _case(*case[:4], list(case[4]), page_size=case[5])
     _check_f16_products(interpreted["states"][index], _torch_state(*args), args[-1])
+
+
+def test_rows_a_step_ahead_give_the_same_bits(interpreted):
+    """PREFETCH 1 moves when a step's table entries are read, not what is summed: case 0's state
+    bit for bit."""
+    assert CASES[3][:7] == CASES[0][:7] and CASES[3][7] == {"PREFETCH": 1}
+    for ahead, at_use in zip(interpreted["states"][3], interpreted["states"][0]):
+        assert torch.equal(ahead, at_use)
 
 
 @pytest.mark.parametrize("index", range(len(STEPS)), ids=lambda i: f"{STEPS[i][2]}-{STEPS[i][7]}")
@@ -257,6 +266,7 @@ def test_q8_0s_bytes_come_out_times_their_scale_rounded_once(scale):
     ("turbo4", "turbo4", 64, 8, {}, "head_dim 128 or 256, not 64"),
     ("turbo4", "turbo4", 256, 9, {}, "at most 8 query rows"),
     ("turbo4", "turbo4", 256, 8, {"N": 8}, "N=8 with KERNEL='mma'"),
+    ("turbo4", "turbo4", 256, 8, {"PREFETCH": 2}, "PREFETCH=2 with KERNEL='mma'"),
     ("turbo4", "turbo4", 256, 8, {"BLOCK_N": 32}, "not a setting of KERNEL='mma': BLOCK_N")])
 def test_mma_refuses_what_it_cannot_read(name_k, name_v, dim, rows, tune, why):
     """Refused by name before a launch, never decoded wrong; reads_by_mma agrees."""
@@ -280,11 +290,11 @@ def test_mma_decodes_only():
 
 # ---- its sm_90 code, without a GPU -----------------------------------------------------------
 
-@pytest.mark.parametrize("name_k,name_v,dim,keys", [("turbo4", "turbo4", 256, 16), ("turbo4", "turbo4", 128, 16),
-                                                    ("turbo4", "turbo4", 256, 32), ("turbo3", "turbo3", 256, 16),
-                                                    ("turbo2", "turbo4", 128, 16), ("f16", "f16", 256, 16),
-                                                    ("q8_0", "turbo4", 256, 16), ("q4_0", "iq4_nl", 256, 16)])
-def test_mma_decodes_in_registers_for_an_h100_without_one(name_k, name_v, dim, keys):
+@pytest.mark.parametrize("name_k,name_v,dim,keys,ahead", [
+    ("turbo4", "turbo4", 256, 16, 0), ("turbo4", "turbo4", 128, 16, 0), ("turbo4", "turbo4", 256, 32, 0),
+    ("turbo4", "turbo4", 256, 16, 1), ("turbo3", "turbo3", 256, 16, 0), ("turbo2", "turbo4", 128, 16, 0),
+    ("f16", "f16", 256, 16, 1), ("q8_0", "turbo4", 256, 16, 0), ("q4_0", "iq4_nl", 256, 16, 0)])
+def test_mma_decodes_in_registers_for_an_h100_without_one(name_k, name_v, dim, keys, ahead):
     """What the kernel is for, in its sm_90 SASS (decode's launch: bf16 q read in place, the table
     by slot): no shared memory at all, no barrier or shared-memory access in its loop over keys,
     no spill; and it compiled, so every conversion to an operand layout was a relabelling
@@ -292,7 +302,8 @@ def test_mma_decodes_in_registers_for_an_h100_without_one(name_k, name_v, dim, k
     3.6 and 3.9)."""
     from kvslim.gpu import _decode_mma_kernel, compile_sm90, cuobjdump, loop_ops
     fmt, fmt_v = formats.get(name_k, role="k"), formats.get(name_v, role="v")
-    config = dict(paged_prefill._launch_config(fmt, fmt_v, 8, dim, {"KERNEL": "mma", "N": keys}), BY_SLOT=True)
+    config = dict(paged_prefill._launch_config(fmt, fmt_v, 8, dim, {"KERNEL": "mma", "N": keys, "PREFETCH": ahead}),
+                  BY_SLOT=True)
     config.pop("KERNEL")
     num_warps = config.pop("num_warps")
     compiled = compile_sm90(_decode_mma_kernel.paged_decode_mma, dict(paged_prefill.POINTER_ARGS, q_ptr="*bf16"),

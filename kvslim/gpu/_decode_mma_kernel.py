@@ -310,24 +310,23 @@ def _nibble_units(row, b: tl.constexpr, g, live):
             gl.load(at + 3, mask=live, other=0), scale)
 
 
-def _k_block(k_head, table_at, t, end, row_bytes, b: tl.constexpr, lut, planes, N: tl.constexpr,
-             PAGE_SIZE: tl.constexpr, WIDE: tl.constexpr, BITS: tl.constexpr, NIBBLES: tl.constexpr,
-             layout: tl.constexpr, operand: tl.constexpr):
-    """Block b of N keys' K rows at positions t (N,) as operand A (N, 128), relabelled: lane r
-    holds codes 32r .. 32r + 31 of a key (groups 2r and 2r + 1), logical k = 16j + 8h + 2r + e
-    being code 32r + 4j + 2h + e; masked keys' codes as 0."""
+def _k_block(k_head, slot, t, end, row_bytes, b: tl.constexpr, lut, planes, N: tl.constexpr, BITS: tl.constexpr,
+             NIBBLES: tl.constexpr, layout: tl.constexpr, operand: tl.constexpr):
+    """Block b of N keys' K rows (positions t (N,), rows ``slot`` of the head's pool: ``_rows``)
+    as operand A (N, 128), relabelled: lane r holds codes 32r .. 32r + 31 of a key (groups 2r and
+    2r + 1), logical k = 16j + 8h + 2r + e being code 32r + 4j + 2h + e; masked keys' codes as 0."""
     if BITS == 16:              # f16 rows: a lane's 32 values of a key as they lie, 16-byte loads
         rows: gl.constexpr = gl.BlockedLayout([1, 2, 16], [8, 4, 1], [1, 1, 1], [2, 1, 0])   # (N, 8 groups, 16)
         t = gl.convert_layout(t, gl.SliceLayout(1, gl.SliceLayout(2, rows)), assert_trivial=COMPILED)
-        row = (k_head + _rows(table_at, t, end, PAGE_SIZE, WIDE) * row_bytes + b * 2 * BLOCK).to(
-            gl.pointer_type(gl.float16))
+        slot = gl.convert_layout(slot, gl.SliceLayout(1, gl.SliceLayout(2, rows)), assert_trivial=COMPILED)
+        row = (k_head + slot * row_bytes + b * 2 * BLOCK).to(gl.pointer_type(gl.float16))
         g = gl.arange(0, BLOCK // 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, rows)))
         c = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, rows)))
         x = gl.load(row[:, None, None] + (16 * g)[None, :, None] + c[None, None, :],
                     mask=(t < end)[:, None, None] & (g < 8)[None, :, None] & (c < 16)[None, None, :], other=0.0)
         x = gl.permute(gl.reshape(x, [N, 4, 2, 2, 2, 2, 2]), [0, 2, 3, 4, 5, 1, 6])  # [n, gg, b3, b2, b1, r, b0]
     else:
-        row = k_head + _rows(table_at, t, end, PAGE_SIZE, WIDE) * row_bytes
+        row = k_head + slot * row_bytes
         g = gl.arange(0, BLOCK // 16, layout=gl.SliceLayout(0, layout))
         live = (t < end)[:, None] & (g < 8)[None, :]
         if BITS == 8:
@@ -342,24 +341,23 @@ def _k_block(k_head, table_at, t, end, row_bytes, b: tl.constexpr, lut, planes, 
     return gl.convert_layout(gl.reshape(x, [N, BLOCK]), operand, assert_trivial=COMPILED)
 
 
-def _v_block(v_head, table_at, t, end, row_bytes, b: tl.constexpr, lut, planes, N: tl.constexpr,
-             PAGE_SIZE: tl.constexpr, WIDE: tl.constexpr, BITS: tl.constexpr, NIBBLES: tl.constexpr,
-             layout: tl.constexpr, operand: tl.constexpr):
-    """Block b of N keys' V rows at positions t (N,) as operand A of V^T (128, N), relabelled:
+def _v_block(v_head, slot, t, end, row_bytes, b: tl.constexpr, lut, planes, N: tl.constexpr, BITS: tl.constexpr,
+             NIBBLES: tl.constexpr, layout: tl.constexpr, operand: tl.constexpr):
+    """Block b of N keys' V rows (positions t (N,), rows ``slot``) as operand A of V^T (128, N), relabelled:
     lane g (of 8) holds group g's 16 codes of its keys, logical dimension g + 8i being physical
     16g + i."""
     if BITS == 16:              # f16 rows: a lane's 16 values of each of its keys as they lie
         rows: gl.constexpr = gl.BlockedLayout([1, 2, 16], [8, 4, 1], [1, 1, 1], [2, 1, 0])   # (8 groups, N, 16)
         t = gl.convert_layout(t, gl.SliceLayout(0, gl.SliceLayout(2, rows)), assert_trivial=COMPILED)
-        row = (v_head + _rows(table_at, t, end, PAGE_SIZE, WIDE) * row_bytes + b * 2 * BLOCK).to(
-            gl.pointer_type(gl.float16))
+        slot = gl.convert_layout(slot, gl.SliceLayout(0, gl.SliceLayout(2, rows)), assert_trivial=COMPILED)
+        row = (v_head + slot * row_bytes + b * 2 * BLOCK).to(gl.pointer_type(gl.float16))
         g = gl.arange(0, BLOCK // 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, rows)))
         c = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, rows)))
         x = gl.load(row[None, :, None] + (16 * g)[:, None, None] + c[None, None, :],
                     mask=(t < end)[None, :, None] & (g < 8)[:, None, None] & (c < 16)[None, None, :], other=0.0)
         x = gl.permute(gl.reshape(x, [BLOCK // 16, N, 2, 2, 2, 2]), [2, 3, 4, 5, 0, 1])   # [b3, b2, b1, b0, g, n]
     else:
-        row = v_head + _rows(table_at, t, end, PAGE_SIZE, WIDE) * row_bytes
+        row = v_head + slot * row_bytes
         g = gl.arange(0, BLOCK // 16, layout=gl.SliceLayout(1, layout))
         live = (t < end)[None, :] & (g < 8)[:, None]
         if BITS == 8:
@@ -374,14 +372,13 @@ def _v_block(v_head, table_at, t, end, row_bytes, b: tl.constexpr, lut, planes, 
     return gl.convert_layout(gl.reshape(x, [BLOCK, N]), operand, assert_trivial=COMPILED)
 
 
-def _norms(head, table_at, t, end, row_bytes, b: tl.constexpr, PAGE_SIZE: tl.constexpr, WIDE: tl.constexpr,
-           BITS: tl.constexpr, NIBBLES: tl.constexpr):
-    """Block b's f16 scale of the rows at positions t, float32; 0 past ``end`` (f16 rows: 1; q8_0's
-    and the nibble formats' scales, one a block of 32 values, are taken per value instead: 1)."""
+def _norms(head, slot, t, end, row_bytes, b: tl.constexpr, BITS: tl.constexpr, NIBBLES: tl.constexpr):
+    """Block b's f16 scale of the rows ``slot`` at positions t, float32; 0 past ``end`` (f16 rows: 1;
+    q8_0's and the nibble formats' scales, one a block of 32 values, are taken per value instead: 1)."""
     if BITS == 16 or BITS == 8 or NIBBLES:
         scale = (t * 0 + 1).to(gl.float32)
     else:
-        row = head + _rows(table_at, t, end, PAGE_SIZE, WIDE) * row_bytes + b * (2 + 16 * BITS)
+        row = head + slot * row_bytes + b * (2 + 16 * BITS)
         scale = gl.load(row.to(gl.pointer_type(gl.float16)), mask=t < end, other=0.0).to(gl.float32)
     return scale
 
@@ -406,12 +403,14 @@ def paged_decode_mma(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr, k
                      gate_ptr, g_heads, g_seqs, g_rows,
                      HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, N: tl.constexpr,
                      WIDE: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-                     K_NIBBLES: tl.constexpr = False, V_NIBBLES: tl.constexpr = False,
+                     K_NIBBLES: tl.constexpr = False, V_NIBBLES: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
                      BY_SLOT: tl.constexpr = False, NORMALISE: tl.constexpr = False, GATED: tl.constexpr = False):
     """``paged_prefill_tile``'s decode launch with its arguments and outputs: the state of rows
     0..n_rows-1 (at most 8) of (KV head, sequence) over the keys of one split, N keys a step, or
     with NORMALISE (one split) the output itself (times sigmoid of the gate with GATED). BLOCK_M:
-    the rows' side of the products, 8 (``paged_prefill.MMA_ROWS``)."""
+    the rows' side of the products, 8 (``paged_prefill.MMA_ROWS``). PREFETCH 1: each step's pool
+    rows read from the block table a step ahead (turbo4/turbo4: 172 -> 210 registers); 0 (the
+    default), at use; the same bits either way."""
     ROWS: gl.constexpr = BLOCK_M
     NB: gl.constexpr = HEAD_DIM // BLOCK
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
@@ -456,18 +455,31 @@ def paged_decode_mma(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr, k
     keys_k = gl.arange(0, N, layout=gl.SliceLayout(1, k_groups))
     keys_v = gl.arange(0, N, layout=gl.SliceLayout(0, v_groups))
     keys_s = gl.arange(0, N, layout=gl.SliceLayout(1, mma))
+    if PREFETCH:            # the first step's pool rows, before the loop
+        slot_k = _rows(table_at, begin + keys_k, end, PAGE_SIZE, WIDE)
+        slot_v = _rows(table_at, begin + keys_v, end, PAGE_SIZE, WIDE)
+        slot_s = _rows(table_at, begin + keys_s, end, PAGE_SIZE, WIDE)
     for start in range(begin, end, N):
         zero = gl.full([N, ROWS], 0.0, gl.float32, layout=mma)
         t = start + keys_s
-        k0 = _k_block(k_head, table_at, start + keys_k, end, k_row_bytes, 0, k_lut, k_planes, N, PAGE_SIZE, WIDE,
-                      K_BITS, K_NIBBLES, k_groups, a_op)
-        scores = mma_v2(k0, q0, zero) * _norms(k_head, table_at, t, end, k_row_bytes, 0, PAGE_SIZE, WIDE,
-                                               K_BITS, K_NIBBLES)[:, None]
+        if PREFETCH:        # this step's rows were read a step ago; the next step's table entries go out now,
+            sk = slot_k     # so that a step's K/V loads wait on one load, not on a table load first
+            sv = slot_v
+            ss = slot_s
+            slot_k = _rows(table_at, start + N + keys_k, end, PAGE_SIZE, WIDE)
+            slot_v = _rows(table_at, start + N + keys_v, end, PAGE_SIZE, WIDE)
+            slot_s = _rows(table_at, start + N + keys_s, end, PAGE_SIZE, WIDE)
+        else:
+            sk = _rows(table_at, start + keys_k, end, PAGE_SIZE, WIDE)
+            sv = _rows(table_at, start + keys_v, end, PAGE_SIZE, WIDE)
+            ss = _rows(table_at, t, end, PAGE_SIZE, WIDE)
+        k0 = _k_block(k_head, sk, start + keys_k, end, k_row_bytes, 0, k_lut, k_planes, N, K_BITS, K_NIBBLES, k_groups,
+                      a_op)
+        scores = mma_v2(k0, q0, zero) * _norms(k_head, ss, t, end, k_row_bytes, 0, K_BITS, K_NIBBLES)[:, None]
         if NB == 2:
-            k1 = _k_block(k_head, table_at, start + keys_k, end, k_row_bytes, 1, k_lut, k_planes, N, PAGE_SIZE,
-                          WIDE, K_BITS, K_NIBBLES, k_groups, a_op)
-            scores += mma_v2(k1, q1, zero) * _norms(k_head, table_at, t, end, k_row_bytes, 1, PAGE_SIZE,
-                                                    WIDE, K_BITS, K_NIBBLES)[:, None]
+            k1 = _k_block(k_head, sk, start + keys_k, end, k_row_bytes, 1, k_lut, k_planes, N, K_BITS, K_NIBBLES,
+                          k_groups, a_op)
+            scores += mma_v2(k1, q1, zero) * _norms(k_head, ss, t, end, k_row_bytes, 1, K_BITS, K_NIBBLES)[:, None]
         scores = gl.where((t < end)[:, None], scores, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(scores, axis=0))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)          # a row without keys yet: exp(-inf) = 0
@@ -475,14 +487,14 @@ def paged_decode_mma(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr, k
         corr = gl.exp(m_i - m_safe)
         l_i = l_i * corr + gl.sum(p, axis=0)
         m_i = m_new
-        v0 = _v_block(v_head, table_at, start + keys_v, end, v_row_bytes, 0, v_lut, v_planes, N, PAGE_SIZE, WIDE,
-                      V_BITS, V_NIBBLES, v_groups, a_op)
-        p0 = p * _norms(v_head, table_at, t, end, v_row_bytes, 0, PAGE_SIZE, WIDE, V_BITS, V_NIBBLES)[:, None]
+        v0 = _v_block(v_head, sv, start + keys_v, end, v_row_bytes, 0, v_lut, v_planes, N, V_BITS, V_NIBBLES, v_groups,
+                      a_op)
+        p0 = p * _norms(v_head, ss, t, end, v_row_bytes, 0, V_BITS, V_NIBBLES)[:, None]
         acc0 = mma_v2(v0, gl.convert_layout(p0.to(gl.float16), b_op), acc0 * corr[None, :])
         if NB == 2:
-            v1 = _v_block(v_head, table_at, start + keys_v, end, v_row_bytes, 1, v_lut, v_planes, N, PAGE_SIZE,
-                          WIDE, V_BITS, V_NIBBLES, v_groups, a_op)
-            p1 = p * _norms(v_head, table_at, t, end, v_row_bytes, 1, PAGE_SIZE, WIDE, V_BITS, V_NIBBLES)[:, None]
+            v1 = _v_block(v_head, sv, start + keys_v, end, v_row_bytes, 1, v_lut, v_planes, N, V_BITS, V_NIBBLES,
+                          v_groups, a_op)
+            p1 = p * _norms(v_head, ss, t, end, v_row_bytes, 1, V_BITS, V_NIBBLES)[:, None]
             acc1 = mma_v2(v1, gl.convert_layout(p1.to(gl.float16), b_op), acc1 * corr[None, :])
 
     # the sums' logical dimension d (block b) is physical b * 128 + 16 (d % 8) + d // 8

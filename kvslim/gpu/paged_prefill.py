@@ -171,7 +171,7 @@ TUNABLE = ("BLOCK_N", "num_warps", "num_stages", "DOT", "WIDE", "CODECS", "PREFE
 WARPS_TUNABLE = ("KERNEL", "KP", "num_warps", "WIDE", "RESCALE_AT", "PREFETCH")
 WARPS_ROWS = 8            # the warps kernel's most query rows: each lane holds all of them, and their sums
 KERNELS = ("tiles", "warps", "mma")
-MMA_TUNABLE = ("KERNEL", "N", "WIDE")
+MMA_TUNABLE = ("KERNEL", "N", "WIDE", "PREFETCH")
 MMA_ROWS = 8              # KERNEL "mma": the GQA group is the products' narrow side, 8 wide
 MMA_BLOCK = 128           # ... and it reads blocks of 128 codes with one f16 scale each
 DOTS = ("ieee", "tf32x3", "tf32", "f16", "fma")
@@ -318,7 +318,9 @@ def reads_by_mma(fmt_k, fmt_v, head_dim: int, n_rows: int) -> bool:
 
 def _mma_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict, page_size: int) -> dict:
     """``_decode_mma_kernel``'s constexprs (``tune`` holds KERNEL "mma"; MMA_TUNABLE): N keys a step
-    (16 by default: turbo4/turbo4 172 registers at head_dim 256 in sm_90 SASS, 248 at 32), one warp."""
+    (16 by default: turbo4/turbo4 172 registers at head_dim 256 in sm_90 SASS, 248 at 32), one warp,
+    PREFETCH 0 (the default: table entries read at use) or 1 (a step ahead, as the other kernels'
+    PREFETCH 1: 210 registers, 9 programs an SM instead of 11; untimed, the sweep times both)."""
     other = set(tune) - set(MMA_TUNABLE)
     if other:
         raise ValueError(f"not a setting of KERNEL='mma': {', '.join(sorted(other))} "
@@ -331,10 +333,12 @@ def _mma_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict, page_size:
     keys = tune.get("N", 16)
     if keys not in (16, 32, 64):
         raise ValueError(f"N={keys!r} with KERNEL='mma': expected 16, 32 or 64 keys a step")
+    if tune.get("PREFETCH", 0) not in (0, 1):
+        raise ValueError(f"PREFETCH={tune['PREFETCH']!r} with KERNEL='mma': expected 0 (off) or 1 (table rows a step ahead)")
     k, v = _fields(fmt_k, head_dim), _fields(fmt_v, head_dim)
     return dict(KERNEL="mma", HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_M=MMA_ROWS, N=keys,
                 WIDE=tune.get("WIDE", False), K_BITS=k.bits, V_BITS=v.bits, K_NIBBLES=k.kind == NIBBLE,
-                V_NIBBLES=v.kind == NIBBLE, num_warps=1)
+                V_NIBBLES=v.kind == NIBBLE, PREFETCH=int(tune.get("PREFETCH", 0)), num_warps=1)
 
 
 @lru_cache(maxsize=None)
