@@ -272,8 +272,10 @@ WARP_SPLITS = {(1, 1, 1): (512, 128)}
 # 256, turbo4/turbo4: 85 instructions a key at N 16 (172 registers, 11 one-warp programs an SM), 81 at
 # 32 (248, 8), no shared memory; the tile kernel's launches take 172-251. One warp a program, so
 # splits of 128 keys too, as the one-warp warps launch. PREFETCH 1 reads a step's table entries a
-# step ahead ("rows"; 210 registers for turbo4, 9 programs an SM); 0 is its default.
-MMA_VARIANTS = [(16, 1), (16, 0), (32, 1)]         # (N, PREFETCH)
+# step ahead ("rows"; 210 registers for turbo4, 9 programs an SM; at N 32 it spills, so not there);
+# 0 is its default. maxnreg 128: 16 programs an SM instead of 11, for spills (248 bytes) and 22%
+# more instructions a key.
+MMA_VARIANTS = [(16, 1, None), (16, 0, None), (32, 0, None), (16, 0, 128)]   # (N, PREFETCH, maxnreg)
 MMA_SPLITS = (512, 128)
 
 
@@ -298,9 +300,10 @@ def _settings(args) -> list[tuple[tuple, dict, tuple]]:
     settings = [(("", w, "", "fma", _prefetch_cell((kp, pf), "warps"), "warps"),
                  {"KERNEL": "warps", "num_warps": w, "KP": kp, "PREFETCH": pf}, WARP_SPLITS.get((w, kp, pf), SPLITS))
                 for w, kp, pf in WARP_VARIANTS if "warps" in kernels]
-    settings += [(("", 1, "", "f16", f"N {n}" + (", rows" if ahead else ""), "mma"),
-                  {"KERNEL": "mma", "N": n, "PREFETCH": ahead}, MMA_SPLITS)
-                 for n, ahead in MMA_VARIANTS if "mma" in kernels]
+    for n, ahead, cap in (MMA_VARIANTS if "mma" in kernels else ()):
+        cell = f"N {n}" + (", rows" if ahead else "") + (f", {cap} regs" if cap else "")
+        tune = {"KERNEL": "mma", "N": n, "PREFETCH": ahead, **({"maxnreg": cap} if cap else {})}
+        settings.append((("", 1, "", "f16", cell, "mma"), tune, MMA_SPLITS))
     variants = ours(VARIANTS)
     tiles = ([(v, "units", "adjacent") for v in variants] + [(v, "per-value", "adjacent") for v in variants[:1]]
              + [(v, "units", "strided") for v in ours(STRIDED)])

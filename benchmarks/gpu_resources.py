@@ -61,8 +61,9 @@ def usage(name_k: str, name_v: str, rows: int, head_dim: int, tune: dict) -> dic
         fn = _paged_prefill_kernel.paged_prefill_tile
         config["AT_END"] = True
     options = {"num_warps": config.pop("num_warps")}
-    if "num_stages" in config:
-        options["num_stages"] = config.pop("num_stages")
+    for option in ("num_stages", "maxnreg"):
+        if option in config:
+            options[option] = config.pop(option)
     pointers = dict(paged_prefill.POINTER_ARGS, q_ptr="*bf16")          # the layer's bf16 queries, read in place
     compiled = compile_sm90(fn, pointers, config,
                             paged_prefill.aligned_args(fmt_k, fmt_v, head_dim), **options)   # as a launch aligns
@@ -157,8 +158,9 @@ def main(argv=None) -> int:
     settings = [([pair, "warps", "", warps, "", "fma", f"KP {keys}" + (", rows" if ahead else "")],
                  {"KERNEL": "warps", "num_warps": warps, "KP": keys, "PREFETCH": ahead})
                 for warps, keys, ahead in (WARP_VARIANTS if args.warps else ()) for pair in args.pairs.split(",")]
-    settings += [([pair, "mma", keys, 1, "", "f16", "rows" if ahead else ""], {"KERNEL": "mma", "N": keys, "PREFETCH": ahead})
-                 for keys, ahead in (MMA_VARIANTS if args.mma else ()) for pair in args.pairs.split(",")]
+    settings += [([pair, "mma" + (f", {cap} regs" if cap else ""), keys, 1, "", "f16", "rows" if ahead else ""],
+                  {"KERNEL": "mma", "N": keys, "PREFETCH": ahead, **({"maxnreg": cap} if cap else {})})
+                 for keys, ahead, cap in (MMA_VARIANTS if args.mma else ()) for pair in args.pairs.split(",")]
     settings += [([pair, codecs + ("" if columns == "adjacent" else ", strided"), block_n, warps, stages or "", dot,
                    {True: "rows", 2: "codes"}.get(prefetch, "")],
                   {"BLOCK_N": block_n, "num_warps": warps, "DOT": dot, "CODECS": codecs, "PREFETCH": prefetch,

@@ -37,7 +37,8 @@ pytestmark = pytest.mark.skipif(not kvslim.gpu.available(), reason="triton is no
 CASES = [("turbo4", "turbo4", 256, 8, (40, 3, 0), 16, 32, {}),
          ("turbo4", "turbo4", 128, 5, (37, 100), 12, None, {}),
          ("turbo4", "turbo4", 256, 1, (70,), 16, None, {"N": 32, "WIDE": True}),
-         ("turbo4", "turbo4", 256, 8, (40, 3, 0), 16, 32, {"PREFETCH": 1}),    # case 0, rows a step ahead
+         ("turbo4", "turbo4", 256, 8, (40, 3, 0), 16, 32, {"PREFETCH": 1, "maxnreg": 128}),   # case 0: rows a step
+                                                                                  # ahead, registers capped
          ("turbo3", "turbo3", 256, 8, (37, 100, 0), 12, None, {}),
          ("turbo2", "turbo3", 128, 3, (20, 5), 16, None, {}),
          ("turbo3", "turbo4", 128, 8, (50,), 16, 32, {"N": 32}),
@@ -124,9 +125,9 @@ def test_mma_decode_matches_torch_block_loop(interpreted, index):
 
 
 def test_rows_a_step_ahead_give_the_same_bits(interpreted):
-    """PREFETCH 1 moves when a step's table entries are read, not what is summed: case 0's state
-    bit for bit."""
-    assert CASES[3][:7] == CASES[0][:7] and CASES[3][7] == {"PREFETCH": 1}
+    """PREFETCH 1 moves when a step's table entries are read, and maxnreg where ptxas keeps values,
+    not what is summed: case 0's state bit for bit."""
+    assert CASES[3][:7] == CASES[0][:7] and CASES[3][7] == {"PREFETCH": 1, "maxnreg": 128}
     for ahead, at_use in zip(interpreted["states"][3], interpreted["states"][0]):
         assert torch.equal(ahead, at_use)
 
@@ -267,6 +268,7 @@ def test_q8_0s_bytes_come_out_times_their_scale_rounded_once(scale):
     ("turbo4", "turbo4", 256, 9, {}, "at most 8 query rows"),
     ("turbo4", "turbo4", 256, 8, {"N": 8}, "N=8 with KERNEL='mma'"),
     ("turbo4", "turbo4", 256, 8, {"PREFETCH": 2}, "PREFETCH=2 with KERNEL='mma'"),
+    ("turbo4", "turbo4", 256, 8, {"maxnreg": 64}, "maxnreg=64 with KERNEL='mma'"),
     ("turbo4", "turbo4", 256, 8, {"BLOCK_N": 32}, "not a setting of KERNEL='mma': BLOCK_N")])
 def test_mma_refuses_what_it_cannot_read(name_k, name_v, dim, rows, tune, why):
     """Refused by name before a launch, never decoded wrong; reads_by_mma agrees."""

@@ -167,11 +167,11 @@ def _phases(f: CodecFields, head_dim: int) -> int:
 CODECS = ("units", "per-value")
 COLUMNS = ("adjacent", "strided")
 TUNABLE = ("BLOCK_N", "num_warps", "num_stages", "DOT", "WIDE", "CODECS", "PREFETCH", "KERNEL", "KP", "RESCALE_AT",
-           "COLUMNS", "N")
+           "COLUMNS", "N", "maxnreg")
 WARPS_TUNABLE = ("KERNEL", "KP", "num_warps", "WIDE", "RESCALE_AT", "PREFETCH")
 WARPS_ROWS = 8            # the warps kernel's most query rows: each lane holds all of them, and their sums
 KERNELS = ("tiles", "warps", "mma")
-MMA_TUNABLE = ("KERNEL", "N", "WIDE", "PREFETCH")
+MMA_TUNABLE = ("KERNEL", "N", "WIDE", "PREFETCH", "maxnreg")
 MMA_ROWS = 8              # KERNEL "mma": the GQA group is the products' narrow side, 8 wide
 MMA_BLOCK = 128           # ... and it reads blocks of 128 codes with one f16 scale each
 DOTS = ("ieee", "tf32x3", "tf32", "f16", "fma")
@@ -209,7 +209,7 @@ def _launch_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict | None =
         # SM at head_dim 256 (170-201 registers at 64 and 128). Unpipelined: 48-96 registers, no
         # spills, 4-6 programs per SM (sm_90 cubins, Triton 3.9, benchmarks/gpu_resources.py)
         config["num_stages"] = 1
-    for name, owner in (("KP", "warps"), ("RESCALE_AT", "warps"), ("N", "mma")):
+    for name, owner in (("KP", "warps"), ("RESCALE_AT", "warps"), ("N", "mma"), ("maxnreg", "mma")):
         if name in (tune or {}):
             raise ValueError(f"{name} is a setting of KERNEL='{owner}'")
     tune = dict(tune or {})
@@ -320,7 +320,10 @@ def _mma_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict, page_size:
     """``_decode_mma_kernel``'s constexprs (``tune`` holds KERNEL "mma"; MMA_TUNABLE): N keys a step
     (16 by default: turbo4/turbo4 172 registers at head_dim 256 in sm_90 SASS, 248 at 32), one warp,
     PREFETCH 0 (the default: table entries read at use) or 1 (a step ahead, as the other kernels'
-    PREFETCH 1: 210 registers, 9 programs an SM instead of 11; untimed, the sweep times both)."""
+    PREFETCH 1: 210 registers, 9 programs an SM instead of 11; untimed, the sweep times both).
+    maxnreg (a launch option): registers a thread at most, ptxas spilling the rest to local memory
+    (128: 16 programs an SM instead of 11, 248 bytes of stack and 22% more instructions a key for
+    turbo4/turbo4 at head_dim 256); for the sweep to weigh occupancy against spills."""
     other = set(tune) - set(MMA_TUNABLE)
     if other:
         raise ValueError(f"not a setting of KERNEL='mma': {', '.join(sorted(other))} "
@@ -334,11 +337,15 @@ def _mma_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict, page_size:
     if keys not in (16, 32, 64):
         raise ValueError(f"N={keys!r} with KERNEL='mma': expected 16, 32 or 64 keys a step")
     if tune.get("PREFETCH", 0) not in (0, 1):
-        raise ValueError(f"PREFETCH={tune['PREFETCH']!r} with KERNEL='mma': expected 0 (off) or 1 (table rows a step ahead)")
+        raise ValueError(f"PREFETCH={tune['PREFETCH']!r} with KERNEL='mma': expected 0 (off) or 1 (table rows a step "
+                         "ahead)")
+    cap = {"maxnreg": tune["maxnreg"]} if "maxnreg" in tune else {}
+    if cap and cap["maxnreg"] not in (96, 128, 168):
+        raise ValueError(f"maxnreg={cap['maxnreg']!r} with KERNEL='mma': expected 96, 128 or 168 registers a thread")
     k, v = _fields(fmt_k, head_dim), _fields(fmt_v, head_dim)
     return dict(KERNEL="mma", HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_M=MMA_ROWS, N=keys,
                 WIDE=tune.get("WIDE", False), K_BITS=k.bits, V_BITS=v.bits, K_NIBBLES=k.kind == NIBBLE,
-                V_NIBBLES=v.kind == NIBBLE, PREFETCH=int(tune.get("PREFETCH", 0)), num_warps=1)
+                V_NIBBLES=v.kind == NIBBLE, PREFETCH=int(tune.get("PREFETCH", 0)), num_warps=1, **cap)
 
 
 @lru_cache(maxsize=None)
