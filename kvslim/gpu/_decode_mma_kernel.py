@@ -55,6 +55,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.runtime.jit import JITFunction
 
+from ._codecs import gated, pool_rows, sequence_pages, stored_as
+
 
 @triton.jit
 def _probe():
@@ -236,16 +238,6 @@ def _units(row, b: tl.constexpr, g, live, BITS: tl.constexpr):
     return u0, u1, u2, u3
 
 
-def _rows(table_at, t, end, PAGE_SIZE: tl.constexpr, WIDE: tl.constexpr):
-    """Key positions t -> their rows in a head's pool through the sequence's block-table row
-    (``_codecs.pool_rows``'s reading; 0 past ``end``, never read)."""
-    page = gl.load(table_at + t // PAGE_SIZE, mask=t < end, other=0)
-    slot = page * PAGE_SIZE + t % PAGE_SIZE
-    if WIDE:
-        slot = slot.to(gl.int64)
-    return slot
-
-
 # q8_0: a 2-byte unit's two int8 codes ($2) -> their values times the block's f16 scale ($3, in both
 # halves), rounded once to f16 as the tile kernel's f16 products take them: the bytes made
 # unsigned (+128) and set under f16 1024's exponent (1024 + v is exact: f16's step is 1 there),
@@ -312,7 +304,8 @@ def _nibble_units(row, b: tl.constexpr, g, live):
 
 def _k_block(k_head, slot, t, end, row_bytes, b: tl.constexpr, lut, planes, N: tl.constexpr, BITS: tl.constexpr,
              NIBBLES: tl.constexpr, layout: tl.constexpr, operand: tl.constexpr):
-    """Block b of N keys' K rows (positions t (N,), rows ``slot`` of the head's pool: ``_rows``)
+    """Block b of N keys' K rows (positions t (N,), rows ``slot`` of the head's pool:
+    ``_codecs.pool_rows``)
     as operand A (N, 128), relabelled: lane r holds codes 32r .. 32r + 31 of a key (groups 2r and
     2r + 1), logical k = 16j + 8h + 2r + e being code 32r + 4j + 2h + e; masked keys' codes as 0."""
     if BITS == 16:              # f16 rows: a lane's 32 values of a key as they lie, 16-byte loads
@@ -383,18 +376,6 @@ def _norms(head, slot, t, end, row_bytes, b: tl.constexpr, BITS: tl.constexpr, N
     return scale
 
 
-def _stored_as(value, ptr):
-    """``_codecs.stored_as``: float32 in ptr's element type, bf16 rounded to nearest even by its bits."""
-    if ptr.dtype.element_ty == gl.bfloat16:
-        bits = value.to(gl.uint32, bitcast=True)
-        top = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        top = gl.where(value != value, 0x7FC0, top)
-        out = top.to(gl.uint16).to(gl.bfloat16, bitcast=True)
-    else:
-        out = value.to(ptr.dtype.element_ty)
-    return out
-
-
 def paged_decode_mma(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr, k_lut, v_lut,
                      m_out, l_out, acc_out,
                      n_seq, n_rows, n_pages, k_row_bytes, v_row_bytes, table_stride,
@@ -421,14 +402,9 @@ def paged_decode_mma(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr, k
     h = gl.program_id(0)
     s = gl.program_id(1)
     split = gl.program_id(2)
-    length = gl.load(lengths_ptr + s).to(gl.int32) + length_offset
-    if BY_SLOT:
-        table_row = gl.load(slots_ptr + s).to(gl.int64)
-    else:
-        table_row = s.to(gl.int64)
-    table_at = table_ptr + table_row * table_stride
-    k_head = k_pool + h.to(gl.int64) * n_pages * PAGE_SIZE * k_row_bytes
-    v_head = v_pool + h.to(gl.int64) * n_pages * PAGE_SIZE * v_row_bytes
+    length, table_at, k_head, v_head = sequence_pages(lengths_ptr, slots_ptr, table_ptr, k_pool, v_pool, h, s,
+                                                      length_offset, table_stride, n_pages, k_row_bytes,
+                                                      v_row_bytes, PAGE_SIZE, BY_SLOT)
     k_planes = _planes(k_lut)
     v_planes = _planes(v_lut)
 
@@ -456,9 +432,9 @@ def paged_decode_mma(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr, k
     keys_v = gl.arange(0, N, layout=gl.SliceLayout(0, v_groups))
     keys_s = gl.arange(0, N, layout=gl.SliceLayout(1, mma))
     if PREFETCH:            # the first step's pool rows, before the loop
-        slot_k = _rows(table_at, begin + keys_k, end, PAGE_SIZE, WIDE)
-        slot_v = _rows(table_at, begin + keys_v, end, PAGE_SIZE, WIDE)
-        slot_s = _rows(table_at, begin + keys_s, end, PAGE_SIZE, WIDE)
+        slot_k = pool_rows(table_at, begin + keys_k, end, PAGE_SIZE, WIDE)
+        slot_v = pool_rows(table_at, begin + keys_v, end, PAGE_SIZE, WIDE)
+        slot_s = pool_rows(table_at, begin + keys_s, end, PAGE_SIZE, WIDE)
     for start in range(begin, end, N):
         zero = gl.full([N, ROWS], 0.0, gl.float32, layout=mma)
         t = start + keys_s
@@ -466,13 +442,13 @@ def paged_decode_mma(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr, k
             sk = slot_k     # so that a step's K/V loads wait on one load, not on a table load first
             sv = slot_v
             ss = slot_s
-            slot_k = _rows(table_at, start + N + keys_k, end, PAGE_SIZE, WIDE)
-            slot_v = _rows(table_at, start + N + keys_v, end, PAGE_SIZE, WIDE)
-            slot_s = _rows(table_at, start + N + keys_s, end, PAGE_SIZE, WIDE)
+            slot_k = pool_rows(table_at, start + N + keys_k, end, PAGE_SIZE, WIDE)
+            slot_v = pool_rows(table_at, start + N + keys_v, end, PAGE_SIZE, WIDE)
+            slot_s = pool_rows(table_at, start + N + keys_s, end, PAGE_SIZE, WIDE)
         else:
-            sk = _rows(table_at, start + keys_k, end, PAGE_SIZE, WIDE)
-            sv = _rows(table_at, start + keys_v, end, PAGE_SIZE, WIDE)
-            ss = _rows(table_at, t, end, PAGE_SIZE, WIDE)
+            sk = pool_rows(table_at, start + keys_k, end, PAGE_SIZE, WIDE)
+            sv = pool_rows(table_at, start + keys_v, end, PAGE_SIZE, WIDE)
+            ss = pool_rows(table_at, t, end, PAGE_SIZE, WIDE)
         k0 = _k_block(k_head, sk, start + keys_k, end, k_row_bytes, 0, k_lut, k_planes, N, K_BITS, K_NIBBLES, k_groups,
                       a_op)
         scores = mma_v2(k0, q0, zero) * _norms(k_head, ss, t, end, k_row_bytes, 0, K_BITS, K_NIBBLES)[:, None]
@@ -510,15 +486,10 @@ def paged_decode_mma(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr, k
     if NORMALISE:
         o_at = acc_out + h.to(gl.int64) * o_heads + s.to(gl.int64) * o_seqs + r[None, :] * o_rows + d_out[:, None]
         g_at = gate_ptr + h.to(gl.int64) * g_heads + s.to(gl.int64) * g_seqs + r[None, :] * g_rows + d_out[:, None]
-        out0 = acc0 / l_i[None, :]
-        if GATED:
-            out0 = 1.0 / (1.0 + gl.exp(-gl.load(g_at, mask=live, other=0.0).to(gl.float32))) * out0
-        gl.store(o_at, _stored_as(out0, acc_out), mask=live)
+        gl.store(o_at, stored_as(gated(acc0 / l_i[None, :], g_at, live, GATED), acc_out), mask=live)
         if NB == 2:
-            out1 = acc1 / l_i[None, :]
-            if GATED:
-                out1 = 1.0 / (1.0 + gl.exp(-gl.load(g_at + BLOCK, mask=live, other=0.0).to(gl.float32))) * out1
-            gl.store(o_at + BLOCK, _stored_as(out1, acc_out), mask=live)
+            out1 = gated(acc1 / l_i[None, :], g_at + BLOCK, live, GATED)
+            gl.store(o_at + BLOCK, stored_as(out1, acc_out), mask=live)
     else:
         part = ((h.to(gl.int64) * n_seq + s) * n_splits + split) * n_rows + r     # (ROWS,) rows of this split
         gl.store(m_out + part, m_i, mask=r_live)
@@ -572,8 +543,8 @@ class _AsTriton:
 
 _AS_TRITON = _AsTriton()
 
-_BODIES = (_plane_word, _planes, _unit4, _code, _group, _units, _nibble_units, _q8_pair, _q8_group, _rows, _k_block,
-           _v_block, _norms, _stored_as, paged_decode_mma)
+_BODIES = (_plane_word, _planes, _unit4, _code, _group, _units, _nibble_units, _q8_pair, _q8_group, _k_block,
+           _v_block, _norms, paged_decode_mma)
 
 
 def _decorate():
