@@ -261,7 +261,8 @@ def test_q8_0s_bytes_come_out_times_their_scale_rounded_once(scale):
 # ---- what it refuses -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name_k,name_v,dim,rows,tune,why", [
-    ("q4_1", "turbo4", 256, 8, {}, "2-bit codes through a table (turbo4, turbo3, turbo2), not q4_1"),
+    ("q5_0", "turbo4", 256, 8, {}, "2-bit codes through a table (turbo4, turbo3, turbo2), not q5_0"),
+    ("q4_1", "turbo4", 256, 8, {}, "blocks of 32 codes after one f16 scale, not q4_1's layout"),   # its minimum
     ("turbo4", "nl4", 256, 8, {}, "blocks of 128 codes after one f16 scale, not nl4's layout"),
     ("bf16", "turbo3", 256, 8, {}, "not bf16 rows"),
     ("turbo4", "turbo4", 64, 8, {}, "head_dim 128 or 256, not 64"),

@@ -136,7 +136,10 @@ def _plane_word(lut, plane: tl.constexpr, word: tl.constexpr):
 
 
 def _planes(lut):
-    """The first 16 entries of a code table as f16 byte planes: ``PERMUTE_ASM``'s $5-$12."""
+    """The first 16 entries of a code table as f16 byte planes: ``PERMUTE_ASM``'s $5-$12. Built
+    here, once a program, not on the host: loaded words went to uniform registers, and every
+    asm call then copied them (sm_90, turbo4/turbo4: 1,586 instructions a step of 16 keys and
+    197 registers, against 1,363 and 172)."""
     return (_plane_word(lut, 0, 0), _plane_word(lut, 0, 1), _plane_word(lut, 0, 2), _plane_word(lut, 0, 3),
             _plane_word(lut, 1, 0), _plane_word(lut, 1, 1), _plane_word(lut, 1, 2), _plane_word(lut, 1, 3))
 
@@ -173,12 +176,19 @@ def _code(u0, u1, u2, c: tl.constexpr, BITS: tl.constexpr):
     return code
 
 
+def _join16(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15):
+    """16 tensors of one shape -> one (..., 2, 2, 2, 2): value c = 8 b3 + 4 b2 + 2 b1 + b0 at
+    [..., b0, b1, b2, b3] (each join's new axis goes last)."""
+    e0 = gl.join(gl.join(gl.join(a0, a1), gl.join(a2, a3)), gl.join(gl.join(a4, a5), gl.join(a6, a7)))
+    e1 = gl.join(gl.join(gl.join(a8, a9), gl.join(a10, a11)), gl.join(gl.join(a12, a13), gl.join(a14, a15)))
+    return gl.join(e0, e1)
+
+
 def _group(u0, u1, u2, u3, lut, planes, BITS: tl.constexpr, scale=None):
     """A group of 16 codes (its units u0.. of any one shape: 4 for 4-bit codes, 3 for 3-bit, 2 for
     2-bit) -> their 16 f16 table entries (times ``scale`` in f16, of the units' shape, where
-    given: the nibble formats' block scales), joined (..., b0, b1, b2, b3): value c = 8 b3 + 4 b2
-    + 2 b1 + b0, code c of the group (code 4 (c // 4) + c % 4 for 4-bit units: unit c // 4's
-    nibble c % 4)."""
+    given: the nibble formats' block scales), joined by ``_join16``: value c is code c of the
+    group (for 4-bit units, unit c // 4's nibble c % 4)."""
     if BITS == 4:
         a0, a1, a2, a3 = _unit4(u0, lut, planes)
         a4, a5, a6, a7 = _unit4(u1, lut, planes)
@@ -216,16 +226,14 @@ def _group(u0, u1, u2, u3, lut, planes, BITS: tl.constexpr, scale=None):
             a6 * scale, a7 * scale
         a8, a9, a10, a11, a12, a13, a14, a15 = a8 * scale, a9 * scale, a10 * scale, a11 * scale, a12 * scale, \
             a13 * scale, a14 * scale, a15 * scale
-    e0 = gl.join(gl.join(gl.join(a0, a1), gl.join(a2, a3)), gl.join(gl.join(a4, a5), gl.join(a6, a7)))
-    e1 = gl.join(gl.join(gl.join(a8, a9), gl.join(a10, a11)), gl.join(gl.join(a12, a13), gl.join(a14, a15)))
-    return gl.join(e0, e1)
+    return _join16(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15)
 
 
-def _units(row, b: tl.constexpr, g, live, BITS: tl.constexpr):
-    """The 2-byte units of groups g (any shape; group g holds codes 16g .. 16g + 15) of block b of
-    the rows at byte pointers ``row`` (g's shape), 0 where not ``live``: u0 .. u3, the last ones
-    repeated where a group has fewer (BITS of them)."""
-    at = (row + b * (2 + 16 * BITS) + 2).to(gl.pointer_type(gl.uint16)) + g * BITS
+def _units(row, b: tl.constexpr, g, live, BITS: tl.constexpr, BYTES: tl.constexpr):
+    """The 2-byte units of groups g (any shape; group g holds codes 16g .. 16g + 15) of block b
+    (BYTES each, an f16 first) of the rows at byte pointers ``row`` (g's shape), 0 where not
+    ``live``: u0 .. u3, the last ones repeated where a group has fewer (BITS of them)."""
+    at = (row + b * BYTES + 2).to(gl.pointer_type(gl.uint16)) + g * BITS
     u0 = gl.load(at, mask=live, other=0)
     u1 = gl.load(at + 1, mask=live, other=0)
     u2 = u1
@@ -269,11 +277,11 @@ def _q8_pair(unit, scale2, scale):
     return lo, hi
 
 
-def _q8_group(row, b: tl.constexpr, g, live):
-    """q8_0 rows: group g (codes 16g .. 16g + 15 of block b of 128: half of q8_0 block 4b + g // 2)
-    at byte pointers ``row`` (g's shape) -> the 16 values times their block's scale, joined as
-    ``_group`` joins, 0 where not ``live``."""
-    block = row + (4 * b + g // 2) * 34
+def _q8_group(row, b: tl.constexpr, g, live, BYTES: tl.constexpr):
+    """q8_0 rows: group g (codes 16g .. 16g + 15 of block b of 128: half of q8_0 block 4b + g // 2,
+    BYTES each) at byte pointers ``row`` (g's shape) -> the 16 values times their block's scale,
+    joined as ``_group`` joins, 0 where not ``live``."""
+    block = row + (4 * b + g // 2) * BYTES
     scale = gl.load(block.to(gl.pointer_type(gl.float16)), mask=live, other=0.0)
     bits = scale.to(gl.uint16, bitcast=True).to(gl.uint32)
     scale2 = bits | (bits << 16)
@@ -286,56 +294,61 @@ def _q8_group(row, b: tl.constexpr, g, live):
     a10, a11 = _q8_pair(gl.load(at + 5, mask=live, other=0), scale2, scale)
     a12, a13 = _q8_pair(gl.load(at + 6, mask=live, other=0), scale2, scale)
     a14, a15 = _q8_pair(gl.load(at + 7, mask=live, other=0), scale2, scale)
-    e0 = gl.join(gl.join(gl.join(a0, a1), gl.join(a2, a3)), gl.join(gl.join(a4, a5), gl.join(a6, a7)))
-    e1 = gl.join(gl.join(gl.join(a8, a9), gl.join(a10, a11)), gl.join(gl.join(a12, a13), gl.join(a14, a15)))
-    return gl.join(e0, e1)
+    return _join16(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15)
 
 
-def _nibble_units(row, b: tl.constexpr, g, live):
+def _nibble_units(row, b: tl.constexpr, g, live, BYTES: tl.constexpr):
     """q4_0 and iq4_nl rows ([f16 scale][16 bytes] per 32 values, byte i = code i | code i + 16 << 4):
     group g of block b of 128 is half of block 4b + g // 2, its units 4 (g % 2) .. + 3 (codes
     2w, 2w + 16, 2w + 1, 2w + 17 in unit w's nibbles). -> u0 .. u3 and the block's f16 scale."""
-    block = row + (4 * b + g // 2) * 18
+    block = row + (4 * b + g // 2) * BYTES
     scale = gl.load(block.to(gl.pointer_type(gl.float16)), mask=live, other=0.0)
     at = (block + 2).to(gl.pointer_type(gl.uint16)) + 4 * (g % 2)
     return (gl.load(at, mask=live, other=0), gl.load(at + 1, mask=live, other=0), gl.load(at + 2, mask=live, other=0),
             gl.load(at + 3, mask=live, other=0), scale)
 
 
+def _read_groups(row, b: tl.constexpr, g, live, lut, planes, BITS: tl.constexpr, BYTES: tl.constexpr,
+                 NIBBLES: tl.constexpr):
+    """Groups g of block b of 128 values of the rows at ``row`` (broadcast to g's shape), decoded
+    in the lanes that hold them -> joined 16 values each (``_join16``), 0 where not ``live``."""
+    if BITS == 8:
+        x = _q8_group(row, b, g, live, BYTES)
+    elif NIBBLES:
+        u0, u1, u2, u3, scale = _nibble_units(row, b, g, live, BYTES)
+        x = _group(u0, u1, u2, u3, lut, planes, BITS, scale)
+    else:
+        u0, u1, u2, u3 = _units(row, b, g, live, BITS, BYTES)
+        x = _group(u0, u1, u2, u3, lut, planes, BITS)
+    return x
+
+
 def _k_block(k_head, slot, t, end, row_bytes, b: tl.constexpr, lut, planes, N: tl.constexpr, BITS: tl.constexpr,
-             NIBBLES: tl.constexpr, layout: tl.constexpr, operand: tl.constexpr):
+             BYTES: tl.constexpr, NIBBLES: tl.constexpr, layout: tl.constexpr, operand: tl.constexpr):
     """Block b of N keys' K rows (positions t (N,), rows ``slot`` of the head's pool:
-    ``_codecs.pool_rows``)
-    as operand A (N, 128), relabelled: lane r holds codes 32r .. 32r + 31 of a key (groups 2r and
-    2r + 1), logical k = 16j + 8h + 2r + e being code 32r + 4j + 2h + e; masked keys' codes as 0."""
+    ``_codecs.pool_rows``) as operand A (N, 128), relabelled: lane r holds codes 32r .. 32r + 31 of
+    a key (groups 2r and 2r + 1), logical k = 16j + 8h + 2r + e being code 32r + 4j + 2h + e;
+    masked keys' codes as 0."""
     if BITS == 16:              # f16 rows: a lane's 32 values of a key as they lie, 16-byte loads
         rows: gl.constexpr = gl.BlockedLayout([1, 2, 16], [8, 4, 1], [1, 1, 1], [2, 1, 0])   # (N, 8 groups, 16)
         t = gl.convert_layout(t, gl.SliceLayout(1, gl.SliceLayout(2, rows)), assert_trivial=COMPILED)
         slot = gl.convert_layout(slot, gl.SliceLayout(1, gl.SliceLayout(2, rows)), assert_trivial=COMPILED)
-        row = (k_head + slot * row_bytes + b * 2 * BLOCK).to(gl.pointer_type(gl.float16))
+        row = (k_head + slot * row_bytes + b * BLOCK * BYTES).to(gl.pointer_type(gl.float16))
         g = gl.arange(0, BLOCK // 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, rows)))
         c = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, rows)))
         x = gl.load(row[:, None, None] + (16 * g)[None, :, None] + c[None, None, :],
                     mask=(t < end)[:, None, None] & (g < 8)[None, :, None] & (c < 16)[None, None, :], other=0.0)
         x = gl.permute(gl.reshape(x, [N, 4, 2, 2, 2, 2, 2]), [0, 2, 3, 4, 5, 1, 6])  # [n, gg, b3, b2, b1, r, b0]
     else:
-        row = k_head + slot * row_bytes
         g = gl.arange(0, BLOCK // 16, layout=gl.SliceLayout(0, layout))
-        live = (t < end)[:, None] & (g < 8)[None, :]
-        if BITS == 8:
-            x = _q8_group(row[:, None], b, g[None, :], live)
-        elif NIBBLES:
-            u0, u1, u2, u3, scale = _nibble_units(row[:, None], b, g[None, :], live)
-            x = _group(u0, u1, u2, u3, lut, planes, BITS, scale)
-        else:
-            u0, u1, u2, u3 = _units(row[:, None], b, g[None, :], live, BITS)
-            x = _group(u0, u1, u2, u3, lut, planes, BITS)               # [n, 2r + gg, b0, b1, b2, b3]
+        x = _read_groups((k_head + slot * row_bytes)[:, None], b, g[None, :], (t < end)[:, None] & (g < 8)[None, :],
+                         lut, planes, BITS, BYTES, NIBBLES)             # [n, 2r + gg, b0, b1, b2, b3]
         x = gl.permute(gl.reshape(x, [N, 4, 2, 2, 2, 2, 2]), [0, 2, 6, 5, 4, 1, 3])   # [n, gg, b3, b2, b1, r, b0]
     return gl.convert_layout(gl.reshape(x, [N, BLOCK]), operand, assert_trivial=COMPILED)
 
 
 def _v_block(v_head, slot, t, end, row_bytes, b: tl.constexpr, lut, planes, N: tl.constexpr, BITS: tl.constexpr,
-             NIBBLES: tl.constexpr, layout: tl.constexpr, operand: tl.constexpr):
+             BYTES: tl.constexpr, NIBBLES: tl.constexpr, layout: tl.constexpr, operand: tl.constexpr):
     """Block b of N keys' V rows (positions t (N,), rows ``slot``) as operand A of V^T (128, N), relabelled:
     lane g (of 8) holds group g's 16 codes of its keys, logical dimension g + 8i being physical
     16g + i."""
@@ -343,37 +356,30 @@ def _v_block(v_head, slot, t, end, row_bytes, b: tl.constexpr, lut, planes, N: t
         rows: gl.constexpr = gl.BlockedLayout([1, 2, 16], [8, 4, 1], [1, 1, 1], [2, 1, 0])   # (8 groups, N, 16)
         t = gl.convert_layout(t, gl.SliceLayout(0, gl.SliceLayout(2, rows)), assert_trivial=COMPILED)
         slot = gl.convert_layout(slot, gl.SliceLayout(0, gl.SliceLayout(2, rows)), assert_trivial=COMPILED)
-        row = (v_head + slot * row_bytes + b * 2 * BLOCK).to(gl.pointer_type(gl.float16))
+        row = (v_head + slot * row_bytes + b * BLOCK * BYTES).to(gl.pointer_type(gl.float16))
         g = gl.arange(0, BLOCK // 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, rows)))
         c = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, rows)))
         x = gl.load(row[None, :, None] + (16 * g)[:, None, None] + c[None, None, :],
                     mask=(t < end)[None, :, None] & (g < 8)[:, None, None] & (c < 16)[None, None, :], other=0.0)
         x = gl.permute(gl.reshape(x, [BLOCK // 16, N, 2, 2, 2, 2]), [2, 3, 4, 5, 0, 1])   # [b3, b2, b1, b0, g, n]
     else:
-        row = v_head + slot * row_bytes
         g = gl.arange(0, BLOCK // 16, layout=gl.SliceLayout(1, layout))
-        live = (t < end)[None, :] & (g < 8)[:, None]
-        if BITS == 8:
-            x = _q8_group(row[None, :], b, g[:, None], live)
-        elif NIBBLES:
-            u0, u1, u2, u3, scale = _nibble_units(row[None, :], b, g[:, None], live)
-            x = _group(u0, u1, u2, u3, lut, planes, BITS, scale)
-        else:
-            u0, u1, u2, u3 = _units(row[None, :], b, g[:, None], live, BITS)
-            x = _group(u0, u1, u2, u3, lut, planes, BITS)               # [g, n, b0, b1, b2, b3]
+        x = _read_groups((v_head + slot * row_bytes)[None, :], b, g[:, None], (t < end)[None, :] & (g < 8)[:, None],
+                         lut, planes, BITS, BYTES, NIBBLES)             # [g, n, b0, b1, b2, b3]
         x = gl.permute(x, [5, 4, 3, 2, 0, 1])                           # [b3, b2, b1, b0, g, n]
     return gl.convert_layout(gl.reshape(x, [BLOCK, N]), operand, assert_trivial=COMPILED)
 
 
-def _norms(head, slot, t, end, row_bytes, b: tl.constexpr, BITS: tl.constexpr, NIBBLES: tl.constexpr):
-    """Block b's f16 scale of the rows ``slot`` at positions t, float32; 0 past ``end`` (f16 rows: 1;
-    q8_0's and the nibble formats' scales, one a block of 32 values, are taken per value instead: 1)."""
-    if BITS == 16 or BITS == 8 or NIBBLES:
-        scale = (t * 0 + 1).to(gl.float32)
-    else:
-        row = head + slot * row_bytes + b * (2 + 16 * BITS)
-        scale = gl.load(row.to(gl.pointer_type(gl.float16)), mask=t < end, other=0.0).to(gl.float32)
-    return scale
+def _normed(x, head, slot, t, end, row_bytes, b: tl.constexpr, BITS: tl.constexpr, BYTES: tl.constexpr,
+            NIBBLES: tl.constexpr):
+    """x (N keys, ROWS) times block b's f16 norm of the rows ``slot`` at positions t, for the
+    turbo formats, whose one norm a block of 128 is folded here, after the products (0 past
+    ``end``); f16 rows have none, and q8_0's and the nibble formats' scales (one a block of 32)
+    were multiplied per value: x as it is."""
+    if BITS <= 4 and not NIBBLES:
+        row = head + slot * row_bytes + b * BYTES
+        x = x * gl.load(row.to(gl.pointer_type(gl.float16)), mask=t < end, other=0.0).to(gl.float32)[:, None]
+    return x
 
 
 def paged_decode_mma(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr, k_lut, v_lut,
@@ -383,7 +389,8 @@ def paged_decode_mma(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr, k
                      q_heads, q_seqs, q_rows, q_scale, slots_ptr, length_offset, o_heads, o_seqs, o_rows,
                      gate_ptr, g_heads, g_seqs, g_rows,
                      HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, N: tl.constexpr,
-                     WIDE: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+                     WIDE: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_BYTES: tl.constexpr,
+                     V_BYTES: tl.constexpr,
                      K_NIBBLES: tl.constexpr = False, V_NIBBLES: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
                      BY_SLOT: tl.constexpr = False, NORMALISE: tl.constexpr = False, GATED: tl.constexpr = False):
     """``paged_prefill_tile``'s decode launch with its arguments and outputs: the state of rows
@@ -397,15 +404,16 @@ def paged_decode_mma(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr, k
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    k_groups: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [1, 1], [1, 0])   # (N keys, 8 groups): operand A's lanes
-    v_groups: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [1, 1], [1, 0])   # (8 groups, N keys): V^T's lanes
+    # K's (N keys, 8 groups) and V's (8 groups, N keys): lane // 4 takes dim 0, lane % 4 a pair of dim 1,
+    # which is where operand A's fragments hold K's keys and groups and V^T's groups and keys
+    groups: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [1, 1], [1, 0])
     h = gl.program_id(0)
     s = gl.program_id(1)
     split = gl.program_id(2)
     length, table_at, k_head, v_head = sequence_pages(lengths_ptr, slots_ptr, table_ptr, k_pool, v_pool, h, s,
                                                       length_offset, table_stride, n_pages, k_row_bytes,
                                                       v_row_bytes, PAGE_SIZE, BY_SLOT)
-    k_planes = _planes(k_lut)
+    k_planes = _planes(k_lut)           # once a program; unused by f16 and q8_0 rows (no table)
     v_planes = _planes(v_lut)
 
     # q^T per block (128, ROWS), operand B, in K's relabelled order, scaled, f16
@@ -428,8 +436,8 @@ def paged_decode_mma(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr, k
     l_i = gl.full([ROWS], 0.0, gl.float32, layout=gl.SliceLayout(0, mma))
     acc0 = gl.full([BLOCK, ROWS], 0.0, gl.float32, layout=mma)
     acc1 = acc0
-    keys_k = gl.arange(0, N, layout=gl.SliceLayout(1, k_groups))
-    keys_v = gl.arange(0, N, layout=gl.SliceLayout(0, v_groups))
+    keys_k = gl.arange(0, N, layout=gl.SliceLayout(1, groups))
+    keys_v = gl.arange(0, N, layout=gl.SliceLayout(0, groups))
     keys_s = gl.arange(0, N, layout=gl.SliceLayout(1, mma))
     if PREFETCH:            # the first step's pool rows, before the loop
         slot_k = pool_rows(table_at, begin + keys_k, end, PAGE_SIZE, WIDE)
@@ -449,13 +457,13 @@ def paged_decode_mma(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr, k
             sk = pool_rows(table_at, start + keys_k, end, PAGE_SIZE, WIDE)
             sv = pool_rows(table_at, start + keys_v, end, PAGE_SIZE, WIDE)
             ss = pool_rows(table_at, t, end, PAGE_SIZE, WIDE)
-        k0 = _k_block(k_head, sk, start + keys_k, end, k_row_bytes, 0, k_lut, k_planes, N, K_BITS, K_NIBBLES, k_groups,
-                      a_op)
-        scores = mma_v2(k0, q0, zero) * _norms(k_head, ss, t, end, k_row_bytes, 0, K_BITS, K_NIBBLES)[:, None]
+        k0 = _k_block(k_head, sk, start + keys_k, end, k_row_bytes, 0, k_lut, k_planes, N, K_BITS, K_BYTES,
+                      K_NIBBLES, groups, a_op)
+        scores = _normed(mma_v2(k0, q0, zero), k_head, ss, t, end, k_row_bytes, 0, K_BITS, K_BYTES, K_NIBBLES)
         if NB == 2:
-            k1 = _k_block(k_head, sk, start + keys_k, end, k_row_bytes, 1, k_lut, k_planes, N, K_BITS, K_NIBBLES,
-                          k_groups, a_op)
-            scores += mma_v2(k1, q1, zero) * _norms(k_head, ss, t, end, k_row_bytes, 1, K_BITS, K_NIBBLES)[:, None]
+            k1 = _k_block(k_head, sk, start + keys_k, end, k_row_bytes, 1, k_lut, k_planes, N, K_BITS, K_BYTES,
+                          K_NIBBLES, groups, a_op)
+            scores += _normed(mma_v2(k1, q1, zero), k_head, ss, t, end, k_row_bytes, 1, K_BITS, K_BYTES, K_NIBBLES)
         scores = gl.where((t < end)[:, None], scores, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(scores, axis=0))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)          # a row without keys yet: exp(-inf) = 0
@@ -463,14 +471,14 @@ def paged_decode_mma(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr, k
         corr = gl.exp(m_i - m_safe)
         l_i = l_i * corr + gl.sum(p, axis=0)
         m_i = m_new
-        v0 = _v_block(v_head, sv, start + keys_v, end, v_row_bytes, 0, v_lut, v_planes, N, V_BITS, V_NIBBLES, v_groups,
-                      a_op)
-        p0 = p * _norms(v_head, ss, t, end, v_row_bytes, 0, V_BITS, V_NIBBLES)[:, None]
+        v0 = _v_block(v_head, sv, start + keys_v, end, v_row_bytes, 0, v_lut, v_planes, N, V_BITS, V_BYTES,
+                      V_NIBBLES, groups, a_op)
+        p0 = _normed(p, v_head, ss, t, end, v_row_bytes, 0, V_BITS, V_BYTES, V_NIBBLES)
         acc0 = mma_v2(v0, gl.convert_layout(p0.to(gl.float16), b_op), acc0 * corr[None, :])
         if NB == 2:
-            v1 = _v_block(v_head, sv, start + keys_v, end, v_row_bytes, 1, v_lut, v_planes, N, V_BITS, V_NIBBLES,
-                          v_groups, a_op)
-            p1 = p * _norms(v_head, ss, t, end, v_row_bytes, 1, V_BITS, V_NIBBLES)[:, None]
+            v1 = _v_block(v_head, sv, start + keys_v, end, v_row_bytes, 1, v_lut, v_planes, N, V_BITS, V_BYTES,
+                          V_NIBBLES, groups, a_op)
+            p1 = _normed(p, v_head, ss, t, end, v_row_bytes, 1, V_BITS, V_BYTES, V_NIBBLES)
             acc1 = mma_v2(v1, gl.convert_layout(p1.to(gl.float16), b_op), acc1 * corr[None, :])
 
     # the sums' logical dimension d (block b) is physical b * 128 + 16 (d % 8) + d // 8
@@ -543,8 +551,8 @@ class _AsTriton:
 
 _AS_TRITON = _AsTriton()
 
-_BODIES = (_plane_word, _planes, _unit4, _code, _group, _units, _nibble_units, _q8_pair, _q8_group, _k_block,
-           _v_block, _norms, paged_decode_mma)
+_BODIES = (_plane_word, _planes, _unit4, _code, _join16, _group, _units, _nibble_units, _q8_pair, _q8_group,
+           _read_groups, _k_block, _v_block, _normed, paged_decode_mma)
 
 
 def _decorate():

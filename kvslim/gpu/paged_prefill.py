@@ -290,25 +290,35 @@ def _warps_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict, page_siz
                 PREFETCH=int(tune.get("PREFETCH", 1)), **sides[0], **sides[1], num_warps=warps)
 
 
-def _mma_refusal(fmt, head_dim: int) -> str | None:
-    """Why KERNEL "mma" cannot read a format's rows at ``head_dim``, or None: it reads f16, q8_0,
-    q4_0 and iq4_nl rows, and 4-, 3- and 2-bit codes packed in order through a table, one f16 scale
-    a block of 128 values (turbo4's, turbo3's and turbo2's layout), at head_dim 128 or 256
-    (``_decode_mma_kernel``)."""
+# KERNEL "mma"'s rows: (codec kind, bits) -> values a block, each block an f16 then its codes (f16
+# rows: values as they lie)
+MMA_LAYOUTS = {(F16, 16): 1, (Q8, 8): 32, (NIBBLE, 4): 32, (PACKED, 4): MMA_BLOCK, (PACKED, 3): MMA_BLOCK,
+               (PACKED, 2): MMA_BLOCK}
+
+
+@lru_cache(maxsize=None)                  # per format: a decode step's launch asks every step
+def _mma_side(fmt, head_dim: int) -> dict | str:
+    """A side's constexprs for ``_decode_mma_kernel`` (BITS, BYTES a block, NIBBLES: q4_0's and
+    iq4_nl's nibble order), or why it cannot read the format's rows at ``head_dim``: it reads f16,
+    q8_0, q4_0 and iq4_nl rows and 4-, 3- and 2-bit codes packed in order through a table after
+    one f16 scale a block of 128 (turbo4, turbo3, turbo2), at head_dim 128 or 256."""
     if head_dim not in (MMA_BLOCK, 2 * MMA_BLOCK):
         return f"KERNEL='mma' reads head_dim {MMA_BLOCK} or {2 * MMA_BLOCK}, not {head_dim}"
     f = _fields(fmt, head_dim)
-    blocks = None if f is None else (f.kind, f.bits, f.block_values, f.block_bytes, f.header_bytes, f.offset_at,
-                                     f.sub_values)
-    if f is not None and (f.kind == F16 or blocks in ((Q8, 8, 32, 34, 2, 0, 0), (NIBBLE, 4, 32, 18, 2, 0, 0))):
-        return None             # f16 rows; q8_0's blocks of 32 int8 codes, q4_0's and iq4_nl's of 32 nibbles
-    if f is None or f.kind != PACKED or f.bits not in (2, 3, 4) or f.lut is None:
+    values = None if f is None else MMA_LAYOUTS.get((f.kind, f.bits))
+    if values is None or (f.kind in (PACKED, NIBBLE) and f.lut is None):
         return (f"KERNEL='mma' reads f16, q8_0, q4_0 and iq4_nl rows and 4-, 3- and 2-bit codes through a table "
                 f"(turbo4, turbo3, turbo2), not {fmt.name} rows")
-    if (f.block_values, f.block_bytes, f.header_bytes, f.offset_at, f.sub_values) != (MMA_BLOCK, 2 + 16 * f.bits,
-                                                                                        2, 0, 0):
-        return f"KERNEL='mma' reads blocks of {MMA_BLOCK} codes after one f16 scale, not {fmt.name}'s layout"
-    return None
+    framed = f.kind == F16 or (f.header_bytes, f.block_bytes) == (2, 2 + values * f.bits // 8)
+    if f.block_values != values or f.offset_at or f.sub_values or not framed:
+        return f"KERNEL='mma' reads blocks of {values} codes after one f16 scale, not {fmt.name}'s layout"
+    return {"BITS": f.bits, "BYTES": f.block_bytes, "NIBBLES": f.kind == NIBBLE}
+
+
+def _mma_refusal(fmt, head_dim: int) -> str | None:
+    """Why KERNEL "mma" cannot read a format's rows at ``head_dim`` (``_mma_side``), or None."""
+    side = _mma_side(fmt, head_dim)
+    return side if isinstance(side, str) else None
 
 
 def reads_by_mma(fmt_k, fmt_v, head_dim: int, n_rows: int) -> bool:
@@ -342,10 +352,10 @@ def _mma_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict, page_size:
     cap = {"maxnreg": tune["maxnreg"]} if "maxnreg" in tune else {}
     if cap and cap["maxnreg"] not in (96, 128, 168):
         raise ValueError(f"maxnreg={cap['maxnreg']!r} with KERNEL='mma': expected 96, 128 or 168 registers a thread")
-    k, v = _fields(fmt_k, head_dim), _fields(fmt_v, head_dim)
+    sides = {f"{prefix}_{name}": value for prefix, fmt in (("K", fmt_k), ("V", fmt_v))
+             for name, value in _mma_side(fmt, head_dim).items()}
     return dict(KERNEL="mma", HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_M=MMA_ROWS, N=keys,
-                WIDE=tune.get("WIDE", False), K_BITS=k.bits, V_BITS=v.bits, K_NIBBLES=k.kind == NIBBLE,
-                V_NIBBLES=v.kind == NIBBLE, PREFETCH=int(tune.get("PREFETCH", 0)), num_warps=1, **cap)
+                WIDE=tune.get("WIDE", False), PREFETCH=int(tune.get("PREFETCH", 0)), num_warps=1, **sides, **cap)
 
 
 @lru_cache(maxsize=None)
