@@ -16,8 +16,8 @@ warm-up that compiles the kernel) for
   so it returns what SDPA returns; once per ``--codecs`` x ``--dot`` (the bf16 attention
   backend's kernels take ``f16``), labelled where they are not the defaults; with ``--kernels``
   warps, also decode by warps (KERNEL "warps": each warp its own keys, CUDA-core products),
-  labelled "warps"; with mma, turbo4's codes decoded into tensor-core operands (KERNEL "mma",
-  ``_decode_mma_kernel``), labelled "mma" (other pairs say it does not read them).
+  labelled "warps"; with mma, the packed codes decoded into tensor-core operands (KERNEL "mma",
+  ``_decode_mma_kernel``), labelled "mma" (pairs it does not read say so).
 On a GPU each step is timed twice: launched from Python ("eager ms": the host's launches
 included, which at 32K take longer than the kernels) and replayed from a CUDA graph ("ms": the
 GPU's time, as the engine's decode step runs in graphs); ratios and bandwidth use the graph's.
@@ -218,7 +218,7 @@ def _rows(pairs: list[str], depth: int, batch: int, args, copy: float) -> list[l
         for tune, label in tunes:
             try:
                 eager, ms = _step_ms(packed_step(*inputs, tune=tune), args.runs, args.device)
-            except ValueError as exc:                                   # a pair the warps kernel does not read
+            except ValueError as exc:                                   # a pair the warps or mma kernel does not read
                 rows.append(progress([f"{pair} ({label})", depth, batch, loop, str(exc)[:60], "", "", "", ""]))
                 continue
             rows.append(progress([f"{pair} ({label})" if label else pair, depth, batch, loop, f"{eager:.3f}",
@@ -433,8 +433,8 @@ def main(argv=None) -> None:
                         help="how the kernel reads codes, comma-separated: units (the default), per-value "
                              "(session 31's reading, for side-by-sides)")
     parser.add_argument("--kernels", default="tiles",
-                        help="tiles (the default), warps (decode by warps), mma (turbo4's codes decoded into "
-                             "tensor-core operands), comma-separated")
+                        help="tiles (the default), warps (decode by warps), mma (codes decoded into tensor-core "
+                             "operands), comma-separated")
     parser.add_argument("--tuned-out", default=None, metavar="FILE",
                         help="with --sweep: each pair's fastest launch per attention backend, where it beat the "
                              "default, into FILE (kvslim.gpu.tuned; KVSLIM_DECODE_TUNED=FILE serves it)")
