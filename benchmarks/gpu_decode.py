@@ -17,7 +17,8 @@ warm-up that compiles the kernel) for
   backend's kernels take ``f16``), labelled where they are not the defaults; with ``--kernels``
   warps, also decode by warps (KERNEL "warps": each warp its own keys, CUDA-core products),
   labelled "warps"; with mma, the packed codes decoded into tensor-core operands (KERNEL "mma",
-  ``_decode_mma_kernel``), labelled "mma" (pairs it does not read say so).
+  ``_decode_mma_kernel``), labelled "mma", and as "mma, early" with every load of a step issued
+  before its decoding (PREFETCH 1, EARLY 1; pairs it does not read say so).
 On a GPU each step is timed twice: launched from Python ("eager ms": the host's launches
 included, which at 32K take longer than the kernels) and replayed from a CUDA graph ("ms": the
 GPU's time, as the engine's decode step runs in graphs); ratios and bandwidth use the graph's.
@@ -213,8 +214,8 @@ def _rows(pairs: list[str], depth: int, batch: int, args, copy: float) -> list[l
                  if "tiles" in args.kernels.split(",")]
         if "warps" in args.kernels.split(","):
             tunes.append(({"KERNEL": "warps"}, "warps"))
-        if "mma" in args.kernels.split(","):
-            tunes.append(({"KERNEL": "mma"}, "mma"))
+        if "mma" in args.kernels.split(","):    # its default, and every load of a step first (session 47)
+            tunes += [({"KERNEL": "mma"}, "mma"), ({"KERNEL": "mma", "PREFETCH": 1, "EARLY": 1}, "mma, early")]
         for tune, label in tunes:
             try:
                 eager, ms = _step_ms(packed_step(*inputs, tune=tune), args.runs, args.device)
@@ -274,9 +275,19 @@ WARP_SPLITS = {(1, 1, 1): (512, 128)}
 # splits of 128 keys too, as the one-warp warps launch. PREFETCH 1 reads a step's table entries a
 # step ahead ("rows"; 210 registers for turbo4, 9 programs an SM; at N 32 it spills, so not there);
 # 0 is its default. maxnreg 128: 16 programs an SM instead of 11, for spills (248 bytes) and 22%
-# more instructions a key.
-MMA_VARIANTS = [(16, 1, None), (16, 0, None), (32, 0, None), (16, 0, 128)]   # (N, PREFETCH, maxnreg)
+# more instructions a key. EARLY 1 (session 47): every load of a step issued before its decoding,
+# where the default loads each block where it is decoded (in sm_90 SASS a step's loads then come in
+# several bursts, each waited on: K's blocks, then V's after the scores); with PREFETCH 1 a step
+# waits on memory once, for 251 registers (8 programs an SM; at maxnreg 168, 12, spilling 232 bytes).
+MMA_VARIANTS = [(16, 1, 1, None), (16, 0, 0, None), (16, 1, 0, None), (32, 0, 0, None), (16, 0, 0, 128),
+                (16, 1, 1, 168)]   # (N, PREFETCH, EARLY, maxnreg)
 MMA_SPLITS = (512, 128)
+
+
+def mma_launch(n: int, ahead: int, early: int, cap: int | None) -> tuple[str, dict]:
+    """An MMA_VARIANTS entry as (its prefetch cell, its tune)."""
+    cell = f"N {n}" + (", rows" if ahead else "") + (", early" if early else "") + (f", {cap} regs" if cap else "")
+    return cell, {"KERNEL": "mma", "N": n, "PREFETCH": ahead, "EARLY": early, **({"maxnreg": cap} if cap else {})}
 
 
 def _prefetch_cell(prefetch, codecs: str) -> str:
@@ -300,9 +311,8 @@ def _settings(args) -> list[tuple[tuple, dict, tuple]]:
     settings = [(("", w, "", "fma", _prefetch_cell((kp, pf), "warps"), "warps"),
                  {"KERNEL": "warps", "num_warps": w, "KP": kp, "PREFETCH": pf}, WARP_SPLITS.get((w, kp, pf), SPLITS))
                 for w, kp, pf in WARP_VARIANTS if "warps" in kernels]
-    for n, ahead, cap in (MMA_VARIANTS if "mma" in kernels else ()):
-        cell = f"N {n}" + (", rows" if ahead else "") + (f", {cap} regs" if cap else "")
-        tune = {"KERNEL": "mma", "N": n, "PREFETCH": ahead, **({"maxnreg": cap} if cap else {})}
+    for variant in (MMA_VARIANTS if "mma" in kernels else ()):
+        cell, tune = mma_launch(*variant)
         settings.append((("", 1, "", "f16", cell, "mma"), tune, MMA_SPLITS))
     variants = ours(VARIANTS)
     tiles = ([(v, "units", "adjacent") for v in variants] + [(v, "per-value", "adjacent") for v in variants[:1]]

@@ -27,7 +27,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.gpu_decode import MMA_VARIANTS, VARIANTS, WARP_VARIANTS  # noqa: E402
+from benchmarks.gpu_decode import MMA_VARIANTS, VARIANTS, WARP_VARIANTS, mma_launch  # noqa: E402
 from kvslim import formats  # noqa: E402
 from kvslim.gpu import paged_prefill  # noqa: E402
 from kvslim.tables import markdown_table  # noqa: E402
@@ -158,9 +158,9 @@ def main(argv=None) -> int:
     settings = [([pair, "warps", "", warps, "", "fma", f"KP {keys}" + (", rows" if ahead else "")],
                  {"KERNEL": "warps", "num_warps": warps, "KP": keys, "PREFETCH": ahead})
                 for warps, keys, ahead in (WARP_VARIANTS if args.warps else ()) for pair in args.pairs.split(",")]
-    settings += [([pair, "mma" + (f", {cap} regs" if cap else ""), keys, 1, "", "f16", "rows" if ahead else ""],
-                  {"KERNEL": "mma", "N": keys, "PREFETCH": ahead, **({"maxnreg": cap} if cap else {})})
-                 for keys, ahead, cap in (MMA_VARIANTS if args.mma else ()) for pair in args.pairs.split(",")]
+    settings += [([pair, "mma", variant[0], 1, "", "f16", mma_launch(*variant)[0].partition(", ")[2]],
+                  mma_launch(*variant)[1])
+                 for variant in (MMA_VARIANTS if args.mma else ()) for pair in args.pairs.split(",")]
     settings += [([pair, codecs + ("" if columns == "adjacent" else ", strided"), block_n, warps, stages or "", dot,
                    {True: "rows", 2: "codes"}.get(prefetch, "")],
                   {"BLOCK_N": block_n, "num_warps": warps, "DOT": dot, "CODECS": codecs, "PREFETCH": prefetch,

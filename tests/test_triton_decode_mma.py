@@ -33,7 +33,8 @@ pytestmark = pytest.mark.skipif(not kvslim.gpu.available(), reason="triton is no
 # (K, V, head_dim, group, lengths, page_size, split_keys, tune): 4-, 3- and 2-bit codes, q8_0's
 # bytes, q4_0's and iq4_nl's nibbles and f16 rows, K and V apart; two blocks a row and one; 8, 5,
 # 3 and 1 query rows of the products' 8; an empty sequence; splits of 32 and the default; pages
-# of 12 (a step's keys across pages); 32 keys a step, once with 64-bit row offsets
+# of 12 (a step's keys across pages); 32 keys a step, once with 64-bit row offsets; each row kind
+# with every load of a step issued first (EARLY)
 CASES = [("turbo4", "turbo4", 256, 8, (40, 3, 0), 16, 32, {}),
          ("turbo4", "turbo4", 128, 5, (37, 100), 12, None, {}),
          ("turbo4", "turbo4", 256, 1, (70,), 16, None, {"N": 32, "WIDE": True}),
@@ -50,7 +51,11 @@ CASES = [("turbo4", "turbo4", 256, 8, (40, 3, 0), 16, 32, {}),
          ("turbo3", "q8_0", 128, 8, (30,), 16, None, {}),
          ("q4_0", "q4_0", 256, 8, (40, 3, 0), 16, 32, {}),                 # nibbles in ggml's order
          ("iq4_nl", "turbo4", 128, 5, (37, 100), 12, None, {"N": 32}),
-         ("turbo3", "iq4_nl", 256, 8, (30,), 16, None, {})]
+         ("turbo3", "iq4_nl", 256, 8, (30,), 16, None, {}),
+         ("turbo4", "turbo4", 256, 8, (40, 3, 0), 16, 32, {"EARLY": 1, "PREFETCH": 1}),   # case 0: every load of
+                                                                                  # a step first
+         ("q8_0", "q4_0", 128, 5, (37, 100), 12, None, {"EARLY": 1}),
+         ("f16", "turbo3", 256, 3, (20, 5), 16, None, {"EARLY": 1, "N": 32})]
 MATRIX = ("f16", "q8_0", "q4_0", "iq4_nl", "turbo4", "turbo3", "turbo2")   # issue 18's formats
 # step_output on it: one split (the kernel stores the output, gated too), and two (merged)
 STEPS = [("turbo4", "turbo4", 256, 8, (20, 5), 16, None, "bfloat16"),
@@ -124,12 +129,14 @@ def test_mma_decode_matches_torch_block_loop(interpreted, index):
     _check_f16_products(interpreted["states"][index], _torch_state(*args), args[-1])
 
 
-def test_rows_a_step_ahead_give_the_same_bits(interpreted):
-    """PREFETCH 1 moves when a step's table entries are read, and maxnreg where ptxas keeps values,
-    not what is summed: case 0's state bit for bit."""
-    assert CASES[3][:7] == CASES[0][:7] and CASES[3][7] == {"PREFETCH": 1, "maxnreg": 128}
-    for ahead, at_use in zip(interpreted["states"][3], interpreted["states"][0]):
-        assert torch.equal(ahead, at_use)
+def test_loads_moved_give_the_same_bits(interpreted):
+    """PREFETCH 1 moves when a step's table entries are read, EARLY when its codes are, and maxnreg
+    where ptxas keeps values, not what is summed: case 0's state bit for bit."""
+    moved = [i for i, case in enumerate(CASES) if i and case[:7] == CASES[0][:7]]
+    assert [CASES[i][7] for i in moved] == [{"PREFETCH": 1, "maxnreg": 128}, {"EARLY": 1, "PREFETCH": 1}]
+    for i in moved:
+        for got, at_use in zip(interpreted["states"][i], interpreted["states"][0]):
+            assert torch.equal(got, at_use)
 
 
 @pytest.mark.parametrize("index", range(len(STEPS)), ids=lambda i: f"{STEPS[i][2]}-{STEPS[i][7]}")
@@ -269,6 +276,7 @@ def test_q8_0s_bytes_come_out_times_their_scale_rounded_once(scale):
     ("turbo4", "turbo4", 256, 9, {}, "at most 8 query rows"),
     ("turbo4", "turbo4", 256, 8, {"N": 8}, "N=8 with KERNEL='mma'"),
     ("turbo4", "turbo4", 256, 8, {"PREFETCH": 2}, "PREFETCH=2 with KERNEL='mma'"),
+    ("turbo4", "turbo4", 256, 8, {"EARLY": 2}, "EARLY=2 with KERNEL='mma'"),
     ("turbo4", "turbo4", 256, 8, {"maxnreg": 64}, "maxnreg=64 with KERNEL='mma'"),
     ("turbo4", "turbo4", 256, 8, {"BLOCK_N": 32}, "not a setting of KERNEL='mma': BLOCK_N")])
 def test_mma_refuses_what_it_cannot_read(name_k, name_v, dim, rows, tune, why):
@@ -293,11 +301,12 @@ def test_mma_decodes_only():
 
 # ---- its sm_90 code, without a GPU -----------------------------------------------------------
 
-@pytest.mark.parametrize("name_k,name_v,dim,keys,ahead", [
-    ("turbo4", "turbo4", 256, 16, 0), ("turbo4", "turbo4", 128, 16, 0), ("turbo4", "turbo4", 256, 32, 0),
-    ("turbo4", "turbo4", 256, 16, 1), ("turbo3", "turbo3", 256, 16, 0), ("turbo2", "turbo4", 128, 16, 0),
-    ("f16", "f16", 256, 16, 1), ("q8_0", "turbo4", 256, 16, 0), ("q4_0", "iq4_nl", 256, 16, 0)])
-def test_mma_decodes_in_registers_for_an_h100_without_one(name_k, name_v, dim, keys, ahead):
+@pytest.mark.parametrize("name_k,name_v,dim,keys,tune", [
+    ("turbo4", "turbo4", 256, 16, {}), ("turbo4", "turbo4", 128, 16, {}), ("turbo4", "turbo4", 256, 32, {}),
+    ("turbo4", "turbo4", 256, 16, {"PREFETCH": 1}), ("turbo4", "turbo4", 256, 16, {"PREFETCH": 1, "EARLY": 1}),
+    ("turbo3", "turbo3", 256, 16, {}), ("turbo2", "turbo4", 128, 16, {}), ("f16", "f16", 256, 16, {"PREFETCH": 1}),
+    ("q8_0", "turbo4", 256, 16, {}), ("q8_0", "q4_0", 256, 16, {"EARLY": 1}), ("q4_0", "iq4_nl", 256, 16, {})])
+def test_mma_decodes_in_registers_for_an_h100_without_one(name_k, name_v, dim, keys, tune):
     """What the kernel is for, in its sm_90 SASS (decode's launch: bf16 q read in place, the table
     by slot): no shared memory at all, no barrier or shared-memory access in its loop over keys,
     no spill; and it compiled, so every conversion to an operand layout was a relabelling
@@ -305,7 +314,7 @@ def test_mma_decodes_in_registers_for_an_h100_without_one(name_k, name_v, dim, k
     3.6 and 3.9)."""
     from kvslim.gpu import _decode_mma_kernel, compile_sm90, cuobjdump, loop_ops
     fmt, fmt_v = formats.get(name_k, role="k"), formats.get(name_v, role="v")
-    config = dict(paged_prefill._launch_config(fmt, fmt_v, 8, dim, {"KERNEL": "mma", "N": keys, "PREFETCH": ahead}),
+    config = dict(paged_prefill._launch_config(fmt, fmt_v, 8, dim, {"KERNEL": "mma", "N": keys, **tune}),
                   BY_SLOT=True)
     config.pop("KERNEL")
     num_warps = config.pop("num_warps")

@@ -243,7 +243,7 @@ def _units(row, b: tl.constexpr, g, live, BITS: tl.constexpr, BYTES: tl.constexp
         u3 = u2
     if BITS == 4:
         u3 = gl.load(at + 3, mask=live, other=0)
-    return u0, u1, u2, u3
+    return (u0, u1, u2, u3)
 
 
 # q8_0: a 2-byte unit's two int8 codes ($2) -> their values times the block's f16 scale ($3, in both
@@ -277,23 +277,33 @@ def _q8_pair(unit, scale2, scale):
     return lo, hi
 
 
-def _q8_group(row, b: tl.constexpr, g, live, BYTES: tl.constexpr):
+def _q8_units(row, b: tl.constexpr, g, live, BYTES: tl.constexpr):
     """q8_0 rows: group g (codes 16g .. 16g + 15 of block b of 128: half of q8_0 block 4b + g // 2,
-    BYTES each) at byte pointers ``row`` (g's shape) -> the 16 values times their block's scale,
-    joined as ``_group`` joins, 0 where not ``live``."""
+    BYTES each) at byte pointers ``row`` (g's shape), 0 where not ``live`` -> its block's f16
+    scale and its 8 units (two codes each)."""
     block = row + (4 * b + g // 2) * BYTES
     scale = gl.load(block.to(gl.pointer_type(gl.float16)), mask=live, other=0.0)
+    at = (block + 2 + 16 * (g % 2)).to(gl.pointer_type(gl.uint16))
+    return (scale, gl.load(at, mask=live, other=0), gl.load(at + 1, mask=live, other=0),
+            gl.load(at + 2, mask=live, other=0), gl.load(at + 3, mask=live, other=0),
+            gl.load(at + 4, mask=live, other=0), gl.load(at + 5, mask=live, other=0),
+            gl.load(at + 6, mask=live, other=0), gl.load(at + 7, mask=live, other=0))
+
+
+def _q8_group(raw):
+    """``_q8_units``' scale and units -> the group's 16 values times the scale, joined as ``_group``
+    joins."""
+    scale = raw[0]
     bits = scale.to(gl.uint16, bitcast=True).to(gl.uint32)
     scale2 = bits | (bits << 16)
-    at = (block + 2 + 16 * (g % 2)).to(gl.pointer_type(gl.uint16))
-    a0, a1 = _q8_pair(gl.load(at, mask=live, other=0), scale2, scale)
-    a2, a3 = _q8_pair(gl.load(at + 1, mask=live, other=0), scale2, scale)
-    a4, a5 = _q8_pair(gl.load(at + 2, mask=live, other=0), scale2, scale)
-    a6, a7 = _q8_pair(gl.load(at + 3, mask=live, other=0), scale2, scale)
-    a8, a9 = _q8_pair(gl.load(at + 4, mask=live, other=0), scale2, scale)
-    a10, a11 = _q8_pair(gl.load(at + 5, mask=live, other=0), scale2, scale)
-    a12, a13 = _q8_pair(gl.load(at + 6, mask=live, other=0), scale2, scale)
-    a14, a15 = _q8_pair(gl.load(at + 7, mask=live, other=0), scale2, scale)
+    a0, a1 = _q8_pair(raw[1], scale2, scale)
+    a2, a3 = _q8_pair(raw[2], scale2, scale)
+    a4, a5 = _q8_pair(raw[3], scale2, scale)
+    a6, a7 = _q8_pair(raw[4], scale2, scale)
+    a8, a9 = _q8_pair(raw[5], scale2, scale)
+    a10, a11 = _q8_pair(raw[6], scale2, scale)
+    a12, a13 = _q8_pair(raw[7], scale2, scale)
+    a14, a15 = _q8_pair(raw[8], scale2, scale)
     return _join16(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15)
 
 
@@ -308,78 +318,134 @@ def _nibble_units(row, b: tl.constexpr, g, live, BYTES: tl.constexpr):
             gl.load(at + 3, mask=live, other=0), scale)
 
 
-def _read_groups(row, b: tl.constexpr, g, live, lut, planes, BITS: tl.constexpr, BYTES: tl.constexpr,
-                 NIBBLES: tl.constexpr):
-    """Groups g of block b of 128 values of the rows at ``row`` (broadcast to g's shape), decoded
-    in the lanes that hold them -> joined 16 values each (``_join16``), 0 where not ``live``."""
+def _load_groups(row, b: tl.constexpr, g, live, BITS: tl.constexpr, BYTES: tl.constexpr, NIBBLES: tl.constexpr):
+    """The loads of groups g of block b of 128 values of the rows at ``row`` (broadcast to g's
+    shape), 0 where not ``live``: a tuple of what ``_decode_groups`` takes (q8_0: the scale and 8
+    units; q4_0 and iq4_nl: 4 units and the scale; packed codes: 4 units, the last repeated where
+    a group has fewer). Apart from the decoding, so that a step may issue all its loads first."""
     if BITS == 8:
-        x = _q8_group(row, b, g, live, BYTES)
+        raw = _q8_units(row, b, g, live, BYTES)
     elif NIBBLES:
-        u0, u1, u2, u3, scale = _nibble_units(row, b, g, live, BYTES)
-        x = _group(u0, u1, u2, u3, lut, planes, BITS, scale)
+        raw = _nibble_units(row, b, g, live, BYTES)
     else:
-        u0, u1, u2, u3 = _units(row, b, g, live, BITS, BYTES)
-        x = _group(u0, u1, u2, u3, lut, planes, BITS)
+        raw = _units(row, b, g, live, BITS, BYTES)
+    return raw
+
+
+def _decode_groups(raw, lut, planes, BITS: tl.constexpr, NIBBLES: tl.constexpr):
+    """``_load_groups``' loads decoded in the lanes that hold them -> joined 16 values a group
+    (``_join16``)."""
+    if BITS == 8:
+        x = _q8_group(raw)
+    elif NIBBLES:
+        x = _group(raw[0], raw[1], raw[2], raw[3], lut, planes, BITS, raw[4])
+    else:
+        x = _group(raw[0], raw[1], raw[2], raw[3], lut, planes, BITS)
     return x
 
 
-def _k_block(k_head, slot, t, end, row_bytes, b: tl.constexpr, lut, planes, N: tl.constexpr, BITS: tl.constexpr,
-             BYTES: tl.constexpr, NIBBLES: tl.constexpr, layout: tl.constexpr, operand: tl.constexpr):
-    """Block b of N keys' K rows (positions t (N,), rows ``slot`` of the head's pool:
-    ``_codecs.pool_rows``) as operand A (N, 128), relabelled: lane r holds codes 32r .. 32r + 31 of
-    a key (groups 2r and 2r + 1), logical k = 16j + 8h + 2r + e being code 32r + 4j + 2h + e;
-    masked keys' codes as 0."""
-    if BITS == 16:              # f16 rows: a lane's 32 values of a key as they lie, 16-byte loads
+def _k_load(k_head, slot, t, end, row_bytes, b: tl.constexpr, N: tl.constexpr, BITS: tl.constexpr,
+            BYTES: tl.constexpr, NIBBLES: tl.constexpr, layout: tl.constexpr):
+    """The loads of block b of N keys' K rows (positions t (N,), rows ``slot`` of the head's pool:
+    ``_codecs.pool_rows``), masked keys' as 0, in the lanes whose operand registers take them
+    (``_k_operand``): f16 rows a lane's 32 values of a key as they lie (16-byte loads), packed
+    rows the units of groups 2r and 2r + 1 in lane r (``layout``)."""
+    if BITS == 16:
         rows: gl.constexpr = gl.BlockedLayout([1, 2, 16], [8, 4, 1], [1, 1, 1], [2, 1, 0])   # (N, 8 groups, 16)
         t = gl.convert_layout(t, gl.SliceLayout(1, gl.SliceLayout(2, rows)), assert_trivial=COMPILED)
         slot = gl.convert_layout(slot, gl.SliceLayout(1, gl.SliceLayout(2, rows)), assert_trivial=COMPILED)
         row = (k_head + slot * row_bytes + b * BLOCK * BYTES).to(gl.pointer_type(gl.float16))
         g = gl.arange(0, BLOCK // 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, rows)))
         c = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, rows)))
-        x = gl.load(row[:, None, None] + (16 * g)[None, :, None] + c[None, None, :],
-                    mask=(t < end)[:, None, None] & (g < 8)[None, :, None] & (c < 16)[None, None, :], other=0.0)
-        x = gl.permute(gl.reshape(x, [N, 4, 2, 2, 2, 2, 2]), [0, 2, 3, 4, 5, 1, 6])  # [n, gg, b3, b2, b1, r, b0]
+        raw = (gl.load(row[:, None, None] + (16 * g)[None, :, None] + c[None, None, :],
+                       mask=(t < end)[:, None, None] & (g < 8)[None, :, None] & (c < 16)[None, None, :], other=0.0),)
     else:
         g = gl.arange(0, BLOCK // 16, layout=gl.SliceLayout(0, layout))
-        x = _read_groups((k_head + slot * row_bytes)[:, None], b, g[None, :], (t < end)[:, None] & (g < 8)[None, :],
-                         lut, planes, BITS, BYTES, NIBBLES)             # [n, 2r + gg, b0, b1, b2, b3]
+        raw = _load_groups((k_head + slot * row_bytes)[:, None], b, g[None, :], (t < end)[:, None] & (g < 8)[None, :],
+                           BITS, BYTES, NIBBLES)
+    return raw
+
+
+def _k_operand(raw, lut, planes, N: tl.constexpr, BITS: tl.constexpr, NIBBLES: tl.constexpr, operand: tl.constexpr):
+    """``_k_load``'s loads as operand A (N, 128), relabelled: lane r holds codes 32r .. 32r + 31 of
+    a key (groups 2r and 2r + 1), logical k = 16j + 8h + 2r + e being code 32r + 4j + 2h + e."""
+    if BITS == 16:
+        x = gl.permute(gl.reshape(raw[0], [N, 4, 2, 2, 2, 2, 2]), [0, 2, 3, 4, 5, 1, 6])  # [n, gg, b3, b2, b1, r, b0]
+    else:
+        x = _decode_groups(raw, lut, planes, BITS, NIBBLES)             # [n, 2r + gg, b0, b1, b2, b3]
         x = gl.permute(gl.reshape(x, [N, 4, 2, 2, 2, 2, 2]), [0, 2, 6, 5, 4, 1, 3])   # [n, gg, b3, b2, b1, r, b0]
     return gl.convert_layout(gl.reshape(x, [N, BLOCK]), operand, assert_trivial=COMPILED)
 
 
-def _v_block(v_head, slot, t, end, row_bytes, b: tl.constexpr, lut, planes, N: tl.constexpr, BITS: tl.constexpr,
-             BYTES: tl.constexpr, NIBBLES: tl.constexpr, layout: tl.constexpr, operand: tl.constexpr):
-    """Block b of N keys' V rows (positions t (N,), rows ``slot``) as operand A of V^T (128, N), relabelled:
-    lane g (of 8) holds group g's 16 codes of its keys, logical dimension g + 8i being physical
-    16g + i."""
-    if BITS == 16:              # f16 rows: a lane's 16 values of each of its keys as they lie
+def _v_load(v_head, slot, t, end, row_bytes, b: tl.constexpr, N: tl.constexpr, BITS: tl.constexpr,
+            BYTES: tl.constexpr, NIBBLES: tl.constexpr, layout: tl.constexpr):
+    """The loads of block b of N keys' V rows (positions t (N,), rows ``slot``), masked keys' as 0,
+    in the lanes of ``_v_operand``: lane g (of 8) group g's 16 codes of its keys."""
+    if BITS == 16:
         rows: gl.constexpr = gl.BlockedLayout([1, 2, 16], [8, 4, 1], [1, 1, 1], [2, 1, 0])   # (8 groups, N, 16)
         t = gl.convert_layout(t, gl.SliceLayout(0, gl.SliceLayout(2, rows)), assert_trivial=COMPILED)
         slot = gl.convert_layout(slot, gl.SliceLayout(0, gl.SliceLayout(2, rows)), assert_trivial=COMPILED)
         row = (v_head + slot * row_bytes + b * BLOCK * BYTES).to(gl.pointer_type(gl.float16))
         g = gl.arange(0, BLOCK // 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, rows)))
         c = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, rows)))
-        x = gl.load(row[None, :, None] + (16 * g)[:, None, None] + c[None, None, :],
-                    mask=(t < end)[None, :, None] & (g < 8)[:, None, None] & (c < 16)[None, None, :], other=0.0)
-        x = gl.permute(gl.reshape(x, [BLOCK // 16, N, 2, 2, 2, 2]), [2, 3, 4, 5, 0, 1])   # [b3, b2, b1, b0, g, n]
+        raw = (gl.load(row[None, :, None] + (16 * g)[:, None, None] + c[None, None, :],
+                       mask=(t < end)[None, :, None] & (g < 8)[:, None, None] & (c < 16)[None, None, :], other=0.0),)
     else:
         g = gl.arange(0, BLOCK // 16, layout=gl.SliceLayout(1, layout))
-        x = _read_groups((v_head + slot * row_bytes)[None, :], b, g[:, None], (t < end)[None, :] & (g < 8)[:, None],
-                         lut, planes, BITS, BYTES, NIBBLES)             # [g, n, b0, b1, b2, b3]
+        raw = _load_groups((v_head + slot * row_bytes)[None, :], b, g[:, None], (t < end)[None, :] & (g < 8)[:, None],
+                           BITS, BYTES, NIBBLES)
+    return raw
+
+
+def _v_operand(raw, lut, planes, N: tl.constexpr, BITS: tl.constexpr, NIBBLES: tl.constexpr, operand: tl.constexpr):
+    """``_v_load``'s loads as operand A of V^T (128, N), relabelled: logical dimension g + 8i is
+    physical 16g + i."""
+    if BITS == 16:
+        x = gl.permute(gl.reshape(raw[0], [BLOCK // 16, N, 2, 2, 2, 2]), [2, 3, 4, 5, 0, 1])   # [b3, b2, b1, b0, g, n]
+    else:
+        x = _decode_groups(raw, lut, planes, BITS, NIBBLES)             # [g, n, b0, b1, b2, b3]
         x = gl.permute(x, [5, 4, 3, 2, 0, 1])                           # [b3, b2, b1, b0, g, n]
     return gl.convert_layout(gl.reshape(x, [BLOCK, N]), operand, assert_trivial=COMPILED)
 
 
-def _normed(x, head, slot, t, end, row_bytes, b: tl.constexpr, BITS: tl.constexpr, BYTES: tl.constexpr,
-            NIBBLES: tl.constexpr):
-    """x (N keys, ROWS) times block b's f16 norm of the rows ``slot`` at positions t, for the
-    turbo formats, whose one norm a block of 128 is folded here, after the products (0 past
-    ``end``); f16 rows have none, and q8_0's and the nibble formats' scales (one a block of 32)
-    were multiplied per value: x as it is."""
+def _norm(head, slot, t, end, row_bytes, b: tl.constexpr, BITS: tl.constexpr, BYTES: tl.constexpr,
+          NIBBLES: tl.constexpr):
+    """Block b's f16 norms of the rows ``slot`` at positions t (0 past ``end``) for the turbo formats,
+    whose one norm a block of 128 is folded after the products (``_normed``); 0 for the rest (f16
+    rows have none, and q8_0's and the nibble formats' scales, one a block of 32, are multiplied
+    per value), which ``_normed`` does not read."""
+    norm = 0
     if BITS <= 4 and not NIBBLES:
-        row = head + slot * row_bytes + b * BYTES
-        x = x * gl.load(row.to(gl.pointer_type(gl.float16)), mask=t < end, other=0.0).to(gl.float32)[:, None]
+        norm = gl.load((head + slot * row_bytes + b * BYTES).to(gl.pointer_type(gl.float16)), mask=t < end, other=0.0)
+    return norm
+
+
+def _normed(x, norm, BITS: tl.constexpr, NIBBLES: tl.constexpr):
+    """x (N keys, ROWS) times ``_norm``'s norms where the format has them; else x as it is."""
+    if BITS <= 4 and not NIBBLES:
+        x = x * norm.to(gl.float32)[:, None]
     return x
+
+
+def _reads(head, slot, slot_s, tt, t, end, row_bytes, NB: tl.constexpr, N: tl.constexpr, BITS: tl.constexpr,
+           BYTES: tl.constexpr, NIBBLES: tl.constexpr, layout: tl.constexpr, IS_K: tl.constexpr):
+    """A step's loads of one side, K (``IS_K``) or V: (block 0's loads, its norms, block 1's, its
+    norms), block 1's being block 0's where the head has one block. tt: the keys' positions in
+    ``layout``'s slice, t in the scores' (the norms'); slot and slot_s their pool rows."""
+    if IS_K:
+        r0 = _k_load(head, slot, tt, end, row_bytes, 0, N, BITS, BYTES, NIBBLES, layout)
+    else:
+        r0 = _v_load(head, slot, tt, end, row_bytes, 0, N, BITS, BYTES, NIBBLES, layout)
+    n0 = _norm(head, slot_s, t, end, row_bytes, 0, BITS, BYTES, NIBBLES)
+    r1 = r0
+    n1 = n0
+    if NB == 2:
+        if IS_K:
+            r1 = _k_load(head, slot, tt, end, row_bytes, 1, N, BITS, BYTES, NIBBLES, layout)
+        else:
+            r1 = _v_load(head, slot, tt, end, row_bytes, 1, N, BITS, BYTES, NIBBLES, layout)
+        n1 = _norm(head, slot_s, t, end, row_bytes, 1, BITS, BYTES, NIBBLES)
+    return r0, n0, r1, n1
 
 
 def paged_decode_mma(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr, k_lut, v_lut,
@@ -392,13 +458,18 @@ def paged_decode_mma(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr, k
                      WIDE: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_BYTES: tl.constexpr,
                      V_BYTES: tl.constexpr,
                      K_NIBBLES: tl.constexpr = False, V_NIBBLES: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+                     EARLY: tl.constexpr = 0,
                      BY_SLOT: tl.constexpr = False, NORMALISE: tl.constexpr = False, GATED: tl.constexpr = False):
     """``paged_prefill_tile``'s decode launch with its arguments and outputs: the state of rows
     0..n_rows-1 (at most 8) of (KV head, sequence) over the keys of one split, N keys a step, or
     with NORMALISE (one split) the output itself (times sigmoid of the gate with GATED). BLOCK_M:
     the rows' side of the products, 8 (``paged_prefill.MMA_ROWS``). PREFETCH 1: each step's pool
     rows read from the block table a step ahead (turbo4/turbo4: 172 -> 210 registers); 0 (the
-    default), at use; the same bits either way."""
+    default), at use. EARLY 1: every load of a step (K's and V's codes and norms) issued before any
+    decoding; 0 (the default), each block's where it is decoded, which sm_90 SASS shows as several
+    bursts of loads a step, each waited on (K's blocks, V's after the scores). EARLY 1 with
+    PREFETCH 1 waits on memory once a step, for 251 registers (turbo4/turbo4). The same bits
+    whatever the setting."""
     ROWS: gl.constexpr = BLOCK_M
     NB: gl.constexpr = HEAD_DIM // BLOCK
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
@@ -457,13 +528,24 @@ def paged_decode_mma(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr, k
             sk = pool_rows(table_at, start + keys_k, end, PAGE_SIZE, WIDE)
             sv = pool_rows(table_at, start + keys_v, end, PAGE_SIZE, WIDE)
             ss = pool_rows(table_at, t, end, PAGE_SIZE, WIDE)
-        k0 = _k_block(k_head, sk, start + keys_k, end, k_row_bytes, 0, k_lut, k_planes, N, K_BITS, K_BYTES,
-                      K_NIBBLES, groups, a_op)
-        scores = _normed(mma_v2(k0, q0, zero), k_head, ss, t, end, k_row_bytes, 0, K_BITS, K_BYTES, K_NIBBLES)
+        if EARLY:           # every load of the step before any decoding: one wait on memory a step
+            rk0, nk0, rk1, nk1 = _reads(k_head, sk, ss, start + keys_k, t, end, k_row_bytes, NB, N, K_BITS, K_BYTES,
+                                        K_NIBBLES, groups, True)
+            rv0, nv0, rv1, nv1 = _reads(v_head, sv, ss, start + keys_v, t, end, v_row_bytes, NB, N, V_BITS,
+                                        V_BYTES, V_NIBBLES, groups, False)
+        else:               # each block's loads where it is decoded: 172 registers, not 254 (turbo4/turbo4)
+            rk0 = _k_load(k_head, sk, start + keys_k, end, k_row_bytes, 0, N, K_BITS, K_BYTES, K_NIBBLES, groups)
+        k0 = _k_operand(rk0, k_lut, k_planes, N, K_BITS, K_NIBBLES, a_op)
+        if not EARLY:
+            nk0 = _norm(k_head, ss, t, end, k_row_bytes, 0, K_BITS, K_BYTES, K_NIBBLES)
+        scores = _normed(mma_v2(k0, q0, zero), nk0, K_BITS, K_NIBBLES)
         if NB == 2:
-            k1 = _k_block(k_head, sk, start + keys_k, end, k_row_bytes, 1, k_lut, k_planes, N, K_BITS, K_BYTES,
-                          K_NIBBLES, groups, a_op)
-            scores += _normed(mma_v2(k1, q1, zero), k_head, ss, t, end, k_row_bytes, 1, K_BITS, K_BYTES, K_NIBBLES)
+            if not EARLY:
+                rk1 = _k_load(k_head, sk, start + keys_k, end, k_row_bytes, 1, N, K_BITS, K_BYTES, K_NIBBLES, groups)
+            k1 = _k_operand(rk1, k_lut, k_planes, N, K_BITS, K_NIBBLES, a_op)
+            if not EARLY:
+                nk1 = _norm(k_head, ss, t, end, k_row_bytes, 1, K_BITS, K_BYTES, K_NIBBLES)
+            scores += _normed(mma_v2(k1, q1, zero), nk1, K_BITS, K_NIBBLES)
         scores = gl.where((t < end)[:, None], scores, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(scores, axis=0))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)          # a row without keys yet: exp(-inf) = 0
@@ -471,14 +553,18 @@ def paged_decode_mma(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr, k
         corr = gl.exp(m_i - m_safe)
         l_i = l_i * corr + gl.sum(p, axis=0)
         m_i = m_new
-        v0 = _v_block(v_head, sv, start + keys_v, end, v_row_bytes, 0, v_lut, v_planes, N, V_BITS, V_BYTES,
-                      V_NIBBLES, groups, a_op)
-        p0 = _normed(p, v_head, ss, t, end, v_row_bytes, 0, V_BITS, V_BYTES, V_NIBBLES)
+        if not EARLY:
+            rv0 = _v_load(v_head, sv, start + keys_v, end, v_row_bytes, 0, N, V_BITS, V_BYTES, V_NIBBLES, groups)
+            nv0 = _norm(v_head, ss, t, end, v_row_bytes, 0, V_BITS, V_BYTES, V_NIBBLES)
+        v0 = _v_operand(rv0, v_lut, v_planes, N, V_BITS, V_NIBBLES, a_op)
+        p0 = _normed(p, nv0, V_BITS, V_NIBBLES)
         acc0 = mma_v2(v0, gl.convert_layout(p0.to(gl.float16), b_op), acc0 * corr[None, :])
         if NB == 2:
-            v1 = _v_block(v_head, sv, start + keys_v, end, v_row_bytes, 1, v_lut, v_planes, N, V_BITS, V_BYTES,
-                          V_NIBBLES, groups, a_op)
-            p1 = _normed(p, v_head, ss, t, end, v_row_bytes, 1, V_BITS, V_BYTES, V_NIBBLES)
+            if not EARLY:
+                rv1 = _v_load(v_head, sv, start + keys_v, end, v_row_bytes, 1, N, V_BITS, V_BYTES, V_NIBBLES, groups)
+                nv1 = _norm(v_head, ss, t, end, v_row_bytes, 1, V_BITS, V_BYTES, V_NIBBLES)
+            v1 = _v_operand(rv1, v_lut, v_planes, N, V_BITS, V_NIBBLES, a_op)
+            p1 = _normed(p, nv1, V_BITS, V_NIBBLES)
             acc1 = mma_v2(v1, gl.convert_layout(p1.to(gl.float16), b_op), acc1 * corr[None, :])
 
     # the sums' logical dimension d (block b) is physical b * 128 + 16 (d % 8) + d // 8
@@ -551,8 +637,9 @@ class _AsTriton:
 
 _AS_TRITON = _AsTriton()
 
-_BODIES = (_plane_word, _planes, _unit4, _code, _join16, _group, _units, _nibble_units, _q8_pair, _q8_group,
-           _read_groups, _k_block, _v_block, _normed, paged_decode_mma)
+_BODIES = (_plane_word, _planes, _unit4, _code, _join16, _group, _units, _nibble_units, _q8_pair, _q8_units,
+           _q8_group, _load_groups, _decode_groups, _k_load, _k_operand, _v_load, _v_operand, _norm, _normed,
+           _reads, paged_decode_mma)
 
 
 def _decorate():

@@ -161,17 +161,17 @@ def _phases(f: CodecFields, head_dim: int) -> int:
 # how far a row's max grows before its sums are rescaled (8; the tests' 1e30: at the first step only);
 # PREFETCH 1 (its default), each step's rows loaded a step ahead; 0, at use. KERNEL "mma": decode by
 # ``_decode_mma_kernel`` (one warp a program, the packed codes decoded into tensor-core operands,
-# Gluon), N keys a step. COLUMNS: where the tile kernel puts a group of units' codes, "adjacent"
+# Gluon), N keys a step, and EARLY 1: every load of a step issued before its decoding. COLUMNS: where the tile kernel puts a group of units' codes, "adjacent"
 # (the default since session 45: side by side) or "strided" (W columns apart, as sessions 32-44
 # did; ``_codecs.columns``), for a lease to time.
 CODECS = ("units", "per-value")
 COLUMNS = ("adjacent", "strided")
 TUNABLE = ("BLOCK_N", "num_warps", "num_stages", "DOT", "WIDE", "CODECS", "PREFETCH", "KERNEL", "KP", "RESCALE_AT",
-           "COLUMNS", "N", "maxnreg")
+           "COLUMNS", "N", "EARLY", "maxnreg")
 WARPS_TUNABLE = ("KERNEL", "KP", "num_warps", "WIDE", "RESCALE_AT", "PREFETCH")
 WARPS_ROWS = 8            # the warps kernel's most query rows: each lane holds all of them, and their sums
 KERNELS = ("tiles", "warps", "mma")
-MMA_TUNABLE = ("KERNEL", "N", "WIDE", "PREFETCH", "maxnreg")
+MMA_TUNABLE = ("KERNEL", "N", "WIDE", "PREFETCH", "EARLY", "maxnreg")
 MMA_ROWS = 8              # KERNEL "mma": the GQA group is the products' narrow side, 8 wide
 MMA_BLOCK = 128           # ... and it reads blocks of 128 codes with one f16 scale each
 DOTS = ("ieee", "tf32x3", "tf32", "f16", "fma")
@@ -333,7 +333,10 @@ def _mma_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict, page_size:
     PREFETCH 1: 210 registers, 9 programs an SM instead of 11; untimed, the sweep times both).
     maxnreg (a launch option): registers a thread at most, ptxas spilling the rest to local memory
     (128: 16 programs an SM instead of 11, 248 bytes of stack and 22% more instructions a key for
-    turbo4/turbo4 at head_dim 256); for the sweep to weigh occupancy against spills."""
+    turbo4/turbo4 at head_dim 256); for the sweep to weigh occupancy against spills. EARLY 0 (the
+    default) loads each block of codes where it is decoded; 1, every load of a step first (K's and
+    V's codes and norms), so that with PREFETCH 1 a step waits on memory once: 251 registers for
+    turbo4/turbo4, 8 programs an SM (untimed)."""
     other = set(tune) - set(MMA_TUNABLE)
     if other:
         raise ValueError(f"not a setting of KERNEL='mma': {', '.join(sorted(other))} "
@@ -349,13 +352,17 @@ def _mma_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict, page_size:
     if tune.get("PREFETCH", 0) not in (0, 1):
         raise ValueError(f"PREFETCH={tune['PREFETCH']!r} with KERNEL='mma': expected 0 (off) or 1 (table rows a step "
                          "ahead)")
+    if tune.get("EARLY", 0) not in (0, 1):
+        raise ValueError(f"EARLY={tune['EARLY']!r} with KERNEL='mma': expected 0 (each block's loads where it is "
+                         "decoded) or 1 (every load of a step before its decoding)")
     cap = {"maxnreg": tune["maxnreg"]} if "maxnreg" in tune else {}
     if cap and cap["maxnreg"] not in (96, 128, 168):
         raise ValueError(f"maxnreg={cap['maxnreg']!r} with KERNEL='mma': expected 96, 128 or 168 registers a thread")
     sides = {f"{prefix}_{name}": value for prefix, fmt in (("K", fmt_k), ("V", fmt_v))
              for name, value in _mma_side(fmt, head_dim).items()}
     return dict(KERNEL="mma", HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_M=MMA_ROWS, N=keys,
-                WIDE=tune.get("WIDE", False), PREFETCH=int(tune.get("PREFETCH", 0)), num_warps=1, **sides, **cap)
+                WIDE=tune.get("WIDE", False), PREFETCH=int(tune.get("PREFETCH", 0)), EARLY=int(tune.get("EARLY", 0)),
+                num_warps=1, **sides, **cap)
 
 
 @lru_cache(maxsize=None)
