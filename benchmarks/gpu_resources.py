@@ -12,7 +12,10 @@ each launch setting of ``gpu_decode.VARIANTS`` and reads the cubin's resource us
 many programs an SM holds at once (65,536 registers, 228 KB of shared memory), and stack bytes
 are register spills: what a lease's timings then confirm or not (``gpu_decode.py --sweep``).
 "loop" counts the SASS instructions (and global loads) of the kernel's loop over key blocks,
-per thread and per block of BLOCK_N keys: the work each block of keys costs.
+per thread and per block of BLOCK_N keys: the work each block of keys costs. "load lead" is the
+median (and least) number of instructions from one of its loads to the first that reads it
+(``kvslim.gpu.load_leads``): a load's wait on memory (several hundred cycles) is hidden by its
+own warp only where the lead is long, else by other warps, of which the one-warp kernels have few.
 Decode's shape by default: one KV head's 8 query rows, head_dim 256 (Qwen3.6-35B-A3B).
 The figures depend on Triton's version (3.6 on the lent GPUs, 3.9 here): run it under the
 device's too, ``PYTHONPATH=$PWD /tmp/kvslim-image-venv/bin/python benchmarks/gpu_resources.py``
@@ -73,14 +76,16 @@ def usage(name_k: str, name_v: str, rows: int, head_dim: int, tune: dict) -> dic
 def report(compiled, num_warps: int) -> dict:
     """A compiled kernel's registers and stack per thread, shared bytes, programs per SM and its
     longest loop's instructions and global loads per thread (``cuobjdump`` from Triton's wheel)."""
-    from kvslim.gpu import cuobjdump, loop_ops, resource_usage
+    from kvslim.gpu import cuobjdump, load_leads, loop_ops, resource_usage
     found, sass = resource_usage(compiled), cuobjdump(compiled, "-sass")
+    leads = sorted(load_leads(sass))
     threads, shared = 32 * num_warps, compiled.metadata.shared
     by_regs = SM90_REGISTERS // max(1, found.get("REG", 0) * threads)
     instructions, loads = loop_counts(sass)
     return {"regs": found.get("REG"), "stack": found.get("STACK"), "shared": shared,
             "per_sm": min(by_regs, SM90_SHARED // shared if shared else by_regs),
-            "loop": instructions, "loads": loads, "ops": Counter(op.split(".")[0] for op in loop_ops(sass))}
+            "loop": instructions, "loads": loads, "ops": Counter(op.split(".")[0] for op in loop_ops(sass)),
+            "lead": f"{leads[len(leads) // 2]} ({leads[0]})" if leads else ""}
 
 
 def gemm_usage(name: str, dot: str, rows: int, grouped: bool) -> dict:
@@ -173,13 +178,13 @@ def main(argv=None) -> int:
         try:
             u = usage(*cells[0].split("/"), args.rows, args.head_dim, tune)
         except Exception as exc:                                        # a setting that does not compile or read
-            rows.append(cells + [""] * 6 + [f"{type(exc).__name__}: {exc}"[:70]])
+            rows.append(cells + [""] * 7 + [f"{type(exc).__name__}: {exc}"[:70]])
             continue
         rows.append(cells + [u["regs"], u["stack"], f"{u['shared'] // 1024} KB", u["per_sm"], u["loop"],
-                             u["loads"], _top_ops(u, args.ops)])
+                             u["loads"], u["lead"], _top_ops(u, args.ops)])
     print(markdown_table(["K/V", "codes", "BLOCK_N", "warps", "stages", "dot", "prefetch", "registers", "stack B",
-                          "shared", "programs / SM", "loop instr.", "loop loads", "error / ops"], rows,
-                         ["l", "l"] + ["r"] * 11 + ["l"]))
+                          "shared", "programs / SM", "loop instr.", "loop loads", "load lead (min)", "error / ops"],
+                         rows, ["l", "l"] + ["r"] * 12 + ["l"]))
     return 0
 
 

@@ -5,6 +5,7 @@ tl.dot) and allow a program 99 KB of shared memory where an H100 allows 227 KB (
 programming guide's table; a launch past it fails with Triton's OutOfResources), so each
 kernel's launch settings must compile there and fit. One launch setting each, as the model's
 decode and prefill steps take them: decode attention with f16 products (the bf16 backend's),
+decode by mma (Gluon, mma.sync: its default launch and every load first),
 prefill attention with float32 products, the 1-row Q4_0 GEMV on 8-bit activations (dp4a), the
 Q4_K GEMM on bf16 tensor cores, the append and the rotation.
 """
@@ -34,6 +35,15 @@ def _attention(rows: int, pair: str, dot: str) -> tuple:
         config.update(AT_END=True, BY_SLOT=True)
     pointers = dict(paged_prefill.POINTER_ARGS, q_ptr="*bf16")
     return kernel.paged_prefill_tile, pointers, config, paged_prefill.aligned_args(fmt_k, fmt_v, 256)
+
+
+def _mma(pair: str, tune: dict) -> tuple:
+    from kvslim.gpu import _decode_mma_kernel as kernel
+    fmt_k, fmt_v = (formats.get(name, role=role) for name, role in zip(pair.split("/"), "kv"))
+    config = paged_prefill._launch_config(fmt_k, fmt_v, 8, 256, {"KERNEL": "mma", **tune})
+    config.pop("KERNEL")
+    return (kernel.paged_decode_mma, dict(paged_prefill.POINTER_ARGS, q_ptr="*bf16"), dict(config, BY_SLOT=True),
+            paged_prefill.aligned_args(fmt_k, fmt_v, 256))
 
 
 def _q8_gemv() -> tuple:
@@ -71,6 +81,8 @@ def _rotation() -> tuple:
 
 
 KERNELS = {"decode attention turbo4/turbo4 f16 dots": lambda: _attention(8, "turbo4/turbo4", "f16"),
+           "decode by mma turbo4/turbo4": lambda: _mma("turbo4/turbo4", {}),
+           "decode by mma q8_0/turbo3, loads early": lambda: _mma("q8_0/turbo3", {"PREFETCH": 1, "EARLY": 1}),
            "prefill attention q8_0/turbo4": lambda: _attention(512, "q8_0/turbo4", "ieee"),
            "q4_0 gemv on 8-bit activations": _q8_gemv, "q4_k gemm bf16": _gemm,
            "append turbo4": _append, "rotation": _rotation}
@@ -86,3 +98,5 @@ def test_kernels_compile_and_fit_the_rtx_cards(kernel, capability):
     assert compiled.asm["cubin"] and compiled.metadata.shared <= SHARED_LIMIT, compiled.metadata.shared
     if kernel.startswith("q4_0 gemv"):
         assert "dp4a.s32.s32" in compiled.asm["ptx"]
+    if kernel.startswith("decode by mma"):       # the Ampere mma these cards have, and nothing shared
+        assert "mma.sync.aligned.m16n8k16" in compiled.asm["ptx"] and compiled.metadata.shared == 0

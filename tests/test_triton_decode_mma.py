@@ -326,6 +326,53 @@ def test_mma_decodes_in_registers_for_an_h100_without_one(name_k, name_v, dim, k
     assert sum(op.startswith("HMMA") for op in step) == 2 * dim // 16 * keys // 16   # K's and V's products
 
 
+SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   LDG.E.U16 R4, desc[UR4][R2.64] ;
+        /*0020*/                   LDG.E.128 R8, desc[UR4][R6.64] ;
+        /*0030*/                   IADD3 R5, R4, 0x1, RZ ;
+        /*0040*/               @P0 LDG.E R12, desc[UR4][R2.64+0x4] ;
+        /*0050*/                   HMMA.16816.F32 R20, R16, R10, R20 ;
+        /*0060*/                   IMAD R13, R5, 0x2, RZ ;
+        /*0070*/                   STG.E desc[UR4][R2.64], R13 ;
+        /*0080*/              @!P1 BRA 0x10 ;
+        /*0090*/                   EXIT ;
+"""
+
+
+def test_load_leads_count_instructions_to_the_first_read():
+    """In the loop (0x10 .. the BRA): the 16-bit load is read 2 instructions on, the 128-bit one
+    (R8 .. R11) 3 on by the HMMA's R10, and the predicated load to R12 never, so it has no lead;
+    where the loop's first instruction reads R12 instead, its lead runs around the back edge."""
+    from kvslim.gpu import load_leads, loop_ops
+    assert loop_ops(SASS) == ["LDG.E.U16", "LDG.E.128", "IADD3", "LDG.E", "HMMA.16816.F32", "IMAD", "STG.E", "BRA"]
+    assert load_leads(SASS) == [2, 3]
+    looped = SASS.replace("LDG.E.U16 R4, desc[UR4][R2.64]", "IADD3 R4, R12, 0x1, RZ")
+    assert load_leads(looped) == [3, 5]
+    stored = SASS.replace("IADD3 R5, R4, 0x1, RZ", "NOP").replace("STG.E desc[UR4][R2.64], R13",
+                                                                   "STG.E desc[UR4][R4.64], R13")
+    assert load_leads(stored) == [6, 3]            # a store's address reads too
+
+
+def test_early_loads_lead_their_reads_by_hundreds_of_instructions():
+    """What EARLY is for, in sm_90 SASS (turbo4/turbo4, head_dim 256): with it and PREFETCH 1, the
+    step's loads come hundreds of instructions before their first reads (median ~700, least
+    ~220: Triton 3.6 and 3.9); loaded at use, under a hundred (median ~80, least 3-9), which one
+    warp cannot hide from memory's latency."""
+    from kvslim.gpu import _decode_mma_kernel, compile_sm90, cuobjdump, load_leads
+    fmt = formats.get("turbo4", role="k")
+    leads = {}
+    for early in (0, 1):
+        config = dict(paged_prefill._launch_config(fmt, fmt, 8, 256, {"KERNEL": "mma", "PREFETCH": early,
+                                                                      "EARLY": early}), BY_SLOT=True)
+        config.pop("KERNEL"), config.pop("num_warps")
+        compiled = compile_sm90(_decode_mma_kernel.paged_decode_mma, dict(paged_prefill.POINTER_ARGS, q_ptr="*bf16"),
+                                config, paged_prefill.aligned_args(fmt, fmt, 256), num_warps=1)
+        leads[early] = sorted(load_leads(cuobjdump(compiled, "-sass")))
+    assert len(leads[0]) == len(leads[1]) == 80                 # K's and V's units and norms, the table's entries
+    assert leads[0][40] < 150 and leads[1][40] > 400 and leads[1][0] > 150, leads
+
+
 # ---- on a lent GPU ---------------------------------------------------------------------------
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the compiled kernel waits for a GPU")

@@ -128,14 +128,48 @@ def resource_usage(compiled) -> dict[str, int]:
     return {key: max(int(n) for n in re.findall(rf"\b{key}:(\d+)", usage)) for key in ("REG", "STACK")}
 
 
-def loop_ops(sass: str) -> list[str]:
-    """The opcodes of the longest loop in cuobjdump's SASS (``cuobjdump(compiled, "-sass")``):
-    the addresses from a backward branch's target to the branch. What a kernel's step costs
-    (benchmarks/gpu_resources.py) and what it must not hold (the tests: no barrier in a step)."""
-    code = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)[^;]*;", sass)]
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)([^;]*);")
+
+
+def _loop(sass: str) -> list[tuple[str, str]]:
+    """(opcode, operands) of the longest loop in cuobjdump's SASS: the addresses from a backward
+    branch's target to the branch."""
+    code = [(int(a, 16), op, rest) for a, op, rest in _SASS_LINE.findall(sass)]
     loops = [(int(t, 16), int(a, 16)) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA[^;]*?0x([0-9a-f]+)", sass)
              if int(t, 16) < int(a, 16)]
     if not loops:
         return []
     first, last = max(loops, key=lambda span: span[1] - span[0])
-    return [op for at, op in code if first <= at <= last]
+    return [(op, rest) for at, op, rest in code if first <= at <= last]
+
+
+def loop_ops(sass: str) -> list[str]:
+    """The opcodes of the longest loop in cuobjdump's SASS (``cuobjdump(compiled, "-sass")``).
+    What a kernel's step costs (benchmarks/gpu_resources.py) and what it must not hold (the
+    tests: no barrier in a step)."""
+    return [op for op, _ in _loop(sass)]
+
+
+def load_leads(sass: str) -> list[int]:
+    """For each global load (LDG) in the longest loop of cuobjdump's SASS, how many instructions
+    come before the first that reads a register it wrote (around the loop's back edge for a load
+    the next step uses). A load's wait is hidden only where its lead outlasts memory's latency
+    (several hundred cycles), or other warps issue meanwhile: the few-warp decode kernels' loads
+    need long leads. Read from the registers named, so a rough measure: predicates and register
+    pairs named by their first half (R4.64) are taken as they read."""
+    body = _loop(sass)
+    leads = []
+    for i, (op, rest) in enumerate(body):
+        if not op.startswith("LDG"):
+            continue
+        dest = re.match(r"\s*R(\d+)", rest)
+        if dest is None:                                        # a load to RZ: nothing waits on it
+            continue
+        width = 4 if ".128" in op else 2 if ".64" in op else 1
+        wrote = [f"R{int(dest.group(1)) + j}" for j in range(width)]
+        reads = re.compile(r"\b(" + "|".join(wrote) + r")\b")
+        for lead, (_, later) in enumerate(body[i + 1:] + body[:i + 1], 1):
+            if reads.search(later.partition(",")[2]) or reads.search(later.partition(",")[0].partition("[")[2]):
+                leads.append(lead)
+                break
+    return leads
