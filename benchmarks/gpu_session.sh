@@ -354,8 +354,10 @@ followup() {
     deadline=$((SECONDS + ${BUDGET:-540}))
     setup || exit 1
     # first the one question a lease has not answered: KERNEL "mma" (session 46, turbo4's and
-    # turbo3's codes decoded into tensor-core operands, f16 rows loaded into them) against the tile
-    # kernel's f16 launch and SDPA on f16
+    # turbo3's codes decoded into tensor-core operands, f16 rows loaded into them), at its default
+    # and with every load of a step first ("mma, early": session 47's EARLY 1 and PREFETCH 1, whose
+    # SASS leads its loads by ~700 instructions, not ~80), against the tile kernel's f16 launch and
+    # SDPA on f16
     KVSLIM_TRITON=1 timeout -k 5 "$(left 60)" $PY benchmarks/gpu_decode.py -d 32768,131072 -b 1,8 -r 5 --no-loop \
         -p turbo4/turbo4,turbo3/turbo3,f16/f16 --dot f16 --kernels tiles,mma 2>&1 | tee "$OUT/decode-mma.md" | tail -20
     # rows print as they come: a run cut by its time still leaves the pairs it reached. Decode by warps
