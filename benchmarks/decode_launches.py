@@ -28,6 +28,7 @@ A figure, not a test.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 from collections import Counter
@@ -186,6 +187,9 @@ def main(argv=None) -> int:
     ap.add_argument("-ctk", "--cache-type-k", default="f16")
     ap.add_argument("-ctv", "--cache-type-v", default="f16")
     args = ap.parse_args(argv)
+    # no device to name for its tuned decode launches (gpu.tuned would ask CUDA): the defaults', or
+    # a file's given by path in KVSLIM_DECODE_TUNED
+    os.environ.setdefault("KVSLIM_DECODE_TUNED", "0")
     config = config_from_dict(shrunk_config(args.model, args.shrink, args.layers))
     launches = count(config, args.parallel, args.where, args.weights, f"{args.cache_type_k}/{args.cache_type_v}",
                      args.depth)
