@@ -57,10 +57,12 @@ CASES = [("turbo4", "turbo4", 256, 8, (40, 3, 0), 16, 32, {}),
          ("q8_0", "q4_0", 128, 5, (37, 100), 12, None, {"EARLY": 1}),
          ("f16", "turbo3", 256, 3, (20, 5), 16, None, {"EARLY": 1, "N": 32})]
 MATRIX = ("f16", "q8_0", "q4_0", "iq4_nl", "turbo4", "turbo3", "turbo2")   # issue 18's formats
-# step_output on it: one split (the kernel stores the output, gated too), and two (merged)
+# step_output on it: one split (the kernel stores the output, gated too), and two (merged); the
+# last two with every load of a step first (EARLY)
 STEPS = [("turbo4", "turbo4", 256, 8, (20, 5), 16, None, "bfloat16"),
          ("turbo3", "turbo3", 128, 4, (72, 3), 32, 64, "float32"),
          ("q8_0", "turbo4", 256, 8, (40, 9), 16, None, "bfloat16")]
+STEP_TUNES = [{"KERNEL": "mma"}, {"KERNEL": "mma", "EARLY": 1}, {"KERNEL": "mma", "PREFETCH": 1, "EARLY": 1}]
 
 
 def _tables() -> dict:
@@ -95,10 +97,10 @@ def _in_child(cases, path: Path) -> None:
         args = _case(*case[:4], list(case[4]), page_size=case[5])
         out["states"].append(gpu.decode_state(*args, split_keys=case[6] or paged_prefill.SPLIT_KEYS,
                                               tune={"KERNEL": "mma", **case[7]}))
-    for step in STEPS:
+    for step, tune in zip(STEPS, STEP_TUNES):
         args, gate = _step_args(step), _step_gate(step)
-        plain = gpu.step_output(*args[:-1], **args[-1], tune={"KERNEL": "mma"})
-        out["steps"].append((plain, gpu.step_output(*args[:-1], **args[-1], tune={"KERNEL": "mma"}, gate=gate),
+        plain = gpu.step_output(*args[:-1], **args[-1], tune=tune)
+        out["steps"].append((plain, gpu.step_output(*args[:-1], **args[-1], tune=tune, gate=gate),
                              swiglu.sigmoid_mul(gate, plain, gate.dtype)))
     for name, table in _tables().items():
         words = torch.zeros(8, dtype=torch.int32)
@@ -404,7 +406,7 @@ def test_a_decode_step_by_mma_on_cuda_matches_the_ops_torch_form(index):
     compiled_process()
     fmt_k, fmt_v, q, scale, k_pool, v_pool, table, slots, positions, split = _step_args(STEPS[index])
     on_gpu = [t.cuda() for t in (q, k_pool, v_pool, table, slots, positions)]
-    got = gpu.step_output(fmt_k, fmt_v, on_gpu[0], scale, *on_gpu[1:], **split, tune={"KERNEL": "mma"})
+    got = gpu.step_output(fmt_k, fmt_v, on_gpu[0], scale, *on_gpu[1:], **split, tune=STEP_TUNES[index])
     want = torch.ops.kvslim.paged_decode(q, k_pool, v_pool, table, slots, positions, scale, STEPS[index][0],
                                          STEPS[index][1])
     torch.testing.assert_close(got.cpu(), want, atol=1e-2, rtol=1e-2)
