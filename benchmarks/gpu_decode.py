@@ -281,7 +281,9 @@ WARP_SPLITS = {(1, 1, 1): (512, 128)}
 # waits on memory once, for 251 registers (8 programs an SM; at maxnreg 168, 12, spilling 232 bytes).
 MMA_VARIANTS = [(16, 1, 1, None), (16, 0, 0, None), (16, 1, 0, None), (32, 0, 0, None), (16, 0, 0, 128),
                 (16, 1, 1, 168)]   # (N, PREFETCH, EARLY, maxnreg)
-MMA_SPLITS = (512, 128)
+# Keys a split: at 128K x 1, 512 gives 512 one-warp programs (under half the H200's 132 SMs x 8 at
+# EARLY's registers), 256 one wave of 1,024, 128 two waves
+MMA_SPLITS = (512, 256, 128)
 
 
 def mma_launch(n: int, ahead: int, early: int, cap: int | None) -> tuple[str, dict]:
