@@ -161,9 +161,10 @@ def _phases(f: CodecFields, head_dim: int) -> int:
 # how far a row's max grows before its sums are rescaled (8; the tests' 1e30: at the first step only);
 # PREFETCH 1 (its default), each step's rows loaded a step ahead; 0, at use. KERNEL "mma": decode by
 # ``_decode_mma_kernel`` (one warp a program, the packed codes decoded into tensor-core operands,
-# Gluon), N keys a step, and EARLY 1: every load of a step issued before its decoding. COLUMNS: where the tile kernel puts a group of units' codes, "adjacent"
-# (the default since session 45: side by side) or "strided" (W columns apart, as sessions 32-44
-# did; ``_codecs.columns``), for a lease to time.
+# Gluon), N keys a step, and EARLY 1: every load of a step issued before its decoding. COLUMNS:
+# where the tile kernel puts a group of units' codes, "adjacent" (the default since session 45:
+# side by side) or "strided" (W columns apart, as sessions 32-44 did; ``_codecs.columns``), for a
+# lease to time.
 CODECS = ("units", "per-value")
 COLUMNS = ("adjacent", "strided")
 TUNABLE = ("BLOCK_N", "num_warps", "num_stages", "DOT", "WIDE", "CODECS", "PREFETCH", "KERNEL", "KP", "RESCALE_AT",
