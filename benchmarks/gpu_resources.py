@@ -153,10 +153,10 @@ def main(argv=None) -> int:
                     u = gemm_usage(name, args.gemm_dot, n_rows, grouped)
                     table.append([name, "grouped experts" if grouped else "dense", u["BLOCK_M"], u["BLOCK_N"],
                                   u["BLOCK_K"], u["regs"], u["stack"], u["per_sm"], u["loop"], u["loads"],
-                                  _top_ops(u, args.ops)])
+                                  u["lead"], _top_ops(u, args.ops)])
         print(markdown_table(["type", "GEMM", "BLOCK_M", "BLOCK_N", "BLOCK_K", "registers", "stack B",
-                              "programs / SM", "loop instr.", "loop loads", "ops"], table,
-                             ["l", "l"] + ["r"] * 8 + ["l"]))
+                              "programs / SM", "loop instr.", "loop loads", "load lead (min)", "ops"], table,
+                             ["l", "l"] + ["r"] * 9 + ["l"]))
         return 0
     print(f"Triton {triton.__version__}, sm_90 cubins; {args.rows} query rows, head_dim {args.head_dim}\n")
     # (the row's first cells, the launch's tune): decode by warps' launches, then the tile kernel's
