@@ -1,7 +1,8 @@
 """Decode attention over a filled cache, every K/V pair beside f16 SDPA, in one run.
 
     python benchmarks/attention.py [-d 1024,8192,32768] [-ctk/-ctv pairs] [-r 7]
-    python benchmarks/attention.py --device cuda -d 32768,131072 -b 1,8   # gpu_decode.py's table
+    python benchmarks/attention.py --device cuda -d 32768,131072 -b 1,8   # gpu_decode.py's table, each
+        # pair as a decode step launches it on the bf16 backend (the device's tuned file, else the default)
 
 One attention layer shaped like Qwen3.6-35B-A3B's (16 query heads, 2 KV heads,
 head_dim 256) by default. For each depth: time per decoded token (median of
@@ -62,14 +63,15 @@ def main():
     ap.add_argument("-r", "--repetitions", type=int, default=7)
     ap.add_argument("-t", "--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--device", default="cpu",
-                    help="cuda[:N]: the GPU table (gpu_decode.py: SDPA flash, Triton on packed pages, bandwidth)")
+                    help="cuda[:N]: the GPU table (gpu_decode.py --kernels served: SDPA flash, each pair as a decode step "
+                         "launches it, bandwidth)")
     ap.add_argument("-b", "--batches", default="1,8", help="sequences per step (--device cuda only)")
     args = ap.parse_args()
     if args.device != "cpu":                      # the GPU has its own script; same layer, same flags
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         import gpu_decode
-        return gpu_decode.main(["-d", args.depths, "-b", args.batches, "-p", args.pairs,
-                                "-r", str(args.repetitions), "--device", args.device])
+        return gpu_decode.main(["-d", args.depths, "-b", args.batches, "-p", args.pairs, "-r", str(args.repetitions),
+                                "--device", args.device, "--kernels", "served", "--no-loop"])
     torch.set_num_threads(args.threads)
     pairs = [tuple(p.split("/")) for p in args.pairs.split(",")]
     gen = torch.Generator().manual_seed(0)

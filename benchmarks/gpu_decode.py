@@ -18,7 +18,9 @@ warm-up that compiles the kernel) for
   warps, also decode by warps (KERNEL "warps": each warp its own keys, CUDA-core products),
   labelled "warps"; with mma, the packed codes decoded into tensor-core operands (KERNEL "mma",
   ``_decode_mma_kernel``), labelled "mma", and as "mma, early" with every load of a step issued
-  before its decoding (PREFETCH 1, EARLY 1; pairs it does not read say so).
+  before its decoding (PREFETCH 1, EARLY 1; pairs it does not read say so); with served, the
+  launch a decode step of the bf16 backend takes on this device (``kvslim serve``'s: its tuned
+  file's, else the default), labelled with it.
 On a GPU each step is timed twice: launched from Python ("eager ms": the host's launches
 included, which at 32K take longer than the kernels) and replayed from a CUDA graph ("ms": the
 GPU's time, as the engine's decode step runs in graphs); ratios and bandwidth use the graph's.
@@ -187,6 +189,17 @@ def loop_step(fmt_k, fmt_v, q, k_pool, v_pool, table, n_keys):
     return step
 
 
+def served_launch(name_k: str, name_v: str, device: str) -> tuple[dict | None, str, int]:
+    """The launch a decode step of this layer takes on the bf16 attention backend (what ``kvslim
+    serve`` runs): this device's tuned file's (``KVSLIM_DECODE_TUNED`` names another), else the
+    backend's default -> (tune, its label, keys a split)."""
+    fmt_k, fmt_v = formats.get(name_k, role="k"), formats.get(name_v, role="v")
+    tune, split = gpu.step_launch(fmt_k, fmt_v, HEAD_DIM, GROUP, "bf16", torch.device(device))
+    chosen = tune != gpu_tuned.BACKENDS["bf16"] or split != gpu.SPLIT_KEYS
+    cells = ", ".join(f"{k} {v}" for k, v in (tune or {}).items())
+    return tune, f"served, {'tuned' if chosen else 'default'}: {cells}, split {split}", split
+
+
 def progress(row: list) -> list:
     """Each row to stderr as it is measured: a run cut short by a time limit (a lease's) still
     leaves the rows it timed; the table follows on stdout at the end."""
@@ -208,17 +221,20 @@ def _rows(pairs: list[str], depth: int, batch: int, args, copy: float) -> list[l
         k_pool, v_pool = inputs[3], inputs[4]
         read = batch * depth * N_KV * (k_pool.shape[3] + v_pool.shape[3])   # packed bytes of K and V
         loop = "" if args.no_loop else f"{_median_ms(loop_step(*inputs), args.runs, args.device):.3f}"
+        kernels = args.kernels.split(",")
         tunes = [({"CODECS": codecs, "DOT": dot}, ", ".join(v for v, default in ((codecs, "units"), (dot, "ieee"))
-                                                              if v != default))
-                 for codecs in args.codecs.split(",") for dot in (args.dot or "ieee").split(",")
-                 if "tiles" in args.kernels.split(",")]
-        if "warps" in args.kernels.split(","):
-            tunes.append(({"KERNEL": "warps"}, "warps"))
-        if "mma" in args.kernels.split(","):    # its default, and every load of a step first (session 47)
-            tunes += [({"KERNEL": "mma"}, "mma"), ({"KERNEL": "mma", "PREFETCH": 1, "EARLY": 1}, "mma, early")]
-        for tune, label in tunes:
+                                                              if v != default), gpu.SPLIT_KEYS)
+                 for codecs in args.codecs.split(",") for dot in (args.dot or "ieee").split(",") if "tiles" in kernels]
+        if "warps" in kernels:
+            tunes.append(({"KERNEL": "warps"}, "warps", gpu.SPLIT_KEYS))
+        if "mma" in kernels:                    # its default, and every load of a step first (session 47)
+            tunes += [({"KERNEL": "mma"}, "mma", gpu.SPLIT_KEYS),
+                      ({"KERNEL": "mma", "PREFETCH": 1, "EARLY": 1}, "mma, early", gpu.SPLIT_KEYS)]
+        if "served" in kernels:                 # first: what a decode step takes, before the alternatives
+            tunes.insert(0, served_launch(*pair.split("/"), args.device))
+        for tune, label, split in tunes:
             try:
-                eager, ms = _step_ms(packed_step(*inputs, tune=tune), args.runs, args.device)
+                eager, ms = _step_ms(packed_step(*inputs, split_keys=split, tune=tune), args.runs, args.device)
             except ValueError as exc:                                   # a pair the warps or mma kernel does not read
                 rows.append(progress([f"{pair} ({label})", depth, batch, loop, str(exc)[:60], "", "", "", ""]))
                 continue
@@ -446,7 +462,8 @@ def main(argv=None) -> None:
                              "(session 31's reading, for side-by-sides)")
     parser.add_argument("--kernels", default="tiles",
                         help="tiles (the default), warps (decode by warps), mma (codes decoded into tensor-core "
-                             "operands), comma-separated")
+                             "operands), served (the launch a decode step takes on the bf16 backend: this device's "
+                             "tuned one, else the default), comma-separated")
     parser.add_argument("--tuned-out", default=None, metavar="FILE",
                         help="with --sweep: each pair's fastest launch per attention backend, where it beat the "
                              "default, into FILE (kvslim.gpu.tuned; KVSLIM_DECODE_TUNED=FILE serves it)")
@@ -462,11 +479,13 @@ def main(argv=None) -> None:
     args.argv = argv
     for flag, given, valid in (("--codecs", args.codecs, gpu_prefill.CODECS),
                                ("--dot", args.dot or "ieee", gpu_prefill.DOTS),
-                               ("--kernels", args.kernels, gpu_prefill.KERNELS)):
+                               ("--kernels", args.kernels, gpu_prefill.KERNELS + ("served",))):
         if set(given.split(",")) - set(valid):
             parser.error(f"{flag} {given}: each of {', '.join(valid)}")
     if (args.tuned_out or args.jobs) and not args.sweep:
         parser.error("--tuned-out and --jobs go with --sweep")
+    if args.sweep and "served" in args.kernels.split(","):
+        parser.error("--kernels served is the table's (the sweep times launch settings, not what a step takes)")
     check_device(args.device)
     if args.warm:
         return _warm(args, args.warm)

@@ -375,7 +375,8 @@ followup() {
     # shellcheck disable=SC2086
     KVSLIM_TRITON=1 timeout -k 5 "$(left 230)" $PY $PYTEST -rfE -n 14 --timeout 150 -p no:benchmark $KERNEL_TESTS \
         $MODEL_TESTS -k "cuda or fla or h100" 2>&1 | tee "$OUT/tests-triton.log" | tail -25
-    decode_table 50 tiles,warps,mma
+    # issue 18's table: each pair as a decode step now launches it (served: the sweep's file), beside the rest
+    KVSLIM_DECODE_TUNED=$tuned decode_table 50 served,tiles,warps,mma
     echo "followup: $SECONDS s"
 }
 

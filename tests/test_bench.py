@@ -88,9 +88,10 @@ def test_gpu_model_benchmark_dry_run_holds_what_the_planner_predicts(capsys):
 # (script, arguments, table rows expected)
 GPU_DRY_RUNS = [
     ("gpu_decode.py", ["-d", "64", "-b", "1", "-r", "1", "-p", "q8_0/turbo4", "--dot", "ieee,f16"], 3),
-    # sdpa, then turbo4/turbo4 and q8_0/turbo4 each by tiles, by mma and by mma with its loads early
+    # sdpa, then turbo4/turbo4 and q8_0/turbo4 each as a decode step launches it (served), by tiles, by
+    # mma and by mma with its loads early
     ("gpu_decode.py", ["-d", "64", "-b", "1", "-r", "1", "-p", "turbo4/turbo4,q8_0/turbo4", "--dot", "f16",
-                       "--kernels", "tiles,mma", "--no-loop"], 7),
+                       "--kernels", "tiles,mma,served", "--no-loop"], 9),
     ("gpu_prefill.py", ["-d", "32", "-n", "16", "-p", "q8_0/turbo4", "-r", "1"], 1),
     ("gpu_weights.py", ["-t", "q4_0", "-s", "64x64", "-m", "32", "-r", "1", "--experts", "8x64x32x2",
                         "--expert-tokens", "1,80"], 6),
