@@ -192,8 +192,8 @@ torch_cuda_tests() {
 }
 
 decode_table() {    # float32 products beside the bf16 backend's f16 ones (session 34), in one run; $2
-    # "tiles,warps": decode by warps too (session 44)
-    KVSLIM_TRITON=1 timeout -k 5 "$(left "$1")" $PY benchmarks/gpu_decode.py -d 32768,131072 -b 1,8 -r 5 --no-loop \
+    # "tiles,warps": decode by warps too (session 44); 128K x 8 first, kept if the time runs out
+    KVSLIM_TRITON=1 timeout -k 5 "$(left "$1")" $PY benchmarks/gpu_decode.py -d 131072,32768 -b 8,1 -r 5 --no-loop \
         -p f16/f16,q8_0/q8_0,turbo4/turbo4,turbo3/turbo3 --dot ieee,f16 --kernels "${2:-tiles}" 2>&1 \
         | tee "$OUT/decode.md" | tail -54
 }
