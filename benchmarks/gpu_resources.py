@@ -163,9 +163,10 @@ def main(argv=None) -> int:
     settings = [([pair, "warps", "", warps, "", "fma", f"KP {keys}" + (", rows" if ahead else "")],
                  {"KERNEL": "warps", "num_warps": warps, "KP": keys, "PREFETCH": ahead})
                 for warps, keys, ahead in (WARP_VARIANTS if args.warps else ()) for pair in args.pairs.split(",")]
-    settings += [([pair, "mma", variant[0], 1, "", "f16", mma_launch(*variant)[0].partition(", ")[2]],
-                  mma_launch(*variant)[1])
-                 for variant in (MMA_VARIANTS if args.mma else ()) for pair in args.pairs.split(",")]
+    for variant in MMA_VARIANTS if args.mma else ():
+        cell, tune = mma_launch(*variant)              # cell: "N 16, rows, ...": the keys are their own column
+        settings += [([pair, "mma", tune["N"], 1, "", "f16", cell.partition(", ")[2]], tune)
+                     for pair in args.pairs.split(",")]
     settings += [([pair, codecs + ("" if columns == "adjacent" else ", strided"), block_n, warps, stages or "", dot,
                    {True: "rows", 2: "codes"}.get(prefetch, "")],
                   {"BLOCK_N": block_n, "num_warps": warps, "DOT": dot, "CODECS": codecs, "PREFETCH": prefetch,

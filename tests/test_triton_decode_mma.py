@@ -303,6 +303,18 @@ def test_mma_decodes_only():
 
 # ---- its sm_90 code, without a GPU -----------------------------------------------------------
 
+def _sm90(name_k: str, name_v: str, dim: int, tune: dict):
+    """Decode's launch of the kernel (8 rows, bf16 q read in place, the table by slot) with ``tune``,
+    compiled for sm_90 without a GPU."""
+    from kvslim.gpu import _decode_mma_kernel, compile_sm90
+    fmt, fmt_v = formats.get(name_k, role="k"), formats.get(name_v, role="v")
+    config = dict(paged_prefill._launch_config(fmt, fmt_v, 8, dim, {"KERNEL": "mma", **tune}), BY_SLOT=True)
+    config.pop("KERNEL")
+    num_warps = config.pop("num_warps")
+    return compile_sm90(_decode_mma_kernel.paged_decode_mma, dict(paged_prefill.POINTER_ARGS, q_ptr="*bf16"),
+                        config, paged_prefill.aligned_args(fmt, fmt_v, dim), num_warps=num_warps)
+
+
 @pytest.mark.parametrize("name_k,name_v,dim,keys,tune", [
     ("turbo4", "turbo4", 256, 16, {}), ("turbo4", "turbo4", 128, 16, {}), ("turbo4", "turbo4", 256, 32, {}),
     ("turbo4", "turbo4", 256, 16, {"PREFETCH": 1}), ("turbo4", "turbo4", 256, 16, {"PREFETCH": 1, "EARLY": 1}),
@@ -314,14 +326,8 @@ def test_mma_decodes_in_registers_for_an_h100_without_one(name_k, name_v, dim, k
     no spill; and it compiled, so every conversion to an operand layout was a relabelling
     (``assert_trivial``). turbo4/turbo4 85 instructions a key at head_dim 256, turbo3 75 (Triton
     3.6 and 3.9)."""
-    from kvslim.gpu import _decode_mma_kernel, compile_sm90, cuobjdump, loop_ops
-    fmt, fmt_v = formats.get(name_k, role="k"), formats.get(name_v, role="v")
-    config = dict(paged_prefill._launch_config(fmt, fmt_v, 8, dim, {"KERNEL": "mma", "N": keys, **tune}),
-                  BY_SLOT=True)
-    config.pop("KERNEL")
-    num_warps = config.pop("num_warps")
-    compiled = compile_sm90(_decode_mma_kernel.paged_decode_mma, dict(paged_prefill.POINTER_ARGS, q_ptr="*bf16"),
-                            config, paged_prefill.aligned_args(fmt, fmt_v, dim), num_warps=num_warps)
+    from kvslim.gpu import cuobjdump, loop_ops
+    compiled = _sm90(name_k, name_v, dim, {"N": keys, **tune})
     step = loop_ops(cuobjdump(compiled, "-sass"))
     assert step and not [op for op in step if op.startswith(("BAR", "LDS", "STS"))], sorted(set(step))
     assert compiled.metadata.shared == 0 and resource_usage(compiled)["STACK"] == 0
@@ -361,16 +367,10 @@ def test_early_loads_lead_their_reads_by_hundreds_of_instructions():
     step's loads come hundreds of instructions before their first reads (median ~700, least
     ~220: Triton 3.6 and 3.9); loaded at use, under a hundred (median ~80, least 3-9), which one
     warp cannot hide from memory's latency."""
-    from kvslim.gpu import _decode_mma_kernel, compile_sm90, cuobjdump, load_leads
-    fmt = formats.get("turbo4", role="k")
-    leads = {}
-    for early in (0, 1):
-        config = dict(paged_prefill._launch_config(fmt, fmt, 8, 256, {"KERNEL": "mma", "PREFETCH": early,
-                                                                      "EARLY": early}), BY_SLOT=True)
-        config.pop("KERNEL"), config.pop("num_warps")
-        compiled = compile_sm90(_decode_mma_kernel.paged_decode_mma, dict(paged_prefill.POINTER_ARGS, q_ptr="*bf16"),
-                                config, paged_prefill.aligned_args(fmt, fmt, 256), num_warps=1)
-        leads[early] = sorted(load_leads(cuobjdump(compiled, "-sass")))
+    from kvslim.gpu import cuobjdump, load_leads
+    leads = {early: sorted(load_leads(cuobjdump(_sm90("turbo4", "turbo4", 256, {"PREFETCH": early, "EARLY": early}),
+                                                "-sass")))
+             for early in (0, 1)}
     assert len(leads[0]) == len(leads[1]) == 80                 # K's and V's units and norms, the table's entries
     assert leads[0][40] < 150 and leads[1][40] > 400 and leads[1][0] > 150, leads
 

@@ -427,25 +427,42 @@ def _normed(x, norm, BITS: tl.constexpr, NIBBLES: tl.constexpr):
     return x
 
 
+def _block_reads(head, slot, slot_s, tt, t, end, row_bytes, b: tl.constexpr, N: tl.constexpr, BITS: tl.constexpr,
+                 BYTES: tl.constexpr, NIBBLES: tl.constexpr, layout: tl.constexpr, IS_K: tl.constexpr):
+    """Block b's loads of a step's keys on one side, K (``IS_K``) or V, and its norms (``_norm``).
+    tt: the keys' positions in ``layout``'s slice, t in the scores' (the norms'); slot and slot_s
+    their pool rows."""
+    if IS_K:
+        raw = _k_load(head, slot, tt, end, row_bytes, b, N, BITS, BYTES, NIBBLES, layout)
+    else:
+        raw = _v_load(head, slot, tt, end, row_bytes, b, N, BITS, BYTES, NIBBLES, layout)
+    return raw, _norm(head, slot_s, t, end, row_bytes, b, BITS, BYTES, NIBBLES)
+
+
 def _reads(head, slot, slot_s, tt, t, end, row_bytes, NB: tl.constexpr, N: tl.constexpr, BITS: tl.constexpr,
            BYTES: tl.constexpr, NIBBLES: tl.constexpr, layout: tl.constexpr, IS_K: tl.constexpr):
-    """A step's loads of one side, K (``IS_K``) or V: (block 0's loads, its norms, block 1's, its
-    norms), block 1's being block 0's where the head has one block. tt: the keys' positions in
-    ``layout``'s slice, t in the scores' (the norms'); slot and slot_s their pool rows."""
-    if IS_K:
-        r0 = _k_load(head, slot, tt, end, row_bytes, 0, N, BITS, BYTES, NIBBLES, layout)
-    else:
-        r0 = _v_load(head, slot, tt, end, row_bytes, 0, N, BITS, BYTES, NIBBLES, layout)
-    n0 = _norm(head, slot_s, t, end, row_bytes, 0, BITS, BYTES, NIBBLES)
+    """A step's loads of one side, every block's (``_block_reads``): block 0's loads and norms,
+    then block 1's, which are block 0's where the head has one block."""
+    r0, n0 = _block_reads(head, slot, slot_s, tt, t, end, row_bytes, 0, N, BITS, BYTES, NIBBLES, layout, IS_K)
     r1 = r0
     n1 = n0
     if NB == 2:
-        if IS_K:
-            r1 = _k_load(head, slot, tt, end, row_bytes, 1, N, BITS, BYTES, NIBBLES, layout)
-        else:
-            r1 = _v_load(head, slot, tt, end, row_bytes, 1, N, BITS, BYTES, NIBBLES, layout)
-        n1 = _norm(head, slot_s, t, end, row_bytes, 1, BITS, BYTES, NIBBLES)
+        r1, n1 = _block_reads(head, slot, slot_s, tt, t, end, row_bytes, 1, N, BITS, BYTES, NIBBLES, layout, IS_K)
     return r0, n0, r1, n1
+
+
+def _scores(raw, norm, q, zero, lut, planes, N: tl.constexpr, BITS: tl.constexpr, NIBBLES: tl.constexpr,
+            operand: tl.constexpr):
+    """One block's scores^T (N keys, ROWS) from its K loads and norms: K q^T, times the norms."""
+    return _normed(mma_v2(_k_operand(raw, lut, planes, N, BITS, NIBBLES, operand), q, zero), norm, BITS, NIBBLES)
+
+
+def _weighted(raw, norm, p, corr, acc, lut, planes, N: tl.constexpr, BITS: tl.constexpr, NIBBLES: tl.constexpr,
+              operand: tl.constexpr, b_operand: tl.constexpr):
+    """One block's out^T (128, ROWS) rescaled by ``corr`` plus V^T P^T, P^T times the block's norms."""
+    v = _v_operand(raw, lut, planes, N, BITS, NIBBLES, operand)
+    pt = gl.convert_layout(_normed(p, norm, BITS, NIBBLES).to(gl.float16), b_operand)
+    return mma_v2(v, pt, acc * corr[None, :])
 
 
 def paged_decode_mma(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr, k_lut, v_lut,
@@ -528,24 +545,22 @@ def paged_decode_mma(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr, k
             sk = pool_rows(table_at, start + keys_k, end, PAGE_SIZE, WIDE)
             sv = pool_rows(table_at, start + keys_v, end, PAGE_SIZE, WIDE)
             ss = pool_rows(table_at, t, end, PAGE_SIZE, WIDE)
+        tk = start + keys_k
+        tv = start + keys_v
         if EARLY:           # every load of the step before any decoding: one wait on memory a step
-            rk0, nk0, rk1, nk1 = _reads(k_head, sk, ss, start + keys_k, t, end, k_row_bytes, NB, N, K_BITS, K_BYTES,
-                                        K_NIBBLES, groups, True)
-            rv0, nv0, rv1, nv1 = _reads(v_head, sv, ss, start + keys_v, t, end, v_row_bytes, NB, N, V_BITS,
-                                        V_BYTES, V_NIBBLES, groups, False)
-        else:               # each block's loads where it is decoded: 172 registers, not 254 (turbo4/turbo4)
-            rk0 = _k_load(k_head, sk, start + keys_k, end, k_row_bytes, 0, N, K_BITS, K_BYTES, K_NIBBLES, groups)
-        k0 = _k_operand(rk0, k_lut, k_planes, N, K_BITS, K_NIBBLES, a_op)
-        if not EARLY:
-            nk0 = _norm(k_head, ss, t, end, k_row_bytes, 0, K_BITS, K_BYTES, K_NIBBLES)
-        scores = _normed(mma_v2(k0, q0, zero), nk0, K_BITS, K_NIBBLES)
+            rk0, nk0, rk1, nk1 = _reads(k_head, sk, ss, tk, t, end, k_row_bytes, NB, N, K_BITS, K_BYTES, K_NIBBLES,
+                                        groups, True)
+            rv0, nv0, rv1, nv1 = _reads(v_head, sv, ss, tv, t, end, v_row_bytes, NB, N, V_BITS, V_BYTES, V_NIBBLES,
+                                        groups, False)
+        else:               # each block's loads where it is decoded: 172 registers, not 251 (turbo4/turbo4)
+            rk0, nk0 = _block_reads(k_head, sk, ss, tk, t, end, k_row_bytes, 0, N, K_BITS, K_BYTES, K_NIBBLES, groups,
+                                    True)
+        scores = _scores(rk0, nk0, q0, zero, k_lut, k_planes, N, K_BITS, K_NIBBLES, a_op)
         if NB == 2:
             if not EARLY:
-                rk1 = _k_load(k_head, sk, start + keys_k, end, k_row_bytes, 1, N, K_BITS, K_BYTES, K_NIBBLES, groups)
-            k1 = _k_operand(rk1, k_lut, k_planes, N, K_BITS, K_NIBBLES, a_op)
-            if not EARLY:
-                nk1 = _norm(k_head, ss, t, end, k_row_bytes, 1, K_BITS, K_BYTES, K_NIBBLES)
-            scores += _normed(mma_v2(k1, q1, zero), nk1, K_BITS, K_NIBBLES)
+                rk1, nk1 = _block_reads(k_head, sk, ss, tk, t, end, k_row_bytes, 1, N, K_BITS, K_BYTES, K_NIBBLES,
+                                        groups, True)
+            scores += _scores(rk1, nk1, q1, zero, k_lut, k_planes, N, K_BITS, K_NIBBLES, a_op)
         scores = gl.where((t < end)[:, None], scores, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(scores, axis=0))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)          # a row without keys yet: exp(-inf) = 0
@@ -554,18 +569,14 @@ def paged_decode_mma(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr, k
         l_i = l_i * corr + gl.sum(p, axis=0)
         m_i = m_new
         if not EARLY:
-            rv0 = _v_load(v_head, sv, start + keys_v, end, v_row_bytes, 0, N, V_BITS, V_BYTES, V_NIBBLES, groups)
-            nv0 = _norm(v_head, ss, t, end, v_row_bytes, 0, V_BITS, V_BYTES, V_NIBBLES)
-        v0 = _v_operand(rv0, v_lut, v_planes, N, V_BITS, V_NIBBLES, a_op)
-        p0 = _normed(p, nv0, V_BITS, V_NIBBLES)
-        acc0 = mma_v2(v0, gl.convert_layout(p0.to(gl.float16), b_op), acc0 * corr[None, :])
+            rv0, nv0 = _block_reads(v_head, sv, ss, tv, t, end, v_row_bytes, 0, N, V_BITS, V_BYTES, V_NIBBLES, groups,
+                                    False)
+        acc0 = _weighted(rv0, nv0, p, corr, acc0, v_lut, v_planes, N, V_BITS, V_NIBBLES, a_op, b_op)
         if NB == 2:
             if not EARLY:
-                rv1 = _v_load(v_head, sv, start + keys_v, end, v_row_bytes, 1, N, V_BITS, V_BYTES, V_NIBBLES, groups)
-                nv1 = _norm(v_head, ss, t, end, v_row_bytes, 1, V_BITS, V_BYTES, V_NIBBLES)
-            v1 = _v_operand(rv1, v_lut, v_planes, N, V_BITS, V_NIBBLES, a_op)
-            p1 = _normed(p, nv1, V_BITS, V_NIBBLES)
-            acc1 = mma_v2(v1, gl.convert_layout(p1.to(gl.float16), b_op), acc1 * corr[None, :])
+                rv1, nv1 = _block_reads(v_head, sv, ss, tv, t, end, v_row_bytes, 1, N, V_BITS, V_BYTES, V_NIBBLES,
+                                        groups, False)
+            acc1 = _weighted(rv1, nv1, p, corr, acc1, v_lut, v_planes, N, V_BITS, V_NIBBLES, a_op, b_op)
 
     # the sums' logical dimension d (block b) is physical b * 128 + 16 (d % 8) + d // 8
     d = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, mma))
@@ -639,7 +650,7 @@ _AS_TRITON = _AsTriton()
 
 _BODIES = (_plane_word, _planes, _unit4, _code, _join16, _group, _units, _nibble_units, _q8_pair, _q8_units,
            _q8_group, _load_groups, _decode_groups, _k_load, _k_operand, _v_load, _v_operand, _norm, _normed,
-           _reads, paged_decode_mma)
+           _block_reads, _reads, _scores, _weighted, paged_decode_mma)
 
 
 def _decorate():
