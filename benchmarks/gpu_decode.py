@@ -41,8 +41,6 @@ tiny shapes (timings meaningless).
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
 import subprocess
 import sys
 import time
@@ -58,6 +56,8 @@ from kvslim.gpu import paged_decode as gpu  # noqa: E402
 from kvslim.gpu import paged_prefill as gpu_prefill  # noqa: E402
 from kvslim.gpu import tuned as gpu_tuned  # noqa: E402
 from kvslim.tables import markdown_table  # noqa: E402
+
+from gpu_timing import check_device, copy_gbps, graph_ms, median_ms, progress, step_ms  # noqa: E402  (same folder)
 
 N_KV, GROUP, HEAD_DIM, PAGE = 2, 8, 256, 16
 PAIRS = "f16/f16,q8_0/q8_0,q4_0/q4_0,iq4_nl/iq4_nl,turbo4/turbo4,turbo3/turbo3,turbo2/turbo2,q8_0/turbo4"
@@ -75,75 +75,6 @@ def _inputs(name_k: str, name_v: str, depth: int, batch: int, device: str):
     q = fmt_k.to_code_domain(torch.randn(N_KV, batch, GROUP, HEAD_DIM, device=device) * HEAD_DIM ** -0.5)
     n_keys = torch.full((batch,), depth, device=device)
     return fmt_k, fmt_v, q, pool(fmt_k), pool(fmt_v), table, n_keys
-
-
-def check_device(device: str) -> None:
-    """Exit with a clear message unless the kernels can run on ``device`` here (the GPU
-    benchmarks' shared check): triton installed, a CUDA device for cuda, the interpreter for cpu."""
-    if not kvslim.gpu.available():
-        sys.exit("needs triton")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        sys.exit("no CUDA device here: run it on a GPU, or dry-run with --device cpu and TRITON_INTERPRET=1")
-    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("--device cpu is a dry run under Triton's interpreter: set TRITON_INTERPRET=1")
-
-
-def _median_ms(fn, runs: int, device: str) -> float:
-    """Median milliseconds of ``fn`` after one warm-up call: CUDA events on a GPU, the wall clock
-    on the CPU (the interpreter's dry run)."""
-    fn()                                                             # compile, warm the caches
-    times = []
-    for _ in range(runs):
-        if device.startswith("cuda"):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def _graph_ms(fn, runs: int, replays: int = 10) -> float:
-    """Median milliseconds of one ``fn`` replayed from a CUDA graph, ``replays`` per timed sample:
-    the GPU's own time, no host launches in between (how the engine's decode step runs)."""
-    fn()                                                             # compile outside the capture
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):                                    # warm-up on a side stream, as capture wants
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / replays)
-    del graph
-    return statistics.median(times)
-
-
-def _step_ms(fn, runs: int, device: str) -> tuple[float, float]:
-    """(eager ms, graph ms): the second is the first on the CPU's dry run."""
-    eager = _median_ms(fn, runs, device)
-    return eager, _graph_ms(fn, runs) if device.startswith("cuda") else eager
-
-
-def copy_gbps(device: str, mib: int = 1024, runs: int = 10) -> float:
-    """Device-to-device copy speed, GB/s counting bytes read and written (FACTS.md's convention)."""
-    src = torch.empty(mib * 2**20, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / _median_ms(lambda: dst.copy_(src), runs, device) / 1e6
 
 
 def sdpa_f16(depth: int, batch: int, device: str):
@@ -200,19 +131,12 @@ def served_launch(name_k: str, name_v: str, device: str) -> tuple[dict | None, s
     return tune, f"served, {'tuned' if chosen else 'default'}: {cells}, split {split}", split
 
 
-def progress(row: list) -> list:
-    """Each row to stderr as it is measured: a run cut short by a time limit (a lease's) still
-    leaves the rows it timed; the table follows on stdout at the end."""
-    print(" | ".join(map(str, row)), file=sys.stderr, flush=True)
-    return row
-
-
 def _rows(pairs: list[str], depth: int, batch: int, args, copy: float) -> list[list]:
     """One row per K/V pair and the SDPA baseline's, at one depth and batch."""
     def gbps(read, ms):
         return f"{read / ms / 1e6:.0f}", f"{100 * read / ms / 1e6 / copy:.0f}%"
     step, read, backend = sdpa_f16(depth, batch, args.device)
-    eager, base = _step_ms(step, args.runs, args.device)
+    eager, base = step_ms(step, args.runs, args.device)
     rows = [progress([f"sdpa f16 ({backend})", depth, batch, "", f"{eager:.3f}", f"{base:.3f}", "1.00",
                       *gbps(read, base)])]
     del step
@@ -220,7 +144,7 @@ def _rows(pairs: list[str], depth: int, batch: int, args, copy: float) -> list[l
         inputs = _inputs(*pair.split("/"), depth, batch, args.device)
         k_pool, v_pool = inputs[3], inputs[4]
         read = batch * depth * N_KV * (k_pool.shape[3] + v_pool.shape[3])   # packed bytes of K and V
-        loop = "" if args.no_loop else f"{_median_ms(loop_step(*inputs), args.runs, args.device):.3f}"
+        loop = "" if args.no_loop else f"{median_ms(loop_step(*inputs), args.runs, args.device):.3f}"
         kernels = args.kernels.split(",")
         tunes = [({"CODECS": codecs, "DOT": dot}, ", ".join(v for v, default in ((codecs, "units"), (dot, "ieee"))
                                                               if v != default), gpu.SPLIT_KEYS)
@@ -234,7 +158,7 @@ def _rows(pairs: list[str], depth: int, batch: int, args, copy: float) -> list[l
             tunes.insert(0, served_launch(*pair.split("/"), args.device))
         for tune, label, split in tunes:
             try:
-                eager, ms = _step_ms(packed_step(*inputs, split_keys=split, tune=tune), args.runs, args.device)
+                eager, ms = step_ms(packed_step(*inputs, split_keys=split, tune=tune), args.runs, args.device)
             except ValueError as exc:                                   # a pair the warps or mma kernel does not read
                 rows.append(progress([f"{pair} ({label})", depth, batch, loop, str(exc)[:60], "", "", "", ""]))
                 continue
@@ -351,7 +275,7 @@ def _sweep_rows(pairs: list[str], depth: int, batch: int, args, copy: float, tri
     def emit(*cells):
         print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)
     step, _, backend = sdpa_f16(depth, batch, args.device)
-    base = _step_ms(step, args.runs, args.device)[1]                 # the ratios' baseline, this run's
+    base = step_ms(step, args.runs, args.device)[1]                 # the ratios' baseline, this run's
     emit(f"sdpa f16 ({backend})", depth, batch, "", "", "", "", "", "", "", f"{base:.3f}", "1.00", "", "", "")
     del step
     for pair in pairs:
@@ -365,7 +289,7 @@ def _sweep_rows(pairs: list[str], depth: int, batch: int, args, copy: float, tri
                 step = packed_step(*inputs, split, tune)
                 try:
                     err = (step() - want).abs().max().item()
-                    ms = _graph_ms(step, args.runs) if args.device.startswith("cuda") else _median_ms(step, 1, "cpu")
+                    ms = graph_ms(step, args.runs) if args.device.startswith("cuda") else median_ms(step, 1, "cpu")
                 except Exception as exc:                             # a setting that does not compile or fit
                     emit(pair, depth, batch, *cells, split, "", "", "", "",
                          f"{type(exc).__name__}: {str(exc).splitlines()[0][:60]}")

@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_decode import copy_gbps  # noqa: E402
+from gpu_timing import copy_gbps  # noqa: E402  (same folder)
 import kvslim.gpu  # noqa: E402
 from kvslim import formats  # noqa: E402
 from kvslim import weights as W  # noqa: E402

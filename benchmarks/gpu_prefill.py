@@ -24,7 +24,8 @@ from kvslim.cache import attention  # noqa: E402
 from kvslim.gpu import paged_prefill as gpu  # noqa: E402
 from kvslim.tables import markdown_table  # noqa: E402
 
-from gpu_decode import GROUP, HEAD_DIM, N_KV, _inputs, _median_ms, check_device  # noqa: E402  (same folder)
+from gpu_decode import GROUP, HEAD_DIM, N_KV, _inputs  # noqa: E402  (same folder)
+from gpu_timing import check_device, median_ms  # noqa: E402
 
 
 def _row(pair: str, depth: int, chunk: int, runs: int, device: str) -> list:
@@ -39,8 +40,8 @@ def _row(pair: str, depth: int, chunk: int, runs: int, device: str) -> list:
         acc = attention._OnlineSoftmax(N_KV, 1, GROUP * chunk, HEAD_DIM, q.device)
         attention._scan_pages(fmt_k, fmt_v, k_pool, v_pool, table, q, q_pos, lengths, acc, per_block, HEAD_DIM,
                               unmasked_end=depth + 1)
-    torch_ms = _median_ms(torch_loop, runs, device)
-    triton_ms = _median_ms(lambda: gpu.prefill_state(fmt_k, fmt_v, q, q_pos, k_pool, v_pool, table, lengths), runs,
+    torch_ms = median_ms(torch_loop, runs, device)
+    triton_ms = median_ms(lambda: gpu.prefill_state(fmt_k, fmt_v, q, q_pos, k_pool, v_pool, table, lengths), runs,
                            device)
     seen = chunk * depth + chunk * (chunk + 1) // 2                                # keys each row sees, summed
     flops = 4 * N_KV * GROUP * seen * HEAD_DIM

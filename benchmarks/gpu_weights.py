@@ -7,7 +7,11 @@ For each type and W shape (N outputs x K inputs): the decode GEMV at M = 1 and t
 at M = 512 (``kvslim.gpu.quant_matmul``), against torch's matmul of the same matrix dequantized
 ahead of time to f16 and bf16 (what a GPU runtime without packed weights would hold, at 2 bytes
 a value). x is in the row's dtype; the Triton GEMM's tl.dot takes that dtype too. Median of
-``-r`` CUDA-event timings after a warm-up (which compiles). "per-value ms": the GEMV with every
+``-r`` CUDA-event timings after a warm-up (which compiles). At M = 1 every time is a CUDA
+graph's replay (``gpu_timing.graph_ms``: the GPU's own time, as the engine's decode steps run;
+"eager ms" is the Triton GEMV launched from Python, host included, as session 41 timed all of
+them: 0.07-0.13 ms whatever the shape, the host's launch and not the kernel); the GEMM's, a
+prompt's, are eager, as the engine runs prompts. "per-value ms": the GEMV with every
 value read on its own (``blockwise=False``), the path Q8_0, Q4_0 and Q6_K took before
 session 31. "session 32 ms": the GEMV as it was before session 33, each chunk's products summed
 across the tile (``terms=False``) and K split for 264 programs, not GEMV_PROGRAMS. "8-bit x
@@ -22,7 +26,9 @@ Then one mixture layer's routed experts (``--experts`` E x hidden x intermediate
 Qwen3.6-35B-A3B's) in each type, a batch of ``--expert-tokens`` tokens routed at random:
 ``QuantExperts.grouped`` (the expert GEMV for up to 128 pairs, else the pairs sorted on the
 device and one grouped GEMM) against ``QuantExperts.loop`` (the host learns the chosen experts,
-then one GEMV/GEMM pair per expert), both on the same packed blocks.
+then one GEMV/GEMM pair per expert), both on the same packed blocks and eager (the loop cannot
+be captured: the host reads the ids). "grouped graph ms": the GEMV's pairs (a decode step's)
+replayed from a CUDA graph, as a decode step runs them.
 
 Dry run on the CPU (a test runs it): ``TRITON_INTERPRET=1 python benchmarks/gpu_weights.py
 --device cpu -t q4_0 -s 64x64 -m 32 -r 1 --experts 8x64x32x2 --expert-tokens 1,80`` (bf16 tl.dot
@@ -42,11 +48,11 @@ from kvslim import weights  # noqa: E402
 from kvslim.gpu import quant_matmul as gpu  # noqa: E402
 from kvslim.tables import markdown_table, to_json  # noqa: E402
 
-from gpu_decode import _median_ms, check_device, progress  # noqa: E402  (same folder)
+from gpu_timing import check_device, graph_ms, median_ms, progress  # noqa: E402  (same folder)
 
 DTYPES = {"f16": (torch.float16, "fp16"), "bf16": (torch.bfloat16, "bf16")}   # torch dtype, Triton dot
 HEADERS = ["type", "N x K", "M", "dtype", "triton ms", "per-value ms", "session 32 ms", "8-bit x ms", "torch ms", "triton",
-           "torch"]
+           "torch", "eager ms"]
 SESSION_32_PROGRAMS = 264       # the GEMV's program target until session 33 (quant_matmul.GEMV_PROGRAMS)
 
 
@@ -71,25 +77,35 @@ def _rows(name: str, n: int, k: int, gemm_rows: int, runs: int, device: str) -> 
         dense = w.dequantize().to(dtype)                             # (n, k): torch's side, made ahead of time
         for m in (1, gemm_rows):
             x = torch.randn(m, k, device=device, dtype=dtype)
-            per_value = before = q8 = ""
+            timed = _timer(m, runs, device)
+            per_value = before = q8 = eager = ""
             if m == 1:
-                triton_ms = _median_ms(lambda: gpu.gemv(x, w.data, ggml_type), runs, device)
+                triton_ms = timed(lambda: gpu.gemv(x, w.data, ggml_type))
+                eager = f"{median_ms(lambda: gpu.gemv(x, w.data, ggml_type), runs, device):.4f}"
                 if ggml_type in gpu.BLOCKWISE:                       # the others have one path
-                    per_value = f"{_median_ms(lambda: gpu.gemv(x, w.data, ggml_type, blockwise=False), runs, device):.4f}"
+                    per_value = f"{timed(lambda: gpu.gemv(x, w.data, ggml_type, blockwise=False)):.4f}"
                 splits = gpu.split_count(k, n, gpu.gemv_config(1), SESSION_32_PROGRAMS)
-                before = f"{_median_ms(lambda: gpu.gemv(x, w.data, ggml_type, splits, terms=False), runs, device):.4f}"
+                before = f"{timed(lambda: gpu.gemv(x, w.data, ggml_type, splits, terms=False)):.4f}"
                 if gpu.q8_config({}, ggml_type, 1, True):
-                    q8 = f"{_median_ms(lambda: gpu.gemv(x, w.data, ggml_type, q8=True), runs, device):.4f}"
+                    q8 = f"{timed(lambda: gpu.gemv(x, w.data, ggml_type, q8=True)):.4f}"
             else:
-                triton_ms = _median_ms(lambda: gpu.gemm(x, w.data, ggml_type, dot), runs, device)
-            torch_ms = _median_ms(lambda: x @ dense.T, runs, device)
+                triton_ms = timed(lambda: gpu.gemm(x, w.data, ggml_type, dot))
+            torch_ms = timed(lambda: x @ dense.T)
             rows.append([name, f"{n}x{k}", m, label, f"{triton_ms:.4f}", per_value, before, q8, f"{torch_ms:.4f}",
-                         _speed(m, n, k, w.nbytes, triton_ms), _speed(m, n, k, 2 * n * k, torch_ms)])
+                         _speed(m, n, k, w.nbytes, triton_ms), _speed(m, n, k, 2 * n * k, torch_ms), eager])
         dense = None                                             # freed before the next dtype's copy
     return rows
 
 
-EXPERT_HEADERS = ["type", "E x H x I, top-k", "tokens", "grouped ms", "loop ms", "grouped speed-up"]
+def _timer(m: int, runs: int, device: str):
+    """ms of a call: a CUDA graph's replay for the decode GEMV (M = 1) on a GPU, else eager."""
+    if m == 1 and device.startswith("cuda"):
+        return lambda fn: graph_ms(fn, runs)
+    return lambda fn: median_ms(fn, runs, device)
+
+
+EXPERT_HEADERS = ["type", "E x H x I, top-k", "tokens", "grouped ms", "loop ms", "grouped speed-up",
+                  "grouped graph ms"]
 
 
 def _expert_rows(name: str, shape: str, tokens: list[int], runs: int, device: str) -> list[list]:
@@ -105,9 +121,12 @@ def _expert_rows(name: str, shape: str, tokens: list[int], runs: int, device: st
         x = torch.randn(n, hidden, device=device, dtype=torch.bfloat16)
         probs = torch.rand(n, n_experts, device=device).softmax(-1)
         w, experts = probs.topk(top_k, dim=-1)
-        grouped_ms = _median_ms(lambda: module.grouped(x, w, experts), runs, device)
-        loop_ms = _median_ms(lambda: module.loop(x, w, experts), runs, device)
-        rows.append([name, shape, n, f"{grouped_ms:.3f}", f"{loop_ms:.3f}", f"{loop_ms / grouped_ms:.2f}x"])
+        grouped_ms = median_ms(lambda: module.grouped(x, w, experts), runs, device)
+        loop_ms = median_ms(lambda: module.loop(x, w, experts), runs, device)
+        graphed = ""                            # a decode step's pairs (the GEMV's): the graph's time, as it runs
+        if device.startswith("cuda") and experts.numel() <= gpu.MAX_GEMV_PAIRS:
+            graphed = f"{graph_ms(lambda: module.grouped(x, w, experts), runs):.3f}"
+        rows.append([name, shape, n, f"{grouped_ms:.3f}", f"{loop_ms:.3f}", f"{loop_ms / grouped_ms:.2f}x", graphed])
     return rows
 
 
@@ -140,10 +159,10 @@ def main(argv=None) -> None:
         print(to_json({"weights": [dict(zip(HEADERS, row)) for row in rows],
                        "experts": [dict(zip(EXPERT_HEADERS, row)) for row in experts]}))
     else:
-        print(markdown_table(HEADERS, rows, ["l", "l", "r", "l"] + ["r"] * 6))
+        print(markdown_table(HEADERS, rows, ["l", "l", "r", "l"] + ["r"] * 8))
         if experts:
             print()
-            print(markdown_table(EXPERT_HEADERS, experts, ["l", "l", "r", "r", "r", "r"]))
+            print(markdown_table(EXPERT_HEADERS, experts, ["l", "l"] + ["r"] * 5))
 
 
 if __name__ == "__main__":
