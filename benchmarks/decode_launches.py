@@ -16,7 +16,9 @@ such as the ``kvslim::paged_decode`` a decode step's attention is, by what their
 counts the path gpu_model.py times instead: block-type matrices (zero bytes: no values are
 needed) and the GPU kernels on, each Triton or fla-core launch counted as ``triton::<kernel>``
 without running (their outputs, allocated by the launching code, already have their shapes;
-fla-core's path on its ``PYTHONPATH``, e.g. ``.venv/fla``). Needs a CUDA build of torch (a CPU-only wheel cannot
+fla-core's path on its ``PYTHONPATH``, e.g. ``.venv/fla``), with the programs each launch's grid
+makes and its warps a program: a launch of one or two programs runs on one or two of the
+GPU's SMs (132 on an H100/H200), where its loads wait on memory one after another. Needs a CUDA build of torch (a CPU-only wheel cannot
 make CUDA tensors, even fake ones): on this repository's machines the device image's, from
 ``bash benchmarks/gpu_session.sh image``:
 
@@ -61,6 +63,10 @@ class Launches(TorchDispatchMode):
     def __init__(self, where: str | None = None):
         super().__init__()
         self.ops, self.where, self.sites = Counter(), where, Counter()
+        self.shapes = {}            # triton::<kernel> -> Counter of (programs, warps) a launch
+
+    def clear(self) -> None:
+        self.ops.clear(), self.sites.clear(), self.shapes.clear()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -98,10 +104,33 @@ def count_kernels(launches: Launches) -> None:
     from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import JITFunction
 
-    def launch(fn, *args, **kwargs):
-        launches.ops[f"triton::{fn.fn.__name__ if isinstance(fn, Autotuner) else fn.__name__}"] += 1
+    def launch(fn, *args, grid=None, **kwargs):
+        name = f"triton::{fn.fn.__name__ if isinstance(fn, Autotuner) else fn.__name__}"
+        launches.ops[name] += 1
+        if not isinstance(fn, Autotuner):       # an autotuner's grid and warps wait on its timed choice
+            launches.shapes.setdefault(name, Counter())[programs(grid, kwargs), kwargs.get("num_warps", 4)] += 1
     JITFunction.run = Autotuner.run = launch
     torch.cuda._exchange_device = torch.cuda._maybe_exchange_device = lambda index: 0   # fla's device guard
+
+
+def programs(grid, meta: dict) -> int:
+    """The programs a launch's grid makes: a tuple of up to three sizes, or a function of the
+    launch's constexprs that returns one."""
+    grid = grid(meta) if callable(grid) else grid
+    n = 1
+    for size in grid:
+        n *= int(size)
+    return n
+
+
+def spread(shapes: Counter | None) -> tuple[str, str]:
+    """(programs a launch, warps a program) of a kernel's launches, as ranges where they vary."""
+    if not shapes:
+        return "", ""
+
+    def span(values):
+        return f"{min(values):,}" if min(values) == max(values) else f"{min(values):,}-{max(values):,}"
+    return span([p for p, _ in shapes]), span([w for _, w in shapes])
 
 
 def fill(cache, depth: int) -> None:
@@ -164,7 +193,7 @@ def count(config, n_slots: int, where: str | None = None, weights: str | None = 
         for step in range(2):
             cache.prepare_decode(slots, [depth + step] * n_slots)
             inputs = [torch.full((n_slots,), v, dtype=torch.long) for v in (5, depth + step)] + [torch.arange(n_slots)]
-            launches.ops.clear(), launches.sites.clear()
+            launches.clear()
             with launches, torch.inference_mode():               # the step, as an engine runs it
                 model.run(DecodeBatch(*inputs, cache.decode_pages([depth + step] * n_slots)), cache)
             cache.commit_decode(slots)
@@ -198,7 +227,9 @@ def main(argv=None) -> int:
     kinds = Counter(config.layer_types) if getattr(config, "layer_types", None) else {"layers": config.num_hidden_layers}
     print(f"{args.model}: {config.num_hidden_layers} layers ({', '.join(f'{n} {k}' for k, n in kinds.items())}), "
           f"-np {args.parallel}, depth {args.depth}, {paths}, bf16: {sum(ops.values())} launches a decode step\n")
-    print(markdown_table(["op", "launches"], [[k, v] for k, v in ops.most_common(args.top)], ["l", "r"]))
+    print(markdown_table(["op", "launches", "programs a launch", "warps a program"],
+                         [[k, v, *spread(launches.shapes.get(k))] for k, v in ops.most_common(args.top)],
+                         ["l", "r", "r", "r"]))
     if args.where:
         print(f"\n{args.where}, by kvslim line:\n")
         print(markdown_table(["line", "launches"], [[k, v] for k, v in launches.sites.most_common(args.top)],

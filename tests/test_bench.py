@@ -157,6 +157,22 @@ def test_the_launch_count_says_what_torch_it_needs():
     assert done.returncode != 0 and "no CUDA support built in" in done.stderr and "Traceback" not in done.stderr
 
 
+def test_the_launch_count_reads_each_grid_as_programs():
+    """decode_launches.py's programs column: a grid tuple's sizes multiplied, a grid function
+    called with the launch's constexprs; kernels' shapes as ranges where their launches differ."""
+    import importlib.util
+    from collections import Counter
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_launches.py"
+    spec = importlib.util.spec_from_file_location("decode_launches", path)
+    launches = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(launches)
+    assert launches.programs((2, 3, 4), {}) == 24 and launches.programs((7,), {}) == 7
+    assert launches.programs(lambda meta: (meta["N"] // meta["BLOCK"], 2), {"N": 256, "BLOCK": 16}) == 32
+    assert launches.spread(Counter({(1, 4): 10, (1, 8): 10})) == ("1", "4-8")
+    assert launches.spread(Counter({(1024, 4): 1, (31040, 4): 1})) == ("1,024-31,040", "4")
+    assert launches.spread(None) == ("", "")
+
+
 def test_a_short_align_list_drops_no_column():
     """gpu_weights.py passed one alignment fewer than its columns, which dropped its last column
     (torch's GB/s) from every table it printed: missing alignments are left-aligned now."""
