@@ -69,11 +69,12 @@ def random_blocks(name: str, n: int, k: int, device: str) -> weights.QuantTensor
     return weights.QuantTensor(blocks.reshape(n, -1), wtype, k)
 
 
-def _rows(name: str, n: int, k: int, gemm_rows: int, runs: int, device: str) -> list[list]:
+def _rows(name: str, n: int, k: int, gemm_rows: int, runs: int, device: str, dtypes: list[str]) -> list[list]:
     """GEMV (M = 1) and GEMM rows, one per dtype, for one type and shape."""
     w = random_blocks(name, n, k, device)
     ggml_type, rows = w.wtype.ggml_type, []
-    for label, (dtype, dot) in DTYPES.items():
+    for label in dtypes:
+        dtype, dot = DTYPES[label]
         dense = w.dequantize().to(dtype)                             # (n, k): torch's side, made ahead of time
         for m in (1, gemm_rows):
             x = torch.randn(m, k, device=device, dtype=dtype)
@@ -97,6 +98,12 @@ def _rows(name: str, n: int, k: int, gemm_rows: int, runs: int, device: str) -> 
     return rows
 
 
+def _interprets_bf16() -> bool:
+    """Whether Triton's interpreter takes bf16 (3.9's does; 3.6's, the device image's, has no bf16 type)."""
+    from triton.runtime.interpreter import InterpreterBuilder
+    return hasattr(InterpreterBuilder, "get_bf16")
+
+
 def _timer(m: int, runs: int, device: str):
     """ms of a call: a CUDA graph's replay for the decode GEMV (M = 1) on a GPU, else eager."""
     if m == 1 and device.startswith("cuda"):
@@ -108,8 +115,10 @@ EXPERT_HEADERS = ["type", "E x H x I, top-k", "tokens", "grouped ms", "loop ms",
                   "grouped graph ms"]
 
 
-def _expert_rows(name: str, shape: str, tokens: list[int], runs: int, device: str) -> list[list]:
-    """Grouped vs loop for one type: a QuantExperts of random blocks, bf16 activations."""
+def _expert_rows(name: str, shape: str, tokens: list[int], runs: int, device: str,
+                 dtype: torch.dtype = torch.bfloat16) -> list[list]:
+    """Grouped vs loop for one type: a QuantExperts of random blocks, bf16 activations (f16 where
+    --dtypes leaves bf16 out)."""
     from kvslim.weights.modules import QuantExperts
     n_experts, hidden, inter, top_k = map(int, shape.split("x"))
     gate_up = random_blocks(name, n_experts * 2 * inter, hidden, device)
@@ -118,7 +127,7 @@ def _expert_rows(name: str, shape: str, tokens: list[int], runs: int, device: st
                           weights.QuantTensor(down.data.view(n_experts, hidden, -1), down.wtype, inter))
     rows = []
     for n in tokens:
-        x = torch.randn(n, hidden, device=device, dtype=torch.bfloat16)
+        x = torch.randn(n, hidden, device=device, dtype=dtype)
         probs = torch.rand(n, n_experts, device=device).softmax(-1)
         w, experts = probs.topk(top_k, dim=-1)
         grouped_ms = median_ms(lambda: module.grouped(x, w, experts), runs, device)
@@ -146,15 +155,23 @@ def main(argv=None) -> None:
     parser.add_argument("-o", "--output", choices=["md", "json"], default="md")
     parser.add_argument("--experts", default="256x2048x512x8", help="E x hidden x intermediate x top-k; '' skips")
     parser.add_argument("--expert-tokens", default="1,16,512")
+    parser.add_argument("--dtypes", default="f16,bf16", help="the activations' types: f16, bf16")
     parser.add_argument("--device", default="cuda", help="cuda[:N]; cpu only with TRITON_INTERPRET=1 (a dry run)")
     args = parser.parse_args(argv)
     check_device(args.device)
+    dtypes = args.dtypes.split(",")
+    if any(d not in DTYPES for d in dtypes):
+        sys.exit(f"--dtypes {args.dtypes}: expected some of {', '.join(DTYPES)}")
+    if args.device == "cpu" and "bf16" in dtypes and not _interprets_bf16():
+        print("dry run: this Triton's interpreter has no bf16 (3.6's): f16 rows only", file=sys.stderr)
+        dtypes.remove("bf16")
     kvslim_gpu.TRITON = True                       # the loop's per-expert products take the kernels too
     rows = [progress(row) for name in args.types.split(",") for shape in args.shapes.split(",")
-            for row in _rows(name, *map(int, shape.split("x")), args.gemm_rows, args.runs, args.device)]
+            for row in _rows(name, *map(int, shape.split("x")), args.gemm_rows, args.runs, args.device, dtypes)]
     tokens = [int(n) for n in args.expert_tokens.split(",")]
     experts = [progress(row) for name in args.types.split(",") if args.experts
-               for row in _expert_rows(name, args.experts, tokens, args.runs, args.device)]
+               for row in _expert_rows(name, args.experts, tokens, args.runs, args.device,
+                                       DTYPES["bf16" if "bf16" in dtypes else dtypes[0]][0])]
     if args.output == "json":
         print(to_json({"weights": [dict(zip(HEADERS, row)) for row in rows],
                        "experts": [dict(zip(EXPERT_HEADERS, row)) for row in experts]}))
