@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -202,10 +203,24 @@ def profile_decode(step: DecodeStep, depth: int, vocab: int, args, pair: str, ca
     time_decode(step, 1, depth, 2, vocab, args.device)                 # graphs captured, kernels compiled
     cache.rewind(0, depth, mark)
     with _profiler(args.device) as prof:
-        time_decode(step, 1, depth, args.profile, vocab, args.device)
+        tps = time_decode(step, 1, depth, args.profile, vocab, args.device)
     cache.rewind(0, depth, mark)
     print(f"{pair}, one slot at depth {depth}: {args.profile + 1} decode steps profiled (step: {step.path})")
     print(_top_ops(prof, args.device, args.profile_rows), flush=True)
+    if on_cuda(args.device):
+        print(device_busy(prof.key_averages(), args.profile + 1, 1e3 / tps), flush=True)
+
+
+def device_busy(events, steps: int, wall_ms: float) -> str:
+    """What the profile says of a step's time: the GPU's kernels' summed time a step against the
+    step's wall time (under the profiler: its ``time_decode``), and kernels a step. Where the
+    kernels' time is much less than the wall's, the GPU waits between them (launch gaps, the
+    host); where it is close, the kernels themselves take the time."""
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    busy_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / steps
+    launches = sum(e.count for e in kernels) / steps
+    return (f"kernels: {busy_ms:.3f} ms a step of {wall_ms:.3f} ms wall ({busy_ms / wall_ms:.0%} busy), "
+            f"{launches:.0f} kernels a step, {1e3 * busy_ms / max(launches, 1):.1f} us each on average")
 
 
 def on_cuda(device) -> bool:

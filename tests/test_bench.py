@@ -20,6 +20,20 @@ from kvslim.loading import load_model
 from kvslim.tools.bench import int_list
 
 
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _benchmark(name: str):
+    """benchmarks/<name>.py imported as a module (its folder on the path, for its neighbours)."""
+    import importlib.util
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_number_lists_and_ranges_read_like_llama_bench():
     assert int_list("0,4096,16384") == [0, 4096, 16384]
     assert int_list("0-8192+4096") == [0, 4096, 8192]
@@ -62,12 +76,7 @@ def test_gpu_model_benchmark_dry_run_holds_what_the_planner_predicts(capsys):
     """benchmarks/gpu_model.py (issue 18's end-to-end run) on the CPU, shrunk: the random
     35B-A3B-shaped model holds the weight bytes `kvslim plan` predicts for a q4_0 file, its
     caches the KV + state bytes, and every test row comes out."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_model.py"
-    spec = importlib.util.spec_from_file_location("gpu_model", path)
-    gpu_model = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_model)
+    gpu_model = _benchmark("gpu_model")
     assert gpu_model.main(["--device", "cpu", "--shrink", "16", "--layers", "4", "-d", "0,128", "-p", "64",
                            "-n", "2", "-np", "1,2", "--pairs", "q8_0/turbo4", "--eager", "--profile", "2"]) == 0
     out = capsys.readouterr().out
@@ -104,7 +113,7 @@ def _gpu_script(script: str, args: list[str], interpret: bool) -> subprocess.Com
         pytest.skip("triton is not installed")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update({"KVSLIM_TRITON": "0", **({"TRITON_INTERPRET": "1"} if interpret else {})})
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / script
+    path = BENCHMARKS / script
     return subprocess.run([sys.executable, str(path), "--device", "cpu", *args], env=env, capture_output=True,
                           text=True, timeout=300)
 
@@ -156,7 +165,7 @@ def test_the_launch_count_says_what_torch_it_needs():
     says so in one line (with a CUDA build it counts; docs/gpu.md)."""
     if torch.backends.cuda.is_built():
         pytest.skip("this torch has CUDA built in: the script would count")
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_launches.py"
+    path = BENCHMARKS / "decode_launches.py"
     done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "no CUDA support built in" in done.stderr and "Traceback" not in done.stderr
 
@@ -164,17 +173,26 @@ def test_the_launch_count_says_what_torch_it_needs():
 def test_the_launch_count_reads_each_grid_as_programs():
     """decode_launches.py's programs column: a grid tuple's sizes multiplied, a grid function
     called with the launch's constexprs; kernels' shapes as ranges where their launches differ."""
-    import importlib.util
     from collections import Counter
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_launches.py"
-    spec = importlib.util.spec_from_file_location("decode_launches", path)
-    launches = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(launches)
+    launches = _benchmark("decode_launches")
     assert launches.programs((2, 3, 4), {}) == 24 and launches.programs((7,), {}) == 7
     assert launches.programs(lambda meta: (meta["N"] // meta["BLOCK"], 2), {"N": 256, "BLOCK": 16}) == 32
     assert launches.spread(Counter({(1, 4): 10, (1, 8): 10})) == ("1", "4-8")
     assert launches.spread(Counter({(1024, 4): 1, (31040, 4): 1})) == ("1,024-31,040", "4")
     assert launches.spread(None) == ("", "")
+
+
+def test_the_profiles_busy_line_sums_the_device_events_a_step():
+    """gpu_model.py's line under a decode profile: the device events' time (kernels, copies) a
+    step against the step's wall time; the host's events are not counted."""
+    from types import SimpleNamespace
+    from torch.autograd import DeviceType
+    gpu_model = _benchmark("gpu_model")
+    events = [SimpleNamespace(device_type=DeviceType.CUDA, self_device_time_total=3000.0, count=400),   # us
+              SimpleNamespace(device_type=DeviceType.CUDA, self_device_time_total=1000.0, count=200),
+              SimpleNamespace(device_type=DeviceType.CPU, self_device_time_total=9000.0, count=900)]
+    line = gpu_model.device_busy(events, steps=2, wall_ms=4.0)
+    assert line == "kernels: 2.000 ms a step of 4.000 ms wall (50% busy), 300 kernels a step, 6.7 us each on average"
 
 
 def test_a_short_align_list_drops_no_column():
@@ -189,11 +207,7 @@ def test_a_short_align_list_drops_no_column():
 def test_tf32_rounding_of_the_delta_rule_benchmark(capsys):
     """benchmarks/tf32_delta_rule.py: operands rounded to 10 mantissa bits, to nearest even, as
     tensor cores take tf32; and its run prints the bundled model's difference."""
-    import importlib.util
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "tf32_delta_rule.py"
-    spec = importlib.util.spec_from_file_location("tf32_delta_rule", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _benchmark("tf32_delta_rule")
     ulp = 2.0 ** -10
     x = torch.tensor([1 + ulp / 2, 1 + 3 * ulp / 2, 1 + ulp / 4, -(1 + 3 * ulp / 4), 3.0, float("inf"), float("nan")])
     got = bench.tf32(x)
