@@ -146,11 +146,12 @@ def backend_forward(args, path: Path | None = None):
     from kvslim.gpu import paged_prefill
     from kvslim.loading import load_model
     from kvslim.models import Batch, DecodeBatch
-    dots = []
+    dots, kernels = [], []
     inner = paged_prefill.attend                     # every attention launch: prefill_state's and step_output's
 
     def seen(*args, **kw):
         dots.append(_dot_of(args, kw))
+        kernels.append(((kw.get("tune") or {}).get("KERNEL", "tiles"), kw.get("split_keys", paged_prefill.SPLIT_KEYS)))
         return inner(*args, **kw)
     paged_prefill.attend = seen
     try:
@@ -163,7 +164,7 @@ def backend_forward(args, path: Path | None = None):
         cache.commit_decode([0])
     finally:
         paged_prefill.attend = inner
-    out = {"logits": torch.cat(rows), "dots": dots}
+    out = {"logits": torch.cat(rows), "dots": dots, "kernels": kernels}
     if path is not None:
         torch.save(out, path)
     return out
@@ -181,6 +182,32 @@ def test_the_bf16_backend_takes_the_kernels_products_in_f16(tmp_path):
     assert not torch.equal(got["logits"], want)
     torch.testing.assert_close(got["logits"], want, atol=0.02, rtol=0)   # measured: 3.8e-3 on logits up to 12
     assert torch.equal(got["logits"].argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("type_k,type_v", [("q8_0", "turbo4"), ("turbo3", "turbo3"), ("f16", "f16")])
+def test_a_tuned_file_serves_the_models_decode_steps_by_mma(tmp_path, monkeypatch, type_k, type_v):
+    """The path a lease's end-to-end run takes with its sweep's file (KVSLIM_DECODE_TUNED) where
+    that file chooses KERNEL "mma" (its three pairs): the bundled model's decode step through the paged_decode op
+    (as CUDA graphs run it) launches the tensor-core kernel, with its loads early, in splits of
+    16 keys (22 keys: two splits, merged, the output gate in the merge); prompt chunks and the
+    flat step keep the default launch. The step's logits stay where the bf16 backend's default
+    launch puts them (f16 operands both), and the rows before it are the same bits."""
+    from kvslim.gpu import tuned
+    path = tmp_path / "tuned.json"
+    mma = {"KERNEL": "mma", "N": 16, "PREFETCH": 1, "EARLY": 1}
+    tuned.save(path, [tuned.Entry(type_k, type_v, 128, 2, "bf16", mma, 16)], "test", "test")
+    monkeypatch.setenv(tuned.ENV, str(path))
+    got = run_interpreted("tests.test_triton_wiring", "backend_forward", (type_k, type_v, "bf16"), tmp_path)
+    # the prompt chunk's, the flat step's, then the op's launch, each in the 2 attention layers
+    # (mma's operands are f16 whatever DOT says; the tile kernel's launches take the backend's f16)
+    assert got["kernels"] == [("tiles", 512)] * 4 + [("mma", 16)] * 2 and got["dots"][:4] == ["f16"] * 4
+    monkeypatch.setenv(tuned.ENV, "0")
+    want = run_interpreted("tests.test_triton_wiring", "backend_forward", (type_k, type_v, "bf16"), tmp_path)
+    assert want["kernels"] == [("tiles", 512)] * 6
+    assert torch.equal(got["logits"][:-1], want["logits"][:-1])      # the same launches up to the op's step
+    # measured: 7e-4, 3.1e-3 and 4e-4 (logits up to 12)
+    torch.testing.assert_close(got["logits"][-1], want["logits"][-1], atol=0.01, rtol=0)
+    assert torch.equal(got["logits"].argmax(-1), want["logits"].argmax(-1))
 
 
 def quant_linear_served(shapes, path: Path) -> None:
