@@ -28,8 +28,10 @@ Figures, not a test; the parity tests are tests/test_triton_*.py and tests/test_
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -232,8 +234,9 @@ def allocated(device) -> int:
     return torch.cuda.memory_allocated(device) if on_cuda(device) else 0
 
 
-def run_pair(model, config, plan_model, pair: str, n_slots: int, args, gen, bandwidth: float) -> tuple[list, list]:
-    """One K/V pair at one -np: the speed rows and the memory row."""
+def run_pair(model, config, plan_model, pair: str, n_slots: int, args, gen, bandwidth: float, speed: list) -> list:
+    """One K/V pair at one -np: the speed rows, appended to ``speed`` as they are measured (a
+    failure later keeps them), and the memory row, returned."""
     type_k, type_v = pair.split("/")
     depths = [int(d) for d in args.depths.split(",")]
     ctx = max(max(depths) + args.n_gen + 2, args.n_prompt)            # tokens per slot
@@ -242,7 +245,6 @@ def run_pair(model, config, plan_model, pair: str, n_slots: int, args, gen, band
         torch.cuda.reset_peak_memory_stats(args.device)
     cache = model.make_cache(CacheConfig(ctx, n_slots, type_k, type_v, device=args.device, backend=args.attn_backend))
     held = allocated(args.device) - before if on_cuda(args.device) else cache.reserved_kv_bytes + cache.state_bytes
-    speed = []
     if n_slots == 1:
         if args.profile:
             profile_prefill(model, cache, config.vocab_size, args, pair)
@@ -270,7 +272,18 @@ def run_pair(model, config, plan_model, pair: str, n_slots: int, args, gen, band
     del step, cache
     if on_cuda(args.device):
         torch.cuda.empty_cache()
-    return speed, memory
+    return memory
+
+
+def failed(pair: str, n_slots: int, exc: Exception, device) -> list:
+    """A pair that failed at one -np (a kernel that does not compile for it, a check that refuses
+    it): its traceback to stderr, a row that says so, the memory it held given back; the other
+    pairs still run (a CUDA error that poisons the context fails them too, and says so)."""
+    traceback.print_exc()
+    if on_cuda(device):
+        gc.collect()
+        torch.cuda.empty_cache()
+    return [pair, n_slots, "failed", "", "", f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:100]}"]
 
 
 def decode_launch(config, pair: str, args) -> str:
@@ -379,9 +392,12 @@ def main(argv=None) -> int:
         for pair in args.pairs.split(","):
             print(f"{pair}: decode attention's launch {decode_launch(config, pair, args)}", flush=True)
             for n_slots in (int(n) for n in args.parallel.split(",")):
-                rows, mem = run_pair(model, config, plan_model, pair, n_slots, args, gen, bandwidth)
+                rows = []
+                try:
+                    memory.append(run_pair(model, config, plan_model, pair, n_slots, args, gen, bandwidth, rows))
+                except Exception as exc:            # noqa: BLE001  (the lease's other pairs still run)
+                    rows.append(failed(pair, n_slots, exc, args.device))
                 speed += rows
-                memory.append(mem)
                 print("\n".join(" | ".join(map(str, r)) for r in rows), flush=True)
     print()
     print(markdown_table(["K/V", "np", "test", "t/s", "plan ceiling t/s", "step"], speed, ["l", "r", "l", "r", "r", "l"]))

@@ -92,6 +92,28 @@ def test_gpu_model_benchmark_dry_run_holds_what_the_planner_predicts(capsys):
         gpu_model.main(["--device", "cpu", "--weights", "q4_k_m"])   # a mix, not one block type
 
 
+def test_gpu_model_benchmark_keeps_going_past_a_failed_pair(capsys, monkeypatch):
+    """A pair that fails (here its cache fill, after its prompt was timed) leaves its measured rows
+    and a row naming the error, and the next pair still runs: a lease's call is not lost to one."""
+    gpu_model = _benchmark("gpu_model")
+    fill_to, calls = gpu_model.fill_to, []
+
+    def fails_first(*args, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("no kernel for this pair\nmore detail")
+        return fill_to(*args, **kw)
+    monkeypatch.setattr(gpu_model, "fill_to", fails_first)
+    assert gpu_model.main(["--device", "cpu", "--shrink", "16", "--layers", "4", "-d", "0", "-p", "64", "-n", "2",
+                           "-np", "1", "--pairs", "q8_0/turbo4,f16/f16", "--eager"]) == 0
+    out, err = capsys.readouterr()
+    table = [[c.strip() for c in line.split("|")[1:-1]] for line in out.splitlines() if line.startswith("| ")]
+    rows = [r for r in table if r[2].startswith(("pp", "tg", "failed"))]          # the speed table's
+    assert [r[:3] for r in rows] == [["q8_0/turbo4", "1", "pp64"], ["q8_0/turbo4", "1", "failed"],
+                                     ["f16/f16", "1", "pp64"], ["f16/f16", "1", "tg2 @ d0"]], out
+    assert rows[1][-1] == "RuntimeError: no kernel for this pair" and "Traceback" in err
+
+
 # The GPU benchmarks' own dry runs (docstrings): every code path of each script on the CPU under
 # Triton's interpreter, so that a GPU lease is not spent finding a script that cannot start.
 # (script, arguments, table rows expected)
