@@ -133,12 +133,16 @@ def test_bad_rotations_are_named():
 @pytest.mark.parametrize("hadamard", [True, False], ids=["hadamard", "matrix"])
 def test_rotate_rows_compiles_for_an_h100_without_one(hadamard, gated):
     """Both forms for sm_90, plain (float32 out) and with gated attention's gate (bf16 in and out),
-    without spilling registers (the matrix form in one tl.dot spilled 7,064 bytes a thread)."""
+    without spilling registers (the matrix form in one tl.dot spilled 7,064 bytes a thread); the
+    matrix form's program issues every load before it reads one."""
     from kvslim.gpu import _rotation_kernel as kernel
     pointers = {"x_ptr": "*bf16", "m_ptr": "*fp32", "out_ptr": "*bf16" if gated else "*fp32", "rot_scale": "fp32",
                 "gate_ptr": "*bf16"}
     constexprs = dict(D=256, BLOCK_M=gpu.BLOCK_M, HADAMARD=hadamard, LOG2_ROT=8 if hadamard else 0,
                       GROUP=256 if hadamard else 128, N_GROUPS=1 if hadamard else 2, NB=1 if hadamard else 2,
-                      BLOCK=256 if hadamard else 128, GATED=gated)
+                      BLOCK=256 if hadamard else 128, GATED=gated, COLS=256 if hadamard else gpu.MATRIX_COLS)
     compiled = compile_for_sm90(kernel.rotate_rows, pointers, constexprs, gpu.WARPS[hadamard])
     assert compiled.asm["cubin"] and ".local" not in compiled.asm["ptx"] and spilled_bytes(compiled) == 0
+    if not hadamard:        # a program's slice of the matrix and x come in one round trip (the gate's: a second)
+        from kvslim.gpu import cuobjdump, load_waves
+        assert load_waves(cuobjdump(compiled, "-sass")) == 1 + gated     # the whole-matrix program's: 8 and 9

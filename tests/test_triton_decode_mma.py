@@ -362,6 +362,16 @@ def test_load_leads_count_instructions_to_the_first_read():
     assert load_leads(stored) == [6, 3]            # a store's address reads too
 
 
+def test_load_waves_count_the_stops_on_memory():
+    """Outside a loop: the two loads go out, the IADD3 reads R4 (one wave), then the predicated
+    load's R12 is never read; where the HMMA reads R12 too, a second wave; loads that are never
+    read make none."""
+    from kvslim.gpu import load_waves
+    assert load_waves(SASS) == 1
+    assert load_waves(SASS.replace("R16, R10, R20", "R16, R12, R20")) == 2
+    assert load_waves(SASS.replace("IADD3 R5, R4", "IADD3 R5, R3").replace("R16, R10", "R16, R14")) == 0
+
+
 def test_early_loads_lead_their_reads_by_hundreds_of_instructions():
     """What EARLY is for, in sm_90 SASS (turbo4/turbo4, head_dim 256): with it and PREFETCH 1, the
     step's loads come hundreds of instructions before their first reads (median ~700, least

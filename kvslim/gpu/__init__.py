@@ -160,16 +160,39 @@ def load_leads(sass: str) -> list[int]:
     body = _loop(sass)
     leads = []
     for i, (op, rest) in enumerate(body):
-        if not op.startswith("LDG"):
+        wrote = _loaded(op, rest)
+        if not wrote:                                           # not a load, or one to RZ: nothing waits on it
             continue
-        dest = re.match(r"\s*R(\d+)", rest)
-        if dest is None:                                        # a load to RZ: nothing waits on it
-            continue
-        width = 4 if ".128" in op else 2 if ".64" in op else 1
-        wrote = [f"R{int(dest.group(1)) + j}" for j in range(width)]
-        reads = re.compile(r"\b(" + "|".join(wrote) + r")\b")
         for lead, (_, later) in enumerate(body[i + 1:] + body[:i + 1], 1):
-            if reads.search(later.partition(",")[2]) or reads.search(later.partition(",")[0].partition("[")[2]):
+            if _reads(later, wrote):
                 leads.append(lead)
                 break
     return leads
+
+
+def load_waves(sass: str) -> int:
+    """How many times a loop-free kernel (cuobjdump's SASS, in order) stops on memory: walking its
+    instructions, each that reads a register a global load wrote, while loads are outstanding,
+    ends a wave (all outstanding loads taken as arrived). A kernel whose loads all go out before
+    the first is read waits one round trip; one that loads, uses, loads again waits one per wave.
+    Rough, as ``load_leads``."""
+    waves, pending = 0, []
+    for _, op, rest in _SASS_LINE.findall(sass):
+        if pending and _reads(rest, pending):
+            waves, pending = waves + 1, []
+        pending += _loaded(op, rest)
+    return waves
+
+
+def _loaded(op: str, rest: str) -> list[str]:
+    """The registers a global load (LDG) writes, R4 .. R7 for a 128-bit one; [] for anything else."""
+    dest = re.match(r"\s*R(\d+)", rest) if op.startswith("LDG") else None
+    width = 4 if ".128" in op else 2 if ".64" in op else 1
+    return [f"R{int(dest.group(1)) + j}" for j in range(width)] if dest else []
+
+
+def _reads(operands: str, registers: list[str]) -> bool:
+    """Whether an instruction's operands read any of ``registers``: its sources, or the address of
+    its first operand (a store's)."""
+    named = re.compile(r"\b(" + "|".join(registers) + r")\b")
+    return bool(named.search(operands.partition(",")[2]) or named.search(operands.partition(",")[0].partition("[")[2]))

@@ -304,7 +304,7 @@ def _encode_turbo(x, x_at, out, live, rot_m, bounds, cents, limit, GROUP: tl.con
     norm = tl.math.sqrt_rn(tl.sum(x * x, 2))
     # R^T's element (k, j) is R[j, k]: rows at stride 1, columns at GROUP
     y = times_matrix(x_at, live[:, :, None], rot_m, 1, GROUP, tl.maximum(norm, 1e-30)[:, :, None], GROUP,
-                     BLOCK_M * NB, BLOCK, DIVIDE=True)
+                     BLOCK_M * NB, BLOCK, BLOCK, 0, DIVIDE=True)
     codes = _count_below(tl.reshape(y, (BLOCK_M, NB, BLOCK)), bounds, (1 << BITS) - 1)
     c = tl.where(inside, tl.load(cents + codes), 0.0)
     scale = _div(norm, tl.math.sqrt_rn(tl.sum(c * c, 2)))

@@ -26,26 +26,29 @@ K_CHUNK = tl.constexpr(16)     # rows of the matrix a tl.dot takes (``times_matr
 
 @triton.jit
 def times_matrix(x_at, live, m_ptr, m_rows, m_cols, divisor, GROUP: tl.constexpr, ROWS: tl.constexpr,
-                 BLOCK: tl.constexpr, DIVIDE: tl.constexpr = False):
+                 BLOCK: tl.constexpr, COLS: tl.constexpr, col0, DIVIDE: tl.constexpr = False,
+                 STEP: tl.constexpr = K_CHUNK):
     """Groups of GROUP values at x_at (..., 1) pointers where ``live`` (any float type; with DIVIDE
     each divided by ``divisor``, correctly rounded, a tensor broadcasting to x's chunks: the turbo
-    append's unit vectors) times the (GROUP, GROUP) matrix at m_ptr (strides m_rows, m_cols) ->
-    (ROWS, BLOCK) float32 (zero past GROUP): float32 products (tl.dot's ieee), K_CHUNK of the
-    matrix's rows a step, x's matching columns read for each. In one tl.dot the whole matrix sat
-    in registers (64 KB at 128 x 128): sm_90 (Triton 3.6) spilled 7,064 bytes a thread in the
-    rotation's launch and 752 in the turbo append's, both on every decode step's path of a turbo
-    cache; in steps of 16 rows, none. The products accumulate in the same order, step after step."""
-    j = tl.arange(0, BLOCK)
-    y = tl.zeros((ROWS, BLOCK), tl.float32)
-    for c in tl.static_range(BLOCK // K_CHUNK):
-        k = c * K_CHUNK + tl.arange(0, K_CHUNK)
+    append's unit vectors) times columns col0 .. col0 + COLS of the (GROUP, GROUP) matrix at m_ptr
+    (strides m_rows, m_cols) -> (ROWS, COLS) float32 (zero past GROUP): float32 products (tl.dot's
+    ieee), STEP of the matrix's rows a step (K_CHUNK by default), x's matching columns (of BLOCK,
+    GROUP padded) read for each. In one tl.dot the whole matrix sat in registers (64 KB at 128 x
+    128): sm_90 (Triton 3.6) spilled 7,064 bytes a thread in the rotation's launch and 752 in the
+    turbo append's, both on every decode step's path of a turbo cache; in steps of 16 rows, none.
+    A slice of 16 columns fits in one step (STEP = BLOCK: every load issued before the product).
+    Each column's products accumulate in k's order, whichever columns and steps a call takes."""
+    j = col0 + tl.arange(0, COLS)
+    y = tl.zeros((ROWS, COLS), tl.float32)
+    for c in tl.static_range(BLOCK // STEP):
+        k = c * STEP + tl.arange(0, STEP)
         xc = tl.load(x_at + k, mask=live & (k < GROUP), other=0.0).to(tl.float32)
         if DIVIDE:
             xc, d = tl.broadcast(xc, divisor)
             xc = tl.math.div_rn(xc, d)
         mc = tl.load(m_ptr + k[:, None] * m_rows + j[None, :] * m_cols,
                      mask=(k[:, None] < GROUP) & (j[None, :] < GROUP), other=0.0)          # zero padded
-        y = tl.dot(tl.reshape(xc, (ROWS, K_CHUNK)), mc, y, input_precision="ieee")
+        y = tl.dot(tl.reshape(xc, (ROWS, STEP)), mc, y, input_precision="ieee")
     return y
 
 
@@ -54,19 +57,23 @@ def rotate_rows(x_ptr, m_ptr, out_ptr, n_rows, n_inner, outer_stride, inner_stri
                 gate_ptr, gate_outer, gate_inner,
                 D: tl.constexpr, BLOCK_M: tl.constexpr, HADAMARD: tl.constexpr, LOG2_ROT: tl.constexpr,
                 GROUP: tl.constexpr, N_GROUPS: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
-                GATED: tl.constexpr = False):
+                GATED: tl.constexpr = False, COLS: tl.constexpr = 0):
     """Rows r of x (D values each, any float type; row r at (r // n_inner) * outer_stride +
     (r % n_inner) * inner_stride) -> out (n_rows, D) float32, BLOCK_M rows a program. HADAMARD:
     H / sqrt(2^LOG2_ROT) on each run of 2^LOG2_ROT values (the butterfly, NB * BLOCK columns).
     Else each of the N_GROUPS groups of GROUP values (padded to BLOCK) times the (GROUP, GROUP)
-    matrix at m_ptr read at strides (m_rows, m_cols): y = x M, float32 products (tl.dot's ieee).
+    matrix at m_ptr read at strides (m_rows, m_cols): y = x M, float32 products (tl.dot's ieee),
+    COLS of each group's columns a program (grid axis 1: BLOCK // COLS programs share a block of
+    rows, each reading its slice of the matrix; COLS 0: all of them).
     GATED: y times sigmoid of the gate (rows at strides gate_outer, gate_inner as x's), stored in
     out's type (gated attention's output gate: ``swiglu.sigmoid_mul``'s math)."""
+    W: tl.constexpr = BLOCK if HADAMARD or COLS == 0 else COLS      # the columns of a group this program writes
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     live = r < n_rows
     row = (r // n_inner).to(tl.int64) * outer_stride + (r % n_inner).to(tl.int64) * inner_stride
     b = tl.arange(0, NB)[None, :, None]
-    i = tl.arange(0, BLOCK)[None, None, :]
+    col0 = tl.program_id(1) * W
+    i = (col0 + tl.arange(0, W))[None, None, :]
     inside = live[:, None, None] & (b < N_GROUPS) & (i < GROUP)
     if HADAMARD:
         x = tl.load(x_ptr + row[:, None, None] + b * GROUP + i, mask=inside, other=0.0).to(tl.float32)
@@ -74,8 +81,8 @@ def rotate_rows(x_ptr, m_ptr, out_ptr, n_rows, n_inner, outer_stride, inner_stri
                                 rot_scale), (BLOCK_M, NB, BLOCK))
     else:
         y = times_matrix(x_ptr + row[:, None, None] + b * GROUP, live[:, None, None] & (b < N_GROUPS), m_ptr,
-                         m_rows, m_cols, 1.0, GROUP, BLOCK_M * NB, BLOCK)
-        y = tl.reshape(y, (BLOCK_M, NB, BLOCK))
+                         m_rows, m_cols, 1.0, GROUP, BLOCK_M * NB, BLOCK, W, col0, STEP=BLOCK if COLS else K_CHUNK)
+        y = tl.reshape(y, (BLOCK_M, NB, W))
     if GATED:
         gate_row = (r // n_inner).to(tl.int64) * gate_outer + (r % n_inner).to(tl.int64) * gate_inner
         gate = tl.load(gate_ptr + gate_row[:, None, None] + b * GROUP + i, mask=inside, other=0.0)

@@ -22,8 +22,15 @@ from . import FP_FUSION, kernels, pow2
 from .swiglu import gated
 
 BLOCK_M = 16            # rows a program: tl.dot's smallest M for the matrix form
-# warps a program: the butterfly's 4; the matrix form's 8, the gated one's registers without a
-# spill under Triton 3.9 too (4 warps: 8 bytes a thread)
+# The matrix form's columns a program (tl.dot's smallest N). A decode step's 16 query rows of a
+# 128 x 128 turbo rotation were one program on one SM, reading the 64 KB matrix 16 rows at a
+# time and waiting on each read in turn: 8 round trips to memory (sm_90 SASS, Triton 3.6:
+# ``gpu.load_waves``), in each attention layer of each step. Split by columns they are 8
+# programs, each with its 8 KB slice and the rows' x in one tl.dot, all its loads issued before
+# the first is read: one round trip (two gated: the gate's loads come after the product).
+MATRIX_COLS = 16
+# warps a program: the butterfly's 4; the matrix form's 8 (43 registers, 760 instructions a
+# thread at head_dim 256; at 2 warps 242 registers, and the gated form spilled)
 WARPS = {True: 4, False: 8}
 
 
@@ -127,9 +134,11 @@ def _launch(x: torch.Tensor, matrix: torch.Tensor | None, group: int, scale: flo
     if n_rows and dim:
         n_groups = dim // group
         m, m_strides = (out, (0, 0)) if matrix is None else (matrix, matrix.stride())   # the butterfly: a stand-in
-        _kernel().rotate_rows[(-(-n_rows // BLOCK_M),)](
+        block = pow2(group)
+        cols = block if matrix is None else min(MATRIX_COLS, block)     # the butterfly needs every column
+        _kernel().rotate_rows[(-(-n_rows // BLOCK_M), block // cols)](
             rows, m, out, n_rows, inner, rows.stride(0), rows.stride(1), *m_strides, scale,
             gates, gates.stride(0), gates.stride(1), D=dim, BLOCK_M=BLOCK_M, HADAMARD=matrix is None,
-            LOG2_ROT=hadamard_rounds, GROUP=group, N_GROUPS=n_groups, NB=pow2(n_groups), BLOCK=pow2(group),
-            GATED=gate is not None, num_warps=WARPS[matrix is None], **FP_FUSION)
+            LOG2_ROT=hadamard_rounds, GROUP=group, N_GROUPS=n_groups, NB=pow2(n_groups), BLOCK=block,
+            GATED=gate is not None, COLS=cols, num_warps=WARPS[matrix is None], **FP_FUSION)
     return out
