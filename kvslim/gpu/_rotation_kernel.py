@@ -75,6 +75,9 @@ def rotate_rows(x_ptr, m_ptr, out_ptr, n_rows, n_inner, outer_stride, inner_stri
     col0 = tl.program_id(1) * W
     i = (col0 + tl.arange(0, W))[None, None, :]
     inside = live[:, None, None] & (b < N_GROUPS) & (i < GROUP)
+    if GATED:                           # loaded first: its wait shares the product's operands' (one round trip)
+        gate_row = (r // n_inner).to(tl.int64) * gate_outer + (r % n_inner).to(tl.int64) * gate_inner
+        gate = tl.load(gate_ptr + gate_row[:, None, None] + b * GROUP + i, mask=inside, other=0.0)
     if HADAMARD:
         x = tl.load(x_ptr + row[:, None, None] + b * GROUP + i, mask=inside, other=0.0).to(tl.float32)
         y = tl.reshape(hadamard(tl.reshape(x, (BLOCK_M, NB * BLOCK)), 1 << LOG2_ROT, LOG2_ROT, BLOCK_M, NB * BLOCK,
@@ -84,8 +87,6 @@ def rotate_rows(x_ptr, m_ptr, out_ptr, n_rows, n_inner, outer_stride, inner_stri
                          m_rows, m_cols, 1.0, GROUP, BLOCK_M * NB, BLOCK, W, col0, STEP=BLOCK if COLS else K_CHUNK)
         y = tl.reshape(y, (BLOCK_M, NB, W))
     if GATED:
-        gate_row = (r // n_inner).to(tl.int64) * gate_outer + (r % n_inner).to(tl.int64) * gate_inner
-        gate = tl.load(gate_ptr + gate_row[:, None, None] + b * GROUP + i, mask=inside, other=0.0)
         y = sigmoid(gate.to(tl.float32)) * y
     tl.store(out_ptr + r.to(tl.int64)[:, None, None] * D + b * GROUP + i, stored_as(y, out_ptr), mask=inside)
 

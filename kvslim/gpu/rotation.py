@@ -26,8 +26,8 @@ BLOCK_M = 16            # rows a program: tl.dot's smallest M for the matrix for
 # 128 x 128 turbo rotation were one program on one SM, reading the 64 KB matrix 16 rows at a
 # time and waiting on each read in turn: 8 round trips to memory (sm_90 SASS, Triton 3.6:
 # ``gpu.load_waves``), in each attention layer of each step. Split by columns they are 8
-# programs, each with its 8 KB slice and the rows' x in one tl.dot, all its loads issued before
-# the first is read: one round trip (two gated: the gate's loads come after the product).
+# programs, each with its 8 KB slice and the rows' x in one tl.dot, all its loads (the gate's
+# too) issued before the first is read: one round trip.
 MATRIX_COLS = 16
 # warps a program: the butterfly's 4; the matrix form's 8 (43 registers, 760 instructions a
 # thread at head_dim 256; at 2 warps 242 registers, and the gated form spilled)
