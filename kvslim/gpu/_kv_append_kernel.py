@@ -317,16 +317,16 @@ def _encode_turbo(x, x_at, out, live, rot_m, bounds, cents, limit, GROUP: tl.con
 
 @triton.jit
 def kv_append_rows(x_ptr, pool, table_ptr, slots_ptr, pos_ptr, flags_ptr, rot_m, bounds, cents, tries, ladder,
-                   n_rows, n_kv, pool_rows, row_bytes, table_stride, page_size, x_stride, limit, rot_scale,
+                   n_rows, n_kv, pool_rows, row_bytes, table_stride, x_stride, limit, rot_scale,
                    x2_ptr, pool2, x2_stride,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                    KIND: tl.constexpr, FLOAT_TYPE: tl.constexpr, ROT: tl.constexpr, LOG2_ROT: tl.constexpr,
                    GROUP: tl.constexpr, N_BLOCKS: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
-                   BITS: tl.constexpr, BLOCK_BYTES: tl.constexpr, N_TRIES: tl.constexpr):
+                   BITS: tl.constexpr, BLOCK_BYTES: tl.constexpr, N_TRIES: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """Rows r of x (n_rows = tokens * n_kv, HEAD_DIM) float, token t's heads contiguous and tokens
     x_stride apart (the K or V columns of a fused projection) -> their packed bytes at head r % n_kv
     of the pool (n_kv, pool_rows, row_bytes) uint8, in the row the block table gives token
-    t = r // n_kv: page table[slots[t], positions[t] // page_size], offset positions[t] % page_size
+    t = r // n_kv: page table[slots[t], positions[t] // PAGE_SIZE], offset positions[t] % PAGE_SIZE
     (the cache's ``_flat_index``, so no launch computes rows first); flags[slots[t]] = 1 where a
     row overflows (the cache's per-slot flags, raised, never lowered: writers of one slot write
     the same 1). Blocks: N_BLOCKS of GROUP values (NB and BLOCK: powers of two >= them).
@@ -342,8 +342,8 @@ def kv_append_rows(x_ptr, pool, table_ptr, slots_ptr, pos_ptr, flags_ptr, rot_m,
     x_row = x_ptr + token * x_stride + (r % n_kv).to(tl.int64) * HEAD_DIM   # (BLOCK_M,) row starts in x
     slot = tl.load(slots_ptr + token, mask=r_live, other=0).to(tl.int64)
     pos = tl.load(pos_ptr + token, mask=r_live, other=0).to(tl.int64)
-    page = tl.load(table_ptr + slot * table_stride + pos // page_size, mask=r_live, other=0).to(tl.int64)
-    pool_row = page * page_size + pos % page_size
+    page = tl.load(table_ptr + slot * table_stride + pos // PAGE_SIZE, mask=r_live, other=0).to(tl.int64)
+    pool_row = page * PAGE_SIZE + pos % PAGE_SIZE
     out = pool + ((r % n_kv).to(tl.int64) * pool_rows + pool_row) * row_bytes      # (BLOCK_M,) row starts
     if KIND == TURBO:                                                       # groups need not be powers of two
         b = tl.arange(0, NB)[None, :, None]

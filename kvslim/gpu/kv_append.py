@@ -164,5 +164,5 @@ def _append(sides: list, table: torch.Tensor, slots: torch.Tensor, positions: to
     n_rows = n_tokens * n_kv
     _kernel().kv_append_rows[(-(-n_rows // BLOCK_M), len(sides))](
         x, pool, table, slots.contiguous(), positions.contiguous(), flags, *_tables(*_key(fmt, dim), str(x.device)),
-        n_rows, n_kv, pool.shape[1] * pool.shape[2], pool.shape[3], table.stride(0), pool.shape[2], x.stride(0), limit,
-        rot_scale, x2, pool2, x2.stride(0), enable_fp_fusion=False, **config)   # x * id + 8.5 rounds twice, as torch
+        n_rows, n_kv, pool.shape[1] * pool.shape[2], pool.shape[3], table.stride(0), x.stride(0), limit,
+        rot_scale, x2, pool2, x2.stride(0), PAGE_SIZE=pool.shape[2], enable_fp_fusion=False, **config)   # x * id + 8.5 rounds twice, as torch
