@@ -46,22 +46,26 @@ CLOSE = [("iq4_nl", "k", 128, F32), ("iq4_nl-norot", "v", 64, F32), ("turbo4", "
          ("turbo3", "v", 256, F32), ("turbo2", "k", 96, F32), ("nl4", "k", 192, F32), ("nl4", "v", 128, F32),
          ("nl3", "k", 64, F32), ("nl4s", "k", 128, F32), ("nl3s", "v", 256, BF16)]
 N_KV, PAGE_SIZE = 2, 16
+# a token's heads are a program's rows: one head; 20 (two programs a token, the second 4 rows of
+# 16); turbo's rows padded to tl.dot's 16 (1 head x 1 block, and 20 heads x 2 blocks)
+HEADS = [("q4_0", "k", 128, F32, 1), ("f16", "v", 64, F16, 20), ("q8_0", "k", 128, F32, 20),
+         ("turbo4", "k", 128, F32, 1), ("turbo3", "v", 256, F32, 20)]
 REFUSED = [("turbo4p", 128), ("nl4", 96)]      # QJL, no rotation
 
 
-def _case(name, role, dim, dtype, n_tokens=32, seed=0):
+def _case(name, role, dim, dtype, n_kv=N_KV, n_tokens=32, seed=0):
     """(fmt, x (N, Hkv, D), pool of random bytes, flat pool rows (N,), where): magnitudes over
     five decades, one NaN, one inf and one value past every fp16 scale. ``where``: the append's
     (block table, slots, positions, per-slot flags) that place token n at rows[n]."""
     gen = torch.Generator().manual_seed(seed)
     fmt = formats.get(name, role=role)
-    x = torch.randn(n_tokens, N_KV, dim, generator=gen) * torch.logspace(-3, 2, n_tokens)[:, None, None]
-    x[3, 1, 5], x[5, 0, dim - 1], x[7, 1, 2] = float("nan"), float("inf"), 1e9
+    x = torch.randn(n_tokens, n_kv, dim, generator=gen) * torch.logspace(-3, 2, n_tokens)[:, None, None]
+    x[3, 1 % n_kv, 5], x[5, 0, dim - 1], x[7, n_kv - 1, 2] = float("nan"), float("inf"), 1e9
     # as the K or V columns of a fused projection: each token's heads contiguous, tokens strided
     wide = torch.cat([x.reshape(n_tokens, -1), torch.zeros(n_tokens, 8)], 1).to(getattr(torch, dtype))
-    x = wide[:, :N_KV * dim].view(n_tokens, N_KV, dim)
+    x = wide[:, :n_kv * dim].view(n_tokens, n_kv, dim)
     pages = n_tokens // PAGE_SIZE + 3
-    pool = torch.randint(0, 256, (N_KV, pages, PAGE_SIZE, fmt.row_bytes(dim)), dtype=torch.uint8, generator=gen)
+    pool = torch.randint(0, 256, (n_kv, pages, PAGE_SIZE, fmt.row_bytes(dim)), dtype=torch.uint8, generator=gen)
     rows = torch.randperm(pages * PAGE_SIZE, generator=gen)[:n_tokens]
     return fmt, x, pool, rows, _placement(rows, pages, gen)
 
@@ -131,7 +135,7 @@ def _appended_in_child(cases, path: Path) -> None:
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
     """Every case appended once, by one interpreted child process."""
-    cases = EXACT + CLOSE
+    cases = EXACT + CLOSE + HEADS
     out = run_interpreted("tests.test_triton_append", "_appended_in_child", cases, tmp_path_factory.mktemp("append"))
     return dict(zip(cases, out["cases"])), out["supports"], out["pairs"]
 
@@ -148,7 +152,8 @@ def _check(case, flags, pool, exact: bool):
     raised = flags_before.clone()
     raised[slots[want_flags]] = 1                                              # per slot: token n's is slots[n]
     assert torch.equal(flags.cpu(), raised) and want_flags[[3, 5]].all() and not want_flags[0]
-    flat, flat_before = pool.cpu().view(N_KV, -1, pool.shape[-1]), before.view(N_KV, -1, before.shape[-1])
+    n_kv = x.shape[1]
+    flat, flat_before = pool.cpu().view(n_kv, -1, pool.shape[-1]), before.view(n_kv, -1, before.shape[-1])
     untouched = torch.ones(flat.shape[1], dtype=torch.bool)
     untouched[rows] = False
     assert torch.equal(flat[:, untouched], flat_before[:, untouched])           # nothing written elsewhere
@@ -174,6 +179,13 @@ def test_searched_and_rotated_formats_get_the_encoders_bytes_but_for_near_ties(i
     served, flags, pool = interpreted[0][case]
     assert served
     _check(case, flags, pool, exact=False)
+
+
+@pytest.mark.parametrize("case", HEADS, ids=lambda c: f"{c[0]}-{c[1]}-d{c[2]}-{c[4]}heads")
+def test_a_tokens_heads_are_its_programs_rows_whatever_their_number(interpreted, case):
+    served, flags, pool = interpreted[0][case]
+    assert served
+    _check(case, flags, pool, exact=not case[0].startswith("turbo"))
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"{p[0]}-d{p[1]}-{p[2]}")
@@ -249,7 +261,24 @@ def test_kernel_compiles_for_an_h100_without_one(name, dim):
     from kvslim.gpu import _kv_append_kernel as kernel, cuobjdump
     fmt = formats.get(name, role="k")
     config = {**gpu._launch_config(fmt.kernel_encoder(dim), dim, fmt.row_bytes(dim)), "PAGE_SIZE": 16}
+    config["BLOCK_M"] = gpu.heads_block(config, 2)                  # Qwen3.6's 2 KV heads
     num_warps = config.pop("num_warps")
     compiled = compile_for_sm90(kernel.kv_append_rows, POINTERS, config, num_warps)
     assert compiled.asm["cubin"] and spilled_bytes(compiled) <= 64
     assert "I2F.U64" not in cuobjdump(compiled, "-sass")
+
+
+@pytest.mark.parametrize("name,most", [("f16", 2), ("q8_0", 2), ("turbo4", 12), ("turbo3", 12)])
+def test_a_tokens_rows_wait_on_memory_a_few_times(name, most):
+    """A decode step's append at head_dim 256 and Qwen3.6's 2 KV heads, for sm_90: the token's slot,
+    position and page loaded once, beside its rows (``gpu.load_waves``). With 16 rows of 8 tokens
+    a program, each thread loaded every row's three in turn: f16 30 waits, q8_0 20, turbo4 and
+    turbo3 22. Now 2, 2, and for turbo (its rotation's whole matrix one tl.dot step at 16 rows)
+    6 under Triton 3.9, 9 and 11 under 3.6."""
+    from kvslim.gpu import _kv_append_kernel as kernel, cuobjdump, load_waves
+    fmt = formats.get(name, role="v")
+    config = {**gpu._launch_config(fmt.kernel_encoder(256), 256, fmt.row_bytes(256)), "PAGE_SIZE": 16}
+    config["BLOCK_M"] = gpu.heads_block(config, 2)
+    num_warps = config.pop("num_warps")
+    compiled = compile_for_sm90(kernel.kv_append_rows, POINTERS, config, num_warps)
+    assert load_waves(cuobjdump(compiled, "-sass")) <= most and spilled_bytes(compiled) <= 16

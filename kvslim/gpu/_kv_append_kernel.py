@@ -1,6 +1,6 @@
 """The Triton kernel of ``kv_append`` (imported only when it runs: importing kvslim needs no triton).
 
-One program per BLOCK_M rows of the (token, KV head) rows. It loads the rows as float32, takes
+One program per token and block of its KV heads' rows. It loads the rows as float32, takes
 them into the format's code domain (llama.cpp's Hadamard as the same butterfly as
 ``rotation.hadamard_blocks``; TurboQuant's matrix as a tl.dot), quantizes each block as the
 format's torch encoder does, writes the row's bytes at its pool row and its overflow flag. The
@@ -17,13 +17,14 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from ._rotation_kernel import hadamard, times_matrix
+from ._rotation_kernel import K_CHUNK, hadamard, times_matrix
 
 # The encoder kinds and float types, as kv_append.KINDS and FLOAT_TYPES number them (constexpr:
 # a jitted function reads no other globals).
 FLOAT, Q8_0, Q4_0, TURBO, GRID, IQ4_NL, Q4_1, Q5_0, Q5_1, GRID_SUB = (tl.constexpr(k) for k in range(10))
 F32, F16, BF16 = (tl.constexpr(k) for k in range(3))
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
+DOT_ROWS = tl.constexpr(16)      # tl.dot's least M: kv_append.DOT_ROWS
 
 
 @triton.jit
@@ -302,9 +303,12 @@ def _encode_turbo(x, x_at, out, live, rot_m, bounds, cents, limit, GROUP: tl.con
     i = tl.arange(0, BLOCK)
     inside = i[None, None, :] < GROUP
     norm = tl.math.sqrt_rn(tl.sum(x * x, 2))
-    # R^T's element (k, j) is R[j, k]: rows at stride 1, columns at GROUP
+    # R^T's element (k, j) is R[j, k]: rows at stride 1, columns at GROUP. At tl.dot's least rows
+    # (a token's heads x blocks, padded to 16) the whole matrix is one step, every load issued
+    # before the product (sm_90: 6 waits on memory, not 21, no spill); more rows, 16 of R's a step
     y = times_matrix(x_at, live[:, :, None], rot_m, 1, GROUP, tl.maximum(norm, 1e-30)[:, :, None], GROUP,
-                     BLOCK_M * NB, BLOCK, BLOCK, 0, DIVIDE=True)
+                     BLOCK_M * NB, BLOCK, BLOCK, 0, DIVIDE=True,
+                     STEP=BLOCK if BLOCK_M * NB <= DOT_ROWS else K_CHUNK)
     codes = _count_below(tl.reshape(y, (BLOCK_M, NB, BLOCK)), bounds, (1 << BITS) - 1)
     c = tl.where(inside, tl.load(cents + codes), 0.0)
     scale = _div(norm, tl.math.sqrt_rn(tl.sum(c * c, 2)))
@@ -317,34 +321,37 @@ def _encode_turbo(x, x_at, out, live, rot_m, bounds, cents, limit, GROUP: tl.con
 
 @triton.jit
 def kv_append_rows(x_ptr, pool, table_ptr, slots_ptr, pos_ptr, flags_ptr, rot_m, bounds, cents, tries, ladder,
-                   n_rows, n_kv, pool_rows, row_bytes, table_stride, x_stride, limit, rot_scale,
+                   n_kv, pool_rows, row_bytes, table_stride, x_stride, limit, rot_scale,
                    x2_ptr, pool2, x2_stride,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                    KIND: tl.constexpr, FLOAT_TYPE: tl.constexpr, ROT: tl.constexpr, LOG2_ROT: tl.constexpr,
                    GROUP: tl.constexpr, N_BLOCKS: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
                    BITS: tl.constexpr, BLOCK_BYTES: tl.constexpr, N_TRIES: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """Rows r of x (n_rows = tokens * n_kv, HEAD_DIM) float, token t's heads contiguous and tokens
-    x_stride apart (the K or V columns of a fused projection) -> their packed bytes at head r % n_kv
-    of the pool (n_kv, pool_rows, row_bytes) uint8, in the row the block table gives token
-    t = r // n_kv: page table[slots[t], positions[t] // PAGE_SIZE], offset positions[t] % PAGE_SIZE
-    (the cache's ``_flat_index``, so no launch computes rows first); flags[slots[t]] = 1 where a
-    row overflows (the cache's per-slot flags, raised, never lowered: writers of one slot write
-    the same 1). Blocks: N_BLOCKS of GROUP values (NB and BLOCK: powers of two >= them).
-    Programs (i, 1) encode a second side alike (the same encoder and tables), V's beside K's: its
-    rows x2 (tokens x2_stride apart) into pool2, in the same launch."""
-    second = tl.program_id(1) == 1
+    """Token t = program_id(0)'s rows of x (its n_kv heads, HEAD_DIM each; heads contiguous, tokens
+    x_stride apart: the K or V columns of a fused projection), BLOCK_M heads a program from head
+    program_id(1) * BLOCK_M -> their packed bytes at each head's pool (n_kv, pool_rows, row_bytes)
+    uint8, in the row the block table gives the token: page table[slots[t], positions[t] //
+    PAGE_SIZE], offset positions[t] % PAGE_SIZE (the cache's ``_flat_index``, so no launch
+    computes rows first); flags[slots[t]] = 1 where a row overflows (the cache's per-slot flags,
+    raised, never lowered: writers of one slot write the same 1). A program's slot, position and
+    page are the token's: three loads, once, where a block of rows from several tokens loaded
+    them row by row (each thread every row's, one after another). Blocks: N_BLOCKS of GROUP
+    values (NB and BLOCK: powers of two >= them). Programs (t, h, 1) encode a second side alike
+    (the same encoder and tables), V's beside K's: its rows x2 (tokens x2_stride apart) into
+    pool2, in the same launch."""
+    second = tl.program_id(2) == 1
     x_ptr = tl.where(second, x2_ptr, x_ptr)
     x_stride = tl.where(second, x2_stride, x_stride)
     pool = tl.where(second, pool2, pool)
-    r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    r_live = r < n_rows
-    token = (r // n_kv).to(tl.int64)
-    x_row = x_ptr + token * x_stride + (r % n_kv).to(tl.int64) * HEAD_DIM   # (BLOCK_M,) row starts in x
-    slot = tl.load(slots_ptr + token, mask=r_live, other=0).to(tl.int64)
-    pos = tl.load(pos_ptr + token, mask=r_live, other=0).to(tl.int64)
-    page = tl.load(table_ptr + slot * table_stride + pos // PAGE_SIZE, mask=r_live, other=0).to(tl.int64)
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    r_live = head < n_kv
+    x_row = x_ptr + token * x_stride + head.to(tl.int64) * HEAD_DIM                # (BLOCK_M,) row starts in x
+    slot = tl.load(slots_ptr + token).to(tl.int64)
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    page = tl.load(table_ptr + slot * table_stride + pos // PAGE_SIZE).to(tl.int64)
     pool_row = page * PAGE_SIZE + pos % PAGE_SIZE
-    out = pool + ((r % n_kv).to(tl.int64) * pool_rows + pool_row) * row_bytes      # (BLOCK_M,) row starts
+    out = pool + (head.to(tl.int64) * pool_rows + pool_row) * row_bytes            # (BLOCK_M,) row starts
     if KIND == TURBO:                                                       # groups need not be powers of two
         b = tl.arange(0, NB)[None, :, None]
         i = tl.arange(0, BLOCK)[None, None, :]
@@ -373,7 +380,8 @@ def kv_append_rows(x_ptr, pool, table_ptr, slots_ptr, pos_ptr, flags_ptr, rot_m,
                                  BITS, BLOCK_BYTES, 16)
             else:
                 _encode_ggml(y3, out[:, None], live, cents, KIND, BLOCK_M, NB, BLOCK_BYTES)
-    tl.store(flags_ptr + slot, bad.to(tl.uint8), mask=r_live & (bad != 0))
+    flagged = tl.max(tl.where(r_live & (bad != 0), 1, 0), 0)
+    tl.store(flags_ptr + slot, flagged.to(tl.uint8), mask=flagged != 0)
 
 
 INTERPRETED = not isinstance(kv_append_rows, JITFunction)

@@ -26,7 +26,8 @@ KINDS = {"float": 0, "q8_0": 1, "q4_0": 2, "turbo": 3, "grid": 4, "iq4_nl": 5, "
 SUB_VALUES = 16               # the kernel's rung width (grid_sub): the nls rows' 16 values a rung
 FLOAT_TYPES = {"f32": 0, "f16": 1, "bf16": 2}
 INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-BLOCK_M = 16                  # (token, head) rows per program: tl.dot's smallest M for turbo's rotation
+MAX_HEADS = 16                # a token's KV heads a program, at most (more: programs side by side)
+DOT_ROWS = 16                 # tl.dot's smallest M, for turbo's rotation: rows x blocks, padded to it
 MAX_DIM = 512
 FLT_MAX = torch.finfo(torch.float32).max
 TABLES = ("rot_matrix", "boundaries", "centroids", "tries", "ladder")   # a declaration's, in the kernel's order
@@ -90,12 +91,19 @@ def _launch_config(enc, head_dim: int, row_bytes: int) -> dict:
     group = enc.block if enc.kind != "float" else head_dim
     block = pow2(group)
     n_blocks = head_dim // group
-    return dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=BLOCK_M, KIND=KINDS[enc.kind],
+    return dict(HEAD_DIM=head_dim, BLOCK_D=block_d, KIND=KINDS[enc.kind],
                 FLOAT_TYPE=FLOAT_TYPES.get(enc.float_type, 0), ROT=enc.rot if enc.hadamard else 0,
                 LOG2_ROT=enc.rot.bit_length() - 1 if enc.hadamard else 0, GROUP=group, N_BLOCKS=n_blocks,
                 NB=pow2(n_blocks) if enc.kind == "turbo" else block_d // block, BLOCK=block, BITS=enc.bits,
                 BLOCK_BYTES=row_bytes // n_blocks, N_TRIES=0 if enc.tries is None else len(enc.tries),
                 num_warps=8 if enc.kind == "turbo" and block >= 128 else 4)
+
+
+def heads_block(config: dict, n_kv: int) -> int:
+    """BLOCK_M, the rows of one token a program encodes: its KV heads (a power of two, at most
+    MAX_HEADS), and for turbo's rotation at least DOT_ROWS rows with the blocks (dead rows masked)."""
+    rows = min(pow2(n_kv), MAX_HEADS)
+    return max(rows, DOT_ROWS // config["NB"]) if config["KIND"] == KINDS["turbo"] else rows
 
 
 def append(fmt, x: torch.Tensor, pool: torch.Tensor, table: torch.Tensor, slots: torch.Tensor,
@@ -148,7 +156,7 @@ def _key(fmt, head_dim: int) -> tuple[str, str, int]:
 def _append(sides: list, table: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
             flags: torch.Tensor) -> None:
     """One launch over the rows of one side (fmt, x, pool), or of two that encode alike
-    (``append_kv``): grid (row blocks, sides), the first side's tables."""
+    (``append_kv``): grid (tokens, blocks of a token's heads, sides), the first side's tables."""
     fmt, x, pool = sides[0]
     n_tokens, n_kv, dim = x.shape
     assert table.dim() == 2 and table.stride(1) == 1 and slots.shape == positions.shape == (n_tokens,)
@@ -161,8 +169,11 @@ def _append(sides: list, table: torch.Tensor, slots: torch.Tensor, positions: to
             side_x = side_x.contiguous()
         rows.append((side_x, side_pool))
     (x, pool), (x2, pool2) = rows[0], rows[-1]
-    n_rows = n_tokens * n_kv
-    _kernel().kv_append_rows[(-(-n_rows // BLOCK_M), len(sides))](
+    if not n_tokens:
+        return
+    block_m = heads_block(config, n_kv)
+    _kernel().kv_append_rows[(n_tokens, -(-n_kv // block_m), len(sides))](
         x, pool, table, slots.contiguous(), positions.contiguous(), flags, *_tables(*_key(fmt, dim), str(x.device)),
-        n_rows, n_kv, pool.shape[1] * pool.shape[2], pool.shape[3], table.stride(0), x.stride(0), limit,
-        rot_scale, x2, pool2, x2.stride(0), PAGE_SIZE=pool.shape[2], enable_fp_fusion=False, **config)   # x * id + 8.5 rounds twice, as torch
+        n_kv, pool.shape[1] * pool.shape[2], pool.shape[3], table.stride(0), x.stride(0), limit,
+        rot_scale, x2, pool2, x2.stride(0), PAGE_SIZE=pool.shape[2], BLOCK_M=block_m, enable_fp_fusion=False,
+        **config)   # x * id + 8.5 rounds twice, as torch
