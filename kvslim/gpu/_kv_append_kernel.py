@@ -305,7 +305,8 @@ def _encode_turbo(x, x_at, out, live, rot_m, bounds, cents, limit, GROUP: tl.con
     norm = tl.math.sqrt_rn(tl.sum(x * x, 2))
     # R^T's element (k, j) is R[j, k]: rows at stride 1, columns at GROUP. At tl.dot's least rows
     # (a token's heads x blocks, padded to 16) the whole matrix is one step, every load issued
-    # before the product (sm_90: 6 waits on memory, not 21, no spill); more rows, 16 of R's a step
+    # before the product (sm_90, 2 heads: 6 waits on memory, not 21, under Triton 3.9; 9 under 3.6);
+    # with more rows, 16 of R's rows a step (one step spilled there)
     y = times_matrix(x_at, live[:, :, None], rot_m, 1, GROUP, tl.maximum(norm, 1e-30)[:, :, None], GROUP,
                      BLOCK_M * NB, BLOCK, BLOCK, 0, DIVIDE=True,
                      STEP=BLOCK if BLOCK_M * NB <= DOT_ROWS else K_CHUNK)
