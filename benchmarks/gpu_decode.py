@@ -57,7 +57,7 @@ from kvslim.gpu import paged_prefill as gpu_prefill  # noqa: E402
 from kvslim.gpu import tuned as gpu_tuned  # noqa: E402
 from kvslim.tables import markdown_table  # noqa: E402
 
-from gpu_timing import check_device, copy_gbps, graph_ms, median_ms, progress, step_ms  # noqa: E402  (same folder)
+from gpu_timing import check_device, copy_gbps, device_ms, median_ms, progress, step_ms  # noqa: E402  (same folder)
 
 N_KV, GROUP, HEAD_DIM, PAGE = 2, 8, 256, 16
 PAIRS = "f16/f16,q8_0/q8_0,q4_0/q4_0,iq4_nl/iq4_nl,turbo4/turbo4,turbo3/turbo3,turbo2/turbo2,q8_0/turbo4"
@@ -289,7 +289,7 @@ def _sweep_rows(pairs: list[str], depth: int, batch: int, args, copy: float, tri
                 step = packed_step(*inputs, split, tune)
                 try:
                     err = (step() - want).abs().max().item()
-                    ms = graph_ms(step, args.runs) if args.device.startswith("cuda") else median_ms(step, 1, "cpu")
+                    ms = device_ms(step, args.runs, args.device)
                 except Exception as exc:                             # a setting that does not compile or fit
                     emit(pair, depth, batch, *cells, split, "", "", "", "",
                          f"{type(exc).__name__}: {str(exc).splitlines()[0][:60]}")

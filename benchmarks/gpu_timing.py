@@ -77,6 +77,12 @@ def graph_ms(fn, runs: int, replays: int = 10) -> float:
     return statistics.median(times)
 
 
+def device_ms(fn, runs: int, device: str) -> float:
+    """A decode launch's time as the engine runs it: a CUDA graph's replay on a GPU
+    (``graph_ms``), the wall clock on the CPU's dry run."""
+    return graph_ms(fn, runs) if device.startswith("cuda") else median_ms(fn, runs, device)
+
+
 def step_ms(fn, runs: int, device: str) -> tuple[float, float]:
     """(eager ms, graph ms): the second is the first on the CPU's dry run."""
     eager = median_ms(fn, runs, device)

@@ -8,7 +8,7 @@ at M = 512 (``kvslim.gpu.quant_matmul``), against torch's matmul of the same mat
 ahead of time to f16 and bf16 (what a GPU runtime without packed weights would hold, at 2 bytes
 a value). x is in the row's dtype; the Triton GEMM's tl.dot takes that dtype too. Median of
 ``-r`` CUDA-event timings after a warm-up (which compiles). At M = 1 every time is a CUDA
-graph's replay (``gpu_timing.graph_ms``: the GPU's own time, as the engine's decode steps run;
+graph's replay (``gpu_timing.device_ms``: the GPU's own time, as the engine's decode steps run;
 "eager ms" is the Triton GEMV launched from Python, host included, as session 41 timed all of
 them: 0.07-0.13 ms whatever the shape, the host's launch and not the kernel); the GEMM's, a
 prompt's, are eager, as the engine runs prompts. "per-value ms": the GEMV with every
@@ -48,7 +48,7 @@ from kvslim import weights  # noqa: E402
 from kvslim.gpu import quant_matmul as gpu  # noqa: E402
 from kvslim.tables import markdown_table, to_json  # noqa: E402
 
-from gpu_timing import check_device, graph_ms, median_ms, progress  # noqa: E402  (same folder)
+from gpu_timing import check_device, device_ms, median_ms, progress, step_ms  # noqa: E402  (same folder)
 
 DTYPES = {"f16": (torch.float16, "fp16"), "bf16": (torch.bfloat16, "bf16")}   # torch dtype, Triton dot
 HEADERS = ["type", "N x K", "M", "dtype", "triton ms", "per-value ms", "session 32 ms", "8-bit x ms", "torch ms", "triton",
@@ -78,11 +78,12 @@ def _rows(name: str, n: int, k: int, gemm_rows: int, runs: int, device: str, dty
         dense = w.dequantize().to(dtype)                             # (n, k): torch's side, made ahead of time
         for m in (1, gemm_rows):
             x = torch.randn(m, k, device=device, dtype=dtype)
-            timed = _timer(m, runs, device)
+            # decode's GEMV as a decode step runs it (a graph's replay), a prompt's GEMM eagerly
+            timed = (lambda fn: device_ms(fn, runs, device)) if m == 1 else (lambda fn: median_ms(fn, runs, device))
             per_value = before = q8 = eager = ""
             if m == 1:
-                triton_ms = timed(lambda: gpu.gemv(x, w.data, ggml_type))
-                eager = f"{median_ms(lambda: gpu.gemv(x, w.data, ggml_type), runs, device):.4f}"
+                eager, triton_ms = step_ms(lambda: gpu.gemv(x, w.data, ggml_type), runs, device)
+                eager = f"{eager:.4f}"
                 if ggml_type in gpu.BLOCKWISE:                       # the others have one path
                     per_value = f"{timed(lambda: gpu.gemv(x, w.data, ggml_type, blockwise=False)):.4f}"
                 splits = gpu.split_count(k, n, gpu.gemv_config(1), SESSION_32_PROGRAMS)
@@ -102,13 +103,6 @@ def _interprets_bf16() -> bool:
     """Whether Triton's interpreter takes bf16 (3.9's does; 3.6's, the device image's, has no bf16 type)."""
     from triton.runtime.interpreter import InterpreterBuilder
     return hasattr(InterpreterBuilder, "get_bf16")
-
-
-def _timer(m: int, runs: int, device: str):
-    """ms of a call: a CUDA graph's replay for the decode GEMV (M = 1) on a GPU, else eager."""
-    if m == 1 and device.startswith("cuda"):
-        return lambda fn: graph_ms(fn, runs)
-    return lambda fn: median_ms(fn, runs, device)
 
 
 EXPERT_HEADERS = ["type", "E x H x I, top-k", "tokens", "grouped ms", "loop ms", "grouped speed-up",
@@ -133,8 +127,8 @@ def _expert_rows(name: str, shape: str, tokens: list[int], runs: int, device: st
         grouped_ms = median_ms(lambda: module.grouped(x, w, experts), runs, device)
         loop_ms = median_ms(lambda: module.loop(x, w, experts), runs, device)
         graphed = ""                            # a decode step's pairs (the GEMV's): the graph's time, as it runs
-        if device.startswith("cuda") and experts.numel() <= gpu.MAX_GEMV_PAIRS:
-            graphed = f"{graph_ms(lambda: module.grouped(x, w, experts), runs):.3f}"
+        if experts.numel() <= gpu.MAX_GEMV_PAIRS:
+            graphed = f"{device_ms(lambda: module.grouped(x, w, experts), runs, device):.3f}"
         rows.append([name, shape, n, f"{grouped_ms:.3f}", f"{loop_ms:.3f}", f"{loop_ms / grouped_ms:.2f}x", graphed])
     return rows
 
