@@ -77,8 +77,7 @@ def _append() -> tuple:
 def _rotation() -> tuple:
     from kvslim.gpu import _rotation_kernel as kernel
     pointers = {"x_ptr": "*fp32", "m_ptr": "*fp32", "out_ptr": "*fp32", "rot_scale": "fp32"}
-    return kernel.rotate_rows, pointers, dict(D=256, BLOCK_M=gpu_rotation.BLOCK_M, HADAMARD=False, LOG2_ROT=0,
-                                              GROUP=128, N_GROUPS=2, NB=2, BLOCK=128, num_warps=4), ()
+    return kernel.rotate_rows, pointers, gpu_rotation.launch_config(256, 128, None, False), ()
 
 
 KERNELS = {"decode attention turbo4/turbo4 f16 dots": lambda: _attention(8, "turbo4/turbo4", "f16"),

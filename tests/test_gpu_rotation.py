@@ -138,10 +138,9 @@ def test_rotate_rows_compiles_for_an_h100_without_one(hadamard, gated):
     from kvslim.gpu import _rotation_kernel as kernel
     pointers = {"x_ptr": "*bf16", "m_ptr": "*fp32", "out_ptr": "*bf16" if gated else "*fp32", "rot_scale": "fp32",
                 "gate_ptr": "*bf16"}
-    constexprs = dict(D=256, BLOCK_M=gpu.BLOCK_M, HADAMARD=hadamard, LOG2_ROT=8 if hadamard else 0,
-                      GROUP=256 if hadamard else 128, N_GROUPS=1 if hadamard else 2, NB=1 if hadamard else 2,
-                      BLOCK=256 if hadamard else 128, GATED=gated, COLS=256 if hadamard else gpu.MATRIX_COLS)
-    compiled = compile_for_sm90(kernel.rotate_rows, pointers, constexprs, gpu.WARPS[hadamard])
+    constexprs = gpu.launch_config(256, 256 if hadamard else 128, 8 if hadamard else None, gated)
+    num_warps = constexprs.pop("num_warps")
+    compiled = compile_for_sm90(kernel.rotate_rows, pointers, constexprs, num_warps)
     assert compiled.asm["cubin"] and ".local" not in compiled.asm["ptx"] and spilled_bytes(compiled) == 0
     if not hadamard:        # a program's slice of the matrix, x and the gate come in one round trip
         from kvslim.gpu import cuobjdump, load_waves

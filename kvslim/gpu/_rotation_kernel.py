@@ -57,23 +57,22 @@ def rotate_rows(x_ptr, m_ptr, out_ptr, n_rows, n_inner, outer_stride, inner_stri
                 gate_ptr, gate_outer, gate_inner,
                 D: tl.constexpr, BLOCK_M: tl.constexpr, HADAMARD: tl.constexpr, LOG2_ROT: tl.constexpr,
                 GROUP: tl.constexpr, N_GROUPS: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
-                GATED: tl.constexpr = False, COLS: tl.constexpr = 0):
+                GATED: tl.constexpr, COLS: tl.constexpr):
     """Rows r of x (D values each, any float type; row r at (r // n_inner) * outer_stride +
     (r % n_inner) * inner_stride) -> out (n_rows, D) float32, BLOCK_M rows a program. HADAMARD:
     H / sqrt(2^LOG2_ROT) on each run of 2^LOG2_ROT values (the butterfly, NB * BLOCK columns).
     Else each of the N_GROUPS groups of GROUP values (padded to BLOCK) times the (GROUP, GROUP)
     matrix at m_ptr read at strides (m_rows, m_cols): y = x M, float32 products (tl.dot's ieee),
     COLS of each group's columns a program (grid axis 1: BLOCK // COLS programs share a block of
-    rows, each reading its slice of the matrix; COLS 0: all of them).
+    rows, each reading its slice of the matrix in one step; the butterfly: COLS = BLOCK).
     GATED: y times sigmoid of the gate (rows at strides gate_outer, gate_inner as x's), stored in
     out's type (gated attention's output gate: ``swiglu.sigmoid_mul``'s math)."""
-    W: tl.constexpr = BLOCK if HADAMARD or COLS == 0 else COLS      # the columns of a group this program writes
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     live = r < n_rows
     row = (r // n_inner).to(tl.int64) * outer_stride + (r % n_inner).to(tl.int64) * inner_stride
     b = tl.arange(0, NB)[None, :, None]
-    col0 = tl.program_id(1) * W
-    i = (col0 + tl.arange(0, W))[None, None, :]
+    col0 = tl.program_id(1) * COLS                                   # this program's columns of each group
+    i = (col0 + tl.arange(0, COLS))[None, None, :]
     inside = live[:, None, None] & (b < N_GROUPS) & (i < GROUP)
     if GATED:                           # loaded first: its wait shares the product's operands' (one round trip)
         gate_row = (r // n_inner).to(tl.int64) * gate_outer + (r % n_inner).to(tl.int64) * gate_inner
@@ -84,8 +83,8 @@ def rotate_rows(x_ptr, m_ptr, out_ptr, n_rows, n_inner, outer_stride, inner_stri
                                 rot_scale), (BLOCK_M, NB, BLOCK))
     else:
         y = times_matrix(x_ptr + row[:, None, None] + b * GROUP, live[:, None, None] & (b < N_GROUPS), m_ptr,
-                         m_rows, m_cols, 1.0, GROUP, BLOCK_M * NB, BLOCK, W, col0, STEP=BLOCK if COLS else K_CHUNK)
-        y = tl.reshape(y, (BLOCK_M, NB, W))
+                         m_rows, m_cols, 1.0, GROUP, BLOCK_M * NB, BLOCK, COLS, col0, STEP=BLOCK)
+        y = tl.reshape(y, (BLOCK_M, NB, COLS))
     if GATED:
         y = sigmoid(gate.to(tl.float32)) * y
     tl.store(out_ptr + r.to(tl.int64)[:, None, None] * D + b * GROUP + i, stored_as(y, out_ptr), mask=inside)

@@ -132,13 +132,20 @@ def _launch(x: torch.Tensor, matrix: torch.Tensor | None, group: int, scale: flo
     out = torch.empty(x.shape, dtype=torch.float32 if gate is None else gate.dtype, device=x.device)
     n_rows = outer * inner
     if n_rows and dim:
-        n_groups = dim // group
         m, m_strides = (out, (0, 0)) if matrix is None else (matrix, matrix.stride())   # the butterfly: a stand-in
-        block = pow2(group)
-        cols = block if matrix is None else min(MATRIX_COLS, block)     # the butterfly needs every column
-        _kernel().rotate_rows[(-(-n_rows // BLOCK_M), block // cols)](
+        config = launch_config(dim, group, hadamard_rounds if matrix is None else None, gate is not None)
+        _kernel().rotate_rows[(-(-n_rows // BLOCK_M), config["BLOCK"] // config["COLS"])](
             rows, m, out, n_rows, inner, rows.stride(0), rows.stride(1), *m_strides, scale,
-            gates, gates.stride(0), gates.stride(1), D=dim, BLOCK_M=BLOCK_M, HADAMARD=matrix is None,
-            LOG2_ROT=hadamard_rounds, GROUP=group, N_GROUPS=n_groups, NB=pow2(n_groups), BLOCK=block,
-            GATED=gate is not None, COLS=cols, num_warps=WARPS[matrix is None], **FP_FUSION)
+            gates, gates.stride(0), gates.stride(1), **config, **FP_FUSION)
     return out
+
+
+def launch_config(dim: int, group: int, hadamard_rounds: int | None, gated: bool) -> dict:
+    """``rotate_rows``' constexprs and warps for rows of ``dim`` in groups of ``group``: the
+    butterfly of 2^hadamard_rounds, or (None) the matrix form, MATRIX_COLS of a group's columns a
+    program (the butterfly needs every column)."""
+    block, n_groups = pow2(group), dim // group
+    hadamard = hadamard_rounds is not None
+    return dict(D=dim, BLOCK_M=BLOCK_M, HADAMARD=hadamard, LOG2_ROT=hadamard_rounds or 0, GROUP=group,
+                N_GROUPS=n_groups, NB=pow2(n_groups), BLOCK=block, GATED=gated,
+                COLS=block if hadamard else min(MATRIX_COLS, block), num_warps=WARPS[hadamard])
