@@ -69,8 +69,7 @@ def _append() -> tuple:
     pointers = {"x_ptr": "*bf16", "pool": "*u8", "x2_ptr": "*bf16", "pool2": "*u8", "table_ptr": "*i32",
                 "slots_ptr": "*i64", "pos_ptr": "*i64", "flags_ptr": "*u8", "rot_m": "*fp32", "bounds": "*fp32",
                 "cents": "*fp32", "tries": "*fp32", "ladder": "*fp32", "limit": "fp32", "rot_scale": "fp32"}
-    config = {**kv_append._launch_config(fmt.kernel_encoder(256), 256, fmt.row_bytes(256)), "PAGE_SIZE": 16}
-    config["BLOCK_M"] = kv_append.heads_block(config, 2)
+    config = kv_append.kernel_config(kv_append._launch_config(fmt.kernel_encoder(256), 256, fmt.row_bytes(256)), 2, 16)
     return kernel.kv_append_rows, pointers, config, ()
 
 

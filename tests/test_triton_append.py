@@ -260,8 +260,7 @@ def test_kernel_compiles_for_an_h100_without_one(name, dim):
     rows 2,360 instructions a thread, 1,568 with the page size a constexpr)."""
     from kvslim.gpu import _kv_append_kernel as kernel, cuobjdump
     fmt = formats.get(name, role="k")
-    config = {**gpu._launch_config(fmt.kernel_encoder(dim), dim, fmt.row_bytes(dim)), "PAGE_SIZE": 16}
-    config["BLOCK_M"] = gpu.heads_block(config, 2)                  # Qwen3.6's 2 KV heads
+    config = gpu.kernel_config(gpu._launch_config(fmt.kernel_encoder(dim), dim, fmt.row_bytes(dim)), 2, 16)
     num_warps = config.pop("num_warps")
     compiled = compile_for_sm90(kernel.kv_append_rows, POINTERS, config, num_warps)
     assert compiled.asm["cubin"] and spilled_bytes(compiled) <= 64
@@ -277,8 +276,7 @@ def test_a_tokens_rows_wait_on_memory_a_few_times(name, most):
     6 under Triton 3.9, 9 and 11 under 3.6."""
     from kvslim.gpu import _kv_append_kernel as kernel, cuobjdump, load_waves
     fmt = formats.get(name, role="v")
-    config = {**gpu._launch_config(fmt.kernel_encoder(256), 256, fmt.row_bytes(256)), "PAGE_SIZE": 16}
-    config["BLOCK_M"] = gpu.heads_block(config, 2)
+    config = gpu.kernel_config(gpu._launch_config(fmt.kernel_encoder(256), 256, fmt.row_bytes(256)), 2, 16)
     num_warps = config.pop("num_warps")
     compiled = compile_for_sm90(kernel.kv_append_rows, POINTERS, config, num_warps)
     assert load_waves(cuobjdump(compiled, "-sass")) <= most and spilled_bytes(compiled) <= 16

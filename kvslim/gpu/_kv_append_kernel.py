@@ -17,14 +17,13 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from ._rotation_kernel import K_CHUNK, hadamard, times_matrix
+from ._rotation_kernel import hadamard, times_matrix
 
 # The encoder kinds and float types, as kv_append.KINDS and FLOAT_TYPES number them (constexpr:
 # a jitted function reads no other globals).
 FLOAT, Q8_0, Q4_0, TURBO, GRID, IQ4_NL, Q4_1, Q5_0, Q5_1, GRID_SUB = (tl.constexpr(k) for k in range(10))
 F32, F16, BF16 = (tl.constexpr(k) for k in range(3))
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
-DOT_ROWS = tl.constexpr(16)      # tl.dot's least M: kv_append.DOT_ROWS
 
 
 @triton.jit
@@ -295,7 +294,8 @@ def _encode_grid_sub(y, out, live, table, mids, tries, ladder, N_TRIES: tl.const
 
 @triton.jit
 def _encode_turbo(x, x_at, out, live, rot_m, bounds, cents, limit, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                  NB: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, BLOCK_BYTES: tl.constexpr):
+                  NB: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, BLOCK_BYTES: tl.constexpr,
+                  ROT_STEP: tl.constexpr):
     """TurboQuant MSE per group of x (BLOCK_M, NB, BLOCK) (GROUP values, padded to BLOCK; read again
     at x_at (BLOCK_M, NB, 1) pointers for the product): the norm, the unit vector rotated by R
     (y = R u: fp32 products, ``times_matrix``), each value's bucket, scale norm / |centroids[codes]|.
@@ -303,13 +303,10 @@ def _encode_turbo(x, x_at, out, live, rot_m, bounds, cents, limit, GROUP: tl.con
     i = tl.arange(0, BLOCK)
     inside = i[None, None, :] < GROUP
     norm = tl.math.sqrt_rn(tl.sum(x * x, 2))
-    # R^T's element (k, j) is R[j, k]: rows at stride 1, columns at GROUP. At tl.dot's least rows
-    # (a token's heads x blocks, padded to 16) the whole matrix is one step, every load issued
-    # before the product (sm_90, 2 heads: 6 waits on memory, not 21, under Triton 3.9; 9 under 3.6);
-    # with more rows, 16 of R's rows a step (one step spilled there)
+    # R^T's element (k, j) is R[j, k]: rows at stride 1, columns at GROUP; ROT_STEP of its rows a
+    # tl.dot step (kv_append.kernel_config: all of them at 16 rows)
     y = times_matrix(x_at, live[:, :, None], rot_m, 1, GROUP, tl.maximum(norm, 1e-30)[:, :, None], GROUP,
-                     BLOCK_M * NB, BLOCK, BLOCK, 0, DIVIDE=True,
-                     STEP=BLOCK if BLOCK_M * NB <= DOT_ROWS else K_CHUNK)
+                     BLOCK_M * NB, BLOCK, BLOCK, 0, DIVIDE=True, STEP=ROT_STEP)
     codes = _count_below(tl.reshape(y, (BLOCK_M, NB, BLOCK)), bounds, (1 << BITS) - 1)
     c = tl.where(inside, tl.load(cents + codes), 0.0)
     scale = _div(norm, tl.math.sqrt_rn(tl.sum(c * c, 2)))
@@ -327,7 +324,8 @@ def kv_append_rows(x_ptr, pool, table_ptr, slots_ptr, pos_ptr, flags_ptr, rot_m,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                    KIND: tl.constexpr, FLOAT_TYPE: tl.constexpr, ROT: tl.constexpr, LOG2_ROT: tl.constexpr,
                    GROUP: tl.constexpr, N_BLOCKS: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
-                   BITS: tl.constexpr, BLOCK_BYTES: tl.constexpr, N_TRIES: tl.constexpr, PAGE_SIZE: tl.constexpr):
+                   BITS: tl.constexpr, BLOCK_BYTES: tl.constexpr, N_TRIES: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                   ROT_STEP: tl.constexpr):
     """Token t = program_id(0)'s rows of x (its n_kv heads, HEAD_DIM each; heads contiguous, tokens
     x_stride apart: the K or V columns of a fused projection), BLOCK_M heads a program from head
     program_id(1) * BLOCK_M -> their packed bytes at each head's pool (n_kv, pool_rows, row_bytes)
@@ -360,7 +358,7 @@ def kv_append_rows(x_ptr, pool, table_ptr, slots_ptr, pos_ptr, flags_ptr, rot_m,
         x = tl.load(x_row[:, None, None] + b * GROUP + i, mask=m3, other=0.0)
         live = r_live[:, None] & (tl.arange(0, NB)[None, :] < N_BLOCKS)
         bad = _encode_turbo(x.to(tl.float32), x_row[:, None, None] + b * GROUP, out[:, None], live, rot_m, bounds,
-                            cents, limit, GROUP, BLOCK_M, NB, BLOCK, BITS, BLOCK_BYTES)
+                            cents, limit, GROUP, BLOCK_M, NB, BLOCK, BITS, BLOCK_BYTES, ROT_STEP)
     else:
         d = tl.arange(0, BLOCK_D)[None, :]
         mask = r_live[:, None] & (d < HEAD_DIM)

@@ -99,11 +99,18 @@ def _launch_config(enc, head_dim: int, row_bytes: int) -> dict:
                 num_warps=8 if enc.kind == "turbo" and block >= 128 else 4)
 
 
-def heads_block(config: dict, n_kv: int) -> int:
-    """BLOCK_M, the rows of one token a program encodes: its KV heads (a power of two, at most
-    MAX_HEADS), and for turbo's rotation at least DOT_ROWS rows with the blocks (dead rows masked)."""
+def kernel_config(config: dict, n_kv: int, page_size: int) -> dict:
+    """A launch's constexprs: ``_launch_config``'s for the format, the pool's PAGE_SIZE, and BLOCK_M,
+    the rows of one token a program encodes: its KV heads (a power of two, at most MAX_HEADS), for
+    turbo at least DOT_ROWS with the blocks (dead rows masked). ROT_STEP: turbo's rotation takes
+    the whole matrix in one tl.dot step at DOT_ROWS rows (every load before the product: sm_90,
+    2 heads, 6 waits on memory, not 21, under Triton 3.9, 9 under 3.6), 16 of its rows a step
+    past them (one step spilled)."""
     rows = min(pow2(n_kv), MAX_HEADS)
-    return max(rows, DOT_ROWS // config["NB"]) if config["KIND"] == KINDS["turbo"] else rows
+    if config["KIND"] == KINDS["turbo"]:
+        rows = max(rows, DOT_ROWS // config["NB"])
+    one_step = rows * config["NB"] <= DOT_ROWS
+    return {**config, "PAGE_SIZE": page_size, "BLOCK_M": rows, "ROT_STEP": config["BLOCK"] if one_step else 16}
 
 
 def append(fmt, x: torch.Tensor, pool: torch.Tensor, table: torch.Tensor, slots: torch.Tensor,
@@ -171,9 +178,8 @@ def _append(sides: list, table: torch.Tensor, slots: torch.Tensor, positions: to
     (x, pool), (x2, pool2) = rows[0], rows[-1]
     if not n_tokens:
         return
-    block_m = heads_block(config, n_kv)
-    _kernel().kv_append_rows[(n_tokens, -(-n_kv // block_m), len(sides))](
+    config = kernel_config(config, n_kv, pool.shape[2])
+    _kernel().kv_append_rows[(n_tokens, -(-n_kv // config["BLOCK_M"]), len(sides))](
         x, pool, table, slots.contiguous(), positions.contiguous(), flags, *_tables(*_key(fmt, dim), str(x.device)),
         n_kv, pool.shape[1] * pool.shape[2], pool.shape[3], table.stride(0), x.stride(0), limit,
-        rot_scale, x2, pool2, x2.stride(0), PAGE_SIZE=pool.shape[2], BLOCK_M=block_m, enable_fp_fusion=False,
-        **config)   # x * id + 8.5 rounds twice, as torch
+        rot_scale, x2, pool2, x2.stride(0), enable_fp_fusion=False, **config)   # x * id + 8.5 rounds twice, as torch
