@@ -83,7 +83,10 @@ def test_bad_shapes_are_named():
 
 def test_conv_step_compiles_for_an_h100_without_one():
     """A 35B-A3B layer's step: bf16 rows of the projection, float32 states, width 4."""
-    from kvslim.gpu import _conv_step_kernel as kernel
+    from kvslim.gpu import _conv_step_kernel as kernel, cuobjdump, load_waves
     pointers = {"x_ptr": "*bf16", "state_ptr": "*fp32", "slots_ptr": "*i64", "w_ptr": "*bf16", "out_ptr": "*fp32"}
     constexprs = {"K": 4, "BLOCK_C": gpu.BLOCK_C, "BLOCK_K": 4}
-    assert compile_for_sm90(kernel.conv_step, pointers, constexprs, 4).asm["cubin"]
+    compiled = compile_for_sm90(kernel.conv_step, pointers, constexprs, 4)
+    # the slot, then x, the held inputs and the weights at once, x read straight into its 2D
+    # columns (``conv_operands``): widened from a 1D load through shared memory it was 3 waits
+    assert load_waves(cuobjdump(compiled, "-sass")) == 2

@@ -16,7 +16,7 @@ from kvslim.gpu import available
 from kvslim.gpu import delta_step as gpu
 from kvslim.models.delta_rule import gated_delta_decode
 
-from .triton_harness import compile_for_sm90, compiled_process, run_interpreted
+from .triton_harness import compile_for_sm90, compiled_process, run_interpreted, spilled_bytes
 
 pytestmark = pytest.mark.skipif(not available(), reason="triton is not installed: no GPU kernel to check")
 
@@ -213,26 +213,45 @@ def test_bad_shapes_are_named():
         gpu.delta_step(*args, torch.zeros(3, 2, 8, 4), torch.arange(2), out=torch.zeros(2, 2, 5))
 
 
+# a Qwen3.6-35B-A3B layer's step, for sm_90: bf16 rows of the projection, float32 states, dk = dv = 128
+POINTERS = {**{f"{t}_ptr": "*bf16" for t in ("q", "k", "v", "a", "b", "out", "z")}, "a_log_ptr": "*fp32",
+            "dt_bias_ptr": "*fp32", "state_ptr": "*fp32", "slots_ptr": "*i64", "scale": "fp32", "eps": "fp32",
+            "norm_ptr": "*fp32", "norm_eps": "fp32", "parts_ptr": "*fp32", "count_ptr": "*i32",
+            "conv_ptr": "*fp32", "conv_w_ptr": "*bf16", "conv_count_ptr": "*i32"}
+STEP = {"DK": 128, "DV": 128, "BLOCK_K": 128, "BLOCK_V": gpu.BLOCK_V}
+NORM = {"NORM": True, "BLOCK_DV": 128}
+CONV = {"CONV": 4, "BLOCK_CK": 4}
+
+
 def test_delta_step_compiles_for_an_h100_without_one():
-    """A Qwen3.6-35B-A3B layer's step: bf16 rows of the projection, float32 states, dk = dv = 128."""
     from kvslim.gpu import _delta_step_kernel as kernel
-    pointers = {**{f"{t}_ptr": "*bf16" for t in ("q", "k", "v", "a", "b", "out")}, "a_log_ptr": "*fp32",
-                "dt_bias_ptr": "*fp32", "state_ptr": "*fp32", "slots_ptr": "*i64", "scale": "fp32", "eps": "fp32"}
-    constexprs = {"DK": 128, "DV": 128, "BLOCK_K": 128, "BLOCK_V": gpu.BLOCK_V}
-    assert compile_for_sm90(kernel.delta_step, pointers, constexprs, 1).asm["cubin"]
+    assert compile_for_sm90(kernel.delta_step, POINTERS, STEP, 1).asm["cubin"]
+
+
+@pytest.mark.parametrize("folds,before,most", [({}, 3, 3), (NORM, 3, 4), ({**NORM, **CONV}, 2, 4)],
+                         ids=["step", "norm", "conv-norm"])
+def test_a_programs_loads_go_out_together(folds, before, most):
+    """sm_90's SASS (``gpu.load_waves``): every load goes out at once behind the slot's (the
+    state's address needs it), so a program stops on memory twice before its first counter's
+    fence, and the last programs once more each (the conv's re-reads its held q and k to shift
+    them, the norm's reads the head's o); no spills. Loaded where each was used, the step with
+    its conv and norm (the model's launch) stopped 4 times before the conv's counter and 12 in
+    all (11 under Triton 3.6), the slot loaded again past the counter's fence, then the state;
+    with the norm alone 3 and 5 (4 and 5). Without the conv, Triton 3.6 widens q and k through
+    shared memory as they arrive: one wait more there (3), none under 3.9 (2)."""
+    from kvslim.gpu import _delta_step_kernel as kernel, cuobjdump, load_waves
+    compiled = compile_for_sm90(kernel.delta_step, POINTERS, {**STEP, **folds}, 1)
+    sass = cuobjdump(compiled, "-sass")
+    fence = sass.find("MEMBAR")
+    assert load_waves(sass[:fence] if fence > 0 else sass) <= before and load_waves(sass) <= most
+    assert spilled_bytes(compiled) == 0
 
 
 def test_delta_step_with_its_conv_compiles_with_its_ordering():
     """The step that also takes the conv (and the norm), for sm_90: no local memory; the v
     state's shift before, and q's and k's after, the (sequence, key head) counter's atomic."""
     from kvslim.gpu import _delta_step_kernel as kernel
-    pointers = {**{f"{t}_ptr": "*bf16" for t in ("q", "k", "v", "a", "b", "out", "z")}, "a_log_ptr": "*fp32",
-                "dt_bias_ptr": "*fp32", "state_ptr": "*fp32", "slots_ptr": "*i64", "scale": "fp32", "eps": "fp32",
-                "norm_ptr": "*fp32", "norm_eps": "fp32", "parts_ptr": "*fp32", "count_ptr": "*i32",
-                "conv_ptr": "*fp32", "conv_w_ptr": "*bf16", "conv_count_ptr": "*i32"}
-    constexprs = {"DK": 128, "DV": 128, "BLOCK_K": 128, "BLOCK_V": gpu.BLOCK_V, "NORM": True, "BLOCK_DV": 128,
-                  "CONV": 4, "BLOCK_CK": 4}
-    ptx = compile_for_sm90(kernel.delta_step, pointers, constexprs, 1).asm["ptx"]
+    ptx = compile_for_sm90(kernel.delta_step, POINTERS, {**STEP, **NORM, **CONV}, 1).asm["ptx"]
     assert ".local" not in ptx
     counted = ptx.index("atom.global.gpu.acq_rel.add")                   # the conv's counter comes first
     assert "bar.sync" in ptx[ptx.rindex("st.global", 0, counted):counted]
@@ -243,11 +262,7 @@ def test_delta_step_with_its_norm_compiles_with_its_ordering():
     """The step that also applies the output norm, for sm_90: each program's store of its o
     columns, a barrier, then the acq_rel atomic; the head's o read back from L2 after it."""
     from kvslim.gpu import _delta_step_kernel as kernel
-    pointers = {**{f"{t}_ptr": "*bf16" for t in ("q", "k", "v", "a", "b", "out", "z")}, "a_log_ptr": "*fp32",
-                "dt_bias_ptr": "*fp32", "state_ptr": "*fp32", "slots_ptr": "*i64", "scale": "fp32", "eps": "fp32",
-                "norm_ptr": "*fp32", "norm_eps": "fp32", "parts_ptr": "*fp32", "count_ptr": "*i32"}
-    constexprs = {"DK": 128, "DV": 128, "BLOCK_K": 128, "BLOCK_V": gpu.BLOCK_V, "NORM": True, "BLOCK_DV": 128}
-    ptx = compile_for_sm90(kernel.delta_step, pointers, constexprs, 1).asm["ptx"]
+    ptx = compile_for_sm90(kernel.delta_step, POINTERS, {**STEP, **NORM}, 1).asm["ptx"]
     counted = ptx.index("atom.global.gpu.acq_rel.add")
     assert "bar.sync" in ptx[ptx.rindex("st.global", 0, counted):counted]
     assert "ld.global.cg" in ptx[counted:] and "atom.global.gpu.relaxed.exch" in ptx[counted:]

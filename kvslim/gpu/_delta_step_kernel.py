@@ -6,7 +6,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from ._codecs import last_to_arrive, rearm, sigmoid, stored_as
-from ._conv_step_kernel import conv_silu, shift
+from ._conv_step_kernel import conv_operands, silu_conv, store_shifted
 from ._gated_norm_kernel import gated_normed
 
 
@@ -44,24 +44,29 @@ def delta_step(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_
     cols = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     rows = tl.arange(0, BLOCK_K)
     kh = h // (HV // HK)
-    if CONV > 0:
-        q, k, v = _convolved(q_ptr + s * q_stride, conv_ptr + tl.load(slots_ptr + s).to(tl.int64) * conv_slot_stride,
-                             conv_w_ptr, conv_count_ptr + s * HK + kh, rows, cols, kh, h, HK, HV, DK, DV, CONV,
-                             BLOCK_CK)
-    else:
+    # every load first, the state's (behind the slot's) among them: a program waits on memory
+    # twice (the slot, then everything else) before its counters, where a load after each use
+    # waited four times with the conv (and after the conv's counter, twice more)
+    slot = tl.load(slots_ptr + s).to(tl.int64)
+    tile = (rows < DK)[:, None] & (cols < DV)[None, :]
+    at = state_ptr + (slot * HV + h) * (DK * DV) + rows[:, None] * DV + cols[None, :]
+    state = tl.load(at, mask=tile, other=0.0)
+    x = tl.load(a_ptr + s * a_stride + h).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
+    a_log = tl.load(a_log_ptr + h).to(tl.float32)
+    b = tl.load(b_ptr + s * b_stride + h).to(tl.float32)
+    if CONV == 0:
         q = tl.load(q_ptr + s * q_stride + kh * DK + rows, mask=rows < DK, other=0.0).to(tl.float32)
         k = tl.load(k_ptr + s * k_stride + kh * DK + rows, mask=rows < DK, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + s * v_stride + h * DV + cols, mask=cols < DV, other=0.0).to(tl.float32)
+    else:
+        tl.debug_barrier()      # those loads go out here, not held back until the conv's counter needs them
+        q, k, v = _convolved(q_ptr + s * q_stride, conv_ptr + slot * conv_slot_stride, conv_w_ptr,
+                             conv_count_ptr + s * HK + kh, rows, cols, kh, h, HK, HV, DK, DV, CONV, BLOCK_CK)
     q, k = _unit(q, eps) * scale, _unit(k, eps)
-    x = tl.load(a_ptr + s * a_stride + h).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
     softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))     # torch's threshold
-    decay = tl.exp(-tl.exp(tl.load(a_log_ptr + h).to(tl.float32)) * softplus)
-    beta = sigmoid(tl.load(b_ptr + s * b_stride + h).to(tl.float32))
-    tile = (rows < DK)[:, None] & (cols < DV)[None, :]
-    at = state_ptr + (tl.load(slots_ptr + s).to(tl.int64) * HV + h) * (DK * DV) + rows[:, None] * DV + cols[None, :]
-    state = tl.load(at, mask=tile, other=0.0) * decay
+    state *= tl.exp(-tl.exp(a_log) * softplus)
     predicted = tl.sum(state * k[:, None], axis=0)                   # S^T k: what the state recalls for k
-    state += k[:, None] * ((v - predicted) * beta)[None, :]
+    state += k[:, None] * ((v - predicted) * sigmoid(b))[None, :]
     tl.store(at, state, mask=tile)
     o = tl.sum(state * q[:, None], axis=0)
     if NORM:
@@ -76,18 +81,23 @@ def _convolved(x_ptr, conv_ptr, w_ptr, counter, rows, cols, kh, h, HK, HV, DK: t
                K: tl.constexpr, BLOCK_K: tl.constexpr):
     """The program's q and k (key head kh's channels) and v (value head h's columns ``cols``),
     float32, from the raw [Q | K | V] row at x_ptr through the layer's conv and silu
-    (``_conv_step_kernel.conv_silu``: ``conv_step``'s bits), its state at conv_ptr updated
-    in place (``shift``) once every program has read it: v's columns by the program that owns
-    them, q's and k's (which all the key head's programs read) by the last of them to count
-    itself in the (sequence, key head) counter (``last_to_arrive``, ``rearm``)."""
+    (``_conv_step_kernel.conv_operands``, ``silu_conv``: ``conv_step``'s bits), its state at
+    conv_ptr updated in place once every program has read it: v's columns by the program that
+    owns them, q's and k's (which all the key head's programs read) by the last of them to count
+    itself in the (sequence, key head) counter (``last_to_arrive``, ``rearm``), from the shifted
+    inputs it read before counting (every program read the same: none is written before the last
+    counts), not read again."""
     q_at, k_at, v_at = kh * DK + rows, HK * DK + kh * DK + rows, 2 * HK * DK + h * DV + cols
-    q = conv_silu(x_ptr, conv_ptr, w_ptr, q_at, rows < DK, K, BLOCK_K)
-    k = conv_silu(x_ptr, conv_ptr, w_ptr, k_at, rows < DK, K, BLOCK_K)
-    v = conv_silu(x_ptr, conv_ptr, w_ptr, v_at, cols < DV, K, BLOCK_K)
-    shift(x_ptr, conv_ptr, v_at, cols < DV, K, BLOCK_K)
+    q_window, q_weight, _ = conv_operands(x_ptr, conv_ptr, w_ptr, q_at, rows < DK, K, BLOCK_K)
+    k_window, k_weight, _ = conv_operands(x_ptr, conv_ptr, w_ptr, k_at, rows < DK, K, BLOCK_K)
+    v_window, v_weight, v_shifted = conv_operands(x_ptr, conv_ptr, w_ptr, v_at, cols < DV, K, BLOCK_K)
+    q, k, v = silu_conv(q_window, q_weight), silu_conv(k_window, k_weight), silu_conv(v_window, v_weight)
+    store_shifted(conv_ptr, v_at, cols < DV, v_shifted, K, BLOCK_K)
     if last_to_arrive(counter, (HV // HK) * tl.num_programs(2)):
-        shift(x_ptr, conv_ptr, q_at, rows < DK, K, BLOCK_K)
-        shift(x_ptr, conv_ptr, k_at, rows < DK, K, BLOCK_K)
+        _, _, q_shifted = conv_operands(x_ptr, conv_ptr, w_ptr, q_at, rows < DK, K, BLOCK_K)
+        _, _, k_shifted = conv_operands(x_ptr, conv_ptr, w_ptr, k_at, rows < DK, K, BLOCK_K)
+        store_shifted(conv_ptr, q_at, rows < DK, q_shifted, K, BLOCK_K)
+        store_shifted(conv_ptr, k_at, rows < DK, k_shifted, K, BLOCK_K)
         rearm(counter)
     return q, k, v
 
@@ -107,9 +117,9 @@ def _last_head_norms(parts_ptr, count_ptr, out_ptr, z_ptr, norm_ptr, o, s, h, co
     if last_to_arrive(counter, tl.num_programs(2)):
         c = tl.arange(0, BLOCK_DV)
         ok = c < DV
-        x = tl.load(parts_ptr + row + c, mask=ok, other=0.0, cache_modifier=".cg")[None, :]
         z = tl.load(z_ptr + s * z_stride + h * DV + c, mask=ok, other=0.0).to(tl.float32)[None, :]
         w = tl.load(norm_ptr + c, mask=ok, other=0.0).to(tl.float32)
+        x = tl.load(parts_ptr + row + c, mask=ok, other=0.0, cache_modifier=".cg")[None, :]
         y = gated_normed(x, z, w, DV, eps)
         tl.store(out_ptr + row + c[None, :], stored_as(y, out_ptr), mask=ok[None, :])
         rearm(counter)
