@@ -166,12 +166,23 @@ def test_delta_step_with_the_output_norm_on_cuda(case):
     _check_normed(case, got.cpu(), state.cpu(), CASES.index(case))
 
 
-def _check_conv(case, runs: tuple, seed: int) -> None:
+def _check_conv(case, runs: tuple, seed: int, exact: bool = True) -> None:
     """The step with the conv in its launch gives the bits of the conv's launch then the step's:
     output, every slot's recurrent state and every slot's conv state (the idle slots' as they
-    were); and the conv states moved by one input for the chosen slots."""
+    were); and the conv states moved by one input for the chosen slots. Compiled (``exact``
+    False), the two launches' sums over a head's 128 rows may take another order: the compiler
+    lays q out as the conv's sums leave it in one (4 rows 32 apart a thread, sm_90's TTGIR) and
+    as loaded in the other (4 consecutive rows), and the state tile likewise; their outputs
+    then agree within a rounding of v's type and their states within float32 ulps, and the conv
+    states (copies) stay exact. The interpreter's sums have one order, so its bits are equal."""
     (got, state, conv), (want, want_state, want_conv) = runs
-    assert torch.equal(got, want) and torch.equal(state, want_state) and torch.equal(conv, want_conv)
+    assert torch.equal(conv, want_conv)
+    if exact:
+        assert torch.equal(got, want) and torch.equal(state, want_state)
+    else:
+        ulp = torch.finfo(got.dtype).eps * want.float().abs()
+        assert ((got.float() - want.float()).abs() <= ulp + 1e-6).all(), (got.float() - want.float()).abs().max()
+        torch.testing.assert_close(state, want_state, atol=1e-6, rtol=1e-5)
     *_, before, slots, conv_before, _ = _conv_inputs(case, seed)
     idle = torch.ones(before.shape[0], dtype=torch.bool)
     idle[slots] = False
@@ -190,7 +201,7 @@ def test_the_conv_in_the_steps_launch_is_the_conv_launchs(interpreted, case):
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_the_conv_in_the_steps_launch_on_cuda(case):
     compiled_process()
-    _check_conv(case, _conv_runs(case, CASES.index(case), cuda=True), CASES.index(case))
+    _check_conv(case, _conv_runs(case, CASES.index(case), cuda=True), CASES.index(case), exact=False)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the compiled kernel waits for a GPU")
