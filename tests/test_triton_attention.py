@@ -26,7 +26,8 @@ from kvslim.gpu import paged_decode as gpu
 from kvslim.gpu import paged_prefill
 
 from .test_native_attention import _case, _torch_state
-from .triton_harness import check_state, compile_for_sm90, compiled_process, resource_usage, run_interpreted
+from .triton_harness import (check_state, compile_for_sm90, compiled_process, resource_usage, run_interpreted,
+                             spilled_bytes)
 
 pytestmark = pytest.mark.skipif(not kvslim.gpu.available(), reason="triton is not installed: no GPU kernel to check")
 
@@ -636,7 +637,13 @@ def test_the_merge_compiles_for_an_h100_without_one(store):
     pointers = {name: "*fp32" for name in ("m_ptr", "l_ptr", "acc_ptr", "m_out", "l_out", "acc_out")}
     pointers.update({"acc_out": "*bf16", "gate_ptr": "*bf16"} if store == "gated" else {})
     constexprs = {"HEAD_DIM": 256, **paged_prefill.MERGE_TILE, "NORMALISE": store != "state", "GATED": store == "gated"}
-    assert compile_for_sm90(kernel.merge_splits, pointers, constexprs, 4).asm["cubin"]
+    compiled = compile_for_sm90(kernel.merge_splits, pointers, constexprs, 4)
+    assert compiled.asm["cubin"] and spilled_bytes(compiled) == 0
+    # both passes' blocks fetched ahead by cp.async (LDGSTS): a plain loop, which Triton pipelines
+    # only when asked, waited on memory at every block (8 a pass at 128K keys' 256 splits)
+    from kvslim.gpu import cuobjdump, loop_ops
+    sass = cuobjdump(compiled, "-sass")
+    assert any(op.startswith("LDGSTS") for op in loop_ops(sass))
 
 
 @pytest.mark.parametrize("name_k,name_v,dim,rows", [("turbo4", "turbo4", 256, 8), ("q8_0", "q4_0", 128, 4),

@@ -187,6 +187,9 @@ def _fold(m_i, l_i, acc, scores, v, DOT: tl.constexpr):
     return m_new, l_i, acc
 
 
+MERGE_STAGES = tl.constexpr(3)
+
+
 @triton.jit
 def merge_splits(m_ptr, l_ptr, acc_ptr, m_out, l_out, acc_out, n_splits, n_rows, n_seq, o_heads, o_seqs, o_rows,
                  gate_ptr, g_heads, g_seqs, g_rows,
@@ -207,7 +210,10 @@ def merge_splits(m_ptr, l_ptr, acc_ptr, m_out, l_out, acc_out, n_splits, n_rows,
     r_live = r < n_rows
     first = hs * n_splits * n_rows                                      # split 0, row 0 of this head and sequence
     tops = tl.full([BLOCK_S, BLOCK_R], float("-inf"), tl.float32)
-    for start in range(0, n_splits, BLOCK_S):
+    # both passes' loads a few blocks ahead (cp.async into shared memory, Triton's pipeliner, which
+    # takes a loop without tl.dot only when asked): a program a head's rows at -np 1 (128K keys:
+    # 256 splits, 8 blocks a pass) waited on memory once a block; the sums keep their order
+    for start in tl.range(0, n_splits, BLOCK_S, num_stages=MERGE_STAGES):
         live = (start + s < n_splits)[:, None] & r_live[None, :]
         at = first + (start + s)[:, None] * n_rows + r[None, :]         # (BLOCK_S, BLOCK_R) states
         tops = tl.maximum(tops, tl.load(m_ptr + at, mask=live, other=float("-inf")))
@@ -215,7 +221,7 @@ def merge_splits(m_ptr, l_ptr, acc_ptr, m_out, l_out, acc_out, n_splits, n_rows,
     safe = tl.where(top == float("-inf"), 0.0, top)
     sums = tl.zeros([BLOCK_S, BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-    for start in range(0, n_splits, BLOCK_S):
+    for start in tl.range(0, n_splits, BLOCK_S, num_stages=MERGE_STAGES):
         live = (start + s < n_splits)[:, None] & r_live[None, :]
         at = first + (start + s)[:, None] * n_rows + r[None, :]
         weight = tl.exp(tl.load(m_ptr + at, mask=live, other=float("-inf")) - safe[None, :])
