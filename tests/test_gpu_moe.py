@@ -221,11 +221,17 @@ def test_the_router_gemv_compiles_with_its_ordering():
     pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "parts_ptr": "*fp32", "count_ptr": "*i32", "gate_ptr": "*bf16",
                 "weights_ptr": "*bf16", "ids_ptr": "*i64"}
     constexprs = dict(gpu.ROUTER_TILE, GATES=1, K=8, BLOCK_E=256, BLOCK_G=1, BLOCK_K=8, RENORMALIZE=True)
-    ptx = compile_for_sm90(kernel.router_gemv, pointers, constexprs, 4).asm["ptx"]
+    compiled = compile_for_sm90(kernel.router_gemv, pointers, constexprs, 4)
+    ptx = compiled.asm["ptx"]
     counted = ptx.index("atom.global.gpu.acq_rel.add")
     assert "bar.sync" in ptx[ptx.rindex("st.global", 0, counted):counted]
     assert "ld.global.cg" in ptx[counted:] and "atom.global.gpu.relaxed.exch" in ptx[counted:]
     assert ".local" not in ptx
+    # the last program's sums, the gates' then the logits', each a wave of up to 8 splits
+    # (``split_sums``), where it loaded and added a split at a time (the tail's SASS: 8 waits)
+    from kvslim.gpu import cuobjdump, load_waves
+    sass = cuobjdump(compiled, "-sass")
+    assert load_waves(sass[sass.index("ATOMG.E.ADD"):]) <= 2
 
 
 # (tokens, top k, features, dtype of the output and of the shared expert's)

@@ -940,10 +940,16 @@ def test_the_last_programs_sums_compile_with_their_ordering(swiglu):
     num_warps = config.pop("num_warps")
     pointers = dict(POINTERS, x_ptr="*bf16", y_ptr="*bf16", parts_ptr="*fp32", count_ptr="*i32")
     constexprs = dict(config, TYPE=int(weights.get("q4_0").ggml_type), SWIGLU=swiglu, LAST_SUMS=True)
-    ptx = compile_for_sm90(kernel.quant_gemv, pointers, constexprs, num_warps).asm["ptx"]
+    compiled = compile_for_sm90(kernel.quant_gemv, pointers, constexprs, num_warps)
+    ptx = compiled.asm["ptx"]
     counted = ptx.index("atom.global.gpu.acq_rel.add")
     assert "bar.sync" in ptx[ptx.rindex("st.global", 0, counted):counted]
     assert "ld.global.cg" in ptx[counted:] and "atom.global.gpu.relaxed.exch" in ptx[counted:]
+    # up to 8 splits' partials (and up's) loaded at once, then added in order (``split_sums``): one
+    # wait on L2 past the counter, where a split at a time waited once a split (4 to 8 at decode)
+    from kvslim.gpu import cuobjdump, load_waves
+    sass = cuobjdump(compiled, "-sass")
+    assert load_waves(sass[sass.index("ATOMG.E.ADD"):]) == 1
 
 
 @pytest.mark.parametrize("name,swiglu", [(t, swiglu) for t in ("q4_0", "q4_k", "q6_k") for swiglu in (False, True)])

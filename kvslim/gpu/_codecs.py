@@ -49,6 +49,30 @@ def last_to_arrive(counter_ptr, expected):
     return tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == expected - 1
 
 
+# Splits whose partials a last program loads at once, then adds in order (a decode GEMV or router
+# has 1 to 8: ``quant_matmul.split_count``). Loaded and added one by one, each split was a round
+# trip to L2 on the launch's tail.
+SPLITS_AT_ONCE = tl.constexpr(8)
+
+
+@triton.jit
+def split_sums(ptr, stride, n_splits, mask, up, PAIR: tl.constexpr = False):
+    """The last program's sums of the other programs' float32 partials: sum over s < n_splits
+    of ptr[s * stride], in split order (``sum_splits``' order: the same bits whichever program
+    sums), read from L2 (``last_to_arrive``); with PAIR, also of ptr[s * stride + up] (a SwiGLU
+    pair's up half), in the same loads' wave. A split past the last adds 0.0, which leaves the
+    bits as they were: a sum from +0.0 is never -0.0, and x + 0.0 = x for any other x."""
+    total = tl.zeros(mask.shape, tl.float32)
+    up_total = tl.zeros(mask.shape, tl.float32)
+    for first in range(0, n_splits, SPLITS_AT_ONCE):
+        for i in tl.static_range(SPLITS_AT_ONCE):       # (the interpreter makes a mask & a scalar int32: broadcast)
+            ok = mask & (tl.zeros(mask.shape, tl.int32) + first + i < n_splits)
+            total += tl.load(ptr + (first + i) * stride, mask=ok, other=0.0, cache_modifier=".cg")
+            if PAIR:
+                up_total += tl.load(ptr + (first + i) * stride + up, mask=ok, other=0.0, cache_modifier=".cg")
+    return total, up_total
+
+
 @triton.jit
 def rearm(counter_ptr):
     """The last program's counter back to 0 for the next launch (``last_to_arrive``)."""

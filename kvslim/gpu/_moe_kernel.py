@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from ._codecs import last_to_arrive, rearm, sigmoid, stored_as
+from ._codecs import last_to_arrive, rearm, sigmoid, split_sums, stored_as
 
 
 @triton.jit
@@ -79,24 +79,13 @@ def router_gemv(x_ptr, w_ptr, parts_ptr, count_ptr, gate_ptr, weights_ptr, ids_p
     tl.store(parts_ptr + (split * n_tokens + t) * R + rows, acc, mask=rows < R)
     if last_to_arrive(count_ptr + t, tl.num_programs(0) * n_splits):
         g = tl.arange(0, BLOCK_G)
-        gates = _split_sums(parts_ptr + t * R, n_tokens * R, g, g < GATES)
+        gates, _ = split_sums(parts_ptr + t * R + g, n_tokens * R, n_splits, g < GATES, 0)
         tl.store(gate_ptr + t * GATES + g, stored_as(gates, gate_ptr), mask=g < GATES)
         e = tl.arange(0, BLOCK_E)
-        logits = _split_sums(parts_ptr + t * R + GATES, n_tokens * R, e, e < R - GATES)
+        logits, _ = split_sums(parts_ptr + t * R + GATES + e, n_tokens * R, n_splits, e < R - GATES, 0)
         logits = tl.where(e < R - GATES, stored_as(logits, x_ptr).to(tl.float32), float("-inf"))
         _top_k(logits, e, weights_ptr, ids_ptr, t.to(tl.int64), K, BLOCK_K, RENORMALIZE)
         rearm(count_ptr + t)
-
-
-@triton.jit
-def _split_sums(row_ptr, split_stride, cols, live):
-    """Columns ``cols`` of a row's float32 partials (one every split_stride elements, a split's
-    after the other) summed in split order, read from L2 (the other programs' stores:
-    ``last_to_arrive``)."""
-    total = tl.zeros(cols.shape, tl.float32)
-    for s in range(0, tl.num_programs(1)):
-        total += tl.load(row_ptr + s * split_stride + cols, mask=live, other=0.0, cache_modifier=".cg")
-    return total
 
 
 @triton.jit

@@ -37,7 +37,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from ._add_norm_kernel import added_norm
-from ._codecs import f16_aligned, f16_at, last_to_arrive, rearm, sigmoid, stored_as
+from ._codecs import f16_aligned, f16_at, last_to_arrive, rearm, sigmoid, split_sums, stored_as
 from ._moe_kernel import gated_sum
 
 # ggml type ids (gguf.GGMLQuantizationType), the kernels' TYPE
@@ -868,13 +868,8 @@ def _last_split_sums(parts_ptr, count_ptr, y_ptr, acc, up, m, rows, live, M, N, 
         tl.store(parts_ptr + at + N, up, mask=live)
     last = last_to_arrive(count_ptr + tile, n_splits)
     if last:
-        total = tl.zeros(acc.shape, tl.float32)
-        up_total = tl.zeros(acc.shape, tl.float32)
-        for s in range(0, n_splits):
-            at = (s * M + m[:, None]) * width + rows[None, :]
-            total += tl.load(parts_ptr + at, mask=live, other=0.0, cache_modifier=".cg")
-            if SWIGLU:
-                up_total += tl.load(parts_ptr + at + N, mask=live, other=0.0, cache_modifier=".cg")
+        total, up_total = split_sums(parts_ptr + m[:, None] * width + rows[None, :], M * width, n_splits, live, N,
+                                     SWIGLU)
         if SWIGLU:
             total = _silu_mul(total, up_total)
         tl.store(y_ptr + m[:, None] * N + rows[None, :], stored_as(total, y_ptr), mask=live)
