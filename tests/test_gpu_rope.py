@@ -189,6 +189,13 @@ def test_norm_rope_compiles_for_an_h100_without_one():
                 "eps": "fp32"}
     pointers.update(k_ptr="*bf16", k_w_ptr="*bf16", k_out_ptr="*bf16")
     constexprs = {"D": 256, "ROT": 64, "NORM": 2, "BLOCK_D": 256}
-    assert compile_for_sm90(kernel.norm_rope, pointers, constexprs, 2).asm["cubin"]
+    compiled = compile_for_sm90(kernel.norm_rope, pointers, constexprs, 2,
+                                ("row_stride", "head_stride", "table_stride", "k_row_stride", "k_head_stride"))
+    # every load issued before the norm's sum and its barrier (Triton 3.9: one wait on memory;
+    # 3.6 waits on x first, the rest arriving during the sum); issued after it, the weights',
+    # the partners' and the tables' loads were a second round trip
+    from kvslim.gpu import cuobjdump
+    sass = cuobjdump(compiled, "-sass")
+    assert sass.count("LDG") == sass[:sass.index("BAR.SYNC")].count("LDG") > 0
     tables = {"positions_ptr": "*i64", "inv_freq_ptr": "*fp32", "cos_ptr": "*bf16", "sin_ptr": "*bf16"}
     assert compile_for_sm90(kernel.rope_tables, tables, {"HALF": 32, "BLOCK_N": 16, "BLOCK_F": 32}, 1).asm["cubin"]

@@ -952,6 +952,23 @@ def test_the_last_programs_sums_compile_with_their_ordering(swiglu):
     assert load_waves(sass[sass.index("ATOMG.E.ADD"):]) == 1
 
 
+def test_the_gemvs_add_and_norm_wait_on_memory_twice():
+    """A mixer's output projection as a decode step launches it (1-row Q4_0, bf16, split K, the
+    residual add and norm by the last program, 2,048 features; ints divisible by 16 as a launch
+    marks them), for sm_90: past the second counter, the residual, y and the norm's weights load
+    in two waves. The weights were loaded after sum's store, which they may alias: 4 waits."""
+    from kvslim.gpu import _quant_matmul_kernel as kernel, cuobjdump, load_waves
+    config = gpu.gemv_config(1, weights.get("q4_0").ggml_type)
+    num_warps = config.pop("num_warps")
+    pointers = dict(POINTERS, x_ptr="*bf16", y_ptr="*bf16", parts_ptr="*fp32", count_ptr="*i32", res_ptr="*bf16",
+                    norm_ptr="*bf16", sum_ptr="*bf16", normed_ptr="*bf16", row_count_ptr="*i32", norm_eps="fp32")
+    constexprs = dict(config, TYPE=int(weights.get("q4_0").ggml_type), LAST_SUMS=True, ADD_NORM=True, BLOCK_H=2048)
+    compiled = compile_for_sm90(kernel.quant_gemv, pointers, constexprs, num_warps, ("N", "K", "res_stride", "M"))
+    sass = cuobjdump(compiled, "-sass")
+    second = sass.index("ATOMG.E.ADD", sass.index("ATOMG.E.ADD") + 1)
+    assert load_waves(sass[second:]) <= 2
+
+
 @pytest.mark.parametrize("name,swiglu", [(t, swiglu) for t in ("q4_0", "q4_k", "q6_k") for swiglu in (False, True)])
 def test_the_8_bit_activation_gemv_compiles_to_dp4a(name, swiglu):
     """The 1-row GEMV on 8-bit activations for sm_90 (bf16 x and y): its products are dp4a

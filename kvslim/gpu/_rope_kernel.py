@@ -12,13 +12,12 @@ ZERO_CENTRED = tl.constexpr(2)     # NORM: RMSNorm with weight 1 + w
 
 
 @triton.jit
-def _normed(x_ptr, w_ptr, d, ok, rstd, NORM: tl.constexpr):
-    """Values d of a head (float32), times rstd and the norm's weight where NORM."""
-    x = tl.load(x_ptr + d, mask=ok, other=0.0).to(tl.float32)
+def _normed(x, w, rstd, NORM: tl.constexpr):
+    """A head's values x (float32) times rstd and the norm's weight w (as loaded) where NORM."""
     if NORM == PLAIN:
-        x = x * rstd * tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
+        x = x * rstd * w.to(tl.float32)
     elif NORM == ZERO_CENTRED:
-        x = x * rstd * (1.0 + tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32))
+        x = x * rstd * (1.0 + w.to(tl.float32))
     return x
 
 
@@ -41,16 +40,23 @@ def norm_rope(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, H, row_stride, head_strid
     out_ptr = tl.where(is_k, k_out_ptr + (n * HK + j) * D, out_ptr + (n * H + j) * D)
     d = tl.arange(0, BLOCK_D)
     ok = d < D
-    rstd = 1.0
-    if NORM != 0:
-        x = tl.load(head + d, mask=ok, other=0.0).to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
-    x = _normed(head, w_ptr, d, ok, rstd, NORM)
     half: tl.constexpr = ROT // 2
     turned = d < ROT
-    partner = _normed(head, w_ptr, tl.where(d < half, d + half, d - half), turned, rstd, NORM)
+    across = tl.where(d < half, d + half, d - half)
+    # every load before the norm's sum (its barrier held back the weights', the partners' and the
+    # tables' loads: a second wait on memory, sm_90)
+    x = tl.load(head + d, mask=ok, other=0.0).to(tl.float32)
+    partner = tl.load(head + across, mask=turned, other=0.0).to(tl.float32)
+    w, w_partner = x, partner                                           # (unread without a norm)
+    if NORM != 0:
+        w = tl.load(w_ptr + d, mask=ok, other=0.0)
+        w_partner = tl.load(w_ptr + across, mask=turned, other=0.0)
     cos = tl.load(cos_ptr + n * table_stride + d, mask=turned, other=1.0).to(tl.float32)
     sin = tl.load(sin_ptr + n * table_stride + d, mask=turned, other=0.0).to(tl.float32)
+    rstd = 1.0
+    if NORM != 0:
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+    x, partner = _normed(x, w, rstd, NORM), _normed(partner, w_partner, rstd, NORM)
     out = x * cos + tl.where(d < half, -partner, partner) * sin
     tl.store(out_ptr + d, stored_as(out, out_ptr), mask=ok)
 
