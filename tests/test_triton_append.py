@@ -272,11 +272,16 @@ def test_a_tokens_rows_wait_on_memory_a_few_times(name, most):
     """A decode step's append at head_dim 256 and Qwen3.6's 2 KV heads, for sm_90: the token's slot,
     position and page loaded once, beside its rows (``gpu.load_waves``). With 16 rows of 8 tokens
     a program, each thread loaded every row's three in turn: f16 30 waits, q8_0 20, turbo4 and
-    turbo3 22. Now 2, 2, and for turbo (its rotation's whole matrix one tl.dot step at 16 rows)
-    6 under Triton 3.9, 9 and 11 under 3.6."""
+    turbo3 22. Now 2, 2, and for turbo (its rotation's whole matrix one tl.dot step at 16 rows,
+    loaded with x before the norm) 8 and 5 under Triton 3.9, 8 and 8 under 3.6: the waits past
+    the first are the codebook's bounds and centroids, read from L1."""
     from kvslim.gpu import _kv_append_kernel as kernel, cuobjdump, load_waves
     fmt = formats.get(name, role="v")
     config = gpu.kernel_config(gpu._launch_config(fmt.kernel_encoder(256), 256, fmt.row_bytes(256)), 2, 16)
     num_warps = config.pop("num_warps")
     compiled = compile_for_sm90(kernel.kv_append_rows, POINTERS, config, num_warps)
-    assert load_waves(cuobjdump(compiled, "-sass")) <= most and spilled_bytes(compiled) <= 16
+    sass = cuobjdump(compiled, "-sass")
+    assert load_waves(sass) <= most and spilled_bytes(compiled) <= 16
+    if name.startswith("turbo"):      # the rotation's matrix (64 KB, 128-bit loads) goes out with x, before
+        wide = sass.count("LDG.E.128")  # the norm's barrier: loaded after it, it was a round trip of its own
+        assert wide >= 16 and sass[:sass.index("BAR.SYNC")].count("LDG.E.128") == wide

@@ -302,11 +302,23 @@ def _encode_turbo(x, x_at, out, live, rot_m, bounds, cents, limit, GROUP: tl.con
     -> the row's overflow flag (a group norm non-finite or past limit)."""
     i = tl.arange(0, BLOCK)
     inside = i[None, None, :] < GROUP
-    norm = tl.math.sqrt_rn(tl.sum(x * x, 2))
     # R^T's element (k, j) is R[j, k]: rows at stride 1, columns at GROUP; ROT_STEP of its rows a
     # tl.dot step (kv_append.kernel_config: all of them at 16 rows)
-    y = times_matrix(x_at, live[:, :, None], rot_m, 1, GROUP, tl.maximum(norm, 1e-30)[:, :, None], GROUP,
-                     BLOCK_M * NB, BLOCK, BLOCK, 0, DIVIDE=True, STEP=ROT_STEP)
+    if ROT_STEP == BLOCK:
+        # one step: the matrix and x's copy for the product loaded before the norm's sum, whose
+        # barrier held them back a round trip (``times_matrix`` loads them where it multiplies)
+        k = tl.arange(0, BLOCK)
+        m = tl.load(rot_m + k[:, None] + k[None, :] * GROUP, mask=(k[:, None] < GROUP) & (k[None, :] < GROUP),
+                    other=0.0)
+        xr = tl.load(x_at + k, mask=live[:, :, None] & (k < GROUP), other=0.0).to(tl.float32)
+        norm = tl.math.sqrt_rn(tl.sum(x * x, 2))
+        xr, d = tl.broadcast(xr, tl.maximum(norm, 1e-30)[:, :, None])
+        y = tl.dot(tl.reshape(tl.math.div_rn(xr, d), (BLOCK_M * NB, BLOCK)), m,
+                   tl.zeros((BLOCK_M * NB, BLOCK), tl.float32), input_precision="ieee")
+    else:
+        norm = tl.math.sqrt_rn(tl.sum(x * x, 2))
+        y = times_matrix(x_at, live[:, :, None], rot_m, 1, GROUP, tl.maximum(norm, 1e-30)[:, :, None], GROUP,
+                         BLOCK_M * NB, BLOCK, BLOCK, 0, DIVIDE=True, STEP=ROT_STEP)
     codes = _count_below(tl.reshape(y, (BLOCK_M, NB, BLOCK)), bounds, (1 << BITS) - 1)
     c = tl.where(inside, tl.load(cents + codes), 0.0)
     scale = _div(norm, tl.math.sqrt_rn(tl.sum(c * c, 2)))
