@@ -173,15 +173,17 @@ def _check_conv(case, runs: tuple, seed: int, exact: bool = True) -> None:
     False), the two launches' sums over a head's 128 rows may take another order: the compiler
     lays q out as the conv's sums leave it in one (4 rows 32 apart a thread, sm_90's TTGIR) and
     as loaded in the other (4 consecutive rows), and the state tile likewise; their outputs
-    then agree within a rounding of v's type and their states within float32 ulps, and the conv
-    states (copies) stay exact. The interpreter's sums have one order, so its bits are equal."""
+    then agree within ``_check``'s bound (a rounding of out's type and float32 sums' error),
+    their states within float32 ulps, and the conv states (copies) exactly. The interpreter's
+    sums have one order, so its bits are equal."""
     (got, state, conv), (want, want_state, want_conv) = runs
     assert torch.equal(conv, want_conv)
     if exact:
         assert torch.equal(got, want) and torch.equal(state, want_state)
     else:
-        ulp = torch.finfo(got.dtype).eps * want.float().abs()
-        assert ((got.float() - want.float()).abs() <= ulp + 1e-6).all(), (got.float() - want.float()).abs().max()
+        size = want.float().abs()           # the bound ``_check`` holds either launch to against torch's
+        bound = torch.finfo(got.dtype).eps * size + 1e-5 * size + 1e-6
+        assert ((got.float() - want.float()).abs() <= bound).all(), (got.float() - want.float()).abs().max()
         torch.testing.assert_close(state, want_state, atol=1e-6, rtol=1e-5)
     *_, before, slots, conv_before, _ = _conv_inputs(case, seed)
     idle = torch.ones(before.shape[0], dtype=torch.bool)

@@ -84,9 +84,9 @@ def _convolved(x_ptr, conv_ptr, w_ptr, counter, rows, cols, kh, h, HK, HV, DK: t
     (``_conv_step_kernel.conv_operands``, ``silu_conv``: ``conv_step``'s bits), its state at
     conv_ptr updated in place once every program has read it: v's columns by the program that
     owns them, q's and k's (which all the key head's programs read) by the last of them to count
-    itself in the (sequence, key head) counter (``last_to_arrive``, ``rearm``), from the shifted
-    inputs it read before counting (every program read the same: none is written before the last
-    counts), not read again."""
+    itself in the (sequence, key head) counter (``last_to_arrive``, ``rearm``), from their held
+    inputs read again after it counts (kept in registers from before, they cost about 50 more
+    registers a thread; read again, one more wait, in that program alone)."""
     q_at, k_at, v_at = kh * DK + rows, HK * DK + kh * DK + rows, 2 * HK * DK + h * DV + cols
     q_window, q_weight, _ = conv_operands(x_ptr, conv_ptr, w_ptr, q_at, rows < DK, K, BLOCK_K)
     k_window, k_weight, _ = conv_operands(x_ptr, conv_ptr, w_ptr, k_at, rows < DK, K, BLOCK_K)
