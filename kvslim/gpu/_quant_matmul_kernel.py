@@ -1111,12 +1111,7 @@ def sum_splits(parts_ptr, y_ptr, n_splits, size, half, BLOCK: tl.constexpr, SWIG
     else:
         at = i
         stride = size
-    total = tl.zeros([BLOCK], tl.float32)
-    up = tl.zeros([BLOCK], tl.float32)
-    for s in range(0, n_splits):
-        total += tl.load(parts_ptr + s * stride + at, mask=live, other=0.0)
-        if SWIGLU:
-            up += tl.load(parts_ptr + s * stride + at + half, mask=live, other=0.0)
+    total, up = split_sums(parts_ptr + at, stride, n_splits, live, half, SWIGLU)     # up to 8 splits a wave
     if SWIGLU:
         total = _silu_mul(total, up)
     tl.store(y_ptr + i, stored_as(total, y_ptr), mask=live)
