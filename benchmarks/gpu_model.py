@@ -353,7 +353,12 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-warps", action="store_true",
                     help="decode attention by warps where it reads the pair (paged_decode.DECODE_BY_WARPS; off by "
                          "default), to time both")
+    ap.add_argument("--pdl", action="store_true",
+                    help="programmatic dependent launch for the Triton kernels on compute capability 9+ "
+                         "(kvslim.gpu.PDL; off by default): each waits for the one before, which let it launch "
+                         "early, to time both")
     args = ap.parse_args(argv)
+    kvslim.gpu.PDL = kvslim.gpu.PDL or args.pdl                   # or KVSLIM_GPU_PDL=1
     gpu_paged_decode.DECODE_BY_WARPS = gpu_paged_decode.DECODE_BY_WARPS or args.decode_warps
     gpu_weights.SWIGLU_IN_GEMV = args.swiglu_in_gemv
     gpu_weights.SUMS_IN_GEMV = args.sums_in_gemv
@@ -382,7 +387,7 @@ def main(argv=None) -> int:
           f"attention backend {args.attn_backend}, SwiGLU in the GEMVs {args.swiglu_in_gemv}, "
           f"split sums in the GEMVs {args.sums_in_gemv}, shared expert as a pair "
           f"{gpu_weights.SHARED_AS_PAIR and args.sums_in_gemv}, 8-bit activations {gpu_weights.Q8_ACTIVATIONS}, "
-          f"decode by warps {gpu_paged_decode.DECODE_BY_WARPS}\n",
+          f"decode by warps {gpu_paged_decode.DECODE_BY_WARPS}, programmatic dependent launch {kvslim.gpu.PDL}\n",
           flush=True)
     bandwidth = copy_gbps(args.device, mib=1024 if on_cuda(args.device) else 64) * 1e9
     print(f"device-to-device copy {bandwidth / 1e9:.0f} GB/s (read + written): the ceilings' bandwidth\n", flush=True)

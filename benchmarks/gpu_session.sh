@@ -349,6 +349,8 @@ rerun() {
 # (KVSLIM_DECODE_TUNED) at depth 0, 32K and 128K with turbo3 first (never run end to end). The
 # kernels-on CUDA tests, the parity matrix among them, take what is left, then the decode table.
 # Bring decode-tuned.json back to kvslim/gpu/tuned/<device>.json (tuned.file_for names it).
+# Session 49: if time is left at the end, q8_0/turbo4 at depth 0 again with programmatic dependent
+# launch (--pdl) into e2e-pdl.md, the 8th file back.
 #   run(command="bash benchmarks/gpu_session.sh followup", carry=[".whl"], timeout_s=580)
 followup() {
     deadline=$((SECONDS + ${BUDGET:-540}))
@@ -377,6 +379,9 @@ followup() {
         $MODEL_TESTS -k "cuda or fla or h100" 2>&1 | tee "$OUT/tests-triton.log" | tail -25
     # issue 18's table: each pair as a decode step now launches it (served: the sweep's file), beside the rest
     KVSLIM_DECODE_TUNED=$tuned decode_table 50 served,tiles,warps,mma
+    # if time is left: programmatic dependent launch (session 49, untimed), against the e2e's q8_0/turbo4 rows
+    KVSLIM_DECODE_TUNED=$tuned KVSLIM_TRITON=1 timeout -k 5 "$(left 90)" $PY benchmarks/gpu_model.py -d 0 -np 1,4 -n 8 \
+        --pairs q8_0/turbo4 --attn-backend bf16 --pdl --profile 4 2>&1 | tee "$OUT/e2e-pdl.md" | tail -12
     echo "followup: $SECONDS s"
 }
 

@@ -242,3 +242,26 @@ def test_cuda_graphs_greedy_tokens_equal_eager(type_k, type_v):
             assert engine.decode_step.path == "graphs", engine.decode_step.graphed.why_eager
             assert engine.decode_step.graphed.n_graphs >= 2
     assert replies[1] == replies[0] and all(len(r) > 1 for r in replies[0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("type_k,type_v", [("f16", "f16"), ("q8_0", "turbo4")])
+def test_cuda_graphs_with_pdl_give_the_plain_launches_tokens(monkeypatch, type_k, type_v):
+    """With the kernels on, decode steps recorded with programmatic dependent launch (each kernel
+    waiting for the one before, which let it launch early: ``kvslim.gpu.PDL``) give the greedy
+    tokens of plain launches, and the steps replayed graphs (the recording took the launches)."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9+")
+    monkeypatch.setattr(kvslim.gpu, "TRITON", True)
+    llm = kvslim.load(ctx=512, n_parallel=2, cache_type_k=type_k, cache_type_v=type_v, dtype="bf16", device="cuda")
+    replies = []
+    for pdl in (False, True):
+        monkeypatch.setattr(kvslim.gpu, "PDL", pdl)
+        config = EngineConfig.build(512, 2, type_k, type_v, device="cuda", n_ubatch=64, cuda_graphs=True)
+        engine = Engine(llm.engine.model, llm.engine.tokenizer, config, llm.engine.eog_ids)
+        assert engine.warm_up() >= 0
+        seqs = [engine.submit(list(range(3, 3 + n)), 40, SamplingParams(temperature=0)) for n in (20, 300)]
+        engine.run(seqs)
+        replies.append([s.generated for s in seqs])
+        assert engine.decode_step.path == "graphs", engine.decode_step.graphed.why_eager
+    assert replies[1] == replies[0] and all(len(r) > 1 for r in replies[0])

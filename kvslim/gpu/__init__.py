@@ -29,6 +29,13 @@ import torch
 # them on. Benchmarks flip it in-process to time both paths.
 TRITON = os.environ.get("KVSLIM_TRITON", "0") == "1"
 
+# Programmatic dependent launch (Hopper and later; vLLM's and TensorRT-LLM's decode use it): each
+# decode kernel waits for the launch before it (``_codecs.after_previous``, its first statement)
+# and lets the next one launch at once, so a launch's setup and its programs' start overlap the
+# previous kernel's tail, where a stream (and a CUDA graph's chain) starts a kernel only once the
+# one before has finished. Off until a lease times it: KVSLIM_GPU_PDL=1, or gpu_model.py --pdl.
+PDL = os.environ.get("KVSLIM_GPU_PDL", "0") == "1"
+
 # Triton fuses a * b + c into one FMA unless a launch says otherwise, and Triton 3.9 warns that
 # 3.10 will stop doing so by default (TRITON_DEFAULT_FP_FUSION). The kernels' parity and their
 # sm_90 figures were taken with fusion, so every launch asks for it by name (the append kernel,
@@ -56,6 +63,21 @@ def serves(name: str, device: torch.device) -> bool:
     """Whether the kernels of ``kvslim.gpu.<name>`` run on ``device`` here: triton imports and
     the module's kernels were decorated for that device (``runs_on``)."""
     return available() and runs_on(kernels(name), device)
+
+
+def pdl(device: torch.device) -> dict:
+    """A launch's programmatic-dependent-launch options under ``PDL`` on a CUDA device of compute
+    capability 9 or more: the kernel's PDL constexpr (its wait for the launch before) and Triton's
+    launch_pdl; else none (the kernels' PDL defaults to False, which the interpreter, running no
+    PTX, needs)."""
+    if not PDL or device.type != "cuda" or _capability(device.index) < 9:
+        return {}
+    return {"PDL": True, "launch_pdl": True}
+
+
+@lru_cache(maxsize=None)
+def _capability(index: int | None) -> int:
+    return torch.cuda.get_device_capability(index)[0]
 
 
 def pow2(n: int) -> int:

@@ -5,13 +5,15 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from ._codecs import stored_as
+from ._codecs import after_previous, stored_as
 
 
 @triton.jit
-def add_rms_norm(x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, H, eps, x_stride, d_stride, BLOCK: tl.constexpr):
+def add_rms_norm(x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, H, eps, x_stride, d_stride, BLOCK: tl.constexpr,
+                 PDL: tl.constexpr = False):
     """Program (row r): ``added_norm`` of x[r] and d[r]. x and d: rows of any float type at
     their own strides; w (H,); sum and out (R, H) contiguous; BLOCK >= H."""
+    after_previous(PDL)
     r = tl.program_id(0).to(tl.int64)
     added_norm(x_ptr + r * x_stride, d_ptr + r * d_stride, w_ptr, sum_ptr + r * H, out_ptr + r * H, H, eps, BLOCK,
                "")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # The codec kinds, as kvslim/native/paged_attention.py numbers them.
 F32, F16, BF16, Q8, NIBBLE, PACKED = range(6)
@@ -33,6 +34,16 @@ def sigmoid(x):
     """1 / (1 + e^-x) in float32: every kernel's sigmoid, and its silu as x * sigmoid(x), one
     expression, so a fused kernel gives the bits of the kernel it replaces."""
     return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def after_previous(PDL: tl.constexpr):
+    """Under programmatic dependent launch (``kvslim.gpu.pdl``), a kernel's first statement: wait
+    until the launch before this one has finished and its writes are visible (griddepcontrol.wait),
+    then let the next launch start (its own wait holds it). Nothing without PDL."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit

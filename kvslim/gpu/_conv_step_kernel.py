@@ -5,17 +5,18 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from ._codecs import sigmoid, stored_as
+from ._codecs import after_previous, sigmoid, stored_as
 
 
 @triton.jit
 def conv_step(x_ptr, state_ptr, slots_ptr, w_ptr, out_ptr, C, x_stride, slot_stride,
-              K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
+              K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """Program (sequence b, block of BLOCK_C channels): the depthwise causal conv's step for one
     new input x[b] (any float type, rows x_stride apart) over the K - 1 inputs before it, kept
     in ``state`` (S, C, K - 1) at slot slots[b], oldest first; out[b] = silu(sum_j window_j w_j)
     in float32 rounded once to out's type; the slot's state then shifts by one and takes x[b],
     in place. Each program reads its own channels of its own slot before writing them."""
+    after_previous(PDL)
     b = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     row = state_ptr + tl.load(slots_ptr + b).to(tl.int64) * slot_stride

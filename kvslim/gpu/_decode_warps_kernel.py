@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from ._codecs import gated, pool_rows, sequence_pages, stored_as
+from ._codecs import after_previous, gated, pool_rows, sequence_pages, stored_as
 
 
 @triton.jit
@@ -189,13 +189,15 @@ def paged_decode_warps(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
                        V_BYTES: tl.constexpr, V_HEADER: tl.constexpr, V_OFFSET: tl.constexpr,
                        V_LOOKUP: tl.constexpr, V_PH: tl.constexpr, V_B2: tl.constexpr,
                        BY_SLOT: tl.constexpr = False, NORMALISE: tl.constexpr = False, GATED: tl.constexpr = False,
-                       TIES_UP: tl.constexpr = False, RESCALE_AT: tl.constexpr = 8.0, PREFETCH: tl.constexpr = 0):
+                       TIES_UP: tl.constexpr = False, RESCALE_AT: tl.constexpr = 8.0, PREFETCH: tl.constexpr = 0,
+                       PDL: tl.constexpr = False):
     """``paged_prefill_tile``'s decode launch (AT_END: every row at its sequence's last key, q_pos
     unread) with the same arguments and outputs: the state of rows 0..n_rows-1 (at most BLOCK_M)
     of (KV head, sequence) over the keys of one split, or with NORMALISE (one split) the output.
     RESCALE_AT: with one warp, the sums are rescaled when a row's max grows by more than this.
     PREFETCH 1: each step's rows loaded a step ahead of their decoding, their table entries two
     (a warp then has two steps' loads in flight, not one; they wait on memory, not on issue)."""
+    after_previous(PDL)
     h = tl.program_id(0)
     s = tl.program_id(1)
     split = tl.program_id(2)

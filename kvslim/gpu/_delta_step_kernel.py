@@ -5,7 +5,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from ._codecs import last_to_arrive, rearm, sigmoid, stored_as
+from ._codecs import after_previous, last_to_arrive, rearm, sigmoid, stored_as
 from ._conv_step_kernel import conv_operands, silu_conv, store_shifted
 from ._gated_norm_kernel import gated_normed
 
@@ -23,7 +23,7 @@ def delta_step(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_
                conv_ptr, conv_w_ptr, conv_slot_stride, conv_count_ptr,
                DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
                NORM: tl.constexpr = False, BLOCK_DV: tl.constexpr = 1, CONV: tl.constexpr = 0,
-               BLOCK_CK: tl.constexpr = 1):
+               BLOCK_CK: tl.constexpr = 1, PDL: tl.constexpr = False):
     """Program (sequence s, value head h, block of BLOCK_V value columns): one decode token of a
     Gated DeltaNet layer, on the state of slot slots[s] ((HV, DK, DV) float32, in place).
 
@@ -39,6 +39,7 @@ def delta_step(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_
     v_ptr unread) and the step first takes the short causal conv of its channels itself
     (``_convolved``): the conv state (S, C, K - 1) at conv_ptr, conv_slot_stride a slot, its
     weights (C, K); no launch of its own."""
+    after_previous(PDL)
     s = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     cols = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)

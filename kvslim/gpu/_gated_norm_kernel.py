@@ -5,16 +5,17 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from ._codecs import sigmoid, stored_as
+from ._codecs import after_previous, sigmoid, stored_as
 
 
 @triton.jit
 def gated_rms_norm(x_ptr, z_ptr, w_ptr, out_ptr, n_heads, width, eps, x_rows, x_heads, z_rows, z_heads,
-                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row r, block of BLOCK_H heads): out[r, h] = x[r, h] * rsqrt(mean(x[r, h]^2) + eps)
     * w * silu(z[r, h]), each head normalised over its own ``width`` columns, in float32, rounded
     once to out's type. x and z: any float type, each at its own row and head strides (z is a
     slice of the fused input projection's output); w (width,); out (R, H, width) contiguous."""
+    after_previous(PDL)
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     c = tl.arange(0, BLOCK_D)

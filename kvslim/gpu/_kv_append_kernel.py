@@ -17,6 +17,8 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
+from ._codecs import after_previous
+
 from ._rotation_kernel import hadamard, times_matrix
 
 # The encoder kinds and float types, as kv_append.KINDS and FLOAT_TYPES number them (constexpr:
@@ -337,7 +339,7 @@ def kv_append_rows(x_ptr, pool, table_ptr, slots_ptr, pos_ptr, flags_ptr, rot_m,
                    KIND: tl.constexpr, FLOAT_TYPE: tl.constexpr, ROT: tl.constexpr, LOG2_ROT: tl.constexpr,
                    GROUP: tl.constexpr, N_BLOCKS: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
                    BITS: tl.constexpr, BLOCK_BYTES: tl.constexpr, N_TRIES: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                   ROT_STEP: tl.constexpr):
+                   ROT_STEP: tl.constexpr, PDL: tl.constexpr = False):
     """Token t = program_id(0)'s rows of x (its n_kv heads, HEAD_DIM each; heads contiguous, tokens
     x_stride apart: the K or V columns of a fused projection), BLOCK_M heads a program from head
     program_id(1) * BLOCK_M -> their packed bytes at each head's pool (n_kv, pool_rows, row_bytes)
@@ -350,6 +352,7 @@ def kv_append_rows(x_ptr, pool, table_ptr, slots_ptr, pos_ptr, flags_ptr, rot_m,
     values (NB and BLOCK: powers of two >= them). Programs (t, h, 1) encode a second side alike
     (the same encoder and tables), V's beside K's: its rows x2 (tokens x2_stride apart) into
     pool2, in the same launch."""
+    after_previous(PDL)
     second = tl.program_id(2) == 1
     x_ptr = tl.where(second, x2_ptr, x_ptr)
     x_stride = tl.where(second, x2_stride, x_stride)

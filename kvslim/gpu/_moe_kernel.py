@@ -16,15 +16,16 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from ._codecs import last_to_arrive, rearm, sigmoid, split_sums, stored_as
+from ._codecs import after_previous, last_to_arrive, rearm, sigmoid, split_sums, stored_as
 
 
 @triton.jit
 def topk_softmax(logits_ptr, weights_ptr, ids_ptr, E, logits_stride, K: tl.constexpr, BLOCK_E: tl.constexpr,
-                 BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr):
+                 BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr, PDL: tl.constexpr = False):
     """Program t: logits (T, E) any float type, rows logits_stride apart (the router's columns of
     a fused projection) -> weights (T, K) of their tensor's type and ids (T, K) int64, in
     descending order of logit, as torch.topk of the softmax gives them."""
+    after_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     x = tl.load(logits_ptr + t * logits_stride + e, mask=e < E, other=float("-inf")).to(tl.float32)
@@ -54,7 +55,8 @@ def _top_k(x, e, weights_ptr, ids_ptr, t, K: tl.constexpr, BLOCK_K: tl.constexpr
 @triton.jit
 def router_gemv(x_ptr, w_ptr, parts_ptr, count_ptr, gate_ptr, weights_ptr, ids_ptr, R, H, chunks_per_split,
                 GATES: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
-                BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr):
+                BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                PDL: tl.constexpr = False):
     """Program (tile of BLOCK_N rows, split s of H, token t): a mixture's router logits and its
     top-k in one launch, where a matmul and ``topk_softmax`` were two. x (T, H) and W (R, H),
     both contiguous, any float types; W's first GATES rows are gates' (the shared expert's),
@@ -63,6 +65,7 @@ def router_gemv(x_ptr, w_ptr, parts_ptr, count_ptr, gate_ptr, weights_ptr, ids_p
     last (``last_to_arrive``) sums its logits over the splits in order, rounds them to x's
     type (what the matmul's output held), stores the gates' in gate (T, GATES) and routes the
     rest as ``topk_softmax`` does (``_top_k``): tokens route in parallel, one program each."""
+    after_previous(PDL)
     tile = tl.program_id(0)
     split = tl.program_id(1)
     t = tl.program_id(2)
@@ -89,10 +92,12 @@ def router_gemv(x_ptr, w_ptr, parts_ptr, count_ptr, gate_ptr, weights_ptr, ids_p
 
 
 @triton.jit
-def combine(pairs_ptr, shared_ptr, gate_ptr, out_ptr, H, gate_stride, K: tl.constexpr, BLOCK: tl.constexpr):
+def combine(pairs_ptr, shared_ptr, gate_ptr, out_ptr, H, gate_stride, K: tl.constexpr, BLOCK: tl.constexpr,
+            PDL: tl.constexpr = False):
     """Program (token t, block of BLOCK features): out[t] = ``gated_sum``, rounded once to out's
     type. pairs (T K, H) float32, the routing weights applied; shared (T, H) and gate (T, 1,
     rows gate_stride apart) any float type."""
+    after_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = h < H

@@ -19,8 +19,8 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from ._codecs import (columns, decode_tile, fetch_tile, fetched_tile, gated, pool_rows, sequence_pages,
-                      stored_as)
+from ._codecs import (after_previous, columns, decode_tile, fetch_tile, fetched_tile, gated, pool_rows,
+                      sequence_pages, stored_as)
 
 
 @triton.jit
@@ -40,7 +40,7 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
                        V_SUB: tl.constexpr, V_SUB_BITS: tl.constexpr, V_LOOKUP: tl.constexpr,
                        K_PHASES: tl.constexpr = 1, V_PHASES: tl.constexpr = 1, AT_END: tl.constexpr = False,
                        BY_SLOT: tl.constexpr = False, NORMALISE: tl.constexpr = False, GATED: tl.constexpr = False,
-                       PREFETCH: tl.constexpr = False, ADJACENT: tl.constexpr = True):
+                       PREFETCH: tl.constexpr = False, ADJACENT: tl.constexpr = True, PDL: tl.constexpr = False):
     """One (KV head, sequence, row tile, split): the online-softmax state of rows
     [tile * BLOCK_M, next tile) over keys [split * split_keys, next split), where row r sees key
     t < length with t <= q_pos[s, r], length = lengths[s] + length_offset. q (Hkv, S, R, D) of
@@ -59,6 +59,7 @@ def paged_prefill_tile(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr,
     pipeliner leaves loads that feed a decoding, not a dot, where they are). Launch settings for
     a lease to time. ADJACENT: a group of codes' values in adjacent columns of the tile (the
     default), else W columns apart, as before session 45 (``_codecs.columns``)."""
+    after_previous(PDL)
     h = tl.program_id(0)
     s = tl.program_id(1)
     tile = tl.program_id(2) // n_splits
@@ -194,7 +195,7 @@ MERGE_STAGES = tl.constexpr(3)
 def merge_splits(m_ptr, l_ptr, acc_ptr, m_out, l_out, acc_out, n_splits, n_rows, n_seq, o_heads, o_seqs, o_rows,
                  gate_ptr, g_heads, g_seqs, g_rows,
                  HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                 NORMALISE: tl.constexpr = False, GATED: tl.constexpr = False):
+                 NORMALISE: tl.constexpr = False, GATED: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program (KV head x sequence, BLOCK_R query rows, BLOCK_D columns): the n_splits states of
     each row, m and l (Hkv * S, n_splits, R) and acc (..., D), merged into one, m and l
     (Hkv * S, R) and acc (..., D): each split rescaled to the row's common max and summed, splits
@@ -203,6 +204,7 @@ def merge_splits(m_ptr, l_ptr, acc_ptr, m_out, l_out, acc_out, n_splits, n_rows,
     acc / l alone, into acc_out at strides (o_heads, o_seqs, o_rows, 1) of the (Hkv, S, R, D)
     output (n_seq: S), in its type; with GATED, times sigmoid of the gate at strides (g_heads,
     g_seqs, g_rows, 1), as ``paged_prefill_tile``'s store."""
+    after_previous(PDL)
     hs = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)

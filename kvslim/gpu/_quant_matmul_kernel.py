@@ -37,7 +37,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from ._add_norm_kernel import added_norm
-from ._codecs import f16_aligned, f16_at, last_to_arrive, rearm, sigmoid, split_sums, stored_as
+from ._codecs import after_previous, f16_aligned, f16_at, last_to_arrive, rearm, sigmoid, split_sums, stored_as
 from ._moe_kernel import gated_sum
 
 # ggml type ids (gguf.GGMLQuantizationType), the kernels' TYPE
@@ -787,7 +787,7 @@ def quant_gemv(x_ptr, w_ptr, grid_ptr, y_ptr, parts_ptr, count_ptr, M, N, K, row
                TYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                BLOCKWISE: tl.constexpr = True, TERMS: tl.constexpr = 0, SWIGLU: tl.constexpr = False,
                LAST_SUMS: tl.constexpr = False, Q8: tl.constexpr = 0, ADD_NORM: tl.constexpr = False,
-               BLOCK_H: tl.constexpr = 1):
+               BLOCK_H: tl.constexpr = 1, PDL: tl.constexpr = False):
     """Program (tile of BLOCK_N outputs, split s): the sums x[m, K_s] . W[n, K_s] for its chunks
     K_s of BLOCK_K columns. x (M, K) contiguous. One split: y (M, N) of any float type, the float32
     sums rounded once as they are stored. Several: each program stores its float32 partial in
@@ -804,6 +804,7 @@ def quant_gemv(x_ptr, w_ptr, grid_ptr, y_ptr, parts_ptr, count_ptr, M, N, K, row
     N after the gate's. ADD_NORM (one split, or LAST_SUMS; not SWIGLU): y is a residual's delta,
     and the last program to store a tile of it adds and norms every row (``_last_row_add_norms``:
     ``add_norm``'s launch, folded)."""
+    after_previous(PDL)
     tile = tl.program_id(0)
     split = tl.program_id(1)
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -880,10 +881,11 @@ def _last_split_sums(parts_ptr, count_ptr, y_ptr, acc, up, m, rows, live, M, N, 
 @triton.jit
 def quant_gemm(x_ptr, w_ptr, grid_ptr, y_ptr, M, N, K, row_bytes,
                TYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+               DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False):
     """Program (M tile, N tile): y = x @ W^T over all of K. M tiles vary fastest, so programs
     running together share W's tile (its bytes read once from DRAM, then from L2). y (M, N) of
     any float type: the float32 sums rounded once as they are stored."""
+    after_previous(PDL)
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     x_row = x_ptr + m.to(tl.int64)[:, None] * K
@@ -904,7 +906,7 @@ def quant_gemv_experts(x_ptr, w_ptr, grid_ptr, ids_ptr, scale_ptr, y_ptr, N, K, 
                        TYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TERMS: tl.constexpr,
                        SCALED: tl.constexpr = False, BLOCKWISE: tl.constexpr = True, SWIGLU: tl.constexpr = False,
                        TOP_K: tl.constexpr = 0, Q8: tl.constexpr = 0, SHARED: tl.constexpr = 0,
-                       ADD_NORM: tl.constexpr = False, BLOCK_H: tl.constexpr = 1):
+                       ADD_NORM: tl.constexpr = False, BLOCK_H: tl.constexpr = 1, PDL: tl.constexpr = False):
     """Program (tile of BLOCK_N outputs, pair p): y[p, n] = x[p] . W[ids[p], n] over all of K,
     the expert's matrix found from its id (int32 or int64) in device memory (no host round trip
     to learn which experts a token chose). x (P / pairs_per_row, K) contiguous: pair p reads row
@@ -921,6 +923,7 @@ def quant_gemv_experts(x_ptr, w_ptr, grid_ptr, ids_ptr, scale_ptr, y_ptr, N, K, 
     scaled by sigmoid(gate[t]) where SCALED); the combine (TOP_K = SHARED) then sums the pairs
     alone. ADD_NORM (with TOP_K): each token's combined row is a residual's delta, added and
     normed by the last of its tiles (``_last_token_add_norm``: ``add_norm``'s launch, folded)."""
+    after_previous(PDL)
     tile = tl.program_id(0)
     p = tl.program_id(1).to(tl.int64)
     routed, w_expert = _pair_matrix(p, ids_ptr, w_ptr, shared_w_ptr, expert_bytes, SHARED)
@@ -1053,7 +1056,8 @@ def _q4_0_block_product(x, w_ptr, rows, start, row_bytes, N, DOT_DTYPE: tl.const
 def quant_gemm_experts(x_ptr, w_ptr, grid_ptr, pairs_ptr, tile_expert_ptr, scale_ptr, y_ptr,
                        N, K, row_bytes, expert_bytes, n_experts, pairs_per_row,
                        TYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr = False):
+                       DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr = False,
+                       PDL: tl.constexpr = False):
     """Program (M tile t, N tile): the grouped GEMM of a mixture's prompt. The (token, expert)
     pairs come sorted by expert, each expert's run padded to whole tiles (``quant_matmul.route``),
     so tile t holds pairs of one expert, tile_expert[t]: y[p] = x[p] @ W[e]^T for the pairs p of
@@ -1062,6 +1066,7 @@ def quant_gemm_experts(x_ptr, w_ptr, grid_ptr, pairs_ptr, tile_expert_ptr, scale
     x (P / pairs_per_row, K) contiguous (``quant_gemv_experts``'); W (E, N, row_bytes) GGUF blocks, or with TYPE = DENSE (E, N, K) floats
     read as stored (row_bytes = K and expert_bytes = N K then count elements); y (P, N) float32,
     row p times scale[p] where SCALED (``quant_gemv_experts``')."""
+    after_previous(PDL)
     tile = tl.program_id(0)
     e = tl.load(tile_expert_ptr + tile)
     if e >= n_experts:
@@ -1084,11 +1089,13 @@ def quant_gemm_experts(x_ptr, w_ptr, grid_ptr, pairs_ptr, tile_expert_ptr, scale
 
 
 @triton.jit
-def quant_rows(ids_ptr, w_ptr, grid_ptr, out_ptr, V, K, row_bytes, TYPE: tl.constexpr, BLOCK_K: tl.constexpr):
+def quant_rows(ids_ptr, w_ptr, grid_ptr, out_ptr, V, K, row_bytes, TYPE: tl.constexpr, BLOCK_K: tl.constexpr,
+               PDL: tl.constexpr = False):
     """Program (token i, block of BLOCK_K columns): row ids[i] of W (V, row_bytes), dequantized
     and rounded once to out's type into out (T, K): an embedding lookup in one launch (the
     torch decoders' gather, unpacking and casts were eight a decode step). An id outside [0, V)
     gives zeros (the callers check ids against the vocabulary first)."""
+    after_previous(PDL)
     i = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     row = tl.load(ids_ptr + i + tl.arange(0, 1))                        # (1,): a tile of one row
@@ -1098,11 +1105,13 @@ def quant_rows(ids_ptr, w_ptr, grid_ptr, out_ptr, V, K, row_bytes, TYPE: tl.cons
 
 
 @triton.jit
-def sum_splits(parts_ptr, y_ptr, n_splits, size, half, BLOCK: tl.constexpr, SWIGLU: tl.constexpr = False):
+def sum_splits(parts_ptr, y_ptr, n_splits, size, half, BLOCK: tl.constexpr, SWIGLU: tl.constexpr = False,
+               PDL: tl.constexpr = False):
     """y (size,) = the sum of parts (n_splits, size) float32 over the splits, in order, rounded
     once to y's type: a split GEMV's partial sums in one launch (torch's sum and cast were two).
     SWIGLU: parts (n_splits, M, 2 half) of a fused [gate; up] projection and y (M, half) =
     silu(gate) * up of the sums: y's size elements, each summing its two columns."""
+    after_previous(PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = i < size
     if SWIGLU:

@@ -5,7 +5,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from ._codecs import stored_as
+from ._codecs import after_previous, stored_as
 
 PLAIN = tl.constexpr(1)            # NORM: RMSNorm with weight w
 ZERO_CENTRED = tl.constexpr(2)     # NORM: RMSNorm with weight 1 + w
@@ -24,13 +24,14 @@ def _normed(x, w, rstd, NORM: tl.constexpr):
 @triton.jit
 def norm_rope(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, H, row_stride, head_stride, table_stride, eps,
               k_ptr, k_w_ptr, k_out_ptr, HK, k_row_stride, k_head_stride,
-              D: tl.constexpr, ROT: tl.constexpr, NORM: tl.constexpr, BLOCK_D: tl.constexpr):
+              D: tl.constexpr, ROT: tl.constexpr, NORM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
     """Program (token n, head h): the head's D values (rows row_stride, heads head_stride apart,
     any float type), RMS-normalised over D with the norm's weight where NORM (0: none), then
     rotated in their first ROT dims by cos/sin (N, ROT) rows table_stride apart, half-split
     (value d < ROT/2 pairs with d + ROT/2): float32 inside, rounded once into out (N, H, D).
     Heads H to H + HK - 1 are a second tensor's (k beside q: one launch for both), with its
     own k_ pointers and strides and the same D, ROT, NORM and types."""
+    after_previous(PDL)
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     is_k = h >= H
@@ -63,10 +64,11 @@ def norm_rope(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, H, row_stride, head_strid
 
 @triton.jit
 def rope_tables(positions_ptr, inv_freq_ptr, cos_ptr, sin_ptr, N, HALF: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_F: tl.constexpr):
+                BLOCK_F: tl.constexpr, PDL: tl.constexpr = False):
     """Program (block of BLOCK_N tokens): cos and sin (N, 2 HALF) of position * inv_freq (HALF,
     float32), each frequency's value twice (columns f and HALF + f), rounded once to the
     tables' type: ``layers.Rope.tables``' float32 product, cat, cos, sin and casts in one launch."""
+    after_previous(PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     f = tl.arange(0, BLOCK_F)
     live = (n < N)[:, None] & (f < HALF)[None, :]

@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from ._codecs import sigmoid, stored_as
+from ._codecs import after_previous, sigmoid, stored_as
 
 
 @triton.jit
@@ -57,7 +57,7 @@ def rotate_rows(x_ptr, m_ptr, out_ptr, n_rows, n_inner, outer_stride, inner_stri
                 gate_ptr, gate_outer, gate_inner,
                 D: tl.constexpr, BLOCK_M: tl.constexpr, HADAMARD: tl.constexpr, LOG2_ROT: tl.constexpr,
                 GROUP: tl.constexpr, N_GROUPS: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
-                GATED: tl.constexpr, COLS: tl.constexpr):
+                GATED: tl.constexpr, COLS: tl.constexpr, PDL: tl.constexpr = False):
     """Rows r of x (D values each, any float type; row r at (r // n_inner) * outer_stride +
     (r % n_inner) * inner_stride) -> out (n_rows, D) float32, BLOCK_M rows a program. HADAMARD:
     H / sqrt(2^LOG2_ROT) on each run of 2^LOG2_ROT values (the butterfly, NB * BLOCK columns).
@@ -67,6 +67,7 @@ def rotate_rows(x_ptr, m_ptr, out_ptr, n_rows, n_inner, outer_stride, inner_stri
     rows, each reading its slice of the matrix in one step; the butterfly: COLS = BLOCK).
     GATED: y times sigmoid of the gate (rows at strides gate_outer, gate_inner as x's), stored in
     out's type (gated attention's output gate: ``swiglu.sigmoid_mul``'s math)."""
+    after_previous(PDL)
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     live = r < n_rows
     row = (r // n_inner).to(tl.int64) * outer_stride + (r % n_inner).to(tl.int64) * inner_stride

@@ -5,17 +5,18 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from ._codecs import sigmoid, stored_as
+from ._codecs import after_previous, sigmoid, stored_as
 
 
 @triton.jit
 def act_mul(gate_ptr, up_ptr, out_ptr, H, D, gate_rows, gate_heads, up_rows, up_heads,
-            ACT: tl.constexpr, BLOCK: tl.constexpr):
+            ACT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row r, head h, block b of BLOCK columns): out[r, h, c] = act(gate[r, h, c]) *
     up[r, h, c] in float32, rounded once to out's type; act is silu (ACT "silu": SwiGLU) or the
     sigmoid (ACT "sigmoid": gated attention's output gate). gate and up: any float type, each
     at its own row and head strides (halves of one fused projection's output, the gate columns
     of the query projection, or plain tensors); out (R, H, D) contiguous."""
+    after_previous(PDL)
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     c = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import FP_FUSION, kernels, pow2, serves
+from . import FP_FUSION, kernels, pdl, pow2, serves
 
 
 def _kernel():
@@ -38,5 +38,5 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
         block = pow2(hidden)
         _kernel().add_rms_norm[(rows,)](x, delta, weight.contiguous(), summed, normed, hidden, eps, x.stride(0),
                                         delta.stride(0), BLOCK=block, num_warps=min(16, max(1, block // 256)),
-                                        **FP_FUSION)
+                                        **FP_FUSION, **pdl(x.device))
     return normed, summed

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import FP_FUSION, kernels, pow2, serves
+from . import FP_FUSION, kernels, pdl, pow2, serves
 
 BLOCK_C = 128           # channels a program
 
@@ -40,5 +40,5 @@ def conv_step(x: torch.Tensor, state: torch.Tensor, slots: torch.Tensor, weight:
     if x.shape[0]:
         _kernel().conv_step[(x.shape[0], -(-channels // BLOCK_C))](
             x, state, slots.contiguous(), weight.contiguous(), out, channels, x.stride(0), channels * held,
-            K=held + 1, BLOCK_C=BLOCK_C, BLOCK_K=pow2(held + 1), num_warps=4, **FP_FUSION)
+            K=held + 1, BLOCK_C=BLOCK_C, BLOCK_K=pow2(held + 1), num_warps=4, **FP_FUSION, **pdl(x.device))
     return out

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from . import FP_FUSION, counters, kernels, pow2, serves
+from . import FP_FUSION, counters, kernels, pdl, pow2, serves
 
 # Whether the step's launch also applies the layer's gated output norm (``norm``; the last
 # program of each head): 30 launches fewer a 35B-A3B decode step. Untimed (benchmarks/gpu_model.py
@@ -81,7 +81,7 @@ def delta_step(q, k, v, a, b, A_log, dt_bias, state, slots, out=None, norm=None,
             conv_state, conv_weight, conv_state.shape[1] * conv_state.shape[2] if taps else 0,
             counters(n * (hv + hk), out.device)[n * hv:] if taps else out,
             DK=dk, DV=dv, BLOCK_K=pow2(dk), BLOCK_V=block_v, NORM=norm is not None, BLOCK_DV=pow2(dv),
-            CONV=taps, BLOCK_CK=pow2(max(taps, 1)), num_warps=1, **FP_FUSION)
+            CONV=taps, BLOCK_CK=pow2(max(taps, 1)), num_warps=1, **FP_FUSION, **pdl(v.device))
     return out
 
 

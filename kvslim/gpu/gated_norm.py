@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from . import FP_FUSION, kernels, pow2, serves
+from . import FP_FUSION, kernels, pdl, pow2, serves
 
 TILE = 2048            # elements a program: whole heads, BLOCK_H of them (16 of 128 columns)
 
@@ -41,5 +41,5 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
         block_h = min(pow2(heads), max(1, TILE // block_d))
         _kernel().gated_rms_norm[(rows, -(-heads // block_h))](
             x, z, weight.contiguous(), out, heads, width, eps, x.stride(0), x.stride(1), z.stride(0), z.stride(1),
-            BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4, **FP_FUSION)
+            BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4, **FP_FUSION, **pdl(x.device))
     return out

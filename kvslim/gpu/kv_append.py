@@ -19,7 +19,7 @@ from functools import lru_cache
 import torch
 
 from .. import formats
-from . import available, kernels, pow2, serves
+from . import available, kernels, pdl, pow2, serves
 
 KINDS = {"float": 0, "q8_0": 1, "q4_0": 2, "turbo": 3, "grid": 4, "iq4_nl": 5, "q4_1": 6, "q5_0": 7,
          "q5_1": 8, "grid_sub": 9}                                                    # _kv_append_kernel's
@@ -182,4 +182,5 @@ def _append(sides: list, table: torch.Tensor, slots: torch.Tensor, positions: to
     _kernel().kv_append_rows[(n_tokens, -(-n_kv // config["BLOCK_M"]), len(sides))](
         x, pool, table, slots.contiguous(), positions.contiguous(), flags, *_tables(*_key(fmt, dim), str(x.device)),
         n_kv, pool.shape[1] * pool.shape[2], pool.shape[3], table.stride(0), x.stride(0), limit,
-        rot_scale, x2, pool2, x2.stride(0), enable_fp_fusion=False, **config)   # x * id + 8.5 rounds twice, as torch
+        rot_scale, x2, pool2, x2.stride(0), enable_fp_fusion=False, **config,   # x * id + 8.5 rounds twice, as torch
+        **pdl(x.device))

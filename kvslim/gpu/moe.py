@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from . import FP_FUSION, counters, kernels, pow2, serves
+from . import FP_FUSION, counters, kernels, pdl, pow2, serves
 
 MAX_EXPERTS = 4096           # one program holds a token's logits in registers
 BLOCK = 1024                 # features a ``combine`` program sums
@@ -55,7 +55,7 @@ def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool,
             logits = logits.contiguous()
         _kernel().topk_softmax[(n,)](logits, weights, ids, n_experts, logits.stride(0), K=top_k,
                                      BLOCK_E=pow2(n_experts), BLOCK_K=pow2(top_k), RENORMALIZE=renormalize,
-                                     num_warps=4, **FP_FUSION)
+                                     num_warps=4, **FP_FUSION, **pdl(logits.device))
     return weights, ids
 
 
@@ -93,7 +93,7 @@ def router_gemv(x: torch.Tensor, weight: torch.Tensor, gates: int, top_k: int,
     _kernel().router_gemv[(tiles, splits, n)](
         x.contiguous(), weight.contiguous(), parts, counters(n, x.device), gate, weights, ids, rows, hidden, per_split,
         GATES=gates, K=top_k, BLOCK_E=pow2(rows - gates), BLOCK_G=pow2(gates), BLOCK_K=pow2(top_k),
-        RENORMALIZE=renormalize, num_warps=4, **ROUTER_TILE, **FP_FUSION)
+        RENORMALIZE=renormalize, num_warps=4, **ROUTER_TILE, **FP_FUSION, **pdl(x.device))
     return gate, weights, ids
 
 
@@ -111,5 +111,5 @@ def combine(pairs: torch.Tensor, top_k: int, shared: torch.Tensor, gate: torch.T
     out = torch.empty(n, hidden, device=shared.device, dtype=dtype)
     if n:
         _kernel().combine[(n, -(-hidden // BLOCK))](pairs, shared.contiguous(), gate, out, hidden, gate.stride(0),
-                                                    K=top_k, BLOCK=BLOCK, num_warps=4, **FP_FUSION)
+                                                    K=top_k, BLOCK=BLOCK, num_warps=4, **FP_FUSION, **pdl(pairs.device))
     return out

@@ -21,7 +21,7 @@ from functools import lru_cache
 import torch
 
 from ..native.paged_attention import BF16, F16, KLT, NIBBLE, PACKED, Q8, CodecFields, codec_fields
-from . import FP_FUSION, kernels, pow2, serves
+from . import FP_FUSION, kernels, pdl, pow2, serves
 
 GATHER, SELECT, TREE, MIRROR, AFFINE, TABLE = range(6)      # _codecs._lookup's ways to read a code table
 
@@ -451,7 +451,8 @@ def attend(fmt_k, fmt_v, q: torch.Tensor, q_pos: torch.Tensor | None, k_pool: to
         q, lengths if q_pos is None else q_pos, k_pool.contiguous(), v_pool.contiguous(), table, lengths, *luts,
         m, l, acc, n_seq, n_rows, k_pool.shape[1], k_pool.shape[3], v_pool.shape[3], table.stride(0),
         n_splits, split_keys, *q.stride()[:3], scale, lengths if slots is None else slots, length_offset,
-        *o_strides, *gate_args, NORMALISE=final, GATED=final and gate is not None, **flags, **config, **FP_FUSION)
+        *o_strides, *gate_args, NORMALISE=final, GATED=final and gate is not None, **flags, **config, **FP_FUSION,
+        **({} if name == "mma" else pdl(q.device)))         # (the Gluon kernel takes no PDL: launched plainly)
     if final:
         return out
     if n_splits == 1:                                                   # nothing to merge
@@ -500,7 +501,7 @@ def merged(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, tile: dict | Non
         grid = (n_kv * n_seq, -(-n_rows // tile["BLOCK_R"]), -(-dim // tile["BLOCK_D"]))
         _kernel().merge_splits[grid](m, l, acc, m_out, l_out, acc_out, n_splits, n_rows, n_seq, *o_strides,
                                      *_gate_args(gate, out, acc), HEAD_DIM=dim, **tile, NORMALISE=out is not None,
-                                     GATED=gate is not None, num_warps=4, **FP_FUSION)
+                                     GATED=gate is not None, num_warps=4, **FP_FUSION, **pdl(acc.device))
     return out if out is not None else (m_out, l_out, acc_out)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import FP_FUSION, kernels, pow2, serves
+from . import FP_FUSION, kernels, pdl, pow2, serves
 
 
 def _kernel():
@@ -45,7 +45,7 @@ def tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) 
         block_n = max(1, min(16, 2048 // pow2(half)))
         _kernel().rope_tables[(-(-n // block_n),)](positions.contiguous(), inv_freq.contiguous(), cos, sin, n,
                                                    HALF=half, BLOCK_N=block_n, BLOCK_F=pow2(half), num_warps=1,
-                                                   **FP_FUSION)
+                                                   **FP_FUSION, **pdl(cos.device))
     return cos, sin
 
 
@@ -88,5 +88,6 @@ def _launch(tensors: list, cos: torch.Tensor, sin: torch.Tensor) -> list[torch.T
         _kernel().norm_rope[(n, heads + k_heads)](
             x, weights[0], cos, sin, outs[0], heads, x.stride(0), x.stride(1), cos.stride(0),
             norm.eps if norm is not None else 0.0, k, weights[1], outs[-1], k_heads, k.stride(0), k.stride(1),
-            D=dim, ROT=cos.shape[-1], NORM=kind, BLOCK_D=pow2(dim), num_warps=1 if dim <= 128 else 2, **FP_FUSION)
+            D=dim, ROT=cos.shape[-1], NORM=kind, BLOCK_D=pow2(dim), num_warps=1 if dim <= 128 else 2, **FP_FUSION,
+            **pdl(x.device))
     return outs

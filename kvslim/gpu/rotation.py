@@ -18,7 +18,7 @@ from functools import lru_cache
 import torch
 
 from .. import gpu                      # gpu.TRITON read at each call: benchmarks flip it in-process
-from . import FP_FUSION, kernels, pow2
+from . import FP_FUSION, kernels, pdl, pow2
 from .swiglu import gated
 
 BLOCK_M = 16            # rows a program: tl.dot's smallest M for the matrix form
@@ -136,7 +136,7 @@ def _launch(x: torch.Tensor, matrix: torch.Tensor | None, group: int, scale: flo
         config = launch_config(dim, group, hadamard_rounds if matrix is None else None, gate is not None)
         _kernel().rotate_rows[(-(-n_rows // BLOCK_M), config["BLOCK"] // config["COLS"])](
             rows, m, out, n_rows, inner, rows.stride(0), rows.stride(1), *m_strides, scale,
-            gates, gates.stride(0), gates.stride(1), **config, **FP_FUSION)
+            gates, gates.stride(0), gates.stride(1), **config, **FP_FUSION, **pdl(out.device))
     return out
 
 

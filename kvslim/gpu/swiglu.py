@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .. import gpu                      # gpu.TRITON read at each call: benchmarks flip it in-process
-from . import FP_FUSION, kernels, serves
+from . import FP_FUSION, kernels, pdl, serves
 
 BLOCK = 1024            # columns a program
 
@@ -65,5 +65,5 @@ def _act_mul(gate: torch.Tensor, up: torch.Tensor, dtype: torch.dtype, act: str)
     if out.numel():
         _kernel().act_mul[(rows, heads, -(-width // BLOCK))](
             gate, up, out, heads, width, gate.stride(0), gate.stride(1), up.stride(0), up.stride(1), ACT=act,
-            BLOCK=BLOCK, num_warps=4, **FP_FUSION)
+            BLOCK=BLOCK, num_warps=4, **FP_FUSION, **pdl(gate.device))
     return out.view(shape)
