@@ -273,7 +273,7 @@ def test_a_tokens_rows_wait_on_memory_a_few_times(name, most):
     position and page loaded once, beside its rows (``gpu.load_waves``). With 16 rows of 8 tokens
     a program, each thread loaded every row's three in turn: f16 30 waits, q8_0 20, turbo4 and
     turbo3 22. Now 2, 2, and for turbo (its rotation's whole matrix one tl.dot step at 16 rows,
-    loaded with x before the norm) 8 and 5 under Triton 3.9, 8 and 8 under 3.6: the waits past
+    loaded with x before the norm) 8 and 6 under Triton 3.9, 8 and 8 under 3.6: the waits past
     the first are the codebook's bounds and centroids, read from L1."""
     from kvslim.gpu import _kv_append_kernel as kernel, cuobjdump, load_waves
     fmt = formats.get(name, role="v")

@@ -29,20 +29,29 @@ def conv_step(x_ptr, state_ptr, slots_ptr, w_ptr, out_ptr, C, x_stride, slot_str
 def conv_operands(x_ptr, state_ptr, w_ptr, c, live, K: tl.constexpr, BLOCK_K: tl.constexpr):
     """Channels c's conv operands, float32 (channels, BLOCK_K): the window (the K - 1 inputs held
     at state_ptr + c (K - 1) + j, oldest first, then the new x[c], any float type), its weights
-    (C, K), and the held inputs shifted by one with x[c] newest (the state after this step).
-    Every load goes out before any is used, each straight into the 2D layout that uses it (x
-    read into both of its columns: a 1D load widened after would be a trip through shared
-    memory, and one more wait on memory before the next loads): ``conv_step`` and the DeltaNet
-    step that convolves in its launch (``_delta_step_kernel``) both take it, so either gives the
-    same bits."""
+    (C, K), and the held inputs shifted by one with x[c] newest (``shifted_inputs``: the state
+    after this step). Every load goes out before any is used, each straight into the 2D layout
+    that uses it (x read into its column of each: a 1D load widened after would be a trip
+    through shared memory, and one more wait on memory before the next loads): ``conv_step``
+    and the DeltaNet step that convolves in its launch (``_delta_step_kernel``) both take it, so
+    either gives the same bits."""
     j = tl.arange(0, BLOCK_K)[None, :]
     ok = live[:, None]
-    row = state_ptr + c[:, None] * (K - 1)
-    held = tl.load(row + j, mask=ok & (j < K - 1), other=0.0).to(tl.float32)
-    ahead = tl.load(row + j + 1, mask=ok & (j < K - 2), other=0.0).to(tl.float32)
-    new = tl.load(x_ptr + c[:, None] + j * 0, mask=ok & (j >= K - 2) & (j < K), other=0.0).to(tl.float32)
+    held = tl.load(state_ptr + c[:, None] * (K - 1) + j, mask=ok & (j < K - 1), other=0.0).to(tl.float32)
+    new = tl.load(x_ptr + c[:, None] + j * 0, mask=ok & (j == K - 1), other=0.0).to(tl.float32)
     weight = tl.load(w_ptr + c[:, None] * K + j, mask=ok & (j < K), other=0.0).to(tl.float32)
-    return tl.where(j == K - 1, new, held), weight, tl.where(j == K - 2, new, ahead)
+    return tl.where(j == K - 1, new, held), weight, shifted_inputs(x_ptr, state_ptr, c, live, K, BLOCK_K)
+
+
+@triton.jit
+def shifted_inputs(x_ptr, state_ptr, c, live, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Channels c's held inputs shifted by one with x[c] newest, float32 (channels, BLOCK_K): the
+    state after this step (``store_shifted``), loaded straight into that layout."""
+    j = tl.arange(0, BLOCK_K)[None, :]
+    ok = live[:, None]
+    ahead = tl.load(state_ptr + c[:, None] * (K - 1) + j + 1, mask=ok & (j < K - 2), other=0.0).to(tl.float32)
+    new = tl.load(x_ptr + c[:, None] + j * 0, mask=ok & (j == K - 2), other=0.0).to(tl.float32)
+    return tl.where(j == K - 2, new, ahead)
 
 
 @triton.jit

@@ -6,7 +6,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from ._codecs import after_previous, last_to_arrive, rearm, sigmoid, stored_as
-from ._conv_step_kernel import conv_operands, silu_conv, store_shifted
+from ._conv_step_kernel import conv_operands, shifted_inputs, silu_conv, store_shifted
 from ._gated_norm_kernel import gated_normed
 
 
@@ -95,8 +95,8 @@ def _convolved(x_ptr, conv_ptr, w_ptr, counter, rows, cols, kh, h, HK, HV, DK: t
     q, k, v = silu_conv(q_window, q_weight), silu_conv(k_window, k_weight), silu_conv(v_window, v_weight)
     store_shifted(conv_ptr, v_at, cols < DV, v_shifted, K, BLOCK_K)
     if last_to_arrive(counter, (HV // HK) * tl.num_programs(2)):
-        _, _, q_shifted = conv_operands(x_ptr, conv_ptr, w_ptr, q_at, rows < DK, K, BLOCK_K)
-        _, _, k_shifted = conv_operands(x_ptr, conv_ptr, w_ptr, k_at, rows < DK, K, BLOCK_K)
+        q_shifted = shifted_inputs(x_ptr, conv_ptr, q_at, rows < DK, K, BLOCK_K)
+        k_shifted = shifted_inputs(x_ptr, conv_ptr, k_at, rows < DK, K, BLOCK_K)
         store_shifted(conv_ptr, q_at, rows < DK, q_shifted, K, BLOCK_K)
         store_shifted(conv_ptr, k_at, rows < DK, k_shifted, K, BLOCK_K)
         rearm(counter)

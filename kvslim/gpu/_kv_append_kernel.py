@@ -19,7 +19,7 @@ from triton.runtime.jit import JITFunction
 
 from ._codecs import after_previous
 
-from ._rotation_kernel import hadamard, times_matrix
+from ._rotation_kernel import hadamard, matrix_step, matrix_step_operands, times_matrix
 
 # The encoder kinds and float types, as kv_append.KINDS and FLOAT_TYPES number them (constexpr:
 # a jitted function reads no other globals).
@@ -310,13 +310,10 @@ def _encode_turbo(x, x_at, out, live, rot_m, bounds, cents, limit, GROUP: tl.con
         # one step: the matrix and x's copy for the product loaded before the norm's sum, whose
         # barrier held them back a round trip (``times_matrix`` loads them where it multiplies)
         k = tl.arange(0, BLOCK)
-        m = tl.load(rot_m + k[:, None] + k[None, :] * GROUP, mask=(k[:, None] < GROUP) & (k[None, :] < GROUP),
-                    other=0.0)
-        xr = tl.load(x_at + k, mask=live[:, :, None] & (k < GROUP), other=0.0).to(tl.float32)
+        xr, m = matrix_step_operands(x_at, live[:, :, None], rot_m, 1, GROUP, k, k, GROUP)
         norm = tl.math.sqrt_rn(tl.sum(x * x, 2))
-        xr, d = tl.broadcast(xr, tl.maximum(norm, 1e-30)[:, :, None])
-        y = tl.dot(tl.reshape(tl.math.div_rn(xr, d), (BLOCK_M * NB, BLOCK)), m,
-                   tl.zeros((BLOCK_M * NB, BLOCK), tl.float32), input_precision="ieee")
+        y = matrix_step(xr, m, tl.zeros((BLOCK_M * NB, BLOCK), tl.float32), tl.maximum(norm, 1e-30)[:, :, None],
+                        BLOCK_M * NB, BLOCK, True)
     else:
         norm = tl.math.sqrt_rn(tl.sum(x * x, 2))
         y = times_matrix(x_at, live[:, :, None], rot_m, 1, GROUP, tl.maximum(norm, 1e-30)[:, :, None], GROUP,

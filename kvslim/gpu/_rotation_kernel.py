@@ -41,15 +41,29 @@ def times_matrix(x_at, live, m_ptr, m_rows, m_cols, divisor, GROUP: tl.constexpr
     j = col0 + tl.arange(0, COLS)
     y = tl.zeros((ROWS, COLS), tl.float32)
     for c in tl.static_range(BLOCK // STEP):
-        k = c * STEP + tl.arange(0, STEP)
-        xc = tl.load(x_at + k, mask=live & (k < GROUP), other=0.0).to(tl.float32)
-        if DIVIDE:
-            xc, d = tl.broadcast(xc, divisor)
-            xc = tl.math.div_rn(xc, d)
-        mc = tl.load(m_ptr + k[:, None] * m_rows + j[None, :] * m_cols,
-                     mask=(k[:, None] < GROUP) & (j[None, :] < GROUP), other=0.0)          # zero padded
-        y = tl.dot(tl.reshape(xc, (ROWS, STEP)), mc, y, input_precision="ieee")
+        xc, mc = matrix_step_operands(x_at, live, m_ptr, m_rows, m_cols, c * STEP + tl.arange(0, STEP), j, GROUP)
+        y = matrix_step(xc, mc, y, divisor, ROWS, STEP, DIVIDE)
     return y
+
+
+@triton.jit
+def matrix_step_operands(x_at, live, m_ptr, m_rows, m_cols, k, j, GROUP: tl.constexpr):
+    """One ``times_matrix`` step's loads: x's columns k (float32) and the matrix's rows k, columns
+    j (zero padded past GROUP). The turbo append issues them itself, ahead of its norms."""
+    xc = tl.load(x_at + k, mask=live & (k < GROUP), other=0.0).to(tl.float32)
+    mc = tl.load(m_ptr + k[:, None] * m_rows + j[None, :] * m_cols,
+                 mask=(k[:, None] < GROUP) & (j[None, :] < GROUP), other=0.0)
+    return xc, mc
+
+
+@triton.jit
+def matrix_step(xc, mc, y, divisor, ROWS: tl.constexpr, STEP: tl.constexpr, DIVIDE: tl.constexpr):
+    """y plus x's columns (each divided by ``divisor``, correctly rounded, with DIVIDE) times the
+    matrix's rows, ``matrix_step_operands``' pair: float32 products (tl.dot's ieee)."""
+    if DIVIDE:
+        xc, d = tl.broadcast(xc, divisor)
+        xc = tl.math.div_rn(xc, d)
+    return tl.dot(tl.reshape(xc, (ROWS, STEP)), mc, y, input_precision="ieee")
 
 
 @triton.jit

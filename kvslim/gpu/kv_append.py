@@ -103,9 +103,9 @@ def kernel_config(config: dict, n_kv: int, page_size: int) -> dict:
     """A launch's constexprs: ``_launch_config``'s for the format, the pool's PAGE_SIZE, and BLOCK_M,
     the rows of one token a program encodes: its KV heads (a power of two, at most MAX_HEADS), for
     turbo at least DOT_ROWS with the blocks (dead rows masked). ROT_STEP: turbo's rotation takes
-    the whole matrix in one tl.dot step at DOT_ROWS rows (every load before the product: sm_90,
-    2 heads, 6 waits on memory, not 21, under Triton 3.9, 9 under 3.6), 16 of its rows a step
-    past them (one step spilled)."""
+    the whole matrix in one tl.dot step at DOT_ROWS rows (the matrix loaded with the token's rows,
+    before the norms: sm_90, 2 heads, 6-8 waits on memory, not 21-22, the ones past the first
+    the codebook's, from L1), 16 of its rows a step past them (one step spilled)."""
     rows = min(pow2(n_kv), MAX_HEADS)
     if config["KIND"] == KINDS["turbo"]:
         rows = max(rows, DOT_ROWS // config["NB"])
