@@ -41,6 +41,7 @@ tiny shapes (timings meaningless).
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 import time
@@ -57,7 +58,7 @@ from kvslim.gpu import paged_prefill as gpu_prefill  # noqa: E402
 from kvslim.gpu import tuned as gpu_tuned  # noqa: E402
 from kvslim.tables import markdown_table  # noqa: E402
 
-from gpu_timing import check_device, copy_gbps, device_ms, median_ms, progress, step_ms  # noqa: E402  (same folder)
+from gpu_timing import check_device, check_pairs, copy_gbps, device_ms, median_ms, progress, step_ms  # noqa: E402  (same folder)
 
 N_KV, GROUP, HEAD_DIM, PAGE = 2, 8, 256, 16
 PAIRS = "f16/f16,q8_0/q8_0,q4_0/q4_0,iq4_nl/iq4_nl,turbo4/turbo4,turbo3/turbo3,turbo2/turbo2,q8_0/turbo4"
@@ -372,7 +373,9 @@ def _warm_in_parallel(args) -> None:
           f"(exit codes {sorted(set(codes))})", file=sys.stderr, flush=True)
 
 
-def main(argv=None) -> None:
+def parse(argv=None) -> argparse.Namespace:
+    """The command line, checked before anything is timed (a lease's flag typo exits here, and
+    tests/test_gpu_session.py parses every command a lease runs this way)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("-d", "--depths", default="32768,131072")
     parser.add_argument("-b", "--batches", default="1,8")
@@ -410,6 +413,18 @@ def main(argv=None) -> None:
         parser.error("--tuned-out and --jobs go with --sweep")
     if args.sweep and "served" in args.kernels.split(","):
         parser.error("--kernels served is the table's (the sweep times launch settings, not what a step takes)")
+    for text in (args.depths, args.batches):
+        if not re.fullmatch(r"\d+(,\d+)*", text):
+            parser.error(f"-d/-b {text}: comma-separated whole numbers")
+    try:
+        check_pairs(args.pairs)
+    except ValueError as exc:
+        parser.error(f"-p {args.pairs}: {exc}")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse(argv)
     check_device(args.device)
     if args.warm:
         return _warm(args, args.warm)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import re
 import sys
 import time
 import traceback
@@ -39,7 +40,7 @@ from torch.autograd import DeviceType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_timing import copy_gbps  # noqa: E402  (same folder)
+from gpu_timing import check_pairs, copy_gbps  # noqa: E402  (same folder)
 import kvslim.gpu  # noqa: E402
 from kvslim import formats  # noqa: E402
 from kvslim import weights as W  # noqa: E402
@@ -310,7 +311,9 @@ def pct(measured: int, predicted: int) -> str:
     return f"{100 * (measured - predicted) / predicted:+.1f}%" if predicted else ""
 
 
-def main(argv=None) -> int:
+def parse(argv=None) -> argparse.Namespace:
+    """The command line, checked before a model is made (a lease's flag typo exits here, and
+    tests/test_gpu_session.py parses every command a lease runs this way)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="qwen3.6-35b-a3b", help="a `kvslim plan` catalog name")
     ap.add_argument("--weights", default="q4_0", help="type of every matrix but the output (q6_k)")
@@ -358,6 +361,20 @@ def main(argv=None) -> int:
                          "(kvslim.gpu.PDL; off by default): each waits for the one before, which let it launch "
                          "early, to time both")
     args = ap.parse_args(argv)
+    if args.weights not in catalog.WEIGHT_QUANTS or catalog.WEIGHT_QUANTS[args.weights].base != args.weights:
+        ap.error(f"--weights {args.weights}: expected a plain block type the planner knows (q4_0, q8_0, ...)")
+    for flag, text in (("-d", args.depths), ("-np", args.parallel)):
+        if not re.fullmatch(r"\d+(,\d+)*", text):
+            ap.error(f"{flag} {text}: comma-separated whole numbers")
+    try:
+        check_pairs(args.pairs)
+    except ValueError as exc:
+        ap.error(f"--pairs {args.pairs}: {exc}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
     kvslim.gpu.PDL = kvslim.gpu.PDL or args.pdl                   # or KVSLIM_GPU_PDL=1
     gpu_paged_decode.DECODE_BY_WARPS = gpu_paged_decode.DECODE_BY_WARPS or args.decode_warps
     gpu_weights.SWIGLU_IN_GEMV = args.swiglu_in_gemv
@@ -368,8 +385,6 @@ def main(argv=None) -> int:
     gpu_moe.ROUTER_GEMV = args.sums_in_gemv                   # and the router's top-k by its last programs,
     gpu_weights.ADD_NORM_IN_GEMV = args.sums_in_gemv          # the mixers' add-norms by their GEMVs' last tiles
     gpu_weights.Q8_ACTIVATIONS = gpu_weights.Q8_ACTIVATIONS or args.q8_activations     # or KVSLIM_GPU_Q8_ACTIVATIONS=1
-    if args.weights not in catalog.WEIGHT_QUANTS or catalog.WEIGHT_QUANTS[args.weights].base != args.weights:
-        ap.error(f"--weights {args.weights}: expected a plain block type the planner knows (q4_0, q8_0, ...)")
     if on_cuda(args.device) and not torch.cuda.is_available():
         sys.exit("no CUDA device here: run it on a GPU, or dry-run with --device cpu --shrink 8 --layers 4")
     config_dict = shrunk_config(args.model, args.shrink, args.layers)

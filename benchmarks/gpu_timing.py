@@ -19,6 +19,18 @@ import time
 import torch
 
 import kvslim.gpu
+from kvslim import formats
+
+
+def check_pairs(text: str) -> None:
+    """Raise ValueError naming the problem unless ``text`` is comma-separated K/V pairs of known
+    cache types (``f16/f16,q8_0/turbo4``): the GPU scripts check it before they time anything."""
+    for pair in text.split(","):
+        names = pair.split("/")
+        if len(names) != 2:
+            raise ValueError(f"{pair!r} is not a K/V pair (K type/V type, as q8_0/turbo4)")
+        for name, role in zip(names, "kv"):
+            formats.get(name, role=role)
 
 
 def check_device(device: str) -> None:
