@@ -56,18 +56,22 @@ def recorded(phase: str, tmp_path: Path) -> list[dict]:
     return [json.loads(line) for line in record.read_text().splitlines()]
 
 
+@pytest.fixture(scope="module")
+def calls(tmp_path_factory) -> dict[str, list[dict]]:
+    return {phase: recorded(phase, tmp_path_factory.mktemp(phase)) for phase in PHASES}
+
+
 def test_the_lease_script_is_valid_bash():
     done = subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
 
 
 @pytest.mark.parametrize("phase", PHASES)
-def test_every_benchmark_a_lease_runs_takes_its_arguments(phase, tmp_path):
+def test_every_benchmark_a_lease_runs_takes_its_arguments(phase, calls):
     """Each benchmarks/*.py command of the phase parses and checks its flags and values as the
     script would on the device (formats, numbers, the flags that go together)."""
-    calls = recorded(phase, tmp_path)
-    benches = [c["argv"] for c in calls if c["argv"] and c["argv"][0].startswith("benchmarks/")]
-    assert benches, calls
+    benches = [c["argv"] for c in calls[phase] if c["argv"] and c["argv"][0].startswith("benchmarks/")]
+    assert benches, calls[phase]
     for argv in benches:
         module = _benchmark(Path(argv[0]).stem)
         assert hasattr(module, "parse"), f"{argv[0]} has no parse(argv) to check a lease's command with"
@@ -77,27 +81,30 @@ def test_every_benchmark_a_lease_runs_takes_its_arguments(phase, tmp_path):
             pytest.fail(f"{' '.join(argv)}: exits {exc.code} on its arguments")
     if phase == "followup":                              # the sweep's file serves the model after it
         assert any("--tuned-out" in argv for argv in benches)
-        models = [c for c in calls if c["argv"][:1] == ["benchmarks/gpu_model.py"]]
+        models = [c for c in calls[phase] if c["argv"][:1] == ["benchmarks/gpu_model.py"]]
         assert models and all(c["env"].get("KVSLIM_DECODE_TUNED") == "0" for c in models), models
 
 
-@pytest.mark.parametrize("phase", PHASES)
-def test_a_leases_pytest_keeps_every_test_that_waits_for_cuda(phase, tmp_path):
-    """The phase's pytest selects its tests by name (-k "cuda or fla or h100") from two lists of
-    files. A test that skips without CUDA but whose name lacks those words, or a file with such
-    tests left off the lists, would never run on a GPU; this collects the phase's own selection
-    with a plugin that lists what skips for want of CUDA and what -k deselects."""
-    runs = [c["argv"] for c in recorded(phase, tmp_path) if c["argv"][:2] == ["-m", "pytest"]]
-    assert runs
+def test_a_leases_pytest_keeps_every_test_that_waits_for_cuda(calls, tmp_path):
+    """The phases' pytest with the kernels on selects its tests by name (-k "cuda or fla or h100")
+    from two lists of files. A test that skips without CUDA but whose name lacks those words, or a
+    file with such tests left off the lists, would never run on a GPU. Each selection the phases
+    make is collected once, with a plugin that lists what skips for want of CUDA and what -k
+    deselects."""
     listed = set(_script_list("KERNEL_TESTS") + _script_list("MODEL_TESTS"))
     waiting = {f"tests/{p.name}" for p in (ROOT / "tests").glob("test_*.py")
                if "torch.cuda.is_available()" in p.read_text() and p.name != Path(__file__).name}
     assert waiting - listed == set(), "test files with CUDA tests that no lease runs"
+    runs = [c["argv"] for phase in PHASES for c in calls[phase]
+            if c["argv"][:2] == ["-m", "pytest"] and c["env"].get("KVSLIM_TRITON") == "1"]
+    assert len(runs) >= len(PHASES), runs
+    selections = set()
     for argv in runs:
-        files = [a for a in argv if a.startswith("tests/")]
+        files = tuple(a for a in argv if a.startswith("tests/"))
         assert files and all((ROOT / f).is_file() for f in files), argv
         assert set(files) == listed, argv
-        expr = argv[argv.index("-k") + 1]
+        selections.add((files, argv[argv.index("-k") + 1]))
+    for files, expr in sorted(selections):
         report = tmp_path / "report.json"
         done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=", "-q",
                                "--co", "-p", "tests.lease_selection", *files, "-k", expr], cwd=ROOT,
