@@ -28,6 +28,7 @@ Figures, not a test; the parity tests are tests/test_triton_*.py and tests/test_
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import re
 import sys
@@ -235,10 +236,12 @@ def allocated(device) -> int:
     return torch.cuda.memory_allocated(device) if on_cuda(device) else 0
 
 
-def run_pair(model, config, plan_model, pair: str, n_slots: int, args, gen, bandwidth: float, speed: list) -> list:
+def run_pair(model, config, plan_model, pair: str, n_slots: int, args, gen, bandwidth: float, speed: list,
+             label: str | None = None) -> list:
     """One K/V pair at one -np: the speed rows, appended to ``speed`` as they are measured (a
-    failure later keeps them), and the memory row, returned."""
+    failure later keeps them), and the memory row, returned; rows named ``label`` (default: the pair)."""
     type_k, type_v = pair.split("/")
+    pair = label or pair
     depths = [int(d) for d in args.depths.split(",")]
     ctx = max(max(depths) + args.n_gen + 2, args.n_prompt)            # tokens per slot
     before = allocated(args.device)
@@ -303,12 +306,43 @@ def decode_launch(config, pair: str, args) -> str:
     return f"{source}: {tune}, {split} keys a split"
 
 
+@contextlib.contextmanager
+def switched(names: list[str]):
+    """The named launch switches (``SWITCHES``) on for the block, then as they were."""
+    held = [(SWITCHES[n], getattr(*SWITCHES[n])) for n in names]
+    for (module, attr), _ in held:
+        setattr(module, attr, True)
+    try:
+        yield
+    finally:
+        for (module, attr), value in held:
+            setattr(module, attr, value)
+
+
 def mib(n: int) -> str:
     return f"{n / 2**20:,.0f}"
 
 
 def pct(measured: int, predicted: int) -> str:
     return f"{100 * (measured - predicted) / predicted:+.1f}%" if predicted else ""
+
+
+# Launch switches an --ab run sets in turn, each a module global read when a launch is made: name ->
+# (module, attribute). Each variant's decode steps are new CUDA graphs of its own launches.
+SWITCHES = {"pdl": (kvslim.gpu, "PDL"), "l2-prefetch": (kvslim.gpu, "L2_PREFETCH"),
+            "q8-activations": (gpu_weights, "Q8_ACTIVATIONS"), "decode-warps": (gpu_paged_decode, "DECODE_BY_WARPS")}
+
+
+def variants(text: str) -> list[tuple[str, list[str]]]:
+    """--ab's variants: "plain,pdl,pdl+l2-prefetch" -> [(name, its switches)]; ValueError naming an unknown one."""
+    out = []
+    for name in text.split(","):
+        switches = [] if name == "plain" else name.split("+")
+        unknown = [s for s in switches if s not in SWITCHES]
+        if unknown or not name:
+            raise ValueError(f"{name!r}: plain, or switches joined by + from {', '.join(SWITCHES)}")
+        out.append((name, switches))
+    return out
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -360,7 +394,18 @@ def parse(argv=None) -> argparse.Namespace:
                     help="programmatic dependent launch for the Triton kernels on compute capability 9+ "
                          "(kvslim.gpu.PDL; off by default): each waits for the one before, which let it launch "
                          "early, to time both")
+    ap.add_argument("--l2-prefetch", action="store_true",
+                    help="the decode GEMVs' weights asked of L2 when a program starts (kvslim.gpu.L2_PREFETCH; off "
+                         "by default; with --pdl, before the wait), to time both")
+    ap.add_argument("--ab", default=None, metavar="VARIANTS",
+                    help="time each pair once per variant in this run, the model made once: comma-separated, each "
+                         "plain or switches joined by + (" + ", ".join(SWITCHES) + "), set on top of the flags given")
     args = ap.parse_args(argv)
+    if args.ab:
+        try:
+            variants(args.ab)
+        except ValueError as exc:
+            ap.error(f"--ab {args.ab}: {exc}")
     if args.weights not in catalog.WEIGHT_QUANTS or catalog.WEIGHT_QUANTS[args.weights].base != args.weights:
         ap.error(f"--weights {args.weights}: expected a plain block type the planner knows (q4_0, q8_0, ...)")
     for flag, text in (("-d", args.depths), ("-np", args.parallel)):
@@ -376,6 +421,7 @@ def parse(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse(argv)
     kvslim.gpu.PDL = kvslim.gpu.PDL or args.pdl                   # or KVSLIM_GPU_PDL=1
+    kvslim.gpu.L2_PREFETCH = kvslim.gpu.L2_PREFETCH or args.l2_prefetch     # or KVSLIM_GPU_L2_PREFETCH=1
     gpu_paged_decode.DECODE_BY_WARPS = gpu_paged_decode.DECODE_BY_WARPS or args.decode_warps
     gpu_weights.SWIGLU_IN_GEMV = args.swiglu_in_gemv
     gpu_weights.SUMS_IN_GEMV = args.sums_in_gemv
@@ -402,7 +448,8 @@ def main(argv=None) -> int:
           f"attention backend {args.attn_backend}, SwiGLU in the GEMVs {args.swiglu_in_gemv}, "
           f"split sums in the GEMVs {args.sums_in_gemv}, shared expert as a pair "
           f"{gpu_weights.SHARED_AS_PAIR and args.sums_in_gemv}, 8-bit activations {gpu_weights.Q8_ACTIVATIONS}, "
-          f"decode by warps {gpu_paged_decode.DECODE_BY_WARPS}, programmatic dependent launch {kvslim.gpu.PDL}\n",
+          f"decode by warps {gpu_paged_decode.DECODE_BY_WARPS}, programmatic dependent launch {kvslim.gpu.PDL}, "
+          f"GEMV weights prefetched to L2 {kvslim.gpu.L2_PREFETCH}" + (f"; variants {args.ab}" if args.ab else "") + "\n",
           flush=True)
     bandwidth = copy_gbps(args.device, mib=1024 if on_cuda(args.device) else 64) * 1e9
     print(f"device-to-device copy {bandwidth / 1e9:.0f} GB/s (read + written): the ceilings' bandwidth\n", flush=True)
@@ -411,14 +458,18 @@ def main(argv=None) -> int:
     with torch.inference_mode():
         for pair in args.pairs.split(","):
             print(f"{pair}: decode attention's launch {decode_launch(config, pair, args)}", flush=True)
-            for n_slots in (int(n) for n in args.parallel.split(",")):
-                rows = []
-                try:
-                    memory.append(run_pair(model, config, plan_model, pair, n_slots, args, gen, bandwidth, rows))
-                except Exception as exc:            # noqa: BLE001  (the lease's other pairs still run)
-                    rows.append(failed(pair, n_slots, exc, args.device))
-                speed += rows
-                print("\n".join(" | ".join(map(str, r)) for r in rows), flush=True)
+            for name, switches in variants(args.ab) if args.ab else [(None, [])]:
+                label = f"{pair} {name}" if name else pair
+                with switched(switches):
+                    for n_slots in (int(n) for n in args.parallel.split(",")):
+                        rows = []
+                        try:
+                            memory.append(run_pair(model, config, plan_model, pair, n_slots, args, gen, bandwidth,
+                                                   rows, label))
+                        except Exception as exc:    # noqa: BLE001  (the lease's other pairs still run)
+                            rows.append(failed(label, n_slots, exc, args.device))
+                        speed += rows
+                        print("\n".join(" | ".join(map(str, r)) for r in rows), flush=True)
     print()
     print(markdown_table(["K/V", "np", "test", "t/s", "plan ceiling t/s", "step"], speed, ["l", "r", "l", "r", "r", "l"]))
     print()

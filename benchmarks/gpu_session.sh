@@ -83,7 +83,7 @@ MODEL_TESTS="tests/test_runtime.py tests/test_sampling.py tests/test_formats_api
 KERNEL_TESTS="tests/test_triton_attention.py tests/test_triton_prefill.py tests/test_triton_append.py
     tests/test_triton_weights.py tests/test_gpu_delta_rule.py tests/test_gpu_moe.py tests/test_gpu_swiglu.py tests/test_gpu_conv_step.py tests/test_gpu_rope.py
     tests/test_gpu_add_norm.py tests/test_gpu_delta_step.py tests/test_gpu_gated_norm.py tests/test_gpu_rotation.py
-    tests/test_triton_decode_mma.py"
+    tests/test_triton_decode_mma.py tests/test_gpu_prefetch.py"
 PYTEST="-m pytest -p no:cacheprovider -o addopts= -rs -q"
 
 # `all` cuts each step to what its BUDGET leaves; the single phases run with deadline unset.
@@ -350,7 +350,8 @@ rerun() {
 # kernels-on CUDA tests, the parity matrix among them, take what is left, then the decode table.
 # Bring decode-tuned.json back to kvslim/gpu/tuned/<device>.json (tuned.file_for names it).
 # Session 49: if time is left at the end, q8_0/turbo4 at depth 0 again with programmatic dependent
-# launch (--pdl) into e2e-pdl.md, the 8th file back.
+# launch (--pdl); session 50 made it an A/B on one model (--ab) with the GEMVs' L2 prefetch, both,
+# and neither, into e2e-ab.md, the 8th file back.
 #   run(command="bash benchmarks/gpu_session.sh followup", carry=[".whl"], timeout_s=580)
 followup() {
     deadline=$((SECONDS + ${BUDGET:-540}))
@@ -379,9 +380,11 @@ followup() {
         $MODEL_TESTS -k "cuda or fla or h100" 2>&1 | tee "$OUT/tests-triton.log" | tail -25
     # issue 18's table: each pair as a decode step now launches it (served: the sweep's file), beside the rest
     KVSLIM_DECODE_TUNED=$tuned decode_table 50 served,tiles,warps,mma
-    # if time is left: programmatic dependent launch (session 49, untimed), against the e2e's q8_0/turbo4 rows
-    KVSLIM_DECODE_TUNED=$tuned KVSLIM_TRITON=1 timeout -k 5 "$(left 90)" $PY benchmarks/gpu_model.py -d 0 -np 1,4 -n 8 \
-        --pairs q8_0/turbo4 --attn-backend bf16 --pdl --profile 4 2>&1 | tee "$OUT/e2e-pdl.md" | tail -12
+    # if time is left: the launch switches no lease has timed, side by side on one model (--ab): the
+    # GEMVs' weights prefetched to L2 (session 50), programmatic dependent launch (session 49), both
+    KVSLIM_DECODE_TUNED=$tuned KVSLIM_TRITON=1 timeout -k 5 "$(left 120)" $PY benchmarks/gpu_model.py -d 0 -np 1,4 -n 8 \
+        --pairs q8_0/turbo4 --attn-backend bf16 --ab plain,l2-prefetch,pdl,pdl+l2-prefetch --profile 4 2>&1 \
+        | tee "$OUT/e2e-ab.md" | tail -16
     echo "followup: $SECONDS s"
 }
 

@@ -114,6 +114,31 @@ def test_gpu_model_benchmark_keeps_going_past_a_failed_pair(capsys, monkeypatch)
     assert rows[1][-1] == "RuntimeError: no kernel for this pair" and "Traceback" in err
 
 
+def test_gpu_model_times_each_ab_variant_with_its_switches_on(capsys, monkeypatch):
+    """--ab: each pair once per variant, the model made once, the variant's launch switches on
+    while it runs and as they were after; rows named by pair and variant; an unknown switch is
+    refused before anything runs."""
+    gpu_model = _benchmark("gpu_model")
+    seen = []
+
+    def run_pair(model, config, plan_model, pair, n_slots, args, gen, bandwidth, speed, label=None):
+        seen.append((label, n_slots, gpu.PDL, gpu.L2_PREFETCH))
+        speed.append([label, n_slots, "tg2 @ d0", "1.0", "", "graphs"])
+        return [label, n_slots, 1, "0", "0", "", "0", "0"]
+    monkeypatch.setattr(gpu_model, "run_pair", run_pair)
+    monkeypatch.setattr(gpu, "PDL", False)
+    monkeypatch.setattr(gpu, "L2_PREFETCH", False)
+    assert gpu_model.main(["--device", "cpu", "--shrink", "16", "--layers", "4", "-d", "0", "-np", "1,4",
+                           "--pairs", "q8_0/turbo4", "--ab", "plain,pdl+l2-prefetch,l2-prefetch"]) == 0
+    assert seen == [("q8_0/turbo4 plain", 1, False, False), ("q8_0/turbo4 plain", 4, False, False),
+                    ("q8_0/turbo4 pdl+l2-prefetch", 1, True, True), ("q8_0/turbo4 pdl+l2-prefetch", 4, True, True),
+                    ("q8_0/turbo4 l2-prefetch", 1, False, True), ("q8_0/turbo4 l2-prefetch", 4, False, True)]
+    assert (gpu.PDL, gpu.L2_PREFETCH) == (False, False)
+    assert "| q8_0/turbo4 pdl+l2-prefetch |  4 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        gpu_model.parse(["--ab", "plain,pdl+prefetch"])
+
+
 # The GPU benchmarks' own dry runs (docstrings): every code path of each script on the CPU under
 # Triton's interpreter, so that a GPU lease is not spent finding a script that cannot start.
 # (script, arguments, table rows expected)

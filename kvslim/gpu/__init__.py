@@ -36,6 +36,13 @@ TRITON = os.environ.get("KVSLIM_TRITON", "0") == "1"
 # one before has finished. Off until a lease times it: KVSLIM_GPU_PDL=1, or gpu_model.py --pdl.
 PDL = os.environ.get("KVSLIM_GPU_PDL", "0") == "1"
 
+# The decode GEMVs' weights asked of L2 when a program starts (``_codecs.prefetch_rows``): a
+# program's loop reads its chunks one round trip each, and at a decode step's few programs an SM
+# that left DRAM idle between them; with the whole tile requested at once, the loop's reads wait on
+# L2. With PDL, before the wait: the weights are read-only, so their fetch overlaps the previous
+# kernel. Off until a lease times it: KVSLIM_GPU_L2_PREFETCH=1, or gpu_model.py --l2-prefetch.
+L2_PREFETCH = os.environ.get("KVSLIM_GPU_L2_PREFETCH", "0") == "1"
+
 # Triton fuses a * b + c into one FMA unless a launch says otherwise, and Triton 3.9 warns that
 # 3.10 will stop doing so by default (TRITON_DEFAULT_FP_FUSION). The kernels' parity and their
 # sm_90 figures were taken with fusion, so every launch asks for it by name (the append kernel,
@@ -73,6 +80,12 @@ def pdl(device: torch.device) -> dict:
     if not PDL or device.type != "cuda" or _capability(device.index) < 9:
         return {}
     return {"PDL": True, "launch_pdl": True}
+
+
+def l2_prefetch(device: torch.device) -> dict:
+    """A GEMV launch's L2_PREFETCH constexpr under ``L2_PREFETCH`` on a CUDA device (PTX's
+    prefetch.global.L2, any compute capability); else none (the interpreter runs no PTX)."""
+    return {"L2_PREFETCH": True} if L2_PREFETCH and device.type == "cuda" else {}
 
 
 @lru_cache(maxsize=None)

@@ -46,6 +46,45 @@ def after_previous(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+# A row's 128-byte lines a prefetch pass covers (``prefetch_rows``): one (rows, 16) tile of addresses,
+# a line a thread for an 8-row tile of 4 warps; longer row spans take more passes.
+PREFETCH_LINES = tl.constexpr(16)
+LINE_BYTES = tl.constexpr(128)
+
+
+@triton.jit
+def prefetch_lines(rows, row_bytes, start, stop, first_line, live):
+    """Byte offsets (rows, PREFETCH_LINES) of lines first_line .. + PREFETCH_LINES of bytes [start,
+    stop) of each row (row r's bytes at r * row_bytes), and where they are wanted: address start + 128 l
+    for l = 0 .. ceil((stop - start) / 128), the last clamped to stop - 1, so that the lines they fall
+    in are every line of the span (start need not be line-aligned) and no address leaves it."""
+    line = first_line + tl.arange(0, PREFETCH_LINES)
+    at = tl.minimum(start + line * LINE_BYTES, stop - 1)
+    wanted = live[:, None] & (line <= tl.cdiv(stop - start, LINE_BYTES))[None, :] & (start < stop)
+    return rows.to(tl.int64)[:, None] * row_bytes + at[None, :], wanted
+
+
+@triton.jit
+def prefetch_rows(base, rows, row_bytes, start, stop, live, ON: tl.constexpr):
+    """Ask L2 for bytes [start, stop) of each live row at base (``prefetch_lines``' lines), every
+    line at once and waiting for none: a GEMV program's weights for its chunks, which its loop then
+    reads from L2 one chunk a round trip instead of from DRAM (a decode GEMV program has 4-8
+    chunks and few programs an SM: in flight at a time, one chunk's bytes a program). Only bytes
+    no launch of the step writes may be prefetched before ``after_previous``. ON False (the
+    interpreter, which runs no PTX; or the switch off): nothing."""
+    if ON:
+        _prefetch_l2(base, *prefetch_lines(rows, row_bytes, start, stop, 0, live))     # a decode GEMV's spans: one pass
+        for first_line in range(PREFETCH_LINES, tl.cdiv(stop - start, LINE_BYTES) + 1, PREFETCH_LINES):
+            _prefetch_l2(base, *prefetch_lines(rows, row_bytes, start, stop, first_line, live))
+
+
+@triton.jit
+def _prefetch_l2(base, at, wanted):
+    """PTX's prefetch.global.L2 of base + at where wanted (no address is formed where not)."""
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                              "=r,l,r", [base + at, wanted.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
 @triton.jit
 def last_to_arrive(counter_ptr, expected):
     """Whether this program is the last of ``expected`` to count itself in the int32 at

@@ -37,7 +37,8 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from ._add_norm_kernel import added_norm
-from ._codecs import after_previous, f16_aligned, f16_at, last_to_arrive, rearm, sigmoid, split_sums, stored_as
+from ._codecs import (after_previous, f16_aligned, f16_at, last_to_arrive, prefetch_rows, rearm, sigmoid, split_sums,
+                      stored_as)
 from ._moe_kernel import gated_sum
 
 # ggml type ids (gguf.GGMLQuantizationType), the kernels' TYPE
@@ -776,6 +777,22 @@ def _gemv_pair_chunks(x_ptr, w_ptr, up_bytes, grid_ptr, m, M, rows, N, K, row_by
 
 
 @triton.jit
+def _prefetch_tile(w_ptr, up_bytes, rows, N, K, row_bytes, first, last, BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr,
+                   ON: tl.constexpr):
+    """``prefetch_rows`` of a GEMV program's weights: rows ``rows`` (< N) over chunks [first, last)
+    of BLOCK_K columns, and with SWIGLU the up rows up_bytes further. A chunk's bytes are a row's
+    by proportion, BLOCK_K row_bytes / K: whole for the GEMVs' 128 and 256 columns, as every type's
+    super-block halves into whole bytes (so no format's block size is restated here)."""
+    if ON:
+        chunk_bytes = BLOCK_K * row_bytes // K
+        start = first * chunk_bytes
+        stop = tl.minimum(last * chunk_bytes, row_bytes)
+        prefetch_rows(w_ptr, rows, row_bytes, start, stop, rows < N, ON)
+        if SWIGLU:
+            prefetch_rows(w_ptr + up_bytes, rows, row_bytes, start, stop, rows < N, ON)
+
+
+@triton.jit
 def _silu_mul(gate, up):
     """silu(gate) * up in float32, as ``_swiglu_kernel.act_mul`` computes it (the same bits)."""
     return gate * sigmoid(gate) * up
@@ -787,7 +804,7 @@ def quant_gemv(x_ptr, w_ptr, grid_ptr, y_ptr, parts_ptr, count_ptr, M, N, K, row
                TYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                BLOCKWISE: tl.constexpr = True, TERMS: tl.constexpr = 0, SWIGLU: tl.constexpr = False,
                LAST_SUMS: tl.constexpr = False, Q8: tl.constexpr = 0, ADD_NORM: tl.constexpr = False,
-               BLOCK_H: tl.constexpr = 1, PDL: tl.constexpr = False):
+               BLOCK_H: tl.constexpr = 1, L2_PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program (tile of BLOCK_N outputs, split s): the sums x[m, K_s] . W[n, K_s] for its chunks
     K_s of BLOCK_K columns. x (M, K) contiguous. One split: y (M, N) of any float type, the float32
     sums rounded once as they are stored. Several: each program stores its float32 partial in
@@ -803,14 +820,16 @@ def quant_gemv(x_ptr, w_ptr, grid_ptr, y_ptr, parts_ptr, count_ptr, M, N, K, row
     once; up_bytes: N * row_bytes, where the up rows start; parts (splits, M, 2N), the up sums
     N after the gate's. ADD_NORM (one split, or LAST_SUMS; not SWIGLU): y is a residual's delta,
     and the last program to store a tile of it adds and norms every row (``_last_row_add_norms``:
-    ``add_norm``'s launch, folded)."""
-    after_previous(PDL)
+    ``add_norm``'s launch, folded). L2_PREFETCH: the program's weights asked of L2 first
+    (``_prefetch_tile``), before the PDL wait: no launch of a decode step writes them."""
     tile = tl.program_id(0)
     split = tl.program_id(1)
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    m = tl.arange(0, BLOCK_M)
     first = split * chunks_per_split
     last = tl.minimum(first + chunks_per_split, tl.cdiv(K, BLOCK_K))
+    _prefetch_tile(w_ptr, up_bytes, rows, N, K, row_bytes, first, last, BLOCK_K, SWIGLU, L2_PREFETCH)
+    after_previous(PDL)
+    m = tl.arange(0, BLOCK_M)
     if SWIGLU:
         acc, up = _gemv_pair_chunks(x_ptr, w_ptr, up_bytes, grid_ptr, m, M, rows, N, K, row_bytes, first, last,
                                     TYPE, BLOCK_M, BLOCK_N, BLOCK_K, BLOCKWISE, TERMS, Q8)
@@ -906,7 +925,8 @@ def quant_gemv_experts(x_ptr, w_ptr, grid_ptr, ids_ptr, scale_ptr, y_ptr, N, K, 
                        TYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TERMS: tl.constexpr,
                        SCALED: tl.constexpr = False, BLOCKWISE: tl.constexpr = True, SWIGLU: tl.constexpr = False,
                        TOP_K: tl.constexpr = 0, Q8: tl.constexpr = 0, SHARED: tl.constexpr = 0,
-                       ADD_NORM: tl.constexpr = False, BLOCK_H: tl.constexpr = 1, PDL: tl.constexpr = False):
+                       ADD_NORM: tl.constexpr = False, BLOCK_H: tl.constexpr = 1, L2_PREFETCH: tl.constexpr = False,
+                       PDL: tl.constexpr = False):
     """Program (tile of BLOCK_N outputs, pair p): y[p, n] = x[p] . W[ids[p], n] over all of K,
     the expert's matrix found from its id (int32 or int64) in device memory (no host round trip
     to learn which experts a token chose). x (P / pairs_per_row, K) contiguous: pair p reads row
@@ -922,12 +942,15 @@ def quant_gemv_experts(x_ptr, w_ptr, grid_ptr, ids_ptr, scale_ptr, y_ptr, N, K, 
     SHARED (SHARED - 1),)) then the shared expert's (matrix (N, row_bytes) at shared_w_ptr,
     scaled by sigmoid(gate[t]) where SCALED); the combine (TOP_K = SHARED) then sums the pairs
     alone. ADD_NORM (with TOP_K): each token's combined row is a residual's delta, added and
-    normed by the last of its tiles (``_last_token_add_norm``: ``add_norm``'s launch, folded)."""
+    normed by the last of its tiles (``_last_token_add_norm``: ``add_norm``'s launch, folded).
+    L2_PREFETCH: the program's rows of its expert asked of L2 once its id is read (after the PDL
+    wait: the router's launch writes the ids)."""
     after_previous(PDL)
     tile = tl.program_id(0)
     p = tl.program_id(1).to(tl.int64)
     routed, w_expert = _pair_matrix(p, ids_ptr, w_ptr, shared_w_ptr, expert_bytes, SHARED)
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    _prefetch_tile(w_expert, up_bytes, rows, N, K, row_bytes, 0, tl.cdiv(K, BLOCK_K), BLOCK_K, SWIGLU, L2_PREFETCH)
     x_row = x_ptr + (p // pairs_per_row) * K
     if SWIGLU:                                                          # a 1-row M
         gate, up = _gemv_pair_chunks(x_row, w_expert, up_bytes, grid_ptr, tl.arange(0, 1), 1, rows, N, K, row_bytes,

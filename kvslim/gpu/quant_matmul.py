@@ -36,7 +36,7 @@ import gguf
 import torch
 
 from ..formats.base import cached_on
-from . import FP_FUSION, counters, kernels, pdl, pow2, serves
+from . import FP_FUSION, counters, kernels, l2_prefetch, pdl, pow2, serves
 from .add_norm import add_rms_norm
 from .swiglu import silu_mul
 
@@ -290,18 +290,19 @@ def gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type, split_k: int | None =
     if splits == 1:
         _kernel().quant_gemv[(tiles, 1)](
             x, blocks, table, y, y, y, m, width, k, blocks.shape[1], per_split, width * blocks.shape[1], *norm_args,
-            SWIGLU=swiglu, ADD_NORM=fold, BLOCK_H=block_h, **constexprs, **FP_FUSION, **pdl(x.device))
+            SWIGLU=swiglu, ADD_NORM=fold, BLOCK_H=block_h, **constexprs, **FP_FUSION, **l2_prefetch(x.device),
+            **pdl(x.device))
     elif last_sums:
         parts = torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
         _kernel().quant_gemv[(tiles, splits)](
             x, blocks, table, y, parts, counters(tiles, x.device), m, width, k, blocks.shape[1], per_split,
             width * blocks.shape[1], *norm_args, SWIGLU=swiglu, LAST_SUMS=True, ADD_NORM=fold, BLOCK_H=block_h,
-            **constexprs, **FP_FUSION, **pdl(x.device))
+            **constexprs, **FP_FUSION, **l2_prefetch(x.device), **pdl(x.device))
     else:
         parts = torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
         _kernel().quant_gemv[(-(-n // config["BLOCK_N"]), splits)](
             x, blocks, table, parts, parts, parts, m, n, k, blocks.shape[1], per_split, 0, *norm_args,
-            **constexprs, **FP_FUSION, **pdl(x.device))
+            **constexprs, **FP_FUSION, **l2_prefetch(x.device), **pdl(x.device))
         # (the SwiGLU halves here are rows of one GEMV, not pairs: sum_splits applies the activation)
         _kernel().sum_splits[(-(-(m * width) // SUM_BLOCK),)](parts, y, splits, m * width, width, BLOCK=SUM_BLOCK,
                                                                SWIGLU=swiglu, num_warps=4, **FP_FUSION, **pdl(y.device))
@@ -448,7 +449,7 @@ def _experts_gemv(x, blocks, ids, ggml_type, scales, y, q8, swiglu: bool = False
             *extra, shared_w, *norm_args, TYPE=int(ggml_type), BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
             TERMS=config["TERMS"], SCALED=scales is not None, SWIGLU=swiglu, TOP_K=top_k, Q8=q8_mode,
             SHARED=per_token, ADD_NORM=fold, BLOCK_H=pow2(width) if fold else 1, num_warps=config["num_warps"],
-            **FP_FUSION, **pdl(x.device))
+            **FP_FUSION, **l2_prefetch(x.device), **pdl(x.device))
     return _normed(y, add_norm, fold, norm_args)
 
 
