@@ -41,7 +41,6 @@ tiny shapes (timings meaningless).
 from __future__ import annotations
 
 import argparse
-import re
 import subprocess
 import sys
 import time
@@ -58,7 +57,7 @@ from kvslim.gpu import paged_prefill as gpu_prefill  # noqa: E402
 from kvslim.gpu import tuned as gpu_tuned  # noqa: E402
 from kvslim.tables import markdown_table  # noqa: E402
 
-from gpu_timing import check_device, check_pairs, copy_gbps, device_ms, median_ms, progress, step_ms  # noqa: E402  (same folder)
+from gpu_timing import check_device, check_lists, copy_gbps, device_ms, median_ms, progress, step_ms  # noqa: E402  (same folder)
 
 N_KV, GROUP, HEAD_DIM, PAGE = 2, 8, 256, 16
 PAIRS = "f16/f16,q8_0/q8_0,q4_0/q4_0,iq4_nl/iq4_nl,turbo4/turbo4,turbo3/turbo3,turbo2/turbo2,q8_0/turbo4"
@@ -413,13 +412,7 @@ def parse(argv=None) -> argparse.Namespace:
         parser.error("--tuned-out and --jobs go with --sweep")
     if args.sweep and "served" in args.kernels.split(","):
         parser.error("--kernels served is the table's (the sweep times launch settings, not what a step takes)")
-    for text in (args.depths, args.batches):
-        if not re.fullmatch(r"\d+(,\d+)*", text):
-            parser.error(f"-d/-b {text}: comma-separated whole numbers")
-    try:
-        check_pairs(args.pairs)
-    except ValueError as exc:
-        parser.error(f"-p {args.pairs}: {exc}")
+    check_lists(parser, {"-d": args.depths, "-b": args.batches}, ("-p", args.pairs))
     return args
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import re
 import sys
 import time
 import traceback
@@ -41,7 +40,7 @@ from torch.autograd import DeviceType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_timing import check_pairs, copy_gbps  # noqa: E402  (same folder)
+from gpu_timing import check_lists, copy_gbps  # noqa: E402  (same folder)
 import kvslim.gpu  # noqa: E402
 from kvslim import formats  # noqa: E402
 from kvslim import weights as W  # noqa: E402
@@ -408,13 +407,7 @@ def parse(argv=None) -> argparse.Namespace:
             ap.error(f"--ab {args.ab}: {exc}")
     if args.weights not in catalog.WEIGHT_QUANTS or catalog.WEIGHT_QUANTS[args.weights].base != args.weights:
         ap.error(f"--weights {args.weights}: expected a plain block type the planner knows (q4_0, q8_0, ...)")
-    for flag, text in (("-d", args.depths), ("-np", args.parallel)):
-        if not re.fullmatch(r"\d+(,\d+)*", text):
-            ap.error(f"{flag} {text}: comma-separated whole numbers")
-    try:
-        check_pairs(args.pairs)
-    except ValueError as exc:
-        ap.error(f"--pairs {args.pairs}: {exc}")
+    check_lists(ap, {"-d": args.depths, "-np": args.parallel}, ("--pairs", args.pairs))
     return args
 
 

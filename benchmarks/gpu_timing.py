@@ -12,6 +12,7 @@ On the CPU (a dry run under Triton's interpreter) both are the wall clock.
 from __future__ import annotations
 
 import os
+import re
 import statistics
 import sys
 import time
@@ -31,6 +32,19 @@ def check_pairs(text: str) -> None:
             raise ValueError(f"{pair!r} is not a K/V pair (K type/V type, as q8_0/turbo4)")
         for name, role in zip(names, "kv"):
             formats.get(name, role=role)
+
+
+def check_lists(parser, numbers: dict[str, str], pairs: tuple[str, str]) -> None:
+    """A GPU script's comma lists checked before it times anything: ``numbers`` (flag -> text) of
+    whole numbers, and ``pairs`` (flag, text) of K/V pairs (``check_pairs``); parser.error names
+    the flag and the problem."""
+    for flag, text in numbers.items():
+        if not re.fullmatch(r"\d+(,\d+)*", text):
+            parser.error(f"{flag} {text}: comma-separated whole numbers")
+    try:
+        check_pairs(pairs[1])
+    except ValueError as exc:
+        parser.error(f"{pairs[0]} {pairs[1]}: {exc}")
 
 
 def check_device(device: str) -> None:
