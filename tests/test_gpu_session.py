@@ -21,8 +21,9 @@ from tests.test_bench import _benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_session.sh"
-# what the next leases call (`followup`, then `rerun` for tests a first call cut short)
-PHASES = ("followup", "rerun")
+# what the next lease calls (`followup`, then `second`: the tests it cut short and the launch
+# switches' A/B), and session 41's `rerun`
+PHASES = ("followup", "second", "rerun")
 
 RECORDER = """import json, os, sys
 with open(os.environ["RECORD"], "a") as f:
@@ -100,7 +101,7 @@ def test_a_leases_pytest_keeps_every_test_that_waits_for_cuda(calls, tmp_path):
     assert len(runs) >= len(PHASES), runs
     selections = set()
     for argv in runs:
-        files = tuple(a for a in argv if a.startswith("tests/"))
+        files = tuple(sorted(a for a in argv if a.startswith("tests/")))     # (one selection, in any order)
         assert files and all((ROOT / f).is_file() for f in files), argv
         assert set(files) == listed, argv
         selections.add((files, argv[argv.index("-k") + 1]))
