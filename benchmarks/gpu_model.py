@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import statistics
 import sys
 import time
 import traceback
@@ -305,6 +306,26 @@ def decode_launch(config, pair: str, args) -> str:
     return f"{source}: {tune}, {split} keys a split"
 
 
+def ab_table(speed: list, pairs: str, names: list[str]) -> list[list]:
+    """--ab's rows side by side: per pair, -np and test, each variant's median t/s over the rounds
+    (the rounds' count beside it where more than one), then each later variant's median over the
+    first variant's."""
+    by = {}
+    for label, n_slots, test, tps, *_ in speed:
+        if test != "failed":
+            by.setdefault((label, n_slots, test), []).append(float(tps))
+    rows = []
+    for pair in pairs.split(","):
+        keys = dict.fromkeys((n, t) for (label, n, t) in by if label.startswith(pair + " "))
+        for n_slots, test in keys:
+            got = [by.get((f"{pair} {name}", n_slots, test), []) for name in names]
+            medians = [statistics.median(g) if g else None for g in got]
+            cells = [f"{m:.1f}" + (f" ({len(g)})" if len(g) > 1 else "") if m else "" for m, g in zip(medians, got)]
+            ratios = [f"{m / medians[0]:.3f}" if m and medians[0] else "" for m in medians[1:]]
+            rows.append([pair, n_slots, test, *cells, *ratios])
+    return rows
+
+
 @contextlib.contextmanager
 def switched(names: list[str]):
     """The named launch switches (``SWITCHES``) on for the block, then as they were."""
@@ -396,6 +417,9 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--l2-prefetch", action="store_true",
                     help="the decode GEMVs' weights asked of L2 when a program starts (kvslim.gpu.L2_PREFETCH; off "
                          "by default; with --pdl, before the wait), to time both")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="with --ab: the variants timed in turn this many times (profiles in the first), then "
+                         "each variant's median")
     ap.add_argument("--ab", default=None, metavar="VARIANTS",
                     help="time each pair once per variant in this run, the model made once: comma-separated, each "
                          "plain or switches joined by + (" + ", ".join(SWITCHES) + "), set on top of the flags given")
@@ -448,24 +472,32 @@ def main(argv=None) -> int:
     print(f"device-to-device copy {bandwidth / 1e9:.0f} GB/s (read + written): the ceilings' bandwidth\n", flush=True)
     gen = torch.Generator(device=args.device).manual_seed(args.seed + 1)
     speed, memory = [], []
+    quiet = argparse.Namespace(**{**vars(args), "profile": 0})
     with torch.inference_mode():
         for pair in args.pairs.split(","):
             print(f"{pair}: decode attention's launch {decode_launch(config, pair, args)}", flush=True)
-            for name, switches in variants(args.ab) if args.ab else [(None, [])]:
-                label = f"{pair} {name}" if name else pair
-                with switched(switches):
-                    for n_slots in (int(n) for n in args.parallel.split(",")):
-                        rows = []
-                        try:
-                            memory.append(run_pair(model, config, plan_model, pair, n_slots, args, gen, bandwidth,
-                                                   rows, label))
-                        except Exception as exc:    # noqa: BLE001  (the lease's other pairs still run)
-                            rows.append(failed(label, n_slots, exc, args.device))
-                        speed += rows
-                        print("\n".join(" | ".join(map(str, r)) for r in rows), flush=True)
+            for round_ in range(args.rounds if args.ab else 1):       # the variants in turn, round after round
+                run_args = args if round_ == 0 else quiet                 # (profiles in the first round)
+                for name, switches in variants(args.ab) if args.ab else [(None, [])]:
+                    label = f"{pair} {name}" if name else pair
+                    with switched(switches):
+                        for n_slots in (int(n) for n in args.parallel.split(",")):
+                            rows = []
+                            try:
+                                memory.append(run_pair(model, config, plan_model, pair, n_slots, run_args, gen,
+                                                       bandwidth, rows, label))
+                            except Exception as exc:    # noqa: BLE001  (the lease's other pairs still run)
+                                rows.append(failed(label, n_slots, exc, args.device))
+                            speed += rows
+                            print("\n".join(" | ".join(map(str, r)) for r in rows), flush=True)
     print()
     print(markdown_table(["K/V", "np", "test", "t/s", "plan ceiling t/s", "step"], speed, ["l", "r", "l", "r", "r", "l"]))
     print()
+    if args.ab:
+        names = [name for name, _ in variants(args.ab)]
+        print(markdown_table(["K/V", "np", "test", *(f"{n} t/s" for n in names), *(f"{n} / {names[0]}" for n in names[1:])],
+                             ab_table(speed, args.pairs, names), ["l", "r", "l"] + ["r"] * (2 * len(names) - 1)))
+        print()
     print(markdown_table(["K/V", "np", "ctx/slot", "cache MiB", "plan KV+state MiB", "vs plan", "peak extra MiB",
                           "plan compute MiB"], memory, ["l", "r", "r", "r", "r", "r", "r", "r"]))
     return 0

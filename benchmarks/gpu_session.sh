@@ -329,7 +329,8 @@ rerun() {
 # kernels-on CUDA tests a minute or two, and what is left of the lease after it (15 minutes, the
 # machine's start counted) is about three. First the launch switches no lease has timed, side by
 # side on one model (gpu_model.py --ab): the GEMVs' weights prefetched to L2 (session 50; any CUDA
-# card), programmatic dependent launch (session 49; Hopper), both. Then the tests with the rest,
+# card), programmatic dependent launch (session 49; Hopper), both, in turn twice (--rounds 2: each
+# variant's median, and its ratio to plain's, in the last table). Then the tests with the rest,
 # their files in reverse order, so that a cut run covers what followup's cut run did not reach.
 # A warm machine keeps followup's Triton cache; followup's tuned file is not here, so the model
 # runs the default decode launches (the same in every variant).
@@ -337,8 +338,9 @@ rerun() {
 second() {
     deadline=$((SECONDS + ${BUDGET:-280}))
     setup || exit 1
-    KVSLIM_TRITON=1 timeout -k 5 "$(left 100)" $PY benchmarks/gpu_model.py -d 0 -np 1,4 -n 32 --pairs q8_0/turbo4 \
-        --attn-backend bf16 --ab plain,l2-prefetch,pdl,pdl+l2-prefetch --profile 4 2>&1 | tee "$OUT/e2e-ab.md" | tail -16
+    KVSLIM_TRITON=1 timeout -k 5 "$(left 120)" $PY benchmarks/gpu_model.py -d 0 -np 1,4 -n 32 --pairs q8_0/turbo4 \
+        --attn-backend bf16 --ab plain,l2-prefetch,pdl,pdl+l2-prefetch --rounds 2 --profile 4 2>&1 \
+        | tee "$OUT/e2e-ab.md" | tail -24
     local files
     files=$(echo $KERNEL_TESTS $MODEL_TESTS | tr ' ' '\n' | tac | tr '\n' ' ')
     # shellcheck disable=SC2086

@@ -115,26 +115,33 @@ def test_gpu_model_benchmark_keeps_going_past_a_failed_pair(capsys, monkeypatch)
 
 
 def test_gpu_model_times_each_ab_variant_with_its_switches_on(capsys, monkeypatch):
-    """--ab: each pair once per variant, the model made once, the variant's launch switches on
-    while it runs and as they were after; rows named by pair and variant; an unknown switch is
-    refused before anything runs."""
+    """--ab: each pair once per variant a round, the model made once, the variant's launch
+    switches on while it runs and as they were after, profiles in the first round only; rows
+    named by pair and variant, and a table of each variant's median over the rounds and its ratio
+    to the first's; an unknown switch is refused before anything runs."""
     gpu_model = _benchmark("gpu_model")
-    seen = []
+    seen, tps = [], iter([100, 400, 110, 420, 90, 380, 100, 400, 130, 440, 100, 400])
 
     def run_pair(model, config, plan_model, pair, n_slots, args, gen, bandwidth, speed, label=None):
-        seen.append((label, n_slots, gpu.PDL, gpu.L2_PREFETCH))
-        speed.append([label, n_slots, "tg2 @ d0", "1.0", "", "graphs"])
+        seen.append((label, n_slots, gpu.PDL, gpu.L2_PREFETCH, args.profile))
+        speed.append([label, n_slots, "tg2 @ d0", f"{next(tps):.1f}", "", "graphs"])
         return [label, n_slots, 1, "0", "0", "", "0", "0"]
     monkeypatch.setattr(gpu_model, "run_pair", run_pair)
     monkeypatch.setattr(gpu, "PDL", False)
     monkeypatch.setattr(gpu, "L2_PREFETCH", False)
     assert gpu_model.main(["--device", "cpu", "--shrink", "16", "--layers", "4", "-d", "0", "-np", "1,4",
-                           "--pairs", "q8_0/turbo4", "--ab", "plain,pdl+l2-prefetch,l2-prefetch"]) == 0
-    assert seen == [("q8_0/turbo4 plain", 1, False, False), ("q8_0/turbo4 plain", 4, False, False),
-                    ("q8_0/turbo4 pdl+l2-prefetch", 1, True, True), ("q8_0/turbo4 pdl+l2-prefetch", 4, True, True),
-                    ("q8_0/turbo4 l2-prefetch", 1, False, True), ("q8_0/turbo4 l2-prefetch", 4, False, True)]
+                           "--pairs", "q8_0/turbo4", "--ab", "plain,pdl+l2-prefetch,l2-prefetch", "--rounds", "2",
+                           "--profile", "2"]) == 0
+    first = [("q8_0/turbo4 plain", 1, False, False, 2), ("q8_0/turbo4 plain", 4, False, False, 2),
+             ("q8_0/turbo4 pdl+l2-prefetch", 1, True, True, 2), ("q8_0/turbo4 pdl+l2-prefetch", 4, True, True, 2),
+             ("q8_0/turbo4 l2-prefetch", 1, False, True, 2), ("q8_0/turbo4 l2-prefetch", 4, False, True, 2)]
+    assert seen == first + [row[:4] + (0,) for row in first]
     assert (gpu.PDL, gpu.L2_PREFETCH) == (False, False)
-    assert "| q8_0/turbo4 pdl+l2-prefetch |  4 |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    cells = [[c.strip() for c in line.split("|")[1:-1]] for line in out.splitlines() if line.startswith("| ")]
+    table = [row for row in cells if row[0] == "q8_0/turbo4"]            # the variants' table (medians, ratios)
+    assert table == [["q8_0/turbo4", "1", "tg2 @ d0", "100.0 (2)", "120.0 (2)", "95.0 (2)", "1.200", "0.950"],
+                     ["q8_0/turbo4", "4", "tg2 @ d0", "400.0 (2)", "430.0 (2)", "390.0 (2)", "1.075", "0.975"]], out
     with pytest.raises(SystemExit):
         gpu_model.parse(["--ab", "plain,pdl+prefetch"])
 
