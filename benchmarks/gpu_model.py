@@ -424,6 +424,8 @@ def parse(argv=None) -> argparse.Namespace:
                     help="time each pair once per variant in this run, the model made once: comma-separated, each "
                          "plain or switches joined by + (" + ", ".join(SWITCHES) + "), set on top of the flags given")
     args = ap.parse_args(argv)
+    if args.rounds < 1 or (args.rounds > 1 and not args.ab):
+        ap.error(f"--rounds {args.rounds}: a positive count, and more than 1 only with --ab")
     if args.ab:
         try:
             variants(args.ab)
