@@ -219,17 +219,22 @@ WARP_SPLITS = {(1, 1, 1): (512, 128)}
 # where the default loads each block where it is decoded (in sm_90 SASS a step's loads then come in
 # several bursts, each waited on: K's blocks, then V's after the scores); with PREFETCH 1 a step
 # waits on memory once, for 251 registers (8 programs an SM; at maxnreg 168, 12, spilling 232 bytes).
-MMA_VARIANTS = [(16, 1, 1, None), (16, 0, 0, None), (16, 1, 0, None), (32, 0, 0, None), (16, 0, 0, 128),
-                (16, 1, 1, 168)]   # (N, PREFETCH, EARLY, maxnreg)
+# Session 50: L2_AHEAD 4, each step asking L2 for the rows 4 steps on (turbo4/turbo4 at EARLY and PREFETCH
+# 1: 240 registers under Triton 3.6, 8 programs an SM as without; at use 172 -> 208, 11 -> 9).
+MMA_VARIANTS = [(16, 1, 1, None, 0), (16, 0, 0, None, 0), (16, 1, 0, None, 0), (32, 0, 0, None, 0),
+                (16, 0, 0, 128, 0), (16, 1, 1, 168, 0), (16, 1, 1, None, 4), (16, 0, 0, None, 4)]
+# (N, PREFETCH, EARLY, maxnreg, L2_AHEAD)
 # Keys a split: at 128K x 1, 512 gives 512 one-warp programs (under half the H200's 132 SMs x 8 at
 # EARLY's registers), 256 one wave of 1,024, 128 two waves
 MMA_SPLITS = (512, 256, 128)
 
 
-def mma_launch(n: int, ahead: int, early: int, cap: int | None) -> tuple[str, dict]:
+def mma_launch(n: int, ahead: int, early: int, cap: int | None, l2: int = 0) -> tuple[str, dict]:
     """An MMA_VARIANTS entry as (its prefetch cell, its tune)."""
-    cell = f"N {n}" + (", rows" if ahead else "") + (", early" if early else "") + (f", {cap} regs" if cap else "")
-    return cell, {"KERNEL": "mma", "N": n, "PREFETCH": ahead, "EARLY": early, **({"maxnreg": cap} if cap else {})}
+    cell = (f"N {n}" + (", rows" if ahead else "") + (", early" if early else "") + (f", {cap} regs" if cap else "")
+            + (f", L2 +{l2}" if l2 else ""))
+    return cell, {"KERNEL": "mma", "N": n, "PREFETCH": ahead, "EARLY": early, **({"maxnreg": cap} if cap else {}),
+                  **({"L2_AHEAD": l2} if l2 else {})}
 
 
 def _prefetch_cell(prefetch, codecs: str) -> str:

@@ -40,7 +40,8 @@ if triton is not None:
         """``prefetch_lines``' offsets and masks for PASSES passes of rows 0 .. BLOCK_N (live below n_rows)."""
         rows = tl.arange(0, BLOCK_N)
         for p in tl.static_range(PASSES):
-            at, wanted = prefetch_lines(rows, row_bytes, start, stop, p * PREFETCH_LINES, rows < n_rows)
+            line = p * PREFETCH_LINES + tl.arange(0, PREFETCH_LINES)
+            at, wanted = prefetch_lines(rows, row_bytes, start, stop, line, rows < n_rows)
             cell = rows[:, None] * (PASSES * PREFETCH_LINES) + p * PREFETCH_LINES + tl.arange(0, PREFETCH_LINES)[None, :]
             tl.store(at_ptr + cell, at)
             tl.store(wanted_ptr + cell, wanted.to(tl.int8))

@@ -34,7 +34,8 @@ pytestmark = pytest.mark.skipif(not kvslim.gpu.available(), reason="triton is no
 # bytes, q4_0's and iq4_nl's nibbles and f16 rows, K and V apart; two blocks a row and one; 8, 5,
 # 3 and 1 query rows of the products' 8; an empty sequence; splits of 32 and the default; pages
 # of 12 (a step's keys across pages); 32 keys a step, once with 64-bit row offsets; each row kind
-# with every load of a step issued first (EARLY)
+# with every load of a step issued first (EARLY); the rows of steps on asked of L2 (L2_AHEAD: under
+# the interpreter its table reads run, its prefetches do not)
 CASES = [("turbo4", "turbo4", 256, 8, (40, 3, 0), 16, 32, {}),
          ("turbo4", "turbo4", 128, 5, (37, 100), 12, None, {}),
          ("turbo4", "turbo4", 256, 1, (70,), 16, None, {"N": 32, "WIDE": True}),
@@ -55,7 +56,9 @@ CASES = [("turbo4", "turbo4", 256, 8, (40, 3, 0), 16, 32, {}),
          ("turbo4", "turbo4", 256, 8, (40, 3, 0), 16, 32, {"EARLY": 1, "PREFETCH": 1}),   # case 0: every load of
                                                                                   # a step first
          ("q8_0", "q4_0", 128, 5, (37, 100), 12, None, {"EARLY": 1}),
-         ("f16", "turbo3", 256, 3, (20, 5), 16, None, {"EARLY": 1, "N": 32})]
+         ("f16", "turbo3", 256, 3, (20, 5), 16, None, {"EARLY": 1, "N": 32}),
+         ("turbo4", "turbo4", 256, 8, (40, 3, 0), 16, 32, {"L2_AHEAD": 2, "EARLY": 1, "PREFETCH": 1}),  # case 0
+         ("q8_0", "iq4_nl", 128, 5, (37, 100), 12, None, {"L2_AHEAD": 4, "N": 32})]        # with L2 asked ahead
 MATRIX = ("f16", "q8_0", "q4_0", "iq4_nl", "turbo4", "turbo3", "turbo2")   # issue 18's formats
 # step_output on it: one split (the kernel stores the output, gated too), and two (merged); the
 # last two with every load of a step first (EARLY)
@@ -132,10 +135,12 @@ def test_mma_decode_matches_torch_block_loop(interpreted, index):
 
 
 def test_loads_moved_give_the_same_bits(interpreted):
-    """PREFETCH 1 moves when a step's table entries are read, EARLY when its codes are, and maxnreg
-    where ptxas keeps values, not what is summed: case 0's state bit for bit."""
+    """PREFETCH 1 moves when a step's table entries are read, EARLY when its codes are, L2_AHEAD
+    what L2 holds, and maxnreg where ptxas keeps values, not what is summed: case 0's state bit
+    for bit."""
     moved = [i for i, case in enumerate(CASES) if i and case[:7] == CASES[0][:7]]
-    assert [CASES[i][7] for i in moved] == [{"PREFETCH": 1, "maxnreg": 128}, {"EARLY": 1, "PREFETCH": 1}]
+    assert [CASES[i][7] for i in moved] == [{"PREFETCH": 1, "maxnreg": 128}, {"EARLY": 1, "PREFETCH": 1},
+                                            {"L2_AHEAD": 2, "EARLY": 1, "PREFETCH": 1}]
     for i in moved:
         for got, at_use in zip(interpreted["states"][i], interpreted["states"][0]):
             assert torch.equal(got, at_use)
@@ -280,6 +285,7 @@ def test_q8_0s_bytes_come_out_times_their_scale_rounded_once(scale):
     ("turbo4", "turbo4", 256, 8, {"PREFETCH": 2}, "PREFETCH=2 with KERNEL='mma'"),
     ("turbo4", "turbo4", 256, 8, {"EARLY": 2}, "EARLY=2 with KERNEL='mma'"),
     ("turbo4", "turbo4", 256, 8, {"maxnreg": 64}, "maxnreg=64 with KERNEL='mma'"),
+    ("turbo4", "turbo4", 256, 8, {"L2_AHEAD": 3}, "L2_AHEAD=3 with KERNEL='mma'"),
     ("turbo4", "turbo4", 256, 8, {"BLOCK_N": 32}, "not a setting of KERNEL='mma': BLOCK_N")])
 def test_mma_refuses_what_it_cannot_read(name_k, name_v, dim, rows, tune, why):
     """Refused by name before a launch, never decoded wrong; reads_by_mma agrees."""
@@ -319,19 +325,24 @@ def _sm90(name_k: str, name_v: str, dim: int, tune: dict):
     ("turbo4", "turbo4", 256, 16, {}), ("turbo4", "turbo4", 128, 16, {}), ("turbo4", "turbo4", 256, 32, {}),
     ("turbo4", "turbo4", 256, 16, {"PREFETCH": 1}), ("turbo4", "turbo4", 256, 16, {"PREFETCH": 1, "EARLY": 1}),
     ("turbo3", "turbo3", 256, 16, {}), ("turbo2", "turbo4", 128, 16, {}), ("f16", "f16", 256, 16, {"PREFETCH": 1}),
-    ("q8_0", "turbo4", 256, 16, {}), ("q8_0", "q4_0", 256, 16, {"EARLY": 1}), ("q4_0", "iq4_nl", 256, 16, {})])
+    ("q8_0", "turbo4", 256, 16, {}), ("q8_0", "q4_0", 256, 16, {"EARLY": 1}), ("q4_0", "iq4_nl", 256, 16, {}),
+    ("turbo4", "turbo4", 256, 16, {"L2_AHEAD": 4, "PREFETCH": 1, "EARLY": 1}), ("f16", "f16", 256, 16, {"L2_AHEAD": 4}),
+    ("q8_0", "turbo4", 256, 16, {"L2_AHEAD": 8})])
 def test_mma_decodes_in_registers_for_an_h100_without_one(name_k, name_v, dim, keys, tune):
     """What the kernel is for, in its sm_90 SASS (decode's launch: bf16 q read in place, the table
     by slot): no shared memory at all, no barrier or shared-memory access in its loop over keys,
     no spill; and it compiled, so every conversion to an operand layout was a relabelling
     (``assert_trivial``). turbo4/turbo4 85 instructions a key at head_dim 256, turbo3 75 (Triton
-    3.6 and 3.9)."""
+    3.6 and 3.9). With L2_AHEAD, the loop's L2 prefetches (``CCTL.E.PF2``): a (keys, 8 lines)
+    tile a lane's share, for K's rows and V's, 8 a step at 16 keys; none without."""
     from kvslim.gpu import cuobjdump, loop_ops
     compiled = _sm90(name_k, name_v, dim, {"N": keys, **tune})
     step = loop_ops(cuobjdump(compiled, "-sass"))
     assert step and not [op for op in step if op.startswith(("BAR", "LDS", "STS"))], sorted(set(step))
     assert compiled.metadata.shared == 0 and resource_usage(compiled)["STACK"] == 0
     assert sum(op.startswith("HMMA") for op in step) == 2 * dim // 16 * keys // 16   # K's and V's products
+    prefetches = sum(op.startswith("CCTL") for op in step)
+    assert prefetches == (2 * keys * 8 // 32 if tune.get("L2_AHEAD") else 0), prefetches
 
 
 SASS = """

@@ -53,15 +53,16 @@ LINE_BYTES = tl.constexpr(128)
 
 
 @triton.jit
-def prefetch_lines(rows, row_bytes, start, stop, first_line, live):
-    """Byte offsets (rows, PREFETCH_LINES) of lines first_line .. + PREFETCH_LINES of bytes [start,
-    stop) of each row (row r's bytes at r * row_bytes), and where they are wanted: address start + 128 l
-    for l = 0 .. ceil((stop - start) / 128), the last clamped to stop - 1, so that the lines they fall
-    in are every line of the span (start need not be line-aligned) and no address leaves it."""
-    line = first_line + tl.arange(0, PREFETCH_LINES)
+def prefetch_lines(rows, row_bytes, start, stop, line, live):
+    """Byte offsets (rows, lines) of lines ``line`` (a vector, made by the caller in its layout: the
+    Gluon decode kernel's too) of bytes [start, stop) of each row (row r's bytes at r * row_bytes),
+    and where they are wanted: address start + 128 l for l = 0 .. ceil((stop - start) / 128), the
+    last clamped to stop - 1, so that the lines they fall in are every line of the span (start
+    need not be line-aligned) and no address leaves it. In rows' integer type: 64-bit rows where
+    rows * row_bytes may pass 2 GB."""
     at = tl.minimum(start + line * LINE_BYTES, stop - 1)
     wanted = live[:, None] & (line <= tl.cdiv(stop - start, LINE_BYTES))[None, :] & (start < stop)
-    return rows.to(tl.int64)[:, None] * row_bytes + at[None, :], wanted
+    return rows[:, None] * row_bytes + at[None, :], wanted
 
 
 @triton.jit
@@ -73,13 +74,15 @@ def prefetch_rows(base, rows, row_bytes, start, stop, live, ON: tl.constexpr):
     no launch of the step writes may be prefetched before ``after_previous``. ON False (the
     interpreter, which runs no PTX; or the switch off): nothing."""
     if ON:
-        _prefetch_l2(base, *prefetch_lines(rows, row_bytes, start, stop, 0, live))     # a decode GEMV's spans: one pass
+        line = tl.arange(0, PREFETCH_LINES)
+        wide = rows.to(tl.int64)                    # (an lm_head's 248K rows of 1,680 bytes: 417 MB)
+        prefetch_l2(base, *prefetch_lines(wide, row_bytes, start, stop, line, live))     # a decode GEMV's spans: one pass
         for first_line in range(PREFETCH_LINES, tl.cdiv(stop - start, LINE_BYTES) + 1, PREFETCH_LINES):
-            _prefetch_l2(base, *prefetch_lines(rows, row_bytes, start, stop, first_line, live))
+            prefetch_l2(base, *prefetch_lines(wide, row_bytes, start, stop, first_line + line, live))
 
 
 @triton.jit
-def _prefetch_l2(base, at, wanted):
+def prefetch_l2(base, at, wanted):
     """PTX's prefetch.global.L2 of base + at where wanted (no address is formed where not)."""
     tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
                               "=r,l,r", [base + at, wanted.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)

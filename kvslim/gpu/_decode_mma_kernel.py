@@ -55,7 +55,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.runtime.jit import JITFunction
 
-from ._codecs import gated, pool_rows, sequence_pages, stored_as
+from ._codecs import gated, pool_rows, prefetch_l2, prefetch_lines, sequence_pages, stored_as
 
 
 @triton.jit
@@ -65,6 +65,9 @@ def _probe():
 
 INTERPRETED = not isinstance(_probe, JITFunction)           # TRITON_INTERPRET=1 when kernels are decorated
 BLOCK = gl.constexpr(128)   # values a block of the formats read here: one f16 scale each
+# L2_AHEAD's prefetch (``_l2_rows``): lines a pool row may span (f16 rows at head_dim 256: 512 bytes,
+# 5 lines unaligned)
+L2_LINES = gl.constexpr(8)
 
 # A unit's four 4-bit codes -> their f16 table entries by byte permutes: ``prmt`` picks bytes of
 # a register pair by 3-bit selectors, so each byte plane of the table ($5-$8 the entries' low
@@ -465,6 +468,17 @@ def _weighted(raw, norm, p, corr, acc, lut, planes, N: tl.constexpr, BITS: tl.co
     return mma_v2(v, pt, acc * corr[None, :])
 
 
+def _l2_rows(head, slot, live, row_bytes, layout: tl.constexpr):
+    """Ask L2 for the pool rows ``slot`` (keys, in ``layout``'s rows) of a head at byte pointer
+    ``head``, row_bytes each, where ``live``: a (keys, L2_LINES) tile of addresses
+    (``_codecs.prefetch_lines``, the GEMVs' prefetch's: every line of each row, which need not be
+    line-aligned: turbo4's rows are 132 bytes). Waits for nothing. Under the interpreter, which
+    runs no PTX, nothing."""
+    if COMPILED:
+        line = gl.arange(0, L2_LINES, layout=gl.SliceLayout(0, layout))
+        prefetch_l2(head, *prefetch_lines(slot, row_bytes, 0, row_bytes, line, live))
+
+
 def paged_decode_mma(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr, k_lut, v_lut,
                      m_out, l_out, acc_out,
                      n_seq, n_rows, n_pages, k_row_bytes, v_row_bytes, table_stride,
@@ -475,7 +489,7 @@ def paged_decode_mma(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr, k
                      WIDE: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_BYTES: tl.constexpr,
                      V_BYTES: tl.constexpr,
                      K_NIBBLES: tl.constexpr = False, V_NIBBLES: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
-                     EARLY: tl.constexpr = 0,
+                     EARLY: tl.constexpr = 0, L2_AHEAD: tl.constexpr = 0,
                      BY_SLOT: tl.constexpr = False, NORMALISE: tl.constexpr = False, GATED: tl.constexpr = False):
     """``paged_prefill_tile``'s decode launch with its arguments and outputs: the state of rows
     0..n_rows-1 (at most 8) of (KV head, sequence) over the keys of one split, N keys a step, or
@@ -485,8 +499,10 @@ def paged_decode_mma(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr, k
     default), at use. EARLY 1: every load of a step (K's and V's codes and norms) issued before any
     decoding; 0 (the default), each block's where it is decoded, which sm_90 SASS shows as several
     bursts of loads a step, each waited on (K's blocks, V's after the scores). EARLY 1 with
-    PREFETCH 1 waits on memory once a step, for 251 registers (turbo4/turbo4). The same bits
-    whatever the setting."""
+    PREFETCH 1 waits on memory once a step, for 251 registers (turbo4/turbo4). L2_AHEAD D > 0: each
+    step asks L2 for the K and V rows of the step D on (``_l2_rows``), from table entries read a
+    step before, so that a step's own loads wait on L2, not DRAM, with about D steps of the
+    program's bytes in flight (0, the default: none). The same bits whatever the setting."""
     ROWS: gl.constexpr = BLOCK_M
     NB: gl.constexpr = HEAD_DIM // BLOCK
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
@@ -527,6 +543,11 @@ def paged_decode_mma(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr, k
     keys_k = gl.arange(0, N, layout=gl.SliceLayout(1, groups))
     keys_v = gl.arange(0, N, layout=gl.SliceLayout(0, groups))
     keys_s = gl.arange(0, N, layout=gl.SliceLayout(1, mma))
+    ahead: gl.constexpr = gl.BlockedLayout([1, L2_LINES // 2], [16, 2], [1, 1], [1, 0])   # (keys, lines): a warp
+    keys_p = gl.arange(0, N, layout=gl.SliceLayout(1, ahead))
+    slot_p = keys_p
+    if L2_AHEAD:            # the rows L2_AHEAD steps on from the first, their table entries before the loop
+        slot_p = pool_rows(table_at, begin + L2_AHEAD * N + keys_p, end, PAGE_SIZE, WIDE)
     if PREFETCH:            # the first step's pool rows, before the loop
         slot_k = pool_rows(table_at, begin + keys_k, end, PAGE_SIZE, WIDE)
         slot_v = pool_rows(table_at, begin + keys_v, end, PAGE_SIZE, WIDE)
@@ -534,6 +555,11 @@ def paged_decode_mma(q_ptr, q_pos_ptr, k_pool, v_pool, table_ptr, lengths_ptr, k
     for start in range(begin, end, N):
         zero = gl.full([N, ROWS], 0.0, gl.float32, layout=mma)
         t = start + keys_s
+        if L2_AHEAD:        # step + L2_AHEAD's rows to L2 (their entries were read a step ago), the next one's entries
+            t_p = start + L2_AHEAD * N + keys_p
+            _l2_rows(k_head, slot_p, t_p < end, k_row_bytes, ahead)
+            _l2_rows(v_head, slot_p, t_p < end, v_row_bytes, ahead)
+            slot_p = pool_rows(table_at, t_p + N, end, PAGE_SIZE, WIDE)
         if PREFETCH:        # this step's rows were read a step ago; the next step's table entries go out now,
             sk = slot_k     # so that a step's K/V loads wait on one load, not on a table load first
             sv = slot_v
@@ -650,7 +676,7 @@ _AS_TRITON = _AsTriton()
 
 _BODIES = (_plane_word, _planes, _unit4, _code, _join16, _group, _units, _nibble_units, _q8_pair, _q8_units,
            _q8_group, _load_groups, _decode_groups, _k_load, _k_operand, _v_load, _v_operand, _norm, _normed,
-           _block_reads, _reads, _scores, _weighted, paged_decode_mma)
+           _block_reads, _reads, _scores, _weighted, _l2_rows, paged_decode_mma)
 
 
 def _decorate():

@@ -168,11 +168,11 @@ def _phases(f: CodecFields, head_dim: int) -> int:
 CODECS = ("units", "per-value")
 COLUMNS = ("adjacent", "strided")
 TUNABLE = ("BLOCK_N", "num_warps", "num_stages", "DOT", "WIDE", "CODECS", "PREFETCH", "KERNEL", "KP", "RESCALE_AT",
-           "COLUMNS", "N", "EARLY", "maxnreg")
+           "COLUMNS", "N", "EARLY", "L2_AHEAD", "maxnreg")
 WARPS_TUNABLE = ("KERNEL", "KP", "num_warps", "WIDE", "RESCALE_AT", "PREFETCH")
 WARPS_ROWS = 8            # the warps kernel's most query rows: each lane holds all of them, and their sums
 KERNELS = ("tiles", "warps", "mma")
-MMA_TUNABLE = ("KERNEL", "N", "WIDE", "PREFETCH", "EARLY", "maxnreg")
+MMA_TUNABLE = ("KERNEL", "N", "WIDE", "PREFETCH", "EARLY", "L2_AHEAD", "maxnreg")
 MMA_ROWS = 8              # KERNEL "mma": the GQA group is the products' narrow side, 8 wide
 MMA_BLOCK = 128           # ... and it reads blocks of 128 codes with one f16 scale each
 DOTS = ("ieee", "tf32x3", "tf32", "f16", "fma")
@@ -337,7 +337,8 @@ def _mma_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict, page_size:
     turbo4/turbo4 at head_dim 256); for the sweep to weigh occupancy against spills. EARLY 0 (the
     default) loads each block of codes where it is decoded; 1, every load of a step first (K's and
     V's codes and norms), so that with PREFETCH 1 a step waits on memory once: 251 registers for
-    turbo4/turbo4, 8 programs an SM (untimed)."""
+    turbo4/turbo4, 8 programs an SM (untimed). L2_AHEAD 2, 4 or 8: each step asks L2 for the rows
+    of the step that many on (untimed; 0, the default, none)."""
     other = set(tune) - set(MMA_TUNABLE)
     if other:
         raise ValueError(f"not a setting of KERNEL='mma': {', '.join(sorted(other))} "
@@ -356,6 +357,9 @@ def _mma_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict, page_size:
     if tune.get("EARLY", 0) not in (0, 1):
         raise ValueError(f"EARLY={tune['EARLY']!r} with KERNEL='mma': expected 0 (each block's loads where it is "
                          "decoded) or 1 (every load of a step before its decoding)")
+    if tune.get("L2_AHEAD", 0) not in (0, 2, 4, 8):
+        raise ValueError(f"L2_AHEAD={tune['L2_AHEAD']!r} with KERNEL='mma': expected 0 (off), 2, 4 or 8 (steps on whose "
+                         "rows each step asks L2 for)")
     cap = {"maxnreg": tune["maxnreg"]} if "maxnreg" in tune else {}
     if cap and cap["maxnreg"] not in (96, 128, 168):
         raise ValueError(f"maxnreg={cap['maxnreg']!r} with KERNEL='mma': expected 96, 128 or 168 registers a thread")
@@ -363,7 +367,7 @@ def _mma_config(fmt_k, fmt_v, n_rows: int, head_dim: int, tune: dict, page_size:
              for name, value in _mma_side(fmt, head_dim).items()}
     return dict(KERNEL="mma", HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_M=MMA_ROWS, N=keys,
                 WIDE=tune.get("WIDE", False), PREFETCH=int(tune.get("PREFETCH", 0)), EARLY=int(tune.get("EARLY", 0)),
-                num_warps=1, **sides, **cap)
+                L2_AHEAD=int(tune.get("L2_AHEAD", 0)), num_warps=1, **sides, **cap)
 
 
 @lru_cache(maxsize=None)
