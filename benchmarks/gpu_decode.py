@@ -220,7 +220,7 @@ WARP_SPLITS = {(1, 1, 1): (512, 128)}
 # several bursts, each waited on: K's blocks, then V's after the scores); with PREFETCH 1 a step
 # waits on memory once, for 251 registers (8 programs an SM; at maxnreg 168, 12, spilling 232 bytes).
 # Session 50: L2_AHEAD 4, each step asking L2 for the rows 4 steps on (turbo4/turbo4 at EARLY and PREFETCH
-# 1: 240 registers under Triton 3.6, 8 programs an SM as without; at use 172 -> 208, 11 -> 9).
+# 1: 246 registers under Triton 3.6, 8 programs an SM as without; at use 172 -> 239, 11 -> 8).
 MMA_VARIANTS = [(16, 1, 1, None, 0), (16, 0, 0, None, 0), (16, 1, 0, None, 0), (32, 0, 0, None, 0),
                 (16, 0, 0, 128, 0), (16, 1, 1, 168, 0), (16, 1, 1, None, 4), (16, 0, 0, None, 4)]
 # (N, PREFETCH, EARLY, maxnreg, L2_AHEAD)

@@ -426,11 +426,10 @@ def parse(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.rounds < 1 or (args.rounds > 1 and not args.ab):
         ap.error(f"--rounds {args.rounds}: a positive count, and more than 1 only with --ab")
-    if args.ab:
-        try:
-            variants(args.ab)
-        except ValueError as exc:
-            ap.error(f"--ab {args.ab}: {exc}")
+    try:
+        args.variants = variants(args.ab) if args.ab else [(None, [])]     # (None: no --ab, the rows named by pair)
+    except ValueError as exc:
+        ap.error(f"--ab {args.ab}: {exc}")
     if args.weights not in catalog.WEIGHT_QUANTS or catalog.WEIGHT_QUANTS[args.weights].base != args.weights:
         ap.error(f"--weights {args.weights}: expected a plain block type the planner knows (q4_0, q8_0, ...)")
     check_lists(ap, {"-d": args.depths, "-np": args.parallel}, ("--pairs", args.pairs))
@@ -439,9 +438,8 @@ def parse(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse(argv)
-    kvslim.gpu.PDL = kvslim.gpu.PDL or args.pdl                   # or KVSLIM_GPU_PDL=1
-    kvslim.gpu.L2_PREFETCH = kvslim.gpu.L2_PREFETCH or args.l2_prefetch     # or KVSLIM_GPU_L2_PREFETCH=1
-    gpu_paged_decode.DECODE_BY_WARPS = gpu_paged_decode.DECODE_BY_WARPS or args.decode_warps
+    for name, (module, attr) in SWITCHES.items():                # --pdl & co., or their environment variables
+        setattr(module, attr, getattr(module, attr) or getattr(args, name.replace("-", "_")))
     gpu_weights.SWIGLU_IN_GEMV = args.swiglu_in_gemv
     gpu_weights.SUMS_IN_GEMV = args.sums_in_gemv
     gpu_weights.SHARED_AS_PAIR = args.shared_as_pair              # (needs the sums in the GEMVs)
@@ -449,7 +447,6 @@ def main(argv=None) -> int:
     gpu_delta_step.CONV_IN_STEP = args.sums_in_gemv          # its conv (the q/k state shifted by the last)
     gpu_moe.ROUTER_GEMV = args.sums_in_gemv                   # and the router's top-k by its last programs,
     gpu_weights.ADD_NORM_IN_GEMV = args.sums_in_gemv          # the mixers' add-norms by their GEMVs' last tiles
-    gpu_weights.Q8_ACTIVATIONS = gpu_weights.Q8_ACTIVATIONS or args.q8_activations     # or KVSLIM_GPU_Q8_ACTIVATIONS=1
     if on_cuda(args.device) and not torch.cuda.is_available():
         sys.exit("no CUDA device here: run it on a GPU, or dry-run with --device cpu --shrink 8 --layers 4")
     config_dict = shrunk_config(args.model, args.shrink, args.layers)
@@ -478,9 +475,9 @@ def main(argv=None) -> int:
     with torch.inference_mode():
         for pair in args.pairs.split(","):
             print(f"{pair}: decode attention's launch {decode_launch(config, pair, args)}", flush=True)
-            for round_ in range(args.rounds if args.ab else 1):       # the variants in turn, round after round
+            for round_ in range(args.rounds):                        # the variants in turn, round after round
                 run_args = args if round_ == 0 else quiet                 # (profiles in the first round)
-                for name, switches in variants(args.ab) if args.ab else [(None, [])]:
+                for name, switches in args.variants:
                     label = f"{pair} {name}" if name else pair
                     with switched(switches):
                         for n_slots in (int(n) for n in args.parallel.split(",")):
@@ -496,7 +493,7 @@ def main(argv=None) -> int:
     print(markdown_table(["K/V", "np", "test", "t/s", "plan ceiling t/s", "step"], speed, ["l", "r", "l", "r", "r", "l"]))
     print()
     if args.ab:
-        names = [name for name, _ in variants(args.ab)]
+        names = [name for name, _ in args.variants]
         print(markdown_table(["K/V", "np", "test", *(f"{n} t/s" for n in names), *(f"{n} / {names[0]}" for n in names[1:])],
                              ab_table(speed, args.pairs, names), ["l", "r", "l"] + ["r"] * (2 * len(names) - 1)))
         print()

@@ -325,6 +325,16 @@ rerun() {
     echo "rerun: $SECONDS s"
 }
 
+# The launch switches no lease has timed, side by side on one model (gpu_model.py --ab), for
+# q8_0/turbo4 at depth 0, -np 1 and 4: plain, the GEMVs' weights prefetched to L2 (session 50),
+# programmatic dependent launch (session 49), both; $1 seconds at most, $2 rounds (each variant's
+# median and its ratio to plain's in the last table).
+switches_ab() {
+    KVSLIM_TRITON=1 timeout -k 5 "$(left "$1")" $PY benchmarks/gpu_model.py -d 0 -np 1,4 -n 32 --pairs q8_0/turbo4 \
+        --attn-backend bf16 --ab plain,l2-prefetch,pdl,pdl+l2-prefetch --rounds "$2" --profile 4 2>&1 \
+        | tee "$OUT/e2e-ab.md" | tail -24
+}
+
 # The next lease's second call, after `followup` (session 50). followup's timings leave its
 # kernels-on CUDA tests a minute or two, and what is left of the lease after it (15 minutes, the
 # machine's start counted) is about three. First the launch switches no lease has timed, side by
@@ -338,9 +348,7 @@ rerun() {
 second() {
     deadline=$((SECONDS + ${BUDGET:-280}))
     setup || exit 1
-    KVSLIM_TRITON=1 timeout -k 5 "$(left 120)" $PY benchmarks/gpu_model.py -d 0 -np 1,4 -n 32 --pairs q8_0/turbo4 \
-        --attn-backend bf16 --ab plain,l2-prefetch,pdl,pdl+l2-prefetch --rounds 2 --profile 4 2>&1 \
-        | tee "$OUT/e2e-ab.md" | tail -24
+    switches_ab 120 2
     local files
     files=$(echo $KERNEL_TESTS $MODEL_TESTS | tr ' ' '\n' | tac | tr '\n' ' ')
     # shellcheck disable=SC2086
@@ -406,9 +414,7 @@ followup() {
     KVSLIM_DECODE_TUNED=$tuned decode_table 50 served,tiles,warps,mma
     # if time is left: the launch switches no lease has timed, side by side on one model (--ab): the
     # GEMVs' weights prefetched to L2 (session 50), programmatic dependent launch (session 49), both
-    KVSLIM_DECODE_TUNED=$tuned KVSLIM_TRITON=1 timeout -k 5 "$(left 120)" $PY benchmarks/gpu_model.py -d 0 -np 1,4 -n 32 \
-        --pairs q8_0/turbo4 --attn-backend bf16 --ab plain,l2-prefetch,pdl,pdl+l2-prefetch --profile 4 2>&1 \
-        | tee "$OUT/e2e-ab.md" | tail -16
+    KVSLIM_DECODE_TUNED=$tuned switches_ab 120 1
     echo "followup: $SECONDS s"
 }
 

@@ -20,18 +20,17 @@ import time
 import torch
 
 import kvslim.gpu
-from kvslim import formats
+from kvslim.tools.eval import parse_pairs
 
 
 def check_pairs(text: str) -> None:
     """Raise ValueError naming the problem unless ``text`` is comma-separated K/V pairs of known
-    cache types (``f16/f16,q8_0/turbo4``): the GPU scripts check it before they time anything."""
-    for pair in text.split(","):
-        names = pair.split("/")
-        if len(names) != 2:
-            raise ValueError(f"{pair!r} is not a K/V pair (K type/V type, as q8_0/turbo4)")
-        for name, role in zip(names, "kv"):
-            formats.get(name, role=role)
+    cache types (``f16/f16,q8_0/turbo4``): the GPU scripts check it before they time anything.
+    The names as ``kvslim eval --pairs`` checks them; each pair written out, as the scripts split it."""
+    bare = [pair for pair in text.split(",") if pair.count("/") != 1]
+    if bare:
+        raise ValueError(f"{bare[0]!r} is not a K/V pair (K type/V type, as q8_0/turbo4)")
+    parse_pairs(text)
 
 
 def check_lists(parser, numbers: dict[str, str], pairs: tuple[str, str]) -> None:

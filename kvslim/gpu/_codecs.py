@@ -66,19 +66,18 @@ def prefetch_lines(rows, row_bytes, start, stop, line, live):
 
 
 @triton.jit
-def prefetch_rows(base, rows, row_bytes, start, stop, live, ON: tl.constexpr):
+def prefetch_rows(base, rows, row_bytes, start, stop, live):
     """Ask L2 for bytes [start, stop) of each live row at base (``prefetch_lines``' lines), every
     line at once and waiting for none: a GEMV program's weights for its chunks, which its loop then
     reads from L2 one chunk a round trip instead of from DRAM (a decode GEMV program has 4-8
     chunks and few programs an SM: in flight at a time, one chunk's bytes a program). Only bytes
-    no launch of the step writes may be prefetched before ``after_previous``. ON False (the
-    interpreter, which runs no PTX; or the switch off): nothing."""
-    if ON:
-        line = tl.arange(0, PREFETCH_LINES)
-        wide = rows.to(tl.int64)                    # (an lm_head's 248K rows of 1,680 bytes: 417 MB)
-        prefetch_l2(base, *prefetch_lines(wide, row_bytes, start, stop, line, live))     # a decode GEMV's spans: one pass
-        for first_line in range(PREFETCH_LINES, tl.cdiv(stop - start, LINE_BYTES) + 1, PREFETCH_LINES):
-            prefetch_l2(base, *prefetch_lines(wide, row_bytes, start, stop, first_line + line, live))
+    no launch of the step writes may be prefetched before ``after_previous``. PTX: never under the
+    interpreter (its callers' switch, off there)."""
+    line = tl.arange(0, PREFETCH_LINES)
+    wide = rows.to(tl.int64)                        # (an lm_head's 248K rows of 1,680 bytes: 417 MB)
+    prefetch_l2(base, *prefetch_lines(wide, row_bytes, start, stop, line, live))     # a decode GEMV's spans: one pass
+    for first_line in range(PREFETCH_LINES, tl.cdiv(stop - start, LINE_BYTES) + 1, PREFETCH_LINES):
+        prefetch_l2(base, *prefetch_lines(wide, row_bytes, start, stop, first_line + line, live))
 
 
 @triton.jit

@@ -787,9 +787,9 @@ def _prefetch_tile(w_ptr, up_bytes, rows, N, K, row_bytes, first, last, BLOCK_K:
         chunk_bytes = BLOCK_K * row_bytes // K
         start = first * chunk_bytes
         stop = tl.minimum(last * chunk_bytes, row_bytes)
-        prefetch_rows(w_ptr, rows, row_bytes, start, stop, rows < N, ON)
+        prefetch_rows(w_ptr, rows, row_bytes, start, stop, rows < N)
         if SWIGLU:
-            prefetch_rows(w_ptr + up_bytes, rows, row_bytes, start, stop, rows < N, ON)
+            prefetch_rows(w_ptr + up_bytes, rows, row_bytes, start, stop, rows < N)
 
 
 @triton.jit
