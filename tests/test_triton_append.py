@@ -53,10 +53,11 @@ HEADS = [("q4_0", "k", 128, F32, 1), ("f16", "v", 64, F16, 20), ("q8_0", "k", 12
 REFUSED = [("turbo4p", 128), ("nl4", 96)]      # QJL, no rotation
 
 
-def _case(name, role, dim, dtype, n_kv=N_KV, n_tokens=32, seed=0):
+def _case(name, role, dim, dtype, n_kv=N_KV, n_tokens=16, seed=0):
     """(fmt, x (N, Hkv, D), pool of random bytes, flat pool rows (N,), where): magnitudes over
     five decades, one NaN, one inf and one value past every fp16 scale. ``where``: the append's
-    (block table, slots, positions, per-slot flags) that place token n at rows[n]."""
+    (block table, slots, positions, per-slot flags) that place token n at rows[n]. 16 tokens over
+    4 pages: a program a token, which the interpreter runs one by one (0.2 s each for iq4_nl)."""
     gen = torch.Generator().manual_seed(seed)
     fmt = formats.get(name, role=role)
     x = torch.randn(n_tokens, n_kv, dim, generator=gen) * torch.logspace(-3, 2, n_tokens)[:, None, None]
