@@ -134,14 +134,12 @@ def test_model_logits_with_triton_attention_match_the_torch_paths(tmp_path):
             assert torch.equal(a.argmax(-1), b.argmax(-1)), f"{type_k}/{type_v}"
 
 
-def backend_forward(args, path: Path | None = None):
+def backend_forward(args):
     """The bundled model with K/V types and attention backend ``args``: a 20-token prompt chunk, a
     decode step in a flat batch and one through a DecodeBatch (the paged_decode op, as CUDA
-    graphs run it). In the interpreted child (``path`` given) the attention kernels serve it
-    (``attention_kernels_only``); the DOT each attention kernel launch was given is kept."""
+    graphs run it). In the interpreted child (``tuned_forwards``) the attention kernels serve it;
+    the DOT and kernel each attention kernel launch was given are kept."""
     type_k, type_v, backend = args
-    if path is not None:
-        attention_kernels_only()
     from kvslim.devices import to_device
     from kvslim.gpu import paged_prefill
     from kvslim.loading import load_model
@@ -164,19 +162,50 @@ def backend_forward(args, path: Path | None = None):
         cache.commit_decode([0])
     finally:
         paged_prefill.attend = inner
-    out = {"logits": torch.cat(rows), "dots": dots, "kernels": kernels}
-    if path is not None:
-        torch.save(out, path)
-    return out
+    return {"logits": torch.cat(rows), "dots": dots, "kernels": kernels}
 
 
-def test_the_bf16_backend_takes_the_kernels_products_in_f16(tmp_path):
+# The pairs a lease's end-to-end run times; a tuned file choosing KERNEL "mma" for each (its loads
+# early, in splits of 16 keys)
+TUNED_PAIRS = [("q8_0", "turbo4"), ("turbo3", "turbo3"), ("f16", "f16")]
+MMA = {"KERNEL": "mma", "N": 16, "PREFETCH": 1, "EARLY": 1}
+
+
+def tuned_forwards(folder: str, path: Path) -> None:
+    """In the interpreted child: ``backend_forward`` on the bf16 backend for each of TUNED_PAIRS,
+    with a tuned file (written to ``folder``) choosing MMA for its decode steps, then with none
+    (KVSLIM_DECODE_TUNED=0: the backend's default launch). One child for all six: a child's start
+    is a few seconds."""
+    import os
+    from kvslim.gpu import tuned
+    attention_kernels_only()
+    out = {}
+    for type_k, type_v in TUNED_PAIRS:
+        file = Path(folder) / f"{type_k}-{type_v}.json"
+        tuned.save(file, [tuned.Entry(type_k, type_v, 128, 2, "bf16", MMA, 16)], "test", "test")
+        runs = []
+        for chosen in (str(file), "0"):
+            os.environ[tuned.ENV] = chosen
+            tuned.reload()
+            runs.append(backend_forward((type_k, type_v, "bf16")))
+        out[type_k, type_v] = runs
+    torch.save(out, path)
+
+
+@pytest.fixture(scope="module")
+def tuned_runs(tmp_path_factory):
+    """(K, V) -> (with the mma file, with none): what ``tuned_forwards`` saw in one interpreted child."""
+    folder = tmp_path_factory.mktemp("tuned")
+    return run_interpreted("tests.test_triton_wiring", "tuned_forwards", str(folder), folder)
+
+
+def test_the_bf16_backend_takes_the_kernels_products_in_f16(tuned_runs):
     """``--attn-backend bf16`` (kvslim serve's default) reaches the GPU kernels: every attention
     launch, prompt chunk or decode step, eager or through the paged_decode op, takes f16
     operands on tensor cores (the torch backend's launches keep float32 products:
     ``logits_counted``). The logits move from the torch backend's here (float32 products) by
     what f16 operands allow, no more."""
-    got = run_interpreted("tests.test_triton_wiring", "backend_forward", ("q8_0", "turbo4", "bf16"), tmp_path)
+    got = tuned_runs["q8_0", "turbo4"][1]             # no tuned file: the backend's default launches
     assert got["dots"] == ["f16"] * 6              # 2 attention layers x (prompt chunk, flat step, DecodeBatch step)
     want = backend_forward(("q8_0", "turbo4", "torch"))["logits"]
     assert not torch.equal(got["logits"], want)
@@ -184,25 +213,18 @@ def test_the_bf16_backend_takes_the_kernels_products_in_f16(tmp_path):
     assert torch.equal(got["logits"].argmax(-1), want.argmax(-1))
 
 
-@pytest.mark.parametrize("type_k,type_v", [("q8_0", "turbo4"), ("turbo3", "turbo3"), ("f16", "f16")])
-def test_a_tuned_file_serves_the_models_decode_steps_by_mma(tmp_path, monkeypatch, type_k, type_v):
+@pytest.mark.parametrize("type_k,type_v", TUNED_PAIRS)
+def test_a_tuned_file_serves_the_models_decode_steps_by_mma(tuned_runs, type_k, type_v):
     """The path a lease's end-to-end run takes with its sweep's file (KVSLIM_DECODE_TUNED) where
     that file chooses KERNEL "mma" (its three pairs): the bundled model's decode step through the paged_decode op
     (as CUDA graphs run it) launches the tensor-core kernel, with its loads early, in splits of
     16 keys (22 keys: two splits, merged, the output gate in the merge); prompt chunks and the
     flat step keep the default launch. The step's logits stay where the bf16 backend's default
     launch puts them (f16 operands both), and the rows before it are the same bits."""
-    from kvslim.gpu import tuned
-    path = tmp_path / "tuned.json"
-    mma = {"KERNEL": "mma", "N": 16, "PREFETCH": 1, "EARLY": 1}
-    tuned.save(path, [tuned.Entry(type_k, type_v, 128, 2, "bf16", mma, 16)], "test", "test")
-    monkeypatch.setenv(tuned.ENV, str(path))
-    got = run_interpreted("tests.test_triton_wiring", "backend_forward", (type_k, type_v, "bf16"), tmp_path)
+    got, want = tuned_runs[type_k, type_v]
     # the prompt chunk's, the flat step's, then the op's launch, each in the 2 attention layers
     # (mma's operands are f16 whatever DOT says; the tile kernel's launches take the backend's f16)
     assert got["kernels"] == [("tiles", 512)] * 4 + [("mma", 16)] * 2 and got["dots"][:4] == ["f16"] * 4
-    monkeypatch.setenv(tuned.ENV, "0")
-    want = run_interpreted("tests.test_triton_wiring", "backend_forward", (type_k, type_v, "bf16"), tmp_path)
     assert want["kernels"] == [("tiles", 512)] * 6
     assert torch.equal(got["logits"][:-1], want["logits"][:-1])      # the same launches up to the op's step
     # measured: 7e-4, 3.1e-3 and 4e-4 (logits up to 12)
