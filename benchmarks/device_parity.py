@@ -10,7 +10,9 @@ show how it grows. Before that, what could make float32 inexact on the GPU: torc
 settings, TF32 environment variables, and the relative error of a float32 matmul and of a
 depthwise conv1d against float64. Then the logits again with TF32 switched off everywhere.
 A diagnosis for the GPU session (benchmarks/gpu_session.sh), not a test: the parity tests are
-tests/test_runtime.py::test_cuda_matches_cpu_end_to_end and tests/test_models.py.
+tests/test_runtime.py::test_cuda_matches_cpu_end_to_end and tests/test_models.py. With
+KVSLIM_TRITON=1 the GPU side runs the kernels (the CPU side keeps its own paths): the first
+module to part shows which kernel does.
 """
 from __future__ import annotations
 
@@ -23,7 +25,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kvslim  # noqa: E402
+from gpu_timing import check_lists  # noqa: E402
 
 
 def norm_error(got: torch.Tensor, exact: torch.Tensor) -> float:
@@ -114,7 +118,9 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
-def main(argv=None) -> int:
+def parse(argv=None) -> argparse.Namespace:
+    """The command line, checked before anything loads (a lease's command is checked here too:
+    tests/test_gpu_session.py)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", default=None, help="folder or .gguf (default: the bundled model)")
     ap.add_argument("-ctk", "--cache-type-k", default="f16")
@@ -123,8 +129,19 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--rows", type=int, default=60, help="modules to print")
     args = ap.parse_args(argv)
+    check_lists(ap, {}, ("-ctk/-ctv", f"{args.cache_type_k}/{args.cache_type_v}"))
+    if args.tokens < 1 or args.rows < 0:
+        ap.error("-n must be at least 1 and --rows at least 0")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("no CUDA device here")
+    from kvslim import gpu
+    print(f"K/V {args.cache_type_k}/{args.cache_type_v}, {args.tokens} tokens; the Triton kernels and fla-core "
+          f"{'on' if gpu.TRITON else 'off'} (KVSLIM_TRITON) on {args.device}")
     precision_report(args.device)
     ids = list(range(3, 3 + args.tokens))
     opts = dict(ctx=max(512, args.tokens + 16), cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,

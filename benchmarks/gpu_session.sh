@@ -341,7 +341,8 @@ switches_ab() {
 # side on one model (gpu_model.py --ab): the GEMVs' weights prefetched to L2 (session 50; any CUDA
 # card), programmatic dependent launch (session 49; Hopper), both, in turn twice (--rounds 2: each
 # variant's median, and its ratio to plain's, in the last table). Then the tests with the rest,
-# their files in reverse order, so that a cut run covers what followup's cut run did not reach.
+# their files in reverse order, so that a cut run covers what followup's cut run did not reach;
+# between them, where the kernels-on model parts from the CPU's, module by module (device_parity.py).
 # A warm machine keeps followup's Triton cache; followup's tuned file is not here, so the model
 # runs the default decode launches (the same in every variant). Session 41's two calls took 755 s
 # of commands and 855 s of device time: followup's ~550 s and a start leave ~270 s, which the
@@ -352,6 +353,11 @@ second() {
     deadline=$((SECONDS + ${BUDGET:-240}))
     setup || exit 1
     switches_ab 120 2
+    # session 41's ten kernels-on failures were float32 models' logits against the CPU's: with f32
+    # K/V (no code to flip), the first module whose output parts from the CPU's names the kernel,
+    # whether or not session 42's fla-core change mended them
+    KVSLIM_TRITON=1 timeout -k 5 "$(left 40)" $PY benchmarks/device_parity.py -ctk f32 -ctv f32 --rows 30 2>&1 \
+        | tee "$OUT/parity-kernels.md" | tail -12
     local files
     files=$(echo $KERNEL_TESTS $MODEL_TESTS | tr ' ' '\n' | tac | tr '\n' ' ')
     # shellcheck disable=SC2086

@@ -185,6 +185,22 @@ def test_gpu_benchmark_dry_runs_reach_their_tables(script, args, rows):
     assert separators and len(body) - len(separators) == rows, done.stdout     # one header line a table
 
 
+def test_device_parity_compares_every_module_and_refuses_unknown_types():
+    """benchmarks/device_parity.py (a lease's diagnosis of CPU/GPU drift) on the CPU against itself:
+    every module's row comes out, all equal, and the logits too. A subprocess: it sets torch's
+    float32 precision process-wide at its end."""
+    script = [sys.executable, str(BENCHMARKS / "device_parity.py"), "--device", "cpu", "-n", "8"]
+    done = subprocess.run([*script, "--rows", "3"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
+    assert "K/V f16/f16, 8 tokens; the Triton kernels and fla-core off" in out
+    rows = [line for line in out.splitlines() if re.match(r"\| model\.layers\.\d+ \|", line)]
+    assert len(rows) == 8 and all("| 0.0e+00 |" in row for row in rows), out       # the bundled model's 8 layers
+    assert "first above" not in out and "logits: max |diff| 0.000e+00" in out
+    bad = subprocess.run([*script, "-ctk", "q8_O"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "-ctk/-ctv q8_O/f16" in bad.stderr and "Traceback" not in bad.stderr
+
+
 def test_the_decode_sweep_compiles_in_processes_and_writes_its_choices(tmp_path):
     """gpu_decode.py --sweep --jobs 2 --tuned-out: two processes run its launches first (Triton's
     disk cache on a GPU: 5 VARIANTS of these products, the first read per value, the float32 one
