@@ -326,43 +326,43 @@ rerun() {
 }
 
 # The launch switches no lease has timed, side by side on one model (gpu_model.py --ab), for
-# q8_0/turbo4 at depth 0, -np 1 and 4: plain, the GEMVs' weights prefetched to L2 (session 50),
-# programmatic dependent launch (session 49), both; $1 seconds at most, $2 rounds (each variant's
-# median and its ratio to plain's in the last table).
+# q8_0/turbo4 at depth 0, -np 1 and 4: plain, both switches on, programmatic dependent launch
+# (session 49) alone, the GEMVs' weights prefetched to L2 (session 50) alone, in that order (rows
+# print as they come: a cut run has plain against both); $1 seconds at most, $2 rounds (each
+# variant's median and its ratio to plain's in the last table).
 switches_ab() {
     KVSLIM_TRITON=1 timeout -k 5 "$(left "$1")" $PY benchmarks/gpu_model.py -d 0 -np 1,4 -n 32 --pairs q8_0/turbo4 \
-        --attn-backend bf16 --ab plain,l2-prefetch,pdl,pdl+l2-prefetch --rounds "$2" --profile 4 2>&1 \
+        --attn-backend bf16 --ab plain,pdl+l2-prefetch,pdl,l2-prefetch --rounds "$2" --profile 4 2>&1 \
         | tee "$OUT/e2e-ab.md" | tail -24
 }
 
-# The next lease's second call, after `followup` (session 50). followup's timings leave its
-# kernels-on CUDA tests a minute or two, and what is left of the lease after it (15 minutes, the
-# machine's start counted) is about three. First the launch switches no lease has timed, side by
-# side on one model (gpu_model.py --ab): the GEMVs' weights prefetched to L2 (session 50; any CUDA
-# card), programmatic dependent launch (session 49; Hopper), both, in turn twice (--rounds 2: each
-# variant's median, and its ratio to plain's, in the last table). Then the tests with the rest,
-# their files in reverse order, so that a cut run covers what followup's cut run did not reach;
-# between them, where the kernels-on model parts from the CPU's, module by module (device_parity.py).
+# The next lease's second call, after `followup` (sessions 50, 51). followup's timings leave its
+# kernels-on CUDA tests about 100 s of the ~230 they need, and what is left of the lease after it
+# (15 minutes, the machine's start counted) is about 270 s. So, in the order of issue 18's
+# Done-when: first the tests, their files in reverse order, so that a cut run covers what
+# followup's did not reach; then where the kernels-on model parts from the CPU's, module by module
+# (device_parity.py); then, with the rest, the launch switches no lease has timed, side by side on
+# one model (gpu_model.py --ab, one round): both switches and each alone against plain.
 # A warm machine keeps followup's Triton cache; followup's tuned file is not here, so the model
 # runs the default decode launches (the same in every variant). Session 41's two calls took 755 s
-# of commands and 855 s of device time: followup's ~550 s and a start leave ~270 s, which the
-# device tool caps the call at whatever timeout_s says. BUDGET 240 ends the steps inside that, so
-# their logs close; with more left (status's budget_left_s), raise both.
+# of commands and 855 s of device time: followup's ~550 s and a start leave ~270 s, and the
+# device tool caps the call at what is left whatever timeout_s says. BUDGET 240 ends the steps
+# inside that, so their logs close; with more left (status's budget_left_s), raise both.
 #   run(command="bash benchmarks/gpu_session.sh second", carry=[".whl"], timeout_s=270)
 second() {
     deadline=$((SECONDS + ${BUDGET:-240}))
     setup || exit 1
-    switches_ab 120 2
+    local files
+    files=$(echo $KERNEL_TESTS $MODEL_TESTS | tr ' ' '\n' | tac | tr '\n' ' ')
+    # shellcheck disable=SC2086
+    KVSLIM_TRITON=1 timeout -k 5 "$(left 110)" $PY $PYTEST -rfE -n 14 --timeout 150 -p no:benchmark $files \
+        -k "cuda or fla or h100" 2>&1 | tee "$OUT/tests-triton.log" | tail -25
     # session 41's ten kernels-on failures were float32 models' logits against the CPU's: with f32
     # K/V (no code to flip), the first module whose output parts from the CPU's names the kernel,
     # whether or not session 42's fla-core change mended them
     KVSLIM_TRITON=1 timeout -k 5 "$(left 40)" $PY benchmarks/device_parity.py -ctk f32 -ctv f32 --rows 30 2>&1 \
         | tee "$OUT/parity-kernels.md" | tail -12
-    local files
-    files=$(echo $KERNEL_TESTS $MODEL_TESTS | tr ' ' '\n' | tac | tr '\n' ' ')
-    # shellcheck disable=SC2086
-    KVSLIM_TRITON=1 timeout -k 5 "$(left 200)" $PY $PYTEST -rfE -n 14 --timeout 150 -p no:benchmark $files \
-        -k "cuda or fla or h100" 2>&1 | tee "$OUT/tests-triton.log" | tail -25
+    switches_ab 120 1
     echo "second: $SECONDS s"
 }
 
@@ -392,22 +392,19 @@ second() {
 # Bring decode-tuned.json back to kvslim/gpu/tuned/<device>.json (tuned.file_for names it).
 # Session 49: if time is left at the end, q8_0/turbo4 at depth 0 again with programmatic dependent
 # launch (--pdl); session 50 made it an A/B on one model (--ab) with the GEMVs' L2 prefetch, both,
-# and neither, into e2e-ab.md, the 8th file back.
+# and neither, into e2e-ab.md. Session 51 moved that A/B to `second` (it never had time here), and
+# the decode table before the tests, and dropped the mma rows that came first (decode-mma.md): the
+# sweep times the same launches at 128K and the table at 32K.
 #   run(command="bash benchmarks/gpu_session.sh followup", carry=[".whl"], timeout_s=580)
 followup() {
     deadline=$((SECONDS + ${BUDGET:-540}))
     setup || exit 1
-    # first the one question a lease has not answered: KERNEL "mma" (session 46, turbo4's and
-    # turbo3's codes decoded into tensor-core operands, f16 rows loaded into them), at its default
-    # and with every load of a step first ("mma, early": session 47's EARLY 1 and PREFETCH 1, whose
-    # SASS leads its loads by ~700 instructions, not ~80), against the tile kernel's f16 launch and
-    # SDPA on f16
-    # (128K x 8 first: the issue's bar, kept if the time runs out; rows print as they come)
-    KVSLIM_TRITON=1 timeout -k 5 "$(left 60)" $PY benchmarks/gpu_decode.py -d 131072,32768 -b 8,1 -r 5 --no-loop \
-        -p turbo4/turbo4,turbo3/turbo3,f16/f16 --dot f16 --kernels tiles,mma 2>&1 | tee "$OUT/decode-mma.md" | tail -20
-    # rows print as they come: a run cut by its time still leaves the pairs it reached. Decode by warps
-    # left out (session 46): its sm_90 count is 581 instructions a key against mma's 85, both without
-    # shared memory, and the time goes to mma's launches; the decode table at the end still times it
+    # KERNEL "mma" (session 46: turbo4's and turbo3's codes decoded into tensor-core operands, f16
+    # rows loaded into them) is the one question no lease has answered: the sweep times it at 128K
+    # (x 8 first, the issue's bar) with and without every load of a step first (EARLY), against the
+    # tile kernel's launches and SDPA on f16. Rows print as they come: a run cut by its time still
+    # leaves the pairs it reached. Decode by warps left out (session 46): its sm_90 count is 581
+    # instructions a key against mma's 85; the decode table below still times it
     KVSLIM_TRITON=1 timeout -k 5 "$(left 160)" $PY benchmarks/gpu_decode.py --sweep -d 131072 -b 8,1 -r 5 --dot f16 \
         --kernels mma,tiles -p turbo4/turbo4,turbo3/turbo3,q8_0/turbo4,f16/f16 --jobs 15 --warm-timeout 60 \
         --tuned-out "$OUT/decode-tuned.json" 2>&1 | tee "$OUT/sweep.md" | tail -30
@@ -416,14 +413,13 @@ followup() {
     KVSLIM_DECODE_TUNED=$tuned KVSLIM_TRITON=1 timeout -k 5 "$(left 190)" $PY benchmarks/gpu_model.py \
         -d 0,32768,131072 -np 1,4 -n 32 --profile 4 --pairs turbo3/turbo3,q8_0/turbo4,f16/f16 --attn-backend bf16 \
         2>&1 | tee "$OUT/e2e.md" | tail -40
+    # issue 18's table (benchmarks/attention.py --device cuda's): each pair as a decode step now
+    # launches it (served: the sweep's file), beside the tile, warps and mma kernels, 32K too
+    KVSLIM_DECODE_TUNED=$tuned decode_table 60 served,tiles,warps,mma
+    # the kernels-on CUDA tests with the rest (second runs them again in reverse file order)
     # shellcheck disable=SC2086
     KVSLIM_TRITON=1 timeout -k 5 "$(left 230)" $PY $PYTEST -rfE -n 14 --timeout 150 -p no:benchmark $KERNEL_TESTS \
         $MODEL_TESTS -k "cuda or fla or h100" 2>&1 | tee "$OUT/tests-triton.log" | tail -25
-    # issue 18's table: each pair as a decode step now launches it (served: the sweep's file), beside the rest
-    KVSLIM_DECODE_TUNED=$tuned decode_table 50 served,tiles,warps,mma
-    # if time is left: the launch switches no lease has timed, side by side on one model (--ab): the
-    # GEMVs' weights prefetched to L2 (session 50), programmatic dependent launch (session 49), both
-    KVSLIM_DECODE_TUNED=$tuned switches_ab 120 1
     echo "followup: $SECONDS s"
 }
 
