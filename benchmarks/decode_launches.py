@@ -1,7 +1,7 @@
 """The kernels one decode step launches on a GPU, counted without one.
 
     python benchmarks/decode_launches.py [--model qwen3.6-35b-a3b] [--shrink 1] [--layers 8] [-np 1] [--top 25]
-                                         [--where _to_copy] [--weights q4_0] [-d 0] [-ctk f16] [-ctv f16]
+                                         [--where _to_copy] [--weights q4_0 [--compile]] [-d 0] [-ctk f16] [-ctv f16]
 
 Session 31's profile of a 35B-A3B decode step on an H200 found ~3,000 small torch kernels (1-6 us
 each, about a quarter of the step) beside the GEMVs. This counts them where no GPU is lent: the
@@ -24,6 +24,10 @@ make CUDA tensors, even fake ones): on this repository's machines the device ima
 
     PYTHONPATH=$PWD /tmp/kvslim-image-venv/bin/python benchmarks/decode_launches.py
     PYTHONPATH=$PWD:$PWD/.venv/fla /tmp/kvslim-image-venv/bin/python benchmarks/decode_launches.py --weights q4_0
+
+``--compile`` (with ``--weights``) also compiles each distinct launch of the step for sm_90, as
+Triton's JIT would specialize it (``specialization``), one after another into an empty cache,
+and times each: what a lease's first step of a pair waits before its first launch.
 
 A figure, not a test.
 """
@@ -64,9 +68,10 @@ class Launches(TorchDispatchMode):
         super().__init__()
         self.ops, self.where, self.sites = Counter(), where, Counter()
         self.shapes = {}            # triton::<kernel> -> Counter of (programs, warps) a launch
+        self.compiles = {}          # specialization(...) -> the kernel: what a device compiles
 
     def clear(self) -> None:
-        self.ops.clear(), self.sites.clear(), self.shapes.clear()
+        self.ops.clear(), self.sites.clear(), self.shapes.clear(), self.compiles.clear()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -109,8 +114,73 @@ def count_kernels(launches: Launches) -> None:
         launches.ops[name] += 1
         if not isinstance(fn, Autotuner):       # an autotuner's grid and warps wait on its timed choice
             launches.shapes.setdefault(name, Counter())[programs(grid, kwargs), kwargs.get("num_warps", 4)] += 1
+            key, constexprs = specialization(fn, args, kwargs)
+            launches.compiles.setdefault(key, (fn, constexprs))
     JITFunction.run = Autotuner.run = launch
     torch.cuda._exchange_device = torch.cuda._maybe_exchange_device = lambda index: 0   # fla's device guard
+
+
+POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.uint8: "*u8",
+                 torch.int8: "*i8", torch.int16: "*i16", torch.int32: "*i32", torch.int64: "*i64", torch.bool: "*i1"}
+
+
+def specialization(fn, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """What Triton's JIT compiles a launch of ``fn`` for, as far as a fake tensor shows it: each
+    constexpr's value, each tensor's pointer type and whether it starts 16 bytes in (from its
+    storage offset: a fake tensor has no address), each int as 1 (a constant to the JIT), a
+    multiple of 16, or neither (i64 past 32 bits), and the launch options (warps, stages, fusion).
+    -> (a hashable key, one a compile a device would make; the constexprs' values)."""
+    bound = dict(zip(fn.arg_names, args))
+    bound.update((k, v) for k, v in kwargs.items() if k in fn.arg_names)
+    spec, constexprs = [], {}
+    for param in fn.params:
+        value = bound.get(param.name, param.default if param.has_default else None)
+        if param.is_constexpr or value is None or (isinstance(value, int) and not isinstance(value, bool)
+                                                   and value == 1):
+            constexprs[param.name] = value
+            spec.append((param.name, "constexpr", repr(value)))
+        elif isinstance(value, torch.Tensor):
+            spec.append((param.name, POINTER_TYPES[value.dtype], value.storage_offset() * value.element_size() % 16 == 0))
+        elif isinstance(value, bool):
+            spec.append((param.name, "i1", value))
+        elif isinstance(value, int):
+            spec.append((param.name, "i64" if not -2**31 <= value < 2**31 else "d16" if value % 16 == 0 else "i32", None))
+        else:
+            spec.append((param.name, "fp32", None))
+    options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in fn.arg_names))
+    return (fn.__name__, tuple(spec), options), constexprs
+
+
+def compile_all(compiles: dict) -> list[tuple[str, float]]:
+    """Compile each distinct launch for sm_90 (``kvslim.gpu.compile_sm90``: Triton's compiler and
+    its ptxas, one after another, as a process's first launches are) into an empty cache:
+    [(kernel, seconds)]. What a lease's first run of a step spends before its first launch."""
+    import tempfile
+    import time
+    from kvslim.gpu import compile_sm90
+    out = []
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["TRITON_CACHE_DIR"] = cache
+        for (name, spec, options), (fn, constexprs) in compiles.items():
+            types = {n: kind for n, kind, _ in spec if kind not in ("constexpr", "d16", "i32")}
+            divisible = tuple(n for n, kind, _ in spec if kind == "d16")
+            start = time.perf_counter()
+            compile_sm90(fn, types, constexprs, divisible, **dict(options))
+            out.append((name, time.perf_counter() - start))
+    return out
+
+
+def print_compiles(timed: list[tuple[str, float]]) -> None:
+    """Each kernel's distinct compiles and their seconds, one after another on one core."""
+    by = {}
+    for name, seconds in timed:
+        by.setdefault(name, []).append(seconds)
+    total = sum(s for _, s in timed)
+    print(f"\n{len(timed)} distinct compiles for sm_90, {total:.1f} s one after another on one core "
+          f"(a first step's wait before its launches; a Triton cache on disk keeps them for later processes)\n")
+    print(markdown_table(["kernel", "compiles", "seconds", "seconds each"],
+                         [[name, len(t), f"{sum(t):.1f}", f"{min(t):.2f}-{max(t):.2f}"]
+                          for name, t in sorted(by.items(), key=lambda kv: -sum(kv[1]))], ["l", "r", "r", "r"]))
 
 
 def programs(grid, meta: dict) -> int:
@@ -215,7 +285,11 @@ def main(argv=None) -> int:
     ap.add_argument("-d", "--depth", type=int, default=0, help="tokens each sequence holds before the step")
     ap.add_argument("-ctk", "--cache-type-k", default="f16")
     ap.add_argument("-ctv", "--cache-type-v", default="f16")
+    ap.add_argument("--compile", action="store_true",
+                    help="with --weights: compile each distinct kernel launch of the step for sm_90 and time it")
     args = ap.parse_args(argv)
+    if args.compile and not args.weights:
+        ap.error("--compile times the kernels' compiles: give --weights (the kernels on)")
     # no device to name for its tuned decode launches (gpu.tuned would ask CUDA): the defaults', or
     # a file's given by path in KVSLIM_DECODE_TUNED
     os.environ.setdefault("KVSLIM_DECODE_TUNED", "0")
@@ -230,6 +304,8 @@ def main(argv=None) -> int:
     print(markdown_table(["op", "launches", "programs a launch", "warps a program"],
                          [[k, v, *spread(launches.shapes.get(k))] for k, v in ops.most_common(args.top)],
                          ["l", "r", "r", "r"]))
+    if args.compile:
+        print_compiles(compile_all(launches.compiles))
     if args.where:
         print(f"\n{args.where}, by kvslim line:\n")
         print(markdown_table(["line", "launches"], [[k, v] for k, v in launches.sites.most_common(args.top)],

@@ -251,6 +251,39 @@ def test_the_launch_count_reads_each_grid_as_programs():
     assert launches.spread(None) == ("", "")
 
 
+def test_the_compile_count_keys_launches_as_the_jit_specializes_them():
+    """decode_launches.py --compile: a launch's key holds what Triton's JIT compiles for (constexprs
+    and ints equal to 1 by value, other ints by multiple of 16 or not, pointers by type and 16-byte
+    start, the options), so launches the JIT would share a compile for share a key; each key then
+    compiles for sm_90."""
+    if not gpu.available():
+        pytest.skip("triton is not installed")
+    launches = _benchmark("decode_launches")
+    fn = gpu.kernels("_swiglu_kernel").act_mul
+    wide = torch.zeros(4, 2, 96)                       # gate and up: halves of one fused projection's rows
+    out = torch.empty(4, 2, 48, dtype=torch.bfloat16)
+    options = {"ACT": "silu", "BLOCK": 64, "num_warps": 4, "enable_fp_fusion": True}
+
+    def key(gate, up, heads, width):
+        return launches.specialization(fn, (gate, up, out, heads, width, 192, 96, 192, 96), options)
+    (name, spec, opts), constexprs = key(wide[..., :48], wide[..., 48:], 1, 48)
+    kinds = {n: (kind, v) for n, kind, v in spec}
+    assert name == "act_mul" and opts == (("enable_fp_fusion", True), ("num_warps", 4))
+    assert constexprs == {"H": 1, "ACT": "silu", "BLOCK": 64, "PDL": False}
+    assert kinds["H"] == ("constexpr", "1") and kinds["D"] == ("d16", None) and kinds["gate_rows"] == ("d16", None)
+    assert kinds["gate_ptr"] == ("*fp32", True) and kinds["out_ptr"] == ("*bf16", True)
+    assert key(wide[..., :40], wide[..., 40:88], 1, 40)[0] == key(wide[..., :56], wide[..., 40:96], 1, 56)[0]
+    assert key(wide[..., :40], wide[..., 47:87], 1, 40)[0][1] != key(wide[..., :40], wide[..., 40:80], 1, 40)[0][1]
+    assert key(wide[..., :48], wide[..., 48:], 2, 48)[0] != key(wide[..., :48], wide[..., 48:], 1, 48)[0]
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    try:
+        timed = launches.compile_all({(name, spec, opts): (fn, constexprs)})
+    except ImportError:
+        pytest.skip("this triton has no CUDA backend")
+    assert [n for n, _ in timed] == ["act_mul"] and timed[0][1] > 0
+
+
 def test_the_profiles_busy_line_sums_the_device_events_a_step():
     """gpu_model.py's line under a decode profile: the device events' time (kernels, copies) a
     step against the step's wall time; the host's events are not counted."""
