@@ -236,6 +236,27 @@ def allocated(device) -> int:
     return torch.cuda.memory_allocated(device) if on_cuda(device) else 0
 
 
+class Stages:
+    """Seconds each stage of one pair's run took, synchronized: a lease's end-to-end call has spent
+    ~65 s a pair where its timed steps take well under one, and a decode step's compiles ~10 s on
+    one core (decode_launches.py --compile), so this line says where the rest goes."""
+
+    def __init__(self, device):
+        self.device, self.seconds = device, {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        yield
+        synchronize(self.device)
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+    def line(self, label: str, n_slots: int, timed: float) -> str:
+        parts = ", ".join(f"{name} {s:.1f}" for name, s in self.seconds.items())
+        return (f"{label} -np {n_slots}: {sum(self.seconds.values()):.1f} s ({parts}; of decode, "
+                f"{timed:.1f} s timed steps, the rest warm-ups, compiles and graph captures)")
+
+
 def run_pair(model, config, plan_model, pair: str, n_slots: int, args, gen, bandwidth: float, speed: list,
              label: str | None = None) -> list:
     """One K/V pair at one -np: the speed rows, appended to ``speed`` as they are measured (a
@@ -247,23 +268,31 @@ def run_pair(model, config, plan_model, pair: str, n_slots: int, args, gen, band
     before = allocated(args.device)
     if on_cuda(args.device):
         torch.cuda.reset_peak_memory_stats(args.device)
-    cache = model.make_cache(CacheConfig(ctx, n_slots, type_k, type_v, device=args.device, backend=args.attn_backend))
+    stage, timed = Stages(args.device), 0.0
+    with stage("cache"):
+        cache = model.make_cache(CacheConfig(ctx, n_slots, type_k, type_v, device=args.device,
+                                             backend=args.attn_backend))
     held = allocated(args.device) - before if on_cuda(args.device) else cache.reserved_kv_bytes + cache.state_bytes
     if n_slots == 1:
-        if args.profile:
-            profile_prefill(model, cache, config.vocab_size, args, pair)
-        pp = time_prefill(model, cache, args.n_prompt, config.vocab_size, args.device)
+        with stage("prefill"):
+            if args.profile:
+                profile_prefill(model, cache, config.vocab_size, args, pair)
+            pp = time_prefill(model, cache, args.n_prompt, config.vocab_size, args.device)
         speed.append([pair, n_slots, f"pp{args.n_prompt}", f"{pp:.1f}", "", "eager"])
         cache.clear(0)
     step = DecodeStep(model, cache, compile=False, native=not args.eager, cuda_graphs=args.cuda_graphs)
     filled = 0
     for depth in depths:
-        fill_to(cache, depth - filled, args.device, gen)
+        with stage("fill"):
+            fill_to(cache, depth - filled, args.device, gen)
         filled = depth
         marks = [cache.checkpoint(slot) for slot in range(n_slots)]
         if args.profile and n_slots == 1 and depth == depths[0]:
-            profile_decode(step, depth, config.vocab_size, args, pair, cache, marks[0])
-        tps = time_decode(step, n_slots, depth, args.n_gen, config.vocab_size, args.device)
+            with stage("profile"):
+                profile_decode(step, depth, config.vocab_size, args, pair, cache, marks[0])
+        with stage("decode"):
+            tps = time_decode(step, n_slots, depth, args.n_gen, config.vocab_size, args.device)
+        timed += n_slots * args.n_gen / tps
         request = Request(ctx, 1, type_k, type_v, weight_quant=args.weights, depth=depth)
         ceiling = "" if n_slots > 1 else f"{decode_ceiling(plan_model, request, Target('measured', 1 << 50, bandwidth)):.0f}"
         speed.append([pair, n_slots, f"tg{args.n_gen} @ d{depth}", f"{tps:.1f}", ceiling, step.path])
@@ -276,6 +305,7 @@ def run_pair(model, config, plan_model, pair: str, n_slots: int, args, gen, band
     del step, cache
     if on_cuda(args.device):
         torch.cuda.empty_cache()
+    print(stage.line(pair, n_slots, timed), flush=True)
     return memory
 
 

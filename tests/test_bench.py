@@ -82,6 +82,13 @@ def test_gpu_model_benchmark_dry_run_holds_what_the_planner_predicts(capsys):
     out = capsys.readouterr().out
     assert "q8_0/turbo4, one slot at depth 0: 3 decode steps profiled" in out and "aten::" in out   # --profile
     assert "q8_0/turbo4: one 64-token prompt chunk profiled" in out
+    # where each pair's seconds went: the stages, then the timed steps' share of decode's
+    stages = re.findall(r"q8_0/turbo4 -np (\d): ([\d.]+) s \((.*); of decode, ([\d.]+) s timed steps", out)
+    assert [s[0] for s in stages] == ["1", "2"], out
+    assert [name.split()[0] for name in stages[0][2].split(", ")] == ["cache", "prefill", "fill", "profile", "decode"]
+    for _, total, parts, timed in stages:
+        seconds = {name: float(v) for name, v in (p.split() for p in parts.split(", "))}
+        assert abs(sum(seconds.values()) - float(total)) < 0.2 and float(timed) <= seconds["decode"] + 0.05
     weights = re.search(r"weights held ([\d,]+) MiB, plan ([\d,]+) MiB \(([-+\d.]+)%\)", out)
     assert weights and abs(float(weights.group(3))) < 5, out
     rows = [line for line in out.splitlines() if line.startswith("| q8_0/turbo4")]
