@@ -68,7 +68,7 @@ class Launches(TorchDispatchMode):
         super().__init__()
         self.ops, self.where, self.sites = Counter(), where, Counter()
         self.shapes = {}            # triton::<kernel> -> Counter of (programs, warps) a launch
-        self.compiles = {}          # specialization(...) -> the kernel: what a device compiles
+        self.compiles = {}          # specialization(...)'s key -> (kernel, constexprs): a device's compiles
 
     def clear(self) -> None:
         self.ops.clear(), self.sites.clear(), self.shapes.clear(), self.compiles.clear()
@@ -158,15 +158,21 @@ def compile_all(compiles: dict) -> list[tuple[str, float]]:
     import tempfile
     import time
     from kvslim.gpu import compile_sm90
-    out = []
+    out, before = [], os.environ.get("TRITON_CACHE_DIR")
     with tempfile.TemporaryDirectory() as cache:
         os.environ["TRITON_CACHE_DIR"] = cache
-        for (name, spec, options), (fn, constexprs) in compiles.items():
-            types = {n: kind for n, kind, _ in spec if kind not in ("constexpr", "d16", "i32")}
-            divisible = tuple(n for n, kind, _ in spec if kind == "d16")
-            start = time.perf_counter()
-            compile_sm90(fn, types, constexprs, divisible, **dict(options))
-            out.append((name, time.perf_counter() - start))
+        try:
+            for (name, spec, options), (fn, constexprs) in compiles.items():
+                types = {n: kind for n, kind, _ in spec if kind not in ("constexpr", "d16", "i32")}
+                divisible = tuple(n for n, kind, _ in spec if kind == "d16")
+                start = time.perf_counter()
+                compile_sm90(fn, types, constexprs, divisible, **dict(options))
+                out.append((name, time.perf_counter() - start))
+        finally:                                # the process's own cache again (a test's worker goes on)
+            if before is None:
+                del os.environ["TRITON_CACHE_DIR"]
+            else:
+                os.environ["TRITON_CACHE_DIR"] = before
     return out
 
 

@@ -284,11 +284,13 @@ def test_the_compile_count_keys_launches_as_the_jit_specializes_them():
     assert key(wide[..., :48], wide[..., 48:], 2, 48)[0] != key(wide[..., :48], wide[..., 48:], 1, 48)[0]
     if os.environ.get("TRITON_INTERPRET") == "1":
         return
+    cache_dir = os.environ.get("TRITON_CACHE_DIR")
     try:
         timed = launches.compile_all({(name, spec, opts): (fn, constexprs)})
     except ImportError:
         pytest.skip("this triton has no CUDA backend")
     assert [n for n, _ in timed] == ["act_mul"] and timed[0][1] > 0
+    assert os.environ.get("TRITON_CACHE_DIR") == cache_dir              # the worker's own cache again
 
 
 def test_the_profiles_busy_line_sums_the_device_events_a_step():
