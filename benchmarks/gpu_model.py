@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import itertools
 import statistics
 import sys
 import time
@@ -336,6 +337,21 @@ def decode_launch(config, pair: str, args) -> str:
     return f"{source}: {tune}, {split} keys a split"
 
 
+def run_variant(model, config, plan_model, pair: str, label: str, args, gen, bandwidth: float, speed: list,
+                memory: list) -> None:
+    """Every -np of one pair, its rows named ``label``, under the switches set now: speed rows
+    printed as they come and added to ``speed``, memory rows to ``memory``; a failure becomes a
+    row, and the next -np still runs (a lease's call is not lost to one)."""
+    for n_slots in (int(n) for n in args.parallel.split(",")):
+        rows = []
+        try:
+            memory.append(run_pair(model, config, plan_model, pair, n_slots, args, gen, bandwidth, rows, label))
+        except Exception as exc:                    # noqa: BLE001
+            rows.append(failed(label, n_slots, exc, args.device))
+        speed += rows
+        print("\n".join(" | ".join(map(str, r)) for r in rows), flush=True)
+
+
 def ab_table(speed: list, pairs: str, names: list[str]) -> list[list]:
     """--ab's rows side by side: per pair, -np and test, each variant's median t/s over the rounds
     (the rounds' count beside it where more than one), then each later variant's median over the
@@ -505,20 +521,11 @@ def main(argv=None) -> int:
     with torch.inference_mode():
         for pair in args.pairs.split(","):
             print(f"{pair}: decode attention's launch {decode_launch(config, pair, args)}", flush=True)
-            for round_ in range(args.rounds):                        # the variants in turn, round after round
-                run_args = args if round_ == 0 else quiet                 # (profiles in the first round)
-                for name, switches in args.variants:
-                    label = f"{pair} {name}" if name else pair
-                    with switched(switches):
-                        for n_slots in (int(n) for n in args.parallel.split(",")):
-                            rows = []
-                            try:
-                                memory.append(run_pair(model, config, plan_model, pair, n_slots, run_args, gen,
-                                                       bandwidth, rows, label))
-                            except Exception as exc:    # noqa: BLE001  (the lease's other pairs still run)
-                                rows.append(failed(label, n_slots, exc, args.device))
-                            speed += rows
-                            print("\n".join(" | ".join(map(str, r)) for r in rows), flush=True)
+            # the variants in turn, round after round (profiles in the first round)
+            for round_, (name, switches) in itertools.product(range(args.rounds), args.variants):
+                with switched(switches):
+                    run_variant(model, config, plan_model, pair, f"{pair} {name}" if name else pair,
+                                args if round_ == 0 else quiet, gen, bandwidth, speed, memory)
     print()
     print(markdown_table(["K/V", "np", "test", "t/s", "plan ceiling t/s", "step"], speed, ["l", "r", "l", "r", "r", "l"]))
     print()
