@@ -83,6 +83,22 @@ def test_run_names_its_flags(capsys, argv, message):
     assert code == 2 and err.startswith(f"kvslim run: error: {message}") and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("argv", [
+    ["run", "-p", "hi"], ["serve"], ["bench"], ["demo"], ["calibrate", "-f", "text.txt"], ["eval", "ppl"], ["imatrix", "model.gguf"],
+])
+def test_every_tool_that_loads_a_model_takes_threads_and_refuses_zero(capsys, argv):
+    # llama.cpp's -t on every tool that runs a model; refused before anything loads or listens
+    code, out, err = run_cli(capsys, *argv, "-t", 0)
+    assert code == 2 and err == f"kvslim {argv[0]}: error: -t must be at least 1, got 0\n"
+
+
+def test_threads_set_the_count_every_kernel_reads(capsys):
+    import torch
+    torch.set_num_threads(2)                                 # put back after the test (conftest)
+    code, out, err = run_cli(capsys, "run", "-p", "hi", "-n", 1, "--temp", 0, "-t", 1, "-o", "json")
+    assert code == 0 and torch.get_num_threads() == 1       # the C kernels read torch's count
+
+
 def test_a_prompt_file_that_is_not_utf8_is_named(capsys, tmp_path):
     bad = tmp_path / "latin1.txt"
     bad.write_bytes("caf\u00e9 au lait".encode("latin-1"))

@@ -15,7 +15,7 @@ from ..cache import CacheConfig
 from ..engine.config import resolve_device
 from ..loading import load_model
 from ..tables import render_records
-from .common import add_load_args, load_kwargs
+from .common import add_load_args, apply_threads, load_kwargs
 
 RANGE = re.compile(r"^(\d+)-(\d+)(?:([+*])(\d+))?$")
 
@@ -51,7 +51,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pairs", default=None, help="explicit K/V pairs instead of every combination, e.g. f16/f16,q8_0/turbo4")
     p.add_argument("-np", "--n-parallel", default="1", help="sequences decoded together in tg (list)")
     p.add_argument("-ub", "--ubatch-size", type=int, default=512)
-    p.add_argument("-t", "--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("-o", "--output", choices=["md", "csv", "json", "jsonl"], default="md")
     p.add_argument("--plot", default=None, help="write tokens/s against depth to this PNG")
     p.add_argument("--no-progress", action="store_true")
@@ -83,8 +82,7 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.repetitions < 1 or args.ubatch_size < 1:
         raise ValueError("-r and -ub must be at least 1")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     pairs, tests, nps = kv_pairs(args), tests_for(args), int_list(args.n_parallel)
     if any(n < 1 for n in nps):
         raise ValueError("-np must be at least 1")

@@ -10,7 +10,7 @@ import argparse
 import time
 from pathlib import Path
 
-from .common import add_load_args, load_kwargs
+from .common import add_load_args, apply_threads, load_kwargs
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    apply_threads(args)
     from ..engine.calibrate import calibrate
     from ..engine.llm import load
     from ..loading import calibration_path, default_model

@@ -19,8 +19,28 @@ def add_load_args(p: argparse.ArgumentParser, dtype: str | None = None) -> None:
                         "load) or f16/bf16 (computed in --dtype); a GGUF keeps its own types")
     p.add_argument("--allow-dequant", action="store_true",
                    help="expand GGUF tensors of types that cannot stay quantized instead of refusing the file")
+    add_threads_arg(p)
     from .engine_args import add_device_args
     add_device_args(p)
+
+
+def add_threads_arg(p: argparse.ArgumentParser) -> None:
+    """llama.cpp's -t: every CPU kernel kvslim runs (torch's and its own C kernels, which read torch's
+    thread count) uses this many threads."""
+    p.add_argument("-t", "--threads", type=int, default=None,
+                   help="CPU threads (default: torch's, one per core; on a machine busy with other work, "
+                        "fewer are often faster)")
+
+
+def apply_threads(args) -> None:
+    """Set the thread count -t asked for, before anything loads; 0 or less is a mistake, not 'default'."""
+    threads = getattr(args, "threads", None)
+    if threads is None:
+        return
+    if threads < 1:
+        raise ValueError(f"-t must be at least 1, got {threads}")
+    import torch
+    torch.set_num_threads(threads)
 
 
 def load_kwargs(args) -> dict:

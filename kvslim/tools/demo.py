@@ -25,7 +25,7 @@ from ..data import heldout_documents
 from ..engine import load
 from ..eval.needle import build_sample
 from ..tables import human_bytes, markdown_table
-from .common import add_load_args, load_kwargs
+from .common import add_load_args, apply_threads, load_kwargs
 
 OPENING = "It is a truth universally acknowledged, that"
 ANSWER_TOKENS = 16      # enough decode steps for a steady gen tok/s; the answer is read from the start
@@ -44,7 +44,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-r", "--repetitions", type=int, default=3, help="timed retrieval runs per K/V pair (median)")
     p.add_argument("--depth", type=float, default=0.5, help="where the pass key sits (0 = start, 1 = end)")
     p.add_argument("-s", "--seed", type=int, default=1)
-    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: one per core)")
     return p
 
 
@@ -56,8 +55,6 @@ def check_args(args) -> None:
         raise ValueError("-n and -r must be at least 1")
     if not 0 <= args.depth <= 1:
         raise ValueError(f"--depth must be between 0 and 1, got {args.depth}")
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"-t must be at least 1, got {args.threads}")
 
 
 def status(text: str) -> None:
@@ -68,8 +65,7 @@ def status(text: str) -> None:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     check_args(args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     started = time.perf_counter()
     status(f"loading {args.model or 'the bundled model'} ({args.dtype} weights, {torch.get_num_threads()} threads)")
     base = load(args.model, ctx=args.ctx_size + 64, device=args.device, backend=args.attn_backend, **load_kwargs(args))

@@ -29,7 +29,7 @@ from pathlib import Path
 from .. import formats
 from ..data import HELDOUT_FILES
 from ..tables import markdown_table
-from .common import add_model_args, add_sampling_args, load_kwargs
+from .common import add_model_args, add_sampling_args, apply_threads, load_kwargs
 from .engine_args import engine_config
 
 SUBCOMMANDS = ("ppl", "kld", "depth", "niah", "ruler", "sampling", "attention")
@@ -501,4 +501,5 @@ RUN = {"ppl": run_ppl, "kld": run_kld, "depth": run_depth, "niah": run_niah, "ru
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    apply_threads(args)
     return RUN[args.what](args)

@@ -15,6 +15,7 @@ from pathlib import Path
 from ..data import TEXT
 from ..gguf import imatrix
 from ..loading import measure_importance
+from .common import add_threads_arg, apply_threads
 
 CALIBRATION_FILES = (TEXT / "classics-heldout.txt", TEXT / "bible-heldout.txt")
 
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output file (llama-imatrix's GGUF format; default imatrix.gguf)")
     p.add_argument("-c", "--ctx-size", type=int, default=CTX_SIZE, help="tokens per chunk (llama-imatrix's -c)")
     p.add_argument("--chunks", type=int, default=CHUNKS, help="chunks to run at most (llama-imatrix's --chunks)")
+    add_threads_arg(p)
     return p
 
 
@@ -63,5 +65,6 @@ def measure_to_file(model: Path, out: Path | None, text_path: str | Path | None,
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    apply_threads(args)
     measure_to_file(Path(args.model), Path(args.output), args.file, args.ctx_size, args.chunks)
     return 0

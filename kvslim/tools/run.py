@@ -9,7 +9,7 @@ from ..bench.memory import rss_kib
 from ..engine import load
 from ..tables import human_bytes, to_json
 from ..weights import weight_bytes
-from .common import add_model_args, add_sampling_args, load_kwargs, sampling_kwargs, warn_context
+from .common import add_model_args, add_sampling_args, apply_threads, load_kwargs, sampling_kwargs, warn_context
 from .engine_args import add_draft_args, engine_config
 
 __all__ = ["add_model_args", "add_sampling_args", "sampling_kwargs", "build_parser", "main"]
@@ -57,6 +57,7 @@ def check_args(args) -> None:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     check_args(args)
+    apply_threads(args)
     prompt = read_prompt(args)
     warn_context(args.model, args.ctx_size)
     llm = load(args.model, **load_kwargs(args), config=engine_config(args))

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from ..server import serve
-from .common import add_model_args, warn_context
+from .common import add_model_args, apply_threads, warn_context
 from .engine_args import add_draft_args, engine_config
 
 
@@ -119,6 +119,7 @@ def main(argv: list[str]) -> int:
     formats.get(args.cache_type_k), formats.get(args.cache_type_v)     # refuse bad names before binding
     from ..loading import check_model_path
     check_model_path(args.model)                                        # and a model path that cannot load
+    apply_threads(args)
     warn_context(args.model, args.ctx_size // max(args.parallel, 1))
     options = options_from(args)
 
