@@ -241,6 +241,15 @@ MALFORMED = {
     "100k-deep JSON": b"[" * 100_000 + b"]" * 100_000,
     "lone surrogate": b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}',
     "invalid UTF-8": b'{"model": "tiny", "messages": [{"role": "user", "content": "\xff\xfe"}]}',
+    # past Python's 4300-digit limit json.loads raises a plain ValueError (it was a 500)
+    "5000-digit integer": b'{"model": "tiny", "messages": [], "max_tokens": 1' + b"0" * 5000 + b"}",
+    # tools the template and the grammar cannot read (a string function was a 500)
+    "function as a string": json.dumps({"model": "tiny", "messages": CHAT,
+                                        "tools": [{"type": "function", "function": "get_time"}]}).encode(),
+    "tools of numbers": json.dumps({"model": "tiny", "messages": CHAT, "tools": [1, 2]}).encode(),
+    "tool_choice function as a string": json.dumps({
+        "model": "tiny", "messages": CHAT, "tools": [{"type": "function", "function": {"name": "get_time"}}],
+        "tool_choice": {"type": "function", "function": "get_time"}}).encode(),
 }
 
 
@@ -273,6 +282,37 @@ def test_head_and_options(server):
 def test_top_logprobs_needs_logprobs(server):
     r = httpx.post(server + "/v1/chat/completions", json={"model": "tiny", "messages": CHAT, "top_logprobs": 3})
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+
+
+def test_null_max_completion_tokens_leaves_max_tokens_in_force(server):
+    """Clients that serialize unset fields send ``max_completion_tokens: null``: the reply ran to the context."""
+    body = {"model": "tiny", "messages": CHAT, "max_tokens": 3, "max_completion_tokens": None, "ignore_eos": True}
+    usage = httpx.post(server + "/v1/chat/completions", json=body, timeout=120).json()["usage"]
+    assert usage["completion_tokens"] == 3
+    r = httpx.post(server + "/v1/chat/completions", json={**body, "max_completion_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens"
+
+
+def test_top_p_zero_is_greedy(server):
+    """OpenAI's top_p range includes 0 (the server's own check said so, then the sampler refused it)."""
+    greedy_text = httpx.post(server + "/v1/completions", json=greedy(4, 8)).json()["choices"][0]["text"]
+    r = httpx.post(server + "/v1/completions", json={**greedy(4, 8), "temperature": 1.0, "top_p": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == greedy_text
+
+
+def test_seed_outside_64_bits_is_named_and_minus_one_is_random(server):
+    from kvslim.server.openai_api import parse_sampling
+    r = httpx.post(server + "/v1/completions", json={**greedy(1, 2), "seed": 2 ** 64})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "seed" and "64-bit" in error["message"]
+    assert parse_sampling({"seed": -1}).seed is None                  # llama-server's "random seed"
+    assert parse_sampling({"seed": 7}).seed == 7
+
+
+def test_tokenize_with_pieces(server):
+    r = httpx.post(server + "/tokenize", json={"content": "The json module", "with_pieces": True}).json()
+    ids = httpx.post(server + "/tokenize", json={"content": "The json module"}).json()["tokens"]
+    assert [t["id"] for t in r["tokens"]] == ids and "".join(t["piece"] for t in r["tokens"]) == "The json module"
 
 
 def test_host_header_is_checked_without_a_key(server):
@@ -318,6 +358,45 @@ def test_disconnects_and_poison_leave_survivors_exact_and_slots_free(server):
         time.sleep(0.05)
     metrics = httpx.get(server + "/metrics").text
     assert "kvslim:requests_processing 0.0" in metrics and "kvslim:requests_deferred 0.0" in metrics
+
+
+def metric(base: str, name: str) -> float:
+    line = next(ln for ln in httpx.get(base + "/metrics").text.splitlines() if ln.startswith(f"kvslim:{name} "))
+    return float(line.split()[1])
+
+
+def wait_for(check, what: str, seconds: float = 30) -> None:
+    for _ in range(int(seconds / 0.05)):
+        if check():
+            return
+        time.sleep(0.05)
+    raise AssertionError(what)
+
+
+def test_client_leaving_while_queued_frees_its_place_and_handler(tiny_folder):
+    """A non-streamed request whose client leaves while it waits for a slot: its queue place frees at
+    once (it kept a later client out with 503) and its handler ends (it waited forever for an event)."""
+    port = free_port()
+    # a long context: the running stream must outlast the steps below on a fast machine
+    srv = start(options(tiny_folder("qwen3_5")[0], n_parallel=1, max_queue=1, ctx=16384), "127.0.0.1", port)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base)
+        with httpx.stream("POST", base + "/v1/completions", timeout=60,
+                          json={**greedy(1, 100_000), "stream": True, "ignore_eos": True}) as running:
+            lines = running.iter_lines()                              # (a dropped iterator closes the stream)
+            next(lines)                                               # it holds the only slot
+            with pytest.raises(httpx.ReadTimeout):                    # queued, then gone
+                httpx.post(base + "/v1/completions", json=greedy(2, 2), timeout=0.5)
+            wait_for(lambda: metric(base, "requests_deferred") == 0, "the departed request still holds its place")
+            with cf.ThreadPoolExecutor(1) as pool:
+                later = pool.submit(httpx.post, base + "/v1/completions", json=greedy(3, 2), timeout=60)
+                wait_for(lambda: metric(base, "requests_deferred") == 1 or later.done(), "it never queued")
+                running.close()                                       # frees the slot for it
+                assert later.result().status_code == 200
+        wait_for(lambda: not srv.server.server_state.tasks, "a request handler is still running")
+    finally:
+        srv.shutdown()
 
 
 # ----- features agents use -------------------------------------------------------------------------

@@ -112,7 +112,7 @@ def parse_json(raw: bytes):
         body = json.loads(raw)
         json.dumps(body, ensure_ascii=False).encode()                   # lone surrogates fail here, not later
         return body
-    except (json.JSONDecodeError, UnicodeError) as err:
+    except ValueError as err:             # bad syntax, bad UTF-8, an integer past Python's 4300 digits
         raise api.ApiError(400, f"malformed JSON body: {err}", code="invalid_json") from None
     except RecursionError:
         raise api.ApiError(400, "malformed JSON body: nested too deeply", code="invalid_json") from None
@@ -205,6 +205,8 @@ async def tokenize(request: Request):
         raise api.ApiError(400, "'content' is required", param="content")
     tok = state_of(request).engine.tokenizer
     ids = await asyncio.to_thread(tok.encode, body["content"], body.get("add_special", False))
+    if body.get("with_pieces"):                                      # llama-server's shape: id and its text
+        return JSONResponse({"tokens": [{"id": i, "piece": tok.decode([i], skip_special=False)} for i in ids]})
     return JSONResponse({"tokens": ids})
 
 

@@ -105,15 +105,43 @@ def parse_sampling(body: dict) -> SamplingParams:
         if body.get(name) is not None and not lo <= body[name] <= hi:
             raise ApiError(400, f"'{name}' must be between {lo} and {hi}, got {body[name]}", param=name,
                            code="invalid_value")
+    temperature, top_p = get("temperature", 1.0), get("top_p", 1.0)
+    if top_p == 0:                          # OpenAI's range includes 0: only the most likely token survives
+        temperature, top_p = 0.0, 1.0
     try:
-        return SamplingParams(temperature=get("temperature", 1.0), top_k=get("top_k", 0), top_p=get("top_p", 1.0),
+        return SamplingParams(temperature=temperature, top_k=get("top_k", 0), top_p=top_p,
                               min_p=get("min_p", 0.0), repeat_penalty=get("repeat_penalty", 1.0),
                               repeat_last_n=get("repeat_last_n", 64),
                               presence_penalty=get("presence_penalty", 0.0),
-                              frequency_penalty=get("frequency_penalty", 0.0), seed=body.get("seed"),
+                              frequency_penalty=get("frequency_penalty", 0.0), seed=parse_seed(body.get("seed")),
                               ignore_eos=get("ignore_eos", False))
     except ValueError as err:
         raise ApiError(400, str(err), code="invalid_value") from None
+
+
+def parse_seed(seed: int | None) -> int | None:
+    """OpenAI's seed is a 64-bit integer; -1 asks for a random one, as in llama-server (whose clients send it)."""
+    if seed is None or seed == -1:
+        return None
+    if not -2 ** 63 <= seed < 2 ** 63:
+        raise ApiError(400, f"'seed' must be a 64-bit integer (-2**63 .. 2**63-1), got {seed}", param="seed",
+                       code="invalid_value")
+    return seed
+
+
+# the first of these that is set caps the reply: OpenAI's current name, its older one, llama-server's
+MAX_TOKENS_FIELDS = ("max_completion_tokens", "max_tokens", "n_predict")
+
+
+def parse_max_tokens(body: dict) -> int | None:
+    """A field sent as null counts as absent: a client may send ``max_completion_tokens: null`` beside
+    ``max_tokens: 5``, and the 5 must hold."""
+    name = next((n for n in MAX_TOKENS_FIELDS if body.get(n) is not None), None)
+    if name is None:
+        return None
+    if body[name] < 1:
+        raise ApiError(400, f"{name} must be at least 1, got {body[name]}", param=name, code="invalid_value")
+    return body[name]
 
 
 def parse_common(body: dict, allowed: dict, strict: bool = False) -> GenerationRequest:
@@ -123,10 +151,7 @@ def parse_common(body: dict, allowed: dict, strict: bool = False) -> GenerationR
     n = 1 if body.get("n") is None else body["n"]
     if not 1 <= n <= MAX_N:
         raise ApiError(400, f"'n' must be in 1..{MAX_N}, got {n}", param="n", code="invalid_value")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", body.get("n_predict")))
-    if max_tokens is not None and max_tokens < 1:
-        raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens",
-                       code="invalid_value")
+    max_tokens = parse_max_tokens(body)
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if not all(isinstance(s, str) for s in stops) or len(stops) > 16:
@@ -170,7 +195,7 @@ def parse_chat(body: dict, strict: bool = False) -> GenerationRequest:
     req.messages = [check_message(i, m) for i, m in enumerate(body["messages"])] if "messages" in body else []
     if not req.messages:
         raise ApiError(400, "'messages' must be a non-empty list", param="messages")
-    req.tools, req.tool_choice = body.get("tools"), parse_tool_choice(body)
+    req.tools, req.tool_choice = check_tools(body.get("tools")), parse_tool_choice(body)
     req.template_kwargs = check_template_kwargs(body.get("chat_template_kwargs"))
     req.reasoning_format = check_reasoning_format(body.get("reasoning_format"))
     if isinstance(req.tool_choice, str) and req.tool_choice not in ("auto", "none") and req.response_format:
@@ -197,12 +222,35 @@ def check_reasoning_format(fmt: str | None) -> str | None:
     return fmt
 
 
+def check_tools(tools: list | None) -> list | None:
+    """Each tool is {"type": "function", "function": {"name", "description"?, "parameters"?}}: the
+    template, the grammar of a forced call and the reply parser all read these fields."""
+    for i, tool in enumerate(tools or []):
+        where = f"tools[{i}]"
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or tool.get("type", "function") != "function":
+            raise ApiError(400, f"{where} must be {{'type': 'function', 'function': {{'name': ..., ...}}}}",
+                           param=where, code="invalid_value")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ApiError(400, f"{where}.function.name must be a non-empty string", param=f"{where}.function.name",
+                           code="invalid_value")
+        for key, kind in (("description", str), ("parameters", dict)):
+            if fn.get(key) is not None and not isinstance(fn[key], kind):
+                raise ApiError(400, f"{where}.function.{key} must be a {'string' if kind is str else 'JSON object'}",
+                               param=f"{where}.function.{key}", code="invalid_type")
+    return tools
+
+
 def parse_tool_choice(body: dict) -> str | None:
     """None, "auto", "none", "required", or the name of the one function the reply must call."""
     choice, tools = body.get("tool_choice"), body.get("tools") or []
     names = [t.get("function", {}).get("name") for t in tools if isinstance(t, dict)]
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise ApiError(400, "tool_choice as an object must be {'type': 'function', 'function': {'name': ...}}",
+                           param="tool_choice", code="invalid_value")
         if name not in names:
             raise ApiError(400, f"tool_choice names function {name!r}, which is not in 'tools'",
                            param="tool_choice", code="invalid_value")

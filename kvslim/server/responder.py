@@ -9,7 +9,7 @@ import asyncio
 import json
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..engine import ContextLengthExceeded
 from . import openai_api as api
@@ -82,24 +82,34 @@ class Responder:
     async def respond(self, request: Request):
         if self.req.stream:
             return JobStream(self.sse(), self.jobs)
-        watcher = asyncio.create_task(self._watch_disconnect(request))
+        collect, left = asyncio.create_task(self._collect()), asyncio.create_task(self._client_left(request))
         try:
-            async for _ in self._events():
-                pass
+            await asyncio.wait({collect, left}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            answered = collect.done()
+            collect.cancel()
+            left.cancel()
+            self._cancel()
+        if not answered:
+            # the client left first: a job still queued sends no event, so waiting on would never end
+            return Response(status_code=499)                      # nginx's "client closed request"; unsent
+        try:
+            collect.result()
         except api.ApiError as err:
             return JSONResponse(self.error_body(err), err.status)
-        finally:
-            watcher.cancel()
-            self._cancel()
         return JSONResponse(self.final_body())
 
     def error_body(self, err: api.ApiError) -> dict:
         return err.body()
 
-    async def _watch_disconnect(self, request: Request) -> None:
+    async def _collect(self) -> None:
+        async for _ in self._events():
+            pass
+
+    @staticmethod
+    async def _client_left(request: Request) -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
-        self._cancel()
 
     def _cancel(self) -> None:
         for job in self.jobs:

@@ -134,10 +134,10 @@ class Scheduler:
 
     def _admit(self) -> None:
         """Move waiting jobs into free slots (called with the lock held)."""
+        # a job whose client left while queued goes now, not when a slot frees: it holds a queue place
+        self.waiting = [job for job in self.waiting if not job.cancelled.is_set()]
         while self.waiting and n_free_slots(self.engine):
             job = self.waiting.pop(0)
-            if job.cancelled.is_set():
-                continue
             try:
                 job.seq = self.engine.submit(job.prompt, job.max_tokens, job.sampling, job.stop)
             except ValueError as err:                                   # e.g. prompt longer than ctx
