@@ -55,7 +55,8 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
-        bad = [i for i in ids if not 0 <= int(i) < self.vocab_size]
+        n = self.vocab_size                                            # once, not once an id
+        bad = [i for i in ids if not 0 <= int(i) < n]
         if bad:
             raise ValueError(f"token ids out of range 0..{self.vocab_size - 1}: {bad[:5]}")
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special)

@@ -78,6 +78,86 @@ def test_stop_string_cuts_text_and_holds_back_a_possible_start():
     assert s.push(ord("D")) and s.text == "abcExy"
 
 
+def test_a_long_stop_string_holds_back_its_longest_started_prefix():
+    stop = "ab" * 5000 + "c"                      # prefixes overlap themselves: KMP's borders, not a fixed shift
+    s = TextStream(_CharTokenizer(), [stop])
+    for ch in "xx" + "ab" * 7 + "a":
+        assert not s.push(ord(ch))
+    assert s.new_text() == "xx"                   # "abab...a" may still become the stop string
+    s.push(ord("c"))                              # "...abac": no prefix of the stop string ends the text
+    assert s.new_text() == "ab" * 7 + "ac"
+    s = TextStream(_CharTokenizer(), ["aabzz"])
+    for ch in "xaaa":                             # a mismatch at the third "a" falls back to "a", then "aa"
+        s.push(ord(ch))
+    assert s.new_text() == "xa"
+
+
+def bundled_tokenizer():
+    return kvslim.tokenizer.Tokenizer.from_folder(kvslim.loading.BUNDLED)
+
+
+def llama2_style_tokenizer():
+    """Llama-2's tokenizer.json layout (Metaspace pieces, bytes as <0xXX> tokens, a decoder that
+    strips the first space), its BPE trained here on the bundled text: decoding a window of ids
+    differs from decoding the whole reply at its start and inside characters, which the stream must undo."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from kvslim.data import TEXT
+
+    text = (TEXT / "classics-heldout.txt").read_text()[:60_000]
+    trainer = models.BPE()
+    tok = Tokenizer(trainer)
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=600, show_progress=False))
+    learnt = json.loads(tok.to_str())["model"]
+    vocab = {f"<0x{b:02X}>": b for b in range(256)}
+    vocab.update({piece: 256 + i for i, piece in enumerate(learnt["vocab"])})
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in learnt["merges"]]
+    model = Tokenizer(models.BPE(vocab, merges, byte_fallback=True))
+    model.normalizer = tok.normalizer
+    model.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                       decoders.Strip(" ", 1, 0)])
+    return kvslim.tokenizer.Tokenizer(model)
+
+
+def streamed(tok, ids: list[int]) -> list[str]:
+    """The pieces a stream sends, one a token, then the last at the end."""
+    s, pieces = TextStream(tok, []), []
+    for i in ids:
+        s.push(i)
+        pieces.append(s.new_text())
+    s.finish()
+    pieces.append(s.new_text())
+    assert "".join(pieces) == s.text
+    return pieces
+
+
+@pytest.mark.parametrize("make", [bundled_tokenizer, llama2_style_tokenizer])
+def test_streamed_text_is_the_decode_of_every_id(make):
+    import random
+    tok = make()
+    reply = " Elle a dit: « déjà vu », 日本語 🙂🙂 and ñ.\n\n  Then   spaces, tabs\tand an end."
+    ids = tok.encode(reply * 3, add_special=False)
+    pieces = streamed(tok, ids)
+    assert "".join(pieces) == tok.decode(ids) and "\ufffd" not in "".join(pieces)   # no half character sent
+    # random ids, broken characters among them. Byte fallback's <0xXX> tokens are left out: where a
+    # run of them is not UTF-8, its decoder replaces every byte of the run, valid ones too, and the
+    # stream has already sent the valid ones it decoded before the broken byte came
+    rng = random.Random(0)
+    pool = range(256 if make is llama2_style_tokenizer else 0, tok.vocab_size)
+    for _ in range(4):
+        ids = [rng.choice(pool) for _ in range(400)]
+        assert "".join(streamed(tok, ids)) == tok.decode(ids)
+
+
+def test_a_stop_string_split_across_tokens_cuts_the_text_where_it_starts():
+    tok = bundled_tokenizer()
+    ids = tok.encode("It was the best of times, it was the worst of times.", add_special=False)
+    s = TextStream(tok, ["worst of", "never"])
+    hit = next(n for n, i in enumerate(ids, 1) if s.push(i))
+    assert tok.decode(ids[:hit]).endswith(("worst of", "worst of "))
+    assert s.text == "It was the best of times, it was the "
+
+
 # ----- generation -----------------------------------------------------------------
 def test_greedy_generation_equals_argmax_of_prefill_logits(llm):
     prompt = llm.tokenize("The module provides")
