@@ -251,6 +251,11 @@ def test_anthropic_stop_sequence_forced_tool_and_errors(server, ant):
         ant.messages.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}])
     assert err.value.body["type"] == "error" and err.value.body["error"]["type"] == "invalid_request_error"
+    bad_call = A_USER + [{"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f",
+                                                             "input": "not an object"}]}]
+    r = httpx.post(server + "/v1/messages", json={"model": "tiny", "max_tokens": 4, "messages": bad_call})
+    assert r.status_code == 400 and "a tool_use block needs 'name' as a string and 'input' as a JSON object" \
+        in r.json()["error"]["message"]
     r = httpx.post(server + "/v1/messages", json={"model": "tiny", "messages": A_USER})      # no max_tokens
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("max_tokens")
     r = httpx.post(server + "/v1/messages", json={}, headers={"Host": "evil.example"})   # DNS rebinding check

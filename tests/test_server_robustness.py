@@ -260,6 +260,20 @@ def test_malformed_bodies_are_client_errors(server, case):
     assert r.status_code == 400 and r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("turn, field", [
+    ({"role": "assistant", "tool_calls": ["get_time"]}, "messages[1].tool_calls[0]"),
+    ({"role": "assistant", "tool_calls": [{"type": "function", "function": {"arguments": "{}"}}]},
+     "messages[1].tool_calls[0]"),
+    ({"role": "assistant", "tool_calls": {"function": {"name": "f"}}}, "messages[1].tool_calls"),
+    ({"role": "tool", "content": "12:00", "tool_call_id": 7}, "messages[1].tool_call_id"),
+])
+def test_a_turn_the_template_cannot_read_is_named(server, turn, field):
+    # these reached the chat template and came back as "'str' object has no attribute 'get'"
+    r = httpx.post(server + "/v1/chat/completions", json={"model": "tiny", "messages": [CHAT[0], turn]})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == field and error["message"].startswith(field)
+
+
 def test_apply_template_with_a_non_object_body(server):
     r = httpx.post(server + "/apply-template", json=[1, 2])
     assert r.status_code == 400

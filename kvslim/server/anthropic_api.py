@@ -109,6 +109,10 @@ def user_turn(blocks: list, where: str) -> list[dict]:
     return tools + ([{"role": "user", "content": "\n".join(texts)}] if texts or not tools else [])
 
 
+BLOCK_FIELDS = {"text": "'text' as a string", "thinking": "'thinking' as a string",
+                "tool_use": "'name' as a string and 'input' as a JSON object"}
+
+
 def assistant_turn(blocks: list, where: str) -> list[dict]:
     """Text, thinking (kept as reasoning_content so the prompt re-renders as generated) and tool_use."""
     texts, thinking, calls = [], [], []
@@ -123,6 +127,8 @@ def assistant_turn(blocks: list, where: str) -> list[dict]:
         elif kind == "tool_use" and isinstance(b.get("name"), str) and isinstance(b.get("input", {}), dict):
             calls.append({"id": str(b.get("id", "")), "type": "function",
                           "function": {"name": b["name"], "arguments": b.get("input", {})}})
+        elif kind in ("text", "thinking", "tool_use"):                 # a known block with a field of the wrong type
+            raise api.ApiError(400, f"{where}.{j}: a {kind} block needs {BLOCK_FIELDS[kind]}", param=f"{where}.{j}")
         else:
             raise api.ApiError(400, f"{where}.{j}: block type {kind!r} is not supported in an assistant turn "
                                     f"(text, thinking and tool_use are)", param=f"{where}.{j}")

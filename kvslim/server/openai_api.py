@@ -279,6 +279,11 @@ def check_message(i: int, m) -> dict:
                        param=f"messages[{i}].content")
     if content is None and not m.get("tool_calls"):
         raise ApiError(400, f"messages[{i}] has no content", param=f"messages[{i}].content")
+    check_tool_calls(i, m.get("tool_calls"))
+    for key in ("tool_call_id", "name"):
+        if m.get(key) is not None and not isinstance(m[key], str):
+            raise ApiError(400, f"messages[{i}].{key} must be a string", param=f"messages[{i}].{key}",
+                           code="invalid_type")
     out = {"role": m["role"], "content": content or ""}
     for key in ("tool_calls", "tool_call_id", "name"):
         if key in m:
@@ -287,6 +292,23 @@ def check_message(i: int, m) -> dict:
     if isinstance(reasoning, str):
         out["reasoning_content"] = reasoning
     return out
+
+
+def check_tool_calls(i: int, calls) -> None:
+    """An assistant turn's calls as OpenAI sends them back: [{"id", "type", "function": {"name",
+    "arguments"}}], arguments a JSON string (or an object); the chat template reads each field."""
+    if calls is None:
+        return
+    if not isinstance(calls, list):
+        raise ApiError(400, f"messages[{i}].tool_calls must be a list", param=f"messages[{i}].tool_calls",
+                       code="invalid_type")
+    for j, call in enumerate(calls):
+        where = f"messages[{i}].tool_calls[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+                or not isinstance(fn.get("arguments", "{}"), (str, dict)):
+            raise ApiError(400, f"{where} must be {{'type': 'function', 'function': {{'name': <string>, "
+                                f"'arguments': <JSON string>}}}}", param=where, code="invalid_value")
 
 
 def parse_completion(body: dict, strict: bool = False) -> GenerationRequest:
