@@ -327,3 +327,90 @@ def test_tf32_rounding_of_the_delta_rule_benchmark(capsys):
     bench.main(["-n", "16"])
     out = capsys.readouterr().out
     assert "16-token prompt" in out and "largest logit difference" in out
+
+
+# ----- bad inputs: one line, exit 2, before the model loads ----------------------------------------
+@pytest.mark.parametrize("argv, message", [
+    (["-p", "-5", "-n", "2"], "-p takes counts of 0 or more, got -5"),      # was dropped: tg ran alone, exit 0
+    (["-p", "16", "-n", "-3"], "-n takes counts of 0 or more, got -3"),
+    (["-p", "16", "-d", "-64"], "-d takes counts of 0 or more, got -64"),
+    (["-p", "16", "-ctk", ","], "-ctk and -ctv need at least one cache type each"),   # was an empty table, exit 0
+    (["-p", "16", "--plot", "/nonexistent/b.png"], "--plot /nonexistent/b.png: its folder does not exist"),
+    (["-p", "16", "--plot", "/"], "--plot /: it is a folder"),
+])
+def test_bench_bad_inputs_give_one_clear_line(capsys, monkeypatch, argv, message):
+    import kvslim.tools.bench as B
+
+    def no_model(*a, **k):
+        raise AssertionError("the model loaded before the arguments were checked")
+    monkeypatch.setattr(B, "load_model", no_model)
+    code = cli_main(["bench", *argv, "-r", "1", "--no-progress"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and err == f"kvslim bench: error: {message}\n"
+
+
+# ----- kvslim quant -------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv, message", [
+    (["-t", ","], "-t needs at least one KV type"),                     # was an IndexError traceback
+    (["-t", "q4_0", "--head-dim", "-8"], "--head-dim and -r must be at least 1"),   # was a RuntimeError
+    (["-t", "q4_0,nl4", "--head-dim", "32"], "nl4: head_dim 32 must be a multiple of 64"),
+])
+def test_quant_bad_inputs_give_one_clear_line_before_measuring(capsys, monkeypatch, argv, message):
+    import kvslim.tools.quant as Q
+
+    measured = []
+    monkeypatch.setattr(Q, "measure", lambda f, *a: measured.append(f.name))
+    code = cli_main(["quant", *argv, "--n", "16", "-r", "1", "--no-progress"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and err.count("\n") == 1 and message in err
+    assert measured == []                   # q4_0 is not measured before nl4 is found unable to store 32
+
+
+def test_quant_default_types_are_those_that_store_the_head_dim(capsys):
+    from kvslim import formats
+
+    code = cli_main(["quant", "--head-dim", "32", "--n", "16", "--queries", "4", "-r", "1", "-o", "json",
+                     "--no-progress"])
+    names = [r["type"] for r in json.loads(capsys.readouterr().out)]
+    assert code == 0 and {"q8_0", "q4_0", "turbo3"} <= set(names) and "nl4" not in names
+    for name in names:
+        formats.get(name).check_head_dim(32)
+
+
+# ----- llama-bench's -pg ----------------------------------------------------------------------------
+def test_pg_runs_a_prompt_then_its_reply_labelled_and_counted_as_llama_bench(tiny_folder, capsys, monkeypatch):
+    import kvslim.bench.runner as R
+
+    folder = tiny_folder("qwen3_5")[0]
+    code = cli_main(["bench", "-m", str(folder), "-p", "0", "-n", "0", "-pg", "8,2", "-pg", "0,2", "-pg", "0,0",
+                     "-d", "0,16", "-r", "1", "--dtype", "f32", "-o", "json", "--no-progress"])
+    records = json.loads(capsys.readouterr().out)
+    assert code == 0 and [r["test"] for r in records] == ["pp8+tg2", "tg2", "pp8+tg2 @ d16", "tg2 @ d16"]
+    assert [(r["n_prompt"], r["n_gen"], r["n_depth"]) for r in records] == [(8, 2, 0), (0, 2, 0), (8, 2, 16),
+                                                                             (0, 2, 16)]
+    assert all(r["avg_ts"] > 0 for r in records) and records[0]["decode_path"] == "native"
+    # t/s counts the prompt's and the reply's tokens over the time of both
+    monkeypatch.setattr(R, "time_pg", lambda fc, n_prompt, n_gen: 2.0)
+    fc = R.FilledCache(load_model(str(folder), dtype="f32")[0], 32, 1, "f16", "f16", 8)
+    assert R.measure(fc, R.Test("pg", 8, 0, 2), 1)["avg_ts"] == pytest.approx(5.0)
+
+
+@pytest.mark.parametrize("value", ["16", "16,-4", "a,b", "1,2,3"])
+def test_pg_takes_two_counts(capsys, value):
+    code = cli_main(["bench", "-pg", value, "--no-progress"])
+    assert code == 2 and f"-pg takes two counts of 0 or more, PP,TG, got '{value}'" in capsys.readouterr().err
+
+
+@pytest.mark.filterwarnings("ignore:No artists with labels")
+def test_the_plot_keeps_pg_runs_off_the_pp_and_tg_lines(tmp_path, monkeypatch):
+    import kvslim.bench.report as report
+
+    base = {"type_k": "f16", "type_v": "f16", "avg_ts": 1.0, "stddev_ts": 0.0, "model_type": "m"}
+    rows = [{**base, "n_prompt": 8, "n_gen": 0, "n_depth": 0, "test": "pp8"},
+            {**base, "n_prompt": 0, "n_gen": 2, "n_depth": 0, "test": "tg2"},
+            {**base, "n_prompt": 8, "n_gen": 2, "n_depth": 16, "test": "pp8+tg2 @ d16"}]
+    import matplotlib.axes
+    drawn = []
+    monkeypatch.setattr(matplotlib.axes.Axes, "errorbar", lambda self, d, *a, **k: drawn.append(list(d)))
+    report.plot(rows, tmp_path / "p.png")
+    assert drawn == [[0], [0]]              # the pp8+tg2 point at depth 16 is on neither line

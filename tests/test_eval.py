@@ -271,11 +271,12 @@ def test_depth_cli_writes_the_curve(capsys, model_path, text_file, tmp_path):
 # ----- needle in a haystack -----------------------------------------------------------------
 def test_niah_grid_runs_and_writes_a_heatmap(capsys, model_path, text_file, tmp_path):
     png = tmp_path / "niah.png"
-    code, out, _ = run_cli(capsys, "niah", "-m", model_path, "-f", text_file, "-c", 96, "--lengths", "64,96",
+    # 96 and 128: the tiny tokenizer spends 84 tokens on the needle and question alone
+    code, out, _ = run_cli(capsys, "niah", "-m", model_path, "-f", text_file, "-c", 128, "--lengths", "96,128",
                            "--depths", "0,1", "-n", 1, "--pairs", "f16,q4_0", "--png", png)
     assert code == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| context | depth 0.00 | depth 1.00 | all |" in out and out.count("### K ") == 2
-    assert re.search(r"\|\s+96 \|\s+\d+% \|\s+\d+% \|\s+\d+% \|", out)
+    assert re.search(r"\|\s+128 \|\s+\d+% \|\s+\d+% \|\s+\d+% \|", out)
 
 
 def test_niah_samples_fit_their_length_and_the_check_reads_digits(llm, text_file):
@@ -359,9 +360,90 @@ def test_attention_cli_table(capsys, minilm, text_file):
     (["kld", "--save-base", "--kl-divergence-base", "/nonexistent/base.kld"], "its folder does not exist"),
     (["niah", "-c", "64", "--lengths", "128"], "context length 128 exceeds -c 64"),
     (["ppl", "-c", "100000"], "fewer than one chunk of -c 100000"),
+    # llama-perplexity refuses --kl-divergence without a base; kvslim swept f16 against itself, exit 0
+    (["kld", "--kl-divergence"], "--kl-divergence needs --kl-divergence-base FILE"),
+    (["kld", "--kl-divergence-base", "/"], "cannot write /: it is a folder"),
+    # a --png the tool cannot write is refused before the run, not with a traceback after it
+    (["depth", "-c", "64", "--png", "/nonexistent/d.png"], "--png /nonexistent/d.png: its folder does not exist"),
+    (["niah", "-c", "64", "--png", "/nonexistent/n.png"], "--png /nonexistent/n.png: its folder does not exist"),
+    (["ruler", "-c", "64", "--png", "/nonexistent/r.png"], "--png /nonexistent/r.png: its folder does not exist"),
+    (["niah", "-c", "64", "--lengths", "0"], "context lengths must be at least 1 token, got 0"),
+    (["niah", "-c", "64", "--lengths", "-64"], "context lengths must be at least 1 token, got -64"),
+    (["ruler", "-c", "64", "--lengths", "-64"], "context lengths must be at least 1 token, got -64"),
+    (["niah", "-c", "64", "--lengths", "16"], "a context length of 16 tokens cannot hold the needle"),
+    (["niah", "-c", "64", "--lengths", "64k"], "--lengths takes a comma list of numbers, got '64k'"),
+    (["depth", "--bands", "0,1k"], "--bands takes a comma list of numbers, got '0,1k'"),
+    (["ruler", "-c", "64", "-ub", "0"], "-ub must be at least 1, got 0"),
+    (["ppl", "-b", "0"], "-b must be at least 1, got 0"),
+    (["attention", "--sentences", "0"], "--sentences must be at least 1, got 0"),
+    (["kld", "--kl-divergence-base", "/nonexistent/base.kld", "--kld-top-k", "-5"],
+     "--kld-top-k must be 0 (whole vocabulary) or more, got -5"),
 ])
 def test_bad_inputs_give_one_clear_line(capsys, model_path, text_file, argv, message):
     extra = ["-m", str(model_path)] + (["-f", str(text_file)] if "-f" not in argv else [])
     code, out, err = run_cli(capsys, *argv, *extra)
     assert code == 2 and out == "" and err.count("\n") == 1
     assert err.startswith("kvslim eval: error: ") and message in err
+
+
+def test_batch_size_is_llama_perplexitys_and_caps_the_ubatch(capsys, model_path, text_file):
+    from kvslim.tools.eval import apply_batch, build_parser
+
+    for argv, ubatch in ((["ppl", "-b", "8"], 8), (["ppl", "-b", "2048"], 512), (["ppl"], 512)):
+        args = build_parser().parse_args(argv)
+        apply_batch(args)
+        assert args.ubatch_size == ubatch           # llama.cpp: n_ubatch = min(n_batch, n_ubatch)
+    runs = [run_cli(capsys, "ppl", "-m", model_path, "-f", text_file, "-c", N_CTX, "--chunks", 2, "-o", "json",
+                    *extra) for extra in ([], ["-b", 8])]
+    assert [code for code, _, _ in runs] == [0, 0]
+    assert json.loads(runs[1][1])[0]["ppl"] == pytest.approx(json.loads(runs[0][1])[0]["ppl"], rel=1e-5)
+
+
+def test_a_llama_perplexity_base_file_is_named_as_such(capsys, model_path, tmp_path):
+    base = tmp_path / "llama.kld"
+    base.write_bytes(b"_logits_" + (512).to_bytes(4, "little") + bytes(64))
+    code, out, err = run_cli(capsys, "kld", "-m", model_path, "--kl-divergence-base", base, "--kl-divergence")
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "is a llama-perplexity base file; kvslim reads only the base files" in err
+
+
+def test_attention_sweeps_by_default_only_formats_that_store_minilms_head_dim(capsys, minilm, text_file,
+                                                                              monkeypatch):
+    from kvslim import formats
+    M, _ = minilm
+    swept = []
+    monkeypatch.setattr(M, "attention_fidelity", lambda model, sentences, pairs, progress: swept.extend(pairs) or [])
+    code, out, err = run_cli(capsys, "attention", "-f", text_file, "--sentences", 1)
+    names = [k for k, _ in swept]
+    assert code == 0, err
+    assert {"q8_0", "q4_0", "turbo4", "turbo3"} <= set(names) and "nl4" not in names   # nl4 wants 64 values
+    for name in names:
+        formats.get(name).check_head_dim(32)
+
+
+def test_help_says_each_subcommands_own_default_context_and_names_no_hidden_flag():
+    from kvslim.tools.eval import DEFAULT_CTX, build_parser, ctx_of
+
+    parser = build_parser()
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for name in DEFAULT_CTX:
+        text = " ".join(subs[name].format_help().split())
+        said = re.search(r"--ctx-size CTX_SIZE [^()]*\(default (\d+)\)", text)
+        assert said, name
+        assert int(said[1]) == ctx_of(parser.parse_args([name]))    # what -h says is what runs
+        assert "--save-base" not in text                             # a suppressed flag is no advice
+
+
+def test_chunks_minus_one_compares_every_chunk_of_the_base_as_llama_perplexity(capsys, model_path, text_file,
+                                                                                tmp_path):
+    base = tmp_path / "base.kld"
+    code, _, _ = run_cli(capsys, "kld", "-m", model_path, "-f", text_file, "-c", N_CTX, "--chunks", 3,
+                         "--kl-divergence-base", base)
+    assert code == 0
+    seen = {}
+    for chunks in (0, -1, 2):
+        code, out, _ = run_cli(capsys, "kld", "-m", model_path, "--kl-divergence-base", base, "--kl-divergence",
+                               "--chunks", chunks, "-o", "json")
+        seen[chunks] = (code, json.loads(out)[0]["chunks"], json.loads(out)[0]["tokens"])
+    rows = N_CTX - 1 - N_CTX // 2
+    assert seen == {0: (0, 3, 3 * rows), -1: (0, 3, 3 * rows), 2: (0, 2, 2 * rows)}   # -1 dropped the last one

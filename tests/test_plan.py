@@ -353,6 +353,8 @@ def test_cli_mem_target_and_tp(capsys):
     (["-m", "qwen3.6-35b-a3b", "--gpu", "h100", "--tp", "3"], "--tp 3 does not divide the 16 attention heads"),
     (["-m", "qwen3-32b", "--gpu", "rtx4090", "-c", "4096", "-d", "5000"], "--depth 5000 must be between 0"),
     (["-m", "/nonexistent/model.gguf", "--gpu", "rtx4090"], "no such GGUF file"),
+    # klt3 codes V only (KVCache refuses it for K): it was planned as fitting, with a launch line that fails
+    (["-m", "qwen3.6-27b", "--gpu", "rtx4090", "-ctk", "q8_0,klt3"], "-ctk klt3: klt3 is a V cache type"),
 ])
 def test_cli_refuses_bad_input_clearly(capsys, argv, message):
     code, _, err = run_cli(capsys, *argv)

@@ -19,11 +19,10 @@ def model_facts(model, threads: int) -> dict:
 
 
 def record(facts: dict, test, case: dict, result: dict) -> dict:
-    return {**facts, "n_prompt": test.n_tokens if test.kind == "pp" else 0,
-            "n_gen": test.n_tokens if test.kind == "tg" else 0, "n_depth": test.n_depth,
+    return {**facts, "n_prompt": test.n_prompt, "n_gen": test.n_generated, "n_depth": test.n_depth,
             "n_parallel": case["n_parallel"], "type_k": case["type_k"], "type_v": case["type_v"],
             "n_ubatch": case["n_ubatch"], "f16_window": case.get("f16_window", 0), "test": test.label,
-            "decode_path": case["decode"] if test.kind == "tg" else "",   # kvslim's own: which step decoded
+            "decode_path": case["decode"] if test.n_generated else "",   # kvslim's own: which step decoded
             **result}
 
 
@@ -59,7 +58,9 @@ def plot(records: list[dict], path: str) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, kind in zip(axes, ("pp", "tg")):
-        runs = [r for r in records if (r["n_prompt"] if kind == "pp" else r["n_gen"])]
+        # pp+tg runs (-pg) have both counts and belong to neither line
+        runs = [r for r in records if (r["n_prompt"] if kind == "pp" else r["n_gen"])
+                and not (r["n_prompt"] and r["n_gen"])]
         for pair in dict.fromkeys((r["type_k"], r["type_v"]) for r in runs):
             pts = sorted((r["n_depth"], r["avg_ts"], r["stddev_ts"]) for r in runs if (r["type_k"], r["type_v"]) == pair)
             d, ts, sd = zip(*pts)

@@ -24,14 +24,23 @@ from .memory import peak_meter
 
 @dataclass(frozen=True)
 class Test:
-    kind: str          # "pp" or "tg"
-    n_tokens: int
+    kind: str          # "pp", "tg" or "pg" (llama-bench's -pg: a prompt, then n_gen decoded tokens, timed together)
+    n_tokens: int      # prompt tokens for pp and pg, generated tokens for tg
     n_depth: int
+    n_gen: int = 0     # pg only
 
     @property
     def label(self) -> str:
-        name = f"{self.kind}{self.n_tokens}"
+        name = f"pp{self.n_tokens}+tg{self.n_gen}" if self.kind == "pg" else f"{self.kind}{self.n_tokens}"
         return f"{name} @ d{self.n_depth}" if self.n_depth else name
+
+    @property
+    def n_prompt(self) -> int:
+        return self.n_tokens if self.kind in ("pp", "pg") else 0
+
+    @property
+    def n_generated(self) -> int:
+        return {"tg": self.n_tokens, "pg": self.n_gen}.get(self.kind, 0)
 
 
 class FilledCache:
@@ -88,8 +97,25 @@ def time_pp(fc: FilledCache, n: int) -> float:
     tokens = fc.random_tokens(n)
     synchronize(fc.device)
     t0 = time.perf_counter()
-    for start in range(0, n, fc.n_ubatch):
+    _prefill(fc, tokens)
+    synchronize(fc.device)
+    return time.perf_counter() - t0
+
+
+def _prefill(fc: FilledCache, tokens: list[int]) -> None:
+    for start in range(0, len(tokens), fc.n_ubatch):
         fc.model(fc.batch([(0, tokens[start:start + fc.n_ubatch], fc.depth + start)]), fc.caches)
+
+
+def time_pg(fc: FilledCache, n_prompt: int, n_gen: int) -> float:
+    """Seconds to prefill ``n_prompt`` tokens into slot 0, then decode ``n_gen`` after them
+    (llama-bench's -pg: one request's prompt and reply, timed together)."""
+    prompt, reply = fc.random_tokens(n_prompt), fc.random_tokens(n_gen)
+    synchronize(fc.device)
+    t0 = time.perf_counter()
+    _prefill(fc, prompt)
+    for step, token in enumerate(reply):
+        fc.decode([0], [token], [fc.depth + n_prompt + step])
     synchronize(fc.device)
     return time.perf_counter() - t0
 
@@ -108,15 +134,18 @@ def time_tg(fc: FilledCache, n: int) -> float:
 
 def measure(fc: FilledCache, test: Test, repetitions: int) -> dict:
     """One warm-up, then ``repetitions`` timed runs from the same snapshot; tokens/s per run."""
-    run = time_pp if test.kind == "pp" else time_tg
-    tokens = test.n_tokens * (fc.n_parallel if test.kind == "tg" else 1)
+    runs = {"pp": lambda: time_pp(fc, test.n_tokens), "tg": lambda: time_tg(fc, test.n_tokens),
+            "pg": lambda: time_pg(fc, test.n_tokens, test.n_gen)}
+    run = runs[test.kind]
+    # llama-bench's t/s for pg counts the prompt's tokens and the reply's over the whole time
+    tokens = test.n_tokens * fc.n_parallel if test.kind == "tg" else test.n_prompt + test.n_generated
     samples = []
     peak = peak_meter(fc.device)                                      # RSS, or the GPU allocator's peak
     on_gpu = fc.device.type == "cuda"
     for rep in range(repetitions + 1):
         fc.restore()
         with peak:
-            seconds = run(fc, test.n_tokens)
+            seconds = run()
         if rep:                                                       # rep 0 is the warm-up
             samples.append(tokens / seconds)
     kv_bytes, state_bytes = fc.kv_bytes, fc.state_bytes                # at depth + the test's tokens

@@ -43,7 +43,18 @@ def build_samples(docs: Sequence[str], count_tokens: Callable[[str], int], lengt
                                     kind=needle.CANONICAL_KIND, target_tokens=length, count_tokens=count_tokens,
                                     canonical=True)
                 for i in range(samples)]
+            check_fits(grid[length, depth], length, count_tokens)
     return grid
+
+
+def check_fits(samples: Sequence[needle.NeedleSample], length: int, count_tokens: Callable[[str], int]) -> None:
+    """build_sample cuts the filler, never the needle and question: below their size a "length"
+    cell would score a bare question at some other length."""
+    for sample in samples:
+        n = count_tokens(sample.prompt + sample.answer)
+        if n > length:
+            raise ValueError(f"a context length of {length} tokens cannot hold the needle and its question "
+                             f"({n} tokens); use longer --lengths")
 
 
 def digits_prefix(text: str) -> str:

@@ -45,6 +45,7 @@ DEFAULT_TOP_K = 0         # the whole vocabulary (uint16 codes): exact KLD
 FILE_KIND = "kvslim-kld-base"
 FILE_VERSION = "2"        # 1: top-k only; 2 adds whole-vocabulary uint16 storage (both read)
 CODE_LEVELS = 65535
+LLAMA_MAGIC = b"_logits_"   # how llama-perplexity's own base files start
 
 Progress = Callable[[int], None]   # called with the number of tokens just processed
 
@@ -267,6 +268,12 @@ class Reference:
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"cannot read KL-divergence base {path}: no such file")
+        with path.open("rb") as f:
+            magic = f.read(len(LLAMA_MAGIC))
+        if magic == LLAMA_MAGIC:
+            # the same flag in llama-perplexity writes this layout; say so rather than "header too large"
+            raise ValueError(f"{path} is a llama-perplexity base file; kvslim reads only the base files "
+                             f"'kvslim eval kld --kl-divergence-base FILE' writes")
         try:
             with safe_open(str(path), "np") as f:
                 meta = dict(f.metadata() or {})

@@ -62,10 +62,20 @@ def names() -> list[str]:
     return [spec.name for spec in TABLE]
 
 
-def standalone_names() -> list[str]:
+def standalone_names(head_dim: int | None = None) -> list[str]:
     """The names that code any row on their own: all but the calibrated (klt) rows, which need a
-    model's calibration (random vectors, MiniLM's caches and plans for other models have none)."""
-    return [spec.name for spec in TABLE if spec.family != "klt"]
+    model's calibration (random vectors, MiniLM's caches and plans for other models have none).
+    With ``head_dim``, only those that can store rows that long (nl4's rotation takes 64 values:
+    a default sweep at MiniLM's 32 failed part-way)."""
+    return [spec.name for spec in TABLE if spec.family != "klt" and (head_dim is None or _stores(spec.name, head_dim))]
+
+
+def _stores(name: str, head_dim: int) -> bool:
+    try:
+        get(name).check_head_dim(head_dim)
+    except ValueError:
+        return False
+    return True
 
 
 ROT_DISABLE_ENV = "LLAMA_ATTN_ROT_DISABLE"

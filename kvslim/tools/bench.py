@@ -15,7 +15,7 @@ from ..cache import CacheConfig
 from ..engine.config import resolve_device
 from ..loading import load_model
 from ..tables import render_records
-from .common import add_load_args, apply_threads, load_kwargs
+from .common import add_load_args, apply_threads, check_output, load_kwargs
 
 RANGE = re.compile(r"^(\d+)-(\d+)(?:([+*])(\d+))?$")
 
@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_load_args(p)
     p.add_argument("-p", "--n-prompt", default="512", help="prompt tokens for pp tests (list; 0 skips pp)")
     p.add_argument("-n", "--n-gen", default="128", help="generated tokens for tg tests (list; 0 skips tg)")
+    p.add_argument("-pg", action="append", default=[], metavar="PP,TG",
+                   help="a prompt of PP tokens then TG decoded, timed together as one test (repeatable; "
+                        "t/s counts both, as llama-bench's -pg)")
     p.add_argument("-d", "--n-depth", default="0", help="depths to fill first (list or range)")
     p.add_argument("-r", "--repetitions", type=int, default=5, help="timed runs after one warm-up")
     p.add_argument("-ctk", "--cache-type-k", default="f16", help="K types (comma list): " + ", ".join(formats.names()))
@@ -66,16 +69,39 @@ def kv_pairs(args) -> list[tuple[str, str]]:
         return pairs
     ks = [f.name for f in formats.parse_list(args.cache_type_k)]
     vs = [f.name for f in formats.parse_list(args.cache_type_v)]
+    if not ks or not vs:                     # "-ctk ," would print an empty table and exit 0
+        raise ValueError("-ctk and -ctv need at least one cache type each")
     return list(itertools.product(ks, vs))
 
 
 def tests_for(args) -> list[Test]:
     depths = sorted(set(int_list(args.n_depth)))
-    pp = [n for n in int_list(args.n_prompt) if n > 0]
-    tg = [n for n in int_list(args.n_gen) if n > 0]
-    if any(d < 0 for d in depths) or not (pp or tg):
-        raise ValueError("depths must be >= 0 and at least one of -p / -n must be positive")
-    return [Test(kind, n, d) for d in depths for kind, ns in (("pp", pp), ("tg", tg)) for n in ns]
+    prompts, gens = int_list(args.n_prompt), int_list(args.n_gen)
+    for flag, values in (("-p", prompts), ("-n", gens), ("-d", depths)):
+        if any(n < 0 for n in values):       # 0 skips a test; a negative count is a typo, not a skip
+            raise ValueError(f"{flag} takes counts of 0 or more, got {min(values)}")
+    pp = [n for n in prompts if n > 0]
+    tg = [n for n in gens if n > 0]
+    pg = [pair for pair in map(pg_pair, args.pg) if any(pair)]   # llama-bench skips -pg 0,0
+    if not (pp or tg or pg):
+        raise ValueError("at least one of -p / -n / -pg must be positive")
+    return [test for d in depths for test in [Test("pp", n, d) for n in pp] + [Test("tg", n, d) for n in tg]
+            + [pg_test(p_, g, d) for p_, g in pg]]
+
+
+def pg_test(n_prompt: int, n_gen: int, depth: int) -> Test:
+    """-pg PP,TG as a test; with one count 0 it is the plain pp or tg test (llama-bench labels it so)."""
+    if n_prompt and n_gen:
+        return Test("pg", n_prompt, depth, n_gen)
+    return Test("pp", n_prompt, depth) if n_prompt else Test("tg", n_gen, depth)
+
+
+def pg_pair(text: str) -> tuple[int, int]:
+    """-pg's ``512,128`` -> (512, 128); either may be 0 (then it is a plain pp or tg test)."""
+    parts = text.split(",")
+    if len(parts) != 2 or not all(re.fullmatch(r"\d+", x.strip()) for x in parts):
+        raise ValueError(f"-pg takes two counts of 0 or more, PP,TG, got {text!r}")
+    return int(parts[0]), int(parts[1])
 
 
 def main(argv: list[str]) -> int:
@@ -86,6 +112,7 @@ def main(argv: list[str]) -> int:
     pairs, tests, nps = kv_pairs(args), tests_for(args), int_list(args.n_parallel)
     if any(n < 1 for n in nps):
         raise ValueError("-np must be at least 1")
+    check_output(args.plot, "--plot")         # written after every test has run: refuse a bad path first
     model, _, _ = load_model(args.model, device=resolve_device(args.device), **load_kwargs(args))
     facts = model_facts(model, torch.get_num_threads())
     records = run_all(model, facts, pairs, tests, nps, args)
@@ -96,7 +123,7 @@ def main(argv: list[str]) -> int:
 def run_all(model, facts, pairs, tests, nps, args) -> list[dict]:
     from tqdm import tqdm
 
-    ctx = max(t.n_depth for t in tests) + max(t.n_tokens for t in tests) + 1
+    ctx = max(t.n_depth for t in tests) + max(t.n_prompt + t.n_generated for t in tests) + 1
     bar = tqdm(total=max(t.n_depth for t in tests) * len(pairs) * sum(nps), desc="filling depth", unit="tok", disable=args.no_progress,
                file=sys.stderr)
     records = []
@@ -109,7 +136,7 @@ def run_all(model, facts, pairs, tests, nps, args) -> list[dict]:
         case = {"type_k": type_k, "type_v": type_v, "n_parallel": n_par, "n_ubatch": args.ubatch_size,
                 "f16_window": args.f16_window}
         for test in tests:
-            if test.kind == "pp" and n_par > 1:
+            if test.kind != "tg" and n_par > 1:
                 continue                                             # -np applies to decode
             if test.n_depth != fc.depth:
                 fc.grow_to(test.n_depth, bar)

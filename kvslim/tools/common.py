@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 # ----- flags several tools take -------------------------------------------------------------
@@ -72,6 +73,16 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 def sampling_kwargs(args) -> dict:
     return dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                 repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n, seed=args.seed)
+
+
+def check_output(path: str | None, what: str) -> None:
+    """Refuse an output file that cannot be written before the work that fills it, not after."""
+    if path is None:
+        return
+    if Path(path).is_dir():
+        raise ValueError(f"{what} {path}: it is a folder")
+    if not Path(path).resolve().parent.is_dir():
+        raise ValueError(f"{what} {path}: its folder does not exist")
 
 
 # ----- context checks -------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from pathlib import Path
 from .. import formats
 from ..data import HELDOUT_FILES
 from ..tables import markdown_table
-from .common import add_model_args, add_sampling_args, apply_threads, load_kwargs
+from .common import add_model_args, add_sampling_args, apply_threads, check_output, load_kwargs
 from .engine_args import engine_config
 
 SUBCOMMANDS = ("ppl", "kld", "depth", "niah", "ruler", "sampling", "attention")
@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name in SUBCOMMANDS:
         s = sub.add_parser(name, help=helps[name], description=helps[name])
         add_common_args(s)
+        if name in DEFAULT_CTX:
+            ctx_help(s, name)
         if extra[name]:
             extra[name](s)
     return p
@@ -66,9 +68,25 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.set_defaults(ctx_size=None, cache_type_k=None, cache_type_v=None)
     p.add_argument("--pairs", default=None, help="explicit K/V pairs, e.g. f16,q4_0,q8_0/turbo4 (overrides -ctk/-ctv)")
     p.add_argument("-f", "--file", action="append", default=[], help="text file (repeatable); default: the held-out text shipped in kvslim/data/text")
-    p.add_argument("--chunks", type=int, default=0, help="use at most this many chunks (0: all)")
+    p.add_argument("--chunks", type=int, default=0, help="use at most this many chunks (0 or -1: all)")
+    p.add_argument("-b", "--batch-size", type=int, default=None,
+                   help="llama-perplexity's logical batch: as there, a prefill pass takes min(-b, -ub) tokens; "
+                        "the results do not depend on it")
     p.add_argument("-o", "--output", choices=["md", "json"], default="md")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+CTX_MEANING = {"depth": "tokens per window, every row scored", "niah": "largest context length",
+               "ruler": "largest context length"}
+
+
+def ctx_help(p: argparse.ArgumentParser, name: str) -> None:
+    """-c's help with what it means here and this subcommand's own default, which is not
+    llama-perplexity's 512: the shared help only said "context size per sequence"."""
+    meaning = CTX_MEANING.get(name, "tokens per chunk, second half scored")
+    for action in p._actions:
+        if action.dest == "ctx_size":
+            action.help = f"{meaning} (default {DEFAULT_CTX[name]})"
 
 
 def _args_kld(p):
@@ -81,7 +99,7 @@ def _args_kld(p):
     p.add_argument("--save-base", action="store_true", help=argparse.SUPPRESS)   # kvslim's earlier name for writing
     _base_args(p)
     p.add_argument("--kld-top-k", type=int, default=0,
-                   help="with --save-base: 0 (default) stores the whole vocabulary (uint16 log-probs, exact KLD); "
+                   help="when writing the base: 0 (default) stores the whole vocabulary (uint16 log-probs, exact KLD); "
                         "K > 0 keeps the top K plus one tail bucket, a lower bound on the KLD")
 
 
@@ -148,6 +166,24 @@ def resolve_pairs(args, default: list[tuple[str, str]]) -> list[tuple[str, str]]
     if not pairs:
         raise ValueError("no K/V pairs given")
     return pairs
+
+
+def number_list(text: str, flag: str, kind=int) -> list:
+    """``"0,1024,4096"`` -> [0, 1024, 4096]; a word in the list is named, not a Python conversion error."""
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} takes a comma list of numbers, got {text!r}") from None
+
+
+def check_lengths(lengths: list[int], n_ctx: int) -> None:
+    """Context lengths for niah/ruler: positive (a length of 0 would score a bare question) and within -c."""
+    if not lengths:
+        raise ValueError("--lengths needs at least one context length")
+    if min(lengths) < 1:
+        raise ValueError(f"context lengths must be at least 1 token, got {min(lengths)}")
+    if max(lengths) > n_ctx:
+        raise ValueError(f"context length {max(lengths)} exceeds -c {n_ctx}")
 
 
 def base_pair(args) -> tuple[str, str]:
@@ -239,11 +275,15 @@ def kld_mode(args) -> str:
     As llama-perplexity: the base file alone writes it, with --kl-divergence it is read. Cache types to
     compare (-ctk/-ctv/--pairs) with a base file also mean reading it, as kvslim always took them."""
     base = args.kl_divergence_base
+    if args.kld_top_k < 0:                  # 0 is "whole vocabulary"; -5 read as 0 hid a typo
+        raise ValueError(f"--kld-top-k must be 0 (whole vocabulary) or more, got {args.kld_top_k}")
     if args.kl_divergence and args.save_base:
         raise ValueError("--kl-divergence compares against the base file; --save-base writes it: give one")
     if not base:
-        if args.save_base:
-            raise ValueError("--save-base needs --kl-divergence-base FILE")
+        if args.save_base or args.kl_divergence:
+            # llama-perplexity refuses this too; a silent f16-vs-f16 sweep would read as "no damage"
+            flag = "--save-base" if args.save_base else "--kl-divergence"
+            raise ValueError(f"{flag} needs --kl-divergence-base FILE")
         return "sweep"
     compare = args.kl_divergence or (not args.save_base and (args.pairs or args.cache_type_k or args.cache_type_v))
     if compare:
@@ -251,8 +291,7 @@ def kld_mode(args) -> str:
             raise ValueError(f"no such file {base}: write the KL-divergence base first with "
                              f"'kvslim eval kld --kl-divergence-base {base}' (add -f TEXT and -c N as needed)")
         return "compare"
-    if not Path(base).resolve().parent.is_dir():
-        raise ValueError(f"cannot write {base}: its folder does not exist")
+    check_output(base, "cannot write")
     return "write"
 
 
@@ -267,7 +306,7 @@ def run_kld(args) -> int:
         if args.ctx_size is not None and args.ctx_size != ref.n_ctx:
             raise ValueError(f"{args.kl_divergence_base} was computed with -c {ref.n_ctx}, not -c {args.ctx_size}")
         llm = load_llm(args, ref.n_ctx)
-        if args.chunks:
+        if args.chunks > 0:                 # -1 is llama-perplexity's "all", as in text_chunks
             ref = _first_chunks(ref, args.chunks)
         comparisons = []
         for pair in pairs:
@@ -332,7 +371,8 @@ def run_depth(args) -> int:
     n_ctx = ctx_of(args)
     base = base_pair(args)
     pairs = resolve_pairs(args, [("f16", "f16")])
-    edges = [int(x) for x in args.bands.split(",") if x.strip()]
+    edges = number_list(args.bands, "--bands")
+    check_output(args.png, "--png")
     llm = load_llm(args, n_ctx)
     chunks = text_chunks(args, llm, n_ctx)
     with progress_bar(args, len(chunks) * n_ctx * (1 + len(pairs)), "depth") as bar:
@@ -362,12 +402,12 @@ def run_niah(args) -> int:
     from ..eval.perplexity import with_cache_types
 
     n_ctx = ctx_of(args)
-    lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else N.default_lengths(n_ctx)
-    depths = [float(x) for x in args.depths.split(",") if x.strip()]
-    if args.samples < 1 or not lengths or not depths:
-        raise ValueError("niah needs at least one length, one depth and -n >= 1")
-    if max(lengths) > n_ctx:
-        raise ValueError(f"context length {max(lengths)} exceeds -c {n_ctx}")
+    lengths = number_list(args.lengths, "--lengths") if args.lengths else N.default_lengths(n_ctx)
+    depths = number_list(args.depths, "--depths", float)
+    if args.samples < 1 or not depths:
+        raise ValueError("niah needs at least one depth and -n >= 1")
+    check_lengths(lengths, n_ctx)
+    check_output(args.png, "--png")
     pairs = resolve_pairs(args, [("f16", "f16")])
     llm = load_llm(args, n_ctx + 8)
     docs = read_documents(args.file)
@@ -395,13 +435,13 @@ def run_ruler(args) -> int:
     from ..eval.perplexity import with_cache_types
 
     n_ctx = ctx_of(args)
-    lengths = [int(x) for x in args.lengths.split(",") if x.strip()] if args.lengths else R.default_lengths(n_ctx)
-    depths = [float(x) for x in args.depths.split(",") if x.strip()]
+    lengths = number_list(args.lengths, "--lengths") if args.lengths else R.default_lengths(n_ctx)
+    depths = number_list(args.depths, "--depths", float)
     tasks = R.check_tasks([x.strip() for x in args.tasks.split(",") if x.strip()])
-    if args.samples < 1 or not lengths:
-        raise ValueError("ruler needs at least one length and -n >= 1")
-    if max(lengths) > n_ctx:
-        raise ValueError(f"context length {max(lengths)} exceeds -c {n_ctx}")
+    if args.samples < 1:
+        raise ValueError("ruler needs -n >= 1")
+    check_lengths(lengths, n_ctx)
+    check_output(args.png, "--png")
     pairs = resolve_pairs(args, [("f16", "f16")])
     # prefix reuse between consecutive prompts: a DeltaNet checkpoint every ubatch of every prompt
     llm = load_llm(args, n_ctx + 8, prefix_cache=True, checkpoint_interval=args.ubatch_size,
@@ -471,14 +511,16 @@ def run_sampling(args) -> int:
 def run_attention(args) -> int:
     from ..eval import minilm as M
 
-    pairs = resolve_pairs(args, [(n, n) for n in formats.standalone_names()])
+    if args.sentences < 1:
+        raise ValueError(f"--sentences must be at least 1, got {args.sentences}")
     model = M.MiniLM()
+    head_dim = model.config["hidden_size"] // model.n_heads      # 32: below the nl formats' 64-value rotation
+    pairs = resolve_pairs(args, [(n, n) for n in formats.standalone_names(head_dim)])
     sentences = M.split_sentences("\n\n".join(attention_text(args)), args.sentences)
     if not sentences:
         raise ValueError("no usable sentences in the text (need prose with sentences of 6-60 words)")
     with progress_bar(args, len(sentences) * len(pairs), "attention", unit="sent") as bar:
         records = M.attention_fidelity(model, sentences, pairs, bar.update)
-    head_dim = model.config["hidden_size"] // model.n_heads
     rows = [[r["type_k"], r["type_v"], bits((r["type_k"], r["type_v"]), head_dim), f"{r['attn_rel_err']:.5f}",
              f"{r['attn_rel_err_max']:.5f}", f"{r['cos_mean']:.6f}", f"{r['cos_min']:.6f}"] for r in records]
     head = (f"all-MiniLM-L6-v2 (6 layers, 12 heads x 32), {len(sentences)} sentences; attention error = "
@@ -502,4 +544,15 @@ RUN = {"ppl": run_ppl, "kld": run_kld, "depth": run_depth, "niah": run_niah, "ru
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     apply_threads(args)
+    apply_batch(args)
     return RUN[args.what](args)
+
+
+def apply_batch(args) -> None:
+    """llama.cpp caps the physical batch by the logical one (n_ubatch = min(n_batch, n_ubatch))."""
+    if args.ubatch_size < 1:
+        raise ValueError(f"-ub must be at least 1, got {args.ubatch_size}")
+    if args.batch_size is not None:
+        if args.batch_size < 1:
+            raise ValueError(f"-b must be at least 1, got {args.batch_size}")
+        args.ubatch_size = min(args.ubatch_size, args.batch_size)

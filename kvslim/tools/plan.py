@@ -87,10 +87,14 @@ def parse_counts(text: str, flag: str, allow_zero: bool = False) -> list[int]:
 
 
 def parse_types(text: str, flag: str) -> list[str]:
-    names = [f.name for f in formats.parse_list(text)]  # unknown names raise, listing the valid ones
-    if not names:
+    fmts = formats.parse_list(text)  # unknown names raise, listing the valid ones
+    if not fmts:
         raise ValueError(f"{flag} needs at least one cache type")
-    return names
+    keys = [f.name for f in fmts if f.calibrated] if flag == "-ctk" else []
+    if keys:
+        # the cache refuses a calibrated K type at load: a plan and launch line for it would never run
+        raise ValueError(f"-ctk {keys[0]}: {keys[0]} is a V cache type (-ctv only); for K use nl4s, q4_0 or turbo4")
+    return [f.name for f in fmts]
 
 
 def requests(args, model: plan.Model) -> list[plan.Request]:

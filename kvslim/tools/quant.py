@@ -15,8 +15,9 @@ from ..tables import markdown_table, render_records
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvslim quant", description=__doc__,
                                 epilog="types: " + ", ".join(formats.names()))
-    p.add_argument("-t", "--type", default=",".join(formats.standalone_names()),
-                   help="comma list of KV types to measure (default: all that need no model calibration; "
+    p.add_argument("-t", "--type", default=None,
+                   help="comma list of KV types to measure (default: all that need no model calibration and "
+                        "can store --head-dim; "
                         "a calibrated type is fitted to separate random draws, which are white: its speed "
                         "is real, its error is not what it does on a model's values)")
     p.add_argument("--n", type=int, default=20000, help="number of random N(0,1) vectors")
@@ -31,9 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    if args.n < 1 or args.queries < 1 or args.repetitions < 1:
-        raise ValueError("--n, --queries and -r must be at least 1")
-    fmts = formats.parse_list(args.type)
+    if args.n < 1 or args.queries < 1 or args.repetitions < 1 or args.head_dim < 1:
+        raise ValueError("--n, --queries, --head-dim and -r must be at least 1")
+    fmts = chosen_formats(args.type, args.head_dim)
     gen = torch.Generator().manual_seed(args.seed)
     x = torch.randn(args.n, args.head_dim, generator=gen)
     q = torch.randn(args.queries, args.head_dim, generator=gen)
@@ -49,6 +50,19 @@ def main(argv: list[str]) -> int:
             bar.update()
     print(render_records(records, args.output, lambda rs: render(rs, args.n)))
     return 0
+
+
+def chosen_formats(names: str | None, head_dim: int) -> list:
+    """-t's formats, each checked against head_dim before any is measured; without -t, every
+    standalone format that can store head_dim."""
+    if names is None:
+        return [formats.get(n) for n in formats.standalone_names(head_dim)]
+    fmts = formats.parse_list(names)
+    if not fmts:
+        raise ValueError("-t needs at least one KV type")
+    for f in fmts:
+        f.check_head_dim(head_dim)        # raises with the reason, before minutes of measuring others
+    return fmts
 
 
 def progress(fmts, args):
