@@ -44,6 +44,16 @@ def pytest_collection_modifyitems(session, config, items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))      # stable: the rest keep their order
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny tensors gain nothing from a second thread, and on a machine shared with other jobs a
+    busy second core stalls every parallel op (32 greedy tokens of the bundled model at Q8_0: 66 s
+    on 2 threads beside another job, under 1 s on one). Per test: ``_threads_restored`` puts the
+    count back after each test, which undid the module-wide fixtures this replaces after their
+    first test whenever a process had 2 threads (``make test TEST_JOBS=0``)."""
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(autouse=True)
 def _threads_restored():
     """Tests that set torch's thread count (-t 1, the C kernels' thread checks) leave it as found."""

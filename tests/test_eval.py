@@ -22,13 +22,7 @@ from kvslim.eval.sampling import drift
 N_CTX = 32
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tensors here are tiny: one thread avoids intra-op overhead (and contention on a shared machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")      # tiny tensors: see conftest
 
 
 @pytest.fixture(scope="module")

@@ -27,13 +27,7 @@ PROMPT = [5, 77, 140, 9, 250, 31, 200, 64]
 GREEDY = 16
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one thread each (torch's pool spins badly on a shared machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")      # tiny tensors: see conftest
 
 
 # ----- the shim and the ELF edit ----------------------------------------------------------

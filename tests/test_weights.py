@@ -28,15 +28,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog"
 SCALE_FIELDS = ("d", "dmin", "m")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls gain nothing from a second thread, and on a machine shared with other jobs
-    a busy second core stalls every parallel op (measured: 32 greedy tokens of the bundled model
-    at Q8_0 took 66 s on 2 threads beside another job, under 1 s on one)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")      # tiny tensors: see conftest
 
 
 @pytest.fixture(autouse=True)
