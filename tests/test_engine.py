@@ -345,3 +345,14 @@ def test_kvslim_load_reads_gguf_like_the_folder(tiny_folder, tmp_path):
     assert b.tokenize("The json module <|im_end|> héllo") == ids
     assert (a.logits(ids) - b.logits(ids)).abs().max().item() <= 1e-4
     assert a.generate("abc", 8, temperature=0).token_ids == b.generate("abc", 8, temperature=0).token_ids
+
+
+def test_timings_split_reused_prompt_tokens_from_read_ones_as_llama_server():
+    llm = kvslim.load(ctx=256, prefix_cache=True)
+    ids = llm.tokenize("It is a truth universally acknowledged, that a single man")
+    first = llm.generate(ids, 4, temperature=0)
+    again = llm.generate(ids + first.token_ids + llm.tokenize(" in possession", add_special=False), 4, temperature=0)
+    t = again.timings
+    assert first.timings["cache_n"] == 0 and first.timings["prompt_n"] == len(ids)
+    assert t["cache_n"] >= len(ids) and t["cache_n"] + t["prompt_n"] == again.prompt_tokens
+    assert t["prompt_per_second"] == pytest.approx(t["prompt_n"] / (t["prompt_ms"] / 1000))   # the rate of what was read

@@ -7,6 +7,7 @@ as Makefile targets, and the demo they start runs here in its small form.
 """
 from __future__ import annotations
 
+import io
 import os
 import re
 import shlex
@@ -137,6 +138,7 @@ def test_readme_command_runs(line, scratch, capsys, monkeypatch):
     """Each line alone (in any order, or on its own test worker): a line that reads another's
     file runs that one first when the file is not there yet."""
     monkeypatch.chdir(scratch)
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hello\n/exit\n"))      # what -cnv reads: one turn
     needs = producer(line)
     if needs is not None and not (scratch / needs[1]).exists():
         run_readme_line(needs[0], capsys)

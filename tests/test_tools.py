@@ -16,6 +16,7 @@ from kvslim import cli
 from kvslim.data import DOC_SEPARATOR, HELDOUT_FILES
 from kvslim.tools import eval as eval_tool
 from kvslim.tools.common import context_warnings
+from kvslim.tools.conversation import converse
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -149,3 +150,79 @@ def test_serve_refuses_a_model_that_cannot_load_before_it_listens(capsys, tmp_pa
     (tmp_path / "config.json").write_text("{bad")
     code, out, err = run_cli(capsys, "serve", "-m", tmp_path, "--port", 18123)
     assert code == 2 and "config.json: not valid JSON" in err and "listening" not in out + err
+
+
+# ----- kvslim run -cnv ------------------------------------------------------------------------------
+def script(lines: list[str]):
+    """A stand-in for input(): the lines in turn, then end of input."""
+    feed = iter(lines)
+
+    def read(prompt: str) -> str:
+        try:
+            return next(feed)
+        except StopIteration:
+            raise EOFError from None
+    return read
+
+
+def conversation_args(*argv):
+    from kvslim.tools import run
+    args = run.build_parser().parse_args(["-cnv", "--temp", "0", *map(str, argv)])
+    run.check_args(args)
+    return args
+
+
+@pytest.fixture(scope="module")
+def talker():
+    import kvslim
+    return kvslim.load(ctx=512, prefix_cache=True)
+
+
+def test_a_conversation_reuses_earlier_turns_and_replies_as_a_fresh_prompt_would(talker):
+    import io
+    import kvslim
+    args = conversation_args("-n", 12, "-c", 512, "-sys", "Be brief.")
+    out, err = io.StringIO(), io.StringIO()
+    history = converse(talker, args, script(["Hello there", "Tell me \\", "more", "/exit"]), out, err)
+    assert [m["role"] for m in history] == ["system", "user", "assistant", "user", "assistant"]
+    assert history[3]["content"] == "Tell me \nmore"                         # a backslash goes on
+    first, second = [line for line in err.getvalue().splitlines() if line.startswith("prompt ")]
+    reused = int(re.search(r"\((\d+) reused", second).group(1))
+    n_first = int(re.match(r"prompt (\d+) tok", first).group(1))
+    assert "(0 reused" in first and reused >= n_first                       # the whole first prompt, at least
+    fresh = kvslim.load(ctx=512)                                              # no prefix cache: read it all
+    ids = fresh.tokenize(fresh.tokenizer.apply_chat_template(history[:4]), add_special=False)
+    assert fresh.generate(ids, 12, temperature=0).text == history[4]["content"]
+    assert history[2]["content"] in out.getvalue() and history[4]["content"] in out.getvalue()
+
+
+def test_clear_a_full_context_and_ctrl_c_keep_the_conversation_going(talker):
+    import io
+
+    class StopAtThird(io.StringIO):                                          # Ctrl-C in the middle of a reply
+        writes = 0
+
+        def write(self, text):
+            self.writes += 1
+            if self.writes == 3:
+                raise KeyboardInterrupt
+            return super().write(text)
+
+    args = conversation_args("-n", 8, "-c", 512)
+    out, err = StopAtThird(), io.StringIO()
+    history = converse(talker, args, script(["one", "/clear", "word " * 600, "two"]), out, err)
+    assert "[stopped after" in out.getvalue() and "(history cleared)" in err.getvalue()
+    assert "the conversation fills -c 512" in err.getvalue()                 # the long turn was left out
+    # "one" and its stopped reply went with /clear; "two" ran in the slot the stopped reply freed
+    assert [m["content"] for m in history if m["role"] == "user"] == ["two"] and history[-1]["content"]
+
+
+def test_run_cnv_reads_turns_from_stdin_and_refuses_what_does_not_fit_it(capsys, monkeypatch):
+    import io
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hello\n/exit\n"))
+    code, out, err = run_cli(capsys, "run", "-cnv", "-n", 4, "--temp", 0)
+    assert code == 0 and "reply 4 tok" in err
+    code, out, err = run_cli(capsys, "run", "-cnv", "-o", "json")
+    assert code == 2 and "-o json reports one completion" in err
+    code, out, err = run_cli(capsys, "run", "-p", "hi", "-sys", "Be brief.")
+    assert code == 2 and "-sys goes with --chat or -cnv" in err

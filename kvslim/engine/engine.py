@@ -81,9 +81,10 @@ class Sequence:
         return self.tokens[self.n_cached:]
 
     def timings(self) -> dict:
-        n_gen = len(self.generated)
-        out = {"prompt_n": len(self.prompt), "prompt_ms": 1000 * self.prompt_s,
-               "prompt_per_second": len(self.prompt) / self.prompt_s if self.prompt_s else 0.0,
+        n_gen, n_read = len(self.generated), len(self.prompt) - self.cached_tokens
+        # llama-server's split: cache_n prompt tokens reused, prompt_n read (the rate is of those)
+        out = {"cache_n": self.cached_tokens, "prompt_n": n_read, "prompt_ms": 1000 * self.prompt_s,
+               "prompt_per_second": n_read / self.prompt_s if self.prompt_s else 0.0,
                "predicted_n": n_gen, "predicted_ms": 1000 * self.gen_s,
                # the first token comes from the prefill's logits; decode steps made the rest
                "predicted_per_second": (n_gen - 1) / self.gen_s if self.gen_s and n_gen > 1 else 0.0}

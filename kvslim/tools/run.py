@@ -10,6 +10,7 @@ from ..engine import load
 from ..tables import human_bytes, to_json
 from ..weights import weight_bytes
 from .common import add_model_args, add_sampling_args, apply_threads, load_kwargs, sampling_kwargs, warn_context
+from .conversation import converse, opening
 from .engine_args import add_draft_args, engine_config
 
 __all__ = ["add_model_args", "add_sampling_args", "sampling_kwargs", "build_parser", "main"]
@@ -22,8 +23,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_draft_args(p)
     p.add_argument("-p", "--prompt", default=None, help="prompt text")
     p.add_argument("-f", "--file", default=None, help="read the prompt from a file")
-    p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (-1: until the context is full)")
+    p.add_argument("-n", "--n-predict", type=int, default=None,
+                   help="tokens to generate (-1: until the context is full; default 128, with -cnv until the reply ends)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
+    p.add_argument("-cnv", "--conversation", action="store_true",
+                   help="talk with the model in the terminal (llama-cli's -cnv): -p, if given, is the first turn; "
+                        "the prefix cache reuses each earlier turn; /clear forgets them, /exit or Ctrl-D ends")
+    p.add_argument("-sys", "--system-prompt", default=None, help="a system message first (with --chat or -cnv)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("-o", "--output", choices=["text", "json"], default="text")
     return p
@@ -41,15 +47,21 @@ def read_prompt(args) -> str:
         except UnicodeDecodeError as err:
             raise ValueError(f"prompt file {args.file} is not UTF-8 text: byte {err.start} "
                              f"(0x{err.object[err.start]:02x}) {err.reason}") from None
-    if args.prompt is None:
-        raise ValueError("no prompt: use -p TEXT or -f FILE")
+    if args.prompt is None and not args.conversation:
+        raise ValueError("no prompt: use -p TEXT or -f FILE (or -cnv to talk)")
     return args.prompt
 
 
 def check_args(args) -> None:
     """Refuse numbers that make no sense, naming the flag."""
+    if args.n_predict is None:
+        args.n_predict = -1 if args.conversation else 128
     if args.n_predict == 0 or args.n_predict < -1:
         raise ValueError(f"-n must be at least 1, or -1 to generate until the context is full; got {args.n_predict}")
+    if args.conversation and args.output == "json":
+        raise ValueError("-o json reports one completion; a conversation (-cnv) prints its turns")
+    if args.system_prompt is not None and not (args.chat or args.conversation):
+        raise ValueError("-sys goes with --chat or -cnv (a plain prompt has no messages)")
     if args.ctx_size < 2:
         raise ValueError(f"-c must be at least 2 tokens, got {args.ctx_size}")
 
@@ -60,10 +72,17 @@ def main(argv: list[str]) -> int:
     apply_threads(args)
     prompt = read_prompt(args)
     warn_context(args.model, args.ctx_size)
-    llm = load(args.model, **load_kwargs(args), config=engine_config(args))
+    llm = load(args.model, **load_kwargs(args), config=engine_config(args, prefix_cache=args.conversation))
+    if (args.chat or args.conversation) and not llm.tokenizer.chat_template:
+        raise ValueError(f"{'-cnv' if args.conversation else '--chat'} needs a chat template, and this model's "
+                         f"tokenizer has none")
+    if args.conversation:
+        args.prompt = prompt                                    # -p or -f: the first turn
+        converse(llm, args)
+        return 0
     if args.chat:
-        prompt = llm.tokenize(llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]),
-                              add_special=False)
+        messages = opening(args.system_prompt) + [{"role": "user", "content": prompt}]
+        prompt = llm.tokenize(llm.tokenizer.apply_chat_template(messages), add_special=False)
     ids = prompt if isinstance(prompt, list) else llm.tokenize(prompt)
     n_predict = args.n_predict if args.n_predict > 0 else max(1, args.ctx_size - len(ids))
     completion = stream(llm, ids, n_predict, args)
