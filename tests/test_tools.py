@@ -226,3 +226,17 @@ def test_run_cnv_reads_turns_from_stdin_and_refuses_what_does_not_fit_it(capsys,
     assert code == 2 and "-o json reports one completion" in err
     code, out, err = run_cli(capsys, "run", "-p", "hi", "-sys", "Be brief.")
     assert code == 2 and "-sys goes with --chat or -cnv" in err
+
+
+def test_run_takes_llama_cpps_penalty_and_ignore_eos_flags(capsys):
+    from kvslim.engine import SamplingParams
+    from kvslim.tools import run
+    from kvslim.tools.common import sampling_kwargs
+    args = run.build_parser().parse_args(["--presence-penalty", "1.5", "--frequency-penalty", "0.5", "--ignore-eos"])
+    params = SamplingParams(**sampling_kwargs(args))
+    assert (params.presence_penalty, params.frequency_penalty, params.ignore_eos) == (1.5, 0.5, True)
+    texts = []
+    for extra in ([], ["--frequency-penalty", 2]):                  # greedy: only the penalty can change the text
+        code, out, err = run_cli(capsys, "run", "-p", "It is a truth", "-n", 24, "--temp", 0, "-o", "json", *extra)
+        texts.append(json.loads(out)["text"])
+    assert code == 0 and texts[0] != texts[1]

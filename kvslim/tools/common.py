@@ -67,12 +67,17 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=float, default=0.05)
     p.add_argument("--repeat-penalty", type=float, default=1.0)
     p.add_argument("--repeat-last-n", type=int, default=64)
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="subtracted from the logit of each token seen in the last --repeat-last-n")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="subtracted times each token's count in the last --repeat-last-n")
+    p.add_argument("--ignore-eos", action="store_true", help="never end at an end-of-generation token")
     p.add_argument("-s", "--seed", type=int, default=None)
 
 
 def sampling_kwargs(args) -> dict:
     return dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n, seed=args.seed)
+                repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
+                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                ignore_eos=args.ignore_eos, seed=args.seed)
 
 
 def check_output(path: str | None, what: str) -> None:
