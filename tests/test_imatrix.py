@@ -92,6 +92,27 @@ def test_the_file_format_round_trips_as_llama_quantize_reads_it(tmp_path):
         imatrix.read(tmp_path / "missing.gguf")
 
 
+
+def test_a_cut_or_interrupted_gguf_matrix_is_named_and_never_half_written(tmp_path, monkeypatch):
+    """A file cut after its magic failed inside gguf's reader with an IndexError; an interrupted
+    write left a half-written file under the output's name."""
+    import gguf
+    entries = {"blk.0.ffn_up.weight": imatrix.Importance(np.ones((1, 64)), np.array([3.0]))}
+    data = imatrix.write(tmp_path / "imatrix.gguf", entries, ["text"], 1, 16).read_bytes()
+    for keep in (4, len(data) // 2):
+        (tmp_path / "cut.gguf").write_bytes(data[:keep])
+        with pytest.raises(ValueError, match="cut.gguf: a truncated or corrupt GGUF importance matrix"):
+            imatrix.read(tmp_path / "cut.gguf")
+
+    def interrupted(self, *args, **kwargs):
+        self.fout[0].write(b"\0" * 64)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        imatrix.write(tmp_path / "imatrix.gguf", entries, ["other text"], 1, 16)
+    assert (tmp_path / "imatrix.gguf").read_bytes() == data
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.gguf", "imatrix.gguf"]
+
 def test_the_legacy_dat_format_reads_as_llama_quantize_reads_it(tmp_path):
     """imatrix.dat: sums of squares over calls per tensor (llama-quantize divides them), and an
     optional trailer; a truncated or foreign file is refused by name."""

@@ -57,8 +57,8 @@ def read(path: str | Path) -> dict[str, Importance]:
             return read_legacy(path)
     try:
         reader = gguf.GGUFReader(str(path))
-    except (OSError, ValueError) as err:
-        raise ValueError(f"{path}: not a GGUF importance matrix ({err})") from None
+    except Exception as err:           # a file cut short fails anywhere in the header (IndexError, ...)
+        raise ValueError(f"{path}: a truncated or corrupt GGUF importance matrix ({err})") from None
     tensors = {t.name: np.asarray(t.data, dtype=np.float64) for t in reader.tensors}
     out = {}
     for key, sums in tensors.items():
@@ -106,19 +106,22 @@ def read_legacy(path: Path) -> dict[str, Importance]:
 
 def write(path: str | Path, entries: dict[str, Importance], datasets: list[str], chunk_count: int,
           chunk_size: int) -> Path:
-    """``entries`` as llama-imatrix writes them (llama-quantize --imatrix reads the file)."""
-    w = gguf.GGUFWriter(str(path), arch="imatrix")
-    w.add_type("imatrix")
-    w.add_array("imatrix.datasets", datasets)
-    w.add_uint32("imatrix.chunk_count", chunk_count)
-    w.add_uint32("imatrix.chunk_size", chunk_size)
-    for name, imp in sorted(entries.items()):
-        w.add_tensor(name + SUMS, imp.sums.astype(np.float32))
-        w.add_tensor(name + COUNTS, imp.counts.astype(np.float32).reshape(1, -1))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    """``entries`` as llama-imatrix writes them (llama-quantize --imatrix reads the file);
+    written whole or not at all (``writer.staged_output``)."""
+    from .writer import staged_output
+    with staged_output(path) as staged:
+        w = gguf.GGUFWriter(str(staged), arch="imatrix")
+        w.add_type("imatrix")
+        w.add_array("imatrix.datasets", datasets)
+        w.add_uint32("imatrix.chunk_count", chunk_count)
+        w.add_uint32("imatrix.chunk_size", chunk_size)
+        for name, imp in sorted(entries.items()):
+            w.add_tensor(name + SUMS, imp.sums.astype(np.float32))
+            w.add_tensor(name + COUNTS, imp.counts.astype(np.float32).reshape(1, -1))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
     return Path(path)
 
 

@@ -50,6 +50,9 @@ def _open_one(path: Path) -> gguf.GGUFReader:
     try:
         return gguf.GGUFReader(str(path))
     except Exception as err:                                       # bad magic, truncated header, ...
+        with open(path, "rb") as f:
+            if f.read(4) == b"GGUF":                               # a GGUF cut short (a partial download)
+                raise ValueError(f"{path}: truncated or corrupt GGUF file ({err})") from None
         raise ValueError(f"{path}: not a GGUF file ({err})") from None
 
 
@@ -115,14 +118,14 @@ def read_config(path: str | Path) -> dict:
 def gguf_config(reader: GGUFModel) -> dict:
     arch = architecture(reader)
     key = _ArchKeys(reader, arch)
-    hidden, heads = key.int("embedding_length"), key.int("attention.head_count")
+    hidden, heads = key.positive("embedding_length"), key.positive("attention.head_count")
     head_dim = key.int("attention.key_length", hidden // heads)
     names = {t.name for t in reader.tensors}
     config = {
         "model_type": N.HF_MODEL_TYPE[arch],
         "vocab_size": _vocab_size(reader),
         "hidden_size": hidden,
-        "num_hidden_layers": key.int("block_count") - key.int("nextn_predict_layers", 0),
+        "num_hidden_layers": _layer_count(reader, key),
         "num_attention_heads": heads,
         "num_key_value_heads": key.int("attention.head_count_kv", heads),
         "head_dim": head_dim,
@@ -160,9 +163,26 @@ class _ArchKeys:
             return default
         return int(max(value)) if isinstance(value, list) else int(value)
 
+    def positive(self, name: str) -> int:
+        value = self.int(name)
+        if value <= 0:
+            raise ValueError(f"GGUF metadata {self.arch}.{name} is {value}; it must be positive")
+        return value
+
     def float(self, name: str, default: float) -> float:
         value = self.get(name)
         return default if value is None else float(str(np.float32(value)))
+
+
+def _layer_count(reader: GGUFModel, key: _ArchKeys) -> int:
+    """The decoder's layers: block_count less the multi-token-prediction blocks after them.
+    A tensor of a block past block_count means metadata and tensors disagree; dropping it as
+    if it were an MTP block would run a model missing layers (llama.cpp refuses such a file)."""
+    blocks = key.positive("block_count")
+    found = [int(m[1]) for t in reader.tensors if (m := BLOCK.match(t.name))]
+    if found and max(found) >= blocks:
+        raise ValueError(f"GGUF tensors go up to blk.{max(found)}, but {key.arch}.block_count is {blocks}")
+    return blocks - key.int("nextn_predict_layers", 0)
 
 
 def _vocab_size(reader: GGUFModel) -> int:
@@ -458,9 +478,16 @@ def read_tokenizer(reader: GGUFModel):
     if model != "gpt2":
         raise ValueError(f"tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2')")
     tokens = _value(reader, "tokenizer.ggml.tokens")
+    if not tokens:
+        raise ValueError("GGUF metadata tokenizer.ggml.tokens is missing: the file has no vocabulary")
     types = _value(reader, "tokenizer.ggml.token_type", [gguf.TokenType.NORMAL] * len(tokens))
     merges = [tuple(m.split(" ", 1)) for m in _value(reader, "tokenizer.ggml.merges", [])]
-    tokenizer = _byte_level_bpe(tokens, merges, _value(reader, "tokenizer.ggml.pre", "default"))
+    try:
+        tokenizer = _byte_level_bpe(tokens, merges, _value(reader, "tokenizer.ggml.pre", "default"))
+    except ValueError:
+        raise
+    except Exception as err:                 # tokenizers raises a bare Exception (e.g. a merge of unknown tokens)
+        raise ValueError(f"GGUF tokenizer.ggml.tokens/merges do not make a BPE tokenizer ({err})") from None
     _add_tokens(tokenizer, tokens, types)
     special = _special_tokens(reader, tokens)
     _post_processor(tokenizer, special, reader)

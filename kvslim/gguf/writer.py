@@ -12,8 +12,11 @@ The whole checkpoint is held in memory while writing (like the converter without
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import tempfile
 from pathlib import Path
 
 import gguf
@@ -55,14 +58,32 @@ def write_gguf(hf_config: dict, state_dict: dict[str, torch.Tensor], tokenizer_d
     Returns: the file written (the first part of a split). ``kvslim.loading.convert_hf_to_gguf``
     does this for a folder.
     """
-    writer, arch, config = open_writer(hf_config, tokenizer_dir, out_path, out_type, split_max_tensors)
-    for name, array in gguf_tensors(arch, config, state_dict):
-        _add_tensor(writer, name, array, out_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return writer.format_shard_names(Path(out_path))[0]
+    with staged_output(out_path) as staged:
+        writer, arch, config = open_writer(hf_config, tokenizer_dir, staged, out_type, split_max_tensors)
+        for name, array in gguf_tensors(arch, config, state_dict):
+            _add_tensor(writer, name, array, out_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    return Path(out_path).with_name(writer.format_shard_names(staged)[0].name)
+
+
+@contextlib.contextmanager
+def staged_output(out_path: str | Path):
+    """A path to write ``out_path`` (or the parts of a split named after it) to: in a hidden
+    folder beside it, each file moved over its destination by one rename once the block ends
+    without an error. A failed or interrupted write leaves no half-written file that a loader
+    would take for the model, and an existing file is left as it was until the new one is whole."""
+    out_path = Path(out_path)
+    if out_path.is_dir():
+        raise ValueError(f"{out_path}: a folder; give the output file's name")
+    if not out_path.parent.is_dir():
+        raise ValueError(f"{out_path.parent}: no such folder for the output")
+    with tempfile.TemporaryDirectory(prefix=f".{out_path.name}.", dir=out_path.parent) as tmp:
+        yield Path(tmp) / out_path.name
+        for made in sorted(Path(tmp).iterdir()):
+            os.replace(made, out_path.parent / made.name)
 
 
 def open_writer(hf_config: dict, tokenizer_dir: str | Path, out_path: str | Path, out_type: str,

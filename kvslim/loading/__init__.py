@@ -8,8 +8,8 @@ import torch
 
 from ..models import config_from_dict
 from ..tokenizer import Tokenizer
-from .hf import read_config, read_state_dict
-from .instantiate import instantiate
+from .hf import read_config, read_json_object, read_state_dict
+from .instantiate import check_state_dict, instantiate
 
 BUNDLED = Path(__file__).resolve().parent.parent / "data" / "tiny-qwen35"
 DTYPES = {"f32": torch.float32, "float32": torch.float32, "f16": torch.float16, "float16": torch.float16,
@@ -24,7 +24,11 @@ def default_model() -> Path:
 
 
 def parse_dtype(dtype) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
+    if dtype is None:
+        return dtype
+    if isinstance(dtype, torch.dtype):
+        if not dtype.is_floating_point:          # int8 weights would fail deep inside load_state_dict
+            raise ValueError(f"dtype {dtype} is not a float type; valid: {', '.join(DTYPES)}")
         return dtype
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
@@ -71,6 +75,8 @@ def _model_path(path: str | Path | None) -> Path:
         return path
     if not path.exists():
         raise ValueError(f"{path}: no such file or folder")
+    if path.suffix != ".gguf" and (path.parent / "config.json").is_file():   # model.safetensors, config.json
+        raise ValueError(f"{path}: a file of a Hugging Face model folder; pass the folder, {path.parent}")
     raise ValueError(f"{path}: neither a Hugging Face model folder nor a GGUF file")
 
 
@@ -98,9 +104,13 @@ def convert_hf_to_gguf(folder: str | Path, out_path: str | Path, out_type: str =
     from ..gguf.writer import check_export, write_gguf
 
     folder = Path(folder)
-    config = read_config(folder)
-    check_export(config, out_type)                  # before reading any weights
-    return write_gguf(config, read_state_dict(folder), folder, out_path, out_type, split_max_tensors)
+    hf_config = read_config(folder)
+    _, config = check_export(hf_config, out_type)   # before reading any weights
+    state_dict = read_state_dict(folder)
+    # a GGUF whose tensors disagree with its metadata loads nowhere (llama.cpp: "wrong shape"):
+    # refuse it here, as loading the folder would, rather than write it
+    check_state_dict(config, state_dict)
+    return write_gguf(hf_config, state_dict, folder, out_path, out_type, split_max_tensors)
 
 
 def measure_importance(path: str | Path, text: str, n_ctx: int = 512, max_chunks: int = 64):
@@ -144,8 +154,20 @@ def _load_folder(path: Path, dtype, device, weights):
     eos = [config.eos_token_id]
     gen = path / "generation_config.json"
     if gen.is_file():
-        eos.append(json.loads(gen.read_text()).get("eos_token_id"))
-    return model, Tokenizer.from_folder(path), _flatten_ids(eos)
+        eos.append(read_json_object(gen, "generation settings").get("eos_token_id"))
+    return model, folder_tokenizer(path), _flatten_ids(eos)
+
+
+def folder_tokenizer(path: Path) -> Tokenizer:
+    """The folder's tokenizer; errors name the file (the libraries' messages do not)."""
+    try:
+        return Tokenizer.from_folder(path)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: tokenizer_config.json or chat_template.jinja cannot be read ({err})") from None
+    except ValueError:
+        raise
+    except Exception as err:                         # tokenizers raises a bare Exception for a bad file
+        raise ValueError(f"{path / 'tokenizer.json'}: not a tokenizer the tokenizers library reads ({err})") from None
 
 
 def _load_gguf(path: Path, dtype, device, allow_dequant: bool):

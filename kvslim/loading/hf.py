@@ -14,7 +14,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from ..formats.klt import CALIBRATION_FILE
 
@@ -26,23 +26,28 @@ def read_config(folder: str | Path) -> dict:
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise ValueError(f"{folder}: not a Hugging Face model folder (no config.json)")
+    return read_json_object(path, "model settings")
+
+
+def read_json_object(path: Path, what: str) -> dict:
+    """A JSON file that must hold an object; errors name the file (json's own messages do not)."""
     try:
-        with open(path) as f:
-            config = json.load(f)
-    except json.JSONDecodeError as err:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{path}: not valid JSON ({err})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: expected a JSON object of model settings")
-    return config
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object of {what}")
+    return value
 
 
 def safetensors_files(folder: str | Path) -> list[Path]:
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        with open(index) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
-        files = [folder / n for n in names]
+        weight_map = read_json_object(index, "shard names").get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index}: no \"weight_map\" of tensor names to shard files")
+        files = [folder / n for n in sorted(set(weight_map.values()))]
     else:
         files = sorted(f for f in folder.glob("*.safetensors") if f.name != CALIBRATION_FILE)
     if not files:
@@ -55,15 +60,38 @@ def safetensors_files(folder: str | Path) -> list[Path]:
 
 def read_state_dict(folder: str | Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """All language-model tensors of a folder, names normalised (see module docstring)."""
+    refuse_prequantized(folder)
     raw: dict[str, torch.Tensor] = {}
     for path in safetensors_files(folder):
-        with safe_open(str(path), "pt") as f:
-            for name in f.keys():
-                key = normalise_name(name)
-                if key is not None:
-                    t = f.get_tensor(name)
-                    raw[key] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+        try:
+            raw.update(_read_shard(path, dtype))
+        except SafetensorError as err:     # a cut-off download, an empty or foreign file
+            raise ValueError(f"{path}: not a readable safetensors file, truncated or corrupt ({err})") from None
     return fuse_experts(raw)
+
+
+def _read_shard(path: Path, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    out = {}
+    with safe_open(str(path), "pt") as f:
+        for name in f.keys():
+            key = normalise_name(name)
+            if key is not None:
+                t = f.get_tensor(name)
+                out[key] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+    return out
+
+
+def refuse_prequantized(folder: str | Path) -> None:
+    """FP8, AWQ, GPTQ, bitsandbytes ... checkpoints store scales and packed integers that kvslim
+    would otherwise report as a list of unexpected weights (or, for FP8 without scale tensors,
+    read as if the codes were the weights): say what the folder is instead."""
+    config = read_config(folder)
+    for part in (config, config.get("text_config") or {}):
+        quant = part.get("quantization_config") if isinstance(part, dict) else None
+        if quant:
+            method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
+            raise ValueError(f"{Path(folder) / 'config.json'}: a pre-quantized checkpoint (quant_method {method!r}); "
+                             "kvslim reads float checkpoints (f32/f16/bf16): use the original model, or a GGUF")
 
 
 def normalise_name(name: str) -> str | None:

@@ -30,10 +30,9 @@ def instantiate(config, state_dict: dict, dtype: torch.dtype | None = None,
             dense matrices to now; None keeps them as they come.
     """
     model = build_on_meta(config)
-    want = {name: p.shape for name, p in model.named_parameters()}
     if config.tie_word_embeddings:
         state_dict.pop("lm_head.weight", None)
-    _check_names_and_shapes(want, state_dict)
+    _check_names_and_shapes(model, state_dict)
     if weights is not None:
         state_dict = quantize_matrices(model, state_dict, W.get(weights))
     dtype = dtype or _common_dtype(state_dict)
@@ -50,7 +49,15 @@ def instantiate(config, state_dict: dict, dtype: torch.dtype | None = None,
     return model
 
 
-def _check_names_and_shapes(want: dict, state_dict: dict) -> None:
+def check_state_dict(config, state_dict: dict) -> None:
+    """A ValueError unless ``state_dict`` holds exactly the weights ``config``'s model has, in
+    its shapes and float where the model's are (a tied lm_head.weight may be there too)."""
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    _check_names_and_shapes(build_on_meta(config), {k: v for k, v in state_dict.items() if k not in tied})
+
+
+def _check_names_and_shapes(model: nn.Module, state_dict: dict) -> None:
+    want = {name: p.shape for name, p in model.named_parameters()}
     missing = sorted(set(want) - set(state_dict))
     extra = sorted(set(state_dict) - set(want))
     if missing or extra:
@@ -60,6 +67,8 @@ def _check_names_and_shapes(want: dict, state_dict: dict) -> None:
         if tuple(state_dict[name].shape) != tuple(shape):
             raise ValueError(f"weight {name} has shape {tuple(state_dict[name].shape)}, "
                              f"the config implies {tuple(shape)}")
+        if not (isinstance(state_dict[name], W.QuantTensor) or state_dict[name].is_floating_point()):
+            raise ValueError(f"weight {name} is {state_dict[name].dtype}, not a float type")
 
 
 # ----- quantized weights ---------------------------------------------------------

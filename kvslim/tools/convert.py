@@ -16,6 +16,7 @@ measured first on kvslim's held-out calibration text (``kvslim imatrix``'s defau
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -85,7 +86,9 @@ def convert(folder: Path, out: Path, out_type: str, threads: int = 2, imatrix: P
             measured = imatrix_tool.measure_to_file(folder, None, None, imatrix_tool.CTX_SIZE, imatrix_tool.CHUNKS)
             importance = {name: e.means() for name, e in measured.items()}
         source = convert_hf_to_gguf(folder, Path(tmp) / "f32.gguf", "f32")
-        return peer.quantize(source, out, LLAMA_QUANTIZE[out_type], threads, importance)
+        made = peer.quantize(source, Path(tmp) / out.name, LLAMA_QUANTIZE[out_type], threads, importance)
+        os.replace(made, out)                   # whole or not at all, as writer.staged_output does
+        return out
 
 
 def main(argv: list[str]) -> int:
@@ -97,6 +100,8 @@ def main(argv: list[str]) -> int:
     out = Path(args.outfile) if args.outfile else Path(f"{folder.resolve().name}-{out_type}.gguf")
     if out.suffix != ".gguf":
         raise ValueError(f"{out}: the output file should end in .gguf")
+    if out.is_dir():                            # before any work, not when the file is opened
+        raise ValueError(f"{out}: a folder; give the output file's name")
     out.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     first = convert(folder, out, out_type, args.threads, Path(args.imatrix) if args.imatrix else None,

@@ -43,7 +43,7 @@ def calibration_text(path: str | Path | None) -> tuple[str, str]:
         return "\n\n".join(f.read_text(encoding="utf-8") for f in CALIBRATION_FILES), "kvslim held-out classics+bible"
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"{path}: no such calibration text file")
+        raise ValueError(f"{path}: {'a folder, not a' if path.is_dir() else 'no such'} calibration text file")
     return path.read_text(encoding="utf-8", errors="replace"), path.name
 
 
@@ -53,6 +53,10 @@ def measure_to_file(model: Path, out: Path | None, text_path: str | Path | None,
     straight to the quantizer), print what was run; returns the entries."""
     if n_ctx < 1 or chunks < 1:
         raise ValueError(f"-c and --chunks must be positive (got {n_ctx} and {chunks})")
+    if out is not None:                         # refused or made before the measuring, not after it
+        if out.is_dir():
+            raise ValueError(f"{out}: a folder; give the output file's name (-o)")
+        out.parent.mkdir(parents=True, exist_ok=True)
     text, name = calibration_text(text_path)
     start = time.perf_counter()
     entries, ran = measure_importance(model, text, n_ctx, chunks)
