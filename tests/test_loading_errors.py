@@ -217,3 +217,26 @@ def test_gguf_metadata_that_cannot_make_a_model_is_named(f16_gguf, tmp_path, cap
     path = rewritten(f16_gguf, tmp_path / "short-vocab.gguf", {"tokenizer.ggml.tokens": tokens[:100],
                                                                 "tokenizer.ggml.token_type": [1] * 100})
     assert "tokens/merges do not make a BPE tokenizer" in run_error(capsys, path)
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("hidden_size", "64", "an integer"), ("rms_norm_eps", "1e-6", "a number"), ("num_attention_heads", True, "an integer"),
+    ("tie_word_embeddings", "no", "true or false")])
+def test_a_config_field_of_the_wrong_type_is_named(folder, capsys, field, value, expected):
+    # "hidden_size": "64" failed inside torch with a TypeError
+    config = json.loads((folder / "config.json").read_text())
+    config[field] = value
+    (folder / "config.json").write_text(json.dumps(config))
+    assert f"config field {field!r} is {value!r}; expected {expected}" in run_error(capsys, folder)
+
+
+def test_qwen3_moe_as_transformers_5_saves_it_plans():
+    from kvslim import plan
+    from kvslim.models import config_from_dict
+    d = plan.resolve_model("qwen3-30b-a3b").config
+    saved = {"model_type": "qwen3_moe", "vocab_size": d.vocab_size, "hidden_size": d.hidden_size,
+             "num_hidden_layers": d.num_hidden_layers, "num_attention_heads": d.num_attention_heads,
+             "num_key_value_heads": d.num_key_value_heads, "head_dim": d.head_dim,
+             "num_local_experts": d.num_experts, "num_experts_per_tok": d.num_experts_per_tok,
+             "moe_intermediate_size": d.moe_intermediate_size, "rope_theta": 1000000}
+    assert config_from_dict(saved).num_experts == d.num_experts == 128

@@ -91,12 +91,16 @@ class DecoderConfig:
         unknown keys are ignored. Raises ValueError naming a missing required field."""
         d = text_config(d)
         d.update(rope_fields(d))
+        if d.get("num_experts") is None and d.get("num_local_experts") is not None:
+            d["num_experts"] = d["num_local_experts"]               # transformers 5 writes Qwen3-MoE's so
         cls.derive(d)
         names = {f.name for f in fields(cls)}
         for f in fields(cls):
             if f.default is MISSING and f.default_factory is MISSING and d.get(f.name) is None:
                 raise ValueError(f"config is missing the field {f.name!r}")
-        return cls(**{k: v for k, v in d.items() if k in names and v is not None})
+        values = {k: v for k, v in d.items() if k in names and v is not None}
+        check_types(cls, values)
+        return cls(**values)
 
     @classmethod
     def derive(cls, d: dict) -> None:
@@ -154,6 +158,22 @@ class HybridConfig(DecoderConfig):
                                conv_kernel=self.linear_conv_kernel_dim, n_v_heads=self.linear_num_value_heads,
                                k_head_dim=self.linear_key_head_dim, v_head_dim=self.linear_value_head_dim)
         return [kv if t == "full_attention" else state for t in self.layer_types]
+
+
+# a number field's JSON types: an int where a float goes is fine (rope_theta 1000000), a bool is not a number
+NUMBER_TYPES = {"int": ((int,), "an integer"), "float": ((int, float), "a number"), "bool": ((bool,), "true or false")}
+
+
+def check_types(cls, values: dict) -> None:
+    """A ValueError naming a field of config.json whose value is not of its type ("hidden_size":
+    "64" failed deep inside torch); fields of other types (lists, unions) are left to the model."""
+    kinds = {f.name: f.type for f in fields(cls)}
+    for name, value in values.items():
+        if kinds.get(name) not in NUMBER_TYPES:
+            continue
+        allowed, expected = NUMBER_TYPES[kinds[name]]
+        if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+            raise ValueError(f"config field {name!r} is {value!r}; expected {expected}")
 
 
 # ----- plan-only architectures (kvslim has no model file for them) -------------------------------
