@@ -193,6 +193,11 @@ def test_queue_bound_answers_503(tiny_folder):
         assert set(codes) == {200, 503} and codes.count(200) >= 2          # one running, one queued at least
         busy = [r.json()["error"] for r in replies if r.status_code == 503]
         assert all(e["code"] == "server_busy" for e in busy)
+        # 3 choices never fit 1 slot and a queue of 1: a 400, not a 503 whose retry cannot succeed
+        r = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 2, "n": 3})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n" and "at most 2 choices" in r.text
+        r = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 2, "n": 2})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 2
     finally:
         srv.shutdown()
 

@@ -346,6 +346,11 @@ async def generate(request: Request, s: ServerState, req: api.GenerationRequest,
                    responder=Responder):
     if len(prompt) >= s.engine.ctx:
         raise context_error(s, len(prompt), "tokens", "messages" if kind == "chat" else "prompt")
+    room = s.scheduler.max_queue + s.engine.n_parallel                 # every slot free, the queue empty
+    if req.n > room:                                                   # a 503's "retry later" would never come true
+        raise api.ApiError(400, f"'n' is {req.n}, but this server holds at most {room} choices at once "
+                                f"(-np {s.engine.n_parallel} + --max-queue {s.scheduler.max_queue})",
+                           param="n", code="invalid_value")
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
     constraints = await asyncio.to_thread(constraints_for, s, req)
     jobs = []
