@@ -165,6 +165,19 @@ def guarded(public: bool = False):
 
 
 # ----- simple endpoints -------------------------------------------------------------------
+WEB_UI = Path(__file__).with_name("webui.html")
+# the page's script and styles are inline; nothing else may load, and no other site may frame it
+WEB_UI_POLICY = ("default-src 'self'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+                 "frame-ancestors 'none'; base-uri 'none'; form-action 'none'")
+
+
+@guarded(public=True)
+async def web_ui(request: Request):
+    """A chat page, as llama-server has at /: it calls /v1/chat/completions with the key typed in it."""
+    return Response(WEB_UI.read_bytes(), media_type="text/html; charset=utf-8",
+                    headers={"content-security-policy": WEB_UI_POLICY, "x-content-type-options": "nosniff"})
+
+
 @guarded(public=True)
 async def health(request: Request):
     s = state_of(request)
@@ -421,7 +434,7 @@ def close_if_unread(request: Request, status: int) -> dict:
     return {"connection": "close"} if status in (408, 413) else {}
 
 
-ROUTES = [("/health", health, ["GET"]), ("/v1/health", health, ["GET"]), ("/v1/models", models, ["GET"]),
+ROUTES = [("/", web_ui, ["GET"]), ("/health", health, ["GET"]), ("/v1/health", health, ["GET"]), ("/v1/models", models, ["GET"]),
           ("/models", models, ["GET"]), ("/metrics", metrics, ["GET"]), ("/slots", slots, ["GET"]),
           ("/v1/chat/completions", chat, ["POST"]), ("/chat/completions", chat, ["POST"]),
           ("/v1/completions", completions, ["POST"]), ("/completions", completions, ["POST"]),
