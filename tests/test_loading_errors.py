@@ -240,3 +240,11 @@ def test_qwen3_moe_as_transformers_5_saves_it_plans():
              "num_local_experts": d.num_experts, "num_experts_per_tok": d.num_experts_per_tok,
              "moe_intermediate_size": d.moe_intermediate_size, "rope_theta": 1000000}
     assert config_from_dict(saved).num_experts == d.num_experts == 128
+
+
+def test_weight_types_are_read_in_either_case(capsys):
+    # llama.cpp prints Q8_0; -ctk Q8_0 was always taken, --weights Q8_0 was refused
+    assert main(["run", "-p", "hi", "-n", "1", "--temp", "0", "--weights", "Q8_0", "-o", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["completion_tokens"] == 1
+    llm = kvslim.load(weights="Q4_0", ctx=64)
+    assert llm.generate("hi", 1, temperature=0).token_ids

@@ -50,7 +50,7 @@ def load_model(path: str | Path | None = None, dtype=None, device: str = "cpu", 
     path = _model_path(path)
     dtype = parse_dtype(dtype)
     if weights is not None:
-        check_weights(weights)
+        weights = check_weights(weights)
     if path.is_dir():
         return _with_calibration(_load_folder(path, dtype, device, weights), calibration_path(path))
     if weights is not None:
@@ -134,9 +134,9 @@ def measure_importance(path: str | Path, text: str, n_ctx: int = 512, max_chunks
 def check_weights(name: str) -> str:
     """A ``--weights`` value, or a ValueError listing the valid ones."""
     from ..weights import encodable_names
-    if name not in encodable_names():
+    if str(name).lower() not in encodable_names():                   # Q8_0 as llama.cpp prints it, too
         raise ValueError(f"unknown --weights {name!r}; valid: {', '.join(encodable_names())}")
-    return name
+    return str(name).lower()
 
 
 def folder_config(path: str | Path):

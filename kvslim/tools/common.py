@@ -15,7 +15,7 @@ def add_load_args(p: argparse.ArgumentParser, dtype: str | None = None) -> None:
     p.add_argument("-m", "--model", default=None, help="HF folder or .gguf file (default: the bundled model)")
     p.add_argument("--dtype", default=dtype,
                    help=f"weights dtype: f32, bf16, f16 (default: {dtype or 'as stored'})")
-    p.add_argument("--weights", default=None, choices=encodable_names(),
+    p.add_argument("--weights", default=None, choices=encodable_names(), type=str.lower,
                    help="keep a Hugging Face folder's weight matrices in this type: ggml blocks (quantized at "
                         "load) or f16/bf16 (computed in --dtype); a GGUF keeps its own types")
     p.add_argument("--allow-dequant", action="store_true",
