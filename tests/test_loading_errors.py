@@ -244,7 +244,9 @@ def test_qwen3_moe_as_transformers_5_saves_it_plans():
 
 def test_weight_types_are_read_in_either_case(capsys):
     # llama.cpp prints Q8_0; -ctk Q8_0 was always taken, --weights Q8_0 was refused
-    assert main(["run", "-p", "hi", "-n", "1", "--temp", "0", "--weights", "Q8_0", "-o", "json"]) == 0
-    assert json.loads(capsys.readouterr().out)["completion_tokens"] == 1
+    assert main(["run", "-p", "hi", "-n", "1", "--temp", "0", "--weights", "Q8_0", "-ctk", "Q8_0", "-ctv", "TURBO4",
+                 "-o", "json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["completion_tokens"] == 1 and (record["type_k"], record["type_v"]) == ("q8_0", "turbo4")
     llm = kvslim.load(weights="Q4_0", ctx=64)
     assert llm.generate("hi", 1, temperature=0).token_ids

@@ -64,6 +64,9 @@ def check_args(args) -> None:
         raise ValueError("-sys goes with --chat or -cnv (a plain prompt has no messages)")
     if args.ctx_size < 2:
         raise ValueError(f"-c must be at least 2 tokens, got {args.ctx_size}")
+    from .. import formats
+    # the names as kvslim and llama.cpp print them: -ctk Q8_0 runs q8_0 and reports q8_0
+    args.cache_type_k, args.cache_type_v = formats.get(args.cache_type_k).name, formats.get(args.cache_type_v).name
 
 
 def main(argv: list[str]) -> int:
