@@ -128,6 +128,37 @@ def test_one_failing_sequence_leaves_the_others_identical(hybrid):
     assert engine.n_free_slots == 3 and engine.cached_tokens() == 0
 
 
+def test_a_step_that_raises_leaves_no_half_written_slot_for_prefix_reuse(hybrid, monkeypatch):
+    """A forward that raises in its attention layer has already advanced the DeltaNet layers before
+    it. Its sequence used to be released as "cancelled" and its slot kept for prefix reuse with a
+    history one token short of the cache: the next prompt continuing that conversation failed to
+    restore ("cannot rewind from 28 to 27 tokens"), and so did every later one. Now the step's
+    sequences end with an error, their slots are cleared, and the next prompt reads afresh."""
+    model, tok, eos = hybrid
+    config = EngineConfig.build(128, 1, "f16", "f16", device="cpu", n_ubatch=16, native=False, prefix_cache=True)
+    engine = Engine(model, tok, config, eos)
+    seq = engine.submit(list(range(20, 45)), 20, SamplingParams(temperature=0))
+    while len(seq.generated) < 3:
+        engine.step()
+    attention = model.model.layers[model.config.layer_types.index("full_attention")]
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("out of memory")
+    with monkeypatch.context() as patch:
+        patch.setattr(attention, "forward", out_of_memory)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            engine.step()
+    engine.release(seq)                                              # as the server does after a failed step
+    follow = seq.tokens + [7, 8, 9]
+    again = engine.submit(follow, 8, SamplingParams(temperature=0))
+    engine.run([again])
+    fresh = Engine(model, tok, EngineConfig.build(128, 1, "f16", "f16", device="cpu", n_ubatch=16, native=False), eos)
+    want = fresh.submit(follow, 8, SamplingParams(temperature=0))
+    fresh.run([want])
+    assert again.cached_tokens == 0 and again.generated == want.generated
+    assert seq.finish_reason == "error" and "out of memory" in seq.error
+
+
 def test_a_reply_has_the_same_logits_whatever_else_the_engine_runs(hybrid):
     """A sequence decodes while another reads its prompt in chunks, and the same two run alone:
     every step's logits are the same bits. The decoding row takes the native step either

@@ -98,3 +98,29 @@ def test_run_and_serve_take_draft_max():
     for tool in (run, serve):
         args = tool.build_parser().parse_args(["--draft-max", "6"])
         assert engine_config(args, ctx=64, n_parallel=1).draft_max == 6
+
+
+@pytest.mark.parametrize("kind", ["llama", "bundled"])
+def test_choices_sharing_a_prompt_fork_at_its_end_with_drafts_on(tiny_folder, kind):
+    """n > 1 with --draft-max where the prompt's last token is read alone (17 tokens in ubatches
+    of 16) and a draft follows it: the leader used to speculate over that token, so the waiting
+    choice was not forked at the prompt's end. An attention-only model forked it at a later step
+    from a cache past the prompt (the next step raised "writes position 17 but the cache holds
+    18", failing every request in the batch); the bundled hybrid, drafting at every step, left it
+    to read the prompt again after the leader ended. Now both choices are the one-at-a-time reply
+    and the second reads nothing."""
+    from kvslim.engine import Engine
+    from kvslim.loading import load_model
+
+    model, tok, eos = load_model(tiny_folder(kind)[0] if kind == "llama" else None, "f32")
+    prompt = ([11, 12, 13, 14, 15] * 4)[:17]                          # ends in "13 14 15 11 12": a draft
+    replies = []
+    for draft in (0, 4):
+        engine = Engine(model, tok, EngineConfig.build(64, 2, "q8_0", "q8_0", device="cpu", n_ubatch=16,
+                                                       draft_max=draft), eos)
+        pair = [engine.submit(prompt, 10, SamplingParams(temperature=0)) for _ in range(2)]
+        engine.run(pair)
+        assert [s.cached_tokens for s in pair] == [0, 17]                 # the second took the first's cache
+        assert (pair[0].n_drafted > 0) == bool(draft)
+        replies.append([s.generated for s in pair])
+    assert replies[1] == [replies[0][0]] * 2 == replies[0]

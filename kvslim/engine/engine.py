@@ -254,17 +254,31 @@ class Engine:
         plan = self._plan()
         if not plan:
             return []
-        drafts = self._drafts(plan)
-        if drafts:
+        try:
+            drafts = self._drafts(plan)
             drafting = {id(seq) for seq, _ in drafts}
-            plan = [(seq, chunk) for seq, chunk in plan if id(seq) not in drafting]
-        advanced = self._step_plan(plan) if plan else []
-        for seq, draft in drafts:
-            self._speculate(seq, draft)
-            advanced.append(seq)
+            advanced = self._step_plan([(seq, chunk) for seq, chunk in plan if id(seq) not in drafting])
+            for seq, draft in drafts:
+                self._speculate(seq, draft)
+                advanced.append(seq)
+        except Exception as err:
+            self._fail_step(plan, err)
+            raise
         return advanced
 
+    def _fail_step(self, plan: list[tuple[Sequence, list[int]]], err: Exception) -> None:
+        """A step that raised may have written part of its tokens (the DeltaNet layers before the
+        one that failed, some pages): its sequences, and those forking from them, end with an
+        error, so that releasing them clears their slots. Kept for prefix reuse, a slot whose
+        cache no longer matches its history made every later prompt sharing it fail to restore."""
+        touched = {id(seq) for seq, _ in plan}
+        for seq in self.running:
+            if not seq.done and (id(seq) in touched or id(seq.leader) in touched):
+                self._fail(seq, f"the step failed: {type(err).__name__}: {err}")
+
     def _step_plan(self, plan: list[tuple[Sequence, list[int]]]) -> list[Sequence]:
+        if not plan:
+            return []
         t0 = time.perf_counter()
         logits = self._forward(plan)
         bad = set(self.cache.take_overflow())                       # the one host read of the step
@@ -286,13 +300,16 @@ class Engine:
     # ----- speculative decoding (speculative.py) ---------------------------------------
     def _drafts(self, plan: list[tuple[Sequence, list[int]]]) -> list[tuple[Sequence, list[int]]]:
         """(sequence, draft) for the decoding sequences whose context offers a prompt-lookup draft,
-        no longer than their max_tokens and the context leave room for."""
+        no longer than their max_tokens and the context leave room for. A prompt's last token is
+        never drafted after: it goes through ``_step_plan``, which forks the sequences waiting on
+        this prompt (n > 1) and checkpoints the prompt's end; a speculative step does neither, and
+        a follower forked at a later step would copy a cache already past the prompt."""
         if not self.config.draft_max:
             return []
         out = []
         for seq, _ in plan:
             room = min(self.config.draft_max, seq.max_tokens - len(seq.generated) - 1, self.ctx - seq.n_cached - 2)
-            if len(seq.pending) != 1 or room < 1:
+            if len(seq.pending) != 1 or seq.n_cached < len(seq.prompt) or room < 1:
                 continue
             seq.lookup = seq.lookup or PromptLookup()
             draft = seq.lookup.draft(seq.tokens, room)
@@ -370,10 +387,12 @@ class Engine:
 
     def _forward(self, plan: list[tuple[Sequence, list[int]]]) -> torch.Tensor:
         """Logits of each plan entry's last token. With a native or compiled decode step, the
-        decoding sequences always go through it, and prompt chunks through one Batch beside
-        it: a decoding sequence's token then comes from the same code whether or not another
-        request is reading its prompt (the two paths round differently, and a greedy reply
-        would otherwise depend on what else the server was doing). Without one, one Batch."""
+        decoding sequences always go through it, and each prompt chunk through a Batch of its
+        own beside it: a sequence's numbers then come from the same code whether or not another
+        request is decoding or reading its prompt (the two paths round differently, and the
+        prompt GEMMs' sums depend on how many rows they hold: two prompts in one Batch gave the
+        bundled model first-token logits up to 0.09 away from each read alone, and a greedy reply
+        would depend on what else the server was doing). Without one, one Batch."""
         if not self.decode_step.static:
             return self._batch_forward(plan)
         n_decoding = sum(len(seq.pending) == 1 for seq, _ in plan)       # _plan puts them first
@@ -382,8 +401,7 @@ class Engine:
             parts.append(self.decode_step([seq.slot for seq, _ in plan[:n_decoding]],
                                           [chunk[0] for _, chunk in plan[:n_decoding]],
                                           [seq.n_cached for seq, _ in plan[:n_decoding]]))
-        if n_decoding < len(plan):
-            parts.append(self._batch_forward(plan[n_decoding:]))
+        parts += [self._batch_forward([entry]) for entry in plan[n_decoding:]]
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def _batch_forward(self, plan: list[tuple[Sequence, list[int]]]) -> torch.Tensor:
@@ -410,7 +428,7 @@ class Engine:
         prompt chunks within the budget. With a native or compiled decode step, decoding rows run apart (``_forward``) and take
         none of the budget, and a prompt is read in whole chunks of n_ubatch from where it
         started: one that does not fit in what is left waits for the next step, so its
-        chunks, and the numbers they give, are those of the prompt read alone."""
+        chunks, each forwarded alone, give the numbers of the prompt read alone."""
         budget, plan = self.n_ubatch, []
         for seq in self.running:                                    # a leader that failed: read it alone
             if seq.leader is not None and (seq.leader.done or seq.leader not in self.running):
