@@ -336,7 +336,7 @@ def test_tf32_rounding_of_the_delta_rule_benchmark(capsys):
     (["-p", "16", "-d", "-64"], "-d takes counts of 0 or more, got -64"),
     (["-p", "16", "-ctk", ","], "-ctk and -ctv need at least one cache type each"),   # was an empty table, exit 0
     (["-p", "16", "--plot", "/nonexistent/b.png"], "--plot /nonexistent/b.png: its folder does not exist"),
-    (["-p", "16", "--plot", "/"], "--plot /: it is a folder"),
+    (["-p", "16", "--plot", "/"], "--plot /: it is a folder; give the output file's name"),
 ])
 def test_bench_bad_inputs_give_one_clear_line(capsys, monkeypatch, argv, message):
     import kvslim.tools.bench as B

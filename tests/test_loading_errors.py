@@ -179,11 +179,11 @@ def test_failed_llama_quantize_leaves_no_partial_file(folder, tmp_path, monkeypa
 
 def test_output_path_that_is_a_folder_is_refused(folder, tmp_path, capsys):
     (tmp_path / "dir.gguf").mkdir()
-    assert "dir.gguf: a folder; give the output file's name" in cli_error(
+    assert "dir.gguf: it is a folder; give the output file's name" in cli_error(
         capsys, "convert", folder, "-o", tmp_path / "dir.gguf")
     text = tmp_path / "text.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 20)
-    assert "dir.gguf: a folder; give the output file's name" in cli_error(
+    assert "dir.gguf: it is a folder; give the output file's name" in cli_error(
         capsys, "imatrix", folder, "-f", text, "-o", tmp_path / "dir.gguf", "-c", "16", "--chunks", "1")
     assert "a folder, not a calibration text file" in cli_error(
         capsys, "imatrix", folder, "-f", tmp_path, "-o", tmp_path / "m.gguf")

@@ -49,12 +49,13 @@ def load_kwargs(args) -> dict:
     return dict(dtype=args.dtype, weights=args.weights, allow_dequant=args.allow_dequant)
 
 
-def add_model_args(p: argparse.ArgumentParser, dtype: str | None = None) -> None:
+def add_model_args(p: argparse.ArgumentParser, dtype: str | None = None,
+                   ctx_help: str = "context size per sequence (tokens)") -> None:
     """The model/cache options of the tools that run one K/V pair (run, serve, eval), llama.cpp's names."""
     from .. import formats
 
     add_load_args(p, dtype)
-    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size per sequence (tokens)")
+    p.add_argument("-c", "--ctx-size", type=int, default=4096, help=ctx_help)
     p.add_argument("-ctk", "--cache-type-k", default="f16", help="K cache type: " + ", ".join(formats.names()))
     p.add_argument("-ctv", "--cache-type-v", default="f16", help="V cache type (same choices)")
     p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="tokens per forward pass in prefill")
@@ -80,13 +81,17 @@ def sampling_kwargs(args) -> dict:
                 ignore_eos=args.ignore_eos, seed=args.seed)
 
 
-def check_output(path: str | None, what: str) -> None:
-    """Refuse an output file that cannot be written before the work that fills it, not after."""
+def check_output(path: str | Path | None, what: str, make_folder: bool = False) -> None:
+    """Refuse an output file that cannot be written before the work that fills it, not after;
+    ``make_folder``: create its folder instead, as convert and imatrix do."""
     if path is None:
         return
-    if Path(path).is_dir():
-        raise ValueError(f"{what} {path}: it is a folder")
-    if not Path(path).resolve().parent.is_dir():
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{what} {path}: it is a folder; give the output file's name")
+    if make_folder:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    elif not path.resolve().parent.is_dir():
         raise ValueError(f"{what} {path}: its folder does not exist")
 
 

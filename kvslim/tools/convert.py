@@ -29,6 +29,7 @@ from ..gguf.reader import open_gguf
 from ..loading import convert_hf_to_gguf
 from ..tables import human_bytes
 from . import imatrix as imatrix_tool
+from .common import check_output
 
 # --type -> llama.cpp file type its quantizer makes (llama-quantize: "Q4_K" = Q4_K_M, "Q5_K" = Q5_K_M)
 LLAMA_QUANTIZE = {"q4_k": "q4_k_m", "q5_k": "q5_k_m", "q6_k": "q6_k", "q3_k": "q3_k_m", "q2_k": "q2_k",
@@ -100,9 +101,7 @@ def main(argv: list[str]) -> int:
     out = Path(args.outfile) if args.outfile else Path(f"{folder.resolve().name}-{out_type}.gguf")
     if out.suffix != ".gguf":
         raise ValueError(f"{out}: the output file should end in .gguf")
-    if out.is_dir():                            # before any work, not when the file is opened
-        raise ValueError(f"{out}: a folder; give the output file's name")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    check_output(out, "-o", make_folder=True)
     start = time.perf_counter()
     first = convert(folder, out, out_type, args.threads, Path(args.imatrix) if args.imatrix else None,
                     args.split_max_tensors)

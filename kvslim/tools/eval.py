@@ -54,17 +54,15 @@ def build_parser() -> argparse.ArgumentParser:
              "attention": _args_attention}
     for name in SUBCOMMANDS:
         s = sub.add_parser(name, help=helps[name], description=helps[name])
-        add_common_args(s)
-        if name in DEFAULT_CTX:
-            ctx_help(s, name)
+        add_common_args(s, name)
         if extra[name]:
             extra[name](s)
     return p
 
 
-def add_common_args(p: argparse.ArgumentParser) -> None:
+def add_common_args(p: argparse.ArgumentParser, name: str) -> None:
     # f32 compute by default: with bf16 weights' arithmetic a q8_0 cache's KLD reads 0.000088, in f32 0.000001
-    add_model_args(p, dtype="f32")
+    add_model_args(p, dtype="f32", ctx_help=ctx_help(name))
     p.set_defaults(ctx_size=None, cache_type_k=None, cache_type_v=None)
     p.add_argument("--pairs", default=None, help="explicit K/V pairs, e.g. f16,q4_0,q8_0/turbo4 (overrides -ctk/-ctv)")
     p.add_argument("-f", "--file", action="append", default=[], help="text file (repeatable); default: the held-out text shipped in kvslim/data/text")
@@ -80,13 +78,11 @@ CTX_MEANING = {"depth": "tokens per window, every row scored", "niah": "largest 
                "ruler": "largest context length"}
 
 
-def ctx_help(p: argparse.ArgumentParser, name: str) -> None:
-    """-c's help with what it means here and this subcommand's own default, which is not
-    llama-perplexity's 512: the shared help only said "context size per sequence"."""
-    meaning = CTX_MEANING.get(name, "tokens per chunk, second half scored")
-    for action in p._actions:
-        if action.dest == "ctx_size":
-            action.help = f"{meaning} (default {DEFAULT_CTX[name]})"
+def ctx_help(name: str) -> str:
+    """-c's help with what it means in ``name`` and its own default, which is not llama-perplexity's 512."""
+    if name not in DEFAULT_CTX:
+        return "context size per sequence (tokens)"
+    return f"{CTX_MEANING.get(name, 'tokens per chunk, second half scored')} (default {DEFAULT_CTX[name]})"
 
 
 def _args_kld(p):

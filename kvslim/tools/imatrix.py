@@ -15,7 +15,7 @@ from pathlib import Path
 from ..data import TEXT
 from ..gguf import imatrix
 from ..loading import measure_importance
-from .common import add_threads_arg, apply_threads
+from .common import add_threads_arg, apply_threads, check_output
 
 CALIBRATION_FILES = (TEXT / "classics-heldout.txt", TEXT / "bible-heldout.txt")
 
@@ -53,10 +53,7 @@ def measure_to_file(model: Path, out: Path | None, text_path: str | Path | None,
     straight to the quantizer), print what was run; returns the entries."""
     if n_ctx < 1 or chunks < 1:
         raise ValueError(f"-c and --chunks must be positive (got {n_ctx} and {chunks})")
-    if out is not None:                         # refused or made before the measuring, not after it
-        if out.is_dir():
-            raise ValueError(f"{out}: a folder; give the output file's name (-o)")
-        out.parent.mkdir(parents=True, exist_ok=True)
+    check_output(out, "-o", make_folder=True)
     text, name = calibration_text(text_path)
     start = time.perf_counter()
     entries, ran = measure_importance(model, text, n_ctx, chunks)
