@@ -45,6 +45,14 @@ def test_same_seed_same_tokens_and_distribution_matches_frequencies():
     assert torch.allclose(freq, torch.softmax(logits, -1), atol=0.03)
 
 
+def test_top_p_zero_keeps_only_the_most_likely_token():
+    # OpenAI's range includes 0, and llama.cpp keeps one token there: the best, whatever the temperature
+    logits = torch.randn(100, generator=torch.Generator().manual_seed(1))
+    params = SamplingParams(temperature=1.5, top_p=0, min_p=0, seed=3)
+    assert params.greedy and all(Sampler(params)(logits) == int(logits.argmax()) for _ in range(20))
+    assert truncation_mask(logits, params).sum() == 1
+
+
 def test_repetition_penalty_lowers_seen_tokens():
     logits = torch.tensor([3.0, 2.9, -1.0])
     params = SamplingParams(temperature=0, repeat_penalty=1.5)
@@ -52,8 +60,8 @@ def test_repetition_penalty_lowers_seen_tokens():
 
 
 def test_bad_sampling_values_are_refused():
-    with pytest.raises(ValueError, match=r"^top_p must be in \(0, 1\] \(got 0\)$"):
-        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match=r"^top_p must be in \[0, 1\] \(got 1.5\)$"):
+        SamplingParams(top_p=1.5)
     with pytest.raises(ValueError, match=r"^temperature must be >= 0 \(got -1\)$"):   # the value, not every field
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="finite numbers .*'min_p': nan"):

@@ -34,7 +34,7 @@ REPEAT_PENALTY_RANGE = (1e-3, 1e3)
 class SamplingParams:
     temperature: float = 0.8          # <= 0: greedy
     top_k: int = 40                   # <= 0: off
-    top_p: float = 0.95               # 1.0: off
+    top_p: float = 0.95               # 1.0: off; 0: greedy
     min_p: float = 0.05               # 0.0: off
     repeat_penalty: float = 1.0       # 1.0: off
     repeat_last_n: int = 64
@@ -50,7 +50,7 @@ class SamplingParams:
                                                           "presence_penalty", "frequency_penalty")}
         checks = [(all(math.isfinite(x) for x in numbers.values()), "sampling values must be finite numbers", numbers),
                   (self.temperature >= 0, "temperature must be >= 0", self.temperature),
-                  (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]", self.top_p),
+                  (0.0 <= self.top_p <= 1.0, "top_p must be in [0, 1]", self.top_p),
                   (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]", self.min_p),
                   (lo <= self.repeat_penalty <= hi, f"repeat_penalty must be in [{lo:g}, {hi:g}]", self.repeat_penalty),
                   (abs(self.presence_penalty) <= hi and abs(self.frequency_penalty) <= hi,
@@ -64,7 +64,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < MIN_TEMPERATURE
+        # top_p 0 leaves only the most likely token (OpenAI's range includes 0; llama.cpp keeps one token)
+        return self.temperature < MIN_TEMPERATURE or self.top_p == 0
 
 
 class Constraint(Protocol):

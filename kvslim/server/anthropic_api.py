@@ -127,7 +127,7 @@ def assistant_turn(blocks: list, where: str) -> list[dict]:
         elif kind == "tool_use" and isinstance(b.get("name"), str) and isinstance(b.get("input", {}), dict):
             calls.append({"id": str(b.get("id", "")), "type": "function",
                           "function": {"name": b["name"], "arguments": b.get("input", {})}})
-        elif kind in ("text", "thinking", "tool_use"):                 # a known block with a field of the wrong type
+        elif kind in BLOCK_FIELDS:                                     # a known block with a field of the wrong type
             raise api.ApiError(400, f"{where}.{j}: a {kind} block needs {BLOCK_FIELDS[kind]}", param=f"{where}.{j}")
         else:
             raise api.ApiError(400, f"{where}.{j}: block type {kind!r} is not supported in an assistant turn "

@@ -105,11 +105,8 @@ def parse_sampling(body: dict) -> SamplingParams:
         if body.get(name) is not None and not lo <= body[name] <= hi:
             raise ApiError(400, f"'{name}' must be between {lo} and {hi}, got {body[name]}", param=name,
                            code="invalid_value")
-    temperature, top_p = get("temperature", 1.0), get("top_p", 1.0)
-    if top_p == 0:                          # OpenAI's range includes 0: only the most likely token survives
-        temperature, top_p = 0.0, 1.0
     try:
-        return SamplingParams(temperature=temperature, top_k=get("top_k", 0), top_p=top_p,
+        return SamplingParams(temperature=get("temperature", 1.0), top_k=get("top_k", 0), top_p=get("top_p", 1.0),
                               min_p=get("min_p", 0.0), repeat_penalty=get("repeat_penalty", 1.0),
                               repeat_last_n=get("repeat_last_n", 64),
                               presence_penalty=get("presence_penalty", 0.0),
