@@ -66,6 +66,9 @@ def test_bad_sampling_values_are_refused():
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="finite numbers .*'min_p': nan"):
         SamplingParams(min_p=float("nan"))
+    with pytest.raises(ValueError, match=r"^seed must be a 64-bit integer \(got 18446744073709551616\)$"):
+        SamplingParams(seed=2 ** 64)                                  # was torch's "Overflow when unpacking"
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=2 ** 64 - 1).seed == 2 ** 64 - 1
 
 
 # ----- text ---------------------------------------------------------------------

@@ -40,11 +40,13 @@ class SamplingParams:
     repeat_last_n: int = 64
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    seed: int | None = None
+    seed: int | None = None           # None or -1: a random seed
     logprobs: int | None = None       # None: off; k >= 0: the chosen token's logprob and the k most likely
     ignore_eos: bool = False          # llama-server's: end-of-generation tokens are never sampled
 
     def __post_init__(self):
+        if self.seed == -1:                  # llama.cpp's default seed: a random one (llama-server clients send it)
+            self.seed = None
         lo, hi = REPEAT_PENALTY_RANGE
         numbers = {name: getattr(self, name) for name in ("temperature", "top_p", "min_p", "repeat_penalty",
                                                           "presence_penalty", "frequency_penalty")}
@@ -57,6 +59,8 @@ class SamplingParams:
                    f"presence_penalty and frequency_penalty must be within +-{hi:g}",
                    (self.presence_penalty, self.frequency_penalty)),
                   (self.repeat_last_n >= 0, "repeat_last_n must be >= 0", self.repeat_last_n),
+                  (self.seed is None or -2 ** 63 <= self.seed < 2 ** 64,       # what torch's generator takes
+                   "seed must be a 64-bit integer", self.seed),
                   (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in 0..20", self.logprobs)]
         for ok, message, got in checks:
             if not ok:

@@ -110,20 +110,11 @@ def parse_sampling(body: dict) -> SamplingParams:
                               min_p=get("min_p", 0.0), repeat_penalty=get("repeat_penalty", 1.0),
                               repeat_last_n=get("repeat_last_n", 64),
                               presence_penalty=get("presence_penalty", 0.0),
-                              frequency_penalty=get("frequency_penalty", 0.0), seed=parse_seed(body.get("seed")),
+                              frequency_penalty=get("frequency_penalty", 0.0), seed=body.get("seed"),
                               ignore_eos=get("ignore_eos", False))
-    except ValueError as err:
-        raise ApiError(400, str(err), code="invalid_value") from None
-
-
-def parse_seed(seed: int | None) -> int | None:
-    """OpenAI's seed is a 64-bit integer; -1 asks for a random one, as in llama-server (whose clients send it)."""
-    if seed is None or seed == -1:
-        return None
-    if not -2 ** 63 <= seed < 2 ** 63:
-        raise ApiError(400, f"'seed' must be a 64-bit integer (-2**63 .. 2**63-1), got {seed}", param="seed",
-                       code="invalid_value")
-    return seed
+    except ValueError as err:                # its messages start with the field they refuse
+        field = str(err).split(" ", 1)[0]
+        raise ApiError(400, str(err), param=field if field in body else None, code="invalid_value") from None
 
 
 # the first of these that is set caps the reply: OpenAI's current name, its older one, llama-server's
